@@ -1,0 +1,320 @@
+"""A small, retrying, failing-over connection to an etcd v3 cluster.
+
+Every call to etcd made by this package goes through :meth:`EtcdConnection.call`, which is the
+one place where
+
+* transient faults (gRPC ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED``, a leader change, an etcd
+  restart, an expired auth token) are retried with tenacity -- exponential backoff with jitter,
+  bounded by a total deadline (``retry_timeout``) shorter than the rendezvous timeouts -- and each
+  retry moves to the next endpoint of the cluster and is logged once with its cause;
+* permanent faults (wrong password, permission denied, invalid argument, bad TLS material) fail
+  at once;
+* everything is translated into torch's ``RendezvousConnectionError`` /
+  ``RendezvousStateError`` with ``raise ... from exc``.
+
+Callers must make their writes idempotent under retry (compare-and-swap on a revision): a write
+whose response was lost is retried, and the retry must notice that the first attempt applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+from rendezvous._protobuf_compat import import_etcd3
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_PORT = 2379
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One etcd member's client address."""
+
+    host: str
+    port: int = DEFAULT_PORT
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
+    """Parse ``host[:port][,host[:port]...]`` (an optional ``http(s)://`` is ignored).
+
+    Raises:
+        ValueError: the text is empty or a host/port is malformed.
+    """
+    endpoints = []
+    for raw in (text or "").split(","):
+        item = raw.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme) :]
+        item = item.rstrip("/")
+        if not item:
+            raise ValueError(f"rdzv endpoint: empty endpoint in {text!r}")
+        host, sep, port_text = item.rpartition(":")
+        if not sep:
+            host, port_text = item, str(DEFAULT_PORT)
+        host = host.strip("[]")
+        if not host or any(c.isspace() or c in "/@?#" for c in host):
+            raise ValueError(f"rdzv endpoint: malformed host in {raw.strip()!r}")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise ValueError(f"rdzv endpoint: port {port_text!r} in {raw.strip()!r} is not a number") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"rdzv endpoint: port {port} in {raw.strip()!r} is out of range")
+        endpoints.append(Endpoint(host, port))
+    return tuple(endpoints)
+
+
+@dataclass(kw_only=True, slots=True)
+class EtcdClientConfig:
+    """How to reach and authenticate to one etcd v3 cluster."""
+
+    endpoints: tuple[Endpoint, ...]
+    """Client addresses of the cluster's members; calls fail over between them."""
+    read_timeout: float = 10.0
+    """gRPC deadline, in seconds, of one request."""
+    retry_timeout: float = 20.0
+    """Total time, in seconds, within which transient faults are retried before giving up."""
+    protocol: str = "http"
+    """``http`` or ``https``."""
+    ca_cert: str | None = None
+    """Path of the CA certificate (PEM) that signed the server certificates."""
+    ssl_cert: str | None = None
+    """Path of the client certificate (PEM) for mutual TLS."""
+    ssl_cert_key: str | None = None
+    """Path of the client certificate's private key (PEM)."""
+    user: str | None = None
+    """etcd user name, when etcd auth is enabled."""
+    password: str | None = field(default=None, repr=False)
+    """That user's password (prefer ``password_file``)."""
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("endpoints: at least one etcd endpoint is required")
+        if not self.read_timeout > 0:
+            raise ValueError(f"read_timeout: must be > 0 seconds, got {self.read_timeout}")
+        if not self.retry_timeout > 0:
+            raise ValueError(f"retry_timeout: must be > 0 seconds, got {self.retry_timeout}")
+        if self.protocol not in ("http", "https"):
+            raise ValueError(f"protocol: must be 'http' or 'https', got {self.protocol!r}")
+        if self.protocol == "http" and (self.ca_cert or self.ssl_cert or self.ssl_cert_key):
+            raise ValueError("protocol: TLS files were given, so the protocol must be 'https'")
+        if bool(self.ssl_cert) != bool(self.ssl_cert_key):
+            raise ValueError("ssl_cert: ssl_cert and ssl_cert_key must be given together")
+        for name in ("ca_cert", "ssl_cert", "ssl_cert_key"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} is not a readable file")
+        if bool(self.user) != (self.password is not None):
+            raise ValueError("user: user and password (or password_file) must be given together")
+
+
+# gRPC status codes that may go away by themselves: retry, on the next endpoint.
+_TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        try:
+            return exc.code()  # type: ignore[no-any-return]
+        except Exception:  # a half-initialised RpcError
+            return None
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "details"):
+        try:
+            return f"{exc.code().name}: {exc.details()}"
+        except Exception:
+            pass
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class EtcdConnection:
+    """A thread-safe handle on an etcd cluster with retries and endpoint failover.
+
+    Args:
+        config: where and how to connect.
+        sleep: injected into tenacity so that tests need not wait.
+    """
+
+    def __init__(self, config: EtcdClientConfig, *, sleep: Callable[[float], None] = time.sleep):
+        self._etcd3 = import_etcd3()
+        self.config = config
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._index = 0
+        self._client: Any = None
+        self._is_transient = self._make_transient_predicate()
+
+    # -- public ---------------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The endpoint currently in use."""
+        return self.config.endpoints[self._index]
+
+    @property
+    def etcd3(self) -> Any:
+        """The imported ``etcd3`` module (its ``transactions`` helpers build compare/ops)."""
+        return self._etcd3
+
+    def call(self, operation: Callable[[Any], T], *, what: str) -> T:
+        """Run ``operation(client)`` with retries; return its result.
+
+        Raises:
+            RendezvousConnectionError: etcd stayed unreachable for ``retry_timeout`` seconds, or
+                refused the request for a reason a retry cannot fix (auth, permission, TLS).
+        """
+        retrying = Retrying(
+            retry=retry_if_exception(self._is_transient),
+            wait=wait_exponential_jitter(initial=0.05, max=1.0, jitter=0.1),
+            stop=stop_after_delay(self.config.retry_timeout),
+            before_sleep=self._before_retry(what),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        try:
+            return retrying(lambda: operation(self._current_client()))
+        except RendezvousConnectionError:
+            raise
+        except Exception as exc:
+            if self._is_transient(exc):
+                raise RendezvousConnectionError(
+                    f"etcd at {self._endpoints_text()} did not answer {what} within "
+                    f"{self.config.retry_timeout:g}s ({_describe(exc)})"
+                ) from exc
+            raise RendezvousConnectionError(
+                f"etcd at {self.endpoint} refused {what}: {_describe(exc)}"
+            ) from exc
+
+    def client(self) -> Any:
+        """The raw ``etcd3`` client of the current endpoint (for watches), connecting if needed."""
+        return self.call(lambda client: client, what="connect")
+
+    def check(self) -> None:
+        """Fail fast (within ``retry_timeout``) if etcd cannot be reached or refuses us."""
+        self.call(lambda client: client.status(), what="a status request")
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _endpoints_text(self) -> str:
+        return ",".join(str(e) for e in self.config.endpoints)
+
+    def _make_transient_predicate(self) -> Callable[[BaseException], bool]:
+        exceptions = self._etcd3.exceptions
+        transient_types = (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError)
+
+        def is_transient(exc: BaseException) -> bool:
+            if isinstance(exc, transient_types):
+                return True
+            code = _grpc_code(exc)
+            if code in _TRANSIENT_CODES:
+                return True
+            # An expired simple auth token: reconnecting authenticates again.
+            return code == grpc.StatusCode.UNAUTHENTICATED and "auth token" in _describe(exc)
+
+        return is_transient
+
+    def _before_retry(self, what: str) -> Callable[[RetryCallState], None]:
+        def before_sleep(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            failed = self.endpoint
+            self._fail_over()
+            log.warning(
+                "etcd %s failed on %s (%s); retry %d on %s in %.2fs",
+                what,
+                failed,
+                _describe(exc) if exc else "?",
+                state.attempt_number,
+                self.endpoint,
+                state.upcoming_sleep,
+            )
+
+        return before_sleep
+
+    def _fail_over(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+            self._index = (self._index + 1) % len(self.config.endpoints)
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # closing a broken channel must not hide the real error
+                log.debug("closing etcd client failed: %s", exc)
+
+    def _current_client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = self._connect(self.config.endpoints[self._index])
+            return self._client
+
+    def _connect(self, endpoint: Endpoint) -> Any:
+        config = self.config
+
+        def read(path: str | None) -> str | None:
+            return path  # etcd3 reads the files itself; existence was validated in config
+
+        try:
+            return self._etcd3.client(
+                host=endpoint.host,
+                port=endpoint.port,
+                ca_cert=read(config.ca_cert) if config.protocol == "https" else None,
+                cert_key=read(config.ssl_cert_key),
+                cert_cert=read(config.ssl_cert),
+                timeout=config.read_timeout,
+                user=config.user,
+                password=config.password,
+                grpc_options=[
+                    ("grpc.keepalive_time_ms", 10_000),
+                    ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1_000),
+                ],
+            )
+        except grpc.RpcError:
+            raise  # e.g. UNAVAILABLE while authenticating: classified by the retry predicate
+        except OSError as exc:
+            raise RendezvousConnectionError(f"cannot read TLS files for etcd: {exc}") from exc
+
+
+def read_secret_file(path: str, *, key: str) -> str:
+    """Read a password from a file (a mounted Kubernetes Secret), stripping one trailing newline.
+
+    Raises:
+        ValueError: the file cannot be read (naming ``key``).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{key}: cannot read {path}: {exc.strerror or exc}") from exc
+    return text[:-1] if text.endswith("\n") else text
