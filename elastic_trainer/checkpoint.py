@@ -140,8 +140,11 @@ def check_fingerprint(info: CheckpointInfo, expected: Mapping[str, Any]) -> None
 
 
 def _first_model_difference(saved: list[list[Any]], here: list[list[Any]]) -> str:
-    saved_by_name = {entry[0]: entry[1:] for entry in saved}
-    here_by_name = {entry[0]: entry[1:] for entry in here}
+    def describe(shape: list[int], dtype: str) -> str:
+        return f"{dtype}{list(shape)}"
+
+    saved_by_name = {entry[0]: describe(*entry[1:]) for entry in saved}
+    here_by_name = {entry[0]: describe(*entry[1:]) for entry in here}
     for name, spec in here_by_name.items():
         if name not in saved_by_name:
             return f"model tensor {name!r} is not in the checkpoint"
