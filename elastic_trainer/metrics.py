@@ -1,0 +1,436 @@
+"""Prometheus metrics for training: the worker-side :class:`TrainingObserver` and its labels.
+
+Workers report through prometheus-client's multiprocess mode: every worker process writes its
+samples to memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR``, a directory the launcher creates
+and exports before it starts the agent (:func:`start_launcher_metrics`); the launcher serves
+one endpoint per node that merges those files with the agent's own metrics
+(:mod:`elastic_trainer.metrics_server`). A worker therefore needs no port of its own and its
+counters outlive it: a restarted worker's counters continue from the dead one's.
+
+Worker metrics (``run_id`` and ``node`` on all; ``rank``/``local_rank`` where marked *):
+
+=================================================  =========  ==================================
+name                                               type       meaning
+=================================================  =========  ==================================
+elastic_trainer_samples_total *                    counter    samples this rank trained on
+elastic_trainer_tokens_total *                     counter    tokens this rank trained on
+elastic_trainer_step_duration_seconds *            histogram  optimizer step wall time
+elastic_trainer_data_wait_seconds *                histogram  time a step waited for its batch
+elastic_trainer_step_compute_seconds *             histogram  step time minus the exposed
+                                                              allreduce wait (straggler signal)
+elastic_trainer_step *                             gauge      last finished step
+elastic_trainer_loss *                             gauge      last loss
+elastic_trainer_allreduce_duration_seconds *       histogram  one gradient bucket's allreduce
+elastic_trainer_allreduce_bucket_bytes *           histogram  size of each allreduced bucket
+elastic_trainer_allreduce_bytes_total *            counter    bytes allreduced
+elastic_trainer_allreduce_bus_bandwidth_bytes_per_second *
+                                                   gauge      nccl-tests bus bandwidth,
+                                                              2(n-1)/n * bytes / time
+elastic_trainer_world_size                         gauge      ranks in the current world
+elastic_trainer_worker_restarts                    gauge      TORCHELASTIC_RESTART_COUNT
+elastic_trainer_checkpoint_save_duration_seconds   histogram  checkpoint write stall (rank 0)
+elastic_trainer_checkpoint_load_duration_seconds * histogram  checkpoint restore time
+elastic_trainer_checkpoint_saved_bytes_total       counter    bytes written to checkpoints
+elastic_trainer_checkpoint_loaded_bytes_total *    counter    bytes restored from checkpoints
+elastic_trainer_last_checkpoint_step               gauge      step of the newest checkpoint
+elastic_trainer_last_checkpoint_timestamp_seconds  gauge      unix time of the newest save
+=================================================  =========  ==================================
+
+Multiprocess modes: gauges describing a live process (step, loss, bandwidth, world size) use
+``livemostrecent``, so they vanish when the launcher marks a dead worker's pid dead; facts that
+stay true after a worker dies (restarts, newest checkpoint) use ``max``/``mostrecent``.
+
+The straggler signal is computed in PromQL from the per-rank ``step_compute`` histograms (each
+rank's mean against the median across ranks): no extra collective in the step. Whole-step times
+are nearly equal across ranks in synchronous DDP, because fast ranks wait for the slow one in
+the gradient allreduce; subtracting the wait after the last bucket's launch exposes the rank
+that everyone waits for.
+
+Usage in a training script started by ``elastic-trainer run``::
+
+    from elastic_trainer.metrics import worker_observer
+    observer = worker_observer()        # reads RANK, LOCAL_RANK, TORCHELASTIC_RUN_ID, ...
+    observer.wrap_ddp(ddp_model)        # allreduce timing hook
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import values as prometheus_values
+
+from elastic_trainer.metrics_comm_hook import (
+    AllreduceTimer,
+    BucketTiming,
+    exposed_wait_s,
+    timed_allreduce_hook,
+)
+from elastic_trainer.metrics_server import (
+    DEFAULT_METRICS_ADDR,
+    DEFAULT_METRICS_PORT,
+    LauncherMetrics,
+    LauncherMetricsConfig,
+    MetricsError,
+    NodeMetricsServer,
+    serve_node_metrics,
+    start_launcher_metrics,
+)
+
+__all__ = [
+    "DEFAULT_METRICS_ADDR",
+    "DEFAULT_METRICS_PORT",
+    "LauncherMetrics",
+    "LauncherMetricsConfig",
+    "MetricsError",
+    "NodeMetricsServer",
+    "PrometheusObserver",
+    "WorkerLabels",
+    "serve_node_metrics",
+    "start_launcher_metrics",
+    "worker_observer",
+]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "elastic_trainer_"
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# Histogram buckets, in base units. Roughly x2 apart so p50/p95 interpolate within ~40%.
+STEP_SECONDS_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0,
+)  # fmt: skip
+DATA_WAIT_SECONDS_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)  # fmt: skip
+ALLREDUCE_SECONDS_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
+    1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+BUCKET_BYTES_BUCKETS = tuple(float(1024 * 4**i) for i in range(11))  # 1 KiB .. 1 GiB
+CHECKPOINT_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# Steps whose step time waits for their allreduce timings (CUDA events finish after the host
+# moved on). Bounded so a model without DDP cannot grow it.
+_RECENT_STEPS = 16
+
+_NODE_LABELS = ("run_id", "node")
+_RANK_LABELS = ("run_id", "node", "rank", "local_rank")
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerLabels:
+    """Label values of one worker process."""
+
+    run_id: str
+    """The job's rendezvous id (``TORCHELASTIC_RUN_ID``)."""
+    node: str
+    """The host (Kubernetes pod) the worker runs on; stable across restarts, unlike GROUP_RANK."""
+    rank: int
+    """Global rank (``RANK``)."""
+    local_rank: int
+    """Rank on this node (``LOCAL_RANK``)."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("run_id must not be empty")
+        if not self.node:
+            raise ValueError("node must not be empty")
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if self.local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0, got {self.local_rank}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> WorkerLabels:
+        """Read the labels torchrun gives every worker (defaults for a plain single process)."""
+        env = dict(os.environ) if env is None else env
+        try:
+            rank = int(env.get("RANK", "0"))
+            local_rank = int(env.get("LOCAL_RANK", "0"))
+        except ValueError as exc:
+            raise ValueError(f"RANK and LOCAL_RANK must be integers: {exc}") from exc
+        return cls(
+            run_id=env.get("TORCHELASTIC_RUN_ID") or "none",
+            node=socket.gethostname() or "unknown",
+            rank=rank,
+            local_rank=local_rank,
+        )
+
+
+class _WorkerMetrics:
+    """The metric objects of one worker, bound to its labels."""
+
+    def __init__(self, registry: CollectorRegistry, labels: WorkerLabels) -> None:
+        node = (labels.run_id, labels.node)
+        rank = (*node, str(labels.rank), str(labels.local_rank))
+
+        def counter(name: str, doc: str, values: Sequence[str]) -> Any:
+            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+            return Counter(PREFIX + name, doc, names, registry=registry).labels(*values)
+
+        def histogram(name: str, doc: str, values: Sequence[str], buckets: Sequence[float]) -> Any:
+            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+            return Histogram(
+                PREFIX + name, doc, names, registry=registry, buckets=buckets
+            ).labels(*values)
+
+        def gauge(name: str, doc: str, values: Sequence[str], mode: str) -> Any:
+            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+            return Gauge(
+                PREFIX + name, doc, names, registry=registry, multiprocess_mode=mode  # type: ignore[arg-type]
+            ).labels(*values)
+
+        self.samples = counter("samples", "Samples this rank trained on.", rank)
+        self.tokens = counter("tokens", "Tokens this rank trained on.", rank)
+        self.step_duration = histogram(
+            "step_duration_seconds", "Wall time of one optimizer step.", rank, STEP_SECONDS_BUCKETS
+        )
+        self.data_wait = histogram(
+            "data_wait_seconds",
+            "Time a step waited for its batch from the data loader.",
+            rank,
+            DATA_WAIT_SECONDS_BUCKETS,
+        )
+        self.step_compute = histogram(
+            "step_compute_seconds",
+            "Step time minus the allreduce wait after the last gradient bucket's launch: the "
+            "time this rank did not wait for peers (compare across ranks to find stragglers).",
+            rank,
+            STEP_SECONDS_BUCKETS,
+        )
+        self.step = gauge("step", "Last optimizer step this rank finished.", rank, "livemostrecent")
+        self.loss = gauge("loss", "Training loss of this rank's last step.", rank, "livemostrecent")
+        self.allreduce_duration = histogram(
+            "allreduce_duration_seconds",
+            "Launch to completion of one gradient bucket's allreduce (DDP comm hook).",
+            rank,
+            ALLREDUCE_SECONDS_BUCKETS,
+        )
+        self.allreduce_bucket_bytes = histogram(
+            "allreduce_bucket_bytes",
+            "Size of each allreduced gradient bucket.",
+            rank,
+            BUCKET_BYTES_BUCKETS,
+        )
+        self.allreduce_bytes = counter("allreduce_bytes", "Gradient bytes allreduced.", rank)
+        self.allreduce_busbw = gauge(
+            "allreduce_bus_bandwidth_bytes_per_second",
+            "Effective allreduce bus bandwidth of the last step's buckets, as nccl-tests "
+            "defines it: 2*(n-1)/n * bytes / time.",
+            rank,
+            "livemostrecent",
+        )
+        self.world_size = gauge(
+            "world_size", "Ranks in the current world.", node, "livemostrecent"
+        )
+        self.worker_restarts = gauge(
+            "worker_restarts",
+            "Restarts after failures before these workers started (TORCHELASTIC_RESTART_COUNT).",
+            node,
+            "max",
+        )
+        self.checkpoint_save_duration = histogram(
+            "checkpoint_save_duration_seconds",
+            "Training stall to write one checkpoint.",
+            node,
+            CHECKPOINT_SECONDS_BUCKETS,
+        )
+        self.checkpoint_load_duration = histogram(
+            "checkpoint_load_duration_seconds",
+            "Time to restore one checkpoint.",
+            rank,
+            CHECKPOINT_SECONDS_BUCKETS,
+        )
+        self.checkpoint_saved_bytes = counter(
+            "checkpoint_saved_bytes", "Bytes written to checkpoints.", node
+        )
+        self.checkpoint_loaded_bytes = counter(
+            "checkpoint_loaded_bytes", "Bytes restored from checkpoints.", rank
+        )
+        self.last_checkpoint_step = gauge(
+            "last_checkpoint_step", "Step of the newest checkpoint saved or loaded.", node, "max"
+        )
+        self.last_checkpoint_time = gauge(
+            "last_checkpoint_timestamp_seconds",
+            "Unix time the newest checkpoint was saved.",
+            node,
+            "max",
+        )
+
+
+class PrometheusObserver:
+    """A :class:`~elastic_trainer.observer.TrainingObserver` recording into prometheus-client.
+
+    Every callback runs on the training thread and costs a few memory-mapped writes; nothing
+    here talks to other ranks or waits for the GPU.
+
+    Args:
+        labels: this worker's label values.
+        registry: where the metrics are registered (tests inject their own).
+        wall_clock: unix time source for checkpoint timestamps (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        labels: WorkerLabels,
+        registry: CollectorRegistry | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.labels = labels
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._m = _WorkerMetrics(self.registry, labels)
+        self._wall_clock = wall_clock
+        self._world_size = 1
+        self._timer: AllreduceTimer | None = None  # set by wrap_ddp
+        self._step_durations: dict[int, float] = {}  # step_seq -> step duration
+        self._pending: dict[int, list[BucketTiming]] = {}  # step_seq -> its bucket timings
+
+    def on_start(self, *, world_size: int, restart_count: int) -> None:
+        """See :class:`~elastic_trainer.observer.TrainingObserver`."""
+        self._world_size = world_size
+        self._m.world_size.set(world_size)
+        self._m.worker_restarts.set(restart_count)
+
+    def on_step(
+        self,
+        *,
+        step: int,
+        duration_s: float,
+        data_wait_s: float,
+        samples: int,
+        tokens: int,
+        loss: float | None,
+    ) -> None:
+        """See :class:`~elastic_trainer.observer.TrainingObserver`."""
+        m = self._m
+        m.samples.inc(samples)
+        if tokens:
+            m.tokens.inc(tokens)
+        m.step_duration.observe(duration_s)
+        m.data_wait.observe(data_wait_s)
+        m.step.set(step)
+        if loss is not None and math.isfinite(loss):
+            m.loss.set(loss)
+        if self._timer is None:
+            m.step_compute.observe(duration_s)
+            return
+        closed = self._timer.step_seq
+        self._timer.next_step()
+        self._step_durations[closed] = duration_s
+        self._record_allreduce(self._timer.drain(), closed)
+
+    def _record_allreduce(self, timings: list[BucketTiming], closed: int) -> None:
+        m = self._m
+        total_bytes = 0
+        total_s = 0.0
+        for t in timings:
+            m.allreduce_duration.observe(t.duration_s)
+            m.allreduce_bucket_bytes.observe(t.nbytes)
+            total_bytes += t.nbytes
+            total_s += t.duration_s
+            self._pending.setdefault(t.step_seq, []).append(t)
+        if total_bytes:
+            m.allreduce_bytes.inc(total_bytes)
+        n = self._world_size
+        if total_s > 0 and n > 1:
+            m.allreduce_busbw.set(2.0 * (n - 1) / n * total_bytes / total_s)
+        if self._timer.use_cuda:
+            # Events finish in launch order: a step's buckets are all in once a later step's
+            # first bucket finished.
+            complete_upto = max(self._pending, default=-1) - 1
+        else:
+            # CPU callbacks ran before backward returned: the closed step is complete, even
+            # when it launched no bucket at all.
+            complete_upto = closed
+            self._pending.setdefault(closed, [])
+        for seq in sorted(self._pending):
+            if seq > complete_upto:
+                break
+            group = self._pending.pop(seq)
+            duration = self._step_durations.pop(seq, None)
+            if duration is not None:
+                m.step_compute.observe(max(0.0, duration - exposed_wait_s(group)))
+        oldest = closed - _RECENT_STEPS
+        for seq in [s for s in self._step_durations if s <= oldest]:
+            del self._step_durations[seq]
+        for seq in [s for s in self._pending if s <= oldest]:
+            del self._pending[seq]
+
+    def on_checkpoint_saved(self, *, step: int, duration_s: float, nbytes: int) -> None:
+        """See :class:`~elastic_trainer.observer.TrainingObserver`."""
+        m = self._m
+        m.checkpoint_save_duration.observe(duration_s)
+        m.checkpoint_saved_bytes.inc(nbytes)
+        m.last_checkpoint_step.set(step)
+        m.last_checkpoint_time.set(self._wall_clock())
+
+    def on_checkpoint_loaded(self, *, step: int, duration_s: float, nbytes: int) -> None:
+        """See :class:`~elastic_trainer.observer.TrainingObserver`."""
+        m = self._m
+        m.checkpoint_load_duration.observe(duration_s)
+        m.checkpoint_loaded_bytes.inc(nbytes)
+        m.last_checkpoint_step.set(step)
+
+    def wrap_ddp(self, ddp_model: Any) -> None:
+        """Register :func:`~elastic_trainer.metrics_comm_hook.timed_allreduce_hook` on the model.
+
+        Raises:
+            RuntimeError: the model already has a communication hook (DDP allows one).
+        """
+        device_ids = getattr(ddp_model, "device_ids", None)
+        use_cuda = bool(device_ids) or _params_on_cuda(ddp_model)
+        timer = AllreduceTimer(getattr(ddp_model, "process_group", None), use_cuda=use_cuda)
+        ddp_model.register_comm_hook(timer, timed_allreduce_hook)
+        self._timer = timer
+
+
+def _params_on_cuda(model: Any) -> bool:
+    for param in model.parameters():
+        return bool(param.is_cuda)
+    return False
+
+
+_process_observer: tuple[int, PrometheusObserver] | None = None
+
+
+def worker_observer() -> PrometheusObserver:
+    """The metrics observer of this worker process, created on first use.
+
+    One per process: two observers writing the same multiprocess file would overwrite each
+    other's counters. Labels come from torchrun's environment (:meth:`WorkerLabels.from_env`).
+
+    Raises:
+        MetricsError: ``PROMETHEUS_MULTIPROC_DIR`` is unset, not a directory, or was set only
+            after prometheus-client was imported, so nothing would reach the node endpoint.
+    """
+    global _process_observer
+    if _process_observer is not None and _process_observer[0] == os.getpid():
+        return _process_observer[1]
+    directory = os.environ.get(MULTIPROC_DIR_ENV, "")
+    if not directory:
+        raise MetricsError(
+            f"worker metrics need {MULTIPROC_DIR_ENV}: start the job with `elastic-trainer run` "
+            "(its launcher creates the directory and serves it) or unset ELASTIC_TRAINER_METRICS"
+        )
+    if not os.path.isdir(directory):
+        raise MetricsError(f"{MULTIPROC_DIR_ENV}={directory} is not a directory")
+    if prometheus_values.ValueClass is prometheus_values.MutexValue:
+        raise MetricsError(
+            f"prometheus_client was imported before {MULTIPROC_DIR_ENV} was set, so this "
+            "process would keep its metrics in memory; set it in the environment before Python "
+            "starts"
+        )
+    observer = PrometheusObserver(labels=WorkerLabels.from_env())
+    _process_observer = (os.getpid(), observer)
+    log.debug("worker metrics for rank %d write to %s", observer.labels.rank, directory)
+    return observer
