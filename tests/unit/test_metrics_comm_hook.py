@@ -1,0 +1,108 @@
+"""The allreduce timing hook on a real (single-process gloo) DDP model, and its bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+
+from elastic_trainer.metrics import PrometheusObserver, WorkerLabels
+from elastic_trainer.metrics_comm_hook import (
+    AllreduceTimer,
+    BucketTiming,
+    _PendingCuda,
+    exposed_wait_s,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def gloo_world() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 8192), torch.nn.ReLU(), torch.nn.Linear(8192, 8))
+
+
+def test_hook_times_every_bucket_and_keeps_gradients(gloo_world: None) -> None:
+    registry = CollectorRegistry()
+    labels = WorkerLabels(run_id="j", node="n", rank=0, local_rank=0)
+    observer = PrometheusObserver(labels=labels, registry=registry)
+    plain = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.05)
+    hooked = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.05)
+    observer.wrap_ddp(hooked)
+    observer.on_start(world_size=1, restart_count=0)
+    x = torch.randn(16, 64)
+    rank = {"run_id": "j", "node": "n", "rank": "0", "local_rank": "0"}
+    for n in (1, 2):  # DDP uses a single bucket in its first iteration, then rebuilds them
+        for ddp in (plain, hooked):
+            ddp.zero_grad()
+            ddp(x).square().mean().backward()
+        for a, b in zip(plain.parameters(), hooked.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            assert torch.equal(a.grad, b.grad)
+        observer.on_step(step=n, duration_s=0.1, data_wait_s=0.0, samples=16, tokens=0, loss=None)
+    buckets = registry.get_sample_value("elastic_trainer_allreduce_duration_seconds_count", rank)
+    assert buckets is not None and buckets >= 3  # 1 + (1 MiB first bucket, then 0.05 MB caps)
+    param_bytes = sum(p.numel() * p.element_size() for p in hooked.parameters())
+    total = registry.get_sample_value("elastic_trainer_allreduce_bytes_total", rank)
+    assert total == 2 * param_bytes
+    assert registry.get_sample_value("elastic_trainer_step_compute_seconds_count", rank) == 2
+
+
+def test_exposed_wait_is_last_done_minus_last_launch() -> None:
+    def t(launched: float, done: float) -> BucketTiming:
+        return BucketTiming(
+            step_seq=0, nbytes=1, duration_s=done - launched, launched_s=launched, done_s=done
+        )
+
+    assert exposed_wait_s([]) == 0.0
+    assert exposed_wait_s([t(1.0, 1.5), t(1.2, 1.3)]) == pytest.approx(0.3)
+    cuda = [BucketTiming(step_seq=0, nbytes=1, duration_s=d, launched_s=None, done_s=None) for d in (0.5, 0.2)]
+    assert exposed_wait_s(cuda) == 0.2
+
+
+def test_timer_bounds_undrained_records() -> None:
+    timer = AllreduceTimer(max_pending=2)
+    for i in range(3):
+        timer.record_cpu(0, i, launched_s=0.0, done_s=1.0)
+    assert timer.dropped == 1
+    assert [t.nbytes for t in timer.drain()] == [1, 2]
+    assert timer.drain() == []
+    with pytest.raises(ValueError, match="max_pending"):
+        AllreduceTimer(max_pending=0)
+
+
+class FakeEvent:
+    def __init__(self, done: bool, ms: float = 0.0) -> None:
+        self.done = done
+        self.ms = ms
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.ms - self.ms
+
+
+def test_cuda_drain_never_waits_for_unfinished_events() -> None:
+    timer = AllreduceTimer(use_cuda=True)
+    finished = _PendingCuda(0, 10, FakeEvent(True, 0.0), FakeEvent(True, 4.0))
+    running = _PendingCuda(0, 20, FakeEvent(True, 5.0), FakeEvent(False, 9.0))
+    later = _PendingCuda(1, 30, FakeEvent(True, 9.0), FakeEvent(True, 10.0))
+    for pending in (finished, running, later):
+        timer.add_cuda(pending)
+    first = timer.drain()
+    assert [(t.nbytes, t.duration_s) for t in first] == [(10, 0.004)]
+    running.end.done = True
+    assert [t.nbytes for t in timer.drain()] == [20, 30]

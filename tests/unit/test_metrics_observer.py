@@ -1,0 +1,168 @@
+"""PrometheusObserver: values read back from an injected registry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from elastic_trainer import metrics as metrics_mod
+from elastic_trainer.metrics import MetricsError, PrometheusObserver, WorkerLabels, worker_observer
+from elastic_trainer.metrics_comm_hook import AllreduceTimer
+from elastic_trainer.observer import TrainingObserver
+
+pytestmark = pytest.mark.timeout(60)
+
+RANK = {"run_id": "job", "node": "host-a", "rank": "3", "local_rank": "1"}
+NODE = {"run_id": "job", "node": "host-a"}
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def observer(registry: CollectorRegistry) -> PrometheusObserver:
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    return PrometheusObserver(labels=labels, registry=registry, wall_clock=lambda: 1_700_000_000.0)
+
+
+def value(registry: CollectorRegistry, name: str, labels: dict[str, str] = RANK) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def step(observer: PrometheusObserver, n: int, **overrides: object) -> None:
+    kwargs: dict[str, object] = dict(
+        step=n, duration_s=0.2, data_wait_s=0.01, samples=32, tokens=4096, loss=1.5
+    )
+    kwargs.update(overrides)
+    observer.on_step(**kwargs)  # type: ignore[arg-type]
+
+
+def test_implements_training_observer(observer: PrometheusObserver) -> None:
+    typed: TrainingObserver = observer
+    assert typed is observer
+
+
+def test_counts_samples_tokens_and_steps(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    step(observer, 1)
+    step(observer, 2, tokens=0, loss=0.5, duration_s=3.0)
+    assert value(registry, "elastic_trainer_samples_total") == 64
+    assert value(registry, "elastic_trainer_tokens_total") == 4096
+    assert value(registry, "elastic_trainer_step_duration_seconds_count") == 2
+    assert value(registry, "elastic_trainer_step_duration_seconds_sum") == pytest.approx(3.2)
+    le_02 = dict(RANK, le="0.2")
+    assert registry.get_sample_value("elastic_trainer_step_duration_seconds_bucket", le_02) == 1
+    assert value(registry, "elastic_trainer_data_wait_seconds_sum") == pytest.approx(0.02)
+    assert value(registry, "elastic_trainer_step") == 2
+    assert value(registry, "elastic_trainer_loss") == 0.5
+
+
+def test_non_finite_or_missing_loss_keeps_last_value(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    step(observer, 1, loss=2.0)
+    step(observer, 2, loss=None)
+    step(observer, 3, loss=math.nan)
+    assert value(registry, "elastic_trainer_loss") == 2.0
+
+
+def test_without_ddp_compute_time_is_the_step_time(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    step(observer, 1, duration_s=0.4)
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.4)
+
+
+def test_start_sets_world_size_and_restarts(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    observer.on_start(world_size=8, restart_count=2)
+    assert value(registry, "elastic_trainer_world_size", NODE) == 8
+    assert value(registry, "elastic_trainer_worker_restarts", NODE) == 2
+
+
+def test_checkpoint_metrics(observer: PrometheusObserver, registry: CollectorRegistry) -> None:
+    observer.on_checkpoint_loaded(step=100, duration_s=0.5, nbytes=1000)
+    assert value(registry, "elastic_trainer_last_checkpoint_step", NODE) == 100
+    assert value(registry, "elastic_trainer_checkpoint_loaded_bytes_total") == 1000
+    assert value(registry, "elastic_trainer_checkpoint_load_duration_seconds_count") == 1
+    observer.on_checkpoint_saved(step=150, duration_s=2.0, nbytes=4000)
+    assert value(registry, "elastic_trainer_last_checkpoint_step", NODE) == 150
+    assert value(registry, "elastic_trainer_last_checkpoint_timestamp_seconds", NODE) == 1.7e9
+    assert value(registry, "elastic_trainer_checkpoint_saved_bytes_total", NODE) == 4000
+    assert value(registry, "elastic_trainer_checkpoint_save_duration_seconds_sum", NODE) == 2.0
+
+
+class FakeDDP:
+    """Records the comm hook the observer registers, like DDP's register_comm_hook."""
+
+    process_group = None
+    device_ids = None
+
+    def __init__(self) -> None:
+        self.state: AllreduceTimer | None = None
+
+    def parameters(self) -> list[object]:
+        return []
+
+    def register_comm_hook(self, state: AllreduceTimer, hook: object) -> None:
+        self.state = state
+
+
+def test_allreduce_timings_give_bandwidth_and_compute_time(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    ddp = FakeDDP()
+    observer.wrap_ddp(ddp)
+    timer = ddp.state
+    assert timer is not None and not timer.use_cuda
+    observer.on_start(world_size=4, restart_count=0)
+    # Two buckets of step 0: the last one launched at 10.30 and finished at 10.35.
+    timer.record_cpu(0, 1_000_000, launched_s=10.10, done_s=10.20)
+    timer.record_cpu(0, 3_000_000, launched_s=10.30, done_s=10.35)
+    step(observer, 1, duration_s=0.5)
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 2
+    assert value(registry, "elastic_trainer_allreduce_bytes_total") == 4_000_000
+    assert value(registry, "elastic_trainer_allreduce_bucket_bytes_sum") == 4_000_000
+    # nccl-tests busbw: 2*(n-1)/n * bytes / time, over the step's buckets.
+    busbw = value(registry, "elastic_trainer_allreduce_bus_bandwidth_bytes_per_second")
+    assert busbw == pytest.approx(2 * 3 / 4 * 4_000_000 / 0.15)
+    # Compute time = step time - wait after the last launch (10.35 - 10.30).
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.45)
+    # A step that launched no bucket (e.g. no_sync) still gets its compute time.
+    step(observer, 2, duration_s=0.3)
+    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 2
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.75)
+
+
+def test_worker_labels_validate_and_read_env() -> None:
+    with pytest.raises(ValueError, match="rank"):
+        WorkerLabels(run_id="j", node="n", rank=-1, local_rank=0)
+    with pytest.raises(ValueError, match="run_id"):
+        WorkerLabels(run_id="", node="n", rank=0, local_rank=0)
+    labels = WorkerLabels.from_env({"RANK": "5", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "j1"})
+    assert (labels.run_id, labels.rank, labels.local_rank) == ("j1", 5, 1)
+    assert labels.node
+    with pytest.raises(ValueError, match="RANK"):
+        WorkerLabels.from_env({"RANK": "x"})
+
+
+def test_worker_observer_refuses_without_multiproc_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    monkeypatch.setattr(metrics_mod, "_process_observer", None)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with pytest.raises(MetricsError, match="PROMETHEUS_MULTIPROC_DIR"):
+        worker_observer()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path) + "/missing")
+    with pytest.raises(MetricsError, match="not a directory"):
+        worker_observer()
+    # This test process imported prometheus_client without the variable: refused, not silent.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    with pytest.raises(MetricsError, match="imported before"):
+        worker_observer()

@@ -1,0 +1,184 @@
+"""The node endpoint: multiprocess merge, dead-worker cleanup, launcher setup and teardown."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from torch.distributed.elastic import metrics as torch_metrics
+
+from elastic_trainer.metrics_server import (
+    LauncherMetricsConfig,
+    LiveMultiProcessCollector,
+    MetricsError,
+    pid_alive,
+    serve_node_metrics,
+    start_launcher_metrics,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+# A worker process in miniature: the real observer in multiprocess mode, then exit.
+WORKER = """
+import sys
+from elastic_trainer.metrics import worker_observer
+obs = worker_observer()
+obs.on_start(world_size=2, restart_count=int(sys.argv[1]))
+obs.on_step(step=1, duration_s=0.1, data_wait_s=0.0, samples=8, tokens=0, loss=0.5)
+"""
+
+
+def run_worker(directory: Path, *, rank: int, restart_count: int = 0) -> int:
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(directory), RANK=str(rank),
+               LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID="job")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, str(restart_count)], env=env, timeout=60, check=True
+    )
+    assert proc.returncode == 0
+    return len(list(directory.glob("counter_*.db")))
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def find(samples: dict, name: str, **labels: str) -> list[float]:
+    return [
+        v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()
+    ]
+
+
+def test_dead_workers_counters_stay_and_live_gauges_go(tmp_path: Path) -> None:
+    run_worker(tmp_path, rank=0)
+    run_worker(tmp_path, rank=0, restart_count=1)  # the "restarted" worker: same labels
+    registry = CollectorRegistry()
+    collector = LiveMultiProcessCollector(str(tmp_path))
+    registry.register(collector)
+    labels = {"run_id": "job", "node": socket.gethostname(), "rank": "0", "local_rank": "0"}
+    # Both processes exited: their samples add up, their live gauges (loss) are gone.
+    assert registry.get_sample_value("elastic_trainer_samples_total", labels) == 16
+    assert registry.get_sample_value("elastic_trainer_loss", labels) is None
+    node = {"run_id": "job", "node": socket.gethostname()}
+    assert registry.get_sample_value("elastic_trainer_worker_restarts", node) == 1
+    assert not list(tmp_path.glob("gauge_live*"))
+    assert list(tmp_path.glob("counter_*.db"))
+
+
+def test_live_gauges_of_running_pids_are_kept(tmp_path: Path) -> None:
+    run_worker(tmp_path, rank=1)
+    (live,) = tmp_path.glob("gauge_livemostrecent_*.db")
+    pid = int(live.stem.rsplit("_", 1)[1])
+    collector = LiveMultiProcessCollector(str(tmp_path), is_alive=lambda p: p == pid)
+    assert collector.reap() == []
+    assert live.exists()
+    collector = LiveMultiProcessCollector(str(tmp_path), is_alive=lambda p: False)
+    assert collector.reap() == [pid]
+    assert not live.exists()
+
+
+def test_pid_alive() -> None:
+    assert pid_alive(os.getpid())
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    assert not pid_alive(proc.pid)
+
+
+def test_serve_node_metrics_serves_workers_and_agent(tmp_path: Path) -> None:
+    from elastic_trainer.metrics_agent import AgentMetrics
+
+    run_worker(tmp_path, rank=0)
+    agent = AgentMetrics(run_id="job", node="host-a")
+    server = serve_node_metrics("127.0.0.1", 0, str(tmp_path), agent_metrics=agent)
+    try:
+        agent.restarted()
+        samples = scrape(server.url)
+        assert find(samples, "elastic_trainer_samples_total", rank="0") == [8.0]
+        assert find(samples, "elastic_trainer_agent_restarts_total", node="host-a") == [1.0]
+    finally:
+        server.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(server.url, timeout=2)
+
+
+def test_busy_port_is_one_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(MetricsError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            serve_node_metrics("127.0.0.1", port, str(tmp_path))
+    with pytest.raises(MetricsError, match="does not exist"):
+        serve_node_metrics("127.0.0.1", 0, str(tmp_path / "missing"))
+
+
+def test_config_validation() -> None:
+    assert LauncherMetricsConfig().port == 9400
+    assert LauncherMetricsConfig().addr == "0.0.0.0"
+    with pytest.raises(ValueError, match="port"):
+        LauncherMetricsConfig(port=70000)
+    with pytest.raises(ValueError, match="addr"):
+        LauncherMetricsConfig(addr="")
+    with pytest.raises(ValueError, match="run_id"):
+        LauncherMetricsConfig(run_id="")
+
+
+def test_start_launcher_metrics_sets_up_and_undoes_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv("ELASTIC_TRAINER_METRICS", raising=False)
+    handler_before = torch_metrics.getStream("torchelastic").handler
+    config = LauncherMetricsConfig(addr="127.0.0.1", port=0, run_id="job", node="host-a")
+    with start_launcher_metrics(config) as handle:
+        directory = handle.multiproc_dir
+        assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == directory
+        assert os.environ["ELASTIC_TRAINER_METRICS"] == "1"
+        run_worker(Path(directory), rank=0)
+        torch_metrics.put_metric("SimpleElasticAgent._restart_workers.duration.ms", 10)
+        samples = scrape(handle.url)
+        assert find(samples, "elastic_trainer_samples_total") == [8.0]
+        assert find(samples, "elastic_trainer_agent_restarts_total", run_id="job") == [1.0]
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    assert "ELASTIC_TRAINER_METRICS" not in os.environ
+    assert not os.path.exists(directory)
+    assert torch_metrics.getStream("torchelastic").handler is handler_before
+    handle.close()  # idempotent
+
+
+def test_given_directory_is_emptied_of_stale_files_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELASTIC_TRAINER_METRICS", "0")  # an explicit user choice is kept
+    run_worker(tmp_path, rank=0)
+    config = LauncherMetricsConfig(addr="127.0.0.1", port=0, multiproc_dir=str(tmp_path))
+    with start_launcher_metrics(config) as handle:
+        assert not list(tmp_path.glob("*.db"))
+        assert find(scrape(handle.url), "elastic_trainer_samples_total") == []
+        assert os.environ["ELASTIC_TRAINER_METRICS"] == "0"
+    assert tmp_path.is_dir()
+
+
+def test_failed_start_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    handler_before = torch_metrics.getStream("torchelastic").handler
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = LauncherMetricsConfig(addr="127.0.0.1", port=taken.getsockname()[1])
+        with pytest.raises(MetricsError):
+            start_launcher_metrics(config)
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    assert torch_metrics.getStream("torchelastic").handler is handler_before
