@@ -123,14 +123,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         txn = self._connection.etcd3.transactions
         key = self._key
         compare = (
-            [txn.mod(key) == revision] if revision else [txn.create(key) == 0]
+            [txn.Mod(key) == revision] if revision else [txn.Create(key) == 0]
         )
 
         def attempt(client: Any) -> tuple[bool, Any]:
             return client.transaction(  # type: ignore[no-any-return]
                 compare=compare,
-                success=[txn.put(key, framed, lease=lease_id)],
-                failure=[txn.get(key)],
+                success=[txn.Put(key, framed, lease=lease_id)],
+                failure=[txn.Get(key)],
             )
 
         succeeded, responses = self._connection.call(attempt, what="a state write")

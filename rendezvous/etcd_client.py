@@ -32,7 +32,8 @@ from tenacity import (
     Retrying,
     retry_if_exception,
     stop_after_delay,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
@@ -123,12 +124,26 @@ class EtcdClientConfig:
             raise ValueError("protocol: TLS files were given, so the protocol must be 'https'")
         if bool(self.ssl_cert) != bool(self.ssl_cert_key):
             raise ValueError("ssl_cert: ssl_cert and ssl_cert_key must be given together")
-        for name in ("ca_cert", "ssl_cert", "ssl_cert_key"):
+        for name, marker in (
+            ("ca_cert", b"-----BEGIN CERTIFICATE-----"),
+            ("ssl_cert", b"-----BEGIN CERTIFICATE-----"),
+            ("ssl_cert_key", b"PRIVATE KEY-----"),
+        ):
             path = getattr(self, name)
-            if path and not Path(path).is_file():
-                raise ValueError(f"{name}: {path} is not a readable file")
+            if path:
+                _check_pem_file(name, path, marker)
         if bool(self.user) != (self.password is not None):
             raise ValueError("user: user and password (or password_file) must be given together")
+
+
+def _check_pem_file(name: str, path: str, marker: bytes) -> None:
+    """Reject a missing, unreadable or non-PEM TLS file before gRPC turns it into a retried hang."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{name}: cannot read {path}: {exc.strerror or exc}") from exc
+    if marker not in data:
+        raise ValueError(f"{name}: {path} is not a PEM file (no {marker.decode().strip('-')!r} block)")
 
 
 # gRPC status codes that may go away by themselves: retry, on the next endpoint.
@@ -191,7 +206,8 @@ class EtcdConnection:
         """
         retrying = Retrying(
             retry=retry_if_exception(self._is_transient),
-            wait=wait_exponential_jitter(initial=0.05, max=1.0, jitter=0.1),
+            # Exponential backoff plus jitter (composed: works with every tenacity >= 8.2).
+            wait=wait_exponential(multiplier=0.05, max=1.0) + wait_random(0, 0.1),
             stop=stop_after_delay(self.config.retry_timeout),
             before_sleep=self._before_retry(what),
             sleep=self._sleep,
@@ -285,7 +301,7 @@ class EtcdConnection:
             return path  # etcd3 reads the files itself; existence was validated in config
 
         try:
-            return self._etcd3.client(
+            client = self._etcd3.client(
                 host=endpoint.host,
                 port=endpoint.port,
                 ca_cert=read(config.ca_cert) if config.protocol == "https" else None,
@@ -305,6 +321,17 @@ class EtcdConnection:
             raise  # e.g. UNAVAILABLE while authenticating: classified by the retry predicate
         except OSError as exc:
             raise RendezvousConnectionError(f"cannot read TLS files for etcd: {exc}") from exc
+        if client.call_credentials is not None and not client.uses_secure_channel:
+            # gRPC refuses call credentials on a plaintext channel; etcd3 also sends the auth
+            # token as request metadata, which is all etcd needs. Rebuild the watcher likewise.
+            client.call_credentials = None
+            client.watcher = self._etcd3.watch.Watcher(
+                self._etcd3.etcdrpc.WatchStub(client.channel),
+                timeout=client.timeout,
+                call_credentials=None,
+                metadata=client.metadata,
+            )
+        return client
 
 
 def read_secret_file(path: str, *, key: str) -> str:

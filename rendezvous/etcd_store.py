@@ -83,7 +83,7 @@ class EtcdV3Store(Store):
         if len(keys) != len(values):
             raise ValueError("multi_set: keys and values differ in length")
         txn, lease = self._connection.etcd3.transactions, self._lease.lease_id()
-        puts = [txn.put(self._key(k), _to_bytes(v), lease=lease) for k, v in zip(keys, values)]
+        puts = [txn.Put(self._key(k), _to_bytes(v), lease=lease) for k, v in zip(keys, values)]
         self._connection.call(
             lambda c: c.transaction(compare=[], success=puts, failure=[]), what="a store multi_set"
         )
@@ -112,15 +112,15 @@ class EtcdV3Store(Store):
                 if new is None:
                     return bytes(current) if current is not None else b""
                 compare = (
-                    [txn.mod(etcd_key) == meta.mod_revision]
+                    [txn.Mod(etcd_key) == meta.mod_revision]
                     if current is not None
-                    else [txn.create(etcd_key) == 0]
+                    else [txn.Create(etcd_key) == 0]
                 )
                 succeeded, _ = client.transaction(
                     compare=compare,
                     success=[
-                        txn.put(etcd_key, new, lease=self._lease.lease_id()),
-                        txn.put(marker, new, lease=self._marker_lease.lease_id()),
+                        txn.Put(etcd_key, new, lease=self._lease.lease_id()),
+                        txn.Put(marker, new, lease=self._marker_lease.lease_id()),
                     ],
                     failure=[],
                 )
@@ -162,7 +162,7 @@ class EtcdV3Store(Store):
 
     def check(self, keys: list[str]) -> bool:
         txn = self._connection.etcd3.transactions
-        compare = [txn.create(self._key(k)) > 0 for k in keys]
+        compare = [txn.Create(self._key(k)) > 0 for k in keys]
         succeeded, _ = self._connection.call(
             lambda c: c.transaction(compare=compare, success=[], failure=[]), what="a store check"
         )

@@ -1,0 +1,55 @@
+"""A tiny DDP job for rendezvous tests: N steps of a linear model, gloo on CPU.
+
+Environment knobs (tests set them):
+  STEPS            number of steps (default 20)
+  STEP_SLEEP_S     sleep per step, to leave room for faults (default 0.05)
+  OUT_DIR          where rank 0 writes ``done-<attempt>.json`` with world size and the weights sum
+  DIE_AT_STEP      on the first attempt, the rank given by DIE_RANK SIGKILLs itself at this step
+"""
+
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    steps = int(os.environ.get("STEPS", "20"))
+    sleep_s = float(os.environ.get("STEP_SLEEP_S", "0.05"))
+    die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
+    die_rank = int(os.environ.get("DIE_RANK", "1"))
+    out = Path(os.environ["OUT_DIR"])
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        if attempt == 0 and step == die_at and rank == die_rank and not (out / "died").exists():
+            (out / "died").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.full((4, 8), float(rank + 1))
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        (out / f"progress-{os.environ.get('GROUP_RANK', '0')}").write_text(str(step))
+        time.sleep(sleep_s)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    if rank == 0:
+        result = {"world_size": world, "rank_sum": total.item(), "attempt": attempt,
+                  "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+        (out / f"done-{os.environ.get('TORCHELASTIC_RUN_ID')}-{attempt}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Faults around etcd: restarts, unreachable endpoints, bad TLS files, wrong credentials,
+lost responses. Every failure must be a clear error within a bound, never a hang."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+
+from rendezvous import EtcdV3Store, create_backend, create_handler
+from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
+from rendezvous.etcd_server import find_etcd_binary, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def params(endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 2, **conf: Any) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, max_nodes, **conf)
+
+
+def test_unreachable_endpoint_fails_within_retry_timeout(unique_id: str) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=f"etcd at {dead} did not answer"):
+        create_backend(params(dead, unique_id, retry_timeout=2, read_timeout=1))
+    assert time.monotonic() - started < 8
+
+
+def test_failover_to_the_next_endpoint(etcd_server, unique_id: str) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    backend, _ = create_backend(params(f"{dead},{etcd_server.endpoint}", unique_id, retry_timeout=10, read_timeout=2))
+    assert backend.set_state(b"via-second-member")[2] is True
+    assert backend._connection.endpoint == parse_endpoints(etcd_server.endpoint)[0]
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"protocol": "https", "ca_cert": "/nonexistent/ca.pem"}, "ca_cert: cannot read /nonexistent/ca.pem"),
+        ({"protocol": "https", "ca_cert": "GARBAGE"}, "ca_cert: .* is not a PEM file"),
+        ({"ca_cert": "PEM"}, "protocol: TLS files were given"),
+        ({"protocol": "https", "ssl_cert": "PEM"}, "ssl_cert and ssl_cert_key must be given together"),
+        ({"protocol": "gopher"}, "protocol: must be 'http' or 'https'"),
+    ],
+)
+def test_bad_tls_settings_are_rejected_before_connecting(
+    tmp_path: Path, unique_id: str, conf: dict[str, str], message: str
+) -> None:
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    pem = tmp_path / "ca.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    conf = {k: {"GARBAGE": str(garbage), "PEM": str(pem)}.get(v, v) for k, v in conf.items()}
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        create_backend(params(f"127.0.0.1:{free_port()}", unique_id, **conf))
+    assert time.monotonic() - started < 1
+
+
+@pytest.fixture
+def etcd_with_auth(own_etcd_server, tmp_path: Path):  # type: ignore[no-untyped-def]
+    etcdctl = str(Path(find_etcd_binary()).with_name("etcdctl"))
+    base = [etcdctl, f"--endpoints={own_etcd_server.endpoint}"]
+    for args in (["user", "add", "root:s3cret"], ["auth", "enable"]):
+        subprocess.run(base + args, check=True, capture_output=True, timeout=30)
+    return own_etcd_server
+
+
+def test_wrong_password_fails_fast(etcd_with_auth, unique_id: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="refused .*authentication failed"):
+        create_backend(params(etcd_with_auth.endpoint, unique_id, user="root", password="wrong", retry_timeout=10))
+    assert time.monotonic() - started < 5  # not retried for retry_timeout
+
+
+def test_password_file_authenticates(etcd_with_auth, tmp_path: Path, unique_id: str) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")  # a trailing newline, as `kubectl create secret --from-file` keeps
+    backend, store = create_backend(params(etcd_with_auth.endpoint, unique_id, user="root", password_file=str(secret)))
+    assert backend.set_state(b"authenticated")[2] is True
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+
+
+def test_missing_password_file_names_the_key(tmp_path: Path, unique_id: str) -> None:
+    with pytest.raises(ValueError, match="rdzv-conf password_file: cannot read"):
+        create_backend(params("127.0.0.1:2379", unique_id, user="root", password_file=str(tmp_path / "none")))
+
+
+def test_backend_rides_out_an_etcd_restart(own_etcd_server, unique_id: str) -> None:
+    backend, _ = create_backend(params(own_etcd_server.endpoint, unique_id, retry_timeout=20))
+    _, token, _ = backend.set_state(b"before")
+    restarter = threading.Thread(target=own_etcd_server.restart, kwargs={"down_for": 2.0})
+    restarter.start()
+    time.sleep(0.3)  # etcd is down now
+    result = backend.set_state(b"after", token)  # retried until etcd is back
+    restarter.join(30)
+    assert result is not None and result[2] is True
+    assert backend.get_state()[0] == b"after"
+
+
+def test_rendezvous_completes_across_an_etcd_restart(own_etcd_server, unique_id: str) -> None:
+    conf = {"retry_timeout": 20, "join_timeout": 60, "last_call_timeout": 1}
+    results: dict[str, Any] = {}
+
+    def join(name: str) -> None:
+        handler = create_handler(params(own_etcd_server.endpoint, unique_id, 2, 2, **conf))
+        try:
+            info = handler.next_rendezvous()
+            results[name] = (info.rank, info.world_size)
+        except Exception as exc:  # surfaced by the assertion below
+            results[name] = exc
+        finally:
+            handler.shutdown()
+
+    first = threading.Thread(target=join, args=("a",))
+    first.start()
+    time.sleep(1.0)  # node a has joined and waits for node b
+    own_etcd_server.restart(down_for=3.0)
+    second = threading.Thread(target=join, args=("b",))
+    second.start()
+    first.join(90)
+    second.join(90)
+    assert sorted(results) == ["a", "b"], results
+    assert sorted(r[0] for r in results.values()) == [0, 1], results
+    assert all(r[1] == 2 for r in results.values()), results
+
+
+class _LoseFirstTxnResponse:
+    """Proxy of an etcd3 client whose first transaction applies, then 'loses' its response."""
+
+    def __init__(self, real: Any, etcd3: Any) -> None:
+        self._real, self._etcd3, self.lost = real, etcd3, 0
+
+    def transaction(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._real.transaction(*args, **kwargs)
+        if self.lost == 0:
+            self.lost += 1
+            raise self._etcd3.exceptions.ConnectionTimeoutError()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def test_a_retried_add_never_applies_twice(etcd_server, unique_id: str) -> None:
+    connection = EtcdConnection(
+        EtcdClientConfig(endpoints=parse_endpoints(etcd_server.endpoint)), sleep=lambda _s: None
+    )
+    store = EtcdV3Store(connection, f"/test/{unique_id}/store")
+    store.set("n", b"10")
+    proxy = _LoseFirstTxnResponse(connection.client(), connection.etcd3)
+    connection._client = proxy
+    connection._fail_over = lambda: None  # keep the proxy in place across the retry
+    assert store.add("n", 5) == 15
+    assert proxy.lost == 1
+    assert store.get("n") == b"15"
