@@ -1,0 +1,243 @@
+{{/*
+Named helpers. Names are truncated so every derived name stays a valid DNS label (63 chars),
+StatefulSet names leave room for the controller-revision-hash label (52 chars).
+*/}}
+
+{{- define "elastic-trainer.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "elastic-trainer.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "elastic-trainer.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every resource (never on pod templates of the Job: see podLabels). */}}
+{{- define "elastic-trainer.labels" -}}
+helm.sh/chart: {{ include "elastic-trainer.chart" . }}
+app.kubernetes.io/name: {{ include "elastic-trainer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels of one component: include with (dict "ctx" $ "component" "worker"). */}}
+{{- define "elastic-trainer.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "elastic-trainer.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "elastic-trainer.componentLabels" -}}
+{{ include "elastic-trainer.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- names */}}
+{{- define "elastic-trainer.workers.name" -}}
+{{- printf "%s-workers" (include "elastic-trainer.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Headless Service of the workers; also the pods' DNS subdomain. */}}
+{{- define "elastic-trainer.workers.serviceName" -}}
+{{- include "elastic-trainer.workers.name" . }}
+{{- end }}
+
+{{- define "elastic-trainer.workers.serviceAccountName" -}}
+{{- if .Values.workers.serviceAccount.create }}
+{{- default (include "elastic-trainer.workers.name" .) .Values.workers.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.workers.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "elastic-trainer.checkpoints.claimName" -}}
+{{- if .Values.checkpoints.existingClaim }}
+{{- .Values.checkpoints.existingClaim }}
+{{- else }}
+{{- printf "%s-checkpoints" (include "elastic-trainer.fullname" . | trunc 51 | trimSuffix "-") }}
+{{- end }}
+{{- end }}
+
+{{- define "elastic-trainer.etcd.name" -}}
+{{- printf "%s-etcd" (include "elastic-trainer.fullname" . | trunc 47 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "elastic-trainer.etcd.headlessName" -}}
+{{- printf "%s-etcd-headless" (include "elastic-trainer.fullname" . | trunc 47 | trimSuffix "-") }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- image */}}
+{{- define "elastic-trainer.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- run */}}
+{{/* Derived from the release so two releases never share a rendezvous. */}}
+{{- define "elastic-trainer.runId" -}}
+{{- default (printf "%s-%s" .Release.Namespace .Release.Name) .Values.workers.runId }}
+{{- end }}
+
+{{- define "elastic-trainer.checkpointDir" -}}
+{{- printf "%s/%s" (.Values.checkpoints.mountPath | trimSuffix "/") (include "elastic-trainer.runId" .) }}
+{{- end }}
+
+{{/* Comma-separated client endpoints, "host:port,...". */}}
+{{- define "elastic-trainer.rdzvEndpoint" -}}
+{{- if eq .Values.etcd.mode "external" }}
+{{- join "," .Values.etcd.external.endpoints }}
+{{- else }}
+{{- $name := include "elastic-trainer.etcd.name" . }}
+{{- $svc := include "elastic-trainer.etcd.headlessName" . }}
+{{- $members := list }}
+{{- range $i := until (int .Values.etcd.bundled.replicas) }}
+{{- $members = append $members (printf "%s-%d.%s.%s.svc.%s:2379" $name $i $svc $.Release.Namespace $.Values.clusterDomain) }}
+{{- end }}
+{{- join "," $members }}
+{{- end }}
+{{- end }}
+
+{{- define "elastic-trainer.etcdTlsDir" -}}/etc/elastic-trainer/etcd-tls{{- end }}
+{{- define "elastic-trainer.etcdAuthDir" -}}/etc/elastic-trainer/etcd-auth{{- end }}
+
+{{/* The --rdzv-conf value: TLS and credentials (files) first, then workers.rdzvConf, sorted. */}}
+{{- define "elastic-trainer.rdzvConf" -}}
+{{- $pairs := list }}
+{{- if eq .Values.etcd.mode "external" }}
+{{- $ext := .Values.etcd.external }}
+{{- if $ext.tls.enabled }}
+{{- $dir := include "elastic-trainer.etcdTlsDir" . }}
+{{- $pairs = append $pairs "protocol=https" }}
+{{- $pairs = append $pairs (printf "ca_cert=%s/%s" $dir $ext.tls.caKey) }}
+{{- if $ext.tls.clientAuth }}
+{{- $pairs = append $pairs (printf "ssl_cert=%s/%s" $dir $ext.tls.certKey) }}
+{{- $pairs = append $pairs (printf "ssl_cert_key=%s/%s" $dir $ext.tls.keyKey) }}
+{{- end }}
+{{- end }}
+{{- if $ext.auth.enabled }}
+{{- /* $(ETCD_USERNAME) is expanded by the kubelet from the env var set from the Secret. */}}
+{{- $pairs = append $pairs "user=$(ETCD_USERNAME)" }}
+{{- $pairs = append $pairs (printf "password_file=%s/%s" (include "elastic-trainer.etcdAuthDir" .) $ext.auth.passwordKey) }}
+{{- end }}
+{{- end }}
+{{- range $key := keys .Values.workers.rdzvConf | sortAlpha }}
+{{- $pairs = append $pairs (printf "%s=%s" $key (include "elastic-trainer.scalar" (get $.Values.workers.rdzvConf $key))) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
+{{/*
+A scalar as text. YAML numbers arrive as float64, which Go would print as 4.194304e+06: print
+integral floats as integers.
+*/}}
+{{- define "elastic-trainer.scalar" -}}
+{{- if and (kindIs "float64" .) (eq (float64 (int64 .)) .) }}
+{{- int64 . }}
+{{- else }}
+{{- . }}
+{{- end }}
+{{- end }}
+
+{{/* Arguments of the container: the image's entrypoint is `dumb-init -- elastic-trainer`. */}}
+{{- define "elastic-trainer.launcherArgs" -}}
+- run
+- --nnodes={{ int .Values.workers.minNodes }}:{{ int .Values.workers.maxNodes }}
+- --nproc-per-node={{ int .Values.workers.nprocPerNode }}
+- --rdzv-endpoint={{ include "elastic-trainer.rdzvEndpoint" . }}
+- --run-id={{ include "elastic-trainer.runId" . }}
+{{- with include "elastic-trainer.rdzvConf" . }}
+- --rdzv-conf={{ . }}
+{{- end }}
+- --max-restarts={{ int .Values.workers.maxRestarts }}
+- --metrics-port={{ int .Values.workers.metricsPort }}
+- --metrics-addr=0.0.0.0
+{{- if .Values.training.script }}
+- {{ .Values.training.script | quote }}
+{{- else }}
+- -m
+- {{ .Values.training.module | quote }}
+{{- end }}
+{{- range .Values.training.args }}
+- {{ include "elastic-trainer.scalar" . | quote }}
+{{- end }}
+{{- with .Values.training.checkpointDirFlag }}
+- {{ printf "%s=%s" . (include "elastic-trainer.checkpointDir" $) | quote }}
+{{- end }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- validation */}}
+{{/*
+Cross-field rules JSON Schema cannot express. Called from every always-rendered template so
+`helm install/upgrade/template/lint` fail with one clear message listing every problem.
+*/}}
+{{- define "elastic-trainer.validateValues" -}}
+{{- $errors := list }}
+{{- $w := .Values.workers }}
+{{- $min := int $w.minNodes }}
+{{- $max := int $w.maxNodes }}
+{{- $replicas := int $w.replicas }}
+{{- if lt $min 1 }}
+{{- $errors = append $errors (printf "workers.minNodes (%d) must be >= 1" $min) }}
+{{- end }}
+{{- if gt $min $max }}
+{{- $errors = append $errors (printf "workers.minNodes (%d) must be <= workers.maxNodes (%d)" $min $max) }}
+{{- end }}
+{{- if or (lt $replicas $min) (gt $replicas $max) }}
+{{- $errors = append $errors (printf "workers.replicas (%d) must be between workers.minNodes (%d) and workers.maxNodes (%d)" $replicas $min $max) }}
+{{- end }}
+{{- if le (int $w.terminationGracePeriodSeconds) (int $w.sigtermGraceSeconds) }}
+{{- $errors = append $errors (printf "workers.terminationGracePeriodSeconds (%d) must be greater than workers.sigtermGraceSeconds (%d): the pod would be killed before its checkpoint is written" (int $w.terminationGracePeriodSeconds) (int $w.sigtermGraceSeconds)) }}
+{{- end }}
+{{- if eq (toString .Values.image.tag) "latest" }}
+{{- $errors = append $errors "image.tag must not be \"latest\": pin a version so every node runs the same code" }}
+{{- end }}
+{{- if and .Values.training.module .Values.training.script }}
+{{- $errors = append $errors "set only one of training.module and training.script" }}
+{{- else if not (or .Values.training.module .Values.training.script) }}
+{{- $errors = append $errors "set training.module or training.script" }}
+{{- end }}
+{{- if eq .Values.etcd.mode "external" }}
+{{- $ext := .Values.etcd.external }}
+{{- if not $ext.endpoints }}
+{{- $errors = append $errors "etcd.mode is external but etcd.external.endpoints is empty" }}
+{{- end }}
+{{- if and $ext.tls.enabled (not $ext.tls.existingSecret) }}
+{{- $errors = append $errors "etcd.external.tls.enabled needs etcd.external.tls.existingSecret (a Secret with the CA, client certificate and key)" }}
+{{- end }}
+{{- if and $ext.auth.enabled (not $ext.auth.existingSecret) }}
+{{- $errors = append $errors "etcd.external.auth.enabled needs etcd.external.auth.existingSecret (a Secret with the user name and password)" }}
+{{- end }}
+{{- end }}
+{{- $reserved := list "protocol" "ca_cert" "ssl_cert" "ssl_cert_key" "user" "password" "password_file" }}
+{{- range $key := keys $w.rdzvConf | sortAlpha }}
+{{- if has $key $reserved }}
+{{- $errors = append $errors (printf "workers.rdzvConf.%s is set by the chart from etcd.external; remove it" $key) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.metrics.podMonitor.enabled .Values.metrics.serviceMonitor.enabled }}
+{{- $errors = append $errors "enable at most one of metrics.podMonitor and metrics.serviceMonitor (both would scrape every worker twice)" }}
+{{- end }}
+{{- if and .Values.metrics.dashboard.enabled (not (.Files.Get "dashboards/elastic-trainer.json")) }}
+{{- $errors = append $errors "metrics.dashboard.enabled but the chart has no dashboards/elastic-trainer.json" }}
+{{- end }}
+{{- if $errors }}
+{{- fail (printf "\n\nelastic-trainer: invalid values:\n  - %s\n" (join "\n  - " $errors)) }}
+{{- end }}
+{{- end }}
