@@ -205,6 +205,10 @@ Cross-field rules JSON Schema cannot express. Called from every always-rendered 
 {{- if le (int $w.terminationGracePeriodSeconds) (int $w.sigtermGraceSeconds) }}
 {{- $errors = append $errors (printf "workers.terminationGracePeriodSeconds (%d) must be greater than workers.sigtermGraceSeconds (%d): the pod would be killed before its checkpoint is written" (int $w.terminationGracePeriodSeconds) (int $w.sigtermGraceSeconds)) }}
 {{- end }}
+{{- $heartbeat := get .Values.nccl.env "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC" }}
+{{- if and (hasKey .Values.nccl.env "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC") (lt (int (include "elastic-trainer.scalar" $heartbeat)) (int $w.processGroupTimeoutSeconds)) }}
+{{- $errors = append $errors (printf "nccl.env.TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (%s) must be >= workers.processGroupTimeoutSeconds (%d): the heartbeat monitor would kill ranks before a slow collective times out" (include "elastic-trainer.scalar" $heartbeat) (int $w.processGroupTimeoutSeconds)) }}
+{{- end }}
 {{- if eq (toString .Values.image.tag) "latest" }}
 {{- $errors = append $errors "image.tag must not be \"latest\": pin a version so every node runs the same code" }}
 {{- end }}
