@@ -1,0 +1,169 @@
+"""A small CNN with BatchNorm on a deterministic synthetic dataset: the runtime's example job.
+
+Run it elastically on one or more nodes (each node runs the same command)::
+
+    torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=demo \\
+        --nnodes=1:2 --nproc-per-node=2 --max-restarts=3 \\
+        -m elastic_trainer.examples.synthetic_cnn \\
+        --max-steps 500 --epochs 2 --global-batch-size 64 \\
+        --checkpoint-dir /shared/ckpt --checkpoint-every 50 --seed 0
+
+or as a single process: ``python -m elastic_trainer.examples.synthetic_cnn --max-steps 20``.
+The data (images and labels from a fixed random "teacher") are generated from ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from elastic_trainer.checkpoint import CheckpointError
+from elastic_trainer.config import DEFAULT_CHECKPOINT_EVERY, DDPOptions, TrainerConfig
+from elastic_trainer.distributed import read_env, strip_local_rank_arg
+from elastic_trainer.trainer import Trainer, TrainerSetupError, TrainingJob, build_observer
+
+log = logging.getLogger("elastic_trainer.examples.synthetic_cnn")
+
+CLASSES = 10
+
+
+class SmallCNN(nn.Module):
+    """conv-BN-ReLU x2, global average pool, linear classifier."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.classifier = nn.Linear(2 * width, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class SyntheticImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``size`` random 3x``side``x``side`` images labelled by a fixed, randomly initialised
+    :class:`SmallCNN` teacher (so the task is learnable by the student architecture)."""
+
+    def __init__(self, size: int, *, seed: int, side: int = 16) -> None:
+        generator = torch.Generator().manual_seed(seed + 1_000_003)
+        self.images = torch.randn(size, 3, side, side, generator=generator)
+        fork = torch.random.fork_rng(devices=[])  # leave the caller's global RNG untouched
+        with fork, torch.no_grad():
+            torch.manual_seed(seed + 2_000_003)
+            teacher = SmallCNN(8).eval()
+            logits = teacher(self.images)
+            # Standardised per class so that every class gets a fair share of the samples.
+            self.labels = ((logits - logits.mean(0)) / logits.std(0)).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index], self.labels[index]
+
+
+def make_job(args: argparse.Namespace) -> TrainingJob:
+    """The example's factories (also used by the benchmarks)."""
+    return TrainingJob(
+        model=lambda: SmallCNN(args.width),
+        dataset=lambda: SyntheticImages(args.dataset_size, seed=args.seed),
+        optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4),
+        scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.max_steps or 1000, 1)),
+        loss=nn.CrossEntropyLoss(),
+    )
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m elastic_trainer.examples.synthetic_cnn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the dataset (default 1)")
+    parser.add_argument("--global-batch-size", type=int, default=64, help="samples per step over all ranks")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="cap per forward; the rest accumulates")
+    parser.add_argument("--checkpoint-dir", default=None, help="shared directory for rank-0 checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY,
+                        help=f"steps between checkpoints (default {DEFAULT_CHECKPOINT_EVERY})")
+    parser.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (default 3)")
+    parser.add_argument("--async-checkpoint", action="store_true", help="write checkpoints on a background thread")
+    parser.add_argument("--seed", type=int, default=0, help="seeds weights, data and data order")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--dataset-size", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=16, help="channels of the first conv layer")
+    parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")
+    parser.add_argument("--sync-batchnorm", action="store_true", help="SyncBatchNorm (CUDA only)")
+    parser.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer")
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--record-samples", metavar="DIR", default=None,
+                        help="append every step's dataset indices to DIR/samples-rank*-pid*.jsonl (audit)")
+    return parser.parse_args(list(argv))
+
+
+def _configure_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    local_rank, rest = strip_local_rank_arg(sys.argv[1:] if argv is None else argv)
+    args = parse_args(rest)
+    _configure_logging()
+    try:
+        if args.dataset_size <= 0:
+            raise ValueError(f"--dataset-size: must be positive, got {args.dataset_size}")
+        if args.width <= 0:
+            raise ValueError(f"--width: must be positive, got {args.width}")
+        config = TrainerConfig(
+            global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            seed=args.seed,
+            epochs=args.epochs,
+            max_steps=args.max_steps,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            keep_last=args.keep_last,
+            async_checkpoint=args.async_checkpoint,
+            mixed_precision=args.mixed_precision,
+            sync_batchnorm=args.sync_batchnorm,
+            zero_redundancy=args.zero,
+            ddp=DDPOptions(),
+            log_every=args.log_every,
+            num_workers=args.num_workers,
+            record_samples_dir=args.record_samples,
+        )
+        env = read_env(local_rank_arg=local_rank, backend=config.backend)
+        result = Trainer(config, make_job(args), observer=build_observer(), env=env).fit()
+    except (ValueError, CheckpointError, TrainerSetupError) as exc:
+        # One line, no traceback: bad input or a checkpoint directory that cannot be used.
+        print(f"synthetic_cnn: error: {exc}", file=sys.stderr)
+        return 2
+    except dist.DistError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"synthetic_cnn: a collective failed (a peer probably died; torchrun restarts the group): {first_line}",
+              file=sys.stderr)
+        return 1
+    if env.is_rank0:
+        print(f"final step {result.step} epoch {result.epoch} loss {result.loss} "
+              f"checkpoint {result.checkpoint} stopped_by_signal {result.stopped_by_signal}", flush=True)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Audit log of consumed samples: one JSON line per rank per optimizer step.
+
+Used to prove exactly-once data consumption across restarts (see :func:`committed_history`).
+Each worker process writes its own file, ``samples-rank{R}-pid{PID}.jsonl``; the first line of a
+file is a ``start`` record naming the step the process resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class SampleLog:
+    """Appends records for one worker process, flushed line by line."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, rank: int) -> None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / f"samples-rank{rank:04d}-pid{os.getpid()}.jsonl"
+        self._file: TextIO = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+
+    def start(self, *, generation: str, started_unix: float, resumed_step: int, world_size: int, rank: int) -> None:
+        """``generation`` and ``started_unix`` are rank 0's, shared by the whole worker group."""
+        self._write({"event": "start", "generation": generation, "started_unix": started_unix,
+                     "resumed_step": resumed_step, "world_size": world_size, "rank": rank})
+
+    def step(self, *, step: int, epoch: int, cursor: int, world_size: int, rank: int, indices: list[int]) -> None:
+        """``step`` is the number of optimizer steps done after this one."""
+        self._write({"event": "step", "step": step, "epoch": epoch, "cursor": cursor, "world_size": world_size,
+                     "rank": rank, "indices": indices})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_records(directory: str | os.PathLike[str]) -> list[list[dict[str, Any]]]:
+    """Every process's records, one list per file (a torn last line from a SIGKILL is dropped)."""
+    processes = []
+    for path in sorted(Path(directory).glob("samples-rank*-pid*.jsonl")):
+        records = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        if records:
+            processes.append(records)
+    return processes
+
+
+def committed_history(processes: Iterable[list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
+    """The steps that made it into the final model: ``{step: [records of every rank]}``.
+
+    Every (re)start of the worker group is a *generation* (one id and start time, chosen by rank 0).
+    A generation resumes from a checkpoint of step ``s`` and redoes the steps after ``s``: those
+    steps' records from earlier generations were rolled back and are replaced by its own.
+    """
+    generations: dict[str, tuple[float, int, list[list[dict[str, Any]]]]] = {}
+    for records in processes:
+        start = records[0]
+        steps = [r for r in records[1:] if r["event"] == "step"]
+        started, resumed, group = generations.setdefault(
+            start["generation"], (start["started_unix"], start["resumed_step"], [])
+        )
+        group.append(steps)
+    history: dict[int, list[dict[str, Any]]] = {}
+    for _started, resumed, group in sorted(generations.values(), key=lambda g: g[0]):
+        for step in [s for s in history if s > resumed]:
+            del history[step]
+        for steps in group:
+            for record in steps:
+                history.setdefault(record["step"], []).append(record)
+    return history

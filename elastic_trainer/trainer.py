@@ -1,0 +1,547 @@
+"""The training loop: DDP set up correctly, exact resume after any restart, graceful stop.
+
+A job is described by a :class:`TrainingJob` (factories for model, dataset, optimizer, scheduler,
+and a loss) and a :class:`~elastic_trainer.config.TrainerConfig`; ``Trainer(config, job).fit()``
+runs it on every worker that torchrun starts::
+
+    torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=demo \\
+        --nnodes=1:2 --nproc-per-node=2 -m elastic_trainer.examples.synthetic_cnn \\
+        --global-batch-size 64 --max-steps 200 --checkpoint-dir /shared/ckpt
+
+What the runtime guarantees:
+
+* Identical initial weights on every rank (seeded before the model factory runs); the model is on
+  its device before DDP wraps it; optional SyncBatchNorm; ``nn.DataParallel`` is refused.
+* A step's math does not depend on the world size: every step consumes ``global_batch_size``
+  samples split over the ranks alive now, each rank scales its loss so that DDP's gradient average
+  equals the mean over the global batch, and accumulates (``no_sync``) beyond ``micro_batch_size``.
+* torchrun restarts every worker after any failure; they all load rank 0's newest good checkpoint
+  (model, optimizer, scheduler, scaler, sampler cursor, per-rank RNG) and replay the same batches,
+  so with the same world size the result is bitwise the one of an uninterrupted run.
+* SIGTERM (preemption, scale-down, a new node joining) finishes the step on every rank, rank 0
+  checkpoints it, and the workers exit within the grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from elastic_trainer import checkpoint as ckpt
+from elastic_trainer import distributed, rng
+from elastic_trainer.config import TrainerConfig
+from elastic_trainer.observer import NullObserver, TrainingObserver
+from elastic_trainer.sample_log import SampleLog
+from elastic_trainer.sampler import ElasticSampler, MicroBatchSampler, StepPlan
+from elastic_trainer.signals import GracefulStop
+
+log = logging.getLogger(__name__)
+
+EXIT_STOPPED = 128 + 15
+"""Exit code after a graceful stop: non-zero so that torchrun restarts (or ends) the group."""
+
+
+class TrainerSetupError(ValueError):
+    """The job or config cannot run here; the message says what to change."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingJob:
+    """What to train. Every factory runs on every rank, after the process group exists."""
+
+    model: Callable[[], nn.Module]
+    """Builds the plain model (not DataParallel/DDP-wrapped); called right after seeding."""
+    dataset: Callable[[], Dataset[Any]]
+    """Builds a map-style dataset with ``__len__``; items collate with the default collate."""
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    """Builds the optimizer from the model's parameters."""
+    loss: Callable[[Any, Any], torch.Tensor]
+    """``loss(model_output, target)`` -> mean loss over the micro-batch (as nn losses' default)."""
+    scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None
+    """Builds an LR scheduler, stepped once per optimizer step."""
+    tokens_per_sample: int = 0
+    """Reported to the observer (tokens/s); 0 for non-sequence data."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    """How :meth:`Trainer.fit` ended."""
+
+    step: int
+    epoch: int
+    loss: float | None
+    """Mean loss over the global batch of the last step."""
+    resumed_from: int | None
+    """Step of the checkpoint this run started from."""
+    stopped_by_signal: bool
+    """A rank received SIGTERM/SIGINT; every rank stopped after the same step."""
+    checkpoint: str | None
+    """The last checkpoint rank 0 wrote (rank 0 only)."""
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_STOPPED if self.stopped_by_signal else 0
+
+
+def _refuse_data_parallel(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.DataParallel, DDP)):
+            where = f" (at {name!r})" if name else ""
+            raise TrainerSetupError(
+                f"the model factory returned a {type(module).__name__}-wrapped module{where}: return the plain "
+                "module; the runtime runs one process per device and wraps it in DistributedDataParallel itself "
+                "(nn.DataParallel is single-process and not supported)"
+            )
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_move(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _move(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+class Trainer:
+    """Runs a :class:`TrainingJob` under DDP on the current worker; see the module docstring.
+
+    Args:
+        config: runtime settings.
+        job: the factories.
+        observer: receives events (metrics); default: :class:`NullObserver`.
+        env: the worker's place in the job; default: read from torchrun's environment.
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        job: TrainingJob,
+        *,
+        observer: TrainingObserver | None = None,
+        env: distributed.DistEnv | None = None,
+    ) -> None:
+        self.config = config
+        self.job = job
+        self.observer: TrainingObserver = observer if observer is not None else NullObserver()
+        self.env = env
+        self.step = 0
+        self.resumed_from: int | None = None
+        self._writer = ckpt.AsyncCheckpointWriter()
+        self._last_checkpoint: str | None = None
+        self._last_saved_step: int | None = None
+        self._stop = GracefulStop(config.sigterm_grace_s)
+        self._sample_log: SampleLog | None = None
+
+    # -- public --------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        """Train until ``epochs``/``max_steps`` are done or a stop signal arrives.
+
+        Creates the process group unless one exists, and destroys what it created on every exit
+        path. Rank 0 writes the final checkpoint.
+        """
+        env = self.env or distributed.read_env(backend=self.config.backend)
+        self.env = env
+        owns_group = not dist.is_initialized()
+        self._stop.install()
+        try:
+            if owns_group:
+                distributed.init_process_group(env, pg_timeout_s=self.config.pg_timeout_s)
+            self._setup()
+            self._resume()
+            self.observer.on_start(world_size=env.world_size, restart_count=env.restart_count)
+            return self._train()
+        finally:
+            try:
+                self._finish_background_write()
+            finally:
+                self._stop.uninstall()
+                if self._sample_log is not None:
+                    self._sample_log.close()
+                if owns_group:
+                    distributed.destroy_process_group()
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        cfg, env = self.config, self.env
+        assert env is not None
+        device = env.device
+        if cfg.sync_batchnorm and device.type != "cuda":
+            raise TrainerSetupError("sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; this worker is on CPU")
+        if cfg.mixed_precision == "fp16" and device.type != "cuda":
+            raise TrainerSetupError("mixed_precision: fp16 (with a GradScaler) needs CUDA; use bf16 on CPU")
+
+        rng.seed_all(cfg.seed)  # identical initial weights on every rank
+        model = self.job.model()
+        if not isinstance(model, nn.Module):
+            raise TrainerSetupError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+        _refuse_data_parallel(model)
+        if cfg.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = model.to(device)  # before DDP: DDP wraps the parameters where they are
+        self.model = model
+        self.signature = ckpt.model_signature(model.state_dict())
+
+        ddp_kwargs: dict[str, Any] = {
+            "bucket_cap_mb": cfg.ddp.bucket_cap_mb,
+            "find_unused_parameters": cfg.ddp.find_unused_parameters,
+            "gradient_as_bucket_view": cfg.ddp.gradient_as_bucket_view,
+            "static_graph": cfg.ddp.static_graph,
+        }
+        # torch >= 2.13 renamed forward-time buffer broadcasting to ``forward_sync_buffers`` (buffers
+        # are then always synced once at construction, which resume relies on anyway).
+        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+            ddp_kwargs["forward_sync_buffers"] = cfg.ddp.broadcast_buffers
+        else:
+            ddp_kwargs["broadcast_buffers"] = cfg.ddp.broadcast_buffers
+        if device.type == "cuda":
+            ddp_kwargs.update(device_ids=[device.index], output_device=device.index)
+        self.ddp = DDP(model, **ddp_kwargs)
+        self.observer.wrap_ddp(self.ddp)
+
+        optimizer = self.job.optimizer(model.parameters())
+        if cfg.zero_redundancy:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            if len(optimizer.param_groups) != 1:
+                raise TrainerSetupError("zero_redundancy: the optimizer factory must build a single parameter group")
+            optimizer = ZeroRedundancyOptimizer(
+                model.parameters(), optimizer_class=type(optimizer), **optimizer.defaults
+            )
+        self.optimizer = optimizer
+        self.scheduler = self.job.scheduler(optimizer) if self.job.scheduler is not None else None
+        self.scaler = torch.amp.GradScaler("cuda") if cfg.mixed_precision == "fp16" else None
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision)
+
+        self.dataset = self.job.dataset()
+        self.sampler = ElasticSampler(
+            len(self.dataset),  # type: ignore[arg-type]
+            cfg.global_batch_size,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+            micro_batch_size=cfg.micro_batch_size,
+        )
+        self.fingerprint_fields = {
+            "model": self.signature,
+            "dataset_size": self.sampler.dataset_size,
+            "seed": cfg.seed,
+            "shuffle": cfg.shuffle,
+        }
+        # Training randomness (dropout, augmentation) differs per rank, reproducibly.
+        rng.seed_all(rng.derive_seed(cfg.seed, env.rank, 0))
+
+    # -- resume ----------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        cfg, env = self.config, self.env
+        assert env is not None
+        decision: list[Any] = [None]
+        if cfg.checkpoint_dir is not None and env.is_rank0:
+            decision = [self._choose_checkpoint()]
+        if env.world_size > 1:
+            dist.broadcast_object_list(decision, src=0)
+        kind, value = decision[0] or ("none", None)
+        if kind == "error":
+            raise ckpt.CheckpointMismatchError(value)
+        if kind == "load":
+            started = time.monotonic()
+            state = ckpt.load_checkpoint(value, env.device)
+            self._apply(state)
+            nbytes = os.path.getsize(value)
+            self.observer.on_checkpoint_loaded(step=self.step, duration_s=time.monotonic() - started, nbytes=nbytes)
+            self.resumed_from = self.step
+            self._last_saved_step = self.step
+            if env.is_rank0:
+                log.info("resumed from %s (step %d, epoch %d, cursor %d, saved by %d ranks, now %d)",
+                         value, self.step, self.sampler.epoch, self.sampler.cursor, state["world_size"], env.world_size)
+        elif env.is_rank0:
+            log.info("starting from scratch (no checkpoint in %s)", cfg.checkpoint_dir)
+        self._open_sample_log()
+
+    def _choose_checkpoint(self) -> tuple[str, str | None]:
+        directory = self.config.checkpoint_dir
+        assert directory is not None
+        ckpt.remove_stale_temp_files(directory)
+        info = ckpt.find_latest(directory, quarantine=False)
+        if info is None:
+            return ("none", None)
+        try:
+            ckpt.check_fingerprint(info, self.fingerprint_fields)
+        except ckpt.CheckpointMismatchError as exc:
+            return ("error", str(exc))
+        # Only now, with the job's own checkpoint chosen, set aside the newer damaged ones.
+        ckpt.find_latest(directory, quarantine=True)
+        return ("load", str(info.path))
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        env = self.env
+        assert env is not None
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(state["step"])
+        rng_states = state.get("rng") or []
+        if int(state["world_size"]) == env.world_size and len(rng_states) == env.world_size:
+            rng.restore(rng_states[env.rank], env.device)
+        else:
+            # Another world size: per-rank streams cannot carry over; derive fresh ones, reproducibly.
+            rng.seed_all(rng.derive_seed(self.config.seed, env.rank, self.step))
+
+    def _open_sample_log(self) -> None:
+        cfg, env = self.config, self.env
+        assert env is not None
+        if cfg.record_samples_dir is None:
+            return
+        generation = [(uuid.uuid4().hex, time.time())]
+        if env.world_size > 1:
+            dist.broadcast_object_list(generation, src=0)
+        self._sample_log = SampleLog(cfg.record_samples_dir, rank=env.rank)
+        self._sample_log.start(generation=generation[0][0], started_unix=generation[0][1],
+                               resumed_step=self.step, world_size=env.world_size, rank=env.rank)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _done(self) -> bool:
+        cfg = self.config
+        return (cfg.max_steps is not None and self.step >= cfg.max_steps) or self.sampler.epoch >= cfg.epochs
+
+    def _train(self) -> TrainResult:
+        cfg, env = self.config, self.env
+        assert env is not None
+        self.ddp.train()
+        loss: float | None = None
+        window_start, window_samples = time.monotonic(), 0
+        while not self._done():
+            if self.sampler.epoch_done:
+                self.sampler.set_epoch(self.sampler.epoch + 1)
+                continue
+            loader = DataLoader(
+                self.dataset,
+                batch_sampler=MicroBatchSampler(self.sampler, env.rank, env.world_size),
+                num_workers=cfg.num_workers,
+                pin_memory=env.device.type == "cuda",
+            )
+            batches = iter(loader)
+            for plan in self.sampler.plans(env.rank, env.world_size):
+                if self._done():
+                    break
+                started = time.monotonic()
+                local_loss, data_wait = self._train_step(plan, batches)
+                loss, stop = self._sync_step(local_loss, plan)
+                self.sampler.advance(plan)
+                self.step += 1
+                duration = time.monotonic() - started
+                if self._sample_log is not None:
+                    self._sample_log.step(step=self.step, epoch=plan.epoch, cursor=plan.cursor,
+                                          world_size=env.world_size, rank=env.rank, indices=plan.indices)
+                self.observer.on_step(step=self.step, duration_s=duration, data_wait_s=data_wait,
+                                      samples=plan.samples, tokens=plan.samples * self.job.tokens_per_sample, loss=loss)
+                window_samples += plan.global_samples
+                if env.is_rank0 and self.step % cfg.log_every == 0:
+                    now = time.monotonic()
+                    self._log_progress(loss, window_samples / max(now - window_start, 1e-9))
+                    window_start, window_samples = now, 0
+                if stop:
+                    log.warning("stopping after step %d (signal on %s)", self.step,
+                                "this rank" if self._stop.requested else "another rank")
+                    path = self._checkpoint(final=True)
+                    return TrainResult(step=self.step, epoch=self.sampler.epoch, loss=loss, resumed_from=self.resumed_from,
+                                       stopped_by_signal=True, checkpoint=path)
+                if self.step % cfg.checkpoint_every == 0:
+                    self._checkpoint(final=False)
+            del batches, loader
+        path = self._checkpoint(final=True)
+        if env.is_rank0:
+            log.info("training finished at step %d (epoch %d), loss %s", self.step, self.sampler.epoch,
+                     "n/a" if loss is None else f"{loss:.6f}")
+        return TrainResult(step=self.step, epoch=self.sampler.epoch, loss=loss, resumed_from=self.resumed_from,
+                           stopped_by_signal=False, checkpoint=path)
+
+    def _train_step(self, plan: StepPlan, batches: Iterator[Any]) -> tuple[torch.Tensor, float]:
+        env = self.env
+        assert env is not None
+        device = env.device
+        self.optimizer.zero_grad(set_to_none=True)
+        # Each rank's loss is scaled by world_size / global_samples: DDP averages gradients over the
+        # ranks, so the result is the gradient of the mean loss over the global batch, whatever
+        # the number of ranks and however unevenly the samples are split.
+        scale = env.world_size / plan.global_samples
+        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+        data_wait = 0.0
+        last = len(plan.micro_batches) - 1
+        for i, micro in enumerate(plan.micro_batches):
+            wait_start = time.monotonic()
+            inputs, target = _move(next(batches), device)
+            data_wait += time.monotonic() - wait_start
+            sync = contextlib.nullcontext() if i == last else self.ddp.no_sync()
+            with sync:
+                with torch.autocast(device.type, dtype=self.autocast_dtype or torch.float32,
+                                    enabled=self.autocast_dtype is not None):
+                    output = self.ddp(inputs)
+                    loss = self.job.loss(output, target)
+                scaled = loss.float() * (micro.samples * scale)
+                if self.scaler is not None:
+                    self.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
+            loss_sum += loss.detach().float() * micro.samples
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return loss_sum, data_wait
+
+    def _sync_step(self, local_loss: torch.Tensor, plan: StepPlan) -> tuple[float, bool]:
+        """One small allreduce per step: the global mean loss (for logging) and the stop flag."""
+        env = self.env
+        assert env is not None
+        control = torch.stack([local_loss, torch.tensor(float(self._stop.requested), device=env.device)])
+        if env.world_size > 1:
+            dist.all_reduce(control)
+        loss_sum, stop = control.tolist()
+        return loss_sum / plan.global_samples, stop > 0
+
+    def _log_progress(self, loss: float | None, samples_per_s: float) -> None:
+        lr = self.optimizer.param_groups[0]["lr"]
+        log.info("step %d epoch %d loss %.4f samples/s %.1f world %d lr %.3g",
+                 self.step, self.sampler.epoch, float("nan") if loss is None else loss, samples_per_s,
+                 self.env.world_size if self.env else 1, lr)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _checkpoint(self, *, final: bool) -> str | None:
+        """Checkpoint the current step (collective: every rank calls it at the same step).
+
+        Rank 0 writes; every rank learns the outcome from rank 0 (so a failed write is an error
+        on every rank, never a hang at a barrier), which is also the barrier that keeps the
+        other ranks from going on (or exiting) before the file is in place.
+        """
+        cfg, env = self.config, self.env
+        assert env is not None
+        if cfg.checkpoint_dir is None or self._last_saved_step == self.step:
+            return self._last_checkpoint
+        started = time.monotonic()
+        rng_state = rng.capture(env.device)
+        rng_states: list[Any] = [None] * env.world_size
+        if env.world_size > 1:
+            dist.all_gather_object(rng_states, rng_state)
+        else:
+            rng_states = [rng_state]
+        if cfg.zero_redundancy:
+            self.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+        outcome: list[Any] = [("ok", None)]
+        if env.is_rank0:
+            try:
+                outcome = [("ok", self._write(rng_states, sync=final or not cfg.async_checkpoint, started=started))]
+            except ckpt.CheckpointError as exc:
+                outcome = [("error", str(exc))]
+        if env.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise ckpt.CheckpointWriteError(value)
+        self._last_saved_step = self.step
+        self._last_checkpoint = value
+        return value
+
+    def _write(self, rng_states: list[Any], *, sync: bool, started: float) -> str:
+        cfg, env = self.config, self.env
+        assert env is not None and cfg.checkpoint_dir is not None
+        payload = {
+            "format": ckpt.FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "sampler": self.sampler.state_dict(),
+            "rng": rng_states,
+            "step": self.step,
+            "epoch": self.sampler.epoch,
+            "world_size": env.world_size,
+            "fingerprint": ckpt.job_fingerprint(self.fingerprint_fields),
+            "config": cfg.to_dict(),
+        }
+        step, epoch = self.step, self.sampler.epoch
+
+        def save(data: dict[str, Any]) -> ckpt.CheckpointInfo:
+            return ckpt.save_checkpoint(cfg.checkpoint_dir, data, step=step, epoch=epoch, world_size=env.world_size,
+                                        fingerprint_fields=self.fingerprint_fields, keep_last=cfg.keep_last)
+
+        path = str(ckpt.checkpoint_path(cfg.checkpoint_dir, step))
+        if sync:
+            self._writer.wait(self._stop.remaining_s())
+            info = save(payload)
+            nbytes = info.manifest.nbytes
+        else:
+            snapshot = ckpt.snapshot_to_cpu(payload)  # on this thread: the next step changes the tensors
+            nbytes = _nbytes(snapshot)
+            self._writer.submit(lambda: save(snapshot))
+        self.observer.on_checkpoint_saved(step=step, duration_s=time.monotonic() - started, nbytes=nbytes)
+        return path
+
+    def _finish_background_write(self) -> None:
+        if not self._writer.busy:
+            return
+        timeout = self._stop.remaining_s() or self.config.sigterm_grace_s
+        try:
+            self._writer.wait(timeout)
+        except ckpt.CheckpointError:
+            log.exception("the last background checkpoint write failed")
+
+
+ENV_METRICS = "ELASTIC_TRAINER_METRICS"
+"""``1``: workers report metrics through :func:`elastic_trainer.metrics.worker_observer`."""
+
+
+def build_observer() -> TrainingObserver:
+    """The observer a worker should use: metrics when ``ELASTIC_TRAINER_METRICS=1``, else none.
+
+    Raises:
+        TrainerSetupError: metrics were asked for but the metrics module cannot provide them.
+    """
+    if os.environ.get(ENV_METRICS, "0").strip().lower() not in ("1", "true", "yes"):
+        return NullObserver()
+    try:
+        from elastic_trainer.metrics import worker_observer
+    except ImportError as exc:
+        raise TrainerSetupError(
+            f"{ENV_METRICS}=1 but elastic_trainer.metrics.worker_observer cannot be imported ({exc}); "
+            f"unset {ENV_METRICS} or install the metrics extra"
+        ) from exc
+    return worker_observer()
+
+
+def samples_per_step(config: TrainerConfig, world_size: int) -> str:
+    """Human-readable split of a step over ``world_size`` ranks (for logs and docs)."""
+    share = math.ceil(config.global_batch_size / world_size)
+    micro = config.micro_batch_size or share
+    return f"{config.global_batch_size} samples/step = {world_size} ranks x <= {share} (micro-batches of <= {micro})"
