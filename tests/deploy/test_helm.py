@@ -1,0 +1,795 @@
+"""The Helm chart, rendered by the real Helm engine (helm-python-sdk) and checked offline.
+
+Every ci/ value file is rendered, linted and validated against pinned Kubernetes schemas
+(kubernetes-validate, strict: unknown fields are errors); Prometheus Operator resources, which
+core schemas do not cover, are checked against the subset of their CRD schema the chart uses.
+Invariants tie the pod spec to the values: launcher arguments, images, resources, security
+contexts, grace periods, volumes, etcd wiring, network policies. Bad values must be refused
+with a clear message, by values.schema.json or by the validateValues helper.
+
+    pytest tests/deploy/test_helm.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import (
+    CHART_DIR,
+    CI_VALUES,
+    KUBE_VERSIONS,
+    NAMESPACE,
+    RELEASE,
+    Manifests,
+    ci_values_or_skip,
+    ci_values_param,
+    import_or_missing,
+    kinds,
+    load_values,
+    only,
+    require_dashboard,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+LINT_INFO_ALLOWED = {"icon is recommended"}
+SEVERITY_WARNING = 2
+
+
+# ------------------------------------------------------------------------------------ helpers
+def pod_specs(docs: Manifests) -> list[tuple[str, dict[str, Any]]]:
+    """(kind/name, pod spec) of every workload."""
+    specs = []
+    for _, doc in docs:
+        if doc["kind"] in ("Job", "StatefulSet", "Deployment", "DaemonSet"):
+            specs.append((f"{doc['kind']}/{doc['metadata']['name']}", doc["spec"]["template"]["spec"]))
+    return specs
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(spec.get("initContainers", [])) + list(spec["containers"])
+
+
+def trainer(docs: Manifests) -> dict[str, Any]:
+    spec = only(docs, "Job")["spec"]["template"]["spec"]
+    [container] = [c for c in spec["containers"] if c["name"] == "trainer"]
+    return container
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def launcher_options(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Split `run --k=v ... (-m MODULE | SCRIPT) JOB_ARGS` into ({k: v}, [target, *job args])."""
+    assert args[0] == "run", args
+    options: dict[str, str] = {}
+    rest = args[1:]
+    while rest and rest[0].startswith("--"):
+        key, sep, value = rest.pop(0)[2:].partition("=")
+        assert sep, f"launcher option without '=': --{key}"
+        assert key not in options, f"--{key} given twice"
+        options[key] = value
+    return options, rest
+
+
+def merged(chart: Any, values: dict[str, Any]) -> dict[str, Any]:
+    return chart.merge_values(values)
+
+
+def deep_set(values: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(values)
+    node = out
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------ lint
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_helm_lint_is_clean(helm: Any, values_file: Path) -> None:
+    values = ci_values_or_skip(values_file)
+    for kube_version in KUBE_VERSIONS:
+        report = helm.lint(CHART_DIR, values, strict=True, kube_version=f"v{kube_version}")
+        assert report["errors"] == [], report
+        problems = [
+            m for m in report["messages"]
+            if m["severity"] >= SEVERITY_WARNING or m["error"].split(": ")[-1] not in LINT_INFO_ALLOWED
+        ]
+        assert problems == [], problems
+
+
+def test_every_ci_values_file_exists() -> None:
+    names = {path.name for path in CI_VALUES}
+    assert names == {
+        "defaults-values.yaml",
+        "gpu-values.yaml",
+        "external-etcd-tls-values.yaml",
+        "monitoring-values.yaml",
+    }
+
+
+# ------------------------------------------------------------------------------------ schemas
+def _validate_core(kubernetes_validate: Any, doc: dict[str, Any], version: str) -> None:
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+CRD_GROUP = "monitoring.coreos.com/v1"
+_ENDPOINT = {
+    "type": "object",
+    "required": ["port", "path", "interval", "scrapeTimeout"],
+    "additionalProperties": False,
+    "properties": {
+        "port": {"type": "string", "minLength": 1},
+        "path": {"type": "string", "pattern": "^/"},
+        "interval": {"type": "string", "pattern": r"^[0-9]+(ms|s|m|h)$"},
+        "scrapeTimeout": {"type": "string", "pattern": r"^[0-9]+(ms|s|m|h)$"},
+    },
+}
+_MONITOR_SPEC = {
+    "type": "object",
+    "required": ["selector", "namespaceSelector"],
+    "additionalProperties": False,
+    "properties": {
+        "selector": {
+            "type": "object",
+            "required": ["matchLabels"],
+            "additionalProperties": False,
+            "properties": {"matchLabels": {"type": "object", "minProperties": 1,
+                                           "additionalProperties": {"type": "string"}}},
+        },
+        "namespaceSelector": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"matchNames": {"type": "array", "minItems": 1, "items": {"type": "string"}}},
+        },
+        "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
+        "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
+    },
+}
+# The part of the prometheus-operator CRDs (monitoring.coreos.com/v1) this chart emits.
+CRD_SCHEMAS = {
+    kind: {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": CRD_GROUP},
+            "kind": {"const": kind},
+            "metadata": {
+                "type": "object",
+                "required": ["name", "namespace", "labels"],
+                "properties": {
+                    "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+                    "namespace": {"type": "string", "minLength": 1},
+                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                },
+            },
+            "spec": {**_MONITOR_SPEC, "required": [*_MONITOR_SPEC["required"], endpoints_key]},
+        },
+    }
+    for kind, endpoints_key in (("PodMonitor", "podMetricsEndpoints"), ("ServiceMonitor", "endpoints"))
+}
+
+
+def validate_all(kubernetes_validate: Any, docs: Manifests) -> list[str]:
+    """Validate every manifest; returns the kinds checked (to prove nothing was skipped)."""
+    jsonschema = import_or_missing("jsonschema", "jsonschema")
+    checked = []
+    for template, doc in docs:
+        if doc["kind"] in CRD_SCHEMAS:
+            errors = sorted(jsonschema.Draft7Validator(CRD_SCHEMAS[doc["kind"]]).iter_errors(doc), key=str)
+            assert not errors, f"{template}: {[e.message for e in errors]}"
+        else:
+            for version in KUBE_VERSIONS:
+                try:
+                    _validate_core(kubernetes_validate, doc, version)
+                except kubernetes_validate.ValidationError as exc:
+                    pytest.fail(f"{template} ({doc['kind']}) invalid for Kubernetes {version}: "
+                                f"{list(exc.path)}: {exc.message}")
+        checked.append(doc["kind"])
+    return checked
+
+
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_every_manifest_validates_against_kubernetes_schemas(
+    render: Any, kubernetes_validate: Any, values_file: Path
+) -> None:
+    docs = render(ci_values_or_skip(values_file))
+    checked = validate_all(kubernetes_validate, docs)
+    assert len(checked) == len(docs) and "Job" in checked
+
+
+def test_service_monitor_variant_validates(render: Any, kubernetes_validate: Any) -> None:
+    docs = render({"metrics": {"serviceMonitor": {"enabled": True}}})
+    assert "ServiceMonitor" in validate_all(kubernetes_validate, docs)
+
+
+def test_validator_rejects_an_unknown_field(render: Any, kubernetes_validate: Any) -> None:
+    """Negative control: strict validation really catches a mistyped field."""
+    job = copy.deepcopy(only(render(), "Job"))
+    job["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate_core(kubernetes_validate, job, KUBE_VERSIONS[0])
+
+
+def test_one_resource_per_template(render: Any) -> None:
+    docs = render({"metrics": {"podMonitor": {"enabled": True}}})
+    templates = [template for template, _ in docs]
+    assert len(templates) == len(set(templates)), templates
+
+
+# ------------------------------------------------------------------------------------ launcher
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_launcher_arguments_match_values(chart: Any, render: Any, values_file: Path) -> None:
+    values = ci_values_or_skip(values_file)
+    v = merged(chart, values)
+    docs = render(values)
+    container = trainer(docs)
+    assert "command" not in container, "command would replace the image's dumb-init entrypoint"
+    options, target = launcher_options(container["args"])
+    w = v["workers"]
+
+    assert options["nnodes"] == f"{w['minNodes']}:{w['maxNodes']}"
+    assert options["nproc-per-node"] == str(w["nprocPerNode"])
+    assert options["max-restarts"] == str(w["maxRestarts"])
+    assert options["metrics-port"] == str(w["metricsPort"])
+    assert options["metrics-addr"] == "0.0.0.0"
+    assert only(docs, "Job")["spec"]["parallelism"] == w["replicas"]
+
+    run_id = w["runId"] or f"{NAMESPACE}-{RELEASE}"
+    assert options["run-id"] == run_id
+
+    if v["etcd"]["mode"] == "external":
+        assert options["rdzv-endpoint"] == ",".join(v["etcd"]["external"]["endpoints"])
+    else:
+        sts = only(docs, "StatefulSet")
+        svc = sts["spec"]["serviceName"]
+        expected = [
+            f"{sts['metadata']['name']}-{i}.{svc}.{NAMESPACE}.svc.{v['clusterDomain']}:2379"
+            for i in range(sts["spec"]["replicas"])
+        ]
+        assert options["rdzv-endpoint"].split(",") == expected
+
+    for key, value in w["rdzvConf"].items():
+        assert f"{key}={value}" in options["rdzv-conf"].split(",")
+
+    if v["training"]["script"]:
+        assert target[0] == v["training"]["script"]
+        job_args = target[1:]
+    else:
+        assert target[:2] == ["-m", v["training"]["module"]]
+        job_args = target[2:]
+    ckpt_dir = f"{v['checkpoints']['mountPath']}/{run_id}"
+    assert job_args == [str(a) for a in v["training"]["args"]] + [f"--checkpoint-dir={ckpt_dir}"]
+    assert env_of(container)["CHECKPOINT_DIR"] == ckpt_dir
+
+
+def test_run_id_is_derived_from_the_release_never_shared(render: Any) -> None:
+    ids = set()
+    for name, namespace in (("a", "ns1"), ("b", "ns1"), ("a", "ns2")):
+        options, _ = launcher_options(trainer(render(name=name, namespace=namespace))["args"])
+        ids.add(options["run-id"])
+    assert ids == {"ns1-a", "ns1-b", "ns2-a"}
+    options, _ = launcher_options(trainer(render({"workers": {"runId": "fresh-start-2"}}))["args"])
+    assert options["run-id"] == "fresh-start-2"
+
+
+def test_script_instead_of_module(render: Any) -> None:
+    values = {"training": {"module": "", "script": "/workspace/train.py", "args": ["--lr", 0.1],
+                           "checkpointDirFlag": ""}}
+    container = trainer(render(values))
+    _, target = launcher_options(container["args"])
+    assert target == ["/workspace/train.py", "--lr", "0.1"]
+
+
+# ------------------------------------------------------------------------------------ images
+IMAGE_RE = re.compile(r"^(?P<repo>[a-z0-9./_-]+)(:(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(@(?P<digest>sha256:[a-f0-9]{64}))?$")
+
+
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_every_image_is_pinned(render: Any, values_file: Path) -> None:
+    for owner, spec in pod_specs(render(ci_values_or_skip(values_file))):
+        for container in containers(spec):
+            match = IMAGE_RE.match(container["image"])
+            assert match, f"{owner}: unparsable image {container['image']!r}"
+            assert match["tag"] or match["digest"], f"{owner}: untagged image {container['image']}"
+            assert match["tag"] != "latest", f"{owner}: floating tag in {container['image']}"
+
+
+def test_etcd_is_the_official_image(render: Any) -> None:
+    [etcd] = only(render(), "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    assert etcd["image"].startswith("quay.io/coreos/etcd:v3.")
+
+
+def test_image_digest_wins_over_tag(render: Any) -> None:
+    digest = "sha256:" + "ab" * 32
+    assert trainer(render({"image": {"digest": digest}}))["image"] == f"elastic-trainer@{digest}"
+
+
+# ------------------------------------------------------------------------------------ resources
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_requests_and_limits_on_every_container(render: Any, values_file: Path) -> None:
+    for owner, spec in pod_specs(render(ci_values_or_skip(values_file))):
+        for container in containers(spec):
+            resources = container.get("resources", {})
+            for section in ("requests", "limits"):
+                got = resources.get(section, {})
+                assert {"cpu", "memory"} <= set(got), f"{owner}/{container['name']}: {section} = {got}"
+
+
+def test_gpu_count_equals_ranks_per_node(chart: Any, render: Any) -> None:
+    values = load_values(CHART_DIR / "ci" / "gpu-values.yaml")
+    v = merged(chart, values)
+    container = trainer(render(values))
+    gpu = v["workers"]["gpu"]["resourceName"]
+    assert container["resources"]["limits"][gpu] == v["workers"]["nprocPerNode"] == 8
+    assert container["resources"]["requests"][gpu] == 8
+    options, _ = launcher_options(container["args"])
+    assert options["nproc-per-node"] == "8"
+    assert "nvidia.com/gpu" not in trainer(render())["resources"]["limits"]
+
+
+# ------------------------------------------------------------------------------------ security
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_security_contexts_are_restricted(render: Any, values_file: Path) -> None:
+    for owner, spec in pod_specs(render(ci_values_or_skip(values_file))):
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True, owner
+        assert pod.get("runAsUser", 0) > 0, owner
+        assert pod.get("seccompProfile", {}).get("type") == "RuntimeDefault", owner
+        for flag in ("hostNetwork", "hostPID", "hostIPC"):
+            assert not spec.get(flag), f"{owner}: {flag}"
+        assert spec.get("automountServiceAccountToken") is False, owner
+        for volume in spec.get("volumes", []):
+            assert "hostPath" not in volume, f"{owner}: hostPath volume {volume['name']}"
+        for container in containers(spec):
+            sc = container.get("securityContext", {})
+            where = f"{owner}/{container['name']}"
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert not sc.get("capabilities", {}).get("add"), where
+            assert not sc.get("privileged"), where
+            assert sc.get("readOnlyRootFilesystem") is True, where
+
+
+def test_worker_uid_matches_the_image_user(render: Any) -> None:
+    dockerfile = (CHART_DIR.parents[1] / "docker" / "Dockerfile").read_text()
+    [user] = re.findall(r"^USER\s+(\d+):(\d+)\s*$", dockerfile, re.M)
+    pod = only(render(), "Job")["spec"]["template"]["spec"]["securityContext"]
+    assert (str(pod["runAsUser"]), str(pod["runAsGroup"])) == user
+
+
+# ------------------------------------------------------------------------------------ grace
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_termination_grace_exceeds_checkpoint_grace(render: Any, values_file: Path) -> None:
+    docs = render(ci_values_or_skip(values_file))
+    spec = only(docs, "Job")["spec"]["template"]["spec"]
+    grace = int(env_of(trainer(docs))["ELASTIC_TRAINER_SIGTERM_GRACE_S"])
+    assert spec["terminationGracePeriodSeconds"] > grace
+
+
+# ------------------------------------------------------------------------------------ job semantics
+def test_worker_job_semantics(render: Any) -> None:
+    job = only(render(), "Job")
+    spec = job["spec"]
+    assert "completions" not in spec, "work-queue Job: success of any pod ends the Job"
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert spec["podReplacementPolicy"] == "Failed"
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    by_action = {r["action"]: r for r in rules[1:]}
+    assert by_action["Ignore"]["onExitCodes"]["values"] == [143]
+    assert by_action["FailJob"]["onExitCodes"]["values"] == [2]
+    assert {r["onExitCodes"]["containerName"] for r in rules[1:]} == {"trainer"}
+
+
+def test_scaling_changes_only_parallelism(render: Any) -> None:
+    """The Job's pod template is immutable: `helm upgrade --set workers.replicas=N` must touch
+    nothing but spec.parallelism, or the upgrade would be refused by the API server."""
+    two = only(render({"workers": {"replicas": 2}}), "Job")
+    three = only(render({"workers": {"replicas": 3}}), "Job")
+    assert (two["spec"]["parallelism"], three["spec"]["parallelism"]) == (2, 3)
+    two["spec"].pop("parallelism")
+    three["spec"].pop("parallelism")
+    assert two == three
+    labels = two["spec"]["template"]["metadata"]["labels"]
+    assert not {"helm.sh/chart", "app.kubernetes.io/version"} & set(labels), labels
+
+
+def test_worker_pods_have_resolvable_hostnames(render: Any) -> None:
+    """torchrun publishes rank 0's FQDN as the store address: the pods need DNS records."""
+    docs = render()
+    pod = only(docs, "Job")["spec"]["template"]
+    services = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "Service"}
+    svc = services[pod["spec"]["subdomain"]]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
+# ------------------------------------------------------------------------------------ volumes
+def test_checkpoint_volume_and_shm(chart: Any, render: Any) -> None:
+    docs = render()
+    v = merged(chart, {})
+    spec = only(docs, "Job")["spec"]["template"]["spec"]
+    pvc = only(docs, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    volumes = {vol["name"]: vol for vol in spec["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": v["workers"]["shmSize"]}
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts["checkpoints"] == v["checkpoints"]["mountPath"]
+    assert mounts["dshm"] == "/dev/shm"
+    assert mounts["tmp"] == "/tmp"
+
+
+def test_existing_checkpoint_claim_is_used_not_created(render: Any) -> None:
+    docs = render({"checkpoints": {"existingClaim": "shared"}})
+    assert "PersistentVolumeClaim" not in kinds(docs)
+    volumes = {v["name"]: v for v in only(docs, "Job")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "shared"
+
+
+# ------------------------------------------------------------------------------------ NCCL env
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_nccl_environment_comes_from_values(chart: Any, render: Any, values_file: Path) -> None:
+    values = ci_values_or_skip(values_file)
+    v = merged(chart, values)
+    env = env_of(trainer(render(values)))
+    for name, value in v["nccl"]["env"].items():
+        expected = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+        assert env[name] == expected, name
+    assert env["ELASTIC_TRAINER_PG_TIMEOUT_S"] == str(v["workers"]["processGroupTimeoutSeconds"])
+    assert int(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) >= int(env["ELASTIC_TRAINER_PG_TIMEOUT_S"])
+
+
+def test_chart_pg_timeout_default_is_the_runtime_default(chart: Any) -> None:
+    config = import_or_missing("elastic_trainer.config", "elastic-trainer (pip install -e .)")
+    assert merged(chart, {})["workers"]["processGroupTimeoutSeconds"] == config.DEFAULT_PG_TIMEOUT_S
+    assert merged(chart, {})["workers"]["sigtermGraceSeconds"] == config.DEFAULT_SIGTERM_GRACE_S
+
+
+# ------------------------------------------------------------------------------------ etcd
+def test_bundled_etcd_cluster(render: Any) -> None:
+    docs = render()
+    sts = only(docs, "StatefulSet")
+    assert sts["spec"]["replicas"] == 3
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+
+    pdb = only(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+    headless = [d for _, d in docs if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"]]
+    assert len(headless) == 1 and headless[0]["spec"]["clusterIP"] == "None"
+    assert headless[0]["spec"]["publishNotReadyAddresses"] is True
+
+    [etcd] = sts["spec"]["template"]["spec"]["containers"]
+    args = dict(a[2:].split("=", 1) for a in etcd["args"])
+    members = dict(m.split("=", 1) for m in args["initial-cluster"].split(","))
+    name = sts["metadata"]["name"]
+    assert list(members) == [f"{name}-{i}" for i in range(3)]
+    for member, url in members.items():
+        assert url == f"http://{member}.{sts['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local:2380"
+    options, _ = launcher_options(trainer(docs)["args"])
+    assert [e.split(".")[0] for e in options["rdzv-endpoint"].split(",")] == list(members)
+
+
+def test_external_etcd_with_tls_and_credentials(render: Any) -> None:
+    values = load_values(CHART_DIR / "ci" / "external-etcd-tls-values.yaml")
+    docs = render(values)
+    assert "StatefulSet" not in kinds(docs) and "PodDisruptionBudget" not in kinds(docs)
+    container = trainer(docs)
+    spec = only(docs, "Job")["spec"]["template"]["spec"]
+    options, _ = launcher_options(container["args"])
+    conf = dict(pair.split("=", 1) for pair in options["rdzv-conf"].split(","))
+
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    tls_dir = mounts["etcd-tls"]["mountPath"]
+    assert mounts["etcd-tls"]["readOnly"] and mounts["etcd-auth"]["readOnly"]
+    assert volumes["etcd-tls"]["secret"]["secretName"] == "etcd-client-tls"
+    assert conf["protocol"] == "https"
+    tls_files = {item["path"] for item in volumes["etcd-tls"]["secret"]["items"]}
+    assert tls_files == {"ca.crt", "tls.crt", "tls.key"}
+    assert conf["ca_cert"] == f"{tls_dir}/ca.crt"
+    assert conf["ssl_cert"] == f"{tls_dir}/tls.crt"
+    assert conf["ssl_cert_key"] == f"{tls_dir}/tls.key"
+
+    assert volumes["etcd-auth"]["secret"]["secretName"] == "etcd-client-auth"
+    assert conf["password_file"] == f"{mounts['etcd-auth']['mountPath']}/password"
+    assert conf["user"] == "$(ETCD_USERNAME)"
+    env = env_of(container)
+    assert env["ETCD_USERNAME"] == {"secretKeyRef": {"name": "etcd-client-auth", "key": "username"}}
+    # The password is a file only: never an env var, never an argument.
+    assert not any("password" in str(e).lower() and "secretKeyRef" in str(e) for e in container["env"]
+                   if e["name"] != "ETCD_USERNAME")
+    assert conf["last_call_timeout"] == "30" and conf["join_timeout"] == "600"
+
+
+def test_no_secret_material_is_rendered(render: Any) -> None:
+    for values_file in CI_VALUES:
+        values = load_values(values_file)
+        if values.get("metrics", {}).get("dashboard", {}).get("enabled"):
+            values["metrics"]["dashboard"]["enabled"] = False
+        assert "Secret" not in kinds(render(values))
+
+
+# ------------------------------------------------------------------------------------ network
+def test_network_policies(chart: Any, render: Any) -> None:
+    docs = render()
+    v = merged(chart, {})
+    policies = {d["metadata"]["name"]: d for _, d in docs if d["kind"] == "NetworkPolicy"}
+    worker_labels = only(docs, "Job")["spec"]["template"]["metadata"]["labels"]
+    etcd_labels = only(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+
+    [etcd_policy] = [p for p in policies.values() if p["spec"]["podSelector"]["matchLabels"].items() <= etcd_labels.items()]
+    client_rules = [r for r in etcd_policy["spec"]["ingress"] if {"port": 2379, "protocol": "TCP"} in r["ports"]]
+    sources = [peer["podSelector"]["matchLabels"] for r in client_rules for peer in r["from"]]
+    assert all(set(peer) == {"podSelector"} for r in etcd_policy["spec"]["ingress"] for peer in r["from"])
+    assert all(s.items() <= worker_labels.items() or s.items() <= etcd_labels.items() for s in sources)
+    assert any(s.items() <= worker_labels.items() for s in sources)
+
+    [worker_policy] = [p for p in policies.values() if p["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()]
+    metrics_rules = [r for r in worker_policy["spec"]["ingress"] if "ports" in r]
+    assert metrics_rules == [{
+        "from": [{"namespaceSelector": v["networkPolicy"]["monitoringNamespaceSelector"]}],
+        "ports": [{"port": v["workers"]["metricsPort"], "protocol": "TCP"}],
+    }]
+    [peers] = [r for r in worker_policy["spec"]["ingress"] if "ports" not in r]
+    assert peers["from"] == [{"podSelector": {"matchLabels": worker_policy["spec"]["podSelector"]["matchLabels"]}}]
+
+    assert "NetworkPolicy" not in kinds(render({"networkPolicy": {"enabled": False}}))
+
+
+# ------------------------------------------------------------------------------------ monitoring
+def test_pod_monitor_selects_the_worker_metrics_port(render: Any) -> None:
+    docs = render({"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}}})
+    monitor = only(docs, "PodMonitor")
+    pod = only(docs, "Job")["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    port_names = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in port_names
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+
+
+def test_service_monitor_selects_the_worker_service(render: Any) -> None:
+    docs = render({"metrics": {"serviceMonitor": {"enabled": True}}})
+    monitor = only(docs, "ServiceMonitor")
+    [svc] = [d for _, d in docs if d["kind"] == "Service" and d["spec"]["selector"].get("app.kubernetes.io/component") == "worker"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+
+
+def test_monitors_are_off_by_default(render: Any) -> None:
+    assert not {"PodMonitor", "ServiceMonitor", "ConfigMap"} & set(kinds(render()))
+
+
+def test_dashboard_configmap_loads_the_single_dashboard_file(render: Any) -> None:
+    dashboard = require_dashboard()
+    values = load_values(CHART_DIR / "ci" / "monitoring-values.yaml")
+    cm = only(render(values), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert json.loads(cm["data"]["elastic-trainer.json"]) == json.loads(dashboard.read_text())
+
+
+def test_dashboard_json_is_provisionable() -> None:
+    """Valid JSON that both the Grafana sidecar and compose file provisioning can load: no
+    export-for-sharing ``__inputs`` (provisioning cannot fill them) and every datasource it
+    names is the provisioned uid "prometheus" or a dashboard variable."""
+    dashboard = json.loads(require_dashboard().read_text())
+    assert isinstance(dashboard, dict) and dashboard.get("title")
+    assert "__inputs" not in dashboard, "export-for-sharing placeholders cannot be provisioned"
+    variables = {var.get("name") for var in dashboard.get("templating", {}).get("list", [])}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            yield node
+            for value in node.values():
+                yield from walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from walk(value)
+
+    for node in walk(dashboard):
+        ds = node.get("datasource")
+        uid = ds.get("uid") if isinstance(ds, dict) else ds if isinstance(ds, str) else None
+        if uid is None or uid in ("prometheus", "-- Grafana --", "grafana"):
+            continue
+        var = re.fullmatch(r"\$\{?([A-Za-z0-9_]+)(:[a-z]+)?\}?", uid)
+        assert var and var[1] in variables, f"datasource {uid!r} is neither 'prometheus' nor a variable"
+
+
+def test_dashboard_enabled_without_the_file_fails_clearly(helm: Any, tmp_path: Path) -> None:
+    """The ConfigMap must never silently ship an empty dashboard."""
+    import shutil
+
+    copy_dir = tmp_path / "elastic-trainer"
+    shutil.copytree(CHART_DIR, copy_dir, ignore=shutil.ignore_patterns("dashboards"))
+    with helm.Chart.load(copy_dir) as chart, pytest.raises(helm.HelmRenderError) as excinfo:
+        chart.render({"metrics": {"dashboard": {"enabled": True}}}, name=RELEASE, namespace=NAMESPACE)
+    assert "metrics.dashboard.enabled but the chart has no dashboards/elastic-trainer.json" in str(excinfo.value)
+
+
+# ------------------------------------------------------------------------------------ NOTES
+def test_notes_show_how_to_scale_and_watch(chart: Any) -> None:
+    notes = chart.render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)["elastic-trainer/templates/NOTES.txt"]
+    assert "--set workers.replicas=N" in notes
+    assert f"patch job {RELEASE}-elastic-trainer-workers" in notes
+    assert "logs -f -l" in notes and "port-forward" in notes and "/metrics" in notes
+    assert f'run "{NAMESPACE}-{RELEASE}"' in notes
+
+
+# ------------------------------------------------------------------------------------ bad values
+VALIDATE_VALUES_CASES = [
+    ("replicas above maxNodes", {"workers": {"replicas": 5, "maxNodes": 4}},
+     "workers.replicas (5) must be between workers.minNodes (1) and workers.maxNodes (4)"),
+    ("replicas below minNodes", {"workers": {"replicas": 1, "minNodes": 2}},
+     "workers.replicas (1) must be between workers.minNodes (2) and workers.maxNodes (4)"),
+    ("minNodes above maxNodes", {"workers": {"minNodes": 4, "maxNodes": 2, "replicas": 2}},
+     "workers.minNodes (4) must be <= workers.maxNodes (2)"),
+    ("grace not above checkpoint grace", {"workers": {"terminationGracePeriodSeconds": 30}},
+     "workers.terminationGracePeriodSeconds (30) must be greater than workers.sigtermGraceSeconds (30)"),
+    ("heartbeat below pg timeout", {"workers": {"processGroupTimeoutSeconds": 3600}},
+     "nccl.env.TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (1800) must be >= workers.processGroupTimeoutSeconds (3600)"),
+    ("external without endpoints", {"etcd": {"mode": "external"}},
+     "etcd.mode is external but etcd.external.endpoints is empty"),
+    ("external tls without secret", {"etcd": {"mode": "external", "external": {"endpoints": ["e:2379"], "tls": {"enabled": True}}}},
+     "etcd.external.tls.enabled needs etcd.external.tls.existingSecret"),
+    ("external auth without secret", {"etcd": {"mode": "external", "external": {"endpoints": ["e:2379"], "auth": {"enabled": True}}}},
+     "etcd.external.auth.enabled needs etcd.external.auth.existingSecret"),
+    ("module and script", {"training": {"script": "/x.py"}}, "set only one of training.module and training.script"),
+    ("neither module nor script", {"training": {"module": ""}}, "set training.module or training.script"),
+    ("reserved rdzv-conf key", {"workers": {"rdzvConf": {"password": "hunter2"}}},
+     "workers.rdzvConf.password is set by the chart from etcd.external; remove it"),
+    ("two monitors", {"metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}},
+     "enable at most one of metrics.podMonitor and metrics.serviceMonitor"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), [pytest.param(v, m, id=i) for i, v, m in VALIDATE_VALUES_CASES])
+def test_validate_values_rejects_with_a_clear_message(helm: Any, chart: Any, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError) as excinfo:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    text = str(excinfo.value)
+    assert "elastic-trainer: invalid values:" in text
+    assert message in text
+
+
+def test_validate_values_lists_every_problem_at_once(helm: Any, chart: Any) -> None:
+    values = {"workers": {"replicas": 9, "minNodes": 5, "maxNodes": 3, "terminationGracePeriodSeconds": 10}}
+    with pytest.raises(helm.HelmRenderError) as excinfo:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert str(excinfo.value).count("\n  - ") == 3
+
+
+SCHEMA_CASES = [
+    ("negative replicas", "workers.replicas", -1, "/workers/replicas"),
+    ("zero minNodes", "workers.minNodes", 0, "/workers/minNodes"),
+    ("negative maxNodes", "workers.maxNodes", -2, "/workers/maxNodes"),
+    ("negative checkpoint grace", "workers.sigtermGraceSeconds", -5, "/workers/sigtermGraceSeconds"),
+    ("negative max restarts", "workers.maxRestarts", -1, "/workers/maxRestarts"),
+    ("non-integer replicas", "workers.replicas", "three", "/workers/replicas"),
+    ("privileged metrics port", "workers.metricsPort", 80, "/workers/metricsPort"),
+    ("latest tag", "image.tag", "latest", "/image/tag"),
+    ("even etcd members", "etcd.bundled.replicas", 2, "/etcd/bundled/replicas"),
+    ("unknown etcd mode", "etcd.mode", "embedded", "/etcd/mode"),
+    ("mistyped key", "workers.replica", 3, "replica"),
+    ("SIGTERM exit as fail-fast code", "workers.failFastExitCodes", [143], "/workers/failFastExitCodes"),
+    ("root user", "workers.podSecurityContext.runAsNonRoot", False, "/workers/podSecurityContext/runAsNonRoot"),
+    ("bad NCCL variable name", "nccl.env.FOO", "1", "FOO"),
+    ("bad async error handling", "nccl.env.TORCH_NCCL_ASYNC_ERROR_HANDLING", "7", "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+]
+
+
+@pytest.mark.parametrize(("dotted", "value", "where"), [pytest.param(d, v, w, id=i) for i, d, v, w in SCHEMA_CASES])
+def test_schema_rejects_bad_values(helm: Any, chart: Any, dotted: str, value: Any, where: str) -> None:
+    values = deep_set({}, dotted, value)
+    with pytest.raises(helm.HelmValuesError) as excinfo:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    text = str(excinfo.value)
+    assert "values don't meet the specifications of the schema" in text
+    assert where in text, text
+
+
+def test_schema_accepts_every_ci_values_file(chart: Any) -> None:
+    for values_file in CI_VALUES:
+        chart.validate_schema(load_values(values_file))
+
+
+# ------------------------------------------------------------------------------------ docs
+def _leaf_keys_without_docs(text: str) -> list[str]:
+    """Keys whose value is not a nested block and that have no comment above them or above an
+    ancestor key (a comment on a block documents the whole block)."""
+    undocumented = []
+    lines = text.splitlines()
+    stack: list[tuple[int, str, bool]] = []  # (indent, key, documented)
+    key_re = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z0-9_.\-/]+):(?P<rest>.*)$")
+    for number, line in enumerate(lines):
+        match = key_re.match(line)
+        if not match:
+            continue
+        indent = len(match["indent"])
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        previous = next((lines[j] for j in range(number - 1, -1, -1) if lines[j].strip()), "")
+        documented = previous.strip().startswith("#") or any(d for _, _, d in stack)
+        rest = match["rest"].strip()
+        is_block = rest == "" and number + 1 < len(lines) and (
+            len(lines[number + 1]) - len(lines[number + 1].lstrip()) > indent
+            and not lines[number + 1].lstrip().startswith("- ")
+        )
+        stack.append((indent, match["key"], documented))
+        if not is_block and not documented:
+            undocumented.append(".".join(k for _, k, _ in stack))
+    return undocumented
+
+
+def test_every_value_is_documented() -> None:
+    assert _leaf_keys_without_docs((CHART_DIR / "values.yaml").read_text()) == []
+
+
+def test_undocumented_value_is_detected() -> None:
+    """Negative control for the documentation check."""
+    assert _leaf_keys_without_docs("a:\n  # -- doc\n  b: 1\n  c: 2\n") == ["a.c"]
+
+
+def _schema_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
+    paths = set()
+    for key, sub in schema.get("properties", {}).items():
+        path = f"{prefix}{key}"
+        paths.add(path)
+        if sub.get("additionalProperties") is False:
+            paths |= _schema_paths(sub, f"{path}.")
+    return paths
+
+
+def _value_paths(values: dict[str, Any], prefix: str = "") -> set[str]:
+    paths = set()
+    for key, value in values.items():
+        paths.add(f"{prefix}{key}")
+        if isinstance(value, dict):
+            paths |= _value_paths(value, f"{prefix}{key}.")
+    return paths
+
+
+def test_schema_and_values_describe_the_same_settings() -> None:
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    phantom = _schema_paths(schema) - _value_paths(values) - {"global"}
+    assert phantom == set(), f"schema properties with no default in values.yaml: {sorted(phantom)}"
+
+
+def test_chart_readme_explains_the_workload_choice() -> None:
+    readme = (CHART_DIR / "README.md").read_text()
+    assert "## Why a Job" in readme
+    for topic in ("StatefulSet", "podFailurePolicy", "parallelism", "143"):
+        assert topic in readme, topic
+
+
+def test_operations_guide_covers_install_scale_watch_recover() -> None:
+    guide = (CHART_DIR.parent / "README.md").read_text()
+    for section in ("## Install", "## Scale", "## Watch", "## Recover"):
+        assert section in guide, section
+    assert "helm upgrade" in guide and "--set workers.replicas=" in guide
+
+
+def test_chart_yaml_pins_kubernetes_floor() -> None:
+    chart_yaml = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    floor = re.fullmatch(r">=(\d+\.\d+)\.0-0", chart_yaml["kubeVersion"])
+    assert floor and floor[1] == KUBE_VERSIONS[0].rsplit(".", 1)[0]
