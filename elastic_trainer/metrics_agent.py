@@ -241,7 +241,9 @@ class AgentEventHandler(logging.Handler):
                 if duration_ms is not None:
                     self._agent.rendezvous_finished(float(duration_ms) / 1000.0)
             elif name == _START_EVENT:
-                self._agent.workers_started(int(event["metadata"]["group_world_size"]))
+                # SimpleElasticAgent._construct_event nests the group's sizes in a JSON string.
+                details = json.loads(event["metadata"]["metadata"])
+                self._agent.workers_started(int(details["group_world_size"]))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             # A torch upgrade changed the event format: say so once, keep the agent running.
             if not self._warned:

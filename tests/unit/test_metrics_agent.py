@@ -38,13 +38,23 @@ def value(registry: CollectorRegistry, name: str, **extra: str) -> float | None:
 
 
 def agent_event(state: str, *, group_world_size: int, duration_ms: float | None = None) -> Event:
-    """An event shaped like SimpleElasticAgent._construct_event's."""
+    """An event shaped exactly like torch 2.13's SimpleElasticAgent._construct_event."""
+    md = {"group_world_size": group_world_size, "entry_point": "python"}
+    if state == "START":
+        md.update(local_rank=[0], role_rank=[0], role_world_size=[2], exit_code=[None], worker_pid=[None])
     metadata = {
         "run_id": "job",
+        "global_rank": 0 if state == "START" else None,
         "group_rank": 0,
+        "worker_id": "1234" if state == "START" else None,
+        "role": "default",
+        "hostname": "host-a",
         "state": state,
-        "metadata": json.dumps({"group_world_size": group_world_size}),
-        "group_world_size": group_world_size,
+        "total_run_time": 0,
+        "rdzv_backend": "etcd-v3",
+        "raw_error": None,
+        "metadata": json.dumps(md),
+        "agent_restarts": 0,
         "duration_ms": duration_ms,
     }
     return Event(f"torchelastic.worker.status.{state}", source=EventSource.AGENT, metadata=metadata)

@@ -1,0 +1,271 @@
+"""A real Prometheus scrapes a real two-worker torchrun job; every dashboard query returns data.
+
+The launcher is a small wrapper that does what ``elastic-trainer run`` does: it calls
+``start_launcher_metrics`` and then ``torch.distributed.run.main`` in-process, so the node
+endpoint lives in the agent's process and survives worker restarts. The test SIGKILLs one
+worker mid-run and checks that the endpoint kept answering, counters kept rising (also through
+Prometheus' ``resets()``), and the restart counts went up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rendezvous.etcd_server import EtcdServer, free_port
+from tests.prometheus_server import PrometheusServer, prometheus_server, require_binary, wait_for
+from tests.unit.test_metrics_dashboard import dashboard_expressions, load_dashboard, variable_queries
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+LAUNCHER = """
+import sys
+import torch.distributed.run as torchrun
+from elastic_trainer.metrics import LauncherMetricsConfig, start_launcher_metrics
+
+port, run_id, multiproc_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+config = LauncherMetricsConfig(addr="127.0.0.1", port=port, run_id=run_id, multiproc_dir=multiproc_dir)
+with start_launcher_metrics(config):
+    torchrun.main(sys.argv[4:])
+"""
+
+# A small DDP job that reports through the real worker observer, saves a checkpoint every few
+# steps on rank 0 and resumes from it after a restart.
+JOB = """
+import os, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from elastic_trainer.metrics import worker_observer
+
+out = Path(sys.argv[1]); max_steps = int(sys.argv[2]); pace_s = float(sys.argv[3])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+(out / f"pid-{attempt}-{rank}").write_text(str(os.getpid()))
+observer = worker_observer()
+observer.on_start(world_size=world, restart_count=attempt)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                            torch.nn.Linear(16 * 14 * 14, 10))
+ckpt, step = out / "ckpt.pt", 0
+if ckpt.exists():
+    started = time.monotonic()
+    state = torch.load(ckpt, weights_only=True)
+    model.load_state_dict(state["model"]); step = state["step"]
+    observer.on_checkpoint_loaded(step=step, duration_s=time.monotonic() - started,
+                                  nbytes=ckpt.stat().st_size)
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+observer.wrap_ddp(ddp)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+while step < max_steps:
+    started = time.monotonic()
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    data_wait = time.monotonic() - started
+    loss = torch.nn.functional.cross_entropy(ddp(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    step += 1
+    time.sleep(pace_s)  # workload shaping: keep the run long enough for several scrapes
+    observer.on_step(step=step, duration_s=time.monotonic() - started, data_wait_s=data_wait,
+                     samples=16, tokens=0, loss=loss.item())
+    if rank == 0 and step % 10 == 0:
+        started = time.monotonic()
+        tmp = out / "ckpt.pt.tmp"
+        torch.save({"model": model.state_dict(), "step": step}, tmp)
+        os.replace(tmp, ckpt)
+        observer.on_checkpoint_saved(step=step, duration_s=time.monotonic() - started,
+                                     nbytes=ckpt.stat().st_size)
+dist.destroy_process_group()
+"""
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
+
+
+def total(text: str, name: str) -> float:
+    return sum(v for n, _, v in samples(text) if n == name)
+
+
+def values(text: str, name: str) -> list[float]:
+    return [v for n, _, v in samples(text) if n == name]
+
+
+@dataclass
+class Poller:
+    """Scrapes the endpoint in the background: the endpoint must answer across restarts."""
+
+    url: str
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    samples_seen: list[float] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                text = scrape(self.url)
+            except OSError as exc:
+                if not self._stop.is_set():
+                    self.failures.append(str(exc))
+                continue
+            self.ok += 1
+            self.samples_seen.append(total(text, "elastic_trainer_samples_total"))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@contextlib.contextmanager
+def launcher(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, port: int, job: Path, args: list[str]
+) -> Iterator[subprocess.Popen[bytes]]:
+    log = open(tmp_path / "launcher.log", "wb")  # noqa: SIM115 -- closed below
+    torchrun_args = [
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={etcd.endpoint}",
+        f"--rdzv-id={run_id}",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--max-restarts=2",
+        "--monitor-interval=0.2",
+        "--rdzv-conf=last_call_timeout=1,join_timeout=60,retry_timeout=10",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(port), run_id, str(tmp_path / "multiproc"),
+         *torchrun_args, str(job), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            # Workers run in their own sessions (shared notes): kill them, then the launcher.
+            for pid_file in tmp_path.glob("out/pid-*"):
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+def finite_points(result: list[dict]) -> int:
+    return sum(
+        1 for series in result for _, v in series["values"] if math.isfinite(float(v))
+    )
+
+
+def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
+    tmp_path: Path, etcd_server: EtcdServer, unique_id: str
+) -> None:
+    promtool = require_binary("promtool", "PROMTOOL_BIN")
+    out = tmp_path / "out"
+    out.mkdir()
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    started = time.time()
+    with (
+        launcher(tmp_path, etcd_server, unique_id, port, job, [str(out), "260", "0.05"]) as proc,
+        prometheus_server(tmp_path / "prometheus", [f"127.0.0.1:{port}"]) as prom,
+    ):
+
+        def progressed(min_ckpt_step: float) -> str | None:
+            text = scrape(url)
+            ranks = {ls["rank"] for n, ls, v in samples(text) if n == "elastic_trainer_samples_total" and v > 0}
+            ckpt = values(text, "elastic_trainer_last_checkpoint_step")
+            return text if ranks == {"0", "1"} and ckpt and ckpt[0] >= min_ckpt_step else None
+
+        before_text = wait_for("both ranks training and a checkpoint", lambda: progressed(20), timeout_s=120)
+        wait_for("Prometheus scraping the node", prom.scrapes_ok, timeout_s=30)
+
+        # promtool check metrics: a live scrape of a running job passes every lint, silently.
+        lint = subprocess.run([promtool, "check", "metrics"], input=before_text, capture_output=True,
+                              text=True, timeout=30)  # fmt: skip
+        assert lint.returncode == 0 and lint.stdout.strip() == "" and lint.stderr.strip() == "", (
+            lint.stdout + lint.stderr
+        )
+
+        poller = Poller(url)
+        thread = threading.Thread(target=poller.run, daemon=True)
+        thread.start()
+        try:
+            # A worker dies: the agent restarts the group; the launcher's endpoint stays up.
+            victim = int((out / "pid-0-1").read_text())
+            samples_before = total(scrape(url), "elastic_trainer_samples_total")
+            os.kill(victim, signal.SIGKILL)
+
+            def restarted() -> str | None:
+                text = scrape(url)
+                ok = (
+                    values(text, "elastic_trainer_worker_restarts") == [1.0]
+                    and total(text, "elastic_trainer_agent_restarts_total") >= 1
+                    and total(text, "elastic_trainer_samples_total") > samples_before + 64
+                )
+                return text if ok else None
+
+            after_text = wait_for("training to resume after the restart", restarted, timeout_s=120)
+            # The dead worker's live gauges went with it: one loss per rank, no stale pid.
+            assert sorted(ls["rank"] for n, ls, _ in samples(after_text) if n == "elastic_trainer_loss") == ["0", "1"]
+            assert not list((tmp_path / "multiproc").glob(f"gauge_live*_{victim}.db"))
+            assert total(after_text, "elastic_trainer_checkpoint_loaded_bytes_total") > 0
+            assert total(after_text, "elastic_trainer_rendezvous_duration_seconds_count") >= 2
+        finally:
+            poller.stop()
+            thread.join(timeout=10)
+        assert proc.wait(timeout=180) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+
+        # Across the restart the endpoint never failed and the node's counters never went back.
+        assert poller.ok >= 10 and poller.failures == []
+        assert poller.samples_seen == sorted(poller.samples_seen)
+        assert poller.samples_seen[-1] > poller.samples_seen[0]
+        ended = time.time()
+
+        # Prometheus saw no counter reset in any series of the run.
+        window = f"{int(ended - started) + 30}s"
+        resets = prom.query(f"resets(elastic_trainer_samples_total[{window}])")
+        assert resets and all(float(r["value"][1]) == 0 for r in resets), resets
+        restarts = prom.query(f"max_over_time(elastic_trainer_agent_restarts_total[{window}])")
+        assert restarts and max(float(r["value"][1]) for r in restarts) >= 1
+
+        # Every dashboard expression, as Grafana would send it, returns finite data for the run.
+        dashboard = load_dashboard()
+        empty = []
+        for where, expr in dashboard_expressions(dashboard):
+            expr = expr.replace('run_id=~".*"', f'run_id=~"{unique_id}"')
+            if finite_points(prom.query_range(expr, started, ended, step=1.0)) == 0:
+                empty.append(where)
+        assert empty == [], f"dashboard queries without data: {empty}"
+        for name, selector, label in variable_queries(dashboard):
+            found = prom.label_values(label, selector)
+            assert found, f"variable {name} has no values"
+        assert unique_id in prom.label_values("run_id", "elastic_trainer_samples_total")
+        assert socket.gethostname() in prom.label_values("node", "elastic_trainer_samples_total")
+
