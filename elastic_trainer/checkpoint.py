@@ -344,12 +344,10 @@ def verify(directory: Path, step: int) -> CheckpointInfo:
     return CheckpointInfo(path=pt, manifest=manifest)
 
 
-def find_latest(directory: str | os.PathLike[str], *, quarantine: bool = False) -> CheckpointInfo | None:
+def find_latest(directory: str | os.PathLike[str]) -> CheckpointInfo | None:
     """The newest checkpoint that verifies, or ``None``.
 
-    Every newer checkpoint that fails verification is logged as a warning naming the file and, with
-    ``quarantine`` (rank 0 only), renamed to ``*.corrupt`` so later pruning can never delete a good
-    checkpoint in its favour.
+    Every newer checkpoint that fails verification is logged as a warning naming the file.
     """
     directory = Path(directory)
     for step in sorted(_steps(directory), reverse=True):
@@ -357,15 +355,27 @@ def find_latest(directory: str | os.PathLike[str], *, quarantine: bool = False) 
             return verify(directory, step)
         except CheckpointError as exc:
             log.warning("skipping checkpoint: %s; falling back to the previous one", exc)
-            if quarantine:
-                _quarantine(directory, step)
     return None
 
 
-def _quarantine(directory: Path, step: int) -> None:
-    for path in (checkpoint_path(directory, step), manifest_path(directory, step)):
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(path, path.with_name(path.name + ".corrupt"))
+def quarantine_newer_than(directory: str | os.PathLike[str], step: int | None) -> list[Path]:
+    """Rename every checkpoint file newer than ``step`` (all if ``None``) to ``*.corrupt``.
+
+    Called by rank 0 once it resumes from ``step``: the newer files failed verification, and
+    leaving them under their names would let pruning delete good checkpoints in their favour.
+    """
+    directory = Path(directory)
+    moved = []
+    for newer in sorted(_steps(directory)):
+        if step is not None and newer <= step:
+            continue
+        for path in (checkpoint_path(directory, newer), manifest_path(directory, newer)):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(path, path.with_name(path.name + ".corrupt"))
+                moved.append(path)
+    if moved:
+        log.warning("set aside damaged checkpoint files as *.corrupt: %s", ", ".join(p.name for p in moved))
+    return moved
 
 
 def map_location_for(device: torch.device) -> Callable[[Any, str], Any]:

@@ -230,9 +230,11 @@ class Trainer:
 
             if len(optimizer.param_groups) != 1:
                 raise TrainerSetupError("zero_redundancy: the optimizer factory must build a single parameter group")
-            optimizer = ZeroRedundancyOptimizer(
-                model.parameters(), optimizer_class=type(optimizer), **optimizer.defaults
-            )
+            # Rebuild the same optimizer sharded: its hyper-parameters are its ``defaults``, less
+            # those its constructor does not take (AdamW keeps ``decoupled_weight_decay`` there).
+            accepted = inspect.signature(type(optimizer).__init__).parameters
+            defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(optimizer), **defaults)
         self.optimizer = optimizer
         self.scheduler = self.job.scheduler(optimizer) if self.job.scheduler is not None else None
         self.scaler = torch.amp.GradScaler("cuda") if cfg.mixed_precision == "fp16" else None
@@ -286,16 +288,15 @@ class Trainer:
         directory = self.config.checkpoint_dir
         assert directory is not None
         ckpt.remove_stale_temp_files(directory)
-        info = ckpt.find_latest(directory, quarantine=False)
-        if info is None:
-            return ("none", None)
-        try:
-            ckpt.check_fingerprint(info, self.fingerprint_fields)
-        except ckpt.CheckpointMismatchError as exc:
-            return ("error", str(exc))
-        # Only now, with the job's own checkpoint chosen, set aside the newer damaged ones.
-        ckpt.find_latest(directory, quarantine=True)
-        return ("load", str(info.path))
+        info = ckpt.find_latest(directory)
+        if info is not None:
+            try:
+                ckpt.check_fingerprint(info, self.fingerprint_fields)
+            except ckpt.CheckpointMismatchError as exc:
+                return ("error", str(exc))  # another job's directory: touch nothing
+        # With the job's own checkpoint chosen (or none usable), set the newer damaged ones aside.
+        ckpt.quarantine_newer_than(directory, None if info is None else info.step)
+        return ("none", None) if info is None else ("load", str(info.path))
 
     def _apply(self, state: dict[str, Any]) -> None:
         env = self.env
@@ -342,11 +343,17 @@ class Trainer:
             if self.sampler.epoch_done:
                 self.sampler.set_epoch(self.sampler.epoch + 1)
                 continue
+            # The loader gets its own generator: creating an iterator draws a seed from it, which
+            # must not advance the global RNG (a resumed run creates its iterator at another point).
+            loader_rng = torch.Generator().manual_seed(
+                rng.derive_seed(cfg.seed, self.sampler.epoch, self.sampler.cursor, env.rank, env.world_size)
+            )
             loader = DataLoader(
                 self.dataset,
                 batch_sampler=MicroBatchSampler(self.sampler, env.rank, env.world_size),
                 num_workers=cfg.num_workers,
                 pin_memory=env.device.type == "cuda",
+                generator=loader_rng,
             )
             batches = iter(loader)
             for plan in self.sampler.plans(env.rank, env.world_size):

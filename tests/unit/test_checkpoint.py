@@ -88,9 +88,10 @@ def test_damaged_newest_falls_back_to_previous_with_warning(
     else:
         ckpt.manifest_path(tmp_path, 20).write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
-        found = ckpt.find_latest(tmp_path, quarantine=True)
+        found = ckpt.find_latest(tmp_path)
     assert found is not None and found.step == 10
     assert "ckpt-000000000020" in caplog.text
+    ckpt.quarantine_newer_than(tmp_path, found.step)
     # Quarantined: later pruning can never pick the bad one over a good one.
     assert ckpt.checkpoint_path(tmp_path, 20).with_name("ckpt-000000000020.pt.corrupt").exists()
     _save(tmp_path, 30, keep_last=1)

@@ -1,0 +1,96 @@
+"""Unit tests of the distributed setup: environment parsing, NCCL settings, teardown."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_trainer import distributed as d
+
+pytestmark = pytest.mark.timeout(60)
+
+TORCHRUN_ENV = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                "TORCHELASTIC_RESTART_COUNT": "2"}
+
+
+def test_torchrun_environment_on_cpu() -> None:
+    env = d.read_env(environ=dict(TORCHRUN_ENV), cuda_devices=0)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
+    assert env.restart_count == 2 and env.launched
+    assert env.device == torch.device("cpu") and env.backend == "gloo"
+
+
+def test_cuda_present_means_own_gpu_and_nccl() -> None:
+    env = d.read_env(environ=dict(TORCHRUN_ENV), cuda_devices=2)
+    assert env.device == torch.device("cuda", 1) and env.backend == "nccl"
+    assert d.read_env(environ=dict(TORCHRUN_ENV), cuda_devices=2, backend="gloo").backend == "gloo"
+
+
+def test_local_rank_without_its_gpu_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 but only 1 CUDA device\(s\) are visible"):
+        d.read_env(environ=dict(TORCHRUN_ENV), cuda_devices=1)
+
+
+def test_nccl_without_cuda_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="'nccl' needs CUDA"):
+        d.read_env(environ=dict(TORCHRUN_ENV), cuda_devices=0, backend="nccl")
+
+
+@pytest.mark.parametrize("argv", [["--local_rank=1", "--x"], ["--local-rank", "1", "--x"], ["--x", "--local_rank", "1"]])
+def test_legacy_local_rank_argument(argv: list[str]) -> None:
+    local_rank, rest = d.strip_local_rank_arg(argv)
+    assert local_rank == 1 and rest == ["--x"]
+    environ = {"RANK": "1", "WORLD_SIZE": "2"}
+    env = d.read_env(local_rank_arg=local_rank, environ=environ, cuda_devices=0)
+    assert env.local_rank == 1
+
+
+def test_local_rank_env_wins_over_the_argument() -> None:
+    env = d.read_env(local_rank_arg=0, environ=dict(TORCHRUN_ENV), cuda_devices=0)
+    assert env.local_rank == 1
+
+
+def test_no_launcher_means_one_process() -> None:
+    env = d.read_env(environ={}, cuda_devices=0)
+    assert (env.rank, env.world_size, env.launched) == (0, 1, False)
+
+
+@pytest.mark.parametrize(
+    "environ,match",
+    [
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK: 'x' is not an integer"),
+        ({"RANK": "0"}, "RANK and WORLD_SIZE must both be set"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not within WORLD_SIZE=2"),
+    ],
+)
+def test_malformed_environment(environ: dict[str, str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        d.read_env(environ=environ, cuda_devices=0)
+
+
+def test_nccl_environment_is_consistent_with_the_timeout_and_keeps_user_values() -> None:
+    environ: dict[str, str] = {}
+    applied = d.configure_nccl_environment(1800, environ)
+    assert environ == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1800",
+    } == applied
+    user = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600"}
+    d.configure_nccl_environment(1800, user)
+    assert user["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "600"
+
+
+def test_async_error_handling_off_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    d.configure_nccl_environment(60, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
+    assert "hanging" in caplog.text
+
+
+def test_session_destroys_the_group_on_error() -> None:
+    env = d.read_env(environ={}, cuda_devices=0)
+    with pytest.raises(RuntimeError, match="boom"), d.distributed_session(env, pg_timeout_s=60):
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        raise RuntimeError("boom")
+    assert not dist.is_initialized()
+    d.destroy_process_group()  # idempotent

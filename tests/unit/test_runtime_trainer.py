@@ -1,0 +1,236 @@
+"""In-process tests of the Trainer (one rank, gloo over an in-process store): math, resume,
+checkpoint contents, refusal of bad setups, observer calls and the SIGTERM path.
+
+Multi-rank behaviour (invariance over world sizes, restarts under torchrun) is in
+tests/integration/test_runtime_*.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastic_trainer import checkpoint as ckpt
+from elastic_trainer.config import TrainerConfig
+from elastic_trainer.trainer import EXIT_STOPPED, Trainer, TrainerSetupError, TrainingJob, build_observer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _data(n: int = 48) -> TensorDataset:
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(n, 6, generator=g)
+    return TensorDataset(x, (x.sum(1) > 0).long())
+
+
+def _job(*, dropout: float = 0.2, width: int = 16, batchnorm: bool = False, model: Any = None) -> TrainingJob:
+    def build() -> nn.Module:
+        if model is not None:
+            return model()
+        layers: list[nn.Module] = [nn.Linear(6, width)]
+        if batchnorm:
+            layers.append(nn.BatchNorm1d(width))
+        layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, 2)]
+        return nn.Sequential(*layers)
+
+    return TrainingJob(
+        model=build,
+        dataset=_data,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=0.01),
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
+        loss=nn.CrossEntropyLoss(),
+    )
+
+
+def _fit(job: TrainingJob, **cfg: Any) -> tuple[Trainer, Any]:
+    cfg.setdefault("global_batch_size", 8)
+    cfg.setdefault("log_every", 1000)
+    trainer = Trainer(TrainerConfig(**cfg), job)
+    return trainer, trainer.fit()
+
+
+def _weights(path: str | Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)["model"]
+
+
+def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_checkpoint_holds_full_state_and_plain_load_gives_state_dict(tmp_path: Path) -> None:
+    trainer, result = _fit(_job(), max_steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    assert result.step == 5 and not result.stopped_by_signal and result.exit_code == 0
+    state = torch.load(result.checkpoint, weights_only=True)
+    assert {"model", "optimizer", "scheduler", "scaler", "sampler", "rng", "step", "epoch", "world_size",
+            "fingerprint", "config"} <= state.keys()
+    assert state["step"] == 5 and state["world_size"] == 1 and state["sampler"] == {"epoch": 0, "cursor": 40}
+    assert {"python", "torch", "cuda", "numpy"} <= state["rng"][0].keys()
+    _assert_bitwise_equal(state["model"], {k: v for k, v in trainer.model.state_dict().items()})
+    assert list(ckpt.iter_checkpoints(tmp_path)) == [2, 4, 5]
+
+
+def test_one_step_is_the_mean_loss_gradient_over_the_global_batch() -> None:
+    job = TrainingJob(model=lambda: nn.Linear(6, 2), dataset=_data, loss=nn.CrossEntropyLoss(),
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    trainer, _ = _fit(job, max_steps=1, shuffle=False, micro_batch_size=3)  # 3 + 3 + 2 accumulated
+    torch.manual_seed(0)
+    reference = nn.Linear(6, 2)
+    x, y = _data()[:8]
+    nn.CrossEntropyLoss()(reference(x), y).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.5 * p.grad
+    for a, b in zip(trainer.model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_same_seed_gives_identical_initial_weights_and_run(tmp_path: Path) -> None:
+    _, first = _fit(_job(), max_steps=4, checkpoint_dir=str(tmp_path / "a"), seed=7)
+    _, second = _fit(_job(), max_steps=4, checkpoint_dir=str(tmp_path / "b"), seed=7)
+    _, other = _fit(_job(), max_steps=4, checkpoint_dir=str(tmp_path / "c"), seed=8)
+    _assert_bitwise_equal(_weights(first.checkpoint), _weights(second.checkpoint))
+    assert not torch.equal(_weights(first.checkpoint)["0.weight"], _weights(other.checkpoint)["0.weight"])
+
+
+@pytest.mark.parametrize("async_checkpoint", [False, True])
+def test_resume_after_a_crash_is_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path, async_checkpoint: bool) -> None:
+    """Dropout + AdamW + StepLR, two epochs: replay needs sampler cursor, RNG, optimizer, scheduler."""
+    _, straight = _fit(_job(), max_steps=11, epochs=2, checkpoint_dir=str(tmp_path / "straight"), checkpoint_every=4)
+    crashed = tmp_path / "crashed"
+    _fit(_job(), max_steps=7, epochs=2, checkpoint_dir=str(crashed), checkpoint_every=4,
+         async_checkpoint=async_checkpoint)
+    for suffix in ("pt", "json"):  # the crash came after step 7, before its checkpoint existed
+        (crashed / f"ckpt-000000000007.{suffix}").unlink()
+    trainer, resumed = _fit(_job(), max_steps=11, epochs=2, checkpoint_dir=str(crashed), checkpoint_every=4,
+                            async_checkpoint=async_checkpoint)
+    assert resumed.resumed_from == 4 and resumed.step == 11 and resumed.epoch == 1
+    _assert_bitwise_equal(_weights(straight.checkpoint), _weights(resumed.checkpoint))
+
+
+def test_gradient_accumulation_matches_one_big_forward() -> None:
+    whole, _ = _fit(_job(dropout=0.0), max_steps=3)
+    accumulated, _ = _fit(_job(dropout=0.0), max_steps=3, micro_batch_size=3)
+    for a, b in zip(whole.model.parameters(), accumulated.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_corrupt_newest_checkpoint_resumes_from_the_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _fit(_job(), max_steps=6, epochs=2, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    newest = tmp_path / "ckpt-000000000006.pt"
+    with open(newest, "r+b") as f:
+        f.truncate(100)
+    with caplog.at_level(logging.WARNING):
+        _, result = _fit(_job(), max_steps=8, epochs=2, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    assert result.resumed_from == 3 and result.step == 8
+    assert str(newest) in caplog.text
+
+
+def test_foreign_checkpoint_is_a_clear_error_and_overwrites_nothing(tmp_path: Path) -> None:
+    _fit(_job(width=16), max_steps=3, checkpoint_dir=str(tmp_path))
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"belongs to a different job \(model tensor '0.weight'"):
+        _fit(_job(width=32), max_steps=6, checkpoint_dir=str(tmp_path))
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
+    assert after == before
+
+
+def test_data_parallel_is_refused() -> None:
+    with pytest.raises(TrainerSetupError, match="nn.DataParallel is single-process and not supported"):
+        _fit(_job(model=lambda: nn.DataParallel(nn.Linear(6, 2))), max_steps=1)
+
+
+@pytest.mark.parametrize("option,match", [({"sync_batchnorm": True}, "SyncBatchNorm runs on CUDA"),
+                                          ({"mixed_precision": "fp16"}, "fp16 .* needs CUDA")])
+def test_cuda_only_options_on_cpu_are_clear_errors(option: dict[str, Any], match: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(TrainerSetupError, match=match):
+        _fit(_job(), max_steps=1, **option)
+
+
+def test_bf16_autocast_runs_on_cpu() -> None:
+    _, result = _fit(_job(), max_steps=2, mixed_precision="bf16")
+    assert result.loss is not None and result.loss == result.loss  # finite, not NaN
+
+
+def test_zero_redundancy_optimizer_is_consolidated_into_the_checkpoint(tmp_path: Path) -> None:
+    trainer, result = _fit(_job(), max_steps=3, zero_redundancy=True, checkpoint_dir=str(tmp_path))
+    state = torch.load(result.checkpoint, weights_only=True)["optimizer"]
+    assert len(state["state"]) == len(list(trainer.model.parameters()))
+    _, resumed = _fit(_job(), max_steps=5, zero_redundancy=True, checkpoint_dir=str(tmp_path))
+    assert resumed.resumed_from == 3 and resumed.step == 5
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def on_start(self, **kw: Any) -> None:
+        self.events.append(("start", kw))
+
+    def on_step(self, **kw: Any) -> None:
+        self.events.append(("step", kw))
+
+    def on_checkpoint_saved(self, **kw: Any) -> None:
+        self.events.append(("saved", kw))
+
+    def on_checkpoint_loaded(self, **kw: Any) -> None:
+        self.events.append(("loaded", kw))
+
+    def wrap_ddp(self, ddp_model: Any) -> None:
+        self.events.append(("wrap", {"ddp": type(ddp_model).__name__}))
+
+
+def test_observer_sees_wrap_start_steps_and_checkpoints(tmp_path: Path) -> None:
+    observer = RecordingObserver()
+    Trainer(TrainerConfig(global_batch_size=8, max_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2),
+            _job(), observer=observer).fit()
+    kinds = [kind for kind, _ in observer.events]
+    assert kinds == ["wrap", "start", "step", "step", "saved", "step", "step", "saved"]
+    assert observer.events[0][1]["ddp"] == "DistributedDataParallel"
+    steps = [kw for kind, kw in observer.events if kind == "step"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["samples"] == 8 for s in steps)
+    assert all(kw["nbytes"] > 0 for kind, kw in observer.events if kind == "saved")
+    observer2 = RecordingObserver()
+    Trainer(TrainerConfig(global_batch_size=8, max_steps=5, checkpoint_dir=str(tmp_path)), _job(),
+            observer=observer2).fit()
+    loaded = [kw for kind, kw in observer2.events if kind == "loaded"]
+    assert len(loaded) == 1 and loaded[0]["step"] == 4
+
+
+def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tmp_path: Path) -> None:
+    previous = signal.getsignal(signal.SIGTERM)
+
+    class KillAtStep3(RecordingObserver):
+        def on_step(self, **kw: Any) -> None:
+            if kw["step"] == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    result = Trainer(TrainerConfig(global_batch_size=8, max_steps=50, checkpoint_dir=str(tmp_path),
+                                   checkpoint_every=100), _job(), observer=KillAtStep3()).fit()
+    assert result.stopped_by_signal and result.exit_code == EXIT_STOPPED
+    assert result.step in (3, 4)  # the signal lands during step 3's bookkeeping or step 4
+    assert list(ckpt.iter_checkpoints(tmp_path)) == [result.step]
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_build_observer_defaults_to_null_and_reports_missing_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic_trainer.observer import NullObserver
+
+    monkeypatch.delenv("ELASTIC_TRAINER_METRICS", raising=False)
+    assert isinstance(build_observer(), NullObserver)
+    monkeypatch.setenv("ELASTIC_TRAINER_METRICS", "1")
+    monkeypatch.setitem(__import__("sys").modules, "elastic_trainer.metrics", None)  # not importable
+    with pytest.raises(TrainerSetupError, match="ELASTIC_TRAINER_METRICS=1 but elastic_trainer.metrics"):
+        build_observer()
