@@ -1,7 +1,7 @@
 """The ``etcd-v3`` rendezvous handler and its torchrun plugin.
 
-``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:2379 --nnodes=MIN:MAX ...`` finds this
-module through the ``torchrun.handlers`` entry point declared in ``pyproject.toml``.
+``torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:2379 --nnodes=MIN:MAX ...`` reaches
+:func:`create_handler` through the ``torchrun.handlers`` entry point (:mod:`rendezvous.plugin`).
 
 The handler is torch's ``DynamicRendezvousHandler`` over :class:`EtcdV3RendezvousBackend`, with
 one correction. torch 2.13's handler shares one TCPStore, hosted by the rank-0 agent, with the
@@ -19,11 +19,9 @@ rely on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import (
-    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
 )
@@ -31,6 +29,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
+
+from rendezvous.etcd_backend import create_backend
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,6 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     ``close_timeout`` (30), ``heartbeat_timeout`` (30), ``keep_alive_interval`` (5),
     ``keep_alive_max_attempt`` (3).
     """
-    # Imported here, not at module level: importing torch's rendezvous package loads every
-    # torchrun.handlers plugin, this module included, so a module-level import would be circular.
-    from rendezvous.etcd_backend import create_backend
-
     backend, store = create_backend(params)
     timeout = RendezvousTimeout(
         _timeout(params, "join"),
@@ -95,8 +91,3 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
         keep_alive_interval=keep_alive_interval,
         keep_alive_max_attempt=keep_alive_max_attempt,
     )
-
-
-def torchrun_plugin() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """Entry point of the ``torchrun.handlers`` group: returns the handler factory."""
-    return create_handler

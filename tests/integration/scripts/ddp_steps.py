@@ -28,6 +28,8 @@ def main() -> None:
     die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
     die_rank = int(os.environ.get("DIE_RANK", "1"))
     out = Path(os.environ["OUT_DIR"])
+    with open(out / "starts", "a") as starts:  # one line per worker start, restarts included
+        starts.write(f"{os.getpid()}\n")
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
