@@ -246,7 +246,7 @@ def test_launcher_arguments_match_values(chart: Any, render: Any, values_file: P
     assert options["metrics-addr"] == "0.0.0.0"
     assert only(docs, "Job")["spec"]["parallelism"] == w["replicas"]
 
-    run_id = w["runId"] or f"{NAMESPACE}-{RELEASE}"
+    run_id = w["runId"] or f"{NAMESPACE}-{RELEASE}-$(JOB_UID)"
     assert options["run-id"] == run_id
 
     if v["etcd"]["mode"] == "external":
@@ -269,7 +269,7 @@ def test_launcher_arguments_match_values(chart: Any, render: Any, values_file: P
     else:
         assert target[:2] == ["-m", v["training"]["module"]]
         job_args = target[2:]
-    ckpt_dir = f"{v['checkpoints']['mountPath']}/{run_id}"
+    ckpt_dir = f"{v['checkpoints']['mountPath']}/{v['checkpoints']['subPath'] or f'{NAMESPACE}-{RELEASE}'}"
     assert job_args == [str(a) for a in v["training"]["args"]] + [f"--checkpoint-dir={ckpt_dir}"]
     assert env_of(container)["CHECKPOINT_DIR"] == ckpt_dir
 
@@ -279,9 +279,35 @@ def test_run_id_is_derived_from_the_release_never_shared(render: Any) -> None:
     for name, namespace in (("a", "ns1"), ("b", "ns1"), ("a", "ns2")):
         options, _ = launcher_options(trainer(render(name=name, namespace=namespace))["args"])
         ids.add(options["run-id"])
-    assert ids == {"ns1-a", "ns1-b", "ns2-a"}
+    assert ids == {"ns1-a-$(JOB_UID)", "ns1-b-$(JOB_UID)", "ns2-a-$(JOB_UID)"}
+    # $(JOB_UID) is the Job's uid: a recreated Job gets a fresh rendezvous.
+    env = env_of(trainer(render()))
+    assert env["JOB_UID"] == {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}
     options, _ = launcher_options(trainer(render({"workers": {"runId": "fresh-start-2"}}))["args"])
     assert options["run-id"] == "fresh-start-2"
+
+
+def test_checkpoint_dir_does_not_depend_on_the_run_id(render: Any) -> None:
+    def ckpt(values: dict[str, Any]) -> tuple[str, str]:
+        container = trainer(render(values))
+        _, target = launcher_options(container["args"])
+        return target[-1], env_of(container)["CHECKPOINT_DIR"]
+
+    default = ckpt({})
+    assert default == (f"--checkpoint-dir=/checkpoints/{NAMESPACE}-{RELEASE}", f"/checkpoints/{NAMESPACE}-{RELEASE}")
+    assert ckpt({"workers": {"runId": "other"}}) == default
+    assert ckpt({"checkpoints": {"subPath": "from-scratch"}})[1] == "/checkpoints/from-scratch"
+
+
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_every_variable_reference_in_args_is_defined(render: Any, values_file: Path) -> None:
+    """The kubelet leaves an undefined $(VAR) verbatim: every reference must have an env var."""
+    for owner, spec in pod_specs(render(ci_values_or_skip(values_file))):
+        for container in containers(spec):
+            defined = {e["name"] for e in container.get("env", [])}
+            for arg in container.get("command", []) + container.get("args", []):
+                for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", arg):
+                    assert ref in defined, f"{owner}/{container['name']}: $({ref}) in {arg!r} is not defined"
 
 
 def test_script_instead_of_module(render: Any) -> None:
@@ -632,7 +658,7 @@ def test_notes_show_how_to_scale_and_watch(chart: Any) -> None:
     assert "--set workers.replicas=N" in notes
     assert f"patch job {RELEASE}-elastic-trainer-workers" in notes
     assert "logs -f -l" in notes and "port-forward" in notes and "/metrics" in notes
-    assert f'run "{NAMESPACE}-{RELEASE}"' in notes
+    assert f'run "{NAMESPACE}-{RELEASE}-<job uid>"' in notes
 
 
 # ------------------------------------------------------------------------------------ bad values

@@ -90,13 +90,22 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* ---------------------------------------------------------------- run */}}
-{{/* Derived from the release so two releases never share a rendezvous. */}}
+{{/*
+The run id names the rendezvous in etcd. Default: "<namespace>-<release>-<Job uid>", where the
+kubelet expands $(JOB_UID) from the pod's batch.kubernetes.io/controller-uid label. It is
+unique per release and stable while the Job lives (scaling keeps it), and a recreated Job (after
+a failure, or to change the image) gets a fresh rendezvous: torchrun closes a run's rendezvous
+for good when a launcher finishes or gives up, so reusing the id would end the new Job at once.
+Checkpoints do not depend on it (see checkpointDir), so the new Job resumes.
+*/}}
 {{- define "elastic-trainer.runId" -}}
-{{- default (printf "%s-%s" .Release.Namespace .Release.Name) .Values.workers.runId }}
+{{- default (printf "%s-%s-$(JOB_UID)" .Release.Namespace .Release.Name) .Values.workers.runId }}
 {{- end }}
 
+{{/* Checkpoints of this release: stable across Job recreation and run ids. */}}
 {{- define "elastic-trainer.checkpointDir" -}}
-{{- printf "%s/%s" (.Values.checkpoints.mountPath | trimSuffix "/") (include "elastic-trainer.runId" .) }}
+{{- $sub := default (printf "%s-%s" .Release.Namespace .Release.Name) .Values.checkpoints.subPath }}
+{{- printf "%s/%s" (.Values.checkpoints.mountPath | trimSuffix "/") $sub }}
 {{- end }}
 
 {{/* Comma-separated client endpoints, "host:port,...". */}}
