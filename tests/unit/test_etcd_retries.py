@@ -1,0 +1,104 @@
+"""Retry policy of EtcdConnection, with a fake client and an injected sleep (nothing waits)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.fixture
+def connection(monkeypatch: pytest.MonkeyPatch) -> tuple[EtcdConnection, list[float], list[str]]:
+    sleeps: list[float] = []
+    config = EtcdClientConfig(endpoints=parse_endpoints("a:1,b:2,c:3"), retry_timeout=1000)
+    conn = EtcdConnection(config, sleep=sleeps.append)
+    connected: list[str] = []
+
+    def fake_connect(endpoint: Any) -> object:
+        connected.append(str(endpoint))
+        return object()
+
+    monkeypatch.setattr(conn, "_connect", fake_connect)
+    return conn, sleeps, connected
+
+
+def test_transient_errors_are_retried_on_the_next_endpoint(connection, caplog) -> None:  # type: ignore[no-untyped-def]
+    conn, sleeps, connected = connection
+    failures = [conn.etcd3.exceptions.ConnectionFailedError(), FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED)]
+
+    def operation(_client: object) -> str:
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    with caplog.at_level(logging.WARNING, logger="rendezvous.etcd_client"):
+        assert conn.call(operation, what="a test op") == "ok"
+    assert connected == ["a:1", "b:2", "c:3"]
+    assert len(sleeps) == 2 and all(0 < s <= 1.2 for s in sleeps)
+    retries = [r for r in caplog.records if "retry" in r.getMessage()]
+    assert len(retries) == 2  # each retry logged once, with its cause
+    assert "ConnectionFailedError" in retries[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED]
+)
+def test_permanent_errors_fail_fast(connection, code: grpc.StatusCode) -> None:  # type: ignore[no-untyped-def]
+    conn, sleeps, _ = connection
+    calls = []
+
+    def operation(_client: object) -> None:
+        calls.append(1)
+        raise FakeRpcError(code, "etcdserver: permission denied")
+
+    with pytest.raises(RendezvousConnectionError, match=f"refused a test op: {code.name}"):
+        conn.call(operation, what="a test op")
+    assert calls == [1] and sleeps == []
+
+
+def test_expired_auth_token_reconnects(connection) -> None:  # type: ignore[no-untyped-def]
+    conn, _, connected = connection
+    failures = [FakeRpcError(grpc.StatusCode.UNAUTHENTICATED, "etcdserver: invalid auth token")]
+
+    def operation(_client: object) -> str:
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    assert conn.call(operation, what="op") == "ok"
+    assert len(connected) == 2
+
+
+def test_retries_stop_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr("time.monotonic", lambda: clock[0])
+    conn = EtcdConnection(
+        EtcdClientConfig(endpoints=parse_endpoints("a:1"), retry_timeout=5),
+        sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+    )
+    monkeypatch.setattr(conn, "_connect", lambda endpoint: object())
+    attempts = []
+
+    def operation(_client: object) -> None:
+        attempts.append(clock[0])
+        raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    with pytest.raises(RendezvousConnectionError, match="did not answer op within 5s"):
+        conn.call(operation, what="op")
+    assert 3 < len(attempts) < 20 and attempts[-1] <= 6.1
