@@ -55,8 +55,11 @@ METRICS_SWITCH_ENV = "ELASTIC_TRAINER_METRICS"
 _LIVE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
 
 
-class MetricsError(RuntimeError):
-    """The metrics endpoint or the worker metrics cannot be set up (one-line message)."""
+class MetricsError(ValueError):
+    """A metrics setting (port, address, directory, environment) that cannot work here.
+
+    A ``ValueError`` so that entry points that print bad settings as one line handle it too.
+    """
 
 
 def pid_alive(pid: int) -> bool:
