@@ -14,13 +14,14 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 
 DEFAULT_PORT = 9400
 TIMEOUT_S = 4.0  # below the HEALTHCHECK --timeout (5 s) so the script reports, not Docker
 _WILDCARD_ADDRS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
-def metrics_url(environ: dict[str, str] | os._Environ[str]) -> str:
+def metrics_url(environ: Mapping[str, str]) -> str:
     """The URL to probe: the configured address, or loopback when the launcher binds all."""
     addr = environ.get("ELASTIC_TRAINER_METRICS_ADDR", "").strip()
     host = "127.0.0.1" if addr in _WILDCARD_ADDRS else addr

@@ -18,7 +18,6 @@ import shlex
 import subprocess
 import sys
 import threading
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,14 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 import pytest
 import yaml
 
-from tests.deploy.conftest import CHART_DIR, DASHBOARD, DOCKER_DIR, REPO, import_or_missing, require_dashboard
+from tests.deploy.conftest import (
+    CHART_DIR,
+    DASHBOARD,
+    DOCKER_DIR,
+    REPO,
+    import_or_missing,
+    require_dashboard,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,7 +51,9 @@ NCCL_VARS = {
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
 }
 SECRET_NAME = re.compile(r"PASS|SECRET|TOKEN|API_?KEY|PRIVATE|CREDENTIAL", re.I)
-IMAGE_PINNED = re.compile(r"^[a-z0-9./_-]+:(?!latest$)[A-Za-z0-9_][A-Za-z0-9_.-]*(@sha256:[a-f0-9]{64})?$")
+IMAGE_PINNED = re.compile(
+    r"^[a-z0-9./_-]+:(?!latest$)[A-Za-z0-9_][A-Za-z0-9_.-]*(@sha256:[a-f0-9]{64})?$"
+)
 
 
 # ------------------------------------------------------------------------------------ parsing
@@ -96,7 +104,9 @@ def dockerfile_env() -> dict[str, str]:
 
 def docs_table() -> dict[str, str]:
     """`| `NAME` | `value` | ...` rows of docker/README.md."""
-    rows = re.findall(r"^\|\s*`([A-Z0-9_]+)`\s*\|\s*`([^`]*)`\s*\|", (DOCKER_DIR / "README.md").read_text(), re.M)
+    rows = re.findall(
+        r"^\|\s*`([A-Z0-9_]+)`\s*\|\s*`([^`]*)`\s*\|", (DOCKER_DIR / "README.md").read_text(), re.M
+    )
     table = dict(rows)
     assert len(table) == len(rows), "a variable appears twice in the table"
     return table
@@ -111,7 +121,10 @@ def chart_nccl_defaults() -> dict[str, str]:
 def run_hadolint(binary: str, dockerfile: Path) -> tuple[int, list[dict[str, Any]]]:
     proc = subprocess.run(
         [binary, "--config", str(REPO / ".hadolint.yaml"), "--format", "json", str(dockerfile)],
-        capture_output=True, text=True, timeout=30, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
     )
     assert proc.stdout.strip(), f"hadolint printed nothing: {proc.stderr}"
     return proc.returncode, json.loads(proc.stdout)
@@ -126,7 +139,9 @@ def test_hadolint_reports_nothing(hadolint: str) -> None:
 def test_hadolint_catches_a_bad_dockerfile(hadolint: str, tmp_path: Path) -> None:
     """Negative control: the same invocation and config do report problems."""
     bad = tmp_path / "Dockerfile"
-    bad.write_text("FROM ubuntu:latest\nRUN apt-get update && apt-get install curl\nRUN pip install torch\n")
+    bad.write_text(
+        "FROM ubuntu:latest\nRUN apt-get update && apt-get install curl\nRUN pip install torch\n"
+    )
     code, findings = run_hadolint(hadolint, bad)
     assert code != 0
     assert {"DL3007", "DL3008", "DL3013"} <= {f["code"] for f in findings}
@@ -139,16 +154,20 @@ def test_multi_stage_build_on_a_pinned_cuda_pytorch_base() -> None:
     froms = [args for group in groups for word, args in group if word == "FROM"]
     assert len(froms) >= 2, "multi-stage build expected"
     assert all(f.startswith("${BASE_IMAGE} AS ") for f in froms), froms
-    [base_arg] = [args for word, args in groups[0] if word == "ARG" and args.startswith("BASE_IMAGE=")]
+    [base_arg] = [
+        args for word, args in groups[0] if word == "ARG" and args.startswith("BASE_IMAGE=")
+    ]
     base = base_arg.split("=", 1)[1]
     match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+\.\d+)-cudnn(\d+)-runtime", base)
     assert match, f"base must be an exact pytorch/pytorch CUDA runtime tag, got {base}"
 
     # The base's torch must satisfy the project's own requirement (pip never replaces it).
     packaging = import_or_missing("packaging.specifiers", "packaging")
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    [torch_req] = [d for d in deps if re.match(r"torch\b", d)]
-    spec = packaging.SpecifierSet(torch_req[len("torch"):])
+    # tomllib is 3.11+ only and the project supports 3.10: read the one requirement directly.
+    [torch_req] = re.findall(
+        r'^\s*"(torch[<>=!~ ][^"]*)"', (REPO / "pyproject.toml").read_text(), re.M
+    )
+    spec = packaging.SpecifierSet(torch_req[len("torch") :])
     assert match[1] in spec, f"base torch {match[1]} does not satisfy {torch_req}"
 
 
@@ -177,7 +196,7 @@ def test_runtime_stage_user_init_health_and_port() -> None:
     source, target = copied.split()
     assert (REPO / source) == HEALTHCHECK and cmd[-1] == target
 
-    assert ["9400"] == [args for word, args in final if word == "EXPOSE"]
+    assert [args for word, args in final if word == "EXPOSE"] == ["9400"]
 
 
 def test_no_secrets_in_the_image() -> None:
@@ -186,7 +205,9 @@ def test_no_secrets_in_the_image() -> None:
             names = env_assignments(args) if word == "ENV" else {args.split("=", 1)[0]: ""}
             assert not [n for n in names if SECRET_NAME.search(n)], f"{word} {args}"
     ignore = (REPO / ".dockerignore").read_text().splitlines()
-    assert [line for line in ignore if line and not line.startswith("#")][0] == "*", "allowlist .dockerignore"
+    assert [line for line in ignore if line and not line.startswith("#")][0] == "*", (
+        "allowlist .dockerignore"
+    )
 
 
 def _dockerignore_excludes(patterns: list[str], path: str) -> bool:
@@ -207,7 +228,7 @@ def _dockerignore_excludes(patterns: list[str], path: str) -> bool:
                 out, i = out + "[^/]", i + 1
             elif pattern[i] == "[":
                 end = pattern.index("]", i)
-                out, i = out + pattern[i:end + 1], end + 1
+                out, i = out + pattern[i : end + 1], end + 1
             else:
                 out, i = out + re.escape(pattern[i]), i + 1
         return re.compile(f"^{out}$")
@@ -248,7 +269,9 @@ def test_every_copy_source_is_in_the_build_context() -> None:
         for file in files:
             rel = file.relative_to(REPO).as_posix()
             if "__pycache__" not in rel:
-                assert not _dockerignore_excludes(patterns, rel), f"{rel} is excluded by .dockerignore"
+                assert not _dockerignore_excludes(patterns, rel), (
+                    f"{rel} is excluded by .dockerignore"
+                )
     for private in (".env", "runs/x.pt", ".git/config", "tests/conftest.py", "id_rsa"):
         assert _dockerignore_excludes(patterns, private), private
 
@@ -289,7 +312,9 @@ def metrics_server() -> Iterator[int]:
     prometheus_client = import_or_missing("prometheus_client", "prometheus-client")
     registry = prometheus_client.CollectorRegistry()
     prometheus_client.Counter("elastic_trainer_test_total", "test", registry=registry).inc()
-    server = make_server("127.0.0.1", 0, prometheus_client.make_wsgi_app(registry), handler_class=_QuietHandler)
+    server = make_server(
+        "127.0.0.1", 0, prometheus_client.make_wsgi_app(registry), handler_class=_QuietHandler
+    )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -301,15 +326,24 @@ def metrics_server() -> Iterator[int]:
 
 
 def run_healthcheck(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(HEALTHCHECK)], env={"PATH": "/usr/bin:/bin", **env},
-                          capture_output=True, text=True, timeout=20)
+    return subprocess.run(
+        [sys.executable, str(HEALTHCHECK)],
+        env={"PATH": "/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
 
 
 def test_healthcheck_passes_on_a_live_metrics_endpoint(metrics_server: int) -> None:
     proc = run_healthcheck({"ELASTIC_TRAINER_METRICS_PORT": str(metrics_server)})
     assert proc.returncode == 0, proc.stderr
-    proc = run_healthcheck({"ELASTIC_TRAINER_METRICS_PORT": str(metrics_server),
-                            "ELASTIC_TRAINER_METRICS_ADDR": "127.0.0.1"})
+    proc = run_healthcheck(
+        {
+            "ELASTIC_TRAINER_METRICS_PORT": str(metrics_server),
+            "ELASTIC_TRAINER_METRICS_ADDR": "127.0.0.1",
+        }
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -338,8 +372,14 @@ def test_healthcheck_url() -> None:
     finally:
         sys.path.remove(str(DOCKER_DIR))
     assert healthcheck.metrics_url({}) == "http://127.0.0.1:9400/metrics"
-    assert healthcheck.metrics_url({"ELASTIC_TRAINER_METRICS_ADDR": "::"}) == "http://127.0.0.1:9400/metrics"
-    assert healthcheck.metrics_url({"ELASTIC_TRAINER_METRICS_ADDR": "fd00::1"}) == "http://[fd00::1]:9400/metrics"
+    assert (
+        healthcheck.metrics_url({"ELASTIC_TRAINER_METRICS_ADDR": "::"})
+        == "http://127.0.0.1:9400/metrics"
+    )
+    assert (
+        healthcheck.metrics_url({"ELASTIC_TRAINER_METRICS_ADDR": "fd00::1"})
+        == "http://[fd00::1]:9400/metrics"
+    )
     with pytest.raises(ValueError, match="not a TCP port"):
         healthcheck.metrics_url({"ELASTIC_TRAINER_METRICS_PORT": "70000"})
 
@@ -379,7 +419,9 @@ def test_compose_services_and_pinned_images(compose: dict[str, Any]) -> None:
     for name in ("worker", "worker-gpu"):
         service = services[name]
         assert service["image"] == f"elastic-trainer:{app_version}"
-        assert (DOCKER_DIR / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == DOCKERFILE
+        assert (
+            DOCKER_DIR / service["build"]["context"] / service["build"]["dockerfile"]
+        ).resolve() == DOCKERFILE
 
 
 def test_compose_workers_rendezvous_through_etcd(compose: dict[str, Any]) -> None:
@@ -390,7 +432,9 @@ def test_compose_workers_rendezvous_through_etcd(compose: dict[str, Any]) -> Non
         service = services[name]
         options = _launcher_options(service["command"])
         assert options["rdzv-endpoint"] == "etcd:2379"
-        assert options["run-id"].startswith("${RUN_ID:?"), "the run id must be chosen, never a shared default"
+        assert options["run-id"].startswith("${RUN_ID:?"), (
+            "the run id must be chosen, never a shared default"
+        )
         assert re.fullmatch(r"\$\{MIN_NODES:-\d+\}:\$\{MAX_NODES:-\d+\}", options["nnodes"])
         assert service["depends_on"]["etcd"]["condition"] == "service_healthy"
         assert "checkpoints:/checkpoints" in service["volumes"]
@@ -416,10 +460,16 @@ def test_compose_is_hardened_and_has_no_secrets(compose: dict[str, Any]) -> None
 
 def test_compose_prometheus_scrapes_every_worker(compose: dict[str, Any]) -> None:
     prometheus = compose["services"]["prometheus"]
-    [config_mount] = [v for v in prometheus["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro")]
+    [config_mount] = [
+        v for v in prometheus["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro")
+    ]
     config = yaml.safe_load((DOCKER_DIR / config_mount.split(":")[0]).read_text())
-    sd = {name: cfg["port"] for job in config["scrape_configs"] for cfg in job.get("dns_sd_configs", [])
-          for name in cfg["names"]}
+    sd = {
+        name: cfg["port"]
+        for job in config["scrape_configs"]
+        for cfg in job.get("dns_sd_configs", [])
+        for name in cfg["names"]
+    }
     for name in ("worker", "worker-gpu"):
         port = int(_launcher_options(compose["services"][name]["command"])["metrics-port"])
         assert sd[name] == port == 9400
@@ -427,14 +477,22 @@ def test_compose_prometheus_scrapes_every_worker(compose: dict[str, Any]) -> Non
 
 def test_compose_grafana_provisions_the_single_dashboard(compose: dict[str, Any]) -> None:
     grafana = compose["services"]["grafana"]
-    mounts = {m.split(":")[1]: DOCKER_DIR / m.split(":")[0] for m in grafana["volumes"] if m.startswith(".")}
+    mounts = {
+        m.split(":")[1]: DOCKER_DIR / m.split(":")[0]
+        for m in grafana["volumes"]
+        if m.startswith(".")
+    }
     [(target, source)] = [(t, s) for t, s in mounts.items() if t.endswith(".json")]
     assert source.resolve() == DASHBOARD.resolve(), "compose must mount the chart's dashboard file"
 
-    datasources = yaml.safe_load((mounts["/etc/grafana/provisioning/datasources"] / "prometheus.yaml").read_text())
+    datasources = yaml.safe_load(
+        (mounts["/etc/grafana/provisioning/datasources"] / "prometheus.yaml").read_text()
+    )
     [ds] = datasources["datasources"]
     assert ds["uid"] == "prometheus" and ds["url"] == "http://prometheus:9090"
-    providers = yaml.safe_load((mounts["/etc/grafana/provisioning/dashboards"] / "elastic-trainer.yaml").read_text())
+    providers = yaml.safe_load(
+        (mounts["/etc/grafana/provisioning/dashboards"] / "elastic-trainer.yaml").read_text()
+    )
     [provider] = providers["providers"]
     assert provider["options"]["path"] == str(Path(target).parent)
 

@@ -49,7 +49,9 @@ def pod_specs(docs: Manifests) -> list[tuple[str, dict[str, Any]]]:
     specs = []
     for _, doc in docs:
         if doc["kind"] in ("Job", "StatefulSet", "Deployment", "DaemonSet"):
-            specs.append((f"{doc['kind']}/{doc['metadata']['name']}", doc["spec"]["template"]["spec"]))
+            specs.append(
+                (f"{doc['kind']}/{doc['metadata']['name']}", doc["spec"]["template"]["spec"])
+            )
     return specs
 
 
@@ -102,8 +104,10 @@ def test_helm_lint_is_clean(helm: Any, values_file: Path) -> None:
         report = helm.lint(CHART_DIR, values, strict=True, kube_version=f"v{kube_version}")
         assert report["errors"] == [], report
         problems = [
-            m for m in report["messages"]
-            if m["severity"] >= SEVERITY_WARNING or m["error"].split(": ")[-1] not in LINT_INFO_ALLOWED
+            m
+            for m in report["messages"]
+            if m["severity"] >= SEVERITY_WARNING
+            or m["error"].split(": ")[-1] not in LINT_INFO_ALLOWED
         ]
         assert problems == [], problems
 
@@ -135,22 +139,30 @@ _ENDPOINT = {
         "scrapeTimeout": {"type": "string", "pattern": r"^[0-9]+(ms|s|m|h)$"},
     },
 }
-_MONITOR_SPEC = {
+_MONITOR_REQUIRED = ["selector", "namespaceSelector"]
+_MONITOR_SPEC: dict[str, Any] = {
     "type": "object",
-    "required": ["selector", "namespaceSelector"],
+    "required": _MONITOR_REQUIRED,
     "additionalProperties": False,
     "properties": {
         "selector": {
             "type": "object",
             "required": ["matchLabels"],
             "additionalProperties": False,
-            "properties": {"matchLabels": {"type": "object", "minProperties": 1,
-                                           "additionalProperties": {"type": "string"}}},
+            "properties": {
+                "matchLabels": {
+                    "type": "object",
+                    "minProperties": 1,
+                    "additionalProperties": {"type": "string"},
+                }
+            },
         },
         "namespaceSelector": {
             "type": "object",
             "additionalProperties": False,
-            "properties": {"matchNames": {"type": "array", "minItems": 1, "items": {"type": "string"}}},
+            "properties": {
+                "matchNames": {"type": "array", "minItems": 1, "items": {"type": "string"}}
+            },
         },
         "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
         "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
@@ -169,15 +181,22 @@ CRD_SCHEMAS = {
                 "type": "object",
                 "required": ["name", "namespace", "labels"],
                 "properties": {
-                    "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+                    "name": {
+                        "type": "string",
+                        "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                        "maxLength": 63,
+                    },
                     "namespace": {"type": "string", "minLength": 1},
                     "labels": {"type": "object", "additionalProperties": {"type": "string"}},
                 },
             },
-            "spec": {**_MONITOR_SPEC, "required": [*_MONITOR_SPEC["required"], endpoints_key]},
+            "spec": {**_MONITOR_SPEC, "required": [*_MONITOR_REQUIRED, endpoints_key]},
         },
     }
-    for kind, endpoints_key in (("PodMonitor", "podMetricsEndpoints"), ("ServiceMonitor", "endpoints"))
+    for kind, endpoints_key in (
+        ("PodMonitor", "podMetricsEndpoints"),
+        ("ServiceMonitor", "endpoints"),
+    )
 }
 
 
@@ -187,15 +206,19 @@ def validate_all(kubernetes_validate: Any, docs: Manifests) -> list[str]:
     checked = []
     for template, doc in docs:
         if doc["kind"] in CRD_SCHEMAS:
-            errors = sorted(jsonschema.Draft7Validator(CRD_SCHEMAS[doc["kind"]]).iter_errors(doc), key=str)
+            errors = sorted(
+                jsonschema.Draft7Validator(CRD_SCHEMAS[doc["kind"]]).iter_errors(doc), key=str
+            )
             assert not errors, f"{template}: {[e.message for e in errors]}"
         else:
             for version in KUBE_VERSIONS:
                 try:
                     _validate_core(kubernetes_validate, doc, version)
                 except kubernetes_validate.ValidationError as exc:
-                    pytest.fail(f"{template} ({doc['kind']}) invalid for Kubernetes {version}: "
-                                f"{list(exc.path)}: {exc.message}")
+                    pytest.fail(
+                        f"{template} ({doc['kind']}) invalid for Kubernetes {version}: "
+                        f"{list(exc.path)}: {exc.message}"
+                    )
         checked.append(doc["kind"])
     return checked
 
@@ -269,7 +292,9 @@ def test_launcher_arguments_match_values(chart: Any, render: Any, values_file: P
     else:
         assert target[:2] == ["-m", v["training"]["module"]]
         job_args = target[2:]
-    ckpt_dir = f"{v['checkpoints']['mountPath']}/{v['checkpoints']['subPath'] or f'{NAMESPACE}-{RELEASE}'}"
+    ckpt_dir = (
+        f"{v['checkpoints']['mountPath']}/{v['checkpoints']['subPath'] or f'{NAMESPACE}-{RELEASE}'}"
+    )
     assert job_args == [str(a) for a in v["training"]["args"]] + [f"--checkpoint-dir={ckpt_dir}"]
     assert env_of(container)["CHECKPOINT_DIR"] == ckpt_dir
 
@@ -282,7 +307,9 @@ def test_run_id_is_derived_from_the_release_never_shared(render: Any) -> None:
     assert ids == {"ns1-a-$(JOB_UID)", "ns1-b-$(JOB_UID)", "ns2-a-$(JOB_UID)"}
     # $(JOB_UID) is the Job's uid: a recreated Job gets a fresh rendezvous.
     env = env_of(trainer(render()))
-    assert env["JOB_UID"] == {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}
+    assert env["JOB_UID"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}
+    }
     options, _ = launcher_options(trainer(render({"workers": {"runId": "fresh-start-2"}}))["args"])
     assert options["run-id"] == "fresh-start-2"
 
@@ -294,7 +321,10 @@ def test_checkpoint_dir_does_not_depend_on_the_run_id(render: Any) -> None:
         return target[-1], env_of(container)["CHECKPOINT_DIR"]
 
     default = ckpt({})
-    assert default == (f"--checkpoint-dir=/checkpoints/{NAMESPACE}-{RELEASE}", f"/checkpoints/{NAMESPACE}-{RELEASE}")
+    assert default == (
+        f"--checkpoint-dir=/checkpoints/{NAMESPACE}-{RELEASE}",
+        f"/checkpoints/{NAMESPACE}-{RELEASE}",
+    )
     assert ckpt({"workers": {"runId": "other"}}) == default
     assert ckpt({"checkpoints": {"subPath": "from-scratch"}})[1] == "/checkpoints/from-scratch"
 
@@ -307,19 +337,29 @@ def test_every_variable_reference_in_args_is_defined(render: Any, values_file: P
             defined = {e["name"] for e in container.get("env", [])}
             for arg in container.get("command", []) + container.get("args", []):
                 for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", arg):
-                    assert ref in defined, f"{owner}/{container['name']}: $({ref}) in {arg!r} is not defined"
+                    assert ref in defined, (
+                        f"{owner}/{container['name']}: $({ref}) in {arg!r} is not defined"
+                    )
 
 
 def test_script_instead_of_module(render: Any) -> None:
-    values = {"training": {"module": "", "script": "/workspace/train.py", "args": ["--lr", 0.1],
-                           "checkpointDirFlag": ""}}
+    values = {
+        "training": {
+            "module": "",
+            "script": "/workspace/train.py",
+            "args": ["--lr", 0.1],
+            "checkpointDirFlag": "",
+        }
+    }
     container = trainer(render(values))
     _, target = launcher_options(container["args"])
     assert target == ["/workspace/train.py", "--lr", "0.1"]
 
 
 # ------------------------------------------------------------------------------------ images
-IMAGE_RE = re.compile(r"^(?P<repo>[a-z0-9./_-]+)(:(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(@(?P<digest>sha256:[a-f0-9]{64}))?$")
+IMAGE_RE = re.compile(
+    r"^(?P<repo>[a-z0-9./_-]+)(:(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(@(?P<digest>sha256:[a-f0-9]{64}))?$"
+)
 
 
 @pytest.mark.parametrize("values_file", ci_values_param())
@@ -350,7 +390,9 @@ def test_requests_and_limits_on_every_container(render: Any, values_file: Path) 
             resources = container.get("resources", {})
             for section in ("requests", "limits"):
                 got = resources.get(section, {})
-                assert {"cpu", "memory"} <= set(got), f"{owner}/{container['name']}: {section} = {got}"
+                assert {"cpu", "memory"} <= set(got), (
+                    f"{owner}/{container['name']}: {section} = {got}"
+                )
 
 
 def test_gpu_count_equals_ranks_per_node(chart: Any, render: Any) -> None:
@@ -412,7 +454,10 @@ def test_worker_job_semantics(render: Any) -> None:
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
     assert spec["podReplacementPolicy"] == "Failed"
     rules = spec["podFailurePolicy"]["rules"]
-    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert rules[0] == {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
     by_action = {r["action"]: r for r in rules[1:]}
     assert by_action["Ignore"]["onExitCodes"]["values"] == [143]
     assert by_action["FailJob"]["onExitCodes"]["values"] == [2]
@@ -474,7 +519,9 @@ def test_nccl_environment_comes_from_values(chart: Any, render: Any, values_file
     v = merged(chart, values)
     env = env_of(trainer(render(values)))
     for name, value in v["nccl"]["env"].items():
-        expected = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+        expected = (
+            str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+        )
         assert env[name] == expected, name
     assert env["ELASTIC_TRAINER_PG_TIMEOUT_S"] == str(v["workers"]["processGroupTimeoutSeconds"])
     assert int(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) >= int(env["ELASTIC_TRAINER_PG_TIMEOUT_S"])
@@ -499,7 +546,11 @@ def test_bundled_etcd_cluster(render: Any) -> None:
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
 
-    headless = [d for _, d in docs if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"]]
+    headless = [
+        d
+        for _, d in docs
+        if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"]
+    ]
     assert len(headless) == 1 and headless[0]["spec"]["clusterIP"] == "None"
     assert headless[0]["spec"]["publishNotReadyAddresses"] is True
 
@@ -509,7 +560,10 @@ def test_bundled_etcd_cluster(render: Any) -> None:
     name = sts["metadata"]["name"]
     assert list(members) == [f"{name}-{i}" for i in range(3)]
     for member, url in members.items():
-        assert url == f"http://{member}.{sts['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local:2380"
+        assert (
+            url
+            == f"http://{member}.{sts['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local:2380"
+        )
     options, _ = launcher_options(trainer(docs)["args"])
     assert [e.split(".")[0] for e in options["rdzv-endpoint"].split(",")] == list(members)
 
@@ -541,8 +595,11 @@ def test_external_etcd_with_tls_and_credentials(render: Any) -> None:
     env = env_of(container)
     assert env["ETCD_USERNAME"] == {"secretKeyRef": {"name": "etcd-client-auth", "key": "username"}}
     # The password is a file only: never an env var, never an argument.
-    assert not any("password" in str(e).lower() and "secretKeyRef" in str(e) for e in container["env"]
-                   if e["name"] != "ETCD_USERNAME")
+    assert not any(
+        "password" in str(e).lower() and "secretKeyRef" in str(e)
+        for e in container["env"]
+        if e["name"] != "ETCD_USERNAME"
+    )
     assert conf["last_call_timeout"] == "30" and conf["join_timeout"] == "600"
 
 
@@ -562,21 +619,39 @@ def test_network_policies(chart: Any, render: Any) -> None:
     worker_labels = only(docs, "Job")["spec"]["template"]["metadata"]["labels"]
     etcd_labels = only(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
 
-    [etcd_policy] = [p for p in policies.values() if p["spec"]["podSelector"]["matchLabels"].items() <= etcd_labels.items()]
-    client_rules = [r for r in etcd_policy["spec"]["ingress"] if {"port": 2379, "protocol": "TCP"} in r["ports"]]
+    [etcd_policy] = [
+        p
+        for p in policies.values()
+        if p["spec"]["podSelector"]["matchLabels"].items() <= etcd_labels.items()
+    ]
+    client_rules = [
+        r for r in etcd_policy["spec"]["ingress"] if {"port": 2379, "protocol": "TCP"} in r["ports"]
+    ]
     sources = [peer["podSelector"]["matchLabels"] for r in client_rules for peer in r["from"]]
-    assert all(set(peer) == {"podSelector"} for r in etcd_policy["spec"]["ingress"] for peer in r["from"])
-    assert all(s.items() <= worker_labels.items() or s.items() <= etcd_labels.items() for s in sources)
+    assert all(
+        set(peer) == {"podSelector"} for r in etcd_policy["spec"]["ingress"] for peer in r["from"]
+    )
+    assert all(
+        s.items() <= worker_labels.items() or s.items() <= etcd_labels.items() for s in sources
+    )
     assert any(s.items() <= worker_labels.items() for s in sources)
 
-    [worker_policy] = [p for p in policies.values() if p["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()]
+    [worker_policy] = [
+        p
+        for p in policies.values()
+        if p["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()
+    ]
     metrics_rules = [r for r in worker_policy["spec"]["ingress"] if "ports" in r]
-    assert metrics_rules == [{
-        "from": [{"namespaceSelector": v["networkPolicy"]["monitoringNamespaceSelector"]}],
-        "ports": [{"port": v["workers"]["metricsPort"], "protocol": "TCP"}],
-    }]
+    assert metrics_rules == [
+        {
+            "from": [{"namespaceSelector": v["networkPolicy"]["monitoringNamespaceSelector"]}],
+            "ports": [{"port": v["workers"]["metricsPort"], "protocol": "TCP"}],
+        }
+    ]
     [peers] = [r for r in worker_policy["spec"]["ingress"] if "ports" not in r]
-    assert peers["from"] == [{"podSelector": {"matchLabels": worker_policy["spec"]["podSelector"]["matchLabels"]}}]
+    assert peers["from"] == [
+        {"podSelector": {"matchLabels": worker_policy["spec"]["podSelector"]["matchLabels"]}}
+    ]
 
     assert "NetworkPolicy" not in kinds(render({"networkPolicy": {"enabled": False}}))
 
@@ -596,7 +671,12 @@ def test_pod_monitor_selects_the_worker_metrics_port(render: Any) -> None:
 def test_service_monitor_selects_the_worker_service(render: Any) -> None:
     docs = render({"metrics": {"serviceMonitor": {"enabled": True}}})
     monitor = only(docs, "ServiceMonitor")
-    [svc] = [d for _, d in docs if d["kind"] == "Service" and d["spec"]["selector"].get("app.kubernetes.io/component") == "worker"]
+    [svc] = [
+        d
+        for _, d in docs
+        if d["kind"] == "Service"
+        and d["spec"]["selector"].get("app.kubernetes.io/component") == "worker"
+    ]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
 
@@ -638,7 +718,9 @@ def test_dashboard_json_is_provisionable() -> None:
         if uid is None or uid in ("prometheus", "-- Grafana --", "grafana"):
             continue
         var = re.fullmatch(r"\$\{?([A-Za-z0-9_]+)(:[a-z]+)?\}?", uid)
-        assert var and var[1] in variables, f"datasource {uid!r} is neither 'prometheus' nor a variable"
+        assert var and var[1] in variables, (
+            f"datasource {uid!r} is neither 'prometheus' nor a variable"
+        )
 
 
 def test_dashboard_enabled_without_the_file_fails_clearly(helm: Any, tmp_path: Path) -> None:
@@ -648,13 +730,19 @@ def test_dashboard_enabled_without_the_file_fails_clearly(helm: Any, tmp_path: P
     copy_dir = tmp_path / "elastic-trainer"
     shutil.copytree(CHART_DIR, copy_dir, ignore=shutil.ignore_patterns("dashboards"))
     with helm.Chart.load(copy_dir) as chart, pytest.raises(helm.HelmRenderError) as excinfo:
-        chart.render({"metrics": {"dashboard": {"enabled": True}}}, name=RELEASE, namespace=NAMESPACE)
-    assert "metrics.dashboard.enabled but the chart has no dashboards/elastic-trainer.json" in str(excinfo.value)
+        chart.render(
+            {"metrics": {"dashboard": {"enabled": True}}}, name=RELEASE, namespace=NAMESPACE
+        )
+    assert "metrics.dashboard.enabled but the chart has no dashboards/elastic-trainer.json" in str(
+        excinfo.value
+    )
 
 
 # ------------------------------------------------------------------------------------ NOTES
 def test_notes_show_how_to_scale_and_watch(chart: Any) -> None:
-    notes = chart.render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)["elastic-trainer/templates/NOTES.txt"]
+    notes = chart.render({}, name=RELEASE, namespace=NAMESPACE, is_install=True)[
+        "elastic-trainer/templates/NOTES.txt"
+    ]
     assert "--set workers.replicas=N" in notes
     assert f"patch job {RELEASE}-elastic-trainer-workers" in notes
     assert "logs -f -l" in notes and "port-forward" in notes and "/metrics" in notes
@@ -663,33 +751,85 @@ def test_notes_show_how_to_scale_and_watch(chart: Any) -> None:
 
 # ------------------------------------------------------------------------------------ bad values
 VALIDATE_VALUES_CASES = [
-    ("replicas above maxNodes", {"workers": {"replicas": 5, "maxNodes": 4}},
-     "workers.replicas (5) must be between workers.minNodes (1) and workers.maxNodes (4)"),
-    ("replicas below minNodes", {"workers": {"replicas": 1, "minNodes": 2}},
-     "workers.replicas (1) must be between workers.minNodes (2) and workers.maxNodes (4)"),
-    ("minNodes above maxNodes", {"workers": {"minNodes": 4, "maxNodes": 2, "replicas": 2}},
-     "workers.minNodes (4) must be <= workers.maxNodes (2)"),
-    ("grace not above checkpoint grace", {"workers": {"terminationGracePeriodSeconds": 30}},
-     "workers.terminationGracePeriodSeconds (30) must be greater than workers.sigtermGraceSeconds (30)"),
-    ("heartbeat below pg timeout", {"workers": {"processGroupTimeoutSeconds": 3600}},
-     "nccl.env.TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (1800) must be >= workers.processGroupTimeoutSeconds (3600)"),
-    ("external without endpoints", {"etcd": {"mode": "external"}},
-     "etcd.mode is external but etcd.external.endpoints is empty"),
-    ("external tls without secret", {"etcd": {"mode": "external", "external": {"endpoints": ["e:2379"], "tls": {"enabled": True}}}},
-     "etcd.external.tls.enabled needs etcd.external.tls.existingSecret"),
-    ("external auth without secret", {"etcd": {"mode": "external", "external": {"endpoints": ["e:2379"], "auth": {"enabled": True}}}},
-     "etcd.external.auth.enabled needs etcd.external.auth.existingSecret"),
-    ("module and script", {"training": {"script": "/x.py"}}, "set only one of training.module and training.script"),
-    ("neither module nor script", {"training": {"module": ""}}, "set training.module or training.script"),
-    ("reserved rdzv-conf key", {"workers": {"rdzvConf": {"password": "hunter2"}}},
-     "workers.rdzvConf.password is set by the chart from etcd.external; remove it"),
-    ("two monitors", {"metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}},
-     "enable at most one of metrics.podMonitor and metrics.serviceMonitor"),
+    (
+        "replicas above maxNodes",
+        {"workers": {"replicas": 5, "maxNodes": 4}},
+        "workers.replicas (5) must be between workers.minNodes (1) and workers.maxNodes (4)",
+    ),
+    (
+        "replicas below minNodes",
+        {"workers": {"replicas": 1, "minNodes": 2}},
+        "workers.replicas (1) must be between workers.minNodes (2) and workers.maxNodes (4)",
+    ),
+    (
+        "minNodes above maxNodes",
+        {"workers": {"minNodes": 4, "maxNodes": 2, "replicas": 2}},
+        "workers.minNodes (4) must be <= workers.maxNodes (2)",
+    ),
+    (
+        "grace not above checkpoint grace",
+        {"workers": {"terminationGracePeriodSeconds": 30}},
+        "workers.terminationGracePeriodSeconds (30) must be greater than workers.sigtermGraceSeconds (30)",
+    ),
+    (
+        "heartbeat below pg timeout",
+        {"workers": {"processGroupTimeoutSeconds": 3600}},
+        "nccl.env.TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (1800) must be >= workers.processGroupTimeoutSeconds (3600)",
+    ),
+    (
+        "external without endpoints",
+        {"etcd": {"mode": "external"}},
+        "etcd.mode is external but etcd.external.endpoints is empty",
+    ),
+    (
+        "external tls without secret",
+        {
+            "etcd": {
+                "mode": "external",
+                "external": {"endpoints": ["e:2379"], "tls": {"enabled": True}},
+            }
+        },
+        "etcd.external.tls.enabled needs etcd.external.tls.existingSecret",
+    ),
+    (
+        "external auth without secret",
+        {
+            "etcd": {
+                "mode": "external",
+                "external": {"endpoints": ["e:2379"], "auth": {"enabled": True}},
+            }
+        },
+        "etcd.external.auth.enabled needs etcd.external.auth.existingSecret",
+    ),
+    (
+        "module and script",
+        {"training": {"script": "/x.py"}},
+        "set only one of training.module and training.script",
+    ),
+    (
+        "neither module nor script",
+        {"training": {"module": ""}},
+        "set training.module or training.script",
+    ),
+    (
+        "reserved rdzv-conf key",
+        {"workers": {"rdzvConf": {"password": "hunter2"}}},
+        "workers.rdzvConf.password is set by the chart from etcd.external; remove it",
+    ),
+    (
+        "two monitors",
+        {"metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}},
+        "enable at most one of metrics.podMonitor and metrics.serviceMonitor",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("values", "message"), [pytest.param(v, m, id=i) for i, v, m in VALIDATE_VALUES_CASES])
-def test_validate_values_rejects_with_a_clear_message(helm: Any, chart: Any, values: dict[str, Any], message: str) -> None:
+@pytest.mark.parametrize(
+    ("values", "message"), [pytest.param(v, m, id=i) for i, v, m in VALIDATE_VALUES_CASES]
+)
+def test_validate_values_rejects_with_a_clear_message(
+    helm: Any, chart: Any, values: dict[str, Any], message: str
+) -> None:
     with pytest.raises(helm.HelmRenderError) as excinfo:
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
     text = str(excinfo.value)
@@ -698,7 +838,14 @@ def test_validate_values_rejects_with_a_clear_message(helm: Any, chart: Any, val
 
 
 def test_validate_values_lists_every_problem_at_once(helm: Any, chart: Any) -> None:
-    values = {"workers": {"replicas": 9, "minNodes": 5, "maxNodes": 3, "terminationGracePeriodSeconds": 10}}
+    values = {
+        "workers": {
+            "replicas": 9,
+            "minNodes": 5,
+            "maxNodes": 3,
+            "terminationGracePeriodSeconds": 10,
+        }
+    }
     with pytest.raises(helm.HelmRenderError) as excinfo:
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
     assert str(excinfo.value).count("\n  - ") == 3
@@ -708,7 +855,12 @@ SCHEMA_CASES = [
     ("negative replicas", "workers.replicas", -1, "/workers/replicas"),
     ("zero minNodes", "workers.minNodes", 0, "/workers/minNodes"),
     ("negative maxNodes", "workers.maxNodes", -2, "/workers/maxNodes"),
-    ("negative checkpoint grace", "workers.sigtermGraceSeconds", -5, "/workers/sigtermGraceSeconds"),
+    (
+        "negative checkpoint grace",
+        "workers.sigtermGraceSeconds",
+        -5,
+        "/workers/sigtermGraceSeconds",
+    ),
     ("negative max restarts", "workers.maxRestarts", -1, "/workers/maxRestarts"),
     ("non-integer replicas", "workers.replicas", "three", "/workers/replicas"),
     ("privileged metrics port", "workers.metricsPort", 80, "/workers/metricsPort"),
@@ -716,15 +868,34 @@ SCHEMA_CASES = [
     ("even etcd members", "etcd.bundled.replicas", 2, "/etcd/bundled/replicas"),
     ("unknown etcd mode", "etcd.mode", "embedded", "/etcd/mode"),
     ("mistyped key", "workers.replica", 3, "replica"),
-    ("SIGTERM exit as fail-fast code", "workers.failFastExitCodes", [143], "/workers/failFastExitCodes"),
-    ("root user", "workers.podSecurityContext.runAsNonRoot", False, "/workers/podSecurityContext/runAsNonRoot"),
+    (
+        "SIGTERM exit as fail-fast code",
+        "workers.failFastExitCodes",
+        [143],
+        "/workers/failFastExitCodes",
+    ),
+    (
+        "root user",
+        "workers.podSecurityContext.runAsNonRoot",
+        False,
+        "/workers/podSecurityContext/runAsNonRoot",
+    ),
     ("bad NCCL variable name", "nccl.env.FOO", "1", "FOO"),
-    ("bad async error handling", "nccl.env.TORCH_NCCL_ASYNC_ERROR_HANDLING", "7", "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+    (
+        "bad async error handling",
+        "nccl.env.TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "7",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("dotted", "value", "where"), [pytest.param(d, v, w, id=i) for i, d, v, w in SCHEMA_CASES])
-def test_schema_rejects_bad_values(helm: Any, chart: Any, dotted: str, value: Any, where: str) -> None:
+@pytest.mark.parametrize(
+    ("dotted", "value", "where"), [pytest.param(d, v, w, id=i) for i, d, v, w in SCHEMA_CASES]
+)
+def test_schema_rejects_bad_values(
+    helm: Any, chart: Any, dotted: str, value: Any, where: str
+) -> None:
     values = deep_set({}, dotted, value)
     with pytest.raises(helm.HelmValuesError) as excinfo:
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
@@ -756,9 +927,13 @@ def _leaf_keys_without_docs(text: str) -> list[str]:
         previous = next((lines[j] for j in range(number - 1, -1, -1) if lines[j].strip()), "")
         documented = previous.strip().startswith("#") or any(d for _, _, d in stack)
         rest = match["rest"].strip()
-        is_block = rest == "" and number + 1 < len(lines) and (
-            len(lines[number + 1]) - len(lines[number + 1].lstrip()) > indent
-            and not lines[number + 1].lstrip().startswith("- ")
+        is_block = (
+            rest == ""
+            and number + 1 < len(lines)
+            and (
+                len(lines[number + 1]) - len(lines[number + 1].lstrip()) > indent
+                and not lines[number + 1].lstrip().startswith("- ")
+            )
         )
         stack.append((indent, match["key"], documented))
         if not is_block and not documented:
