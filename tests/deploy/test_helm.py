@@ -30,11 +30,13 @@ from tests.deploy.conftest import (
     Manifests,
     ci_values_or_skip,
     ci_values_param,
+    http_json,
     import_or_missing,
     kinds,
     load_values,
     only,
     require_dashboard,
+    require_etcd_binary,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -994,3 +996,94 @@ def test_chart_yaml_pins_kubernetes_floor() -> None:
     chart_yaml = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
     floor = re.fullmatch(r">=(\d+\.\d+)\.0-0", chart_yaml["kubeVersion"])
     assert floor and floor[1] == KUBE_VERSIONS[0].rsplit(".", 1)[0]
+
+
+# ------------------------------------------------------------------------------------ real etcd
+def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path) -> None:
+    """Start three real etcd processes with the StatefulSet's own arguments (the kubelet's
+    $(POD_NAME) expansion and the pod DNS names mapped to loopback ports) and check that the
+    members answer the chart's probe paths and replicate a write."""
+    import base64
+    import subprocess
+    import time
+    import urllib.error
+
+    from rendezvous.etcd_server import free_port
+
+    binary = require_etcd_binary()
+    sts = only(render(), "StatefulSet")
+    [container] = sts["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    members = [
+        m.split("=", 1)[0]
+        for m in next(a for a in args if a.startswith("--initial-cluster="))
+        .split("=", 1)[1]
+        .split(",")
+    ]
+    domain = f"{sts['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
+    ports = {
+        m: {"client": free_port(), "peer": free_port(), "metrics": free_port()} for m in members
+    }
+
+    def localize(arg: str, me: str) -> str:
+        arg = arg.replace("$(POD_NAME)", me)
+        for member, p in ports.items():
+            arg = arg.replace(f"http://{member}.{domain}:2380", f"http://127.0.0.1:{p['peer']}")
+            arg = arg.replace(f"http://{member}.{domain}:2379", f"http://127.0.0.1:{p['client']}")
+        for name, port in (("client", 2379), ("peer", 2380), ("metrics", 2381)):
+            arg = arg.replace(f"http://0.0.0.0:{port}", f"http://127.0.0.1:{ports[me][name]}")
+        if arg.startswith("--data-dir="):
+            arg = f"--data-dir={tmp_path / me}"
+        assert "0.0.0.0" not in arg and ".svc." not in arg, f"unmapped address in {arg}"
+        return arg
+
+    probes = {
+        kind: container[kind]["httpGet"]["path"]
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe")
+    }
+    procs = []
+    try:
+        for member in members:
+            log = (tmp_path / f"{member}.log").open("w")
+            procs.append(
+                subprocess.Popen(
+                    [binary, *(localize(a, member) for a in args)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        deadline = time.monotonic() + 30
+        pending = {(m, path) for m in members for path in probes.values()}
+        while pending and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), (
+                tmp_path / f"{members[0]}.log"
+            ).read_text()[-2000:]
+            for member, path in sorted(pending):
+                try:
+                    if (
+                        http_json(f"http://127.0.0.1:{ports[member]['metrics']}{path}")["health"]
+                        == "true"
+                    ):
+                        pending.discard((member, path))
+                except (urllib.error.URLError, OSError, ValueError):
+                    pass
+            time.sleep(0.1)
+        assert not pending, f"members not healthy within 30 s: {sorted(pending)}"
+
+        key, value = (
+            base64.b64encode(b"elastic-trainer/probe").decode(),
+            base64.b64encode(b"ok").decode(),
+        )
+        http_json(
+            f"http://127.0.0.1:{ports[members[0]]['client']}/v3/kv/put",
+            {"key": key, "value": value},
+        )
+        got = http_json(
+            f"http://127.0.0.1:{ports[members[-1]]['client']}/v3/kv/range", {"key": key}
+        )
+        assert got["kvs"][0]["value"] == value
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait(timeout=10)
