@@ -12,12 +12,17 @@ cross-checked with the chart and the Dockerfile.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 import pytest
 import yaml
 
+from rendezvous.etcd_server import free_port
 from tests.deploy.conftest import (
     CHART_DIR,
     DASHBOARD,
@@ -351,7 +357,6 @@ def test_healthcheck_passes_on_a_live_metrics_endpoint(metrics_server: int) -> N
 
 def test_healthcheck_fails_when_nothing_listens(metrics_server: int) -> None:
     # A port that was free a moment ago: bind and close a socket to get one.
-    import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -506,13 +511,8 @@ def test_compose_grafana_provisions_the_single_dashboard(compose: dict[str, Any]
 def test_compose_etcd_command_starts_a_real_etcd(compose: dict[str, Any], tmp_path: Path) -> None:
     """Run the compose etcd service's command with the real etcd binary ("etcd" and 0.0.0.0
     mapped to loopback ports) and check that it becomes healthy and serves a write."""
-    import base64
-    import time
-    import urllib.error
-    import urllib.request
 
     binary = require_etcd_binary()
-    from rendezvous.etcd_server import free_port
 
     command = compose["services"]["etcd"]["command"]
     assert command[0] == "/usr/local/bin/etcd"

@@ -12,15 +12,21 @@ with a clear message, by values.schema.json or by the validateValues helper.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
+import shutil
+import subprocess
+import time
+import urllib.error
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from rendezvous.etcd_server import free_port
 from tests.deploy.conftest import (
     CHART_DIR,
     CI_VALUES,
@@ -727,8 +733,6 @@ def test_dashboard_json_is_provisionable() -> None:
 
 def test_dashboard_enabled_without_the_file_fails_clearly(helm: Any, tmp_path: Path) -> None:
     """The ConfigMap must never silently ship an empty dashboard."""
-    import shutil
-
     copy_dir = tmp_path / "elastic-trainer"
     shutil.copytree(CHART_DIR, copy_dir, ignore=shutil.ignore_patterns("dashboards"))
     with helm.Chart.load(copy_dir) as chart, pytest.raises(helm.HelmRenderError) as excinfo:
@@ -1003,12 +1007,6 @@ def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path)
     """Start three real etcd processes with the StatefulSet's own arguments (the kubelet's
     $(POD_NAME) expansion and the pod DNS names mapped to loopback ports) and check that the
     members answer the chart's probe paths and replicate a write."""
-    import base64
-    import subprocess
-    import time
-    import urllib.error
-
-    from rendezvous.etcd_server import free_port
 
     binary = require_etcd_binary()
     sts = only(render(), "StatefulSet")
