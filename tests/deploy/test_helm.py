@@ -18,6 +18,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 from pathlib import Path
@@ -466,10 +467,19 @@ def test_worker_job_semantics(render: Any) -> None:
         "action": "Ignore",
         "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
     }
-    by_action = {r["action"]: r for r in rules[1:]}
-    assert by_action["Ignore"]["onExitCodes"]["values"] == [143]
-    assert by_action["FailJob"]["onExitCodes"]["values"] == [2]
-    assert {r["onExitCodes"]["containerName"] for r in rules[1:]} == {"trainer"}
+    assert rules[1:] == [
+        {
+            "action": "Ignore",
+            "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [143]},
+        }
+    ]
+    fail_fast = only(render({"workers": {"failFastExitCodes": [2, 3]}}), "Job")["spec"][
+        "podFailurePolicy"
+    ]["rules"]
+    assert fail_fast[2] == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [2, 3]},
+    }
 
 
 def test_scaling_changes_only_parallelism(render: Any) -> None:
@@ -1003,6 +1013,29 @@ def test_chart_yaml_pins_kubernetes_floor() -> None:
 
 
 # ------------------------------------------------------------------------------------ real etcd
+def test_wait_for_etcd_gives_up_with_one_line(render: Any) -> None:
+    [init] = only(render({"workers": {"waitForEtcd": {"timeoutSeconds": 1}}}), "Job")["spec"][
+        "template"
+    ]["spec"]["initContainers"]
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-c", init["command"][2], f"127.0.0.1:{port}", init["command"][4]],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"etcd not ready after 1 s: 127.0.0.1:{port}: ")
+    assert proc.stderr.count("\n") == 1
+
+
+def test_no_etcd_wait_with_external_etcd(render: Any) -> None:
+    values = load_values(CHART_DIR / "ci" / "external-etcd-tls-values.yaml")
+    assert "initContainers" not in only(render(values), "Job")["spec"]["template"]["spec"]
+    off = {"workers": {"waitForEtcd": {"enabled": False}}}
+    assert "initContainers" not in only(render(off), "Job")["spec"]["template"]["spec"]
+
+
 def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path) -> None:
     """Start three real etcd processes with the StatefulSet's own arguments (the kubelet's
     $(POD_NAME) expansion and the pod DNS names mapped to loopback ports) and check that the
@@ -1035,11 +1068,26 @@ def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path)
         assert "0.0.0.0" not in arg and ".svc." not in arg, f"unmapped address in {arg}"
         return arg
 
+    [init] = only(render(), "Job")["spec"]["template"]["spec"]["initContainers"]
+    assert init["name"] == "wait-for-etcd"
+    program, endpoints, timeout = init["command"][2:]
+    assert init["command"][:2] == ["python", "-c"] and timeout == "600"
+    local_endpoints = ",".join(f"127.0.0.1:{ports[m]['client']}" for m in members)
+    assert endpoints.count(",") == local_endpoints.count(",")
+
     probes = {
         kind: container[kind]["httpGet"]["path"]
         for kind in ("startupProbe", "livenessProbe", "readinessProbe")
     }
     procs = []
+    # The init container's program starts first and must wait until the cluster is up.
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", program, local_endpoints, "30"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    procs.append(waiter)
     try:
         for member in members:
             log = (tmp_path / f"{member}.log").open("w")
@@ -1053,7 +1101,7 @@ def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path)
         deadline = time.monotonic() + 30
         pending = {(m, path) for m in members for path in probes.values()}
         while pending and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs), (
+            assert all(p.poll() is None for p in procs if p is not waiter), (
                 tmp_path / f"{members[0]}.log"
             ).read_text()[-2000:]
             for member, path in sorted(pending):

@@ -191,6 +191,31 @@ integral floats as integers.
 {{- end }}
 {{- end }}
 
+{{/*
+Init container program: wait until one of the bundled etcd members answers /health on its
+client port (it needs a leader), bounded by workers.waitForEtcd.timeoutSeconds. Standard
+library only; argv: endpoints ("host:port,..."), timeout in seconds.
+*/}}
+{{- define "elastic-trainer.waitForEtcdScript" -}}
+import json, sys, time, urllib.request
+endpoints, timeout = sys.argv[1].split(","), float(sys.argv[2])
+deadline, last = time.monotonic() + timeout, "no answer yet"
+while True:
+    for endpoint in endpoints:
+        try:
+            with urllib.request.urlopen(f"http://{endpoint}/health", timeout=3) as response:
+                if json.load(response).get("health") == "true":
+                    print(f"etcd is ready ({endpoint})")
+                    sys.exit(0)
+                last = f"{endpoint}: unhealthy"
+        except Exception as exc:
+            last = f"{endpoint}: {exc}"
+    if time.monotonic() > deadline:
+        print(f"etcd not ready after {timeout:g} s: {last}", file=sys.stderr)
+        sys.exit(1)
+    time.sleep(2)
+{{- end }}
+
 {{/* ---------------------------------------------------------------- validation */}}
 {{/*
 Cross-field rules JSON Schema cannot express. Called from every always-rendered template so
