@@ -267,7 +267,7 @@ class EtcdConnection:
             failed = self.endpoint
             self._fail_over()
             log.warning(
-                "etcd %s failed on %s (%s); retry %d on %s in %.2fs",
+                "%s to etcd failed on %s (%s); retry %d on %s in %.2fs",
                 what,
                 failed,
                 _describe(exc) if exc else "?",

@@ -1,0 +1,198 @@
+"""The ``elastic-trainer`` command: parse, build, run, always clean up.
+
+    elastic-trainer run --nnodes 1:2 --nproc-per-node 2 -m elastic_trainer.examples.synthetic_cnn
+    elastic-trainer status --rdzv-endpoint 127.0.0.1:2379 --run-id job1
+    elastic-trainer doctor --nproc-per-node 2
+    elastic-trainer checkpoint list ./checkpoints --json
+
+User mistakes are one line on stderr and exit code 2; a failed job exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from elastic_trainer import __version__
+from elastic_trainer.launch_options import OPTIONS, UserError, resolve_run_options
+
+PROG = "elastic-trainer"
+
+RUN_EXAMPLE = """example:
+  elastic-trainer run --nnodes 1:2 --nproc-per-node 2 \\
+      -m elastic_trainer.examples.synthetic_cnn --max-steps 200 --checkpoint-dir ./ckpt
+
+  Without --rdzv-endpoint an embedded etcd is started on a free port and stopped on exit.
+  With a shared etcd, give every node the same endpoint and a unique run id:
+  elastic-trainer run --rdzv-endpoint etcd-0:2379,etcd-1:2379 --run-id job-42 train.py --lr 0.1
+
+Every option can also be set as ELASTIC_TRAINER_<OPTION> (e.g. ELASTIC_TRAINER_RDZV_ENDPOINT)
+or in the [run] table of a TOML file given with --config; precedence: command line >
+environment > file > default."""
+
+STATUS_EXAMPLE = """example:
+  elastic-trainer status --rdzv-endpoint 127.0.0.1:2379 --run-id job-42 --checkpoint-dir ./ckpt
+  elastic-trainer status --rdzv-endpoint etcd:2379 --run-id job-42 --json"""
+
+DOCTOR_EXAMPLE = """example:
+  elastic-trainer doctor --nproc-per-node 2            # one node, embedded etcd
+  elastic-trainer doctor --rdzv-endpoint etcd:2379 --run-id doctor-1 --nnodes 2 -- --json
+
+Arguments after -- go to the doctor module (see python -m elastic_trainer.doctor --help)."""
+
+CHECKPOINT_EXAMPLE = """example:
+  elastic-trainer checkpoint list ./ckpt --json
+  elastic-trainer checkpoint verify ./ckpt
+  elastic-trainer checkpoint inspect ./ckpt/ckpt-000000000200.pt"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+    for spec in OPTIONS:
+        default_text = "none" if spec.default is None else spec.default
+        parser.add_argument(
+            spec.flag, dest=spec.name, default=None, metavar=spec.name.split("_")[-1].upper(),
+            help=f"{spec.help} (default: {default_text}; env {spec.env})",
+        )
+    parser.add_argument("--config", default=None, help="TOML file with a [run] table of these options")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog=PROG, description="Fault-tolerant, elastic PyTorch DDP training.", formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = commands.add_parser("run", help="launch a training job elastically", epilog=RUN_EXAMPLE, formatter_class=formatter)
+    _add_launch_options(run)
+    run.add_argument("-m", "--module", action="store_true", help="treat the target as a module (python -m MODULE)")
+    run.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT|ARGS", help="script and its arguments")
+
+    status = commands.add_parser("status", help="show a run's rendezvous from etcd", epilog=STATUS_EXAMPLE, formatter_class=formatter)
+    status.add_argument("--rdzv-endpoint", required=True, help="etcd endpoint(s) host:port[,host:port]")
+    status.add_argument("--run-id", required=True, help="the run's rendezvous id")
+    status.add_argument("--rdzv-conf", default="", help="KEY=VALUE[,...] etcd settings (TLS, auth, timeouts)")
+    status.add_argument("--checkpoint-dir", default=None, help="also show the newest checkpoint here")
+    status.add_argument("--json", action="store_true", help="print JSON")
+
+    doctor = commands.add_parser("doctor", help="check the distributed setup on every rank", epilog=DOCTOR_EXAMPLE, formatter_class=formatter)
+    _add_launch_options(doctor)
+    doctor.add_argument("doctor_args", nargs=argparse.REMAINDER, metavar="-- DOCTOR-ARGS")
+
+    checkpoint = commands.add_parser("checkpoint", help="list, verify or inspect checkpoints", epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
+    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    for name, text in (("list", "checkpoints with path and step, newest last"),
+                       ("verify", "check every checkpoint against its manifest's sha256"),
+                       ("inspect", "what a checkpoint holds (no GPU needed)")):
+        action = actions.add_parser(name, help=text, epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
+        action.add_argument("path", metavar="DIR" if name != "inspect" else "DIR|FILE")
+        action.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _launch_values(args: argparse.Namespace) -> dict[str, Any]:
+    return {spec.name: getattr(args, spec.name) for spec in OPTIONS}
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from elastic_trainer.launcher import default_env_for_workers, install_sigterm_as_exception, launch, split_target
+
+    words = list(args.target)
+    if words and words[0] == "--":
+        words = words[1:]
+    target = split_target(words, as_module=args.module)
+    options = resolve_run_options(_launch_values(args), config_path=args.config)
+    install_sigterm_as_exception()
+    default_env_for_workers()
+    return launch(options, target, dry_run=args.dry_run)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from elastic_trainer.launcher import Target, install_sigterm_as_exception, launch
+
+    extra = list(args.doctor_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    # One node and no restarts unless asked: a failed check must be reported, not retried.
+    options = resolve_run_options(
+        _launch_values(args), config_path=args.config, defaults={"nnodes": "1", "max_restarts": 0}
+    )
+    install_sigterm_as_exception()
+    return launch(options, Target(None, "elastic_trainer.doctor", tuple(extra)))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from elastic_trainer.status import read_status, render_status
+
+    conf = {}
+    for item in filter(None, args.rdzv_conf.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--rdzv-conf: {item!r} is not KEY=VALUE")
+        conf[key.strip()] = value.strip()
+    conf.setdefault("retry_timeout", "5")
+    report = read_status(args.rdzv_endpoint, args.run_id, conf, args.checkpoint_dir)
+    print(json.dumps(report, indent=2) if args.json else render_status(report))
+    return 0
+
+
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from elastic_trainer import checkpoint_cli
+
+    if args.action == "list":
+        rows = checkpoint_cli.list_checkpoints(args.path)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for row in rows:
+                print(f"step {row['step']:>10}  epoch {row['epoch']}  world {row['world_size']}  {row['bytes']} B  {row['path']}")
+        return 0
+    if args.action == "verify":
+        results = checkpoint_cli.verify_checkpoints(args.path)
+        if args.json:
+            print(json.dumps(results, indent=2))
+        else:
+            for r in results:
+                print(f"{'OK ' if r['ok'] else 'BAD'} step {r['step']:>10}  {r['error'] or r['path']}")
+        return 0 if all(r["ok"] for r in results) else 1
+    report = checkpoint_cli.inspect_checkpoint(args.path)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{report['path']}: step {report['step']}, epoch {report['epoch']}, world size {report['world_size']}, "
+              f"{report['model_parameters']} model parameters")
+        for key, entry in report["entries"].items():
+            print(f"  {key:<16} {entry['tensors']:>6} tensors  {entry['bytes']:>14} B")
+    return 0
+
+
+COMMANDS = {"run": _cmd_run, "status": _cmd_status, "doctor": _cmd_doctor, "checkpoint": _cmd_checkpoint}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``elastic-trainer`` command; returns the exit code."""
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s")
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

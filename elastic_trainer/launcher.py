@@ -1,0 +1,233 @@
+"""``elastic-trainer run``: torchrun's own launcher over ``etcd-v3``, with an embedded etcd.
+
+    elastic-trainer run --nnodes 1:2 --nproc-per-node 2 -m elastic_trainer.examples.synthetic_cnn
+
+The agent, restarts and worker management are torch's (``torch.distributed.run``); this module
+only chooses defaults, validates everything a user can get wrong before anything starts, starts
+an embedded etcd when no endpoint is given, serves the node's metrics, and always cleans up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic_trainer.launch_options import RunOptions, UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What the workers run: a script path or a module, with its arguments."""
+
+    script: str | None
+    module: str | None
+    args: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if (self.script is None) == (self.module is None):
+            raise UserError("give exactly one of SCRIPT or -m MODULE")
+
+    def check(self) -> None:
+        """Raise :class:`UserError` if the script or module does not exist."""
+        if self.script is not None:
+            if not Path(self.script).is_file():
+                raise UserError(f"script {self.script}: no such file")
+            return
+        try:
+            found = importlib.util.find_spec(self.module or "")
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise UserError(f"module {self.module}: not found on the Python path")
+
+    def torchrun_args(self) -> list[str]:
+        head = ["-m", self.module] if self.module is not None else [self.script or ""]
+        return [*head, *self.args]
+
+
+def resolve_nproc(options: RunOptions, cuda_devices: int) -> int:
+    """Workers per node from ``--nproc-per-node`` and ``--device``.
+
+    Raises:
+        UserError: CUDA requested but absent, or more workers than visible GPUs.
+    """
+    device = options.device
+    if device == "cuda" and cuda_devices == 0:
+        raise UserError("--device cuda: no CUDA device is visible")
+    use_cuda = device == "cuda" or (device == "auto" and cuda_devices > 0)
+    if options.nproc_per_node == "auto":
+        return cuda_devices if use_cuda else 1
+    nproc = int(options.nproc_per_node)
+    if use_cuda and nproc > cuda_devices:
+        raise UserError(
+            f"--nproc-per-node {nproc}: only {cuda_devices} GPU(s) visible "
+            "(CUDA_VISIBLE_DEVICES); one worker per GPU at most"
+        )
+    return nproc
+
+
+def rdzv_conf(options: RunOptions) -> str:
+    """The ``--rdzv-conf`` string: our timeouts first, the user's keys last (they win)."""
+    ours = (
+        f"join_timeout={options.join_timeout},last_call_timeout={options.last_call_timeout},"
+        f"close_timeout={options.close_timeout},heartbeat_timeout={options.heartbeat_timeout},"
+        f"keep_alive_interval={options.keep_alive_interval}"
+    )
+    return ",".join(filter(None, (ours, options.rdzv_conf)))
+
+
+def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, target: Target) -> list[str]:
+    """The torchrun command line this launch is equivalent to."""
+    argv = [
+        f"--nnodes={options.nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={rdzv_conf(options)}",
+        f"--max-restarts={options.max_restarts}",
+        f"--monitor-interval={options.monitor_interval}",
+    ]
+    if options.log_dir:
+        argv += [f"--log-dir={options.log_dir}", "--tee=3"]
+    return argv + target.torchrun_args()
+
+
+def _check_external_etcd(options: RunOptions, run_id: str) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+
+    from rendezvous.etcd_backend import client_config_from_params
+    from rendezvous.etcd_client import EtcdConnection
+
+    conf = dict(item.split("=", 1) for item in filter(None, options.rdzv_conf.split(",")))
+    params = RendezvousParameters("etcd-v3", options.rdzv_endpoint or "", run_id, 1, 1, **conf)
+    try:
+        connection = EtcdConnection(client_config_from_params(params))
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    retry_log = logging.getLogger("rendezvous.etcd_client")
+    level = retry_log.level
+    retry_log.setLevel(logging.ERROR)  # a user mistake is one line, not a line per retry
+    try:
+        connection.check()
+    except RendezvousConnectionError as exc:
+        raise UserError(f"cannot use etcd: {exc}") from exc
+    finally:
+        retry_log.setLevel(level)
+        connection.close()
+
+
+def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int:
+    """Run the job; return the process exit code.
+
+    Raises:
+        UserError: anything the user can fix, detected before workers start.
+    """
+    import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from rendezvous.etcd_client import parse_endpoints
+    from rendezvous.plugin import ensure_registered
+
+    ensure_registered()
+    target.check()
+    nproc = resolve_nproc(options, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if options.rdzv_endpoint is not None:
+        try:
+            parse_endpoints(options.rdzv_endpoint)
+        except ValueError as exc:
+            raise UserError(f"--rdzv-endpoint {options.rdzv_endpoint!r}: {exc}") from exc
+        if not options.run_id:
+            raise UserError(
+                "--run-id is required with --rdzv-endpoint: jobs sharing an etcd must not share an id"
+            )
+    if dry_run:
+        endpoint = options.rdzv_endpoint or f"{options.etcd_host}:<free port>"
+        print("torchrun " + " ".join(torchrun_argv(options, endpoint, options.run_id or "<derived>", nproc, target)))
+        return 0
+
+    with contextlib.ExitStack() as cleanup:
+        if options.rdzv_endpoint is None:
+            from rendezvous.etcd_server import EtcdServer, EtcdServerError
+
+            data_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="elastic-trainer-etcd-"))
+            server = EtcdServer.single(Path(data_dir) / "data", host=options.etcd_host)
+            cleanup.callback(server.stop)
+            try:
+                server.start()
+            except EtcdServerError as exc:
+                raise UserError(f"embedded etcd: {exc}") from exc
+            endpoint = server.endpoint
+            run_id = options.run_id or f"local-{uuid.uuid4().hex[:12]}"
+            log.warning("embedded etcd on %s (run id %s); other nodes may join with "
+                        "--rdzv-endpoint %s --run-id %s", endpoint, run_id, endpoint, run_id)
+        else:
+            endpoint, run_id = options.rdzv_endpoint, options.run_id or ""
+            _check_external_etcd(options, run_id)
+
+        if options.metrics_port:
+            from elastic_trainer.metrics_server import (
+                LauncherMetricsConfig,
+                MetricsError,
+                start_launcher_metrics,
+            )
+
+            try:
+                metrics = start_launcher_metrics(
+                    LauncherMetricsConfig(addr=options.metrics_addr, port=options.metrics_port, run_id=run_id)
+                )
+            except (MetricsError, OSError) as exc:
+                raise UserError(f"metrics endpoint {options.metrics_addr}:{options.metrics_port}: {exc}") from exc
+            cleanup.callback(metrics.close)
+            log.warning("node metrics on %s", metrics.url)
+
+        args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target))
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            failure = exc.get_first_failure()[1]
+            log.error("job failed: worker rank %s exited with %s", failure.rank, failure.exitcode)
+            return 1
+        except SignalException as exc:
+            log.warning("stopped by %s; workers were given their checkpoint grace", exc.sigval.name)
+            return 128 + int(exc.sigval)
+    return 0
+
+
+def install_sigterm_as_exception() -> None:
+    """Make SIGTERM/SIGINT unwind the launcher (so ``finally`` blocks stop etcd) before torch
+    installs its own handlers for the agent's lifetime."""
+
+    def raise_signal(signum: int, _frame: object) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(f"launcher got signal {signum}", sigval=signal.Signals(signum))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, raise_signal)
+
+
+def split_target(words: Sequence[str], *, as_module: bool) -> Target:
+    """Build the target from argparse's remainder (first word: the script or module)."""
+    if not words:
+        raise UserError("nothing to run: give SCRIPT or -m MODULE")
+    if as_module:
+        return Target(None, words[0], tuple(words[1:]))
+    return Target(words[0], None, tuple(words[1:]))
+
+
+def default_env_for_workers() -> None:
+    """Environment defaults the workers inherit (never overriding the user's)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
