@@ -18,7 +18,9 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,7 @@ from torch.utils.data import Dataset
 from elastic_trainer.checkpoint import CheckpointError
 from elastic_trainer.config import DEFAULT_CHECKPOINT_EVERY, DDPOptions, TrainerConfig
 from elastic_trainer.distributed import read_env, strip_local_rank_arg
+from elastic_trainer.observer import TrainingObserver
 from elastic_trainer.trainer import Trainer, TrainerSetupError, TrainingJob, build_observer
 
 log = logging.getLogger("elastic_trainer.examples.synthetic_cnn")
@@ -78,6 +81,21 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.images[index], self.labels[index]
 
 
+class Throttled:
+    """Wraps an observer and sleeps after every step (``--throttle-ms``)."""
+
+    def __init__(self, inner: TrainingObserver, seconds: float) -> None:
+        self._inner = inner
+        self._seconds = seconds
+
+    def on_step(self, **kwargs: Any) -> None:
+        self._inner.on_step(**kwargs)
+        time.sleep(self._seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def make_job(args: argparse.Namespace) -> TrainingJob:
     """The example's factories (also used by the benchmarks)."""
     return TrainingJob(
@@ -112,6 +130,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--record-samples", metavar="DIR", default=None,
                         help="append every step's dataset indices to DIR/samples-rank*-pid*.jsonl (audit)")
+    parser.add_argument("--throttle-ms", type=float, default=0.0,
+                        help="sleep this long after every step: makes the tiny job last long enough to scale, "
+                             "kill or preempt it by hand (demos, tests)")
     return parser.parse_args(list(argv))
 
 
@@ -130,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--dataset-size: must be positive, got {args.dataset_size}")
         if args.width <= 0:
             raise ValueError(f"--width: must be positive, got {args.width}")
+        if args.throttle_ms < 0:
+            raise ValueError(f"--throttle-ms: must be >= 0, got {args.throttle_ms}")
         config = TrainerConfig(
             global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size,
@@ -149,7 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             record_samples_dir=args.record_samples,
         )
         env = read_env(local_rank_arg=local_rank, backend=config.backend)
-        result = Trainer(config, make_job(args), observer=build_observer(), env=env).fit()
+        observer = build_observer()
+        if args.throttle_ms > 0:
+            observer = Throttled(observer, args.throttle_ms / 1000)
+        result = Trainer(config, make_job(args), observer=observer, env=env).fit()
     except (ValueError, CheckpointError, TrainerSetupError) as exc:
         # One line, no traceback: bad input or a checkpoint directory that cannot be used.
         print(f"synthetic_cnn: error: {exc}", file=sys.stderr)
@@ -165,5 +191,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return result.exit_code
 
 
+def _exit(code: int) -> None:
+    """Exit without interpreter teardown on failures.
+
+    By now the Trainer has destroyed the process group. Tearing down torch's C++ state after a
+    peer has already gone occasionally aborts (``terminate called without an active exception``,
+    SIGABRT), which would replace the clear error code and message with a crash report.
+    """
+    if code == 0:
+        sys.exit(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
