@@ -84,6 +84,25 @@ def http_json(url: str, body: dict[str, Any] | None = None) -> Any:
         return json.loads(response.read())
 
 
+def cli_dry_run(args: list[str], env: dict[str, str]) -> str:
+    """Run the real ``elastic-trainer`` CLI with ``--dry-run`` inserted after the subcommand;
+    returns the torchrun command it prints. Fails the test on a non-zero exit."""
+    import subprocess
+
+    assert args[0] == "run", args
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", "run", "--dry-run", *args[1:]],
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, f"elastic-trainer rejected {args}: {proc.stderr.strip()}"
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("torchrun ")]
+    return line
+
+
 @pytest.fixture(scope="session")
 def helm() -> ModuleType:
     return import_or_missing("helm_python", "helm-python-sdk")

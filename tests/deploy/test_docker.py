@@ -37,6 +37,7 @@ from tests.deploy.conftest import (
     DASHBOARD,
     DOCKER_DIR,
     REPO,
+    cli_dry_run,
     http_json,
     import_or_missing,
     require_dashboard,
@@ -452,6 +453,33 @@ def test_compose_workers_rendezvous_through_etcd(compose: dict[str, Any]) -> Non
     [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert "profiles" not in services["worker"], "CPU workers run by default"
+
+
+def _interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR:-default} / ${VAR:?error} / ${VAR} interpolation."""
+
+    def one(match: re.Match[str]) -> str:
+        name, op, arg = match["name"], match["op"], match["arg"]
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise KeyError(f"{name}: {arg}")
+        return arg or ""
+
+    return re.sub(r"\$\{(?P<name>\w+)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\}", one, text)
+
+
+@pytest.mark.parametrize("service", ["worker", "worker-gpu"])
+def test_the_real_cli_accepts_the_compose_command(compose: dict[str, Any], service: str) -> None:
+    spec = compose["services"][service]
+    with pytest.raises(KeyError, match="RUN_ID: set RUN_ID"):
+        _interpolate(" ".join(spec["command"]), {})
+    args = [_interpolate(a, {"RUN_ID": "demo-1"}) for a in spec["command"]]
+    env = {k: _interpolate(str(v), {}) for k, v in spec["environment"].items()}
+    torchrun = cli_dry_run(args, env)
+    assert "--rdzv-endpoint=etcd:2379 " in torchrun and "--rdzv-id=demo-1 " in torchrun
+    assert "--nnodes=1:4 " in torchrun
+    assert torchrun.endswith("--checkpoint-dir=/checkpoints/default")
 
 
 def test_compose_is_hardened_and_has_no_secrets(compose: dict[str, Any]) -> None:

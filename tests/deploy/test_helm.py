@@ -37,6 +37,7 @@ from tests.deploy.conftest import (
     Manifests,
     ci_values_or_skip,
     ci_values_param,
+    cli_dry_run,
     http_json,
     import_or_missing,
     kinds,
@@ -306,6 +307,26 @@ def test_launcher_arguments_match_values(chart: Any, render: Any, values_file: P
     )
     assert job_args == [str(a) for a in v["training"]["args"]] + [f"--checkpoint-dir={ckpt_dir}"]
     assert env_of(container)["CHECKPOINT_DIR"] == ckpt_dir
+
+
+@pytest.mark.parametrize("values_file", ci_values_param())
+def test_the_real_cli_accepts_the_pod_arguments(render: Any, values_file: Path) -> None:
+    """The launcher arguments are valid for `elastic-trainer run` itself (dry run: it parses,
+    resolves and prints the torchrun command, contacting nothing)."""
+    container = trainer(render(ci_values_or_skip(values_file)))
+    env = {k: v for k, v in env_of(container).items() if isinstance(v, str)}
+    expand = {"JOB_UID": "0b5f7c3e-1d2a-4c6b-9e8f-123456789abc", "ETCD_USERNAME": "trainer"}
+    args = [re.sub(r"\$\((\w+)\)", lambda m: expand[m[1]], a) for a in container["args"]]
+    options, target = launcher_options(args)
+    torchrun = cli_dry_run(args, env)
+    assert f"--nnodes={options['nnodes']} " in torchrun
+    assert f"--nproc-per-node={options['nproc-per-node']} " in torchrun
+    assert "--rdzv-backend=etcd-v3 " in torchrun
+    assert f"--rdzv-endpoint={options['rdzv-endpoint']} " in torchrun
+    assert f"--rdzv-id={options['run-id']} " in torchrun
+    for item in filter(None, options.get("rdzv-conf", "").split(",")):
+        assert item in torchrun
+    assert torchrun.endswith(" ".join(target))
 
 
 def test_run_id_is_derived_from_the_release_never_shared(render: Any) -> None:
