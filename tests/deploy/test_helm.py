@@ -1100,7 +1100,7 @@ def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path)
         kind: container[kind]["httpGet"]["path"]
         for kind in ("startupProbe", "livenessProbe", "readinessProbe")
     }
-    procs = []
+    procs: list[subprocess.Popen[Any]] = []
     # The init container's program starts first and must wait until the cluster is up.
     waiter = subprocess.Popen(
         [sys.executable, "-c", program, local_endpoints, "30"],
