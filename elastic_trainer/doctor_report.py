@@ -1,0 +1,291 @@
+"""Results of ``elastic-trainer doctor``: per-rank check results, their merge, and the report.
+
+Every rank runs every check and records a :class:`CheckResult` per check in a :class:`RankReport`.
+The reports are gathered to every rank, :func:`merge` folds them into one result per check (the
+worst status wins; the ranks behind a WARN or FAIL are named) and adds the findings that only
+show when ranks are compared (duplicate RANKs, two ranks on one GPU, different torch versions).
+:func:`render_text` and :func:`render_json` print what rank 0 shows. All of it is pure: the unit
+tests build reports by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PASS, SKIP, WARN, FAIL = "PASS", "SKIP", "WARN", "FAIL"
+STATUSES = (PASS, SKIP, WARN, FAIL)
+"""Statuses from best to worst. SKIP: the check could not run because an earlier one failed
+(or it does not apply); it never hides a failure, whose own check is FAIL."""
+_SEVERITY = {status: index for index, status in enumerate(STATUSES)}
+
+CHECKS: dict[str, str] = {
+    "env": "torchrun environment variables",
+    "backend": "backend availability (gloo, NCCL)",
+    "devices": "GPU count vs LOCAL_WORLD_SIZE",
+    "timeouts": "process-group timeout and NCCL environment",
+    "process_group": "process group init",
+    "placement": "device placement of a test model and batch",
+    "allreduce": "allreduce correctness (sum of ranks)",
+    "grad_sync": "gradient synchronisation after one DDP backward",
+    "bandwidth": "allreduce latency and bus bandwidth",
+    "compute_comm": "compute/communication ratio of one step",
+}
+"""Every check, in the order it runs and is reported, with its title."""
+
+
+def worst(statuses: Sequence[str]) -> str:
+    """The most severe of ``statuses`` (PASS for none)."""
+    return max(statuses, key=_SEVERITY.__getitem__, default=PASS)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckResult:
+    """The outcome of one check on one rank (or merged over all ranks)."""
+
+    name: str
+    """Key in :data:`CHECKS`."""
+    status: str
+    """One of :data:`STATUSES`."""
+    detail: str
+    """One line for people: what was found, and for a WARN or FAIL what to do."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Measurements and values for ``--json`` (plain JSON types only)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in CHECKS:
+            raise ValueError(f"name: unknown check {self.name!r}")
+        if self.status not in STATUSES:
+            raise ValueError(f"status: must be one of {', '.join(STATUSES)}, got {self.status!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RankReport:
+    """What one rank found, gathered to every rank with ``all_gather_object``."""
+
+    rank: int
+    """Global rank (``-1`` when ``RANK`` was unusable)."""
+    host: str
+    device: str
+    """Device this rank uses: ``cuda:N`` or ``cpu`` (``?`` when it could not be chosen)."""
+    facts: dict[str, Any]
+    """Raw values compared across ranks: the environment variables, versions."""
+    results: list[CheckResult]
+
+
+@dataclass(kw_only=True, slots=True)
+class MergedReport:
+    """The whole job's verdict, as rank 0 prints it."""
+
+    results: list[CheckResult]
+    ranks: int
+    nodes: int
+    backend: str
+    torch_version: str
+    partial: str | None = None
+    """Why only some ranks' results are shown (the others could not be gathered); ``None``: all."""
+
+    @property
+    def status(self) -> str:
+        return worst([r.status for r in self.results])
+
+    @property
+    def ok(self) -> bool:
+        return self.status != FAIL
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+
+
+def _merge_one(name: str, per_rank: list[tuple[int, CheckResult]]) -> CheckResult:
+    if not per_rank:
+        return CheckResult(name=name, status=SKIP, detail="no rank reported this check")
+    status = worst([r.status for _, r in per_rank])
+    first = per_rank[0][1]
+    if status in (PASS, SKIP):
+        # Details differ only in per-rank particulars (device index...): the lowest rank speaks.
+        return CheckResult(name=name, status=status, detail=first.detail, data=first.data)
+    by_detail: dict[str, list[int]] = defaultdict(list)
+    for rank, result in per_rank:
+        if result.status == status:
+            by_detail[result.detail].append(rank)
+    detail = "; ".join(f"{_ranks_text(ranks)}: {text}" for text, ranks in by_detail.items())
+    data = dict(first.data)
+    data["ranks"] = {s: sorted(rank for rank, r in per_rank if r.status == s) for s in STATUSES
+                     if any(r.status == s for _, r in per_rank)}
+    return CheckResult(name=name, status=status, detail=detail, data=data)
+
+
+def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
+    """Problems visible only when ranks are compared; each names the check it belongs to."""
+    findings: list[CheckResult] = []
+    facts = [(r.rank, r.facts) for r in reports]
+    env = [(rank, f.get("env", {})) for rank, f in facts]
+
+    def ints(var: str) -> list[tuple[int, int]]:
+        out = []
+        for rank, values in env:
+            try:
+                out.append((rank, int(values.get(var))))
+            except (TypeError, ValueError):
+                pass
+        return out
+
+    def differs(var: str, values: list[tuple[int, Any]]) -> str | None:
+        seen = Counter(v for _, v in values)
+        if len(seen) <= 1:
+            return None
+        shown = ", ".join(f"{v!r} on {_ranks_text([r for r, x in values if x == v])}" for v in seen)
+        return f"{var} differs between ranks: {shown}"
+
+    env_problems: list[str] = []
+    n = len(reports)
+    ranks = ints("RANK")
+    duplicated = sorted(v for v, count in Counter(v for _, v in ranks).items() if count > 1)
+    if duplicated:
+        env_problems.append(f"RANK {','.join(map(str, duplicated))} used by more than one process")
+    if len(ranks) == n and not duplicated and sorted(v for _, v in ranks) != list(range(n)):
+        env_problems.append(f"RANKs {sorted(v for _, v in ranks)} are not 0..{n - 1}")
+    for var in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        problem = differs(var, [(rank, values.get(var)) for rank, values in env])
+        if problem:
+            env_problems.append(problem)
+    world = ints("WORLD_SIZE")
+    if world and all(v == world[0][1] for _, v in world) and world[0][1] != n:
+        env_problems.append(f"WORLD_SIZE={world[0][1]} but {n} ranks joined")
+    groups = ints("GROUP_RANK")
+    locals_ = dict(ints("LOCAL_RANK"))
+    pairs = Counter((g, locals_.get(rank)) for rank, g in groups)
+    clashes = sorted(f"{g}/{lr}" for (g, lr), count in pairs.items() if count > 1 and lr is not None)
+    if clashes:
+        env_problems.append(f"GROUP_RANK/LOCAL_RANK {', '.join(clashes)} used by more than one process")
+    lws = dict(ints("LOCAL_WORLD_SIZE"))
+    per_group = Counter(g for _, g in groups)
+    for group, count in sorted(per_group.items()):
+        declared = {lws[rank] for rank, g in groups if g == group and rank in lws}
+        if len(declared) == 1 and (expected := declared.pop()) != count:
+            env_problems.append(f"node GROUP_RANK={group} has {count} ranks but LOCAL_WORLD_SIZE={expected}")
+    if env_problems:
+        findings.append(CheckResult(name="env", status=FAIL, detail="; ".join(env_problems)))
+
+    versions = [problem for problem in (
+        differs("torch version", [(rank, f.get("torch_version")) for rank, f in facts]),
+        differs("NCCL version", [(rank, f.get("nccl_version")) for rank, f in facts]),
+    ) if problem]
+    if versions:
+        findings.append(CheckResult(name="backend", status=WARN,
+                                    detail="; ".join(versions) + ": install the same build on every node"))
+
+    cuda = [(r.rank, (r.host, r.device)) for r in reports if r.device.startswith("cuda")]
+    shared = [(key, [rank for rank, k in cuda if k == key]) for key, count in Counter(k for _, k in cuda).items()
+              if count > 1]
+    if shared:
+        findings.append(CheckResult(name="devices", status=FAIL, detail="; ".join(
+            f"{_ranks_text(ranks)} share {device} on {host} (device must be cuda:LOCAL_RANK)"
+            for (host, device), ranks in shared)))
+
+    timeout_vars = ("ELASTIC_TRAINER_PG_TIMEOUT_S", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                    "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+    timeouts = [p for var in timeout_vars
+                if (p := differs(var, [(rank, f.get("timeouts_env", {}).get(var)) for rank, f in facts]))]
+    if timeouts:
+        findings.append(CheckResult(name="timeouts", status=WARN,
+                                    detail="; ".join(timeouts) + ": set the same values on every node"))
+    return findings
+
+
+def merge(reports: Sequence[RankReport], *, partial: str | None = None) -> MergedReport:
+    """Fold every rank's results into one result per check (worst status wins)."""
+    reports = sorted(reports, key=lambda r: r.rank)
+    merged: list[CheckResult] = []
+    findings = cross_rank_findings(reports) if len(reports) > 1 else []
+    for name in CHECKS:
+        per_rank = [(rep.rank, res) for rep in reports for res in rep.results if res.name == name]
+        if not per_rank:
+            continue
+        result = _merge_one(name, per_rank)
+        for finding in (f for f in findings if f.name == name):
+            status = worst([result.status, finding.status])
+            detail = finding.detail if result.status in (PASS, SKIP) else f"{result.detail}; {finding.detail}"
+            result = CheckResult(name=name, status=status, detail=detail, data=result.data)
+        merged.append(result)
+    first = reports[0].facts if reports else {}
+    return MergedReport(
+        results=merged,
+        ranks=len(reports),
+        nodes=len({r.host for r in reports}),
+        backend=str(first.get("backend", "?")),
+        torch_version=str(first.get("torch_version", "?")),
+        partial=partial,
+    )
+
+
+# --- rendering -------------------------------------------------------------------------------
+
+
+def format_size(size: int) -> str:
+    """``1024`` -> ``1 KiB``; exact binary multiples only, else bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+def bandwidth_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The nccl-tests style table: size, elements, time per allreduce, algbw, busbw."""
+    lines = [f"{'size':>10} {'count':>10} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"]
+    for row in rows:
+        lines.append(f"{format_size(int(row['size_bytes'])):>10} {int(row['count']):>10} "
+                     f"{row['time_us']:>12.1f} {row['algbw_gbps']:>12.3f} {row['busbw_gbps']:>12.3f}")
+    return lines
+
+
+def render_text(report: MergedReport) -> str:
+    """The report people read: one line per check, the bandwidth table, the verdict."""
+    lines = [f"elastic-trainer doctor: {report.ranks} rank(s) on {report.nodes} node(s), "
+             f"backend {report.backend}, torch {report.torch_version}"]
+    if report.partial:
+        lines.append(f"PARTIAL REPORT: {report.partial}")
+    width = max(len(name) for name in CHECKS)
+    for result in report.results:
+        lines.append(f"{result.status:<4}  {result.name:<{width}}  {CHECKS[result.name]}: {result.detail}")
+    for result in report.results:
+        rows = result.data.get("rows") if result.name == "bandwidth" else None
+        if rows:
+            lines.append("")
+            lines.append(f"allreduce bus bandwidth ({report.backend}, {report.ranks} rank(s), "
+                         f"{result.data.get('iters')} iterations after {result.data.get('warmup')} warmup, "
+                         "slowest rank; busbw = algbw * 2(n-1)/n):")
+            lines.extend("  " + line for line in bandwidth_table(rows))
+    counts = Counter(r.status for r in report.results)
+    summary = ", ".join(f"{counts[s]} {s}" for s in (FAIL, WARN, SKIP, PASS) if counts[s])
+    lines.append("")
+    lines.append(f"RESULT: {report.status if report.status in (FAIL, WARN) else PASS} ({summary})")
+    return "\n".join(lines)
+
+
+def render_json(report: MergedReport) -> str:
+    """The machine-readable report: the verdict, every check, the bandwidth rows."""
+    document = {
+        "ok": report.ok,
+        "status": report.status,
+        "ranks": report.ranks,
+        "nodes": report.nodes,
+        "backend": report.backend,
+        "torch_version": report.torch_version,
+        "partial": report.partial,
+        "checks": [
+            {"name": r.name, "title": CHECKS[r.name], "status": r.status, "detail": r.detail, "data": r.data}
+            for r in report.results
+        ],
+    }
+    return json.dumps(document, indent=2, sort_keys=False, default=str)
