@@ -331,6 +331,7 @@ class PrometheusObserver:
 
     def _record_allreduce(self, timings: list[BucketTiming], closed: int) -> None:
         m = self._m
+        use_cuda = self._timer is not None and self._timer.use_cuda
         total_bytes = 0
         total_s = 0.0
         for t in timings:
@@ -344,7 +345,7 @@ class PrometheusObserver:
         n = self._world_size
         if total_s > 0 and n > 1:
             m.allreduce_busbw.set(2.0 * (n - 1) / n * total_bytes / total_s)
-        if self._timer.use_cuda:
+        if use_cuda:
             # Events finish in launch order: a step's buckets are all in once a later step's
             # first bucket finished.
             complete_upto = max(self._pending, default=-1) - 1

@@ -152,7 +152,7 @@ def timed_allreduce_hook(
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         pending = _PendingCuda(step_seq=step_seq, nbytes=nbytes, start=start, end=None)
-        fut = default_hooks.allreduce_hook(state.process_group, bucket)
+        fut = default_hooks.allreduce_hook(state.process_group, bucket)  # type: ignore[arg-type]
 
         def _cuda_done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             value = f.value()  # raises if the collective failed: nothing is recorded then
@@ -165,7 +165,8 @@ def timed_allreduce_hook(
         return fut.then(_cuda_done)
 
     launched = state.clock()
-    fut = default_hooks.allreduce_hook(state.process_group, bucket)
+    # None means the default group, as in DDP's own use of allreduce_hook.
+    fut = default_hooks.allreduce_hook(state.process_group, bucket)  # type: ignore[arg-type]
 
     def _cpu_done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         value = f.value()
@@ -184,8 +185,8 @@ def exposed_wait_s(timings: list[BucketTiming]) -> float:
     """
     if not timings:
         return 0.0
-    if all(t.launched_s is not None and t.done_s is not None for t in timings):
-        last_launch = max(t.launched_s for t in timings)  # type: ignore[type-var]
-        last_done = max(t.done_s for t in timings)  # type: ignore[type-var]
-        return max(0.0, last_done - last_launch)
+    launches = [t.launched_s for t in timings if t.launched_s is not None]
+    dones = [t.done_s for t in timings if t.done_s is not None]
+    if len(launches) == len(dones) == len(timings):
+        return max(0.0, max(dones) - max(launches))
     return timings[-1].duration_s

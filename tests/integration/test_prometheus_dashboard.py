@@ -29,8 +29,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rendezvous.etcd_server import EtcdServer, free_port
 from tests.agents import children
-from tests.prometheus_server import PrometheusServer, prometheus_server, require_binary, wait_for
-from tests.unit.test_metrics_dashboard import dashboard_expressions, load_dashboard, variable_queries
+from tests.prometheus_server import prometheus_server, require_binary, wait_for
+from tests.unit.test_metrics_dashboard import (
+    dashboard_expressions,
+    load_dashboard,
+    variable_queries,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -166,3 +166,30 @@ def test_worker_observer_refuses_without_multiproc_dir(
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     with pytest.raises(MetricsError, match="imported before"):
         worker_observer()
+
+
+def test_cuda_timings_are_taken_when_their_events_finish(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    from elastic_trainer.metrics_comm_hook import _PendingCuda
+    from tests.unit.test_metrics_comm_hook import FakeEvent
+
+    ddp = FakeDDP()
+    ddp.device_ids = [0]  # type: ignore[assignment]
+    observer.wrap_ddp(ddp)
+    timer = ddp.state
+    assert timer is not None and timer.use_cuda
+    observer.on_start(world_size=2, restart_count=0)
+    running = _PendingCuda(0, 1000, FakeEvent(True, 0.0), FakeEvent(False, 10.0))
+    timer.add_cuda(running)
+    step(observer, 1, duration_s=0.5)  # the GPU is behind: nothing is read, nothing waits
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 0
+    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 0
+    running.end.done = True
+    timer.add_cuda(_PendingCuda(1, 1000, FakeEvent(True, 20.0), FakeEvent(True, 25.0)))
+    step(observer, 2, duration_s=0.4)
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 2
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_sum") == pytest.approx(0.015)
+    # Step 1's buckets are complete once step 2's arrived: 0.5 s - its last bucket's 10 ms.
+    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 1
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49)
