@@ -40,7 +40,6 @@ import torch.distributed as dist
 from elastic_trainer import distributed
 from elastic_trainer.doctor_checks import (
     FAULT_ENV,
-    FAULTS,
     TIMEOUT_ENV,
     TORCHRUN_ENV,
     TestModel,
@@ -54,6 +53,7 @@ from elastic_trainer.doctor_checks import (
     check_placement,
     check_timeouts,
     example_model,
+    first_line,
     host_interfaces,
     parse_faults,
     probe_backend,
@@ -261,7 +261,7 @@ class Doctor:
             self.record(fn())
         except Exception as exc:  # noqa: BLE001 - a check's crash is that check's FAIL
             log.debug("check %s crashed", name, exc_info=True)
-            self.record(CheckResult(name=name, status=FAIL, detail=f"the check crashed: {_first_line(exc)}"))
+            self.record(CheckResult(name=name, status=FAIL, detail=f"the check crashed: {first_line(exc)}"))
 
     def collective(self, name: str, fn: Callable[[], CheckResult]) -> None:
         """Run a check that communicates; after a failure, skip the rest (they could only hang)."""
@@ -276,7 +276,7 @@ class Doctor:
             hint = ""
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 hint = f" (a peer did not take part within --timeout={self.options.timeout_s:g}s: hung, dead or slow)"
-            self.record(CheckResult(name=name, status=FAIL, detail=f"{_first_line(exc)}{hint}"))
+            self.record(CheckResult(name=name, status=FAIL, detail=f"{first_line(exc)}{hint}"))
             self.group_ready = False
             self.group_problem = f"the process group failed in the {name} check"
 
@@ -346,7 +346,7 @@ class Doctor:
         except Exception as exc:  # noqa: BLE001 - reported as this check's FAIL
             self.group_problem = "the process group could not be created"
             self.record(CheckResult(name="process_group", status=FAIL, detail=(
-                f"{env.backend} with timeout {self.options.timeout_s:g} s: {_first_line(exc)}")))
+                f"{env.backend} with timeout {self.options.timeout_s:g} s: {first_line(exc)}")))
             return
         self.group_ready = True
         how = "torchrun's store" if env.launched else "a single in-process store (not launched by torchrun)"
@@ -378,11 +378,6 @@ class Doctor:
         )
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
 def _gather(doctor: Doctor) -> tuple[list[RankReport], str | None]:
     """Every rank's report on every rank; only this rank's, with the reason, when impossible."""
     own = doctor.rank_report()
@@ -392,7 +387,7 @@ def _gather(doctor: Doctor) -> tuple[list[RankReport], str | None]:
     try:
         dist.all_gather_object(gathered, own)
     except Exception as exc:  # noqa: BLE001 - fall back to this rank's own results
-        return [own], f"the other ranks' results could not be gathered: {_first_line(exc)}"
+        return [own], f"the other ranks' results could not be gathered: {first_line(exc)}"
     return [r for r in gathered if isinstance(r, RankReport)], None
 
 
@@ -443,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             doctor.printed = True
         print(f"{PROG}: rank {doctor.rank}: deadline of {options.deadline_s:g} s exceeded in the "
               f"{doctor.current} check; exiting", file=sys.stderr, flush=True)
-        report = merge([doctor.rank_report(pending=doctor.current)],
+        report = merge([doctor.rank_report(pending=doctor.current)], world_size=doctor.world_size,
                        partial=f"stopped after --deadline={options.deadline_s:g}s in the {doctor.current} check")
         _emit(doctor, report, as_json=options.json)
 
@@ -452,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         doctor.run()
         reports, partial = _gather(doctor)
-        report = merge(reports, partial=partial)
+        report = merge(reports, partial=partial, world_size=doctor.world_size)
         with doctor.lock:
             first = not doctor.printed
             doctor.printed = True

@@ -22,6 +22,7 @@ import copy
 import logging
 import math
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -87,9 +88,15 @@ def parse_faults(text: str) -> frozenset[str]:
     return names
 
 
-def _first_line(exc: BaseException) -> str:
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, without a C++ ``[file.cc:NN]`` prefix."""
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {_SOURCE_PREFIX.sub('', text.splitlines()[0])}"
 
 
 # --- local checks ----------------------------------------------------------------------------
@@ -163,7 +170,7 @@ def probe_backend() -> BackendProbe:
             raw = torch.cuda.nccl.version()
             version = ".".join(map(str, raw)) if isinstance(raw, tuple) else str(raw)
         except Exception as exc:  # noqa: BLE001 - reported as the check's result
-            error = _first_line(exc)
+            error = first_line(exc)
     return BackendProbe(distributed=available, gloo=available and dist.is_gloo_available(), nccl=nccl,
                         cuda=cuda, nccl_version=version, nccl_error=error)
 
@@ -397,7 +404,7 @@ def check_placement(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor
         output = model(inputs)
         loss = nn.functional.cross_entropy(output, target)
     except RuntimeError as exc:
-        return CheckResult(name="placement", status=FAIL, data=data, detail=f"forward failed: {_first_line(exc)}")
+        return CheckResult(name="placement", status=FAIL, data=data, detail=f"forward failed: {first_line(exc)}")
     wrong = [f"{label} on {t.device}" for label, t in (("output", output), ("loss", loss)) if t.device != device]
     if wrong:
         return CheckResult(name="placement", status=FAIL, data=data, detail=f"expected {device}: {'; '.join(wrong)}")
@@ -465,7 +472,8 @@ def check_grad_sync(*, rank: int, world_size: int, device: torch.device, model: 
 
     nn.functional.cross_entropy(ddp(inputs), target).backward()
     if corrupt:
-        next(p for p in module.parameters() if p.grad is not None).grad.add_(1.0)
+        grad = next(p.grad for p in module.parameters() if p.grad is not None)
+        grad.add_(1.0)
     synced = _flat_grads(module)
     nn.functional.cross_entropy(reference(inputs), target).backward()
     local = _flat_grads(reference)
@@ -503,7 +511,7 @@ def check_bandwidth(*, sizes: list[int], iters: int, warmup: int, device: torch.
     """Allreduce time, algbw and busbw for every size (see :mod:`elastic_trainer.doctor_perf`)."""
     rows = measure_bandwidth(sizes, iters=iters, warmup=warmup, device=device, world_size=world_size)
     small, large = rows[0], rows[-1]
-    detail = (f"{len(rows)} sizes: latency {small.time_us:.1f} us at {format_size(small.size_bytes)}, "
+    detail = (f"{len(rows)} size{'s' if len(rows) > 1 else ''}: latency {small.time_us:.1f} us at {format_size(small.size_bytes)}, "
               f"{large.time_us:.1f} us at {format_size(large.size_bytes)}")
     if world_size > 1:
         detail += f" (busbw {large.busbw_gbps:.3f} GB/s)"

@@ -10,6 +10,7 @@ tests build reports by hand.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -82,6 +83,9 @@ class MergedReport:
 
     results: list[CheckResult]
     ranks: int
+    """Ranks whose results are included."""
+    world_size: int
+    """Ranks in the job (more than ``ranks`` in a partial report)."""
     nodes: int
     backend: str
     torch_version: str
@@ -118,7 +122,10 @@ def _merge_one(name: str, per_rank: list[tuple[int, CheckResult]]) -> CheckResul
     for rank, result in per_rank:
         if result.status == status:
             by_detail[result.detail].append(rank)
-    detail = "; ".join(f"{_ranks_text(ranks)}: {text}" for text, ranks in by_detail.items())
+    if len(per_rank) == 1:
+        detail = next(iter(by_detail))  # one rank reported: naming it adds nothing
+    else:
+        detail = "; ".join(f"{_ranks_text(ranks)}: {text}" for text, ranks in by_detail.items())
     data = dict(first.data)
     data["ranks"] = {s: sorted(rank for rank, r in per_rank if r.status == s) for s in STATUSES
                      if any(r.status == s for _, r in per_rank)}
@@ -134,10 +141,8 @@ def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
     def ints(var: str) -> list[tuple[int, int]]:
         out = []
         for rank, values in env:
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 out.append((rank, int(values.get(var))))
-            except (TypeError, ValueError):
-                pass
         return out
 
     def differs(var: str, values: list[tuple[int, Any]]) -> str | None:
@@ -203,8 +208,14 @@ def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
     return findings
 
 
-def merge(reports: Sequence[RankReport], *, partial: str | None = None) -> MergedReport:
-    """Fold every rank's results into one result per check (worst status wins)."""
+def merge(reports: Sequence[RankReport], *, partial: str | None = None, world_size: int | None = None) -> MergedReport:
+    """Fold every rank's results into one result per check (worst status wins).
+
+    Args:
+        reports: one per rank (only this rank's when the others could not be gathered).
+        partial: why the report is partial, ``None`` when every rank is in it.
+        world_size: ranks in the job; defaults to ``len(reports)``.
+    """
     reports = sorted(reports, key=lambda r: r.rank)
     merged: list[CheckResult] = []
     findings = cross_rank_findings(reports) if len(reports) > 1 else []
@@ -222,6 +233,7 @@ def merge(reports: Sequence[RankReport], *, partial: str | None = None) -> Merge
     return MergedReport(
         results=merged,
         ranks=len(reports),
+        world_size=len(reports) if world_size is None else world_size,
         nodes=len({r.host for r in reports}),
         backend=str(first.get("backend", "?")),
         torch_version=str(first.get("torch_version", "?")),
@@ -251,8 +263,11 @@ def bandwidth_table(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def render_text(report: MergedReport) -> str:
     """The report people read: one line per check, the bandwidth table, the verdict."""
-    lines = [f"elastic-trainer doctor: {report.ranks} rank(s) on {report.nodes} node(s), "
-             f"backend {report.backend}, torch {report.torch_version}"]
+    if report.partial:
+        who = f"{report.ranks} of {report.world_size} rank(s)"
+    else:
+        who = f"{report.ranks} rank(s) on {report.nodes} node(s)"
+    lines = [f"elastic-trainer doctor: {who}, backend {report.backend}, torch {report.torch_version}"]
     if report.partial:
         lines.append(f"PARTIAL REPORT: {report.partial}")
     width = max(len(name) for name in CHECKS)
@@ -279,6 +294,7 @@ def render_json(report: MergedReport) -> str:
         "ok": report.ok,
         "status": report.status,
         "ranks": report.ranks,
+        "world_size": report.world_size,
         "nodes": report.nodes,
         "backend": report.backend,
         "torch_version": report.torch_version,
