@@ -77,16 +77,47 @@ def test_dead_workers_counters_stay_and_live_gauges_go(tmp_path: Path) -> None:
     assert list(tmp_path.glob("counter_*.db"))
 
 
+def snapshot(collector: LiveMultiProcessCollector) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in collector.collect()
+        for s in family.samples
+    }
+
+
+def test_dead_workers_files_fold_into_archives_without_changing_any_value(tmp_path: Path) -> None:
+    run_worker(tmp_path, rank=0)
+    run_worker(tmp_path, rank=1, restart_count=1)
+    keep_all = snapshot(LiveMultiProcessCollector(str(tmp_path), is_alive=lambda p: True))
+    collector = LiveMultiProcessCollector(str(tmp_path))
+    retired = snapshot(collector)
+    # Only the live gauges (pid-labelled liveness, step, loss, ...) of the dead went away.
+    live_names = {"elastic_trainer_loss", "elastic_trainer_step", "elastic_trainer_world_size",
+                  "elastic_trainer_allreduce_bus_bandwidth_bytes_per_second"}  # fmt: skip
+    assert {k: v for k, v in keep_all.items() if k[0] not in live_names} == retired
+    names = sorted(p.name for p in tmp_path.glob("*.db"))
+    assert names == ["counter_archive.db", "gauge_max_archive.db", "histogram_archive.db"]
+    # Later workers add to the archived totals: the counter keeps rising.
+    run_worker(tmp_path, rank=0)
+    labels = {"run_id": "job", "node": socket.gethostname(), "rank": "0", "local_rank": "0"}
+    registry = CollectorRegistry()
+    registry.register(collector)
+    assert registry.get_sample_value("elastic_trainer_samples_total", labels) == 16
+    node = {"run_id": "job", "node": socket.gethostname()}
+    assert registry.get_sample_value("elastic_trainer_worker_restarts", node) == 1
+    assert sorted(p.name for p in tmp_path.glob("*.db")) == names
+
+
 def test_live_gauges_of_running_pids_are_kept(tmp_path: Path) -> None:
     run_worker(tmp_path, rank=1)
     (live,) = tmp_path.glob("gauge_livemostrecent_*.db")
     pid = int(live.stem.rsplit("_", 1)[1])
     collector = LiveMultiProcessCollector(str(tmp_path), is_alive=lambda p: p == pid)
     assert collector.reap() == []
-    assert live.exists()
+    assert live.exists() and (tmp_path / f"counter_{pid}.db").exists()
     collector = LiveMultiProcessCollector(str(tmp_path), is_alive=lambda p: False)
     assert collector.reap() == [pid]
-    assert not live.exists()
+    assert not live.exists() and not (tmp_path / f"counter_{pid}.db").exists()
 
 
 def test_pid_alive() -> None:
