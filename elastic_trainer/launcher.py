@@ -107,7 +107,7 @@ def _check_external_etcd(options: RunOptions, run_id: str) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
     from rendezvous.etcd_backend import client_config_from_params
-    from rendezvous.etcd_client import EtcdConnection
+    from rendezvous.etcd_client import EtcdConnection, quiet_retries
 
     conf = dict(item.split("=", 1) for item in filter(None, options.rdzv_conf.split(",")))
     params = RendezvousParameters("etcd-v3", options.rdzv_endpoint or "", run_id, 1, 1, **conf)
@@ -115,15 +115,12 @@ def _check_external_etcd(options: RunOptions, run_id: str) -> None:
         connection = EtcdConnection(client_config_from_params(params))
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    retry_log = logging.getLogger("rendezvous.etcd_client")
-    level = retry_log.level
-    retry_log.setLevel(logging.ERROR)  # a user mistake is one line, not a line per retry
     try:
-        connection.check()
+        with quiet_retries():  # a user mistake is one line, not a line per retry
+            connection.check()
     except RendezvousConnectionError as exc:
         raise UserError(f"cannot use etcd: {exc}") from exc
     finally:
-        retry_log.setLevel(level)
         connection.close()
 
 

@@ -22,6 +22,7 @@ _ALLOWED_CLASSES = {
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
     ("datetime", "datetime"),
     ("datetime", "timedelta"),
+    ("datetime", "timezone"),
     ("builtins", "set"),
     ("builtins", "dict"),
 }
@@ -44,11 +45,13 @@ def _node(node: Any) -> dict[str, Any]:
 
 
 def describe_state(state: Any, now: datetime) -> dict[str, Any]:
-    """A JSON-ready view of a ``_RendezvousState`` (``now`` is naive UTC, like torch's clock)."""
+    """A JSON-ready view of a ``_RendezvousState`` (``now``: an aware UTC datetime)."""
     heartbeats = state.last_heartbeats
     participants = []
     for node, rank in sorted(state.participants.items(), key=lambda item: item[1]):
         beat = heartbeats.get(node)
+        if beat is not None and beat.tzinfo is None:  # older torch wrote naive UTC times
+            beat = beat.replace(tzinfo=timezone.utc)
         participants.append(
             {**_node(node), "rank": rank,
              "heartbeat_age_s": None if beat is None else round((now - beat).total_seconds(), 1)}
@@ -94,11 +97,13 @@ def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoin
     )
 
     from rendezvous.etcd_backend import create_backend
+    from rendezvous.etcd_client import quiet_retries
 
     params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **rdzv_conf)
     try:
-        backend, _ = create_backend(params)
-        found = backend.get_state()
+        with quiet_retries():
+            backend, _ = create_backend(params)
+            found = backend.get_state()
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     except (RendezvousConnectionError, RendezvousStateError) as exc:
@@ -109,8 +114,7 @@ def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoin
             state = decode_state(found[0])
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
             raise UserError(f"the rendezvous state of {run_id!r} is unreadable: {exc}") from exc
-        now = datetime.now(timezone.utc).replace(tzinfo=None)
-        report.update(describe_state(state, now))
+        report.update(describe_state(state, datetime.now(timezone.utc)))
     if checkpoint_dir is not None:
         report["checkpoint"] = newest_checkpoint(checkpoint_dir)
     return report

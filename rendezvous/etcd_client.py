@@ -18,10 +18,11 @@ whose response was lost is retried, and the retry must notice that the first att
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -332,6 +333,17 @@ class EtcdConnection:
                 metadata=client.metadata,
             )
         return client
+
+
+@contextlib.contextmanager
+def quiet_retries() -> Iterator[None]:
+    """Silence the per-retry warnings (e.g. a CLI whose failure is reported as one line)."""
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def read_secret_file(path: str, *, key: str) -> str:

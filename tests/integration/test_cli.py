@@ -1,0 +1,144 @@
+"""`elastic-trainer` end to end, as a user runs it: subprocesses, real etcd, real torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rendezvous.etcd_server import free_port
+from tests.agents import wait_for
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "elastic_trainer.cli"]
+EXAMPLE = ["-m", "elastic_trainer.examples.synthetic_cnn"]
+
+
+def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def bad_inputs(tmp_path: Path) -> list[tuple[list[str], dict[str, str], str]]:
+    not_a_dir = tmp_path / "file.txt"
+    not_a_dir.write_text("x")
+    unknown_key = tmp_path / "bad.toml"
+    unknown_key.write_text("[run]\nnnode = 2\n")
+    dead = f"127.0.0.1:{free_port()}"
+    return [
+        (["run", "--frobnicate", "x.py"], {}, "unrecognized arguments: --frobnicate"),
+        (["run", "--rdzv-endpoint", "etcd:notaport", "--run-id", "j", *EXAMPLE], {}, "port 'notaport'"),
+        (["run", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "retry_timeout=2", *EXAMPLE], {},
+         f"cannot use etcd: etcd at {dead} did not answer"),
+        (["run", "--rdzv-endpoint", "127.0.0.1:2379", *EXAMPLE], {}, "--run-id is required with --rdzv-endpoint"),
+        (["run", "no_such_script.py"], {}, "script no_such_script.py: no such file"),
+        (["run", "-m", "no_such.module"], {}, "module no_such.module: not found"),
+        (["run", "--device", "cuda", "--nproc-per-node", "2", *EXAMPLE], {}, "--device cuda: no CUDA device is visible"),
+        (["run", "--config", str(tmp_path / "missing.toml"), *EXAMPLE], {}, "cannot read it"),
+        (["run", "--config", str(unknown_key), *EXAMPLE], {}, "unknown key 'nnode'"),
+        (["run", *EXAMPLE], {"ELASTIC_TRAINER_NNODES": "two"}, "environment ELASTIC_TRAINER_NNODES: bad value 'two'"),
+        (["run"], {}, "nothing to run"),
+        (["checkpoint", "list", str(tmp_path / "nope")], {}, "no such directory"),
+        (["checkpoint", "verify", str(not_a_dir)], {}, "not a directory"),
+        (["checkpoint", "inspect", str(tmp_path)], {}, "holds no elastic-trainer checkpoints"),
+        (["checkpoint", "inspect", str(not_a_dir)], {}, "not a loadable checkpoint"),
+        (["status", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "retry_timeout=1"], {}, "cannot read the rendezvous"),
+        (["status", "--rdzv-endpoint", "127.0.0.1:1"], {}, "the following arguments are required: --run-id"),
+    ]
+
+
+def test_bad_inputs_get_one_line_and_exit_2(tmp_path: Path) -> None:
+    failures = []
+    for args, env, message in bad_inputs(tmp_path):
+        started = time.monotonic()
+        done = cli(*args, env=env, timeout=60)
+        elapsed = time.monotonic() - started
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        ok = (
+            done.returncode == 2
+            and len(lines) == 1
+            and message in lines[0]
+            and "Traceback" not in done.stderr
+            and elapsed < 30
+        )
+        if not ok:
+            failures.append(f"{args}: rc={done.returncode} {elapsed:.1f}s stderr={done.stderr[-800:]!r}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["status"], ["doctor"], ["checkpoint"], ["checkpoint", "list"]])
+def test_help_has_a_worked_example(command: list[str]) -> None:
+    done = cli(*command, "--help")
+    assert done.returncode == 0
+    assert "usage:" in done.stdout
+    if command and command != ["checkpoint", "list"] or len(command) == 2:
+        assert "example:" in done.stdout
+
+
+def test_version() -> None:
+    from elastic_trainer import __version__
+
+    done = cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"elastic-trainer {__version__}"
+
+
+def test_run_on_embedded_etcd_then_checkpoint_commands(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    done = cli(
+        "run", "--nnodes", "1", "--nproc-per-node", "2", "--metrics-port", "0", *EXAMPLE,
+        "--max-steps", "12", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    listed = json.loads(cli("checkpoint", "list", str(ckpt), "--json").stdout)
+    assert [row["step"] for row in listed][-1] == 12
+    assert all(row["world_size"] == 2 for row in listed)
+    verified = cli("checkpoint", "verify", str(ckpt))
+    assert verified.returncode == 0 and "BAD" not in verified.stdout
+    inspected = json.loads(cli("checkpoint", "inspect", str(ckpt), "--json").stdout)
+    assert inspected["step"] == 12 and inspected["entries"]["model"]["tensors"] > 0
+    # a damaged newest checkpoint is reported and fails verify
+    newest = Path(listed[-1]["path"])
+    newest.write_bytes(newest.read_bytes()[:100])
+    damaged = cli("checkpoint", "verify", str(ckpt))
+    assert damaged.returncode == 1 and "BAD step         12" in damaged.stdout
+
+
+def test_status_shows_a_running_job(etcd_server, tmp_path: Path, unique_id: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    log = open(tmp_path / "job.log", "wb")
+    job = subprocess.Popen(
+        [*CLI, "run", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nnodes", "1",
+         "--nproc-per-node", "2", "--metrics-port", "0", *EXAMPLE, "--max-steps", "400",
+         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--throttle-ms", "50"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+    )
+    try:
+        wait_for(lambda: any(ckpt.glob("*.json")), 120, "a first checkpoint")
+        done = cli("status", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id,
+                   "--checkpoint-dir", str(ckpt), "--json")
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert report["found"] and report["complete"] and report["round"] == 0  # first round, no restart
+        assert [p["rank"] for p in report["participants"]] == [0]
+        assert report["participants"][0]["heartbeat_age_s"] < 30
+        assert report["checkpoint"]["step"] >= 5
+        human = cli("status", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id)
+        assert "participant(s)" in human.stdout and "rank   0" in human.stdout
+    finally:
+        os.killpg(job.pid, 15)
+        job.wait(60)
+        log.close()
+
+
+def test_status_of_an_unknown_run(etcd_server, unique_id: str) -> None:
+    done = cli("status", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["found"] is False

@@ -1,0 +1,105 @@
+"""Option resolution of `elastic-trainer run`: precedence, validation, config files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer.launch_options import OPTIONS, UserError, resolve_run_options
+from elastic_trainer.launcher import Target, rdzv_conf, resolve_nproc, split_target, torchrun_argv
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_documented_and_elastic() -> None:
+    options = resolve_run_options({}, env={})
+    assert (options.min_nodes, options.max_nodes) == (1, 2)
+    assert options.max_restarts == 3 and options.last_call_timeout == 5
+    assert options.rdzv_endpoint is None and options.run_id is None
+    assert all(source == "default" for source in options.sources.values())
+    assert len(OPTIONS) == len(options.sources)
+
+
+def test_precedence_cli_over_env_over_file_over_default(tmp_path: Path) -> None:
+    config = write(tmp_path, '[run]\nnnodes = "2:4"\nmax_restarts = 7\nmetrics-port = 9500\n')
+    env = {"ELASTIC_TRAINER_NNODES": "3:5", "ELASTIC_TRAINER_MAX_RESTARTS": "8"}
+    options = resolve_run_options({"nnodes": "4:6"}, env=env, config_path=config)
+    assert options.nnodes == "4:6" and options.sources["nnodes"] == "command"
+    assert options.max_restarts == 8 and options.sources["max_restarts"] == "environment"
+    assert options.metrics_port == 9500 and options.sources["metrics_port"] == "config"
+    assert options.monitor_interval == 0.5 and options.sources["monitor_interval"] == "default"
+
+
+def test_config_file_from_env_variable(tmp_path: Path) -> None:
+    config = write(tmp_path, '[run]\nrun_id = "from-file"\n')
+    assert resolve_run_options({}, env={"ELASTIC_TRAINER_CONFIG": config}).run_id == "from-file"
+
+
+@pytest.mark.parametrize(
+    ("cli", "env", "toml", "message"),
+    [
+        ({"nnodes": "0"}, {}, None, "command line --nnodes: bad value '0'"),
+        ({"nnodes": "a:b"}, {}, None, "--nnodes: bad value 'a:b' \\(not a number\\)"),
+        ({}, {"ELASTIC_TRAINER_MAX_RESTARTS": "-1"}, None, "environment ELASTIC_TRAINER_MAX_RESTARTS: bad value '-1'"),
+        ({}, {}, "[run]\nmetrics_port = 99999\n", "key metrics_port: bad value 99999"),
+        ({}, {}, "[run]\nnodes = 2\n", "unknown key 'nodes' in \\[run\\]"),
+        ({}, {}, "[launch]\nnnodes = 2\n", "unknown table or key 'launch'"),
+        ({}, {}, "[run\n", "invalid TOML"),
+        ({"device": "tpu"}, {}, None, "must be one of auto, cpu, cuda"),
+        ({"rdzv_conf": "novalue"}, {}, None, "'novalue' is not KEY=VALUE"),
+        ({"keep_alive_interval": "40"}, {}, None, "keep_alive_interval \\(40s\\) must be shorter"),
+    ],
+)
+def test_bad_values_name_option_and_source(
+    tmp_path: Path, cli: dict, env: dict, toml: str | None, message: str
+) -> None:
+    config = write(tmp_path, toml) if toml is not None else None
+    with pytest.raises(UserError, match=message):
+        resolve_run_options(cli, env=env, config_path=config)
+
+
+def test_unreadable_config_file(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="cannot read it"):
+        resolve_run_options({}, env={}, config_path=str(tmp_path / "missing.toml"))
+
+
+@pytest.mark.parametrize(
+    ("nproc", "device", "gpus", "expected"),
+    [("auto", "auto", 0, 1), ("auto", "auto", 4, 4), ("2", "cpu", 4, 2), ("3", "auto", 0, 3)],
+)
+def test_resolve_nproc(nproc: str, device: str, gpus: int, expected: int) -> None:
+    options = resolve_run_options({"nproc_per_node": nproc, "device": device}, env={})
+    assert resolve_nproc(options, gpus) == expected
+
+
+@pytest.mark.parametrize(
+    ("nproc", "device", "gpus", "message"),
+    [("8", "cuda", 4, "--nproc-per-node 8: only 4 GPU"), ("8", "auto", 2, "only 2 GPU"), ("1", "cuda", 0, "no CUDA device")],
+)
+def test_resolve_nproc_rejects(nproc: str, device: str, gpus: int, message: str) -> None:
+    options = resolve_run_options({"nproc_per_node": nproc, "device": device}, env={})
+    with pytest.raises(UserError, match=message):
+        resolve_nproc(options, gpus)
+
+
+def test_torchrun_argv_user_rdzv_conf_wins_and_target_last() -> None:
+    options = resolve_run_options({"rdzv_conf": "last_call_timeout=1,protocol=https"}, env={})
+    target = split_target(["pkg.mod", "--lr", "0.1"], as_module=True)
+    argv = torchrun_argv(options, "e:1", "job", 2, target)
+    assert argv[-4:] == ["-m", "pkg.mod", "--lr", "0.1"]
+    assert "--rdzv-backend=etcd-v3" in argv and "--rdzv-id=job" in argv
+    conf = rdzv_conf(options)
+    assert conf.index("last_call_timeout=5") < conf.index("last_call_timeout=1")  # later key wins
+    assert conf.endswith("protocol=https")
+
+
+def test_target_requires_something_to_run() -> None:
+    with pytest.raises(UserError, match="nothing to run"):
+        split_target([], as_module=False)
+    with pytest.raises(UserError, match="exactly one"):
+        Target(None, None, ())
