@@ -173,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_FLAGS = {"sizes": "--sizes", "iters": "--iters", "warmup": "--warmup", "batch_size": "--batch-size",
+          "timeout_s": "--timeout", "deadline_s": "--deadline"}
+"""The flag behind each :class:`DoctorOptions` field, for error messages."""
+
+
 def parse_args(argv: Sequence[str]) -> DoctorOptions:
     """Parse and validate the command line.
 
@@ -187,7 +192,7 @@ def parse_args(argv: Sequence[str]) -> DoctorOptions:
                              deadline_s=args.deadline)
     except ValueError as exc:
         name, _, message = str(exc).partition(": ")
-        raise UsageError(f"--{name.replace('_s', '').replace('_', '-')}: {message}") from None
+        raise UsageError(f"{_FLAGS.get(name, name)}: {message}") from None
 
 
 def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:
