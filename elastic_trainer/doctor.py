@@ -131,9 +131,9 @@ class DoctorOptions:
         if not 1 <= self.batch_size <= 65_536:
             raise ValueError(f"batch_size: must be in 1..65536, got {self.batch_size}")
         if not self.timeout_s > 0:
-            raise ValueError(f"timeout: must be a positive number of seconds, got {self.timeout_s}")
+            raise ValueError(f"timeout_s: must be a positive number of seconds, got {self.timeout_s}")
         if not self.deadline_s > self.timeout_s:
-            raise ValueError(f"deadline: must exceed the timeout ({self.timeout_s:g} s), got {self.deadline_s:g}")
+            raise ValueError(f"deadline_s: must exceed the timeout ({self.timeout_s:g} s), got {self.deadline_s:g}")
 
 
 def _sizes(text: str) -> list[int]:
