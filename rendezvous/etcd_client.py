@@ -185,6 +185,8 @@ class EtcdConnection:
         self._index = 0
         self._client: Any = None
         self._is_transient = self._make_transient_predicate()
+        self.requests = 0
+        """Requests sent to etcd by :meth:`call` (each attempt counts): for benchmarks and metrics."""
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -215,7 +217,7 @@ class EtcdConnection:
             reraise=True,
         )
         try:
-            return retrying(lambda: operation(self._current_client()))
+            return retrying(lambda: self._counted(operation))
         except RendezvousConnectionError:
             raise
         except Exception as exc:
@@ -227,6 +229,11 @@ class EtcdConnection:
             raise RendezvousConnectionError(
                 f"etcd at {self.endpoint} refused {what}: {_describe(exc)}"
             ) from exc
+
+    def _counted(self, operation: Callable[[Any], T]) -> T:
+        client = self._current_client()
+        self.requests += 1
+        return operation(client)
 
     def client(self) -> Any:
         """The raw ``etcd3`` client of the current endpoint (for watches), connecting if needed."""

