@@ -25,9 +25,13 @@ from typing import Any
 # `rendezvous` package: drop the folder so the package is imported.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: E402
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend as c10d_backend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as torch_create_handler
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    create_backend as c10d_backend,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    create_handler as torch_create_handler,
+)
 
 from rendezvous.etcd_server import EtcdServer, free_port
 from rendezvous.handler import create_handler as etcd_v3_handler
@@ -76,7 +80,7 @@ def bench_etcd(endpoint: str, nodes: int) -> tuple[float, float]:
     seconds, _ = one_round(lambda _i: next(it), nodes)
     after = [h._state_holder._backend._connection.requests for h in handlers]
     # the store shares the backend's connection, so this counts state and store requests
-    return seconds, statistics.mean(a - b for a, b in zip(after, before))
+    return seconds, statistics.mean(a - b for a, b in zip(after, before, strict=True))
 
 
 def bench_c10d(nodes: int) -> float:

@@ -106,7 +106,12 @@ def _launch_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from elastic_trainer.launcher import default_env_for_workers, install_sigterm_as_exception, launch, split_target
+    from elastic_trainer.launcher import (
+        default_env_for_workers,
+        install_sigterm_as_exception,
+        launch,
+        split_target,
+    )
 
     words = list(args.target)
     if words and words[0] == "--":

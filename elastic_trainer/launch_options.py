@@ -31,11 +31,12 @@ etcd_host            127.0.0.1   where the embedded etcd listens
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 ENV_PREFIX = "ELASTIC_TRAINER_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"

@@ -194,8 +194,8 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
         try:
             run(args)
         except ChildFailedError as exc:
-            failure = exc.get_first_failure()[1]
-            log.error("job failed: worker rank %s exited with %s", failure.rank, failure.exitcode)
+            rank, failure = exc.get_first_failure()
+            log.error("job failed: worker rank %s exited with %s", rank, failure.exitcode)
             return 1
         except SignalException as exc:
             log.warning("stopped by %s; workers were given their checkpoint grace", exc.sigval.name)

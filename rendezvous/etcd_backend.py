@@ -25,14 +25,14 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from rendezvous.etcd_store import EtcdV3Store
-from rendezvous.leases import RenewedLease
 from rendezvous.etcd_client import (
     EtcdClientConfig,
     EtcdConnection,
     parse_endpoints,
     read_secret_file,
 )
+from rendezvous.etcd_store import EtcdV3Store
+from rendezvous.leases import RenewedLease
 
 log = logging.getLogger(__name__)
 

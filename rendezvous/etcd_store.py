@@ -83,7 +83,7 @@ class EtcdV3Store(Store):
         if len(keys) != len(values):
             raise ValueError("multi_set: keys and values differ in length")
         txn, lease = self._connection.etcd3.transactions, self._lease.lease_id()
-        puts = [txn.Put(self._key(k), _to_bytes(v), lease=lease) for k, v in zip(keys, values)]
+        puts = [txn.Put(self._key(k), _to_bytes(v), lease=lease) for k, v in zip(keys, values, strict=True)]
         self._connection.call(
             lambda c: c.transaction(compare=[], success=puts, failure=[]), what="a store multi_set"
         )
@@ -191,10 +191,14 @@ class EtcdV3Store(Store):
         self._wait_for(keys, timeout.total_seconds() if timeout is not None else self._timeout_s())
 
     def clone(self) -> EtcdV3Store:
-        return EtcdV3Store(self._connection, self._prefix, self.timeout, self._ttl)
+        return EtcdV3Store(self._connection, self._prefix, self._timeout(), self._ttl)
+
+    def _timeout(self) -> timedelta:
+        # ``timeout`` is a property of the C++ base class that torch's type stubs do not declare.
+        return self.timeout  # type: ignore[attr-defined,no-any-return]
 
     def _timeout_s(self) -> float:
-        return float(self.timeout.total_seconds())
+        return float(self._timeout().total_seconds())
 
     def _wait_for(self, keys: list[str], timeout_s: float) -> list[bytes]:
         """Return the values of ``keys``, waiting for each until ``timeout_s`` has passed.

@@ -114,7 +114,7 @@ def test_run_on_embedded_etcd_then_checkpoint_commands(tmp_path: Path) -> None:
 
 def test_status_shows_a_running_job(etcd_server, tmp_path: Path, unique_id: str) -> None:
     ckpt = tmp_path / "ckpt"
-    log = open(tmp_path / "job.log", "wb")
+    log = open(tmp_path / "job.log", "wb")  # noqa: SIM115 -- the job outlives this statement
     job = subprocess.Popen(
         [*CLI, "run", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nnodes", "1",
          "--nproc-per-node", "2", "--metrics-port", "0", *EXAMPLE, "--max-steps", "400",

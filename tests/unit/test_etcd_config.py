@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
 from rendezvous.etcd_backend import client_config_from_params, frame_state, unframe_state
 from rendezvous.etcd_client import Endpoint, EtcdClientConfig, parse_endpoints
-from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 
 def params(endpoint: str = "h:1", **conf: object) -> RendezvousParameters:
