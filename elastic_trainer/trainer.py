@@ -277,6 +277,7 @@ class Trainer:
             self.observer.on_checkpoint_loaded(step=self.step, duration_s=time.monotonic() - started, nbytes=nbytes)
             self.resumed_from = self.step
             self._last_saved_step = self.step
+            self._last_checkpoint = value
             if env.is_rank0:
                 log.info("resumed from %s (step %d, epoch %d, cursor %d, saved by %d ranks, now %d)",
                          value, self.step, self.sampler.epoch, self.sampler.cursor, state["world_size"], env.world_size)

@@ -174,9 +174,9 @@ def final_model(checkpoint_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return state["step"], state["model"]
 
 
-def final_loss(agent: Agent) -> float:
-    """The loss on rank 0's ``final step ...`` line."""
+def final_eval_loss(agent: Agent) -> float:
+    """The full-dataset loss on rank 0's ``final step ...`` line."""
     for line in reversed(agent.output().splitlines()):
-        if line.startswith("final step"):
-            return float(line.split(" loss ")[1].split()[0])
+        if line.startswith("final step") and "eval_loss None" not in line:
+            return float(line.split(" eval_loss ")[1].split()[0])
     raise AssertionError(f"no final line in the log of agent {agent.pid}:\n{agent.tail()}")

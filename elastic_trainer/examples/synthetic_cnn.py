@@ -96,6 +96,19 @@ class Throttled:
         return getattr(self._inner, name)
 
 
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: SyntheticImages, device: torch.device) -> float:
+    """Mean cross-entropy of ``model`` (eval mode) over the whole dataset: the "final loss",
+    far less noisy than the loss of one mini-batch."""
+    model.eval()
+    total = 0.0
+    for start in range(0, len(dataset), 256):
+        images = dataset.images[start : start + 256].to(device)
+        labels = dataset.labels[start : start + 256].to(device)
+        total += nn.functional.cross_entropy(model(images), labels, reduction="sum").item()
+    return total / len(dataset)
+
+
 def make_job(args: argparse.Namespace) -> TrainingJob:
     """The example's factories (also used by the benchmarks)."""
     return TrainingJob(
@@ -175,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         observer = build_observer()
         if args.throttle_ms > 0:
             observer = Throttled(observer, args.throttle_ms / 1000)
-        result = Trainer(config, make_job(args), observer=observer, env=env).fit()
+        trainer = Trainer(config, make_job(args), observer=observer, env=env)
+        result = trainer.fit()
     except (ValueError, CheckpointError, TrainerSetupError) as exc:
         # One line, no traceback: bad input or a checkpoint directory that cannot be used.
         print(f"synthetic_cnn: error: {exc}", file=sys.stderr)
@@ -186,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     if env.is_rank0:
-        print(f"final step {result.step} epoch {result.epoch} loss {result.loss} "
+        eval_loss = None if result.stopped_by_signal else evaluate(trainer.model, trainer.dataset, env.device)
+        print(f"final step {result.step} epoch {result.epoch} loss {result.loss} eval_loss {eval_loss} "
               f"checkpoint {result.checkpoint} stopped_by_signal {result.stopped_by_signal}", flush=True)
     return result.exit_code
 
