@@ -200,18 +200,22 @@ class EtcdConnection:
         """The imported ``etcd3`` module (its ``transactions`` helpers build compare/ops)."""
         return self._etcd3
 
-    def call(self, operation: Callable[[Any], T], *, what: str) -> T:
+    def call(self, operation: Callable[[Any], T], *, what: str, retry_timeout: float | None = None) -> T:
         """Run ``operation(client)`` with retries; return its result.
+
+        ``retry_timeout`` overrides the configured retry budget for this call (e.g. a short one
+        at interpreter exit).
 
         Raises:
             RendezvousConnectionError: etcd stayed unreachable for ``retry_timeout`` seconds, or
                 refused the request for a reason a retry cannot fix (auth, permission, TLS).
         """
+        budget = self.config.retry_timeout if retry_timeout is None else retry_timeout
         retrying = Retrying(
             retry=retry_if_exception(self._is_transient),
             # Exponential backoff plus jitter (composed: works with every tenacity >= 8.2).
             wait=wait_exponential(multiplier=0.05, max=1.0) + wait_random(0, 0.1),
-            stop=stop_after_delay(self.config.retry_timeout),
+            stop=stop_after_delay(budget),
             before_sleep=self._before_retry(what),
             sleep=self._sleep,
             reraise=True,
@@ -224,7 +228,7 @@ class EtcdConnection:
             if self._is_transient(exc):
                 raise RendezvousConnectionError(
                     f"etcd at {self._endpoints_text()} did not answer {what} within "
-                    f"{self.config.retry_timeout:g}s ({_describe(exc)})"
+                    f"{budget:g}s ({_describe(exc)})"
                 ) from exc
             raise RendezvousConnectionError(
                 f"etcd at {self.endpoint} refused {what}: {_describe(exc)}"
@@ -331,14 +335,14 @@ class EtcdConnection:
             raise RendezvousConnectionError(f"cannot read TLS files for etcd: {exc}") from exc
         if client.call_credentials is not None and not client.uses_secure_channel:
             # gRPC refuses call credentials on a plaintext channel; etcd3 also sends the auth
-            # token as request metadata, which is all etcd needs. Rebuild the watcher likewise.
+            # token as request metadata, which is all etcd needs.
             client.call_credentials = None
-            client.watcher = self._etcd3.watch.Watcher(
-                self._etcd3.etcdrpc.WatchStub(client.channel),
-                timeout=client.timeout,
-                call_credentials=None,
-                metadata=client.metadata,
-            )
+        client.watcher = _watcher_class(self._etcd3)(
+            self._etcd3.etcdrpc.WatchStub(client.channel),
+            timeout=client.timeout,
+            call_credentials=client.call_credentials,
+            metadata=client.metadata,
+        )
         return client
 
 
@@ -351,6 +355,53 @@ def quiet_retries() -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
+
+
+_WATCHER_CLASSES: dict[int, type] = {}
+
+
+def _watcher_class(etcd3: Any) -> type:
+    """etcd3's ``Watcher`` with two fixes, made once per etcd3 module.
+
+    etcd3 0.12's watch thread re-opens its stream in a tight loop while etcd is unreachable
+    (burning a core during an outage), and dies with an unhandled ``ValueError`` once its channel
+    is closed (after a failover). This subclass backs off between attempts and ends quietly.
+    """
+    cached = _WATCHER_CLASSES.get(id(etcd3))
+    if cached is not None:
+        return cached
+    import queue
+
+    class BackoffWatcher(etcd3.watch.Watcher):  # type: ignore[name-defined,misc]
+        def _run(self) -> None:
+            backoff = 0.05
+            while True:
+                try:
+                    responses = self._watch_stub.Watch(
+                        etcd3.watch._new_request_iter(self._request_queue),
+                        credentials=self._credentials,
+                        metadata=self._metadata,
+                    )
+                    for response in responses:
+                        backoff = 0.05
+                        self._handle_response(response)
+                except ValueError:  # "Channel closed": this client was closed; stop
+                    return
+                except grpc.RpcError as err:
+                    with self._lock:
+                        if self._new_watch:
+                            self._new_watch.err = err
+                            self._new_watch_cond.notify_all()
+                        callbacks, self._callbacks = self._callbacks, {}
+                        self._request_queue.put(None)
+                        self._request_queue = queue.Queue(maxsize=10)
+                    for callback in callbacks.values():
+                        etcd3.watch._safe_callback(callback, err)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+
+    _WATCHER_CLASSES[id(etcd3)] = BackoffWatcher
+    return BackoffWatcher
 
 
 def read_secret_file(path: str, *, key: str) -> str:

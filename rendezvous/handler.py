@@ -22,6 +22,7 @@ import logging
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
 )
@@ -59,14 +60,32 @@ def _timeout(params: RendezvousParameters, key: str) -> timedelta | None:
     return timedelta(seconds=seconds)
 
 
-def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
+HANDLERS = ("lease", "dynamic")
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd-v3`` handler from torchrun's rendezvous parameters.
 
-    Accepts the ``--rdzv-conf`` keys of :func:`rendezvous.etcd_backend.create_backend` and those
-    of torch's ``create_handler``: ``join_timeout`` (600), ``last_call_timeout`` (30),
-    ``close_timeout`` (30), ``heartbeat_timeout`` (30), ``keep_alive_interval`` (5),
-    ``keep_alive_max_attempt`` (3).
+    ``--rdzv-conf handler=lease`` (the default) gives the native lease/watch handler of
+    :mod:`rendezvous.lease_handler` (fast recovery; keys ``join_timeout`` 600,
+    ``last_call_timeout`` 30 -- first round only --, ``lease_ttl`` 10). ``handler=dynamic`` gives
+    torch's dynamic rendezvous over :class:`EtcdV3RendezvousBackend` (keys ``join_timeout``,
+    ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
+    ``keep_alive_max_attempt``). Both accept the connection keys of
+    :func:`rendezvous.etcd_backend.create_backend`.
     """
+    kind = str(params.get("handler", "lease")).strip().lower()
+    if kind == "lease":
+        from rendezvous.lease_handler import create_lease_handler
+
+        return create_lease_handler(params)
+    if kind != "dynamic":
+        raise ValueError(f"rdzv-conf handler: must be one of {', '.join(HANDLERS)}, got {kind!r}")
+    return create_dynamic_handler(params)
+
+
+def create_dynamic_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
+    """torch's dynamic rendezvous over etcd v3 (``--rdzv-conf handler=dynamic``)."""
     backend, store = create_backend(params)
     timeout = RendezvousTimeout(
         _timeout(params, "join"),

@@ -121,7 +121,9 @@ def test_two_run_ids_on_one_etcd_do_not_interfere(etcd_server, tmp_path: Path, u
     with agents_cleanup() as agents:
         for run in ("x", "y"):
             for name in ("a", "b"):
-                start(agents, tmp_path, etcd_server.endpoint, f"{unique_id}-{run}", f"{run}{name}", env, nproc=1)
+                # fixed size: one round per run, so any cross-talk shows up as a wrong world size
+                start(agents, tmp_path, etcd_server.endpoint, f"{unique_id}-{run}", f"{run}{name}", env,
+                      nnodes="2", nproc=1)
         codes = [a.wait(150) for a in agents]
     assert codes == [0, 0, 0, 0]
     for run in ("x", "y"):

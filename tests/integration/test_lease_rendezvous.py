@@ -1,0 +1,193 @@
+"""Recovery paths of the lease rendezvous with real etcd and real node processes (no training):
+fast close, lease expiry, graceful leave, join, steady-state cost."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from rendezvous.handler import create_handler
+
+pytestmark = pytest.mark.integration
+
+NODE = str(Path(__file__).with_name("scripts") / "rdzv_node.py")
+
+
+class Node:
+    """A rendezvous node in its own process, driven over stdin."""
+
+    def __init__(self, endpoint: str, run_id: str, nnodes: tuple[int, int], conf: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, NODE, endpoint, run_id, str(nnodes[0]), str(nnodes[1]), conf],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        self.node_id = self._read(60)["node"]
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self.process.stdout.readline()))  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout)
+        if not result or not result[0]:
+            raise TimeoutError(f"node gave no answer within {timeout}s")
+        return json.loads(result[0])  # type: ignore[no-any-return]
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def ask(self, command: str, timeout: float = 60) -> dict[str, Any]:
+        self.send(command)
+        return self._read(timeout)
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def leave(self) -> None:
+        self.send("exit")
+        self.process.wait(30)
+
+
+@pytest.fixture
+def nodes():  # type: ignore[no-untyped-def]
+    started: list[Node] = []
+    yield started
+    for node in started:
+        if node.process.poll() is None:
+            node.kill()
+
+
+def conf(**extra: Any) -> str:
+    base = {"last_call_timeout": 30, "lease_ttl": 3, "join_timeout": 60, "retry_timeout": 10}
+    return ",".join(f"{k}={v}" for k, v in {**base, **extra}.items())
+
+
+def join_all(*members: Node, timeout: float = 60) -> list[dict[str, Any]]:
+    for node in members:
+        node.send("join")
+    return [node._read(timeout) for node in members]
+
+
+def test_first_round_closes_at_max_without_last_call(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
+    nodes += [Node(etcd_server.endpoint, unique_id, (1, 2), conf()) for _ in range(2)]
+    results = join_all(*nodes)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["world_size"] == 2 and r["seconds"] < 10 for r in results)  # last call is 30 s
+
+
+def test_fast_close_after_a_restart(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
+    """Every live member rejoins: the round closes at once, not after the 30 s last call."""
+    nodes += [Node(etcd_server.endpoint, unique_id, (1, 3), conf()) for _ in range(2)]
+    first = {n.node_id: r for n, r in zip(nodes, join_all(*nodes, timeout=90), strict=True)}
+    again = join_all(*nodes)
+    assert all(r["seconds"] < 3 for r in again), again
+    assert [r["round"] for r in again] == [1, 1]
+    # ranks are stable across rounds
+    assert {n.node_id: r["rank"] for n, r in zip(nodes, again, strict=True)} == {k: v["rank"] for k, v in first.items()}
+
+
+def test_lease_expiry_lets_survivors_go_on(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
+    survivor, doomed = (Node(etcd_server.endpoint, unique_id, (1, 2), conf()) for _ in range(2))
+    nodes += [survivor, doomed]
+    join_all(survivor, doomed)
+    doomed.kill()  # no goodbye: its lease (3 s) must expire
+    started = time.monotonic()
+    result = survivor.ask("join", timeout=30)
+    elapsed = time.monotonic() - started
+    assert result["world_size"] == 1 and result["rank"] == 0
+    assert elapsed < 3 + 3, elapsed  # lease TTL + margin
+
+
+def test_graceful_leave_is_seen_at_once(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
+    survivor, leaver = (Node(etcd_server.endpoint, unique_id, (1, 2), conf(lease_ttl=30)) for _ in range(2))
+    nodes += [survivor, leaver]
+    join_all(survivor, leaver)
+    leaver.leave()  # normal exit revokes its lease
+    result = survivor.ask("join", timeout=30)
+    assert result["world_size"] == 1 and result["seconds"] < 2, result
+
+
+def test_sigterm_leaves_at_once(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
+    """Scale-down: SIGTERM makes the launcher exit (torchrun turns it into an exception), its
+    lease is revoked on the way out, and the survivor does not wait for it to expire."""
+    survivor, leaver = (Node(etcd_server.endpoint, unique_id, (1, 2), conf(lease_ttl=30)) for _ in range(2))
+    nodes += [survivor, leaver]
+    join_all(survivor, leaver)
+    leaver.process.send_signal(signal.SIGTERM)
+    assert leaver.process.wait(10) == 143
+    result = survivor.ask("join", timeout=30)
+    assert result["world_size"] == 1 and result["seconds"] < 2, result
+
+
+def test_a_joining_node_is_seen_through_the_watch(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
+    first = Node(etcd_server.endpoint, unique_id, (1, 2), conf(last_call_timeout=1))
+    nodes.append(first)
+    assert first.ask("join")["world_size"] == 1
+    assert first.ask("waiting")["waiting"] == 0
+    newcomer = Node(etcd_server.endpoint, unique_id, (1, 2), conf(last_call_timeout=1))
+    nodes.append(newcomer)
+    newcomer.send("join")
+    deadline = time.monotonic() + 5
+    while first.ask("waiting")["waiting"] == 0:
+        assert time.monotonic() < deadline, "the running node never saw the newcomer"
+        time.sleep(0.05)
+    started = time.monotonic()
+    rejoined = first.ask("join")
+    joined = newcomer._read(30)
+    assert rejoined["world_size"] == joined["world_size"] == 2
+    assert (rejoined["rank"], joined["rank"]) == (0, 1)  # the running node keeps rank 0
+    assert time.monotonic() - started < 3
+
+
+def test_a_full_job_keeps_running_while_a_spare_waits(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
+    members = [Node(etcd_server.endpoint, unique_id, (1, 2), conf()) for _ in range(2)]
+    nodes += members
+    join_all(*members)
+    spare = Node(etcd_server.endpoint, unique_id, (1, 2), conf())
+    nodes.append(spare)
+    spare.send("join")
+    time.sleep(1.5)
+    assert [m.ask("waiting")["waiting"] for m in members] == [0, 0]  # no restart for a spare
+    members[1].leave()
+    result = members[0].ask("join")
+    assert result["world_size"] == 2  # the spare took the free slot
+    assert spare._read(30)["rank"] == 1
+
+
+def test_steady_state_costs_only_lease_keep_alives(etcd_server, unique_id) -> None:  # type: ignore[no-untyped-def]
+    handler = create_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1, lease_ttl=3))
+    try:
+        handler.next_rendezvous()
+        connection = handler._connection  # type: ignore[attr-defined]
+        before, started = connection.requests, time.monotonic()
+        while time.monotonic() - started < 3.0:  # the agent asks every monitor interval
+            assert handler.num_nodes_waiting() == 0
+            time.sleep(0.05)
+        per_minute = (connection.requests - before) * 60 / (time.monotonic() - started)
+        assert per_minute <= 60, per_minute  # keep-alives every ttl/3 = 1 s: ~60/min at ttl 3
+    finally:
+        handler.shutdown()
+
+
+def test_shutdown_closes_the_run_for_late_nodes(etcd_server, unique_id) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    params = RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1)
+    first = create_handler(params)
+    first.next_rendezvous()
+    assert first.shutdown() is True
+    late = create_handler(params)
+    assert late.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        late.next_rendezvous()
