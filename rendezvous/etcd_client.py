@@ -373,6 +373,9 @@ def _watcher_class(etcd3: Any) -> type:
     import queue
 
     class BackoffWatcher(etcd3.watch.Watcher):  # type: ignore[name-defined,misc]
+        _request_queue: queue.Queue[Any]
+        _callbacks: dict[Any, Any]
+
         def _run(self) -> None:
             backoff = 0.05
             while True:

@@ -216,7 +216,8 @@ class _NodeLease:
                 continue
             try:
                 ttl = self._connection.call(
-                    lambda c: list(c.refresh_lease(lease_id))[0].TTL, what="a lease keep-alive"
+                    lambda c, lease_id=lease_id: list(c.refresh_lease(lease_id))[0].TTL,
+                    what="a lease keep-alive",
                 )
             except Exception as exc:  # etcd unreachable for retry_timeout: keep trying
                 log.warning("etcd-v3: lease keep-alive failed: %s", exc)
@@ -473,9 +474,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 continue
             # status OPEN
             if joined_round != state.round:
+                join_key = self._keys.joined(state.round, self.node_id)
                 lease = self._lease.lease_id()
                 self._connection.call(
-                    lambda c: c.put(self._keys.joined(state.round, self.node_id), b"", lease=lease),
+                    lambda c, key=join_key, lease=lease: c.put(key, b"", lease=lease),
                     what="a rendezvous join",
                 )
                 joined_round, min_reached_at = state.round, None
