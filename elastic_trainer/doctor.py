@@ -59,7 +59,7 @@ from elastic_trainer.doctor_checks import (
     probe_backend,
     usable_cpus,
 )
-from elastic_trainer.doctor_perf import DEFAULT_SIZES, parse_sizes
+from elastic_trainer.doctor_perf import DEFAULT_SIZES, barrier, parse_sizes
 from elastic_trainer.doctor_report import (
     FAIL,
     PASS,
@@ -120,6 +120,8 @@ class DoctorOptions:
     """Collective timeout of the doctor's process group."""
     deadline_s: float = DEFAULT_DEADLINE_S
     """Hard limit on the whole run; the process exits with a FAIL after it."""
+    verbose: bool = False
+    """Log debug messages, including the traceback behind a check that crashed."""
 
     def __post_init__(self) -> None:
         if not self.sizes:
@@ -170,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"collective timeout of the doctor's process group (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--deadline", type=_positive_float, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
                         help=f"hard limit on the whole run (default {DEFAULT_DEADLINE_S:g})")
+    parser.add_argument("--verbose", action="store_true",
+                        help="log debug messages, with the traceback behind a check that crashed")
     return parser
 
 
@@ -189,7 +193,7 @@ def parse_args(argv: Sequence[str]) -> DoctorOptions:
     try:
         return DoctorOptions(json=args.json, sizes=args.sizes or parse_sizes(DEFAULT_SIZES), iters=args.iters,
                              warmup=args.warmup, batch_size=args.batch_size, timeout_s=args.timeout,
-                             deadline_s=args.deadline)
+                             deadline_s=args.deadline, verbose=args.verbose)
     except ValueError as exc:
         name, _, message = str(exc).partition(": ")
         raise UsageError(f"{_FLAGS.get(name, name)}: {message}") from None
@@ -347,7 +351,7 @@ class Doctor:
         try:
             distributed.init_process_group(env, pg_timeout_s=self.options.timeout_s)
             if env.launched:
-                dist.barrier()  # every rank is in: the group works, not only this end of it
+                barrier(env.device)  # every rank is in: the group works, not only this end of it
         except Exception as exc:  # noqa: BLE001 - reported as this check's FAIL
             self.group_problem = "the process group could not be created"
             self.record(CheckResult(name="process_group", status=FAIL, detail=(
@@ -431,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+    logging.basicConfig(level=logging.DEBUG if options.verbose else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s [rank {environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s")
 
     doctor = Doctor(options, environ, faults)

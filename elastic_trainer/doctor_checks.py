@@ -19,6 +19,7 @@ leaves its test batch on the ``meta`` device, ``hang`` makes it never join the a
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import math
 import os
@@ -38,6 +39,7 @@ from elastic_trainer import distributed
 from elastic_trainer.config import DEFAULT_PG_TIMEOUT_S, ENV_PG_TIMEOUT_S
 from elastic_trainer.doctor_perf import (
     ELEMENT_BYTES,
+    barrier,
     compute_comm_ratio,
     measure_bandwidth,
     slowest,
@@ -67,6 +69,8 @@ TIMEOUT_ENV = (ENV_PG_TIMEOUT_S, distributed.NCCL_ASYNC_ERROR_HANDLING, distribu
                "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 """What the timeouts check reads (and compares across ranks)."""
 
+EXAMPLE_MODULE = "elastic_trainer.examples.synthetic_cnn"
+"""The runtime's example job, whose ``SmallCNN`` the doctor trains one step of."""
 ALLREDUCE_ELEMENTS = 1 << 18
 """float32 elements in the correctness allreduce (1 MiB: several chunks in any ring)."""
 GRAD_RTOL = 1e-3
@@ -376,12 +380,11 @@ class TestModel:
 def example_model() -> TestModel:
     """The runtime example's ``SmallCNN`` when it imports, else a small CNN of our own."""
     try:
-        from elastic_trainer.examples import synthetic_cnn
-
+        synthetic_cnn = importlib.import_module(EXAMPLE_MODULE)
         build = synthetic_cnn.SmallCNN
         classes = int(getattr(synthetic_cnn, "CLASSES", 10))
-    except (ImportError, AttributeError) as exc:
-        log.warning("example model unavailable (%s); using a fallback CNN", exc)
+    except Exception as exc:  # noqa: BLE001 - absent or broken example: measure our own CNN instead
+        log.warning("example model unavailable (%s); using a fallback CNN", first_line(exc))
         return TestModel(build=_FallbackCNN, source="fallback CNN (example model not importable)")
     return TestModel(build=build, source="examples.synthetic_cnn.SmallCNN", classes=classes)
 
@@ -533,7 +536,7 @@ def check_compute_comm(*, model: TestModel, batch_size: int, iters: int, warmup:
         module.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(module(inputs), target).backward()
 
-    dist.barrier()
+    barrier(device)
     compute = slowest(time_loop(step, iters=iters, warmup=warmup, device=device), device)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     message = max(ELEMENT_BYTES, -(-grad_bytes // ELEMENT_BYTES) * ELEMENT_BYTES)

@@ -170,6 +170,14 @@ def time_loop(fn: Callable[[], object], *, iters: int, warmup: int, device: torc
     return (time.perf_counter() - began) / iters
 
 
+def barrier(device: torch.device) -> None:
+    """``dist.barrier`` on this rank's GPU with NCCL (so NCCL need not guess the device)."""
+    if device.type == "cuda" and dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
 def slowest(seconds: float, device: torch.device) -> float:
     """The largest of every rank's ``seconds`` (an allreduce MAX, so every rank gets it)."""
     value = torch.tensor([seconds], dtype=torch.float64, device=device)
@@ -184,7 +192,7 @@ def time_allreduce(size_bytes: int, *, iters: int, warmup: int, device: torch.de
     for _ in range(warmup):
         dist.all_reduce(buffer)
     _synchronize(device)
-    dist.barrier()  # start together: the time measures the collective, not a late rank
+    barrier(device)  # start together: the time measures the collective, not a late rank
     seconds = time_loop(lambda: dist.all_reduce(buffer), iters=iters, warmup=0, device=device)
     return slowest(seconds, device)
 

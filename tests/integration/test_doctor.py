@@ -158,3 +158,17 @@ def test_bad_flag_under_torchrun_is_one_line_from_rank_0() -> None:
     assert errors == ["elastic-trainer doctor: error: argument --sizes: size 3 B: must be a positive multiple "
                       "of 4 bytes (float32)"]
     assert done.stdout == ""
+
+
+@pytest.mark.timeout(60)
+def test_the_deadline_ends_a_rank_stuck_for_good_with_a_report() -> None:
+    """One process, hung on purpose inside a check: the watchdog prints what it has and exits."""
+    done, elapsed = doctor("--sizes", "1K", "--iters", "2", "--timeout", "1", "--deadline", "4",
+                           torchrun=False, env={"ELASTIC_TRAINER_DOCTOR_FAULT": "hang"})
+    assert done.returncode == 1
+    assert elapsed < 30
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("FAIL  allreduce") and "did not finish within --deadline=4s" in line
+               for line in lines), explain(done)
+    assert "PARTIAL REPORT: stopped after --deadline=4s in the allreduce check" in done.stdout
+    assert "deadline of 4 s exceeded in the allreduce check" in done.stderr

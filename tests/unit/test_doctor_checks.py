@@ -294,3 +294,13 @@ def test_compute_comm_check(one_rank_group: None) -> None:
     assert result.status == PASS
     assert result.data["gradient_bytes"] == (3 * 16 * 16 * 10 + 10) * 4
     assert result.data["ratio"] > 0 and "compute/comm" in result.detail
+
+
+def test_example_model_falls_back_when_the_example_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "elastic_trainer.examples.synthetic_cnn", None)  # import -> ImportError
+    model = example_model()
+    assert model.source.startswith("fallback CNN")
+    inputs, _ = model.batch(2, seed=0, device=CPU)
+    assert model.build()(inputs).shape == (2, model.classes)

@@ -75,3 +75,12 @@ def test_help_exits_zero_with_an_example(capsys: pytest.CaptureFixture[str]) -> 
 def test_options_validate_directly() -> None:
     with pytest.raises(ValueError, match="sizes"):
         DoctorOptions(sizes=[])
+
+
+def test_watchdog_stopped_in_time_never_fires() -> None:
+    fired: list[bool] = []
+    watchdog = doctor.Watchdog(30.0, lambda: fired.append(True))
+    watchdog.start()
+    watchdog.stop()
+    watchdog._thread.join(5)
+    assert not watchdog._thread.is_alive() and fired == []
