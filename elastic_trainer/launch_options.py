@@ -17,10 +17,14 @@ monitor_interval     ``0.5``     seconds between worker health checks: failures 
 rdzv_endpoint        (none)      none: start an embedded etcd on a free loopback port
 run_id               (derived)   required with an external etcd; derived for an embedded one
 join_timeout         ``600``     seconds a node waits for the minimum number of nodes
-last_call_timeout    ``5``       seconds more to admit extra nodes once the minimum is there
-close_timeout        ``30``      seconds for a round to close after a node's shutdown
-heartbeat_timeout    ``30``      seconds without a heartbeat before a node is considered dead
-keep_alive_interval  ``5``       seconds between a node's heartbeats
+last_call_timeout    ``5``       first round only: seconds to admit extra nodes once the
+                                 minimum is there (later rounds close once all live members
+                                 rejoined)
+lease_ttl            ``10``      seconds after which a node that died without a goodbye
+                                 loses its membership (etcd lease)
+close_timeout        ``30``      ``handler=dynamic`` only: seconds for a round to close
+heartbeat_timeout    ``30``      ``handler=dynamic`` only: heartbeat age of a dead node
+keep_alive_interval  ``5``       ``handler=dynamic`` only: seconds between heartbeats
 metrics_port         ``9400``    the node's Prometheus endpoint; 0 turns metrics off
 metrics_addr         ``0.0.0.0`` bind address of that endpoint (pods are scraped from outside)
 device               ``auto``    ``cuda`` if available, else ``cpu``
@@ -138,6 +142,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("monitor_interval", _positive_float, 0.5, "seconds between worker health checks"),
     OptionSpec("join_timeout", _positive_int, 600, "seconds to wait for the minimum number of nodes"),
     OptionSpec("last_call_timeout", _positive_int, 5, "seconds to admit more nodes once the minimum is there"),
+    OptionSpec("lease_ttl", _positive_int, 10, "seconds after which a dead node's membership expires"),
     OptionSpec("close_timeout", _positive_int, 30, "seconds for a round to close after a shutdown"),
     OptionSpec("heartbeat_timeout", _positive_int, 30, "seconds without heartbeat before a node is dead"),
     OptionSpec("keep_alive_interval", _positive_int, 5, "seconds between a node's heartbeats"),
@@ -172,6 +177,8 @@ class RunOptions:
     """Seconds to reach the minimum of nodes."""
     last_call_timeout: int
     """Seconds to admit extra nodes."""
+    lease_ttl: int
+    """Seconds before a dead node's etcd lease expires."""
     close_timeout: int
     """Seconds for a round to close."""
     heartbeat_timeout: int

@@ -80,6 +80,7 @@ def rdzv_conf(options: RunOptions) -> str:
     """The ``--rdzv-conf`` string: our timeouts first, the user's keys last (they win)."""
     ours = (
         f"join_timeout={options.join_timeout},last_call_timeout={options.last_call_timeout},"
+        f"lease_ttl={options.lease_ttl},"
         f"close_timeout={options.close_timeout},heartbeat_timeout={options.heartbeat_timeout},"
         f"keep_alive_interval={options.keep_alive_interval}"
     )

@@ -185,6 +185,14 @@ def _range_end(prefix: str) -> bytes:
     return bytes(raw)
 
 
+def _refresh(lease_id: int) -> Callable[[Any], int]:
+    return lambda client: int(list(client.refresh_lease(lease_id))[0].TTL)
+
+
+def _put(key: str, value: bytes, lease: int) -> Callable[[Any], Any]:
+    return lambda client: client.put(key, value, lease=lease)
+
+
 class _NodeLease:
     """This node's lease and liveness key, kept alive by a daemon thread; revoked on exit."""
 
@@ -215,10 +223,7 @@ class _NodeLease:
             if lease_id is None:
                 continue
             try:
-                ttl = self._connection.call(
-                    lambda c, lease_id=lease_id: list(c.refresh_lease(lease_id))[0].TTL,
-                    what="a lease keep-alive",
-                )
+                ttl = self._connection.call(_refresh(lease_id), what="a lease keep-alive")
             except Exception as exc:  # etcd unreachable for retry_timeout: keep trying
                 log.warning("etcd-v3: lease keep-alive failed: %s", exc)
                 continue
@@ -476,10 +481,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
             if joined_round != state.round:
                 join_key = self._keys.joined(state.round, self.node_id)
                 lease = self._lease.lease_id()
-                self._connection.call(
-                    lambda c, key=join_key, lease=lease: c.put(key, b"", lease=lease),
-                    what="a rendezvous join",
-                )
+                self._connection.call(_put(join_key, b"", lease), what="a rendezvous join")
                 joined_round, min_reached_at = state.round, None
                 continue
             live_joined = [n for n in snapshot.joined.get(state.round, []) if n in snapshot.live]
