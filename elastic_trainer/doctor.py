@@ -410,11 +410,7 @@ def _emit(doctor: Doctor, report: MergedReport, *, as_json: bool) -> None:
     """Rank 0 prints the report; another rank that could not hand its results over names its
     failures on stderr (nobody else can)."""
     if _reporter(doctor):
-        faults = sorted(doctor.faults)
-        text = render_json(report) if as_json else render_text(report)
-        if faults and not as_json:
-            text = f"SELF-TEST: faults injected on the last rank via {FAULT_ENV}: {', '.join(faults)}\n{text}"
-        print(text, flush=True)
+        print(render_json(report) if as_json else render_text(report), flush=True)
     elif report.partial:
         for result in report.results:
             if result.status == FAIL:

@@ -91,6 +91,8 @@ class MergedReport:
     torch_version: str
     partial: str | None = None
     """Why only some ranks' results are shown (the others could not be gathered); ``None``: all."""
+    faults: list[str] = field(default_factory=list)
+    """Self-test faults injected (``ELASTIC_TRAINER_DOCTOR_FAULT``): failures are expected."""
 
     @property
     def status(self) -> str:
@@ -238,6 +240,7 @@ def merge(reports: Sequence[RankReport], *, partial: str | None = None, world_si
         backend=str(first.get("backend", "?")),
         torch_version=str(first.get("torch_version", "?")),
         partial=partial,
+        faults=sorted({fault for r in reports for fault in r.facts.get("faults", [])}),
     )
 
 
@@ -268,6 +271,9 @@ def render_text(report: MergedReport) -> str:
     else:
         who = f"{report.ranks} rank(s) on {report.nodes} node(s)"
     lines = [f"elastic-trainer doctor: {who}, backend {report.backend}, torch {report.torch_version}"]
+    if report.faults:
+        lines.append(f"SELF-TEST: faults injected on the last rank: {', '.join(report.faults)} "
+                     "(ELASTIC_TRAINER_DOCTOR_FAULT); their checks must FAIL")
     if report.partial:
         lines.append(f"PARTIAL REPORT: {report.partial}")
     width = max(len(name) for name in CHECKS)
@@ -299,6 +305,7 @@ def render_json(report: MergedReport) -> str:
         "backend": report.backend,
         "torch_version": report.torch_version,
         "partial": report.partial,
+        "faults": report.faults,
         "checks": [
             {"name": r.name, "title": CHECKS[r.name], "status": r.status, "detail": r.detail, "data": r.data}
             for r in report.results

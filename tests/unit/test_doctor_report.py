@@ -195,3 +195,10 @@ def test_render_json_is_machine_readable() -> None:
     assert [c["name"] for c in document["checks"]] == ["env", "compute_comm"]
     assert document["checks"][1]["data"]["ratio"] == 0.5
     assert document["checks"][0]["title"] == CHECKS["env"]
+
+
+def test_injected_faults_are_announced() -> None:
+    merged = merge([report(0, ok("env"), facts={"faults": ["allreduce"]}), report(1, ok("env"))])
+    assert merged.faults == ["allreduce"]
+    assert "SELF-TEST: faults injected on the last rank: allreduce" in render_text(merged)
+    assert json.loads(render_json(merged))["faults"] == ["allreduce"]
