@@ -400,6 +400,16 @@ def _gather(doctor: Doctor) -> tuple[list[RankReport], str | None]:
     return [r for r in gathered if isinstance(r, RankReport)], None
 
 
+def _leave_together(doctor: Doctor) -> None:
+    """A last barrier, so that no rank tears its connections down while a peer still reads from
+    them (gloo aborts a process whose peer vanished mid-transfer). The report is out already:
+    a failure here is only logged."""
+    try:
+        barrier(doctor.device or torch.device("cpu"))
+    except Exception as exc:  # noqa: BLE001 - nothing left to report it in
+        log.warning("final barrier failed: %s", first_line(exc))
+
+
 def _reporter(doctor: Doctor) -> bool:
     """Rank 0 reports; so does a rank that could not even tell where it belongs (no rank 0
     report can include it)."""
@@ -458,6 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             doctor.printed = True
         if first:
             _emit(doctor, report, as_json=options.json)
+        if not partial:
+            _leave_together(doctor)
         return 1 if partial else report.exit_code
     finally:
         distributed.destroy_process_group()
