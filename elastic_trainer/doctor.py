@@ -82,6 +82,13 @@ DEFAULT_WARMUP = 5
 DEFAULT_BATCH_SIZE = 32
 MAX_ITERS = 10_000
 
+DESCRIPTION = """\
+Run the DDP debugging checklist on every rank, under torchrun, and print one report from rank 0
+with PASS / WARN / FAIL per check: torchrun environment, backends (NCCL version with CUDA), GPU
+count vs LOCAL_WORLD_SIZE, timeout and NCCL environment, device placement, allreduce correctness,
+gradient synchronisation after a DDP backward, allreduce latency and bus bandwidth per message
+size, and the compute/communication ratio of one step of the example model."""
+
 EPILOG = """\
 examples:
   torchrun --standalone --nproc-per-node=2 -m elastic_trainer.doctor
@@ -156,7 +163,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=EPILOG,
+    parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print a machine-readable JSON report")
     parser.add_argument("--sizes", type=_sizes, default=None, metavar="MIN..MAX[:F] | S1,S2,...",
