@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from elastic_trainer.doctor_checks import usable_cpus
 from elastic_trainer.doctor_report import CHECKS
 
 pytestmark = pytest.mark.integration
@@ -60,8 +61,10 @@ def test_healthy_two_rank_run_passes_every_check() -> None:
     assert done.returncode == 0, explain(done)
     statuses = status_lines(done.stdout)
     assert set(statuses) == set(CHECKS)
+    # Two ranks on fewer than two usable cores is a legitimate oversubscription WARN.
+    may_warn = TIMING_CHECKS | ({"devices"} if usable_cpus() < 2 else set())
     for name, status in statuses.items():
-        allowed = {"PASS", "WARN"} if name in TIMING_CHECKS else {"PASS"}
+        allowed = {"PASS", "WARN"} if name in may_warn else {"PASS"}
         assert status in allowed, f"{name}: {status}\n{done.stdout}"
     assert "elastic-trainer doctor: 2 rank(s) on 1 node(s), backend gloo" in done.stdout
     assert done.stdout.count("elastic-trainer doctor:") == 1  # one report, from rank 0
