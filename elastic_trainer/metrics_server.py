@@ -234,14 +234,15 @@ class LauncherMetricsConfig:
     else a fresh temporary directory removed on close. Stale ``*.db`` files are deleted."""
 
     def __post_init__(self) -> None:
+        # MetricsError is a ValueError: callers catching either get one clear line.
         if not self.addr:
-            raise ValueError("addr must not be empty")
+            raise MetricsError("addr must not be empty")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+            raise MetricsError(f"port must be in 0..65535, got {self.port}")
         if not self.run_id:
-            raise ValueError("run_id must not be empty")
+            raise MetricsError("run_id must not be empty")
         if not self.node:
-            raise ValueError("node must not be empty")
+            raise MetricsError("node must not be empty")
 
 
 class LauncherMetrics:

@@ -156,6 +156,8 @@ def test_busy_port_is_one_clear_error(tmp_path: Path) -> None:
 
 
 def test_config_validation() -> None:
+    with pytest.raises(MetricsError, match="run_id"):
+        LauncherMetricsConfig(run_id="")
     assert LauncherMetricsConfig().port == 9400
     assert LauncherMetricsConfig().addr == "0.0.0.0"
     with pytest.raises(ValueError, match="port"):
