@@ -18,8 +18,10 @@ What the runtime guarantees:
 * torchrun restarts every worker after any failure; they all load rank 0's newest good checkpoint
   (model, optimizer, scheduler, scaler, sampler cursor, per-rank RNG) and replay the same batches,
   so with the same world size the result is bitwise the one of an uninterrupted run.
-* SIGTERM (preemption, scale-down, a new node joining) finishes the step on every rank, rank 0
-  checkpoints it, and the workers exit within the grace period.
+* SIGTERM (preemption, scale-down, a new node joining) finishes the step in progress on every
+  rank (and at most one more: the stop flag rides on a per-step allreduce that overlaps the next
+  step), rank 0 checkpoints the step they all stopped after, and the workers exit within the
+  grace period.
 """
 
 from __future__ import annotations
@@ -126,6 +128,18 @@ def _nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_nbytes(v) for v in obj)
     return 0
+
+
+@dataclass(slots=True)
+class _StepControl:
+    """A finished step whose control allreduce may still be in flight."""
+
+    step: int
+    plan: StepPlan
+    control: torch.Tensor
+    work: Any
+    duration_s: float
+    data_wait_s: float
 
 
 class Trainer:
@@ -338,8 +352,9 @@ class Trainer:
         cfg, env = self.config, self.env
         assert env is not None
         self.ddp.train()
-        loss: float | None = None
-        window_start, window_samples = time.monotonic(), 0
+        self._loss: float | None = None
+        self._window = (time.monotonic(), 0)
+        pending: _StepControl | None = None
         while not self._done():
             if self.sampler.epoch_done:
                 self.sampler.set_epoch(self.sampler.epoch + 1)
@@ -362,35 +377,69 @@ class Trainer:
                     break
                 started = time.monotonic()
                 local_loss, data_wait = self._train_step(plan, batches)
-                loss, stop = self._sync_step(local_loss, plan)
                 self.sampler.advance(plan)
                 self.step += 1
-                duration = time.monotonic() - started
                 if self._sample_log is not None:
                     self._sample_log.step(step=self.step, epoch=plan.epoch, cursor=plan.cursor,
                                           world_size=env.world_size, rank=env.rank, indices=plan.indices)
-                self.observer.on_step(step=self.step, duration_s=duration, data_wait_s=data_wait,
-                                      samples=plan.samples, tokens=plan.samples * self.job.tokens_per_sample, loss=loss)
-                window_samples += plan.global_samples
-                if env.is_rank0 and self.step % cfg.log_every == 0:
-                    now = time.monotonic()
-                    self._log_progress(loss, window_samples / max(now - window_start, 1e-9))
-                    window_start, window_samples = now, 0
+                control = self._start_control(local_loss, plan, started=started, data_wait=data_wait)
+                # The previous step's control allreduce ran while this step computed: waiting on it
+                # now costs nothing, and the host never blocks on the step it just launched.
+                stop = self._finish_control(pending) if pending is not None else False
+                pending = control
                 if stop:
+                    self._finish_control(pending)
+                    pending = None
                     log.warning("stopping after step %d (signal on %s)", self.step,
                                 "this rank" if self._stop.requested else "another rank")
                     path = self._checkpoint(final=True)
-                    return TrainResult(step=self.step, epoch=self.sampler.epoch, loss=loss, resumed_from=self.resumed_from,
-                                       stopped_by_signal=True, checkpoint=path)
+                    return TrainResult(step=self.step, epoch=self.sampler.epoch, loss=self._loss,
+                                       resumed_from=self.resumed_from, stopped_by_signal=True, checkpoint=path)
                 if self.step % cfg.checkpoint_every == 0:
                     self._checkpoint(final=False)
             del batches, loader
+        if pending is not None:
+            self._finish_control(pending)
         path = self._checkpoint(final=True)
         if env.is_rank0:
             log.info("training finished at step %d (epoch %d), loss %s", self.step, self.sampler.epoch,
-                     "n/a" if loss is None else f"{loss:.6f}")
-        return TrainResult(step=self.step, epoch=self.sampler.epoch, loss=loss, resumed_from=self.resumed_from,
+                     "n/a" if self._loss is None else f"{self._loss:.6f}")
+        return TrainResult(step=self.step, epoch=self.sampler.epoch, loss=self._loss, resumed_from=self.resumed_from,
                            stopped_by_signal=False, checkpoint=path)
+
+    def _start_control(self, local_loss: torch.Tensor, plan: StepPlan, *, started: float,
+                       data_wait: float) -> _StepControl:
+        """Start the step's one small allreduce: summed loss (for the global mean) and stop flag."""
+        env = self.env
+        assert env is not None
+        control = torch.stack([local_loss, torch.tensor(float(self._stop.requested), device=env.device)])
+        work = dist.all_reduce(control, async_op=True) if env.world_size > 1 else None
+        return _StepControl(step=self.step, plan=plan, control=control, work=work,
+                            duration_s=time.monotonic() - started, data_wait_s=data_wait)
+
+    def _finish_control(self, pending: _StepControl) -> bool:
+        """Wait for a step's control allreduce, report the step; True if any rank must stop.
+
+        Every rank sees the same reduced flag after the same step, so they all stop together: at
+        most one step after the one during which the signal arrived.
+        """
+        cfg, env = self.config, self.env
+        assert env is not None
+        if pending.work is not None:
+            pending.work.wait()
+        loss_sum, stop = pending.control.tolist()
+        plan = pending.plan
+        self._loss = loss_sum / plan.global_samples
+        self.observer.on_step(step=pending.step, duration_s=pending.duration_s, data_wait_s=pending.data_wait_s,
+                              samples=plan.samples, tokens=plan.samples * self.job.tokens_per_sample, loss=self._loss)
+        window_start, window_samples = self._window
+        window_samples += plan.global_samples
+        if env.is_rank0 and pending.step % cfg.log_every == 0:
+            now = time.monotonic()
+            self._log_progress(self._loss, window_samples / max(now - window_start, 1e-9), pending.step)
+            window_start, window_samples = now, 0
+        self._window = (window_start, window_samples)
+        return stop > 0
 
     def _train_step(self, plan: StepPlan, batches: Iterator[Any]) -> tuple[torch.Tensor, float]:
         env = self.env
@@ -429,20 +478,10 @@ class Trainer:
             self.scheduler.step()
         return loss_sum, data_wait
 
-    def _sync_step(self, local_loss: torch.Tensor, plan: StepPlan) -> tuple[float, bool]:
-        """One small allreduce per step: the global mean loss (for logging) and the stop flag."""
-        env = self.env
-        assert env is not None
-        control = torch.stack([local_loss, torch.tensor(float(self._stop.requested), device=env.device)])
-        if env.world_size > 1:
-            dist.all_reduce(control)
-        loss_sum, stop = control.tolist()
-        return loss_sum / plan.global_samples, stop > 0
-
-    def _log_progress(self, loss: float | None, samples_per_s: float) -> None:
+    def _log_progress(self, loss: float | None, samples_per_s: float, step: int) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
         log.info("step %d epoch %d loss %.4f samples/s %.1f world %d lr %.3g",
-                 self.step, self.sampler.epoch, float("nan") if loss is None else loss, samples_per_s,
+                 step, self.sampler.epoch, float("nan") if loss is None else loss, samples_per_s,
                  self.env.world_size if self.env else 1, lr)
 
     # -- checkpoints -------------------------------------------------------------------------------
