@@ -166,6 +166,22 @@ class WorkerLabels:
         )
 
 
+class _LazyChild:
+    """A gauge child created on its first ``set``, so that no series exists before then."""
+
+    __slots__ = ("_child", "_parent", "_values")
+
+    def __init__(self, parent: Gauge, values: Sequence[str]) -> None:
+        self._parent = parent
+        self._values = tuple(values)
+        self._child: Any = None
+
+    def set(self, value: float) -> None:
+        if self._child is None:
+            self._child = self._parent.labels(*self._values)
+        self._child.set(value)
+
+
 class _WorkerMetrics:
     """The metric objects of one worker, bound to its labels."""
 
@@ -183,11 +199,12 @@ class _WorkerMetrics:
                 PREFIX + name, doc, names, registry=registry, buckets=buckets
             ).labels(*values)
 
-        def gauge(name: str, doc: str, values: Sequence[str], mode: str) -> Any:
+        def gauge(name: str, doc: str, values: Sequence[str], mode: str, lazy: bool = False) -> Any:
             names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
-            return Gauge(
+            parent = Gauge(
                 PREFIX + name, doc, names, registry=registry, multiprocess_mode=mode  # type: ignore[arg-type]
-            ).labels(*values)
+            )
+            return _LazyChild(parent, values) if lazy else parent.labels(*values)
 
         self.samples = counter("samples", "Samples this rank trained on.", rank)
         self.tokens = counter("tokens", "Tokens this rank trained on.", rank)
@@ -256,14 +273,20 @@ class _WorkerMetrics:
         self.checkpoint_loaded_bytes = counter(
             "checkpoint_loaded_bytes", "Bytes restored from checkpoints.", rank
         )
+        # No series before the first checkpoint: a 0 would read as a checkpoint in 1970.
         self.last_checkpoint_step = gauge(
-            "last_checkpoint_step", "Step of the newest checkpoint saved or loaded.", node, "max"
+            "last_checkpoint_step",
+            "Step of the newest checkpoint saved or loaded.",
+            node,
+            "max",
+            lazy=True,
         )
         self.last_checkpoint_time = gauge(
             "last_checkpoint_timestamp_seconds",
             "Unix time the newest checkpoint was saved.",
             node,
             "max",
+            lazy=True,
         )
 
 

@@ -193,3 +193,14 @@ def test_cuda_timings_are_taken_when_their_events_finish(
     # Step 1's buckets are complete once step 2's arrived: 0.5 s - its last bucket's 10 ms.
     assert value(registry, "elastic_trainer_step_compute_seconds_count") == 1
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49)
+
+
+def test_no_checkpoint_series_before_the_first_checkpoint(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    step(observer, 1)
+    names = {s.name for family in registry.collect() for s in family.samples}
+    assert "elastic_trainer_last_checkpoint_timestamp_seconds" not in names
+    assert "elastic_trainer_last_checkpoint_step" not in names
+    observer.on_checkpoint_saved(step=5, duration_s=0.1, nbytes=1)
+    assert value(registry, "elastic_trainer_last_checkpoint_step", NODE) == 5
