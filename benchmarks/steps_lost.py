@@ -63,8 +63,9 @@ def measure(mode: str, args: argparse.Namespace, endpoint: str, work: Path) -> l
             killed_at = time.monotonic()
             time.sleep(0.5)  # let the dying group's last record land
             last = _generations(samples)[current]["last"]
-            new = wait_for(lambda: [g for gid, g in _generations(samples).items() if gid not in before | {current}
-                                    and g["steps"] > 0], timeout=300, what="the restarted group's first step",
+            old = before | {current}
+            new = wait_for(lambda old=old: [g for gid, g in _generations(samples).items() if gid not in old
+                                            and g["steps"] > 0], timeout=300, what="the restarted group's first step",
                            agents=[agent], interval=0.05)
             recovery = time.monotonic() - killed_at
             lost = last - new[0]["resumed"]

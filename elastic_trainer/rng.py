@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+_np: Any
 try:  # numpy is optional: seeded and checkpointed only when installed
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy ships with most torch installs
@@ -42,7 +43,7 @@ def capture(device: torch.device) -> dict[str, Any]:
         "numpy": None,
     }
     if _np is not None:
-        kind, keys, pos, has_gauss, cached = _np.random.get_state()
+        kind, keys, pos, has_gauss, cached = _np.random.get_state(legacy=True)
         state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
     return state
 

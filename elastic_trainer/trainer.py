@@ -284,6 +284,7 @@ class Trainer:
         if kind == "error":
             raise ckpt.CheckpointMismatchError(value)
         if kind == "load":
+            assert value is not None
             started = time.monotonic()
             state = ckpt.load_checkpoint(value, env.device)
             self._apply(state)
@@ -537,13 +538,13 @@ class Trainer:
             "fingerprint": ckpt.job_fingerprint(self.fingerprint_fields),
             "config": cfg.to_dict(),
         }
-        step, epoch = self.step, self.sampler.epoch
+        step, epoch, directory = self.step, self.sampler.epoch, cfg.checkpoint_dir
 
         def save(data: dict[str, Any]) -> ckpt.CheckpointInfo:
-            return ckpt.save_checkpoint(cfg.checkpoint_dir, data, step=step, epoch=epoch, world_size=env.world_size,
+            return ckpt.save_checkpoint(directory, data, step=step, epoch=epoch, world_size=env.world_size,
                                         fingerprint_fields=self.fingerprint_fields, keep_last=cfg.keep_last)
 
-        path = str(ckpt.checkpoint_path(cfg.checkpoint_dir, step))
+        path = str(ckpt.checkpoint_path(directory, step))
         if sync:
             self._writer.wait(self._stop.remaining_s())
             info = save(payload)

@@ -200,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     if env.is_rank0:
-        eval_loss = None if result.stopped_by_signal else evaluate(trainer.model, trainer.dataset, env.device)
+        dataset = trainer.dataset
+        assert isinstance(dataset, SyntheticImages)
+        eval_loss = None if result.stopped_by_signal else evaluate(trainer.model, dataset, env.device)
         print(f"final step {result.step} epoch {result.epoch} loss {result.loss} eval_loss {eval_loss} "
               f"checkpoint {result.checkpoint} stopped_by_signal {result.stopped_by_signal}", flush=True)
     return result.exit_code

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer.sample_log import committed_history, read_records
-from tests.runtime_helpers import agents, final_eval_loss, final_model, start_agent, steps_recorded, wait_for
+from tests.runtime_helpers import (
+    agents,
+    final_eval_loss,
+    final_model,
+    start_agent,
+    steps_recorded,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

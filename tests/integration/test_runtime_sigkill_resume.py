@@ -37,6 +37,7 @@ def test_sigkilled_worker_resumes_to_bitwise_equal_weights(etcd_server, unique_i
         wait_for(lambda: steps_recorded(tmp_path / "faulty" / "samples") >= kill_after, timeout=120,
                  what=f"step {kill_after}", agents=started)
         killed_pid = faulty.kill_worker(index=random.Random().randint(0, 1))
+        print(f"SIGKILLed worker {killed_pid}")
         assert faulty.wait(180) == 0, faulty.tail()
         assert reference.wait(180) == 0, reference.tail()
 

@@ -21,7 +21,13 @@ from torch.utils.data import TensorDataset
 
 from elastic_trainer import checkpoint as ckpt
 from elastic_trainer.config import TrainerConfig
-from elastic_trainer.trainer import EXIT_STOPPED, Trainer, TrainerSetupError, TrainingJob, build_observer
+from elastic_trainer.trainer import (
+    EXIT_STOPPED,
+    Trainer,
+    TrainerSetupError,
+    TrainingJob,
+    build_observer,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
