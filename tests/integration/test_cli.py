@@ -142,3 +142,18 @@ def test_status_shows_a_running_job(etcd_server, tmp_path: Path, unique_id: str)
 def test_status_of_an_unknown_run(etcd_server, unique_id: str) -> None:
     done = cli("status", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["found"] is False
+
+
+def test_doctor_through_the_cli_on_etcd_v3(etcd_server, unique_id: str) -> None:
+    done = cli("doctor", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nproc-per-node", "2",
+               "--metrics-port", "0", "--", "--sizes", "1K,64K", "--iters", "3", timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "RESULT: PASS" in done.stdout
+    assert f"run id {unique_id}" in done.stdout  # it really went through our rendezvous
+
+
+def test_doctor_failure_exits_non_zero(tmp_path: Path) -> None:
+    done = cli("doctor", "--nproc-per-node", "2", "--metrics-port", "0", "--", "--sizes", "1K", "--iters", "2",
+               env={"ELASTIC_TRAINER_DOCTOR_FAULT": "allreduce"}, timeout=240)
+    assert done.returncode == 1
+    assert "FAIL  allreduce" in done.stdout
