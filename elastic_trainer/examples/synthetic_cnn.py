@@ -39,16 +39,24 @@ CLASSES = 10
 
 
 class SmallCNN(nn.Module):
-    """conv-BN-ReLU x2, global average pool, linear classifier."""
+    """conv-BN-ReLU x2, global average pool, linear classifier.
 
-    def __init__(self, width: int = 16) -> None:
+    ``batchnorm=False`` puts identities where the BatchNorms are: without SyncBatchNorm (CPU)
+    batch statistics are per rank, the one part of a step that depends on the world size.
+    """
+
+    def __init__(self, width: int = 16, *, batchnorm: bool = True) -> None:
         super().__init__()
+
+        def norm(channels: int) -> nn.Module:
+            return nn.BatchNorm2d(channels) if batchnorm else nn.Identity()
+
         self.features = nn.Sequential(
             nn.Conv2d(3, width, 3, padding=1, bias=False),
-            nn.BatchNorm2d(width),
+            norm(width),
             nn.ReLU(),
             nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False),
-            nn.BatchNorm2d(2 * width),
+            norm(2 * width),
             nn.ReLU(),
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),
@@ -112,7 +120,7 @@ def evaluate(model: nn.Module, dataset: SyntheticImages, device: torch.device) -
 def make_job(args: argparse.Namespace) -> TrainingJob:
     """The example's factories (also used by the benchmarks)."""
     return TrainingJob(
-        model=lambda: SmallCNN(args.width),
+        model=lambda: SmallCNN(args.width, batchnorm=not args.no_batchnorm),
         dataset=lambda: SyntheticImages(args.dataset_size, seed=args.seed),
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4),
         scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.max_steps or 1000, 1)),
@@ -136,6 +144,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--dataset-size", type=int, default=2048)
     parser.add_argument("--width", type=int, default=16, help="channels of the first conv layer")
+    parser.add_argument("--no-batchnorm", action="store_true",
+                        help="identities instead of BatchNorm (makes steps exactly world-size invariant on CPU)")
     parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")
     parser.add_argument("--sync-batchnorm", action="store_true", help="SyncBatchNorm (CUDA only)")
     parser.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer")
