@@ -244,3 +244,29 @@ def test_build_observer_defaults_to_null_and_reports_missing_metrics(monkeypatch
     monkeypatch.setitem(__import__("sys").modules, "elastic_trainer.metrics", None)  # not importable
     with pytest.raises(TrainerSetupError, match="ELASTIC_TRAINER_METRICS=1 but elastic_trainer.metrics"):
         build_observer()
+
+
+@pytest.mark.parametrize("async_checkpoint", [False, True])
+def test_full_disk_is_a_clear_error_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_checkpoint: bool
+) -> None:
+    """ENOSPC injected into the checkpoint file writes once step 4's checkpoint exists."""
+    real_write = ckpt._HashingWriter.write
+
+    def write(self: Any, data: bytes) -> int:
+        if (tmp_path / "ckpt-000000000004.json").exists():
+            raise OSError(28, "No space left on device")
+        return real_write(self, data)
+
+    monkeypatch.setattr(ckpt._HashingWriter, "write", write)
+    with pytest.raises(ckpt.CheckpointWriteError) as error:
+        _fit(_job(), max_steps=20, epochs=4, checkpoint_dir=str(tmp_path), checkpoint_every=4,
+             async_checkpoint=async_checkpoint)
+    message = str(error.value)
+    assert "could not write the checkpoint of step 8" in message and "the disk is full" in message
+    assert "ckpt-000000000004.pt is untouched" in message
+    monkeypatch.undo()
+    assert list(ckpt.iter_checkpoints(tmp_path)) == [4]
+    assert ckpt.find_latest(tmp_path).step == 4
+    assert torch.load(tmp_path / "ckpt-000000000004.pt", weights_only=True)["step"] == 4
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
