@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -281,8 +282,10 @@ class Trainer:
         if env.world_size > 1:
             dist.broadcast_object_list(decision, src=0)
         kind, value = decision[0] or ("none", None)
-        if kind == "error":
+        if kind == "mismatch":
             raise ckpt.CheckpointMismatchError(value)
+        if kind == "error":
+            raise ckpt.CheckpointError(value)
         if kind == "load":
             assert value is not None
             started = time.monotonic()
@@ -301,15 +304,23 @@ class Trainer:
         self._open_sample_log()
 
     def _choose_checkpoint(self) -> tuple[str, str | None]:
-        directory = self.config.checkpoint_dir
-        assert directory is not None
-        ckpt.remove_stale_temp_files(directory)
-        info = ckpt.find_latest(directory)
+        """Rank 0: which checkpoint every rank loads, as ``(kind, value)`` for the broadcast."""
+        directory = Path(self.config.checkpoint_dir or ".")
+        if directory.exists() and not directory.is_dir():
+            return ("error", f"checkpoint_dir {directory} exists and is not a directory")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise PermissionError(f"{directory} is not writable")
+            ckpt.remove_stale_temp_files(directory)
+            info = ckpt.find_latest(directory)
+        except OSError as exc:
+            return ("error", f"checkpoint_dir {directory} cannot be used: {exc.strerror or exc}")
         if info is not None:
             try:
                 ckpt.check_fingerprint(info, self.fingerprint_fields)
             except ckpt.CheckpointMismatchError as exc:
-                return ("error", str(exc))  # another job's directory: touch nothing
+                return ("mismatch", str(exc))  # another job's directory: touch nothing
         # With the job's own checkpoint chosen (or none usable), set the newer damaged ones aside.
         ckpt.quarantine_newer_than(directory, None if info is None else info.step)
         return ("none", None) if info is None else ("load", str(info.path))

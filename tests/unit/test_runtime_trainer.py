@@ -270,3 +270,12 @@ def test_full_disk_is_a_clear_error_and_keeps_the_previous_checkpoint(
     assert ckpt.find_latest(tmp_path).step == 4
     assert torch.load(tmp_path / "ckpt-000000000004.pt", weights_only=True)["step"] == 4
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_unusable_checkpoint_dir_is_a_clear_error(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("not a directory")
+    with pytest.raises(ckpt.CheckpointError, match="exists and is not a directory"):
+        _fit(_job(), max_steps=1, checkpoint_dir=str(a_file))
+    with pytest.raises(ckpt.CheckpointError, match="cannot be used: Not a directory"):
+        _fit(_job(), max_steps=1, checkpoint_dir=str(a_file / "sub"))
