@@ -56,7 +56,8 @@ def test_two_nodes_to_one_to_two_consume_every_sample_once_per_epoch(etcd_server
         wait_for(lambda: steps_recorded(samples, world_size=4) >= 6, timeout=120, what="6 steps on 2 nodes",
                  agents=started)
         node_b.terminate()  # preempted: finishes the step, rank 0 checkpoints it, node B leaves
-        assert node_b.wait(60) is not None
+        node_b.wait(60)
+        assert "received SIGTERM" in node_b.output() and "stopping after step" in node_b.output(), node_b.tail()
         wait_for(lambda: steps_recorded(samples, world_size=2), timeout=120, what="training on 1 node",
                  agents=started)
         node_c = start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, nnodes="1:2", max_restarts=5,
