@@ -1,7 +1,7 @@
 """Time every DDP gradient bucket's allreduce without adding a synchronisation to the step.
 
 :func:`timed_allreduce_hook` is a DDP communication hook that runs torch's default allreduce
-(``default_hooks.allreduce_hook``: divide by world size, ``all_reduce``) and timestamps the
+(as ``default_hooks.allreduce_hook``: divide by world size, ``all_reduce``) and timestamps the
 bucket's future:
 
 - on CPU (gloo) with ``time.monotonic()`` when the hook launches the bucket and in a
@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 # Bounds the memory of records nobody drains (e.g. a loop that never calls on_step).
 DEFAULT_MAX_PENDING = 8192
@@ -138,12 +137,23 @@ class AllreduceTimer:
         return done
 
 
+def _launch_allreduce(state: AllreduceTimer, buffer: torch.Tensor) -> torch.futures.Future[Any]:
+    """What ``default_hooks.allreduce_hook`` does, minus its extra Python ``then`` callback:
+    average the bucket over the group (divide first, as torch does, against fp16 overflow)."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    buffer.div_(group.size())  # type: ignore[union-attr]
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    return work.get_future()  # type: ignore[union-attr]
+
+
 def timed_allreduce_hook(
     state: AllreduceTimer, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: torch's default allreduce, with the bucket's future timestamped.
 
     Register with ``ddp_model.register_comm_hook(AllreduceTimer(...), timed_allreduce_hook)``.
+    One Python callback per bucket (the collective's own future), which also unwraps the result
+    the way the default hook does.
     """
     buffer = bucket.buffer()
     nbytes = buffer.numel() * buffer.element_size()
@@ -152,10 +162,10 @@ def timed_allreduce_hook(
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         pending = _PendingCuda(step_seq=step_seq, nbytes=nbytes, start=start, end=None)
-        fut = default_hooks.allreduce_hook(state.process_group, bucket)  # type: ignore[arg-type]
+        fut = _launch_allreduce(state, buffer)
 
-        def _cuda_done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            value = f.value()  # raises if the collective failed: nothing is recorded then
+        def _cuda_done(f: torch.futures.Future[Any]) -> torch.Tensor:
+            value = f.value()[0]  # raises if the collective failed: nothing is recorded then
             end = torch.cuda.Event(enable_timing=True)
             end.record()  # on the callback's stream, which waits for the collective
             pending.end = end
@@ -165,11 +175,10 @@ def timed_allreduce_hook(
         return fut.then(_cuda_done)
 
     launched = state.clock()
-    # None means the default group, as in DDP's own use of allreduce_hook.
-    fut = default_hooks.allreduce_hook(state.process_group, bucket)  # type: ignore[arg-type]
+    fut = _launch_allreduce(state, buffer)
 
-    def _cpu_done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        value = f.value()
+    def _cpu_done(f: torch.futures.Future[Any]) -> torch.Tensor:
+        value = f.value()[0]
         state.record_cpu(step_seq, nbytes, launched, state.clock())
         return value
 

@@ -37,10 +37,21 @@ def _worker(rank: int, world: int, port: int, results: Any) -> None:
         registry = CollectorRegistry()
         labels = WorkerLabels(run_id="job", node="n", rank=rank, local_rank=rank)
         observer = PrometheusObserver(labels=labels, registry=registry)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)))
+        plain = torch.nn.parallel.DistributedDataParallel(models[0])
+        ddp = torch.nn.parallel.DistributedDataParallel(models[1])
         observer.wrap_ddp(ddp)
+        # The timing hook averages exactly like DDP's built-in allreduce (inputs differ by rank).
+        sample = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+        for model in (plain, ddp):
+            model(sample).square().mean().backward()
+        for a, b in zip(plain.parameters(), ddp.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-7), "hooked gradients differ"
+        ddp.zero_grad()
         observer.on_start(world_size=world, restart_count=0)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         x = torch.randn(32, 64)
