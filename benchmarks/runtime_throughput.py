@@ -10,7 +10,9 @@ variant, the default checkpoint every 100 steps (synchronous, rank 0).
 
 Both processes run the variants in alternating blocks (rotating order) so that noise from other
 work on the machine hits all variants alike; reported: median throughput over the blocks and
-the median of the per-block ratios to the bare loop.
+the median of the per-block ratios to the bare loop. On a shared machine wall-clock throughput
+is noisy; the CPU time per sample (both ranks, all threads) is the contention-free cost of each
+loop and is reported beside it.
 """
 
 from __future__ import annotations
@@ -46,25 +48,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _now() -> tuple[float, float]:
+    """Wall clock and this process's CPU time (all threads): CPU time is what the loop costs,
+    whatever else the machine is running."""
+    return time.perf_counter(), time.process_time()
+
+
 class _StepClock(NullObserver):
-    """Records the time of every step end (rank 0 reads its window)."""
+    """Records wall and CPU time at every step end."""
 
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.times: list[tuple[float, float]] = []
 
     def on_step(self, **kwargs: object) -> None:  # type: ignore[override]
-        self.times.append(time.perf_counter())
+        self.times.append(_now())
 
 
-def _bare(args: argparse.Namespace, rank: int, world: int) -> list[float]:
+def _bare(args: argparse.Namespace, rank: int, world: int) -> list[tuple[float, float]]:
     torch.manual_seed(args.seed)
     model = DDP(SmallCNN(args.width))
     dataset = SyntheticImages(args.dataset_size, seed=args.seed)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=args.seed, drop_last=True)
+    sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=args.seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
-    times: list[float] = []
+    times: list[tuple[float, float]] = []
     epoch = 0
     while len(times) < args.warmup + args.steps:
         sampler.set_epoch(epoch)
@@ -72,14 +80,14 @@ def _bare(args: argparse.Namespace, rank: int, world: int) -> list[float]:
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
             optimizer.step()
-            times.append(time.perf_counter())
+            times.append(_now())
             if len(times) >= args.warmup + args.steps:
                 break
         epoch += 1
     return times
 
 
-def _runtime(args: argparse.Namespace, checkpoint_dir: str | None) -> list[float]:
+def _runtime(args: argparse.Namespace, checkpoint_dir: str | None) -> list[tuple[float, float]]:
     clock = _StepClock()
     job = TrainingJob(
         model=lambda: SmallCNN(args.width),
@@ -112,7 +120,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                         ckpt = os.path.join(tmp, f"ckpt-{block}") if variant == "runtime+ckpt" else None
                         times = _runtime(args, ckpt)
                     window = times[args.warmup - 1 :]
-                    lines.append(f"{block} {variant} {args.steps * args.global_batch_size / (window[-1] - window[0])}")
+                    samples = args.steps * args.global_batch_size
+                    wall = window[-1][0] - window[0][0]
+                    cpu = torch.tensor([window[-1][1] - window[0][1]], dtype=torch.float64)
+                    dist.all_reduce(cpu)  # CPU seconds of both ranks
+                    lines.append(f"{block} {variant} {samples / wall} {cpu.item() / samples * 1e6}")
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -137,18 +149,21 @@ def main() -> None:
     with tempfile.NamedTemporaryFile(dir=args.tmp, suffix=".txt") as out:
         mp.start_processes(_worker, args=(2, _free_port(), args, out.name), nprocs=2, start_method="spawn")
         lines = Path(out.name).read_text().splitlines()
-    per_block: dict[int, dict[str, float]] = {}
+    per_block: dict[int, dict[str, tuple[float, float]]] = {}
     for line in lines:
-        block, variant, value = line.split()
-        per_block.setdefault(int(block), {})[variant] = float(value)
-        print(f"block {block}: {variant:13s} {float(value):9.1f} samples/s", flush=True)
+        block, variant, rate, cpu = line.split()
+        per_block.setdefault(int(block), {})[variant] = (float(rate), float(cpu))
+        print(f"block {block}: {variant:13s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
     print()
-    print("| variant | samples/s (median of blocks) | ratio vs bare (median of per-block ratios) |")
-    print("|---|---:|---:|")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (2 cores)")
+    print("| variant | samples/s (median) | ratio vs bare | CPU-us per sample, both ranks (median) | CPU ratio vs bare |")
+    print("|---|---:|---:|---:|---:|")
     for variant in VARIANTS:
-        median = statistics.median(b[variant] for b in per_block.values())
-        ratio = statistics.median(b[variant] / b["bare"] for b in per_block.values())
-        print(f"| {variant} | {median:.1f} | {ratio:.3f} |")
+        median_rate = statistics.median(b[variant][0] for b in per_block.values())
+        ratio = statistics.median(b[variant][0] / b["bare"][0] for b in per_block.values())
+        median_cpu = statistics.median(b[variant][1] for b in per_block.values())
+        cpu_ratio = statistics.median(b[variant][1] / b["bare"][1] for b in per_block.values())
+        print(f"| {variant} | {median_rate:.1f} | {ratio:.3f} | {median_cpu:.1f} | {cpu_ratio:.3f} |")
 
 
 if __name__ == "__main__":

@@ -64,8 +64,11 @@ def measure(mode: str, args: argparse.Namespace, endpoint: str, work: Path) -> l
             time.sleep(0.5)  # let the dying group's last record land
             last = _generations(samples)[current]["last"]
             old = before | {current}
-            new = wait_for(lambda old=old: [g for gid, g in _generations(samples).items() if gid not in old
-                                            and g["steps"] > 0], timeout=300, what="the restarted group's first step",
+
+            def restarted(old: set[str] = old) -> list[dict]:
+                return [g for gid, g in _generations(samples).items() if gid not in old and g["steps"] > 0]
+
+            new = wait_for(restarted, timeout=300, what="the restarted group's first step",
                            agents=[agent], interval=0.05)
             recovery = time.monotonic() - killed_at
             lost = last - new[0]["resumed"]
