@@ -256,8 +256,17 @@ class Trainer:
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision)
 
         self.dataset = self.job.dataset()
+        try:
+            dataset_size = len(self.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise TrainerSetupError(
+                f"the dataset factory returned a {type(self.dataset).__name__} without __len__: the elastic sampler "
+                "needs a map-style dataset (indexable, with a length)"
+            ) from None
+        if dataset_size == 0:
+            raise TrainerSetupError("the dataset factory returned an empty dataset")
         self.sampler = ElasticSampler(
-            len(self.dataset),  # type: ignore[arg-type]
+            dataset_size,
             cfg.global_batch_size,
             seed=cfg.seed,
             shuffle=cfg.shuffle,

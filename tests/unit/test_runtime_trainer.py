@@ -279,3 +279,14 @@ def test_unusable_checkpoint_dir_is_a_clear_error(tmp_path: Path) -> None:
         _fit(_job(), max_steps=1, checkpoint_dir=str(a_file))
     with pytest.raises(ckpt.CheckpointError, match="cannot be used: Not a directory"):
         _fit(_job(), max_steps=1, checkpoint_dir=str(a_file / "sub"))
+
+
+def test_dataset_without_length_is_a_clear_error() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # noqa: ANN204
+            yield from ()
+
+    job = _job()
+    job.dataset = Stream
+    with pytest.raises(TrainerSetupError, match="needs a map-style dataset"):
+        _fit(job, max_steps=1)
