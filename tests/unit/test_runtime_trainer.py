@@ -290,3 +290,23 @@ def test_dataset_without_length_is_a_clear_error() -> None:
     job.dataset = Stream
     with pytest.raises(TrainerSetupError, match="needs a map-style dataset"):
         _fit(job, max_steps=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_gpu_mixed_precision_syncbn_checkpoint_loads_on_cpu_and_resumes(tmp_path: Path, precision: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (gpu marker)")
+    options: dict[str, Any] = {"checkpoint_dir": str(tmp_path), "mixed_precision": precision, "sync_batchnorm": True,
+                               "epochs": 2}
+    trainer, result = _fit(_job(batchnorm=True), max_steps=4, **options)
+    assert next(trainer.model.parameters()).device == torch.device("cuda", 0)
+    assert isinstance(trainer.model[1], nn.SyncBatchNorm)
+    saved = torch.load(result.checkpoint, weights_only=True, map_location="cpu")
+    assert (saved["scaler"] is not None) == (precision == "fp16")
+    on_cpu = ckpt.load_checkpoint(result.checkpoint, torch.device("cpu"))
+    assert {t.device.type for t in on_cpu["model"].values()} == {"cpu"}
+    on_gpu = ckpt.load_checkpoint(result.checkpoint, torch.device("cuda", 0))
+    assert {t.device.type for t in on_gpu["model"].values()} == {"cuda"}
+    _, resumed = _fit(_job(batchnorm=True), max_steps=6, **options)
+    assert resumed.resumed_from == 4 and resumed.step == 6
