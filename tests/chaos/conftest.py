@@ -7,12 +7,12 @@ The long random schedule (marker ``chaos_long``) is deselected unless asked for 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.chaos.faults import JobSpec, RunDirs, start_node, unique_run_id, wait_all
+from tests.chaos.faults import RunDirs
+from tests.chaos.invariants import NoFaultRuns
 
 CHAOS_SEED_ENV = "CHAOS_SEED"
 CHAOS_FAULTS_ENV = "CHAOS_FAULTS"
@@ -34,27 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def reference_runs(etcd_server, tmp_path_factory: pytest.TempPathFactory) -> Callable[[JobSpec, int], RunDirs]:
-    """``reference(job, world_size)``: the finished no-fault run of ``job`` on one node with
-    ``world_size`` workers, run once per session and shared by every scenario that needs it."""
-    done: dict[tuple[JobSpec, int], RunDirs] = {}
-
-    def reference(job: JobSpec, world_size: int) -> RunDirs:
-        key = (job, world_size)
-        if key not in done:
-            run = RunDirs.under(tmp_path_factory.mktemp(f"reference-w{world_size}"))
-            node = start_node(name="ref", run=run, job=job, endpoint=etcd_server.endpoint,
-                              run_id=unique_run_id("reference"), nnodes="1", nproc_per_node=world_size,
-                              max_restarts=0)
-            try:
-                codes = wait_all([node], timeout=180)
-                assert codes == {node.log_path.name: 0}, f"the reference run failed: {codes}\n{node.tail()}"
-            finally:
-                node.stop()
-            done[key] = run
-        return done[key]
-
-    return reference
+def no_fault(etcd_server, tmp_path_factory: pytest.TempPathFactory) -> NoFaultRuns:
+    """The session's no-fault runs (each run once, shared by every scenario that needs it)."""
+    return NoFaultRuns(endpoint=etcd_server.endpoint, tmp=tmp_path_factory)
 
 
 @pytest.fixture

@@ -46,12 +46,13 @@ class JobSpec:
     """The training job of a scenario: the example's arguments, minus the run's directories."""
 
     dataset_size: int = 384
-    global_batch_size: int = 16
-    epochs: int = 2
+    global_batch_size: int = 12
+    epochs: int = 3
     seed: int = 5
-    lr: float = 0.05
-    checkpoint_every: int = 4
-    throttle_ms: float = 60.0
+    lr: float = 0.2
+    """With these settings the full-dataset loss falls from 2.30 to about 1.8 in the 96 steps."""
+    checkpoint_every: int = 5
+    throttle_ms: float = 40.0
     keep_last: int = 1000
     """Large: every checkpoint stays, so the suite can prove that none was lost or skipped."""
 

@@ -7,13 +7,18 @@
   the final step, and every restart resumed from the newest checkpoint that was valid when it
   started (so no completed checkpoint was skipped; a deliberately damaged one is not valid).
 * **Same weights**: bitwise equal to the no-fault run's when every step ran with the reference's
-  world size; otherwise within :data:`WEIGHT_TOLERANCE` (relative L2 distance of all parameters)
-  and :data:`LOSS_TOLERANCE` (full-dataset loss).
+  world size. When the world size changed, bitwise equal to a *replay* -- a no-fault run that
+  changes its world size at the same steps (each phase a one-node run that checkpoints every
+  step and ends after its last step with ``CHAOS_EXIT_BEFORE_STEP``) -- and within :data:`WEIGHT_TOLERANCE`
+  (relative L2 distance of all parameters) and :data:`LOSS_TOLERANCE` (full-dataset loss) of
+  the fixed-size no-fault run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,14 +28,17 @@ import torch
 from elastic_trainer import checkpoint as ckpt
 from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages, evaluate
 from elastic_trainer.sample_log import committed_history, read_records
-from tests.chaos.faults import JobSpec, RunDirs
+from tests.chaos.chaos_job import EXIT_BEFORE_STEP_ENV
+from tests.chaos.faults import JobSpec, RunDirs, start_node, unique_run_id, wait_all
 
 # When the world size changes mid-run the math changes with it: BatchNorm normalises over each
 # rank's share of the batch (CPU has no SyncBatchNorm), and the gradient sum runs in another order.
-# Measured on the chaos job (48 steps, 2 ranks vs runs that spent 10-30 steps with 1 or 3 ranks):
-# relative L2 distance of the final parameters 0.01-0.05, full-dataset loss within 0.05.
-WEIGHT_TOLERANCE = 0.12
-LOSS_TOLERANCE = 0.15
+# Measured on the chaos job (JobSpec defaults, 96 steps, loss 2.30 -> 1.86): uninterrupted runs
+# with 1 and 3 ranks end 0.27 and 0.31 (relative L2) from the 2-rank run, with full-dataset losses
+# 0.025 and 0.062 apart; runs that changed between 1 and 2 ranks mid-way ended 0.20-0.25 and
+# within 0.05 from it. A run that lost its optimizer state or repeated an epoch lands far outside.
+WEIGHT_TOLERANCE = 0.45
+LOSS_TOLERANCE = 0.12
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +66,35 @@ class RunSummary:
         return [w for i, w in enumerate(self.worlds) if i == 0 or self.worlds[i - 1] != w]
 
 
+def summary_phases(worlds: list[int]) -> str:
+    """``"2 x10, 1 x86"``: the world size of the committed steps, run-length encoded."""
+    phases: list[list[int]] = []
+    for world in worlds:
+        if phases and phases[-1][0] == world:
+            phases[-1][1] += 1
+        else:
+            phases.append([world, 1])
+    return ", ".join(f"{w} x{n}" for w, n in phases)
+
+
 def generations(samples: Path) -> list[Generation]:
     found: dict[str, Generation] = {}
     for records in read_records(samples):
         start = records[0]
         found.setdefault(start["generation"], Generation(start["started_unix"], start["resumed_step"], start["world_size"]))
     return sorted(found.values(), key=lambda g: g.started_unix)
+
+
+def steps_lost(samples: Path) -> list[int]:
+    """For each restart: steps the previous generation completed that the next one redid."""
+    last: dict[str, int] = {}
+    for records in read_records(samples):
+        steps = [r["step"] for r in records if r["event"] == "step"]
+        generation = records[0]["generation"]
+        last[generation] = max([last.get(generation, 0), *steps])
+    gens = {records[0]["generation"]: records[0] for records in read_records(samples)}
+    order = sorted(gens, key=lambda g: gens[g]["started_unix"])
+    return [max(last[prev], gens[nxt]["resumed_step"]) - gens[nxt]["resumed_step"] for prev, nxt in zip(order, order[1:])]
 
 
 def check_exactly_once(run: RunDirs, job: JobSpec) -> list[int]:
@@ -133,23 +164,93 @@ def full_dataset_loss(model_state: dict[str, torch.Tensor], job: JobSpec) -> flo
     return evaluate(model, SyntheticImages(job.dataset_size, seed=job.seed), torch.device("cpu"))
 
 
-def check_run(run: RunDirs, job: JobSpec, reference: RunDirs, *, reference_world: int,
+def world_phases(worlds: list[int]) -> list[tuple[int, int]]:
+    """``[(world size, last step of the phase), ...]`` from the world size of every step."""
+    phases: list[tuple[int, int]] = []
+    for step, world in enumerate(worlds, start=1):
+        if phases and phases[-1][0] == world:
+            phases[-1] = (world, step)
+        else:
+            phases.append((world, step))
+    return phases
+
+
+def assert_bitwise_equal(model: dict[str, torch.Tensor], other: dict[str, torch.Tensor], what: str) -> None:
+    assert model.keys() == other.keys()
+    different = [name for name in model if not torch.equal(model[name], other[name])]
+    assert not different, f"final weights differ from {what} in {different}"
+
+
+class NoFaultRuns:
+    """The no-fault runs a scenario is compared with, each run once per session.
+
+    Args:
+        endpoint: the etcd they rendezvous on.
+        tmp: where their directories go.
+    """
+
+    def __init__(self, *, endpoint: str, tmp: Any) -> None:
+        self._endpoint = endpoint
+        self._tmp = tmp
+        self._done: dict[tuple[JobSpec, tuple[tuple[int, int], ...]], RunDirs] = {}
+
+    def fixed(self, job: JobSpec, world_size: int) -> RunDirs:
+        """The uninterrupted run with ``world_size`` ranks."""
+        return self.replay(job, [(world_size, job.steps)])
+
+    def replay(self, job: JobSpec, phases: list[tuple[int, int]]) -> RunDirs:
+        """A run through ``phases`` (see :func:`world_phases`): each phase a one-node run that
+        ends after its last step, the next one resuming from that step's checkpoint.
+
+        The first phase is taken from the fixed-size run of its world size (which checkpoints
+        every step), so a replay costs one short run per world-size change.
+        """
+        key = (job, tuple(phases))
+        if key in self._done:
+            return self._done[key]
+        # Neither timing nor checkpoints change the math.
+        fast = dataclasses.replace(job, throttle_ms=0.0, checkpoint_every=1)
+        run = RunDirs.under(self._tmp.mktemp("no-fault"))
+        if len(phases) > 1:
+            first_world, first_last = phases[0]
+            source = self.fixed(job, first_world).checkpoints
+            run.checkpoints.mkdir()
+            for path in (ckpt.checkpoint_path(source, first_last), ckpt.manifest_path(source, first_last)):
+                shutil.copy2(path, run.checkpoints / path.name)
+            phases = phases[1:]
+        for world, last in phases:
+            env = {} if last == job.steps else {EXIT_BEFORE_STEP_ENV: str(last + 1)}
+            node = start_node(name=f"to-{last}-w{world}", run=run, job=fast, endpoint=self._endpoint,
+                              run_id=unique_run_id("no-fault"), nnodes="1", nproc_per_node=world,
+                              max_restarts=0, env=env)
+            try:
+                wait_all([node], timeout=180)
+            finally:
+                node.stop()
+            assert list(ckpt.iter_checkpoints(run.checkpoints))[-1:] == [last], (
+                f"the no-fault run did not end with a checkpoint of step {last}:\n{node.tail()}")
+        self._done[key] = run
+        return run
+
+
+def check_run(run: RunDirs, job: JobSpec, no_fault: NoFaultRuns, *, reference_world: int,
               damaged: set[int] = frozenset()) -> RunSummary:
-    """Every invariant of the module docstring; bitwise comparison iff the world never changed."""
+    """Every invariant of the module docstring."""
     worlds = check_exactly_once(run, job)
     gens = generations(run.samples)
     steps = check_checkpoints(run, job, gens, damaged=damaged)
     step, model = final_model(run)
-    ref_step, ref_model = final_model(reference)
+    ref_step, ref_model = final_model(no_fault.fixed(job, reference_world))
     assert step == ref_step == job.steps
-    assert model.keys() == ref_model.keys()
     if set(worlds) == {reference_world}:
-        different = [name for name in model if not torch.equal(model[name], ref_model[name])]
-        assert not different, f"final weights differ from the no-fault run's in {different}"
+        assert_bitwise_equal(model, ref_model, f"the no-fault run's ({reference_world} ranks)")
     else:
+        phases = world_phases(worlds)
+        _, replay_model = final_model(no_fault.replay(job, phases))
+        assert_bitwise_equal(model, replay_model, f"the no-fault replay's of the world sizes {phases}")
         distance = relative_distance(model, ref_model)
         loss, ref_loss = full_dataset_loss(model, job), full_dataset_loss(ref_model, job)
-        print(f"world sizes {worlds}: weights {distance:.4f} from the reference (tolerance {WEIGHT_TOLERANCE}), "
+        print(f"world sizes {summary_phases(worlds)}: weights {distance:.4f} from the reference (tolerance {WEIGHT_TOLERANCE}), "
               f"loss {loss:.4f} vs {ref_loss:.4f} (tolerance {LOSS_TOLERANCE})")
         assert distance <= WEIGHT_TOLERANCE, f"final weights {distance:.4f} (relative L2) from the no-fault run's"
         assert abs(loss - ref_loss) <= LOSS_TOLERANCE, f"full-dataset loss {loss:.4f}, no-fault run {ref_loss:.4f}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.chaos.faults import FaultInjector, JobSpec, RunDirs, start_node, tails, unique_run_id, wait_all
-from tests.chaos.invariants import check_run, describe
+from tests.chaos.invariants import check_run, describe, steps_lost
 from tests.runtime_helpers import agents
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
@@ -20,19 +20,74 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 JOB = JobSpec()
 
 
-def test_worker_sigkill(etcd_server, reference_runs, run_dirs: RunDirs) -> None:
-    reference = reference_runs(JOB, 2)
+def test_worker_sigkill(etcd_server, no_fault, run_dirs: RunDirs) -> None:
     run_id = unique_run_id("worker-kill")
     with agents() as nodes:
         for name in ("a", "b"):
             nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=etcd_server.endpoint,
                                     run_id=run_id, nnodes="2"))
         node_a, node_b = nodes
-        faults = FaultInjector(run_dirs).at_step(10, "worker SIGKILL on node b", lambda: node_b.kill_worker())
+        faults = FaultInjector(run_dirs).at_step(20, "worker SIGKILL on node b", lambda: node_b.kill_worker())
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
 
-    summary = check_run(run_dirs, JOB, reference, reference_world=2)
+    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
     print(describe(summary))
     assert len(summary.generations) == 2, "the worker group restarted exactly once"
+
+
+def _two_elastic_nodes(etcd_server, run_dirs: RunDirs, run_id: str, nodes: list, names=("a", "b")) -> None:
+    for name in names:
+        nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=etcd_server.endpoint,
+                                run_id=run_id, nnodes="1:2"))
+
+
+def test_node_sigkill(etcd_server, no_fault, run_dirs: RunDirs) -> None:
+    """A node vanishes without a goodbye: the survivor goes on alone."""
+    with agents() as nodes:
+        _two_elastic_nodes(etcd_server, run_dirs, unique_run_id("node-kill"), nodes)
+        node_a, node_b = nodes
+        faults = FaultInjector(run_dirs).at_step(20, "node b SIGKILL", node_b.kill_node)
+        faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
+        assert node_a.wait(30) == 0, tails(nodes)
+
+    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
+    print(describe(summary), "steps lost", steps_lost(run_dirs.samples))
+    assert summary.world_phases == [2, 1]
+
+
+def test_node_sigterm_scale_down(etcd_server, no_fault, run_dirs: RunDirs) -> None:
+    """Kubernetes scales down: the node's launcher gets SIGTERM; its step is checkpointed, so the
+    survivor loses no step."""
+    with agents() as nodes:
+        _two_elastic_nodes(etcd_server, run_dirs, unique_run_id("node-term"), nodes)
+        node_a, node_b = nodes
+        faults = FaultInjector(run_dirs).at_step(20, "node b SIGTERM", node_b.terminate)
+        faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
+        codes = wait_all(nodes, timeout=30)
+        assert codes[node_a.log_path.name] == 0, tails(nodes)
+        assert codes[node_b.log_path.name] == 128 + 15, f"node b: {codes}\n{tails(nodes)}"
+
+    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
+    print(describe(summary))
+    assert summary.world_phases == [2, 1]
+    assert steps_lost(run_dirs.samples) == [0], "a graceful scale-down loses no step"
+
+
+def test_node_join_scale_up(etcd_server, no_fault, run_dirs: RunDirs) -> None:
+    """A second node joins a running one-node job: the group restarts with both, losing no step."""
+    run_id = unique_run_id("node-join")
+    with agents() as nodes:
+        _two_elastic_nodes(etcd_server, run_dirs, run_id, nodes, names=("a",))
+        node_a = nodes[0]
+        faults = FaultInjector(run_dirs).at_step(
+            10, "node b joins", lambda: _two_elastic_nodes(etcd_server, run_dirs, run_id, nodes, names=("b",)))
+        faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
+        codes = wait_all(nodes, timeout=30)
+        assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
+
+    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
+    print(describe(summary))
+    assert summary.world_phases == [1, 2]
+    assert steps_lost(run_dirs.samples) == [0], "admitting a node loses no step"
