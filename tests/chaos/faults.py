@@ -17,17 +17,21 @@ The other faults here act on files: :class:`SmallDisk` (a tmpfs that can be fill
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic_trainer import checkpoint as ckpt
+from rendezvous.etcd_server import EtcdServer
 from tests.runtime_helpers import Agent, steps_recorded
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,6 +122,7 @@ def start_node(
     env: dict[str, str] | None = None,
     netns: str | None = None,
     local_addr: str | None = None,
+    rdzv_conf: str = FAST_RDZV_CONF,
 ) -> Agent:
     """Start one node: ``elastic-trainer run ... tests/chaos/chaos_job.py JOB_ARGS``.
 
@@ -134,7 +139,7 @@ def start_node(
     cmd = [
         sys.executable, "-m", "elastic_trainer.cli", "run",
         "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node), "--device", "cpu",
-        "--rdzv-endpoint", endpoint, "--run-id", run_id, "--rdzv-conf", FAST_RDZV_CONF,
+        "--rdzv-endpoint", endpoint, "--run-id", run_id, "--rdzv-conf", rdzv_conf,
         "--max-restarts", str(max_restarts), "--metrics-port", str(metrics_port),
         *FAST_LAUNCH_OPTIONS, str(CHAOS_JOB), *job.args(run),
     ]
@@ -157,10 +162,10 @@ def unique_run_id(prefix: str) -> str:
 # -- faults at steps -----------------------------------------------------------------------------
 @dataclass(slots=True)
 class Fault:
-    """One fault: fire ``action`` once the job has recorded ``step``."""
+    """One fault: fire ``action`` once ``trigger(step)`` holds (``step``: the job's current step)."""
 
-    step: int
     name: str
+    trigger: Callable[[int], bool]
     action: Callable[[], object]
     fired_at: float | None = None
     """``time.time()`` when it fired (unix time, comparable with the records' timestamps)."""
@@ -169,11 +174,12 @@ class Fault:
 
 @dataclass(slots=True)
 class FaultInjector:
-    """Fires faults in step order as the job reaches their steps (see the module docstring).
+    """Fires faults in the order they were added, each once its trigger holds (see the module
+    docstring). Actions run on the caller's thread: one that blocks (an etcd outage) should
+    start a thread.
 
     Args:
         run: the run whose sample records tell the current step.
-        world_size: count only steps taken in a world of this size (``None``: any).
     """
 
     run: RunDirs
@@ -181,15 +187,18 @@ class FaultInjector:
     poll_s: float = 0.05
 
     def at_step(self, step: int, name: str, action: Callable[[], object]) -> FaultInjector:
-        self.faults.append(Fault(step, name, action))
-        self.faults.sort(key=lambda f: f.step)
+        """Fire ``action`` once any rank has recorded ``step`` (and the faults before it fired)."""
+        return self.when(lambda current: current >= step, name, action)
+
+    def when(self, trigger: Callable[[int], bool], name: str, action: Callable[[], object]) -> FaultInjector:
+        self.faults.append(Fault(name, trigger, action))
         return self
 
     def pending(self) -> list[Fault]:
         return [f for f in self.faults if f.fired_at is None]
 
     def run_until(self, done: Callable[[], bool], *, timeout: float, agents: Sequence[Agent] = ()) -> list[Fault]:
-        """Fire the faults as their steps come, until ``done()``; fail after ``timeout`` seconds.
+        """Fire the faults as their triggers come, until ``done()``; fail after ``timeout`` seconds.
 
         Raises:
             AssertionError: the deadline passed, or the job ended with faults not fired.
@@ -198,18 +207,29 @@ class FaultInjector:
         while time.monotonic() < deadline:
             step = self.run.steps()
             for fault in self.pending():
-                if step < fault.step:
+                if not fault.trigger(step):
                     break
                 fault.fired_at, fault.fired_at_step = time.time(), step
                 fault.action()
             if done():
-                unfired = [f"{f.name} at step {f.step}" for f in self.pending()]
+                unfired = [f.name for f in self.pending()]
                 if unfired:
                     raise AssertionError(f"the job ended before these faults fired: {unfired}\n{tails(agents)}")
                 return self.faults
             time.sleep(self.poll_s)
         raise AssertionError(f"not done after {timeout:.0f} s (step {self.run.steps()}; fired "
                              f"{[(f.name, f.fired_at_step) for f in self.faults if f.fired_at]})\n{tails(agents)}")
+
+
+def in_background(action: Callable[[], object], threads: list[threading.Thread]) -> Callable[[], None]:
+    """An action that runs ``action`` on a new thread (appended to ``threads`` for joining)."""
+
+    def start() -> None:
+        thread = threading.Thread(target=action, name="chaos-fault", daemon=True)
+        thread.start()
+        threads.append(thread)
+
+    return start
 
 
 def tails(agents: Sequence[Agent], lines: int = 40) -> str:
@@ -327,3 +347,20 @@ def small_disk(mountpoint: Path, size_bytes: int) -> Iterator[SmallDisk]:
         yield disk
     finally:
         disk.close()
+
+
+# -- etcd ------------------------------------------------------------------------------------------
+def etcd_status(endpoint: str) -> dict[str, str]:
+    """``member_id`` and ``leader`` of the member at ``endpoint`` (etcd's JSON gateway)."""
+    request = urllib.request.Request(f"http://{endpoint}/v3/maintenance/status", data=b"{}", method="POST")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        status = json.loads(response.read())
+    return {"member_id": status["header"]["member_id"], "leader": status["leader"]}
+
+
+def leader_first(servers: Sequence[EtcdServer]) -> list[EtcdServer]:
+    """The members of a cluster with the current leader first (the one clients try first)."""
+    leader = etcd_status(servers[0].endpoint)["leader"]
+    ids = {etcd_status(s.endpoint)["member_id"]: s for s in servers}
+    first = ids[leader]
+    return [first, *[s for s in servers if s is not first]]

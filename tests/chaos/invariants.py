@@ -205,11 +205,11 @@ class NoFaultRuns:
         The first phase is taken from the fixed-size run of its world size (which checkpoints
         every step), so a replay costs one short run per world-size change.
         """
-        key = (job, tuple(phases))
-        if key in self._done:
-            return self._done[key]
         # Neither timing nor checkpoints change the math.
         fast = dataclasses.replace(job, throttle_ms=0.0, checkpoint_every=1)
+        key = (fast, tuple(phases))
+        if key in self._done:
+            return self._done[key]
         run = RunDirs.under(self._tmp.mktemp("no-fault"))
         if len(phases) > 1:
             first_world, first_last = phases[0]
