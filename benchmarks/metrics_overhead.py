@@ -132,8 +132,11 @@ def paired_worker(rank: int, world: int, port: int, args: argparse.Namespace, on
         ddp = torch.nn.parallel.DistributedDataParallel(SmallCNN(args.width))
         observer: TrainingObserver = NullObserver()
         if mode == "on":
-            observer = worker_observer()
-            observer.wrap_ddp(ddp)
+            metrics = worker_observer()
+            if args.paired_on in ("all", "observer"):
+                observer = metrics
+            if args.paired_on in ("all", "hook"):
+                metrics.wrap_ddp(ddp)
         observer.on_start(world_size=world, restart_count=0)
         setups[mode] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -281,6 +284,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=9, help="ABBA groups (the first warms up)")
     parser.add_argument("--block-steps", type=int, default=50, help="steps per block")
     parser.add_argument("--skip-end-to-end", action="store_true", help="only the paired measurement")
+    parser.add_argument("--paired-on", choices=("all", "hook", "observer", "none"), default="all",
+                        help="what 'on' enables in the paired measurement (attribute a cost; none: A/A)")
     args = parser.parse_args()
 
     print(f"synthetic_cnn width {args.width}, global batch {args.global_batch_size}, {args.nproc} gloo workers, "
@@ -306,7 +311,7 @@ def main() -> None:
 
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    print(f"\n== paired blocks: same processes, {args.blocks - 1} ABBA groups (+1 warm-up) of {args.block_steps}-step blocks ==")
+    print(f"\n== paired blocks ({args.paired_on} on): same processes, {args.blocks - 1} ABBA groups (+1 warm-up) of {args.block_steps}-step blocks ==")
     paired = run_paired(args)
     off_t, on_t = paired["off"], paired["on"]
     samples = args.block_steps * args.global_batch_size

@@ -102,6 +102,10 @@ log = logging.getLogger(__name__)
 
 PREFIX = "elastic_trainer_"
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+ALLREDUCE_TIMING_ENV = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
+"""``0`` turns the allreduce timing hook off (default on): the Python comm hook costs ~30-70 us of
+host CPU per bucket, ~3% of a 10 ms CPU-bound step (benchmarks/RESULTS.md). Without it the
+allreduce metrics stay empty and step_compute equals the step time."""
 
 # Histogram buckets, in base units. Roughly x2 apart so p50/p95 interpolate within ~40%.
 STEP_SECONDS_BUCKETS = (
@@ -300,6 +304,7 @@ class PrometheusObserver:
         labels: this worker's label values.
         registry: where the metrics are registered (tests inject their own).
         wall_clock: unix time source for checkpoint timestamps (injectable for tests).
+        time_allreduce: install the allreduce timing hook in :meth:`wrap_ddp`.
     """
 
     def __init__(
@@ -308,8 +313,10 @@ class PrometheusObserver:
         labels: WorkerLabels,
         registry: CollectorRegistry | None = None,
         wall_clock: Callable[[], float] = time.time,
+        time_allreduce: bool = True,
     ) -> None:
         self.labels = labels
+        self.time_allreduce = time_allreduce
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._m = _WorkerMetrics(self.registry, labels)
         self._wall_clock = wall_clock
@@ -408,9 +415,13 @@ class PrometheusObserver:
     def wrap_ddp(self, ddp_model: Any) -> None:
         """Register :func:`~elastic_trainer.metrics_comm_hook.timed_allreduce_hook` on the model.
 
+        Does nothing when the observer was built with ``time_allreduce=False``.
+
         Raises:
             RuntimeError: the model already has a communication hook (DDP allows one).
         """
+        if not self.time_allreduce:
+            return
         device_ids = getattr(ddp_model, "device_ids", None)
         use_cuda = bool(device_ids) or _params_on_cuda(ddp_model)
         timer = AllreduceTimer(getattr(ddp_model, "process_group", None), use_cuda=use_cuda)
@@ -433,6 +444,8 @@ def worker_observer() -> PrometheusObserver:
     One per process: two observers writing the same multiprocess file would overwrite each
     other's counters. Labels come from torchrun's environment (:meth:`WorkerLabels.from_env`).
 
+    ``ELASTIC_TRAINER_METRICS_ALLREDUCE=0`` leaves out the allreduce timing hook.
+
     Raises:
         MetricsError: ``PROMETHEUS_MULTIPROC_DIR`` is unset, not a directory, or was set only
             after prometheus-client was imported, so nothing would reach the node endpoint.
@@ -454,7 +467,8 @@ def worker_observer() -> PrometheusObserver:
             "process would keep its metrics in memory; set it in the environment before Python "
             "starts"
         )
-    observer = PrometheusObserver(labels=WorkerLabels.from_env())
+    timing = os.environ.get(ALLREDUCE_TIMING_ENV, "1").strip().lower() not in ("0", "false", "no")
+    observer = PrometheusObserver(labels=WorkerLabels.from_env(), time_allreduce=timing)
     _process_observer = (os.getpid(), observer)
     log.debug("worker metrics for rank %d write to %s", observer.labels.rank, directory)
     return observer

@@ -204,3 +204,13 @@ def test_no_checkpoint_series_before_the_first_checkpoint(
     assert "elastic_trainer_last_checkpoint_step" not in names
     observer.on_checkpoint_saved(step=5, duration_s=0.1, nbytes=1)
     assert value(registry, "elastic_trainer_last_checkpoint_step", NODE) == 5
+
+
+def test_allreduce_timing_can_be_turned_off(registry: CollectorRegistry) -> None:
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(labels=labels, registry=registry, time_allreduce=False)
+    ddp = FakeDDP()
+    observer.wrap_ddp(ddp)
+    assert ddp.state is None  # no hook registered
+    step(observer, 1, duration_s=0.25)
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.25)

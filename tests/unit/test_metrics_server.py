@@ -215,3 +215,14 @@ def test_failed_start_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> 
             start_launcher_metrics(config)
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
     assert torch_metrics.getStream("torchelastic").handler is handler_before
+
+
+def test_worker_observer_honours_allreduce_switch(tmp_path: Path) -> None:
+    code = (
+        "from elastic_trainer.metrics import worker_observer\n"
+        "assert worker_observer().time_allreduce is False\n"
+        "assert worker_observer() is worker_observer()\n"
+    )
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
+               ELASTIC_TRAINER_METRICS_ALLREDUCE="0")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=60, check=True)
