@@ -19,6 +19,13 @@ CHAOS_FAULTS_ENV = "CHAOS_FAULTS"
 CHAOS_LONG_ENV = "CHAOS_LONG"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("chaos", "chaos suite (tests/chaos/README.md)")
+    group.addoption("--chaos-seed", type=int, default=None, help=f"random fault schedule seed (env {CHAOS_SEED_ENV})")
+    group.addoption("--chaos-faults", type=int, default=None,
+                    help=f"faults in the long random schedule (env {CHAOS_FAULTS_ENV}, default 20)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "chaos_long: the long seeded random fault schedule (opt-in)")
 
@@ -39,14 +46,29 @@ def no_fault(etcd_server, tmp_path_factory: pytest.TempPathFactory) -> NoFaultRu
     return NoFaultRuns(endpoint=etcd_server.endpoint, tmp=tmp_path_factory)
 
 
-@pytest.fixture
-def chaos_seed() -> int:
-    return int(os.environ.get(CHAOS_SEED_ENV, "7"))
+def _setting(config: pytest.Config, option: str, env: str, default: int) -> int:
+    # The option exists only when pytest starts in tests/chaos (pytest reads options from the
+    # conftest files of the paths it is given); the environment variable works from anywhere.
+    value = config.getoption(option, default=None)
+    if value is None:
+        raw = os.environ.get(env, "").strip()
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            raise pytest.UsageError(f"{env}={raw!r}: must be an integer") from None
+    return int(value)
 
 
 @pytest.fixture
-def chaos_faults() -> int:
-    return int(os.environ.get(CHAOS_FAULTS_ENV, "20"))
+def chaos_seed(request: pytest.FixtureRequest) -> int:
+    """Seed of the random fault schedule: ``--chaos-seed`` or ``CHAOS_SEED`` (default 7)."""
+    return _setting(request.config, "chaos_seed", CHAOS_SEED_ENV, 7)
+
+
+@pytest.fixture
+def chaos_faults(request: pytest.FixtureRequest) -> int:
+    """Faults in the long schedule: ``--chaos-faults`` or ``CHAOS_FAULTS`` (default 20)."""
+    return _setting(request.config, "chaos_faults", CHAOS_FAULTS_ENV, 20)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from elastic_trainer import checkpoint as ckpt
 from rendezvous.etcd_server import EtcdServer
+from elastic_trainer.sample_log import read_records
 from tests.runtime_helpers import Agent, steps_recorded
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,6 +108,13 @@ class RunDirs:
         """The highest step any rank has recorded so far."""
         return steps_recorded(self.samples, world_size=world_size)
 
+    def steps_trained(self) -> int:
+        """Steps rank 0 has completed so far, redone ones included (grows even after a rollback)."""
+        if not self.samples.exists():
+            return 0
+        return sum(1 for records in read_records(self.samples) for r in records
+                   if r["event"] == "step" and r["rank"] == 0)
+
 
 def start_node(
     *,
@@ -170,6 +178,8 @@ class Fault:
     fired_at: float | None = None
     """``time.time()`` when it fired (unix time, comparable with the records' timestamps)."""
     fired_at_step: int | None = None
+    fired_at_trained: int | None = None
+    """:meth:`RunDirs.steps_trained` when it fired."""
 
 
 @dataclass(slots=True)
@@ -210,6 +220,7 @@ class FaultInjector:
                 if not fault.trigger(step):
                     break
                 fault.fired_at, fault.fired_at_step = time.time(), step
+                fault.fired_at_trained = self.run.steps_trained()
                 fault.action()
             if done():
                 unfired = [f.name for f in self.pending()]

@@ -1,0 +1,175 @@
+"""A seeded random schedule of many faults in one elastic job (``--nnodes 1:3``).
+
+The default suite runs a short schedule (3 faults); the long one is opt-in (README.md here)::
+
+    pytest tests/chaos -m chaos_long --chaos-seed 7 --chaos-faults 20
+    CHAOS_LONG=1 CHAOS_SEED=7 CHAOS_FAULTS=20 pytest tests/chaos -k long
+
+Each fault fires once the job has trained ``gap`` more steps since the previous one fired (so it
+has recovered from a restart before the next fault hits; a node still joining may not be in yet). Faults: a worker
+SIGKILL, a node SIGKILL, a node SIGTERM (scale-down), a node joining, etcd restarted for 5 s,
+the newest checkpoint corrupted before a worker SIGKILL. Between one and three nodes stay in
+the job. The same invariants as every scenario hold at the end. A failing seed reproduces the
+same schedule (the timing of the faults relative to steps varies a little from run to run).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.faults import (
+    FaultInjector,
+    JobSpec,
+    RunDirs,
+    corrupt_newest_checkpoint,
+    freeze_workers,
+    in_background,
+    start_node,
+    tails,
+    thaw,
+    unique_run_id,
+    wait_all,
+)
+from tests.chaos.invariants import check_run, describe
+from tests.runtime_helpers import Agent, agents
+
+KINDS = ("worker_sigkill", "node_sigkill", "node_sigterm", "node_join", "etcd_restart", "corrupt_newest")
+MIN_NODES, MAX_NODES = 1, 3
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedFault:
+    kind: str
+    gap: int
+    """Steps trained since the previous fault before this one fires."""
+
+
+def plan(seed: int, count: int) -> list[PlannedFault]:
+    """The schedule for ``seed``: ``count`` faults whose node count stays within 1..3."""
+    rng = random.Random(seed)
+    live, faults = 2, []
+    while len(faults) < count:
+        kind = rng.choice(KINDS)
+        if kind in ("node_sigkill", "node_sigterm") and live <= MIN_NODES:
+            continue
+        if kind == "node_join" and live >= MAX_NODES:
+            continue
+        live += {"node_sigkill": -1, "node_sigterm": -1, "node_join": 1}.get(kind, 0)
+        faults.append(PlannedFault(kind, rng.randint(6, 12)))
+    return faults
+
+
+def job_for(faults: list[PlannedFault]) -> JobSpec:
+    """A job long enough for the schedule (restarts roll back up to a checkpoint interval)."""
+    base = JobSpec()
+    needed = 30 + sum(f.gap + base.checkpoint_every for f in faults)
+    return JobSpec(epochs=max(base.epochs, -(-needed // base.steps_per_epoch)), throttle_ms=50)
+
+
+@dataclass
+class Cluster:
+    """The live nodes of the job and what the faults did to it."""
+
+    run: RunDirs
+    job: JobSpec
+    endpoint: str
+    run_id: str
+    started: list[Agent]
+    live: list[Agent] = field(default_factory=list)
+    names: int = 0
+    damaged: set[int] = field(default_factory=set)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def add_node(self) -> None:
+        node = start_node(name=f"n{self.names}", run=self.run, job=self.job, endpoint=self.endpoint,
+                          run_id=self.run_id, nnodes=f"{MIN_NODES}:{MAX_NODES}", max_restarts=100)
+        self.names += 1
+        self.started.append(node)
+        self.live.append(node)
+
+    def with_workers(self, rng: random.Random) -> Agent:
+        candidates = [n for n in self.live if n.worker_pids()] or self.live
+        return rng.choice(candidates)
+
+    def done(self) -> bool:
+        return all(node.proc.poll() is not None for node in self.live)
+
+
+def run_schedule(seed: int, count: int, etcd, no_fault, tmp_path: Path) -> None:
+    faults = plan(seed, count)
+    job = job_for(faults)
+    print(f"seed {seed}: {[f'{f.kind}+{f.gap}' for f in faults]} over {job.steps} steps")
+    rng = random.Random(seed + 1)  # picks the victims
+    run = RunDirs.under(tmp_path / "run")
+    with agents() as started:
+        cluster = Cluster(run=run, job=job, endpoint=etcd.endpoint, run_id=unique_run_id(f"random-{seed}"),
+                          started=started)
+        cluster.add_node()
+        cluster.add_node()
+
+        def worker_sigkill() -> None:
+            cluster.with_workers(rng).kill_worker(rng.randint(0, 1))
+
+        def node_leaves(graceful: bool) -> None:
+            node = cluster.with_workers(rng)
+            cluster.live.remove(node)
+            node.terminate() if graceful else node.kill_node()
+
+        def corrupt_newest() -> None:
+            frozen = freeze_workers(cluster.live)
+            try:
+                cluster.damaged.add(corrupt_newest_checkpoint(run.checkpoints))
+                cluster.with_workers(rng).kill_worker()
+            finally:
+                thaw(frozen)
+
+        actions = {
+            "worker_sigkill": worker_sigkill,
+            "node_sigkill": lambda: node_leaves(graceful=False),
+            "node_sigterm": lambda: node_leaves(graceful=True),
+            "node_join": cluster.add_node,
+            "etcd_restart": in_background(lambda: etcd.restart(down_for=5.0), cluster.threads),
+            "corrupt_newest": corrupt_newest,
+        }
+        injector = FaultInjector(run)
+        for fault in faults:
+            injector.when(_trained_since_previous(injector, fault.gap), fault.kind, actions[fault.kind])
+        injector.run_until(cluster.done, timeout=240 + 30 * count, agents=started)
+        for thread in cluster.threads:
+            thread.join(30)
+        codes = wait_all(cluster.live, timeout=60)
+        assert set(codes.values()) == {0}, f"exit codes of the nodes left {codes}\n{tails(started)}"
+        print("fired at steps:", [(f.name, f.fired_at_step) for f in injector.faults])
+
+    summary = check_run(run, job, no_fault, reference_world=2, damaged=cluster.damaged)
+    print(describe(summary))
+
+
+def _trained_since_previous(injector: FaultInjector, gap: int) -> Callable[[int], bool]:
+    """Trigger: ``gap`` steps trained since the previous fault fired (the first: since the start)."""
+    index = len(injector.faults)
+
+    def trigger(step: int) -> bool:
+        previous = injector.faults[index - 1].fired_at_trained if index else 0
+        return previous is not None and injector.run.steps_trained() >= previous + gap
+
+    return trigger
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(420)
+def test_random_schedule_short(own_etcd_server, no_fault, tmp_path: Path, chaos_seed: int) -> None:
+    run_schedule(chaos_seed, 3, own_etcd_server, no_fault, tmp_path)
+
+
+@pytest.mark.chaos
+@pytest.mark.chaos_long
+@pytest.mark.timeout(3600)
+def test_random_schedule_long(own_etcd_server, no_fault, tmp_path: Path, chaos_seed: int, chaos_faults: int) -> None:
+    run_schedule(chaos_seed, chaos_faults, own_etcd_server, no_fault, tmp_path)
