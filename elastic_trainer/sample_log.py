@@ -17,10 +17,10 @@ from typing import Any, TextIO
 class SampleLog:
     """Appends records for one worker process, flushed line by line."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, rank: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, rank: int, pid: int | None = None) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        self.path = path / f"samples-rank{rank:04d}-pid{os.getpid()}.jsonl"
+        self.path = path / f"samples-rank{rank:04d}-pid{os.getpid() if pid is None else pid}.jsonl"
         self._file: TextIO = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     def start(self, *, generation: str, started_unix: float, resumed_step: int, world_size: int, rank: int) -> None:
