@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic_trainer import checkpoint as ckpt
-from rendezvous.etcd_server import EtcdServer
 from elastic_trainer.sample_log import read_records
+from rendezvous.etcd_server import EtcdServer
 from tests.runtime_helpers import Agent, steps_recorded
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,8 +17,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import shutil
+from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,7 +96,7 @@ def steps_lost(samples: Path) -> list[int]:
         last[generation] = max([last.get(generation, 0), *steps])
     gens = {records[0]["generation"]: records[0] for records in read_records(samples)}
     order = sorted(gens, key=lambda g: gens[g]["started_unix"])
-    return [max(last[prev], gens[nxt]["resumed_step"]) - gens[nxt]["resumed_step"] for prev, nxt in zip(order, order[1:])]
+    return [max(0, last[prev] - gens[nxt]["resumed_step"]) for prev, nxt in itertools.pairwise(order)]
 
 
 def check_exactly_once(run: RunDirs, job: JobSpec) -> list[int]:
@@ -116,7 +118,7 @@ def check_exactly_once(run: RunDirs, job: JobSpec) -> list[int]:
     return [history[s][0]["world_size"] for s in sorted(history)]
 
 
-def check_checkpoints(run: RunDirs, job: JobSpec, gens: list[Generation], *, damaged: set[int] = frozenset()) -> list[int]:
+def check_checkpoints(run: RunDirs, job: JobSpec, gens: list[Generation], *, damaged: Set[int] = frozenset()) -> list[int]:
     """Assert that no checkpoint was lost; returns the steps of the valid checkpoints.
 
     Args:
@@ -233,7 +235,7 @@ class NoFaultRuns:
 
 
 def check_run(run: RunDirs, job: JobSpec, no_fault: NoFaultRuns, *, reference_world: int,
-              damaged: set[int] = frozenset()) -> RunSummary:
+              damaged: Set[int] = frozenset()) -> RunSummary:
     """Every invariant of the module docstring."""
     worlds = check_exactly_once(run, job)
     gens = generations(run.samples)

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.faults import FaultInjector, JobSpec, RunDirs, start_node, tails, unique_run_id, wait_all
+from tests.chaos.faults import (
+    FaultInjector,
+    JobSpec,
+    RunDirs,
+    start_node,
+    tails,
+    unique_run_id,
+    wait_all,
+)
 from tests.chaos.invariants import check_run, describe
 from tests.chaos.netns import private_network
 from tests.runtime_helpers import agents

@@ -9,9 +9,19 @@ checkpoint lost, and the no-fault run's weights (bitwise when the world size nev
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
-from tests.chaos.faults import FaultInjector, JobSpec, RunDirs, start_node, tails, unique_run_id, wait_all
+from tests.chaos.faults import (
+    FaultInjector,
+    JobSpec,
+    RunDirs,
+    start_node,
+    tails,
+    unique_run_id,
+    wait_all,
+)
 from tests.chaos.invariants import check_run, describe, steps_lost
 from tests.runtime_helpers import agents
 
@@ -20,21 +30,40 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 JOB = JobSpec()
 
 
-def test_worker_sigkill(etcd_server, no_fault, run_dirs: RunDirs) -> None:
+@dataclass(frozen=True, slots=True)
+class FinishedRun:
+    run: RunDirs
+    logs: str
+
+
+@pytest.fixture(scope="module")
+def worker_sigkill_run(etcd_server, tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """Two fixed-size nodes; a worker of node b is SIGKILLed at step 20 (shared by two tests)."""
+    run = RunDirs.under(tmp_path_factory.mktemp("worker-sigkill"))
     run_id = unique_run_id("worker-kill")
     with agents() as nodes:
         for name in ("a", "b"):
-            nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=etcd_server.endpoint,
+            nodes.append(start_node(name=name, run=run, job=JOB, endpoint=etcd_server.endpoint,
                                     run_id=run_id, nnodes="2"))
         node_a, node_b = nodes
-        faults = FaultInjector(run_dirs).at_step(20, "worker SIGKILL on node b", lambda: node_b.kill_worker())
+        faults = FaultInjector(run).at_step(20, "worker SIGKILL on node b", lambda: node_b.kill_worker())
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
+        return FinishedRun(run, "\n".join(node.output() for node in nodes))
 
-    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
+
+def test_worker_sigkill(worker_sigkill_run: FinishedRun, no_fault) -> None:
+    summary = check_run(worker_sigkill_run.run, JOB, no_fault, reference_world=2)
     print(describe(summary))
     assert len(summary.generations) == 2, "the worker group restarted exactly once"
+
+
+def test_worker_sigkill_survivors_report_it_in_one_line(worker_sigkill_run: FinishedRun) -> None:
+    """The surviving worker's collective fails when its peer dies; it must say so in one line
+    (the example's "a collective failed ..."), not with a traceback, wherever the failure hits it."""
+    tracebacks = [line for line in worker_sigkill_run.logs.splitlines() if "Traceback" in line or "Error:" in line]
+    assert not tracebacks, "a worker died with a traceback instead of one line:\n" + "\n".join(tracebacks[:6])
 
 
 def _two_elastic_nodes(etcd_server, run_dirs: RunDirs, run_id: str, nodes: list, names=("a", "b")) -> None:
@@ -72,7 +101,8 @@ def test_node_sigterm_scale_down(etcd_server, no_fault, run_dirs: RunDirs) -> No
     summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
     print(describe(summary))
     assert summary.world_phases == [2, 1]
-    assert steps_lost(run_dirs.samples) == [0], "a graceful scale-down loses no step"
+    lost = steps_lost(run_dirs.samples)
+    assert lost and not any(lost), f"a graceful scale-down loses no step: {lost}"
 
 
 def test_node_join_scale_up(etcd_server, no_fault, run_dirs: RunDirs) -> None:
@@ -90,4 +120,5 @@ def test_node_join_scale_up(etcd_server, no_fault, run_dirs: RunDirs) -> None:
     summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
     print(describe(summary))
     assert summary.world_phases == [1, 2]
-    assert steps_lost(run_dirs.samples) == [0], "admitting a node loses no step"
+    lost = steps_lost(run_dirs.samples)
+    assert lost and not any(lost), f"admitting a node loses no step: {lost}"

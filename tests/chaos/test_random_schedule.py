@@ -53,7 +53,7 @@ class PlannedFault:
 def plan(seed: int, count: int) -> list[PlannedFault]:
     """The schedule for ``seed``: ``count`` faults whose node count stays within 1..3."""
     rng = random.Random(seed)
-    live, faults = 2, []
+    live, faults = 2, list[PlannedFault]()
     while len(faults) < count:
         kind = rng.choice(KINDS)
         if kind in ("node_sigkill", "node_sigterm") and live <= MIN_NODES:

@@ -16,7 +16,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rendezvous.etcd_server import free_port
-from tests.chaos.faults import FaultInjector, JobSpec, RunDirs, start_node, tails, unique_run_id, wait_all
+from tests.chaos.faults import (
+    FaultInjector,
+    JobSpec,
+    RunDirs,
+    start_node,
+    tails,
+    unique_run_id,
+    wait_all,
+)
 from tests.chaos.invariants import check_run, describe
 from tests.runtime_helpers import Agent, agents
 

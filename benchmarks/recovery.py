@@ -1,0 +1,458 @@
+"""Recovery after a fault: this project vs plain torchrun, side by side in one run.
+
+    python benchmarks/recovery.py                                   # every scenario, both systems
+    python benchmarks/recovery.py --scenarios worker-sigkill --modes elastic --repeats 3
+    python benchmarks/recovery.py --systems etcd-v3 c10d c10d-unshared --json out.json
+
+For each scenario a job of N nodes x P workers (separate launcher processes on this machine,
+gloo, the example model) trains until step ``--fault-step``; then the fault is injected and the
+benchmark measures
+
+* **recovery**: seconds from the fault (for a join: from launching the new node) to the first
+  step completed by a worker started after it;
+* **steps lost**: the highest step completed before the fault minus the step training resumed
+  from (work done again).
+
+Systems: ``etcd-v3`` is ``elastic-trainer run`` (our launcher, the ``etcd-v3`` rendezvous on a
+local etcd, the runtime and its checkpoints) running ``synthetic_cnn``; ``c10d`` is plain
+``torchrun --rdzv-backend=c10d`` running ``benchmarks/baseline_ddp_checkpoint.py`` (the same
+model trained as the DDP guides write it, with their hand-written rank-0 checkpoint);
+``c10d-unshared`` is the same with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the workaround for
+torch 2.13's shared-store deadlock, see shared/notes). Each system runs with its defaults, as a
+user would start it. Both checkpoint every ``--checkpoint-every`` steps and log the wall time
+(``time.time()``) of every completed step; a run that has not recovered ``--recovery-timeout``
+seconds after the fault is reported as "did not recover within T s" and stopped.
+
+Scenarios: ``worker-sigkill`` (one worker of the last node), ``node-sigkill`` (the last node
+vanishes: agent and workers SIGKILLed; in fixed-size mode a replacement node is started at
+once, as an orchestrator would), ``node-sigterm`` (the last node is scaled down: its launcher
+gets SIGTERM; elastic only), ``node-join`` (a second node joins a one-node job; elastic only).
+Modes: ``fixed`` (``--nnodes N``) and ``elastic`` (``--nnodes 1:N``). The node killed is never the
+first one, which hosts c10d's TCPStore (losing it ends a c10d job for good).
+
+Prints a Markdown table with the ratios c10d / etcd-v3 and writes a timeline chart (step vs
+seconds since the fault, rank 0) to ``--chart``. Needs matplotlib for the chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# Run as a script, this file's folder comes first on sys.path and its name shadows the
+# `rendezvous` package (benchmarks/rendezvous.py): drop it, and make the repository importable.
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(REPO))
+
+SYSTEMS = ("etcd-v3", "c10d", "c10d-unshared")
+SCENARIOS = {  # scenario -> the modes it makes sense in
+    "worker-sigkill": ("fixed", "elastic"),
+    "node-sigkill": ("fixed", "elastic"),
+    "node-sigterm": ("elastic",),
+    "node-join": ("elastic",),
+}
+BASELINE = HERE / "baseline_ddp_checkpoint.py"
+
+
+# -- the worker of the etcd-v3 system --------------------------------------------------------------
+def run_worker(argv: list[str]) -> None:
+    """``recovery.py worker ARGS``: the example job, its sample records stamped with ``time.time()``.
+
+    The runtime's sample log records each step right after its optimizer step; the benchmark
+    adds the wall time to that record (a subclass swapped in for the trainer's ``SampleLog``).
+    """
+    from elastic_trainer import trainer as trainer_module
+    from elastic_trainer.examples import synthetic_cnn as example
+    from elastic_trainer.sample_log import SampleLog
+
+    class TimedSampleLog(SampleLog):
+        def step(self, **record: object) -> None:  # type: ignore[override]
+            self._write({"event": "step", **record, "t": time.time()})
+
+    trainer_module.SampleLog = TimedSampleLog  # type: ignore[misc]
+    example._exit(example.main(argv))
+
+
+# -- configuration ---------------------------------------------------------------------------------
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    """One benchmark run's settings (the command-line options of the same names)."""
+
+    nodes: int = 2
+    """Nodes at full size."""
+    nproc_per_node: int = 2
+    """Workers per node."""
+    fault_step: int = 50
+    """The fault fires once this step is completed."""
+    checkpoint_every: int = 20
+    """Steps between periodic checkpoints, both systems."""
+    throttle_ms: float = 50.0
+    """Sleep after every step (both systems): steps of a realistic length on a tiny model."""
+    global_batch_size: int = 64
+    dataset_size: int = 4096
+    recovery_timeout: float = 90.0
+    """Seconds after the fault before a run counts as not recovered."""
+    steps_after: int = 10
+    """Steps recorded after recovery before the run is stopped (for the chart)."""
+    startup_timeout: float = 180.0
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "nproc_per_node", "fault_step", "checkpoint_every", "global_batch_size",
+                     "dataset_size", "steps_after"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.nodes < 2:
+            raise ValueError(f"nodes: at least 2 (a node is lost or joins), got {self.nodes}")
+        for name in ("recovery_timeout", "startup_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
+        if self.throttle_ms < 0:
+            raise ValueError(f"throttle_ms: must be >= 0, got {self.throttle_ms}")
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one (scenario, mode, system) run measured."""
+
+    scenario: str
+    mode: str
+    system: str
+    recovered_s: float | None = None
+    """Fault to the first step after recovery; ``None``: not within the timeout."""
+    steps_lost: int | None = None
+    last_step_before: int | None = None
+    resumed_from: int | None = None
+    error: str | None = None
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    """Rank 0's steps: (seconds since the fault, step, world size)."""
+
+
+# -- nodes -----------------------------------------------------------------------------------------
+class Cluster:
+    """The node processes of one run (``tests.runtime_helpers.Agent``), always stopped at exit."""
+
+    def __init__(self, system: str, mode: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str) -> None:
+        self.system, self.mode, self.cfg, self.workdir = system, mode, cfg, workdir
+        self.records = workdir / "steps"
+        self.run_id = f"recovery-{uuid.uuid4().hex[:8]}"
+        self.etcd_endpoint = etcd_endpoint
+        from rendezvous.etcd_server import free_port
+
+        self.c10d_port = free_port()
+        self.nodes: list = []
+
+    @property
+    def nnodes(self) -> str:
+        return str(self.cfg.nodes) if self.mode == "fixed" else f"1:{self.cfg.nodes}"
+
+    def command(self, index: int) -> tuple[list[str], dict[str, str]]:
+        cfg = self.cfg
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        common = ["--global-batch-size", str(cfg.global_batch_size), "--dataset-size", str(cfg.dataset_size),
+                  "--checkpoint-every", str(cfg.checkpoint_every), "--throttle-ms", str(cfg.throttle_ms),
+                  "--seed", "0"]
+        if self.system == "etcd-v3":
+            cmd = [sys.executable, "-m", "elastic_trainer.cli", "run", "--nnodes", self.nnodes,
+                   "--nproc-per-node", str(cfg.nproc_per_node), "--device", "cpu",
+                   "--rdzv-endpoint", self.etcd_endpoint, "--run-id", self.run_id, "--max-restarts", "10",
+                   "--metrics-port", "0", str(Path(__file__).resolve()), "worker", *common,
+                   "--epochs", "1000", "--checkpoint-dir", str(self.workdir / "ckpt"),
+                   "--record-samples", str(self.records), "--log-every", "1000"]
+            return cmd, env
+        if self.system == "c10d-unshared":
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        host = "true" if index == 0 else "false"  # the first node hosts the store, as in a real job
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{self.c10d_port}", f"--rdzv-id={self.run_id}",
+               f"--rdzv-conf=is_host={host}", f"--nnodes={self.nnodes}", f"--nproc-per-node={cfg.nproc_per_node}",
+               "--max-restarts=10", str(BASELINE), *common, "--max-steps", "1000000",
+               "--checkpoint", str(self.workdir / "model.checkpoint"), "--record-steps", str(self.records)]
+        return cmd, env
+
+    def start_node(self) -> None:
+        from tests.runtime_helpers import Agent
+
+        index = len(self.nodes)
+        cmd, env = self.command(index)
+        log_path = self.workdir / f"node-{index}.log"
+        log_file = open(log_path, "ab")  # noqa: SIM115 - closed by Agent.stop
+        log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        log_file.flush()
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+        self.nodes.append(Agent(proc=proc, log_path=log_path, _log_file=log_file))
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.stop()
+
+    def tail(self) -> str:
+        return "\n".join(f"--- {n.log_path.name} ---\n{n.tail(15)}" for n in self.nodes)
+
+
+# -- records ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Process:
+    """One worker process's records."""
+
+    started_unix: float
+    resumed_step: int
+    rank: int
+    steps: list[tuple[float, int, int]]  # (t, step, world size)
+
+
+def read_processes(directory: Path) -> list[Process]:
+    from elastic_trainer.sample_log import read_records
+
+    if not directory.exists():
+        return []
+    found = []
+    for records in read_records(directory):
+        start = records[0]
+        steps = [(r["t"], r["step"], r["world_size"]) for r in records[1:] if r.get("event") == "step" and "t" in r]
+        found.append(Process(start["started_unix"], start["resumed_step"], start["rank"], steps))
+    return found
+
+
+def highest_step(processes: Sequence[Process]) -> int:
+    return max((s for p in processes for _, s, _ in p.steps), default=0)
+
+
+def analyse(outcome: Outcome, processes: list[Process], fault_unix: float) -> Outcome:
+    """Fill in recovery time, steps lost and the rank-0 timeline (see the module docstring)."""
+    before = [p for p in processes if p.started_unix < fault_unix]
+    after = [p for p in processes if p.started_unix >= fault_unix and p.steps]
+    outcome.last_step_before = highest_step(before)
+    outcome.timeline = sorted((t - fault_unix, s, w) for p in processes if p.rank == 0 for t, s, w in p.steps)
+    if after:
+        first = min(after, key=lambda p: p.steps[0][0])
+        outcome.recovered_s = min(p.steps[0][0] for p in after) - fault_unix
+        outcome.resumed_from = first.resumed_step
+        outcome.steps_lost = max(0, outcome.last_step_before - first.resumed_step)
+    return outcome
+
+
+# -- one run ---------------------------------------------------------------------------------------
+def wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str) -> Outcome:
+    """Start the job, inject the fault at ``fault_step``, measure, stop everything."""
+    outcome = Outcome(scenario, mode, system)
+    cluster = Cluster(system, mode, cfg, workdir, etcd_endpoint)
+    try:
+        for _ in range(1 if scenario == "node-join" else cfg.nodes):
+            cluster.start_node()
+        if not wait_until(lambda: highest_step(read_processes(cluster.records)) >= cfg.fault_step, cfg.startup_timeout):
+            outcome.error = f"did not reach step {cfg.fault_step} within {cfg.startup_timeout:.0f} s"
+            print(f"  {system}: {outcome.error}\n{cluster.tail()}", file=sys.stderr)
+            return outcome
+        victim = cluster.nodes[-1]
+        fault_unix = time.time()
+        if scenario == "worker-sigkill":
+            victim.kill_worker(0)
+        elif scenario == "node-sigkill":
+            victim.kill_node()
+            if mode == "fixed":
+                cluster.start_node()  # the orchestrator's replacement
+        elif scenario == "node-sigterm":
+            victim.terminate()
+        elif scenario == "node-join":
+            cluster.start_node()
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+
+        def recovered_enough() -> bool:
+            after = [p for p in read_processes(cluster.records) if p.started_unix >= fault_unix and p.steps]
+            if not after:
+                return False
+            first = min(t for p in after for t, _, _ in p.steps)
+            return highest_step(after) >= min(p.steps[0][1] for p in after) + cfg.steps_after or (
+                time.time() - first > 10)
+
+        wait_until(recovered_enough, cfg.recovery_timeout)
+        return analyse(outcome, read_processes(cluster.records), fault_unix)
+    finally:
+        cluster.stop()
+
+
+# -- report ----------------------------------------------------------------------------------------
+def fmt_time(seconds: float | None, timeout: float) -> str:
+    return f"did not recover within {timeout:.0f} s" if seconds is None else f"{seconds:.2f}"
+
+
+def summarise(outcomes: list[Outcome], systems: Sequence[str], timeout: float) -> str:
+    """The Markdown table: median over repeats, ratio of each baseline to etcd-v3."""
+    rows = []
+    baselines = [s for s in systems if s != "etcd-v3"]
+    header = ["scenario", "mode"]
+    for system in systems:
+        header += [f"{system} recovery s", f"{system} steps lost"]
+    header += [f"{b} / etcd-v3" for b in baselines if "etcd-v3" in systems]
+    rows.append("| " + " | ".join(header) + " |")
+    rows.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|")
+    keys = list(dict.fromkeys((o.scenario, o.mode) for o in outcomes))
+    for scenario, mode in keys:
+        cells = [scenario, mode]
+        medians: dict[str, float | None] = {}
+        for system in systems:
+            runs = [o for o in outcomes if (o.scenario, o.mode, o.system) == (scenario, mode, system)]
+            times = [o.recovered_s for o in runs]
+            lost = [o.steps_lost for o in runs if o.steps_lost is not None]
+            if not runs:
+                medians[system] = None
+                cells += ["-", "-"]
+                continue
+            ok = [t for t in times if t is not None]
+            medians[system] = statistics.median(ok) if len(ok) == len(times) else None
+            shown = fmt_time(medians[system], timeout)
+            if 0 < len(ok) < len(times):
+                shown = f"{len(times) - len(ok)}/{len(times)} runs did not recover within {timeout:.0f} s"
+            errors = [o.error for o in runs if o.error]
+            cells += [errors[0] if errors else shown, str(statistics.median(lost)) if lost else "-"]
+        for baseline in baselines:
+            if "etcd-v3" not in systems:
+                continue
+            ours, theirs = medians.get("etcd-v3"), medians.get(baseline)
+            if ours is None:
+                cells.append("-")
+            elif theirs is None:
+                cells.append(f"> {timeout / ours:.1f}x")
+            else:
+                cells.append(f"{theirs / ours:.1f}x")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path: Path) -> None:
+    """Step vs seconds since the fault, one panel per scenario/mode, one line per system (rank 0,
+    the first repeat)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((o.scenario, o.mode) for o in outcomes))
+    columns = 2
+    rows = math.ceil(len(keys) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(12, 3.2 * rows), squeeze=False)
+    colors = {"etcd-v3": "tab:blue", "c10d": "tab:red", "c10d-unshared": "tab:orange"}
+    for ax, (scenario, mode) in zip(axes.flat, keys, strict=False):
+        right = 5.0
+        for system in systems:
+            runs = [o for o in outcomes if (o.scenario, o.mode, o.system) == (scenario, mode, system)]
+            if not runs or not runs[0].timeline:
+                continue
+            run = runs[0]
+            xs = [t for t, _, _ in run.timeline]
+            ys = [s for _, s, _ in run.timeline]
+            label = f"{system}: " + (f"{run.recovered_s:.1f} s, {run.steps_lost} steps lost"
+                                     if run.recovered_s is not None else f"no recovery in {timeout:.0f} s")
+            ax.plot(xs, ys, ".", markersize=2.5, color=colors.get(system), label=label)
+            if run.recovered_s is not None:
+                ax.axvline(run.recovered_s, color=colors.get(system), linestyle=":", linewidth=1)
+                right = max(right, run.recovered_s + 3)
+            else:
+                right = max(right, timeout)
+        ax.axvline(0, color="black", linewidth=1)
+        ax.set_xlim(-4, right)
+        ax.set_title(f"{scenario}, {mode} size ({'--nnodes N' if mode == 'fixed' else '--nnodes 1:N'})", fontsize=10)
+        ax.set_xlabel("seconds since the fault")
+        ax.set_ylabel("step (rank 0)")
+        ax.legend(fontsize=8, loc="upper left")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle("Recovery timeline: steps completed around the fault (black line); dotted: first step after")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- main ------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", nargs="+", choices=tuple(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--modes", nargs="+", choices=("fixed", "elastic"), default=["fixed", "elastic"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["etcd-v3", "c10d"])
+    parser.add_argument("--repeats", type=int, default=1)
+    defaults = BenchConfig()
+    for name in ("nodes", "nproc_per_node", "fault_step", "checkpoint_every", "throttle_ms",
+                 "recovery_timeout", "steps_after"):
+        value = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    parser.add_argument("--chart", type=Path, default=HERE / "recovery_timeline.png", help="timeline PNG")
+    parser.add_argument("--json", type=Path, default=None, help="also write every outcome as JSON")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs' logs and records in this directory")
+    return parser.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    if argv[:1] == ["worker"]:
+        run_worker(list(argv[1:]))
+        return 0
+    args = parse_args(argv)
+    try:
+        cfg = BenchConfig(nodes=args.nodes, nproc_per_node=args.nproc_per_node, fault_step=args.fault_step,
+                          checkpoint_every=args.checkpoint_every, throttle_ms=args.throttle_ms,
+                          recovery_timeout=args.recovery_timeout, steps_after=args.steps_after)
+        if args.repeats <= 0:
+            raise ValueError(f"repeats: must be positive, got {args.repeats}")
+    except ValueError as exc:
+        print(f"recovery.py: error: {exc}", file=sys.stderr)
+        return 2
+    from rendezvous.etcd_server import EtcdServer
+
+    outcomes: list[Outcome] = []
+    with contextlib.ExitStack() as stack:
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.keep)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-bench-"))
+        etcd = stack.enter_context(EtcdServer.single(Path(tmp) / f"etcd-{uuid.uuid4().hex[:6]}"))
+        for scenario in args.scenarios:
+            for mode in [m for m in args.modes if m in SCENARIOS[scenario]]:
+                for repeat in range(args.repeats):
+                    for system in args.systems:
+                        workdir = Path(tmp) / f"{scenario}-{mode}-{system}-{repeat}"
+                        workdir.mkdir(exist_ok=args.keep is not None)
+                        outcome = run_one(scenario, mode, system, cfg, workdir, etcd.endpoint)
+                        outcomes.append(outcome)
+                        print(f"{scenario:>14} {mode:>7} {system:>13} #{repeat}: recovery "
+                              f"{fmt_time(outcome.recovered_s, cfg.recovery_timeout)} s, steps lost "
+                              f"{outcome.steps_lost} (last {outcome.last_step_before}, resumed "
+                              f"{outcome.resumed_from}){' ' + outcome.error if outcome.error else ''}", flush=True)
+    print()
+    print(f"{cfg.nodes} nodes x {cfg.nproc_per_node} workers, gloo, fault at step {cfg.fault_step}, checkpoint "
+          f"every {cfg.checkpoint_every} steps, {cfg.throttle_ms:g} ms sleep per step; median of {args.repeats}")
+    print(summarise(outcomes, args.systems, cfg.recovery_timeout))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
+    chart(outcomes, args.systems, cfg.recovery_timeout, args.chart)
+    print(f"chart: {args.chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
