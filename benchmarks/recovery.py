@@ -394,7 +394,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", nargs="+", choices=tuple(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--modes", nargs="+", choices=("fixed", "elastic"), default=["fixed", "elastic"])
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["etcd-v3", "c10d"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=1)
     defaults = BenchConfig()
     for name in ("nodes", "nproc_per_node", "fault_step", "checkpoint_every", "throttle_ms",
