@@ -14,6 +14,14 @@ when its manifest exists and the .pt matches its sha256; a newer one that does n
 a warning that names it (and is renamed ``*.corrupt`` so it can never be pruned in place of a good
 one). Loading is always ``weights_only=True``; there is no unsafe fallback.
 
+Writers: rank 0 writes the periodic and final checkpoints; any surviving rank may write a
+*just-in-time* checkpoint of the last completed step when the group fails
+(:mod:`elastic_trainer.jit_save`; its manifest says ``"jit": true``). Two processes never write
+the same step: a writer first creates ``.ckpt-<step>.claim`` with ``O_CREAT | O_EXCL`` (atomic on
+local file systems and on NFSv3+), writes, and removes the claim; a process that cannot create
+the claim leaves the step to its holder. Rank 0 removes claims left by killed writers when the
+group (re)starts, when no writer of the previous group is left.
+
 This module does file work only; the trainer decides when rank 0 writes and synchronises ranks.
 """
 
@@ -28,7 +36,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +48,7 @@ log = logging.getLogger(__name__)
 FORMAT = "elastic-trainer/1"
 _NAME_RE = re.compile(r"^ckpt-(\d{12})\.(pt|json)$")
 _TMP_RE = re.compile(r"^\.ckpt-\d{12}\.(pt|json)\.tmp-\d+$")
+_CLAIM_RE = re.compile(r"^\.ckpt-\d{12}\.claim$")
 _CHUNK = 8 << 20
 
 
@@ -79,13 +88,17 @@ class Manifest:
     fingerprint: str
     fingerprint_fields: dict[str, Any]
     created_unix: float
+    jit: bool = False
+    """Written just in time by a surviving rank after a failure (absent in older manifests)."""
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not an {FORMAT} manifest")
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+        # Fields with defaults may be missing (manifests written before they existed); a missing
+        # required field is a TypeError, reported as a corrupt manifest by verify().
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,9 +233,13 @@ def save_checkpoint(
     epoch: int,
     world_size: int,
     fingerprint_fields: Mapping[str, Any],
-    keep_last: int,
+    keep_last: int | None,
+    jit: bool = False,
 ) -> CheckpointInfo:
     """Write ``payload`` as the checkpoint of ``step``, then prune all but the ``keep_last`` newest.
+
+    ``keep_last=None`` prunes nothing (just-in-time writers leave pruning to rank 0, so that two
+    writers never delete each other's files); ``jit`` is recorded in the manifest.
 
     Raises:
         CheckpointWriteError: the write failed (full disk, permissions, ...). Earlier checkpoints
@@ -245,6 +262,7 @@ def save_checkpoint(
             fingerprint=job_fingerprint(fields),
             fingerprint_fields=fields,
             created_unix=time.time(),
+            jit=jit,
         )
         text = json.dumps(asdict(manifest), indent=1, sort_keys=True).encode()
         _write_atomically(js, lambda f: f.write(text))
@@ -261,8 +279,10 @@ def save_checkpoint(
         raise CheckpointWriteError(
             f"could not write the checkpoint of step {step} to {directory}: {reason}; {kept}"
         ) from exc
-    prune(directory, keep_last)
-    log.info("checkpoint of step %d written to %s (%.1f MB)", step, pt, manifest.nbytes / 1e6)
+    if keep_last is not None:
+        prune(directory, keep_last)
+    log.info("%scheckpoint of step %d written to %s (%.1f MB)", "just-in-time " if jit else "", step, pt,
+             manifest.nbytes / 1e6)
     return CheckpointInfo(path=pt, manifest=manifest)
 
 
@@ -306,6 +326,84 @@ def remove_stale_temp_files(directory: str | os.PathLike[str]) -> None:
             if _TMP_RE.match(entry.name):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
+
+
+# -- one writer per step ---------------------------------------------------------------------------
+def claim_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """Path of the claim file a writer of ``step`` holds while it writes."""
+    return Path(directory) / f".ckpt-{step:012d}.claim"
+
+
+@dataclass(frozen=True, slots=True)
+class StepClaim:
+    """The right to write one step's checkpoint, held by this process until :meth:`release`."""
+
+    path: Path
+    step: int
+
+    def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def claim_owner() -> dict[str, Any]:
+    """What a claim file records about its holder."""
+    return {"host": os.uname().nodename, "pid": os.getpid(), "created_unix": time.time()}
+
+
+def try_claim(directory: str | os.PathLike[str], step: int, **details: Any) -> StepClaim | None:
+    """Create the claim of ``step`` atomically (``O_CREAT | O_EXCL``); ``None`` if someone holds it.
+
+    ``details`` (plain data, e.g. the rank) are recorded beside host and pid for people reading
+    the directory.
+
+    Raises:
+        OSError: the directory cannot be written (other than the claim existing).
+    """
+    path = claim_path(directory, step)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return None
+    try:
+        os.write(fd, json.dumps({**claim_owner(), **details}, sort_keys=True).encode())
+    finally:
+        os.close(fd)
+    return StepClaim(path=path, step=step)
+
+
+def read_claim(directory: str | os.PathLike[str], step: int) -> dict[str, Any] | None:
+    """The holder of ``step``'s claim as recorded in the file, or ``None`` (no claim, or unreadable:
+    the holder may be between creating and writing it)."""
+    try:
+        data = json.loads(claim_path(directory, step).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def held_by_this_process(holder: Mapping[str, Any] | None) -> bool:
+    return holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == os.uname().nodename
+
+
+def remove_stale_claims(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete every claim file (rank 0 at start-up: writers of the previous group are gone)."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            if _CLAIM_RE.match(entry.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    if removed:
+        log.info("removed claims left by interrupted checkpoint writers: %s", ", ".join(p.name for p in removed))
+    return removed
+
+
+def newest_step(directory: str | os.PathLike[str]) -> int | None:
+    """Step of the newest checkpoint that has both files (unverified), ``None`` if there is none."""
+    steps = iter_checkpoints(directory)
+    return max(steps) if steps else None
 
 
 # -- finding and loading ---------------------------------------------------------------------------
@@ -478,6 +576,6 @@ class AsyncCheckpointWriter:
         return self._result
 
 
-def iter_checkpoints(directory: str | os.PathLike[str]) -> Iterable[int]:
+def iter_checkpoints(directory: str | os.PathLike[str]) -> list[int]:
     """Steps that have a ``.pt`` and a manifest, oldest first (unverified)."""
     return sorted(s for s, kinds in _steps(Path(directory)).items() if kinds == {"pt", "json"})

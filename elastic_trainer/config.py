@@ -17,6 +17,9 @@ ENV_SIGTERM_GRACE_S = "ELASTIC_TRAINER_SIGTERM_GRACE_S"
 ENV_PG_TIMEOUT_S = "ELASTIC_TRAINER_PG_TIMEOUT_S"
 """Process-group (collective) timeout in seconds."""
 
+ENV_JIT_SAVE = "ELASTIC_TRAINER_JIT_SAVE"
+"""``0`` turns off the just-in-time checkpoint of the last completed step on failures."""
+
 DEFAULT_SIGTERM_GRACE_S = 30.0
 # torchrun's agent SIGKILLs workers 30 s after its SIGTERM: a larger grace buys nothing there.
 DEFAULT_PG_TIMEOUT_S = 30 * 60.0
@@ -40,6 +43,26 @@ def _env_float(name: str, default: float) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}: must be a positive number of seconds, got {raw!r}")
     return value
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}: {raw!r} is not a boolean (use 1 or 0)")
+
+
+def _default_jit_save() -> bool:
+    return _env_bool(ENV_JIT_SAVE, True)
 
 
 def _default_sigterm_grace() -> float:
@@ -124,6 +147,11 @@ class TrainerConfig:
     """Convert BatchNorm layers to SyncBatchNorm (CUDA only: torch's SyncBatchNorm needs a GPU)."""
     zero_redundancy: bool = False
     """Shard optimizer state with ``ZeroRedundancyOptimizer``; consolidated on rank 0 to save."""
+    jit_save: bool = field(default_factory=_default_jit_save)
+    """When the group fails (a peer died, or the agent stops a worker stuck in a collective), a
+    surviving rank checkpoints the last completed step so that at most one step is redone (env
+    ``ELASTIC_TRAINER_JIT_SAVE``; needs ``checkpoint_dir``; off with ``zero_redundancy``, whose
+    sharded state cannot be saved by one rank). See :mod:`elastic_trainer.jit_save`."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Options for the DDP wrapper."""
     log_every: int = 10
@@ -153,7 +181,7 @@ class TrainerConfig:
             raise ValueError(
                 f"mixed_precision: must be one of {', '.join(_MIXED_PRECISION)}, got {self.mixed_precision!r}"
             )
-        for name in ("shuffle", "async_checkpoint", "sync_batchnorm", "zero_redundancy"):
+        for name in ("shuffle", "async_checkpoint", "sync_batchnorm", "zero_redundancy", "jit_save"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.checkpoint_dir is not None and not str(self.checkpoint_dir).strip():

@@ -22,6 +22,9 @@ What the runtime guarantees:
   rank (and at most one more: the stop flag rides on a per-step allreduce that overlaps the next
   step), rank 0 checkpoints the step they all stopped after, and the workers exit within the
   grace period.
+* When the group fails instead (a worker died: collectives raise, or the agent SIGTERMs workers
+  stuck in one), a surviving rank checkpoints the last completed step just in time, so at most
+  one step is redone (``jit_save``, on by default; see :mod:`elastic_trainer.jit_save`).
 """
 
 from __future__ import annotations
@@ -46,16 +49,27 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastic_trainer import checkpoint as ckpt
 from elastic_trainer import distributed, rng
-from elastic_trainer.config import TrainerConfig
+from elastic_trainer.config import ENV_JIT_SAVE, TrainerConfig
+from elastic_trainer.jit_save import (
+    SAVE_TIMEOUT_S,
+    AuthoritativeBuffers,
+    ExitTimer,
+    JitCheckpointer,
+    StateGuard,
+    device_snapshot,
+)
 from elastic_trainer.observer import NullObserver, TrainingObserver
 from elastic_trainer.sample_log import SampleLog
 from elastic_trainer.sampler import ElasticSampler, MicroBatchSampler, StepPlan
-from elastic_trainer.signals import GracefulStop
+from elastic_trainer.signals import GracefulStop, SignalWakeup
 
 log = logging.getLogger(__name__)
 
 EXIT_STOPPED = 128 + 15
 """Exit code after a graceful stop: non-zero so that torchrun restarts (or ends) the group."""
+TEARDOWN_S = 10.0
+"""After a failure, the JIT save plus teardown (process group, writers) must end within
+``SAVE_TIMEOUT_S + TEARDOWN_S``; past that the process exits (code 1) instead of hanging."""
 
 
 class TrainerSetupError(ValueError):
@@ -172,6 +186,14 @@ class Trainer:
         self._last_saved_step: int | None = None
         self._stop = GracefulStop(config.sigterm_grace_s)
         self._sample_log: SampleLog | None = None
+        # Just-in-time saving (see elastic_trainer.jit_save): the guard is held around every
+        # update; the checkpointer is built once the model exists and the ranks agreed to use it.
+        self._guard = StateGuard()
+        self._jit = JitCheckpointer(guard=self._guard, directory=None, rank=0, step=lambda: self.step,
+                                    payload=dict, write=lambda step, payload: "", enabled=False)
+        self._buffers: AuthoritativeBuffers | None = None
+        self._update_event: Any = None
+        self._wakeup = SignalWakeup(self._on_stop_signal)
 
     # -- public --------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -184,22 +206,36 @@ class Trainer:
         self.env = env
         owns_group = not dist.is_initialized()
         self._stop.install()
+        self._wakeup.install()
+        deadline: ExitTimer | None = None
         try:
             if owns_group:
                 distributed.init_process_group(env, pg_timeout_s=self.config.pg_timeout_s)
             self._setup()
             self._resume()
             self.observer.on_start(world_size=env.world_size, restart_count=env.restart_count)
-            return self._train()
+            try:
+                return self._train()
+            except Exception as exc:
+                if self._jit.enabled:
+                    # Save, then let the exception end the process quickly: torchrun restarts
+                    # the group once all its local workers are gone. Never hang on the way.
+                    deadline = ExitTimer(SAVE_TIMEOUT_S + TEARDOWN_S, 1, "saving and stopping after a failure")
+                    self._jit.after_failure(exc)
+                raise
         finally:
             try:
                 self._finish_background_write()
             finally:
+                self._jit.stand_down()
+                self._wakeup.uninstall()
                 self._stop.uninstall()
                 if self._sample_log is not None:
                     self._sample_log.close()
                 if owns_group:
                     distributed.destroy_process_group()
+                if deadline is not None:
+                    deadline.cancel()
 
     # -- setup ---------------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -285,12 +321,15 @@ class Trainer:
     def _resume(self) -> None:
         cfg, env = self.config, self.env
         assert env is not None
-        decision: list[Any] = [None]
+        # Rank 0 decides for all: which checkpoint to load, and whether to save just in time (the
+        # buffer exchange of JIT is a collective: every rank must agree, whatever its env says).
+        decision: list[Any] = [None, self._jit_wanted()]
         if cfg.checkpoint_dir is not None and env.is_rank0:
-            decision = [self._choose_checkpoint()]
+            decision[0] = self._choose_checkpoint()
         if env.world_size > 1:
             dist.broadcast_object_list(decision, src=0)
         kind, value = decision[0] or ("none", None)
+        jit_enabled = bool(decision[1])
         if kind == "mismatch":
             raise ckpt.CheckpointMismatchError(value)
         if kind == "error":
@@ -306,11 +345,83 @@ class Trainer:
             self._last_saved_step = self.step
             self._last_checkpoint = value
             if env.is_rank0:
-                log.info("resumed from %s (step %d, epoch %d, cursor %d, saved by %d ranks, now %d)",
-                         value, self.step, self.sampler.epoch, self.sampler.cursor, state["world_size"], env.world_size)
+                log.info("resumed from %s%s (step %d, epoch %d, cursor %d, saved by %d ranks, now %d)",
+                         value, " (a just-in-time checkpoint)" if state.get("jit") else "", self.step,
+                         self.sampler.epoch, self.sampler.cursor, state["world_size"], env.world_size)
         elif env.is_rank0:
             log.info("starting from scratch (no checkpoint in %s)", cfg.checkpoint_dir)
+        self._setup_jit(jit_enabled)
         self._open_sample_log()
+
+    # -- just-in-time saving -----------------------------------------------------------------------
+    def _jit_wanted(self) -> bool:
+        """This rank's view of whether to save just in time (rank 0's view is the one used)."""
+        cfg, env = self.config, self.env
+        assert env is not None
+        if not cfg.jit_save:
+            if env.is_rank0:
+                log.info("just-in-time checkpoints are off (jit_save=False or %s=0)", ENV_JIT_SAVE)
+            return False
+        if cfg.checkpoint_dir is None:
+            return False
+        if cfg.zero_redundancy:
+            if env.is_rank0:
+                    log.warning("just-in-time checkpoints are off with zero_redundancy: the optimizer state is sharded "
+                            "over the ranks and its step runs collectives, so no single surviving rank holds it; "
+                            "a failure resumes from the last periodic checkpoint")
+            return False
+        return True
+
+    def _setup_jit(self, enabled: bool) -> None:
+        env, cfg = self.env, self.config
+        assert env is not None
+        self._jit = JitCheckpointer(
+            guard=self._guard, directory=cfg.checkpoint_dir, rank=env.rank, step=lambda: self.step,
+            payload=self._jit_payload, write=self._jit_write, drain=self._jit_drain,
+            stop_deadline=lambda: self._stop.deadline, enabled=enabled,
+        )
+        if enabled:
+            self._buffers = AuthoritativeBuffers(self.model, self._guard, rank=env.rank, world_size=env.world_size)
+            if env.device.type == "cuda":
+                self._update_event = torch.cuda.Event()
+
+    def _on_stop_signal(self, signum: int) -> None:
+        """Wakeup thread: a stop signal arrived, maybe while the main thread is blocked."""
+        self._jit.on_signal(signum)
+
+    def _after_update(self) -> None:
+        """Inside the guard, right after an update: remember what the state of this step is."""
+        if self._buffers is not None:
+            self._buffers.capture()
+        if self._update_event is not None:
+            self._update_event.record()
+
+    def _jit_payload(self) -> dict[str, Any]:
+        """(Holding the guard) a host copy of the state after the last completed step."""
+        env = self.env
+        assert env is not None
+        model_state = self.model.state_dict()
+        source = "none"
+        if self._buffers is not None:
+            buffers, source = self._buffers.snapshot()
+            model_state.update(buffers)
+        # No RNG states: the other ranks' are not here; resume derives every rank's streams.
+        payload = self._payload(model_state, rng_states=[])
+        payload["jit"] = {"writer_rank": env.rank, "buffers": source}
+        return device_snapshot(payload, env.device, self._update_event)
+
+    def _jit_write(self, step: int, payload: dict[str, Any]) -> str:
+        cfg, env = self.config, self.env
+        assert env is not None and cfg.checkpoint_dir is not None
+        info = ckpt.save_checkpoint(cfg.checkpoint_dir, payload, step=step, epoch=int(payload["epoch"]),
+                                    world_size=env.world_size, fingerprint_fields=self.fingerprint_fields,
+                                    keep_last=None, jit=True)
+        return str(info.path)
+
+    def _jit_drain(self, timeout: float) -> None:
+        """Let this process's own background checkpoint write finish before it exits."""
+        with contextlib.suppress(ckpt.CheckpointError):
+            self._writer.wait(timeout)
 
     def _choose_checkpoint(self) -> tuple[str, str | None]:
         """Rank 0: which checkpoint every rank loads, as ``(kind, value)`` for the broadcast."""
@@ -322,6 +433,7 @@ class Trainer:
             if not os.access(directory, os.W_OK | os.X_OK):
                 raise PermissionError(f"{directory} is not writable")
             ckpt.remove_stale_temp_files(directory)
+            ckpt.remove_stale_claims(directory)  # writers of the previous group are gone by now
             info = ckpt.find_latest(directory)
         except OSError as exc:
             return ("error", f"checkpoint_dir {directory} cannot be used: {exc.strerror or exc}")
@@ -376,9 +488,13 @@ class Trainer:
         self._loss: float | None = None
         self._window = (time.monotonic(), 0)
         pending: _StepControl | None = None
+        if self._buffers is not None:
+            self._buffers.capture(identical=True)  # every rank loaded (or seeded) the same state
+        self._jit.arm()
         while not self._done():
             if self.sampler.epoch_done:
-                self.sampler.set_epoch(self.sampler.epoch + 1)
+                with self._guard.update():
+                    self.sampler.set_epoch(self.sampler.epoch + 1)
                 continue
             # The loader gets its own generator: creating an iterator draws a seed from it, which
             # must not advance the global RNG (a resumed run creates its iterator at another point).
@@ -398,8 +514,7 @@ class Trainer:
                     break
                 started = time.monotonic()
                 local_loss, data_wait = self._train_step(plan, batches)
-                self.sampler.advance(plan)
-                self.step += 1
+                self._guard.boundary()
                 if self._sample_log is not None:
                     self._sample_log.step(step=self.step, epoch=plan.epoch, cursor=plan.cursor,
                                           world_size=env.world_size, rank=env.rank, indices=plan.indices)
@@ -409,6 +524,7 @@ class Trainer:
                 stop = self._finish_control(pending) if pending is not None else False
                 pending = control
                 if stop:
+                    self._jit.stand_down()  # every rank agreed to stop: the graceful path owns the exit
                     self._finish_control(pending)
                     pending = None
                     log.warning("stopping after step %d (signal on %s)", self.step,
@@ -417,8 +533,10 @@ class Trainer:
                     return TrainResult(step=self.step, epoch=self.sampler.epoch, loss=self._loss,
                                        resumed_from=self.resumed_from, stopped_by_signal=True, checkpoint=path)
                 if self.step % cfg.checkpoint_every == 0:
-                    self._checkpoint(final=False)
+                    with self._jit.busy():
+                        self._checkpoint(final=False)
             del batches, loader
+        self._jit.stand_down()
         if pending is not None:
             self._finish_control(pending)
         path = self._checkpoint(final=True)
@@ -478,6 +596,8 @@ class Trainer:
             wait_start = time.monotonic()
             inputs, target = _move(next(batches), device)
             data_wait += time.monotonic() - wait_start
+            if i == 0 and self._buffers is not None:
+                self._buffers.before_forward()
             sync = contextlib.nullcontext() if i == last else self.ddp.no_sync()
             with sync:
                 with torch.autocast(device.type, dtype=self.autocast_dtype or torch.float32,
@@ -490,14 +610,27 @@ class Trainer:
                 else:
                     scaled.backward()
             loss_sum += loss.detach().float() * micro.samples
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self._update(plan)
         return loss_sum, data_wait
+
+    def _update(self, plan: StepPlan) -> None:
+        """The update section: everything that turns "after step S" into "after step S+1".
+
+        Held under the guard, so that a just-in-time snapshot sees one or the other, never a mix.
+        """
+        with self._guard.update():
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.sampler.advance(plan)
+            self.step += 1
+            self._after_update()
+        if self._buffers is not None:
+            self._buffers.exchange()
 
     def _log_progress(self, loss: float | None, samples_per_s: float, step: int) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
@@ -541,12 +674,13 @@ class Trainer:
         self._last_checkpoint = value
         return value
 
-    def _write(self, rng_states: list[Any], *, sync: bool, started: float) -> str:
+    def _payload(self, model_state: dict[str, Any], *, rng_states: list[Any]) -> dict[str, Any]:
+        """What a checkpoint holds (live tensors; the caller copies or writes them at once)."""
         cfg, env = self.config, self.env
-        assert env is not None and cfg.checkpoint_dir is not None
-        payload = {
+        assert env is not None
+        return {
             "format": ckpt.FORMAT,
-            "model": self.model.state_dict(),
+            "model": model_state,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -558,21 +692,53 @@ class Trainer:
             "fingerprint": ckpt.job_fingerprint(self.fingerprint_fields),
             "config": cfg.to_dict(),
         }
+
+    def _write(self, rng_states: list[Any], *, sync: bool, started: float) -> str:
+        cfg, env = self.config, self.env
+        assert env is not None and cfg.checkpoint_dir is not None
+        payload = self._payload(self.model.state_dict(), rng_states=rng_states)
         step, epoch, directory = self.step, self.sampler.epoch, cfg.checkpoint_dir
+        path = str(ckpt.checkpoint_path(directory, step))
+        claim: ckpt.StepClaim | None = None
+        if self._jit.enabled:
+            # One writer per step: a survivor may be writing this step just in time (the group is
+            # failing); it will finish it.
+            try:
+                claim = ckpt.try_claim(directory, step, rank=env.rank, kind="periodic")
+            except OSError as exc:
+                raise ckpt.CheckpointWriteError(
+                    f"could not write the checkpoint of step {step} to {directory}: {exc.strerror or exc}") from exc
+            if claim is None:
+                log.warning("step %d is being checkpointed by %s; not writing it again", step,
+                            ckpt.read_claim(directory, step) or "another writer")
+                return path
 
         def save(data: dict[str, Any]) -> ckpt.CheckpointInfo:
-            return ckpt.save_checkpoint(directory, data, step=step, epoch=epoch, world_size=env.world_size,
-                                        fingerprint_fields=self.fingerprint_fields, keep_last=cfg.keep_last)
+            try:
+                return ckpt.save_checkpoint(directory, data, step=step, epoch=epoch, world_size=env.world_size,
+                                            fingerprint_fields=self.fingerprint_fields, keep_last=cfg.keep_last)
+            finally:
+                if claim is not None:
+                    claim.release()
 
-        path = str(ckpt.checkpoint_path(directory, step))
         if sync:
-            self._writer.wait(self._stop.remaining_s())
+            try:
+                self._writer.wait(self._stop.remaining_s())
+            except BaseException:
+                if claim is not None:
+                    claim.release()
+                raise
             info = save(payload)
             nbytes = info.manifest.nbytes
         else:
-            snapshot = ckpt.snapshot_to_cpu(payload)  # on this thread: the next step changes the tensors
-            nbytes = _nbytes(snapshot)
-            self._writer.submit(lambda: save(snapshot))
+            try:
+                snapshot = ckpt.snapshot_to_cpu(payload)  # on this thread: the next step changes the tensors
+                nbytes = _nbytes(snapshot)
+                self._writer.submit(lambda: save(snapshot))
+            except BaseException:
+                if claim is not None:
+                    claim.release()
+                raise
         self.observer.on_checkpoint_saved(step=step, duration_s=time.monotonic() - started, nbytes=nbytes)
         return path
 

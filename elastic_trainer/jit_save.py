@@ -1,0 +1,526 @@
+"""Just-in-time (JIT) checkpoint: when the worker group fails, a surviving rank saves the last
+completed step, so a worker SIGKILL costs at most one step instead of everything since the last
+periodic checkpoint, without checkpointing every step.
+
+Every rank of a DDP job holds the full replicated state (weights, optimizer, scheduler, sampler
+cursor) of the last completed step. When a worker dies, torchrun stops the group; the survivors
+have that state in memory until they exit. This module writes it out on the way down. Turn it
+off with ``TrainerConfig(jit_save=False)`` or ``ELASTIC_TRAINER_JIT_SAVE=0``.
+
+Design, and why:
+
+* **Two triggers.** (a) *A collective raises*: gloo reports a dead peer as soon as the kernel
+  closes its sockets (``RuntimeError: ... Connection closed by peer``, not a ``DistError``, in
+  torch 2.13). The trainer catches the failure around the training loop
+  (:meth:`JitCheckpointer.after_failure`), saves, and re-raises so that the process exits at
+  once: torchrun restarts the group only when all its local workers are gone. (b) *A stop
+  signal while the main thread does not come back*: torchrun's agent SIGTERMs the surviving
+  local workers when one dies (and every worker when it sees a new rendezvous round). A Python
+  signal handler only runs when the main thread returns to the interpreter, which it does not
+  while blocked inside a C++ collective whose peer is alive but stuck. The signal is therefore
+  also received through :class:`~elastic_trainer.signals.SignalWakeup` (``set_wakeup_fd``: the
+  C-level handler writes the signal number to a pipe at once; a thread reads it). That thread
+  gives the ordinary graceful stop (finish the step, all ranks agree through the per-step
+  control allreduce, rank 0 checkpoints) a chance first: only when the main thread passes no
+  step boundary for ``max(1 s, 3 x the longest of the last 8 steps)`` (at most 10 s) does it
+  save the last completed step itself and exit. Checkpoint writes in progress do not count as
+  a stall, and once the ranks have agreed to stop the graceful path owns the exit.
+* **Consistency.** A snapshot is never taken in the middle of an update: the trainer holds
+  :class:`StateGuard` around the whole update section (GradScaler, ``optimizer.step``,
+  ``scheduler.step``, sampler cursor, step counter, epoch change) and the saver takes the same
+  lock, so it waits for an update in progress to end and then sees exactly "after step S";
+  between updates (forward, backward, blocked collectives) it does not wait at all. Gradients
+  are not saved. An exception raised inside the update section marks the state inconsistent
+  and no JIT checkpoint is written. ``ZeroRedundancyOptimizer`` is not supported: its state is
+  sharded over the ranks and its step runs collectives, so no single survivor holds it (the
+  trainer turns JIT off and logs why).
+* **Buffers.** Weights change only in the update, but BatchNorm statistics change in every
+  forward, and DDP makes rank 0's the authoritative ones (broadcast at each forward). What a
+  regular checkpoint of step S holds is rank 0's buffers after step S. So after every update
+  rank 0's buffers (a few KB for BatchNorm) go to all ranks in one asynchronous broadcast
+  (:class:`AuthoritativeBuffers`), overlapped with the next step and awaited before its first
+  forward; any survivor then writes exactly what rank 0 would have written, and a resumed run
+  is bitwise equal to the uninterrupted one even when rank 0 was the worker that died. Only if
+  rank 0 dies between its update and that broadcast does a survivor fall back to its own
+  buffers of step S (recorded in the checkpoint as ``buffers: "local"``).
+* **One writer.** Any survivor may hold the state (rank 0 may be the dead one), so every rank
+  tries, and a claim file created with ``O_CREAT | O_EXCL`` in the shared checkpoint directory
+  picks exactly one per step over all ranks and nodes (rank 0's periodic writes take the same
+  claim). A step that already has a complete checkpoint (or a newer one) is skipped. The write
+  is the ordinary atomic one (temp file, fsync, rename, directory fsync, sha256 manifest) with
+  ``"jit": true`` in the manifest; it prunes nothing (rank 0's next checkpoint does).
+* **RNG.** The other ranks' generator states are not available to the writer, so a JIT
+  checkpoint stores none, and on resume every rank derives its streams from (seed, rank, step)
+  as the runtime does after a world-size change. Jobs whose training step draws no global
+  random numbers (the example: no dropout; the data order has its own seeded generators) resume
+  bitwise equal to an uninterrupted run; jobs with dropout resume deterministically, on fresh
+  streams.
+* **Bounded.** torchrun (2.13) stops workers with ``PContext.close(SIGTERM, timeout=30)``:
+  ``LocalElasticAgent._stop_workers`` calls ``_shutdown()`` whose default timeout is 30 s, and
+  an agent that is itself SIGTERMed calls ``_shutdown(sig, timeout=shutdown_timeout)``, also
+  30 s; after that it SIGKILLs. Stall detection (at most 10 s) plus the save (at most 15 s,
+  :data:`SAVE_TIMEOUT_S`) end inside that window and inside the SIGTERM grace period; a save that
+  overruns its deadline ends the process (``os._exit``) rather than hang, leaving at worst a
+  temporary file and a claim that rank 0 removes at the next start.
+
+Limitations: on NCCL with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` the watchdog may tear the process
+down before trigger (a) runs (trigger (b) still works); the snapshot copies the state to host
+memory on a side CUDA stream ordered after the last update only, so a hung NCCL kernel on the
+compute stream does not block it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_trainer import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+
+TORCHRUN_STOP_WINDOW_S = 30.0
+"""Seconds torchrun 2.13 waits between SIGTERM and SIGKILL (``PContext.close`` default timeout)."""
+STALL_MIN_S = 1.0
+"""After a stop signal, the shortest time without a step boundary that counts as a stall."""
+STALL_MAX_S = 10.0
+"""... and the longest (slow steps stretch it: :data:`STALL_STEPS` times the recent step time)."""
+STALL_STEPS = 3.0
+"""A stall lasts this many recent step durations (the graceful stop needs up to two steps)."""
+SAVE_TIMEOUT_S = 15.0
+"""Deadline of one JIT save (snapshot and write); past it the process exits."""
+EXIT_MARGIN_S = 1.0
+"""Kept free before torchrun's SIGKILL and the SIGTERM grace deadline."""
+BUFFER_ARRIVAL_WAIT_S = 0.2
+"""How long a saver waits for rank 0's buffers of the last step when they are still in flight."""
+EXIT_AFTER_SIGNAL = 128 + signal.SIGTERM
+"""Exit code after a JIT save on the signal path (as after a graceful stop)."""
+
+
+class JitSaveError(Exception):
+    """A JIT snapshot cannot be taken (guard not acquired in time, state inconsistent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JitOutcome:
+    """What a JIT save did."""
+
+    saved: bool
+    step: int | None
+    path: str | None
+    detail: str
+    """Why it was skipped or failed, or what was written."""
+
+
+# -- consistency -------------------------------------------------------------------------------------
+class StateGuard:
+    """The lock held around every change of the training state; a JIT snapshot holds it too.
+
+    Also tracks step boundaries (for stall detection): :meth:`boundary` after every step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.consistent = True
+        """False once an exception escaped an update: the state may be half-updated."""
+        self.progress = threading.Event()
+        """Set at every step boundary (and when a checkpoint write ends)."""
+        self._durations: deque[float] = deque(maxlen=8)
+        self._last_boundary: float | None = None
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[None]:
+        """Main thread, around the update section; an exception marks the state inconsistent."""
+        with self._lock:
+            try:
+                yield
+            except BaseException:
+                self.consistent = False
+                raise
+
+    @contextlib.contextmanager
+    def hold(self, timeout: float | None = None) -> Iterator[None]:
+        """Hold the guard (no update can start or be in progress).
+
+        Raises:
+            JitSaveError: not acquired within ``timeout`` seconds (``None``: wait as long as needed).
+        """
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise JitSaveError(f"the training thread stayed inside an optimizer update for {timeout:.1f} s")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def boundary(self) -> None:
+        """A step ended (main thread)."""
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            self._durations.append(now - self._last_boundary)
+        self._last_boundary = now
+        self.progress.set()
+
+    @property
+    def recent_step_s(self) -> float:
+        """The longest of the last few step durations (0 before two boundaries)."""
+        return max(self._durations, default=0.0)
+
+
+# -- buffers -------------------------------------------------------------------------------------------
+def _persistent_buffer_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """``(module, attribute, state_dict key)`` of every buffer that a state_dict holds."""
+    keys = set(model.state_dict().keys())
+    slots = []
+    for module_name, module in model.named_modules():
+        for attr, buffer in module.named_buffers(recurse=False):
+            key = f"{module_name}.{attr}" if module_name else attr
+            if buffer is not None and key in keys:
+                slots.append((module, attr, key))
+    return slots
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+class AuthoritativeBuffers:
+    """Rank 0's module buffers after the last completed step, held by every rank.
+
+    Protocol (main thread): :meth:`capture` inside the update section (rank 0 copies its buffers,
+    the others allocate room), :meth:`exchange` right after it (asynchronous broadcast from rank
+    0), :meth:`before_forward` before the next step's first forward (waits for the broadcast,
+    then lets the forward change the buffers). A saver holding the :class:`StateGuard` calls
+    :meth:`snapshot`.
+    """
+
+    def __init__(self, model: nn.Module, guard: StateGuard, *, rank: int, world_size: int) -> None:
+        self._slots = _persistent_buffer_slots(model)
+        self._guard = guard
+        self._rank = rank
+        self._world_size = world_size
+        self._flat: torch.Tensor | None = None
+        self._layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
+        self._work: Any = None
+        self._own = False  # the flat copy holds this rank's own buffers, equal to rank 0's
+        self._needs_exchange = False
+        self._forward_started = True
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._slots)
+
+    def _live(self) -> list[tuple[str, torch.Tensor]]:
+        return [(key, getattr(module, attr)) for module, attr, key in self._slots]
+
+    def capture(self, *, identical: bool = False) -> None:
+        """After an update (inside the guard), or at the start with ``identical=True``: every rank
+        then holds the same buffers (loaded from one checkpoint, or seeded identically)."""
+        if not self.enabled:
+            return
+        live = self._live()
+        self._layout = [(key, t.dtype, t.shape, t.numel() * t.element_size()) for key, t in live]
+        self._own = identical or self._rank == 0 or self._world_size == 1
+        self._needs_exchange = not identical and self._world_size > 1  # the same on every rank
+        if self._own:
+            self._flat = torch.cat([_as_bytes(t) for _, t in live])
+        else:
+            device = live[0][1].device
+            self._flat = torch.empty(sum(n for *_, n in self._layout), dtype=torch.uint8, device=device)
+        self._work = None
+        self._forward_started = False
+
+    def exchange(self) -> None:
+        """Start the broadcast of rank 0's copy (after the guard: a failure here is no update's)."""
+        if self.enabled and self._needs_exchange and self._flat is not None:
+            self._needs_exchange = False
+            self._work = dist.broadcast(self._flat, src=0, async_op=True)
+
+    def before_forward(self) -> None:
+        """Before the first forward of a step (main thread): rank 0's buffers of the last step
+        must have arrived before this rank's forward changes its own."""
+        if not self.enabled or self._forward_started:
+            return
+        if self._work is not None:
+            self._work.wait()
+        with self._guard.hold():
+            self._forward_started = True
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], str]:
+        """Buffers of the last completed step (caller holds the guard), and where they come from:
+        ``"rank0"`` (exact) or ``"local"`` (rank 0 died before sending them)."""
+        if not self.enabled:
+            return {}, "none"
+        if self._flat is not None and (self._own or self._arrived()):
+            return self._unflatten(self._flat), "rank0"
+        if not self._forward_started:
+            # Nothing touched this rank's buffers since the update (the guard keeps the forward
+            # from starting): they are this rank's own statistics after step S.
+            return {key: t.detach().clone() for key, t in self._live()}, "local"
+        raise JitSaveError("the buffers of the last completed step are not available")
+
+    def _arrived(self) -> bool:
+        work = self._work
+        if work is None:
+            return False
+        deadline = time.monotonic() + BUFFER_ARRIVAL_WAIT_S
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - a failed broadcast means the buffers never arrived
+            return False
+        return True
+
+    def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for key, dtype, shape, nbytes in self._layout:
+            # clone() first: view(dtype) needs a storage offset aligned to the element size.
+            out[key] = flat[offset : offset + nbytes].clone().view(dtype).reshape(shape)
+            offset += nbytes
+        return out
+
+
+def device_snapshot(payload: Any, device: torch.device, after: torch.cuda.Event | None) -> Any:
+    """CPU copy of ``payload`` (``checkpoint.snapshot_to_cpu``); on CUDA on a side stream that
+    waits only for ``after`` (the end of the last update), not for work queued since."""
+    if device.type != "cuda":
+        return ckpt.snapshot_to_cpu(payload)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        copy = ckpt.snapshot_to_cpu(payload)
+        stream.synchronize()
+    return copy
+
+
+# -- deadlines ---------------------------------------------------------------------------------------
+class ExitTimer:
+    """Ends the process with ``code`` unless cancelled within ``seconds`` (a save must never hang)."""
+
+    def __init__(self, seconds: float, code: int, why: str, exit_fn: Callable[[int], Any] = os._exit) -> None:
+        self._cancelled = threading.Event()
+        self._seconds, self._code, self._why, self._exit = seconds, code, why, exit_fn
+        self._thread = threading.Thread(target=self._run, name="jit-deadline", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def _run(self) -> None:
+        if self._cancelled.wait(max(0.0, self._seconds)):
+            return
+        log.error("%s did not finish within %.1f s; exiting now", self._why, self._seconds)
+        _flush_logs()
+        self._exit(self._code)
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+# -- the saver ---------------------------------------------------------------------------------------
+class JitCheckpointer:
+    """Saves the last completed step once, from whichever thread asks first.
+
+    Args:
+        guard: the trainer's :class:`StateGuard`.
+        directory: the shared checkpoint directory.
+        rank: recorded in the claim file.
+        step: returns the number of completed steps (called holding the guard).
+        payload: returns a host-memory copy of the state after that step (holding the guard).
+        write: writes ``(step, payload)`` as a JIT checkpoint; returns its path.
+        drain: waits up to the given seconds for this process's own checkpoint writes.
+        stop_deadline: the graceful stop's deadline (``time.monotonic()``), if a signal set one.
+        exit_fn: ends the process (tests inject a fake).
+        enabled: ``False`` makes every method a no-op.
+    """
+
+    def __init__(
+        self,
+        *,
+        guard: StateGuard,
+        directory: str | None,
+        rank: int,
+        step: Callable[[], int],
+        payload: Callable[[], dict[str, Any]],
+        write: Callable[[int, dict[str, Any]], str],
+        drain: Callable[[float], None] = lambda timeout: None,
+        stop_deadline: Callable[[], float | None] = lambda: None,
+        exit_fn: Callable[[int], Any] = os._exit,
+        enabled: bool = True,
+    ) -> None:
+        self.guard = guard
+        self.directory = directory
+        self.enabled = enabled and directory is not None
+        self._rank = rank
+        self._step, self._payload, self._write, self._drain = step, payload, write, drain
+        self._stop_deadline = stop_deadline
+        self._exit = exit_fn
+        self._save_lock = threading.Lock()
+        self._outcome: JitOutcome | None = None
+        self._armed = False
+        self._stood_down = False
+        self._busy = 0
+        self._signal_at: float | None = None
+        self._monitor: threading.Thread | None = None
+
+    # -- trainer side (main thread) ---------------------------------------------------------------
+    def arm(self) -> None:
+        """Training started: the state now is a completed step (the one resumed from, or 0)."""
+        self._armed = True
+        self.guard.progress.set()
+
+    def stand_down(self) -> None:
+        """The ranks agreed to stop (or training ended): the graceful path owns the exit."""
+        self._stood_down = True
+        self.guard.progress.set()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """A checkpoint is being taken: not a stall, however long the write takes."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self.guard.progress.set()
+
+    def after_failure(self, exc: BaseException) -> JitOutcome | None:
+        """Trigger (a): the training loop raised (a peer died). Saves within :data:`SAVE_TIMEOUT_S`.
+
+        A failed checkpoint write is not retried here: the same disk would fail the same way.
+        """
+        if not self.enabled:
+            return None
+        if isinstance(exc, ckpt.CheckpointError):
+            log.info("no just-in-time save after a checkpoint error (%s)", first_line(exc))
+            return None
+        log.warning("training failed (%s); saving the last completed step just in time", first_line(exc))
+        return self.save(f"after {first_line(exc)}", deadline=time.monotonic() + SAVE_TIMEOUT_S)
+
+    # -- signal side (wakeup thread) ------------------------------------------------------------------
+    def on_signal(self, signum: int) -> None:
+        """Trigger (b): a stop signal arrived (called at once, even while the main thread is
+        blocked). Starts watching for step boundaries."""
+        if not self.enabled or self._signal_at is not None:
+            return
+        self._signal_at = time.monotonic()
+        self.guard.progress.clear()
+        self._monitor = threading.Thread(target=self._watch, args=(signum,), name="jit-stall-monitor", daemon=True)
+        self._monitor.start()
+
+    def stall_timeout(self) -> float:
+        return min(STALL_MAX_S, max(STALL_MIN_S, STALL_STEPS * self.guard.recent_step_s))
+
+    def _watch(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        while not self._stood_down:
+            timeout = self.stall_timeout()
+            if self.guard.progress.wait(timeout):
+                self.guard.progress.clear()
+                continue
+            if self._stood_down:
+                return
+            if self._busy or not self._armed:
+                continue
+            log.warning("%s received and no step boundary for %.1f s (blocked in a collective?): saving the last "
+                        "completed step just in time, then exiting", name, timeout)
+            deadline = self._signal_deadline()
+            self.save(f"{name}, main thread stalled {timeout:.1f} s", deadline=deadline)
+            self._drain(max(0.0, deadline - time.monotonic()))
+            _flush_logs()
+            self._exit(EXIT_AFTER_SIGNAL)
+            return
+
+    def _signal_deadline(self) -> float:
+        now = time.monotonic()
+        assert self._signal_at is not None
+        deadline = min(now + SAVE_TIMEOUT_S, self._signal_at + TORCHRUN_STOP_WINDOW_S - EXIT_MARGIN_S)
+        stop = self._stop_deadline()
+        if stop is not None:
+            deadline = min(deadline, stop - EXIT_MARGIN_S)
+        return max(deadline, now + 0.5)
+
+    # -- the save -----------------------------------------------------------------------------------
+    def save(self, reason: str, *, deadline: float) -> JitOutcome:
+        """Save the last completed step unless done already; idempotent and thread-safe.
+
+        Ends the process (exit code 1) if the save is still running at ``deadline``.
+        """
+        if not self.enabled:
+            return JitOutcome(saved=False, step=None, path=None, detail="just-in-time saving is off")
+        timer = ExitTimer(deadline - time.monotonic(), 1, "the just-in-time checkpoint", self._exit)
+        try:
+            acquired = self._save_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+            if not acquired:
+                return JitOutcome(saved=False, step=None, path=None, detail="another save is still running")
+            try:
+                if self._outcome is None:
+                    self._outcome = self._save(reason, deadline)
+                return self._outcome
+            finally:
+                self._save_lock.release()
+        finally:
+            timer.cancel()
+
+    def _save(self, reason: str, deadline: float) -> JitOutcome:
+        started = time.monotonic()
+        assert self.directory is not None
+        claim: ckpt.StepClaim | None = None
+        step: int | None = None
+        try:
+            with self.guard.hold(timeout=deadline - started):
+                if not self._armed:
+                    return self._skip(None, "training had not started")
+                if not self.guard.consistent:
+                    return self._skip(None, "the failure happened inside an optimizer update; the state is inconsistent")
+                step = self._step()
+                if (newest := ckpt.newest_step(self.directory)) is not None and newest >= step:
+                    return self._skip(step, f"a checkpoint of step {newest} exists")
+                claim = ckpt.try_claim(self.directory, step, rank=self._rank, kind="jit")
+                if claim is None:
+                    holder = ckpt.read_claim(self.directory, step)
+                    if ckpt.held_by_this_process(holder):
+                        self._drain(max(0.0, deadline - time.monotonic()))
+                    return self._skip(step, f"step {step} is being written by {holder or 'another writer'}")
+                # Re-check with the claim held: a writer may have finished this step and
+                # released its claim between the check above and ours.
+                if (newest := ckpt.newest_step(self.directory)) is not None and newest >= step:
+                    return self._skip(step, f"a checkpoint of step {newest} exists")
+                payload = self._payload()
+            path = self._write(step, payload)
+        except Exception as exc:  # noqa: BLE001 - reported; the process is going down anyway
+            log.error("just-in-time save of step %s failed: %s", step, first_line(exc))
+            return JitOutcome(saved=False, step=step, path=None, detail=f"failed: {first_line(exc)}")
+        finally:
+            if claim is not None:
+                claim.release()
+        took = time.monotonic() - started
+        log.warning("just-in-time checkpoint of step %d written to %s in %.2f s (%s)", step, path, took, reason)
+        return JitOutcome(saved=True, step=step, path=path, detail=f"written in {took:.2f} s ({reason})")
+
+    @staticmethod
+    def _skip(step: int | None, why: str) -> JitOutcome:
+        log.info("just-in-time save skipped: %s", why)
+        return JitOutcome(saved=False, step=step, path=None, detail=why)
