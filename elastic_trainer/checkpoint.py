@@ -361,6 +361,7 @@ def try_claim(directory: str | os.PathLike[str], step: int, **details: Any) -> S
         OSError: the directory cannot be written (other than the claim existing).
     """
     path = claim_path(directory, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:

@@ -752,6 +752,21 @@ class Trainer:
             log.exception("the last background checkpoint write failed")
 
 
+_COLLECTIVE_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo",
+                               "ProcessGroupNCCL", "NCCL error", "gloo/transport")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because a peer went away.
+
+    torch 2.13's gloo raises a plain ``RuntimeError`` ("... Connection closed by peer ...") from
+    collectives and from DDP's backward, not a ``DistError``; both are recognised.
+    """
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _COLLECTIVE_FAILURE_MARKERS)
+
+
 ENV_METRICS = "ELASTIC_TRAINER_METRICS"
 """``1``: workers report metrics through :func:`elastic_trainer.metrics.worker_observer`."""
 

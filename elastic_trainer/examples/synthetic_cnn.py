@@ -31,7 +31,7 @@ from elastic_trainer.checkpoint import CheckpointError
 from elastic_trainer.config import DEFAULT_CHECKPOINT_EVERY, DDPOptions, TrainerConfig
 from elastic_trainer.distributed import read_env, strip_local_rank_arg
 from elastic_trainer.observer import TrainingObserver
-from elastic_trainer.trainer import Trainer, TrainerSetupError, TrainingJob, build_observer
+from elastic_trainer.trainer import Trainer, TrainerSetupError, TrainingJob, build_observer, is_collective_failure
 
 log = logging.getLogger("elastic_trainer.examples.synthetic_cnn")
 
@@ -140,6 +140,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help=f"steps between checkpoints (default {DEFAULT_CHECKPOINT_EVERY})")
     parser.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (default 3)")
     parser.add_argument("--async-checkpoint", action="store_true", help="write checkpoints on a background thread")
+    parser.add_argument("--jit-save", action=argparse.BooleanOptionalAction, default=None,
+                        help="when a worker dies, a survivor checkpoints the last completed step (default: on, "
+                             "or ELASTIC_TRAINER_JIT_SAVE)")
     parser.add_argument("--seed", type=int, default=0, help="seeds weights, data and data order")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--dataset-size", type=int, default=2048)
@@ -189,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mixed_precision=args.mixed_precision,
             sync_batchnorm=args.sync_batchnorm,
             zero_redundancy=args.zero,
+            **({} if args.jit_save is None else {"jit_save": args.jit_save}),
             ddp=DDPOptions(),
             log_every=args.log_every,
             num_workers=args.num_workers,
@@ -204,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One line, no traceback: bad input or a checkpoint directory that cannot be used.
         print(f"synthetic_cnn: error: {exc}", file=sys.stderr)
         return 2
-    except dist.DistError as exc:
+    except (dist.DistError, RuntimeError) as exc:
+        if not is_collective_failure(exc):
+            raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"synthetic_cnn: a collective failed (a peer probably died; torchrun restarts the group): {first_line}",
               file=sys.stderr)

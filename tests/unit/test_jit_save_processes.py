@@ -1,0 +1,212 @@
+"""Two real gloo processes: a stop signal that arrives while the main thread is blocked inside a
+collective still triggers the JIT save (``set_wakeup_fd``), where a flag-only handler would not
+even run; and every rank can save rank 0's buffers of the last step.
+
+This file is also the worker script: ``python -m tests.unit.test_jit_save_processes ROLE ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic_trainer import checkpoint as ckpt
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- worker side ---------------------------------------------------------------------------------------
+def _init(rank: int, work: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=2)
+
+
+def _blocked_worker(rank: int, work: Path, mode: str) -> None:
+    """Rank 0 blocks in an allreduce that rank 1 never joins (rank 1 stays alive, reading stdin)."""
+    import torch.distributed as dist
+
+    from elastic_trainer.jit_save import JitCheckpointer, StateGuard
+    from elastic_trainer.signals import GracefulStop, SignalWakeup
+
+    _init(rank, work)
+    if rank == 1:
+        (work / "ready-1").write_text("")
+        sys.stdin.read()  # until the test closes the pipe
+        return
+    stop = GracefulStop(60).install()
+    guard, state = StateGuard(), {"step": 0, "w": torch.zeros(3)}
+
+    def payload() -> dict[str, Any]:
+        # Whether the Python-level handler had run when the snapshot was taken.
+        return {"format": ckpt.FORMAT, "model": {"w": state["w"].clone()}, "step": state["step"],
+                "python_handler_ran": stop.requested}
+
+    def write(step: int, data: dict[str, Any]) -> str:
+        info = ckpt.save_checkpoint(work / "ckpt", data, step=step, epoch=0, world_size=2,
+                                    fingerprint_fields={"seed": 0}, keep_last=None, jit=True)
+        return str(info.path)
+
+    jit = JitCheckpointer(guard=guard, directory=str(work / "ckpt"), rank=0, step=lambda: state["step"],
+                          payload=payload, write=write)
+    if mode == "wakeup":
+        SignalWakeup(jit.on_signal).install()
+    jit.arm()
+    for _ in range(3):
+        with guard.update():
+            state["w"] += 1
+            state["step"] += 1
+        guard.boundary()
+    (work / "ready-0").write_text("")
+    dist.all_reduce(torch.ones(4))  # blocks: rank 1 never calls it
+    (work / "returned").write_text(str(stop.requested))
+
+
+def _buffers_worker(rank: int, work: Path) -> None:
+    from torch import nn
+
+    from elastic_trainer.jit_save import AuthoritativeBuffers, StateGuard
+
+    _init(rank, work)
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    bn = model[1]
+    results: dict[str, Any] = {}
+    guard = StateGuard()
+    buffers = AuthoritativeBuffers(model, guard, rank=rank, world_size=2)
+
+    # Round 1: each rank's statistics differ after "step 1"; rank 0's must be saved everywhere.
+    with torch.no_grad():
+        bn.running_mean.fill_(rank + 1.0)
+        bn.num_batches_tracked.fill_(10 + rank)
+    with guard.update():
+        buffers.capture()
+    buffers.exchange()
+    buffers.before_forward()
+    with torch.no_grad():
+        bn.running_mean.fill_(-5.0)  # the next step's forward changes the live buffers
+    with guard.hold():
+        saved, source = buffers.snapshot()
+    results["round1"] = {"mean": saved["1.running_mean"].tolist(), "count": int(saved["1.num_batches_tracked"]),
+                         "source": source}
+
+    # Round 2: rank 0 "dies" before sending: rank 1 keeps its own statistics of the step.
+    with torch.no_grad():
+        bn.running_mean.fill_(rank + 7.0)
+    with guard.update():
+        buffers.capture()
+    if rank == 1:
+        buffers.exchange()
+        with guard.hold():
+            saved, source = buffers.snapshot()
+        results["round2"] = {"mean": saved["1.running_mean"].tolist(), "source": source}
+        (work / "observed").write_text("")
+        buffers._work.wait()  # rank 0 sends late, so both processes end cleanly
+    else:
+        deadline = time.monotonic() + 30
+        while not (work / "observed").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        buffers.exchange()
+    (work / f"buffers-{rank}.json").write_text(json.dumps(results))
+
+
+def _main(argv: list[str]) -> None:
+    role, rank, work = argv[0], int(argv[1]), Path(argv[2])
+    if role == "blocked":
+        _blocked_worker(rank, work, argv[3])
+    elif role == "buffers":
+        _buffers_worker(rank, work)
+    # Skip interpreter teardown: tearing gloo down without destroy_process_group can abort.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# -- test side ---------------------------------------------------------------------------------------------
+def _spawn(role: str, rank: str, *args: str, work: Path, stdin: int | None = None) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    log = open(work / f"log-{role}-{rank}.txt", "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([sys.executable, "-m", "tests.unit.test_jit_save_processes", role, rank, str(work), *args],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=stdin)
+
+
+def _wait_for(path: Path, timeout: float, procs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            raise AssertionError(f"{path.name} never appeared")
+        time.sleep(0.02)
+
+
+def _run_blocked(work: Path, mode: str) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], float]:
+    peer = _spawn("blocked", "1", mode, work=work, stdin=subprocess.PIPE)
+    main = _spawn("blocked", "0", mode, work=work)
+    _wait_for(work / "ready-0", 60, [main, peer])
+    time.sleep(0.3)  # noqa: let rank 0 enter the blocking C++ wait of the allreduce
+    main.send_signal(signal.SIGTERM)
+    return main, peer, time.monotonic()
+
+
+def _stop(*procs: subprocess.Popen[bytes]) -> None:
+    for proc in procs:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_sigterm_during_a_blocked_collective_triggers_the_save(tmp_path: Path) -> None:
+    main, peer, signalled = _run_blocked(tmp_path, "wakeup")
+    try:
+        code = main.wait(20)
+        took = time.monotonic() - signalled
+    finally:
+        _stop(main, peer)
+    log = (tmp_path / "log-blocked-0.txt").read_text()
+    assert code == 128 + signal.SIGTERM, log
+    assert not (tmp_path / "returned").exists(), "the allreduce never returned: the main thread stayed blocked"
+    info = ckpt.verify(tmp_path / "ckpt", 3)
+    state = torch.load(info.path, weights_only=True)
+    assert info.manifest.jit and state["step"] == 3 and torch.equal(state["model"]["w"], torch.full((3,), 3.0))
+    assert state["python_handler_ran"] is False, "saved while the Python-level handler could not run"
+    assert 1.0 <= took < 8.0, f"saved and exited {took:.1f} s after SIGTERM (stall detection is 1 s)"
+
+
+def test_without_the_wakeup_a_flag_only_handler_never_runs_while_blocked(tmp_path: Path) -> None:
+    main, peer, _ = _run_blocked(tmp_path, "flag-only")
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            main.wait(3)
+    finally:
+        _stop(main, peer)
+    assert not (tmp_path / "ckpt").exists() or ckpt.iter_checkpoints(tmp_path / "ckpt") == []
+    assert "received SIGTERM" not in (tmp_path / "log-blocked-0.txt").read_text()
+
+
+def test_every_rank_saves_rank0s_buffers_of_the_last_step(tmp_path: Path) -> None:
+    procs = [_spawn("buffers", str(rank), work=tmp_path) for rank in (0, 1)]
+    try:
+        codes = [p.wait(60) for p in procs]
+    finally:
+        _stop(*procs)
+    logs = [(tmp_path / f"log-buffers-{r}.txt").read_text() for r in (0, 1)]
+    assert codes == [0, 0], logs
+    rank0, rank1 = (json.loads((tmp_path / f"buffers-{r}.json").read_text()) for r in (0, 1))
+    # Round 1: rank 1's own statistics were 2.0 and the live ones -5.0 by the time it saved.
+    assert rank0["round1"] == rank1["round1"] == {"mean": [1.0, 1.0, 1.0], "count": 10, "source": "rank0"}
+    # Round 2: rank 0's copy never arrived: rank 1 saves its own statistics of that step.
+    assert rank1["round2"] == {"mean": [8.0, 8.0, 8.0], "source": "local"}
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
