@@ -60,7 +60,8 @@ Design, and why:
   an agent that is itself SIGTERMed calls ``_shutdown(sig, timeout=shutdown_timeout)``, also
   30 s; after that it SIGKILLs. Stall detection (at most 10 s) plus the save (at most 15 s,
   :data:`SAVE_TIMEOUT_S`) end inside that window and inside the SIGTERM grace period; a save that
-  overruns its deadline ends the process (``os._exit``) rather than hang, leaving at worst a
+  overruns its deadline (by :data:`BACKSTOP_S`) ends the process (``os._exit``) rather than
+  hang, leaving at worst a
   temporary file and a claim that rank 0 removes at the next start.
 
 Limitations: on NCCL with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` the watchdog may tear the process
@@ -102,6 +103,9 @@ SAVE_TIMEOUT_S = 15.0
 """Deadline of one JIT save (snapshot and write); past it the process exits."""
 EXIT_MARGIN_S = 1.0
 """Kept free before torchrun's SIGKILL and the SIGTERM grace deadline."""
+BACKSTOP_S = 0.5
+"""The exit timer of a save fires this long after its deadline (every wait inside the save is
+bounded by the deadline itself; the timer is for the calls that cannot be: a hung write)."""
 BUFFER_ARRIVAL_WAIT_S = 0.2
 """How long a saver waits for rank 0's buffers of the last step when they are still in flight."""
 EXIT_AFTER_SIGNAL = 128 + signal.SIGTERM
@@ -470,7 +474,7 @@ class JitCheckpointer:
         """
         if not self.enabled:
             return JitOutcome(saved=False, step=None, path=None, detail="just-in-time saving is off")
-        timer = ExitTimer(deadline - time.monotonic(), 1, "the just-in-time checkpoint", self._exit)
+        timer = ExitTimer(deadline + BACKSTOP_S - time.monotonic(), 1, "the just-in-time checkpoint", self._exit)
         try:
             acquired = self._save_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
             if not acquired:

@@ -1,0 +1,146 @@
+"""Just-in-time save under real torchrun + etcd-v3 (gloo, CPU): a worker SIGKILLed at a random
+step costs at most one step although no periodic checkpoint exists, and the run still ends
+bitwise equal to an uninterrupted one (rank 0 or rank 1 killed); a node's graceful SIGTERM loses
+no step; with JIT off the same kill falls back to the periodic checkpoint (the test can fail)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_trainer import checkpoint as ckpt
+from elastic_trainer.sample_log import committed_history, read_records
+from tests.runtime_helpers import (
+    agents,
+    final_model,
+    generations,
+    kill_rank,
+    start_agent,
+    steps_recorded,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+DATASET, BATCH, EPOCHS = 600, 24, 2  # 25 steps per epoch, 50 in all
+STEPS_PER_EPOCH = DATASET // BATCH
+STEPS = EPOCHS * STEPS_PER_EPOCH
+
+
+def _job(tmp: Path, name: str, *extra: str) -> list[str]:
+    return ["--dataset-size", str(DATASET), "--global-batch-size", str(BATCH), "--epochs", str(EPOCHS),
+            "--checkpoint-dir", str(tmp / name / "ckpt"), "--seed", "13", "--record-samples",
+            str(tmp / name / "samples"), "--throttle-ms", "40", "--log-every", "5", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(etcd_server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Final weights of the uninterrupted run (same seed, same world size)."""
+    tmp = tmp_path_factory.mktemp("jit-reference")
+    with agents() as started:
+        agent = start_agent(endpoint=etcd_server.endpoint, run_id=f"jit-ref-{tmp.name}", max_restarts=0,
+                            log_path=tmp / "reference.log", job_args=_job(tmp, "ref", "--checkpoint-every", "1000"))
+        started.append(agent)
+        assert agent.wait(180) == 0, agent.tail()
+    step, model = final_model(tmp / "ref" / "ckpt")
+    assert step == STEPS
+    return model
+
+
+def _assert_bitwise(model: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert model.keys() == expected.keys()
+    for name in model:
+        assert torch.equal(model[name], expected[name]), f"{name} differs from the uninterrupted run"
+
+
+def _kill_and_finish(etcd_server, run_id: str, tmp: Path, *, rank: int, kill_after: int,
+                     every: str, env: dict[str, str] | None = None) -> tuple[str, list]:
+    samples = tmp / "faulty" / "samples"
+    with agents() as started:
+        agent = start_agent(endpoint=etcd_server.endpoint, run_id=run_id, max_restarts=2,
+                            log_path=tmp / "faulty.log", extra_env=env,
+                            job_args=_job(tmp, "faulty", "--checkpoint-every", every))
+        started.append(agent)
+        wait_for(lambda: steps_recorded(samples) >= kill_after, timeout=120, what=f"step {kill_after}",
+                 agents=started)
+        pid = kill_rank(agent, samples, rank)
+        print(f"SIGKILLed rank {rank} (pid {pid}) once step {kill_after} was recorded")
+        assert agent.wait(180) == 0, agent.tail()
+    return agent.output(), generations(samples)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_worker_sigkill_loses_at_most_one_step_and_stays_bitwise(
+    etcd_server, unique_id: str, tmp_path: Path, reference: dict[str, torch.Tensor], rank: int
+) -> None:
+    kill_after = random.Random().randint(STEPS_PER_EPOCH + 2, STEPS - 5)  # mid epoch 1
+    log, gens = _kill_and_finish(etcd_server, unique_id, tmp_path, rank=rank, kill_after=kill_after, every="1000")
+
+    assert len(gens) == 2, f"the group was restarted exactly once: {gens}"
+    killed, resumed = gens
+    print(f"last step before the kill {killed.last_step}, resumed from {resumed.resumed_step}")
+    assert killed.last_step - resumed.resumed_step <= 1, "more than one step lost"
+    assert resumed.resumed_step >= kill_after - 1
+    info = ckpt.verify(tmp_path / "faulty" / "ckpt", resumed.resumed_step)
+    assert info.manifest.jit, "resumed from a just-in-time checkpoint (no periodic one exists)"
+    state = torch.load(info.path, weights_only=True)
+    assert state["jit"]["writer_rank"] == 1 - rank, "the survivor wrote it"
+    assert f"just-in-time checkpoint of step {resumed.resumed_step} written" in log
+    assert "(a just-in-time checkpoint)" in log
+
+    step, model = final_model(tmp_path / "faulty" / "ckpt")
+    assert step == STEPS
+    _assert_bitwise(model, reference)
+    history = committed_history(read_records(tmp_path / "faulty" / "samples"))
+    assert sorted(history) == list(range(1, STEPS + 1))
+    for epoch in range(EPOCHS):
+        indices = [i for recs in history.values() for r in recs if r["epoch"] == epoch for i in r["indices"]]
+        assert len(indices) == DATASET and sorted(indices) == list(range(DATASET)), f"epoch {epoch}"
+
+
+def test_without_jit_the_same_kill_falls_back_to_the_periodic_checkpoint(
+    etcd_server, unique_id: str, tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    kill_after = random.Random().randint(22, 26)  # after the checkpoint of step 20, well before 30
+    log, gens = _kill_and_finish(etcd_server, unique_id, tmp_path, rank=1, kill_after=kill_after, every="10",
+                                 env={"ELASTIC_TRAINER_JIT_SAVE": "0"})
+    assert len(gens) == 2
+    killed, resumed = gens
+    print(f"last step before the kill {killed.last_step}, resumed from {resumed.resumed_step}")
+    assert resumed.resumed_step == 20, "the periodic checkpoint before the kill"
+    assert killed.last_step - resumed.resumed_step > 1, "steps were lost: the JIT test above can fail"
+    directory = tmp_path / "faulty" / "ckpt"
+    assert not any(ckpt.verify(directory, s).manifest.jit for s in ckpt.iter_checkpoints(directory))
+    assert "just-in-time checkpoint of" not in log
+    _, model = final_model(tmp_path / "faulty" / "ckpt")
+    _assert_bitwise(model, reference)
+
+
+def test_node_sigterm_loses_no_step(etcd_server, unique_id: str, tmp_path: Path) -> None:
+    samples = tmp_path / "elastic" / "samples"
+    args = ["--dataset-size", str(DATASET), "--global-batch-size", str(BATCH), "--epochs", "4", "--seed", "13",
+            "--checkpoint-dir", str(tmp_path / "elastic" / "ckpt"), "--checkpoint-every", "1000",
+            "--record-samples", str(samples), "--throttle-ms", "60", "--log-every", "10"]
+    with agents() as started:
+        node_a, node_b = (
+            start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, nnodes="1:2", nproc_per_node=1,
+                        max_restarts=3, log_path=tmp_path / f"node-{name}.log", job_args=args)
+            for name in ("a", "b")
+        )
+        started += [node_a, node_b]
+        wait_for(lambda: steps_recorded(samples, world_size=2) >= 8, timeout=120, what="8 steps on 2 nodes",
+                 agents=started)
+        node_b.terminate()  # graceful scale-down of one of the two nodes
+        node_b.wait(60)
+        assert node_a.wait(180) == 0, node_a.tail()
+    assert "received SIGTERM" in node_b.output(), node_b.tail()
+    gens = generations(samples)
+    assert [g.world_size for g in gens] == [2, 1], gens
+    before, after = gens
+    print(f"last step on 2 nodes {before.last_step}, resumed on 1 node from {after.resumed_step}")
+    assert after.resumed_step == before.last_step, "zero steps lost"
+    step, _ = final_model(tmp_path / "elastic" / "ckpt")
+    assert step == 4 * STEPS_PER_EPOCH
