@@ -1,11 +1,15 @@
 """Just-in-time save under real torchrun + etcd-v3 (gloo, CPU): a worker SIGKILLed at a random
 step costs at most one step although no periodic checkpoint exists, and the run still ends
 bitwise equal to an uninterrupted one (rank 0 or rank 1 killed); a node's graceful SIGTERM loses
-no step; with JIT off the same kill falls back to the periodic checkpoint (the test can fail)."""
+no step; with JIT off the same kill falls back to the periodic checkpoint (the test can fail); and
+a SIGTERM that finds a worker blocked on a hung peer still saves, within seconds."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +148,57 @@ def test_node_sigterm_loses_no_step(etcd_server, unique_id: str, tmp_path: Path)
     assert after.resumed_step == before.last_step, "zero steps lost"
     step, _ = final_model(tmp_path / "elastic" / "ckpt")
     assert step == 4 * STEPS_PER_EPOCH
+
+
+def test_sigterm_while_blocked_on_a_stuck_peer_saves_within_seconds(etcd_server, unique_id: str,
+                                                                    tmp_path: Path) -> None:
+    """Rank 1 hangs (SIGSTOP): rank 0 blocks in a collective that neither completes nor fails,
+    where a Python signal handler cannot run. The node is then scaled down (SIGTERM to the agent,
+    which SIGTERMs its workers and would SIGKILL them 30 s later): rank 0 saves its last completed
+    step and exits within seconds."""
+    samples = tmp_path / "stuck" / "samples"
+    with agents() as started:
+        agent = start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, max_restarts=0,
+                            log_path=tmp_path / "stuck.log",
+                            job_args=_job(tmp_path, "stuck", "--checkpoint-every", "1000", "--epochs", "20"))
+        started.append(agent)
+        wait_for(lambda: steps_recorded(samples) >= 6, timeout=120, what="step 6", agents=started)
+        pids = generations(samples)[-1].pids
+        os.kill(pids[1], signal.SIGSTOP)
+        # Rank 0 finishes at most the step in flight, then waits for rank 1 forever.
+        wait_for(lambda: _stalled(samples, 0), timeout=30, what="rank 0 to stall", agents=started)
+        signalled = time.monotonic()
+        agent.terminate()
+        wait_for(lambda: not _alive(pids[0]), timeout=25, what="rank 0 to exit", agents=started)
+        took = time.monotonic() - signalled
+        os.kill(pids[1], signal.SIGKILL)  # the hung worker; torchrun would do it after 30 s
+        agent.wait(60)
+    log = agent.output()
+    last = max(g.last_step for g in generations(samples))
+    print(f"rank 0 saved and exited {took:.1f} s after SIGTERM; last completed step {last}")
+    assert took < 10, f"rank 0 took {took:.1f} s to exit"
+    assert "SIGTERM received and no step boundary" in log, agent.tail()
+    info = ckpt.verify(tmp_path / "stuck" / "ckpt", last)
+    assert info.manifest.jit, "the last completed step was saved just in time"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+_progress: dict[str, tuple[int, float]] = {}
+
+
+def _stalled(samples: Path, rank: int, quiet_s: float = 0.5) -> bool:
+    """True once rank's recorded steps have not moved for ``quiet_s`` (steps take ~50 ms)."""
+    step = max((g.last_step for g in generations(samples)), default=0)
+    key = f"{samples}:{rank}"
+    seen, since = _progress.get(key, (-1, time.monotonic()))
+    if step != seen:
+        _progress[key] = (step, time.monotonic())
+        return False
+    return time.monotonic() - since >= quiet_s
