@@ -1,6 +1,7 @@
-"""A worker SIGKILLed at a random step mid-epoch: torchrun restarts the group, every rank resumes
-from rank 0's last checkpoint and replays the same batches, and the final weights are bitwise
-equal to an uninterrupted run with the same seed and world size."""
+"""A worker SIGKILLed at a random step mid-epoch, just-in-time saving off: torchrun restarts the
+group, every rank resumes from rank 0's last periodic checkpoint and replays the same batches,
+and the final weights are bitwise equal to an uninterrupted run with the same seed and world
+size."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ def test_sigkilled_worker_resumes_to_bitwise_equal_weights(etcd_server, unique_i
     with agents() as started:
         reference = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-ref", max_restarts=0,
                                 log_path=tmp_path / "reference.log", job_args=_job(tmp_path, "reference"))
+        # JIT off: this test is about the periodic checkpoint (JIT is test_runtime_jit_save.py).
         faulty = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-kill", max_restarts=2,
-                             log_path=tmp_path / "faulty.log", job_args=_job(tmp_path, "faulty"))
+                             log_path=tmp_path / "faulty.log", job_args=_job(tmp_path, "faulty"),
+                             extra_env={"ELASTIC_TRAINER_JIT_SAVE": "0"})
         started += [reference, faulty]
         wait_for(lambda: steps_recorded(tmp_path / "faulty" / "samples") >= kill_after, timeout=120,
                  what=f"step {kill_after}", agents=started)
