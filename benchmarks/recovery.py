@@ -300,7 +300,7 @@ def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Pa
 
 # -- report ----------------------------------------------------------------------------------------
 def fmt_time(seconds: float | None, timeout: float) -> str:
-    return f"did not recover within {timeout:.0f} s" if seconds is None else f"{seconds:.2f}"
+    return f"did not recover within {timeout:.0f} s" if seconds is None else f"{seconds:.2f} s"
 
 
 def summarise(outcomes: list[Outcome], systems: Sequence[str], timeout: float) -> str:
@@ -327,7 +327,7 @@ def summarise(outcomes: list[Outcome], systems: Sequence[str], timeout: float) -
                 continue
             ok = [t for t in times if t is not None]
             medians[system] = statistics.median(ok) if len(ok) == len(times) else None
-            shown = fmt_time(medians[system], timeout)
+            shown = fmt_time(medians[system], timeout) if medians[system] is None else f"{medians[system]:.2f}"
             if 0 < len(ok) < len(times):
                 shown = f"{len(times) - len(ok)}/{len(times)} runs did not recover within {timeout:.0f} s"
             errors = [o.error for o in runs if o.error]
@@ -347,8 +347,8 @@ def summarise(outcomes: list[Outcome], systems: Sequence[str], timeout: float) -
 
 
 def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path: Path) -> None:
-    """Step vs seconds since the fault, one panel per scenario/mode, one line per system (rank 0,
-    the first repeat)."""
+    """Step vs seconds since the fault, one panel per scenario/mode, one series per system (rank
+    0, the first repeat). A system that did not recover is named in the legend only."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -357,36 +357,46 @@ def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path:
     keys = list(dict.fromkeys((o.scenario, o.mode) for o in outcomes))
     columns = 2
     rows = math.ceil(len(keys) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(12, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(12, 3.4 * rows), squeeze=False)
     colors = {"etcd-v3": "tab:blue", "c10d": "tab:red", "c10d-unshared": "tab:orange"}
+    window = 3.0  # seconds shown before the fault
     for ax, (scenario, mode) in zip(axes.flat, keys, strict=False):
-        right = 5.0
+        right, low = 5.0, None
         for system in systems:
             runs = [o for o in outcomes if (o.scenario, o.mode, o.system) == (scenario, mode, system)]
             if not runs or not runs[0].timeline:
                 continue
             run = runs[0]
-            xs = [t for t, _, _ in run.timeline]
-            ys = [s for _, s, _ in run.timeline]
+            shown = [(t, s) for t, s, _ in run.timeline if t >= -window]
             label = f"{system}: " + (f"{run.recovered_s:.1f} s, {run.steps_lost} steps lost"
-                                     if run.recovered_s is not None else f"no recovery in {timeout:.0f} s")
-            ax.plot(xs, ys, ".", markersize=2.5, color=colors.get(system), label=label)
+                                     if run.recovered_s is not None else f"no recovery within {timeout:.0f} s")
+            ax.plot([t for t, _ in shown], [s for _, s in shown], ".", markersize=3, color=colors.get(system),
+                    label=label)
+            low = min([s for _, s in shown] + ([low] if low is not None else []))
             if run.recovered_s is not None:
                 ax.axvline(run.recovered_s, color=colors.get(system), linestyle=":", linewidth=1)
-                right = max(right, run.recovered_s + 3)
-            else:
-                right = max(right, timeout)
+                right = max(right, run.recovered_s + 2)
         ax.axvline(0, color="black", linewidth=1)
-        ax.set_xlim(-4, right)
+        ax.set_xlim(-window, right)
+        if low is not None:
+            ax.set_ylim(bottom=low - 2)
         ax.set_title(f"{scenario}, {mode} size ({'--nnodes N' if mode == 'fixed' else '--nnodes 1:N'})", fontsize=10)
         ax.set_xlabel("seconds since the fault")
-        ax.set_ylabel("step (rank 0)")
-        ax.legend(fontsize=8, loc="upper left")
+        ax.set_ylabel("step completed (rank 0)")
+        ax.legend(fontsize=8, loc="lower right")
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    fig.suptitle("Recovery timeline: steps completed around the fault (black line); dotted: first step after")
+    fig.suptitle("Recovery: steps completed around the fault (solid line); dotted: first step after it")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def replot(json_path: Path, chart_path: Path, timeout: float) -> None:
+    """Redraw the chart from a ``--json`` file (no new measurement)."""
+    outcomes = [Outcome(**{**o, "timeline": [tuple(x) for x in o["timeline"]]}) for o in json.loads(json_path.read_text())]
+    systems = list(dict.fromkeys(o.system for o in outcomes))
+    print(summarise(outcomes, systems, timeout))
+    chart(outcomes, systems, timeout, chart_path)
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -404,6 +414,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--chart", type=Path, default=HERE / "recovery_timeline.png", help="timeline PNG")
     parser.add_argument("--json", type=Path, default=None, help="also write every outcome as JSON")
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs' logs and records in this directory")
+    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                        help="only redraw the chart and table from an earlier --json file")
     return parser.parse_args(list(argv))
 
 
@@ -421,6 +433,9 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"recovery.py: error: {exc}", file=sys.stderr)
         return 2
+    if args.replot is not None:
+        replot(args.replot, args.chart, cfg.recovery_timeout)
+        return 0
     from rendezvous.etcd_server import EtcdServer
 
     outcomes: list[Outcome] = []
@@ -440,7 +455,7 @@ def main(argv: Sequence[str]) -> int:
                         outcome = run_one(scenario, mode, system, cfg, workdir, etcd.endpoint)
                         outcomes.append(outcome)
                         print(f"{scenario:>14} {mode:>7} {system:>13} #{repeat}: recovery "
-                              f"{fmt_time(outcome.recovered_s, cfg.recovery_timeout)} s, steps lost "
+                              f"{fmt_time(outcome.recovered_s, cfg.recovery_timeout)}, steps lost "
                               f"{outcome.steps_lost} (last {outcome.last_step_before}, resumed "
                               f"{outcome.resumed_from}){' ' + outcome.error if outcome.error else ''}", flush=True)
     print()
