@@ -61,13 +61,23 @@ Design, and why:
   30 s; after that it SIGKILLs. Stall detection (at most 10 s) plus the save (at most 15 s,
   :data:`SAVE_TIMEOUT_S`) end inside that window and inside the SIGTERM grace period; a save that
   overruns its deadline (by :data:`BACKSTOP_S`) ends the process (``os._exit``) rather than
-  hang, leaving at worst a
-  temporary file and a claim that rank 0 removes at the next start.
+  hang, leaving at worst a temporary file and a claim that rank 0 removes at the next start.
+  After a failure (trigger (a)) the save plus the teardown are bounded the same way.
 
-Limitations: on NCCL with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` the watchdog may tear the process
-down before trigger (a) runs (trigger (b) still works); the snapshot copies the state to host
-memory on a side CUDA stream ordered after the last update only, so a hung NCCL kernel on the
-compute stream does not block it.
+Trigger (a) covers any exception from the training loop except a failed checkpoint write (the
+same disk would fail again): a peer's death is the common case, but the last completed step is
+just as consistent after a bug in user code. On CUDA the snapshot is copied to host memory on a
+side stream that waits only for an event recorded at the end of the last update, so a hung NCCL
+kernel queued since does not block it. Limitations: with NCCL and
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` the NCCL watchdog may tear the process down before
+trigger (a) runs (trigger (b) still works); the CUDA paths are not exercised by the CPU test
+suite.
+
+See it work (a worker SIGKILL, then ``resumed from ... (a just-in-time checkpoint)`` in the log)::
+
+    torchrun --standalone --nproc-per-node=2 --max-restarts=1 -m elastic_trainer.examples.synthetic_cnn \
+        --epochs 10 --checkpoint-dir /tmp/ckpt --checkpoint-every 1000 --throttle-ms 40 &
+    sleep 8; kill -9 "$(pgrep -f synthetic_cnn | tail -1)"
 """
 
 from __future__ import annotations
@@ -339,8 +349,10 @@ def _flush_logs() -> None:
 
 
 def first_line(exc: BaseException) -> str:
+    """``"<first line of the message> (<type>)"``: one line for logs, which must not look like a
+    traceback (tests and operators grep worker logs for ``Error:``)."""
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    return f"{text.splitlines()[0]} ({type(exc).__name__})" if text else type(exc).__name__
 
 
 # -- the saver ---------------------------------------------------------------------------------------

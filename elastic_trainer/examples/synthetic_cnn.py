@@ -31,7 +31,13 @@ from elastic_trainer.checkpoint import CheckpointError
 from elastic_trainer.config import DEFAULT_CHECKPOINT_EVERY, DDPOptions, TrainerConfig
 from elastic_trainer.distributed import read_env, strip_local_rank_arg
 from elastic_trainer.observer import TrainingObserver
-from elastic_trainer.trainer import Trainer, TrainerSetupError, TrainingJob, build_observer, is_collective_failure
+from elastic_trainer.trainer import (
+    Trainer,
+    TrainerSetupError,
+    TrainingJob,
+    build_observer,
+    is_collective_failure,
+)
 
 log = logging.getLogger("elastic_trainer.examples.synthetic_cnn")
 

@@ -147,11 +147,22 @@ def _wait_for(path: Path, timeout: float, procs: list[subprocess.Popen[bytes]]) 
         time.sleep(0.02)
 
 
+def _wait_blocked(pid: int, polls: int = 5) -> None:
+    """Until the main thread of ``pid`` has been asleep (state S) for ``polls`` polls in a row."""
+    deadline, asleep = time.monotonic() + 30, 0
+    while asleep < polls:
+        state = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        asleep = asleep + 1 if state == "S" else 0
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the main thread of {pid} never blocked (state {state})")
+        time.sleep(0.02)
+
+
 def _run_blocked(work: Path, mode: str) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], float]:
     peer = _spawn("blocked", "1", mode, work=work, stdin=subprocess.PIPE)
     main = _spawn("blocked", "0", mode, work=work)
     _wait_for(work / "ready-0", 60, [main, peer])
-    time.sleep(0.3)  # noqa: let rank 0 enter the blocking C++ wait of the allreduce
+    _wait_blocked(main.pid)  # inside the allreduce's C++ wait, where Python handlers cannot run
     main.send_signal(signal.SIGTERM)
     return main, peer, time.monotonic()
 

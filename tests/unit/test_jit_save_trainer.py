@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ def _jit_mid_step(directory: Path) -> tuple[Trainer, Any]:
     def save_from_another_thread() -> None:
         trainer: Trainer = holder["trainer"]
         thread = threading.Thread(target=lambda: holder.setdefault(
-            "outcome", trainer._jit.save("test", deadline=__import__("time").monotonic() + SAVE_TIMEOUT_S)))
+            "outcome", trainer._jit.save("test", deadline=time.monotonic() + SAVE_TIMEOUT_S)))
         thread.start()
         thread.join(30)
 

@@ -1,0 +1,94 @@
+"""Steady-state cost of just-in-time (JIT) saving: the runtime with JIT on vs off, side by side.
+
+JIT adds to every step: an uncontended lock around the update, a copy of the model's buffers
+(BatchNorm statistics: a few KB) and one asynchronous broadcast of it from rank 0, waited for
+before the next forward. Same job as ``runtime_throughput.py`` (the example's SmallCNN, 2
+processes, gloo, checkpoints in a temporary directory every 100 steps), the two variants in
+alternating blocks inside the same two warm processes; reported: median throughput, median of
+the per-block ratios, and the CPU time per sample (robust to a shared machine).
+
+    python benchmarks/jit_overhead.py --blocks 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime_throughput import _free_port, _runtime  # noqa: E402
+
+from elastic_trainer.config import ENV_JIT_SAVE  # noqa: E402
+
+VARIANTS = ("jit-off", "jit-on")
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    lines = []
+    try:
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            for block in range(args.blocks):
+                order = VARIANTS if block % 2 == 0 else VARIANTS[::-1]
+                for variant in order:
+                    os.environ[ENV_JIT_SAVE] = "1" if variant == "jit-on" else "0"
+                    times = _runtime(args, os.path.join(tmp, f"{variant}-{block}"))
+                    window = times[args.warmup - 1 :]
+                    samples = args.steps * args.global_batch_size
+                    wall = window[-1][0] - window[0][0]
+                    cpu = torch.tensor([window[-1][1] - window[0][1]], dtype=torch.float64)
+                    dist.all_reduce(cpu)  # CPU seconds of both ranks
+                    lines.append(f"{block} {variant} {samples / wall} {cpu.item() / samples * 1e6}")
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=8, help="rounds of (jit-off, jit-on), order alternating")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per block")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each block")
+    parser.add_argument("--global-batch-size", type=int, default=64)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--dataset-size", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: system temp)")
+    args = parser.parse_args()
+
+    with tempfile.NamedTemporaryFile(dir=args.tmp, suffix=".txt") as out:
+        mp.start_processes(_worker, args=(2, _free_port(), args, out.name), nprocs=2, start_method="spawn")
+        lines = Path(out.name).read_text().splitlines()
+    per_block: dict[int, dict[str, tuple[float, float]]] = {}
+    for line in lines:
+        block, variant, rate, cpu = line.split()
+        per_block.setdefault(int(block), {})[variant] = (float(rate), float(cpu))
+        print(f"block {block}: {variant:8s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
+    print()
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (2 cores)")
+    print("| variant | samples/s (median) | ratio vs jit-off | CPU-us per sample, both ranks (median) | CPU ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for variant in VARIANTS:
+        median_rate = statistics.median(b[variant][0] for b in per_block.values())
+        ratio = statistics.median(b[variant][0] / b["jit-off"][0] for b in per_block.values())
+        median_cpu = statistics.median(b[variant][1] for b in per_block.values())
+        cpu_ratio = statistics.median(b[variant][1] / b["jit-off"][1] for b in per_block.values())
+        print(f"| {variant} | {median_rate:.1f} | {ratio:.3f} | {median_cpu:.1f} | {cpu_ratio:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
