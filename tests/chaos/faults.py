@@ -6,9 +6,8 @@ its own workers, started by :func:`start_node`; it is a :class:`tests.runtime_he
 faults. :class:`FaultInjector` fires faults when the job reaches given steps, read from the
 runtime's own sample records, as torchft's ``EventInjector().fail_at(rank, step)`` does::
 
-    faults = FaultInjector(run.samples)
-    faults.at_step(8, "worker SIGKILL", lambda: node_b.kill_worker())
-    faults.run(until=lambda: node_a.proc.poll() is not None, timeout=120)
+    faults = FaultInjector(run).at_step(20, "worker SIGKILL", lambda: node_b.kill_worker())
+    faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=[node_a, node_b])
 
 The other faults here act on files: :class:`SmallDisk` (a tmpfs that can be filled) and
 :func:`corrupt_newest_checkpoint`. Network partitions are in :mod:`tests.chaos.netns`.
@@ -274,6 +273,13 @@ def thaw(pids: Sequence[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
+
+def kill(pids: Sequence[int]) -> None:
+    """SIGKILL these processes (frozen ones too)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 # -- file faults ---------------------------------------------------------------------------------

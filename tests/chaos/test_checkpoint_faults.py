@@ -17,10 +17,10 @@ from tests.chaos.faults import (
     RunDirs,
     corrupt_newest_checkpoint,
     freeze_workers,
+    kill,
     small_disk,
     start_node,
     tails,
-    thaw,
     unique_run_id,
     wait_all,
 )
@@ -64,8 +64,9 @@ def test_disk_full_during_a_checkpoint(etcd_server, no_fault, tmp_path: Path) ->
 
 
 def test_newest_checkpoint_corrupted(etcd_server, no_fault, run_dirs: RunDirs) -> None:
-    """The newest checkpoint is damaged while the job stands still, then a worker dies: the
-    restart skips the damaged file (naming it), sets it aside, and resumes from the one before."""
+    """The newest checkpoint is damaged while the job stands still, then every worker dies at once
+    (no survivor to save the last step just in time): the restart skips the damaged file (naming
+    it), sets it aside, and resumes from the one before."""
     run_id = unique_run_id("corrupt")
     damaged: set[int] = set()
     with agents() as nodes:
@@ -74,16 +75,15 @@ def test_newest_checkpoint_corrupted(etcd_server, no_fault, run_dirs: RunDirs) -
                                     nnodes="2"))
         node_a, node_b = nodes
 
-        def corrupt_then_kill() -> None:
+        def corrupt_then_kill_all() -> None:
             frozen = freeze_workers(nodes)
             try:
                 damaged.add(corrupt_newest_checkpoint(run_dirs.checkpoints))
-                node_b.kill_worker()
             finally:
-                thaw(frozen)
+                kill(frozen)
 
-        faults = FaultInjector(run_dirs).at_step(22, "newest checkpoint corrupted, then a worker SIGKILL",
-                                                 corrupt_then_kill)
+        faults = FaultInjector(run_dirs).at_step(22, "newest checkpoint corrupted, then every worker SIGKILLed",
+                                                 corrupt_then_kill_all)
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
@@ -93,4 +93,5 @@ def test_newest_checkpoint_corrupted(etcd_server, no_fault, run_dirs: RunDirs) -
     print(describe(summary), "damaged", damaged)
     (step,) = damaged
     assert summary.generations[1].resumed_step == step - JOB.checkpoint_every
+    assert (run_dirs.checkpoints / f"ckpt-{step:012d}.pt.corrupt").exists(), "the damaged file was set aside"
     assert f"ckpt-{step:012d}.pt is corrupt" in logs, "the skipped checkpoint is named in the log"
