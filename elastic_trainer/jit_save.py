@@ -37,12 +37,13 @@ Design, and why:
 * **Buffers.** Weights change only in the update, but BatchNorm statistics change in every
   forward, and DDP makes rank 0's the authoritative ones (broadcast at each forward). What a
   regular checkpoint of step S holds is rank 0's buffers after step S. So after every update
-  rank 0's buffers (a few KB for BatchNorm) go to all ranks in one asynchronous broadcast
-  (:class:`AuthoritativeBuffers`), overlapped with the next step and awaited before its first
-  forward; any survivor then writes exactly what rank 0 would have written, and a resumed run
-  is bitwise equal to the uninterrupted one even when rank 0 was the worker that died. Only if
-  rank 0 dies between its update and that broadcast does a survivor fall back to its own
-  buffers of step S (recorded in the checkpoint as ``buffers: "local"``).
+  each rank copies its buffers (a few KB for BatchNorm), and rank 0's ride to every rank on the
+  step's existing control allreduce (:class:`AuthoritativeBuffers`; no extra collective, the
+  other ranks add ``-0.0``, which leaves rank 0's values bit for bit); any survivor then writes
+  exactly what rank 0 would have written, and a resumed run is bitwise equal to the
+  uninterrupted one even when rank 0 was the worker that died. Only if that allreduce never
+  completed (rank 0 died right after its update) does a survivor save its own buffers of step
+  S (recorded in the checkpoint as ``buffers: "local"``).
 * **One writer.** Any survivor may hold the state (rank 0 may be the dead one), so every rank
   tries, and a claim file created with ``O_CREAT | O_EXCL`` in the shared checkpoint directory
   picks exactly one per step over all ranks and nodes (rank 0's periodic writes take the same
@@ -94,7 +95,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elastic_trainer import checkpoint as ckpt
@@ -204,84 +204,72 @@ def _persistent_buffer_slots(model: nn.Module) -> list[tuple[nn.Module, str, str
     return slots
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)
+_EXCHANGEABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                 torch.int16, torch.int8, torch.uint8, torch.bool)
+"""Buffer dtypes that round-trip exactly through float64 (int64 up to 2**53: step counters)."""
 
 
 class AuthoritativeBuffers:
     """Rank 0's module buffers after the last completed step, held by every rank.
 
-    Protocol (main thread): :meth:`capture` inside the update section (rank 0 copies its buffers,
-    the others allocate room), :meth:`exchange` right after it (asynchronous broadcast from rank
-    0), :meth:`before_forward` before the next step's first forward (waits for the broadcast,
-    then lets the forward change the buffers). A saver holding the :class:`StateGuard` calls
-    :meth:`snapshot`.
+    They ride on the step's control allreduce (one collective per step, as without JIT): after
+    each update (inside the guard) :meth:`capture` copies this rank's buffers as float64 and
+    returns the contribution to append to the control tensor: rank 0's values, ``-0.0`` from
+    every other rank (``x + -0.0 == x`` bit for bit in IEEE arithmetic, ``+0.0`` and ``-0.0``
+    included, so the sum is rank 0's values exactly). :meth:`attach` records that allreduce; a
+    saver holding the guard calls :meth:`snapshot`, which falls back to this rank's own copy of
+    the step when rank 0's never arrived.
     """
 
-    def __init__(self, model: nn.Module, guard: StateGuard, *, rank: int, world_size: int) -> None:
+    def __init__(self, model: nn.Module, *, rank: int, world_size: int) -> None:
         self._slots = _persistent_buffer_slots(model)
-        self._guard = guard
         self._rank = rank
         self._world_size = world_size
-        self._flat: torch.Tensor | None = None
         self._layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
+        self._own: torch.Tensor | None = None  # this rank's buffers after the step, float64
+        self._exact = False  # _own is rank 0's (rank 0 itself, one rank, or an identical start)
+        self._control: torch.Tensor | None = None
+        self._offset = 0
         self._work: Any = None
-        self._own = False  # the flat copy holds this rank's own buffers, equal to rank 0's
-        self._needs_exchange = False
-        self._forward_started = True
+        unsupported = sorted({str(getattr(m, a).dtype) for m, a, _ in self._slots} - {str(d) for d in _EXCHANGEABLE})
+        self.exchange = world_size > 1 and not unsupported
+        if world_size > 1 and unsupported:
+            log.warning("buffers of dtype %s cannot ride on the control allreduce: a just-in-time checkpoint "
+                        "written by a rank other than 0 holds that rank's own buffers", ", ".join(unsupported))
 
     @property
     def enabled(self) -> bool:
         return bool(self._slots)
 
-    def _live(self) -> list[tuple[str, torch.Tensor]]:
-        return [(key, getattr(module, attr)) for module, attr, key in self._slots]
-
-    def capture(self, *, identical: bool = False) -> None:
-        """After an update (inside the guard), or at the start with ``identical=True``: every rank
-        then holds the same buffers (loaded from one checkpoint, or seeded identically)."""
+    def capture(self, *, identical: bool = False) -> torch.Tensor | None:
+        """Inside the guard: after an update, or at the start with ``identical=True`` (every rank
+        loaded the same checkpoint, or was seeded alike). Returns this rank's float64 contribution
+        to the control allreduce (``None``: nothing to exchange)."""
         if not self.enabled:
-            return
-        live = self._live()
-        self._layout = [(key, t.dtype, t.shape, t.numel() * t.element_size()) for key, t in live]
-        self._own = identical or self._rank == 0 or self._world_size == 1
-        self._needs_exchange = not identical and self._world_size > 1  # the same on every rank
-        if self._own:
-            self._flat = torch.cat([_as_bytes(t) for _, t in live])
-        else:
-            device = live[0][1].device
-            self._flat = torch.empty(sum(n for *_, n in self._layout), dtype=torch.uint8, device=device)
-        self._work = None
-        self._forward_started = False
+            return None
+        live = [getattr(module, attr).detach() for module, attr, _ in self._slots]
+        self._layout = [(key, t.dtype, t.shape, t.numel()) for (_, _, key), t in zip(self._slots, live, strict=True)]
+        self._own = torch.cat([t.reshape(-1).to(torch.float64) for t in live])
+        self._exact = identical or self._rank == 0 or self._world_size == 1
+        self._control, self._work = None, None
+        if identical or not self.exchange:
+            return None
+        return self._own if self._rank == 0 else torch.full_like(self._own, -0.0)
 
-    def exchange(self) -> None:
-        """Start the broadcast of rank 0's copy (after the guard: a failure here is no update's)."""
-        if self.enabled and self._needs_exchange and self._flat is not None:
-            self._needs_exchange = False
-            self._work = dist.broadcast(self._flat, src=0, async_op=True)
-
-    def before_forward(self) -> None:
-        """Before the first forward of a step (main thread): rank 0's buffers of the last step
-        must have arrived before this rank's forward changes its own."""
-        if not self.enabled or self._forward_started:
-            return
-        if self._work is not None:
-            self._work.wait()
-        with self._guard.hold():
-            self._forward_started = True
+    def attach(self, control: torch.Tensor, offset: int, work: Any) -> None:
+        """The control allreduce that carries the contribution, at ``control[offset:]``."""
+        self._control, self._offset, self._work = control, offset, work
 
     def snapshot(self) -> tuple[dict[str, torch.Tensor], str]:
         """Buffers of the last completed step (caller holds the guard), and where they come from:
-        ``"rank0"`` (exact) or ``"local"`` (rank 0 died before sending them)."""
-        if not self.enabled:
+        ``"rank0"`` (what rank 0 would have saved) or ``"local"`` (rank 0's never arrived)."""
+        if not self.enabled or self._own is None:
             return {}, "none"
-        if self._flat is not None and (self._own or self._arrived()):
-            return self._unflatten(self._flat), "rank0"
-        if not self._forward_started:
-            # Nothing touched this rank's buffers since the update (the guard keeps the forward
-            # from starting): they are this rank's own statistics after step S.
-            return {key: t.detach().clone() for key, t in self._live()}, "local"
-        raise JitSaveError("the buffers of the last completed step are not available")
+        if self._exact:
+            return self._unflatten(self._own), "rank0"
+        if self._control is not None and self._arrived():
+            return self._unflatten(self._control[self._offset :]), "rank0"
+        return self._unflatten(self._own), "local"
 
     def _arrived(self) -> bool:
         work = self._work
@@ -294,16 +282,15 @@ class AuthoritativeBuffers:
             time.sleep(0.005)
         try:
             work.wait()
-        except Exception:  # noqa: BLE001 - a failed broadcast means the buffers never arrived
+        except Exception:  # noqa: BLE001 - a failed allreduce means the buffers never arrived
             return False
         return True
 
     def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         out, offset = {}, 0
-        for key, dtype, shape, nbytes in self._layout:
-            # clone() first: view(dtype) needs a storage offset aligned to the element size.
-            out[key] = flat[offset : offset + nbytes].clone().view(dtype).reshape(shape)
-            offset += nbytes
+        for key, dtype, shape, numel in self._layout:
+            out[key] = flat[offset : offset + numel].to(dtype).reshape(shape).clone()
+            offset += numel
         return out
 
 

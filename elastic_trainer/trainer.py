@@ -192,6 +192,7 @@ class Trainer:
         self._jit = JitCheckpointer(guard=self._guard, directory=None, rank=0, step=lambda: self.step,
                                     payload=dict, write=lambda step, payload: "", enabled=False)
         self._buffers: AuthoritativeBuffers | None = None
+        self._buffers_contribution: torch.Tensor | None = None
         self._update_event: Any = None
         self._wakeup = SignalWakeup(self._on_stop_signal)
 
@@ -381,7 +382,7 @@ class Trainer:
             stop_deadline=lambda: self._stop.deadline, enabled=enabled,
         )
         if enabled:
-            self._buffers = AuthoritativeBuffers(self.model, self._guard, rank=env.rank, world_size=env.world_size)
+            self._buffers = AuthoritativeBuffers(self.model, rank=env.rank, world_size=env.world_size)
             if env.device.type == "cuda":
                 self._update_event = torch.cuda.Event()
 
@@ -392,7 +393,7 @@ class Trainer:
     def _after_update(self) -> None:
         """Inside the guard, right after an update: remember what the state of this step is."""
         if self._buffers is not None:
-            self._buffers.capture()
+            self._buffers_contribution = self._buffers.capture()
         if self._update_event is not None:
             self._update_event.record()
 
@@ -551,8 +552,16 @@ class Trainer:
         """Start the step's one small allreduce: summed loss (for the global mean) and stop flag."""
         env = self.env
         assert env is not None
-        control = torch.stack([local_loss, torch.tensor(float(self._stop.requested), device=env.device)])
+        stop = torch.tensor(float(self._stop.requested), device=env.device)
+        extra, self._buffers_contribution = self._buffers_contribution, None
+        if extra is None:
+            control = torch.stack([local_loss, stop])
+        else:
+            # Just-in-time saving: rank 0's buffers of this step ride along (see jit_save).
+            control = torch.cat([torch.stack([local_loss, stop]).double(), extra.to(env.device)])
         work = dist.all_reduce(control, async_op=True) if env.world_size > 1 else None
+        if extra is not None and self._buffers is not None:
+            self._buffers.attach(control, 2, work)
         return _StepControl(step=self.step, plan=plan, control=control, work=work,
                             duration_s=time.monotonic() - started, data_wait_s=data_wait)
 
@@ -566,7 +575,7 @@ class Trainer:
         assert env is not None
         if pending.work is not None:
             pending.work.wait()
-        loss_sum, stop = pending.control.tolist()
+        loss_sum, stop = pending.control[:2].tolist()
         plan = pending.plan
         self._loss = loss_sum / plan.global_samples
         self.observer.on_step(step=pending.step, duration_s=pending.duration_s, data_wait_s=pending.data_wait_s,
@@ -596,8 +605,6 @@ class Trainer:
             wait_start = time.monotonic()
             inputs, target = _move(next(batches), device)
             data_wait += time.monotonic() - wait_start
-            if i == 0 and self._buffers is not None:
-                self._buffers.before_forward()
             sync = contextlib.nullcontext() if i == last else self.ddp.no_sync()
             with sync:
                 with torch.autocast(device.type, dtype=self.autocast_dtype or torch.float32,
@@ -629,8 +636,6 @@ class Trainer:
             self.sampler.advance(plan)
             self.step += 1
             self._after_update()
-        if self._buffers is not None:
-            self._buffers.exchange()
 
     def _log_progress(self, loss: float | None, samples_per_s: float, step: int) -> None:
         lr = self.optimizer.param_groups[0]["lr"]

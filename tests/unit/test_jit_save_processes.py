@@ -74,49 +74,57 @@ def _blocked_worker(rank: int, work: Path, mode: str) -> None:
 
 
 def _buffers_worker(rank: int, work: Path) -> None:
+    import torch.distributed as dist
     from torch import nn
 
-    from elastic_trainer.jit_save import AuthoritativeBuffers, StateGuard
+    from elastic_trainer.jit_save import AuthoritativeBuffers
 
     _init(rank, work)
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    model.register_buffer("low", torch.zeros(2, dtype=torch.bfloat16))
+    model.register_buffer("big", torch.tensor(0, dtype=torch.int64))
+    model.register_buffer("scratch", torch.zeros(1), persistent=False)  # not in a state_dict: not saved
     bn = model[1]
+    buffers = AuthoritativeBuffers(model, rank=rank, world_size=2)
+
+    def step(values: float, *, join: bool = True) -> tuple[torch.Tensor, Any]:
+        with torch.no_grad():  # this rank's statistics after the step
+            bn.running_mean.copy_(torch.tensor([-0.0, 0.0, values]) if rank == 0 else torch.full((3,), values))
+            bn.num_batches_tracked.fill_(10 + rank)
+            model.low.fill_(values / 3)
+            model.big.fill_(2**40 + 1 + rank)
+        contribution = buffers.capture()
+        assert contribution is not None
+        control = torch.cat([torch.zeros(2, dtype=torch.float64), contribution])
+        handle = dist.all_reduce(control, async_op=True) if join else None
+        buffers.attach(control, 2, handle)
+        with torch.no_grad():
+            bn.running_mean.fill_(-5.0)  # the next step's forward changes the live buffers
+        return control, handle
+
+    def saved() -> dict[str, Any]:
+        state, source = buffers.snapshot()
+        assert "scratch" not in state
+        mean = state["1.running_mean"]
+        return {"mean": mean.tolist(), "negative_zero": torch.signbit(mean).tolist(),
+                "count": int(state["1.num_batches_tracked"]), "half": state["low"].float().tolist(),
+                "half_dtype": str(state["low"].dtype), "big": int(state["big"]), "source": source}
+
     results: dict[str, Any] = {}
-    guard = StateGuard()
-    buffers = AuthoritativeBuffers(model, guard, rank=rank, world_size=2)
-
-    # Round 1: each rank's statistics differ after "step 1"; rank 0's must be saved everywhere.
-    with torch.no_grad():
-        bn.running_mean.fill_(rank + 1.0)
-        bn.num_batches_tracked.fill_(10 + rank)
-    with guard.update():
-        buffers.capture()
-    buffers.exchange()
-    buffers.before_forward()
-    with torch.no_grad():
-        bn.running_mean.fill_(-5.0)  # the next step's forward changes the live buffers
-    with guard.hold():
-        saved, source = buffers.snapshot()
-    results["round1"] = {"mean": saved["1.running_mean"].tolist(), "count": int(saved["1.num_batches_tracked"]),
-                         "source": source}
-
-    # Round 2: rank 0 "dies" before sending: rank 1 keeps its own statistics of the step.
-    with torch.no_grad():
-        bn.running_mean.fill_(rank + 7.0)
-    with guard.update():
-        buffers.capture()
+    # Round 1: every rank saves rank 0's buffers of the step, bit for bit (signs of zero included).
+    step(1.0)
+    results["round1"] = saved()
+    # Round 2: rank 0 "dies" before its allreduce: rank 1 saves its own copy of the step.
     if rank == 1:
-        buffers.exchange()
-        with guard.hold():
-            saved, source = buffers.snapshot()
-        results["round2"] = {"mean": saved["1.running_mean"].tolist(), "source": source}
+        control, handle = step(7.0)
+        results["round2"] = saved()
         (work / "observed").write_text("")
-        buffers._work.wait()  # rank 0 sends late, so both processes end cleanly
+        handle.wait()  # rank 0 joins late, so both processes end cleanly
     else:
         deadline = time.monotonic() + 30
         while not (work / "observed").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        buffers.exchange()
+        step(7.0)[1].wait()
     (work / f"buffers-{rank}.json").write_text(json.dumps(results))
 
 
@@ -213,10 +221,16 @@ def test_every_rank_saves_rank0s_buffers_of_the_last_step(tmp_path: Path) -> Non
     logs = [(tmp_path / f"log-buffers-{r}.txt").read_text() for r in (0, 1)]
     assert codes == [0, 0], logs
     rank0, rank1 = (json.loads((tmp_path / f"buffers-{r}.json").read_text()) for r in (0, 1))
-    # Round 1: rank 1's own statistics were 2.0 and the live ones -5.0 by the time it saved.
-    assert rank0["round1"] == rank1["round1"] == {"mean": [1.0, 1.0, 1.0], "count": 10, "source": "rank0"}
+    # Round 1: rank 1's own statistics were different and the live ones -5.0 when it saved.
+    expected = {"mean": [0.0, 0.0, 1.0], "negative_zero": [True, False, False], "count": 10,
+                "half": [torch.tensor(1 / 3, dtype=torch.bfloat16).item()] * 2, "half_dtype": "torch.bfloat16",
+                "big": 2**40 + 1, "source": "rank0"}
+    assert rank0["round1"] == rank1["round1"] == expected
     # Round 2: rank 0's copy never arrived: rank 1 saves its own statistics of that step.
-    assert rank1["round2"] == {"mean": [8.0, 8.0, 8.0], "source": "local"}
+    own = {"mean": [7.0, 7.0, 7.0], "negative_zero": [False] * 3, "count": 11,
+           "half": [torch.tensor(7 / 3, dtype=torch.bfloat16).item()] * 2, "half_dtype": "torch.bfloat16",
+           "big": 2**40 + 2, "source": "local"}
+    assert rank1["round2"] == own
 
 
 if __name__ == "__main__":
