@@ -227,6 +227,9 @@ class AuthoritativeBuffers:
         self._world_size = world_size
         self._layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
         self._own: torch.Tensor | None = None  # this rank's buffers after the step, float64
+        self._views: list[torch.Tensor] = []  # _own cut into the buffers' shapes
+        self._live: list[torch.Tensor] = []  # the buffer tensors _views were laid out for
+        self._negative_zeros = torch.empty(0, dtype=torch.float64)
         self._exact = False  # _own is rank 0's (rank 0 itself, one rank, or an identical start)
         self._control: torch.Tensor | None = None
         self._offset = 0
@@ -247,14 +250,33 @@ class AuthoritativeBuffers:
         to the control allreduce (``None``: nothing to exchange)."""
         if not self.enabled:
             return None
-        live = [getattr(module, attr).detach() for module, attr, _ in self._slots]
-        self._layout = [(key, t.dtype, t.shape, t.numel()) for (_, _, key), t in zip(self._slots, live, strict=True)]
-        self._own = torch.cat([t.reshape(-1).to(torch.float64) for t in live])
+        live = [getattr(module, attr) for module, attr, _ in self._slots]
+        if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live, strict=False)):
+            self._relayout(live)  # first step, or a module replaced a buffer
+        # One kernel launch for all buffers (dtype conversion included); the copy is reused
+        # from step to step: a saver reads it holding the guard, and the control allreduce
+        # gets a copy of it (torch.cat), never the tensor itself.
+        try:
+            torch._foreach_copy_(self._views, live)
+        except RuntimeError:  # a buffer was resized in place
+            self._relayout(live)
+            torch._foreach_copy_(self._views, live)
         self._exact = identical or self._rank == 0 or self._world_size == 1
         self._control, self._work = None, None
         if identical or not self.exchange:
             return None
-        return self._own if self._rank == 0 else torch.full_like(self._own, -0.0)
+        return self._own if self._rank == 0 else self._negative_zeros
+
+    def _relayout(self, live: list[torch.Tensor]) -> None:
+        self._live = live
+        self._layout = [(key, t.dtype, t.shape, t.numel()) for (_, _, key), t in zip(self._slots, live, strict=True)]
+        layout = self._layout
+        self._own = torch.empty(sum(n for *_, n in layout), dtype=torch.float64, device=live[0].device)
+        self._views, offset = [], 0
+        for _, _, shape, numel in layout:
+            self._views.append(self._own[offset : offset + numel].view(shape))
+            offset += numel
+        self._negative_zeros = torch.full_like(self._own, -0.0)
 
     def attach(self, control: torch.Tensor, offset: int, work: Any) -> None:
         """The control allreduce that carries the contribution, at ``control[offset:]``."""
