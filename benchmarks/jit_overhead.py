@@ -8,6 +8,7 @@ alternating blocks inside the same two warm processes; reported: median throughp
 the per-block ratios, and the CPU time per sample (robust to a shared machine).
 
     python benchmarks/jit_overhead.py --blocks 8
+    python benchmarks/jit_overhead.py --blocks 8 --aa   # A/A: the same code twice, for the noise floor
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             for block in range(args.blocks):
                 order = VARIANTS if block % 2 == 0 else VARIANTS[::-1]
                 for variant in order:
-                    os.environ[ENV_JIT_SAVE] = "1" if variant == "jit-on" else "0"
+                    os.environ[ENV_JIT_SAVE] = "1" if variant == "jit-on" and not args.aa else "0"
                     times = _runtime(args, os.path.join(tmp, f"{variant}-{block}"))
                     window = times[args.warmup - 1 :]
                     samples = args.steps * args.global_batch_size
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--dataset-size", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: system temp)")
+    parser.add_argument("--aa", action="store_true", help="A/A control: JIT off in both variants (the noise floor)")
     args = parser.parse_args()
 
     with tempfile.NamedTemporaryFile(dir=args.tmp, suffix=".txt") as out:
@@ -79,7 +81,7 @@ def main() -> None:
         per_block.setdefault(int(block), {})[variant] = (float(rate), float(cpu))
         print(f"block {block}: {variant:8s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
     print()
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} (2 cores)")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (2 cores){'; A/A: JIT off in both' if args.aa else ''}")
     print("| variant | samples/s (median) | ratio vs jit-off | CPU-us per sample, both ranks (median) | CPU ratio |")
     print("|---|---:|---:|---:|---:|")
     for variant in VARIANTS:
