@@ -322,8 +322,8 @@ class Trainer:
     def _resume(self) -> None:
         cfg, env = self.config, self.env
         assert env is not None
-        # Rank 0 decides for all: which checkpoint to load, and whether to save just in time (the
-        # buffer exchange of JIT is a collective: every rank must agree, whatever its env says).
+        # Rank 0 decides for all: which checkpoint to load, and whether to save just in time (JIT
+        # widens the per-step control allreduce: every rank must agree, whatever its env says).
         decision: list[Any] = [None, self._jit_wanted()]
         if cfg.checkpoint_dir is not None and env.is_rank0:
             decision[0] = self._choose_checkpoint()
@@ -367,7 +367,7 @@ class Trainer:
             return False
         if cfg.zero_redundancy:
             if env.is_rank0:
-                    log.warning("just-in-time checkpoints are off with zero_redundancy: the optimizer state is sharded "
+                log.warning("just-in-time checkpoints are off with zero_redundancy: the optimizer state is sharded "
                             "over the ranks and its step runs collectives, so no single surviving rank holds it; "
                             "a failure resumes from the last periodic checkpoint")
             return False
@@ -549,7 +549,8 @@ class Trainer:
 
     def _start_control(self, local_loss: torch.Tensor, plan: StepPlan, *, started: float,
                        data_wait: float) -> _StepControl:
-        """Start the step's one small allreduce: summed loss (for the global mean) and stop flag."""
+        """Start the step's one small allreduce: summed loss (for the global mean) and stop flag
+        (and, with just-in-time saving, rank 0's module buffers after this step)."""
         env = self.env
         assert env is not None
         stop = torch.tensor(float(self._stop.requested), device=env.device)
