@@ -83,9 +83,12 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["off", "jit"])
     parser.add_argument("--max-delay-s", type=float, default=4.0, help="random delay before each kill")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="keep logs, sample records and checkpoints here (default: a temporary directory)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        work = Path(tmp) if args.work_dir is None else args.work_dir
+        work.mkdir(parents=True, exist_ok=True)
         server = EtcdServer.single(work / "etcd").start()
         try:
             table = {mode: measure(mode, args, server.endpoint, work) for mode in args.modes}
