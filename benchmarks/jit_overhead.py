@@ -9,6 +9,11 @@ the per-block ratios, and the CPU time per sample (robust to a shared machine).
 
     python benchmarks/jit_overhead.py --blocks 8
     python benchmarks/jit_overhead.py --blocks 8 --aa   # A/A: the same code twice, for the noise floor
+    python benchmarks/jit_overhead.py --micro           # per-step added work, one process, no noise
+
+On a shared machine the end-to-end ratio can drown in noise (check it against ``--aa``);
+``--micro`` times what JIT adds to a step in isolation: the buffer copy, the wider control
+tensor, the guard and the step-boundary bookkeeping.
 """
 
 from __future__ import annotations
@@ -59,6 +64,47 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         Path(out).write_text("\n".join(lines))
 
 
+def _micro(args: argparse.Namespace) -> None:
+    import time
+
+    from elastic_trainer.examples.synthetic_cnn import SmallCNN
+    from elastic_trainer.jit_save import AuthoritativeBuffers, StateGuard
+
+    torch.set_num_threads(1)
+    model, guard = SmallCNN(args.width), StateGuard()
+    loss, stop = torch.tensor(1.0), torch.tensor(0.0)
+
+    def timed(fn: object, n: int = 20_000) -> float:
+        fn()  # type: ignore[operator]
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()  # type: ignore[operator]
+        return (time.perf_counter() - start) / n * 1e6
+
+    def guarded() -> None:
+        with guard.update():
+            pass
+
+    rows = []
+    for rank in (0, 1):
+        buffers = AuthoritativeBuffers(model, rank=rank, world_size=2)
+        contribution = buffers.capture()
+        assert contribution is not None
+        rows.append((f"buffer copy (rank {rank}, {contribution.numel()} values)", timed(buffers.capture)))
+    rows.append(("control tensor with buffers", timed(lambda: torch.cat([torch.stack([loss, stop]).double(),
+                                                                         contribution]))))
+    rows.append(("control tensor without (as with JIT off)", timed(lambda: torch.stack([loss, stop]))))
+    rows.append(("update guard (uncontended lock)", timed(guarded)))
+    rows.append(("step boundary (stall bookkeeping)", timed(guard.boundary)))
+    print(f"SmallCNN width {args.width}, one thread")
+    print("| per-step work | µs |")
+    print("|---|---:|")
+    for name, micros in rows:
+        print(f"| {name} | {micros:.2f} |")
+    added = rows[1][1] + rows[2][1] - rows[3][1] + rows[4][1] + rows[5][1]
+    print(f"added per step on a rank other than 0: {added:.1f} µs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=8, help="rounds of (jit-off, jit-on), order alternating")
@@ -70,7 +116,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: system temp)")
     parser.add_argument("--aa", action="store_true", help="A/A control: JIT off in both variants (the noise floor)")
+    parser.add_argument("--micro", action="store_true", help="time the per-step additions in one process")
     args = parser.parse_args()
+    if args.micro:
+        _micro(args)
+        return
 
     with tempfile.NamedTemporaryFile(dir=args.tmp, suffix=".txt") as out:
         mp.start_processes(_worker, args=(2, _free_port(), args, out.name), nprocs=2, start_method="spawn")
