@@ -54,7 +54,7 @@ class JobSpec:
     epochs: int = 3
     seed: int = 5
     lr: float = 0.2
-    """With these settings the full-dataset loss falls from 2.30 to about 1.8 in the 96 steps."""
+    """With these settings the full-dataset loss falls from 2.30 to about 1.95 in the 96 steps."""
     checkpoint_every: int = 5
     throttle_ms: float = 40.0
     keep_last: int = 1000
@@ -75,8 +75,11 @@ class JobSpec:
 
     def math_args(self) -> list[str]:
         """The arguments that decide the weights (the same for a scenario and its reference)."""
+        # --max-steps is the end of the run anyway; it also makes the cosine schedule reach 0 there,
+        # so the final weights settle instead of ending on a noisy step.
         return ["--dataset-size", str(self.dataset_size), "--global-batch-size", str(self.global_batch_size),
-                "--epochs", str(self.epochs), "--seed", str(self.seed), "--lr", str(self.lr)]
+                "--epochs", str(self.epochs), "--max-steps", str(self.steps), "--seed", str(self.seed),
+                "--lr", str(self.lr)]
 
     def args(self, run: RunDirs) -> list[str]:
         return [*self.math_args(), "--checkpoint-dir", str(run.checkpoints), "--checkpoint-every",

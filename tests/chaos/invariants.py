@@ -9,9 +9,10 @@
 * **Same weights**: bitwise equal to the no-fault run's when every step ran with the reference's
   world size. When the world size changed, bitwise equal to a *replay* -- a no-fault run that
   changes its world size at the same steps (each phase a one-node run that checkpoints every
-  step and ends after its last step with ``CHAOS_EXIT_BEFORE_STEP``) -- and within :data:`WEIGHT_TOLERANCE`
-  (relative L2 distance of all parameters) and :data:`LOSS_TOLERANCE` (full-dataset loss) of
-  the fixed-size no-fault run.
+  step and ends after its last step with ``CHAOS_EXIT_BEFORE_STEP``) -- and near the uninterrupted
+  runs of the world sizes it went through: within :data:`WEIGHT_TOLERANCE` (relative L2 distance
+  of all parameters) of the closest one, and a full-dataset loss within :data:`LOSS_TOLERANCE` of
+  the range of theirs.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ from tests.chaos.faults import JobSpec, RunDirs, start_node, unique_run_id, wait
 
 # When the world size changes mid-run the math changes with it: BatchNorm normalises over each
 # rank's share of the batch (CPU has no SyncBatchNorm), and the gradient sum runs in another order.
-# Measured on the chaos job (JobSpec defaults, 96 steps, loss 2.30 -> 1.86): uninterrupted runs
-# with 1 and 3 ranks end 0.27 and 0.31 (relative L2) from the 2-rank run, with full-dataset losses
-# 0.025 and 0.062 apart; runs that changed between 1 and 2 ranks mid-way ended 0.20-0.25 and
-# within 0.05 from it. A run that lost its optimizer state or repeated an epoch lands far outside.
-WEIGHT_TOLERANCE = 0.45
-LOSS_TOLERANCE = 0.12
+# Measured on the chaos job (JobSpec defaults: 96 steps, cosine LR to 0, loss 2.30 -> ~1.95):
+# uninterrupted runs with 1, 2, 3 ranks end with losses 1.931, 1.988, 2.028 and 0.16-0.24 apart
+# (relative L2); no-fault replays that changed world size at steps 15-46 end 0.035-0.097 from the
+# closest of them, losses inside their range. For 192 steps (the long schedule): 1 vs 2 ranks
+# 1.344 vs 1.484, 0.244 apart; mixed runs 0.04-0.18 from the closest, losses inside the range.
+# The bitwise replay is the exact check; these bounds catch a gross error (lost optimizer state,
+# a repeated epoch) that a replay would share with the run it replays.
+WEIGHT_TOLERANCE = 0.3
+LOSS_TOLERANCE = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,12 +255,16 @@ def check_run(run: RunDirs, job: JobSpec, no_fault: NoFaultRuns, *, reference_wo
         phases = world_phases(worlds)
         _, replay_model = final_model(no_fault.replay(job, phases))
         assert_bitwise_equal(model, replay_model, f"the no-fault replay's of the world sizes {phases}")
-        distance = relative_distance(model, ref_model)
-        loss, ref_loss = full_dataset_loss(model, job), full_dataset_loss(ref_model, job)
-        print(f"world sizes {summary_phases(worlds)}: weights {distance:.4f} from the reference (tolerance {WEIGHT_TOLERANCE}), "
-              f"loss {loss:.4f} vs {ref_loss:.4f} (tolerance {LOSS_TOLERANCE})")
-        assert distance <= WEIGHT_TOLERANCE, f"final weights {distance:.4f} (relative L2) from the no-fault run's"
-        assert abs(loss - ref_loss) <= LOSS_TOLERANCE, f"full-dataset loss {loss:.4f}, no-fault run {ref_loss:.4f}"
+        # A run through several world sizes must land near the uninterrupted runs of those sizes.
+        fixed = {w: final_model(no_fault.fixed(job, w))[1] for w in sorted(set(worlds))}
+        distances = {w: relative_distance(model, m) for w, m in fixed.items()}
+        losses = {w: full_dataset_loss(m, job) for w, m in fixed.items()}
+        loss = full_dataset_loss(model, job)
+        print(f"world sizes {summary_phases(worlds)}: relative L2 distance to the fixed-size runs {distances} "
+              f"(tolerance {WEIGHT_TOLERANCE}); loss {loss:.4f}, theirs {losses} (tolerance {LOSS_TOLERANCE})")
+        assert min(distances.values()) <= WEIGHT_TOLERANCE, f"final weights far from every fixed-size run: {distances}"
+        assert min(losses.values()) - LOSS_TOLERANCE <= loss <= max(losses.values()) + LOSS_TOLERANCE, (
+            f"full-dataset loss {loss:.4f} outside the fixed-size runs' {losses} +- {LOSS_TOLERANCE}")
     return RunSummary(generations=gens, worlds=worlds, final_step=step, checkpoints=steps, model=model)
 
 
