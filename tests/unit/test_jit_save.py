@@ -245,8 +245,8 @@ def test_manifest_without_jit_field_still_loads(tmp_path: Path) -> None:
 # -- the stall monitor (signal path) ---------------------------------------------------------------------
 @pytest.fixture
 def fast_stall(monkeypatch: pytest.MonkeyPatch) -> float:
-    monkeypatch.setattr(jit_save, "STALL_MIN_S", 0.3)
-    return 0.3
+    monkeypatch.setattr(jit_save, "STALL_MIN_S", 0.5)  # steps below come every 50 ms: 10x margin
+    return 0.5
 
 
 def test_signal_and_no_step_boundary_saves_and_exits(tmp_path: Path, fast_stall: float) -> None:
