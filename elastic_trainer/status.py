@@ -57,6 +57,7 @@ def describe_state(state: Any, now: datetime) -> dict[str, Any]:
              "heartbeat_age_s": None if beat is None else round((now - beat).total_seconds(), 1)}
         )
     return {
+        "handler": "dynamic",
         "round": state.round,
         "complete": state.complete,
         "closed": state.closed,
@@ -64,6 +65,59 @@ def describe_state(state: Any, now: datetime) -> dict[str, Any]:
         "waiting": [_node(n) for n in sorted(state.wait_list, key=str)],
         "redundant": [_node(n) for n in sorted(state.redundancy_list, key=str)],
     }
+
+
+def _lease_node(node: str) -> dict[str, Any]:
+    """Node ids of the lease handler are ``ADDR_PID_SUFFIX``."""
+    parts = node.rsplit("_", 2)
+    addr = parts[0] if len(parts) == 3 else node
+    pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+    return {"node": node, "addr": addr, "pid": pid}
+
+
+def describe_lease_state(snapshot: Any, lease_ages: dict[str, float | None]) -> dict[str, Any]:
+    """A JSON-ready view of the lease handler's state (``rendezvous.lease_handler``)."""
+    state = snapshot.state
+    participants = [
+        {**_lease_node(node), "rank": rank, "alive": node in snapshot.live,
+         "heartbeat_age_s": lease_ages.get(node)}
+        for rank, node in enumerate(state.participants)
+    ]
+    in_round = set(state.participants)
+    waiting = [n for n in snapshot.joined.get(state.round, []) if n not in in_round]
+    waiting += [n for n in sorted(snapshot.live) if n not in in_round and n not in waiting]
+    return {
+        "handler": "lease",
+        "round": state.round,
+        "complete": state.status == "complete",
+        "closed": state.status == "closed",
+        "participants": participants,
+        "waiting": [_lease_node(n) for n in waiting],
+        "redundant": [],
+    }
+
+
+def _read_lease_status(params: Any, run_id: str) -> dict[str, Any] | None:
+    from rendezvous.etcd_backend import DEFAULT_KEY_PREFIX, client_config_from_params
+    from rendezvous.etcd_client import EtcdConnection
+    from rendezvous.lease_handler import RunKeys, read_snapshot
+
+    connection = EtcdConnection(client_config_from_params(params))
+    try:
+        snapshot = read_snapshot(connection, RunKeys(str(params.get("key_prefix", DEFAULT_KEY_PREFIX)), run_id))
+        if snapshot.state is None:
+            return None
+        ages: dict[str, float | None] = {}
+        def lease_info(lease_id: int) -> Any:
+            return connection.call(lambda client: client.get_lease_info(lease_id), what="a lease read")
+
+        for node, lease_id in snapshot.leases.items():
+            info = lease_info(lease_id)
+            # keep-alives run every TTL/3, so the time since the last one is granted - remaining
+            ages[node] = float(info.grantedTTL - info.TTL) if info.TTL > 0 else None
+        return describe_lease_state(snapshot, ages)
+    finally:
+        connection.close()
 
 
 def newest_checkpoint(directory: str) -> dict[str, Any] | None:
@@ -103,13 +157,17 @@ def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoin
     try:
         with quiet_retries():
             backend, _ = create_backend(params)
-            found = backend.get_state()
+            lease_view = _read_lease_status(params, run_id)
+            found = None if lease_view is not None else backend.get_state()
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     except (RendezvousConnectionError, RendezvousStateError) as exc:
         raise UserError(f"cannot read the rendezvous of {run_id!r}: {exc}") from exc
-    report: dict[str, Any] = {"run_id": run_id, "endpoint": endpoint, "found": found is not None}
-    if found is not None:
+    report: dict[str, Any] = {"run_id": run_id, "endpoint": endpoint,
+                              "found": found is not None or lease_view is not None}
+    if lease_view is not None:
+        report.update(lease_view)
+    elif found is not None:
         try:
             state = decode_state(found[0])
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:

@@ -131,6 +131,7 @@ class Snapshot:
     state_revision: int
     live: set[str]
     joined: dict[int, list[str]]  # round -> nodes in join (create revision) order
+    leases: dict[str, int] = field(default_factory=dict)  # live node -> its lease id
 
 
 def decide_close(
@@ -163,7 +164,9 @@ def order_participants(joined: list[str], previous: list[str] | None) -> list[st
     return before + [n for n in joined if n not in before]
 
 
-class _Keys:
+class RunKeys:
+    """The etcd keys of one run's lease rendezvous."""
+
     def __init__(self, key_prefix: str, run_id: str) -> None:
         base = f"{key_prefix.rstrip('/')}/{run_id}"
         self.rdzv = f"{base}/rdzv/"
@@ -177,6 +180,26 @@ class _Keys:
 
     def joined(self, round_: int, node: str) -> str:
         return f"{self.rounds}{round_}/{node}"
+
+
+def read_snapshot(connection: EtcdConnection, keys: RunKeys) -> Snapshot:
+    """Everything under ``rdzv/`` in one request (also used by ``elastic-trainer status``)."""
+    response = connection.call(lambda client: client.get_prefix_response(keys.rdzv), what="a rendezvous read")
+    state, state_revision, live, leases = None, 0, set(), {}
+    joined: dict[int, list[tuple[int, str]]] = {}
+    for kv in response.kvs:
+        key = kv.key.decode()
+        if key == keys.state:
+            state, state_revision = RoundState.decode(kv.value, key), kv.mod_revision
+        elif key.startswith(keys.nodes):
+            node = key[len(keys.nodes):]
+            live.add(node)
+            leases[node] = int(kv.lease)
+        elif key.startswith(keys.rounds):
+            round_text, _, node = key[len(keys.rounds):].partition("/")
+            joined.setdefault(int(round_text), []).append((kv.create_revision, node))
+    ordered = {r: [n for _, n in sorted(items)] for r, items in joined.items()}
+    return Snapshot(response.header.revision, state, state_revision, live, ordered, leases)
 
 
 def _range_end(prefix: str) -> bytes:
@@ -311,7 +334,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
     ) -> None:
         self._connection = connection
         self._settings = settings
-        self._keys = _Keys(key_prefix, settings.run_id)
+        self._keys = RunKeys(key_prefix, settings.run_id)
         self._addr = local_addr or socket.getfqdn()
         self.node_id = f"{self._addr}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         node_info = json.dumps({"addr": self._addr, "pid": os.getpid()}).encode()
@@ -412,27 +435,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._latest_round = max(self._latest_round, state.round)
 
     def _read(self) -> Snapshot:
-        keys = self._keys
-
-        def read(client: Any) -> Any:
-            return client.get_prefix_response(keys.rdzv)
-
-        response = self._connection.call(read, what="a rendezvous read")
-        state, state_revision, live = None, 0, set()
-        joined: dict[int, list[tuple[int, str]]] = {}
-        for kv in response.kvs:
-            key = kv.key.decode()
-            if key == keys.state:
-                state, state_revision = RoundState.decode(kv.value, key), kv.mod_revision
-            elif key.startswith(keys.nodes):
-                live.add(key[len(keys.nodes):])
-            elif key.startswith(keys.rounds):
-                round_text, _, node = key[len(keys.rounds):].partition("/")
-                joined.setdefault(int(round_text), []).append((kv.create_revision, node))
-        ordered = {r: [n for _, n in sorted(items)] for r, items in joined.items()}
-        if state is not None:
-            self._latest_round = max(self._latest_round, state.round)
-        return Snapshot(response.header.revision, state, state_revision, live, ordered)
+        snapshot = read_snapshot(self._connection, self._keys)
+        if snapshot.state is not None:
+            self._latest_round = max(self._latest_round, snapshot.state.round)
+        return snapshot
 
     def _swap(self, expected_revision: int, new: RoundState, extra: list[Any] | None = None) -> bool:
         txn = self._connection.etcd3.transactions

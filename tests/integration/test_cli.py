@@ -128,6 +128,7 @@ def test_status_shows_a_running_job(etcd_server, tmp_path: Path, unique_id: str)
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
         assert report["found"] and report["complete"] and report["round"] == 0  # first round, no restart
+        assert report["handler"] == "lease" and report["participants"][0]["alive"]
         assert [p["rank"] for p in report["participants"]] == [0]
         assert report["participants"][0]["heartbeat_age_s"] < 30
         assert report["checkpoint"]["step"] >= 5
