@@ -57,7 +57,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rendezvous.etcd_backend import client_config_from_params, frame_state, unframe_state
-from rendezvous.etcd_client import EtcdConnection
+from rendezvous.etcd_client import EtcdConnection, quiet_retries
 from rendezvous.etcd_store import EtcdV3Store
 
 log = logging.getLogger(__name__)
@@ -266,12 +266,14 @@ class _NodeLease:
             lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:
             try:
-                # Short budget: this also runs at interpreter exit, where etcd may be gone.
-                self._connection.call(
-                    lambda c: c.revoke_lease(lease_id), what="a lease revocation", retry_timeout=2.0
-                )
+                # Short, quiet budget: this also runs at interpreter exit, where etcd may be gone
+                # (the lease then simply expires).
+                with quiet_retries():
+                    self._connection.call(
+                        lambda c: c.revoke_lease(lease_id), what="a lease revocation", retry_timeout=2.0
+                    )
             except Exception as exc:  # peers will see the lease expire instead
-                log.warning("etcd-v3: could not revoke this node's lease: %s", exc)
+                log.info("etcd-v3: could not revoke this node's lease (it will expire): %s", exc)
 
 
 class _PrefixWatch:
