@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ def _blocked_worker(rank: int, work: Path, mode: str) -> None:
                           payload=payload, write=write)
     if mode == "wakeup":
         SignalWakeup(jit.on_signal).install()
+    if mode == "direct":
+        threading.Thread(target=_save_once_blocked, args=(jit, work), daemon=True).start()
     jit.arm()
     for _ in range(3):
         with guard.update():
@@ -71,6 +74,16 @@ def _blocked_worker(rank: int, work: Path, mode: str) -> None:
     (work / "ready-0").write_text("")
     dist.all_reduce(torch.ones(4))  # blocks: rank 1 never calls it
     (work / "returned").write_text(str(stop.requested))
+
+
+def _save_once_blocked(jit: Any, work: Path) -> None:
+    """Once the main thread sleeps inside the allreduce, save from this thread and time it."""
+    _wait_blocked(os.getpid())
+    started = time.monotonic()
+    outcome = jit.save("direct", deadline=time.monotonic() + 10)
+    took = time.monotonic() - started
+    (work / "direct.json").write_text(json.dumps({"took": took, "saved": outcome.saved, "step": outcome.step}))
+    os._exit(0)
 
 
 def _buffers_worker(rank: int, work: Path) -> None:
@@ -210,6 +223,20 @@ def test_without_the_wakeup_a_flag_only_handler_never_runs_while_blocked(tmp_pat
         _stop(main, peer)
     assert not (tmp_path / "ckpt").exists() or ckpt.iter_checkpoints(tmp_path / "ckpt") == []
     assert "received SIGTERM" not in (tmp_path / "log-blocked-0.txt").read_text()
+
+
+def test_a_save_while_the_main_thread_is_blocked_in_a_collective_is_immediate(tmp_path: Path) -> None:
+    peer = _spawn("blocked", "1", "direct", work=tmp_path, stdin=subprocess.PIPE)
+    main = _spawn("blocked", "0", "direct", work=tmp_path)
+    try:
+        code = main.wait(60)
+    finally:
+        _stop(main, peer)
+    assert code == 0, (tmp_path / "log-blocked-0.txt").read_text()
+    result = json.loads((tmp_path / "direct.json").read_text())
+    assert not (tmp_path / "returned").exists(), "the allreduce was still blocked"
+    assert result["saved"] and result["step"] == 3
+    assert result["took"] < 1.0, f"the save took {result['took']:.2f} s: it must not wait for the collective"
 
 
 def test_every_rank_saves_rank0s_buffers_of_the_last_step(tmp_path: Path) -> None:
