@@ -225,7 +225,11 @@ def read_processes(directory: Path) -> list[Process]:
     found = []
     for records in read_records(directory):
         start = records[0]
-        steps = [(r["t"], r["step"], r["world_size"]) for r in records[1:] if r.get("event") == "step" and "t" in r]
+        step_records = [r for r in records[1:] if r.get("event") == "step"]
+        if step_records and "t" not in step_records[0]:
+            raise RuntimeError(f"step records without a time stamp in {directory}: the trainer no longer writes "
+                               "them through elastic_trainer.trainer.SampleLog (see run_worker)")
+        steps = [(r["t"], r["step"], r["world_size"]) for r in step_records]
         found.append(Process(start["started_unix"], start["resumed_step"], start["rank"], steps))
     return found
 
