@@ -345,6 +345,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._watch = _PrefixWatch(connection, self._keys.rdzv, self._on_event)
         self._round = -1  # the round this node last completed
         self._latest_round = -1  # the highest round number seen (cache fed by the watch)
+        self._members: frozenset[str] = frozenset()  # participants of this node's round
+        self._member_lost = False  # a participant's node key vanished (death, leave, partition)
+        self._closed = False  # the watch saw the run closed (a finished job)
         self._tcp_store: dist.TCPStore | None = None
         # A node whose launcher exits (SIGTERM on scale-down, an error) leaves at once instead
         # of after its lease expires: weakref.finalize also runs at interpreter exit.
@@ -372,6 +375,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         participants, round_ = self._join_round(deadline)
         rank, world_size = participants.index(self.node_id), len(participants)
         self._round = round_
+        self._members, self._member_lost = frozenset(participants), False
         store = dist.PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{round_}", self._store)
         # A fresh TCPStore for the workers every round (see handler.py for why it must be fresh).
         server_port = None
@@ -400,17 +404,28 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 return
 
     def num_nodes_waiting(self) -> int:
-        """See base class. Served from the watch's cache: no etcd request."""
+        """See base class. Served from the watch's cache: no etcd request.
+
+        Non-zero (so the agent restarts its workers and rejoins) when a newer round is open, or
+        when a member of this node's round lost its lease: a frozen or partitioned peer gives the
+        workers no error -- they would block in a collective until the process-group timeout --
+        but its lease expires after ``lease_ttl``. Zero once the run is closed (a finished job's
+        nodes leave one after another; that is no reason to restart).
+        """
         if self._watch._broken:  # the watch died (etcd restart): one read refreshes the cache
             try:
                 snapshot = self._read()
                 self._watch.ensure(snapshot.revision + 1)
                 if snapshot.state is not None:
-                    self._latest_round = max(self._latest_round, snapshot.state.round)
+                    self._closed = snapshot.state.status == CLOSED
+                if self._members - snapshot.live:
+                    self._member_lost = True
             except Exception as exc:
                 log.warning("etcd-v3: cannot refresh the rendezvous view: %s", exc)
                 return 0
-        return 1 if self._latest_round > self._round >= 0 else 0
+        if self._closed or self._round < 0:
+            return 0
+        return 1 if self._latest_round > self._round or self._member_lost else 0
 
     def shutdown(self) -> bool:
         """See base class. Closes the rendezvous for everyone (torch semantics) and leaves."""
@@ -428,6 +443,12 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     def _on_event(self, event: Any) -> None:
         key = event.key.decode() if isinstance(event.key, bytes) else str(event.key)
+        if key.startswith(self._keys.nodes):
+            node = key[len(self._keys.nodes):]
+            if type(event).__name__ == "DeleteEvent" and node in self._members and node != self.node_id:
+                log.warning("etcd-v3: node %s of round %d is gone (lease expired or revoked)", node, self._round)
+                self._member_lost = True
+            return
         if key != self._keys.state or not getattr(event, "value", None):
             return
         try:
@@ -435,6 +456,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         except RendezvousStateError:
             return
         self._latest_round = max(self._latest_round, state.round)
+        self._closed = state.status == CLOSED
 
     def _read(self) -> Snapshot:
         snapshot = read_snapshot(self._connection, self._keys)

@@ -191,3 +191,34 @@ def test_shutdown_closes_the_run_for_late_nodes(etcd_server, unique_id) -> None:
     assert late.is_closed()
     with pytest.raises(RendezvousClosedError):
         late.next_rendezvous()
+
+
+def test_a_frozen_member_triggers_a_restart_after_its_lease(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
+    """A partitioned or frozen peer raises no error in the survivors' collectives; its expired
+    lease must make the survivors' agents restart and re-rendezvous without it."""
+    survivor, frozen = (Node(etcd_server.endpoint, unique_id, (1, 2), conf()) for _ in range(2))
+    nodes += [survivor, frozen]
+    join_all(survivor, frozen)
+    assert survivor.ask("waiting")["waiting"] == 0
+    frozen.process.send_signal(signal.SIGSTOP)  # alive but silent: no keep-alives
+    try:
+        deadline = time.monotonic() + 3 + 4  # lease_ttl 3 s + margin
+        while survivor.ask("waiting")["waiting"] == 0:
+            assert time.monotonic() < deadline, "the survivor never noticed the frozen member"
+            time.sleep(0.2)
+        result = survivor.ask("join", timeout=30)
+        assert result["world_size"] == 1
+    finally:
+        frozen.process.send_signal(signal.SIGCONT)
+
+
+def test_a_finished_job_does_not_restart_the_last_node(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
+    first, second = (Node(etcd_server.endpoint, unique_id, (1, 2), conf()) for _ in range(2))
+    nodes += [first, second]
+    join_all(first, second)
+    handler = create_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 2, **dict(
+        item.split("=") for item in conf().split(","))))
+    handler.set_closed()  # what the first finished node's launcher does (shutdown) ...
+    first.leave()  # ... before it leaves
+    time.sleep(1.0)
+    assert second.ask("waiting")["waiting"] == 0
