@@ -3,7 +3,8 @@
 Each node runs in its own network namespace (:mod:`tests.chaos.netns`), etcd in a third. Node b's
 link goes silent mid-training: no connection is reset, so the survivors notice only when their
 collective times out (``ELASTIC_TRAINER_PG_TIMEOUT_S``, short here) and node b's etcd lease
-expires; node a then trains alone. Once healed, node b rejoins and the job completes: every sample exactly once per epoch, no checkpoint lost,
+expires; node a then trains alone. The partition heals while node b's agent is trying to
+rendezvous again, its lease long expired; node b rejoins under a new lease and the job completes: every sample exactly once per epoch, no checkpoint lost,
 the weights of a no-fault run through the same world sizes.
 """
 
@@ -44,7 +45,9 @@ def test_node_partitioned_then_healed(no_fault, tmp_path: Path, run_dirs: RunDir
         node_a, node_b = nodes
         faults = (FaultInjector(run_dirs)
                   .at_step(20, "node b partitioned", lambda: net.partition("b"))
-                  .when(lambda step: run_dirs.steps(world_size=1) >= 40, "partition healed", lambda: net.heal("b")))
+                  # Heal once node a trains alone: node b's workers timed out with a's, so its agent
+                  # is trying to rendezvous again, its lease long expired (it must rejoin under a new one).
+                  .when(lambda step: run_dirs.steps(world_size=1) >= 30, "partition healed", lambda: net.heal("b")))
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=240, agents=nodes)
         codes = wait_all(nodes, timeout=60)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
