@@ -48,6 +48,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -208,6 +209,11 @@ def _range_end(prefix: str) -> bytes:
     return bytes(raw)
 
 
+def _lease_not_found(exc: BaseException) -> bool:
+    """etcd answered NOT_FOUND "requested lease not found" (the lease expired)."""
+    return "lease not found" in str(exc)
+
+
 def _refresh(lease_id: int) -> Callable[[Any], int]:
     return lambda client: int(list(client.refresh_lease(lease_id))[0].TTL)
 
@@ -238,6 +244,12 @@ class _NodeLease:
                 self._thread = threading.Thread(target=self._keep_alive, name="etcd-v3-lease", daemon=True)
                 self._thread.start()
             return self._lease_id
+
+    def invalidate(self, lease_id: int) -> None:
+        """Forget ``lease_id`` (etcd no longer has it); the next :meth:`lease_id` grants anew."""
+        with self._lock:
+            if self._lease_id == lease_id:
+                self._lease_id = None
 
     def _keep_alive(self) -> None:
         interval = max(self._ttl / 3.0, 0.5)
@@ -511,7 +523,16 @@ class LeaseRendezvousHandler(RendezvousHandler):
             if joined_round != state.round:
                 join_key = self._keys.joined(state.round, self.node_id)
                 lease = self._lease.lease_id()
-                self._connection.call(_put(join_key, b"", lease), what="a rendezvous join")
+                try:
+                    self._connection.call(_put(join_key, b"", lease), what="a rendezvous join")
+                except RendezvousConnectionError as exc:
+                    if not _lease_not_found(exc):
+                        raise
+                    # Cut off longer than lease_ttl (a partition): our lease expired. Register
+                    # again under a new lease and retry the join.
+                    log.warning("etcd-v3: this node's lease expired; registering again")
+                    self._lease.invalidate(lease)
+                    continue
                 joined_round, min_reached_at = state.round, None
                 continue
             live_joined = [n for n in snapshot.joined.get(state.round, []) if n in snapshot.live]

@@ -222,3 +222,21 @@ def test_a_finished_job_does_not_restart_the_last_node(etcd_server, unique_id, n
     first.leave()  # ... before it leaves
     time.sleep(1.0)
     assert second.ask("waiting")["waiting"] == 0
+
+
+def test_join_after_the_lease_expired_registers_again(etcd_server, unique_id) -> None:  # type: ignore[no-untyped-def]
+    """After a partition longer than lease_ttl, etcd has dropped the node's lease: the next join
+    must register under a new lease instead of failing with 'requested lease not found'."""
+    params = RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1, lease_ttl=3)
+    handler = create_handler(params)
+    try:
+        handler.next_rendezvous()
+        lease = handler._lease  # type: ignore[attr-defined]
+        lease._stop.set()  # no more keep-alives: as if cut off from etcd
+        old = lease._lease_id
+        handler._connection.call(lambda c: c.revoke_lease(old), what="expire")  # type: ignore[attr-defined]
+        info = handler.next_rendezvous()
+        assert info.world_size == 1
+        assert lease._lease_id not in (None, old)
+    finally:
+        handler.shutdown()
