@@ -124,6 +124,12 @@ def test_node_join_scale_up(etcd_server, no_fault, run_dirs: RunDirs) -> None:
     assert lost and not any(lost), f"admitting a node loses no step: {lost}"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known runtime bug (open, issue 3/7 notes): with gloo and >= 3 ranks the ring allreduce "
+    "sums in a bucket-layout-dependent order, and a freshly built DDP's first step uses the initial "
+    "bucket layout while an uninterrupted run uses the rebuilt one, so a restart is not bitwise exact",
+)
 def test_worker_sigkill_three_nodes_bitwise(etcd_server, no_fault, run_dirs: RunDirs) -> None:
     """As test_worker_sigkill with three ranks: the runtime promises bitwise-equal weights after a
     restart at the same world size. (Fails with torch 2.13 + gloo: a freshly built DDP reduces its
