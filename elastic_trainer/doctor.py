@@ -371,7 +371,8 @@ class Doctor:
             f"ready in {time.monotonic() - began:.2f} s")))
 
     def placement(self, model: TestModel) -> CheckResult:
-        assert self.env is not None
+        if self.env is None:
+            raise RuntimeError("placement check run before the environment check")
         device = self.env.device
         torch.manual_seed(0)
         module = model.build().to(device).train()

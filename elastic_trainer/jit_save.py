@@ -480,7 +480,8 @@ class JitCheckpointer:
 
     def _signal_deadline(self) -> float:
         now = time.monotonic()
-        assert self._signal_at is not None
+        if self._signal_at is None:
+            raise RuntimeError("signal deadline asked for before any signal arrived")
         deadline = min(now + SAVE_TIMEOUT_S, self._signal_at + TORCHRUN_STOP_WINDOW_S - EXIT_MARGIN_S)
         stop = self._stop_deadline()
         if stop is not None:

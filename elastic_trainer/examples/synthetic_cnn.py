@@ -223,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if env.is_rank0:
         dataset = trainer.dataset
-        assert isinstance(dataset, SyntheticImages)
+        if not isinstance(dataset, SyntheticImages):
+            raise TypeError(f"the example's dataset is {type(dataset).__name__}, not SyntheticImages")
         eval_loss = None if result.stopped_by_signal else evaluate(trainer.model, dataset, env.device)
         print(f"final step {result.step} epoch {result.epoch} loss {result.loss} eval_loss {eval_loss} "
               f"checkpoint {result.checkpoint} stopped_by_signal {result.stopped_by_signal}", flush=True)
