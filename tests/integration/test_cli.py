@@ -149,7 +149,9 @@ def test_doctor_through_the_cli_on_etcd_v3(etcd_server, unique_id: str) -> None:
     done = cli("doctor", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nproc-per-node", "2",
                "--metrics-port", "0", "--", "--sizes", "1K,64K", "--iters", "3", timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "RESULT: PASS" in done.stdout
+    # WARN is allowed (the compute/comm ratio depends on the machine's load); FAIL is not.
+    assert "RESULT: PASS" in done.stdout or "RESULT: WARN" in done.stdout
+    assert "FAIL " not in done.stdout
     assert f"run id {unique_id}" in done.stdout  # it really went through our rendezvous
 
 
