@@ -512,7 +512,8 @@ class JitCheckpointer:
 
     def _save(self, reason: str, deadline: float) -> JitOutcome:
         started = time.monotonic()
-        assert self.directory is not None
+        if self.directory is None:
+            raise RuntimeError("just-in-time save requested without a checkpoint directory")
         claim: ckpt.StepClaim | None = None
         step: int | None = None
         try:

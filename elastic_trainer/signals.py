@@ -170,7 +170,8 @@ class SignalWakeup:
                 signal.set_wakeup_fd(-1)
 
     def _read(self) -> None:
-        assert self._read_fd is not None
+        if self._read_fd is None:
+            raise RuntimeError("signal pipe read before it was installed")
         while True:
             try:
                 data = os.read(self._read_fd, 512)

@@ -241,7 +241,8 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------------
     def _setup(self) -> None:
         cfg, env = self.config, self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         device = env.device
         if cfg.sync_batchnorm and device.type != "cuda":
             raise TrainerSetupError("sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; this worker is on CPU")
@@ -321,7 +322,8 @@ class Trainer:
     # -- resume ----------------------------------------------------------------------------------
     def _resume(self) -> None:
         cfg, env = self.config, self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         # Rank 0 decides for all: which checkpoint to load, and whether to save just in time (JIT
         # widens the per-step control allreduce: every rank must agree, whatever its env says).
         decision: list[Any] = [None, self._jit_wanted()]
@@ -336,7 +338,8 @@ class Trainer:
         if kind == "error":
             raise ckpt.CheckpointError(value)
         if kind == "load":
-            assert value is not None
+            if value is None:
+                raise RuntimeError("rank 0 chose to load a checkpoint but sent no path")
             started = time.monotonic()
             state = ckpt.load_checkpoint(value, env.device)
             self._apply(state)
@@ -358,7 +361,8 @@ class Trainer:
     def _jit_wanted(self) -> bool:
         """This rank's view of whether to save just in time (rank 0's view is the one used)."""
         cfg, env = self.config, self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         if not cfg.jit_save:
             if env.is_rank0:
                 log.info("just-in-time checkpoints are off (jit_save=False or %s=0)", ENV_JIT_SAVE)
@@ -375,7 +379,8 @@ class Trainer:
 
     def _setup_jit(self, enabled: bool) -> None:
         env, cfg = self.env, self.config
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         self._jit = JitCheckpointer(
             guard=self._guard, directory=cfg.checkpoint_dir, rank=env.rank, step=lambda: self.step,
             payload=self._jit_payload, write=self._jit_write, drain=self._jit_drain,
@@ -400,7 +405,8 @@ class Trainer:
     def _jit_payload(self) -> dict[str, Any]:
         """(Holding the guard) a host copy of the state after the last completed step."""
         env = self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         model_state = self.model.state_dict()
         source = "none"
         if self._buffers is not None:
@@ -413,7 +419,8 @@ class Trainer:
 
     def _jit_write(self, step: int, payload: dict[str, Any]) -> str:
         cfg, env = self.config, self.env
-        assert env is not None and cfg.checkpoint_dir is not None
+        if env is None or cfg.checkpoint_dir is None:
+            raise RuntimeError("checkpointing needs the distributed environment and a checkpoint_dir")
         info = ckpt.save_checkpoint(cfg.checkpoint_dir, payload, step=step, epoch=int(payload["epoch"]),
                                     world_size=env.world_size, fingerprint_fields=self.fingerprint_fields,
                                     keep_last=None, jit=True)
@@ -449,7 +456,8 @@ class Trainer:
 
     def _apply(self, state: dict[str, Any]) -> None:
         env = self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
@@ -467,7 +475,8 @@ class Trainer:
 
     def _open_sample_log(self) -> None:
         cfg, env = self.config, self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         if cfg.record_samples_dir is None:
             return
         generation = [(uuid.uuid4().hex, time.time())]
@@ -484,7 +493,8 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         cfg, env = self.config, self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         self.ddp.train()
         self._loss: float | None = None
         self._window = (time.monotonic(), 0)
@@ -552,7 +562,8 @@ class Trainer:
         """Start the step's one small allreduce: summed loss (for the global mean) and stop flag
         (and, with just-in-time saving, rank 0's module buffers after this step)."""
         env = self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         stop = torch.tensor(float(self._stop.requested), device=env.device)
         extra, self._buffers_contribution = self._buffers_contribution, None
         if extra is None:
@@ -573,7 +584,8 @@ class Trainer:
         most one step after the one during which the signal arrived.
         """
         cfg, env = self.config, self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         if pending.work is not None:
             pending.work.wait()
         loss_sum, stop = pending.control[:2].tolist()
@@ -592,7 +604,8 @@ class Trainer:
 
     def _train_step(self, plan: StepPlan, batches: Iterator[Any]) -> tuple[torch.Tensor, float]:
         env = self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         device = env.device
         self.optimizer.zero_grad(set_to_none=True)
         # Each rank's loss is scaled by world_size / global_samples: DDP averages gradients over the
@@ -653,7 +666,8 @@ class Trainer:
         other ranks from going on (or exiting) before the file is in place.
         """
         cfg, env = self.config, self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         if cfg.checkpoint_dir is None or self._last_saved_step == self.step:
             return self._last_checkpoint
         started = time.monotonic()
@@ -683,7 +697,8 @@ class Trainer:
     def _payload(self, model_state: dict[str, Any], *, rng_states: list[Any]) -> dict[str, Any]:
         """What a checkpoint holds (live tensors; the caller copies or writes them at once)."""
         cfg, env = self.config, self.env
-        assert env is not None
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
         return {
             "format": ckpt.FORMAT,
             "model": model_state,
@@ -701,7 +716,8 @@ class Trainer:
 
     def _write(self, rng_states: list[Any], *, sync: bool, started: float) -> str:
         cfg, env = self.config, self.env
-        assert env is not None and cfg.checkpoint_dir is not None
+        if env is None or cfg.checkpoint_dir is None:
+            raise RuntimeError("checkpointing needs the distributed environment and a checkpoint_dir")
         payload = self._payload(self.model.state_dict(), rng_states=rng_states)
         step, epoch, directory = self.step, self.sampler.epoch, cfg.checkpoint_dir
         path = str(ckpt.checkpoint_path(directory, step))
