@@ -100,6 +100,10 @@ self-test: ELASTIC_TRAINER_DOCTOR_FAULT=allreduce|grad_sync|placement|hang break
 """
 
 
+_QUIET_RANK_GRACE_S = 10.0
+"""How long a non-zero rank with bad arguments waits for the agent to stop it after rank 0 fails."""
+
+
 class UsageError(ValueError):
     """A bad command line: reported in one line, exit status 2."""
 
@@ -446,6 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # UsageError included
         if not quiet:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        elif "TORCHELASTIC_RUN_ID" in environ:
+            # Under an elastic agent the first rank to exit non-zero gets the others killed: give
+            # rank 0 (same arguments, same error) a bounded head start to print the one line.
+            time.sleep(_QUIET_RANK_GRACE_S)
         return 2
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
