@@ -29,6 +29,9 @@ metrics_port         ``9400``    the node's Prometheus endpoint; 0 turns metrics
 metrics_addr         ``0.0.0.0`` bind address of that endpoint (pods are scraped from outside)
 device               ``auto``    ``cuda`` if available, else ``cpu``
 etcd_host            127.0.0.1   where the embedded etcd listens
+warm_start           ``on``      (re)started workers are forked from a per-node server that has
+                                 already imported torch: seconds off every recovery
+warm_preload         (none)      extra modules for that server to import (your model's)
 ===================  ==========  ==========================================================
 """
 
@@ -105,6 +108,14 @@ def _text(text: Any) -> str:
     return value
 
 
+def _modules(text: Any) -> str:
+    names = [name.strip() for name in str(text).split(",") if name.strip()]
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"{name!r} is not a module name")
+    return ",".join(names)
+
+
 def _rdzv_conf(text: Any) -> str:
     value = str(text).strip()
     for item in filter(None, value.split(",")):
@@ -151,6 +162,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("device", _choice("auto", "cpu", "cuda"), "auto", "worker device: auto, cpu or cuda"),
     OptionSpec("etcd_host", _text, "127.0.0.1", "listen address of the embedded etcd"),
     OptionSpec("log_dir", _text, None, "directory for per-worker logs (default: inherit the console)"),
+    OptionSpec("warm_start", _choice("on", "off"), "on", "fork restarted workers from a process with torch imported"),
+    OptionSpec("warm_preload", _modules, "", "extra modules the warm server imports (comma-separated)"),
 )
 OPTIONS_BY_NAME = {spec.name: spec for spec in OPTIONS}
 
@@ -195,6 +208,10 @@ class RunOptions:
     """Embedded etcd listen address."""
     log_dir: str | None
     """Per-worker log directory, or ``None`` for the console."""
+    warm_start: str
+    """``on``: workers are forked from a warm server (:mod:`elastic_trainer.warm_start`)."""
+    warm_preload: str
+    """Extra comma-separated modules the warm server imports."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each value came from (cli, env, file, default): shown by ``--dry-run``."""
 

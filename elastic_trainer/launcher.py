@@ -87,8 +87,10 @@ def rdzv_conf(options: RunOptions) -> str:
     return ",".join(filter(None, (ours, options.rdzv_conf)))
 
 
-def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, target: Target) -> list[str]:
-    """The torchrun command line this launch is equivalent to."""
+def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, target: Target,
+                  worker_args: Sequence[str] | None = None) -> list[str]:
+    """The torchrun command line this launch is equivalent to (``worker_args`` replaces the
+    target's own arguments when workers go through the warm-start client)."""
     argv = [
         f"--nnodes={options.nnodes}",
         f"--nproc-per-node={nproc}",
@@ -101,7 +103,7 @@ def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, t
     ]
     if options.log_dir:
         argv += [f"--log-dir={options.log_dir}", "--tee=3"]
-    return argv + target.torchrun_args()
+    return argv + (list(worker_args) if worker_args is not None else target.torchrun_args())
 
 
 def _check_external_etcd(options: RunOptions, run_id: str) -> None:
@@ -191,7 +193,16 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
             cleanup.callback(metrics.close)
             log.warning("node metrics on %s", metrics.url)
 
-        args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target))
+        worker_args = None
+        if options.warm_start == "on":
+            from elastic_trainer.warm_start import DEFAULT_PRELOAD, start_server
+
+            extra = [name for name in options.warm_preload.split(",") if name]
+            warm = start_server([*DEFAULT_PRELOAD, *extra])
+            cleanup.callback(warm.close)
+            worker_args = warm.client_args(target.torchrun_args())
+
+        args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args))
         try:
             run(args)
         except ChildFailedError as exc:

@@ -28,6 +28,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def worker_processes(agent_pid: int) -> list[int]:
+    """The processes running the training target under an agent: its children, with a warm-start
+    client replaced by the worker the node's warm server forked for it (the process a real fault
+    would hit)."""
+    from elastic_trainer.warm_start import worker_pids
+
+    return worker_pids(agent_pid, children(agent_pid))
+
+
 class Agent:
     """One torchrun agent (a 'node') running ``script`` with ``torchrun_args``."""
 
@@ -44,7 +53,7 @@ class Agent:
         )
 
     def worker_pids(self) -> list[int]:
-        return children(self.process.pid)
+        return worker_processes(self.process.pid)
 
     def wait(self, timeout: float) -> int:
         try:

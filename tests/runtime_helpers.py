@@ -43,14 +43,10 @@ class Agent:
         return self.proc.pid
 
     def worker_pids(self) -> list[int]:
-        """Current worker processes (children of the agent)."""
-        pids: list[int] = []
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            for task in os.listdir(f"/proc/{self.pid}/task"):
-                with contextlib.suppress(FileNotFoundError):
-                    text = Path(f"/proc/{self.pid}/task/{task}/children").read_text()
-                    pids += [int(p) for p in text.split()]
-        return pids
+        """Current worker processes (warm-start clients resolved to their workers)."""
+        from tests.agents import worker_processes
+
+        return worker_processes(self.pid)
 
     def kill_worker(self, index: int = 0) -> int:
         """SIGKILL one worker; returns its pid."""

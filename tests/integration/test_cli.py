@@ -117,7 +117,7 @@ def test_status_shows_a_running_job(etcd_server, tmp_path: Path, unique_id: str)
     log = open(tmp_path / "job.log", "wb")  # noqa: SIM115 -- the job outlives this statement
     job = subprocess.Popen(
         [*CLI, "run", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nnodes", "1",
-         "--nproc-per-node", "2", "--metrics-port", "0", *EXAMPLE, "--max-steps", "400",
+         "--nproc-per-node", "2", "--metrics-port", "0", *EXAMPLE, "--max-steps", "400", "--epochs", "100",
          "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--throttle-ms", "50"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
     )

@@ -53,6 +53,8 @@ def test_config_file_from_env_variable(tmp_path: Path) -> None:
         ({"device": "tpu"}, {}, None, "must be one of auto, cpu, cuda"),
         ({"rdzv_conf": "novalue"}, {}, None, "'novalue' is not KEY=VALUE"),
         ({"keep_alive_interval": "40"}, {}, None, "keep_alive_interval \\(40s\\) must be shorter"),
+        ({"warm_start": "yes"}, {}, None, "--warm-start: bad value 'yes' \\(must be one of on, off\\)"),
+        ({}, {"ELASTIC_TRAINER_WARM_PRELOAD": "ok.mod,bad-name"}, None, "'bad-name' is not a module name"),
     ],
 )
 def test_bad_values_name_option_and_source(
@@ -96,6 +98,15 @@ def test_torchrun_argv_user_rdzv_conf_wins_and_target_last() -> None:
     conf = rdzv_conf(options)
     assert conf.index("last_call_timeout=5") < conf.index("last_call_timeout=1")  # later key wins
     assert conf.endswith("protocol=https")
+
+
+def test_warm_start_is_on_by_default_and_workers_go_through_the_client() -> None:
+    options = resolve_run_options({"warm_preload": " mymodel , mymodel.layers "}, env={})
+    assert options.warm_start == "on" and options.warm_preload == "mymodel,mymodel.layers"
+    target = split_target(["pkg.mod", "--lr", "0.1"], as_module=True)
+    client = ["-m", "elastic_trainer.warm_start", "--socket", "/s", "--", *target.torchrun_args()]
+    argv = torchrun_argv(options, "e:1", "job", 2, target, client)
+    assert argv[-len(client):] == client
 
 
 def test_target_requires_something_to_run() -> None:

@@ -1,0 +1,546 @@
+"""Warm worker start: restarted workers are forked from a process that has already imported torch.
+
+Why: after a fault torchrun starts every worker of the node again, and each new process spends
+seconds importing torch, ``torch.distributed`` and the DDP machinery before it can rejoin (two
+to five seconds per worker on a loaded two-core node, several workers importing at once). That
+is most of a recovery once the rendezvous closes in well under a second.
+
+How, without changing what torchrun sees:
+
+* ``elastic-trainer run`` starts one **warm server** per node (``python -m
+  elastic_trainer.warm_start serve``). It imports the modules a worker needs (``torch``,
+  ``torch.distributed``, DDP, dynamo, the runtime), never touches CUDA, then listens on a unix
+  socket in a private (0700) directory. It detaches from the launcher's process tree (its
+  parent exits at once) but watches a pipe from the launcher: when the launcher goes away, for
+  any reason, the server SIGKILLs every worker it forked and exits.
+* torchrun still starts each worker as a subprocess, as always, but the command is the **warm
+  client** (``python -u -m elastic_trainer.warm_start --socket PATH -- TARGET...``): a
+  stdlib-only process that starts in tens of milliseconds, hands its stdin/stdout/stderr file
+  descriptors, environment, working directory and command line to the server (``SCM_RIGHTS``),
+  and gets back the pid of a worker the server forked for it. The forked worker starts a new
+  session, takes over those descriptors and that environment and runs the target exactly as
+  ``python -u -m MODULE`` / ``python -u SCRIPT`` would (``runpy``), with its imports already done.
+* The client stands in for the worker towards torchrun: signals it receives (torchrun's
+  SIGTERM to the group, SIGINT, ...) are forwarded to the worker's process group, and it exits
+  with the worker's exit status (dying by the same signal when the worker was killed), so
+  torchrun's failure detection, restarts and error reports are unchanged. If the client itself
+  is SIGKILLed (torchrun's escalation, a test), the server sees its socket close and SIGKILLs the
+  worker's group.
+
+If the server cannot be used (it failed to start, it is gone, the socket is refused), the client
+falls back to a cold start of the same command (``os.execv``) after one warning line, so a warm
+start can only make a start faster, never make it fail. ``--warm-start off`` turns it off.
+
+Forking after importing torch is what ``multiprocessing``'s forkserver and torch's own
+``--start-method=forkserver`` do; the server refuses to serve (and clients fall back) if CUDA's
+driver library got loaded into it, because a CUDA context must never cross a ``fork``.
+
+For tools and tests: :func:`worker_pids` maps a launcher's children (clients) onto the workers
+actually running the target, through the registry the server keeps in its directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SOCKET_NAME = "server.sock"
+FAILED_NAME = "server.failed"
+WORKERS_DIR = "workers"
+DIR_PREFIX = "elastic-trainer-warm-"
+
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.elastic.multiprocessing.errors",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "torch.utils.data",
+    "elastic_trainer.trainer",
+    "elastic_trainer.checkpoint",
+    "elastic_trainer.metrics",
+    "elastic_trainer.metrics_comm_hook",
+)
+"""Imported by the server before it serves: what every runtime worker imports anyway."""
+
+CONNECT_WAIT_S = 120.0
+"""How long a client waits for a server that is still importing before it starts cold."""
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+"""Signals a client passes on to its worker's process group."""
+
+_HEADER = struct.Struct("!I")
+_MAX_REQUEST = 16 << 20
+
+
+class WarmStartError(RuntimeError):
+    """The warm server cannot start a worker (the client then starts cold)."""
+
+
+# -- wire format: length-prefixed JSON, the request carrying three file descriptors ------------------
+def _send_message(sock: socket.socket, payload: dict[str, object], fds: Sequence[int] = ()) -> None:
+    body = json.dumps(payload).encode()
+    data = _HEADER.pack(len(body)) + body
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < size:
+        chunk = sock.recv(size - len(chunks))
+        if not chunk:
+            raise EOFError("connection closed")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _recv_message(sock: socket.socket, *, with_fds: int = 0) -> tuple[dict[str, object], list[int]]:
+    fds: list[int] = []
+    if with_fds:
+        data, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, with_fds)
+        if not data:
+            raise EOFError("connection closed")
+        head = data + _recv_exact(sock, _HEADER.size - len(data))
+    else:
+        head = _recv_exact(sock, _HEADER.size)
+    (size,) = _HEADER.unpack(head)
+    if size > _MAX_REQUEST:
+        raise WarmStartError(f"message of {size} bytes is too large")
+    message = json.loads(_recv_exact(sock, size))
+    if not isinstance(message, dict):
+        raise WarmStartError("message is not a JSON object")
+    return message, fds
+
+
+# -- the server ----------------------------------------------------------------------------------------
+def _cuda_driver_loaded() -> bool:
+    with contextlib.suppress(OSError):
+        return "libcuda.so" in Path("/proc/self/maps").read_text()
+    return False
+
+
+@dataclass
+class _Worker:
+    pid: int
+    conn: socket.socket
+    client_pid: int
+
+
+@dataclass
+class _Server:
+    directory: Path
+    listener: socket.socket
+    parent_pipe: int
+    wakeup_read: int
+    selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
+    by_pid: dict[int, _Worker] = field(default_factory=dict)
+    by_conn: dict[int, _Worker] = field(default_factory=dict)
+
+    def serve_forever(self) -> None:
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.parent_pipe, selectors.EVENT_READ, "parent")
+        self.selector.register(self.wakeup_read, selectors.EVENT_READ, "child")
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "parent":
+                    if not os.read(self.parent_pipe, 4096):
+                        return  # the launcher is gone
+                elif key.data == "child":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wakeup_read, 4096)
+                    self._reap()
+                else:
+                    self._client_event(key.data)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            conn.settimeout(10.0)
+            request, fds = _recv_message(conn, with_fds=3)
+            if len(fds) != 3:
+                raise WarmStartError(f"expected 3 file descriptors, got {len(fds)}")
+            pid = os.fork()
+        except (OSError, EOFError, ValueError, WarmStartError) as exc:
+            with contextlib.suppress(OSError):
+                _send_message(conn, {"error": f"{type(exc).__name__}: {exc}"})
+            conn.close()
+            return
+        if pid == 0:
+            _become_worker(self, conn, request, fds)  # never returns
+        for fd in fds:
+            os.close(fd)
+        client_pid = int(request.get("client_pid", 0))  # type: ignore[call-overload]
+        worker = _Worker(pid, conn, client_pid)
+        self.by_pid[pid] = worker
+        self.by_conn[conn.fileno()] = worker
+        with contextlib.suppress(OSError):
+            _write_atomically(self.directory / WORKERS_DIR / str(client_pid), str(pid))
+        try:
+            _send_message(conn, {"pid": pid})
+        except OSError:
+            self._kill(worker)
+            return
+        conn.setblocking(False)
+        self.selector.register(conn, selectors.EVENT_READ, conn.fileno())
+
+    def _client_event(self, conn_fd: int) -> None:
+        worker = self.by_conn.get(conn_fd)
+        if worker is None:
+            return
+        try:
+            data = worker.conn.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client died (or was killed): its worker must not outlive it
+            self._kill(worker)
+
+    def _kill(self, worker: _Worker) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGKILL)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            worker = self.by_pid.pop(pid, None)
+            if worker is None:
+                continue
+            self.by_conn.pop(worker.conn.fileno(), None)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(worker.conn)
+            with contextlib.suppress(OSError):
+                worker.conn.setblocking(True)
+                _send_message(worker.conn, {"returncode": os.waitstatus_to_exitcode(status)})
+            worker.conn.close()
+            with contextlib.suppress(OSError):
+                (self.directory / WORKERS_DIR / str(worker.client_pid)).unlink()
+
+    def shutdown(self) -> None:
+        for worker in list(self.by_pid.values()):
+            self._kill(worker)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    scratch = path.with_name(path.name + ".tmp")
+    scratch.write_text(text)
+    os.replace(scratch, path)
+
+
+def _become_worker(server: _Server, conn: socket.socket, request: dict[str, object], fds: list[int]) -> None:
+    """In the forked child: turn into the worker the client asked for; never returns."""
+    code = 1
+    try:
+        os.setsid()  # like torchrun's start_new_session=True: the worker leads its own group
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with contextlib.suppress(OSError):
+            server.selector.close()
+        for fd in (server.listener.fileno(), server.parent_pipe, server.wakeup_read, conn.fileno(),
+                   *(w.conn.fileno() for w in server.by_pid.values())):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for target_fd, fd in enumerate(fds):
+            os.dup2(fd, target_fd)
+            os.close(fd)
+        env = request["env"]
+        argv = request["argv"]
+        if not isinstance(env, dict) or not isinstance(argv, list) or not argv:
+            raise WarmStartError("bad request")
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in env.items()})
+        os.chdir(str(request["cwd"]))
+        _reopen_stdio()
+        _reseed_inherited_rngs()
+        _apply_thread_settings()
+        code = _run_target([str(word) for word in argv])
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 - the worker's own uncaught error: print it like python does
+        with contextlib.suppress(BaseException):
+            sys.excepthook(*sys.exc_info())
+        code = 1
+    finally:
+        _finish(code)
+
+
+def _reopen_stdio() -> None:
+    """Fresh ``sys.std*`` over fds 0-2, unbuffered like ``python -u``."""
+    import io
+
+    encoding = os.environ.get("PYTHONIOENCODING", "").split(":")[0] or None
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=encoding)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding,
+                                  line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=encoding,
+                                  errors="backslashreplace", line_buffering=True, write_through=True)
+
+
+def _reseed_inherited_rngs() -> None:
+    """A fresh interpreter seeds these from the OS; forked siblings must not share a stream.
+    (``random`` reseeds itself after ``fork``; torch's default generator starts from a fixed
+    seed in a fresh process anyway.)"""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _apply_thread_settings() -> None:
+    """OpenMP read ``OMP_NUM_THREADS`` when the server loaded torch; honour the worker's value."""
+    torch = sys.modules.get("torch")
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and wanted.isdigit() and int(wanted) > 0 and torch.get_num_threads() != int(wanted):
+        torch.set_num_threads(int(wanted))
+
+
+def _run_target(argv: list[str]) -> int:
+    """Run ``-m MODULE ARGS`` or ``SCRIPT ARGS`` as ``__main__``; return the exit status."""
+    import runpy
+
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise WarmStartError("-m needs a module")
+        module = argv[1]
+        sys.argv = [module, *argv[2:]]
+        sys.path[0] = os.getcwd()
+        sys.modules.pop(module, None)  # run fresh as __main__, as python -m does; its imports stay warm
+        runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]  # what python -m runs
+    else:
+        script = argv[0]
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    with contextlib.suppress(BaseException):
+        print(value, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int) -> None:
+    """End the worker the way a normal interpreter exit would (threads joined, atexit handlers
+    run, streams flushed), then leave without the server's inherited teardown."""
+    import atexit
+    import threading
+
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as at exit
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    os._exit(code)
+
+
+def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
+    """The server's main: preload, then fork workers on request until the launcher goes away."""
+    import importlib
+
+    try:
+        for name in preload:
+            importlib.import_module(name)
+        if _cuda_driver_loaded():
+            raise WarmStartError("the CUDA driver got loaded while preloading; forking would be unsafe")
+    except BaseException as exc:  # noqa: BLE001 - any failure: tell clients to start cold, say why once
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        with contextlib.suppress(OSError):
+            _write_atomically(directory / FAILED_NAME, reason)
+        print(f"elastic-trainer: warm start unavailable ({reason}); workers start cold", file=sys.stderr, flush=True)
+        return 1
+    (directory / WORKERS_DIR).mkdir(exist_ok=True)
+    wakeup_read, wakeup_write = os.pipe()
+    os.set_blocking(wakeup_read, False)
+    os.set_blocking(wakeup_write, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's pipe decides when we stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C goes to the launcher and its workers
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    scratch = directory / (SOCKET_NAME + ".tmp")
+    listener.bind(str(scratch))
+    listener.listen(64)
+    os.replace(scratch, directory / SOCKET_NAME)  # the socket appears only once it accepts
+    server = _Server(directory, listener, parent_pipe, wakeup_read)
+    try:
+        server.serve_forever()
+    finally:
+        server.shutdown()
+    return 0
+
+
+# -- the launcher's side ---------------------------------------------------------------------------------
+@dataclass
+class WarmStartServer:
+    """Handle the launcher keeps on its node's warm server."""
+
+    directory: Path
+    _pipe_write: int
+
+    @property
+    def socket_path(self) -> Path:
+        return self.directory / SOCKET_NAME
+
+    def client_args(self, target_args: Sequence[str]) -> list[str]:
+        """torchrun's ``-m MODULE ARGS`` for a worker: the client, then the real target."""
+        return ["-m", __name__, "--socket", str(self.socket_path), "--", *target_args]
+
+    def close(self) -> None:
+        """Stop the server (it SIGKILLs any worker still running) and remove its directory."""
+        with contextlib.suppress(OSError):
+            os.close(self._pipe_write)
+        import shutil
+
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def start_server(preload: Sequence[str]) -> WarmStartServer:
+    """Start this node's warm server in the background; it preloads while the rendezvous runs.
+
+    The directory is ``$TMPDIR/elastic-trainer-warm-<launcher pid>-<random>``, mode 0700.
+    """
+    directory = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
+    read_end, write_end = os.pipe()
+    os.set_inheritable(read_end, True)
+    cmd = [sys.executable, "-u", "-m", __name__, "serve", "--dir", str(directory),
+           "--parent-fd", str(read_end), "--preload", ",".join(preload)]
+    starter = subprocess.Popen(cmd, pass_fds=(read_end,), stdin=subprocess.DEVNULL, close_fds=True)
+    os.close(read_end)
+    starter.wait()  # the starter forks the server and exits at once
+    return WarmStartServer(directory, write_end)
+
+
+def worker_pids(launcher_pid: int, child_pids: Sequence[int]) -> list[int]:
+    """The processes running the target among a launcher's children: a warm client is replaced by
+    the worker forked for it (when it has one yet); other children are returned as they are."""
+    registries = sorted(Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}{launcher_pid}-*/{WORKERS_DIR}"))
+    found: list[int] = []
+    for pid in child_pids:
+        worker = None
+        for registry in registries:
+            with contextlib.suppress(OSError, ValueError):
+                worker = int((registry / str(pid)).read_text())
+                break
+        found.append(worker if worker is not None else pid)
+    return found
+
+
+# -- the client ------------------------------------------------------------------------------------------
+def _connect(socket_path: Path, deadline: float) -> socket.socket:
+    failed = socket_path.with_name(FAILED_NAME)
+    while True:
+        if failed.exists():
+            raise WarmStartError(failed.read_text().strip() or "the warm server failed")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(socket_path))
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            if not socket_path.parent.exists():
+                raise WarmStartError("the warm server's directory is gone") from exc
+            if time.monotonic() >= deadline:
+                raise WarmStartError(f"no warm server on {socket_path} after {CONNECT_WAIT_S:g} s") from exc
+            time.sleep(0.02)
+
+
+def _start_cold(target_args: Sequence[str], reason: str) -> None:
+    print(f"elastic-trainer: warm start unavailable ({reason}); starting this worker cold",
+          file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, "-u", *target_args])
+
+
+def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
+    """Have the warm server fork the worker, stand in for it, return (or die with) its status."""
+    try:
+        sock = _connect(socket_path, time.monotonic() + CONNECT_WAIT_S)
+        _send_message(sock, {"argv": list(target_args), "env": dict(os.environ), "cwd": os.getcwd(),
+                             "client_pid": os.getpid()}, fds=(0, 1, 2))
+        reply, _ = _recv_message(sock)
+    except (OSError, EOFError, ValueError, WarmStartError) as exc:
+        _start_cold(target_args, str(exc) or type(exc).__name__)
+        return 1  # not reached: execv replaced this process
+    if "pid" not in reply:
+        _start_cold(target_args, str(reply.get("error", "the warm server refused")))
+        return 1
+    worker_pid = int(reply["pid"])  # type: ignore[call-overload]
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker_pid, signum)
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    try:
+        status, _ = _recv_message(sock)
+        returncode = int(status["returncode"])  # type: ignore[call-overload]
+    except (OSError, EOFError, ValueError, KeyError):
+        # The server vanished (its launcher died): the worker went with it.
+        return 1
+    if returncode < 0:  # killed by a signal: die the same way so torchrun sees the same status
+        if -returncode not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+        time.sleep(1.0)
+        return 128 - returncode
+    return returncode
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["serve"]:
+        import argparse
+
+        parser = argparse.ArgumentParser(prog="elastic_trainer.warm_start serve")
+        parser.add_argument("--dir", required=True, type=Path)
+        parser.add_argument("--parent-fd", required=True, type=int)
+        parser.add_argument("--preload", default="")
+        options = parser.parse_args(args[1:])
+        if os.fork() > 0:  # detach: the server is not one of the launcher's worker processes
+            os._exit(0)
+        os.setsid()
+        return serve(options.dir, [m for m in options.preload.split(",") if m], options.parent_fd)
+    if len(args) < 4 or args[0] != "--socket" or args[2] != "--":
+        print("usage: python -m elastic_trainer.warm_start --socket PATH -- (-m MODULE | SCRIPT) [ARGS...]",
+              file=sys.stderr)
+        return 2
+    return run_client(Path(args[1]), args[3:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
