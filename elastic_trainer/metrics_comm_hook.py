@@ -1,26 +1,31 @@
 """Time every DDP gradient bucket's allreduce without adding a synchronisation to the step.
 
 :func:`timed_allreduce_hook` is a DDP communication hook that runs torch's default allreduce
-(as ``default_hooks.allreduce_hook``: divide by world size, ``all_reduce``) and timestamps the
+(as ``default_hooks.allreduce_hook``: divide by world size, ``allreduce``) and timestamps the
 bucket's future:
 
-- on CPU (gloo) with ``time.monotonic()`` when the hook launches the bucket and in a
+- on CPU (gloo) with ``time.monotonic()`` when the hook launches the bucket and in the
   ``future.then`` callback when its allreduce completes;
 - on GPU with a CUDA event recorded on the current stream at launch and another recorded in the
   ``then`` callback, which runs on a stream that waits for the collective. The events are only
   *queried* later (:meth:`AllreduceTimer.drain`), never synchronised, so the host never blocks
   on the GPU for the sake of metrics.
 
-The hook only appends to a list; the observer turns the records into Prometheus samples on the
-training thread once per step. This module deliberately does not use
-``from __future__ import annotations``: DDP compares the hook's annotations with the real
-``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects.
+A Python hook must return a future that a Python callback completed (DDP refuses the
+collective's own future), so one ``then`` callback per bucket is the floor: torch's stock
+``allreduce_hook`` pays it too. Everything else is kept off that path: the hook calls the
+process group directly (``dist.all_reduce`` adds ~10 us of Python checks per call), the
+callback appends one tuple to a ``deque`` (atomic under the GIL: no lock), and the observer
+turns the tuples into Prometheus samples on the training thread once per step. This module
+deliberately does not use ``from __future__ import annotations``: DDP compares the hook's
+annotations with the real ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
 """
 
-import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +33,9 @@ import torch.distributed as dist
 
 # Bounds the memory of records nobody drains (e.g. a loop that never calls on_step).
 DEFAULT_MAX_PENDING = 8192
+
+CpuRecord = tuple[int, int, float, float]
+"""One CPU-timed bucket as the hook stores it: (step_seq, nbytes, launched_s, done_s)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,6 +65,9 @@ class _PendingCuda:
 class AllreduceTimer:
     """State of :func:`timed_allreduce_hook`: collects per-bucket timings until drained.
 
+    The hook's callbacks run on the backend's threads and only append to a ``deque``;
+    ``deque.append`` and ``popleft`` are atomic, so neither side takes a lock.
+
     Args:
         process_group: the DDP model's process group (``None``: the default group).
         use_cuda: time with CUDA events (gradients on GPU) instead of the monotonic clock.
@@ -80,52 +91,62 @@ class AllreduceTimer:
         self.step_seq = 0
         self.dropped = 0
         self._max_pending = max_pending
-        self._lock = threading.Lock()  # then-callbacks run on the backend's threads
-        self._done: list[BucketTiming] = []
-        self._cuda: list[_PendingCuda] = []
+        self._done: deque[CpuRecord] = deque(maxlen=max_pending)
+        self._cuda: deque[_PendingCuda] = deque(maxlen=max_pending)
+        self._group: Any = None  # resolved on the first bucket (after init_process_group)
+        self._world = 1
+
+    def _resolve_group(self) -> Any:
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError("the allreduce timing hook ran before init_process_group")
+        self._world = group.size()
+        self._group = group
+        return group
 
     def record_cpu(self, step_seq: int, nbytes: int, launched_s: float, done_s: float) -> None:
         """Store one completed CPU-timed bucket (called from the future's callback)."""
-        timing = BucketTiming(
-            step_seq=step_seq,
-            nbytes=nbytes,
-            duration_s=max(0.0, done_s - launched_s),
-            launched_s=launched_s,
-            done_s=done_s,
-        )
-        with self._lock:
-            if len(self._done) >= self._max_pending:
-                del self._done[0]
-                self.dropped += 1
-            self._done.append(timing)
+        done = self._done
+        if len(done) == self._max_pending:
+            self.dropped += 1  # the deque drops the oldest itself
+        done.append((step_seq, nbytes, launched_s, done_s))
+
+    def _cpu_done(self, step_seq: int, nbytes: int, launched_s: float, fut: Any) -> torch.Tensor:
+        done_s = self.clock()
+        value = fut.value()[0]  # raises if the collective failed: nothing is recorded then
+        done = self._done  # record_cpu, inlined: this runs once per bucket on the critical path
+        if len(done) == self._max_pending:
+            self.dropped += 1
+        done.append((step_seq, nbytes, launched_s, done_s))
+        return value
 
     def add_cuda(self, pending: _PendingCuda) -> None:
-        with self._lock:
-            if len(self._cuda) >= self._max_pending:
-                del self._cuda[0]
-                self.dropped += 1
-            self._cuda.append(pending)
+        if len(self._cuda) == self._max_pending:
+            self.dropped += 1
+        self._cuda.append(pending)
 
     def next_step(self) -> None:
         """Mark a step boundary: buckets launched from now on belong to the next step."""
         self.step_seq += 1
 
+    def drain_cpu(self) -> list[CpuRecord]:
+        """Return and forget every CPU-timed record, oldest first (the observer's fast path)."""
+        done = self._done
+        return [done.popleft() for _ in range(len(done))]
+
     def drain(self) -> list[BucketTiming]:
         """Return and forget every finished timing, oldest first. Never blocks on the GPU."""
-        with self._lock:
-            done, self._done = self._done, []
-            if not self._cuda:
-                return done
-            finished = 0
-            for pending in self._cuda:
-                # Collectives on one stream finish in launch order: stop at the first one
-                # still running instead of querying (or waiting for) the rest.
-                if pending.end is None or not pending.end.query():
-                    break
-                finished += 1
-            ready, self._cuda = self._cuda[:finished], self._cuda[finished:]
-        for pending in ready:
-            done.append(
+        timings = [
+            BucketTiming(step_seq=seq, nbytes=nbytes, duration_s=max(0.0, done - launched),
+                         launched_s=launched, done_s=done)  # fmt: skip
+            for seq, nbytes, launched, done in self.drain_cpu()
+        ]
+        cuda = self._cuda
+        # Collectives on one stream finish in launch order: stop at the first one still running
+        # instead of querying (or waiting for) the rest.
+        while cuda and cuda[0].end is not None and cuda[0].end.query():
+            pending = cuda.popleft()
+            timings.append(
                 BucketTiming(
                     step_seq=pending.step_seq,
                     nbytes=pending.nbytes,
@@ -134,16 +155,7 @@ class AllreduceTimer:
                     done_s=None,
                 )
             )
-        return done
-
-
-def _launch_allreduce(state: AllreduceTimer, buffer: torch.Tensor) -> torch.futures.Future[Any]:
-    """What ``default_hooks.allreduce_hook`` does, minus its extra Python ``then`` callback:
-    average the bucket over the group (divide first, as torch does, against fp16 overflow)."""
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    buffer.div_(group.size())  # type: ignore[union-attr]
-    work = dist.all_reduce(buffer, group=group, async_op=True)
-    return work.get_future()  # type: ignore[union-attr]
+        return timings
 
 
 def timed_allreduce_hook(
@@ -152,17 +164,17 @@ def timed_allreduce_hook(
     """DDP comm hook: torch's default allreduce, with the bucket's future timestamped.
 
     Register with ``ddp_model.register_comm_hook(AllreduceTimer(...), timed_allreduce_hook)``.
-    One Python callback per bucket (the collective's own future), which also unwraps the result
-    the way the default hook does.
+    One Python callback per bucket (the one DDP requires), which also unwraps the result the
+    way the default hook does.
     """
     buffer = bucket.buffer()
-    nbytes = buffer.numel() * buffer.element_size()
-    step_seq = state.step_seq
+    group = state._group if state._group is not None else state._resolve_group()
+    # Average over the group; divide first, as torch does, against fp16 overflow.
+    buffer.div_(state._world)
     if state.use_cuda:
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        pending = _PendingCuda(step_seq=step_seq, nbytes=nbytes, start=start, end=None)
-        fut = _launch_allreduce(state, buffer)
+        pending = _PendingCuda(step_seq=state.step_seq, nbytes=buffer.nbytes, start=start, end=None)
 
         def _cuda_done(f: torch.futures.Future[Any]) -> torch.Tensor:
             value = f.value()[0]  # raises if the collective failed: nothing is recorded then
@@ -172,17 +184,11 @@ def timed_allreduce_hook(
             state.add_cuda(pending)
             return value
 
-        return fut.then(_cuda_done)
+        return group.allreduce([buffer]).get_future().then(_cuda_done)  # type: ignore[no-any-return]
 
     launched = state.clock()
-    fut = _launch_allreduce(state, buffer)
-
-    def _cpu_done(f: torch.futures.Future[Any]) -> torch.Tensor:
-        value = f.value()[0]
-        state.record_cpu(step_seq, nbytes, launched, state.clock())
-        return value
-
-    return fut.then(_cpu_done)
+    fut = group.allreduce([buffer]).get_future()
+    return fut.then(partial(state._cpu_done, state.step_seq, buffer.nbytes, launched))  # type: ignore[no-any-return]
 
 
 def exposed_wait_s(timings: list[BucketTiming]) -> float:

@@ -65,6 +65,7 @@ def _worker(rank: int, world: int, port: int, results: Any) -> None:
             opt.step()
             observer.on_step(step=step, duration_s=time.monotonic() - started, data_wait_s=0.0,
                              samples=32, tokens=0, loss=loss.item())  # fmt: skip
+        observer.flush()  # the last second's steps (the observer writes once a second)
         names = {"run_id": "job", "node": "n", "rank": str(rank), "local_rank": str(rank)}
 
         def mean(metric: str) -> float:

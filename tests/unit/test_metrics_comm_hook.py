@@ -52,6 +52,7 @@ def test_hook_times_every_bucket_and_keeps_gradients(gloo_world: None) -> None:
             assert a.grad is not None and b.grad is not None
             assert torch.equal(a.grad, b.grad)
         observer.on_step(step=n, duration_s=0.1, data_wait_s=0.0, samples=16, tokens=0, loss=None)
+    observer.flush()
     buckets = registry.get_sample_value("elastic_trainer_allreduce_duration_seconds_count", rank)
     assert buckets is not None and buckets >= 3  # 1 + (1 MiB first bucket, then 0.05 MB caps)
     param_bytes = sum(p.numel() * p.element_size() for p in hooked.parameters())

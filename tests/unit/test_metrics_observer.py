@@ -26,7 +26,10 @@ def registry() -> CollectorRegistry:
 @pytest.fixture
 def observer(registry: CollectorRegistry) -> PrometheusObserver:
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    return PrometheusObserver(labels=labels, registry=registry, wall_clock=lambda: 1_700_000_000.0)
+    # Writes every step, so that each test reads what it just reported (deferral: see below).
+    return PrometheusObserver(
+        labels=labels, registry=registry, wall_clock=lambda: 1_700_000_000.0, flush_interval_s=0.0
+    )
 
 
 def value(registry: CollectorRegistry, name: str, labels: dict[str, str] = RANK) -> float | None:
@@ -208,9 +211,81 @@ def test_no_checkpoint_series_before_the_first_checkpoint(
 
 def test_allreduce_timing_can_be_turned_off(registry: CollectorRegistry) -> None:
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(labels=labels, registry=registry, time_allreduce=False)
+    observer = PrometheusObserver(
+        labels=labels, registry=registry, time_allreduce=False, flush_interval_s=0.0
+    )
     ddp = FakeDDP()
     observer.wrap_ddp(ddp)
     assert ddp.state is None  # no hook registered
     step(observer, 1, duration_s=0.25)
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.25)
+
+
+def test_per_step_values_are_written_once_per_flush_interval(registry: CollectorRegistry) -> None:
+    now = [100.0]
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(
+        labels=labels, registry=registry, flush_interval_s=1.0, clock=lambda: now[0]
+    )
+    step(observer, 1)  # the first step writes at once
+    assert value(registry, "elastic_trainer_samples_total") == 32
+    now[0] += 0.5
+    step(observer, 2, loss=0.25)
+    step(observer, 3, loss=0.125)
+    # Within the interval nothing reached prometheus-client yet.
+    assert value(registry, "elastic_trainer_samples_total") == 32
+    assert value(registry, "elastic_trainer_step") == 1
+    assert value(registry, "elastic_trainer_step_duration_seconds_count") == 1
+    now[0] += 0.5
+    step(observer, 4, loss=None)  # the interval elapsed: steps 2-4 are written together
+    assert value(registry, "elastic_trainer_samples_total") == 4 * 32
+    assert value(registry, "elastic_trainer_tokens_total") == 4 * 4096
+    assert value(registry, "elastic_trainer_step") == 4
+    assert value(registry, "elastic_trainer_loss") == 0.125
+    assert value(registry, "elastic_trainer_step_duration_seconds_count") == 4
+    # A checkpoint writes what is pending, so the step gauge agrees with it.
+    now[0] += 0.1
+    step(observer, 5)
+    observer.on_checkpoint_saved(step=5, duration_s=0.1, nbytes=1)
+    assert value(registry, "elastic_trainer_step") == 5
+    now[0] += 0.1
+    step(observer, 6)
+    observer.flush()
+    assert value(registry, "elastic_trainer_samples_total") == 6 * 32
+    with pytest.raises(ValueError, match="flush_interval_s"):
+        PrometheusObserver(labels=labels, registry=CollectorRegistry(), flush_interval_s=-1.0)
+
+
+def test_deferred_histograms_export_exactly_what_observe_would(registry: CollectorRegistry) -> None:
+    """The local histograms write prometheus-client's own storage: the same samples as observe()."""
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0)
+    reference = CollectorRegistry()
+    direct = metrics_mod._WorkerMetrics(reference, labels)
+    durations = [0.0, 0.001, 0.0015, 0.2, 0.2000001, 7.0, 59.9, 60.0, 1e6, -0.5]
+    for n, duration in enumerate(durations, start=1):
+        step(observer, n, duration_s=duration, data_wait_s=duration / 10)
+        direct.step_duration.observe(duration)
+        direct.data_wait.observe(duration / 10)
+        direct.step_compute.observe(duration)
+        direct.samples.inc(32)
+        direct.tokens.inc(4096)
+        if n == 1:  # the first step is written at once, then nothing for an hour
+            assert value(registry, "elastic_trainer_samples_total") == 32
+    observer.flush()
+    observer.flush()  # idempotent: nothing pending is written twice
+
+    def exported(reg: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in reg.collect()
+            if family.name.startswith(("elastic_trainer_step_", "elastic_trainer_data_wait",
+                                       "elastic_trainer_samples", "elastic_trainer_tokens"))
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }  # fmt: skip
+
+    got, want = exported(registry), exported(reference)
+    assert got.keys() == want.keys() and len(got) > 60
+    for key, expected in want.items():
+        assert got[key] == pytest.approx(expected, rel=1e-12, abs=1e-12), key
