@@ -19,8 +19,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic_trainer.launch_options import RunOptions, UserError
+
+if TYPE_CHECKING:
+    from elastic_trainer.warm_start import WarmStartServer
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +137,21 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
     Raises:
         UserError: anything the user can fix, detected before workers start.
     """
+    target.check()
+    with contextlib.ExitStack() as cleanup:
+        warm = None
+        if options.warm_start == "on" and not dry_run:
+            # First of all: the server's imports then overlap the launcher's own and the
+            # rendezvous, so even a node's first workers (a join) do not wait for them in series.
+            from elastic_trainer.warm_start import DEFAULT_PRELOAD, start_server
+
+            extra = [name for name in options.warm_preload.split(",") if name]
+            warm = start_server([*DEFAULT_PRELOAD, *extra])
+            cleanup.callback(warm.close)
+        return _launch(options, target, warm, dry_run=dry_run)
+
+
+def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *, dry_run: bool) -> int:
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -142,7 +161,6 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
     from rendezvous.plugin import ensure_registered
 
     ensure_registered()
-    target.check()
     nproc = resolve_nproc(options, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if options.rdzv_endpoint is not None:
         try:
@@ -193,15 +211,7 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
             cleanup.callback(metrics.close)
             log.warning("node metrics on %s", metrics.url)
 
-        worker_args = None
-        if options.warm_start == "on":
-            from elastic_trainer.warm_start import DEFAULT_PRELOAD, start_server
-
-            extra = [name for name in options.warm_preload.split(",") if name]
-            warm = start_server([*DEFAULT_PRELOAD, *extra])
-            cleanup.callback(warm.close)
-            worker_args = warm.client_args(target.torchrun_args())
-
+        worker_args = warm.client_args(target.torchrun_args()) if warm is not None else None
         args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args))
         try:
             run(args)

@@ -378,12 +378,19 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
         if _cuda_driver_loaded():
             raise WarmStartError("the CUDA driver got loaded while preloading; forking would be unsafe")
     except BaseException as exc:  # noqa: BLE001 - any failure: tell clients to start cold, say why once
+        if not directory.exists():
+            return 0  # the launcher already stopped (e.g. a user error): nobody to tell
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
         with contextlib.suppress(OSError):
             _write_atomically(directory / FAILED_NAME, reason)
         print(f"elastic-trainer: warm start unavailable ({reason}); workers start cold", file=sys.stderr, flush=True)
+        _wait_for_eof(parent_pipe)  # keep the reason readable for clients while the launcher runs
+        _remove(directory)
         return 1
-    (directory / WORKERS_DIR).mkdir(exist_ok=True)
+    try:
+        (directory / WORKERS_DIR).mkdir(exist_ok=True)
+    except FileNotFoundError:
+        return 0  # the launcher stopped while we were importing
     wakeup_read, wakeup_write = os.pipe()
     os.set_blocking(wakeup_read, False)
     os.set_blocking(wakeup_write, False)
@@ -393,15 +400,31 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C goes to the launcher and its workers
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     scratch = directory / (SOCKET_NAME + ".tmp")
-    listener.bind(str(scratch))
-    listener.listen(64)
-    os.replace(scratch, directory / SOCKET_NAME)  # the socket appears only once it accepts
+    try:
+        listener.bind(str(scratch))
+        listener.listen(64)
+        os.replace(scratch, directory / SOCKET_NAME)  # the socket appears only once it accepts
+    except FileNotFoundError:
+        return 0  # the launcher stopped while we were starting
     server = _Server(directory, listener, parent_pipe, wakeup_read)
     try:
         server.serve_forever()
     finally:
         server.shutdown()
+        _remove(directory)  # also when the launcher was SIGKILLed and could not clean up
     return 0
+
+
+def _wait_for_eof(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        while os.read(fd, 4096):
+            pass
+
+
+def _remove(directory: Path) -> None:
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 # -- the launcher's side ---------------------------------------------------------------------------------
@@ -424,9 +447,7 @@ class WarmStartServer:
         """Stop the server (it SIGKILLs any worker still running) and remove its directory."""
         with contextlib.suppress(OSError):
             os.close(self._pipe_write)
-        import shutil
-
-        shutil.rmtree(self.directory, ignore_errors=True)
+        _remove(self.directory)
 
 
 def start_server(preload: Sequence[str]) -> WarmStartServer:

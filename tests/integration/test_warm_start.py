@@ -191,9 +191,13 @@ def test_when_the_launcher_goes_away_the_server_kills_its_workers(tmp_path: Path
     try:
         wait_for(out)
         worker = read_json(out)["pid"]
-        warm.close()  # what the launcher's exit (even a SIGKILL) does: the pipe closes
+        os.close(warm._pipe_write)  # what the launcher's exit, even by SIGKILL, does: the pipe closes
         assert wait_dead(worker), f"worker {worker} outlived the server"
         assert proc.wait(30) != 0
+        deadline = time.monotonic() + 10
+        while warm.directory.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not warm.directory.exists(), "the server left its directory behind"
     finally:
         warm.close()
         with contextlib.suppress(ProcessLookupError):
