@@ -211,7 +211,10 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *
             cleanup.callback(metrics.close)
             log.warning("node metrics on %s", metrics.url)
 
-        worker_args = warm.client_args(target.torchrun_args()) if warm is not None else None
+        worker_args = None
+        if warm is not None:
+            worker_args = warm.client_args(target.torchrun_args())
+            warm.wait_ready()  # join only once our workers can start at once (see wait_ready)
         args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args))
         try:
             run(args)

@@ -443,6 +443,21 @@ class WarmStartServer:
         """torchrun's ``-m MODULE ARGS`` for a worker: the client, then the real target."""
         return ["-m", __name__, "--socket", str(self.socket_path), "--", *target_args]
 
+    def wait_ready(self, timeout: float = CONNECT_WAIT_S) -> bool:
+        """Wait until the server serves (``True``) or gave up / timed out (``False``).
+
+        The launcher waits before it joins the rendezvous: a node joining a running job then
+        interrupts the others only once its own workers can start at once.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.socket_path.exists():
+                return True
+            if (self.directory / FAILED_NAME).exists() or not self.directory.exists():
+                return False
+            time.sleep(0.02)
+        return False
+
     def close(self) -> None:
         """Stop the server (it SIGKILLs any worker still running) and remove its directory."""
         with contextlib.suppress(OSError):

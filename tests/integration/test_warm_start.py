@@ -104,6 +104,11 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def test_wait_ready_returns_once_the_server_serves(server: WarmStartServer) -> None:
+    assert server.wait_ready(30) is True
+    assert server.socket_path.is_socket()
+
+
 def test_the_worker_runs_the_script_as_a_cold_process_would(server: WarmStartServer, tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -207,9 +212,7 @@ def test_when_the_launcher_goes_away_the_server_kills_its_workers(tmp_path: Path
 def test_a_server_that_cannot_preload_makes_workers_start_cold(tmp_path: Path) -> None:
     warm = start_server([PRELOAD, "no_such_module_for_warm_start"])
     try:
-        deadline = time.monotonic() + 30
-        while not (warm.directory / FAILED_NAME).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert warm.wait_ready(30) is False and (warm.directory / FAILED_NAME).exists()
         script = tmp_path / "worker.py"
         script.write_text(WORKER)
         out = tmp_path / "out.json"
