@@ -13,7 +13,9 @@ option               default     why
 nnodes               ``1:2``     elastic: trains with one node, admits a second
 nproc_per_node       ``auto``    one worker per visible GPU, else 1 on CPU
 max_restarts         ``3``       survive a few worker failures without a human
-monitor_interval     ``0.5``     seconds between worker health checks: failures seen fast
+monitor_interval     ``0.1``     seconds between worker health checks (torchrun's
+                                 default; a check is a process poll and a cached etcd
+                                 view, no request)
 rdzv_endpoint        (none)      none: start an embedded etcd on a free loopback port
 run_id               (derived)   required with an external etcd; derived for an embedded one
 join_timeout         ``600``     seconds a node waits for the minimum number of nodes
@@ -150,7 +152,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("run_id", _text, None, "rendezvous id of the job (required with --rdzv-endpoint)"),
     OptionSpec("rdzv_conf", _rdzv_conf, "", "extra rendezvous settings KEY=VALUE[,KEY=VALUE] (TLS, auth, ...)"),
     OptionSpec("max_restarts", _positive_int, 3, "worker group restarts before the job fails"),
-    OptionSpec("monitor_interval", _positive_float, 0.5, "seconds between worker health checks"),
+    OptionSpec("monitor_interval", _positive_float, 0.1, "seconds between worker health checks"),
     OptionSpec("join_timeout", _positive_int, 600, "seconds to wait for the minimum number of nodes"),
     OptionSpec("last_call_timeout", _positive_int, 5, "seconds to admit more nodes once the minimum is there"),
     OptionSpec("lease_ttl", _positive_int, 10, "seconds after which a dead node's membership expires"),

@@ -32,7 +32,7 @@ def test_precedence_cli_over_env_over_file_over_default(tmp_path: Path) -> None:
     assert options.nnodes == "4:6" and options.sources["nnodes"] == "command"
     assert options.max_restarts == 8 and options.sources["max_restarts"] == "environment"
     assert options.metrics_port == 9500 and options.sources["metrics_port"] == "config"
-    assert options.monitor_interval == 0.5 and options.sources["monitor_interval"] == "default"
+    assert options.monitor_interval == 0.1 and options.sources["monitor_interval"] == "default"
 
 
 def test_config_file_from_env_variable(tmp_path: Path) -> None:
