@@ -70,6 +70,16 @@ def client(warm: WarmStartServer, tmp_path: Path, *target: str, env: dict[str, s
                             stdout=stdout, stderr=stderr, start_new_session=True)
 
 
+def looping_worker(warm: WarmStartServer, tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """A client whose worker runs until stopped: ``(client, worker pid)`` once the worker is up."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out.json"
+    proc = client(warm, tmp_path, str(script), str(out), "loop")
+    wait_for(out)
+    return proc, read_json(out)["pid"]
+
+
 def wait_for(path: Path, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -152,23 +162,14 @@ def test_an_uncaught_exception_is_printed_and_exits_1(server: WarmStartServer, t
 
 def test_sigterm_to_the_client_group_reaches_the_worker(server: WarmStartServer, tmp_path: Path) -> None:
     """torchrun stops workers with killpg(SIGTERM): the worker's handler runs, its status comes back."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out = tmp_path / "out.json"
-    proc = client(server, tmp_path, str(script), str(out), "loop")
-    wait_for(out)
+    proc, _ = looping_worker(server, tmp_path)
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(30) == 3
     assert (tmp_path / "out.json.term").read_text() == str(int(signal.SIGTERM))
 
 
 def test_a_worker_killed_by_a_signal_is_reported_as_killed_by_it(server: WarmStartServer, tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out = tmp_path / "out.json"
-    proc = client(server, tmp_path, str(script), str(out), "loop")
-    wait_for(out)
-    worker = read_json(out)["pid"]
+    proc, worker = looping_worker(server, tmp_path)
     assert worker_pids(os.getpid(), [proc.pid]) == [worker]  # the registry maps client -> worker
     os.kill(worker, signal.SIGKILL)
     assert proc.wait(30) == -signal.SIGKILL
@@ -176,12 +177,7 @@ def test_a_worker_killed_by_a_signal_is_reported_as_killed_by_it(server: WarmSta
 
 def test_killing_the_client_kills_its_worker(server: WarmStartServer, tmp_path: Path) -> None:
     """torchrun's SIGKILL escalation (or a test) hits the client: no orphan worker is left."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out = tmp_path / "out.json"
-    proc = client(server, tmp_path, str(script), str(out), "loop")
-    wait_for(out)
-    worker = read_json(out)["pid"]
+    proc, worker = looping_worker(server, tmp_path)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
     assert wait_dead(worker), f"worker {worker} outlived its client"
@@ -189,13 +185,8 @@ def test_killing_the_client_kills_its_worker(server: WarmStartServer, tmp_path: 
 
 def test_when_the_launcher_goes_away_the_server_kills_its_workers(tmp_path: Path) -> None:
     warm = start_server([PRELOAD])
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out = tmp_path / "out.json"
-    proc = client(warm, tmp_path, str(script), str(out), "loop")
+    proc, worker = looping_worker(warm, tmp_path)
     try:
-        wait_for(out)
-        worker = read_json(out)["pid"]
         os.close(warm._pipe_write)  # what the launcher's exit, even by SIGKILL, does: the pipe closes
         assert wait_dead(worker), f"worker {worker} outlived the server"
         assert proc.wait(30) != 0
