@@ -240,3 +240,100 @@ def test_join_after_the_lease_expired_registers_again(etcd_server, unique_id) ->
         assert lease._lease_id not in (None, old)
     finally:
         handler.shutdown()
+
+
+class InProcess:
+    """Two or more handlers of one run in this process; joins run in threads (they block)."""
+
+    def __init__(self, endpoint: str, run_id: str, count: int, **conf: Any) -> None:
+        settings = {"last_call_timeout": 30, "lease_ttl": 3, "join_timeout": 60, "retry_timeout": 10, **conf}
+        params = RendezvousParameters("etcd-v3", endpoint, run_id, count, count, **settings)
+        self.handlers = [create_handler(params) for _ in range(count)]
+
+    def join(self, *handlers: Any) -> list[Any]:
+        """``next_rendezvous`` on each handler at once; the infos in the same order."""
+        infos: dict[int, Any] = {}
+        errors: list[BaseException] = []
+
+        def one(i: int, handler: Any) -> None:
+            try:
+                infos[i] = handler.next_rendezvous()
+            except BaseException as exc:  # re-raised below, in the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i, h)) for i, h in enumerate(handlers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        if errors:
+            raise errors[0]
+        assert len(infos) == len(handlers), "a join did not return within 60 s"
+        return [infos[i] for i in range(len(handlers))]
+
+    def close(self) -> None:
+        for handler in self.handlers:
+            handler._watch.cancel()
+            handler._finalizer()
+
+
+def waiting_over(handler: Any, seconds: float) -> set[int]:
+    """Every value ``num_nodes_waiting`` returned while polled like the agent (0.05 s) for ``seconds``."""
+    seen, started = set(), time.monotonic()
+    while time.monotonic() - started < seconds:
+        seen.add(handler.num_nodes_waiting())
+        time.sleep(0.05)
+    return seen
+
+
+@pytest.fixture
+def pair(etcd_server, unique_id):  # type: ignore[no-untyped-def]
+    nodes = InProcess(etcd_server.endpoint, unique_id, 2)
+    yield nodes
+    nodes.close()
+
+
+def test_a_restart_round_leaves_nothing_waiting(pair) -> None:  # type: ignore[no-untyped-def]
+    """A worker SIGKILL on node b: b's agent rejoins, a's agent sees the new round and rejoins
+    too. Once that round has closed, neither node may see a node waiting -- not the previous
+    round's join keys, not its own rejoin -- or the group restarts once more for nothing."""
+    a, b = pair.handlers
+    pair.join(a, b)
+    assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
+    joined: list[Any] = []
+    rejoin = threading.Thread(target=lambda: joined.append(b.next_rendezvous()))  # b's agent restarts
+    rejoin.start()
+    deadline = time.monotonic() + 10
+    while a.num_nodes_waiting() == 0:  # a's monitor loop notices the round b opened
+        assert time.monotonic() < deadline, "node a never saw the round that b opened"
+        time.sleep(0.05)
+    (info_a,) = pair.join(a)
+    rejoin.join(30)
+    assert joined and {info_a.rank, joined[0].rank} == {0, 1}
+    assert a._round == b._round == 1
+    assert waiting_over(a, 2.0) == {0} and waiting_over(b, 0.5) == {0}
+
+
+def test_a_finished_node_leaving_restarts_nobody(pair) -> None:  # type: ignore[no-untyped-def]
+    """After the restart, node a's workers finish first and its launcher shuts the rendezvous
+    down and leaves (torchrun: exit barrier, ``shutdown()``, lease revoked) while node b's
+    workers are still finishing: b's monitor loop must not take a's departure for a membership
+    change (a restart of a finished job)."""
+    a, b = pair.handlers
+    pair.join(a, b)
+    pair.join(b, a)  # the restart round: b rejoined first
+    assert a.shutdown() is True
+    assert waiting_over(b, 2.0) == {0}
+    assert b.is_closed()
+
+
+def test_a_member_that_leaves_a_running_job_is_noticed(pair) -> None:  # type: ignore[no-untyped-def]
+    """The contrast: a member that leaves without closing the run (its launcher died, scale-down)
+    is a membership change -- the survivor restarts and goes on without it."""
+    a, b = pair.handlers
+    pair.join(a, b)
+    a._finalizer()  # lease revoked, run left open
+    deadline = time.monotonic() + 5
+    while b.num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "the survivor never noticed the member that left"
+        time.sleep(0.05)
