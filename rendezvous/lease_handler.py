@@ -458,6 +458,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         if key.startswith(self._keys.nodes):
             node = key[len(self._keys.nodes):]
             if type(event).__name__ == "DeleteEvent" and node in self._members and node != self.node_id:
+                if self._closed:  # a finished job's nodes leave one after another: no news
+                    log.info("etcd-v3: node %s left the closed run", node)
+                    return
                 log.warning("etcd-v3: node %s of round %d is gone (lease expired or revoked)", node, self._round)
                 self._member_lost = True
             return

@@ -4,6 +4,7 @@ fast close, lease expiry, graceful leave, join, steady-state cost."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -314,7 +315,7 @@ def test_a_restart_round_leaves_nothing_waiting(pair) -> None:  # type: ignore[n
     assert waiting_over(a, 2.0) == {0} and waiting_over(b, 0.5) == {0}
 
 
-def test_a_finished_node_leaving_restarts_nobody(pair) -> None:  # type: ignore[no-untyped-def]
+def test_a_finished_node_leaving_restarts_nobody(pair, caplog) -> None:  # type: ignore[no-untyped-def]
     """After the restart, node a's workers finish first and its launcher shuts the rendezvous
     down and leaves (torchrun: exit barrier, ``shutdown()``, lease revoked) while node b's
     workers are still finishing: b's monitor loop must not take a's departure for a membership
@@ -322,9 +323,12 @@ def test_a_finished_node_leaving_restarts_nobody(pair) -> None:  # type: ignore[
     a, b = pair.handlers
     pair.join(a, b)
     pair.join(b, a)  # the restart round: b rejoined first
+    caplog.set_level(logging.INFO, logger="rendezvous.lease_handler")
     assert a.shutdown() is True
     assert waiting_over(b, 2.0) == {0}
     assert b.is_closed()
+    left = [r for r in caplog.records if r.name == "rendezvous.lease_handler" and a.node_id in r.getMessage()]
+    assert left and all(r.levelno < logging.WARNING for r in left), [r.getMessage() for r in left]
 
 
 def test_a_member_that_leaves_a_running_job_is_noticed(pair) -> None:  # type: ignore[no-untyped-def]
