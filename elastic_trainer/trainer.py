@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import math
 import os
@@ -499,6 +500,7 @@ class Trainer:
         self._loss: float | None = None
         self._window = (time.monotonic(), 0)
         pending: _StepControl | None = None
+        priming_passes = self._priming_passes()
         if self._buffers is not None:
             self._buffers.capture(identical=True)  # every rank loaded (or seeded) the same state
         self._jit.arm()
@@ -519,10 +521,13 @@ class Trainer:
                 pin_memory=env.device.type == "cuda",
                 generator=loader_rng,
             )
-            batches = iter(loader)
+            batches: Iterator[Any] = iter(loader)
             for plan in self.sampler.plans(env.rank, env.world_size):
                 if self._done():
                     break
+                if priming_passes:
+                    batches = self._prime_buckets(batches, passes=priming_passes)
+                    priming_passes = 0
                 started = time.monotonic()
                 local_loss, data_wait = self._train_step(plan, batches)
                 self._guard.boundary()
@@ -556,6 +561,72 @@ class Trainer:
                      "n/a" if self._loss is None else f"{self._loss:.6f}")
         return TrainResult(step=self.step, epoch=self.sampler.epoch, loss=self._loss, resumed_from=self.resumed_from,
                            stopped_by_signal=False, checkpoint=path)
+
+    # -- DDP bucket layout after a restart ------------------------------------------------------------
+    def _priming_passes(self) -> int:
+        """How many throw-away forward/backward passes make a resumed DDP reduce like an
+        uninterrupted one (see :meth:`_prime_buckets`); 0 when nothing needs priming.
+
+        DDP (torch 2.13) reduces a fresh instance's first iteration in its *initial* bucket layout
+        (all parameters in one bucket, in parameter order, without ``find_unused_parameters``),
+        records the order in which gradients become ready during the first backward that
+        synchronises, and *rebuilds* its buckets in that order at the next forward (once; the
+        reducer's ``should_rebuild_buckets``: ``(static_graph or not find_unused_parameters) and
+        not has_rebuilt_bucket``). With ``static_graph`` the first iteration defers every
+        allreduce to the end of the backward and records nothing, so the rebuild comes one
+        iteration later. A different layout puts each gradient element at another offset of the
+        flat buffer, and a ring allreduce over three or more ranks (gloo; NCCL rings) sums each
+        chunk starting at another rank: the sum is then not bitwise the same. Two ranks are
+        immune (``a + b == b + a``), one rank has nothing to reduce.
+        """
+        cfg, env = self.config, self.env
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
+        if self.step == 0 or env.world_size == 1:
+            return 0  # a fresh start is what the uninterrupted run did too
+        if cfg.ddp.find_unused_parameters and not cfg.ddp.static_graph:
+            return 0  # the reducer never rebuilds its buckets: a fresh layout is the only layout
+        return min(self.step, 2 if cfg.ddp.static_graph else 1)
+
+    def _prime_buckets(self, batches: Iterator[Any], *, passes: int) -> Iterator[Any]:
+        """After a restart, bring DDP's bucket layout to where an uninterrupted run has it.
+
+        Runs ``passes`` forward/backward passes with gradient synchronisation on, on the first
+        micro-batch of the step about to run (fetched where the step would fetch it, and handed
+        back to it), so that the reducer records the gradient-ready order and rebuilds its buckets
+        at the step's forward exactly as it did in the uninterrupted run after its first steps. The
+        passes leave no trace: gradients are dropped, every module buffer (BatchNorm statistics)
+        and every generator state they touched are restored, the optimizer, scheduler, scaler and
+        sampler are not used. Costs one forward/backward/allreduce per (re)start (two with
+        ``static_graph``).
+
+        Bitwise equality with the uninterrupted run then holds for every DDP option the config
+        offers, provided the gradient-ready order of a backward does not depend on the data
+        (data-dependent control flow with ``find_unused_parameters`` and ``static_graph`` would
+        make the uninterrupted run's own layout depend on its first batch).
+        """
+        env = self.env
+        if env is None:
+            raise RuntimeError("trainer used before its distributed environment was read")
+        device = env.device
+        first = next(batches)
+        inputs, target = _move(first, device)
+        generators = rng.capture(device)
+        saved = [(module, name, buffer, buffer.detach().clone())
+                 for module in self.model.modules() for name, buffer in module._buffers.items() if buffer is not None]
+        for _ in range(passes):
+            with torch.autocast(device.type, dtype=self.autocast_dtype or torch.float32,
+                                enabled=self.autocast_dtype is not None):
+                loss = self.job.loss(self.ddp(inputs), target)
+            (loss.float() * 0.0).backward()
+        self.model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for module, name, buffer, copy in saved:
+                buffer.copy_(copy)
+                module._buffers[name] = buffer  # in case the forward replaced the tensor
+        rng.restore(generators, device)
+        log.debug("primed DDP's buckets with %d pass(es) before step %d", passes, self.step + 1)
+        return itertools.chain([first], batches)
 
     def _start_control(self, local_loss: torch.Tensor, plan: StepPlan, *, started: float,
                        data_wait: float) -> _StepControl:

@@ -1,11 +1,15 @@
 """A worker SIGKILLed at a random step mid-epoch, just-in-time saving off: torchrun restarts the
 group, every rank resumes from rank 0's last periodic checkpoint and replays the same batches,
 and the final weights are bitwise equal to an uninterrupted run with the same seed and world
-size."""
+size. At three ranks a restart is bitwise too, for the DDP options that change the bucket
+layout (gloo's ring allreduce sums in a layout-dependent order)."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 DATASET, BATCH, EPOCHS = 600, 24, 2  # 25 steps per epoch, 50 in all
 STEPS_PER_EPOCH = DATASET // BATCH
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _job(tmp: Path, name: str) -> list[str]:
@@ -64,3 +69,94 @@ def test_sigkilled_worker_resumes_to_bitwise_equal_weights(etcd_server, unique_i
     for epoch in range(EPOCHS):
         indices = [i for s, recs in history.items() for r in recs if r["epoch"] == epoch for i in r["indices"]]
         assert sorted(indices) == list(range(DATASET)), f"epoch {epoch}: not every sample exactly once"
+
+
+# -- three ranks: a restarted DDP reduces like an uninterrupted one --------------------------------------
+# Three real gloo processes per run (no torchrun: the Trainer is driven directly, so that DDP options
+# the example has no flag for can be tested). A ring allreduce over >= 3 ranks sums in an order that
+# depends on DDP's bucket layout; a fresh DDP starts in its initial layout, an uninterrupted one has
+# rebuilt its buckets after its first step(s). The runtime primes the buckets after a restart.
+# (gradient_as_bucket_view, find_unused_parameters with static_graph: checked by hand, same result.)
+THREE_RANK_DDP = {
+    "default": {},
+    "static_graph": {"static_graph": True},  # rebuilds one iteration later: two priming passes
+}
+
+
+def _three_rank_worker(rank: int, work: Path, ckpt_dir: Path, epochs: int, options: str, prime: bool) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    from elastic_trainer.config import DDPOptions, TrainerConfig
+    from elastic_trainer.distributed import read_env
+    from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages
+    from elastic_trainer.trainer import Trainer, TrainingJob
+
+    dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=3)
+    job = TrainingJob(
+        model=lambda: SmallCNN(16), dataset=lambda: SyntheticImages(120, seed=3), loss=nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-4),
+        scheduler=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=100),
+    )
+    config = TrainerConfig(global_batch_size=24, epochs=epochs, checkpoint_dir=str(ckpt_dir), checkpoint_every=1000,
+                           log_every=1000, jit_save=False, ddp=DDPOptions(**THREE_RANK_DDP[options]))
+    trainer = Trainer(config, job, env=read_env(environ={"RANK": str(rank), "WORLD_SIZE": "3"}, cuda_devices=0))
+    if not prime:  # the negative control: the restart as it was before the fix
+        trainer._priming_passes = lambda: 0  # type: ignore[method-assign]
+    trainer.fit()
+    dist.destroy_process_group()
+
+
+def _start_three_ranks(tmp: Path, ckpt_dir: Path, epochs: int, options: str, *,
+                       prime: bool = True) -> list[subprocess.Popen[bytes]]:
+    work = tmp / f"pg-{ckpt_dir.name}-{epochs}"
+    work.mkdir(parents=True)
+    return [
+        subprocess.Popen([sys.executable, "-m", "tests.integration.test_runtime_sigkill_resume", str(rank), str(work),
+                          str(ckpt_dir), str(epochs), options, str(int(prime))],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for rank in range(3)
+    ]
+
+
+def _wait_ok(procs: list[subprocess.Popen[bytes]]) -> None:
+    try:
+        outputs = [p.communicate(timeout=150)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * len(procs), "\n".join(out[-3000:] for out in outputs)
+
+
+def _restart_matches(tmp: Path, options: str, *, prime: bool = True) -> list[str]:
+    """Two epochs (5 steps each) straight vs one epoch, a restart, the second epoch; returns the
+    names of the tensors that differ."""
+    straight = _start_three_ranks(tmp, tmp / "straight", 2, options)
+    first = _start_three_ranks(tmp, tmp / "restarted", 1, options, prime=prime)
+    _wait_ok(straight + first)
+    _wait_ok(_start_three_ranks(tmp, tmp / "restarted", 2, options, prime=prime))
+    step, expected = final_model(tmp / "straight")
+    restarted_step, restarted = final_model(tmp / "restarted")
+    assert step == restarted_step == 10
+    assert expected.keys() == restarted.keys()
+    return [name for name in expected if not torch.equal(expected[name], restarted[name])]
+
+
+@pytest.mark.parametrize("options", sorted(THREE_RANK_DDP))
+def test_three_rank_restart_is_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path, options: str) -> None:
+    differing = _restart_matches(tmp_path, options)
+    assert not differing, f"differ after a restart at 3 ranks: {differing}"
+
+
+def test_three_rank_restart_without_priming_is_not_bitwise(tmp_path: Path) -> None:
+    """The control: the comparison above can fail (a fresh DDP's first step reduces differently)."""
+    differing = _restart_matches(tmp_path, "default", prime=False)
+    assert differing, "a restart without priming matched: the bitwise test above proves nothing at 3 ranks"
+
+
+if __name__ == "__main__":
+    _three_rank_worker(int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
+                       sys.argv[6] == "1")
