@@ -36,14 +36,22 @@ Design, and why:
   trainer turns JIT off and logs why).
 * **Buffers.** Weights change only in the update, but BatchNorm statistics change in every
   forward, and DDP makes rank 0's the authoritative ones (broadcast at each forward). What a
-  regular checkpoint of step S holds is rank 0's buffers after step S. So after every update
-  each rank copies its buffers (a few KB for BatchNorm), and rank 0's ride to every rank on the
-  step's existing control allreduce (:class:`AuthoritativeBuffers`; no extra collective, the
-  other ranks add ``-0.0``, which leaves rank 0's values bit for bit); any survivor then writes
-  exactly what rank 0 would have written, and a resumed run is bitwise equal to the
-  uninterrupted one even when rank 0 was the worker that died. Only if that allreduce never
-  completed (rank 0 died right after its update) does a survivor save its own buffers of step
-  S (recorded in the checkpoint as ``buffers: "local"``).
+  regular checkpoint of step S holds is rank 0's buffers after step S. So after the forward and
+  backward of every step each rank copies its buffers (a few KB for BatchNorm), and rank 0's ride
+  to every rank on the step's existing control allreduce (:class:`AuthoritativeBuffers`; no extra
+  collective, the other ranks add ``-0.0``, which leaves rank 0's values bit for bit). That
+  allreduce completes *before any rank applies the step's update* (the trainer waits for it
+  first), and the update section records the arrived values as the buffers of the new step. So
+  whatever the moment a rank dies, every survivor holds a matching pair: either the update of
+  step S was not applied (the weights, optimizer, cursor and buffers of step S-1: one step lost)
+  or it was, with rank 0's buffers of step S. Any survivor then writes exactly what rank 0 would
+  have written, and a resumed run is bitwise equal to the uninterrupted one even when rank 0 was
+  the worker that died. (Before, the allreduce ran after the update, and a rank 0 killed in
+  between left the survivors only their own statistics: not bitwise.) The price is that the
+  control allreduce no longer overlaps the next step when JIT saving is on: one small allreduce
+  latency per step (measured in ``benchmarks/RESULTS.md``). Buffers of a dtype that cannot ride
+  on a float64 allreduce are saved from the writer's own copy (``buffers: "local"`` in the
+  checkpoint, with a warning at start).
 * **One writer.** Any survivor may hold the state (rank 0 may be the dead one), so every rank
   tries, and a claim file created with ``O_CREAT | O_EXCL`` in the shared checkpoint directory
   picks exactly one per step over all ranks and nodes (rank 0's periodic writes take the same
@@ -116,8 +124,6 @@ EXIT_MARGIN_S = 1.0
 BACKSTOP_S = 0.5
 """The exit timer of a save fires this long after its deadline (every wait inside the save is
 bounded by the deadline itself; the timer is for the calls that cannot be: a hung write)."""
-BUFFER_ARRIVAL_WAIT_S = 0.2
-"""How long a saver waits for rank 0's buffers of the last step when they are still in flight."""
 EXIT_AFTER_SIGNAL = 128 + signal.SIGTERM
 """Exit code after a JIT save on the signal path (as after a graceful stop)."""
 
@@ -212,13 +218,13 @@ _EXCHANGEABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16, to
 class AuthoritativeBuffers:
     """Rank 0's module buffers after the last completed step, held by every rank.
 
-    They ride on the step's control allreduce (one collective per step, as without JIT): after
-    each update (inside the guard) :meth:`capture` copies this rank's buffers as float64 and
+    They ride on the step's control allreduce (one collective per step, as without JIT). After
+    the forward and backward of a step, :meth:`capture` copies this rank's buffers as float64 and
     returns the contribution to append to the control tensor: rank 0's values, ``-0.0`` from
     every other rank (``x + -0.0 == x`` bit for bit in IEEE arithmetic, ``+0.0`` and ``-0.0``
-    included, so the sum is rank 0's values exactly). :meth:`attach` records that allreduce; a
-    saver holding the guard calls :meth:`snapshot`, which falls back to this rank's own copy of
-    the step when rank 0's never arrived.
+    included, so the sum is rank 0's values exactly). Once that allreduce has completed, the
+    update section calls :meth:`commit` with its result; a saver holding the guard calls
+    :meth:`snapshot` and gets the buffers of exactly the step the weights are at.
     """
 
     def __init__(self, model: nn.Module, *, rank: int, world_size: int) -> None:
@@ -226,14 +232,13 @@ class AuthoritativeBuffers:
         self._rank = rank
         self._world_size = world_size
         self._layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
-        self._own: torch.Tensor | None = None  # this rank's buffers after the step, float64
+        self._own: torch.Tensor | None = None  # this rank's buffers of the step in progress, float64
         self._views: list[torch.Tensor] = []  # _own cut into the buffers' shapes
         self._live: list[torch.Tensor] = []  # the buffer tensors _views were laid out for
         self._negative_zeros = torch.empty(0, dtype=torch.float64)
-        self._exact = False  # _own is rank 0's (rank 0 itself, one rank, or an identical start)
-        self._control: torch.Tensor | None = None
-        self._offset = 0
-        self._work: Any = None
+        self._committed: torch.Tensor | None = None  # the buffers of the last completed step
+        self._committed_layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
+        self._source = "none"
         unsupported = sorted({str(getattr(m, a).dtype) for m, a, _ in self._slots} - {str(d) for d in _EXCHANGEABLE})
         self.exchange = world_size > 1 and not unsupported
         if world_size > 1 and unsupported:
@@ -245,27 +250,48 @@ class AuthoritativeBuffers:
         return bool(self._slots)
 
     def capture(self, *, identical: bool = False) -> torch.Tensor | None:
-        """Inside the guard: after an update, or at the start with ``identical=True`` (every rank
-        loaded the same checkpoint, or was seeded alike). Returns this rank's float64 contribution
-        to the control allreduce (``None``: nothing to exchange)."""
+        """Copy this rank's buffers; returns its float64 contribution to the control allreduce
+        (``None``: nothing to exchange; pass ``None`` to :meth:`commit` then).
+
+        With ``identical=True`` (at the start: every rank loaded the same checkpoint, or was
+        seeded alike) the copy is committed at once as the buffers of the current step.
+        """
         if not self.enabled:
             return None
         live = [getattr(module, attr) for module, attr, _ in self._slots]
         if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live, strict=False)):
             self._relayout(live)  # first step, or a module replaced a buffer
         # One kernel launch for all buffers (dtype conversion included); the copy is reused
-        # from step to step: a saver reads it holding the guard, and the control allreduce
-        # gets a copy of it (torch.cat), never the tensor itself.
+        # from step to step: the control allreduce gets a copy of it (torch.cat), never the
+        # tensor itself, and commit() keeps the reduced control tensor, not this one.
         try:
             torch._foreach_copy_(self._views, live)
         except RuntimeError:  # a buffer was resized in place
             self._relayout(live)
             torch._foreach_copy_(self._views, live)
-        self._exact = identical or self._rank == 0 or self._world_size == 1
-        self._control, self._work = None, None
-        if identical or not self.exchange:
+        if identical:
+            self._commit_own("rank0")
+            return None
+        if not self.exchange:
             return None
         return self._own if self._rank == 0 else self._negative_zeros
+
+    def commit(self, reduced: torch.Tensor | None) -> None:
+        """Inside the update section, after the step's control allreduce completed: ``reduced``
+        is its buffer part (rank 0's values; kept, not copied: the control tensor is not reused),
+        or ``None`` when :meth:`capture` returned ``None`` (this rank's own copy is kept)."""
+        if not self.enabled:
+            return
+        if reduced is not None:
+            self._committed, self._committed_layout, self._source = reduced, self._layout, "rank0"
+        else:
+            exact = self._rank == 0 or self._world_size == 1
+            self._commit_own("rank0" if exact else "local")
+
+    def _commit_own(self, source: str) -> None:
+        if self._own is None:
+            raise RuntimeError("buffers committed before any were captured")
+        self._committed, self._committed_layout, self._source = self._own.clone(), self._layout, source
 
     def _relayout(self, live: list[torch.Tensor]) -> None:
         self._live = live
@@ -278,42 +304,17 @@ class AuthoritativeBuffers:
             offset += numel
         self._negative_zeros = torch.full_like(self._own, -0.0)
 
-    def attach(self, control: torch.Tensor, offset: int, work: Any) -> None:
-        """The control allreduce that carries the contribution, at ``control[offset:]``."""
-        self._control, self._offset, self._work = control, offset, work
-
     def snapshot(self) -> tuple[dict[str, torch.Tensor], str]:
         """Buffers of the last completed step (caller holds the guard), and where they come from:
-        ``"rank0"`` (what rank 0 would have saved) or ``"local"`` (rank 0's never arrived)."""
-        if not self.enabled or self._own is None:
+        ``"rank0"`` (what rank 0 would have saved) or ``"local"`` (dtypes that cannot be
+        exchanged, saved by another rank)."""
+        if not self.enabled or self._committed is None:
             return {}, "none"
-        if self._exact:
-            return self._unflatten(self._own), "rank0"
-        if self._control is not None and self._arrived():
-            return self._unflatten(self._control[self._offset :]), "rank0"
-        return self._unflatten(self._own), "local"
-
-    def _arrived(self) -> bool:
-        work = self._work
-        if work is None:
-            return False
-        deadline = time.monotonic() + BUFFER_ARRIVAL_WAIT_S
-        while not work.is_completed():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-        try:
-            work.wait()
-        except Exception:  # noqa: BLE001 - a failed allreduce means the buffers never arrived
-            return False
-        return True
-
-    def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, offset = {}, 0
-        for key, dtype, shape, numel in self._layout:
+        out, offset, flat = {}, 0, self._committed
+        for key, dtype, shape, numel in self._committed_layout:
             out[key] = flat[offset : offset + numel].to(dtype).reshape(shape).clone()
             offset += numel
-        return out
+        return out, self._source
 
 
 def device_snapshot(payload: Any, device: torch.device, after: torch.cuda.Event | None) -> Any:

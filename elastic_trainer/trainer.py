@@ -35,6 +35,7 @@ import itertools
 import logging
 import math
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -154,8 +155,10 @@ class _StepControl:
     plan: StepPlan
     control: torch.Tensor
     work: Any
-    duration_s: float
     data_wait_s: float
+    buffers_at: int | None = None
+    """Where rank 0's module buffers start in ``control`` (just-in-time saving), if they ride on it."""
+    duration_s: float = 0.0
 
 
 class Trainer:
@@ -193,7 +196,7 @@ class Trainer:
         self._jit = JitCheckpointer(guard=self._guard, directory=None, rank=0, step=lambda: self.step,
                                     payload=dict, write=lambda step, payload: "", enabled=False)
         self._buffers: AuthoritativeBuffers | None = None
-        self._buffers_contribution: torch.Tensor | None = None
+        self._kill_at: tuple[int, int, str] | None = None
         self._update_event: Any = None
         self._wakeup = SignalWakeup(self._on_stop_signal)
 
@@ -250,6 +253,7 @@ class Trainer:
         if cfg.mixed_precision == "fp16" and device.type != "cuda":
             raise TrainerSetupError("mixed_precision: fp16 (with a GradScaler) needs CUDA; use bf16 on CPU")
 
+        self._kill_at = _parse_kill_at(os.environ.get(ENV_TEST_KILL_AT)) if env.restart_count == 0 else None
         rng.seed_all(cfg.seed)  # identical initial weights on every rank
         model = self.job.model()
         if not isinstance(model, nn.Module):
@@ -396,12 +400,24 @@ class Trainer:
         """Wakeup thread: a stop signal arrived, maybe while the main thread is blocked."""
         self._jit.on_signal(signum)
 
-    def _after_update(self) -> None:
+    def _after_update(self, control: _StepControl) -> None:
         """Inside the guard, right after an update: remember what the state of this step is."""
         if self._buffers is not None:
-            self._buffers_contribution = self._buffers.capture()
+            at = control.buffers_at
+            self._buffers.commit(None if at is None else control.control[at:])
         if self._update_event is not None:
             self._update_event.record()
+
+    def _fault_point(self, point: str) -> None:
+        """Test hook (``ELASTIC_TRAINER_TEST_KILL_AT``): SIGKILL this worker at an exact point of a step."""
+        if self._kill_at is None or self.env is None:
+            return
+        rank, step, where = self._kill_at
+        current = self.step + 1 if point == "before_control" else self.step
+        if (rank, step, where) == (self.env.rank, current, point):
+            log.warning("test hook %s: SIGKILLing this worker at %s of step %d", ENV_TEST_KILL_AT, point, step)
+            _flush_log_handlers()
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _jit_payload(self) -> dict[str, Any]:
         """(Holding the guard) a host copy of the state after the last completed step."""
@@ -530,13 +546,18 @@ class Trainer:
                     priming_passes = 0
                 started = time.monotonic()
                 local_loss, data_wait = self._train_step(plan, batches)
+                self._fault_point("before_control")
+                control = self._start_control(local_loss, plan, data_wait=data_wait)
+                self._update(plan, control)
+                self._fault_point("after_update")
+                control.duration_s = time.monotonic() - started
                 self._guard.boundary()
                 if self._sample_log is not None:
                     self._sample_log.step(step=self.step, epoch=plan.epoch, cursor=plan.cursor,
                                           world_size=env.world_size, rank=env.rank, indices=plan.indices)
-                control = self._start_control(local_loss, plan, started=started, data_wait=data_wait)
                 # The previous step's control allreduce ran while this step computed: waiting on it
-                # now costs nothing, and the host never blocks on the step it just launched.
+                # now costs nothing (without JIT buffers the host never blocks on the step it just
+                # launched; with them, _update already waited for it).
                 stop = self._finish_control(pending) if pending is not None else False
                 pending = control
                 if stop:
@@ -628,25 +649,23 @@ class Trainer:
         log.debug("primed DDP's buckets with %d pass(es) before step %d", passes, self.step + 1)
         return itertools.chain([first], batches)
 
-    def _start_control(self, local_loss: torch.Tensor, plan: StepPlan, *, started: float,
-                       data_wait: float) -> _StepControl:
-        """Start the step's one small allreduce: summed loss (for the global mean) and stop flag
-        (and, with just-in-time saving, rank 0's module buffers after this step)."""
+    def _start_control(self, local_loss: torch.Tensor, plan: StepPlan, *, data_wait: float) -> _StepControl:
+        """Start the step's one small allreduce (after its backward, before its update): summed
+        loss (for the global mean) and stop flag (and, with just-in-time saving, rank 0's module
+        buffers of this step, which :meth:`_update` waits for)."""
         env = self.env
         if env is None:
             raise RuntimeError("trainer used before its distributed environment was read")
         stop = torch.tensor(float(self._stop.requested), device=env.device)
-        extra, self._buffers_contribution = self._buffers_contribution, None
+        extra = self._buffers.capture() if self._buffers is not None else None
         if extra is None:
             control = torch.stack([local_loss, stop])
         else:
             # Just-in-time saving: rank 0's buffers of this step ride along (see jit_save).
             control = torch.cat([torch.stack([local_loss, stop]).double(), extra.to(env.device)])
         work = dist.all_reduce(control, async_op=True) if env.world_size > 1 else None
-        if extra is not None and self._buffers is not None:
-            self._buffers.attach(control, 2, work)
-        return _StepControl(step=self.step, plan=plan, control=control, work=work,
-                            duration_s=time.monotonic() - started, data_wait_s=data_wait)
+        return _StepControl(step=self.step + 1, plan=plan, control=control, work=work, data_wait_s=data_wait,
+                            buffers_at=None if extra is None else 2)
 
     def _finish_control(self, pending: _StepControl) -> bool:
         """Wait for a step's control allreduce, report the step; True if any rank must stop.
@@ -702,14 +721,19 @@ class Trainer:
                 else:
                     scaled.backward()
             loss_sum += loss.detach().float() * micro.samples
-        self._update(plan)
         return loss_sum, data_wait
 
-    def _update(self, plan: StepPlan) -> None:
+    def _update(self, plan: StepPlan, control: _StepControl) -> None:
         """The update section: everything that turns "after step S" into "after step S+1".
 
         Held under the guard, so that a just-in-time snapshot sees one or the other, never a mix.
+        When rank 0's buffers of the step ride on its control allreduce, no rank updates before
+        that allreduce completed: a survivor then always holds the buffers that belong to its
+        weights (step S's, or step S+1's; see :mod:`elastic_trainer.jit_save`, "Buffers").
         """
+        if control.buffers_at is not None and control.work is not None:
+            control.work.wait()  # raises if a peer died: the state stays "after step S"
+            control.work = None
         with self._guard.update():
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
@@ -720,7 +744,7 @@ class Trainer:
                 self.scheduler.step()
             self.sampler.advance(plan)
             self.step += 1
-            self._after_update()
+            self._after_update(control)
 
     def _log_progress(self, loss: float | None, samples_per_s: float, step: int) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
@@ -858,6 +882,33 @@ def is_collective_failure(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _COLLECTIVE_FAILURE_MARKERS)
+
+
+ENV_TEST_KILL_AT = "ELASTIC_TRAINER_TEST_KILL_AT"
+"""Fault injection for tests: ``RANK:STEP:POINT`` SIGKILLs that rank's worker at ``POINT`` of step
+``STEP`` in the first generation of workers (``TORCHELASTIC_RESTART_COUNT`` 0). Points:
+``before_control`` (backward done, the step's control allreduce not started) and ``after_update``
+(the step's update applied, before the next collective)."""
+_KILL_POINTS = ("before_control", "after_update")
+
+
+def _parse_kill_at(raw: str | None) -> tuple[int, int, str] | None:
+    if raw is None or not raw.strip():
+        return None
+    try:
+        rank, step, point = raw.strip().split(":")
+        parsed = (int(rank), int(step), point)
+    except ValueError:
+        raise ValueError(f"{ENV_TEST_KILL_AT}: expected RANK:STEP:POINT, got {raw!r}") from None
+    if point not in _KILL_POINTS:
+        raise ValueError(f"{ENV_TEST_KILL_AT}: POINT must be one of {', '.join(_KILL_POINTS)}, got {point!r}")
+    return parsed
+
+
+def _flush_log_handlers() -> None:
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
 
 
 ENV_METRICS = "ELASTIC_TRAINER_METRICS"

@@ -1,6 +1,7 @@
 """Just-in-time save under real torchrun + etcd-v3 (gloo, CPU): a worker SIGKILLed at a random
 step costs at most one step although no periodic checkpoint exists, and the run still ends
-bitwise equal to an uninterrupted one (rank 0 or rank 1 killed); a node's graceful SIGTERM loses
+bitwise equal to an uninterrupted one (rank 0 or rank 1 killed, also at the exact points of a
+step where rank 0's BatchNorm statistics could go missing); a node's graceful SIGTERM loses
 no step; with JIT off the same kill falls back to the periodic checkpoint (the test can fail); and
 a SIGTERM that finds a worker blocked on a hung peer still saves, within seconds."""
 
@@ -17,6 +18,7 @@ import torch
 
 from elastic_trainer import checkpoint as ckpt
 from elastic_trainer.sample_log import committed_history, read_records
+from elastic_trainer.trainer import ENV_TEST_KILL_AT
 from tests.runtime_helpers import (
     agents,
     final_model,
@@ -76,17 +78,7 @@ def _kill_and_finish(etcd_server, run_id: str, tmp: Path, *, rank: int, kill_aft
     return agent.output(), generations(samples)
 
 
-@pytest.mark.parametrize(
-    "rank",
-    [
-        pytest.param(0, marks=pytest.mark.xfail(
-            strict=False,
-            reason="known intermittent bug (open, issue 8 notes): when rank 0 dies between its update "
-            "and the step's control allreduce, the JIT save uses a survivor's own BatchNorm buffers",
-        )),
-        1,
-    ],
-)
+@pytest.mark.parametrize("rank", [0, 1])
 def test_worker_sigkill_loses_at_most_one_step_and_stays_bitwise(
     etcd_server, unique_id: str, tmp_path: Path, reference: dict[str, torch.Tensor], rank: int
 ) -> None:
@@ -113,6 +105,37 @@ def test_worker_sigkill_loses_at_most_one_step_and_stays_bitwise(
     for epoch in range(EPOCHS):
         indices = [i for recs in history.values() for r in recs if r["epoch"] == epoch for i in r["indices"]]
         assert len(indices) == DATASET and sorted(indices) == list(range(DATASET)), f"epoch {epoch}"
+
+
+@pytest.mark.parametrize(("point", "lost"), [("before_control", 1), ("after_update", 0)])
+def test_rank0_killed_at_an_exact_point_of_a_step_still_resumes_bitwise(
+    etcd_server, unique_id: str, tmp_path: Path, reference: dict[str, torch.Tensor], point: str, lost: int
+) -> None:
+    """Deterministic: rank 0 SIGKILLs itself (test hook) right before the control allreduce of
+    step 30, or right after its update of step 30 (the window in which the survivor used to hold
+    step 30's weights without rank 0's BatchNorm statistics of step 30)."""
+    kill_step = 30
+    samples = tmp_path / "faulty" / "samples"
+    with agents() as started:
+        agent = start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, max_restarts=2,
+                            log_path=tmp_path / "faulty.log", extra_env={ENV_TEST_KILL_AT: f"0:{kill_step}:{point}"},
+                            job_args=_job(tmp_path, "faulty", "--checkpoint-every", "1000"))
+        started.append(agent)
+        assert agent.wait(180) == 0, agent.tail()
+    log = agent.output()
+    assert f"SIGKILLing this worker at {point} of step {kill_step}" in log, agent.tail()
+    gens = generations(samples)
+    assert len(gens) == 2, f"the group was restarted exactly once: {gens}"
+    killed, resumed = gens
+    print(f"last step before the kill {killed.last_step}, resumed from {resumed.resumed_step}")
+    assert resumed.resumed_step == kill_step - lost
+    assert killed.last_step - resumed.resumed_step <= 1
+    info = ckpt.verify(tmp_path / "faulty" / "ckpt", resumed.resumed_step)
+    state = torch.load(info.path, weights_only=True)
+    assert info.manifest.jit and state["jit"] == {"writer_rank": 1, "buffers": "rank0"}, state["jit"]
+    step, model = final_model(tmp_path / "faulty" / "ckpt")
+    assert step == STEPS
+    _assert_bitwise(model, reference)
 
 
 def test_without_jit_the_same_kill_falls_back_to_the_periodic_checkpoint(

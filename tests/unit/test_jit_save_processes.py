@@ -1,6 +1,7 @@
 """Two real gloo processes: a stop signal that arrives while the main thread is blocked inside a
 collective still triggers the JIT save (``set_wakeup_fd``), where a flag-only handler would not
-even run; and every rank can save rank 0's buffers of the last step.
+even run; and every rank can save rank 0's buffers of the last step, also when rank 0 dies before
+the step's allreduce.
 
 This file is also the worker script: ``python -m tests.unit.test_jit_save_processes ROLE ...``.
 """
@@ -100,8 +101,9 @@ def _buffers_worker(rank: int, work: Path) -> None:
     bn = model[1]
     buffers = AuthoritativeBuffers(model, rank=rank, world_size=2)
 
-    def step(values: float, *, join: bool = True) -> tuple[torch.Tensor, Any]:
-        with torch.no_grad():  # this rank's statistics after the step
+    def forward(values: float) -> tuple[torch.Tensor, Any]:
+        """A step's forward changed this rank's statistics; its control allreduce starts."""
+        with torch.no_grad():
             bn.running_mean.copy_(torch.tensor([-0.0, 0.0, values]) if rank == 0 else torch.full((3,), values))
             bn.num_batches_tracked.fill_(10 + rank)
             model.low.fill_(values / 3)
@@ -109,11 +111,13 @@ def _buffers_worker(rank: int, work: Path) -> None:
         contribution = buffers.capture()
         assert contribution is not None
         control = torch.cat([torch.zeros(2, dtype=torch.float64), contribution])
-        handle = dist.all_reduce(control, async_op=True) if join else None
-        buffers.attach(control, 2, handle)
+        return control, dist.all_reduce(control, async_op=True)
+
+    def update(control: torch.Tensor, handle: Any) -> None:
+        handle.wait()  # as the trainer: no update before the allreduce completed
+        buffers.commit(control[2:])
         with torch.no_grad():
             bn.running_mean.fill_(-5.0)  # the next step's forward changes the live buffers
-        return control, handle
 
     def saved() -> dict[str, Any]:
         state, source = buffers.snapshot()
@@ -124,12 +128,17 @@ def _buffers_worker(rank: int, work: Path) -> None:
                 "half_dtype": str(state["low"].dtype), "big": int(state["big"]), "source": source}
 
     results: dict[str, Any] = {}
+    with torch.no_grad():
+        bn.running_mean.fill_(0.5)
+    buffers.capture(identical=True)  # the start: every rank holds the same state
+    results["round0"] = saved()
     # Round 1: every rank saves rank 0's buffers of the step, bit for bit (signs of zero included).
-    step(1.0)
+    update(*forward(1.0))
     results["round1"] = saved()
-    # Round 2: rank 0 "dies" before its allreduce: rank 1 saves its own copy of the step.
+    # Round 2: rank 0 "dies" before its allreduce: rank 1 has not updated, and still saves rank
+    # 0's buffers of round 1 (its weights are round 1's too), not its own of round 2.
     if rank == 1:
-        control, handle = step(7.0)
+        control, handle = forward(7.0)
         results["round2"] = saved()
         (work / "observed").write_text("")
         handle.wait()  # rank 0 joins late, so both processes end cleanly
@@ -137,7 +146,7 @@ def _buffers_worker(rank: int, work: Path) -> None:
         deadline = time.monotonic() + 30
         while not (work / "observed").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        step(7.0)[1].wait()
+        forward(7.0)[1].wait()
     (work / f"buffers-{rank}.json").write_text(json.dumps(results))
 
 
@@ -253,11 +262,9 @@ def test_every_rank_saves_rank0s_buffers_of_the_last_step(tmp_path: Path) -> Non
                 "half": [torch.tensor(1 / 3, dtype=torch.bfloat16).item()] * 2, "half_dtype": "torch.bfloat16",
                 "big": 2**40 + 1, "source": "rank0"}
     assert rank0["round1"] == rank1["round1"] == expected
-    # Round 2: rank 0's copy never arrived: rank 1 saves its own statistics of that step.
-    own = {"mean": [7.0, 7.0, 7.0], "negative_zero": [False] * 3, "count": 11,
-           "half": [torch.tensor(7 / 3, dtype=torch.bfloat16).item()] * 2, "half_dtype": "torch.bfloat16",
-           "big": 2**40 + 2, "source": "local"}
-    assert rank1["round2"] == own
+    # Round 2: rank 0's copy never arrived, so rank 1 never updated: it saves round 1's buffers.
+    assert rank1["round2"] == expected
+    assert rank0["round0"]["mean"] == [0.5] * 3 and rank0["round0"]["source"] == "rank0"
 
 
 if __name__ == "__main__":
