@@ -17,10 +17,12 @@ What the runtime guarantees:
   equals the mean over the global batch, and accumulates (``no_sync``) beyond ``micro_batch_size``.
 * torchrun restarts every worker after any failure; they all load rank 0's newest good checkpoint
   (model, optimizer, scheduler, scaler, sampler cursor, per-rank RNG) and replay the same batches,
-  so with the same world size the result is bitwise the one of an uninterrupted run.
+  so with the same world size the result is bitwise the one of an uninterrupted run. At three or
+  more ranks that also needs DDP's gradient buckets in the layout of a DDP past its first steps:
+  a restarted trainer primes them once before its first step (:meth:`Trainer._prime_buckets`).
 * SIGTERM (preemption, scale-down, a new node joining) finishes the step in progress on every
-  rank (and at most one more: the stop flag rides on a per-step allreduce that overlaps the next
-  step), rank 0 checkpoints the step they all stopped after, and the workers exit within the
+  rank (and at most one more: the stop flag rides on the per-step control allreduce, which is
+  read one step later), rank 0 checkpoints the step they all stopped after, and the workers exit within the
   grace period.
 * When the group fails instead (a worker died: collectives raise, or the agent SIGTERMs workers
   stuck in one), a surviving rank checkpoints the last completed step just in time, so at most

@@ -38,12 +38,6 @@ JOB = JobSpec(throttle_ms=120)
 RDZV_CONF = FAST_RDZV_CONF.replace("lease_ttl=4", "lease_ttl=10")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known intermittent runtime bug (open, issue 8 notes): when the worker SIGKILL hits rank 0 "
-    "between its update and the step's control allreduce, the just-in-time save falls back to the "
-    "survivor's own BatchNorm buffers, so the final running stats are not bitwise the no-fault run's",
-)
 def test_etcd_restart_5s_outage(own_etcd_server, no_fault, run_dirs: RunDirs) -> None:
     run_id = unique_run_id("etcd-restart")
     outage: list[threading.Thread] = []

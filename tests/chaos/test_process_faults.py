@@ -125,18 +125,12 @@ def test_node_join_scale_up(etcd_server, no_fault, run_dirs: RunDirs) -> None:
     assert lost and not any(lost), f"admitting a node loses no step: {lost}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known runtime bug (open, issue 3/7 notes): with gloo and >= 3 ranks the ring allreduce "
-    "sums in a bucket-layout-dependent order, and a freshly built DDP's first step uses the initial "
-    "bucket layout while an uninterrupted run uses the rebuilt one, so a restart is not bitwise exact",
-)
 def test_worker_sigkill_three_nodes_bitwise(etcd_server, no_fault, run_dirs: RunDirs) -> None:
     """As test_worker_sigkill with three ranks: the runtime promises bitwise-equal weights after a
-    restart at the same world size. (Fails with torch 2.13 + gloo: a freshly built DDP reduces its
-    first step's gradients in another order than a DDP past its first step -- bucket rebuild --
-    and a ring allreduce over 3+ ranks sums in a layout-dependent order; 2 ranks are immune
-    because a + b == b + a.)"""
+    restart at the same world size. (A freshly built DDP reduces its first step's gradients in
+    another bucket layout than a DDP past its first step -- bucket rebuild -- and a ring
+    allreduce over 3+ ranks sums in a layout-dependent order; 2 ranks are immune because
+    a + b == b + a. The runtime primes the buckets after a restart: Trainer._prime_buckets.)"""
     run_id = unique_run_id("worker-kill-3")
     with agents() as nodes:
         for name in ("a", "b", "c"):
