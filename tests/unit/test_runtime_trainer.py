@@ -310,3 +310,55 @@ def test_gpu_mixed_precision_syncbn_checkpoint_loads_on_cpu_and_resumes(tmp_path
     assert {t.device.type for t in on_gpu["model"].values()} == {"cuda"}
     _, resumed = _fit(_job(batchnorm=True), max_steps=6, **options)
     assert resumed.resumed_from == 4 and resumed.step == 6
+
+
+# -- DDP bucket priming after a restart (the 3-rank bitwise tests are in tests/integration) ----------------
+@pytest.mark.parametrize(
+    ("step", "world", "ddp", "passes"),
+    [
+        (0, 3, {}, 0),  # a fresh start: the uninterrupted run started the same way
+        (5, 1, {}, 0),  # one rank: nothing to reduce
+        (5, 3, {}, 1),  # the reducer rebuilds after the first synchronised backward
+        (5, 3, {"static_graph": True}, 2),  # ... one iteration later with a static graph
+        (1, 3, {"static_graph": True}, 1),  # the uninterrupted run's second step was not rebuilt either
+        (5, 3, {"find_unused_parameters": True}, 0),  # never rebuilt
+        (5, 3, {"find_unused_parameters": True, "static_graph": True}, 2),
+    ],
+)
+def test_priming_passes_follow_ddps_bucket_rebuild(step: int, world: int, ddp: dict[str, bool], passes: int) -> None:
+    from elastic_trainer.config import DDPOptions
+    from elastic_trainer.distributed import read_env
+
+    trainer = Trainer(TrainerConfig(global_batch_size=8, ddp=DDPOptions(**ddp)), _job(),
+                      env=read_env(environ={"RANK": "0", "WORLD_SIZE": str(world)}, cuda_devices=0))
+    trainer.step = step
+    assert trainer._priming_passes() == passes
+
+
+def test_priming_runs_real_passes_and_leaves_no_trace(tmp_path: Path) -> None:
+    """BatchNorm statistics, every RNG, gradients, optimizer, sampler: as before the passes; the
+    micro-batch it used is handed back to the step."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trainer, _ = _fit(_job(batchnorm=True, dropout=0.5), max_steps=2, checkpoint_dir=str(tmp_path))
+        calls: list[int] = []
+        trainer.model.register_forward_hook(lambda *_: calls.append(1))
+        buffers = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        optimizer = str(trainer.optimizer.state_dict())
+        cursor = trainer.sampler.state_dict()
+        generator = torch.get_rng_state()
+        batches = [(torch.randn(4, 6), torch.tensor([0, 1, 0, 1])), (torch.randn(4, 6), torch.tensor([1, 1, 0, 0]))]
+        torch.set_rng_state(generator)
+        trainer.ddp.train()
+        handed_back = list(trainer._prime_buckets(iter(batches), passes=2))
+        assert len(calls) == 2, "two real forward passes"
+        assert handed_back[0] is batches[0] and handed_back[1] is batches[1]
+        _assert_bitwise_equal(trainer.model.state_dict(), buffers)
+        assert torch.equal(torch.get_rng_state(), generator), "dropout's draws were undone"
+        assert all(p.grad is None for p in trainer.model.parameters())
+        assert str(trainer.optimizer.state_dict()) == optimizer and trainer.sampler.state_dict() == cursor
+        assert trainer.step == 2
+    finally:
+        dist.destroy_process_group()
