@@ -736,6 +736,12 @@ class Trainer:
         if control.buffers_at is not None and control.work is not None:
             control.work.wait()  # raises if a peer died: the state stays "after step S"
             control.work = None
+            if control.control.device.type == "cuda":
+                # NCCL's wait() only orders streams. Block the host as well: a control allreduce
+                # that never completes (dead peer) must leave the update unqueued, or the host
+                # would record "step S+1" while the GPU stays at S (and a JIT snapshot, which
+                # waits for the last update's event, would wait forever). Not run on CPU CI.
+                torch.cuda.current_stream(control.control.device).synchronize()
         with self._guard.update():
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
