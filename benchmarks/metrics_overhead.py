@@ -1,32 +1,31 @@
 """Training throughput with metrics on vs off, side by side (goal: on/off >= 0.99).
 
-Runs the runtime's example job (``elastic_trainer.examples.synthetic_cnn``) under torchrun
-(``--standalone``, gloo on CPU) in both modes, interleaved (off/on, then on/off, ...) so that
-drift of a shared machine hits both:
+The workload is the runtime's example model (``elastic_trainer.examples.synthetic_cnn``, width
+32, global batch 128) on 2 gloo workers, OMP_NUM_THREADS=1. "On" is everything a job started by
+``elastic-trainer run`` pays for: ``start_launcher_metrics`` in the parent (multiprocess
+directory, node endpoint scraped every ``--scrape-interval`` s, torch elastic handlers),
+``worker_observer()`` in each worker and the allreduce timing hook on DDP. "Off" is a plain DDP
+step with no observer.
 
-- off: ``ELASTIC_TRAINER_METRICS=0`` (the trainer uses a NullObserver, no comm hook);
-- on:  the launcher calls ``start_launcher_metrics`` (multiprocess directory, node endpoint,
-  torch elastic handlers), workers record through ``worker_observer()`` with the allreduce
-  timing hook, and a scraper thread GETs ``/metrics`` every ``--scrape-interval`` seconds.
+Main measurement, interleaved per step: each worker holds the model three times (same weights)
+and trains one step of each arm -- off, aa (a second, identical off: the A/A noise floor) and
+on -- per cycle, on the same batch, in an order rotated every cycle. Each step's CPU seconds
+(all threads of the process: gloo's and the hook's callbacks included) and wall seconds are
+recorded; the extra cost ``d`` of an arm is taken per cycle against the off step next to it, so
+drift of a shared machine cancels at the scale of one step. Ratio = off / (off + d), reported
+with the median d (robust to other tenants) and the mean d (which also counts the rare costs:
+flushes every second, scrapes every 15 s), per run and over ``--repeat`` runs. The endpoint's
+CPU per scrape is measured in the parent and spread over the steps between two scrapes.
 
-Throughput of a run is the median of rank 0's logged ``samples/s`` windows after the first
-two (warm-up). Separate runs drift on a shared machine, so a second measurement pairs the modes
-inside the same processes:
-
-- paired blocks: two gloo workers hold the example's model twice (same weights), one plain DDP
-  with a NullObserver, one with ``worker_observer()`` and the comm hook, and alternate blocks of
-  steps in ABBA order on the example's data; the launcher side (``start_launcher_metrics``) runs
-  in the parent, which scrapes ``/metrics`` only while an "on" block runs. It also reports
-  each mode's CPU seconds (all ranks; the launcher's CPU charged to "on"), which other
-  tenants of the machine disturb far less than wall time.
-
-Last, the CPU cost of the timing hook per bucket and of the observer per step (best of 9, one
-process, tiny model), giving the bound 1 - cost / step time for the example's one-bucket step.
+Optional: ``--end-to-end`` times whole torchrun jobs of the example (median of rank 0's
+``samples/s`` windows, off/on interleaved across runs: much noisier on a shared machine); and
+the single-process CPU cost of the hook per bucket and of ``on_step`` (best of 9).
 
 Usage::
 
-    python benchmarks/metrics_overhead.py --rounds 3 --max-steps 800 --blocks 9
-    python benchmarks/metrics_overhead.py --scrape-interval 1   # scrape stress
+    python benchmarks/metrics_overhead.py                     # 3 x 1500 cycles, + micro
+    python benchmarks/metrics_overhead.py --no-hook           # attribute: everything but the hook
+    python benchmarks/metrics_overhead.py --end-to-end --rounds 3 --max-steps 800
 """
 
 from __future__ import annotations
@@ -106,9 +105,19 @@ for _ in range(reps):
 print(best["off"], best["hook"], obs_best)
 """
 
-def paired_worker(rank: int, world: int, port: int, args: argparse.Namespace, on_block: Any,
-                  results: Any) -> None:
-    """One worker of the paired-blocks measurement (torch.multiprocessing spawn target)."""
+ARMS = ("off", "aa", "on")
+
+
+def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    """One worker of the interleaved measurement (torch.multiprocessing spawn target).
+
+    Holds the example's model three times (same weights): "off" and "aa" plain DDP with no
+    observer, "on" with ``worker_observer()`` and (unless ``--no-hook``) the timing hook. Every
+    cycle trains one step of each on the same batch, in an order rotated every cycle (so no arm
+    always follows another), and records each step's CPU seconds (this process, all threads:
+    gloo's and the hook callbacks') and wall seconds. "aa" is the A/A arm: it differs from
+    "off" in nothing, so its spread is the measurement's noise floor.
+    """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID="bench")  # fmt: skip
     import torch
@@ -127,52 +136,51 @@ def paired_worker(rank: int, world: int, port: int, args: argparse.Namespace, on
         for i in range(rank * per_rank, 4096 - per_rank, world * per_rank)
     ]
     setups: dict[str, tuple[Any, TrainingObserver, Any]] = {}
-    for mode in ("off", "on"):
+    for arm in ARMS:
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(SmallCNN(args.width))
         observer: TrainingObserver = NullObserver()
-        if mode == "on":
-            metrics = worker_observer()
-            if args.paired_on in ("all", "observer"):
-                observer = metrics
-            if args.paired_on in ("all", "hook"):
-                metrics.wrap_ddp(ddp)
+        if arm == "on":
+            observer = worker_observer()
+            if args.hook:
+                observer.wrap_ddp(ddp)
         observer.on_start(world_size=world, restart_count=0)
-        setups[mode] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    cpu: dict[str, float] = {"off": 0.0, "on": 0.0}
-    order = [m for _ in range(args.blocks) for m in ("off", "on", "on", "off")]
-    step = 0
-    for block, mode in enumerate(order):
-        ddp, observer, opt = setups[mode]
-        dist.barrier()
-        if rank == 0:
-            (on_block.set if mode == "on" else on_block.clear)()
-        started, cpu_started = time.perf_counter(), time.process_time()
-        for _ in range(args.block_steps):
+        setups[arm] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
+    cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    wall: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    observer_ns: list[int] = []  # time inside each on_step of the "on" arm (flushes included)
+    clock, cpu_clock = time.perf_counter, time.process_time
+    for cycle in range(args.warmup + args.cycles):
+        x, y = batches[cycle % len(batches)]
+        shift = cycle % len(ARMS)
+        for arm in ARMS[shift:] + ARMS[:shift]:
+            ddp, observer, opt = setups[arm]
+            started, cpu_started = clock(), cpu_clock()
             t0 = time.monotonic()
-            x, y = batches[step % len(batches)]
-            wait = time.monotonic() - t0
             loss = torch.nn.functional.cross_entropy(ddp(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            step += 1
-            observer.on_step(step=step, duration_s=time.monotonic() - t0, data_wait_s=wait,
-                             samples=len(y), tokens=0, loss=loss.item())  # fmt: skip
-        elapsed, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
-        dist.barrier()
-        if block >= 4:  # the first ABBA group warms up
-            times[mode].append(elapsed)
-            cpu[mode] += cpu_s  # this process and its threads (gloo, hook callbacks)
-    on_block.clear()
-    results.put((rank, times, cpu))
+            value = loss.item()
+            in_observer = time.perf_counter_ns()
+            observer.on_step(step=cycle + 1, duration_s=time.monotonic() - t0, data_wait_s=0.0,
+                             samples=len(y), tokens=0, loss=value)  # fmt: skip
+            in_observer = time.perf_counter_ns() - in_observer
+            cpu_s, wall_s = cpu_clock() - cpu_started, clock() - started
+            if cycle >= args.warmup:
+                cpu[arm].append(cpu_s)
+                wall[arm].append(wall_s)
+                if arm == "on":
+                    observer_ns.append(in_observer)
+    results.put((rank, cpu, wall, observer_ns))
     dist.destroy_process_group()
 
 
-def run_paired(args: argparse.Namespace) -> dict[str, Any]:
-    """Rank 0's block times, all ranks' CPU seconds per mode, the launcher's CPU seconds and
-    the scrapes done; see the module docstring."""
+def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
+    """Per-step CPU and wall seconds of every arm (all ranks), the launcher's CPU seconds and
+    the scrapes done; see :func:`interleaved_worker`. The launcher side
+    (``start_launcher_metrics``: multiprocess directory, node endpoint, torch elastic handlers)
+    runs in this process and a thread scrapes ``/metrics`` every ``--scrape-interval`` s."""
     import threading
     import urllib.request
 
@@ -181,26 +189,26 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any]:
     from elastic_trainer.metrics import LauncherMetricsConfig, start_launcher_metrics
 
     ctx = mp.get_context("spawn")
-    on_block, results = ctx.Event(), ctx.Queue()
+    results = ctx.Queue()
     config = LauncherMetricsConfig(addr="127.0.0.1", port=0, run_id="bench")
     with start_launcher_metrics(config) as handle:
-        stop, scrape_s = threading.Event(), []
+        stop, scrape_s, scrape_cpu = threading.Event(), [], []
 
         def scrape() -> None:
-            while not stop.is_set():
-                if not on_block.wait(0.1):
-                    continue
-                t0 = time.perf_counter()
+            while not stop.wait(args.scrape_interval):
+                # This process's CPU during a scrape: the endpoint's thread and this client (the
+                # main thread only waits for the workers).
+                t0, c0 = time.perf_counter(), time.process_time()
                 with urllib.request.urlopen(handle.url, timeout=10) as response:
                     response.read()
                 scrape_s.append(time.perf_counter() - t0)
-                stop.wait(args.scrape_interval)
+                scrape_cpu.append(time.process_time() - c0)
 
         thread = threading.Thread(target=scrape, daemon=True)
         thread.start()
         launcher_cpu = time.process_time()
         try:
-            mp.start_processes(paired_worker, args=(args.nproc, free_port(), args, on_block, results),
+            mp.start_processes(interleaved_worker, args=(args.nproc, free_port(), args, results),
                                nprocs=args.nproc, start_method="spawn")  # fmt: skip
         finally:
             stop.set()
@@ -208,14 +216,38 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any]:
         launcher_cpu = time.process_time() - launcher_cpu
     reports = sorted(results.get(timeout=10) for _ in range(args.nproc))
     return {
-        "off": reports[0][1]["off"],
-        "on": reports[0][1]["on"],
-        "cpu_off": sum(r[2]["off"] for r in reports),
-        "cpu_on": sum(r[2]["on"] for r in reports),
+        "cpu": {arm: [sum(r[1][arm][i] for r in reports) for i in range(args.cycles)] for arm in ARMS},
+        "wall": {arm: reports[0][2][arm] for arm in ARMS},  # rank 0: ranks wait for each other
+        # Per rank and step: median (the usual step) and mean (with the flushes).
+        "observer_median_s": statistics.median(ns for r in reports for ns in r[3]) / 1e9,
+        "observer_mean_s": statistics.fmean(ns for r in reports for ns in r[3]) / 1e9,
         "launcher_cpu": launcher_cpu,
         "scrapes": len(scrape_s),
         "scrape_s": statistics.fmean(scrape_s) if scrape_s else 0.0,
+        "scrape_cpu": statistics.fmean(scrape_cpu) if scrape_cpu else 0.0,
     }
+
+
+def summarise(per_step: dict[str, list[float]], extra_on: float = 0.0) -> dict[str, float]:
+    """Throughput ratios from paired per-step costs: ``off / (off + d)`` where ``d`` is the
+    median (robust) or the mean (counts rare costs such as flushes) of the per-cycle
+    differences; ``extra_on`` (seconds per "on" step, e.g. the launcher's CPU) is added to d."""
+    off = per_step["off"]
+    base = statistics.median(off)
+    mean_base = statistics.fmean(off)
+    out = {"base": base}
+    for arm in ("aa", "on"):
+        diffs = [a - b for a, b in zip(per_step[arm], off, strict=True)]
+        extra = extra_on if arm == "on" else 0.0
+        med = statistics.median(diffs) + extra
+        mean = statistics.fmean(diffs) + extra
+        out[f"{arm}_median_d"] = med
+        out[f"{arm}_mean_d"] = mean
+        out[f"{arm}_median_ratio"] = base / (base + med)
+        out[f"{arm}_mean_ratio"] = mean_base / (mean_base + mean)
+        # Standard error of the mean difference: the spread of this run's estimate.
+        out[f"{arm}_mean_se"] = statistics.stdev(diffs) / len(diffs) ** 0.5
+    return out
 
 
 def free_port() -> int:
@@ -272,73 +304,93 @@ def micro_costs() -> tuple[float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="off/on pairs (default 3)")
-    parser.add_argument("--max-steps", type=int, default=800)
     parser.add_argument("--global-batch-size", type=int, default=128)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--scrape-interval", type=float, default=15.0,
-                        help="seconds between scrapes when on (default 15, as docker/prometheus.yml)")
+                        help="seconds between scrapes (default 15, as docker/prometheus.yml)")
+    parser.add_argument("--cycles", type=int, default=1500, help="interleaved cycles per run (one step per arm)")
+    parser.add_argument("--warmup", type=int, default=50, help="cycles left out at the start of a run")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved runs (fresh processes each)")
+    parser.add_argument("--no-hook", dest="hook", action="store_false",
+                        help="'on' without the allreduce timing hook (ELASTIC_TRAINER_METRICS_ALLREDUCE=0)")
+    parser.add_argument("--end-to-end", action="store_true", help="also time whole torchrun jobs, off vs on")
+    parser.add_argument("--rounds", type=int, default=3, help="end to end: off/on pairs (default 3)")
+    parser.add_argument("--max-steps", type=int, default=800, help="end to end: steps per job")
+    parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--blocks", type=int, default=9, help="ABBA groups (the first warms up)")
-    parser.add_argument("--block-steps", type=int, default=50, help="steps per block")
-    parser.add_argument("--skip-end-to-end", action="store_true", help="only the paired measurement")
-    parser.add_argument("--paired-on", choices=("all", "hook", "observer", "none"), default="all",
-                        help="what 'on' enables in the paired measurement (attribute a cost; none: A/A)")
+    parser.add_argument("--skip-micro", action="store_true", help="leave out the single-process CPU costs")
     args = parser.parse_args()
 
     print(f"synthetic_cnn width {args.width}, global batch {args.global_batch_size}, {args.nproc} gloo workers, "
-          f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s when on")
-    step_s = None
-    if not args.skip_end_to_end:
+          f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing hook "
+          f"{'on' if args.hook else 'off'}; load average {os.getloadavg()[0]:.1f}")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    print(f"\n== interleaved: {args.repeat} runs x {args.cycles} cycles (+{args.warmup} warm-up), one step "
+          "per arm per cycle, rotated order ==")
+    print("ratio = throughput on/off = off / (off + d), d = per-cycle extra cost of the arm; median d is")
+    print("robust to other tenants, mean d also counts rare costs (flushes, scrapes); +- 1 standard error")
+    header = (f"{'run':>3} {'load':>5} {'node CPU ms/step':>16} {'CPU on/off median':>17} {'CPU on/off mean':>21} "
+              f"{'A/A CPU mean':>19} {'wall on/off median':>18} {'A/A wall median':>15}")
+    print(header)
+    cpu_medians, cpu_means, aa_means, wall_medians, extras = [], [], [], [], []
+    for run in range(args.repeat):
+        load = os.getloadavg()[0]
+        result = run_interleaved(args)
+        wall = summarise(result["wall"])
+        # The node endpoint costs CPU per scrape, not per step: spread over the steps a plain
+        # job would run between two scrapes.
+        endpoint_per_step = result["scrape_cpu"] * wall["base"] / args.scrape_interval
+        cpu = summarise(result["cpu"], extra_on=endpoint_per_step)
+        cpu_medians.append(cpu["on_median_ratio"])
+        cpu_means.append(cpu["on_mean_ratio"])
+        aa_means.append(cpu["aa_mean_ratio"])
+        wall_medians.append(wall["on_median_ratio"])
+        extras.append((cpu["on_median_d"], cpu["on_mean_d"], result["observer_median_s"], result["observer_mean_s"],
+                       endpoint_per_step, result["scrapes"], result["scrape_cpu"]))  # fmt: skip
+        se = cpu["on_mean_se"] / (cpu["base"] + cpu["on_mean_d"])
+        aa_se = cpu["aa_mean_se"] / (cpu["base"] + cpu["aa_mean_d"])
+        print(f"{run + 1:>3} {load:>5.1f} {cpu['base'] * 1e3:>16.2f} {cpu['on_median_ratio']:>17.4f} "
+              f"{cpu['on_mean_ratio']:>13.4f} +- {se:.4f} {cpu['aa_mean_ratio']:>11.4f} +- {aa_se:.4f} "
+              f"{wall['on_median_ratio']:>18.4f} {wall['aa_median_ratio']:>15.4f}", flush=True)
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.4f} (runs {min(values):.4f}-{max(values):.4f})"
+
+    print(f"CPU on/off, median d: {spread(cpu_medians)}")
+    print(f"CPU on/off, mean d:   {spread(cpu_means)}   A/A: {spread(aa_means)}")
+    print(f"wall on/off, median d: {spread(wall_medians)}")
+    med_d, mean_d, obs_med, obs_mean, endpoint, scrapes, scrape_cpu = (
+        statistics.median(v) for v in zip(*extras, strict=True)
+    )
+    print(f"per step and rank (medians over runs): extra CPU {med_d / args.nproc * 1e6:.0f} us (median d) / "
+          f"{mean_d / args.nproc * 1e6:.0f} us (mean d); time inside observer.on_step {obs_med * 1e6:.1f} us "
+          f"median, {obs_mean * 1e6:.1f} us mean (flushes included); endpoint {scrape_cpu * 1e3:.1f} ms CPU "
+          f"per scrape ({scrapes:.0f} per run) = {endpoint / args.nproc * 1e6:.1f} us per step and rank")
+
+    if args.end_to_end:
         print(f"\n== end to end: example job under torchrun, {args.max_steps} steps per run ==")
         print(f"{'round':>5} {'off samples/s':>14} {'on samples/s':>13} {'on/off':>7} {'scrapes':>8}")
         offs, ons, ratios = [], [], []
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
                 order = ("off", "on") if r % 2 == 0 else ("on", "off")
-                result = {mode: run_job(mode, args, Path(tmp)) for mode in order}
-                off, on = result["off"][0], result["on"][0]
+                outcome = {mode: run_job(mode, args, Path(tmp)) for mode in order}
+                off, on = outcome["off"][0], outcome["on"][0]
                 offs.append(off)
                 ons.append(on)
                 ratios.append(on / off)
-                print(f"{r + 1:>5} {off:>14.1f} {on:>13.1f} {on / off:>7.3f} {result['on'][2]:>8}", flush=True)
-        print(f"{'median':>5} {statistics.median(offs):>14.1f} {statistics.median(ons):>13.1f} "
-              f"{statistics.median(ons) / statistics.median(offs):>7.3f}")
-        print(f"median of per-round ratios: {statistics.median(ratios):.3f}")
-        step_s = args.global_batch_size / statistics.median(offs)
+                print(f"{r + 1:>5} {off:>14.1f} {on:>13.1f} {on / off:>7.3f} {outcome['on'][2]:>8}", flush=True)
+        print(f"median of per-round ratios: {spread(ratios)}")
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    print(f"\n== paired blocks ({args.paired_on} on): same processes, {args.blocks - 1} ABBA groups (+1 warm-up) of {args.block_steps}-step blocks ==")
-    paired = run_paired(args)
-    off_t, on_t = paired["off"], paired["on"]
-    samples = args.block_steps * args.global_batch_size
-    off_tp, on_tp = samples / statistics.median(off_t), samples / statistics.median(on_t)
-    # Each ABBA group cancels a linear drift: its ratio is (off + off) / (on + on) block time.
-    groups = [(off_t[i] + off_t[i + 1]) / (on_t[i] + on_t[i + 1]) for i in range(0, len(off_t) - 1, 2)]
-    print(f"off {off_tp:.1f} samples/s, on {on_tp:.1f} samples/s (medians of {len(off_t)} blocks each)")
-    print(f"on/off per ABBA group: {' '.join(f'{g:.3f}' for g in groups)}")
-    print(f"best block: off {min(off_t):.3f} s, on {min(on_t):.3f} s -> on/off {min(off_t) / min(on_t):.3f}")
-    print(f"on/off = {statistics.median(groups):.3f} (median over groups); "
-          f"{paired['scrapes']} scrapes during on blocks, {paired['scrape_s'] * 1e3:.1f} ms each")
-    # CPU seconds hardly move with other tenants' load: the cost of metrics in CPU terms, with
-    # all of the launcher's CPU during the run (scrapes, endpoint) charged to "on".
-    cpu_off, cpu_on = paired["cpu_off"], paired["cpu_on"] + paired["launcher_cpu"]
-    print(f"CPU seconds (all ranks): off {cpu_off:.2f}, on {paired['cpu_on']:.2f} + launcher "
-          f"{paired['launcher_cpu']:.2f} -> CPU ratio off/on = {cpu_off / cpu_on:.3f}")
-    if step_s is None:
-        step_s = args.global_batch_size / off_tp
+    if not args.skip_micro:
+        off_s, hook_s, observer_s = micro_costs()
+        per_bucket = max(0.0, hook_s - off_s)
+        print("\n== CPU cost, best of 9 (single process, world size 1, tiny model) ==")
+        print(f"timing hook {per_bucket * 1e6:.1f} us per bucket ({off_s * 1e6:.0f} -> {hook_s * 1e6:.0f} us "
+              f"per step); observer on_step {observer_s * 1e6:.1f} us per step (one bucket's record)")
 
-    off_s, hook_s, observer_s = micro_costs()
-    per_bucket = max(0.0, hook_s - off_s)
-    cost = per_bucket + observer_s  # the example's ~100 KB of gradients fit in one bucket
-    print("\n== CPU cost, best of 9 (single process, world size 1, tiny model) ==")
-    print(f"timing hook {per_bucket * 1e6:.0f} us per bucket ({off_s * 1e6:.0f} -> {hook_s * 1e6:.0f} us "
-          f"per step); observer on_step {observer_s * 1e6:.0f} us per step")
-    print(f"one bucket per step: {cost * 1e6:.0f} us per {step_s * 1e3:.1f} ms step -> on/off bound "
-          f"{1 - cost / step_s:.4f}")
 
 if __name__ == "__main__":
     main()

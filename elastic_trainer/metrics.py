@@ -5,7 +5,9 @@ samples to memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR``, a directory the 
 and exports before it starts the agent (:func:`start_launcher_metrics`); the launcher serves
 one endpoint per node that merges those files with the agent's own metrics
 (:mod:`elastic_trainer.metrics_server`). A worker therefore needs no port of its own and its
-counters outlive it: a restarted worker's counters continue from the dead one's.
+counters outlive it: a restarted worker's counters continue from the dead one's. Per-step values
+are gathered in plain Python and written to those files once a second
+(:data:`DEFAULT_FLUSH_INTERVAL_S`), not on every step (see :class:`PrometheusObserver`).
 
 Worker metrics (``run_id`` and ``node`` on all; ``rank``/``local_rank`` where marked *):
 
@@ -105,9 +107,10 @@ log = logging.getLogger(__name__)
 PREFIX = "elastic_trainer_"
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 ALLREDUCE_TIMING_ENV = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
-"""``0`` turns the allreduce timing hook off (default on): the Python comm hook costs ~30-70 us of
-host CPU per bucket, ~3% of a 10 ms CPU-bound step (benchmarks/RESULTS.md). Without it the
-allreduce metrics stay empty and step_compute equals the step time."""
+"""``0`` turns the allreduce timing hook off (default on): the Python comm hook costs ~20 us of
+host CPU per bucket (torch's stock Python ``allreduce_hook`` ~25 us), ~0.2% of a 10 ms CPU-bound
+one-bucket step (benchmarks/RESULTS.md). Without it the allreduce metrics stay empty and
+step_compute equals the step time."""
 
 # Histogram buckets, in base units. Roughly x2 apart so p50/p95 interpolate within ~40%.
 STEP_SECONDS_BUCKETS = (
@@ -389,8 +392,12 @@ class PrometheusObserver:
         self._next_flush = -math.inf
         self._world_size = 1
         self._timer: AllreduceTimer | None = None  # set by wrap_ddp
-        self._step_durations: dict[int, float] = {}  # CUDA: step_seq -> step duration
-        self._pending: dict[int, list[BucketTiming]] = {}  # CUDA: step_seq -> its bucket timings
+        # The k-th on_step (from 0) reports the step whose buckets the hook numbered k.
+        self._reported = 0  # CUDA: on_step calls so far
+        self._expect = 0  # CPU: the hook's step number of the next step to report
+        self._open: dict[int, list[float]] = {}  # CPU: step -> [last launch, last completion]
+        self._step_durations: dict[int, float] = {}  # CUDA: step -> step duration
+        self._pending: dict[int, list[BucketTiming]] = {}  # CUDA: step -> its bucket timings
         # Per-step values not yet written: histograms, counter increments, last gauge values.
         self._step_duration = _LocalHistogram(m.step_duration)
         self._data_wait = _LocalHistogram(m.data_wait)
@@ -436,8 +443,8 @@ class PrometheusObserver:
         if timer is None:
             self._step_compute.observe(duration_s)
         elif timer.use_cuda:
-            closed = timer.step_seq
-            timer.next_step()
+            closed = self._reported
+            self._reported = closed + 1
             self._step_durations[closed] = duration_s
             self._record_cuda(timer.drain(), closed)
         else:
@@ -448,26 +455,39 @@ class PrometheusObserver:
             self._next_flush = now + self.flush_interval_s
 
     def _record_cpu(self, timer: AllreduceTimer, duration_s: float) -> None:
-        # CPU callbacks ran before backward returned: every bucket of the closed step is in,
-        # and a step that launched none (no_sync) has no wait.
-        closed = timer.step_seq
-        timer.next_step()
+        # The runtime reports a step after the next step's backward (its loss allreduce overlaps
+        # that step), so the drained records may hold the next step's buckets too: they wait in
+        # _open until their own step is reported.
+        expect = self._expect
+        opened = self._open
         duration_hist = self._allreduce_duration
         bytes_hist = self._allreduce_bucket_bytes
         total_bytes = 0
         total_s = 0.0
-        last_launch = last_done = -math.inf
         for seq, nbytes, launched, done in timer.drain_cpu():
             elapsed = done - launched if done > launched else 0.0
             duration_hist.observe(elapsed)
             bytes_hist.observe(nbytes)
             total_bytes += nbytes
             total_s += elapsed
-            if seq == closed:
-                last_launch = max(last_launch, launched)
-                last_done = max(last_done, done)
-        # The wait after the last bucket's launch: see exposed_wait_s.
-        wait = last_done - last_launch if last_done > last_launch else 0.0
+            if seq >= expect:
+                span = opened.get(seq)
+                if span is None:
+                    opened[seq] = [launched, done]
+                else:
+                    span[0] = max(span[0], launched)
+                    span[1] = max(span[1], done)
+        wait = 0.0
+        if timer.step_seq > expect:
+            # This step's backward ran and CPU callbacks finish before backward returns: all of
+            # its buckets are in. The wait after the last launch: see exposed_wait_s.
+            span = opened.pop(expect, None)
+            if span is not None and span[1] > span[0]:
+                wait = span[1] - span[0]
+            self._expect = expect + 1
+        # else: the step ran no synchronised backward (all no_sync): nothing to wait for.
+        if len(opened) > _RECENT_STEPS:  # only a loop that reports far fewer steps than it runs
+            del opened[min(opened)]
         self._step_compute.observe(duration_s - wait if duration_s > wait else 0.0)
         self._allreduce_bytes += total_bytes
         n = self._world_size

@@ -43,7 +43,7 @@ class BucketTiming:
     """One bucket's allreduce, as measured on this rank."""
 
     step_seq: int
-    """Value of :attr:`AllreduceTimer.step_seq` when the bucket was launched."""
+    """The step the bucket belongs to: :attr:`AllreduceTimer.step_seq` when it was launched."""
     nbytes: int
     """Size of the bucket's flat gradient buffer."""
     duration_s: float
@@ -89,6 +89,10 @@ class AllreduceTimer:
         self.use_cuda = use_cuda
         self.clock = clock
         self.step_seq = 0
+        """Synchronised backward passes whose last bucket was launched so far, which is also the
+        step index (from 0) of the buckets launched now. The hook advances it on DDP's last
+        bucket (``GradBucket.is_last``), so a bucket is attributed to the backward that launched
+        it however late the training loop reports its steps."""
         self.dropped = 0
         self._max_pending = max_pending
         self._done: deque[CpuRecord] = deque(maxlen=max_pending)
@@ -126,7 +130,9 @@ class AllreduceTimer:
         self._cuda.append(pending)
 
     def next_step(self) -> None:
-        """Mark a step boundary: buckets launched from now on belong to the next step."""
+        """Mark the end of a backward pass: buckets launched from now on belong to the next step.
+
+        The hook calls this after launching DDP's last bucket; tests call it to fake one."""
         self.step_seq += 1
 
     def drain_cpu(self) -> list[CpuRecord]:
@@ -168,13 +174,16 @@ def timed_allreduce_hook(
     way the default hook does.
     """
     buffer = bucket.buffer()
+    step_seq = state.step_seq
+    if bucket.is_last():
+        state.step_seq = step_seq + 1  # the next backward's buckets belong to the next step
     group = state._group if state._group is not None else state._resolve_group()
     # Average over the group; divide first, as torch does, against fp16 overflow.
     buffer.div_(state._world)
     if state.use_cuda:
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        pending = _PendingCuda(step_seq=state.step_seq, nbytes=buffer.nbytes, start=start, end=None)
+        pending = _PendingCuda(step_seq=step_seq, nbytes=buffer.nbytes, start=start, end=None)
 
         def _cuda_done(f: torch.futures.Future[Any]) -> torch.Tensor:
             value = f.value()[0]  # raises if the collective failed: nothing is recorded then
@@ -188,7 +197,7 @@ def timed_allreduce_hook(
 
     launched = state.clock()
     fut = group.allreduce([buffer]).get_future()
-    return fut.then(partial(state._cpu_done, state.step_seq, buffer.nbytes, launched))  # type: ignore[no-any-return]
+    return fut.then(partial(state._cpu_done, step_seq, buffer.nbytes, launched))  # type: ignore[no-any-return]
 
 
 def exposed_wait_s(timings: list[BucketTiming]) -> float:

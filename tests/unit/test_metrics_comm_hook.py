@@ -53,6 +53,8 @@ def test_hook_times_every_bucket_and_keeps_gradients(gloo_world: None) -> None:
             assert torch.equal(a.grad, b.grad)
         observer.on_step(step=n, duration_s=0.1, data_wait_s=0.0, samples=16, tokens=0, loss=None)
     observer.flush()
+    timer = observer._timer
+    assert timer is not None and timer.step_seq == 2  # one step per backward (GradBucket.is_last)
     buckets = registry.get_sample_value("elastic_trainer_allreduce_duration_seconds_count", rank)
     assert buckets is not None and buckets >= 3  # 1 + (1 MiB first bucket, then 0.05 MB caps)
     param_bytes = sum(p.numel() * p.element_size() for p in hooked.parameters())

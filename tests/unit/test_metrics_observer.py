@@ -128,6 +128,7 @@ def test_allreduce_timings_give_bandwidth_and_compute_time(
     # Two buckets of step 0: the last one launched at 10.30 and finished at 10.35.
     timer.record_cpu(0, 1_000_000, launched_s=10.10, done_s=10.20)
     timer.record_cpu(0, 3_000_000, launched_s=10.30, done_s=10.35)
+    timer.next_step()  # what the hook does after launching DDP's last bucket
     step(observer, 1, duration_s=0.5)
     assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 2
     assert value(registry, "elastic_trainer_allreduce_bytes_total") == 4_000_000
@@ -289,3 +290,31 @@ def test_deferred_histograms_export_exactly_what_observe_would(registry: Collect
     assert got.keys() == want.keys() and len(got) > 60
     for key, expected in want.items():
         assert got[key] == pytest.approx(expected, rel=1e-12, abs=1e-12), key
+
+
+def test_compute_time_pairs_each_step_with_its_own_buckets_when_reported_late(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    """The runtime reports step k after step k+1's backward (its loss allreduce overlaps that
+    step): step k's compute time must still subtract step k's wait, not step k+1's."""
+    ddp = FakeDDP()
+    observer.wrap_ddp(ddp)
+    timer = ddp.state
+    assert timer is not None
+    observer.on_start(world_size=2, restart_count=0)
+
+    def backward(seq: int, wait: float) -> None:
+        timer.record_cpu(seq, 1000, launched_s=10.0 * seq, done_s=10.0 * seq + wait)
+        timer.next_step()
+
+    backward(0, 0.010)
+    backward(1, 0.200)  # step 1 waited long (a peer was slow)
+    step(observer, 1, duration_s=0.5)  # reported after step 2's backward
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49)
+    backward(2, 0.030)
+    step(observer, 2, duration_s=0.5)
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3)
+    step(observer, 3, duration_s=0.5)  # the last step: reported after its own backward
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3 + 0.47)
+    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 3
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 3
