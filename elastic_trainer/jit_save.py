@@ -36,8 +36,8 @@ Design, and why:
   trainer turns JIT off and logs why).
 * **Buffers.** Weights change only in the update, but BatchNorm statistics change in every
   forward, and DDP makes rank 0's the authoritative ones (broadcast at each forward). What a
-  regular checkpoint of step S holds is rank 0's buffers after step S. So after the forward and
-  backward of every step each rank copies its buffers (a few KB for BatchNorm), and rank 0's ride
+  regular checkpoint of step S holds is rank 0's buffers after step S. So after the (last)
+  forward of every step each rank copies its buffers (a few KB for BatchNorm), and rank 0's ride
   to every rank on the step's existing control allreduce (:class:`AuthoritativeBuffers`; no extra
   collective, the other ranks add ``-0.0``, which leaves rank 0's values bit for bit). That
   allreduce completes *before any rank applies the step's update* (the trainer waits for it
@@ -48,8 +48,9 @@ Design, and why:
   have written, and a resumed run is bitwise equal to the uninterrupted one even when rank 0 was
   the worker that died. (Before, the allreduce ran after the update, and a rank 0 killed in
   between left the survivors only their own statistics: not bitwise.) The price is that the
-  control allreduce no longer overlaps the next step when JIT saving is on: one small allreduce
-  latency per step (measured in ``benchmarks/RESULTS.md``). Buffers of a dtype that cannot ride
+  control allreduce no longer overlaps the next step when JIT saving is on; it is started right
+  after the last forward, so it overlaps the backward instead, and the wait before the update is
+  usually over at once (measured in ``benchmarks/RESULTS.md``). Buffers of a dtype that cannot ride
   on a float64 allreduce are saved from the writer's own copy (``buffers: "local"`` in the
   checkpoint, with a warning at start).
 * **One writer.** Any survivor may hold the state (rank 0 may be the dead one), so every rank
@@ -219,7 +220,7 @@ class AuthoritativeBuffers:
     """Rank 0's module buffers after the last completed step, held by every rank.
 
     They ride on the step's control allreduce (one collective per step, as without JIT). After
-    the forward and backward of a step, :meth:`capture` copies this rank's buffers as float64 and
+    a step's last forward (the backward does not change buffers), :meth:`capture` copies this rank's buffers as float64 and
     returns the contribution to append to the control tensor: rank 0's values, ``-0.0`` from
     every other rank (``x + -0.0 == x`` bit for bit in IEEE arithmetic, ``+0.0`` and ``-0.0``
     included, so the sum is rank 0's values exactly). Once that allreduce has completed, the

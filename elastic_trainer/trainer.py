@@ -547,9 +547,7 @@ class Trainer:
                     batches = self._prime_buckets(batches, passes=priming_passes)
                     priming_passes = 0
                 started = time.monotonic()
-                local_loss, data_wait = self._train_step(plan, batches)
-                self._fault_point("before_control")
-                control = self._start_control(local_loss, plan, data_wait=data_wait)
+                control = self._train_step(plan, batches)
                 self._update(plan, control)
                 self._fault_point("after_update")
                 control.duration_s = time.monotonic() - started
@@ -652,7 +650,7 @@ class Trainer:
         return itertools.chain([first], batches)
 
     def _start_control(self, local_loss: torch.Tensor, plan: StepPlan, *, data_wait: float) -> _StepControl:
-        """Start the step's one small allreduce (after its backward, before its update): summed
+        """Start the step's one small allreduce (after its last forward, before its update): summed
         loss (for the global mean) and stop flag (and, with just-in-time saving, rank 0's module
         buffers of this step, which :meth:`_update` waits for)."""
         env = self.env
@@ -694,7 +692,9 @@ class Trainer:
         self._window = (window_start, window_samples)
         return stop > 0
 
-    def _train_step(self, plan: StepPlan, batches: Iterator[Any]) -> tuple[torch.Tensor, float]:
+    def _train_step(self, plan: StepPlan, batches: Iterator[Any]) -> _StepControl:
+        """Forward and backward of one step (no update); returns its control allreduce, started
+        after the last forward so that it runs while the last backward computes."""
         env = self.env
         if env is None:
             raise RuntimeError("trainer used before its distributed environment was read")
@@ -707,6 +707,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
         data_wait = 0.0
         last = len(plan.micro_batches) - 1
+        control: _StepControl | None = None
         for i, micro in enumerate(plan.micro_batches):
             wait_start = time.monotonic()
             inputs, target = _move(next(batches), device)
@@ -717,13 +718,21 @@ class Trainer:
                                     enabled=self.autocast_dtype is not None):
                     output = self.ddp(inputs)
                     loss = self.job.loss(output, target)
+                loss_sum += loss.detach().float() * micro.samples
+                if i == last:
+                    # Loss and buffers (BatchNorm statistics change in the forward only) are final:
+                    # the control allreduce overlaps the backward, and precedes DDP's bucket
+                    # allreduces on every rank alike.
+                    self._fault_point("before_control")
+                    control = self._start_control(loss_sum, plan, data_wait=data_wait)
                 scaled = loss.float() * (micro.samples * scale)
                 if self.scaler is not None:
                     self.scaler.scale(scaled).backward()
                 else:
                     scaled.backward()
-            loss_sum += loss.detach().float() * micro.samples
-        return loss_sum, data_wait
+        if control is None:
+            raise RuntimeError(f"step {self.step + 1} has no micro-batch on rank {env.rank}")
+        return control
 
     def _update(self, plan: StepPlan, control: _StepControl) -> None:
         """The update section: everything that turns "after step S" into "after step S+1".
@@ -895,7 +904,7 @@ def is_collective_failure(exc: BaseException) -> bool:
 ENV_TEST_KILL_AT = "ELASTIC_TRAINER_TEST_KILL_AT"
 """Fault injection for tests: ``RANK:STEP:POINT`` SIGKILLs that rank's worker at ``POINT`` of step
 ``STEP`` in the first generation of workers (``TORCHELASTIC_RESTART_COUNT`` 0). Points:
-``before_control`` (backward done, the step's control allreduce not started) and ``after_update``
+``before_control`` (last forward done, the step's control allreduce not started) and ``after_update``
 (the step's update applied, before the next collective)."""
 _KILL_POINTS = ("before_control", "after_update")
 
