@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import socket
 import statistics
@@ -209,14 +210,24 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
         thread = threading.Thread(target=scrape, daemon=True)
         thread.start()
         launcher_cpu = time.process_time()
+        reports: list[Any] = []
         try:
-            mp.start_processes(interleaved_worker, args=(args.nproc, free_port(), args, results),
-                               nprocs=args.nproc, start_method="spawn")  # fmt: skip
+            context = mp.start_processes(interleaved_worker, args=(args.nproc, free_port(), args, results),
+                                         nprocs=args.nproc, start_method="spawn", join=False)  # fmt: skip
+            # Read the reports before joining: a worker cannot exit before its queued report (far
+            # more than a pipe buffer) has been read.
+            while len(reports) < args.nproc:
+                try:
+                    reports.append(results.get(timeout=1.0))
+                except queue.Empty:
+                    context.join(timeout=0)  # raises if a worker failed
+            while not context.join():
+                pass
         finally:
             stop.set()
             thread.join()
         launcher_cpu = time.process_time() - launcher_cpu
-    reports = sorted(results.get(timeout=10) for _ in range(args.nproc))
+    reports.sort()
     return {
         "cpu": {arm: [sum(r[1][arm][i] for r in reports) for i in range(args.cycles)] for arm in ARMS},
         "wall": {arm: reports[0][2][arm] for arm in ARMS},  # rank 0: ranks wait for each other
