@@ -497,6 +497,6 @@ if __name__ == "__main__":
     # Skip interpreter teardown: gloo occasionally aborts there ("terminate called without an
     # active exception", SIGABRT) after a clean destroy_process_group, which would turn a
     # finished report into a failed rank. Everything is flushed first.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from elastic_trainer.process_exit import exit_process
+
+    exit_process(code)

@@ -353,19 +353,10 @@ def _exit_code(value: object) -> int:
 
 
 def _finish(code: int) -> None:
-    """End the worker the way a normal interpreter exit would (threads joined, atexit handlers
-    run, streams flushed), then leave without the server's inherited teardown."""
-    import atexit
-    import threading
+    """End the worker like a normal interpreter exit, without the server's inherited teardown."""
+    from elastic_trainer.process_exit import exit_process
 
-    with contextlib.suppress(BaseException):
-        threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads, as at exit
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            stream.flush()
-    os._exit(code)
+    exit_process(code)
 
 
 def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:

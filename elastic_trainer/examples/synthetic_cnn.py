@@ -31,6 +31,7 @@ from elastic_trainer.checkpoint import CheckpointError
 from elastic_trainer.config import DEFAULT_CHECKPOINT_EVERY, DDPOptions, TrainerConfig
 from elastic_trainer.distributed import read_env, strip_local_rank_arg
 from elastic_trainer.observer import TrainingObserver
+from elastic_trainer.process_exit import exit_process
 from elastic_trainer.trainer import (
     Trainer,
     TrainerSetupError,
@@ -232,18 +233,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _exit(code: int) -> None:
-    """Exit without interpreter teardown on failures.
+    """Exit without interpreter teardown, whatever the outcome.
 
-    By now the Trainer has destroyed the process group. Tearing down torch's C++ state after a
-    peer has already gone occasionally aborts (``terminate called without an active exception``,
-    SIGABRT), which would replace the clear error code and message with a crash report.
+    By now the Trainer has destroyed the process group. Tearing down torch's C++ state (gloo)
+    occasionally aborts (``terminate called without an active exception``, SIGABRT): after a
+    failure that would replace the clear error code and message with a crash report, and after a
+    *successful* run the agent would count the abort as a failure and restart the finished group.
     """
-    if code == 0:
-        sys.exit(0)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
+    exit_process(code)
 
 
 if __name__ == "__main__":
