@@ -219,13 +219,14 @@ _EXCHANGEABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16, to
 class AuthoritativeBuffers:
     """Rank 0's module buffers after the last completed step, held by every rank.
 
-    They ride on the step's control allreduce (one collective per step, as without JIT). After
-    a step's last forward (the backward does not change buffers), :meth:`capture` copies this rank's buffers as float64 and
-    returns the contribution to append to the control tensor: rank 0's values, ``-0.0`` from
-    every other rank (``x + -0.0 == x`` bit for bit in IEEE arithmetic, ``+0.0`` and ``-0.0``
-    included, so the sum is rank 0's values exactly). Once that allreduce has completed, the
-    update section calls :meth:`commit` with its result; a saver holding the guard calls
-    :meth:`snapshot` and gets the buffers of exactly the step the weights are at.
+    They ride on the step's control allreduce (one collective per step, as without JIT). After a
+    step's last forward (the backward does not change buffers), :meth:`capture` copies this
+    rank's buffers as float64 and returns the contribution to append to the control tensor: rank
+    0's values, ``-0.0`` from every other rank (``x + -0.0 == x`` bit for bit in IEEE
+    arithmetic, ``+0.0`` and ``-0.0`` included, so the sum is rank 0's values exactly). Once that
+    allreduce has completed, the update section calls :meth:`commit` with its result; a saver
+    holding the guard calls :meth:`snapshot` and gets the buffers of exactly the step the
+    weights are at.
     """
 
     def __init__(self, model: nn.Module, *, rank: int, world_size: int) -> None:

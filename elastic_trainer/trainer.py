@@ -22,8 +22,8 @@ What the runtime guarantees:
   a restarted trainer primes them once before its first step (:meth:`Trainer._prime_buckets`).
 * SIGTERM (preemption, scale-down, a new node joining) finishes the step in progress on every
   rank (and at most one more: the stop flag rides on the per-step control allreduce, which is
-  read one step later), rank 0 checkpoints the step they all stopped after, and the workers exit within the
-  grace period.
+  read one step later), rank 0 checkpoints the step they all stopped after, and the workers exit
+  within the grace period.
 * When the group fails instead (a worker died: collectives raise, or the agent SIGTERMs workers
   stuck in one), a surviving rank checkpoints the last completed step just in time, so at most
   one step is redone (``jit_save``, on by default; see :mod:`elastic_trainer.jit_save`).
