@@ -1,8 +1,10 @@
 """Steady-state cost of just-in-time (JIT) saving: the runtime with JIT on vs off, side by side.
 
 JIT adds to every step: an uncontended lock around the update, a copy of the model's buffers
-(BatchNorm statistics: a few KB) and one asynchronous broadcast of it from rank 0, waited for
-before the next forward. Same job as ``runtime_throughput.py`` (the example's SmallCNN, 2
+(BatchNorm statistics: a few KB) carried from rank 0 in the step's control allreduce, which
+starts right after the last forward (overlapping the backward) and must have completed before
+the update is applied (so a just-in-time snapshot never pairs step N's weights with another
+step's buffers); after the backward that wait is usually over at once. Same job as ``runtime_throughput.py`` (the example's SmallCNN, 2
 processes, gloo, checkpoints in a temporary directory every 100 steps), the two variants in
 alternating blocks inside the same two warm processes; reported: median throughput, median of
 the per-block ratios, and the CPU time per sample (robust to a shared machine).

@@ -9,7 +9,7 @@ checkpoint lost, and the no-fault run's weights (bitwise when the world size nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -67,9 +67,10 @@ def test_worker_sigkill_survivors_report_it_in_one_line(worker_sigkill_run: Fini
     assert not tracebacks, "a worker died with a traceback instead of one line:\n" + "\n".join(tracebacks[:6])
 
 
-def _two_elastic_nodes(etcd_server, run_dirs: RunDirs, run_id: str, nodes: list, names=("a", "b")) -> None:
+def _two_elastic_nodes(etcd_server, run_dirs: RunDirs, run_id: str, nodes: list, names=("a", "b"),
+                       job: JobSpec = JOB) -> None:
     for name in names:
-        nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=etcd_server.endpoint,
+        nodes.append(start_node(name=name, run=run_dirs, job=job, endpoint=etcd_server.endpoint,
                                 run_id=run_id, nnodes="1:2"))
 
 
@@ -109,11 +110,14 @@ def test_node_sigterm_scale_down(etcd_server, no_fault, run_dirs: RunDirs) -> No
 def test_node_join_scale_up(etcd_server, no_fault, run_dirs: RunDirs) -> None:
     """A second node joins a running one-node job: the group restarts with both, losing no step."""
     run_id = unique_run_id("node-join")
+    # Slower steps (the sleep does not change the math, so the no-fault reference still holds):
+    # node a must still be training when node b's launcher is up, even on a loaded machine.
+    job = replace(JOB, throttle_ms=150)
     with agents() as nodes:
-        _two_elastic_nodes(etcd_server, run_dirs, run_id, nodes, names=("a",))
+        _two_elastic_nodes(etcd_server, run_dirs, run_id, nodes, names=("a",), job=job)
         node_a = nodes[0]
         faults = FaultInjector(run_dirs).at_step(
-            10, "node b joins", lambda: _two_elastic_nodes(etcd_server, run_dirs, run_id, nodes, names=("b",)))
+            10, "node b joins", lambda: _two_elastic_nodes(etcd_server, run_dirs, run_id, nodes, names=("b",), job=job))
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
