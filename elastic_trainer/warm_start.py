@@ -70,10 +70,12 @@ DEFAULT_PRELOAD = (
     "torch.utils.data",
     "elastic_trainer.trainer",
     "elastic_trainer.checkpoint",
-    "elastic_trainer.metrics",
-    "elastic_trainer.metrics_comm_hook",
 )
-"""Imported by the server before it serves: what every runtime worker imports anyway."""
+"""Imported by the server before it serves: what every runtime worker imports anyway.
+
+Not ``prometheus_client`` (nor the metrics modules): it chooses its multiprocess mode from
+``PROMETHEUS_MULTIPROC_DIR`` when it is imported, and the server starts before the launcher has
+created that directory; workers import it themselves, in a few milliseconds."""
 
 CONNECT_WAIT_S = 120.0
 """How long a client waits for a server that is still importing before it starts cold."""
@@ -368,6 +370,9 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
             importlib.import_module(name)
         if _cuda_driver_loaded():
             raise WarmStartError("the CUDA driver got loaded while preloading; forking would be unsafe")
+        if "prometheus_client" in sys.modules:
+            raise WarmStartError("the preload imported prometheus_client, whose metrics mode is fixed at import "
+                                 "(before the workers' PROMETHEUS_MULTIPROC_DIR exists)")
     except BaseException as exc:  # noqa: BLE001 - any failure: tell clients to start cold, say why once
         if not directory.exists():
             return 0  # the launcher already stopped (e.g. a user error): nobody to tell

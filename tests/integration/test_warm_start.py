@@ -217,6 +217,16 @@ def test_a_server_that_cannot_preload_makes_workers_start_cold(tmp_path: Path) -
         warm.close()
 
 
+def test_a_preload_that_imports_prometheus_client_is_refused(tmp_path: Path) -> None:
+    """Its multiprocess mode is fixed at import; a worker forked from it would lose its metrics."""
+    warm = start_server([PRELOAD, "prometheus_client"])
+    try:
+        assert warm.wait_ready(30) is False
+        assert "prometheus_client" in (warm.directory / FAILED_NAME).read_text()
+    finally:
+        warm.close()
+
+
 def test_the_client_alone_is_usage_error() -> None:
     done = subprocess.run([sys.executable, "-m", "elastic_trainer.warm_start"], capture_output=True, text=True,
                           cwd=REPO, timeout=30)
