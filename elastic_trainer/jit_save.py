@@ -350,11 +350,12 @@ class ExitTimer:
         if self._cancelled.wait(max(0.0, self._seconds)):
             return
         log.error("%s did not finish within %.1f s; exiting now", self._why, self._seconds)
-        _flush_logs()
+        flush_logs()
         self._exit(self._code)
 
 
-def _flush_logs() -> None:
+def flush_logs() -> None:
+    """Flush the root logger's handlers (before an exit that skips interpreter teardown)."""
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):
             handler.flush()
@@ -477,7 +478,7 @@ class JitCheckpointer:
             deadline = self._signal_deadline()
             self.save(f"{name}, main thread stalled {timeout:.1f} s", deadline=deadline)
             self._drain(max(0.0, deadline - time.monotonic()))
-            _flush_logs()
+            flush_logs()
             self._exit(EXIT_AFTER_SIGNAL)
             return
 

@@ -61,6 +61,7 @@ from elastic_trainer.jit_save import (
     JitCheckpointer,
     StateGuard,
     device_snapshot,
+    flush_logs,
 )
 from elastic_trainer.observer import NullObserver, TrainingObserver
 from elastic_trainer.sample_log import SampleLog
@@ -245,10 +246,14 @@ class Trainer:
                     deadline.cancel()
 
     # -- setup ---------------------------------------------------------------------------------
-    def _setup(self) -> None:
-        cfg, env = self.config, self.env
-        if env is None:
+    def _env(self) -> distributed.DistEnv:
+        """The distributed environment :meth:`fit` read; an error if used before that."""
+        if self.env is None:
             raise RuntimeError("trainer used before its distributed environment was read")
+        return self.env
+
+    def _setup(self) -> None:
+        cfg, env = self.config, self._env()
         device = env.device
         if cfg.sync_batchnorm and device.type != "cuda":
             raise TrainerSetupError("sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; this worker is on CPU")
@@ -328,9 +333,7 @@ class Trainer:
 
     # -- resume ----------------------------------------------------------------------------------
     def _resume(self) -> None:
-        cfg, env = self.config, self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        cfg, env = self.config, self._env()
         # Rank 0 decides for all: which checkpoint to load, and whether to save just in time (JIT
         # widens the per-step control allreduce: every rank must agree, whatever its env says).
         decision: list[Any] = [None, self._jit_wanted()]
@@ -367,9 +370,7 @@ class Trainer:
     # -- just-in-time saving -----------------------------------------------------------------------
     def _jit_wanted(self) -> bool:
         """This rank's view of whether to save just in time (rank 0's view is the one used)."""
-        cfg, env = self.config, self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        cfg, env = self.config, self._env()
         if not cfg.jit_save:
             if env.is_rank0:
                 log.info("just-in-time checkpoints are off (jit_save=False or %s=0)", ENV_JIT_SAVE)
@@ -385,9 +386,7 @@ class Trainer:
         return True
 
     def _setup_jit(self, enabled: bool) -> None:
-        env, cfg = self.env, self.config
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        env, cfg = self._env(), self.config
         self._jit = JitCheckpointer(
             guard=self._guard, directory=cfg.checkpoint_dir, rank=env.rank, step=lambda: self.step,
             payload=self._jit_payload, write=self._jit_write, drain=self._jit_drain,
@@ -418,14 +417,12 @@ class Trainer:
         current = self.step + 1 if point == "before_control" else self.step
         if (rank, step, where) == (self.env.rank, current, point):
             log.warning("test hook %s: SIGKILLing this worker at %s of step %d", ENV_TEST_KILL_AT, point, step)
-            _flush_log_handlers()
+            flush_logs()
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _jit_payload(self) -> dict[str, Any]:
         """(Holding the guard) a host copy of the state after the last completed step."""
-        env = self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        env = self._env()
         model_state = self.model.state_dict()
         source = "none"
         if self._buffers is not None:
@@ -474,9 +471,7 @@ class Trainer:
         return ("none", None) if info is None else ("load", str(info.path))
 
     def _apply(self, state: dict[str, Any]) -> None:
-        env = self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        env = self._env()
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
@@ -493,9 +488,7 @@ class Trainer:
             rng.seed_all(rng.derive_seed(self.config.seed, env.rank, self.step))
 
     def _open_sample_log(self) -> None:
-        cfg, env = self.config, self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        cfg, env = self.config, self._env()
         if cfg.record_samples_dir is None:
             return
         generation = [(uuid.uuid4().hex, time.time())]
@@ -511,9 +504,7 @@ class Trainer:
         return (cfg.max_steps is not None and self.step >= cfg.max_steps) or self.sampler.epoch >= cfg.epochs
 
     def _train(self) -> TrainResult:
-        cfg, env = self.config, self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        cfg, env = self.config, self._env()
         self.ddp.train()
         self._loss: float | None = None
         self._window = (time.monotonic(), 0)
@@ -600,9 +591,7 @@ class Trainer:
         chunk starting at another rank: the sum is then not bitwise the same. Two ranks are
         immune (``a + b == b + a``), one rank has nothing to reduce.
         """
-        cfg, env = self.config, self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        cfg, env = self.config, self._env()
         if self.step == 0 or env.world_size == 1:
             return 0  # a fresh start is what the uninterrupted run did too
         if cfg.ddp.find_unused_parameters and not cfg.ddp.static_graph:
@@ -626,9 +615,7 @@ class Trainer:
         (data-dependent control flow with ``find_unused_parameters`` and ``static_graph`` would
         make the uninterrupted run's own layout depend on its first batch).
         """
-        env = self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        env = self._env()
         device = env.device
         first = next(batches)
         inputs, target = _move(first, device)
@@ -653,9 +640,7 @@ class Trainer:
         """Start the step's one small allreduce (after its last forward, before its update): summed
         loss (for the global mean) and stop flag (and, with just-in-time saving, rank 0's module
         buffers of this step, which :meth:`_update` waits for)."""
-        env = self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        env = self._env()
         stop = torch.tensor(float(self._stop.requested), device=env.device)
         extra = self._buffers.capture() if self._buffers is not None else None
         if extra is None:
@@ -673,9 +658,7 @@ class Trainer:
         Every rank sees the same reduced flag after the same step, so they all stop together: at
         most one step after the one during which the signal arrived.
         """
-        cfg, env = self.config, self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        cfg, env = self.config, self._env()
         if pending.work is not None:
             pending.work.wait()
         loss_sum, stop = pending.control[:2].tolist()
@@ -695,9 +678,7 @@ class Trainer:
     def _train_step(self, plan: StepPlan, batches: Iterator[Any]) -> _StepControl:
         """Forward and backward of one step (no update); returns its control allreduce, started
         after the last forward so that it runs while the last backward computes."""
-        env = self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        env = self._env()
         device = env.device
         self.optimizer.zero_grad(set_to_none=True)
         # Each rank's loss is scaled by world_size / global_samples: DDP averages gradients over the
@@ -777,9 +758,7 @@ class Trainer:
         on every rank, never a hang at a barrier), which is also the barrier that keeps the
         other ranks from going on (or exiting) before the file is in place.
         """
-        cfg, env = self.config, self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        cfg, env = self.config, self._env()
         if cfg.checkpoint_dir is None or self._last_saved_step == self.step:
             return self._last_checkpoint
         started = time.monotonic()
@@ -808,9 +787,7 @@ class Trainer:
 
     def _payload(self, model_state: dict[str, Any], *, rng_states: list[Any]) -> dict[str, Any]:
         """What a checkpoint holds (live tensors; the caller copies or writes them at once)."""
-        cfg, env = self.config, self.env
-        if env is None:
-            raise RuntimeError("trainer used before its distributed environment was read")
+        cfg, env = self.config, self._env()
         return {
             "format": ckpt.FORMAT,
             "model": model_state,
@@ -922,10 +899,6 @@ def _parse_kill_at(raw: str | None) -> tuple[int, int, str] | None:
     return parsed
 
 
-def _flush_log_handlers() -> None:
-    for handler in logging.getLogger().handlers:
-        with contextlib.suppress(Exception):
-            handler.flush()
 
 
 ENV_METRICS = "ELASTIC_TRAINER_METRICS"

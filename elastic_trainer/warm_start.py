@@ -55,6 +55,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 SOCKET_NAME = "server.sock"
 FAILED_NAME = "server.failed"
@@ -292,7 +293,10 @@ def _become_worker(server: _Server, conn: socket.socket, request: dict[str, obje
             sys.excepthook(*sys.exc_info())
         code = 1
     finally:
-        _finish(code)
+        # End like a normal interpreter exit, without the server's inherited C++ teardown.
+        from elastic_trainer.process_exit import exit_process
+
+        exit_process(code)
 
 
 def _reopen_stdio() -> None:
@@ -352,13 +356,6 @@ def _exit_code(value: object) -> int:
     with contextlib.suppress(BaseException):
         print(value, file=sys.stderr)
     return 1
-
-
-def _finish(code: int) -> None:
-    """End the worker like a normal interpreter exit, without the server's inherited teardown."""
-    from elastic_trainer.process_exit import exit_process
-
-    exit_process(code)
 
 
 def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
@@ -511,7 +508,7 @@ def _connect(socket_path: Path, deadline: float) -> socket.socket:
             time.sleep(0.02)
 
 
-def _start_cold(target_args: Sequence[str], reason: str) -> None:
+def _start_cold(target_args: Sequence[str], reason: str) -> NoReturn:
     print(f"elastic-trainer: warm start unavailable ({reason}); starting this worker cold",
           file=sys.stderr, flush=True)
     os.execv(sys.executable, [sys.executable, "-u", *target_args])
@@ -526,10 +523,8 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
         reply, _ = _recv_message(sock)
     except (OSError, EOFError, ValueError, WarmStartError) as exc:
         _start_cold(target_args, str(exc) or type(exc).__name__)
-        return 1  # not reached: execv replaced this process
     if "pid" not in reply:
         _start_cold(target_args, str(reply.get("error", "the warm server refused")))
-        return 1
     worker_pid = int(reply["pid"])  # type: ignore[call-overload]
 
     def forward(signum: int, _frame: object) -> None:

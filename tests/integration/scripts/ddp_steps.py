@@ -10,7 +10,6 @@ Environment knobs (tests set them):
 import json
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -61,6 +60,6 @@ if __name__ == "__main__":
     # the agent then counts this finished worker as failed and restarts the whole group once
     # more -- an extra rendezvous round after the job had already finished. Every file this
     # script writes is closed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from elastic_trainer.process_exit import exit_process
+
+    exit_process(0)
