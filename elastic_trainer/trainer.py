@@ -623,10 +623,7 @@ class Trainer:
         saved = [(module, name, buffer, buffer.detach().clone())
                  for module in self.model.modules() for name, buffer in module._buffers.items() if buffer is not None]
         for _ in range(passes):
-            with torch.autocast(device.type, dtype=self.autocast_dtype or torch.float32,
-                                enabled=self.autocast_dtype is not None):
-                loss = self.job.loss(self.ddp(inputs), target)
-            (loss.float() * 0.0).backward()
+            (self._forward_loss(inputs, target).float() * 0.0).backward()
         self.model.zero_grad(set_to_none=True)
         with torch.no_grad():
             for module, name, buffer, copy in saved:
@@ -675,6 +672,13 @@ class Trainer:
         self._window = (window_start, window_samples)
         return stop > 0
 
+    def _forward_loss(self, inputs: Any, target: Any) -> torch.Tensor:
+        """The DDP forward and the job's loss of one micro-batch (under autocast with mixed precision)."""
+        device_type = self._env().device.type
+        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            return self.job.loss(self.ddp(inputs), target)
+
     def _train_step(self, plan: StepPlan, batches: Iterator[Any]) -> _StepControl:
         """Forward and backward of one step (no update); returns its control allreduce, started
         after the last forward so that it runs while the last backward computes."""
@@ -695,10 +699,7 @@ class Trainer:
             data_wait += time.monotonic() - wait_start
             sync = contextlib.nullcontext() if i == last else self.ddp.no_sync()
             with sync:
-                with torch.autocast(device.type, dtype=self.autocast_dtype or torch.float32,
-                                    enabled=self.autocast_dtype is not None):
-                    output = self.ddp(inputs)
-                    loss = self.job.loss(output, target)
+                loss = self._forward_loss(inputs, target)
                 loss_sum += loss.detach().float() * micro.samples
                 if i == last:
                     # Loss and buffers (BatchNorm statistics change in the forward only) are final:
