@@ -238,6 +238,7 @@ class AuthoritativeBuffers:
         self._views: list[torch.Tensor] = []  # _own cut into the buffers' shapes
         self._live: list[torch.Tensor] = []  # the buffer tensors _views were laid out for
         self._negative_zeros = torch.empty(0, dtype=torch.float64)
+        self._own_committed: torch.Tensor | None = None  # where _commit_own keeps _own (reused)
         self._committed: torch.Tensor | None = None  # the buffers of the last completed step
         self._committed_layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
         self._source = "none"
@@ -291,9 +292,16 @@ class AuthoritativeBuffers:
             self._commit_own("rank0" if exact else "local")
 
     def _commit_own(self, source: str) -> None:
-        if self._own is None:
+        # Copied into a second buffer kept from step to step, not cloned: no allocation per step.
+        # Overwriting the buffer that a snapshot read is safe: this runs inside the update
+        # section (or before training starts), snapshot() runs holding the same guard and
+        # returns copies, and on CUDA the saver's reads end (stream synchronised) before it
+        # releases the guard (see device_snapshot). A relayout allocates a new buffer, so the
+        # previous step's stays intact until this commit replaces it.
+        if self._own is None or self._own_committed is None:
             raise RuntimeError("buffers committed before any were captured")
-        self._committed, self._committed_layout, self._source = self._own.clone(), self._layout, source
+        self._own_committed.copy_(self._own)
+        self._committed, self._committed_layout, self._source = self._own_committed, self._layout, source
 
     def _relayout(self, live: list[torch.Tensor]) -> None:
         self._live = live
@@ -305,11 +313,17 @@ class AuthoritativeBuffers:
             self._views.append(self._own[offset : offset + numel].view(shape))
             offset += numel
         self._negative_zeros = torch.full_like(self._own, -0.0)
+        # A new tensor, never the old one resized: _committed may still be the old one (the last
+        # completed step's buffers, in the old layout) until the step in progress commits.
+        self._own_committed = torch.empty_like(self._own)
 
     def snapshot(self) -> tuple[dict[str, torch.Tensor], str]:
         """Buffers of the last completed step (caller holds the guard), and where they come from:
         ``"rank0"`` (what rank 0 would have saved) or ``"local"`` (dtypes that cannot be
-        exchanged, saved by another rank)."""
+        exchanged, saved by another rank).
+
+        The tensors are copies (``clone``, also where the dtype is already float64): the next
+        update overwrites the committed buffer in place."""
         if not self.enabled or self._committed is None:
             return {}, "none"
         out, offset, flat = {}, 0, self._committed
@@ -319,16 +333,22 @@ class AuthoritativeBuffers:
         return out, self._source
 
 
-def device_snapshot(payload: Any, device: torch.device, after: torch.cuda.Event | None) -> Any:
-    """CPU copy of ``payload`` (``checkpoint.snapshot_to_cpu``); on CUDA on a side stream that
-    waits only for ``after`` (the end of the last update), not for work queued since."""
+def device_snapshot(build: Callable[[], Any], device: torch.device, after: torch.cuda.Event | None) -> Any:
+    """CPU copy (``checkpoint.snapshot_to_cpu``) of the payload that ``build`` returns.
+
+    On CUDA ``build`` and the copy run on a side stream that waits only for ``after`` (the end of
+    the last update), not for work queued since (a hung collective); device work that ``build``
+    queues (:meth:`AuthoritativeBuffers.snapshot`'s copies) is ordered after that update, and all
+    of it has finished when this returns (the caller still holds the guard, so the next update
+    cannot overwrite what was read).
+    """
     if device.type != "cuda":
-        return ckpt.snapshot_to_cpu(payload)
+        return ckpt.snapshot_to_cpu(build())
     stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         if after is not None:
             stream.wait_event(after)
-        copy = ckpt.snapshot_to_cpu(payload)
+        copy = ckpt.snapshot_to_cpu(build())
         stream.synchronize()
     return copy
 

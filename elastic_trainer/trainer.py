@@ -423,15 +423,19 @@ class Trainer:
     def _jit_payload(self) -> dict[str, Any]:
         """(Holding the guard) a host copy of the state after the last completed step."""
         env = self._env()
-        model_state = self.model.state_dict()
-        source = "none"
-        if self._buffers is not None:
-            buffers, source = self._buffers.snapshot()
-            model_state.update(buffers)
-        # No RNG states: the other ranks' are not here; resume derives every rank's streams.
-        payload = self._payload(model_state, rng_states=[])
-        payload["jit"] = {"writer_rank": env.rank, "buffers": source}
-        return device_snapshot(payload, env.device, self._update_event)
+
+        def build() -> dict[str, Any]:
+            model_state = self.model.state_dict()
+            source = "none"
+            if self._buffers is not None:
+                buffers, source = self._buffers.snapshot()
+                model_state.update(buffers)
+            # No RNG states: the other ranks' are not here; resume derives every rank's streams.
+            payload = self._payload(model_state, rng_states=[])
+            payload["jit"] = {"writer_rank": env.rank, "buffers": source}
+            return payload
+
+        return device_snapshot(build, env.device, self._update_event)
 
     def _jit_write(self, step: int, payload: dict[str, Any]) -> str:
         cfg, env = self.config, self.env

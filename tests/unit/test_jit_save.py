@@ -1,5 +1,6 @@
 """Unit tests of the just-in-time saver's parts: the update guard, the one-writer rule, the stall
-monitor, the deadline, and the configuration switch. Real files, fake training state."""
+monitor, the deadline, the buffers kept at one rank, and the configuration switch. Real files, fake
+training state."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ import torch
 from elastic_trainer import checkpoint as ckpt
 from elastic_trainer import jit_save
 from elastic_trainer.config import ENV_JIT_SAVE, TrainerConfig
-from elastic_trainer.jit_save import EXIT_AFTER_SIGNAL, ExitTimer, JitCheckpointer, StateGuard
+from elastic_trainer.jit_save import (
+    EXIT_AFTER_SIGNAL,
+    AuthoritativeBuffers,
+    ExitTimer,
+    JitCheckpointer,
+    StateGuard,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -328,6 +335,59 @@ def test_exit_timer_cancelled_in_time_does_nothing() -> None:
     timer.cancel()
     timer._thread.join(5)
     assert not timer._thread.is_alive() and codes == []
+
+
+# -- buffers kept without an exchange (one rank) -----------------------------------------------------------
+class Stats(torch.nn.Module):
+    """Buffers as BatchNorm has them, a float64 one included (its snapshot needs no dtype conversion,
+    so only an explicit copy keeps it apart from the committed buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(3, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(2))
+        self.register_buffer("count", torch.tensor(0, dtype=torch.int64))
+
+
+def _step(buffers: AuthoritativeBuffers, model: Stats, value: float) -> None:
+    """A step at world size 1: the forward changes the buffers, the update commits this rank's copy."""
+    with torch.no_grad():
+        model.mean.fill_(value)
+        model.var.fill_(value)
+        model.count.fill_(int(value))
+    assert buffers.capture() is None, "nothing to exchange at world size 1"
+    buffers.commit(None)
+
+
+def test_a_snapshot_never_sees_a_later_steps_buffers_and_commits_reuse_one_buffer() -> None:
+    model = Stats()
+    buffers = AuthoritativeBuffers(model, rank=0, world_size=1)
+    _step(buffers, model, 1.0)
+    first, source = buffers.snapshot()
+    assert source == "rank0" and first["mean"].dtype == torch.float64
+    committed = buffers._committed
+    assert committed is not None
+    _step(buffers, model, 2.0)
+    # The next update overwrote the committed buffer in place; the snapshot is a copy.
+    assert buffers._committed is committed, "no new tensor per step"
+    assert first["mean"].tolist() == [1.0] * 3 and first["var"].tolist() == [1.0] * 2 and int(first["count"]) == 1
+    # A snapshot between a step's capture and its commit holds the last completed step's buffers.
+    with torch.no_grad():
+        model.mean.fill_(3.0)
+    buffers.capture()
+    between, _ = buffers.snapshot()
+    assert between["mean"].tolist() == [2.0] * 3 and int(between["count"]) == 2
+    # A module replaces a buffer with one of another shape: the committed step keeps its layout
+    # until the step in progress commits, in a buffer of its own.
+    model.var = torch.full((4,), 5.0)
+    buffers.capture()
+    assert buffers._committed is committed
+    before, _ = buffers.snapshot()
+    assert before["var"].tolist() == [2.0] * 2
+    buffers.commit(None)
+    after, _ = buffers.snapshot()
+    assert buffers._committed is not committed and after["var"].tolist() == [5.0] * 4
+    assert before["var"].tolist() == [2.0] * 2 and first["mean"].tolist() == [1.0] * 3
 
 
 # -- configuration --------------------------------------------------------------------------------------
