@@ -348,15 +348,16 @@ def test_priming_runs_real_passes_and_leaves_no_trace(tmp_path: Path) -> None:
         buffers = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         optimizer = str(trainer.optimizer.state_dict())
         cursor = trainer.sampler.state_dict()
-        generator = torch.get_rng_state()
         batches = [(torch.randn(4, 6), torch.tensor([0, 1, 0, 1])), (torch.randn(4, 6), torch.tensor([1, 1, 0, 0]))]
-        torch.set_rng_state(generator)
+        generator = torch.get_rng_state()  # after the draws that made the batches
         trainer.ddp.train()
         handed_back = list(trainer._prime_buckets(iter(batches), passes=2))
         assert len(calls) == 2, "two real forward passes"
         assert handed_back[0] is batches[0] and handed_back[1] is batches[1]
         _assert_bitwise_equal(trainer.model.state_dict(), buffers)
         assert torch.equal(torch.get_rng_state(), generator), "dropout's draws were undone"
+        trainer.model(batches[0][0])  # one more forward, not undone: dropout does draw from this generator
+        assert not torch.equal(torch.get_rng_state(), generator), "the passes drew random numbers to undo"
         assert all(p.grad is None for p in trainer.model.parameters())
         assert str(trainer.optimizer.state_dict()) == optimizer and trainer.sampler.state_dict() == cursor
         assert trainer.step == 2
