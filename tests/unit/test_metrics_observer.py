@@ -186,11 +186,13 @@ def test_cuda_timings_are_taken_when_their_events_finish(
     observer.on_start(world_size=2, restart_count=0)
     running = _PendingCuda(0, 1000, FakeEvent(True, 0.0), FakeEvent(False, 10.0))
     timer.add_cuda(running)
+    timer.next_step()  # what the hook does after launching DDP's last bucket
     step(observer, 1, duration_s=0.5)  # the GPU is behind: nothing is read, nothing waits
     assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 0
     assert value(registry, "elastic_trainer_step_compute_seconds_count") == 0
     running.end.done = True
     timer.add_cuda(_PendingCuda(1, 1000, FakeEvent(True, 20.0), FakeEvent(True, 25.0)))
+    timer.next_step()
     step(observer, 2, duration_s=0.4)
     assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 2
     assert value(registry, "elastic_trainer_allreduce_duration_seconds_sum") == pytest.approx(0.015)
@@ -318,3 +320,101 @@ def test_compute_time_pairs_each_step_with_its_own_buckets_when_reported_late(
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3 + 0.47)
     assert value(registry, "elastic_trainer_step_compute_seconds_count") == 3
     assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 3
+
+
+def _late_reporting_run(observer: PrometheusObserver, steps: int) -> None:
+    """The runtime's order: step k is reported after step k+1's backward; every third step
+    runs no synchronised backward (gradient accumulation with no_sync), so it launches nothing."""
+    ddp = FakeDDP()
+    observer.wrap_ddp(ddp)
+    timer = ddp.state
+    assert timer is not None
+    observer.on_start(world_size=2, restart_count=0)
+    seq = 0
+    backwards: list[bool] = []
+    for k in range(1, steps + 1):
+        synced = k % 3 != 0
+        if synced:
+            wait = 0.001 * k
+            timer.record_cpu(seq, 1000, launched_s=10.0 * k, done_s=10.0 * k + wait)
+            timer.record_cpu(seq, 500, launched_s=10.0 * k - 1.0, done_s=10.0 * k - 0.5)
+            timer.next_step()
+            seq += 1
+        backwards.append(synced)
+        if k > 1:
+            step(observer, k - 1, duration_s=1.0, loss=float(k))
+    step(observer, steps, duration_s=1.0, loss=float(steps + 1))
+
+
+def test_deferred_steps_export_what_writing_every_step_exports() -> None:
+    """on_step only queues; a flush an hour later pairs every step with its own buckets exactly
+    as writing each step at once does (no step reads a later step's wait)."""
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    eager_registry, lazy_registry = CollectorRegistry(), CollectorRegistry()
+    eager = PrometheusObserver(labels=labels, registry=eager_registry, flush_interval_s=0.0)
+    now = [0.0]
+    lazy = PrometheusObserver(labels=labels, registry=lazy_registry, flush_interval_s=3600.0,
+                              clock=lambda: now[0])  # fmt: skip
+    steps = metrics_mod.MAX_DEFERRED_STEPS - 10
+    _late_reporting_run(eager, steps)
+    _late_reporting_run(lazy, steps)
+    # Only the first report was written (the first on_step flushes: steps 1 and 2 had run their
+    # backward, two buckets each); the rest waits.
+    assert value(lazy_registry, "elastic_trainer_step_duration_seconds_count") == 1
+    assert value(lazy_registry, "elastic_trainer_allreduce_duration_seconds_count") == 4
+    lazy.flush()
+    synced = [k for k in range(1, steps + 1) if k % 3 != 0]
+    # Each synchronised step subtracts its own wait (0.001 k); the others their whole time.
+    want_compute = sum(1.0 - 0.001 * k for k in synced) + (steps - len(synced)) * 1.0
+    for registry in (eager_registry, lazy_registry):
+        assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(want_compute)
+        assert value(registry, "elastic_trainer_step_compute_seconds_count") == steps
+        assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 2 * len(synced)
+        assert value(registry, "elastic_trainer_allreduce_bytes_total") == 1500 * len(synced)
+        assert value(registry, "elastic_trainer_step") == steps
+        assert value(registry, "elastic_trainer_loss") == steps + 1
+        assert value(registry, "elastic_trainer_samples_total") == 32 * steps
+    assert lazy._open == {}  # nothing left behind for later steps
+
+
+def test_a_long_interval_still_flushes_every_max_deferred_steps(registry: CollectorRegistry) -> None:
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0,
+                                  clock=lambda: 0.0)  # fmt: skip
+    limit = metrics_mod.MAX_DEFERRED_STEPS
+    for n in range(1, limit + 1):  # the first step flushes at once, then `limit` - 1 queue
+        step(observer, n)
+    assert value(registry, "elastic_trainer_samples_total") == 32
+    step(observer, limit + 1)  # the limit-th queued step: flushed without waiting an hour
+    assert value(registry, "elastic_trainer_samples_total") == 32 * (limit + 1)
+    assert value(registry, "elastic_trainer_step") == limit + 1
+
+
+def test_cuda_step_without_synchronised_backward_keeps_the_pairing(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    """A no_sync step between two synchronised ones gets its whole time as compute time, and the
+    next step is still paired with its own events (not the skipped step's number)."""
+    from elastic_trainer.metrics_comm_hook import _PendingCuda
+    from tests.unit.test_metrics_comm_hook import FakeEvent
+
+    ddp = FakeDDP()
+    ddp.device_ids = [0]  # type: ignore[assignment]
+    observer.wrap_ddp(ddp)
+    timer = ddp.state
+    assert timer is not None and timer.use_cuda
+    observer.on_start(world_size=2, restart_count=0)
+    timer.add_cuda(_PendingCuda(0, 1000, FakeEvent(True, 0.0), FakeEvent(True, 10.0)))
+    timer.next_step()
+    step(observer, 1, duration_s=0.5)
+    step(observer, 2, duration_s=0.3)  # no backward synchronised: nothing launched
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.3)
+    timer.add_cuda(_PendingCuda(1, 1000, FakeEvent(True, 20.0), FakeEvent(True, 50.0)))
+    timer.next_step()
+    step(observer, 3, duration_s=0.4)
+    timer.add_cuda(_PendingCuda(2, 1000, FakeEvent(True, 60.0), FakeEvent(True, 61.0)))
+    timer.next_step()
+    step(observer, 4, duration_s=0.4)
+    # Step 1: 0.5 - 10 ms; step 2: 0.3; step 3: 0.4 - its own 30 ms (not step 1's 10 ms).
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3 + 0.37)
+    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 3
