@@ -9,8 +9,9 @@ from prometheus_client import CollectorRegistry
 
 from elastic_trainer import metrics as metrics_mod
 from elastic_trainer.metrics import MetricsError, PrometheusObserver, WorkerLabels, worker_observer
-from elastic_trainer.metrics_comm_hook import AllreduceTimer
+from elastic_trainer.metrics_comm_hook import AllreduceTimer, _PendingCuda
 from elastic_trainer.observer import TrainingObserver
+from tests.unit.test_metrics_comm_hook import FakeEvent
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,18 +173,21 @@ def test_worker_observer_refuses_without_multiproc_dir(
         worker_observer()
 
 
-def test_cuda_timings_are_taken_when_their_events_finish(
-    observer: PrometheusObserver, registry: CollectorRegistry
-) -> None:
-    from elastic_trainer.metrics_comm_hook import _PendingCuda
-    from tests.unit.test_metrics_comm_hook import FakeEvent
-
+def cuda_timer(observer: PrometheusObserver) -> AllreduceTimer:
+    """The timer the observer installs on a DDP model whose gradients live on a GPU."""
     ddp = FakeDDP()
     ddp.device_ids = [0]  # type: ignore[assignment]
     observer.wrap_ddp(ddp)
     timer = ddp.state
     assert timer is not None and timer.use_cuda
     observer.on_start(world_size=2, restart_count=0)
+    return timer
+
+
+def test_cuda_timings_are_taken_when_their_events_finish(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    timer = cuda_timer(observer)
     running = _PendingCuda(0, 1000, FakeEvent(True, 0.0), FakeEvent(False, 10.0))
     timer.add_cuda(running)
     timer.next_step()  # what the hook does after launching DDP's last bucket
@@ -395,15 +399,7 @@ def test_cuda_step_without_synchronised_backward_keeps_the_pairing(
 ) -> None:
     """A no_sync step between two synchronised ones gets its whole time as compute time, and the
     next step is still paired with its own events (not the skipped step's number)."""
-    from elastic_trainer.metrics_comm_hook import _PendingCuda
-    from tests.unit.test_metrics_comm_hook import FakeEvent
-
-    ddp = FakeDDP()
-    ddp.device_ids = [0]  # type: ignore[assignment]
-    observer.wrap_ddp(ddp)
-    timer = ddp.state
-    assert timer is not None and timer.use_cuda
-    observer.on_start(world_size=2, restart_count=0)
+    timer = cuda_timer(observer)
     timer.add_cuda(_PendingCuda(0, 1000, FakeEvent(True, 0.0), FakeEvent(True, 10.0)))
     timer.next_step()
     step(observer, 1, duration_s=0.5)
