@@ -23,7 +23,7 @@ changes how a round is reached:
 Keys under ``{key_prefix}/{run_id}/``::
 
     rdzv/state            framed JSON: round, status (open|complete|closed), participants, previous
-    rdzv/nodes/<node>     a live node (attached to its lease)
+    rdzv/nodes/<node>     a live node (attached to its lease); JSON {"addr": ..., "pid": ...}
     rdzv/rounds/<r>/<node> node joined round r (attached to its lease)
     store/...             the rendezvous store (EtcdV3Store), per round under a prefix
 
@@ -57,7 +57,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from rendezvous.etcd_backend import client_config_from_params, frame_state, unframe_state
+from rendezvous.etcd_backend import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_TTL,
+    client_config_from_params,
+    frame_state,
+    unframe_state,
+)
 from rendezvous.etcd_client import EtcdConnection, quiet_retries
 from rendezvous.etcd_store import EtcdV3Store
 
@@ -133,6 +139,7 @@ class Snapshot:
     live: set[str]
     joined: dict[int, list[str]]  # round -> nodes in join (create revision) order
     leases: dict[str, int] = field(default_factory=dict)  # live node -> its lease id
+    node_values: dict[str, bytes] = field(default_factory=dict)  # live node -> its key's value (NodeInfo)
 
 
 def decide_close(
@@ -165,16 +172,48 @@ def order_participants(joined: list[str], previous: list[str] | None) -> list[st
     return before + [n for n in joined if n not in before]
 
 
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What a node stores under its ``rdzv/nodes/<node>`` key: where it runs."""
+
+    addr: str
+    pid: int
+
+    def encode(self) -> bytes:
+        return json.dumps({"addr": self.addr, "pid": self.pid}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> NodeInfo | None:
+        """The stored info, or ``None`` if ``raw`` is missing or not a node value."""
+        if not raw:
+            return None
+        try:
+            data = json.loads(raw)
+            addr, pid = data["addr"], data["pid"]
+        except (ValueError, TypeError, KeyError):  # JSON/UTF-8 errors are ValueErrors
+            return None
+        if not isinstance(addr, str) or not isinstance(pid, int) or isinstance(pid, bool):
+            return None
+        return cls(addr, pid)
+
+
 class RunKeys:
     """The etcd keys of one run's lease rendezvous."""
 
     def __init__(self, key_prefix: str, run_id: str) -> None:
+        self.key_prefix, self.run_id = key_prefix, run_id
         base = f"{key_prefix.rstrip('/')}/{run_id}"
         self.rdzv = f"{base}/rdzv/"
         self.state = f"{base}/rdzv/state"
         self.nodes = f"{base}/rdzv/nodes/"
         self.rounds = f"{base}/rdzv/rounds/"
         self.store = f"{base}/store"
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> RunKeys:
+        """The keys of ``params.run_id`` under the ``key_prefix`` rdzv-conf key (default
+        :data:`rendezvous.etcd_backend.DEFAULT_KEY_PREFIX`): the handler's and ``status``'s."""
+        return cls(str(params.get("key_prefix", DEFAULT_KEY_PREFIX)), params.run_id)
 
     def node(self, node: str) -> str:
         return self.nodes + node
@@ -186,7 +225,7 @@ class RunKeys:
 def read_snapshot(connection: EtcdConnection, keys: RunKeys) -> Snapshot:
     """Everything under ``rdzv/`` in one request (also used by ``elastic-trainer status``)."""
     response = connection.call(lambda client: client.get_prefix_response(keys.rdzv), what="a rendezvous read")
-    state, state_revision, live, leases = None, 0, set(), {}
+    state, state_revision, live, leases, values = None, 0, set(), {}, {}
     joined: dict[int, list[tuple[int, str]]] = {}
     for kv in response.kvs:
         key = kv.key.decode()
@@ -196,11 +235,12 @@ def read_snapshot(connection: EtcdConnection, keys: RunKeys) -> Snapshot:
             node = key[len(keys.nodes):]
             live.add(node)
             leases[node] = int(kv.lease)
+            values[node] = bytes(kv.value)
         elif key.startswith(keys.rounds):
             round_text, _, node = key[len(keys.rounds):].partition("/")
             joined.setdefault(int(round_text), []).append((kv.create_revision, node))
     ordered = {r: [n for _, n in sorted(items)] for r, items in joined.items()}
-    return Snapshot(response.header.revision, state, state_revision, live, ordered, leases)
+    return Snapshot(response.header.revision, state, state_revision, live, ordered, leases, values)
 
 
 def _range_end(prefix: str) -> bytes:
@@ -342,16 +382,18 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self,
         connection: EtcdConnection,
         settings: LeaseRendezvousSettings,
-        key_prefix: str,
+        keys: RunKeys,
         local_addr: str | None = None,
         store_ttl: int = 7200,
     ) -> None:
+        if keys.run_id != settings.run_id:
+            raise ValueError(f"keys: run id {keys.run_id!r} is not the settings' {settings.run_id!r}")
         self._connection = connection
         self._settings = settings
-        self._keys = RunKeys(key_prefix, settings.run_id)
+        self._keys = keys
         self._addr = local_addr or socket.getfqdn()
         self.node_id = f"{self._addr}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-        node_info = json.dumps({"addr": self._addr, "pid": os.getpid()}).encode()
+        node_info = NodeInfo(self._addr, os.getpid()).encode()
         self._lease = _NodeLease(connection, self._keys.node(self.node_id), node_info, settings.lease_ttl)
         self._store = EtcdV3Store(connection, self._keys.store, ttl=store_ttl)
         self._watch = _PrefixWatch(connection, self._keys.rdzv, self._on_event)
@@ -457,7 +499,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         key = event.key.decode() if isinstance(event.key, bytes) else str(event.key)
         if key.startswith(self._keys.nodes):
             node = key[len(self._keys.nodes):]
-            if type(event).__name__ == "DeleteEvent" and node in self._members and node != self.node_id:
+            deleted = isinstance(event, self._connection.etcd3.events.DeleteEvent)
+            if deleted and node in self._members and node != self.node_id:
                 if self._closed:  # a finished job's nodes leave one after another: no news
                     log.info("etcd-v3: node %s left the closed run", node)
                     return
@@ -558,7 +601,6 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
 def create_lease_handler(params: RendezvousParameters) -> LeaseRendezvousHandler:
     """Build the handler from torchrun's parameters (keys: see :func:`rendezvous.handler.create_handler`)."""
-    from rendezvous.etcd_backend import DEFAULT_KEY_PREFIX, DEFAULT_TTL
 
     def number(key: str, default: float) -> float:
         value = params.get(key, default)
@@ -577,7 +619,6 @@ def create_lease_handler(params: RendezvousParameters) -> LeaseRendezvousHandler
     )
     connection = EtcdConnection(client_config_from_params(params))
     connection.check()
-    key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX))
     ttl = int(number("ttl", DEFAULT_TTL))
-    return LeaseRendezvousHandler(connection, settings, key_prefix, params.local_addr, store_ttl=ttl)
+    return LeaseRendezvousHandler(connection, settings, RunKeys.from_params(params), params.local_addr, store_ttl=ttl)
 
