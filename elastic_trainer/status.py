@@ -13,9 +13,13 @@ import io
 import pickle
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_trainer.launch_options import UserError
+
+if TYPE_CHECKING:  # imported where used: they pull in torch and etcd3
+    from rendezvous.etcd_client import EtcdConnection
+    from rendezvous.lease_handler import RunKeys, Snapshot
 
 _ALLOWED_CLASSES = {
     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
@@ -67,19 +71,31 @@ def describe_state(state: Any, now: datetime) -> dict[str, Any]:
     }
 
 
-def _lease_node(node: str) -> dict[str, Any]:
-    """Node ids of the lease handler are ``ADDR_PID_SUFFIX``."""
+def _lease_node(node: str, value: bytes | None) -> dict[str, Any]:
+    """``node`` with the address and pid its node key stores (``NodeInfo``).
+
+    A node whose key is gone (its lease expired) or holds no valid value has only its id; the
+    lease handler builds ids as ``ADDR_PID_SUFFIX``, so they are read from it as a best effort.
+    """
+    from rendezvous.lease_handler import NodeInfo
+
+    info = NodeInfo.decode(value)
+    if info is not None:
+        return {"node": node, "addr": info.addr, "pid": info.pid}
     parts = node.rsplit("_", 2)
     addr = parts[0] if len(parts) == 3 else node
     pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
     return {"node": node, "addr": addr, "pid": pid}
 
 
-def describe_lease_state(snapshot: Any, lease_ages: dict[str, float | None]) -> dict[str, Any]:
-    """A JSON-ready view of the lease handler's state (``rendezvous.lease_handler``)."""
+def describe_lease_state(snapshot: Snapshot, lease_ages: dict[str, float | None]) -> dict[str, Any]:
+    """A JSON-ready view of the lease handler's state (``rendezvous.lease_handler``); its state must be set."""
     state = snapshot.state
+    if state is None:
+        raise ValueError("snapshot: the run has no lease rendezvous state")
+    values = snapshot.node_values
     participants = [
-        {**_lease_node(node), "rank": rank, "alive": node in snapshot.live,
+        {**_lease_node(node, values.get(node)), "rank": rank, "alive": node in snapshot.live,
          "heartbeat_age_s": lease_ages.get(node)}
         for rank, node in enumerate(state.participants)
     ]
@@ -92,32 +108,28 @@ def describe_lease_state(snapshot: Any, lease_ages: dict[str, float | None]) -> 
         "complete": state.status == "complete",
         "closed": state.status == "closed",
         "participants": participants,
-        "waiting": [_lease_node(n) for n in waiting],
+        "waiting": [_lease_node(n, values.get(n)) for n in waiting],
         "redundant": [],
     }
 
 
-def _read_lease_status(params: Any, run_id: str) -> dict[str, Any] | None:
-    from rendezvous.etcd_backend import DEFAULT_KEY_PREFIX, client_config_from_params
-    from rendezvous.etcd_client import EtcdConnection
-    from rendezvous.lease_handler import RunKeys, read_snapshot
+def _read_lease_status(connection: EtcdConnection, keys: RunKeys) -> dict[str, Any] | None:
+    """The lease handler's view of the run at ``keys``; ``None`` if it has no state there."""
+    from rendezvous.lease_handler import read_snapshot
 
-    connection = EtcdConnection(client_config_from_params(params))
-    try:
-        snapshot = read_snapshot(connection, RunKeys(str(params.get("key_prefix", DEFAULT_KEY_PREFIX)), run_id))
-        if snapshot.state is None:
-            return None
-        ages: dict[str, float | None] = {}
-        def lease_info(lease_id: int) -> Any:
-            return connection.call(lambda client: client.get_lease_info(lease_id), what="a lease read")
+    snapshot = read_snapshot(connection, keys)
+    if snapshot.state is None:
+        return None
+    ages: dict[str, float | None] = {}
 
-        for node, lease_id in snapshot.leases.items():
-            info = lease_info(lease_id)
-            # keep-alives run every TTL/3, so the time since the last one is granted - remaining
-            ages[node] = float(info.grantedTTL - info.TTL) if info.TTL > 0 else None
-        return describe_lease_state(snapshot, ages)
-    finally:
-        connection.close()
+    def lease_info(lease_id: int) -> Any:
+        return connection.call(lambda client: client.get_lease_info(lease_id), what="a lease read")
+
+    for node, lease_id in snapshot.leases.items():
+        info = lease_info(lease_id)
+        # keep-alives run every TTL/3, so the time since the last one is granted - remaining
+        ages[node] = float(info.grantedTTL - info.TTL) if info.TTL > 0 else None
+    return describe_lease_state(snapshot, ages)
 
 
 def newest_checkpoint(directory: str) -> dict[str, Any] | None:
@@ -150,19 +162,29 @@ def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoin
         RendezvousStateError,
     )
 
-    from rendezvous.etcd_backend import create_backend
-    from rendezvous.etcd_client import quiet_retries
+    from rendezvous.etcd_backend import EtcdV3RendezvousBackend, client_config_from_params
+    from rendezvous.etcd_client import EtcdConnection, quiet_retries
+    from rendezvous.lease_handler import RunKeys
 
     params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **rdzv_conf)
     try:
+        keys = RunKeys.from_params(params)
+        connection = EtcdConnection(client_config_from_params(params))
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    # One connection for both handlers' keys: the lease handler's first, then the dynamic one's.
+    try:
         with quiet_retries():
-            backend, _ = create_backend(params)
-            lease_view = _read_lease_status(params, run_id)
-            found = None if lease_view is not None else backend.get_state()
+            lease_view = _read_lease_status(connection, keys)
+            found = None
+            if lease_view is None:
+                found = EtcdV3RendezvousBackend(connection, run_id, key_prefix=keys.key_prefix).get_state()
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     except (RendezvousConnectionError, RendezvousStateError) as exc:
         raise UserError(f"cannot read the rendezvous of {run_id!r}: {exc}") from exc
+    finally:
+        connection.close()
     report: dict[str, Any] = {"run_id": run_id, "endpoint": endpoint,
                               "found": found is not None or lease_view is not None}
     if lease_view is not None:
