@@ -213,18 +213,6 @@ def test_a_frozen_member_triggers_a_restart_after_its_lease(etcd_server, unique_
         frozen.process.send_signal(signal.SIGCONT)
 
 
-def test_a_finished_job_does_not_restart_the_last_node(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
-    first, second = (Node(etcd_server.endpoint, unique_id, (1, 2), conf()) for _ in range(2))
-    nodes += [first, second]
-    join_all(first, second)
-    handler = create_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 2, **dict(
-        item.split("=") for item in conf().split(","))))
-    handler.set_closed()  # what the first finished node's launcher does (shutdown) ...
-    first.leave()  # ... before it leaves
-    time.sleep(1.0)
-    assert second.ask("waiting")["waiting"] == 0
-
-
 def test_join_after_the_lease_expired_registers_again(etcd_server, unique_id) -> None:  # type: ignore[no-untyped-def]
     """After a partition longer than lease_ttl, etcd has dropped the node's lease: the next join
     must register under a new lease instead of failing with 'requested lease not found'."""
@@ -276,6 +264,7 @@ class InProcess:
         for handler in self.handlers:
             handler._watch.cancel()
             handler._finalizer()
+            handler._connection.close()
 
 
 def waiting_over(handler: Any, seconds: float) -> set[int]:
@@ -315,20 +304,71 @@ def test_a_restart_round_leaves_nothing_waiting(pair) -> None:  # type: ignore[n
     assert waiting_over(a, 2.0) == {0} and waiting_over(b, 0.5) == {0}
 
 
-def test_a_finished_node_leaving_restarts_nobody(pair, caplog) -> None:  # type: ignore[no-untyped-def]
-    """After the restart, node a's workers finish first and its launcher shuts the rendezvous
-    down and leaves (torchrun: exit barrier, ``shutdown()``, lease revoked) while node b's
-    workers are still finishing: b's monitor loop must not take a's departure for a membership
-    change (a restart of a finished job)."""
+class DeletesSeen:
+    """Records the node keys whose delete events ``handler``'s watch has *finished* processing.
+
+    Positive evidence for tests that assert that something did not happen after a departure:
+    only once the departure's event went through the handler does "no restart" mean anything.
+    """
+
+    def __init__(self, handler: Any) -> None:
+        self._deleted: set[str] = set()
+        self._cond = threading.Condition()
+        self._delete_event = handler._connection.etcd3.events.DeleteEvent
+        self._nodes_prefix = handler._keys.nodes
+        watch = handler._watch
+        original = watch._on_event
+
+        def recording(event: Any) -> None:
+            original(event)  # first the handler, then the record: "seen" means "processed"
+            key = event.key.decode()
+            if isinstance(event, self._delete_event) and key.startswith(self._nodes_prefix):
+                with self._cond:
+                    self._deleted.add(key[len(self._nodes_prefix):])
+                    self._cond.notify_all()
+
+        watch._on_event = recording
+
+    def wait_for(self, node_id: str, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while node_id not in self._deleted:
+                left = deadline - time.monotonic()
+                assert left > 0, f"the watch never delivered the departure of {node_id} within {timeout}s"
+                self._cond.wait(left)
+
+
+@pytest.mark.parametrize("after_a_restart", [False, True], ids=["first-round", "after-a-restart"])
+def test_a_finished_job_does_not_restart_the_last_node(pair, after_a_restart) -> None:  # type: ignore[no-untyped-def]
+    """Node a's workers finish first; its launcher shuts the rendezvous down and leaves
+    (torchrun: exit barrier, ``shutdown()``, lease revoked) while node b's workers are still
+    finishing. Once b's watch has processed a's departure, b's monitor loop must see nobody
+    waiting: a finished job's departures are no membership change (no restart of a finished job)."""
     a, b = pair.handlers
     pair.join(a, b)
-    pair.join(b, a)  # the restart round: b rejoined first
-    caplog.set_level(logging.INFO, logger="rendezvous.lease_handler")
+    if after_a_restart:
+        pair.join(b, a)  # the restart round: b rejoined first
+        assert a._round == b._round == 1
+    assert b.num_nodes_waiting() == 0
+    seen = DeletesSeen(b)
     assert a.shutdown() is True
-    assert waiting_over(b, 2.0) == {0}
+    seen.wait_for(a.node_id)
+    assert b.num_nodes_waiting() == 0
     assert b.is_closed()
+
+
+def test_a_finished_node_leaving_is_logged_as_news_not_as_a_loss(pair, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The operator's side of the same departure: b logs it at INFO, never as a lost node (a
+    WARNING at every normal finish reads like the cause of a restart)."""
+    a, b = pair.handlers
+    pair.join(a, b)
+    caplog.set_level(logging.INFO, logger="rendezvous.lease_handler")
+    seen = DeletesSeen(b)
+    assert a.shutdown() is True
+    seen.wait_for(a.node_id)
     left = [r for r in caplog.records if r.name == "rendezvous.lease_handler" and a.node_id in r.getMessage()]
-    assert left and all(r.levelno < logging.WARNING for r in left), [r.getMessage() for r in left]
+    assert [r.levelno for r in left] == [logging.INFO], [r.getMessage() for r in left]
+    assert "left the closed run" in left[0].getMessage()
 
 
 def test_a_member_that_leaves_a_running_job_is_noticed(pair) -> None:  # type: ignore[no-untyped-def]
@@ -341,3 +381,35 @@ def test_a_member_that_leaves_a_running_job_is_noticed(pair) -> None:  # type: i
     while b.num_nodes_waiting() == 0:
         assert time.monotonic() < deadline, "the survivor never noticed the member that left"
         time.sleep(0.05)
+
+
+def test_status_reads_the_stored_node_values_over_one_connection(etcd_server, unique_id, pair, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``elastic-trainer status`` on a live run: addresses and pids come from the values the
+    nodes stored with their keys (not from their ids), read over a single etcd connection."""
+    import os
+
+    from elastic_trainer.status import read_status
+    from rendezvous.etcd_client import EtcdConnection
+    from rendezvous.lease_handler import NodeInfo
+
+    a, b = pair.handlers
+    pair.join(a, b)
+    # A spare whose id says nothing about where it runs: only its stored value can.
+    connection = a._connection
+    lease = connection.call(lambda c: c.lease(30), what="a test lease")
+    spare_value = NodeInfo("10.9.8.7", 4321).encode()
+    connection.call(lambda c: c.put(a._keys.node("spare"), spare_value, lease=lease), what="a test put")
+    opened: list[EtcdConnection] = []
+    real_init = EtcdConnection.__init__
+
+    def counting_init(self: EtcdConnection, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(EtcdConnection, "__init__", counting_init)
+    report = read_status(etcd_server.endpoint, unique_id, {"retry_timeout": "5"}, None)
+    assert len(opened) == 1
+    assert report["handler"] == "lease" and report["found"] and report["complete"]
+    assert {(p["node"], p["addr"], p["pid"]) for p in report["participants"]} == {
+        (a.node_id, a._addr, os.getpid()), (b.node_id, b._addr, os.getpid())}
+    assert report["waiting"] == [{"node": "spare", "addr": "10.9.8.7", "pid": 4321}]
