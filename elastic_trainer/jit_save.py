@@ -50,7 +50,8 @@ Design, and why:
   between left the survivors only their own statistics: not bitwise.) The price is that the
   control allreduce no longer overlaps the next step when JIT saving is on; it is started right
   after the last forward, so it overlaps the backward instead, and the wait before the update is
-  usually over at once (measured in ``benchmarks/RESULTS.md``). Buffers of a dtype that cannot ride
+  usually over at once (measured in ``benchmarks/RESULTS.md``). In return the step's loss and
+  stop flag are read in the same step: a graceful stop takes effect one step earlier. Buffers of a dtype that cannot ride
   on a float64 allreduce are saved from the writer's own copy (``buffers: "local"`` in the
   checkpoint, with a warning at start).
 * **One writer.** Any survivor may hold the state (rank 0 may be the dead one), so every rank

@@ -22,8 +22,9 @@ What the runtime guarantees:
   a restarted trainer primes them once before its first step (:meth:`Trainer._prime_buckets`).
 * SIGTERM (preemption, scale-down, a new node joining) finishes the step in progress on every
   rank (and at most one more: the stop flag rides on the per-step control allreduce, which is
-  read one step later), rank 0 checkpoints the step they all stopped after, and the workers exit
-  within the grace period.
+  read one step later; with just-in-time saving exchanging module buffers on it, the update
+  already waited for it, so it is read at once and the step in progress is the last), rank 0
+  checkpoints the step they all stopped after, and the workers exit within the grace period.
 * When the group fails instead (a worker died: collectives raise, or the agent SIGTERMs workers
   stuck in one), a surviving rank checkpoints the last completed step just in time, so at most
   one step is redone (``jit_save``, on by default; see :mod:`elastic_trainer.jit_save`).
@@ -162,6 +163,8 @@ class _StepControl:
     buffers_at: int | None = None
     """Where rank 0's module buffers start in ``control`` (just-in-time saving), if they ride on it."""
     duration_s: float = 0.0
+    complete: bool = False
+    """The allreduce has completed (the update waited for it): the step can be reported at once."""
 
 
 class Trainer:
@@ -550,15 +553,22 @@ class Trainer:
                 if self._sample_log is not None:
                     self._sample_log.step(step=self.step, epoch=plan.epoch, cursor=plan.cursor,
                                           world_size=env.world_size, rank=env.rank, indices=plan.indices)
-                # The previous step's control allreduce ran while this step computed: waiting on it
-                # now costs nothing (without JIT buffers the host never blocks on the step it just
-                # launched; with them, _update already waited for it).
+                # A step is reported (loss, stop flag) once its control allreduce is in. Usually it
+                # overlaps the next step and is read then, when waiting costs nothing (the host never
+                # blocks on the step it just launched). When JIT buffers ride on it, _update already
+                # waited for it: it is read now, and a stop flag ends the run one step earlier.
+                # Either way every rank reads the same flag after the same step.
                 stop = self._finish_control(pending) if pending is not None else False
-                pending = control
+                if control.complete:
+                    stop = self._finish_control(control) or stop
+                    pending = None
+                else:
+                    pending = control
                 if stop:
                     self._jit.stand_down()  # every rank agreed to stop: the graceful path owns the exit
-                    self._finish_control(pending)
-                    pending = None
+                    if pending is not None:
+                        self._finish_control(pending)
+                        pending = None
                     log.warning("stopping after step %d (signal on %s)", self.step,
                                 "this rank" if self._stop.requested else "another rank")
                     path = self._checkpoint(final=True)
@@ -657,7 +667,8 @@ class Trainer:
         """Wait for a step's control allreduce, report the step; True if any rank must stop.
 
         Every rank sees the same reduced flag after the same step, so they all stop together: at
-        most one step after the one during which the signal arrived.
+        most one step after the one during which the signal arrived (none when the update waited
+        for the allreduce: see :attr:`_StepControl.complete`).
         """
         cfg, env = self.config, self._env()
         if pending.work is not None:
@@ -737,6 +748,7 @@ class Trainer:
                 # would record "step S+1" while the GPU stays at S (and a JIT snapshot, which
                 # waits for the last update's event, would wait forever). Not run on CPU CI.
                 torch.cuda.current_stream(control.control.device).synchronize()
+            control.complete = True  # its loss and stop flag can be read without waiting
         with self._guard.update():
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)

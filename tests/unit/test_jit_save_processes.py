@@ -1,7 +1,8 @@
 """Two real gloo processes: a stop signal that arrives while the main thread is blocked inside a
 collective still triggers the JIT save (``set_wakeup_fd``), where a flag-only handler would not
-even run; and every rank can save rank 0's buffers of the last step, also when rank 0 dies before
-the step's allreduce.
+even run; every rank can save rank 0's buffers of the last step, also when rank 0 dies before
+the step's allreduce; and with those buffers on the step's control allreduce (which the update
+waits for), a stop signal ends the run after the step in progress, one step earlier than without.
 
 This file is also the worker script: ``python -m tests.unit.test_jit_save_processes ROLE ...``.
 """
@@ -152,12 +153,56 @@ def _buffers_worker(rank: int, work: Path) -> None:
     (work / f"buffers-{rank}.json").write_text(json.dumps(results))
 
 
+SIGNAL_STEP = 4
+"""The stop test's rank 1 SIGTERMs itself during the forward of this step (one micro-batch a step)."""
+
+
+def _stop_worker(rank: int, work: Path, jit: str) -> None:
+    """Both ranks run the Trainer (BatchNorm model); rank 1 gets a SIGTERM in step SIGNAL_STEP."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from elastic_trainer.config import TrainerConfig
+    from elastic_trainer.distributed import read_env
+    from elastic_trainer.trainer import Trainer, TrainingJob
+
+    _init(rank, work)
+
+    class SignalAt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.forwards = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.forwards += 1
+            if rank == 1 and self.forwards == SIGNAL_STEP:
+                os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this forward returns
+            return x
+
+    def data() -> TensorDataset:
+        x = torch.randn(64, 6, generator=torch.Generator().manual_seed(3))
+        return TensorDataset(x, (x.sum(1) > 0).long())
+
+    job = TrainingJob(model=lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), SignalAt(), nn.Linear(8, 2)),
+                      dataset=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
+    config = TrainerConfig(global_batch_size=8, max_steps=20, epochs=5, log_every=1000, checkpoint_every=1000,
+                           checkpoint_dir=str(work / "ckpt"), jit_save=jit == "on")
+    env = read_env(environ={"RANK": str(rank), "WORLD_SIZE": "2"}, cuda_devices=0, backend="gloo")
+    trainer = Trainer(config, job, env=env)
+    result = trainer.fit()
+    exchanged = trainer._buffers is not None and trainer._buffers.exchange
+    (work / f"stop-{rank}.json").write_text(json.dumps({"step": result.step, "signal": result.stopped_by_signal,
+                                                         "exchanged": exchanged}))
+
+
 def _main(argv: list[str]) -> None:
     role, rank, work = argv[0], int(argv[1]), Path(argv[2])
     if role == "blocked":
         _blocked_worker(rank, work, argv[3])
     elif role == "buffers":
         _buffers_worker(rank, work)
+    elif role == "stop":
+        _stop_worker(rank, work, argv[3])
     # Skip interpreter teardown: tearing gloo down without destroy_process_group can abort.
     sys.stdout.flush()
     os._exit(0)
@@ -271,6 +316,27 @@ def test_every_rank_saves_rank0s_buffers_of_the_last_step(tmp_path: Path) -> Non
     start = {"mean": [0.5] * 3, "negative_zero": [False] * 3, "count": 0, "half": [0.0] * 2,
              "half_dtype": "torch.bfloat16", "big": 0, "source": "rank0"}
     assert rank1["round0"] == start and rank0["round0"] == start
+
+
+@pytest.mark.parametrize(("jit", "stopped_after"), [("on", SIGNAL_STEP), ("off", SIGNAL_STEP + 1)])
+def test_a_stop_signal_ends_the_run_after_the_step_in_progress_when_buffers_ride_on_the_control(
+    tmp_path: Path, jit: str, stopped_after: int
+) -> None:
+    """JIT on: rank 0's buffers ride on the control allreduce, which the update waits for, so the
+    stop flag of step SIGNAL_STEP is read in that step. JIT off: the allreduce overlaps the next
+    step and the flag is read one step later."""
+    procs = [_spawn("stop", str(rank), jit, work=tmp_path) for rank in (0, 1)]
+    try:
+        codes = [p.wait(60) for p in procs]
+    finally:
+        _stop(*procs)
+    logs = [(tmp_path / f"log-stop-{r}.txt").read_text() for r in (0, 1)]
+    assert codes == [0, 0], logs
+    results = [json.loads((tmp_path / f"stop-{r}.json").read_text()) for r in (0, 1)]
+    expected = {"step": stopped_after, "signal": True, "exchanged": jit == "on"}
+    assert results == [expected, expected], logs
+    assert ckpt.iter_checkpoints(tmp_path / "ckpt") == [stopped_after]
+    assert f"stopping after step {stopped_after} (signal on another rank)" in logs[0]
 
 
 if __name__ == "__main__":
