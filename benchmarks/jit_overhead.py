@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime_throughput import _free_port, _runtime  # noqa: E402
+from runtime_throughput import _runtime, report_blocks  # noqa: E402
 
 from elastic_trainer.config import ENV_JIT_SAVE  # noqa: E402
 
@@ -124,25 +122,7 @@ def main() -> None:
         _micro(args)
         return
 
-    with tempfile.NamedTemporaryFile(dir=args.tmp, suffix=".txt") as out:
-        mp.start_processes(_worker, args=(2, _free_port(), args, out.name), nprocs=2, start_method="spawn")
-        lines = Path(out.name).read_text().splitlines()
-    per_block: dict[int, dict[str, tuple[float, float]]] = {}
-    for line in lines:
-        block, variant, rate, cpu = line.split()
-        per_block.setdefault(int(block), {})[variant] = (float(rate), float(cpu))
-        print(f"block {block}: {variant:8s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
-    print()
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} (2 cores){'; A/A: JIT off in both' if args.aa else ''}")
-    print("| variant | samples/s (median) | ratio vs jit-off | CPU-us per sample, both ranks (median) | CPU ratio |")
-    print("|---|---:|---:|---:|---:|")
-    for variant in VARIANTS:
-        median_rate = statistics.median(b[variant][0] for b in per_block.values())
-        ratio = statistics.median(b[variant][0] / b["jit-off"][0] for b in per_block.values())
-        median_cpu = statistics.median(b[variant][1] for b in per_block.values())
-        cpu_ratio = statistics.median(b[variant][1] / b["jit-off"][1] for b in per_block.values())
-        print(f"| {variant} | {median_rate:.1f} | {ratio:.3f} | {median_cpu:.1f} | {cpu_ratio:.3f} |")
-
+    report_blocks(args, _worker, VARIANTS, baseline="jit-off", note="; A/A: JIT off in both" if args.aa else "")
 
 if __name__ == "__main__":
     main()

@@ -23,7 +23,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -146,25 +148,33 @@ def main() -> None:
     parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: system temp)")
     args = parser.parse_args()
 
+    report_blocks(args, _worker, VARIANTS, baseline="bare")
+
+
+def report_blocks(args: argparse.Namespace, worker: Any, variants: Sequence[str], *, baseline: str,
+                  note: str = "") -> None:  # fmt: skip
+    """Run ``worker`` on 2 spawned ranks (it writes ``block variant samples/s CPU-us/sample``
+    lines to the file it is given), print every block, then a table of medians and of per-block
+    ratios against ``baseline``."""
     with tempfile.NamedTemporaryFile(dir=args.tmp, suffix=".txt") as out:
-        mp.start_processes(_worker, args=(2, _free_port(), args, out.name), nprocs=2, start_method="spawn")
+        mp.start_processes(worker, args=(2, _free_port(), args, out.name), nprocs=2, start_method="spawn")
         lines = Path(out.name).read_text().splitlines()
+    width = max(len(v) for v in variants)
     per_block: dict[int, dict[str, tuple[float, float]]] = {}
     for line in lines:
         block, variant, rate, cpu = line.split()
         per_block.setdefault(int(block), {})[variant] = (float(rate), float(cpu))
-        print(f"block {block}: {variant:13s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
+        print(f"block {block}: {variant:{width}s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
     print()
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} (2 cores)")
-    print("| variant | samples/s (median) | ratio vs bare | CPU-us per sample, both ranks (median) | CPU ratio vs bare |")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (2 cores){note}")
+    print(f"| variant | samples/s (median) | ratio vs {baseline} | CPU-us per sample, both ranks (median) | CPU ratio vs {baseline} |")
     print("|---|---:|---:|---:|---:|")
-    for variant in VARIANTS:
+    for variant in variants:
         median_rate = statistics.median(b[variant][0] for b in per_block.values())
-        ratio = statistics.median(b[variant][0] / b["bare"][0] for b in per_block.values())
+        ratio = statistics.median(b[variant][0] / b[baseline][0] for b in per_block.values())
         median_cpu = statistics.median(b[variant][1] for b in per_block.values())
-        cpu_ratio = statistics.median(b[variant][1] / b["bare"][1] for b in per_block.values())
+        cpu_ratio = statistics.median(b[variant][1] / b[baseline][1] for b in per_block.values())
         print(f"| {variant} | {median_rate:.1f} | {ratio:.3f} | {median_cpu:.1f} | {cpu_ratio:.3f} |")
-
 
 if __name__ == "__main__":
     main()
