@@ -51,9 +51,9 @@ Design, and why:
   control allreduce no longer overlaps the next step when JIT saving is on; it is started right
   after the last forward, so it overlaps the backward instead, and the wait before the update is
   usually over at once (measured in ``benchmarks/RESULTS.md``). In return the step's loss and
-  stop flag are read in the same step: a graceful stop takes effect one step earlier. Buffers of a dtype that cannot ride
-  on a float64 allreduce are saved from the writer's own copy (``buffers: "local"`` in the
-  checkpoint, with a warning at start).
+  stop flag are read in the same step: a graceful stop takes effect one step earlier. Buffers of
+  a dtype that cannot ride on a float64 allreduce are saved from the writer's own copy
+  (``buffers: "local"`` in the checkpoint, with a warning at start).
 * **One writer.** Any survivor may hold the state (rank 0 may be the dead one), so every rank
   tries, and a claim file created with ``O_CREAT | O_EXCL`` in the shared checkpoint directory
   picks exactly one per step over all ranks and nodes (rank 0's periodic writes take the same
