@@ -188,6 +188,18 @@ def client_config_from_params(params: RendezvousParameters) -> EtcdClientConfig:
         raise ValueError(message if message.startswith("rdzv") else f"rdzv-conf {message}") from exc
 
 
+def key_prefix_from_params(params: RendezvousParameters) -> str:
+    """The ``key_prefix`` rdzv-conf value (default :data:`DEFAULT_KEY_PREFIX`), checked.
+
+    Raises:
+        ValueError: it is not an absolute path without spaces.
+    """
+    key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX)).strip()
+    if not key_prefix.startswith("/") or " " in key_prefix:
+        raise ValueError(f"rdzv-conf key_prefix: must be an absolute path like /a/b, got {key_prefix!r}")
+    return key_prefix
+
+
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, Store]:
     """Create a new :py:class:`EtcdV3RendezvousBackend` and its store from ``params``.
 
@@ -227,9 +239,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
             refuses the credentials.
     """
     config = client_config_from_params(params)
-    key_prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX)).strip()
-    if not key_prefix.startswith("/") or " " in key_prefix:
-        raise ValueError(f"rdzv-conf key_prefix: must be an absolute path like /a/b, got {key_prefix!r}")
+    key_prefix = key_prefix_from_params(params)
     try:
         ttl = params.get_as_int("ttl", DEFAULT_TTL)
     except ValueError:

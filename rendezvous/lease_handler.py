@@ -58,10 +58,10 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rendezvous.etcd_backend import (
-    DEFAULT_KEY_PREFIX,
     DEFAULT_TTL,
     client_config_from_params,
     frame_state,
+    key_prefix_from_params,
     unframe_state,
 )
 from rendezvous.etcd_client import EtcdConnection, quiet_retries
@@ -212,8 +212,11 @@ class RunKeys:
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> RunKeys:
         """The keys of ``params.run_id`` under the ``key_prefix`` rdzv-conf key (default
-        :data:`rendezvous.etcd_backend.DEFAULT_KEY_PREFIX`): the handler's and ``status``'s."""
-        return cls(str(params.get("key_prefix", DEFAULT_KEY_PREFIX)), params.run_id)
+        :data:`rendezvous.etcd_backend.DEFAULT_KEY_PREFIX`): the handler's and ``status``'s.
+
+        Raises:
+            ValueError: ``key_prefix`` is not an absolute path (as for the dynamic handler)."""
+        return cls(key_prefix_from_params(params), params.run_id)
 
     def node(self, node: str) -> str:
         return self.nodes + node

@@ -71,3 +71,11 @@ def test_run_keys_from_params_use_the_key_prefix_or_the_default() -> None:
     assert default.state == f"{DEFAULT_KEY_PREFIX}/job/rdzv/state"
     custom = RunKeys.from_params(RendezvousParameters("etcd-v3", "h:1", "job", 1, 1, key_prefix="/x/y/"))
     assert custom.node("n") == "/x/y/job/rdzv/nodes/n" and custom.store == "/x/y/job/store"
+
+
+@pytest.mark.parametrize("prefix", ["relative/path", "/with space", ""])
+def test_run_keys_refuse_a_key_prefix_the_dynamic_handler_refuses(prefix: str) -> None:
+    """One check for both handlers (and for status): an absolute path without spaces."""
+    params = RendezvousParameters("etcd-v3", "h:1", "job", 1, 1, key_prefix=prefix)
+    with pytest.raises(ValueError, match="rdzv-conf key_prefix: must be an absolute path"):
+        RunKeys.from_params(params)
