@@ -113,12 +113,13 @@ def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, t
 def _check_external_etcd(options: RunOptions, run_id: str) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-    from rendezvous.etcd_backend import client_config_from_params
+    from rendezvous.etcd_backend import client_config_from_params, key_prefix_from_params
     from rendezvous.etcd_client import EtcdConnection, quiet_retries
 
     conf = dict(item.split("=", 1) for item in filter(None, options.rdzv_conf.split(",")))
     params = RendezvousParameters("etcd-v3", options.rdzv_endpoint or "", run_id, 1, 1, **conf)
     try:
+        key_prefix_from_params(params)
         connection = EtcdConnection(client_config_from_params(params))
     except ValueError as exc:
         raise UserError(str(exc)) from exc
