@@ -453,6 +453,19 @@ class PrometheusObserver:
             self.flush()
             self._next_flush = self._clock() + self.flush_interval_s
 
+    def on_priming(self, *, backward_passes: int) -> None:
+        """See :class:`~elastic_trainer.observer.TrainingObserver`. The passes' bucket timings
+        still count as allreduces; the next step reported is paired with the hook's step after
+        them, not with a priming pass."""
+        if backward_passes < 0:
+            raise ValueError(f"backward_passes must be >= 0, got {backward_passes}")
+        if self._timer is None or not backward_passes:
+            return
+        self._absorb_steps()  # steps reported before the passes keep their own numbers
+        self._expect += backward_passes
+        for seq in [s for s in self._open if s < self._expect]:
+            del self._open[seq]
+
     def _absorb_steps(self) -> None:
         """Turn the steps gathered by :meth:`on_step` into local histogram and counter values."""
         steps = self._steps
@@ -462,8 +475,8 @@ class PrometheusObserver:
         timer = self._timer
         cuda = timer is not None and timer.use_cuda
         if timer is not None:
-            # Every bucket record first: a step is reported after the next step's backward, so
-            # its records may come out of the hook's queue together with later steps' ones.
+            # Every bucket record first: the runtime may report a step after the next step's
+            # backward, so its records may come out of the queue together with later steps'.
             if cuda:
                 self._absorb_cuda(timer.drain())
             else:

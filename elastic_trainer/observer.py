@@ -27,6 +27,10 @@ class TrainingObserver(Protocol):
     ) -> None:
         """One optimizer step finished on this rank (``samples``/``tokens`` this rank processed)."""
 
+    def on_priming(self, *, backward_passes: int) -> None:
+        """``backward_passes`` synchronised backward passes ran that belong to no step (DDP bucket
+        priming after a restart): their allreduces are real, but no step will report them."""
+
     def on_checkpoint_saved(self, *, step: int, duration_s: float, nbytes: int) -> None:
         """Rank 0 wrote a checkpoint of ``step`` (``duration_s`` of training stall)."""
 
@@ -53,6 +57,9 @@ class NullObserver:
         tokens: int,
         loss: float | None,
     ) -> None:
+        pass
+
+    def on_priming(self, *, backward_passes: int) -> None:
         pass
 
     def on_checkpoint_saved(self, *, step: int, duration_s: float, nbytes: int) -> None:

@@ -638,6 +638,7 @@ class Trainer:
                  for module in self.model.modules() for name, buffer in module._buffers.items() if buffer is not None]
         for _ in range(passes):
             (self._forward_loss(inputs, target).float() * 0.0).backward()
+        self.observer.on_priming(backward_passes=passes)  # no step reports these allreduces
         self.model.zero_grad(set_to_none=True)
         with torch.no_grad():
             for module, name, buffer, copy in saved:

@@ -414,3 +414,32 @@ def test_cuda_step_without_synchronised_backward_keeps_the_pairing(
     # Step 1: 0.5 - 10 ms; step 2: 0.3; step 3: 0.4 - its own 30 ms (not step 1's 10 ms).
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3 + 0.37)
     assert value(registry, "elastic_trainer_step_compute_seconds_count") == 3
+
+
+@pytest.mark.parametrize("interval", [0.0, 3600.0])
+def test_priming_passes_are_timed_but_not_paired_with_a_step(registry: CollectorRegistry, interval: float) -> None:
+    """After a restart the runtime runs synchronised backward passes that belong to no step
+    (bucket priming): the first real step must subtract its own wait, not a priming pass's."""
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=interval,
+                                  clock=lambda: 0.0)  # fmt: skip
+    ddp = FakeDDP()
+    observer.wrap_ddp(ddp)
+    timer = ddp.state
+    assert timer is not None
+    observer.on_start(world_size=2, restart_count=1)
+    for seq in range(2):  # two priming passes (static_graph), each waited 0.3 s
+        timer.record_cpu(seq, 1000, launched_s=float(seq), done_s=seq + 0.3)
+        timer.next_step()
+    observer.on_priming(backward_passes=2)
+    timer.record_cpu(2, 1000, launched_s=5.0, done_s=5.01)  # step 1 waited 10 ms
+    timer.next_step()
+    timer.record_cpu(3, 1000, launched_s=6.0, done_s=6.02)  # step 2's backward ran before step 1's report
+    timer.next_step()
+    step(observer, 1, duration_s=0.5)
+    step(observer, 2, duration_s=0.5)
+    observer.flush()
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.48)
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 4  # priming counts
+    with pytest.raises(ValueError, match="backward_passes"):
+        observer.on_priming(backward_passes=-1)

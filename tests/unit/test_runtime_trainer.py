@@ -188,6 +188,9 @@ class RecordingObserver:
     def on_step(self, **kw: Any) -> None:
         self.events.append(("step", kw))
 
+    def on_priming(self, **kw: Any) -> None:
+        self.events.append(("priming", kw))
+
     def on_checkpoint_saved(self, **kw: Any) -> None:
         self.events.append(("saved", kw))
 
@@ -351,8 +354,11 @@ def test_priming_runs_real_passes_and_leaves_no_trace(tmp_path: Path) -> None:
         batches = [(torch.randn(4, 6), torch.tensor([0, 1, 0, 1])), (torch.randn(4, 6), torch.tensor([1, 1, 0, 0]))]
         generator = torch.get_rng_state()  # after the draws that made the batches
         trainer.ddp.train()
+        trainer.observer = observer = RecordingObserver()
         handed_back = list(trainer._prime_buckets(iter(batches), passes=2))
         assert len(calls) == 2, "two real forward passes"
+        # The metrics hook timed two backward passes that no step will report.
+        assert observer.events == [("priming", {"backward_passes": 2})]
         assert handed_back[0] is batches[0] and handed_back[1] is batches[1]
         _assert_bitwise_equal(trainer.model.state_dict(), buffers)
         assert torch.equal(torch.get_rng_state(), generator), "dropout's draws were undone"
