@@ -16,11 +16,21 @@ collective's own future), so one ``then`` callback per bucket is the floor: torc
 ``allreduce_hook`` pays it too. Everything else is kept off that path: the hook calls the
 process group directly (``dist.all_reduce`` adds ~10 us of Python checks per call), the
 callback appends one tuple to a ``deque`` (atomic under the GIL: no lock), and the observer
-turns the tuples into Prometheus samples on the training thread once per step. This module
+turns the tuples into Prometheus samples on the training thread, in batches.
+
+On CPU the callback runs on one of gloo's threads, which Python does not know. pybind11 then
+creates a Python thread state to take the GIL and destroys it afterwards, on every bucket:
+measured at ~35 us of CPU per bucket in a 2-rank job, most of the hook's cost (see
+``benchmarks/RESULTS.md``). :func:`_keep_thread_state` gives each such thread one thread state
+for its lifetime instead, which is what torch does for its own autograd threads
+(``PythonEngine::thread_init``). This module
 deliberately does not use ``from __future__ import annotations``: DDP compares the hook's
 annotations with the real ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
 """
 
+import ctypes
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +43,36 @@ import torch.distributed as dist
 
 # Bounds the memory of records nobody drains (e.g. a loop that never calls on_step).
 DEFAULT_MAX_PENDING = 8192
+
+_thread_state_kept = threading.local()
+kept_thread_states: list[int] = []
+"""Idents of the threads whose Python thread state :func:`_keep_thread_state` kept."""
+
+
+def _keep_thread_state() -> None:
+    """Keep this thread's Python thread state alive until the thread ends (once per thread).
+
+    Called with the GIL held from a callback that pybind11 entered on a thread Python did not
+    create. ``PyGILState_Ensure`` on the thread state pybind11 made for the call only raises its
+    use count (the GIL is held already), so pybind11 releases the GIL afterwards but no longer
+    destroys the state, and reuses it for the thread's next callback. The one state per backend
+    thread is freed with the interpreter. On a thread Python made (the callback ran inline) it
+    only raises a count that nothing lowers, which is harmless. Not CPython: nothing to keep.
+    """
+    if getattr(_thread_state_kept, "done", False):
+        return
+    _thread_state_kept.done = True  # lives in this thread state, which now lives on
+    if sys.implementation.name != "cpython":
+        return
+    api = ctypes.pythonapi
+    api.PyGILState_GetThisThreadState.restype = ctypes.c_void_p
+    api.PyThreadState_Get.restype = ctypes.c_void_p
+    # Only where Ensure finds the running state: otherwise it would make a second one and wait
+    # for the GIL this thread holds.
+    if api.PyGILState_GetThisThreadState() == api.PyThreadState_Get():
+        api.PyGILState_Ensure()
+        kept_thread_states.append(threading.get_ident())
+
 
 CpuRecord = tuple[int, int, float, float]
 """One CPU-timed bucket as the hook stores it: (step_seq, nbytes, launched_s, done_s)."""
@@ -117,6 +157,8 @@ class AllreduceTimer:
 
     def _cpu_done(self, step_seq: int, nbytes: int, launched_s: float, fut: Any) -> torch.Tensor:
         done_s = self.clock()
+        if not getattr(_thread_state_kept, "done", False):
+            _keep_thread_state()
         value = fut.value()[0]  # raises if the collective failed: nothing is recorded then
         done = self._done  # record_cpu, inlined: this runs once per bucket on the critical path
         if len(done) == self._max_pending:

@@ -63,6 +63,51 @@ def test_hook_times_every_bucket_and_keeps_gradients(gloo_world: None) -> None:
     assert registry.get_sample_value("elastic_trainer_step_compute_seconds_count", rank) == 2
 
 
+def test_callback_threads_keep_one_python_thread_state() -> None:
+    """gloo completes a collective on a thread Python did not create, and the bucket callback
+    runs there: each such thread keeps one Python thread state for its life (a thread-local set
+    in its first callback is still there in the 20th) instead of one made and destroyed per
+    bucket. Two ranks in this process, so that rank 0's allreduce is still running (waiting for
+    rank 1) when its callback is attached: the callback cannot run inline."""
+    import threading
+    from datetime import timedelta
+
+    from elastic_trainer import metrics_comm_hook
+
+    store = dist.HashStore()
+    groups: list[object] = [None, None]
+
+    def connect(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+
+    connecting = [threading.Thread(target=connect, args=(rank,)) for rank in (0, 1)]
+    for thread in connecting:
+        thread.start()
+    for thread in connecting:
+        thread.join(timeout=30)
+    rank0, rank1 = groups
+    assert isinstance(rank0, dist.ProcessGroupGloo) and isinstance(rank1, dist.ProcessGroupGloo)
+    timer = AllreduceTimer()
+    seen: list[int] = []
+
+    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        seen.append(threading.get_ident())
+        return timer._cpu_done(0, 16, 0.0, fut)
+
+    before = len(metrics_comm_hook.kept_thread_states)
+    for _ in range(20):
+        result = rank0.allreduce([torch.ones(4)]).get_future().then(done)
+        rank1.allreduce([torch.ones(4)]).wait()
+        assert torch.equal(result.wait(), torch.full((4,), 2.0))
+    kept = metrics_comm_hook.kept_thread_states[before:]
+    assert len(seen) == 20 and threading.main_thread().ident not in seen
+    for ident in set(seen):
+        # Kept once: had the state been destroyed after a callback, its thread-local flag would
+        # be gone and the thread's next callback would keep a state again.
+        assert kept.count(ident) == 1, (ident, kept)
+    assert len(timer.drain_cpu()) == 20
+
+
 def test_exposed_wait_is_last_done_minus_last_launch() -> None:
     def t(launched: float, done: float) -> BucketTiming:
         return BucketTiming(
