@@ -623,6 +623,13 @@ class PrometheusObserver:
         use_cuda = bool(device_ids) or _params_on_cuda(ddp_model)
         timer = AllreduceTimer(getattr(ddp_model, "process_group", None), use_cuda=use_cuda)
         ddp_model.register_comm_hook(timer, timed_allreduce_hook)
+        # A new model's hook numbers its backward passes from 0: what was reported for the
+        # previous one is absorbed under the old numbers, its unpaired timings are dropped.
+        self._absorb_steps()
+        self._expect = 0
+        self._open.clear()
+        self._step_durations.clear()
+        self._pending.clear()
         self._timer = timer
 
 

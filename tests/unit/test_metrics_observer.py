@@ -443,3 +443,23 @@ def test_priming_passes_are_timed_but_not_paired_with_a_step(registry: Collector
     assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 4  # priming counts
     with pytest.raises(ValueError, match="backward_passes"):
         observer.on_priming(backward_passes=-1)
+
+
+def test_a_new_ddp_model_restarts_the_step_numbering(registry: CollectorRegistry) -> None:
+    """Each DDP model gets its own hook, numbering backward passes from 0: after wrapping a
+    second model, its first step is paired with its own first backward."""
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0,
+                                  clock=lambda: 0.0)  # fmt: skip
+    observer.on_start(world_size=2, restart_count=0)
+    for wait, model_steps in ((0.1, 3), (0.02, 1)):
+        ddp = FakeDDP()
+        observer.wrap_ddp(ddp)
+        timer = ddp.state
+        assert timer is not None
+        for seq in range(model_steps):
+            timer.record_cpu(seq, 1000, launched_s=float(seq), done_s=seq + wait)
+            timer.next_step()
+            step(observer, seq + 1, duration_s=0.5)
+    observer.flush()
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(3 * 0.4 + 0.48)
