@@ -9,7 +9,10 @@ step with no observer.
 
 Main measurement, interleaved per step: each worker holds the model three times (same weights)
 and trains one step of each arm -- off, aa (a second, identical off: the A/A noise floor) and
-on -- per cycle, on the same batch, in an order rotated every cycle. Each step's CPU seconds
+on -- per cycle, on the same batch, in an order rotated every cycle; every ``--rebuild-every``
+cycles all three models are built anew in a rotated order (where a model's tensors land in
+memory biases its steps by up to ~1 % for its whole life, which a fixed A/A pair showed run to
+run), and the first few cycles after a rebuild are left out. Each step's CPU seconds
 (all threads of the process: gloo's and the hook's callbacks included) and wall seconds are
 recorded; the extra cost ``d`` of an arm is taken per cycle against the off step next to it, so
 drift of a shared machine cancels at the scale of one step. Ratio = off / (off + d), reported
@@ -109,6 +112,7 @@ dist.destroy_process_group()  # gloo can abort at interpreter exit with its thre
 """
 
 ARMS = ("off", "aa", "on")
+REBUILD_SETTLE = 5  # cycles left out after the models are rebuilt (DDP rebuilds its buckets)
 
 
 def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
@@ -138,22 +142,36 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
         (data.images[i : i + per_rank], data.labels[i : i + per_rank])
         for i in range(rank * per_rank, 4096 - per_rank, world * per_rank)
     ]
-    setups: dict[str, tuple[Any, TrainingObserver, Any]] = {}
-    for arm in ARMS:
-        torch.manual_seed(0)
-        ddp = torch.nn.parallel.DistributedDataParallel(SmallCNN(args.width))
-        observer: TrainingObserver = NullObserver()
-        if arm == "on":
-            observer = worker_observer()
-            if args.hook:
-                observer.wrap_ddp(ddp)
-        observer.on_start(world_size=world, restart_count=0)
-        setups[arm] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
+    def build(generation: int) -> dict[str, tuple[Any, TrainingObserver, Any]]:
+        # Fresh models, built in an order rotated every generation: where each arm's tensors land
+        # in memory biases its step time by up to ~1 % for the life of the model (the A/A arm
+        # shows it), so no arm may keep one placement for a whole run.
+        setups: dict[str, tuple[Any, TrainingObserver, Any]] = {}
+        shift = generation % len(ARMS)
+        for arm in ARMS[shift:] + ARMS[:shift]:
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(SmallCNN(args.width))
+            observer: TrainingObserver = NullObserver()
+            if arm == "on":
+                observer = worker_observer()
+                if args.hook:
+                    observer.wrap_ddp(ddp)
+            observer.on_start(world_size=world, restart_count=0)
+            setups[arm] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
+        return setups
+
     cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
     wall: dict[str, list[float]] = {arm: [] for arm in ARMS}
     observer_ns: list[int] = []  # time inside each on_step of the "on" arm (flushes included)
     clock, cpu_clock = time.perf_counter, time.process_time
+    setups: dict[str, tuple[Any, TrainingObserver, Any]] = {}
+    settled_at = args.warmup
     for cycle in range(args.warmup + args.cycles):
+        if cycle >= args.warmup and (cycle - args.warmup) % args.rebuild_every == 0:
+            setups = build((cycle - args.warmup) // args.rebuild_every)
+            settled_at = cycle + REBUILD_SETTLE
+        elif not setups:
+            setups = build(0)
         x, y = batches[cycle % len(batches)]
         shift = cycle % len(ARMS)
         for arm in ARMS[shift:] + ARMS[:shift]:
@@ -170,7 +188,7 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
                              samples=len(y), tokens=0, loss=value)  # fmt: skip
             in_observer = time.perf_counter_ns() - in_observer
             cpu_s, wall_s = cpu_clock() - cpu_started, clock() - started
-            if cycle >= args.warmup:
+            if cycle >= settled_at:
                 cpu[arm].append(cpu_s)
                 wall[arm].append(wall_s)
                 if arm == "on":
@@ -229,7 +247,8 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
         launcher_cpu = time.process_time() - launcher_cpu
     reports.sort()
     return {
-        "cpu": {arm: [sum(r[1][arm][i] for r in reports) for i in range(args.cycles)] for arm in ARMS},
+        # Every rank recorded the same cycles (all leave out the same settling cycles).
+        "cpu": {arm: [sum(r[1][arm][i] for r in reports) for i in range(len(reports[0][1][arm]))] for arm in ARMS},
         "wall": {arm: reports[0][2][arm] for arm in ARMS},  # rank 0: ranks wait for each other
         # Per rank and step: median (the usual step) and mean (with the flushes).
         "observer_median_s": statistics.median(ns for r in reports for ns in r[3]) / 1e9,
@@ -324,6 +343,8 @@ def main() -> None:
                         help="seconds between scrapes (default 15, as docker/prometheus.yml)")
     parser.add_argument("--cycles", type=int, default=1500, help="interleaved cycles per run (one step per arm)")
     parser.add_argument("--warmup", type=int, default=50, help="cycles left out at the start of a run")
+    parser.add_argument("--rebuild-every", type=int, default=100,
+                        help="cycles between rebuilds of every arm's model (memory placement bias)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs (fresh processes each)")
     parser.add_argument("--no-hook", dest="hook", action="store_false",
                         help="'on' without the allreduce timing hook (ELASTIC_TRAINER_METRICS_ALLREDUCE=0)")
@@ -341,7 +362,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     print(f"\n== interleaved: {args.repeat} runs x {args.cycles} cycles (+{args.warmup} warm-up), one step "
-          "per arm per cycle, rotated order ==")
+          f"per arm per cycle, rotated order, models rebuilt every {args.rebuild_every} cycles ==")
     print("ratio = throughput on/off = off / (off + d), d = per-cycle extra cost of the arm; median d is")
     print("robust to other tenants, mean d also counts rare costs (flushes, scrapes); +- 1 standard error")
     header = (f"{'run':>3} {'load':>5} {'node CPU ms/step':>16} {'CPU on/off median':>17} {'CPU on/off mean':>21} "
