@@ -19,11 +19,12 @@ callback appends one tuple to a ``deque`` (atomic under the GIL: no lock), and t
 turns the tuples into Prometheus samples on the training thread, in batches.
 
 On CPU the callback runs on one of gloo's threads, which Python does not know. pybind11 then
-creates a Python thread state to take the GIL and destroys it afterwards, on every bucket:
-measured at ~35 us of CPU per bucket in a 2-rank job, most of the hook's cost (see
-``benchmarks/RESULTS.md``). :func:`_keep_thread_state` gives each such thread one thread state
-for its lifetime instead, which is what torch does for its own autograd threads
-(``PythonEngine::thread_init``). This module
+creates a Python thread state to take the GIL and destroys it afterwards, on every bucket.
+:func:`_keep_thread_state` gives each such thread one thread state for its lifetime instead,
+which is what torch does for its own autograd threads (``PythonEngine::thread_init``). In a
+2-rank gloo job with a tiny model that took the hook's extra CPU from ~110 us to ~0 per step;
+with the example's model the hook still costs ~100-150 us per step and rank either way (see
+``benchmarks/RESULTS.md``). This module
 deliberately does not use ``from __future__ import annotations``: DDP compares the hook's
 annotations with the real ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
 """
