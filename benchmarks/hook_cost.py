@@ -1,0 +1,98 @@
+"""CPU cost of DDP communication hooks in a 2-rank gloo job: no hook, torch's stock Python
+``allreduce_hook``, and elastic-trainer's allreduce timing hook, side by side.
+
+Each rank holds the model once per arm (same weights; DDP on the default gloo group) and runs
+blocks of ``--steps`` forward/backward passes per arm, the arm order reversed every block; the
+CPU seconds of the process (all threads: gloo's, where the hooks' callbacks run, included) per
+pass are compared with the no-hook arm of the same block. "aa" is a second no-hook model: the
+noise floor. Rank 0 prints the medians over blocks.
+
+Usage::
+
+    python benchmarks/hook_cost.py                    # tiny model: the hooks' fixed cost dominates
+    python benchmarks/hook_cost.py --model example    # the runtime example's CNN (width 32, batch 64)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ARMS = ("off", "aa", "torch-hook", "timing-hook")
+
+
+def _model_and_batch(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    if kind == "tiny":
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        return model, torch.randn(8, 16)
+    from elastic_trainer.examples.synthetic_cnn import SmallCNN
+
+    return SmallCNN(32), torch.randn(64, 3, 16, 16)
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
+
+    base, x = _model_and_batch(args.model)
+    models: dict[str, Any] = {}
+    for arm in ARMS:
+        ddp = DDP(copy.deepcopy(base))
+        if arm == "torch-hook":
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif arm == "timing-hook":
+            timer = AllreduceTimer()
+            ddp.register_comm_hook(timer, timed_allreduce_hook)
+            models["timer"] = timer
+        models[arm] = ddp
+    cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for block in range(args.blocks):
+        for arm in ARMS if block % 2 == 0 else ARMS[::-1]:
+            ddp = models[arm]
+            for _ in range(5):
+                ddp(x).sum().backward()
+            started = time.process_time()
+            for _ in range(args.steps):
+                ddp(x).sum().backward()
+            cpu[arm].append((time.process_time() - started) / args.steps)
+        models["timer"].drain_cpu()  # nobody reads the timings here: keep the queue short
+    if rank == 0:
+        print(f"model {args.model}, 2 gloo ranks, OMP_NUM_THREADS=1, {args.blocks} blocks x {args.steps} passes; "
+              f"load average {os.getloadavg()[0]:.1f}")
+        print("| arm | CPU us per pass (median) | extra vs off, us (median of blocks) |")
+        print("|---|---:|---:|")
+        for arm in ARMS:
+            extra = statistics.median(a - b for a, b in zip(cpu[arm], cpu["off"], strict=True))
+            print(f"| {arm} | {statistics.median(cpu[arm]) * 1e6:.1f} | {extra * 1e6:.1f} |")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("tiny", "example"), default="tiny")
+    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=400, help="passes per arm and block")
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_worker, args=(port, args), nprocs=2, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
