@@ -216,6 +216,18 @@ def _spawn(role: str, rank: str, *args: str, work: Path, stdin: int | None = Non
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=stdin)
 
 
+def _run_pair(role: str, *args: str, work: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Run ranks 0 and 1 of ``role`` to the end; both must exit 0. Their JSON results and logs."""
+    procs = [_spawn(role, str(rank), *args, work=work) for rank in (0, 1)]
+    try:
+        codes = [p.wait(60) for p in procs]
+    finally:
+        _stop(*procs)
+    logs = [(work / f"log-{role}-{r}.txt").read_text() for r in (0, 1)]
+    assert codes == [0, 0], logs
+    return [json.loads((work / f"{role}-{r}.json").read_text()) for r in (0, 1)], logs
+
+
 def _wait_for(path: Path, timeout: float, procs: list[subprocess.Popen[bytes]]) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -296,14 +308,7 @@ def test_a_save_while_the_main_thread_is_blocked_in_a_collective_is_immediate(tm
 
 
 def test_every_rank_saves_rank0s_buffers_of_the_last_step(tmp_path: Path) -> None:
-    procs = [_spawn("buffers", str(rank), work=tmp_path) for rank in (0, 1)]
-    try:
-        codes = [p.wait(60) for p in procs]
-    finally:
-        _stop(*procs)
-    logs = [(tmp_path / f"log-buffers-{r}.txt").read_text() for r in (0, 1)]
-    assert codes == [0, 0], logs
-    rank0, rank1 = (json.loads((tmp_path / f"buffers-{r}.json").read_text()) for r in (0, 1))
+    (rank0, rank1), _ = _run_pair("buffers", work=tmp_path)
     # Round 1: rank 1's own statistics were different and the live ones -5.0 when it saved.
     expected = {"mean": [0.0, 0.0, 1.0], "negative_zero": [True, False, False], "count": 10,
                 "half": [torch.tensor(1 / 3, dtype=torch.bfloat16).item()] * 2, "half_dtype": "torch.bfloat16",
@@ -325,14 +330,7 @@ def test_a_stop_signal_ends_the_run_after_the_step_in_progress_when_buffers_ride
     """JIT on: rank 0's buffers ride on the control allreduce, which the update waits for, so the
     stop flag of step SIGNAL_STEP is read in that step. JIT off: the allreduce overlaps the next
     step and the flag is read one step later."""
-    procs = [_spawn("stop", str(rank), jit, work=tmp_path) for rank in (0, 1)]
-    try:
-        codes = [p.wait(60) for p in procs]
-    finally:
-        _stop(*procs)
-    logs = [(tmp_path / f"log-stop-{r}.txt").read_text() for r in (0, 1)]
-    assert codes == [0, 0], logs
-    results = [json.loads((tmp_path / f"stop-{r}.json").read_text()) for r in (0, 1)]
+    results, logs = _run_pair("stop", jit, work=tmp_path)
     expected = {"step": stopped_after, "signal": True, "exchanged": jit == "on"}
     assert results == [expected, expected], logs
     assert ckpt.iter_checkpoints(tmp_path / "ckpt") == [stopped_after]
