@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 from elastic_trainer.launch_options import RunOptions, UserError
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
     from elastic_trainer.warm_start import WarmStartServer
 
 log = logging.getLogger(__name__)
@@ -110,16 +112,32 @@ def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, t
     return argv + (list(worker_args) if worker_args is not None else target.torchrun_args())
 
 
-def _check_external_etcd(options: RunOptions, run_id: str) -> None:
-    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
-
-    from rendezvous.etcd_backend import client_config_from_params, key_prefix_from_params
-    from rendezvous.etcd_client import EtcdConnection, quiet_retries
+def _rdzv_params(options: RunOptions, run_id: str) -> RendezvousParameters:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     conf = dict(item.split("=", 1) for item in filter(None, options.rdzv_conf.split(",")))
-    params = RendezvousParameters("etcd-v3", options.rdzv_endpoint or "", run_id, 1, 1, **conf)
+    return RendezvousParameters("etcd-v3", options.rdzv_endpoint or "", run_id, 1, 1, **conf)
+
+
+def _check_rdzv_conf(options: RunOptions) -> None:
+    """Rendezvous settings the handler would refuse inside the agent, refused here in one line
+    (embedded etcd or not)."""
+    from rendezvous.etcd_backend import key_prefix_from_params
+
     try:
-        key_prefix_from_params(params)
+        key_prefix_from_params(_rdzv_params(options, options.run_id or "check"))
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _check_external_etcd(options: RunOptions, run_id: str) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from rendezvous.etcd_backend import client_config_from_params
+    from rendezvous.etcd_client import EtcdConnection, quiet_retries
+
+    params = _rdzv_params(options, run_id)
+    try:
         connection = EtcdConnection(client_config_from_params(params))
     except ValueError as exc:
         raise UserError(str(exc)) from exc
@@ -172,6 +190,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *
             raise UserError(
                 "--run-id is required with --rdzv-endpoint: jobs sharing an etcd must not share an id"
             )
+    _check_rdzv_conf(options)
     if dry_run:
         endpoint = options.rdzv_endpoint or f"{options.etcd_host}:<free port>"
         print("torchrun " + " ".join(torchrun_argv(options, endpoint, options.run_id or "<derived>", nproc, target)))

@@ -190,7 +190,7 @@ class NodeInfo:
         try:
             data = json.loads(raw)
             addr, pid = data["addr"], data["pid"]
-        except (ValueError, TypeError, KeyError):  # JSON/UTF-8 errors are ValueErrors
+        except (ValueError, TypeError, KeyError, RecursionError):  # JSON/UTF-8 errors: ValueError
             return None
         if not isinstance(addr, str) or not isinstance(pid, int) or isinstance(pid, bool):
             return None
@@ -620,8 +620,13 @@ def create_lease_handler(params: RendezvousParameters) -> LeaseRendezvousHandler
         last_call_timeout=number("last_call_timeout", 30),
         lease_ttl=int(number("lease_ttl", 10)),
     )
-    connection = EtcdConnection(client_config_from_params(params))
-    connection.check()
     ttl = int(number("ttl", DEFAULT_TTL))
-    return LeaseRendezvousHandler(connection, settings, RunKeys.from_params(params), params.local_addr, store_ttl=ttl)
+    keys = RunKeys.from_params(params)  # settings first: a bad one fails before any connection
+    connection = EtcdConnection(client_config_from_params(params))
+    try:
+        connection.check()
+        return LeaseRendezvousHandler(connection, settings, keys, params.local_addr, store_ttl=ttl)
+    except BaseException:
+        connection.close()
+        raise
 

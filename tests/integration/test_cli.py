@@ -42,6 +42,8 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], dict[str, str], str]]:
         (["run", "--rdzv-endpoint", "127.0.0.1:2379", *EXAMPLE], {}, "--run-id is required with --rdzv-endpoint"),
         (["run", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "key_prefix=runs", *EXAMPLE], {},
          "rdzv-conf key_prefix: must be an absolute path like /a/b, got 'runs'"),
+        (["run", "--rdzv-conf", "key_prefix=runs", *EXAMPLE], {},  # embedded etcd: refused before it starts
+         "rdzv-conf key_prefix: must be an absolute path like /a/b, got 'runs'"),
         (["status", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "key_prefix=runs"], {},
          "rdzv-conf key_prefix: must be an absolute path"),
         (["run", "no_such_script.py"], {}, "script no_such_script.py: no such file"),
