@@ -469,9 +469,8 @@ class PrometheusObserver:
     def _absorb_steps(self) -> None:
         """Turn the steps gathered by :meth:`on_step` into local histogram and counter values."""
         steps = self._steps
-        if not steps:
-            return
-        self._steps = []
+        if steps:
+            self._steps = []
         timer = self._timer
         cuda = timer is not None and timer.use_cuda
         if timer is not None:
@@ -493,7 +492,8 @@ class PrometheusObserver:
             if loss is not None and math.isfinite(loss):
                 self._loss = loss
             if step_seq <= expect:
-                # No hook, or the step ran no synchronised backward (all no_sync): no wait.
+                # No hook, or no synchronised backward since the last reported step (all
+                # no_sync; exact for a step reported before the next one's backward): no wait.
                 compute.observe(duration_s)
             elif cuda:
                 self._step_durations[expect] = duration_s  # paired once its events finished

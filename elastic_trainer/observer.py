@@ -29,7 +29,8 @@ class TrainingObserver(Protocol):
 
     def on_priming(self, *, backward_passes: int) -> None:
         """``backward_passes`` synchronised backward passes ran that belong to no step (DDP bucket
-        priming after a restart): their allreduces are real, but no step will report them."""
+        priming after a restart): their allreduces are real, but no step will report them.
+        Optional: the runtime skips the call for an observer without this method."""
 
     def on_checkpoint_saved(self, *, step: int, duration_s: float, nbytes: int) -> None:
         """Rank 0 wrote a checkpoint of ``step`` (``duration_s`` of training stall)."""

@@ -326,59 +326,79 @@ def test_compute_time_pairs_each_step_with_its_own_buckets_when_reported_late(
     assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 3
 
 
-def _late_reporting_run(observer: PrometheusObserver, steps: int) -> None:
-    """The runtime's order: step k is reported after step k+1's backward; every third step
-    runs no synchronised backward (gradient accumulation with no_sync), so it launches nothing."""
+class RecordingHistogram:
+    """Stands in for an observer's local histogram: keeps every observed value, in order."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def observe(self, value: float) -> None:
+        self.values.append(value)
+
+    def flush(self) -> None:
+        pass
+
+
+def _late_reporting_run(observer: PrometheusObserver, steps: int) -> RecordingHistogram:
+    """The runtime's order: step k is reported after step k+1's backward (the last step after
+    its own). Step k waits 1 ms * k after its last launch. Returns the compute times observed."""
+    compute = RecordingHistogram()
+    observer._step_compute = compute  # type: ignore[assignment]
     ddp = FakeDDP()
     observer.wrap_ddp(ddp)
     timer = ddp.state
     assert timer is not None
     observer.on_start(world_size=2, restart_count=0)
-    seq = 0
-    backwards: list[bool] = []
     for k in range(1, steps + 1):
-        synced = k % 3 != 0
-        if synced:
-            wait = 0.001 * k
-            timer.record_cpu(seq, 1000, launched_s=10.0 * k, done_s=10.0 * k + wait)
-            timer.record_cpu(seq, 500, launched_s=10.0 * k - 1.0, done_s=10.0 * k - 0.5)
-            timer.next_step()
-            seq += 1
-        backwards.append(synced)
+        timer.record_cpu(k - 1, 1000, launched_s=10.0 * k, done_s=10.0 * k + 0.001 * k)
+        timer.record_cpu(k - 1, 500, launched_s=10.0 * k - 1.0, done_s=10.0 * k - 0.5)
+        timer.next_step()
         if k > 1:
             step(observer, k - 1, duration_s=1.0, loss=float(k))
     step(observer, steps, duration_s=1.0, loss=float(steps + 1))
+    return compute
 
 
 def test_deferred_steps_export_what_writing_every_step_exports() -> None:
-    """on_step only queues; a flush an hour later pairs every step with its own buckets exactly
-    as writing each step at once does (no step reads a later step's wait)."""
+    """on_step only queues; a flush much later pairs every step with its own buckets exactly as
+    writing each step at once does: step k subtracts its own wait, no later step's."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     eager_registry, lazy_registry = CollectorRegistry(), CollectorRegistry()
     eager = PrometheusObserver(labels=labels, registry=eager_registry, flush_interval_s=0.0)
-    now = [0.0]
     lazy = PrometheusObserver(labels=labels, registry=lazy_registry, flush_interval_s=3600.0,
-                              clock=lambda: now[0])  # fmt: skip
+                              clock=lambda: 0.0)  # fmt: skip
     steps = metrics_mod.MAX_DEFERRED_STEPS - 10
-    _late_reporting_run(eager, steps)
-    _late_reporting_run(lazy, steps)
+    eager_compute = _late_reporting_run(eager, steps)
+    lazy_compute = _late_reporting_run(lazy, steps)
     # Only the first report was written (the first on_step flushes: steps 1 and 2 had run their
     # backward, two buckets each); the rest waits.
+    assert lazy_compute.values == [pytest.approx(1.0 - 0.001)]
     assert value(lazy_registry, "elastic_trainer_step_duration_seconds_count") == 1
     assert value(lazy_registry, "elastic_trainer_allreduce_duration_seconds_count") == 4
     lazy.flush()
-    synced = [k for k in range(1, steps + 1) if k % 3 != 0]
-    # Each synchronised step subtracts its own wait (0.001 k); the others their whole time.
-    want_compute = sum(1.0 - 0.001 * k for k in synced) + (steps - len(synced)) * 1.0
+    want = [pytest.approx(1.0 - 0.001 * k) for k in range(1, steps + 1)]
+    assert eager_compute.values == want
+    assert lazy_compute.values == want
     for registry in (eager_registry, lazy_registry):
-        assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(want_compute)
-        assert value(registry, "elastic_trainer_step_compute_seconds_count") == steps
-        assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 2 * len(synced)
-        assert value(registry, "elastic_trainer_allreduce_bytes_total") == 1500 * len(synced)
+        assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 2 * steps
+        assert value(registry, "elastic_trainer_allreduce_bytes_total") == 1500 * steps
         assert value(registry, "elastic_trainer_step") == steps
         assert value(registry, "elastic_trainer_loss") == steps + 1
         assert value(registry, "elastic_trainer_samples_total") == 32 * steps
     assert lazy._open == {}  # nothing left behind for later steps
+
+
+def test_wrapping_a_new_model_keeps_the_old_hooks_timings(registry: CollectorRegistry) -> None:
+    observer = PrometheusObserver(labels=WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1),
+                                  registry=registry, flush_interval_s=3600.0, clock=lambda: 0.0)  # fmt: skip
+    old = FakeDDP()
+    observer.wrap_ddp(old)
+    assert old.state is not None
+    old.state.record_cpu(0, 1000, launched_s=1.0, done_s=1.5)  # launched, never reported
+    observer.wrap_ddp(FakeDDP())
+    observer.flush()
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 1
+    assert value(registry, "elastic_trainer_allreduce_bytes_total") == 1000
 
 
 def test_a_long_interval_still_flushes_every_max_deferred_steps(registry: CollectorRegistry) -> None:
