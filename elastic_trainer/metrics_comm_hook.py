@@ -23,7 +23,7 @@ creates a Python thread state to take the GIL and destroys it afterwards, on eve
 :func:`_keep_thread_state` gives each such thread one thread state for its lifetime instead,
 which is what torch does for its own autograd threads (``PythonEngine::thread_init``). In a
 2-rank gloo job with a tiny model that took the hook's extra CPU from ~110 us to ~0 per step;
-with the example's model the hook still costs ~100-150 us per step and rank either way (see
+with the example's model the hook still costs ~100-200 us per step and rank either way (see
 ``benchmarks/RESULTS.md``). This module
 deliberately does not use ``from __future__ import annotations``: DDP compares the hook's
 annotations with the real ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
@@ -46,18 +46,22 @@ import torch.distributed as dist
 DEFAULT_MAX_PENDING = 8192
 
 _thread_state_kept = threading.local()
-kept_thread_states: list[int] = []
-"""Idents of the threads whose Python thread state :func:`_keep_thread_state` kept."""
+_kept_thread_states: list[int] = []  # idents of the threads whose state was kept (for tests)
+# Private prototypes: setting restype on ctypes.pythonapi's shared function objects would change
+# them for every other user in the process.
+_this_thread_state = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyGILState_GetThisThreadState", ctypes.pythonapi))
+_running_thread_state = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyThreadState_Get", ctypes.pythonapi))
+_gil_state_ensure = ctypes.PYFUNCTYPE(ctypes.c_int)(("PyGILState_Ensure", ctypes.pythonapi))
 
 
 def _keep_thread_state() -> None:
-    """Keep this thread's Python thread state alive until the thread ends (once per thread).
+    """Keep this thread's Python thread state alive until the interpreter exits (once per thread).
 
     Called with the GIL held from a callback that pybind11 entered on a thread Python did not
     create. ``PyGILState_Ensure`` on the thread state pybind11 made for the call only raises its
     use count (the GIL is held already), so pybind11 releases the GIL afterwards but no longer
     destroys the state, and reuses it for the thread's next callback. The one state per backend
-    thread is freed with the interpreter. On a thread Python made (the callback ran inline) it
+    thread (a few KB) outlives the thread and is freed with the interpreter. On a thread Python made (the callback ran inline) it
     only raises a count that nothing lowers, which is harmless. Not CPython: nothing to keep.
     """
     if getattr(_thread_state_kept, "done", False):
@@ -65,14 +69,11 @@ def _keep_thread_state() -> None:
     _thread_state_kept.done = True  # lives in this thread state, which now lives on
     if sys.implementation.name != "cpython":
         return
-    api = ctypes.pythonapi
-    api.PyGILState_GetThisThreadState.restype = ctypes.c_void_p
-    api.PyThreadState_Get.restype = ctypes.c_void_p
     # Only where Ensure finds the running state: otherwise it would make a second one and wait
     # for the GIL this thread holds.
-    if api.PyGILState_GetThisThreadState() == api.PyThreadState_Get():
-        api.PyGILState_Ensure()
-        kept_thread_states.append(threading.get_ident())
+    if _this_thread_state() == _running_thread_state():
+        _gil_state_ensure()
+        _kept_thread_states.append(threading.get_ident())
 
 
 CpuRecord = tuple[int, int, float, float]

@@ -94,12 +94,12 @@ def test_callback_threads_keep_one_python_thread_state() -> None:
         seen.append(threading.get_ident())
         return timer._cpu_done(0, 16, 0.0, fut)
 
-    before = len(metrics_comm_hook.kept_thread_states)
+    before = len(metrics_comm_hook._kept_thread_states)
     for _ in range(20):
         result = rank0.allreduce([torch.ones(4)]).get_future().then(done)
         rank1.allreduce([torch.ones(4)]).wait()
         assert torch.equal(result.wait(), torch.full((4,), 2.0))
-    kept = metrics_comm_hook.kept_thread_states[before:]
+    kept = metrics_comm_hook._kept_thread_states[before:]
     assert len(seen) == 20 and threading.main_thread().ident not in seen
     for ident in set(seen):
         # Kept once: had the state been destroyed after a callback, its thread-local flag would
