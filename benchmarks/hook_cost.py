@@ -5,7 +5,9 @@ Each rank holds the model once per arm (same weights; DDP on the default gloo gr
 blocks of ``--steps`` forward/backward passes per arm, the arm order reversed every block; the
 CPU seconds of the process (all threads: gloo's, where the hooks' callbacks run, included) per
 pass are compared with the no-hook arm of the same block. "aa" is a second no-hook model: the
-noise floor. Rank 0 prints the medians over blocks.
+noise floor. Rank 0 prints the medians over blocks. All arms share the default group's gloo
+threads, so once the timing hook kept their Python thread states (see metrics_comm_hook) the
+stock hook's callbacks use them too: its row shows torch's cost only with an older tree.
 
 Usage::
 

@@ -355,6 +355,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--skip-micro", action="store_true", help="leave out the single-process CPU costs")
     args = parser.parse_args()
+    if args.rebuild_every <= REBUILD_SETTLE:
+        parser.error(f"--rebuild-every must be more than the {REBUILD_SETTLE} settling cycles after a rebuild")
 
     print(f"synthetic_cnn width {args.width}, global batch {args.global_batch_size}, {args.nproc} gloo workers, "
           f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing hook "

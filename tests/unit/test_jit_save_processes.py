@@ -333,7 +333,9 @@ def test_a_stop_signal_ends_the_run_after_the_step_in_progress_when_buffers_ride
     results, logs = _run_pair("stop", jit, work=tmp_path)
     expected = {"step": stopped_after, "signal": True, "exchanged": jit == "on"}
     assert results == [expected, expected], logs
-    assert ckpt.iter_checkpoints(tmp_path / "ckpt") == [stopped_after]
+    # The newest is the step the run stopped after (a JIT save of an earlier step may precede it
+    # when a loaded machine stalls a rank past the stall limit after the signal).
+    assert ckpt.iter_checkpoints(tmp_path / "ckpt")[-1] == stopped_after
     assert f"stopping after step {stopped_after} (signal on another rank)" in logs[0]
 
 
