@@ -178,6 +178,14 @@ def test_zero_redundancy_optimizer_is_consolidated_into_the_checkpoint(tmp_path:
     assert resumed.resumed_from == 3 and resumed.step == 5
 
 
+class NullObserverWithoutPriming:
+    def on_start(self, **kw: Any) -> None: ...
+    def on_step(self, **kw: Any) -> None: ...
+    def on_checkpoint_saved(self, **kw: Any) -> None: ...
+    def on_checkpoint_loaded(self, **kw: Any) -> None: ...
+    def wrap_ddp(self, ddp_model: Any) -> None: ...
+
+
 class RecordingObserver:
     def __init__(self) -> None:
         self.events: list[tuple[str, dict[str, Any]]] = []
@@ -367,5 +375,7 @@ def test_priming_runs_real_passes_and_leaves_no_trace(tmp_path: Path) -> None:
         assert all(p.grad is None for p in trainer.model.parameters())
         assert str(trainer.optimizer.state_dict()) == optimizer and trainer.sampler.state_dict() == cursor
         assert trainer.step == 2
+        trainer.observer = NullObserverWithoutPriming()  # written before on_priming existed: no error
+        assert len(list(trainer._prime_buckets(iter(batches), passes=1))) == 2
     finally:
         dist.destroy_process_group()
