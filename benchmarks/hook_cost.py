@@ -79,8 +79,11 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
         print("|---|---:|---:|")
         for arm in ARMS:
             extra = statistics.median(a - b for a, b in zip(cpu[arm], cpu["off"], strict=True))
-            print(f"| {arm} | {statistics.median(cpu[arm]) * 1e6:.1f} | {extra * 1e6:.1f} |")
+            print(f"| {arm} | {statistics.median(cpu[arm]) * 1e6:.1f} | {extra * 1e6:.1f} |", flush=True)
     dist.destroy_process_group()
+    from elastic_trainer.process_exit import exit_process
+
+    exit_process(0)  # not through interpreter shutdown, where gloo can abort (see process_exit)
 
 
 def main() -> None:
