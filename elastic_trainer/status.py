@@ -2,9 +2,14 @@
 
     elastic-trainer status --rdzv-endpoint etcd:2379 --run-id job1 --checkpoint-dir /ckpt --json
 
-The state is the one torch's dynamic rendezvous handler keeps (a pickled ``_RendezvousState``).
-It is read with an unpickler that admits only the classes that state is made of, so a tampered
-key cannot run code in the operator's shell.
+Two handlers can own a run, and both are read over one etcd connection:
+
+- the lease handler (``rendezvous.lease_handler``, the default for ``etcd-v3``): its round state
+  is JSON, each node's address and pid come from the value stored with its node key, and each
+  node's lease shows how long ago it last kept itself alive;
+- torch's dynamic handler (``--rdzv-conf handler=dynamic``): a pickled ``_RendezvousState``,
+  read with an unpickler that admits only the classes that state is made of, so a tampered key
+  cannot run code in the operator's shell.
 """
 
 from __future__ import annotations
