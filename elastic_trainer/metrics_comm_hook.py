@@ -30,6 +30,7 @@ annotations with the real ``dist.GradBucket`` and ``torch.futures.Future[torch.T
 """
 
 import ctypes
+import functools
 import sys
 import threading
 import time
@@ -47,11 +48,19 @@ DEFAULT_MAX_PENDING = 8192
 
 _thread_state_kept = threading.local()
 _kept_thread_states: list[int] = []  # idents of the threads whose state was kept (for tests)
-# Private prototypes: setting restype on ctypes.pythonapi's shared function objects would change
-# them for every other user in the process.
-_this_thread_state = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyGILState_GetThisThreadState", ctypes.pythonapi))
-_running_thread_state = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyThreadState_Get", ctypes.pythonapi))
-_gil_state_ensure = ctypes.PYFUNCTYPE(ctypes.c_int)(("PyGILState_Ensure", ctypes.pythonapi))
+
+
+@functools.cache
+def _c_api() -> tuple[Callable[[], int | None], Callable[[], int | None], Callable[[], int]]:
+    """CPython's GetThisThreadState, PyThreadState_Get and PyGILState_Ensure, as private
+    prototypes: setting ``restype`` on ``ctypes.pythonapi``'s shared function objects would
+    change them for every other user in the process."""
+    api = ctypes.pythonapi
+    return (
+        ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyGILState_GetThisThreadState", api)),
+        ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyThreadState_Get", api)),
+        ctypes.PYFUNCTYPE(ctypes.c_int)(("PyGILState_Ensure", api)),
+    )
 
 
 def _keep_thread_state() -> None:
@@ -69,10 +78,11 @@ def _keep_thread_state() -> None:
     _thread_state_kept.done = True  # lives in this thread state, which now lives on
     if sys.implementation.name != "cpython":
         return
+    this_thread_state, running_thread_state, gil_state_ensure = _c_api()
     # Only where Ensure finds the running state: otherwise it would make a second one and wait
     # for the GIL this thread holds.
-    if _this_thread_state() == _running_thread_state():
-        _gil_state_ensure()
+    if this_thread_state() == running_thread_state():
+        gil_state_ensure()
         _kept_thread_states.append(threading.get_ident())
 
 
