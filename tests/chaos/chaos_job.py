@@ -66,13 +66,22 @@ class ResumeObserver:
         self._progress.resumed = kwargs["step"]
         self._inner.on_checkpoint_loaded(**kwargs)
 
+    def on_priming(self, *, backward_passes: int) -> None:
+        # DDP bucket priming after a resume called the loss without being a step: without this,
+        # CHAOS_EXIT_BEFORE_STEP ended a resumed run one step early (seed 31, 50 faults).
+        self._progress.calls -= backward_passes
+        on_priming = getattr(self._inner, "on_priming", None)
+        if on_priming is not None:
+            on_priming(backward_passes=backward_passes)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
 
 def hooked_loss(loss: Callable[[Any, Any], torch.Tensor], progress: Progress, *, slow_s: float, slow_steps: int,
                 exit_before: int | None) -> Callable[[Any, Any], torch.Tensor]:
-    """``loss`` with the hooks of the module docstring (one loss call per step: no micro-batching)."""
+    """``loss`` with the hooks of the module docstring (one loss call per step: no micro-batching;
+    the priming passes after a resume are taken back by :meth:`ResumeObserver.on_priming`)."""
 
     def hooked(output: Any, target: Any) -> torch.Tensor:
         progress.calls += 1
