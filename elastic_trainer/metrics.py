@@ -449,9 +449,10 @@ class PrometheusObserver:
         steps = self._steps
         steps.append((step, duration_s, data_wait_s, samples, tokens, loss,
                       -1 if timer is None else timer.step_seq))  # fmt: skip
-        if len(steps) >= MAX_DEFERRED_STEPS or self._clock() >= self._next_flush:
+        now = self._clock()
+        if len(steps) >= MAX_DEFERRED_STEPS or now >= self._next_flush:
             self.flush()
-            self._next_flush = self._clock() + self.flush_interval_s
+            self._next_flush = now + self.flush_interval_s
 
     def on_priming(self, *, backward_passes: int) -> None:
         """See :class:`~elastic_trainer.observer.TrainingObserver`. The passes' bucket timings
