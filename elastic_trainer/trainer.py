@@ -604,13 +604,21 @@ class Trainer:
         flat buffer, and a ring allreduce over three or more ranks (gloo; NCCL rings) sums each
         chunk starting at another rank: the sum is then not bitwise the same. Two ranks are
         immune (``a + b == b + a``), one rank has nothing to reduce.
+
+        With ``static_graph`` every start, fresh or resumed and at any world size, begins with at
+        least one pass: DDP's first backward must then synchronise, and the first step's first
+        micro-batch runs under ``no_sync`` whenever a rank accumulates (torch 2.13 fails its
+        ``expect_autograd_hooks_`` assertion; pytorch/pytorch#143580). The uninterrupted run did
+        that pass too, so a resume needs two for the rebuild.
         """
         cfg, env = self.config, self._env()
+        if cfg.ddp.static_graph:
+            return 1 if self.step == 0 or env.world_size == 1 else 2
         if self.step == 0 or env.world_size == 1:
             return 0  # a fresh start is what the uninterrupted run did too
-        if cfg.ddp.find_unused_parameters and not cfg.ddp.static_graph:
+        if cfg.ddp.find_unused_parameters:
             return 0  # the reducer never rebuilds its buckets: a fresh layout is the only layout
-        return min(self.step, 2 if cfg.ddp.static_graph else 1)
+        return 1
 
     def _prime_buckets(self, batches: Iterator[Any], *, passes: int) -> Iterator[Any]:
         """After a restart, bring DDP's bucket layout to where an uninterrupted run has it.
@@ -621,8 +629,8 @@ class Trainer:
         at the step's forward exactly as it did in the uninterrupted run after its first steps. The
         passes leave no trace: gradients are dropped, every module buffer (BatchNorm statistics)
         and every generator state they touched are restored, the optimizer, scheduler, scaler and
-        sampler are not used. Costs one forward/backward/allreduce per (re)start (two with
-        ``static_graph``).
+        sampler are not used. Costs one forward/backward/allreduce per restart (with ``static_graph``:
+        two per restart and one at a fresh start).
 
         Bitwise equality with the uninterrupted run then holds for every DDP option the config
         offers, provided the gradient-ready order of a backward does not depend on the data

@@ -131,6 +131,17 @@ def test_gradient_accumulation_matches_one_big_forward() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_static_graph_with_gradient_accumulation_trains_like_a_dynamic_graph() -> None:
+    """The first step accumulates under ``no_sync``; a static graph needs a synchronised first
+    backward (torch asserts otherwise), which the start's priming pass provides."""
+    from elastic_trainer.config import DDPOptions
+
+    dynamic, _ = _fit(_job(dropout=0.0), max_steps=3, micro_batch_size=3)
+    static, result = _fit(_job(dropout=0.0), max_steps=3, micro_batch_size=3, ddp=DDPOptions(static_graph=True))
+    assert result.step == 3
+    _assert_bitwise_equal(dynamic.model.state_dict(), static.model.state_dict())
+
+
 def test_corrupt_newest_checkpoint_resumes_from_the_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _fit(_job(), max_steps=6, epochs=2, checkpoint_dir=str(tmp_path), checkpoint_every=3)
     newest = tmp_path / "ckpt-000000000006.pt"
@@ -331,7 +342,12 @@ def test_gpu_mixed_precision_syncbn_checkpoint_loads_on_cpu_and_resumes(tmp_path
         (5, 1, {}, 0),  # one rank: nothing to reduce
         (5, 3, {}, 1),  # the reducer rebuilds after the first synchronised backward
         (5, 3, {"static_graph": True}, 2),  # ... one iteration later with a static graph
-        (1, 3, {"static_graph": True}, 1),  # the uninterrupted run's second step was not rebuilt either
+        # A static graph's first backward must synchronise: every start primes once, so the
+        # uninterrupted run had rebuilt by its second step and a resume at step 1 primes twice.
+        (0, 3, {"static_graph": True}, 1),
+        (0, 1, {"static_graph": True}, 1),
+        (5, 1, {"static_graph": True}, 1),
+        (1, 3, {"static_graph": True}, 2),
         (5, 3, {"find_unused_parameters": True}, 0),  # never rebuilt
         (5, 3, {"find_unused_parameters": True, "static_graph": True}, 2),
     ],
