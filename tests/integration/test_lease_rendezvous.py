@@ -267,13 +267,30 @@ class InProcess:
             handler._connection.close()
 
 
-def waiting_over(handler: Any, seconds: float) -> set[int]:
-    """Every value ``num_nodes_waiting`` returned while polled like the agent (0.05 s) for ``seconds``."""
-    seen, started = set(), time.monotonic()
-    while time.monotonic() - started < seconds:
-        seen.add(handler.num_nodes_waiting())
-        time.sleep(0.05)
-    return seen
+def watch_caught_up(handler: Any, timeout: float = 15.0) -> None:
+    """Return once ``handler``'s watch has processed every event written so far.
+
+    Positive evidence for "nobody waiting" checks: a marker key is written under the watched
+    prefix (the handler ignores keys it does not know), and etcd delivers a watch's events in
+    revision order, so once the marker went through the handler so did every earlier event.
+    """
+    watch = handler._watch
+    marker = f"{watch._prefix}test-marker-{time.monotonic_ns()}"
+    processed = threading.Event()
+    original = watch._on_event
+
+    def recording(event: Any) -> None:
+        original(event)  # first the handler, then the record: "seen" means "processed"
+        if event.key.decode() == marker:
+            processed.set()
+
+    watch._on_event = recording
+    try:
+        handler._connection.call(lambda c: c.put(marker, b""), what="a test marker")
+        assert processed.wait(timeout), f"the watch did not deliver a marker written under its prefix within {timeout}s"
+    finally:
+        watch._on_event = original
+        handler._connection.call(lambda c: c.delete(marker), what="a test marker")
 
 
 @pytest.fixture
@@ -301,7 +318,9 @@ def test_a_restart_round_leaves_nothing_waiting(pair) -> None:  # type: ignore[n
     rejoin.join(30)
     assert joined and {info_a.rank, joined[0].rank} == {0, 1}
     assert a._round == b._round == 1
-    assert waiting_over(a, 2.0) == {0} and waiting_over(b, 0.5) == {0}
+    watch_caught_up(a)
+    watch_caught_up(b)
+    assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
 
 
 class DeletesSeen:
