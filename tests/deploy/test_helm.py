@@ -128,6 +128,7 @@ def test_every_ci_values_file_exists() -> None:
         "defaults-values.yaml",
         "gpu-values.yaml",
         "external-etcd-tls-values.yaml",
+        "bundled-etcd-tls-values.yaml",
         "monitoring-values.yaml",
     }
 
@@ -650,6 +651,170 @@ def test_no_secret_material_is_rendered(render: Any) -> None:
         assert "Secret" not in kinds(render(values))
 
 
+BUNDLED_TLS_VALUES = CHART_DIR / "ci" / "bundled-etcd-tls-values.yaml"
+ETCD_URL_FLAGS = (
+    "listen-client-urls",
+    "advertise-client-urls",
+    "listen-peer-urls",
+    "initial-advertise-peer-urls",
+)
+ETCD_TLS_FLAGS = (
+    "cert-file",
+    "key-file",
+    "trusted-ca-file",
+    "client-cert-auth",
+    "peer-cert-file",
+    "peer-key-file",
+    "peer-trusted-ca-file",
+    "peer-client-cert-auth",
+)
+
+
+def etcd_args(docs: Manifests) -> dict[str, str]:
+    [etcd] = only(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    return dict(a[2:].split("=", 1) for a in etcd["args"])
+
+
+def etcd_urls(args: dict[str, str]) -> list[str]:
+    urls = [u for flag in ETCD_URL_FLAGS for u in args[flag].split(",")]
+    return urls + [m.split("=", 1)[1] for m in args["initial-cluster"].split(",")]
+
+
+def secret_volumes(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Volume name -> its secret source, for the Secret volumes of a pod spec."""
+    return {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
+
+
+def test_bundled_etcd_tls_serves_mutual_tls_from_the_server_secret(render: Any) -> None:
+    docs = render(load_values(BUNDLED_TLS_VALUES))
+    args = etcd_args(docs)
+    urls = etcd_urls(args)
+    assert len(urls) == 4 + 3 and all(u.startswith("https://") for u in urls), urls
+    assert args["client-cert-auth"] == "true" and args["peer-client-cert-auth"] == "true"
+    # Probes stay on the plain-HTTP metrics listener, which serves /health without a certificate.
+    assert args["listen-metrics-urls"] == "http://0.0.0.0:2381"
+
+    spec = only(docs, "StatefulSet")["spec"]["template"]["spec"]
+    [etcd] = spec["containers"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert etcd[probe]["httpGet"]["port"] == "metrics", probe
+    [mount] = [m for m in etcd["volumeMounts"] if m["name"] != "data"]
+    assert mount["readOnly"] is True
+    volume = secret_volumes(spec)[mount["name"]]
+    assert volume["secretName"] == "etcd-server-tls"
+    files = {item["key"]: f"{mount['mountPath']}/{item['path']}" for item in volume["items"]}
+    assert {
+        "cert-file": files["tls.crt"],
+        "key-file": files["tls.key"],
+        "trusted-ca-file": files["ca.crt"],
+        "peer-cert-file": files["tls.crt"],
+        "peer-key-file": files["tls.key"],
+        "peer-trusted-ca-file": files["ca.crt"],
+    }.items() <= args.items()
+
+
+def test_bundled_etcd_tls_workers_get_only_the_client_secret(render: Any) -> None:
+    docs = render(load_values(BUNDLED_TLS_VALUES))
+    spec = only(docs, "Job")["spec"]["template"]["spec"]
+    volumes = secret_volumes(spec)
+    # The server key lives in etcd-server-tls: no worker volume may reference that Secret.
+    assert [v["secretName"] for v in volumes.values()] == ["etcd-client-tls"]
+    [(name, volume)] = volumes.items()
+    [init] = spec["initContainers"]
+    for container in (init, trainer(docs)):
+        [mount] = [m for m in container.get("volumeMounts", []) if m["name"] == name]
+        assert mount["readOnly"] is True, container["name"]
+    mount_path = mount["mountPath"]
+    mounted = {item["key"]: f"{mount_path}/{item['path']}" for item in volume["items"]}
+    assert set(mounted) == {"ca.crt", "tls.crt", "tls.key"}
+
+    options, _ = launcher_options(trainer(docs)["args"])
+    conf = dict(pair.split("=", 1) for pair in options["rdzv-conf"].split(","))
+    assert conf == {
+        "protocol": "https",
+        "ca_cert": mounted["ca.crt"],
+        "ssl_cert": mounted["tls.crt"],
+        "ssl_cert_key": mounted["tls.key"],
+    }
+    # wait-for-etcd checks the same mutual TLS the launcher will use.
+    assert init["command"][5:] == [mounted["ca.crt"], mounted["tls.crt"], mounted["tls.key"]]
+    # No certificate material or Secret reference reaches env or args.
+    for container in containers(spec):
+        assert "secretKeyRef" not in json.dumps(container.get("env", []))
+        assert "BEGIN" not in json.dumps(container)
+
+
+def test_bundled_etcd_without_tls_stays_plaintext(render: Any) -> None:
+    docs = render()
+    args = etcd_args(docs)
+    assert all(u.startswith("http://") for u in etcd_urls(args))
+    assert not set(ETCD_TLS_FLAGS) & set(args)
+    assert "volumes" not in only(docs, "StatefulSet")["spec"]["template"]["spec"]
+    spec = only(docs, "Job")["spec"]["template"]["spec"]
+    assert secret_volumes(spec) == {}
+    options, _ = launcher_options(trainer(docs)["args"])
+    assert "rdzv-conf" not in options
+    [init] = spec["initContainers"]
+    assert len(init["command"]) == 5 and "volumeMounts" not in init
+
+
+def test_bundled_etcd_tls_with_cert_manager(helm: Any, render: Any) -> None:
+    values = {
+        "etcd": {
+            "bundled": {
+                "tls": {
+                    "enabled": True,
+                    "certManager": {"enabled": True, "issuerRef": {"name": "etcd-ca"}},
+                }
+            }
+        }
+    }
+    docs = render(values)
+    certs = {d["spec"]["secretName"]: d for _, d in docs if d["kind"] == "Certificate"}
+    etcd_secret = next(
+        iter(secret_volumes(only(docs, "StatefulSet")["spec"]["template"]["spec"]).values())
+    )
+    worker_secrets = [
+        v["secretName"]
+        for v in secret_volumes(only(docs, "Job")["spec"]["template"]["spec"]).values()
+    ]
+    server = certs[etcd_secret["secretName"]]
+    [client_name] = worker_secrets
+    client = certs[client_name]
+    assert len(certs) == 2 and client_name != etcd_secret["secretName"]
+    assert {"server auth", "client auth"} <= set(server["spec"]["usages"])
+    assert (
+        "server auth" not in client["spec"]["usages"] and "client auth" in client["spec"]["usages"]
+    )
+    for cert in (server, client):
+        assert cert["spec"]["issuerRef"] == {
+            "name": "etcd-ca",
+            "kind": "Issuer",
+            "group": "cert-manager.io",
+        }
+
+    def covered(host: str) -> bool:
+        return any(
+            name == host or (name.startswith("*.") and host.split(".", 1)[1] == name[2:])
+            for name in server["spec"]["dnsNames"]
+        )
+
+    # Every member's client and peer URL (POD_NAME expanded) and every worker endpoint.
+    sts = only(docs, "StatefulSet")
+    hosts = [
+        re.sub(r"^https://|:\d+$", "", u.replace("$(POD_NAME)", f"{sts['metadata']['name']}-0"))
+        for u in etcd_urls(etcd_args(docs))
+        if "0.0.0.0" not in u
+    ]
+    options, _ = launcher_options(trainer(docs)["args"])
+    hosts += [e.rsplit(":", 1)[0] for e in options["rdzv-endpoint"].split(",")]
+    assert hosts and all(covered(h) for h in hosts), (hosts, server["spec"]["dnsNames"])
+    assert not covered("evil.example.com")
+
+    report = helm.lint(CHART_DIR, values, strict=True, kube_version=f"v{KUBE_VERSIONS[-1]}")
+    assert report["errors"] == [], report
+
+
 # ------------------------------------------------------------------------------------ network
 def test_network_policies(chart: Any, render: Any) -> None:
     docs = render()
@@ -839,6 +1004,50 @@ VALIDATE_VALUES_CASES = [
         "etcd.external.auth.enabled needs etcd.external.auth.existingSecret",
     ),
     (
+        "bundled tls without secrets",
+        {"etcd": {"bundled": {"tls": {"enabled": True}}}},
+        "etcd.bundled.tls.enabled needs etcd.bundled.tls.existingSecret",
+    ),
+    (
+        "bundled tls without client secret",
+        {"etcd": {"bundled": {"tls": {"enabled": True, "existingSecret": "s"}}}},
+        "etcd.bundled.tls.enabled needs etcd.bundled.tls.clientSecret",
+    ),
+    (
+        "bundled tls client secret is the server secret",
+        {
+            "etcd": {
+                "bundled": {"tls": {"enabled": True, "existingSecret": "s", "clientSecret": "s"}}
+            }
+        },
+        "etcd.bundled.tls.clientSecret must differ from etcd.bundled.tls.existingSecret",
+    ),
+    (
+        "cert-manager without issuer",
+        {"etcd": {"bundled": {"tls": {"enabled": True, "certManager": {"enabled": True}}}}},
+        "etcd.bundled.tls.certManager.enabled needs etcd.bundled.tls.certManager.issuerRef.name",
+    ),
+    (
+        "cert-manager and an existing secret",
+        {
+            "etcd": {
+                "bundled": {
+                    "tls": {
+                        "enabled": True,
+                        "existingSecret": "s",
+                        "certManager": {"enabled": True, "issuerRef": {"name": "ca"}},
+                    }
+                }
+            }
+        },
+        "etcd.bundled.tls.certManager.enabled creates the Secrets itself",
+    ),
+    (
+        "cert-manager without tls",
+        {"etcd": {"bundled": {"tls": {"certManager": {"enabled": True}}}}},
+        "etcd.bundled.tls.certManager.enabled needs etcd.bundled.tls.enabled",
+    ),
+    (
         "module and script",
         {"training": {"script": "/x.py"}},
         "set only one of training.module and training.script",
@@ -851,7 +1060,7 @@ VALIDATE_VALUES_CASES = [
     (
         "reserved rdzv-conf key",
         {"workers": {"rdzvConf": {"password": "hunter2"}}},
-        "workers.rdzvConf.password is set by the chart from etcd.external; remove it",
+        "workers.rdzvConf.password is set by the chart from etcd.external or etcd.bundled.tls; remove it",
     ),
     (
         "two monitors",
@@ -918,6 +1127,9 @@ SCHEMA_CASES = [
         "/workers/podSecurityContext/runAsNonRoot",
     ),
     ("bad NCCL variable name", "nccl.env.FOO", "1", "FOO"),
+    ("tls switch as text", "etcd.bundled.tls.enabled", "yes", "/etcd/bundled/tls/enabled"),
+    ("tls secret name", "etcd.bundled.tls.clientSecret", "Bad_Name", "clientSecret"),
+    ("mistyped tls key", "etcd.bundled.tls.clientSecrets", "c", "clientSecrets"),
     (
         "bad async error handling",
         "nccl.env.TORCH_NCCL_ASYNC_ERROR_HANDLING",

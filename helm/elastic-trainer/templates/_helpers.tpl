@@ -125,21 +125,68 @@ Checkpoints do not depend on it (see checkpointDir), so the new Job resumes.
 
 {{- define "elastic-trainer.etcdTlsDir" -}}/etc/elastic-trainer/etcd-tls{{- end }}
 {{- define "elastic-trainer.etcdAuthDir" -}}/etc/elastic-trainer/etcd-auth{{- end }}
+{{/* Where the bundled etcd members read their server certificate (etcd pods only). */}}
+{{- define "elastic-trainer.etcd.serverTlsDir" -}}/etc/etcd/tls{{- end }}
+
+{{/* "true" when the bundled etcd serves mutual TLS (empty otherwise). */}}
+{{- define "elastic-trainer.etcd.bundledTls" -}}
+{{- if and (eq .Values.etcd.mode "bundled") .Values.etcd.bundled.tls.enabled }}true{{- end }}
+{{- end }}
+
+{{/*
+Secrets of the bundled etcd's TLS: the server one (CA, member certificate and key; mounted in
+etcd pods only) and the client one (CA, the workers' client certificate and key; mounted in
+worker pods only). With certManager they are the Secrets its Certificates write.
+*/}}
+{{- define "elastic-trainer.etcd.serverSecretName" -}}
+{{- if .Values.etcd.bundled.tls.certManager.enabled }}
+{{- printf "%s-server-tls" (include "elastic-trainer.etcd.name" .) }}
+{{- else }}
+{{- .Values.etcd.bundled.tls.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "elastic-trainer.etcd.clientSecretName" -}}
+{{- if .Values.etcd.bundled.tls.certManager.enabled }}
+{{- printf "%s-client-tls" (include "elastic-trainer.etcd.name" .) }}
+{{- else }}
+{{- .Values.etcd.bundled.tls.clientSecret }}
+{{- end }}
+{{- end }}
+
+{{/*
+The worker-side TLS files, as a dict: secret (name), dir, caKey, certKey, keyKey; empty when
+the workers reach etcd without TLS or without a client certificate. One source for the
+volume, the mounts, --rdzv-conf and the wait-for-etcd arguments.
+*/}}
+{{- define "elastic-trainer.etcdClientTls" -}}
+{{- $dir := include "elastic-trainer.etcdTlsDir" . }}
+{{- if include "elastic-trainer.etcd.bundledTls" . }}
+{{- $t := .Values.etcd.bundled.tls }}
+{{- toYaml (dict "secret" (include "elastic-trainer.etcd.clientSecretName" .) "dir" $dir "caKey" $t.caKey "certKey" $t.certKey "keyKey" $t.keyKey) }}
+{{- else if and (eq .Values.etcd.mode "external") .Values.etcd.external.tls.enabled }}
+{{- $t := .Values.etcd.external.tls }}
+{{- if $t.clientAuth }}
+{{- toYaml (dict "secret" $t.existingSecret "dir" $dir "caKey" $t.caKey "certKey" $t.certKey "keyKey" $t.keyKey) }}
+{{- else }}
+{{- toYaml (dict "secret" $t.existingSecret "dir" $dir "caKey" $t.caKey "certKey" "" "keyKey" "") }}
+{{- end }}
+{{- end }}
+{{- end }}
 
 {{/* The --rdzv-conf value: TLS and credentials (files) first, then workers.rdzvConf, sorted. */}}
 {{- define "elastic-trainer.rdzvConf" -}}
 {{- $pairs := list }}
+{{- with include "elastic-trainer.etcdClientTls" . | fromYaml }}
+{{- $pairs = append $pairs "protocol=https" }}
+{{- $pairs = append $pairs (printf "ca_cert=%s/%s" .dir .caKey) }}
+{{- if .certKey }}
+{{- $pairs = append $pairs (printf "ssl_cert=%s/%s" .dir .certKey) }}
+{{- $pairs = append $pairs (printf "ssl_cert_key=%s/%s" .dir .keyKey) }}
+{{- end }}
+{{- end }}
 {{- if eq .Values.etcd.mode "external" }}
 {{- $ext := .Values.etcd.external }}
-{{- if $ext.tls.enabled }}
-{{- $dir := include "elastic-trainer.etcdTlsDir" . }}
-{{- $pairs = append $pairs "protocol=https" }}
-{{- $pairs = append $pairs (printf "ca_cert=%s/%s" $dir $ext.tls.caKey) }}
-{{- if $ext.tls.clientAuth }}
-{{- $pairs = append $pairs (printf "ssl_cert=%s/%s" $dir $ext.tls.certKey) }}
-{{- $pairs = append $pairs (printf "ssl_cert_key=%s/%s" $dir $ext.tls.keyKey) }}
-{{- end }}
-{{- end }}
 {{- if $ext.auth.enabled }}
 {{- /* $(ETCD_USERNAME) is expanded by the kubelet from the env var set from the Secret. */}}
 {{- $pairs = append $pairs "user=$(ETCD_USERNAME)" }}
@@ -194,16 +241,22 @@ integral floats as integers.
 {{/*
 Init container program: wait until one of the bundled etcd members answers /health on its
 client port (it needs a leader), bounded by workers.waitForEtcd.timeoutSeconds. Standard
-library only; argv: endpoints ("host:port,..."), timeout in seconds.
+library only; argv: endpoints ("host:port,..."), timeout in seconds, and with TLS the CA,
+client certificate and key files (https, the same mutual TLS the launcher will use).
 */}}
 {{- define "elastic-trainer.waitForEtcdScript" -}}
-import json, sys, time, urllib.request
+import json, ssl, sys, time, urllib.request
 endpoints, timeout = sys.argv[1].split(","), float(sys.argv[2])
+scheme, context = "http", None
+if len(sys.argv) > 3:
+    scheme, context = "https", ssl.create_default_context(cafile=sys.argv[3])
+    context.load_cert_chain(sys.argv[4], sys.argv[5])
 deadline, last = time.monotonic() + timeout, "no answer yet"
 while True:
     for endpoint in endpoints:
         try:
-            with urllib.request.urlopen(f"http://{endpoint}/health", timeout=3) as response:
+            url = f"{scheme}://{endpoint}/health"
+            with urllib.request.urlopen(url, timeout=3, context=context) as response:
                 if json.load(response).get("health") == "true":
                     print(f"etcd is ready ({endpoint})")
                     sys.exit(0)
@@ -263,10 +316,34 @@ Cross-field rules JSON Schema cannot express. Called from every always-rendered 
 {{- $errors = append $errors "etcd.external.auth.enabled needs etcd.external.auth.existingSecret (a Secret with the user name and password)" }}
 {{- end }}
 {{- end }}
+{{- if eq .Values.etcd.mode "bundled" }}
+{{- $tls := .Values.etcd.bundled.tls }}
+{{- if $tls.enabled }}
+{{- if $tls.certManager.enabled }}
+{{- if or $tls.existingSecret $tls.clientSecret }}
+{{- $errors = append $errors "etcd.bundled.tls.certManager.enabled creates the Secrets itself: leave etcd.bundled.tls.existingSecret and clientSecret empty" }}
+{{- end }}
+{{- if not $tls.certManager.issuerRef.name }}
+{{- $errors = append $errors "etcd.bundled.tls.certManager.enabled needs etcd.bundled.tls.certManager.issuerRef.name (a cert-manager CA Issuer or ClusterIssuer)" }}
+{{- end }}
+{{- else }}
+{{- if not $tls.existingSecret }}
+{{- $errors = append $errors "etcd.bundled.tls.enabled needs etcd.bundled.tls.existingSecret (a Secret with the CA and the etcd server certificate and key) or etcd.bundled.tls.certManager.enabled" }}
+{{- end }}
+{{- if not $tls.clientSecret }}
+{{- $errors = append $errors "etcd.bundled.tls.enabled needs etcd.bundled.tls.clientSecret (a Secret with the CA and the workers' client certificate and key) or etcd.bundled.tls.certManager.enabled" }}
+{{- else if eq $tls.clientSecret $tls.existingSecret }}
+{{- $errors = append $errors "etcd.bundled.tls.clientSecret must differ from etcd.bundled.tls.existingSecret: the etcd server key must never be mounted in worker pods" }}
+{{- end }}
+{{- end }}
+{{- else if $tls.certManager.enabled }}
+{{- $errors = append $errors "etcd.bundled.tls.certManager.enabled needs etcd.bundled.tls.enabled" }}
+{{- end }}
+{{- end }}
 {{- $reserved := list "protocol" "ca_cert" "ssl_cert" "ssl_cert_key" "user" "password" "password_file" }}
 {{- range $key := keys $w.rdzvConf | sortAlpha }}
 {{- if has $key $reserved }}
-{{- $errors = append $errors (printf "workers.rdzvConf.%s is set by the chart from etcd.external; remove it" $key) }}
+{{- $errors = append $errors (printf "workers.rdzvConf.%s is set by the chart from etcd.external or etcd.bundled.tls; remove it" $key) }}
 {{- end }}
 {{- end }}
 {{- if and .Values.metrics.podMonitor.enabled .Values.metrics.serviceMonitor.enabled }}
