@@ -17,10 +17,12 @@ import copy
 import json
 import re
 import shutil
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from tests.deploy.conftest import (
     import_or_missing,
     kinds,
     load_values,
+    missing,
     only,
     require_dashboard,
     require_etcd_binary,
@@ -1361,6 +1364,116 @@ def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path)
             f"http://127.0.0.1:{ports[members[-1]]['client']}/v3/kv/range", {"key": key}
         )
         assert got["kvs"][0]["value"] == value
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait(timeout=10)
+
+
+def _make_pki(directory: Path) -> dict[str, Path]:
+    """A throwaway CA, an etcd server certificate (server + client auth, for 127.0.0.1) and a
+    client certificate, made with the openssl CLI."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        missing("the openssl command")
+        raise AssertionError("unreachable")
+    directory.mkdir()
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True, timeout=30)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=ca", "-days", "1")
+    for name, usage in (("server", "serverAuth,clientAuth"), ("client", "clientAuth")):
+        (directory / f"{name}.ext").write_text(
+            f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n"
+        )
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.crt",
+        )  # fmt: skip
+    return {f.stem + f.suffix: f for f in directory.iterdir()}
+
+
+def test_bundled_etcd_tls_arguments_form_a_real_cluster(render: Any, tmp_path: Path) -> None:
+    """Three real etcd members with the TLS StatefulSet's own arguments (certificate paths
+    mapped to a throwaway PKI): they form a cluster over https peers, the wait-for-etcd
+    program gets through with the workers' client certificate, the probes answer on the
+    http metrics port, and the client port refuses a client without a certificate."""
+    binary = require_etcd_binary()
+    pki = _make_pki(tmp_path / "pki")
+    docs = render(load_values(BUNDLED_TLS_VALUES))
+    sts = only(docs, "StatefulSet")
+    spec = sts["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    [server_mount] = [m for m in container["volumeMounts"] if m["name"] != "data"]
+    server_files = {
+        f"{server_mount['mountPath']}/ca.crt": pki["ca.crt"],
+        f"{server_mount['mountPath']}/tls.crt": pki["server.crt"],
+        f"{server_mount['mountPath']}/tls.key": pki["server.key"],
+    }
+    args = etcd_args(docs)
+    members = [m.split("=", 1)[0] for m in args["initial-cluster"].split(",")]
+    domain = f"{sts['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
+    ports = {
+        m: {"client": free_port(), "peer": free_port(), "metrics": free_port()} for m in members
+    }
+
+    def localize(arg: str, me: str) -> str:
+        arg = arg.replace("$(POD_NAME)", me)
+        for member, p in ports.items():
+            for name, port in (("peer", 2380), ("client", 2379)):
+                arg = arg.replace(f"{member}.{domain}:{port}", f"127.0.0.1:{p[name]}")
+        for name, port in (("client", 2379), ("peer", 2380), ("metrics", 2381)):
+            arg = arg.replace(f"0.0.0.0:{port}", f"127.0.0.1:{ports[me][name]}")
+        for path, local in server_files.items():
+            arg = arg.replace(path, str(local))
+        if arg.startswith("--data-dir="):
+            arg = f"--data-dir={tmp_path / me}"
+        assert "0.0.0.0" not in arg and ".svc." not in arg and "/etc/" not in arg, arg
+        return arg
+
+    [init] = only(docs, "Job")["spec"]["template"]["spec"]["initContainers"]
+    program, _, _, ca, cert, key = init["command"][2:]
+    client_files = {ca: pki["ca.crt"], cert: pki["client.crt"], key: pki["client.key"]}
+    endpoints = ",".join(f"127.0.0.1:{ports[m]['client']}" for m in members)
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", program, endpoints, "30", *map(str, client_files.values())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    procs: list[subprocess.Popen[Any]] = [waiter]
+    try:
+        for member in members:
+            log = (tmp_path / f"{member}.log").open("w")
+            procs.append(
+                subprocess.Popen(
+                    [binary, *(localize(a, member) for a in container["args"])],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        out, err = waiter.communicate(timeout=45)
+        assert waiter.returncode == 0, (err, (tmp_path / f"{members[0]}.log").read_text()[-2000:])
+        assert out.startswith("etcd is ready (127.0.0.1:")
+
+        for member in members:
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                path = container[probe]["httpGet"]["path"]
+                url = f"http://127.0.0.1:{ports[member]['metrics']}{path}"
+                assert http_json(url)["health"] == "true", (member, probe)
+
+        context = ssl.create_default_context(cafile=str(pki["ca.crt"]))
+        health = f"https://127.0.0.1:{ports[members[-1]]['client']}/health"
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            # No client certificate: the handshake is refused (--client-cert-auth).
+            urllib.request.urlopen(health, timeout=5, context=context).read()
+        context.load_cert_chain(str(pki["client.crt"]), str(pki["client.key"]))
+        with urllib.request.urlopen(health, timeout=5, context=context) as response:
+            assert json.load(response)["health"] == "true"
     finally:
         for proc in procs:
             proc.kill()
