@@ -2,7 +2,7 @@
 # Set up, then run ruff, mypy and the whole test suite (unit, integration, chaos, deploy) against
 # real etcd, torchrun, Prometheus and Helm. CUDA tests (marker gpu) need a GPU: run them with
 # `bash scripts/test.sh -m gpu`. Arguments replace the default and go to pytest (e.g. tests/unit -x).
-# Needs Prometheus (apt-get install prometheus); .ci/run installs it.
+# Needs Prometheus and openssl (apt-get install prometheus openssl); .ci/run installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$(bash scripts/setup.sh test | tail -n 1)
