@@ -15,8 +15,10 @@ same schedule (the timing of the faults relative to steps varies a little from r
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,7 @@ from tests.runtime_helpers import Agent, agents
 
 KINDS = ("worker_sigkill", "node_sigkill", "node_sigterm", "node_join", "etcd_restart", "corrupt_newest")
 MIN_NODES, MAX_NODES = 1, 3
+WORKERS_TIMEOUT_S = 120.0  # a restart round (rendezvous, worker start, checkpoint load) takes seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +96,24 @@ class Cluster:
         self.started.append(node)
         self.live.append(node)
 
-    def with_workers(self, rng: random.Random) -> Agent:
-        candidates = [n for n in self.live if n.worker_pids()] or self.live
-        return rng.choice(candidates)
+    def any_node(self, rng: random.Random) -> Agent:
+        """A live node, preferably one with workers (a node leaving between worker generations is
+        a fault too)."""
+        return rng.choice([n for n in self.live if n.worker_pids()] or self.live)
+
+    def kill_a_worker(self, rng: random.Random, timeout: float = WORKERS_TIMEOUT_S) -> None:
+        """SIGKILL a worker of a live node; while every node is between worker generations (a
+        fault can land in a restart round), wait for one, up to ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            candidates = [n for n in self.live if n.worker_pids()]
+            if candidates:
+                with contextlib.suppress(ProcessLookupError, AssertionError):  # it exited meanwhile
+                    rng.choice(candidates).kill_worker(rng.randint(0, 1))
+                    return
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"no live node had a worker to kill for {timeout:.0f} s\n{tails(self.started)}")
+            time.sleep(0.1)
 
     def done(self) -> bool:
         return all(node.proc.poll() is not None for node in self.live)
@@ -114,10 +132,10 @@ def run_schedule(seed: int, count: int, etcd, no_fault, tmp_path: Path) -> None:
         cluster.add_node()
 
         def worker_sigkill() -> None:
-            cluster.with_workers(rng).kill_worker(rng.randint(0, 1))
+            cluster.kill_a_worker(rng)
 
         def node_leaves(graceful: bool) -> None:
-            node = cluster.with_workers(rng)
+            node = cluster.any_node(rng)
             cluster.live.remove(node)
             node.terminate() if graceful else node.kill_node()
 
