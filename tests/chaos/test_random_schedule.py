@@ -103,9 +103,10 @@ class Cluster:
 
     def kill_a_worker(self, rng: random.Random, timeout: float = WORKERS_TIMEOUT_S) -> None:
         """SIGKILL a worker of a live node; while every node is between worker generations (a
-        fault can land in a restart round), wait for one, up to ``timeout`` seconds."""
+        fault can land in a restart round), wait for one, up to ``timeout`` seconds. Nothing to
+        kill once the job has finished."""
         deadline = time.monotonic() + timeout
-        while True:
+        while not self.done():
             candidates = [n for n in self.live if n.worker_pids()]
             if candidates:
                 with contextlib.suppress(ProcessLookupError, AssertionError):  # it exited meanwhile
