@@ -174,6 +174,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     from rendezvous.etcd_client import parse_endpoints
@@ -245,6 +246,15 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *
         except SignalException as exc:
             log.warning("stopped by %s; workers were given their checkpoint grace", exc.sigval.name)
             return 128 + int(exc.sigval)
+        except RendezvousClosedError:
+            # torch closes a run when any node's agent ends (the job finished, or a node gave up):
+            # a node that comes back later has nothing to join. Not a success: this node did no work.
+            log.error("run %r is closed (the job finished or a node gave up before this node could rejoin); "
+                      "nothing left to join", run_id)
+            return 1
+        except RendezvousError as exc:  # join timeout, etcd gone for longer than retry_timeout
+            log.error("rendezvous of run %r failed: %s", run_id, exc)
+            return 1
     return 0
 
 

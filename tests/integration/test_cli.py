@@ -166,3 +166,23 @@ def test_doctor_failure_exits_non_zero(tmp_path: Path) -> None:
                env={"ELASTIC_TRAINER_DOCTOR_FAULT": "allreduce"}, timeout=240)
     assert done.returncode == 1
     assert "FAIL  allreduce" in done.stdout
+
+
+def test_a_node_that_comes_back_to_a_closed_run_says_so_in_one_line(etcd_server, unique_id: str) -> None:  # type: ignore[no-untyped-def]
+    """torch closes a run when any node's agent ends (the job finished, or a node gave up); a node
+    that rejoins after that gets RendezvousClosedError: one line and exit 1, not a traceback."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rendezvous.handler import create_handler
+
+    finished = create_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1))
+    try:
+        finished.next_rendezvous()  # the run existed and ran
+    finally:
+        assert finished.shutdown()  # what a finished job's launcher does on its way out
+    done = cli("run", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nnodes", "1",
+               "--metrics-port", "0", *EXAMPLE, "--max-steps", "2", timeout=120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("elastic-trainer:")]
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert any(f"run '{unique_id}' is closed" in line for line in errors), done.stderr[-3000:]
