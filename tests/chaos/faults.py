@@ -286,6 +286,24 @@ def kill(pids: Sequence[int]) -> None:
 
 
 # -- file faults ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DamageWindow:
+    """A checkpoint a scenario damaged on purpose, and when it was valid."""
+
+    step: int
+    created_unix: float
+    """From its manifest."""
+    damaged_unix: float
+
+
+def damage_newest_checkpoint(directory: Path) -> DamageWindow:
+    """:func:`corrupt_newest_checkpoint`, and when the damaged checkpoint had been valid."""
+    steps = list(ckpt.iter_checkpoints(directory))
+    created = ckpt.Manifest.from_json(ckpt.manifest_path(directory, steps[-1]).read_text()).created_unix if steps else 0.0
+    step = corrupt_newest_checkpoint(directory)
+    return DamageWindow(step=step, created_unix=created, damaged_unix=time.time())
+
+
 def corrupt_newest_checkpoint(directory: Path) -> int:
     """Flip bytes in the middle of the newest checkpoint's ``.pt`` (its manifest stays, so the
     sha256 no longer matches); returns its step."""

@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import math
 import shutil
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from elastic_trainer import checkpoint as ckpt
 from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages, evaluate
 from elastic_trainer.sample_log import committed_history, read_records
 from tests.chaos.chaos_job import EXIT_BEFORE_STEP_ENV
-from tests.chaos.faults import JobSpec, RunDirs, start_node, unique_run_id, wait_all
+from tests.chaos.faults import DamageWindow, JobSpec, RunDirs, start_node, unique_run_id, wait_all
 
 # When the world size changes mid-run the math changes with it: BatchNorm normalises over each
 # rank's share of the batch (CPU has no SyncBatchNorm), and the gradient sum runs in another order.
@@ -126,7 +126,8 @@ def check_exactly_once(run: RunDirs, job: JobSpec) -> list[int]:
     return [history[s][0]["world_size"] for s in sorted(history)]
 
 
-def check_checkpoints(run: RunDirs, job: JobSpec, gens: list[Generation], *, damaged: Set[int] = frozenset()) -> list[int]:
+def check_checkpoints(run: RunDirs, job: JobSpec, gens: list[Generation], *, damaged: Set[int] = frozenset(),
+                      damage_windows: Sequence[DamageWindow] = ()) -> list[int]:
     """Assert that no checkpoint was lost; returns the steps of the valid checkpoints.
 
     Args:
@@ -134,6 +135,8 @@ def check_checkpoints(run: RunDirs, job: JobSpec, gens: list[Generation], *, dam
             verification (a restart that found a newer valid checkpoint never reads them; one
             that falls back past them sets them aside as ``*.corrupt``, which the scenario checks),
             and a later generation may write that step anew.
+        damage_windows: for damaged checkpoints, when they were valid (written, then damaged): a
+            restart in between rightly resumed from them.
     """
     manifests = {}
     for step in ckpt.iter_checkpoints(run.checkpoints):
@@ -148,6 +151,7 @@ def check_checkpoints(run: RunDirs, job: JobSpec, gens: list[Generation], *, dam
     assert not leftovers, f"temporary files left behind: {leftovers}"
     for gen in gens[1:]:
         before = [s for s, m in manifests.items() if m.created_unix < gen.started_unix]
+        before += [w.step for w in damage_windows if w.created_unix < gen.started_unix < w.damaged_unix]
         expected = max(before, default=0)
         assert gen.resumed_step == expected, (
             f"a restart at {gen.started_unix:.2f} resumed from step {gen.resumed_step}, but the newest valid "
@@ -258,11 +262,11 @@ class NoFaultRuns:
 
 
 def check_run(run: RunDirs, job: JobSpec, no_fault: NoFaultRuns, *, reference_world: int,
-              damaged: Set[int] = frozenset()) -> RunSummary:
+              damaged: Set[int] = frozenset(), damage_windows: Sequence[DamageWindow] = ()) -> RunSummary:
     """Every invariant of the module docstring."""
     worlds = check_exactly_once(run, job)
     gens = generations(run.samples)
-    steps = check_checkpoints(run, job, gens, damaged=damaged)
+    steps = check_checkpoints(run, job, gens, damaged=damaged, damage_windows=damage_windows)
     step, model = final_model(run)
     ref_step, ref_model = final_model(no_fault.fixed(job, reference_world))
     assert step == ref_step == job.steps

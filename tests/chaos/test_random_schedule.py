@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.faults import (
+    DamageWindow,
     FaultInjector,
     JobSpec,
     RunDirs,
-    corrupt_newest_checkpoint,
+    damage_newest_checkpoint,
     freeze_workers,
     in_background,
     kill,
@@ -43,6 +44,7 @@ from tests.runtime_helpers import Agent, agents
 
 KINDS = ("worker_sigkill", "node_sigkill", "node_sigterm", "node_join", "etcd_restart", "corrupt_newest")
 MIN_NODES, MAX_NODES = 1, 3
+CLOSED_RUN = "is closed (the job finished or a node gave up before this node could rejoin)"  # launcher's line
 WORKERS_TIMEOUT_S = 120.0  # a restart round (rendezvous, worker start, checkpoint load) takes seconds
 
 
@@ -87,6 +89,7 @@ class Cluster:
     live: list[Agent] = field(default_factory=list)
     names: int = 0
     damaged: set[int] = field(default_factory=set)
+    damage_windows: list[DamageWindow] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
 
     def add_node(self) -> None:
@@ -143,7 +146,9 @@ def run_schedule(seed: int, count: int, etcd, no_fault, tmp_path: Path) -> None:
         def corrupt_newest() -> None:  # then every worker dies: no survivor saves a newer step
             frozen = freeze_workers(cluster.live)
             try:
-                cluster.damaged.add(corrupt_newest_checkpoint(run.checkpoints))
+                damage = damage_newest_checkpoint(run.checkpoints)
+                cluster.damaged.add(damage.step)
+                cluster.damage_windows.append(damage)
             finally:
                 kill(frozen)
 
@@ -162,10 +167,16 @@ def run_schedule(seed: int, count: int, etcd, no_fault, tmp_path: Path) -> None:
         for thread in cluster.threads:
             thread.join(30)
         codes = wait_all(cluster.live, timeout=60)
-        assert set(codes.values()) == {0}, f"exit codes of the nodes left {codes}\n{tails(started)}"
+        # A node still restarting when the others finished (slowed by a fault) finds the run closed
+        # and exits 1 with one line saying so: torch's semantics, and the job is done. Any other
+        # non-zero exit, or nobody finishing, is a failure.
+        late = {n.log_path.name for n in cluster.live if codes[n.log_path.name] == 1 and CLOSED_RUN in n.output()}
+        finished = {name for name, code in codes.items() if code == 0}
+        assert finished and set(codes) == finished | late, f"exit codes of the nodes left {codes}\n{tails(started)}"
         print("fired at steps:", [(f.name, f.fired_at_step) for f in injector.faults])
 
-    summary = check_run(run, job, no_fault, reference_world=2, damaged=cluster.damaged)
+    summary = check_run(run, job, no_fault, reference_world=2, damaged=cluster.damaged,
+                        damage_windows=cluster.damage_windows)
     print(describe(summary))
 
 
