@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1272,6 +1273,33 @@ def test_no_etcd_wait_with_external_etcd(render: Any) -> None:
     assert "initContainers" not in only(render(off), "Job")["spec"]["template"]["spec"]
 
 
+def loopback_members(
+    sts: dict[str, Any], members: list[str], data_root: Path, files: dict[str, Path] | None = None
+) -> tuple[dict[str, dict[str, int]], Callable[[str, str], str]]:
+    """Free loopback ports for each etcd member of ``sts``, and a function that rewrites one of a
+    member's arguments for this machine: the kubelet's $(POD_NAME) expansion, pod DNS names and
+    0.0.0.0 listeners mapped to those ports, mounted ``files`` to local paths, the data dir under
+    ``data_root``."""
+    domain = f"{sts['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
+    ports = {m: {"client": free_port(), "peer": free_port(), "metrics": free_port()} for m in members}
+
+    def localize(arg: str, me: str) -> str:
+        arg = arg.replace("$(POD_NAME)", me)
+        for member, p in ports.items():
+            for name, port in (("peer", 2380), ("client", 2379)):
+                arg = arg.replace(f"{member}.{domain}:{port}", f"127.0.0.1:{p[name]}")
+        for name, port in (("client", 2379), ("peer", 2380), ("metrics", 2381)):
+            arg = arg.replace(f"0.0.0.0:{port}", f"127.0.0.1:{ports[me][name]}")
+        for path, local in (files or {}).items():
+            arg = arg.replace(path, str(local))
+        if arg.startswith("--data-dir="):
+            arg = f"--data-dir={data_root / me}"
+        assert "0.0.0.0" not in arg and ".svc." not in arg and "/etc/" not in arg, f"unmapped address or path in {arg}"
+        return arg
+
+    return ports, localize
+
+
 def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path) -> None:
     """Start three real etcd processes with the StatefulSet's own arguments (the kubelet's
     $(POD_NAME) expansion and the pod DNS names mapped to loopback ports) and check that the
@@ -1287,22 +1315,7 @@ def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path)
         .split("=", 1)[1]
         .split(",")
     ]
-    domain = f"{sts['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
-    ports = {
-        m: {"client": free_port(), "peer": free_port(), "metrics": free_port()} for m in members
-    }
-
-    def localize(arg: str, me: str) -> str:
-        arg = arg.replace("$(POD_NAME)", me)
-        for member, p in ports.items():
-            arg = arg.replace(f"http://{member}.{domain}:2380", f"http://127.0.0.1:{p['peer']}")
-            arg = arg.replace(f"http://{member}.{domain}:2379", f"http://127.0.0.1:{p['client']}")
-        for name, port in (("client", 2379), ("peer", 2380), ("metrics", 2381)):
-            arg = arg.replace(f"http://0.0.0.0:{port}", f"http://127.0.0.1:{ports[me][name]}")
-        if arg.startswith("--data-dir="):
-            arg = f"--data-dir={tmp_path / me}"
-        assert "0.0.0.0" not in arg and ".svc." not in arg, f"unmapped address in {arg}"
-        return arg
+    ports, localize = loopback_members(sts, members, tmp_path)
 
     [init] = only(render(), "Job")["spec"]["template"]["spec"]["initContainers"]
     assert init["name"] == "wait-for-etcd"
@@ -1416,24 +1429,7 @@ def test_bundled_etcd_tls_arguments_form_a_real_cluster(render: Any, tmp_path: P
     }
     args = etcd_args(docs)
     members = [m.split("=", 1)[0] for m in args["initial-cluster"].split(",")]
-    domain = f"{sts['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
-    ports = {
-        m: {"client": free_port(), "peer": free_port(), "metrics": free_port()} for m in members
-    }
-
-    def localize(arg: str, me: str) -> str:
-        arg = arg.replace("$(POD_NAME)", me)
-        for member, p in ports.items():
-            for name, port in (("peer", 2380), ("client", 2379)):
-                arg = arg.replace(f"{member}.{domain}:{port}", f"127.0.0.1:{p[name]}")
-        for name, port in (("client", 2379), ("peer", 2380), ("metrics", 2381)):
-            arg = arg.replace(f"0.0.0.0:{port}", f"127.0.0.1:{ports[me][name]}")
-        for path, local in server_files.items():
-            arg = arg.replace(path, str(local))
-        if arg.startswith("--data-dir="):
-            arg = f"--data-dir={tmp_path / me}"
-        assert "0.0.0.0" not in arg and ".svc." not in arg and "/etc/" not in arg, arg
-        return arg
+    ports, localize = loopback_members(sts, members, tmp_path, files=server_files)
 
     [init] = only(docs, "Job")["spec"]["template"]["spec"]["initContainers"]
     program, _, _, ca, cert, key = init["command"][2:]
