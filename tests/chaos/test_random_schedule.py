@@ -99,10 +99,11 @@ class Cluster:
         self.started.append(node)
         self.live.append(node)
 
-    def any_node(self, rng: random.Random) -> Agent:
-        """A live node, preferably one with workers (a node leaving between worker generations is
-        a fault too)."""
-        return rng.choice([n for n in self.live if n.worker_pids()] or self.live)
+    def any_node(self, rng: random.Random) -> Agent | None:
+        """A running node, preferably one with workers (a node leaving between worker generations
+        is a fault too); ``None`` once every node has exited (the job finished)."""
+        running = [n for n in self.live if n.proc.poll() is None]
+        return rng.choice([n for n in running if n.worker_pids()] or running) if running else None
 
     def kill_a_worker(self, rng: random.Random, timeout: float = WORKERS_TIMEOUT_S) -> None:
         """SIGKILL a worker of a live node; while every node is between worker generations (a
@@ -140,6 +141,8 @@ def run_schedule(seed: int, count: int, etcd, no_fault, tmp_path: Path) -> None:
 
         def node_leaves(graceful: bool) -> None:
             node = cluster.any_node(rng)
+            if node is None:
+                return
             cluster.live.remove(node)
             node.terminate() if graceful else node.kill_node()
 
@@ -171,8 +174,9 @@ def run_schedule(seed: int, count: int, etcd, no_fault, tmp_path: Path) -> None:
         # and exits 1 with one line saying so: torch's semantics, and the job is done. Any other
         # non-zero exit, or nobody finishing, is a failure.
         late = {n.log_path.name for n in cluster.live if codes[n.log_path.name] == 1 and CLOSED_RUN in n.output()}
-        finished = {name for name, code in codes.items() if code == 0}
-        assert finished and set(codes) == finished | late, f"exit codes of the nodes left {codes}\n{tails(started)}"
+        finished = [n.log_path.name for n in started if n.proc.poll() == 0 and "training finished" in n.output()]
+        assert finished and all(code == 0 or name in late for name, code in codes.items()), (
+            f"exit codes of the nodes left {codes}, finished: {finished}\n{tails(started)}")
         print("fired at steps:", [(f.name, f.fired_at_step) for f in injector.faults])
 
     summary = check_run(run, job, no_fault, reference_world=2, damaged=cluster.damaged,
