@@ -45,11 +45,11 @@ from tests.deploy.conftest import (
     import_or_missing,
     kinds,
     load_values,
-    missing,
     only,
     require_dashboard,
     require_etcd_binary,
 )
+from tests.tls_pki import make_pki
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1384,48 +1384,22 @@ def test_bundled_etcd_arguments_form_a_real_cluster(render: Any, tmp_path: Path)
             proc.wait(timeout=10)
 
 
-def _make_pki(directory: Path) -> dict[str, Path]:
-    """A throwaway CA, an etcd server certificate (server + client auth, for 127.0.0.1) and a
-    client certificate, made with the openssl CLI."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        missing("the openssl command")
-        raise AssertionError("unreachable")
-    directory.mkdir()
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True, timeout=30)
-
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=ca", "-days", "1")
-    for name, usage in (("server", "serverAuth,clientAuth"), ("client", "clientAuth")):
-        (directory / f"{name}.ext").write_text(
-            f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n"
-        )
-        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run(
-            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.crt",
-        )  # fmt: skip
-    return {f.stem + f.suffix: f for f in directory.iterdir()}
-
-
 def test_bundled_etcd_tls_arguments_form_a_real_cluster(render: Any, tmp_path: Path) -> None:
     """Three real etcd members with the TLS StatefulSet's own arguments (certificate paths
     mapped to a throwaway PKI): they form a cluster over https peers, the wait-for-etcd
     program gets through with the workers' client certificate, the probes answer on the
     http metrics port, and the client port refuses a client without a certificate."""
     binary = require_etcd_binary()
-    pki = _make_pki(tmp_path / "pki")
+    pki = make_pki(tmp_path / "pki")
     docs = render(load_values(BUNDLED_TLS_VALUES))
     sts = only(docs, "StatefulSet")
     spec = sts["spec"]["template"]["spec"]
     [container] = spec["containers"]
     [server_mount] = [m for m in container["volumeMounts"] if m["name"] != "data"]
     server_files = {
-        f"{server_mount['mountPath']}/ca.crt": pki["ca.crt"],
-        f"{server_mount['mountPath']}/tls.crt": pki["server.crt"],
-        f"{server_mount['mountPath']}/tls.key": pki["server.key"],
+        f"{server_mount['mountPath']}/ca.crt": pki.ca_cert,
+        f"{server_mount['mountPath']}/tls.crt": pki.server_cert,
+        f"{server_mount['mountPath']}/tls.key": pki.server_key,
     }
     args = etcd_args(docs)
     members = [m.split("=", 1)[0] for m in args["initial-cluster"].split(",")]
@@ -1433,7 +1407,7 @@ def test_bundled_etcd_tls_arguments_form_a_real_cluster(render: Any, tmp_path: P
 
     [init] = only(docs, "Job")["spec"]["template"]["spec"]["initContainers"]
     program, _, _, ca, cert, key = init["command"][2:]
-    client_files = {ca: pki["ca.crt"], cert: pki["client.crt"], key: pki["client.key"]}
+    client_files = {ca: pki.ca_cert, cert: pki.client_cert, key: pki.client_key}
     endpoints = ",".join(f"127.0.0.1:{ports[m]['client']}" for m in members)
     waiter = subprocess.Popen(
         [sys.executable, "-c", program, endpoints, "30", *map(str, client_files.values())],
@@ -1462,12 +1436,12 @@ def test_bundled_etcd_tls_arguments_form_a_real_cluster(render: Any, tmp_path: P
                 url = f"http://127.0.0.1:{ports[member]['metrics']}{path}"
                 assert http_json(url)["health"] == "true", (member, probe)
 
-        context = ssl.create_default_context(cafile=str(pki["ca.crt"]))
+        context = ssl.create_default_context(cafile=str(pki.ca_cert))
         health = f"https://127.0.0.1:{ports[members[-1]]['client']}/health"
         with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
             # No client certificate: the handshake is refused (--client-cert-auth).
             urllib.request.urlopen(health, timeout=5, context=context).read()
-        context.load_cert_chain(str(pki["client.crt"]), str(pki["client.key"]))
+        context.load_cert_chain(str(pki.client_cert), str(pki.client_key))
         with urllib.request.urlopen(health, timeout=5, context=context) as response:
             assert json.load(response)["health"] == "true"
     finally:
