@@ -161,6 +161,11 @@ def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:
 
 
 def _describe(exc: BaseException) -> str:
+    # etcd3 replaces a gRPC error by its own bare exception ("ConnectionFailedError: etcd
+    # connection failed"); the gRPC error it replaced says why, e.g. "Tls handshake failed ...
+    # CERTIFICATE_VERIFY_FAILED" for a wrong CA.
+    if not isinstance(exc, grpc.RpcError) and isinstance(exc.__context__, grpc.RpcError):
+        exc = exc.__context__
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "details"):
         try:
             return f"{exc.code().name}: {exc.details()}"
