@@ -100,7 +100,9 @@ class DDPOptions:
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (BatchNorm statistics) at every forward."""
     static_graph: bool = False
-    """Declare that the set of used parameters never changes between iterations."""
+    """Declare that the set of used parameters never changes between iterations. Every start then
+    runs one throw-away synchronised pass (two on a resume): torch needs a static graph's first
+    backward to synchronise, and gradient accumulation would start under ``no_sync``."""
 
     def __post_init__(self) -> None:
         _positive("ddp.bucket_cap_mb", self.bucket_cap_mb)
