@@ -32,7 +32,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime_throughput import _runtime, report_blocks  # noqa: E402
+from runtime_throughput import (  # noqa: E402
+    _runtime,
+    add_workload_arguments,
+    block_line,
+    init_worker,
+    report_blocks,
+    resolve_workload_arguments,
+)
 
 from elastic_trainer.config import ENV_JIT_SAVE  # noqa: E402
 
@@ -40,10 +47,7 @@ VARIANTS = ("jit-off", "jit-on")
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_worker(rank, world, port, args)
     lines = []
     try:
         with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
@@ -52,12 +56,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                 for variant in order:
                     os.environ[ENV_JIT_SAVE] = "1" if variant == "jit-on" and not args.aa else "0"
                     times = _runtime(args, os.path.join(tmp, f"{variant}-{block}"))
-                    window = times[args.warmup - 1 :]
-                    samples = args.steps * args.global_batch_size
-                    wall = window[-1][0] - window[0][0]
-                    cpu = torch.tensor([window[-1][1] - window[0][1]], dtype=torch.float64)
-                    dist.all_reduce(cpu)  # CPU seconds of both ranks
-                    lines.append(f"{block} {variant} {samples / wall} {cpu.item() / samples * 1e6}")
+                    lines.append(block_line(args, block, variant, times))
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -110,14 +109,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=8, help="rounds of (jit-off, jit-on), order alternating")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each block")
-    parser.add_argument("--global-batch-size", type=int, default=64)
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--dataset-size", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: system temp)")
     parser.add_argument("--aa", action="store_true", help="A/A control: JIT off in both variants (the noise floor)")
     parser.add_argument("--micro", action="store_true", help="time the per-step additions in one process")
     args = parser.parse_args()
+    resolve_workload_arguments(parser, args)
     if args.micro:
         _micro(args)
         return

@@ -1,7 +1,11 @@
 """Training throughput with metrics on vs off, side by side (goal: on/off >= 0.99).
 
-The workload is the runtime's example model (``elastic_trainer.examples.synthetic_cnn``, width
-32, global batch 128) on 2 gloo workers, OMP_NUM_THREADS=1. "On" is everything a job started by
+The default workload is the runtime's example model (``elastic_trainer.examples.synthetic_cnn``,
+width 32, global batch 128) on 2 gloo workers, OMP_NUM_THREADS=1. ``--device cuda`` runs one NCCL
+worker per GPU instead, and ``--model gpt`` a GPT-2-small-shaped decoder (``workloads.py``) in
+bf16 autocast: the real-model measurement; there every step ends in ``loss.item()`` (the
+runtime synchronises every step too), so a step's wall time is its GPU time plus whatever the
+host adds, and the wall ratio is the throughput ratio. "On" is everything a job started by
 ``elastic-trainer run`` pays for: ``start_launcher_metrics`` in the parent (multiprocess
 directory, node endpoint scraped every ``--scrape-interval`` s, torch elastic handlers),
 ``worker_observer()`` in each worker and the allreduce timing hook on DDP. "Off" is a plain DDP
@@ -29,6 +33,7 @@ Usage::
     python benchmarks/metrics_overhead.py                     # 3 x 1500 cycles, + micro
     python benchmarks/metrics_overhead.py --no-hook           # attribute: everything but the hook
     python benchmarks/metrics_overhead.py --end-to-end --rounds 3 --max-steps 800
+    python benchmarks/metrics_overhead.py --device cuda --model gpt --cycles 300 --rebuild-every 100
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from workloads import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,38 +134,51 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID="bench")  # fmt: skip
+    import contextlib
+
     import torch
     import torch.distributed as dist
+    from torch.utils.data import default_collate
+    from workloads import workload
 
-    from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages
     from elastic_trainer.metrics import worker_observer
     from elastic_trainer.observer import NullObserver, TrainingObserver
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    job = workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers,
+                   dataset_size=args.dataset_size)  # fmt: skip
+    data = job.dataset()
     per_rank = args.global_batch_size // world
-    data = SyntheticImages(4096, seed=0)
     batches = [
-        (data.images[i : i + per_rank], data.labels[i : i + per_rank])
-        for i in range(rank * per_rank, 4096 - per_rank, world * per_rank)
+        tuple(t.to(device) for t in default_collate([data[j] for j in range(i, i + per_rank)]))
+        for i in range(rank * per_rank, len(data) - per_rank, world * per_rank)  # type: ignore[arg-type]
     ]
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
+
     def build(generation: int) -> dict[str, tuple[Any, TrainingObserver, Any]]:
         # Fresh models, built in an order rotated every generation: where each arm's tensors land
         # in memory biases its step time by up to ~1 % for the life of the model (the A/A arm
         # shows it), so no arm may keep one placement for a whole run.
-        setups: dict[str, tuple[Any, TrainingObserver, Any]] = {}
+        setups.clear()  # free the last generation's models first (GPU memory)
+        fresh: dict[str, tuple[Any, TrainingObserver, Any]] = {}
         shift = generation % len(ARMS)
         for arm in ARMS[shift:] + ARMS[:shift]:
             torch.manual_seed(0)
-            ddp = torch.nn.parallel.DistributedDataParallel(SmallCNN(args.width))
+            ddp = torch.nn.parallel.DistributedDataParallel(job.model().to(device),
+                                                            device_ids=[rank] if cuda else None)  # fmt: skip
             observer: TrainingObserver = NullObserver()
             if arm == "on":
                 observer = worker_observer()
                 if args.hook:
                     observer.wrap_ddp(ddp)
             observer.on_start(world_size=world, restart_count=0)
-            setups[arm] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
-        return setups
+            fresh[arm] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
+        return fresh
 
     cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
     wall: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -166,6 +186,7 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     clock, cpu_clock = time.perf_counter, time.process_time
     setups: dict[str, tuple[Any, TrainingObserver, Any]] = {}
     settled_at = args.warmup
+    tokens = job.tokens_per_sample * per_rank
     for cycle in range(args.warmup + args.cycles):
         if cycle >= args.warmup and (cycle - args.warmup) % args.rebuild_every == 0:
             setups = build((cycle - args.warmup) // args.rebuild_every)
@@ -178,14 +199,15 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
             ddp, observer, opt = setups[arm]
             started, cpu_started = clock(), cpu_clock()
             t0 = time.monotonic()
-            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            with autocast():
+                loss = job.loss(ddp(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             value = loss.item()
             in_observer = time.perf_counter_ns()
             observer.on_step(step=cycle + 1, duration_s=time.monotonic() - t0, data_wait_s=0.0,
-                             samples=len(y), tokens=0, loss=value)  # fmt: skip
+                             samples=len(y), tokens=tokens, loss=value)  # fmt: skip
             in_observer = time.perf_counter_ns() - in_observer
             cpu_s, wall_s = cpu_clock() - cpu_started, clock() - started
             if cycle >= settled_at:
@@ -336,9 +358,17 @@ def micro_costs() -> tuple[float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--global-batch-size", type=int, default=128)
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo workers; cuda: one NCCL worker per GPU (default cpu)")
+    parser.add_argument("--model", choices=MODELS, default="cnn",
+                        help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder (workloads.py)")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="samples per step over all ranks (default: 128 for cnn, 8 per rank for gpt)")
+    parser.add_argument("--width", type=int, default=32, help="cnn: channels of the first conv layer")
+    parser.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence")
+    parser.add_argument("--layers", type=int, default=12, help="gpt: decoder blocks")
+    parser.add_argument("--dataset-size", type=int, default=4096)
+    parser.add_argument("--nproc", type=int, default=None, help="workers (default: 2 on CPU, one per GPU on cuda)")
     parser.add_argument("--scrape-interval", type=float, default=15.0,
                         help="seconds between scrapes (default 15, as docker/prometheus.yml)")
     parser.add_argument("--cycles", type=int, default=1500, help="interleaved cycles per run (one step per arm)")
@@ -357,17 +387,43 @@ def main() -> None:
     args = parser.parse_args()
     if args.rebuild_every <= REBUILD_SETTLE:
         parser.error(f"--rebuild-every must be more than the {REBUILD_SETTLE} settling cycles after a rebuild")
+    cuda = args.device == "cuda"
+    workers = "gloo workers"
+    if cuda:
+        import torch
 
-    print(f"synthetic_cnn width {args.width}, global batch {args.global_batch_size}, {args.nproc} gloo workers, "
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is visible")
+        args.nproc = args.nproc or torch.cuda.device_count()
+        if args.nproc > torch.cuda.device_count():
+            parser.error(f"--nproc {args.nproc}: NCCL needs one GPU per worker, {torch.cuda.device_count()} visible")
+        workers = f"NCCL workers on {torch.cuda.get_device_name()}"
+        args.skip_micro = True  # the micro costs are a CPU (gloo) measurement
+        if args.end_to_end:
+            parser.error("--end-to-end times the CPU example job; it does not run with --device cuda")
+    args.nproc = args.nproc or 2
+    if args.global_batch_size is None:
+        args.global_batch_size = 128 if args.model == "cnn" else 8 * args.nproc
+    if args.global_batch_size < args.nproc:
+        parser.error(f"--global-batch-size {args.global_batch_size}: fewer samples than the {args.nproc} workers")
+    args.bf16 = cuda and args.model == "gpt"
+
+    what = (f"synthetic_cnn width {args.width}" if args.model == "cnn"
+            else f"GPT-2-small-shaped decoder, {args.layers} layers, {args.seq_len} tokens per sample")  # fmt: skip
+    print(f"{what}, global batch {args.global_batch_size}{', bf16 autocast' if args.bf16 else ''}, "
+          f"{args.nproc} {workers}, "
           f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing hook "
           f"{'on' if args.hook else 'off'}; load average {os.getloadavg()[0]:.1f}")
+    if cuda:
+        print("on CUDA every step ends in loss.item(): the wall ratio is the throughput ratio (host CPU time "
+              "includes the spin while waiting for the GPU)")
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     print(f"\n== interleaved: {args.repeat} runs x {args.cycles} cycles (+{args.warmup} warm-up), one step "
           f"per arm per cycle, rotated order, models rebuilt every {args.rebuild_every} cycles ==")
     print("ratio = throughput on/off = off / (off + d), d = per-cycle extra cost of the arm; median d is")
     print("robust to other tenants, mean d also counts rare costs (flushes, scrapes); +- 1 standard error")
-    header = (f"{'run':>3} {'load':>5} {'node CPU ms/step':>16} {'CPU on/off median':>17} {'CPU on/off mean':>21} "
+    header = (f"{'run':>3} {'load':>5} {'wall ms/step':>12} {'node CPU ms/step':>16} {'CPU on/off median':>17} {'CPU on/off mean':>21} "
               f"{'A/A CPU mean':>19} {'wall on/off median':>18} {'A/A wall median':>15}")
     print(header)
     cpu_medians, cpu_means, aa_means, wall_medians, extras = [], [], [], [], []
@@ -387,7 +443,7 @@ def main() -> None:
                        endpoint_per_step, result["scrapes"], result["scrape_cpu"]))  # fmt: skip
         se = cpu["on_mean_se"] / (cpu["base"] + cpu["on_mean_d"])
         aa_se = cpu["aa_mean_se"] / (cpu["base"] + cpu["aa_mean_d"])
-        print(f"{run + 1:>3} {load:>5.1f} {cpu['base'] * 1e3:>16.2f} {cpu['on_median_ratio']:>17.4f} "
+        print(f"{run + 1:>3} {load:>5.1f} {wall['base'] * 1e3:>12.2f} {cpu['base'] * 1e3:>16.2f} {cpu['on_median_ratio']:>17.4f} "
               f"{cpu['on_mean_ratio']:>13.4f} +- {se:.4f} {cpu['aa_mean_ratio']:>11.4f} +- {aa_se:.4f} "
               f"{wall['on_median_ratio']:>18.4f} {wall['aa_median_ratio']:>15.4f}", flush=True)
 

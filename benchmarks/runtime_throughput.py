@@ -1,12 +1,15 @@
 """Steady-state throughput of the elastic-trainer runtime vs a bare DDP loop, side by side.
 
-Same model (the example's SmallCNN), same synthetic data, same global batch, same optimizer,
-2 processes on gloo. The bare loop is the textbook one: ``DistributedSampler`` + ``DataLoader`` +
+Same model (the example's SmallCNN by default), same synthetic data, same global batch, same
+optimizer, 2 processes on gloo; ``--device cuda`` runs one NCCL process per GPU and ``--model gpt``
+a GPT-2-small-shaped decoder in bf16 autocast (``workloads.py``), the real-model measurement.
+The bare loop is the textbook one: ``DistributedSampler`` + ``DataLoader`` +
 ``DDP`` + SGD. The runtime adds its elastic sampler, world-size-invariant loss scaling, one small
 allreduce per step (global loss + stop flag), sample accounting and, in the ``runtime+ckpt``
 variant, the default checkpoint every 100 steps (synchronous, rank 0).
 
     python benchmarks/runtime_throughput.py --blocks 6
+    python benchmarks/runtime_throughput.py --device cuda --model gpt --blocks 4 --steps 100
 
 Both processes run the variants in alternating blocks (rotating order) so that noise from other
 work on the machine hits all variants alike; reported: median throughput over the blocks and
@@ -30,14 +33,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from workloads import MODELS, workload  # noqa: E402
+
 from elastic_trainer.config import TrainerConfig  # noqa: E402
-from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages  # noqa: E402
+from elastic_trainer.distributed import read_env  # noqa: E402
 from elastic_trainer.observer import NullObserver  # noqa: E402
 from elastic_trainer.trainer import Trainer, TrainingJob  # noqa: E402
 
@@ -68,48 +72,102 @@ class _StepClock(NullObserver):
 
 def _bare(args: argparse.Namespace, rank: int, world: int) -> list[tuple[float, float]]:
     torch.manual_seed(args.seed)
-    model = DDP(SmallCNN(args.width))
-    dataset = SyntheticImages(args.dataset_size, seed=args.seed)
+    job = _workload(args)
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    model = DDP(job.model().to(device), device_ids=[rank] if device.type == "cuda" else None)
+    dataset = job.dataset()
     sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=args.seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True,
+                        pin_memory=device.type == "cuda")  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = job.loss
     times: list[tuple[float, float]] = []
+    total = args.warmup + args.steps
     epoch = 0
-    while len(times) < args.warmup + args.steps:
+    while len(times) < total:
         sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss = loss_fn(model(x), y)
+            loss.backward()
             optimizer.step()
+            if device.type == "cuda" and len(times) + 1 == total:
+                torch.cuda.synchronize()  # the window ends when the GPU is done, not when the host is
             times.append(_now())
-            if len(times) >= args.warmup + args.steps:
+            if len(times) >= total:
                 break
         epoch += 1
     return times
 
 
+def _workload(args: argparse.Namespace) -> Any:
+    return workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers,
+                    dataset_size=args.dataset_size, seed=args.seed)  # fmt: skip
+
+
 def _runtime(args: argparse.Namespace, checkpoint_dir: str | None) -> list[tuple[float, float]]:
     clock = _StepClock()
+    spec = _workload(args)
     job = TrainingJob(
-        model=lambda: SmallCNN(args.width),
-        dataset=lambda: SyntheticImages(args.dataset_size, seed=args.seed),
+        model=spec.model,
+        dataset=spec.dataset,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-4),
-        loss=nn.CrossEntropyLoss(),
+        loss=spec.loss,
+        tokens_per_sample=spec.tokens_per_sample,
     )
     config = TrainerConfig(global_batch_size=args.global_batch_size, seed=args.seed, epochs=10_000,
-                           max_steps=args.warmup + args.steps, checkpoint_dir=checkpoint_dir, log_every=10_000)
-    Trainer(config, job, observer=clock).fit()
+                           max_steps=args.warmup + args.steps, checkpoint_dir=checkpoint_dir, log_every=10_000,
+                           mixed_precision="bf16" if args.bf16 else "no")  # fmt: skip
+    env = read_env(cuda_devices=0) if args.device == "cpu" else None  # CPU even where a GPU is visible
+    Trainer(config, job, observer=clock, env=env).fit()
     return clock.times
+
+
+def init_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    """Environment, device and process group of one benchmark rank (gloo on CPU, NCCL on CUDA)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, width: int = 16) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: 2 gloo processes; cuda: one NCCL process per GPU (default cpu)")
+    parser.add_argument("--model", choices=MODELS, default="cnn",
+                        help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder (workloads.py)")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="samples per step over all ranks (default: 64 for cnn, 8 per rank for gpt)")
+    parser.add_argument("--width", type=int, default=width, help="cnn: channels of the first conv layer")
+    parser.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence")
+    parser.add_argument("--layers", type=int, default=12, help="gpt: decoder blocks")
+    parser.add_argument("--dataset-size", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def resolve_workload_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Processes (2 on CPU, one per GPU on CUDA), the default batch, and bf16 for the GPU model."""
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is visible")
+        args.nproc = torch.cuda.device_count()
+    else:
+        args.nproc = 2
+    if args.global_batch_size is None:
+        args.global_batch_size = 64 if args.model == "cnn" else 8 * args.nproc
+    if args.global_batch_size < args.nproc:
+        parser.error(f"--global-batch-size {args.global_batch_size}: fewer samples than the {args.nproc} processes")
+    args.bf16 = args.device == "cuda" and args.model == "gpt"
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     """Both ranks run every variant in alternating blocks inside the same warm processes, so that
     noise from a shared machine hits all variants alike; rank 0 writes one line per block."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_worker(rank, world, port, args)
     lines = []
     try:
         with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
@@ -121,16 +179,24 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                     else:
                         ckpt = os.path.join(tmp, f"ckpt-{block}") if variant == "runtime+ckpt" else None
                         times = _runtime(args, ckpt)
-                    window = times[args.warmup - 1 :]
-                    samples = args.steps * args.global_batch_size
-                    wall = window[-1][0] - window[0][0]
-                    cpu = torch.tensor([window[-1][1] - window[0][1]], dtype=torch.float64)
-                    dist.all_reduce(cpu)  # CPU seconds of both ranks
-                    lines.append(f"{block} {variant} {samples / wall} {cpu.item() / samples * 1e6}")
+                    lines.append(block_line(args, block, variant, times))
     finally:
         dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text("\n".join(lines))
+
+
+def block_line(args: argparse.Namespace, block: int, variant: str, times: list[tuple[float, float]]) -> str:
+    """``block variant samples/s CPU-us/sample`` of one block's timed window (a collective: every
+    rank calls it; the CPU seconds are summed over the ranks)."""
+    window = times[args.warmup - 1 :]
+    samples = args.steps * args.global_batch_size
+    wall = window[-1][0] - window[0][0]
+    cpu = torch.tensor([window[-1][1] - window[0][1]], dtype=torch.float64)
+    if args.device == "cuda":
+        cpu = cpu.cuda()  # NCCL reduces device tensors only
+    dist.all_reduce(cpu)
+    return f"{block} {variant} {samples / wall} {cpu.item() / samples * 1e6}"
 
 
 VARIANTS = ("bare", "runtime", "runtime+ckpt")
@@ -141,23 +207,22 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6, help="rounds of (bare, runtime, runtime+ckpt)")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each block")
-    parser.add_argument("--global-batch-size", type=int, default=64)
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--dataset-size", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: system temp)")
     args = parser.parse_args()
+    resolve_workload_arguments(parser, args)
 
     report_blocks(args, _worker, VARIANTS, baseline="bare")
 
 
 def report_blocks(args: argparse.Namespace, worker: Any, variants: Sequence[str], *, baseline: str,
                   note: str = "") -> None:  # fmt: skip
-    """Run ``worker`` on 2 spawned ranks (it writes ``block variant samples/s CPU-us/sample``
-    lines to the file it is given), print every block, then a table of medians and of per-block
-    ratios against ``baseline``."""
+    """Run ``worker`` on ``args.nproc`` spawned ranks (it writes ``block variant samples/s
+    CPU-us/sample`` lines to the file it is given), print every block, then a table of medians
+    and of per-block ratios against ``baseline``."""
     with tempfile.NamedTemporaryFile(dir=args.tmp, suffix=".txt") as out:
-        mp.start_processes(worker, args=(2, _free_port(), args, out.name), nprocs=2, start_method="spawn")
+        mp.start_processes(worker, args=(args.nproc, _free_port(), args, out.name), nprocs=args.nproc,
+                           start_method="spawn")  # fmt: skip
         lines = Path(out.name).read_text().splitlines()
     width = max(len(v) for v in variants)
     per_block: dict[int, dict[str, tuple[float, float]]] = {}
@@ -166,7 +231,9 @@ def report_blocks(args: argparse.Namespace, worker: Any, variants: Sequence[str]
         per_block.setdefault(int(block), {})[variant] = (float(rate), float(cpu))
         print(f"block {block}: {variant:{width}s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
     print()
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} (2 cores){note}")
+    where = f"{args.nproc} x {torch.cuda.get_device_name()}, NCCL" if args.device == "cuda" else "2 gloo ranks"
+    what = f"{args.model}{', bf16 autocast' if args.bf16 else ''}, global batch {args.global_batch_size}"
+    print(f"{what}; {where}; load average at the end: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores){note}")
     print(f"| variant | samples/s (median) | ratio vs {baseline} | CPU-us per sample, both ranks (median) | CPU ratio vs {baseline} |")
     print("|---|---:|---:|---:|---:|")
     for variant in variants:

@@ -1,0 +1,128 @@
+"""Benchmark workloads: the runtime's example CNN (CPU-sized) and a GPT-2-small-shaped decoder
+language model, the "real model" of the GPU measurements.
+
+``cnn`` is ``elastic_trainer.examples.synthetic_cnn``'s SmallCNN on its synthetic images: a step of
+a few ms on CPU, so fixed per-step costs show. ``gpt`` is a pre-norm causal decoder with GPT-2
+small's shape by default (12 layers, d_model 768, 12 heads, 50304-token vocabulary, tied
+embeddings, ~124M parameters; attention through ``scaled_dot_product_attention``, i.e. flash
+attention on a recent GPU) on random token sequences: about 18 DDP buckets of 25 MB, so a
+per-bucket cost in a communication hook shows 18 times a step. The data are random, so the loss
+says nothing; the cost of a step is what is measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages
+
+MODELS = ("cnn", "gpt")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+        q, k, v = self.qkv(x).split(d_model, dim=2)
+        q, k, v = (t.view(batch, seq, self.heads, d_model // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, d_model))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class DecoderLM(nn.Module):
+    """A GPT-2-shaped decoder-only language model (token + position embeddings, pre-norm blocks,
+    final LayerNorm, output projection tied to the token embedding)."""
+
+    def __init__(self, *, vocab: int = 50304, seq_len: int = 1024, d_model: int = 768, layers: int = 12,
+                 heads: int = 12) -> None:  # fmt: skip
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model {d_model} is not a multiple of heads {heads}")
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(DecoderBlock(d_model, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+        for name, param in self.named_parameters():
+            if name.endswith("weight") and param.dim() == 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(param, std=std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tokens(idx) + self.positions(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class RandomTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``size`` sequences of ``seq_len + 1`` random tokens; item = (inputs, next-token targets)."""
+
+    def __init__(self, size: int, *, seq_len: int, vocab: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(vocab, (size, seq_len + 1), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.data[index]
+        return row[:-1], row[1:]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Factories for one benchmark job: the model, its dataset and its loss."""
+
+    name: str
+    model: Callable[[], nn.Module]
+    dataset: Callable[[], Dataset[Any]]
+    loss: Callable[[Any, Any], torch.Tensor]
+    tokens_per_sample: int
+
+
+def workload(name: str, *, width: int = 32, seq_len: int = 1024, layers: int = 12, dataset_size: int = 4096,
+             seed: int = 0) -> Workload:  # fmt: skip
+    """The named workload (``cnn``: the example's SmallCNN of ``width``; ``gpt``: the decoder with
+    ``layers`` blocks on ``seq_len``-token sequences)."""
+    if name == "cnn":
+        return Workload(name, lambda: SmallCNN(width), lambda: SyntheticImages(dataset_size, seed=seed),
+                        nn.CrossEntropyLoss(), 0)  # fmt: skip
+    if name == "gpt":
+        vocab = 50304
+        return Workload(name, lambda: DecoderLM(vocab=vocab, seq_len=seq_len, layers=layers),
+                        lambda: RandomTokens(dataset_size, seq_len=seq_len, vocab=vocab, seed=seed),
+                        lm_loss, seq_len)  # fmt: skip
+    raise ValueError(f"workload: expected one of {MODELS}, got {name!r}")
