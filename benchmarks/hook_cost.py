@@ -9,10 +9,16 @@ noise floor. Rank 0 prints the medians over blocks. All arms share the default g
 threads, so once the timing hook kept their Python thread states (see metrics_comm_hook) the
 stock hook's callbacks use them too: its row shows torch's cost only with an older tree.
 
+``--device cuda`` runs one NCCL rank per GPU (the hooks then time with CUDA events) and reports
+wall time per pass, the GPU synchronised at the end of each block: with ``--model buckets``
+(20 linear layers of 2048x2048, one 16 MB bucket each, batch 8) the GPU kernels are tiny, so
+the pass is bound by the host and the wall time is the host's cost, bucket hooks included.
+
 Usage::
 
     python benchmarks/hook_cost.py                    # tiny model: the hooks' fixed cost dominates
     python benchmarks/hook_cost.py --model example    # the runtime example's CNN (width 32, batch 64)
+    python benchmarks/hook_cost.py --device cuda --model buckets --blocks 12 --steps 100
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ def _model_and_batch(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
     if kind == "tiny":
         model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
         return model, torch.randn(8, 16)
+    if kind == "buckets":
+        return torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(20))), torch.randn(8, 2048)
     from elastic_trainer.examples.synthetic_cnn import SmallCNN
 
     return SmallCNN(32), torch.randn(64, 3, 16, 16)
@@ -47,39 +55,53 @@ def _model_and_batch(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
 def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.nproc)
     from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
 
     base, x = _model_and_batch(args.model)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    base, x = base.to(device), x.to(device)
     models: dict[str, Any] = {}
     for arm in ARMS:
-        ddp = DDP(copy.deepcopy(base))
+        ddp = DDP(copy.deepcopy(base), device_ids=[rank] if cuda else None, bucket_cap_mb=16)
         if arm == "torch-hook":
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         elif arm == "timing-hook":
-            timer = AllreduceTimer()
+            timer = AllreduceTimer(use_cuda=cuda)
             ddp.register_comm_hook(timer, timed_allreduce_hook)
             models["timer"] = timer
         models[arm] = ddp
-    cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    # CPU: this process's CPU seconds (gloo's threads included). CUDA: wall seconds up to the end
+    # of the block's GPU work (a host-bound pass: the host's cost; CPU time would count the spin).
+    clock = time.perf_counter if cuda else time.process_time
+    cost: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for block in range(args.blocks):
         for arm in ARMS if block % 2 == 0 else ARMS[::-1]:
             ddp = models[arm]
             for _ in range(5):
                 ddp(x).sum().backward()
-            started = time.process_time()
+            if cuda:
+                torch.cuda.synchronize()
+            started = clock()
             for _ in range(args.steps):
                 ddp(x).sum().backward()
-            cpu[arm].append((time.process_time() - started) / args.steps)
-        models["timer"].drain_cpu()  # nobody reads the timings here: keep the queue short
+            if cuda:
+                torch.cuda.synchronize()
+            cost[arm].append((clock() - started) / args.steps)
+        models["timer"].drain()  # nobody reads the timings here: keep the queue short
     if rank == 0:
-        print(f"model {args.model}, 2 gloo ranks, OMP_NUM_THREADS=1, {args.blocks} blocks x {args.steps} passes; "
+        ranks = f"{args.nproc} NCCL rank(s) on {torch.cuda.get_device_name()}" if cuda else "2 gloo ranks"
+        print(f"model {args.model}, {ranks}, OMP_NUM_THREADS=1, {args.blocks} blocks x {args.steps} passes; "
               f"load average {os.getloadavg()[0]:.1f}")
-        print("| arm | CPU us per pass (median) | extra vs off, us (median of blocks) |")
+        what = "wall" if cuda else "CPU"
+        print(f"| arm | {what} us per pass (median) | extra vs off, us (median of blocks) |")
         print("|---|---:|---:|")
         for arm in ARMS:
-            extra = statistics.median(a - b for a, b in zip(cpu[arm], cpu["off"], strict=True))
-            print(f"| {arm} | {statistics.median(cpu[arm]) * 1e6:.1f} | {extra * 1e6:.1f} |", flush=True)
+            extra = statistics.median(a - b for a, b in zip(cost[arm], cost["off"], strict=True))
+            print(f"| {arm} | {statistics.median(cost[arm]) * 1e6:.1f} | {extra * 1e6:.1f} |", flush=True)
     dist.destroy_process_group()
     from elastic_trainer.process_exit import exit_process
 
@@ -88,7 +110,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("tiny", "example"), default="tiny")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: 2 gloo ranks; cuda: one NCCL rank per GPU")
+    parser.add_argument("--model", choices=("tiny", "example", "buckets"), default="tiny",
+                        help="buckets: 20 layers, one bucket each (host-bound on a GPU)")
     parser.add_argument("--blocks", type=int, default=30)
     parser.add_argument("--steps", type=int, default=400, help="passes per arm and block")
     args = parser.parse_args()
@@ -96,7 +121,8 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.start_processes(_worker, args=(port, args), nprocs=2, start_method="spawn")
+    args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
+    mp.start_processes(_worker, args=(port, args), nprocs=args.nproc, start_method="spawn")
 
 
 if __name__ == "__main__":

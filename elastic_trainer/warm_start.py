@@ -32,8 +32,9 @@ falls back to a cold start of the same command (``os.execv``) after one warning 
 start can only make a start faster, never make it fail. ``--warm-start off`` turns it off.
 
 Forking after importing torch is what ``multiprocessing``'s forkserver and torch's own
-``--start-method=forkserver`` do; the server refuses to serve (and clients fall back) if CUDA's
-driver library got loaded into it, because a CUDA context must never cross a ``fork``.
+``--start-method=forkserver`` do; the server refuses to serve (and clients fall back) if the CUDA
+driver got initialised in it, because CUDA state must never cross a ``fork`` (merely having
+``libcuda`` mapped, as ``import torch`` does with CUDA builds, is fine).
 
 For tools and tests: :func:`worker_pids` maps a launcher's children (clients) onto the workers
 actually running the target, through the registry the server keeps in its directory.
@@ -131,10 +132,39 @@ def _recv_message(sock: socket.socket, *, with_fds: int = 0) -> tuple[dict[str, 
 
 
 # -- the server ----------------------------------------------------------------------------------------
-def _cuda_driver_loaded() -> bool:
-    with contextlib.suppress(OSError):
-        return "libcuda.so" in Path("/proc/self/maps").read_text()
-    return False
+CUDA_ERROR_NOT_INITIALIZED = 3
+"""What every CUDA driver call but ``cuInit`` returns in a process that never initialised the driver."""
+
+
+def cuda_driver_initialized(maps: str | None = None) -> bool:
+    """Whether this process initialised the CUDA driver (``cuInit``), after which a ``fork`` is unsafe.
+
+    Having ``libcuda`` mapped is not enough to refuse: torch's CUDA builds map it at ``import
+    torch`` (seen with torch 2.11+cu130 on an H100 node), and forking then is what DataLoader
+    workers do every day. The question goes to the driver that is already loaded
+    (``RTLD_NOLOAD``: nothing new is loaded): ``cuCtxGetCurrent`` answers
+    ``CUDA_ERROR_NOT_INITIALIZED`` without initialising anything. A driver that is mapped but
+    cannot be asked counts as initialised (the safe answer: workers start cold).
+
+    Args:
+        maps: the text of ``/proc/self/maps`` (for tests); read when ``None``.
+    """
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return False
+    paths = [line.split()[-1] for line in maps.splitlines() if "libcuda.so" in line and "/" in line]
+    if not paths:
+        return False
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL(paths[0], mode=os.RTLD_NOLOAD)
+        context = ctypes.c_void_p()
+        return int(driver.cuCtxGetCurrent(ctypes.byref(context))) != CUDA_ERROR_NOT_INITIALIZED
+    except (OSError, AttributeError):
+        return True
 
 
 @dataclass
@@ -362,11 +392,14 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
     """The server's main: preload, then fork workers on request until the launcher goes away."""
     import importlib
 
+    # torch.cuda.is_available() asks NVML instead of initialising the driver, should a preloaded
+    # module call it (the workers take their clients' environments, so this stays here).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
         for name in preload:
             importlib.import_module(name)
-        if _cuda_driver_loaded():
-            raise WarmStartError("the CUDA driver got loaded while preloading; forking would be unsafe")
+        if cuda_driver_initialized():
+            raise WarmStartError("the CUDA driver got initialised while preloading; forking would be unsafe")
         if "prometheus_client" in sys.modules:
             raise WarmStartError("the preload imported prometheus_client, whose metrics mode is fixed at import "
                                  "(before the workers' PROMETHEUS_MULTIPROC_DIR exists)")

@@ -139,6 +139,9 @@ class FakeEvent:
     def query(self) -> bool:
         return self.done
 
+    def record(self) -> None:
+        self.done = False  # recorded again: pending until the (fake) GPU gets there
+
     def elapsed_time(self, end: FakeEvent) -> float:
         return end.ms - self.ms
 
@@ -154,3 +157,37 @@ def test_cuda_drain_never_waits_for_unfinished_events() -> None:
     assert [(t.nbytes, t.duration_s) for t in first] == [(10, 0.004)]
     running.end.done = True
     assert [t.nbytes for t in timer.drain()] == [20, 30]
+
+
+def test_cuda_events_are_reused_once_drained_and_not_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    created: list[FakeEvent] = []
+
+    def new_event(enable_timing: bool = False) -> FakeEvent:
+        assert enable_timing
+        created.append(FakeEvent(False))
+        return created[-1]
+
+    monkeypatch.setattr(torch.cuda, "Event", new_event)
+    timer = AllreduceTimer(use_cuda=True)
+
+    def bucket(seq: int) -> _PendingCuda:  # what the hook does for one bucket, its collective done
+        pending = _PendingCuda(seq, 8, timer._event(), None)
+        timer._cuda_done(pending, torch.futures.Future())  # an unset future: value() raises
+        return pending
+
+    with pytest.raises(RuntimeError):
+        bucket(0)  # a failed collective records nothing and keeps its start event out of the pool
+    assert len(created) == 1 and not timer._cuda and not timer._free_events
+
+    class Done(torch.futures.Future):  # type: ignore[type-arg]
+        def value(self) -> list[torch.Tensor]:
+            return [torch.zeros(1)]
+
+    first = _PendingCuda(1, 8, timer._event(), None)
+    timer._cuda_done(first, Done())
+    assert len(created) == 3 and timer.drain() == []  # still running on the GPU: kept
+    assert timer._event() is not first.start and len(created) == 4  # nothing is free yet
+    first.start.done = first.end.done = True  # type: ignore[union-attr]
+    assert [t.step_seq for t in timer.drain()] == [1]
+    reused = {id(timer._event()), id(timer._event())}
+    assert reused == {id(first.start), id(first.end)} and len(created) == 4
