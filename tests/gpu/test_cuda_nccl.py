@@ -86,6 +86,7 @@ def test_timing_hook_times_nccl_buckets_with_cuda_events_and_never_waits_for_the
     assert len(timings) >= 2 and {t.step_seq for t in timings} == {2}
     assert sum(t.nbytes for t in timings) == sum(p.numel() * p.element_size() for p in model.parameters())
     assert all(t.duration_s > 0 and t.launched_s is None for t in timings)
+    assert timer._options.reduceOp == dist.ReduceOp.AVG and not timer._divide  # NCCL averages in the kernel
     reference(x).sum().backward()  # one rank: the hook's average is the local gradient
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad)

@@ -63,16 +63,10 @@ def test_hook_times_every_bucket_and_keeps_gradients(gloo_world: None) -> None:
     assert registry.get_sample_value("elastic_trainer_step_compute_seconds_count", rank) == 2
 
 
-def test_callback_threads_keep_one_python_thread_state() -> None:
-    """gloo completes a collective on a thread Python did not create, and the bucket callback
-    runs there: each such thread keeps one Python thread state for its life (a thread-local set
-    in its first callback is still there in the 20th) instead of one made and destroyed per
-    bucket. Two ranks in this process, so that rank 0's allreduce is still running (waiting for
-    rank 1) when its callback is attached: the callback cannot run inline."""
+def _gloo_pair() -> tuple[dist.ProcessGroupGloo, dist.ProcessGroupGloo]:
+    """Two gloo ranks of one group, both in this process."""
     import threading
     from datetime import timedelta
-
-    from elastic_trainer import metrics_comm_hook
 
     store = dist.HashStore()
     groups: list[object] = [None, None]
@@ -87,6 +81,42 @@ def test_callback_threads_keep_one_python_thread_state() -> None:
         thread.join(timeout=30)
     rank0, rank1 = groups
     assert isinstance(rank0, dist.ProcessGroupGloo) and isinstance(rank1, dist.ProcessGroupGloo)
+    return rank0, rank1
+
+
+def test_the_average_is_a_division_on_gloo_and_in_the_collective_on_nccl(gloo_world: None) -> None:
+    one = AllreduceTimer()
+    one._resolve_group()
+    assert not one._divide and one._options.reduceOp == dist.ReduceOp.SUM  # one rank: nothing to divide
+
+    rank0, _ = _gloo_pair()
+    two = AllreduceTimer(rank0)
+    two._resolve_group()
+    assert two._divide and two._world == 2 and two._options.reduceOp == dist.ReduceOp.SUM
+
+    class NcclLike:  # what the timer reads of an NCCL group (the real one is checked in tests/gpu)
+        def size(self) -> int:
+            return 2
+
+        def name(self) -> str:
+            return "nccl"
+
+    nccl = AllreduceTimer(NcclLike())  # type: ignore[arg-type]
+    nccl._resolve_group()
+    assert not nccl._divide and nccl._options.reduceOp == dist.ReduceOp.AVG
+
+
+def test_callback_threads_keep_one_python_thread_state() -> None:
+    """gloo completes a collective on a thread Python did not create, and the bucket callback
+    runs there: each such thread keeps one Python thread state for its life (a thread-local set
+    in its first callback is still there in the 20th) instead of one made and destroyed per
+    bucket. Two ranks in this process, so that rank 0's allreduce is still running (waiting for
+    rank 1) when its callback is attached: the callback cannot run inline."""
+    import threading
+
+    from elastic_trainer import metrics_comm_hook
+
+    rank0, rank1 = _gloo_pair()
     timer = AllreduceTimer()
     seen: list[int] = []
 
