@@ -1,8 +1,8 @@
 """Time every DDP gradient bucket's allreduce without adding a synchronisation to the step.
 
 :func:`timed_allreduce_hook` is a DDP communication hook that runs torch's default allreduce
-(as ``default_hooks.allreduce_hook``: divide by world size, ``allreduce``) and timestamps the
-bucket's future:
+(an average over the group, as ``default_hooks.allreduce_hook``; on NCCL in the collective, see
+:meth:`AllreduceTimer._resolve_group`) and timestamps the bucket's future:
 
 - on CPU (gloo) with ``time.monotonic()`` when the hook launches the bucket and in the
   ``future.then`` callback when its allreduce completes;
@@ -117,8 +117,8 @@ class _PendingCuda:
 class AllreduceTimer:
     """State of :func:`timed_allreduce_hook`: collects per-bucket timings until drained.
 
-    The hook's callbacks run on the backend's threads and only append to a ``deque``;
-    ``deque.append`` and ``popleft`` are atomic, so neither side takes a lock.
+    The hook's callbacks (on gloo's threads; on NCCL inline, on the autograd thread) only append
+    to a ``deque``; ``deque.append`` and ``popleft`` are atomic, so neither side takes a lock.
 
     Args:
         process_group: the DDP model's process group (``None``: the default group).
@@ -149,8 +149,8 @@ class AllreduceTimer:
         self._max_pending = max_pending
         self._done: deque[CpuRecord] = deque(maxlen=max_pending)
         self._cuda: deque[_PendingCuda] = deque(maxlen=max_pending)
-        # Timing events whose elapsed time was read, for reuse: creating (and later destroying)
-        # two CUDA events per bucket cost ~45 us of host time per bucket on an H100 node.
+        # Timing events whose elapsed time was read, for reuse instead of creating (and later
+        # destroying) two CUDA events per bucket (benchmarks/RESULTS.md, session 5).
         self._free_events: list[Any] = []
         self._group: Any = None  # resolved on the first bucket (after init_process_group)
         self._world = 1
@@ -158,17 +158,18 @@ class AllreduceTimer:
         self._options = dist.AllreduceOptions()
 
     def _resolve_group(self) -> Any:
-        """The group, and how it averages: NCCL in the collective (``ReduceOp.AVG``, applied as a
-        pre-multiplied sum), other backends by dividing the bucket first, as torch's hooks do
-        against fp16 overflow. Without a hook DDP fuses that division into the copy of gradients
-        into the bucket; a hook gets the undivided bucket, and a separate division is one more
-        pass over every gradient byte on the GPU (measured on an H100: the hook's cost per step
-        stayed ~1.5 ms of wall time from a 33 ms to a 103 ms step). One rank divides by nothing."""
+        """The group, and how it averages: CUDA buckets on NCCL in the collective (``ReduceOp.AVG``,
+        which NCCL applies as a pre-multiplied sum), anything else by dividing the bucket first,
+        as torch's hooks do against fp16 overflow. Without a hook DDP fuses that division into its
+        copy of the gradients into the bucket; a hook gets the undivided bucket, so a separate
+        division is one more pass over every gradient byte. One rank divides by nothing.
+        ``name()`` is the group's default backend: only with ``use_cuda`` is it the one that
+        reduces these buckets (a ``cpu:gloo,cuda:nccl`` group reports "nccl")."""
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         if group is None:
             raise RuntimeError("the allreduce timing hook ran before init_process_group")
         self._world = group.size()
-        nccl = group.name() == "nccl"
+        nccl = self.use_cuda and group.name() == "nccl"
         if nccl:
             self._options.reduceOp = dist.ReduceOp(dist.ReduceOp.AVG)
         self._divide = self._world > 1 and not nccl
@@ -199,8 +200,9 @@ class AllreduceTimer:
         self._cuda.append(pending)
 
     def _event(self) -> Any:
-        """A timing CUDA event: one whose timing was drained already, else a new one. Only the hook's
-        thread takes events, :meth:`drain` gives them back (``list.pop``/``extend``: atomic)."""
+        """A timing CUDA event: one whose timing was drained already, else a new one. The hook and
+        its callbacks take events, :meth:`drain` gives them back (``list.pop``/``extend`` are
+        atomic under the GIL, so any thread may take one)."""
         try:
             return self._free_events.pop()
         except IndexError:
@@ -238,8 +240,16 @@ class AllreduceTimer:
         cuda = self._cuda
         # Collectives on one stream finish in launch order: stop at the first one still running
         # instead of querying (or waiting for) the rest.
-        while cuda and cuda[0].end is not None and cuda[0].end.query():
-            pending = cuda.popleft()
+        while cuda:
+            pending = cuda[0]
+            if pending.end is None or not pending.end.query():
+                break
+            popped = cuda.popleft()
+            if popped is not pending:  # a full deque dropped the one queried while the hook appended
+                if popped.end is None or not popped.end.query():
+                    self.dropped += 1  # never wait: drop this one too
+                    continue
+                pending = popped
             timings.append(
                 BucketTiming(
                     step_seq=pending.step_seq,

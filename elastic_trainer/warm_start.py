@@ -53,10 +53,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 SOCKET_NAME = "server.sock"
 FAILED_NAME = "server.failed"
@@ -136,35 +136,45 @@ CUDA_ERROR_NOT_INITIALIZED = 3
 """What every CUDA driver call but ``cuInit`` returns in a process that never initialised the driver."""
 
 
-def cuda_driver_initialized(maps: str | None = None) -> bool:
+def cuda_driver_initialized(maps: str | None = None, *, load: Callable[..., Any] | None = None) -> bool:
     """Whether this process initialised the CUDA driver (``cuInit``), after which a ``fork`` is unsafe.
 
     Having ``libcuda`` mapped is not enough to refuse: torch's CUDA builds map it at ``import
     torch`` (seen with torch 2.11+cu130 on an H100 node), and forking then is what DataLoader
-    workers do every day. The question goes to the driver that is already loaded
-    (``RTLD_NOLOAD``: nothing new is loaded): ``cuCtxGetCurrent`` answers
-    ``CUDA_ERROR_NOT_INITIALIZED`` without initialising anything. A driver that is mapped but
-    cannot be asked counts as initialised (the safe answer: workers start cold).
+    workers do every day. The question goes to each driver copy already loaded (``RTLD_NOLOAD``:
+    nothing new is loaded): ``cuCtxGetCurrent`` answers ``CUDA_ERROR_NOT_INITIALIZED`` without
+    initialising anything. A driver that is mapped but cannot be asked counts as initialised (the
+    safe answer: workers start cold).
 
     Args:
         maps: the text of ``/proc/self/maps`` (for tests); read when ``None``.
+        load: ``ctypes.CDLL`` (for tests).
     """
     if maps is None:
         try:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return False
-    paths = [line.split()[-1] for line in maps.splitlines() if "libcuda.so" in line and "/" in line]
+    # The path is the sixth field and may hold spaces; a replaced file ends in " (deleted)".
+    paths = {line.split(maxsplit=5)[-1].removesuffix(" (deleted)") for line in maps.splitlines()
+             if "libcuda.so" in line and len(line.split(maxsplit=5)) == 6}  # fmt: skip
     if not paths:
         return False
     import ctypes
 
-    try:
-        driver = ctypes.CDLL(paths[0], mode=os.RTLD_NOLOAD)
-        context = ctypes.c_void_p()
-        return int(driver.cuCtxGetCurrent(ctypes.byref(context))) != CUDA_ERROR_NOT_INITIALIZED
-    except (OSError, AttributeError):
-        return True
+    load = load or ctypes.CDLL
+    asked = False
+    for name in ("libcuda.so.1", *sorted(paths)):  # the soname finds the copy the loader knows by it
+        try:
+            driver = load(name, mode=os.RTLD_NOLOAD)
+            context = ctypes.c_void_p()
+            answer = int(driver.cuCtxGetCurrent(ctypes.byref(context)))
+        except (OSError, AttributeError):
+            continue
+        if answer != CUDA_ERROR_NOT_INITIALIZED:
+            return True
+        asked = True
+    return not asked
 
 
 @dataclass

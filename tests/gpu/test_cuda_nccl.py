@@ -173,10 +173,12 @@ def test_importing_torch_maps_the_driver_without_initialising_it_and_cuda_init_d
     probe = (
         "import torch\n"
         "from elastic_trainer.warm_start import cuda_driver_initialized as initialised\n"
+        "mapped = 'libcuda.so' in open('/proc/self/maps').read()\n"
         "before = initialised()\n"
         "torch.cuda.init()\n"
-        "print(before, initialised())\n"
+        "print(mapped, before, initialised())\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["False", "True"], done.stdout
+    # Mapped by the import (the case the old check refused), yet not initialised until init().
+    assert done.stdout.split() == ["True", "False", "True"], done.stdout

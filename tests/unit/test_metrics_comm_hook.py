@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from elastic_trainer.metrics_comm_hook import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -89,21 +94,76 @@ def test_the_average_is_a_division_on_gloo_and_in_the_collective_on_nccl(gloo_wo
     one._resolve_group()
     assert not one._divide and one._options.reduceOp == dist.ReduceOp.SUM  # one rank: nothing to divide
 
-    rank0, _ = _gloo_pair()
-    two = AllreduceTimer(rank0)
-    two._resolve_group()
-    assert two._divide and two._world == 2 and two._options.reduceOp == dist.ReduceOp.SUM
+    class Group:  # what the timer reads of a group (real ones: below, and NCCL in tests/gpu)
+        def __init__(self, backend: str) -> None:
+            self.backend = backend
 
-    class NcclLike:  # what the timer reads of an NCCL group (the real one is checked in tests/gpu)
         def size(self) -> int:
             return 2
 
         def name(self) -> str:
-            return "nccl"
+            return self.backend
 
-    nccl = AllreduceTimer(NcclLike())  # type: ignore[arg-type]
+    two = AllreduceTimer(Group("gloo"))  # type: ignore[arg-type]
+    two._resolve_group()
+    assert two._divide and two._world == 2 and two._options.reduceOp == dist.ReduceOp.SUM
+
+    nccl = AllreduceTimer(Group("nccl"), use_cuda=True)  # type: ignore[arg-type]
     nccl._resolve_group()
     assert not nccl._divide and nccl._options.reduceOp == dist.ReduceOp.AVG
+    # name() is the default backend: a cpu:gloo,cuda:nccl group says "nccl", but CPU buckets go to gloo
+    cpu_buckets = AllreduceTimer(Group("nccl"))  # type: ignore[arg-type]
+    cpu_buckets._resolve_group()
+    assert cpu_buckets._divide and cpu_buckets._options.reduceOp == dist.ReduceOp.SUM
+
+
+AVERAGING_RANK = """
+import copy, sys, torch, torch.distributed as dist
+from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
+from elastic_trainer.process_exit import exit_process
+rank, store, average = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+local = copy.deepcopy(model)
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+timer = AllreduceTimer()
+ddp.register_comm_hook(timer, timed_allreduce_hook)
+if average == "collective":  # what NCCL gets; gloo in torch 2.13 accepts AVG too
+    timer._resolve_group()
+    timer._options.reduceOp, timer._divide = dist.ReduceOp(dist.ReduceOp.AVG), False
+torch.manual_seed(1 + rank)
+x = torch.randn(4, 8) * (1 + 10 * rank)
+ddp(x).sum().backward()
+local(x).sum().backward()
+mean_matches, differs_from_local = True, False
+for ours, mine in zip(model.parameters(), local.parameters()):
+    expected = mine.grad.clone()
+    dist.all_reduce(expected)
+    mean_matches &= torch.allclose(ours.grad, expected / 2, rtol=1e-5, atol=1e-6)
+    differs_from_local |= not torch.allclose(ours.grad, mine.grad)
+print(mean_matches, differs_from_local, timer._divide, flush=True)
+dist.barrier()
+exit_process(0)  # not through gloo's C++ teardown, which can abort (see process_exit)
+"""
+
+
+@pytest.mark.parametrize("average", ["divide", "collective"])
+def test_the_hook_averages_gradients_over_two_real_gloo_processes(average: str, tmp_path: Path) -> None:
+    """Real DDP at world size 2 (where dividing, averaging and summing differ): each rank's hooked
+    gradients are the mean of both ranks' local gradients."""
+    command = [sys.executable, "-c", AVERAGING_RANK]
+    procs = [subprocess.Popen([*command, str(rank), str(tmp_path / "store"), average], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+             for rank in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-2000:]
+        assert out.split() == ["True", "True", str(average == "divide")], out + err[-2000:]
 
 
 def test_callback_threads_keep_one_python_thread_state() -> None:
@@ -202,10 +262,12 @@ def test_cuda_events_are_reused_once_drained_and_not_before(monkeypatch: pytest.
 
     def bucket(seq: int) -> _PendingCuda:  # what the hook does for one bucket, its collective done
         pending = _PendingCuda(seq, 8, timer._event(), None)
-        timer._cuda_done(pending, torch.futures.Future())  # an unset future: value() raises
+        failed: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        failed.set_exception(RuntimeError("collective failed"))
+        timer._cuda_done(pending, failed)
         return pending
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="collective failed"):
         bucket(0)  # a failed collective records nothing and keeps its start event out of the pool
     assert len(created) == 1 and not timer._cuda and not timer._free_events
 
