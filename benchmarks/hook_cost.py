@@ -53,12 +53,10 @@ def _model_and_batch(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    from workloads import init_worker
+
+    init_worker(rank, args.nproc, port, args)
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.nproc)
     from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
 
     base, x = _model_and_batch(args.model)

@@ -32,14 +32,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime_throughput import (  # noqa: E402
-    _runtime,
-    add_workload_arguments,
-    block_line,
-    init_worker,
-    report_blocks,
-    resolve_workload_arguments,
-)
+from runtime_throughput import _runtime, block_line, report_blocks  # noqa: E402
+from workloads import add_workload_arguments, init_worker, resolve_workload_arguments  # noqa: E402
 
 from elastic_trainer.config import ENV_JIT_SAVE  # noqa: E402
 

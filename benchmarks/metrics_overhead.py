@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workloads import MODELS
+from workloads import add_workload_arguments, resolve_workload_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,17 +139,14 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     import torch
     import torch.distributed as dist
     from torch.utils.data import default_collate
-    from workloads import workload
+    from workloads import init_worker, workload
 
     from elastic_trainer.metrics import worker_observer
     from elastic_trainer.observer import NullObserver, TrainingObserver
 
-    torch.set_num_threads(1)
+    init_worker(rank, world, port, args)
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     job = workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers,
                    dataset_size=args.dataset_size)  # fmt: skip
     data = job.dataset()
@@ -358,16 +355,7 @@ def micro_costs() -> tuple[float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo workers; cuda: one NCCL worker per GPU (default cpu)")
-    parser.add_argument("--model", choices=MODELS, default="cnn",
-                        help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder (workloads.py)")
-    parser.add_argument("--global-batch-size", type=int, default=None,
-                        help="samples per step over all ranks (default: 128 for cnn, 8 per rank for gpt)")
-    parser.add_argument("--width", type=int, default=32, help="cnn: channels of the first conv layer")
-    parser.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence")
-    parser.add_argument("--layers", type=int, default=12, help="gpt: decoder blocks")
-    parser.add_argument("--dataset-size", type=int, default=4096)
+    add_workload_arguments(parser, width=32, cnn_batch=128)
     parser.add_argument("--nproc", type=int, default=None, help="workers (default: 2 on CPU, one per GPU on cuda)")
     parser.add_argument("--scrape-interval", type=float, default=15.0,
                         help="seconds between scrapes (default 15, as docker/prometheus.yml)")
@@ -387,26 +375,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.rebuild_every <= REBUILD_SETTLE:
         parser.error(f"--rebuild-every must be more than the {REBUILD_SETTLE} settling cycles after a rebuild")
+    resolve_workload_arguments(parser, args)
     cuda = args.device == "cuda"
     workers = "gloo workers"
     if cuda:
         import torch
 
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device is visible")
-        args.nproc = args.nproc or torch.cuda.device_count()
-        if args.nproc > torch.cuda.device_count():
-            parser.error(f"--nproc {args.nproc}: NCCL needs one GPU per worker, {torch.cuda.device_count()} visible")
         workers = f"NCCL workers on {torch.cuda.get_device_name()}"
         args.skip_micro = True  # the micro costs are a CPU (gloo) measurement
         if args.end_to_end:
             parser.error("--end-to-end times the CPU example job; it does not run with --device cuda")
-    args.nproc = args.nproc or 2
-    if args.global_batch_size is None:
-        args.global_batch_size = 128 if args.model == "cnn" else 8 * args.nproc
-    if args.global_batch_size < args.nproc:
-        parser.error(f"--global-batch-size {args.global_batch_size}: fewer samples than the {args.nproc} workers")
-    args.bf16 = cuda and args.model == "gpt"
 
     what = (f"synthetic_cnn width {args.width}" if args.model == "cnn"
             else f"GPT-2-small-shaped decoder, {args.layers} layers, {args.seq_len} tokens per sample")  # fmt: skip

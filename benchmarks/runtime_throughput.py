@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workloads import MODELS, workload  # noqa: E402
+from workloads import add_workload_arguments, init_worker, resolve_workload_arguments, workload  # noqa: E402
 
 from elastic_trainer.config import TrainerConfig  # noqa: E402
 from elastic_trainer.distributed import read_env  # noqa: E402
@@ -93,8 +93,8 @@ def _bare(args: argparse.Namespace, rank: int, world: int) -> list[tuple[float, 
                 loss = loss_fn(model(x), y)
             loss.backward()
             optimizer.step()
-            if device.type == "cuda" and len(times) + 1 == total:
-                torch.cuda.synchronize()  # the window ends when the GPU is done, not when the host is
+            if device.type == "cuda" and len(times) + 1 in (args.warmup, total):
+                torch.cuda.synchronize()  # the window starts and ends when the GPU is done, not the host
             times.append(_now())
             if len(times) >= total:
                 break
@@ -123,45 +123,6 @@ def _runtime(args: argparse.Namespace, checkpoint_dir: str | None) -> list[tuple
     env = read_env(cuda_devices=0) if args.device == "cpu" else None  # CPU even where a GPU is visible
     Trainer(config, job, observer=clock, env=env).fit()
     return clock.times
-
-
-def init_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    """Environment, device and process group of one benchmark rank (gloo on CPU, NCCL on CUDA)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser, *, width: int = 16) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: 2 gloo processes; cuda: one NCCL process per GPU (default cpu)")
-    parser.add_argument("--model", choices=MODELS, default="cnn",
-                        help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder (workloads.py)")
-    parser.add_argument("--global-batch-size", type=int, default=None,
-                        help="samples per step over all ranks (default: 64 for cnn, 8 per rank for gpt)")
-    parser.add_argument("--width", type=int, default=width, help="cnn: channels of the first conv layer")
-    parser.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence")
-    parser.add_argument("--layers", type=int, default=12, help="gpt: decoder blocks")
-    parser.add_argument("--dataset-size", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def resolve_workload_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Processes (2 on CPU, one per GPU on CUDA), the default batch, and bf16 for the GPU model."""
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device is visible")
-        args.nproc = torch.cuda.device_count()
-    else:
-        args.nproc = 2
-    if args.global_batch_size is None:
-        args.global_batch_size = 64 if args.model == "cnn" else 8 * args.nproc
-    if args.global_batch_size < args.nproc:
-        parser.error(f"--global-batch-size {args.global_batch_size}: fewer samples than the {args.nproc} processes")
-    args.bf16 = args.device == "cuda" and args.model == "gpt"
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:

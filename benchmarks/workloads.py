@@ -5,19 +5,23 @@ language model, the "real model" of the GPU measurements.
 a few ms on CPU, so fixed per-step costs show. ``gpt`` is a pre-norm causal decoder with GPT-2
 small's shape by default (12 layers, d_model 768, 12 heads, 50304-token vocabulary, tied
 embeddings, ~124M parameters; attention through ``scaled_dot_product_attention``, i.e. flash
-attention on a recent GPU) on random token sequences: about 18 DDP buckets of 25 MB, so a
-per-bucket cost in a communication hook shows 18 times a step. The data are random, so the loss
+attention on a recent GPU) on random token sequences: 13 DDP buckets (a first one of 9 MB, eleven
+of 27 MB, and the 168 MB tied embedding), so a per-bucket cost in a communication hook shows 13
+times a step. The data are random, so the loss
 says nothing; the cost of a step is what is measured.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
@@ -126,3 +130,48 @@ def workload(name: str, *, width: int = 32, seq_len: int = 1024, layers: int = 1
                         lambda: RandomTokens(dataset_size, seq_len=seq_len, vocab=vocab, seed=seed),
                         lm_loss, seq_len)  # fmt: skip
     raise ValueError(f"workload: expected one of {MODELS}, got {name!r}")
+
+
+def init_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    """Environment, device and process group of one benchmark rank (gloo on CPU, NCCL on CUDA)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, width: int = 16, cnn_batch: int = 64) -> None:
+    """The workload options every benchmark here takes (see :func:`resolve_workload_arguments`)."""
+    parser.set_defaults(cnn_batch=cnn_batch)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo processes (2 unless --nproc); cuda: one NCCL process per GPU (default cpu)")
+    parser.add_argument("--model", choices=MODELS, default="cnn",
+                        help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder (workloads.py)")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help=f"samples per step over all ranks (default: {cnn_batch} for cnn, 8 per rank for gpt)")
+    parser.add_argument("--width", type=int, default=width, help="cnn: channels of the first conv layer")
+    parser.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence")
+    parser.add_argument("--layers", type=int, default=12, help="gpt: decoder blocks")
+    parser.add_argument("--dataset-size", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def resolve_workload_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Processes (``--nproc`` where a benchmark has it, else 2 on CPU and one per GPU on CUDA), the
+    default batch, and bf16 for the GPU model."""
+    requested = getattr(args, "nproc", None)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is visible")
+        args.nproc = requested or torch.cuda.device_count()
+        if args.nproc > torch.cuda.device_count():
+            parser.error(f"--nproc {args.nproc}: NCCL needs one GPU per process, {torch.cuda.device_count()} visible")
+    else:
+        args.nproc = requested or 2
+    if args.global_batch_size is None:
+        args.global_batch_size = args.cnn_batch if args.model == "cnn" else 8 * args.nproc
+    if args.global_batch_size < args.nproc:
+        parser.error(f"--global-batch-size {args.global_batch_size}: fewer samples than the {args.nproc} processes")
+    args.bf16 = args.device == "cuda" and args.model == "gpt"
