@@ -132,14 +132,13 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     gloo's and the hook callbacks') and wall seconds. "aa" is the A/A arm: it differs from
     "off" in nothing, so its spread is the measurement's noise floor.
     """
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID="bench")  # fmt: skip
+    os.environ["TORCHELASTIC_RUN_ID"] = "bench"  # the observer's run id label
     import contextlib
 
     import torch
     import torch.distributed as dist
     from torch.utils.data import default_collate
-    from workloads import init_worker, workload
+    from workloads import init_worker, workload_of
 
     from elastic_trainer.metrics import worker_observer
     from elastic_trainer.observer import NullObserver, TrainingObserver
@@ -147,8 +146,7 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     init_worker(rank, world, port, args)
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    job = workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers,
-                   dataset_size=args.dataset_size)  # fmt: skip
+    job = workload_of(args)
     data = job.dataset()
     per_rank = args.global_batch_size // world
     batches = [

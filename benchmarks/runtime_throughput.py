@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workloads import add_workload_arguments, init_worker, resolve_workload_arguments, workload  # noqa: E402
+from workloads import add_workload_arguments, init_worker, resolve_workload_arguments, workload_of  # noqa: E402
 
 from elastic_trainer.config import TrainerConfig  # noqa: E402
 from elastic_trainer.distributed import read_env  # noqa: E402
@@ -72,7 +72,7 @@ class _StepClock(NullObserver):
 
 def _bare(args: argparse.Namespace, rank: int, world: int) -> list[tuple[float, float]]:
     torch.manual_seed(args.seed)
-    job = _workload(args)
+    job = workload_of(args)
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     model = DDP(job.model().to(device), device_ids=[rank] if device.type == "cuda" else None)
     dataset = job.dataset()
@@ -102,14 +102,9 @@ def _bare(args: argparse.Namespace, rank: int, world: int) -> list[tuple[float, 
     return times
 
 
-def _workload(args: argparse.Namespace) -> Any:
-    return workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers,
-                    dataset_size=args.dataset_size, seed=args.seed)  # fmt: skip
-
-
 def _runtime(args: argparse.Namespace, checkpoint_dir: str | None) -> list[tuple[float, float]]:
     clock = _StepClock()
-    spec = _workload(args)
+    spec = workload_of(args)
     job = TrainingJob(
         model=spec.model,
         dataset=spec.dataset,

@@ -132,6 +132,12 @@ def workload(name: str, *, width: int = 32, seq_len: int = 1024, layers: int = 1
     raise ValueError(f"workload: expected one of {MODELS}, got {name!r}")
 
 
+def workload_of(args: argparse.Namespace) -> Workload:
+    """The workload that :func:`add_workload_arguments`' options name."""
+    return workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers,
+                    dataset_size=args.dataset_size, seed=args.seed)  # fmt: skip
+
+
 def init_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     """Environment, device and process group of one benchmark rank (gloo on CPU, NCCL on CUDA)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),

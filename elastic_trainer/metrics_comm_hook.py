@@ -213,10 +213,7 @@ class AllreduceTimer:
         end = self._event()
         end.record()  # on the callback's stream, which waits for the collective
         pending.end = end
-        cuda = self._cuda  # add_cuda, inlined: this runs once per bucket on the critical path
-        if len(cuda) == self._max_pending:
-            self.dropped += 1
-        cuda.append(pending)
+        self.add_cuda(pending)
         return value
 
     def next_step(self) -> None:
