@@ -1,0 +1,189 @@
+"""Allreduce timing through the flight recorder vs through the timing hook, side by side.
+
+Issue 5's overhead goal (metrics on/off >= 0.99) fails on a GPU because of the Python hook's cost
+per DDP bucket (``benchmarks/RESULTS.md``, session 5). The way out is to time buckets without a
+hook: torch's flight recorder writes every collective in C++, NCCL adds its GPU duration, and
+:class:`elastic_trainer.collective_trace.CollectiveTrace` reads them once in a while. This
+benchmark measures both designs on the same workload before the observer switches:
+
+- phase "hook" (recorder off): arms ``off`` (plain DDP) and ``hook`` (the timing hook, its
+  timings drained into a Prometheus histogram every ``--read-interval`` s, as the observer does);
+- phase "trace" (``TORCH_FR_BUFFER_SIZE=--ring``, ``TORCH_NCCL_ENABLE_TIMING=1``): arms ``off``
+  and ``trace`` (no hook; the recorder read every ``--read-interval`` s, durations into a
+  histogram; the read's time counts in the trace step that did it).
+
+Within a phase the arms alternate step by step (order rotated every cycle) and each arm's DDP has
+a process group of its own, so the reader sees its arm's buckets only. Each arm's cost ``d`` is
+taken per cycle against the off step next to it; ratio = off / (off + d) with the mean d (reads
+and drains included). The recorder's own recording cost falls on both arms of the trace phase:
+the "recording" line compares the two phases' off arms (different processes: comparable within
+one run on one machine only). On CPU (gloo) the recorder times nothing (gloo never completes its
+entries), so the trace arm there measures recording and reading, not a working design.
+
+Usage::
+
+    python benchmarks/flight_recorder_cost.py --cycles 200                    # CPU smoke run
+    python benchmarks/flight_recorder_cost.py --device cuda --model gpt --cycles 300 --repeat 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import queue
+import socket
+import statistics
+import threading
+import time
+from typing import Any
+
+from workloads import add_workload_arguments, resolve_workload_arguments
+
+PHASES = {"hook": ("off", "hook"), "trace": ("off", "trace")}
+SETTLE = 10  # cycles left out at the start (DDP rebuilds its buckets after the first)
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: str, results: Any) -> None:
+    """One rank of a phase (torch.multiprocessing spawn target); rank 0 reports."""
+    from elastic_trainer.collective_trace import CollectiveTrace, trace_environment
+
+    if phase == "trace":
+        trace_environment(os.environ, entries=args.ring)  # before the first process group
+    import prometheus_client
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import default_collate
+    from workloads import init_worker, workload_of
+
+    from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
+
+    init_worker(rank, world, port, args)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    job = workload_of(args)
+    data = job.dataset()
+    per_rank = args.global_batch_size // world
+    batches = [
+        tuple(t.to(device) for t in default_collate([data[j] for j in range(i, i + per_rank)]))
+        for i in range(rank * per_rank, len(data) - per_rank, world * per_rank)  # type: ignore[arg-type]
+    ]
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
+    arms = PHASES[phase]
+    histogram = prometheus_client.Histogram("allreduce_seconds", "", registry=prometheus_client.CollectorRegistry())
+    setups: dict[str, tuple[Any, Any]] = {}
+    timer: AllreduceTimer | None = None
+    trace: CollectiveTrace | None = None
+    for arm in arms:
+        group = dist.new_group(list(range(world)))
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(job.model().to(device), device_ids=[rank] if cuda else None,
+                                                        process_group=group)  # fmt: skip
+        if arm == "hook":
+            timer = AllreduceTimer(group, use_cuda=cuda)
+            ddp.register_comm_hook(timer, timed_allreduce_hook)
+        elif arm == "trace":
+            trace = CollectiveTrace(group.group_name)
+        setups[arm] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
+
+    training_thread = threading.get_ident()
+    stats = {"reads": 0, "read_s": 0.0, "timed": 0, "from_training_thread": 0, "bytes": 0}
+
+    def periodic(arm: str) -> None:
+        """The observer's work once per interval: the hook's drain, or one read of the recorder."""
+        started = time.perf_counter()
+        if timer is not None and arm == "hook":
+            for timing in timer.drain():
+                histogram.observe(timing.duration_s)
+        elif trace is not None and arm == "trace":
+            for collective in trace.read():
+                histogram.observe(collective.duration_s)
+                stats["timed"] += 1
+                stats["bytes"] += collective.nbytes
+                stats["from_training_thread"] += collective.thread_id == training_thread
+        stats["reads"] += 1
+        stats["read_s"] += time.perf_counter() - started
+
+    wall: dict[str, list[float]] = {arm: [] for arm in arms}
+    next_read = {arm: time.perf_counter() + args.read_interval for arm in arms if arm != "off"}
+    for cycle in range(SETTLE + args.cycles):
+        x, y = batches[cycle % len(batches)]
+        for arm in arms if cycle % 2 == 0 else arms[::-1]:
+            ddp, opt = setups[arm]
+            started = time.perf_counter()
+            with autocast():
+                loss = job.loss(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss.item()  # the runtime reads every step's loss too: the step's wall time is its cost
+            if arm != "off" and started >= next_read[arm]:
+                periodic(arm)
+                next_read[arm] = started + args.read_interval
+            if cycle >= SETTLE:
+                wall[arm].append(time.perf_counter() - started)
+    if trace is not None:
+        stats.update(lost=trace.lost, untimed=trace.untimed)
+    if rank == 0:
+        results.put((wall, stats))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_phase(phase: str, args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Queue()
+    context = mp.start_processes(worker, args=(args.nproc, free_port(), args, phase, results), nprocs=args.nproc,
+                                 start_method="spawn", join=False)  # fmt: skip
+    while True:
+        try:
+            report = results.get(timeout=1.0)
+            break
+        except queue.Empty:
+            context.join(timeout=0)  # raises if a rank failed
+    while not context.join():
+        pass
+    return report  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(parser, width=32)
+    parser.add_argument("--cycles", type=int, default=400, help="measured cycles per phase (one step per arm)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of both phases, their order alternating")
+    parser.add_argument("--read-interval", type=float, default=1.0, help="seconds between reads/drains")
+    parser.add_argument("--ring", type=int, default=2048, help="flight recorder entries (trace phase)")
+    args = parser.parse_args()
+    resolve_workload_arguments(parser, args)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"model {args.model}, {args.nproc} {'NCCL' if args.device == 'cuda' else 'gloo'} rank(s), "
+          f"{args.cycles} cycles per phase, reads every {args.read_interval} s, ring {args.ring}")  # fmt: skip
+    print("| run | phase | off ms/step (median) | arm ms/step (median) | mean d, us | ratio off/(off+d) | notes |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for run in range(args.repeat):
+        offs: dict[str, float] = {}
+        for phase in PHASES if run % 2 == 0 else list(PHASES)[::-1]:
+            wall, stats = run_phase(phase, args)
+            arm = PHASES[phase][1]
+            off, mine = wall["off"], wall[arm]
+            d = statistics.fmean(a - b for a, b in zip(mine, off, strict=True))
+            offs[phase] = statistics.fmean(off)
+            notes = f"{stats['reads']} reads, {stats['read_s'] / max(stats['reads'], 1) * 1e3:.2f} ms each"
+            if arm == "trace":
+                notes += (f"; {stats['timed']} timed ({stats['from_training_thread']} launched by the training "
+                          f"thread), {stats['untimed']} untimed, {stats['lost']} lost")  # fmt: skip
+            print(f"| {run} | {phase} | {statistics.median(off) * 1e3:.2f} | {statistics.median(mine) * 1e3:.2f} "
+                  f"| {d * 1e6:.0f} | {statistics.fmean(off) / (statistics.fmean(off) + d):.4f} | {notes} |",
+                  flush=True)  # fmt: skip
+        print(f"| {run} | recording | mean off step, trace phase / hook phase: {offs['trace'] / offs['hook']:.4f} "
+              "| | | | different processes |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
