@@ -11,7 +11,7 @@ adds each finished collective's GPU duration (``duration_ms``, from CUDA events 
 :class:`CollectiveTrace` reads that buffer once in a while (``_dump_fr_trace``) and returns the
 collectives it has not returned before, in launch order.
 
-Costs, measured on this project's 2-core CPU machine (``benchmarks/flight_recorder_cost.py``):
+Costs, measured on this project's 2-core CPU machine (``benchmarks/RESULTS.md``, session 6):
 recording is C++ on the launching thread (below the noise of a ~100 us gloo allreduce); a read
 holds the GIL for ~20 us per entry in the buffer (dump + unpickle), whatever was new, so a reader
 that reads when about half the buffer is new pays ~40 us per collective, against ~100-200 us per
@@ -25,14 +25,11 @@ step they belong to.
 
 from __future__ import annotations
 
-import logging
 import math
 import pickle
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 FR_BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 NCCL_ENABLE_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
