@@ -29,7 +29,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import queue
 import socket
@@ -53,8 +52,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     import prometheus_client
     import torch
     import torch.distributed as dist
-    from torch.utils.data import default_collate
-    from workloads import init_worker, workload_of
+    from workloads import autocast_of, init_worker, rank_batches, workload_of
 
     from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
 
@@ -62,13 +60,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     job = workload_of(args)
-    data = job.dataset()
-    per_rank = args.global_batch_size // world
-    batches = [
-        tuple(t.to(device) for t in default_collate([data[j] for j in range(i, i + per_rank)]))
-        for i in range(rank * per_rank, len(data) - per_rank, world * per_rank)  # type: ignore[arg-type]
-    ]
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
+    batches = rank_batches(job, args, rank, world, device)
+    autocast = autocast_of(args)
     arms = PHASES[phase]
     histogram = prometheus_client.Histogram("allreduce_seconds", "", registry=prometheus_client.CollectorRegistry())
     setups: dict[str, tuple[Any, Any]] = {}

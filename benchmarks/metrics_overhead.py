@@ -133,12 +133,10 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     "off" in nothing, so its spread is the measurement's noise floor.
     """
     os.environ["TORCHELASTIC_RUN_ID"] = "bench"  # the observer's run id label
-    import contextlib
 
     import torch
     import torch.distributed as dist
-    from torch.utils.data import default_collate
-    from workloads import init_worker, workload_of
+    from workloads import autocast_of, init_worker, rank_batches, workload_of
 
     from elastic_trainer.metrics import worker_observer
     from elastic_trainer.observer import NullObserver, TrainingObserver
@@ -147,13 +145,9 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     job = workload_of(args)
-    data = job.dataset()
     per_rank = args.global_batch_size // world
-    batches = [
-        tuple(t.to(device) for t in default_collate([data[j] for j in range(i, i + per_rank)]))
-        for i in range(rank * per_rank, len(data) - per_rank, world * per_rank)  # type: ignore[arg-type]
-    ]
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
+    batches = rank_batches(job, args, rank, world, device)
+    autocast = autocast_of(args)
 
     def build(generation: int) -> dict[str, tuple[Any, TrainingObserver, Any]]:
         # Fresh models, built in an order rotated every generation: where each arm's tensors land

@@ -14,6 +14,7 @@ says nothing; the cost of a step is what is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages
 
@@ -136,6 +137,25 @@ def workload_of(args: argparse.Namespace) -> Workload:
     """The workload that :func:`add_workload_arguments`' options name."""
     return workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers,
                     dataset_size=args.dataset_size, seed=args.seed)  # fmt: skip
+
+
+def rank_batches(job: Workload, args: argparse.Namespace, rank: int, world: int,
+                 device: torch.device) -> list[tuple[torch.Tensor, ...]]:  # fmt: skip
+    """This rank's share (``--global-batch-size`` / ``world`` samples) of each global batch of the
+    job's dataset, collated onto ``device`` once, so that steps never wait for data."""
+    data = job.dataset()
+    per_rank = args.global_batch_size // world
+    return [
+        tuple(t.to(device) for t in default_collate([data[j] for j in range(i, i + per_rank)]))
+        for i in range(rank * per_rank, len(data) - per_rank, world * per_rank)  # type: ignore[arg-type]
+    ]
+
+
+def autocast_of(args: argparse.Namespace) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The forward's context: bf16 autocast for the GPU model (``args.bf16``), else nothing."""
+    if args.bf16:
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
 
 
 def init_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
