@@ -71,6 +71,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import values as prometheus_values
 
+from elastic_trainer.collective_trace import trace_environment
+from elastic_trainer.metrics_bucket_trace import TracedBucketTimer
 from elastic_trainer.metrics_comm_hook import (
     AllreduceTimer,
     BucketTiming,
@@ -79,12 +81,14 @@ from elastic_trainer.metrics_comm_hook import (
     timed_allreduce_hook,
 )
 from elastic_trainer.metrics_server import (
+    ALLREDUCE_TIMING_ENV,
     DEFAULT_METRICS_ADDR,
     DEFAULT_METRICS_PORT,
     LauncherMetrics,
     LauncherMetricsConfig,
     MetricsError,
     NodeMetricsServer,
+    allreduce_timing_mode,
     serve_node_metrics,
     start_launcher_metrics,
 )
@@ -107,12 +111,6 @@ log = logging.getLogger(__name__)
 
 PREFIX = "elastic_trainer_"
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-ALLREDUCE_TIMING_ENV = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
-"""``0`` turns the allreduce timing hook off (default on): the Python comm hook costs ~20 us of
-host CPU per bucket (torch's stock Python ``allreduce_hook`` ~25 us), ~0.2% of a 10 ms CPU-bound
-one-bucket step (benchmarks/RESULTS.md). Without it the allreduce metrics stay empty and
-step_compute equals the step time."""
-
 # Histogram buckets, in base units. Roughly x2 apart so p50/p95 interpolate within ~40%.
 STEP_SECONDS_BUCKETS = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -367,7 +365,9 @@ class PrometheusObserver:
         labels: this worker's label values.
         registry: where the metrics are registered (tests inject their own).
         wall_clock: unix time source for checkpoint timestamps (injectable for tests).
-        time_allreduce: install the allreduce timing hook in :meth:`wrap_ddp`.
+        time_allreduce: time the DDP model's bucket allreduces from :meth:`wrap_ddp` on.
+        trace_allreduce: time them through the flight recorder instead of the timing hook (CUDA
+            models; see :data:`ALLREDUCE_TIMING_ENV`).
         flush_interval_s: seconds between writes of the per-step values; 0 writes every step.
         clock: monotonic clock for the flush interval (injectable for tests).
 
@@ -382,6 +382,7 @@ class PrometheusObserver:
         registry: CollectorRegistry | None = None,
         wall_clock: Callable[[], float] = time.time,
         time_allreduce: bool = True,
+        trace_allreduce: bool = False,
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -389,6 +390,7 @@ class PrometheusObserver:
             raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
         self.labels = labels
         self.time_allreduce = time_allreduce
+        self.trace_allreduce = trace_allreduce
         self.flush_interval_s = flush_interval_s
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._m = m = _WorkerMetrics(self.registry, labels)
@@ -396,7 +398,7 @@ class PrometheusObserver:
         self._clock = clock
         self._next_flush = -math.inf
         self._world_size = 1
-        self._timer: AllreduceTimer | None = None  # set by wrap_ddp
+        self._timer: AllreduceTimer | TracedBucketTimer | None = None  # set by wrap_ddp
         # Steps not absorbed yet: (step, duration, data wait, samples, tokens, loss, the hook's
         # step number when the step was reported).
         self._steps: list[tuple[int, float, float, int, int, float | None, int]] = []
@@ -479,7 +481,7 @@ class PrometheusObserver:
             # backward, so its records may come out of the queue together with later steps'.
             if cuda:
                 self._absorb_cuda(timer.drain())
-            else:
+            elif isinstance(timer, AllreduceTimer):
                 self._absorb_cpu(timer.drain_cpu())
         expect = self._expect
         opened = self._open
@@ -611,7 +613,9 @@ class PrometheusObserver:
         self.flush()
 
     def wrap_ddp(self, ddp_model: Any) -> None:
-        """Register :func:`~elastic_trainer.metrics_comm_hook.timed_allreduce_hook` on the model.
+        """Time the model's bucket allreduces: register
+        :func:`~elastic_trainer.metrics_comm_hook.timed_allreduce_hook` on it, or with
+        ``trace_allreduce`` and a CUDA model a :class:`TracedBucketTimer` (no hook).
 
         Does nothing when the observer was built with ``time_allreduce=False``.
 
@@ -622,11 +626,24 @@ class PrometheusObserver:
             return
         device_ids = getattr(ddp_model, "device_ids", None)
         use_cuda = bool(device_ids) or _params_on_cuda(ddp_model)
-        timer = AllreduceTimer(getattr(ddp_model, "process_group", None), use_cuda=use_cuda)
-        ddp_model.register_comm_hook(timer, timed_allreduce_hook)
-        # A new model's hook numbers its backward passes from 0: what was reported for the
+        timer: AllreduceTimer | TracedBucketTimer
+        if self.trace_allreduce and use_cuda:
+            timer = TracedBucketTimer(ddp_model)
+        else:
+            if self.trace_allreduce:
+                log.warning("%s=trace times NCCL collectives only; this model is on the CPU, so its "
+                            "buckets are timed by the allreduce timing hook", ALLREDUCE_TIMING_ENV)  # fmt: skip
+            timer = AllreduceTimer(getattr(ddp_model, "process_group", None), use_cuda=use_cuda)
+            ddp_model.register_comm_hook(timer, timed_allreduce_hook)
+        self.attach_timer(timer)
+
+    def attach_timer(self, timer: AllreduceTimer | TracedBucketTimer) -> None:
+        """Read bucket timings from ``timer`` from now on (:meth:`wrap_ddp` makes it; tests too)."""
+        # A new model's timer numbers its backward passes from 0: what was reported for the
         # previous one is absorbed under the old numbers, its unpaired timings are dropped.
         self._absorb_steps()
+        if isinstance(self._timer, TracedBucketTimer):
+            self._timer.remove()
         self._expect = 0
         self._open.clear()
         self._step_durations.clear()
@@ -649,10 +666,13 @@ def worker_observer() -> PrometheusObserver:
     One per process: two observers writing the same multiprocess file would overwrite each
     other's counters. Labels come from torchrun's environment (:meth:`WorkerLabels.from_env`).
 
-    ``ELASTIC_TRAINER_METRICS_ALLREDUCE=0`` leaves out the allreduce timing hook.
+    ``ELASTIC_TRAINER_METRICS_ALLREDUCE`` chooses how allreduces are timed (see
+    :data:`ALLREDUCE_TIMING_ENV`); ``trace`` turns the flight recorder on in this process's
+    environment, so call this before the process group is created.
 
     Raises:
-        MetricsError: ``PROMETHEUS_MULTIPROC_DIR`` is unset, not a directory, or was set only
+        MetricsError: ``ELASTIC_TRAINER_METRICS_ALLREDUCE`` is not a mode;
+            ``PROMETHEUS_MULTIPROC_DIR`` is unset, not a directory, or was set only
             after prometheus-client was imported, so nothing would reach the node endpoint.
     """
     global _process_observer
@@ -672,8 +692,11 @@ def worker_observer() -> PrometheusObserver:
             "process would keep its metrics in memory; set it in the environment before Python "
             "starts"
         )
-    timing = os.environ.get(ALLREDUCE_TIMING_ENV, "1").strip().lower() not in ("0", "false", "no")
-    observer = PrometheusObserver(labels=WorkerLabels.from_env(), time_allreduce=timing)
+    mode = allreduce_timing_mode()
+    if mode == "trace":
+        trace_environment(os.environ)  # before the process group: the recorder reads its size once
+    observer = PrometheusObserver(labels=WorkerLabels.from_env(), time_allreduce=mode != "off",
+                                  trace_allreduce=mode == "trace")  # fmt: skip
     _process_observer = (os.getpid(), observer)
     atexit.register(observer.flush)  # the last interval's steps (a SIGKILL still loses them)
     log.debug("worker metrics for rank %d write to %s", observer.labels.rank, directory)

@@ -39,7 +39,7 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -85,6 +85,33 @@ class MetricsError(ValueError):
 
     A ``ValueError`` so that entry points that print bad settings as one line handle it too.
     """
+
+
+ALLREDUCE_TIMING_ENV = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
+"""How workers time their gradient buckets' allreduces:
+
+- ``hook`` (default; also ``1``): the allreduce timing hook, a Python comm hook. On CPU it costs
+  ~20 us of host CPU per bucket (torch's stock Python ``allreduce_hook`` ~25 us); on a GPU host
+  1.4-2.5 ms per step of a 13-bucket model (benchmarks/RESULTS.md, session 5).
+- ``trace``: no hook; the flight recorder's NCCL timings, read once per flush
+  (:mod:`elastic_trainer.metrics_bucket_trace`). CUDA models only (a CPU model keeps the hook);
+  not yet measured on a GPU.
+- ``0``: none. The allreduce metrics stay empty and step_compute equals the step time."""
+ALLREDUCE_TIMING_MODES = {"1": "hook", "true": "hook", "yes": "hook", "hook": "hook", "trace": "trace",
+                          "0": "off", "false": "off", "no": "off"}  # fmt: skip
+
+
+def allreduce_timing_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``hook``, ``trace`` or ``off``: how workers time their allreduces (:data:`ALLREDUCE_TIMING_ENV`).
+
+    Raises:
+        MetricsError: the variable holds something else.
+    """
+    raw = (os.environ if environ is None else environ).get(ALLREDUCE_TIMING_ENV, "hook")
+    mode = ALLREDUCE_TIMING_MODES.get(raw.strip().lower())
+    if mode is None:
+        raise MetricsError(f"{ALLREDUCE_TIMING_ENV}={raw!r}: expected hook, trace or 0")
+    return mode
 
 
 def pid_alive(pid: int) -> bool:
@@ -293,8 +320,10 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
     in this process's environment, which the agent passes to every worker it starts.
 
     Raises:
-        MetricsError: the directory cannot be prepared or the endpoint cannot be bound.
+        MetricsError: the directory cannot be prepared, the endpoint cannot be bound, or
+            :data:`ALLREDUCE_TIMING_ENV` is not a mode.
     """
+    allreduce_timing_mode()  # a typo fails here, once, not in every worker the agent starts
     cleanup: list[Callable[[], None]] = []  # run in reverse by close()
     try:
         directory = config.multiproc_dir or os.environ.get(MULTIPROC_DIR_ENV) or None

@@ -226,3 +226,46 @@ def test_worker_observer_honours_allreduce_switch(tmp_path: Path) -> None:
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
                ELASTIC_TRAINER_METRICS_ALLREDUCE="0")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], env=env, timeout=60, check=True)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("hook", "True False 0 unset"), ("TRACE", "True True 2048 1"), ("no", "False False 0 unset")],
+)
+def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: str) -> None:
+    """``trace`` turns the flight recorder and NCCL's timing on in the worker's environment (before
+    its process group exists); an unknown mode is a one-line error naming the variable."""
+    code = (
+        "import os\n"
+        "from elastic_trainer.metrics import worker_observer\n"
+        "o = worker_observer()\n"
+        "print(o.time_allreduce, o.trace_allreduce, os.environ.get('TORCH_FR_BUFFER_SIZE', '0'),\n"
+        "      os.environ.get('TORCH_NCCL_ENABLE_TIMING', 'unset'))\n"
+    )
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), ELASTIC_TRAINER_METRICS_ALLREDUCE=mode)
+    env.pop("TORCH_FR_BUFFER_SIZE", None)
+    env.pop("TORCH_NCCL_ENABLE_TIMING", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == expected.split()
+
+
+def test_worker_observer_rejects_an_unknown_allreduce_mode(tmp_path: Path) -> None:
+    code = (
+        "from elastic_trainer.metrics import MetricsError, worker_observer\n"
+        "try:\n"
+        "    worker_observer()\n"
+        "except MetricsError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), ELASTIC_TRAINER_METRICS_ALLREDUCE="traec")
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True)
+    assert done.stdout.strip() == "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected hook, trace or 0", done
+
+
+def test_launcher_rejects_an_unknown_allreduce_mode_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTIC_TRAINER_METRICS_ALLREDUCE", "hooks")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with pytest.raises(MetricsError, match="ELASTIC_TRAINER_METRICS_ALLREDUCE='hooks': expected hook, trace or 0"):
+        start_launcher_metrics(LauncherMetricsConfig(addr="127.0.0.1", port=0))
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
