@@ -34,6 +34,7 @@ Usage::
     python benchmarks/metrics_overhead.py --no-hook           # attribute: everything but the hook
     python benchmarks/metrics_overhead.py --end-to-end --rounds 3 --max-steps 800
     python benchmarks/metrics_overhead.py --device cuda --model gpt --cycles 300 --rebuild-every 100
+    python benchmarks/metrics_overhead.py --device cuda --model gpt --cycles 300 --rebuild-every 100 --trace
 """
 
 from __future__ import annotations
@@ -141,7 +142,15 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     from elastic_trainer.metrics import worker_observer
     from elastic_trainer.observer import NullObserver, TrainingObserver
 
+    if args.trace:  # before the first process group: the recorder reads its size once
+        from elastic_trainer.collective_trace import trace_environment
+        from elastic_trainer.metrics import ALLREDUCE_TIMING_ENV
+
+        os.environ[ALLREDUCE_TIMING_ENV] = "trace"
+        trace_environment(os.environ)
     init_worker(rank, world, port, args)
+    # With the recorder, "on" must read only its own buckets: every arm gets a group of its own.
+    groups = {arm: dist.new_group(list(range(world))) if args.trace else None for arm in ARMS}
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     job = workload_of(args)
@@ -158,8 +167,8 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
         shift = generation % len(ARMS)
         for arm in ARMS[shift:] + ARMS[:shift]:
             torch.manual_seed(0)
-            ddp = torch.nn.parallel.DistributedDataParallel(job.model().to(device),
-                                                            device_ids=[rank] if cuda else None)  # fmt: skip
+            ddp = torch.nn.parallel.DistributedDataParallel(job.model().to(device), device_ids=[rank] if cuda else None,
+                                                            process_group=groups[arm])  # fmt: skip
             observer: TrainingObserver = NullObserver()
             if arm == "on":
                 observer = worker_observer()
@@ -358,6 +367,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs (fresh processes each)")
     parser.add_argument("--no-hook", dest="hook", action="store_false",
                         help="'on' without the allreduce timing hook (ELASTIC_TRAINER_METRICS_ALLREDUCE=0)")
+    parser.add_argument("--trace", action="store_true",
+                        help="'on' times allreduces through the flight recorder (ELASTIC_TRAINER_METRICS_ALLREDUCE="
+                             "trace; CUDA): the recorder is on for every arm, each arm on its own process group")
     parser.add_argument("--end-to-end", action="store_true", help="also time whole torchrun jobs, off vs on")
     parser.add_argument("--rounds", type=int, default=3, help="end to end: off/on pairs (default 3)")
     parser.add_argument("--max-steps", type=int, default=800, help="end to end: steps per job")
@@ -368,6 +380,8 @@ def main() -> None:
     if args.rebuild_every <= REBUILD_SETTLE:
         parser.error(f"--rebuild-every must be more than the {REBUILD_SETTLE} settling cycles after a rebuild")
     resolve_workload_arguments(parser, args)
+    if args.trace and not args.hook:
+        parser.error("--trace and --no-hook exclude each other")
     cuda = args.device == "cuda"
     workers = "gloo workers"
     if cuda:
@@ -382,8 +396,8 @@ def main() -> None:
             else f"GPT-2-small-shaped decoder, {args.layers} layers, {args.seq_len} tokens per sample")  # fmt: skip
     print(f"{what}, global batch {args.global_batch_size}{', bf16 autocast' if args.bf16 else ''}, "
           f"{args.nproc} {workers}, "
-          f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing hook "
-          f"{'on' if args.hook else 'off'}; load average {os.getloadavg()[0]:.1f}")
+          f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing "
+          f"{'flight recorder' if args.trace else 'hook' if args.hook else 'off'}; load average {os.getloadavg()[0]:.1f}")
     if cuda:
         print("on CUDA every step ends in loss.item(): the wall ratio is the throughput ratio (host CPU time "
               "includes the spin while waiting for the GPU)")

@@ -232,3 +232,62 @@ def test_flight_recorder_times_every_nccl_bucket_without_a_hook(cuda: torch.devi
     # The first backward reduces one bucket per 25 MB cap of DDP's first guess, later ones the
     # rebuilt buckets (4 here): at least one collective per step.
     assert result["count"] >= 5, result
+
+
+OBSERVER_IN_TRACE_MODE = """
+import json, os, threading, time
+from elastic_trainer.collective_trace import trace_environment
+trace_environment(os.environ, entries=512)  # before the first process group
+import torch, torch.distributed as dist
+from torch import nn
+from prometheus_client import CollectorRegistry
+from elastic_trainer.metrics import PrometheusObserver, WorkerLabels
+from elastic_trainer.metrics_bucket_trace import TracedBucketTimer
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4))).cuda()
+ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=4)
+registry = CollectorRegistry()
+observer = PrometheusObserver(labels=WorkerLabels(run_id="j", node="n", rank=0, local_rank=0),
+                              registry=registry, flush_interval_s=0.0, trace_allreduce=True)
+observer.wrap_ddp(ddp)
+observer.on_start(world_size=1, restart_count=0)
+x, steps = torch.randn(64, 1024, device="cuda"), 8
+for step in range(1, steps + 1):
+    dist.all_reduce(torch.zeros(2, device="cuda"))  # the runtime's control allreduce, DDP's group
+    ddp(x).square().mean().backward()
+    observer.on_step(step=step, duration_s=0.5, data_wait_s=0.0, samples=64, tokens=0, loss=None)
+torch.cuda.synchronize()
+labels = {"run_id": "j", "node": "n", "rank": "0", "local_rank": "0"}
+value = lambda name: registry.get_sample_value("elastic_trainer_" + name, labels) or 0.0
+param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+deadline = time.monotonic() + 30  # the watchdog retires and times finished work
+while value("allreduce_bytes_total") < steps * param_bytes and time.monotonic() < deadline:
+    time.sleep(0.2)
+    observer.flush()
+timer = observer._timer
+print(json.dumps({
+    "hook_free": isinstance(timer, TracedBucketTimer), "bytes": value("allreduce_bytes_total"),
+    "expected": steps * param_bytes, "buckets": value("allreduce_duration_seconds_count"),
+    "seconds": value("allreduce_duration_seconds_sum"), "compute": value("step_compute_seconds_count"),
+    "compute_sum": value("step_compute_seconds_sum"), "dropped": timer.dropped,
+}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_observer_in_trace_mode_times_nccl_buckets_without_a_hook(cuda: torch.device) -> None:
+    """``ELASTIC_TRAINER_METRICS_ALLREDUCE=trace`` on NCCL, the runtime's situation (DDP and its
+    per-step control allreduce on the default group): every bucket byte counted once, the control
+    left out, and step_compute paired for every step but the last (a later bucket proves a step
+    complete)."""
+    done = subprocess.run([sys.executable, "-c", OBSERVER_IN_TRACE_MODE], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["hook_free"] and result["bytes"] == result["expected"], result
+    assert result["buckets"] >= 8 and 0 < result["seconds"] < result["buckets"], result
+    assert result["compute"] == 7 and 0 < result["compute_sum"] < 7 * 0.5, result
+    assert result["dropped"] == 0, result
