@@ -121,6 +121,8 @@ class CollectiveTrace:
 
     Attributes:
         lost: collectives (of any group) overwritten in the ring before a read got to them.
+        newest_record: the highest record number in the last dump (-1 before any): how many
+            collectives all groups have launched, for pacing the reads.
         untimed: collectives of this group and kind that finished without a duration (timing off).
     """
 
@@ -134,6 +136,7 @@ class CollectiveTrace:
         self._last_record = -1  # every record up to this one has been returned or passed over
         self._held: int | None = None  # a retired record the last read stopped at, untimed
         self.lost = 0
+        self.newest_record = -1
         self.untimed = 0
 
     def _ours(self, entry: Mapping[str, Any]) -> bool:
@@ -159,8 +162,10 @@ class CollectiveTrace:
                              key=lambda e: e["record_id"])  # fmt: skip
         except (pickle.UnpicklingError, AttributeError, KeyError, TypeError) as exc:
             raise TraceFormatError(f"the flight recorder's dump is not readable: {exc}") from exc
-        if entries and self._last_record >= 0:
-            self.lost += entries[0]["record_id"] - self._last_record - 1
+        if entries:
+            self.newest_record = max(self.newest_record, entries[-1]["record_id"])
+            if self._last_record >= 0:
+                self.lost += entries[0]["record_id"] - self._last_record - 1
         found: list[TracedCollective] = []
         held, self._held = self._held, None
         for entry in entries:

@@ -21,6 +21,12 @@ hook saw per bucket:
   hook gives by counting DDP's last buckets. The recorder stamps launches with the same clock
   (``time.time_ns()``).
 
+Reading costs ~20 us of GIL time per entry *in the ring* (``benchmarks/RESULTS.md``, session 6),
+new or not, so the timer does not read at every flush: it learns how many collectives (of all
+groups) a step launches and reads once about half the ring is new, at least every
+:data:`MAX_READ_INTERVAL_S`, and after a read that found entries lost, at every flush again until
+it has learnt the rate anew. That costs ~2 entry reads per collective whatever the ring's size.
+
 The durations are GPU kernel times of each allreduce (NCCL's start and end events), without the
 time a bucket queued behind the previous one. Only NCCL times its collectives: on gloo every
 bucket counts as untimed (:attr:`CollectiveTrace.untimed`) and the allreduce metrics stay empty.
@@ -28,6 +34,8 @@ bucket counts as untimed (:attr:`CollectiveTrace.untimed`) and the allreduce met
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from bisect import bisect_right
 from collections.abc import Callable
@@ -35,13 +43,20 @@ from typing import Any
 
 import torch
 
-from elastic_trainer.collective_trace import CollectiveTrace, TracedCollective
+from elastic_trainer.collective_trace import (
+    DEFAULT_BUFFER_ENTRIES,
+    FR_BUFFER_SIZE_ENV,
+    CollectiveTrace,
+    TracedCollective,
+)
 from elastic_trainer.metrics_comm_hook import BucketTiming
 
 MAX_REMEMBERED_STEPS = 4096
 """Forward start times kept (a bucket launched before the oldest kept is dropped)."""
 HOLD_STEPS = 8
 """Steps a collective of unknown size waits for DDP to log its rebuilt bucket sizes."""
+MAX_READ_INTERVAL_S = 10.0
+"""Longest time between two reads of the recorder (while steps run)."""
 
 
 def ddp_bucket_sizes(ddp_model: Any) -> tuple[set[int], bool]:
@@ -63,19 +78,32 @@ class TracedBucketTimer:
         ddp_model: the ``DistributedDataParallel`` model; a forward pre-hook is registered on it.
         trace: the reader of the model's process group (default: a :class:`CollectiveTrace` of
             ``ddp_model.process_group``'s name).
+        ring_entries: the recorder's ring size (default: ``TORCH_FR_BUFFER_SIZE``, else
+            :data:`~elastic_trainer.collective_trace.DEFAULT_BUFFER_ENTRIES`).
         clock_ns: wall clock in ns, the recorder's (injectable for tests).
+        clock: monotonic clock for :data:`MAX_READ_INTERVAL_S` (injectable for tests).
     """
 
     use_cuda = True
     """The observer pairs these timings with steps the way it pairs CUDA events: later."""
 
-    def __init__(self, ddp_model: Any, *, trace: CollectiveTrace | None = None,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:  # fmt: skip
+    def __init__(self, ddp_model: Any, *, trace: CollectiveTrace | None = None, ring_entries: int | None = None,
+                 clock_ns: Callable[[], int] = time.time_ns,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self._ddp = ddp_model
         if trace is None:
             trace = CollectiveTrace(ddp_model.process_group.group_name)
         self.trace = trace
         self._clock_ns = clock_ns
+        self._clock = clock
+        if ring_entries is None:
+            ring_entries = int(os.environ.get(FR_BUFFER_SIZE_ENV, DEFAULT_BUFFER_ENTRIES))
+        self._half_ring = max(1, ring_entries // 2)
+        self._per_step: float | None = None  # collectives of all groups per step; None: unknown
+        self._read_step = 0  # step_seq at the last read
+        self._read_s = -math.inf
+        self._read_record = -1  # the recorder's newest record at the last read
+        self._lost_at_read = 0
         self.step_seq = 0
         """Synchronising forwards started so far: the step number (from 0) of the buckets
         launched now."""
@@ -97,6 +125,23 @@ class TracedBucketTimer:
             self._starts.append(self._clock_ns())
             self.step_seq += 1
 
+    def _read_due(self) -> bool:
+        if self._per_step is None or self._clock() - self._read_s >= MAX_READ_INTERVAL_S:
+            return True
+        return (self.step_seq - self._read_step) * self._per_step >= self._half_ring
+
+    def _read(self) -> list[TracedCollective]:
+        trace = self.trace
+        collectives = trace.read()
+        steps = self.step_seq - self._read_step
+        if trace.lost > self._lost_at_read:
+            self._per_step = None  # the ring wrapped between two reads: read every flush, learn again
+        elif steps > 0 and self._read_record >= 0:
+            self._per_step = (trace.newest_record - self._read_record) / steps
+        self._read_step, self._read_s = self.step_seq, self._clock()
+        self._read_record, self._lost_at_read = trace.newest_record, trace.lost
+        return collectives
+
     def remove(self) -> None:
         """Stop numbering forwards (the model is no longer observed)."""
         self._handle.remove()
@@ -104,7 +149,7 @@ class TracedBucketTimer:
     def drain(self) -> list[BucketTiming]:
         """Every bucket allreduce that finished since the last call, oldest first, with its step.
         Never blocks on the GPU (reads the recorder once)."""
-        collectives = self.trace.read()
+        collectives = self._read() if self._read_due() else []
         if not collectives and not self._held:
             return []
         sizes, rebuilt = ddp_bucket_sizes(self._ddp)

@@ -38,8 +38,11 @@ class FakeTrace:
     def __init__(self) -> None:
         self.queued: list[TracedCollective] = []
         self.lost = 0
+        self.newest_record = -1
+        self.reads = 0
 
     def read(self) -> list[TracedCollective]:
+        self.reads += 1
         queued, self.queued = self.queued, []
         return queued
 
@@ -59,7 +62,7 @@ def test_buckets_belong_to_the_synchronising_forward_before_them(
     gloo_world: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ddp, now, trace = model(), [0], FakeTrace()
-    timer = TracedBucketTimer(ddp, trace=trace, clock_ns=lambda: now[0])  # type: ignore[arg-type]
+    timer = TracedBucketTimer(ddp, trace=trace, ring_entries=2, clock_ns=lambda: now[0])  # type: ignore[arg-type]
     x = torch.randn(4, 64)
     for step in range(2):
         now[0] = 100 * (step + 1)  # forwards of steps 0 and 1 start at 100 and 200
@@ -108,7 +111,7 @@ def test_without_a_rebuild_unknown_sizes_are_left_out_after_a_few_steps(
     gloo_world: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ddp, now, trace = model(), [0], FakeTrace()
-    timer = TracedBucketTimer(ddp, trace=trace, clock_ns=lambda: now[0])  # type: ignore[arg-type]
+    timer = TracedBucketTimer(ddp, trace=trace, ring_entries=2, clock_ns=lambda: now[0])  # type: ignore[arg-type]
     # A DDP that never logs rebuilt buckets (one bucket of 123 bytes).
     monkeypatch.setattr(metrics_bucket_trace, "ddp_bucket_sizes", lambda _ddp: ({123}, False))
     now[0] = 10
@@ -120,6 +123,47 @@ def test_without_a_rebuild_unknown_sizes_are_left_out_after_a_few_steps(
         now[0] = 20 + step
         ddp(torch.randn(4, 64))
     assert timer.drain() == [] and timer._held == []  # held HOLD_STEPS steps, then left out
+
+
+def test_reads_once_about_half_the_ring_is_new(gloo_world: None) -> None:
+    """Reading costs per entry in the ring, new or not: the timer learns the collectives per step and
+    reads when ~half the ring is new, at least every MAX_READ_INTERVAL_S, and at every flush again
+    after the ring wrapped between two reads."""
+    ddp, trace, now = model(), FakeTrace(), [0.0]
+    timer = TracedBucketTimer(ddp, trace=trace, ring_entries=100, clock=lambda: now[0])  # type: ignore[arg-type]
+    x = torch.randn(4, 64)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            ddp(x)
+            trace.newest_record += 10  # 10 collectives (all groups) per step
+
+    steps(1)
+    timer.drain()
+    steps(1)
+    timer.drain()  # the rate is unknown until two reads: both read
+    assert trace.reads == 2
+    for _ in range(4):
+        steps(1)
+        timer.drain()
+    assert trace.reads == 2  # 40 new entries: under half the ring
+    steps(1)
+    timer.drain()
+    assert trace.reads == 3  # 50 new
+    timer.drain()
+    now[0] += metrics_bucket_trace.MAX_READ_INTERVAL_S
+    timer.drain()
+    assert trace.reads == 4  # no new step, but the longest interval passed
+    steps(5)
+    trace.lost += 5  # this read finds the ring wrapped since the last: the rate is unreliable
+    timer.drain()
+    timer.drain()  # read again: every flush until a read after a step has measured the rate
+    steps(1)
+    timer.drain()
+    assert trace.reads == 7
+    steps(1)
+    timer.drain()
+    assert trace.reads == 7  # learnt again: 10 new entries are not worth a read
 
 
 OBSERVED_RUN = """
@@ -145,7 +189,8 @@ ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05)
 registry = CollectorRegistry()
 observer = PrometheusObserver(labels=WorkerLabels(run_id="j", node="n", rank=0, local_rank=0),
                               registry=registry, flush_interval_s=0.0, trace_allreduce=True)
-observer.attach_timer(TracedBucketTimer(ddp, trace=CollectiveTrace("0", dump=with_durations)))
+# A 2-entry ring as far as pacing goes: read at every flush (the real ring holds 1024).
+observer.attach_timer(TracedBucketTimer(ddp, trace=CollectiveTrace("0", dump=with_durations), ring_entries=2))
 observer.on_start(world_size=1, restart_count=0)
 x = torch.randn(16, 64)
 for step in range(1, 6):
