@@ -6,19 +6,20 @@ hook: torch's flight recorder writes every collective in C++, NCCL adds its GPU 
 :class:`elastic_trainer.collective_trace.CollectiveTrace` reads them once in a while. This
 benchmark measures both designs on the same workload before the observer switches:
 
-- phase "hook" (recorder off): arms ``off`` (plain DDP) and ``hook`` (the timing hook, its
-  timings drained into a Prometheus histogram every ``--read-interval`` s, as the observer does);
+- phase "hook" (torch's defaults: the recorder on with 2000 entries, NCCL timing off): arms
+  ``off`` (plain DDP) and ``hook`` (the timing hook);
 - phase "trace" (``TORCH_FR_BUFFER_SIZE=--ring``, ``TORCH_NCCL_ENABLE_TIMING=1``): arms ``off``
-  and ``trace`` (no hook; the recorder read every ``--read-interval`` s, durations into a
-  histogram; the read's time counts in the trace step that did it).
+  and ``trace`` (no hook; a :class:`~elastic_trainer.metrics_bucket_trace.TracedBucketTimer`,
+  which reads the recorder once about half its ring is new).
 
-Within a phase the arms alternate step by step (order rotated every cycle) and each arm's DDP has
-a process group of its own, so the reader sees its arm's buckets only. Each arm's cost ``d`` is
-taken per cycle against the off step next to it; ratio = off / (off + d) with the mean d (reads
-and drains included). The recorder's own recording cost falls on both arms of the trace phase:
-the "recording" line compares the two phases' off arms (different processes: comparable within
-one run on one machine only). On CPU (gloo) the recorder times nothing (gloo never completes its
-entries), so the trace arm there measures recording and reading, not a working design.
+Every ``--read-interval`` s (the observer's flush) the hook or trace arm's timer is drained into a
+Prometheus histogram, inside that arm's step time. Within a phase the arms alternate step by step
+and each arm's DDP has a process group of its own, so the reader sees its arm's buckets only. Each
+arm's cost ``d`` is taken per cycle against the off step next to it; ratio = off / (off + d) with
+the mean d (reads and drains included). NCCL's timing events fall on both arms of the trace
+phase: the "timing" line compares the two phases' off arms (different processes: comparable
+within one run on one machine only). On CPU (gloo) the recorder times nothing (gloo never
+completes its entries), so the trace arm there measures reading, not a working design.
 
 Usage::
 
@@ -33,7 +34,6 @@ import os
 import queue
 import socket
 import statistics
-import threading
 import time
 from typing import Any
 
@@ -45,7 +45,7 @@ SETTLE = 10  # cycles left out at the start (DDP rebuilds its buckets after the 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: str, results: Any) -> None:
     """One rank of a phase (torch.multiprocessing spawn target); rank 0 reports."""
-    from elastic_trainer.collective_trace import CollectiveTrace, trace_environment
+    from elastic_trainer.collective_trace import trace_environment
 
     if phase == "trace":
         trace_environment(os.environ, entries=args.ring)  # before the first process group
@@ -54,6 +54,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     import torch.distributed as dist
     from workloads import autocast_of, init_worker, rank_batches, workload_of
 
+    from elastic_trainer.metrics_bucket_trace import TracedBucketTimer
     from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
 
     init_worker(rank, world, port, args)
@@ -65,37 +66,29 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     arms = PHASES[phase]
     histogram = prometheus_client.Histogram("allreduce_seconds", "", registry=prometheus_client.CollectorRegistry())
     setups: dict[str, tuple[Any, Any]] = {}
-    timer: AllreduceTimer | None = None
-    trace: CollectiveTrace | None = None
+    timers: dict[str, AllreduceTimer | TracedBucketTimer] = {}
     for arm in arms:
         group = dist.new_group(list(range(world)))
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(job.model().to(device), device_ids=[rank] if cuda else None,
                                                         process_group=group)  # fmt: skip
         if arm == "hook":
-            timer = AllreduceTimer(group, use_cuda=cuda)
-            ddp.register_comm_hook(timer, timed_allreduce_hook)
+            timers[arm] = AllreduceTimer(group, use_cuda=cuda)
+            ddp.register_comm_hook(timers[arm], timed_allreduce_hook)
         elif arm == "trace":
-            trace = CollectiveTrace(group.group_name)
+            timers[arm] = TracedBucketTimer(ddp)
         setups[arm] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
 
-    training_thread = threading.get_ident()
-    stats = {"reads": 0, "read_s": 0.0, "timed": 0, "from_training_thread": 0, "bytes": 0}
+    stats = {"drains": 0, "drain_s": 0.0, "timed": 0}
 
     def periodic(arm: str) -> None:
-        """The observer's work once per interval: the hook's drain, or one read of the recorder."""
+        """The observer's work once per flush: drain the arm's timer into a histogram."""
         started = time.perf_counter()
-        if timer is not None and arm == "hook":
-            for timing in timer.drain():
-                histogram.observe(timing.duration_s)
-        elif trace is not None and arm == "trace":
-            for collective in trace.read():
-                histogram.observe(collective.duration_s)
-                stats["timed"] += 1
-                stats["bytes"] += collective.nbytes
-                stats["from_training_thread"] += collective.thread_id == training_thread
-        stats["reads"] += 1
-        stats["read_s"] += time.perf_counter() - started
+        for timing in timers[arm].drain():
+            histogram.observe(timing.duration_s)
+            stats["timed"] += 1
+        stats["drains"] += 1
+        stats["drain_s"] += time.perf_counter() - started
 
     wall: dict[str, list[float]] = {arm: [] for arm in arms}
     next_read = {arm: time.perf_counter() + args.read_interval for arm in arms if arm != "off"}
@@ -115,8 +108,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
                 next_read[arm] = started + args.read_interval
             if cycle >= SETTLE:
                 wall[arm].append(time.perf_counter() - started)
-    if trace is not None:
-        stats.update(lost=trace.lost, untimed=trace.untimed)
+    traced = timers.get("trace")
+    if isinstance(traced, TracedBucketTimer):
+        stats.update(reads=traced.trace.reads, dropped=traced.dropped, untimed=traced.trace.untimed)
     if rank == 0:
         results.put((wall, stats))
     dist.destroy_process_group()
@@ -151,7 +145,7 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=400, help="measured cycles per phase (one step per arm)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of both phases, their order alternating")
     parser.add_argument("--read-interval", type=float, default=1.0, help="seconds between reads/drains")
-    parser.add_argument("--ring", type=int, default=2048, help="flight recorder entries (trace phase)")
+    parser.add_argument("--ring", type=int, default=2000, help="flight recorder entries (trace phase)")
     args = parser.parse_args()
     resolve_workload_arguments(parser, args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -167,14 +161,14 @@ def main() -> None:
             off, mine = wall["off"], wall[arm]
             d = statistics.fmean(a - b for a, b in zip(mine, off, strict=True))
             offs[phase] = statistics.fmean(off)
-            notes = f"{stats['reads']} reads, {stats['read_s'] / max(stats['reads'], 1) * 1e3:.2f} ms each"
+            notes = (f"{stats['drains']} drains, {stats['drain_s'] / max(stats['drains'], 1) * 1e3:.2f} ms each, "
+                     f"{stats['timed']} buckets timed")  # fmt: skip
             if arm == "trace":
-                notes += (f"; {stats['timed']} timed ({stats['from_training_thread']} launched by the training "
-                          f"thread), {stats['untimed']} untimed, {stats['lost']} lost")  # fmt: skip
+                notes += f"; {stats['reads']} recorder reads, {stats['untimed']} untimed, {stats['dropped']} dropped"
             print(f"| {run} | {phase} | {statistics.median(off) * 1e3:.2f} | {statistics.median(mine) * 1e3:.2f} "
                   f"| {d * 1e6:.0f} | {statistics.fmean(off) / (statistics.fmean(off) + d):.4f} | {notes} |",
                   flush=True)  # fmt: skip
-        print(f"| {run} | recording | mean off step, trace phase / hook phase: {offs['trace'] / offs['hook']:.4f} "
+        print(f"| {run} | timing | mean off step, trace phase / hook phase: {offs['trace'] / offs['hook']:.4f} "
               "| | | | different processes |")  # fmt: skip
 
 

@@ -33,7 +33,8 @@ from typing import Any
 
 FR_BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 NCCL_ENABLE_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
-DEFAULT_BUFFER_ENTRIES = 2048
+DEFAULT_BUFFER_ENTRIES = 2000
+"""torch's own default ring size: the recorder is on unless ``TORCH_FR_BUFFER_SIZE=0``."""
 
 # Bytes per element of the dtype names the flight recorder writes (c10's ScalarType names).
 _DTYPE_BYTES = {
@@ -59,6 +60,7 @@ def trace_environment(
 
     Must run before the process creates its first process group: the recorder reads its size once.
     Values the user set are kept (a buffer of 0 keeps the recorder off). Returns what was set.
+    (torch records 2000 entries by default; the size is set here so that readers know it.)
     """
     if entries < 1:
         raise ValueError(f"entries must be >= 1, got {entries}")
@@ -123,6 +125,7 @@ class CollectiveTrace:
         lost: collectives (of any group) overwritten in the ring before a read got to them.
         newest_record: the highest record number in the last dump (-1 before any): how many
             collectives all groups have launched, for pacing the reads.
+        reads: dumps read so far.
         untimed: collectives of this group and kind that finished without a duration (timing off).
     """
 
@@ -137,6 +140,7 @@ class CollectiveTrace:
         self._held: int | None = None  # a retired record the last read stopped at, untimed
         self.lost = 0
         self.newest_record = -1
+        self.reads = 0
         self.untimed = 0
 
     def _ours(self, entry: Mapping[str, Any]) -> bool:
@@ -156,6 +160,7 @@ class CollectiveTrace:
         Raises:
             TraceFormatError: the dump is not a flight recorder dump this reader knows.
         """
+        self.reads += 1
         try:
             dump = pickle.loads(self._dump())
             entries = sorted((e for e in dump.get("entries", []) if e["record_id"] > self._last_record),

@@ -34,6 +34,7 @@ bucket counts as untimed (:attr:`CollectiveTrace.untimed`) and the allreduce met
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -50,6 +51,8 @@ from elastic_trainer.collective_trace import (
     TracedCollective,
 )
 from elastic_trainer.metrics_comm_hook import BucketTiming
+
+log = logging.getLogger(__name__)
 
 MAX_REMEMBERED_STEPS = 4096
 """Forward start times kept (a bucket launched before the oldest kept is dropped)."""
@@ -98,6 +101,9 @@ class TracedBucketTimer:
         self._clock = clock
         if ring_entries is None:
             ring_entries = int(os.environ.get(FR_BUFFER_SIZE_ENV, DEFAULT_BUFFER_ENTRIES))
+        if ring_entries <= 0:
+            log.warning("%s=%d turns torch's flight recorder off: the allreduce metrics stay empty",
+                        FR_BUFFER_SIZE_ENV, ring_entries)  # fmt: skip
         self._half_ring = max(1, ring_entries // 2)
         self._per_step: float | None = None  # collectives of all groups per step; None: unknown
         self._read_step = 0  # step_seq at the last read

@@ -120,7 +120,7 @@ def test_counts_collectives_the_ring_overwrote_before_a_read(recorder: Recorder)
     trace.read()
     recorder.entries = [entry(5), entry(6)]  # 2, 3 and 4 came and went between reads
     assert [c.record_id for c in trace.read()] == [5, 6]
-    assert trace.lost == 3 and trace.newest_record == 6
+    assert trace.lost == 3 and trace.newest_record == 6 and trace.reads == 2
 
 
 def test_bytes_are_sizes_times_dtype_width() -> None:

@@ -230,7 +230,7 @@ def test_worker_observer_honours_allreduce_switch(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "expected"),
-    [("hook", "True False 0 unset"), ("TRACE", "True True 2048 1"), ("no", "False False 0 unset")],
+    [("hook", "True False 0 unset"), ("TRACE", "True True 2000 1"), ("no", "False False 0 unset")],
 )
 def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: str) -> None:
     """``trace`` turns the flight recorder and NCCL's timing on in the worker's environment (before
