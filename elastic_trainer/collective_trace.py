@@ -4,9 +4,10 @@ The allreduce timing hook (:mod:`elastic_trainer.metrics_comm_hook`) pays a Pyth
 ``future.then`` callback per DDP bucket. On a GPU that is 1.4-2.5 ms of host time per step of a
 GPT-2-small-shaped model (13 buckets), 4-7 % of a 33 ms step (``benchmarks/RESULTS.md``, session
 5), and torch's own stock Python hook costs ~75 % of that: no Python hook can meet the 0.99
-overhead goal there. The flight recorder does the bookkeeping in C++ instead: every collective of
-every process group is recorded in a ring buffer (``TORCH_FR_BUFFER_SIZE`` entries) with its
-process group, operation, sizes and dtypes, and with ``TORCH_NCCL_ENABLE_TIMING=1`` NCCL's watchdog
+overhead goal there. The flight recorder does the bookkeeping in C++ instead, and torch runs it
+by default: every collective of every process group is recorded in a ring buffer
+(``TORCH_FR_BUFFER_SIZE`` entries, 2000 unless set) with its process group, operation, sizes and
+dtypes, and with ``TORCH_NCCL_ENABLE_TIMING=1`` NCCL's watchdog
 adds each finished collective's GPU duration (``duration_ms``, from CUDA events around the kernel).
 :class:`CollectiveTrace` reads that buffer once in a while (``_dump_fr_trace``) and returns the
 collectives it has not returned before, in launch order.
