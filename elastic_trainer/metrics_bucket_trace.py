@@ -115,15 +115,14 @@ class TracedBucketTimer:
         launched now."""
         self._starts: list[int] = []  # wall ns of the forwards of steps _first, _first + 1, ...
         self._first = 0
-        self._lost_seen = 0
         self._early = 0
         self._held: list[tuple[int, TracedCollective]] = []  # (step, collective) of unknown size
         self._handle = ddp_model.register_forward_pre_hook(self._on_forward)
 
     @property
     def dropped(self) -> int:
-        """Bucket timings lost: overwritten in the recorder's ring before a read, or launched
-        before the oldest remembered step."""
+        """Timings lost: collectives (of any group) overwritten in the recorder's ring before a
+        read, and collectives launched before the oldest remembered forward."""
         return self.trace.lost + self._early
 
     def _on_forward(self, module: Any, _inputs: Any) -> None:
@@ -153,13 +152,18 @@ class TracedBucketTimer:
         self._handle.remove()
 
     def drain(self) -> list[BucketTiming]:
-        """Every bucket allreduce that finished since the last call, oldest first, with its step.
-        Never blocks on the GPU (reads the recorder once)."""
+        """The bucket allreduces found finished since the last call, oldest first, with their
+        steps. Reads the recorder only when due (see the module docstring); never blocks on the GPU."""
+        starts = self._starts
+        if len(starts) > MAX_REMEMBERED_STEPS:
+            cut = len(starts) - MAX_REMEMBERED_STEPS
+            del starts[:cut]
+            self._first += cut
         collectives = self._read() if self._read_due() else []
         if not collectives and not self._held:
             return []
         sizes, rebuilt = ddp_bucket_sizes(self._ddp)
-        starts, first = self._starts, self._first
+        first = self._first
         candidates, self._held = self._held, []
         for c in collectives:
             index = bisect_right(starts, c.created_ns) - 1
@@ -175,8 +179,4 @@ class TracedBucketTimer:
             elif not rebuilt and step > self.step_seq - HOLD_STEPS:
                 self._held.append((step, c))  # perhaps a rebuilt bucket whose size DDP has not logged
             # else: not one of DDP's buckets (the runtime's control allreduce, ...)
-        if len(starts) > MAX_REMEMBERED_STEPS:
-            cut = len(starts) - MAX_REMEMBERED_STEPS
-            del starts[:cut]
-            self._first = first + cut
         return timings

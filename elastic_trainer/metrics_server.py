@@ -93,9 +93,9 @@ ALLREDUCE_TIMING_ENV = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
 - ``hook`` (default; also ``1``): the allreduce timing hook, a Python comm hook. On CPU it costs
   ~20 us of host CPU per bucket (torch's stock Python ``allreduce_hook`` ~25 us); on a GPU host
   1.4-2.5 ms per step of a 13-bucket model (benchmarks/RESULTS.md, session 5).
-- ``trace``: no hook; the flight recorder's NCCL timings, read once per flush
-  (:mod:`elastic_trainer.metrics_bucket_trace`). CUDA models only (a CPU model keeps the hook);
-  not yet measured on a GPU.
+- ``trace``: no hook; NCCL's own timings, read from torch's flight recorder once about half its
+  ring is new (:mod:`elastic_trainer.metrics_bucket_trace`). CUDA models only (a CPU model keeps
+  the hook); not yet measured on a GPU.
 - ``0``: none. The allreduce metrics stay empty and step_compute equals the step time."""
 ALLREDUCE_TIMING_MODES = {"1": "hook", "true": "hook", "yes": "hook", "hook": "hook", "trace": "trace",
                           "0": "off", "false": "off", "no": "off"}  # fmt: skip
