@@ -192,6 +192,13 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *
                 "--run-id is required with --rdzv-endpoint: jobs sharing an etcd must not share an id"
             )
     _check_rdzv_conf(options)
+    if options.metrics_port:
+        from elastic_trainer.metrics_server import MetricsError, allreduce_timing_mode
+
+        try:
+            allreduce_timing_mode()  # before etcd and the agent: a typo fails once, not per worker
+        except MetricsError as exc:
+            raise UserError(str(exc)) from exc
     if dry_run:
         endpoint = options.rdzv_endpoint or f"{options.etcd_host}:<free port>"
         print("torchrun " + " ".join(torchrun_argv(options, endpoint, options.run_id or "<derived>", nproc, target)))
