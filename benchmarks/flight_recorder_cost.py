@@ -52,7 +52,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     import prometheus_client
     import torch
     import torch.distributed as dist
-    from workloads import autocast_of, init_worker, rank_batches, workload_of
+    from workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
 
     from elastic_trainer.metrics_bucket_trace import TracedBucketTimer
     from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
@@ -97,12 +97,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
         for arm in arms if cycle % 2 == 0 else arms[::-1]:
             ddp, opt = setups[arm]
             started = time.perf_counter()
-            with autocast():
-                loss = job.loss(ddp(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            loss.item()  # the runtime reads every step's loss too: the step's wall time is its cost
+            train_step(job, ddp, opt, x, y, autocast)
             if arm != "off" and started >= next_read[arm]:
                 periodic(arm)
                 next_read[arm] = started + args.read_interval

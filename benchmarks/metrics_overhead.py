@@ -137,7 +137,7 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
 
     import torch
     import torch.distributed as dist
-    from workloads import autocast_of, init_worker, rank_batches, workload_of
+    from workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
 
     from elastic_trainer.metrics import worker_observer
     from elastic_trainer.observer import NullObserver, TrainingObserver
@@ -197,12 +197,7 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
             ddp, observer, opt = setups[arm]
             started, cpu_started = clock(), cpu_clock()
             t0 = time.monotonic()
-            with autocast():
-                loss = job.loss(ddp(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            value = loss.item()
+            value = train_step(job, ddp, opt, x, y, autocast)
             in_observer = time.perf_counter_ns()
             observer.on_step(step=cycle + 1, duration_s=time.monotonic() - t0, data_wait_s=0.0,
                              samples=len(y), tokens=tokens, loss=value)  # fmt: skip

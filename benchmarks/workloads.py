@@ -158,6 +158,20 @@ def autocast_of(args: argparse.Namespace) -> Callable[[], contextlib.AbstractCon
     return contextlib.nullcontext
 
 
+def train_step(job: Workload, ddp: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+               target: torch.Tensor, autocast: Callable[[], contextlib.AbstractContextManager[Any]]) -> float:  # fmt: skip
+    """One plain training step (forward under ``autocast``, backward, update); returns the loss.
+
+    Reading the loss synchronises with the GPU, as the runtime does every step: the step's wall
+    time is then its cost."""
+    with autocast():
+        loss = job.loss(ddp(inputs), target)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return float(loss.item())
+
+
 def init_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     """Environment, device and process group of one benchmark rank (gloo on CPU, NCCL on CUDA)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_trainer import metrics_bucket_trace
@@ -21,15 +19,6 @@ from elastic_trainer.metrics_bucket_trace import TracedBucketTimer, ddp_bucket_s
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def gloo_world() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class FakeTrace:
