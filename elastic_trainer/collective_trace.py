@@ -127,6 +127,8 @@ class CollectiveTrace:
         newest_record: the highest record number in the last dump (-1 before any): how many
             collectives all groups have launched, for pacing the reads.
         reads: dumps read so far.
+        unparsed: collectives of this group and kind whose sizes or dtypes this reader does not
+            know (passed over).
         untimed: collectives of this group and kind that finished without a duration (timing off).
     """
 
@@ -142,6 +144,7 @@ class CollectiveTrace:
         self.lost = 0
         self.newest_record = -1
         self.reads = 0
+        self.unparsed = 0
         self.untimed = 0
 
     def _ours(self, entry: Mapping[str, Any]) -> bool:
@@ -179,7 +182,10 @@ class CollectiveTrace:
             if self._ours(entry):
                 duration_ms = entry.get("duration_ms")
                 if duration_ms is not None:
-                    found.append(self._parse(entry, float(duration_ms)))
+                    try:
+                        found.append(self._parse(entry, float(duration_ms)))
+                    except (TraceFormatError, TypeError, ValueError):
+                        self.unparsed += 1  # e.g. a dtype newer than this reader
                 elif entry.get("retired", False) and (
                     entry.get("state") != "completed" or record == held
                 ):

@@ -49,6 +49,7 @@ from elastic_trainer.collective_trace import (
     FR_BUFFER_SIZE_ENV,
     CollectiveTrace,
     TracedCollective,
+    TraceFormatError,
 )
 from elastic_trainer.metrics_comm_hook import BucketTiming
 
@@ -110,6 +111,7 @@ class TracedBucketTimer:
         self._read_s = -math.inf
         self._read_record = -1  # the recorder's newest record at the last read
         self._lost_at_read = 0
+        self._broken = False  # a dump this reader cannot parse: no more reads
         self.step_seq = 0
         """Synchronising forwards started so far: the step number (from 0) of the buckets
         launched now."""
@@ -131,13 +133,20 @@ class TracedBucketTimer:
             self.step_seq += 1
 
     def _read_due(self) -> bool:
+        if self._broken:
+            return False
         if self._per_step is None or self._clock() - self._read_s >= MAX_READ_INTERVAL_S:
             return True
         return (self.step_seq - self._read_step) * self._per_step >= self._half_ring
 
     def _read(self) -> list[TracedCollective]:
         trace = self.trace
-        collectives = trace.read()
+        try:
+            collectives = trace.read()
+        except TraceFormatError as exc:  # metrics must never stop the training
+            log.warning("allreduce timing from the flight recorder stops: %s", exc)
+            self._broken = True
+            return []
         steps = self.step_seq - self._read_step
         if trace.lost > self._lost_at_read:
             self._per_step = None  # the ring wrapped between two reads: read every flush, learn again

@@ -134,6 +134,13 @@ def test_bytes_are_sizes_times_dtype_width() -> None:
         entry_nbytes(entry(0, sizes=[(1,), (2,)], dtypes=["Float"]))
 
 
+def test_a_collective_of_an_unknown_dtype_is_passed_over(recorder: Recorder) -> None:
+    trace = CollectiveTrace("0", dump=recorder.dump)
+    recorder.entries = [entry(0, dtypes=["Float4_e2m1fn_x2"]), entry(1)]
+    assert [c.record_id for c in trace.read()] == [1]
+    assert trace.unparsed == 1
+
+
 def test_an_unreadable_dump_is_a_clear_error() -> None:
     with pytest.raises(TraceFormatError, match="not readable"):
         CollectiveTrace("0", dump=lambda: b"not a pickle").read()

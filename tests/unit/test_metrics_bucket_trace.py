@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_trainer import metrics_bucket_trace
-from elastic_trainer.collective_trace import TracedCollective
+from elastic_trainer.collective_trace import CollectiveTrace, TracedCollective
 from elastic_trainer.metrics_bucket_trace import TracedBucketTimer, ddp_bucket_sizes
 
 pytestmark = pytest.mark.timeout(60)
@@ -153,6 +153,19 @@ def test_reads_once_about_half_the_ring_is_new(gloo_world: None) -> None:
     steps(1)
     timer.drain()
     assert trace.reads == 7  # learnt again: 10 new entries are not worth a read
+
+
+def test_an_unreadable_recorder_stops_the_timing_not_the_training(
+    gloo_world: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    ddp = model()
+    trace = CollectiveTrace("0", dump=lambda: b"not a pickle")
+    timer = TracedBucketTimer(ddp, trace=trace, ring_entries=2)
+    ddp(torch.randn(4, 64)).sum().backward()
+    with caplog.at_level("WARNING"):
+        assert timer.drain() == [] and timer.drain() == []
+    assert trace.reads == 1  # not read again
+    assert "allreduce timing from the flight recorder stops" in caplog.text
 
 
 OBSERVED_RUN = """
