@@ -72,8 +72,10 @@ def trace_environment(
 
 
 def _default_dump() -> bytes:
-    from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
-
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
+    except ImportError as exc:  # a torch without it (it is private API)
+        raise TraceFormatError(f"this torch cannot dump its flight recorder ({exc})") from exc
     return _dump_fr_trace(True, False, False)  # type: ignore[no-any-return]
 
 
