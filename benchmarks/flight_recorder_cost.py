@@ -32,12 +32,11 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import socket
 import statistics
 import time
 from typing import Any
 
-from workloads import add_workload_arguments, resolve_workload_arguments
+from workloads import add_workload_arguments, free_port, resolve_workload_arguments
 
 PHASES = {"hook": ("off", "hook"), "trace": ("off", "trace")}
 SETTLE = 10  # cycles left out at the start (DDP rebuilds its buckets after the first)
@@ -109,12 +108,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     if rank == 0:
         results.put((wall, stats))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_phase(phase: str, args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, Any]]:

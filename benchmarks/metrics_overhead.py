@@ -43,7 +43,6 @@ import argparse
 import os
 import queue
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workloads import add_workload_arguments, resolve_workload_arguments
+from workloads import add_workload_arguments, free_port, resolve_workload_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -295,13 +294,6 @@ def summarise(per_step: dict[str, list[float]], extra_on: float = 0.0) -> dict[s
         # Standard error of the mean difference: the spread of this run's estimate.
         out[f"{arm}_mean_se"] = statistics.stdev(diffs) / len(diffs) ** 0.5
     return out
-
-
-def free_port() -> int:
-    # Not rendezvous.etcd_server.free_port: benchmarks/rendezvous.py shadows that package here.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 WINDOW = re.compile(r"\[rank 0\].* samples/s ([0-9.]+)")

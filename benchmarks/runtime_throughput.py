@@ -38,20 +38,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workloads import add_workload_arguments, init_worker, resolve_workload_arguments, workload_of  # noqa: E402
+from workloads import (  # noqa: E402
+    add_workload_arguments,
+    free_port,
+    init_worker,
+    resolve_workload_arguments,
+    workload_of,
+)
 
 from elastic_trainer.config import TrainerConfig  # noqa: E402
 from elastic_trainer.distributed import read_env  # noqa: E402
 from elastic_trainer.observer import NullObserver  # noqa: E402
 from elastic_trainer.trainer import Trainer, TrainingJob  # noqa: E402
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _now() -> tuple[float, float]:
@@ -177,7 +175,7 @@ def report_blocks(args: argparse.Namespace, worker: Any, variants: Sequence[str]
     CPU-us/sample`` lines to the file it is given), print every block, then a table of medians
     and of per-block ratios against ``baseline``."""
     with tempfile.NamedTemporaryFile(dir=args.tmp, suffix=".txt") as out:
-        mp.start_processes(worker, args=(args.nproc, _free_port(), args, out.name), nprocs=args.nproc,
+        mp.start_processes(worker, args=(args.nproc, free_port(), args, out.name), nprocs=args.nproc,
                            start_method="spawn")  # fmt: skip
         lines = Path(out.name).read_text().splitlines()
     width = max(len(v) for v in variants)
