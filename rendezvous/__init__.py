@@ -4,7 +4,9 @@
              --nnodes=1:2 --nproc-per-node=2 train.py
 
 ``create_backend(params)`` returns ``(backend, store)`` like torch's own backends;
-``create_handler(params)`` returns the handler torchrun uses.
+``create_handler(params)`` returns the handler torchrun uses; ``parse_settings(params)`` reads
+the ``--rdzv-conf`` keys (:mod:`rendezvous.settings`); ``set_job_identity`` declares what this
+process's job runs, so that another job is refused its run id (:mod:`rendezvous.job_identity`).
 
 Names are imported lazily: importing torch's rendezvous package loads this package's torchrun
 plugin, so eager imports here would be circular.
@@ -25,6 +27,14 @@ _EXPORTS = {
     "EtcdV3Store": "rendezvous.etcd_store",
     "EtcdV3RendezvousHandler": "rendezvous.handler",
     "create_handler": "rendezvous.handler",
+    "RendezvousConfigError": "rendezvous.settings",
+    "RendezvousSettings": "rendezvous.settings",
+    "parse_conf_string": "rendezvous.settings",
+    "parse_settings": "rendezvous.settings",
+    "settings_from_conf": "rendezvous.settings",
+    "JobIdentity": "rendezvous.job_identity",
+    "RunIdInUseError": "rendezvous.job_identity",
+    "set_job_identity": "rendezvous.job_identity",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -119,22 +119,45 @@ class EtcdClientConfig:
             raise ValueError(f"read_timeout: must be > 0 seconds, got {self.read_timeout}")
         if not self.retry_timeout > 0:
             raise ValueError(f"retry_timeout: must be > 0 seconds, got {self.retry_timeout}")
-        if self.protocol not in ("http", "https"):
-            raise ValueError(f"protocol: must be 'http' or 'https', got {self.protocol!r}")
-        if self.protocol == "http" and (self.ca_cert or self.ssl_cert or self.ssl_cert_key):
-            raise ValueError("protocol: TLS files were given, so the protocol must be 'https'")
-        if bool(self.ssl_cert) != bool(self.ssl_cert_key):
-            raise ValueError("ssl_cert: ssl_cert and ssl_cert_key must be given together")
-        for name, marker in (
-            ("ca_cert", b"-----BEGIN CERTIFICATE-----"),
-            ("ssl_cert", b"-----BEGIN CERTIFICATE-----"),
-            ("ssl_cert_key", b"PRIVATE KEY-----"),
-        ):
-            path = getattr(self, name)
-            if path:
-                _check_pem_file(name, path, marker)
-        if bool(self.user) != (self.password is not None):
-            raise ValueError("user: user and password (or password_file) must be given together")
+        check_security(
+            protocol=self.protocol,
+            ca_cert=self.ca_cert,
+            ssl_cert=self.ssl_cert,
+            ssl_cert_key=self.ssl_cert_key,
+            user=self.user,
+            has_password=self.password is not None,
+        )
+
+
+def check_security(
+    *,
+    protocol: str,
+    ca_cert: str | None,
+    ssl_cert: str | None,
+    ssl_cert_key: str | None,
+    user: str | None,
+    has_password: bool,
+) -> None:
+    """Check the TLS and auth settings together; read the PEM files' headers.
+
+    Raises:
+        ValueError: ``"<setting>: <problem>"`` for the first inconsistent or unreadable setting.
+    """
+    if protocol not in ("http", "https"):
+        raise ValueError(f"protocol: must be 'http' or 'https', got {protocol!r}")
+    if protocol == "http" and (ca_cert or ssl_cert or ssl_cert_key):
+        raise ValueError("protocol: TLS files were given, so the protocol must be 'https'")
+    if bool(ssl_cert) != bool(ssl_cert_key):
+        raise ValueError("ssl_cert: ssl_cert and ssl_cert_key must be given together")
+    for name, path, marker in (
+        ("ca_cert", ca_cert, b"-----BEGIN CERTIFICATE-----"),
+        ("ssl_cert", ssl_cert, b"-----BEGIN CERTIFICATE-----"),
+        ("ssl_cert_key", ssl_cert_key, b"PRIVATE KEY-----"),
+    ):
+        if path:
+            _check_pem_file(name, path, marker)
+    if bool(user) != has_password:
+        raise ValueError("user: user and password (or password_file) must be given together")
 
 
 def _check_pem_file(name: str, path: str, marker: bytes) -> None:

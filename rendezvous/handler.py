@@ -14,6 +14,9 @@ round prefix the old rank 0 never wrote to, and waits forever. Our handler forge
 store at the start of every round, so rank 0 creates a fresh TCPStore and publishes its address
 under the new round's prefix each time -- exactly the fresh-store-per-round contract the workers
 rely on.
+
+Before a node touches the rendezvous, :func:`rendezvous.job_identity.claim_run` checks that the
+run id is not held by another job (both handlers).
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from rendezvous.etcd_backend import create_backend
+from rendezvous.etcd_backend import create_backend_from_settings
+from rendezvous.job_identity import claim_run, current_job_identity
+from rendezvous.settings import HANDLERS, RendezvousSettings, parse_settings
+
+__all__ = ["HANDLERS", "EtcdV3RendezvousHandler", "create_dynamic_handler", "create_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -48,65 +55,51 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         return super().next_rendezvous()
 
 
-def _timeout(params: RendezvousParameters, key: str) -> timedelta | None:
-    try:
-        seconds = params.get_as_int(f"{key}_timeout")
-    except ValueError:
-        raise ValueError(f"rdzv-conf {key}_timeout: {params.get(key + '_timeout')!r} is not an integer") from None
-    if seconds is None:
-        return None
-    if seconds <= 0:
-        raise ValueError(f"rdzv-conf {key}_timeout: must be > 0 seconds, got {seconds}")
-    return timedelta(seconds=seconds)
-
-
-HANDLERS = ("lease", "dynamic")
-
-
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd-v3`` handler from torchrun's rendezvous parameters.
 
     ``--rdzv-conf handler=lease`` (the default) gives the native lease/watch handler of
-    :mod:`rendezvous.lease_handler` (fast recovery; keys ``join_timeout`` 600,
-    ``last_call_timeout`` 30 -- first round only --, ``lease_ttl`` 10). ``handler=dynamic`` gives
-    torch's dynamic rendezvous over :class:`EtcdV3RendezvousBackend` (keys ``join_timeout``,
-    ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
-    ``keep_alive_max_attempt``). Both accept the connection keys of
-    :func:`rendezvous.etcd_backend.create_backend`.
+    :mod:`rendezvous.lease_handler`; ``handler=dynamic`` gives torch's dynamic rendezvous over
+    :class:`rendezvous.etcd_backend.EtcdV3RendezvousBackend`. Keys: :data:`rendezvous.settings.KEYS`.
+
+    Raises:
+        RendezvousConfigError: a malformed parameter (before any connection is made).
+        RendezvousConnectionError: etcd cannot be reached.
+        RunIdInUseError: another job holds the run id (this node has touched nothing).
     """
-    kind = str(params.get("handler", "lease")).strip().lower()
-    if kind == "lease":
+    settings = parse_settings(params)
+    if settings.handler == "lease":
         from rendezvous.lease_handler import create_lease_handler
 
-        return create_lease_handler(params)
-    if kind != "dynamic":
-        raise ValueError(f"rdzv-conf handler: must be one of {', '.join(HANDLERS)}, got {kind!r}")
-    return create_dynamic_handler(params)
+        return create_lease_handler(settings)
+    return create_dynamic_handler(settings)
 
 
-def create_dynamic_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
+def create_dynamic_handler(settings: RendezvousSettings) -> EtcdV3RendezvousHandler:
     """torch's dynamic rendezvous over etcd v3 (``--rdzv-conf handler=dynamic``)."""
-    backend, store = create_backend(params)
+    backend, store = create_backend_from_settings(settings)
+    identity = current_job_identity()
+    if identity is not None:  # the job record lives as long as the run's state (same lease)
+        try:
+            claim_run(backend.connection, f"{settings.run_prefix}/job", identity, run_id=settings.run_id,
+                      lease=backend.lease_id())
+        except BaseException:
+            backend.connection.close()
+            raise
     timeout = RendezvousTimeout(
-        _timeout(params, "join"),
-        _timeout(params, "last_call"),
-        _timeout(params, "close"),
-        _timeout(params, "heartbeat"),
+        timedelta(seconds=settings.join_timeout),
+        timedelta(seconds=settings.last_call_timeout),
+        timedelta(seconds=settings.close_timeout),
+        timedelta(seconds=settings.heartbeat_timeout),
     )
-    keep_alive_interval = params.get_as_int("keep_alive_interval", 5)
-    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
-    if not keep_alive_interval or keep_alive_interval <= 0:
-        raise ValueError(f"rdzv-conf keep_alive_interval: must be > 0, got {keep_alive_interval}")
-    if not keep_alive_max_attempt or keep_alive_max_attempt <= 0:
-        raise ValueError(f"rdzv-conf keep_alive_max_attempt: must be > 0, got {keep_alive_max_attempt}")
     return EtcdV3RendezvousHandler.from_backend(
-        params.run_id,
+        settings.run_id,
         store,
         backend,
-        params.min_nodes,
-        params.max_nodes,
-        params.local_addr,
+        settings.min_nodes,
+        settings.max_nodes,
+        settings.local_addr,
         timeout,
-        keep_alive_interval=keep_alive_interval,
-        keep_alive_max_attempt=keep_alive_max_attempt,
+        keep_alive_interval=settings.keep_alive_interval,
+        keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )

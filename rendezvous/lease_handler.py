@@ -26,9 +26,12 @@ Keys under ``{key_prefix}/{run_id}/``::
     rdzv/nodes/<node>     a live node (attached to its lease); JSON {"addr": ..., "pid": ...}
     rdzv/rounds/<r>/<node> node joined round r (attached to its lease)
     store/...             the rendezvous store (EtcdV3Store), per round under a prefix
+    job                   what the job runs (rendezvous.job_identity): another job is refused
 
 Every state change is a compare-and-swap on ``rdzv/state``'s revision, so concurrent nodes agree
-on one outcome; any node may close a round once the condition holds.
+on one outcome; any node may close a round once the condition holds. While a node waits for the
+minimum (or in the last call) it logs how many nodes have joined and how long is left, at WARNING
+so that torchrun and ``elastic-trainer run`` show it by default.
 """
 
 from __future__ import annotations
@@ -57,48 +60,15 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from rendezvous.etcd_backend import (
-    DEFAULT_TTL,
-    client_config_from_params,
-    frame_state,
-    key_prefix_from_params,
-    unframe_state,
-)
 from rendezvous.etcd_client import EtcdConnection, quiet_retries
 from rendezvous.etcd_store import EtcdV3Store
+from rendezvous.framing import frame_state, unframe_state
+from rendezvous.job_identity import claim_run, current_job_identity
+from rendezvous.settings import RendezvousSettings, parse_settings
 
 log = logging.getLogger(__name__)
 
 OPEN, COMPLETE, CLOSED = "open", "complete", "closed"
-
-
-@dataclass(kw_only=True, slots=True)
-class LeaseRendezvousSettings:
-    """Timing of the lease rendezvous (``--rdzv-conf`` keys of the same names)."""
-
-    run_id: str
-    """The job's rendezvous id."""
-    min_nodes: int
-    """Nodes needed to start."""
-    max_nodes: int
-    """Nodes admitted at most."""
-    join_timeout: float = 600.0
-    """Seconds ``next_rendezvous`` may take before it fails."""
-    last_call_timeout: float = 30.0
-    """First round only: seconds to wait for more nodes once ``min_nodes`` are in."""
-    lease_ttl: int = 10
-    """Seconds after which a silent (dead) node's membership expires."""
-
-    def __post_init__(self) -> None:
-        if not self.run_id:
-            raise ValueError("run_id: must not be empty")
-        if not 1 <= self.min_nodes <= self.max_nodes:
-            raise ValueError(f"nnodes: need 1 <= min ({self.min_nodes}) <= max ({self.max_nodes})")
-        for name in ("join_timeout", "last_call_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"rdzv-conf {name}: must be > 0, got {getattr(self, name)}")
-        if self.lease_ttl < 2:
-            raise ValueError(f"rdzv-conf lease_ttl: must be >= 2 seconds, got {self.lease_ttl}")
 
 
 @dataclass(slots=True)
@@ -143,7 +113,7 @@ class Snapshot:
 
 
 def decide_close(
-    snapshot: Snapshot, settings: LeaseRendezvousSettings, min_reached_for: float
+    snapshot: Snapshot, settings: RendezvousSettings, min_reached_for: float
 ) -> list[str] | None:
     """The participants of the open round if it may close now, else ``None``.
 
@@ -208,15 +178,21 @@ class RunKeys:
         self.nodes = f"{base}/rdzv/nodes/"
         self.rounds = f"{base}/rdzv/rounds/"
         self.store = f"{base}/store"
+        self.job = f"{base}/job"
+
+    @classmethod
+    def from_settings(cls, settings: RendezvousSettings) -> RunKeys:
+        """The keys of the settings' run under their ``key_prefix``."""
+        return cls(settings.key_prefix, settings.run_id)
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> RunKeys:
         """The keys of ``params.run_id`` under the ``key_prefix`` rdzv-conf key (default
-        :data:`rendezvous.etcd_backend.DEFAULT_KEY_PREFIX`): the handler's and ``status``'s.
+        :data:`rendezvous.settings.DEFAULT_KEY_PREFIX`): the handler's and ``status``'s.
 
         Raises:
-            ValueError: ``key_prefix`` is not an absolute path (as for the dynamic handler)."""
-        return cls(key_prefix_from_params(params), params.run_id)
+            RendezvousConfigError: a malformed parameter (see :func:`parse_settings`)."""
+        return cls.from_settings(parse_settings(params))
 
     def node(self, node: str) -> str:
         return self.nodes + node
@@ -380,25 +356,17 @@ class LeaseRendezvousHandler(RendezvousHandler):
     """The ``etcd-v3`` handler: see the module docstring."""
 
     _SAFETY_RECHECK_S = 2.0
+    _PROGRESS_LOG_S = 5.0  # while waiting for nodes: a line this often
 
-    def __init__(
-        self,
-        connection: EtcdConnection,
-        settings: LeaseRendezvousSettings,
-        keys: RunKeys,
-        local_addr: str | None = None,
-        store_ttl: int = 7200,
-    ) -> None:
-        if keys.run_id != settings.run_id:
-            raise ValueError(f"keys: run id {keys.run_id!r} is not the settings' {settings.run_id!r}")
+    def __init__(self, connection: EtcdConnection, settings: RendezvousSettings) -> None:
         self._connection = connection
         self._settings = settings
-        self._keys = keys
-        self._addr = local_addr or socket.getfqdn()
+        self._keys = RunKeys.from_settings(settings)
+        self._addr = settings.local_addr or socket.getfqdn()
         self.node_id = f"{self._addr}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         node_info = NodeInfo(self._addr, os.getpid()).encode()
         self._lease = _NodeLease(connection, self._keys.node(self.node_id), node_info, settings.lease_ttl)
-        self._store = EtcdV3Store(connection, self._keys.store, ttl=store_ttl)
+        self._store = EtcdV3Store(connection, self._keys.store, ttl=settings.ttl)
         self._watch = _PrefixWatch(connection, self._keys.rdzv, self._on_event)
         self._round = -1  # the round this node last completed
         self._latest_round = -1  # the highest round number seen (cache fed by the watch)
@@ -540,6 +508,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         settings = self._settings
         joined_round: int | None = None
         min_reached_at: float | None = None
+        next_progress_at = time.monotonic() + self._PROGRESS_LOG_S
         while True:
             seen = self._watch.version
             snapshot = self._read()
@@ -548,7 +517,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousTimeoutError(
-                    f"etcd-v3: no rendezvous of run {settings.run_id!r} within {settings.join_timeout:g}s"
+                    f"etcd-v3: no rendezvous of run {settings.run_id!r} within {settings.join_timeout:g}s: "
+                    f"{waiting_summary(snapshot, settings, self.node_id)}"
                 )
             if state is None:
                 self._swap(0, RoundState(0, OPEN))
@@ -596,37 +566,62 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 closed = RoundState(state.round, COMPLETE, participants, state.previous)
                 self._swap(snapshot.state_revision, closed, stale)
                 continue
-            timeout = self._SAFETY_RECHECK_S
-            if min_reached_at is not None and state.previous is None:
+            in_last_call = min_reached_at is not None and state.previous is None
+            if now >= next_progress_at and (min_reached_at is None or in_last_call):
+                self._log_progress(len(live_joined), deadline - now, settings.last_call_timeout - waited)
+                next_progress_at = now + self._PROGRESS_LOG_S
+            timeout = min(self._SAFETY_RECHECK_S, max(next_progress_at - now, 0.05))
+            if in_last_call:
                 timeout = min(timeout, settings.last_call_timeout - waited)
             self._watch.wait(seen, min(timeout, deadline - now))
 
+    def _log_progress(self, joined: int, left: float, last_call_left: float) -> None:
+        settings = self._settings
+        if joined < settings.min_nodes:
+            log.warning("etcd-v3: run %s: waiting for nodes: %d of min %d joined, %.0f s left",
+                        settings.run_id, joined, settings.min_nodes, max(left, 0.0))
+        else:
+            log.warning("etcd-v3: run %s: waiting for more nodes: %d joined (min %d, max %d), "
+                        "last call ends in %.0f s", settings.run_id, joined, settings.min_nodes,
+                        settings.max_nodes, max(last_call_left, 0.0))
 
-def create_lease_handler(params: RendezvousParameters) -> LeaseRendezvousHandler:
-    """Build the handler from torchrun's parameters (keys: see :func:`rendezvous.handler.create_handler`)."""
 
-    def number(key: str, default: float) -> float:
-        value = params.get(key, default)
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"rdzv-conf {key}: {value!r} is not a number") from None
+def waiting_summary(snapshot: Snapshot, settings: RendezvousSettings, node_id: str) -> str:
+    """Why a round has not closed for ``node_id``, for people (the join-timeout error)."""
+    state = snapshot.state
+    if state is None:
+        return "no round was open"
+    if state.status == COMPLETE:
+        live = [n for n in state.participants if n in snapshot.live]
+        return (f"the job is full ({len(live)} of max {settings.max_nodes} nodes run it); "
+                "this node waited as a spare")
+    if state.status != OPEN:
+        return f"the rendezvous is {state.status}"
+    joined = [n for n in snapshot.joined.get(state.round, []) if n in snapshot.live]
+    if len(joined) < settings.min_nodes:
+        return f"{len(joined)} of min {settings.min_nodes} nodes had joined round {state.round}"
+    missing = [n for n in state.previous or [] if n in snapshot.live and n not in joined]
+    if missing:
+        return (f"{len(joined)} nodes had joined round {state.round}; {len(missing)} live member(s) "
+                f"of the previous round had not rejoined: {', '.join(missing)}")
+    return f"{len(joined)} nodes had joined round {state.round} (min {settings.min_nodes}), still in the last call"
 
-    settings = LeaseRendezvousSettings(
-        run_id=params.run_id,
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        join_timeout=number("join_timeout", 600),
-        last_call_timeout=number("last_call_timeout", 30),
-        lease_ttl=int(number("lease_ttl", 10)),
-    )
-    ttl = int(number("ttl", DEFAULT_TTL))
-    keys = RunKeys.from_params(params)  # settings first: a bad one fails before any connection
-    connection = EtcdConnection(client_config_from_params(params))
+
+def create_lease_handler(settings: RendezvousSettings) -> LeaseRendezvousHandler:
+    """Build the handler from parsed settings (see :func:`rendezvous.handler.create_handler`).
+
+    Raises:
+        RendezvousConfigError: no endpoint (before any connection is made).
+        RendezvousConnectionError: etcd cannot be reached.
+        RunIdInUseError: another job holds the run id (this node has written nothing).
+    """
+    connection = EtcdConnection(settings.client_config())
     try:
         connection.check()
-        return LeaseRendezvousHandler(connection, settings, keys, params.local_addr, store_ttl=ttl)
+        identity = current_job_identity()
+        if identity is not None:  # no lease: the record lives as long as the round state
+            claim_run(connection, RunKeys.from_settings(settings).job, identity, run_id=settings.run_id)
+        return LeaseRendezvousHandler(connection, settings)
     except BaseException:
         connection.close()
         raise
-

@@ -1,12 +1,18 @@
 """The ``torchrun.handlers`` entry point of ``etcd-v3``.
 
-Deliberately free of module-level imports: torch imports every ``torchrun.handlers`` plugin while
+Deliberately free of module-level torch imports: torch imports every ``torchrun.handlers`` plugin while
 its own rendezvous package is still initialising, so this module must load without importing
 torch, and the handler is imported only when torchrun actually creates one.
+
+torchrun creates the handler before its agent starts and outside the ``try`` that would shut a
+rendezvous down, so a mistake found here (a bad ``--rdzv-conf``, an unreachable etcd, a run id
+held by another job) ends the process with one line on stderr and exit status 2, no traceback,
+and nothing of a running job touched.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,10 +22,23 @@ BACKEND_NAME = "etcd-v3"
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Create the ``etcd-v3`` handler (see :func:`rendezvous.handler.create_handler`)."""
-    from rendezvous.handler import create_handler
+    """Create the ``etcd-v3`` handler (see :func:`rendezvous.handler.create_handler`).
 
-    return create_handler(params)
+    Raises:
+        SystemExit: (status 2) after printing ``etcd-v3: error: <one line>`` to stderr, for a
+            bad setting, an unreachable etcd, or a run id held by another job.
+    """
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from rendezvous.handler import create_handler
+    from rendezvous.job_identity import RunIdInUseError
+    from rendezvous.settings import RendezvousConfigError
+
+    try:
+        return create_handler(params)
+    except (RendezvousConfigError, RendezvousConnectionError, RunIdInUseError) as exc:
+        print(f"{BACKEND_NAME}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def torchrun_plugin() -> Any:

@@ -7,12 +7,17 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
-from rendezvous.etcd_backend import client_config_from_params, frame_state, unframe_state
 from rendezvous.etcd_client import Endpoint, EtcdClientConfig, parse_endpoints
+from rendezvous.framing import frame_state, unframe_state
+from rendezvous.settings import RendezvousConfigError, parse_settings
 
 
 def params(endpoint: str = "h:1", **conf: object) -> RendezvousParameters:
     return RendezvousParameters("etcd-v3", endpoint, "run", 1, 2, **conf)
+
+
+def client_config(params: RendezvousParameters) -> EtcdClientConfig:
+    return parse_settings(params).client_config()
 
 
 @pytest.mark.parametrize(
@@ -53,15 +58,18 @@ def test_parse_endpoints_rejects(text: str, message: str) -> None:
         ({"protocol": "ftp"}, "rdzv-conf protocol: must be 'http' or 'https'"),
         ({"user": "root"}, "rdzv-conf user: user and password"),
         ({"password": "x", "password_file": "/f"}, "give password or password_file, not both"),
+        ({"ssl_cert": "/c.pem"}, "rdzv-conf protocol: TLS files were given"),
+        ({"protocol": "https", "ca_cert": "/no/such.pem"}, "rdzv-conf ca_cert: cannot read /no/such.pem"),
     ],
 )
 def test_bad_conf_values_name_the_key(conf: dict[str, str], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        client_config_from_params(params(**conf))
+    with pytest.raises(RendezvousConfigError, match=message) as raised:
+        client_config(params(**conf))
+    assert "\n" not in str(raised.value)
 
 
 def test_defaults() -> None:
-    config = client_config_from_params(params("a:1,b:2"))
+    config = client_config(params("a:1,b:2"))
     assert config.endpoints == (Endpoint("a", 1), Endpoint("b", 2))
     assert (config.read_timeout, config.retry_timeout, config.protocol) == (10.0, 20.0, "http")
 
@@ -69,7 +77,7 @@ def test_defaults() -> None:
 def test_password_is_not_in_repr(tmp_path: Path) -> None:
     secret = tmp_path / "pw"
     secret.write_text("hunter2\n")
-    config = client_config_from_params(params(user="u", password_file=str(secret)))
+    config = client_config(params(user="u", password_file=str(secret)))
     assert config.password == "hunter2"
     assert "hunter2" not in repr(config)
 
@@ -77,6 +85,11 @@ def test_password_is_not_in_repr(tmp_path: Path) -> None:
 def test_config_requires_an_endpoint() -> None:
     with pytest.raises(ValueError, match="endpoints"):
         EtcdClientConfig(endpoints=())
+    settings = parse_settings(params(""))  # a launcher may check its settings before etcd exists
+    with pytest.raises(RendezvousConfigError, match="rdzv endpoint: none given"):
+        settings.client_config()
+    with pytest.raises(RendezvousConfigError, match="port 'x'"):
+        parse_settings(params("h:x"))
 
 
 def test_framing_round_trip_and_tamper_detection() -> None:

@@ -5,20 +5,22 @@ from __future__ import annotations
 import pytest
 
 from rendezvous.lease_handler import (
+    COMPLETE,
     OPEN,
-    LeaseRendezvousSettings,
     RoundState,
     Snapshot,
     decide_close,
     order_participants,
+    waiting_summary,
 )
+from rendezvous.settings import RendezvousSettings
 
 
 def snapshot(joined: list[str], live: set[str], previous: list[str] | None) -> Snapshot:
     return Snapshot(10, RoundState(3, OPEN, [], previous), 9, live, {3: joined})
 
 
-SETTINGS = LeaseRendezvousSettings(run_id="r", min_nodes=2, max_nodes=4, last_call_timeout=30)
+SETTINGS = RendezvousSettings(run_id="r", min_nodes=2, max_nodes=4, last_call_timeout=30)
 
 
 @pytest.mark.parametrize(
@@ -47,7 +49,7 @@ def test_ranks_stay_stable_and_newcomers_follow() -> None:
 
 
 def test_at_most_max_nodes() -> None:
-    settings = LeaseRendezvousSettings(run_id="r", min_nodes=1, max_nodes=2)
+    settings = RendezvousSettings(run_id="r", min_nodes=1, max_nodes=2)
     assert decide_close(snapshot(["a", "b", "c"], {"a", "b", "c"}, ["a", "b"]), settings, 0) == ["a", "b"]
 
 
@@ -58,4 +60,19 @@ def test_at_most_max_nodes() -> None:
 def test_settings_validation(kwargs, message) -> None:  # type: ignore[no-untyped-def]
     base = {"run_id": "r", "min_nodes": 1, "max_nodes": 2}
     with pytest.raises(ValueError, match=message):
-        LeaseRendezvousSettings(**{**base, **kwargs})
+        RendezvousSettings(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("snap", "expected"),
+    [
+        (Snapshot(1, None, 0, set(), {}), "no round was open"),
+        (snapshot(["a"], {"a"}, None), "1 of min 2 nodes had joined round 3"),
+        (snapshot(["a", "b"], {"a", "b"}, None), "2 nodes had joined round 3 (min 2), still in the last call"),
+        (snapshot(["a", "b"], {"a", "b", "c"}, ["a", "b", "c"]), "1 live member(s) of the previous round had not rejoined: c"),
+        (Snapshot(1, RoundState(2, COMPLETE, ["p", "q", "r", "s"]), 1, {"p", "q", "r", "s", "me"}, {}),
+         "the job is full (4 of max 4 nodes run it); this node waited as a spare"),
+    ],
+)
+def test_the_join_timeout_says_what_was_missing(snap: Snapshot, expected: str) -> None:
+    assert expected in waiting_summary(snap, SETTINGS, "me")
