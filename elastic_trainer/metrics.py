@@ -9,7 +9,9 @@ counters outlive it: a restarted worker's counters continue from the dead one's.
 are gathered in plain Python and written to those files once a second
 (:data:`DEFAULT_FLUSH_INTERVAL_S`), not on every step (see :class:`PrometheusObserver`).
 
-Worker metrics (``run_id`` and ``node`` on all; ``rank``/``local_rank`` where marked *):
+Worker metrics (``run_id`` and ``node`` on all; ``rank``/``local_rank`` where marked *). ``node`` is
+the node's name ``{short host}-{agent pid}`` (:mod:`elastic_trainer.node_name`), the name
+``elastic-trainer status`` shows, exported by the launcher to its workers:
 
 =================================================  =========  ==================================
 name                                               type       meaning
@@ -21,7 +23,12 @@ elastic_trainer_data_wait_seconds *                histogram  time a step waited
 elastic_trainer_step_compute_seconds *             histogram  step time minus the exposed
                                                               allreduce wait (straggler signal)
 elastic_trainer_step *                             gauge      last finished step
+elastic_trainer_target_steps                       gauge      steps the job trains for in all
+                                                              (max_steps or epochs x steps/epoch)
+elastic_trainer_last_step_timestamp_seconds        gauge      unix time of the last finished step
+                                                              (a hang: time() minus it grows)
 elastic_trainer_loss *                             gauge      last loss
+elastic_trainer_learning_rate                      gauge      learning rate of the last step
 elastic_trainer_allreduce_duration_seconds *       histogram  one gradient bucket's allreduce
 elastic_trainer_allreduce_bucket_bytes *           histogram  size of each allreduced bucket
 elastic_trainer_allreduce_bytes_total *            counter    bytes allreduced
@@ -29,7 +36,6 @@ elastic_trainer_allreduce_bus_bandwidth_bytes_per_second *
                                                    gauge      nccl-tests bus bandwidth,
                                                               2(n-1)/n * bytes / time
 elastic_trainer_world_size                         gauge      ranks in the current world
-elastic_trainer_worker_restarts                    gauge      TORCHELASTIC_RESTART_COUNT
 elastic_trainer_checkpoint_save_duration_seconds   histogram  checkpoint write stall (rank 0)
 elastic_trainer_checkpoint_load_duration_seconds * histogram  checkpoint restore time
 elastic_trainer_checkpoint_saved_bytes_total       counter    bytes written to checkpoints
@@ -38,9 +44,17 @@ elastic_trainer_last_checkpoint_step               gauge      step of the newest
 elastic_trainer_last_checkpoint_timestamp_seconds  gauge      unix time of the newest save
 =================================================  =========  ==================================
 
-Multiprocess modes: gauges describing a live process (step, loss, bandwidth, world size) use
-``livemostrecent``, so they vanish when the launcher marks a dead worker's pid dead; facts that
-stay true after a worker dies (restarts, newest checkpoint) use ``max``/``mostrecent``.
+Restarts are counted once, by the agent: ``elastic_trainer_restarts_total``
+(:mod:`elastic_trainer.metrics_agent`), every worker-group restart of the node, after a failure
+or a membership change. Workers export no restart count of their own (their
+``TORCHELASTIC_RESTART_COUNT`` counts failure restarts only, so the two used to disagree).
+Throughput is ``rate(elastic_trainer_samples_total)``; steps per second is the per-rank rate of
+``elastic_trainer_step_duration_seconds_count``; the ETA is (target - step) / steps per second.
+
+Multiprocess modes: gauges describing a live process (step, loss, learning rate, bandwidth,
+world size) use ``livemostrecent``, so they vanish when the launcher marks a dead worker's pid
+dead; facts that stay true after a worker dies (newest checkpoint, last step time, target steps)
+use ``max``/``mostrecent``.
 
 The straggler signal is computed in PromQL from the per-rank ``step_compute`` histograms (each
 rank's mean against the median across ranks): no extra collective in the step. Whole-step times
@@ -61,7 +75,6 @@ import atexit
 import logging
 import math
 import os
-import socket
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
@@ -92,6 +105,7 @@ from elastic_trainer.metrics_server import (
     serve_node_metrics,
     start_launcher_metrics,
 )
+from elastic_trainer.node_name import worker_node_name
 
 __all__ = [
     "DEFAULT_METRICS_ADDR",
@@ -149,7 +163,8 @@ class WorkerLabels:
     run_id: str
     """The job's rendezvous id (``TORCHELASTIC_RUN_ID``)."""
     node: str
-    """The host (Kubernetes pod) the worker runs on; stable across restarts, unlike GROUP_RANK."""
+    """The node's name, ``{short host}-{agent pid}`` (:mod:`elastic_trainer.node_name`): stable
+    across worker restarts, unlike GROUP_RANK, and the name ``elastic-trainer status`` shows."""
     rank: int
     """Global rank (``RANK``)."""
     local_rank: int
@@ -167,7 +182,8 @@ class WorkerLabels:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerLabels:
-        """Read the labels torchrun gives every worker (defaults for a plain single process)."""
+        """Read the labels torchrun and the launcher give every worker (defaults for a plain
+        single process; the node name from ``ELASTIC_TRAINER_NODE``, else the short host name)."""
         env = dict(os.environ) if env is None else env
         try:
             rank = int(env.get("RANK", "0"))
@@ -176,7 +192,7 @@ class WorkerLabels:
             raise ValueError(f"RANK and LOCAL_RANK must be integers: {exc}") from exc
         return cls(
             run_id=env.get("TORCHELASTIC_RUN_ID") or "none",
-            node=socket.gethostname() or "unknown",
+            node=worker_node_name(env),
             rank=rank,
             local_rank=local_rank,
         )
@@ -240,8 +256,32 @@ class _WorkerMetrics:
             rank,
             STEP_SECONDS_BUCKETS,
         )
-        self.step = gauge("step", "Last optimizer step this rank finished.", rank, "livemostrecent")
+        # Lazy: no series before the first value (a 0 would read as "done", "1970" or, after a
+        # resume, as a step backwards).
+        self.step = gauge("step", "Last optimizer step this rank finished.", rank, "livemostrecent", lazy=True)
+        self.target_steps = gauge(
+            "target_steps",
+            "Optimizer steps the job trains for in all (max_steps, or epochs x steps per epoch).",
+            node,
+            "mostrecent",
+            lazy=True,
+        )
+        self.last_step_time = gauge(
+            "last_step_timestamp_seconds",
+            "Unix time the last optimizer step finished on this node (time() minus it grows "
+            "while training hangs or restarts).",
+            node,
+            "max",
+            lazy=True,
+        )
         self.loss = gauge("loss", "Training loss of this rank's last step.", rank, "livemostrecent")
+        self.learning_rate = gauge(
+            "learning_rate",
+            "Learning rate of the last optimizer step (first parameter group).",
+            node,
+            "livemostrecent",
+            lazy=True,
+        )
         self.allreduce_duration = histogram(
             "allreduce_duration_seconds",
             "Launch to completion of one gradient bucket's allreduce (DDP comm hook).",
@@ -264,12 +304,6 @@ class _WorkerMetrics:
         )
         self.world_size = gauge(
             "world_size", "Ranks in the current world.", node, "livemostrecent"
-        )
-        self.worker_restarts = gauge(
-            "worker_restarts",
-            "Restarts after failures before these workers started (TORCHELASTIC_RESTART_COUNT).",
-            node,
-            "max",
         )
         self.checkpoint_save_duration = histogram(
             "checkpoint_save_duration_seconds",
@@ -423,13 +457,19 @@ class PrometheusObserver:
         self._allreduce_bytes = 0
         self._step: int | None = None
         self._loss: float | None = None
+        self._lr: float | None = None
+        self._last_step_at: float | None = None  # monotonic time of the last reported step
         self._busbw: float | None = None
 
-    def on_start(self, *, world_size: int, restart_count: int) -> None:
-        """See :class:`~elastic_trainer.observer.TrainingObserver`."""
+    def on_start(self, *, world_size: int, restart_count: int, total_steps: int | None = None) -> None:
+        """See :class:`~elastic_trainer.observer.TrainingObserver`.
+
+        ``restart_count`` is not exported: the agent counts restarts
+        (``elastic_trainer_restarts_total``), failures and membership changes alike."""
         self._world_size = world_size
         self._m.world_size.set(world_size)
-        self._m.worker_restarts.set(restart_count)
+        if total_steps is not None:
+            self._m.target_steps.set(total_steps)
 
     def on_step(
         self,
@@ -440,10 +480,11 @@ class PrometheusObserver:
         samples: int,
         tokens: int,
         loss: float | None,
+        lr: float | None = None,
     ) -> None:
         """See :class:`~elastic_trainer.observer.TrainingObserver`.
 
-        Only appends the step to a list. The next :meth:`flush` (at most ``flush_interval_s``
+        Only appends the step to a list (and keeps ``lr`` and the step's time). The next :meth:`flush` (at most ``flush_interval_s``
         or :data:`MAX_DEFERRED_STEPS` steps later) turns the gathered steps into samples in one
         tight loop, which costs a fraction of doing the same work once per step right after a
         training step has evicted it from the caches."""
@@ -452,6 +493,9 @@ class PrometheusObserver:
         steps.append((step, duration_s, data_wait_s, samples, tokens, loss,
                       -1 if timer is None else timer.step_seq))  # fmt: skip
         now = self._clock()
+        self._last_step_at = now
+        if lr is not None:
+            self._lr = lr
         if len(steps) >= MAX_DEFERRED_STEPS or now >= self._next_flush:
             self.flush()
             self._next_flush = now + self.flush_interval_s
@@ -591,6 +635,14 @@ class PrometheusObserver:
         if self._loss is not None:
             m.loss.set(self._loss)
             self._loss = None
+        if self._lr is not None:
+            if math.isfinite(self._lr):
+                m.learning_rate.set(self._lr)
+            self._lr = None
+        if self._last_step_at is not None:
+            # The step's wall time, from the monotonic time kept per step (one clock read per step).
+            m.last_step_time.set(self._wall_clock() - max(0.0, self._clock() - self._last_step_at))
+            self._last_step_at = None
         if self._busbw is not None:
             m.allreduce_busbw.set(self._busbw)
             self._busbw = None

@@ -14,12 +14,16 @@ process:
   ``torchelastic.worker.status.RENDEZVOUS`` (one per round, with ``duration_ms``) and
   ``...START`` (one per started worker, with the new group's node and worker counts).
 
-Agent metrics, all labelled ``run_id`` and ``node``:
+Agent metrics, all labelled ``run_id`` and ``node`` (the node's name, ``{short host}-{agent pid}``,
+see :mod:`elastic_trainer.node_name`):
 
 =============================================  =========  ======================================
-elastic_trainer_agent_restarts_total           counter    worker-group restarts by this agent
-                                                          (failures and membership changes)
-elastic_trainer_agent_remaining_restarts       gauge      failure restarts left (--max-restarts)
+elastic_trainer_restarts_total                 counter    worker-group restarts on this node, as
+                                                          the agent counts them (after a worker
+                                                          failure or a membership change); the
+                                                          job's one restart count
+elastic_trainer_agent_remaining_restarts       gauge      failure restarts left (--max-restarts;
+                                                          membership changes do not use them up)
 elastic_trainer_worker_group_state             gauge      1 for the current state, label
                                                           ``state`` (healthy, unhealthy, ...)
 elastic_trainer_rendezvous_duration_seconds    histogram  one rendezvous round; ``_count`` is
@@ -99,7 +103,7 @@ class AgentMetrics:
 
     Args:
         run_id: the job's rendezvous id.
-        node: this node's name (host / pod name), the same as the workers' ``node`` label.
+        node: this node's name (:mod:`elastic_trainer.node_name`), the workers' ``node`` label.
         registry: registered there when given (tests inject their own).
     """
 
@@ -108,6 +112,7 @@ class AgentMetrics:
             raise ValueError("run_id must not be empty")
         if not node:
             raise ValueError("node must not be empty")
+        self.run_id, self.node = run_id, node
         self._labels = [run_id, node]
         self._lock = threading.Lock()  # written by the agent thread, read by scrapes
         self._restarts = 0
@@ -162,8 +167,9 @@ class AgentMetrics:
     def _families(self) -> list[Metric]:
         labels = ["run_id", "node"]
         restarts = CounterMetricFamily(
-            PREFIX + "agent_restarts",
-            "Worker-group restarts by this node's agent, after failures or membership changes.",
+            PREFIX + "restarts",
+            "Worker-group restarts on this node, as its agent counts them: after a worker failure "
+            "or a membership change.",
             labels=labels,
         )
         restarts.add_metric(self._labels, self._restarts)

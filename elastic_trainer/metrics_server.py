@@ -3,7 +3,9 @@
 The launcher calls :func:`start_launcher_metrics` before it starts torchrun's agent:
 
 1. it creates the multiprocess directory and exports ``PROMETHEUS_MULTIPROC_DIR`` (and
-   ``ELASTIC_TRAINER_METRICS=1`` unless set) so every worker the agent starts reports there;
+   ``ELASTIC_TRAINER_METRICS=1`` unless set) so every worker the agent starts reports there,
+   and ``ELASTIC_TRAINER_NODE``, the node's name (:mod:`elastic_trainer.node_name`), so that the
+   workers' ``node`` label is the agent's and the one ``elastic-trainer status`` shows;
 2. it routes the agent's torch elastic metrics and events into :class:`AgentMetrics`;
 3. it serves ``http://<addr>:<port>/metrics`` (default ``0.0.0.0:9400``) from a daemon thread:
    the workers' files merged by prometheus-client's ``MultiProcessCollector``, plus the agent's
@@ -36,7 +38,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -50,6 +51,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 
 from elastic_trainer.metrics_agent import AgentMetrics, install_agent_hooks
+from elastic_trainer.node_name import NODE_NAME_ENV, local_node_name
 
 log = logging.getLogger(__name__)
 
@@ -254,8 +256,10 @@ class LauncherMetricsConfig:
     """TCP port of the endpoint (``--metrics-port``); 0 picks a free one."""
     run_id: str = "none"
     """The job's rendezvous id, the ``run_id`` label of the agent's metrics."""
-    node: str = field(default_factory=socket.gethostname)
-    """This node's name, the ``node`` label (the workers use the host name too)."""
+    node: str = field(default_factory=local_node_name)
+    """This node's name, the ``node`` label of the agent's metrics and (exported to them as
+    ``ELASTIC_TRAINER_NODE``) of the workers'; default ``{short host}-{this pid}``, the name
+    ``elastic-trainer status`` derives from the rendezvous (the agent runs in this process)."""
     multiproc_dir: str | None = None
     """Directory for the workers' metric files; ``None``: ``$PROMETHEUS_MULTIPROC_DIR`` if set,
     else a fresh temporary directory removed on close. Stale ``*.db`` files are deleted."""
@@ -289,6 +293,21 @@ class LauncherMetrics:
         self._cleanup = cleanup
 
     @property
+    def registry(self) -> CollectorRegistry:
+        """What the endpoint serves (workers' files merged, plus the agent's): read it in-process
+        (``elastic_trainer.progress_publisher``) instead of scraping the port."""
+        return self.server.registry
+
+    @property
+    def node(self) -> str:
+        """This node's name (the ``node`` label)."""
+        return self.agent_metrics.node
+
+    @property
+    def run_id(self) -> str:
+        return self.agent_metrics.run_id
+
+    @property
     def port(self) -> int:
         return self.server.port
 
@@ -316,8 +335,9 @@ class LauncherMetrics:
 def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
     """Prepare the launcher process to serve its node's metrics; call before starting the agent.
 
-    Sets ``PROMETHEUS_MULTIPROC_DIR`` (and ``ELASTIC_TRAINER_METRICS=1`` unless already set)
-    in this process's environment, which the agent passes to every worker it starts.
+    Sets ``PROMETHEUS_MULTIPROC_DIR``, ``ELASTIC_TRAINER_NODE`` (and ``ELASTIC_TRAINER_METRICS=1``
+    unless already set) in this process's environment, which the agent passes to every worker
+    it starts.
 
     Raises:
         MetricsError: the directory cannot be prepared, the endpoint cannot be bound, or
@@ -335,6 +355,7 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
         cleanup.append(_set_env(MULTIPROC_DIR_ENV, directory))
         if METRICS_SWITCH_ENV not in os.environ:
             cleanup.append(_set_env(METRICS_SWITCH_ENV, "1"))
+        cleanup.append(_set_env(NODE_NAME_ENV, config.node))
         agent_metrics = AgentMetrics(run_id=config.run_id, node=config.node)
         cleanup.append(install_agent_hooks(agent_metrics))
         server = serve_node_metrics(

@@ -12,8 +12,11 @@ from typing import Any, Protocol
 class TrainingObserver(Protocol):
     """Receives the runtime's events. Every method must be cheap and must not synchronise."""
 
-    def on_start(self, *, world_size: int, restart_count: int) -> None:
-        """Workers (re)started in a world of ``world_size`` ranks, after ``restart_count`` restarts."""
+    def on_start(self, *, world_size: int, restart_count: int, total_steps: int | None = None) -> None:
+        """Workers (re)started in a world of ``world_size`` ranks, after ``restart_count`` restarts.
+
+        ``total_steps``: the optimizer steps the job trains for in all (``max_steps``, or
+        epochs x steps per epoch), when known: the target of the progress and ETA."""
 
     def on_step(
         self,
@@ -24,8 +27,12 @@ class TrainingObserver(Protocol):
         samples: int,
         tokens: int,
         loss: float | None,
+        lr: float | None = None,
     ) -> None:
-        """One optimizer step finished on this rank (``samples``/``tokens`` this rank processed)."""
+        """One optimizer step finished on this rank (``samples``/``tokens`` this rank processed).
+
+        Values arrive as Python numbers (never tensors: reading one would synchronise with the
+        GPU); ``lr`` is the learning rate the step used (first parameter group), when known."""
 
     def on_priming(self, *, backward_passes: int) -> None:
         """``backward_passes`` synchronised backward passes ran that belong to no step (DDP bucket
@@ -45,7 +52,7 @@ class TrainingObserver(Protocol):
 class NullObserver:
     """A :class:`TrainingObserver` that records nothing."""
 
-    def on_start(self, *, world_size: int, restart_count: int) -> None:
+    def on_start(self, *, world_size: int, restart_count: int, total_steps: int | None = None) -> None:
         pass
 
     def on_step(
@@ -57,6 +64,7 @@ class NullObserver:
         samples: int,
         tokens: int,
         loss: float | None,
+        lr: float | None = None,
     ) -> None:
         pass
 

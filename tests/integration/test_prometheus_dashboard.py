@@ -5,7 +5,8 @@ small wrapper that does what ``elastic-trainer run`` does: it calls ``start_laun
 and then ``torch.distributed.run.main`` in-process, so the node endpoint lives in the agent's
 process and survives worker restarts. The test SIGKILLs one
 worker mid-run and checks that the endpoint kept answering, counters kept rising (also through
-Prometheus' ``resets()``), and the restart counts went up.
+Prometheus' ``resets()``), the one restart count went up, and the ``node`` label is the name
+``elastic-trainer status`` gives the node from the rendezvous.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic_trainer.status import read_status
 from rendezvous.etcd_server import EtcdServer, free_port
 from tests.agents import children
 from tests.prometheus_server import prometheus_server, require_binary, wait_for
@@ -158,6 +160,8 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
         launcher(tmp_path, etcd_server, unique_id, port) as proc,
         prometheus_server(tmp_path / "prometheus", [f"127.0.0.1:{port}"]) as prom,
     ):
+        # {short host}-{agent pid}: the agent runs in the launcher process.
+        node = f"{socket.getfqdn().split('.')[0]}-{proc.pid}"
 
         def progressed(min_ckpt_step: float) -> str | None:
             text = scrape(url)
@@ -187,8 +191,7 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
             def restarted() -> str | None:
                 text = scrape(url)
                 ok = (
-                    values(text, "elastic_trainer_worker_restarts") == [1.0]
-                    and total(text, "elastic_trainer_agent_restarts_total") >= 1
+                    values(text, "elastic_trainer_restarts_total") == [1.0]
                     and total(text, "elastic_trainer_samples_total") > samples_before + 25 * 128
                 )
                 return text if ok else None
@@ -199,6 +202,14 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
             assert not list((tmp_path / "multiproc").glob(f"gauge_live*_{victim}.db"))
             assert total(after_text, "elastic_trainer_checkpoint_loaded_bytes_total") > 0
             assert total(after_text, "elastic_trainer_rendezvous_duration_seconds_count") >= 2
+            # One restart count: nothing else counts restarts.
+            restart_counts = {n for n, _, _ in samples(after_text) if "restarts" in n and "remaining" not in n}
+            assert restart_counts == {"elastic_trainer_restarts_total"}
+
+            # The node's name is the same in the metrics and in `status` (from the rendezvous).
+            status = read_status(etcd_server.endpoint, unique_id, {}, None)
+            assert {p["name"] for p in status["participants"]} == {node}
+            assert {ls["node"] for n, ls, _ in samples(after_text) if n.startswith("elastic_trainer_")} == {node}
         finally:
             poller.stop()
             thread.join(timeout=10)
@@ -214,7 +225,7 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
         window = f"{int(ended - started) + 30}s"
         resets = prom.query(f"resets(elastic_trainer_samples_total[{window}])")
         assert resets and all(float(r["value"][1]) == 0 for r in resets), resets
-        restarts = prom.query(f"max_over_time(elastic_trainer_agent_restarts_total[{window}])")
+        restarts = prom.query(f"max_over_time(elastic_trainer_restarts_total[{window}])")
         assert restarts and max(float(r["value"][1]) for r in restarts) >= 1
 
         # Every dashboard expression, as Grafana would send it, returns finite data for the run.
@@ -229,5 +240,5 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
             found = prom.label_values(label, selector)
             assert found, f"variable {name} has no values"
         assert unique_id in prom.label_values("run_id", "elastic_trainer_samples_total")
-        assert socket.gethostname() in prom.label_values("node", "elastic_trainer_samples_total")
+        assert prom.label_values("node", "elastic_trainer_samples_total") == [node]
 

@@ -63,19 +63,31 @@ def agent_event(state: str, *, group_world_size: int, duration_ms: float | None 
 def test_restarts_remaining_and_state_from_put_metric(
     agent: AgentMetrics, registry: CollectorRegistry
 ) -> None:
-    assert value(registry, "elastic_trainer_agent_restarts_total") == 0
+    assert value(registry, "elastic_trainer_restarts_total") == 0
     # What @prof on SimpleElasticAgent._restart_workers and the monitor loop emit.
     torch_metrics.put_metric("SimpleElasticAgent._restart_workers.success", 1)
     torch_metrics.put_metric("SimpleElasticAgent._restart_workers.duration.ms", 1200)
     torch_metrics.put_metric("workers.default.remaining_restarts", 2)
     torch_metrics.put_metric("workers.default.healthy", 1)
-    assert value(registry, "elastic_trainer_agent_restarts_total") == 1
+    assert value(registry, "elastic_trainer_restarts_total") == 1
     assert value(registry, "elastic_trainer_agent_remaining_restarts") == 2
     assert value(registry, "elastic_trainer_worker_group_state", state="healthy") == 1
     assert value(registry, "elastic_trainer_worker_group_state", state="failed") == 0
     torch_metrics.put_metric("workers.default.unhealthy", 1)
     assert value(registry, "elastic_trainer_worker_group_state", state="healthy") == 0
     assert value(registry, "elastic_trainer_worker_group_state", state="unhealthy") == 1
+
+
+def test_one_restart_count(agent: AgentMetrics, registry: CollectorRegistry) -> None:
+    """A failure restart and a membership-change restart count alike, in one counter; no other
+    metric counts restarts (the workers' own count used to disagree with the agent's)."""
+    torch_metrics.put_metric("workers.default.remaining_restarts", 3)
+    torch_metrics.put_metric("SimpleElasticAgent._restart_workers.duration.ms", 900)  # a failure
+    torch_metrics.put_metric("workers.default.remaining_restarts", 2)
+    torch_metrics.put_metric("SimpleElasticAgent._restart_workers.duration.ms", 700)  # a node joined
+    assert value(registry, "elastic_trainer_restarts_total") == 2
+    counts = [m.name for m in registry.collect() if "restarts" in m.name and m.type == "counter"]
+    assert counts == ["elastic_trainer_restarts"]
 
 
 def test_rendezvous_rounds_and_membership_from_events(
@@ -120,7 +132,7 @@ def test_uninstall_restores_previous_handler(registry: CollectorRegistry) -> Non
     assert torch_metrics.getStream("torchelastic").handler is before
     torch_metrics.put_metric("SimpleElasticAgent._restart_workers.duration.ms", 5)
     torch_events.record(agent_event("RENDEZVOUS", group_world_size=1, duration_ms=1.0))
-    assert value(registry, "elastic_trainer_agent_restarts_total") == 0
+    assert value(registry, "elastic_trainer_restarts_total") == 0
     assert value(registry, "elastic_trainer_rendezvous_duration_seconds_count") == 0
 
 

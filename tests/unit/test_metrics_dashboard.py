@@ -23,20 +23,28 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "helm/elastic-trainer/dashboar
 # What Grafana substitutes before a query reaches Prometheus (the test run's values).
 GRAFANA_VARIABLES = {"$__rate_interval": "10s", "$run_id": ".*", "$node": ".*"}
 
-# Metrics the dashboard must show, per the issue: throughput, step time, allreduce, world size,
-# restarts, checkpoint age, stragglers.
+# Metrics the dashboard must show, per the issues: throughput, step time, allreduce, world size,
+# restarts, checkpoint age, stragglers; progress (step and target, ETA, time since the last step,
+# learning rate).
 REQUIRED = (
     "elastic_trainer_samples_total",
     "elastic_trainer_step_duration_seconds_bucket",
+    "elastic_trainer_step_duration_seconds_count",
     "elastic_trainer_allreduce_duration_seconds_bucket",
     "elastic_trainer_allreduce_bus_bandwidth_bytes_per_second",
     "elastic_trainer_world_size",
-    "elastic_trainer_agent_restarts_total",
+    "elastic_trainer_restarts_total",
     "elastic_trainer_last_checkpoint_timestamp_seconds",
     "elastic_trainer_step_compute_seconds_sum",
     "elastic_trainer_rendezvous_duration_seconds_count",
     "elastic_trainer_data_wait_seconds_sum",
+    "elastic_trainer_step{",
+    "elastic_trainer_target_steps",
+    "elastic_trainer_last_step_timestamp_seconds",
+    "elastic_trainer_learning_rate",
 )
+# Metrics that no longer exist: one restart count (elastic_trainer_restarts_total), not three.
+GONE = ("elastic_trainer_worker_restarts", "elastic_trainer_agent_restarts_total")
 
 
 def load_dashboard() -> dict[str, Any]:
@@ -94,6 +102,8 @@ def test_dashboard_structure() -> None:
     text = DASHBOARD.read_text()
     for metric in REQUIRED:
         assert metric in text, metric
+    for metric in GONE:
+        assert metric not in text, metric
     assert len(variable_queries(dashboard)) == 2
 
 

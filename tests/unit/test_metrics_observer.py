@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -82,12 +83,51 @@ def test_without_ddp_compute_time_is_the_step_time(
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.4)
 
 
-def test_start_sets_world_size_and_restarts(
+def test_start_sets_world_size_and_target_but_no_restart_count(
     observer: PrometheusObserver, registry: CollectorRegistry
 ) -> None:
     observer.on_start(world_size=8, restart_count=2)
     assert value(registry, "elastic_trainer_world_size", NODE) == 8
-    assert value(registry, "elastic_trainer_worker_restarts", NODE) == 2
+    assert value(registry, "elastic_trainer_target_steps", NODE) is None  # unknown: no series
+    # The agent counts restarts (elastic_trainer_restarts_total); workers export none.
+    assert not [m.name for m in registry.collect() if "restart" in m.name]
+    observer.on_start(world_size=8, restart_count=2, total_steps=5000)
+    assert value(registry, "elastic_trainer_target_steps", NODE) == 5000
+
+
+def test_no_step_series_before_the_first_step(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    """A 0 would read as a step backwards after a resume (and as no progress at all)."""
+    observer.on_start(world_size=1, restart_count=0, total_steps=10)
+    assert value(registry, "elastic_trainer_step") is None
+    assert value(registry, "elastic_trainer_last_step_timestamp_seconds", NODE) is None
+    assert value(registry, "elastic_trainer_learning_rate", NODE) is None
+    step(observer, 7)
+    assert value(registry, "elastic_trainer_step") == 7
+
+
+def test_learning_rate_and_time_of_the_last_step(registry: CollectorRegistry) -> None:
+    wall, mono = [1_700_000_000.0], [50.0]
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=10.0,
+                                  wall_clock=lambda: wall[0], clock=lambda: mono[0])  # fmt: skip
+    step(observer, 1, lr=0.1)  # the first step writes at once
+    assert value(registry, "elastic_trainer_learning_rate", NODE) == 0.1
+    assert value(registry, "elastic_trainer_last_step_timestamp_seconds", NODE) == 1_700_000_000.0
+    mono[0] += 2.0
+    wall[0] += 2.0
+    step(observer, 2, lr=0.05)  # deferred: nothing written yet
+    step(observer, 3, lr=None)  # the lr of step 2 stays the newest known
+    assert value(registry, "elastic_trainer_learning_rate", NODE) == 0.1
+    mono[0] += 3.0
+    wall[0] += 3.0
+    observer.flush()  # 3 s after step 3: the gauge holds step 3's time, not the flush's
+    assert value(registry, "elastic_trainer_learning_rate", NODE) == 0.05
+    assert value(registry, "elastic_trainer_last_step_timestamp_seconds", NODE) == 1_700_000_002.0
+    step(observer, 4, lr=math.nan)  # a non-finite lr is not written
+    observer.flush()
+    assert value(registry, "elastic_trainer_learning_rate", NODE) == 0.05
 
 
 def test_checkpoint_metrics(observer: PrometheusObserver, registry: CollectorRegistry) -> None:
@@ -152,7 +192,9 @@ def test_worker_labels_validate_and_read_env() -> None:
         WorkerLabels(run_id="", node="n", rank=0, local_rank=0)
     labels = WorkerLabels.from_env({"RANK": "5", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "j1"})
     assert (labels.run_id, labels.rank, labels.local_rank) == ("j1", 5, 1)
-    assert labels.node
+    assert labels.node == socket.gethostname().split(".")[0]  # no launcher: the short host name
+    env = {"RANK": "0", "ELASTIC_TRAINER_NODE": "node-7-4242"}  # exported by the launcher
+    assert WorkerLabels.from_env(env).node == "node-7-4242"
     with pytest.raises(ValueError, match="RANK"):
         WorkerLabels.from_env({"RANK": "x"})
 

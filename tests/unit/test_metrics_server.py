@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -30,14 +31,19 @@ WORKER = """
 import sys
 from elastic_trainer.metrics import worker_observer
 obs = worker_observer()
-obs.on_start(world_size=2, restart_count=int(sys.argv[1]))
-obs.on_step(step=1, duration_s=0.1, data_wait_s=0.0, samples=8, tokens=0, loss=0.5)
+obs.on_start(world_size=2, restart_count=int(sys.argv[1]), total_steps=100)
+obs.on_step(step=1, duration_s=0.1, data_wait_s=0.0, samples=8, tokens=0, loss=0.5, lr=0.1)
 """
+NODE_NAME = "host-w-4242"  # what the launcher exports as ELASTIC_TRAINER_NODE
 
 
-def run_worker(directory: Path, *, rank: int, restart_count: int = 0) -> int:
+def run_worker(directory: Path, *, rank: int, restart_count: int = 0, node: str | None = NODE_NAME) -> int:
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(directory), RANK=str(rank),
                LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID="job")  # fmt: skip
+    if node == "":  # a worker without a launcher
+        env.pop("ELASTIC_TRAINER_NODE", None)
+    elif node is not None:  # None: whatever this process exports
+        env["ELASTIC_TRAINER_NODE"] = node
     proc = subprocess.run(
         [sys.executable, "-c", WORKER, str(restart_count)], env=env, timeout=60, check=True
     )
@@ -67,12 +73,16 @@ def test_dead_workers_counters_stay_and_live_gauges_go(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     collector = LiveMultiProcessCollector(str(tmp_path))
     registry.register(collector)
-    labels = {"run_id": "job", "node": socket.gethostname(), "rank": "0", "local_rank": "0"}
-    # Both processes exited: their samples add up, their live gauges (loss) are gone.
+    labels = {"run_id": "job", "node": NODE_NAME, "rank": "0", "local_rank": "0"}
+    # Both processes exited: their samples add up, their live gauges (loss, lr) are gone, the
+    # facts that stay true (target, time of the last step) stay.
     assert registry.get_sample_value("elastic_trainer_samples_total", labels) == 16
     assert registry.get_sample_value("elastic_trainer_loss", labels) is None
-    node = {"run_id": "job", "node": socket.gethostname()}
-    assert registry.get_sample_value("elastic_trainer_worker_restarts", node) == 1
+    node = {"run_id": "job", "node": NODE_NAME}
+    assert registry.get_sample_value("elastic_trainer_learning_rate", node) is None
+    assert registry.get_sample_value("elastic_trainer_target_steps", node) == 100
+    last_step = registry.get_sample_value("elastic_trainer_last_step_timestamp_seconds", node)
+    assert last_step is not None and abs(last_step - time.time()) < 600
     assert not list(tmp_path.glob("gauge_live*"))
     assert list(tmp_path.glob("counter_*.db"))
 
@@ -93,18 +103,20 @@ def test_dead_workers_files_fold_into_archives_without_changing_any_value(tmp_pa
     retired = snapshot(collector)
     # Only the live gauges (pid-labelled liveness, step, loss, ...) of the dead went away.
     live_names = {"elastic_trainer_loss", "elastic_trainer_step", "elastic_trainer_world_size",
+                  "elastic_trainer_learning_rate",
                   "elastic_trainer_allreduce_bus_bandwidth_bytes_per_second"}  # fmt: skip
     assert {k: v for k, v in keep_all.items() if k[0] not in live_names} == retired
     names = sorted(p.name for p in tmp_path.glob("*.db"))
-    assert names == ["counter_archive.db", "gauge_max_archive.db", "histogram_archive.db"]
+    assert names == ["counter_archive.db", "gauge_max_archive.db", "gauge_mostrecent_archive.db",
+                     "histogram_archive.db"]  # fmt: skip
     # Later workers add to the archived totals: the counter keeps rising.
     run_worker(tmp_path, rank=0)
-    labels = {"run_id": "job", "node": socket.gethostname(), "rank": "0", "local_rank": "0"}
+    labels = {"run_id": "job", "node": NODE_NAME, "rank": "0", "local_rank": "0"}
     registry = CollectorRegistry()
     registry.register(collector)
     assert registry.get_sample_value("elastic_trainer_samples_total", labels) == 16
-    node = {"run_id": "job", "node": socket.gethostname()}
-    assert registry.get_sample_value("elastic_trainer_worker_restarts", node) == 1
+    node = {"run_id": "job", "node": NODE_NAME}
+    assert registry.get_sample_value("elastic_trainer_target_steps", node) == 100
     assert sorted(p.name for p in tmp_path.glob("*.db")) == names
 
 
@@ -137,7 +149,7 @@ def test_serve_node_metrics_serves_workers_and_agent(tmp_path: Path) -> None:
         agent.restarted()
         samples = scrape(server.url)
         assert find(samples, "elastic_trainer_samples_total", rank="0") == [8.0]
-        assert find(samples, "elastic_trainer_agent_restarts_total", node="host-a") == [1.0]
+        assert find(samples, "elastic_trainer_restarts_total", node="host-a") == [1.0]
     finally:
         server.close()
     with pytest.raises(OSError):
@@ -153,6 +165,20 @@ def test_busy_port_is_one_clear_error(tmp_path: Path) -> None:
             serve_node_metrics("127.0.0.1", port, str(tmp_path))
     with pytest.raises(MetricsError, match="does not exist"):
         serve_node_metrics("127.0.0.1", 0, str(tmp_path / "missing"))
+
+
+def test_default_node_name_is_short_host_and_launcher_pid() -> None:
+    """The name ``status`` derives from the rendezvous: the first label of the host's fqdn (the
+    lease handler's address) and the agent's pid, which is this (the launcher's) process."""
+    assert LauncherMetricsConfig().node == f"{socket.getfqdn().split('.')[0]}-{os.getpid()}"
+
+
+def test_a_worker_without_a_launcher_uses_the_short_host_name(tmp_path: Path) -> None:
+    run_worker(tmp_path, rank=0, node="")
+    registry = CollectorRegistry()
+    registry.register(LiveMultiProcessCollector(str(tmp_path)))
+    labels = {"run_id": "job", "node": socket.gethostname().split(".")[0], "rank": "0", "local_rank": "0"}
+    assert registry.get_sample_value("elastic_trainer_samples_total", labels) == 8
 
 
 def test_config_validation() -> None:
@@ -174,18 +200,27 @@ def test_start_launcher_metrics_sets_up_and_undoes_everything(
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.delenv("ELASTIC_TRAINER_METRICS", raising=False)
     handler_before = torch_metrics.getStream("torchelastic").handler
-    config = LauncherMetricsConfig(addr="127.0.0.1", port=0, run_id="job", node="host-a")
+    monkeypatch.delenv("ELASTIC_TRAINER_NODE", raising=False)
+    config = LauncherMetricsConfig(addr="127.0.0.1", port=0, run_id="job", node="host-a-77")
     with start_launcher_metrics(config) as handle:
         directory = handle.multiproc_dir
         assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == directory
         assert os.environ["ELASTIC_TRAINER_METRICS"] == "1"
-        run_worker(Path(directory), rank=0)
+        assert os.environ["ELASTIC_TRAINER_NODE"] == "host-a-77"
+        assert (handle.node, handle.run_id) == ("host-a-77", "job")
+        run_worker(Path(directory), rank=0, node=None)  # inherits the launcher's environment
         torch_metrics.put_metric("SimpleElasticAgent._restart_workers.duration.ms", 10)
         samples = scrape(handle.url)
-        assert find(samples, "elastic_trainer_samples_total") == [8.0]
-        assert find(samples, "elastic_trainer_agent_restarts_total", run_id="job") == [1.0]
+        # Workers and agent name the node alike.
+        assert find(samples, "elastic_trainer_samples_total", node="host-a-77") == [8.0]
+        assert find(samples, "elastic_trainer_restarts_total", node="host-a-77") == [1.0]
+        # The registry in-process is what the endpoint serves.
+        assert handle.registry.get_sample_value(
+            "elastic_trainer_samples_total", {"run_id": "job", "node": "host-a-77", "rank": "0", "local_rank": "0"}
+        ) == 8.0
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
     assert "ELASTIC_TRAINER_METRICS" not in os.environ
+    assert "ELASTIC_TRAINER_NODE" not in os.environ
     assert not os.path.exists(directory)
     assert torch_metrics.getStream("torchelastic").handler is handler_before
     handle.close()  # idempotent
