@@ -48,6 +48,7 @@ pytestmark = pytest.mark.timeout(60)
 
 DOCKERFILE = DOCKER_DIR / "Dockerfile"
 COMPOSE = DOCKER_DIR / "compose.yaml"
+COMPOSE_CODE = DOCKER_DIR / "compose.code.yaml"
 HEALTHCHECK = DOCKER_DIR / "healthcheck.py"
 
 NCCL_VARS = {
@@ -398,6 +399,103 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE.read_text())
 
 
+class ComposeVariableError(ValueError):
+    """A ${VAR:?message} / ${VAR?message} whose variable is missing, as Compose reports it."""
+
+
+def _closing_brace(text: str, start: int) -> int:
+    """Index of the } that closes the ${ at ``start``, nested ${...} included."""
+    depth = 0
+    i = start
+    while i < len(text):
+        if text.startswith("${", i):
+            depth += 1
+            i += 2
+            continue
+        if text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    raise ValueError(f"unclosed ${{ in {text!r}")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable interpolation (compose-spec "Interpolation"): $$, $VAR, ${VAR} and
+    ${VAR<op>ARG} for the operators :- - :? ? :+ +, with ${...} nested in ARG. ARG is
+    substituted first, whether used or not, as Compose does."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("${", i):
+            end = _closing_brace(text, i)
+            out.append(_braced(text[i + 2 : end], env))
+            i = end + 1
+        elif named := re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)").match(text, i):
+            out.append(env.get(named[1], ""))
+            i = named.end()
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _braced(expr: str, env: dict[str, str]) -> str:
+    match = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])(.*))?", expr, re.S)
+    assert match, f"Compose cannot parse ${{{expr}}}"
+    name, op, arg = match.groups()
+    value = env.get(name)
+    if op is None:
+        return value or ""
+    arg = interpolate(arg, env)
+    # With a colon an empty value counts as missing; without one only an unset variable does.
+    present = bool(value) if op.startswith(":") else value is not None
+    if op.endswith("-"):
+        return (value or "") if present else arg
+    if op.endswith("+"):
+        return arg if present else ""
+    if not present:
+        raise ComposeVariableError(f"required variable {name} is missing a value: {arg}")
+    return value or ""
+
+
+def worker_command(compose: dict[str, Any], service: str, env: dict[str, str]) -> list[str]:
+    """The worker's command as Compose hands it to the container: variables substituted, then
+    the string split like a shell would (Compose splits a string `command` with shell rules)."""
+    command = compose["services"][service]["command"]
+    assert isinstance(command, str), "a string, so TRAIN_ARGS can expand to several arguments"
+    return shlex.split(interpolate(command, env))
+
+
+def test_interpolation_follows_the_compose_rules() -> None:
+    """Negative control for the test-side interpolation: the cases Compose documents."""
+    env = {"SET": "v", "EMPTY": ""}
+    cases = {
+        "${SET}": "v",
+        "$SET/$$SET": "v/$SET",
+        "${UNSET:-d}": "d",
+        "${EMPTY:-d}": "d",
+        "${EMPTY-d}": "",
+        "${UNSET-d}": "d",
+        "${SET:+r}": "r",
+        "${EMPTY:+r}": "",
+        "${EMPTY+r}": "r",
+        "${UNSET+r}": "",
+        "${UNSET:-${SET}}": "v",
+        "${UNSET:-${UNSET2:-deep}}": "deep",
+        "${UNSET:-a ${SET:+-x }${SET:-b}} c": "a -x v c",
+    }
+    assert {case: interpolate(case, env) for case in cases} == cases
+    with pytest.raises(ComposeVariableError, match="UNSET is missing a value: say v"):
+        interpolate("${UNSET:?say $SET}", env)
+    with pytest.raises(ComposeVariableError):
+        interpolate("${EMPTY:?x}", env)
+    assert interpolate("${EMPTY?x}", env) == ""
+
+
 def _launcher_options(command: list[str]) -> dict[str, str]:
     assert command[0] == "run"
     options = {}
@@ -407,6 +505,14 @@ def _launcher_options(command: list[str]) -> dict[str, str]:
         key, _, value = arg[2:].partition("=")
         options[key] = value
     return options
+
+
+def _target(command: list[str]) -> list[str]:
+    """What follows the launcher options: the script or -m MODULE, and its arguments."""
+    rest = command[1:]
+    while rest and rest[0].startswith("--"):
+        rest = rest[1:]
+    return rest
 
 
 def _seconds(duration: str) -> int:
@@ -438,12 +544,14 @@ def test_compose_workers_rendezvous_through_etcd(compose: dict[str, Any]) -> Non
     assert etcd_args["advertise-client-urls"] == "http://etcd:2379"
     for name in ("worker", "worker-gpu"):
         service = services[name]
-        options = _launcher_options(service["command"])
+        with pytest.raises(ComposeVariableError, match="RUN_ID is missing a value: set RUN_ID"):
+            worker_command(compose, name, {})
+        options = _launcher_options(worker_command(compose, name, {"RUN_ID": "demo-1"}))
         assert options["rdzv-endpoint"] == "etcd:2379"
-        assert options["run-id"].startswith("${RUN_ID:?"), (
-            "the run id must be chosen, never a shared default"
-        )
-        assert re.fullmatch(r"\$\{MIN_NODES:-\d+\}:\$\{MAX_NODES:-\d+\}", options["nnodes"])
+        assert options["run-id"] == "demo-1", "the run id must be chosen, never a shared default"
+        assert options["nnodes"] == "1:4"
+        scaled = {"RUN_ID": "demo-1", "MIN_NODES": "2", "MAX_NODES": "8"}
+        assert _launcher_options(worker_command(compose, name, scaled))["nnodes"] == "2:8"
         assert service["depends_on"]["etcd"]["condition"] == "service_healthy"
         assert "checkpoints:/checkpoints" in service["volumes"]
         grace = int(service["environment"]["ELASTIC_TRAINER_SIGTERM_GRACE_S"])
@@ -453,33 +561,114 @@ def test_compose_workers_rendezvous_through_etcd(compose: dict[str, Any]) -> Non
     [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert "profiles" not in services["worker"], "CPU workers run by default"
+    gpu_options = _launcher_options(worker_command(compose, "worker-gpu", {"RUN_ID": "r"}))
+    assert gpu_options["nproc-per-node"] == "1", "one rank per GPU"
 
 
-def _interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose's ${VAR:-default} / ${VAR:?error} / ${VAR} interpolation."""
+EXAMPLE = ["-m", "elastic_trainer.examples.synthetic_cnn"]
+EXAMPLE_ARGS = ["--max-steps=2000", "--global-batch-size=64", "--checkpoint-every=100"]
 
-    def one(match: re.Match[str]) -> str:
-        name, op, arg = match["name"], match["op"], match["arg"]
-        if env.get(name):
-            return env[name]
-        if op == ":?":
-            raise KeyError(f"{name}: {arg}")
-        return arg or ""
-
-    return re.sub(r"\$\{(?P<name>\w+)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\}", one, text)
+# (id, variables besides RUN_ID, what the ranks run); "SCRIPT" stands for a real script path.
+TRAINING_CASES = [
+    (
+        "default: the example",
+        {},
+        [*EXAMPLE, *EXAMPLE_ARGS, "--checkpoint-dir=/checkpoints/default"],
+    ),
+    (
+        "the example's knobs",
+        {"MAX_STEPS": "50", "CHECKPOINT_NAME": "fresh"},
+        [
+            *EXAMPLE,
+            "--max-steps=50",
+            "--global-batch-size=64",
+            "--checkpoint-every=100",
+            "--checkpoint-dir=/checkpoints/fresh",
+        ],
+    ),
+    (
+        "the example with an extra argument",
+        {"TRAIN_ARGS": "--seed=7"},
+        [*EXAMPLE, *EXAMPLE_ARGS, "--checkpoint-dir=/checkpoints/default", "--seed=7"],
+    ),
+    ("a script alone", {"TRAIN_SCRIPT": "SCRIPT"}, ["SCRIPT"]),
+    (
+        "a script with several arguments, one quoted",
+        {"TRAIN_SCRIPT": "SCRIPT", "TRAIN_ARGS": "--lr 0.1 --name 'two words'"},
+        ["SCRIPT", "--lr", "0.1", "--name", "two words"],
+    ),
+    ("a module alone", {"TRAIN_MODULE": "mypkg.train"}, ["-m", "mypkg.train"]),
+    (
+        "a module with arguments",
+        {"TRAIN_MODULE": "mypkg.train", "TRAIN_ARGS": "--steps=5"},
+        ["-m", "mypkg.train", "--steps=5"],
+    ),
+    (
+        "script and module: the script wins",
+        {"TRAIN_SCRIPT": "SCRIPT", "TRAIN_MODULE": "mypkg.train"},
+        ["SCRIPT"],
+    ),
+]
 
 
 @pytest.mark.parametrize("service", ["worker", "worker-gpu"])
-def test_the_real_cli_accepts_the_compose_command(compose: dict[str, Any], service: str) -> None:
-    spec = compose["services"][service]
-    with pytest.raises(KeyError, match="RUN_ID: set RUN_ID"):
-        _interpolate(" ".join(spec["command"]), {})
-    args = [_interpolate(a, {"RUN_ID": "demo-1"}) for a in spec["command"]]
-    env = {k: _interpolate(str(v), {}) for k, v in spec["environment"].items()}
-    torchrun = cli_dry_run(args, env)
+@pytest.mark.parametrize(
+    ("variables", "expected"), [pytest.param(v, e, id=i) for i, v, e in TRAINING_CASES]
+)
+def test_compose_runs_the_code_the_variables_name(
+    compose: dict[str, Any],
+    service: str,
+    variables: dict[str, str],
+    expected: list[str],
+    tmp_path: Path,
+) -> None:
+    """TRAIN_SCRIPT or TRAIN_MODULE with TRAIN_ARGS run your code with your arguments only;
+    without them the example runs with its own. The real CLI accepts each command (dry run)
+    and hands the target to torchrun unchanged."""
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "train.py").write_text("print('training')\n")
+    env = {"RUN_ID": "demo-1", **variables}
+    env = {k: v.replace("SCRIPT", str(script)) for k, v in env.items()}
+    want = [a.replace("SCRIPT", str(script)) for a in expected]
+
+    args = worker_command(compose, service, env)
+    assert _target(args) == want
+    torchrun = cli_dry_run(args, {"PYTHONPATH": str(tmp_path)})
+    assert torchrun.endswith(" " + " ".join(want))
+
+
+def test_the_real_cli_accepts_the_compose_environment(compose: dict[str, Any]) -> None:
+    spec = compose["services"]["worker"]
+    env = {k: interpolate(str(v), {}) for k, v in spec["environment"].items()}
+    assert env["CHECKPOINT_DIR"] == "/checkpoints/default", "your code finds the checkpoints"
+    torchrun = cli_dry_run(worker_command(compose, "worker", {"RUN_ID": "demo-1"}), env)
     assert "--rdzv-endpoint=etcd:2379 " in torchrun and "--rdzv-id=demo-1 " in torchrun
     assert "--nnodes=1:4 " in torchrun
     assert torchrun.endswith("--checkpoint-dir=/checkpoints/default")
+
+
+def dockerfile_workdir() -> str:
+    [workdir] = [args for word, args in stages(DOCKERFILE.read_text())[-1] if word == "WORKDIR"]
+    return workdir
+
+
+def test_compose_code_override_mounts_your_code_at_the_working_directory(
+    compose: dict[str, Any],
+) -> None:
+    override = yaml.safe_load(COMPOSE_CODE.read_text())
+    assert set(override["services"]) == {"worker", "worker-gpu"} <= set(compose["services"])
+    for name, service in override["services"].items():
+        assert set(service) == {"volumes"}, f"{name}: the override only adds the code mount"
+        [mount] = service["volumes"]
+        with pytest.raises(ComposeVariableError, match="CODE_DIR is missing a value"):
+            interpolate(mount, {})
+        source, target, mode = interpolate(mount, {"CODE_DIR": "/home/me/proj"}).split(":")
+        assert (source, mode) == ("/home/me/proj", "ro")
+        assert target == dockerfile_workdir(), "relative TRAIN_SCRIPT paths resolve there"
+        assert target not in [v.split(":")[1] for v in compose["services"][name]["volumes"]]
 
 
 def test_compose_is_hardened_and_has_no_secrets(compose: dict[str, Any]) -> None:
@@ -506,7 +695,8 @@ def test_compose_prometheus_scrapes_every_worker(compose: dict[str, Any]) -> Non
         for name in cfg["names"]
     }
     for name in ("worker", "worker-gpu"):
-        port = int(_launcher_options(compose["services"][name]["command"])["metrics-port"])
+        command = worker_command(compose, name, {"RUN_ID": "demo-1"})
+        port = int(_launcher_options(command)["metrics-port"])
         assert sd[name] == port == 9400
 
 

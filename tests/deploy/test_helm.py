@@ -301,27 +301,56 @@ def test_launcher_arguments_match_values(chart: Any, render: Any, values_file: P
     for key, value in w["rdzvConf"].items():
         assert f"{key}={value}" in options["rdzv-conf"].split(",")
 
-    if v["training"]["script"]:
-        assert target[0] == v["training"]["script"]
+    t = v["training"]
+    if t["script"]:
+        assert target[0] == t["script"]
         job_args = target[1:]
     else:
-        assert target[:2] == ["-m", v["training"]["module"]]
+        assert target[:2] == ["-m", t["module"]]
         job_args = target[2:]
+    example_args = t["exampleArgs"] if not t["script"] and t["module"] == EXAMPLE_MODULE else []
     ckpt_dir = (
         f"{v['checkpoints']['mountPath']}/{v['checkpoints']['subPath'] or f'{NAMESPACE}-{RELEASE}'}"
     )
-    assert job_args == [str(a) for a in v["training"]["args"]] + [f"--checkpoint-dir={ckpt_dir}"]
+    assert job_args == [str(a) for a in example_args + t["args"]] + [f"--checkpoint-dir={ckpt_dir}"]
     assert env_of(container)["CHECKPOINT_DIR"] == ckpt_dir
 
 
+def with_secret_files_here(args: list[str], container: dict[str, Any], root: Path) -> list[str]:
+    """The pod reads etcd TLS files and a password from mounted Secrets; make those files under
+    ``root`` (real PEM files of a throwaway PKI, a password) and point ``args`` at them. Every
+    file --rdzv-conf names must lie in one of the container's mounts."""
+    for mount in container.get("volumeMounts", []):
+        args = [a.replace(mount["mountPath"] + "/", f"{root}{mount['mountPath']}/") for a in args]
+    options, _ = launcher_options(args)
+    conf = dict(i.split("=", 1) for i in filter(None, options.get("rdzv-conf", "").split(",")))
+    keys = ("ca_cert", "ssl_cert", "ssl_cert_key", "password_file")
+    files = {k: Path(conf[k]) for k in keys if k in conf}
+    for key, path in files.items():
+        assert path.is_relative_to(root), f"{key}={path} is not in a mounted volume"
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if files.keys() & {"ca_cert", "ssl_cert", "ssl_cert_key"}:
+        pki = make_pki(root / "pki")
+        pem = {"ca_cert": pki.ca_cert, "ssl_cert": pki.client_cert, "ssl_cert_key": pki.client_key}
+        for key in files.keys() & pem.keys():
+            shutil.copyfile(pem[key], files[key])
+    if "password_file" in files:
+        files["password_file"].write_text("not-a-real-password\n")
+    return args
+
+
 @pytest.mark.parametrize("values_file", ci_values_param())
-def test_the_real_cli_accepts_the_pod_arguments(render: Any, values_file: Path) -> None:
+def test_the_real_cli_accepts_the_pod_arguments(
+    render: Any, values_file: Path, tmp_path: Path
+) -> None:
     """The launcher arguments are valid for `elastic-trainer run` itself (dry run: it parses,
-    resolves and prints the torchrun command, contacting nothing)."""
+    resolves, checks the TLS and password files and prints the torchrun command, contacting
+    nothing). Secret volumes are materialised locally, as the kubelet mounts them."""
     container = trainer(render(ci_values_or_skip(values_file)))
     env = {k: v for k, v in env_of(container).items() if isinstance(v, str)}
     expand = {"JOB_UID": "0b5f7c3e-1d2a-4c6b-9e8f-123456789abc", "ETCD_USERNAME": "trainer"}
     args = [re.sub(r"\$\((\w+)\)", lambda m: expand[m[1]], a) for a in container["args"]]
+    args = with_secret_files_here(args, container, tmp_path)
     options, target = launcher_options(args)
     torchrun = cli_dry_run(args, env)
     assert f"--nnodes={options['nnodes']} " in torchrun
@@ -377,18 +406,100 @@ def test_every_variable_reference_in_args_is_defined(render: Any, values_file: P
                     )
 
 
-def test_script_instead_of_module(render: Any) -> None:
-    values = {
-        "training": {
-            "module": "",
-            "script": "/workspace/train.py",
-            "args": ["--lr", 0.1],
-            "checkpointDirFlag": "",
-        }
-    }
-    container = trainer(render(values))
-    _, target = launcher_options(container["args"])
-    assert target == ["/workspace/train.py", "--lr", "0.1"]
+EXAMPLE_MODULE = "elastic_trainer.examples.synthetic_cnn"
+EXAMPLE_ARGS = [
+    "--max-steps=2000",
+    "--epochs=10",
+    "--global-batch-size=64",
+    "--checkpoint-every=100",
+    "--seed=0",
+]
+CKPT_FLAG = f"--checkpoint-dir=/checkpoints/{NAMESPACE}-{RELEASE}"
+
+# (id, training values, exactly what follows the launcher options in the trainer's args)
+TRAINING_CASES = [
+    (
+        "default: the example with its arguments",
+        {},
+        ["-m", EXAMPLE_MODULE, *EXAMPLE_ARGS, CKPT_FLAG],
+    ),
+    (
+        "script alone: no example module, no example arguments",
+        {"script": "/app/train.py"},
+        ["/app/train.py", CKPT_FLAG],
+    ),
+    (
+        "script with your arguments",
+        {"script": "/app/train.py", "args": ["--lr", 0.1, "--epochs=3"]},
+        ["/app/train.py", "--lr", "0.1", "--epochs=3", CKPT_FLAG],
+    ),
+    (
+        "script that reads CHECKPOINT_DIR",
+        {"script": "/app/train.py", "checkpointDirFlag": ""},
+        ["/app/train.py"],
+    ),
+    ("module alone", {"module": "mypkg.train"}, ["-m", "mypkg.train", CKPT_FLAG]),
+    (
+        "module with your arguments and flag",
+        {"module": "mypkg.train", "args": ["--steps", 100], "checkpointDirFlag": "--ckpt"},
+        ["-m", "mypkg.train", "--steps", "100", f"--ckpt=/checkpoints/{NAMESPACE}-{RELEASE}"],
+    ),
+    (
+        "example with an override: your flag comes last and wins",
+        {"args": ["--max-steps=50"]},
+        ["-m", EXAMPLE_MODULE, *EXAMPLE_ARGS, "--max-steps=50", CKPT_FLAG],
+    ),
+    (
+        "script and the example module named explicitly: the script wins",
+        {"script": "/app/train.py", "module": EXAMPLE_MODULE},
+        ["/app/train.py", CKPT_FLAG],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("training", "expected"), [pytest.param(t, e, id=i) for i, t, e in TRAINING_CASES]
+)
+def test_what_the_ranks_run(render: Any, training: dict[str, Any], expected: list[str]) -> None:
+    """Your own script or module runs with your arguments only; the example's arguments go to
+    the example alone. The whole container command line is checked, options included."""
+    container = trainer(render({"training": training}))
+    assert "command" not in container
+    options, target = launcher_options(container["args"])
+    assert target == expected
+    assert list(options) == [
+        "nnodes",
+        "nproc-per-node",
+        "rdzv-endpoint",
+        "run-id",
+        "max-restarts",
+        "metrics-port",
+        "metrics-addr",
+    ]
+    assert container["args"] == ["run", *(f"--{k}={v}" for k, v in options.items()), *expected]
+
+
+@pytest.mark.parametrize("training", [pytest.param(t, id=i) for i, t, _ in TRAINING_CASES])
+def test_the_real_cli_accepts_what_the_ranks_run(
+    render: Any, training: dict[str, Any], tmp_path: Path
+) -> None:
+    """`elastic-trainer run --dry-run` takes the rendered arguments and hands the target and
+    its arguments to torchrun unchanged. The user's script and package exist here (the CLI
+    checks that they do) at a local path instead of the image's."""
+    (tmp_path / "train.py").write_text("print('training')\n")
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "train.py").write_text("print('training')\n")
+    container = trainer(render({"training": training}))
+    args = [
+        a.replace("$(JOB_UID)", "0b5f7c3e-1d2a-4c6b-9e8f-123456789abc").replace(
+            "/app/train.py", str(tmp_path / "train.py")
+        )
+        for a in container["args"]
+    ]
+    _, target = launcher_options(args)
+    torchrun = cli_dry_run(args, {"PYTHONPATH": str(tmp_path)})
+    assert torchrun.endswith(" " + " ".join(target))
 
 
 # ------------------------------------------------------------------------------------ images
@@ -1052,9 +1163,9 @@ VALIDATE_VALUES_CASES = [
         "etcd.bundled.tls.certManager.enabled needs etcd.bundled.tls.enabled",
     ),
     (
-        "module and script",
-        {"training": {"script": "/x.py"}},
-        "set only one of training.module and training.script",
+        "your module and a script",
+        {"training": {"script": "/x.py", "module": "mypkg.train"}},
+        "set only one of training.module (mypkg.train) and training.script (/x.py)",
     ),
     (
         "neither module nor script",
@@ -1131,6 +1242,8 @@ SCHEMA_CASES = [
         "/workers/podSecurityContext/runAsNonRoot",
     ),
     ("bad NCCL variable name", "nccl.env.FOO", "1", "FOO"),
+    ("script path as module", "training.module", "train.py --lr", "/training/module"),
+    ("example arguments as text", "training.exampleArgs", "--seed=0", "/training/exampleArgs"),
     ("tls switch as text", "etcd.bundled.tls.enabled", "yes", "/etcd/bundled/tls/enabled"),
     ("tls secret name", "etcd.bundled.tls.clientSecret", "Bad_Name", "clientSecret"),
     ("mistyped tls key", "etcd.bundled.tls.clientSecrets", "c", "clientSecrets"),
@@ -1281,7 +1394,9 @@ def loopback_members(
     0.0.0.0 listeners mapped to those ports, mounted ``files`` to local paths, the data dir under
     ``data_root``."""
     domain = f"{sts['spec']['serviceName']}.{NAMESPACE}.svc.cluster.local"
-    ports = {m: {"client": free_port(), "peer": free_port(), "metrics": free_port()} for m in members}
+    ports = {
+        m: {"client": free_port(), "peer": free_port(), "metrics": free_port()} for m in members
+    }
 
     def localize(arg: str, me: str) -> str:
         arg = arg.replace("$(POD_NAME)", me)
@@ -1294,7 +1409,9 @@ def loopback_members(
             arg = arg.replace(path, str(local))
         if arg.startswith("--data-dir="):
             arg = f"--data-dir={data_root / me}"
-        assert "0.0.0.0" not in arg and ".svc." not in arg and "/etc/" not in arg, f"unmapped address or path in {arg}"
+        assert "0.0.0.0" not in arg and ".svc." not in arg and "/etc/" not in arg, (
+            f"unmapped address or path in {arg}"
+        )
         return arg
 
     return ports, localize

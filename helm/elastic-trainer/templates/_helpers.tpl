@@ -211,7 +211,17 @@ integral floats as integers.
 {{- end }}
 {{- end }}
 
-{{/* Arguments of the container: the image's entrypoint is `dumb-init -- elastic-trainer`. */}}
+{{/*
+The bundled example, training.module's default. training.exampleArgs go to it and to nothing
+else, and a training.script replaces it without training.module having to be cleared.
+*/}}
+{{- define "elastic-trainer.exampleModule" -}}elastic_trainer.examples.synthetic_cnn{{- end }}
+
+{{/*
+Arguments of the container: the image's entrypoint is `dumb-init -- elastic-trainer`. What the
+ranks run: training.script, else `-m training.module` (plus training.exampleArgs for the
+example); then training.args, then the checkpoint flag.
+*/}}
 {{- define "elastic-trainer.launcherArgs" -}}
 - run
 - --nnodes={{ int .Values.workers.minNodes }}:{{ int .Values.workers.maxNodes }}
@@ -224,13 +234,19 @@ integral floats as integers.
 - --max-restarts={{ int .Values.workers.maxRestarts }}
 - --metrics-port={{ int .Values.workers.metricsPort }}
 - --metrics-addr=0.0.0.0
-{{- if .Values.training.script }}
-- {{ .Values.training.script | quote }}
+{{- $training := .Values.training }}
+{{- if $training.script }}
+- {{ $training.script | quote }}
 {{- else }}
 - -m
-- {{ .Values.training.module | quote }}
+- {{ $training.module | quote }}
+{{- if eq $training.module (include "elastic-trainer.exampleModule" .) }}
+{{- range $training.exampleArgs }}
+- {{ include "elastic-trainer.scalar" . | quote }}
 {{- end }}
-{{- range .Values.training.args }}
+{{- end }}
+{{- end }}
+{{- range $training.args }}
 - {{ include "elastic-trainer.scalar" . | quote }}
 {{- end }}
 {{- with .Values.training.checkpointDirFlag }}
@@ -299,8 +315,9 @@ Cross-field rules JSON Schema cannot express. Called from every always-rendered 
 {{- if eq (toString .Values.image.tag) "latest" }}
 {{- $errors = append $errors "image.tag must not be \"latest\": pin a version so every node runs the same code" }}
 {{- end }}
-{{- if and .Values.training.module .Values.training.script }}
-{{- $errors = append $errors "set only one of training.module and training.script" }}
+{{- $training := .Values.training }}
+{{- if and $training.script $training.module (ne $training.module (include "elastic-trainer.exampleModule" .)) }}
+{{- $errors = append $errors (printf "set only one of training.module (%s) and training.script (%s); a script alone replaces the bundled example" $training.module $training.script) }}
 {{- else if not (or .Values.training.module .Values.training.script) }}
 {{- $errors = append $errors "set training.module or training.script" }}
 {{- end }}
