@@ -2,9 +2,71 @@
 # Set up, then run ruff, mypy and the whole test suite (unit, integration, chaos, deploy) against
 # real etcd, torchrun, Prometheus and Helm. CUDA tests (marker gpu) need a GPU: run them with
 # `bash scripts/test.sh -m gpu`. Arguments replace the default and go to pytest (e.g. tests/unit -x).
-# Needs Prometheus and openssl (apt-get install prometheus openssl); .ci/run installs them.
+#
+# What pip cannot install -- Prometheus with promtool (Debian package prometheus) and openssl
+# (the TLS tests' throwaway certificates) -- is installed here with apt-get when it is missing:
+# directly as root, else through `sudo -n`. Where neither works, the script stops with one line
+# on stderr naming what is missing. PROMETHEUS_BIN / PROMTOOL_BIN point at binaries elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The Debian packages of the missing system tools, space-separated (empty: nothing is missing).
+missing_packages() {
+    local packages=()
+    if ! { [ -x "${PROMETHEUS_BIN:-}" ] || command -v prometheus >/dev/null 2>&1; } \
+            || ! { [ -x "${PROMTOOL_BIN:-}" ] || command -v promtool >/dev/null 2>&1; }; then
+        packages+=(prometheus)
+    fi
+    command -v openssl >/dev/null 2>&1 || packages+=(openssl)
+    echo "${packages[*]-}"
+}
+
+# Install the missing packages with apt-get (as root, or with passwordless sudo); otherwise, or
+# when that fails, print one line on stderr and exit 1. Silent when nothing is missing.
+ensure_system_tools() {
+    local missing packages
+    missing=$(missing_packages)
+    [ -z "$missing" ] && return 0
+    read -ra packages <<<"$missing"
+    local how="apt-get install -y --no-install-recommends $missing"
+    local sudo=()
+    if [ "$EUID" -ne 0 ]; then
+        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+            sudo=(sudo -n)
+        else
+            echo "scripts/test.sh: missing $missing and not root (no passwordless sudo); as root run: $how" >&2
+            exit 1
+        fi
+    fi
+    if ! command -v apt-get >/dev/null 2>&1; then
+        echo "scripts/test.sh: missing $missing and there is no apt-get; install the package(s) $missing with this system's package manager" >&2
+        exit 1
+    fi
+    echo "scripts/test.sh: installing $missing with apt-get" >&2
+    local log
+    log=$(mktemp)
+    if ! { ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+            && ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive \
+                apt-get install -y -qq --no-install-recommends "${packages[@]}"; } >"$log" 2>&1; then
+        echo "scripts/test.sh: apt-get could not install $missing ($(tail -n 1 "$log")); run: $how" >&2
+        rm -f "$log"
+        exit 1
+    fi
+    rm -f "$log"
+    missing=$(missing_packages)
+    if [ -n "$missing" ]; then
+        echo "scripts/test.sh: $missing still missing after apt-get install (not on PATH?)" >&2
+        exit 1
+    fi
+}
+
+# `bash scripts/test.sh --check-system-tools` only checks (and installs) the tools.
+if [ "${1:-}" = "--check-system-tools" ]; then
+    ensure_system_tools
+    exit 0
+fi
+
+ensure_system_tools
 venv=$(bash scripts/setup.sh test | tail -n 1)
 export OMP_NUM_THREADS=1
 if [ $# -eq 0 ]; then
