@@ -133,3 +133,35 @@ def test_two_run_ids_on_one_etcd_do_not_interfere(etcd_server, tmp_path: Path, u
     for run in ("x", "y"):
         (result,) = results(tmp_path, f"{unique_id}-{run}")
         assert result["world_size"] == 2 and result["run_id"] == f"{unique_id}-{run}"
+
+
+@pytest.mark.parametrize(
+    ("conf", "line"),
+    [
+        ("read_timout=5", "etcd-v3: error: rdzv-conf: unknown key 'read_timout' (did you mean 'read_timeout'?); "
+                          "known keys: read_timeout, retry_timeout, "),
+        ("handlr=lease", "etcd-v3: error: rdzv-conf: unknown key 'handlr' (did you mean 'handler'?); known keys: "),
+        ("bogus=1", "etcd-v3: error: rdzv-conf: unknown key 'bogus'; known keys: "),
+        ("read_timeout=abc", "etcd-v3: error: rdzv-conf read_timeout: 'abc' is not a number"),
+        ("handler=dynamic,keep_alive_interval=0", "etcd-v3: error: rdzv-conf keep_alive_interval: must be > 0, got 0"),
+    ],
+)
+def test_a_bad_rdzv_conf_under_plain_torchrun_is_one_line_and_exit_2(
+    etcd_server, tmp_path: Path, unique_id: str, conf: str, line: str
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=etcd-v3",
+         f"--rdzv-endpoint={etcd_server.endpoint}", f"--rdzv-id={unique_id}", "--nnodes=1",
+         f"--rdzv-conf={conf}", SCRIPT],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"},
+    )
+    lines = [text for text in done.stderr.splitlines() if text.strip()]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(line), lines[0]
+    assert not (tmp_path / "starts").exists()
