@@ -1,6 +1,6 @@
 """Time for N nodes to complete one rendezvous round: etcd-v3 vs torch's c10d, side by side.
 
-    python benchmarks/rendezvous.py --nodes 2 8 32 --repeats 3
+    python benchmarks/rendezvous_round.py --nodes 2 8 32 --repeats 3
 
 Each "node" is a rendezvous handler in its own thread (no training), all released at once by a
 barrier; a round is complete when the last node's ``next_rendezvous()`` returns (min = max = N,
@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
-
-# Run as a script, this file's folder comes first on sys.path and its name shadows the
-# `rendezvous` package: drop the folder so the package is imported.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
