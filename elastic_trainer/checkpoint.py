@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from elastic_trainer.failures import DeterministicError
+
 log = logging.getLogger(__name__)
 
 FORMAT = "elastic-trainer/1"
@@ -52,7 +54,7 @@ _CLAIM_RE = re.compile(r"^\.ckpt-\d{12}\.claim$")
 _CHUNK = 8 << 20
 
 
-class CheckpointError(Exception):
+class CheckpointError(DeterministicError):
     """A checkpoint could not be used or written; the message says which file and why."""
 
 

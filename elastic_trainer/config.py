@@ -11,6 +11,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from elastic_trainer.failures import DeterministicError
+
 ENV_SIGTERM_GRACE_S = "ELASTIC_TRAINER_SIGTERM_GRACE_S"
 """Seconds between SIGTERM and exit in which rank 0 writes its final checkpoint."""
 
@@ -19,6 +21,10 @@ ENV_PG_TIMEOUT_S = "ELASTIC_TRAINER_PG_TIMEOUT_S"
 
 ENV_JIT_SAVE = "ELASTIC_TRAINER_JIT_SAVE"
 """``0`` turns off the just-in-time checkpoint of the last completed step on failures."""
+
+class ConfigError(DeterministicError, ValueError):
+    """A setting is invalid; the message names it. A restart cannot fix it."""
+
 
 DEFAULT_SIGTERM_GRACE_S = 30.0
 # torchrun's agent SIGKILLs workers 30 s after its SIGTERM: a larger grace buys nothing there.
@@ -39,9 +45,9 @@ def _env_float(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}: {raw!r} is not a number of seconds") from None
+        raise ConfigError(f"{name}: {raw!r} is not a number of seconds") from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: must be a positive number of seconds, got {raw!r}")
+        raise ConfigError(f"{name}: must be a positive number of seconds, got {raw!r}")
     return value
 
 
@@ -58,7 +64,7 @@ def _env_bool(name: str, default: bool) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name}: {raw!r} is not a boolean (use 1 or 0)")
+    raise ConfigError(f"{name}: {raw!r} is not a boolean (use 1 or 0)")
 
 
 def _default_jit_save() -> bool:
@@ -77,14 +83,14 @@ def _positive(name: str, value: float | int | None, *, allow_none: bool = False)
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: must be a positive number, got {value!r}")
+        raise ConfigError(f"{name}: must be a positive number, got {value!r}")
 
 
 def _positive_int(name: str, value: int | None, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -108,7 +114,7 @@ class DDPOptions:
         _positive("ddp.bucket_cap_mb", self.bucket_cap_mb)
         for name in ("find_unused_parameters", "gradient_as_bucket_view", "broadcast_buffers", "static_graph"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ddp.{name}: must be true or false, got {getattr(self, name)!r}")
+                raise ConfigError(f"ddp.{name}: must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -167,7 +173,7 @@ class TrainerConfig:
         _positive_int("global_batch_size", self.global_batch_size)
         _positive_int("micro_batch_size", self.micro_batch_size, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed: must be a non-negative integer, got {self.seed!r}")
+            raise ConfigError(f"seed: must be a non-negative integer, got {self.seed!r}")
         _positive_int("epochs", self.epochs)
         _positive_int("max_steps", self.max_steps, allow_none=True)
         _positive_int("checkpoint_every", self.checkpoint_every)
@@ -176,20 +182,20 @@ class TrainerConfig:
         _positive("pg_timeout_s", self.pg_timeout_s)
         _positive_int("log_every", self.log_every)
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ValueError(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
+            raise ConfigError(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
         if self.backend not in (None, "nccl", "gloo"):
-            raise ValueError(f"backend: must be 'nccl', 'gloo' or unset, got {self.backend!r}")
+            raise ConfigError(f"backend: must be 'nccl', 'gloo' or unset, got {self.backend!r}")
         if self.mixed_precision not in _MIXED_PRECISION:
-            raise ValueError(
+            raise ConfigError(
                 f"mixed_precision: must be one of {', '.join(_MIXED_PRECISION)}, got {self.mixed_precision!r}"
             )
         for name in ("shuffle", "async_checkpoint", "sync_batchnorm", "zero_redundancy", "jit_save"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.checkpoint_dir is not None and not str(self.checkpoint_dir).strip():
-            raise ValueError("checkpoint_dir: must be a directory path or unset, got an empty string")
+            raise ConfigError("checkpoint_dir: must be a directory path or unset, got an empty string")
         if not isinstance(self.ddp, DDPOptions):
-            raise ValueError(f"ddp: must be a DDPOptions, got {type(self.ddp).__name__}")
+            raise ConfigError(f"ddp: must be a DDPOptions, got {type(self.ddp).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data copy (stored in checkpoints; loadable with ``weights_only=True``)."""

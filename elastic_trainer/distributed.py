@@ -27,6 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic_trainer.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -65,7 +67,7 @@ def strip_local_rank_arg(argv: Sequence[str]) -> tuple[int | None, list[str]]:
     try:
         known, rest = parser.parse_known_args(list(argv))
     except SystemExit:
-        raise ValueError("--local-rank: expects an integer") from None
+        raise ConfigError("--local-rank: expects an integer") from None
     return known.local_rank, rest
 
 
@@ -76,7 +78,7 @@ def _env_int(environ: MutableMapping[str, str], name: str) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name}: {raw!r} is not an integer") from None
+        raise ConfigError(f"{name}: {raw!r} is not an integer") from None
 
 
 def read_env(
@@ -107,31 +109,31 @@ def read_env(
         local_rank = local_rank_arg
     launched = rank is not None or world_size is not None
     if launched and (rank is None or world_size is None):
-        raise ValueError("RANK and WORLD_SIZE must both be set (start workers with torchrun)")
+        raise ConfigError("RANK and WORLD_SIZE must both be set (start workers with torchrun)")
     rank = 0 if rank is None else rank
     world_size = 1 if world_size is None else world_size
     local_rank = 0 if local_rank is None else local_rank
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"RANK={rank} is not within WORLD_SIZE={world_size}")
+        raise ConfigError(f"RANK={rank} is not within WORLD_SIZE={world_size}")
     if local_rank < 0:
-        raise ValueError(f"LOCAL_RANK: must be >= 0, got {local_rank}")
+        raise ConfigError(f"LOCAL_RANK: must be >= 0, got {local_rank}")
     local_world_size = _env_int(environ, "LOCAL_WORLD_SIZE") or 1
     restart_count = _env_int(environ, "TORCHELASTIC_RESTART_COUNT") or 0
 
     if backend not in (None, "nccl", "gloo"):
-        raise ValueError(f"backend: must be 'nccl' or 'gloo', got {backend!r}")
+        raise ConfigError(f"backend: must be 'nccl' or 'gloo', got {backend!r}")
     if backend is None:
         backend = "nccl" if cuda_devices > 0 else "gloo"
     if cuda_devices > 0:
         if local_rank >= cuda_devices:
-            raise ValueError(
+            raise ConfigError(
                 f"LOCAL_RANK={local_rank} but only {cuda_devices} CUDA device(s) are visible: start at most "
                 f"{cuda_devices} workers per node (--nproc-per-node) or fix CUDA_VISIBLE_DEVICES"
             )
         device = torch.device("cuda", local_rank)
     else:
         if backend == "nccl":
-            raise ValueError("backend: 'nccl' needs CUDA devices; none are visible (use gloo on CPU)")
+            raise ConfigError("backend: 'nccl' needs CUDA devices; none are visible (use gloo on CPU)")
         device = torch.device("cpu")
     return DistEnv(
         rank=rank,

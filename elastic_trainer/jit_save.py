@@ -60,12 +60,10 @@ Design, and why:
   claim). A step that already has a complete checkpoint (or a newer one) is skipped. The write
   is the ordinary atomic one (temp file, fsync, rename, directory fsync, sha256 manifest) with
   ``"jit": true`` in the manifest; it prunes nothing (rank 0's next checkpoint does).
-* **RNG.** The other ranks' generator states are not available to the writer, so a JIT
-  checkpoint stores none, and on resume every rank derives its streams from (seed, rank, step)
-  as the runtime does after a world-size change. Jobs whose training step draws no global
-  random numbers (the example: no dropout; the data order has its own seeded generators) resume
-  bitwise equal to an uninterrupted run; jobs with dropout resume deterministically, on fresh
-  streams.
+* **RNG.** The dead rank's generator state is gone with it, so no checkpoint relies on saved
+  generator states: every step reseeds each rank from ``(seed, rank, step)``
+  (:func:`elastic_trainer.rng.seed_step`). A JIT checkpoint written by any survivor therefore
+  resumes bitwise, dropout included.
 * **Bounded.** torchrun (2.13) stops workers with ``PContext.close(SIGTERM, timeout=30)``:
   ``LocalElasticAgent._stop_workers`` calls ``_shutdown()`` whose default timeout is 30 s, and
   an agent that is itself SIGTERMed calls ``_shutdown(sig, timeout=shutdown_timeout)``, also

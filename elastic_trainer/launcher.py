@@ -14,18 +14,21 @@ import importlib.util
 import logging
 import os
 import signal
+import sys
 import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elastic_trainer.launch_options import RunOptions, UserError
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+    from elastic_trainer.failure_policy import Verdict as FailurePolicyVerdict
+    from elastic_trainer.janitor import Janitor
     from elastic_trainer.warm_start import WarmStartServer
 
 log = logging.getLogger(__name__)
@@ -158,6 +161,15 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
     """
     target.check()
     with contextlib.ExitStack() as cleanup:
+        janitor = None
+        if not dry_run:
+            from elastic_trainer.janitor import Janitor
+
+            janitor = Janitor()  # first in, last out: cleans up even after a SIGKILL of this process
+            cleanup.callback(janitor.close)
+            # Workers (cold or warm-forked) inherit this marker: none outlives this launcher either.
+            os.environ[LAUNCHER_ID_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            janitor.stop_processes_with_env(LAUNCHER_ID_ENV, os.environ[LAUNCHER_ID_ENV])
         warm = None
         if options.warm_start == "on" and not dry_run:
             # First of all: the server's imports then overlap the launcher's own and the
@@ -167,10 +179,11 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
             extra = [name for name in options.warm_preload.split(",") if name]
             warm = start_server([*DEFAULT_PRELOAD, *extra])
             cleanup.callback(warm.close)
-        return _launch(options, target, warm, dry_run=dry_run)
+        return _launch(options, target, warm, janitor, dry_run=dry_run)
 
 
-def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *, dry_run: bool) -> int:
+def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, janitor: Janitor | None, *,
+            dry_run: bool) -> int:
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -209,12 +222,16 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *
             from rendezvous.etcd_server import EtcdServer, EtcdServerError
 
             data_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="elastic-trainer-etcd-"))
+            if janitor is not None:
+                janitor.remove_on_exit(data_dir)  # and stops the etcd whose --data-dir is in it
             server = EtcdServer.single(Path(data_dir) / "data", host=options.etcd_host)
             cleanup.callback(server.stop)
             try:
                 server.start()
             except EtcdServerError as exc:
                 raise UserError(f"embedded etcd: {exc}") from exc
+            if janitor is not None and server.pid is not None:
+                janitor.stop_on_exit(server.pid)
             endpoint = server.endpoint
             run_id = options.run_id or f"local-{uuid.uuid4().hex[:12]}"
             log.warning("embedded etcd on %s (run id %s); other nodes may join with "
@@ -239,17 +256,26 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *
             cleanup.callback(metrics.close)
             log.warning("node metrics on %s", metrics.url)
 
-        worker_args = None
+        # Workers run the target through worker_entry, which records failures for the policy.
+        worker_args = [*WORKER_ENTRY, *target.torchrun_args()]
         if warm is not None:
-            worker_args = warm.client_args(target.torchrun_args())
+            worker_args = warm.client_args(target.torchrun_args())  # falls back to worker_entry, cold
             warm.wait_ready()  # join only once our workers can start at once (see wait_ready)
+        verdicts = _watch_failures(cleanup)
         args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args))
         try:
             run(args)
         except ChildFailedError as exc:
-            rank, failure = exc.get_first_failure()
-            log.error("job failed: worker rank %s exited with %s", rank, failure.exitcode)
-            return 1
+            if not verdicts:
+                rank, failure = exc.get_first_failure()
+                log.error("job failed: worker rank %s exited with %s", rank, failure.exitcode)
+                return 1
+            verdict = verdicts[-1]
+            if verdict.traceback:
+                sys.stderr.write(verdict.traceback)
+            log.error("job failed: %s", verdict.reason if not verdict.restart else
+                      f"{verdict.reason}; no restarts left (--max-restarts {options.max_restarts})")
+            return verdict.exit_code
         except SignalException as exc:
             log.warning("stopped by %s; workers were given their checkpoint grace", exc.sigval.name)
             return 128 + int(exc.sigval)
@@ -263,6 +289,33 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, *
             log.error("rendezvous of run %r failed: %s", run_id, exc)
             return 1
     return 0
+
+
+LAUNCHER_ID_ENV = "ELASTIC_TRAINER_LAUNCHER_ID"
+"""Marks this launcher's workers (inherited environment), for the janitor."""
+WORKER_ENTRY = ("-m", "elastic_trainer.worker_entry")
+"""How torchrun starts a cold worker: the target under the worker entry point."""
+
+
+def _watch_failures(cleanup: contextlib.ExitStack) -> list[FailurePolicyVerdict]:
+    """Install the failure policy on torchrun's agent; returns the list its verdicts go to."""
+    from elastic_trainer.failure_policy import FailurePolicy
+    from elastic_trainer.torch_agent_compat import on_group_failure
+
+    policy = FailurePolicy()
+    verdicts: list[FailurePolicyVerdict] = []
+
+    def decide(failures: dict[int, Any], remaining: int) -> bool:
+        if not failures:
+            return True  # unhealthy without a failed worker: torch's own handling
+        verdict = policy.judge(failures)
+        verdicts.append(verdict)
+        if verdict.restart and remaining > 0:
+            log.warning("%s; restarting the worker group (%d restart(s) left)", verdict.reason, remaining - 1)
+        return verdict.restart
+
+    cleanup.callback(on_group_failure(decide))
+    return verdicts
 
 
 def install_sigterm_as_exception() -> None:
@@ -289,4 +342,7 @@ def split_target(words: Sequence[str], *, as_module: bool) -> Target:
 
 def default_env_for_workers() -> None:
     """Environment defaults the workers inherit (never overriding the user's)."""
+    from elastic_trainer.failures import ENV_LAUNCHER_REPORTS
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[ENV_LAUNCHER_REPORTS] = "1"  # this launcher prints root causes: workers say one line

@@ -1,8 +1,11 @@
-"""Audit log of consumed samples: one JSON line per rank per optimizer step.
+"""Audit log of consumed samples: JSON lines per rank per optimizer step.
 
 Used to prove exactly-once data consumption across restarts (see :func:`committed_history`).
 Each worker process writes its own file, ``samples-rank{R}-pid{PID}.jsonl``; the first line of a
-file is a ``start`` record naming the step the process resumed from.
+file is a ``start`` record naming the step the process resumed from. A ``step`` record (the
+step's indices) is written when the step *starts*, before any rank can commit it, so every
+committed step has every rank's record whoever checkpointed it; a ``done`` record follows the
+step's update (it tells how far a process got, e.g. for counting steps lost).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class SampleLog:
         """``step`` is the number of optimizer steps done after this one."""
         self._write({"event": "step", "step": step, "epoch": epoch, "cursor": cursor, "world_size": world_size,
                      "rank": rank, "indices": indices})
+
+    def done(self, *, step: int) -> None:
+        """This process applied the update of ``step``."""
+        self._write({"event": "done", "step": step})
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -65,7 +72,7 @@ def committed_history(processes: Iterable[list[dict[str, Any]]]) -> dict[int, li
     generations: dict[str, tuple[float, int, list[list[dict[str, Any]]]]] = {}
     for records in processes:
         start = records[0]
-        steps = [r for r in records[1:] if r["event"] == "step"]
+        steps = [r for r in records[1:] if r["event"] == "step"]  # "done" records are progress only
         started, resumed, group = generations.setdefault(
             start["generation"], (start["started_unix"], start["resumed_step"], [])
         )

@@ -16,8 +16,11 @@ What the runtime guarantees:
   samples split over the ranks alive now, each rank scales its loss so that DDP's gradient average
   equals the mean over the global batch, and accumulates (``no_sync``) beyond ``micro_batch_size``.
 * torchrun restarts every worker after any failure; they all load rank 0's newest good checkpoint
-  (model, optimizer, scheduler, scaler, sampler cursor, per-rank RNG) and replay the same batches,
-  so with the same world size the result is bitwise the one of an uninterrupted run. At three or
+  (model, optimizer, scheduler, scaler, sampler cursor) and replay the same batches. Random numbers
+  need no saved state: every step reseeds each rank's generators from ``(seed, rank, step)``
+  (:func:`elastic_trainer.rng.seed_step`), so dropout and in-step augmentation replay too, even after
+  a just-in-time save by a rank other than the dead one. With the same world-size history the result
+  is bitwise the one of an uninterrupted run. At three or
   more ranks that also needs DDP's gradient buckets in the layout of a DDP past its first steps:
   a restarted trainer primes them once before its first step (:meth:`Trainer._prime_buckets`).
 * SIGTERM (preemption, scale-down, a new node joining) finishes the step in progress on every
@@ -53,8 +56,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from elastic_trainer import checkpoint as ckpt
-from elastic_trainer import distributed, rng
-from elastic_trainer.config import ENV_JIT_SAVE, TrainerConfig
+from elastic_trainer import distributed, failures, rng
+from elastic_trainer.config import ENV_JIT_SAVE, ConfigError, TrainerConfig
 from elastic_trainer.jit_save import (
     SAVE_TIMEOUT_S,
     AuthoritativeBuffers,
@@ -78,7 +81,7 @@ TEARDOWN_S = 10.0
 ``SAVE_TIMEOUT_S + TEARDOWN_S``; past that the process exits (code 1) instead of hanging."""
 
 
-class TrainerSetupError(ValueError):
+class TrainerSetupError(ConfigError):
     """The job or config cannot run here; the message says what to change."""
 
 
@@ -228,6 +231,7 @@ class Trainer:
             try:
                 return self._train()
             except Exception as exc:
+                failures.note_step(exc, self.step + 1)  # the launcher's repeat check compares steps
                 if self._jit.enabled:
                     # Save, then let the exception end the process quickly: torchrun restarts
                     # the group once all its local workers are gone. Never hang on the way.
@@ -362,9 +366,14 @@ class Trainer:
             self._last_saved_step = self.step
             self._last_checkpoint = value
             if env.is_rank0:
-                log.info("resumed from %s%s (step %d, epoch %d, cursor %d, saved by %d ranks, now %d)",
+                log.info("resumed from %s%s (step %d, epoch %d, cursor %d, saved by %d ranks, now %d); exact resume: "
+                         "random streams derive from (seed, rank, step), so every step from here is bitwise the "
+                         "step of a fault-free run with the same world-size history",
                          value, " (a just-in-time checkpoint)" if state.get("jit") else "", self.step,
                          self.sampler.epoch, self.sampler.cursor, state["world_size"], env.world_size)
+        elif env.is_rank0 and cfg.checkpoint_dir is None:
+            log.warning("no checkpoint_dir: this job is not fault tolerant; a restart starts again from step 0 "
+                        "(give a checkpoint directory that every node shares, e.g. --checkpoint-dir)")
         elif env.is_rank0:
             log.info("starting from scratch (no checkpoint in %s)", cfg.checkpoint_dir)
         self._setup_jit(jit_enabled)
@@ -433,8 +442,7 @@ class Trainer:
             if self._buffers is not None:
                 buffers, source = self._buffers.snapshot()
                 model_state.update(buffers)
-            # No RNG states: the other ranks' are not here; resume derives every rank's streams.
-            payload = self._payload(model_state, rng_states=[])
+            payload = self._payload(model_state)
             payload["jit"] = {"writer_rank": env.rank, "buffers": source}
             return payload
 
@@ -487,12 +495,8 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
-        rng_states = state.get("rng") or []
-        if int(state["world_size"]) == env.world_size and len(rng_states) == env.world_size:
-            rng.restore(rng_states[env.rank], env.device)
-        else:
-            # Another world size: per-rank streams cannot carry over; derive fresh ones, reproducibly.
-            rng.seed_all(rng.derive_seed(self.config.seed, env.rank, self.step))
+        # No generator state to restore: the next step reseeds from (seed, rank, step) (rng.seed_step).
+        rng.seed_step(self.config.seed, env.rank, self.step, env.device)
 
     def _open_sample_log(self) -> None:
         cfg, env = self.config, self._env()
@@ -551,8 +555,7 @@ class Trainer:
                 control.duration_s = time.monotonic() - started
                 self._guard.boundary()
                 if self._sample_log is not None:
-                    self._sample_log.step(step=self.step, epoch=plan.epoch, cursor=plan.cursor,
-                                          world_size=env.world_size, rank=env.rank, indices=plan.indices)
+                    self._sample_log.done(step=self.step)
                 # A step is reported (loss, stop flag) once its control allreduce is in. Usually it
                 # overlaps the next step and is read then, when waiting costs nothing (the host never
                 # blocks on the step it just launched). When JIT buffers ride on it, _update already
@@ -711,6 +714,15 @@ class Trainer:
         after the last forward so that it runs while the last backward computes."""
         env = self._env()
         device = env.device
+        # Every step's random numbers are a function of (seed, rank, step): exact resume needs no
+        # generator state, not even the dead rank's (see elastic_trainer.rng).
+        rng.seed_step(self.config.seed, env.rank, self.step, device)
+        if self._sample_log is not None:
+            # Written before the step can commit anywhere (no rank can finish its update before this
+            # rank's backward joined the gradient allreduce), so a committed step always has every
+            # rank's record, whoever saved it.
+            self._sample_log.step(step=self.step + 1, epoch=plan.epoch, cursor=plan.cursor,
+                                  world_size=env.world_size, rank=env.rank, indices=plan.indices)
         self.optimizer.zero_grad(set_to_none=True)
         # Each rank's loss is scaled by world_size / global_samples: DDP averages gradients over the
         # ranks, so the result is the gradient of the mean loss over the global batch, whatever
@@ -791,18 +803,12 @@ class Trainer:
         if cfg.checkpoint_dir is None or self._last_saved_step == self.step:
             return self._last_checkpoint
         started = time.monotonic()
-        rng_state = rng.capture(env.device)
-        rng_states: list[Any] = [None] * env.world_size
-        if env.world_size > 1:
-            dist.all_gather_object(rng_states, rng_state)
-        else:
-            rng_states = [rng_state]
         if cfg.zero_redundancy:
             self.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
         outcome: list[Any] = [("ok", None)]
         if env.is_rank0:
             try:
-                outcome = [("ok", self._write(rng_states, sync=final or not cfg.async_checkpoint, started=started))]
+                outcome = [("ok", self._write(sync=final or not cfg.async_checkpoint, started=started))]
             except ckpt.CheckpointError as exc:
                 outcome = [("error", str(exc))]
         if env.world_size > 1:
@@ -814,7 +820,7 @@ class Trainer:
         self._last_checkpoint = value
         return value
 
-    def _payload(self, model_state: dict[str, Any], *, rng_states: list[Any]) -> dict[str, Any]:
+    def _payload(self, model_state: dict[str, Any]) -> dict[str, Any]:
         """What a checkpoint holds (live tensors; the caller copies or writes them at once)."""
         cfg, env = self.config, self._env()
         return {
@@ -824,7 +830,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "sampler": self.sampler.state_dict(),
-            "rng": rng_states,
+            "rng": {"scheme": rng.STEP_SCHEME, "seed": cfg.seed},
             "step": self.step,
             "epoch": self.sampler.epoch,
             "world_size": env.world_size,
@@ -832,11 +838,11 @@ class Trainer:
             "config": cfg.to_dict(),
         }
 
-    def _write(self, rng_states: list[Any], *, sync: bool, started: float) -> str:
+    def _write(self, *, sync: bool, started: float) -> str:
         cfg, env = self.config, self.env
         if env is None or cfg.checkpoint_dir is None:
             raise RuntimeError("checkpointing needs the distributed environment and a checkpoint_dir")
-        payload = self._payload(self.model.state_dict(), rng_states=rng_states)
+        payload = self._payload(self.model.state_dict())
         step, epoch, directory = self.step, self.sampler.epoch, cfg.checkpoint_dir
         path = str(ckpt.checkpoint_path(directory, step))
         claim: ckpt.StepClaim | None = None
@@ -890,21 +896,6 @@ class Trainer:
             self._writer.wait(timeout)
         except ckpt.CheckpointError:
             log.exception("the last background checkpoint write failed")
-
-
-_COLLECTIVE_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo",
-                               "ProcessGroupNCCL", "NCCL error", "gloo/transport")
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective that failed because a peer went away.
-
-    torch 2.13's gloo raises a plain ``RuntimeError`` ("... Connection closed by peer ...") from
-    collectives and from DDP's backward, not a ``DistError``; both are recognised.
-    """
-    if isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _COLLECTIVE_FAILURE_MARKERS)
 
 
 ENV_TEST_KILL_AT = "ELASTIC_TRAINER_TEST_KILL_AT"

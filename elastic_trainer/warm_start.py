@@ -62,6 +62,8 @@ SOCKET_NAME = "server.sock"
 FAILED_NAME = "server.failed"
 WORKERS_DIR = "workers"
 DIR_PREFIX = "elastic-trainer-warm-"
+MAX_SOCKET_PATH = 100
+"""Bytes of a unix socket path we rely on (Linux allows 107 plus the terminating NUL)."""
 
 DEFAULT_PRELOAD = (
     "torch",
@@ -72,6 +74,8 @@ DEFAULT_PRELOAD = (
     "torch.utils.data",
     "elastic_trainer.trainer",
     "elastic_trainer.checkpoint",
+    "elastic_trainer.failures",
+    "elastic_trainer.worker_entry",
 )
 """Imported by the server before it serves: what every runtime worker imports anyway.
 
@@ -325,10 +329,10 @@ def _become_worker(server: _Server, conn: socket.socket, request: dict[str, obje
         _reopen_stdio()
         _reseed_inherited_rngs()
         _apply_thread_settings()
-        code = _run_target([str(word) for word in argv])
-    except SystemExit as exc:
-        code = _exit_code(exc.code)
-    except BaseException:  # noqa: BLE001 - the worker's own uncaught error: print it like python does
+        from elastic_trainer import worker_entry
+
+        code = worker_entry.run([str(word) for word in argv])  # classifies and records a failure
+    except BaseException:  # noqa: BLE001 - a failure of the fork itself: print it like python does
         with contextlib.suppress(BaseException):
             sys.excepthook(*sys.exc_info())
         code = 1
@@ -366,36 +370,6 @@ def _apply_thread_settings() -> None:
     wanted = os.environ.get("OMP_NUM_THREADS", "")
     if torch is not None and wanted.isdigit() and int(wanted) > 0 and torch.get_num_threads() != int(wanted):
         torch.set_num_threads(int(wanted))
-
-
-def _run_target(argv: list[str]) -> int:
-    """Run ``-m MODULE ARGS`` or ``SCRIPT ARGS`` as ``__main__``; return the exit status."""
-    import runpy
-
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            raise WarmStartError("-m needs a module")
-        module = argv[1]
-        sys.argv = [module, *argv[2:]]
-        sys.path[0] = os.getcwd()
-        sys.modules.pop(module, None)  # run fresh as __main__, as python -m does; its imports stay warm
-        runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]  # what python -m runs
-    else:
-        script = argv[0]
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
-        runpy.run_path(script, run_name="__main__")
-    return 0
-
-
-def _exit_code(value: object) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value & 0xFF
-    with contextlib.suppress(BaseException):
-        print(value, file=sys.stderr)
-    return 1
 
 
 def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
@@ -442,6 +416,14 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
         os.replace(scratch, directory / SOCKET_NAME)  # the socket appears only once it accepts
     except FileNotFoundError:
         return 0  # the launcher stopped while we were starting
+    except OSError as exc:  # e.g. a socket path too long: tell clients to start cold, once
+        reason = f"cannot listen on {scratch}: {exc.strerror or exc}"
+        with contextlib.suppress(OSError):
+            _write_atomically(directory / FAILED_NAME, reason)
+        print(f"elastic-trainer: warm start unavailable ({reason}); workers start cold", file=sys.stderr, flush=True)
+        _wait_for_eof(parent_pipe)
+        _remove(directory)
+        return 1
     server = _Server(directory, listener, parent_pipe, wakeup_read)
     try:
         server.serve_forever()
@@ -507,6 +489,9 @@ def start_server(preload: Sequence[str]) -> WarmStartServer:
     The directory is ``$TMPDIR/elastic-trainer-warm-<launcher pid>-<random>``, mode 0700.
     """
     directory = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
+    if len(os.fsencode(directory / (SOCKET_NAME + ".tmp"))) > MAX_SOCKET_PATH:
+        directory.rmdir()  # a deep $TMPDIR: unix socket paths are limited to ~107 bytes
+        directory = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir="/tmp"))
     read_end, write_end = os.pipe()
     os.set_inheritable(read_end, True)
     cmd = [sys.executable, "-u", "-m", __name__, "serve", "--dir", str(directory),
@@ -554,7 +539,7 @@ def _connect(socket_path: Path, deadline: float) -> socket.socket:
 def _start_cold(target_args: Sequence[str], reason: str) -> NoReturn:
     print(f"elastic-trainer: warm start unavailable ({reason}); starting this worker cold",
           file=sys.stderr, flush=True)
-    os.execv(sys.executable, [sys.executable, "-u", *target_args])
+    os.execv(sys.executable, [sys.executable, "-u", "-m", "elastic_trainer.worker_entry", *target_args])
 
 
 def run_client(socket_path: Path, target_args: Sequence[str]) -> int:

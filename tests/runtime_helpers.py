@@ -151,14 +151,19 @@ def wait_for(condition: Callable[[], Any], *, timeout: float, what: str, agents:
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{logs}")
 
 
+def world_of(records: list[dict[str, Any]]) -> int:
+    """The world size of one process's records (from its ``start`` record)."""
+    return int(records[0]["world_size"])
+
+
 def steps_recorded(directory: Path, *, world_size: int | None = None) -> int:
-    """The highest step any rank recorded (optionally only in a world of ``world_size``)."""
+    """The highest step any rank completed (optionally only in a world of ``world_size``)."""
     best = 0
     if not directory.exists():
         return 0
     for records in read_records(directory):
         for record in records:
-            if record["event"] == "step" and (world_size is None or record["world_size"] == world_size):
+            if record["event"] == "done" and (world_size is None or world_of(records) == world_size):
                 best = max(best, record["step"])
     return best
 
@@ -187,7 +192,7 @@ class Generation:
     resumed_step: int
     world_size: int
     last_step: int
-    """Highest step any rank of this generation recorded (``resumed_step`` if none)."""
+    """Highest step any rank of this generation completed (``resumed_step`` if none)."""
     pids: dict[int, int]
     """rank -> worker pid."""
 
@@ -206,7 +211,7 @@ def generations(samples: Path) -> list[Generation]:
             id=start["generation"], started_unix=start["started_unix"], resumed_step=start["resumed_step"],
             world_size=start["world_size"], last_step=start["resumed_step"], pids={}))
         gen.pids[start["rank"]] = int(path.stem.rsplit("-pid", 1)[1])
-        steps = [r["step"] for r in records[1:] if r["event"] == "step"]
+        steps = [r["step"] for r in records[1:] if r["event"] == "done"]
         gen.last_step = max([gen.last_step, *steps])
     return sorted(found.values(), key=lambda g: g.started_unix)
 

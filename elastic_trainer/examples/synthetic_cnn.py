@@ -23,24 +23,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from elastic_trainer.checkpoint import CheckpointError
-from elastic_trainer.config import DEFAULT_CHECKPOINT_EVERY, DDPOptions, TrainerConfig
+from elastic_trainer import failures
+from elastic_trainer.config import DEFAULT_CHECKPOINT_EVERY, ConfigError, DDPOptions, TrainerConfig
 from elastic_trainer.distributed import read_env, strip_local_rank_arg
 from elastic_trainer.observer import TrainingObserver
 from elastic_trainer.process_exit import exit_process
-from elastic_trainer.trainer import (
-    Trainer,
-    TrainerSetupError,
-    TrainingJob,
-    build_observer,
-    is_collective_failure,
-)
+from elastic_trainer.trainer import Trainer, TrainingJob, build_observer
 
 log = logging.getLogger("elastic_trainer.examples.synthetic_cnn")
+PROG = "synthetic_cnn"
 
 CLASSES = 10
 
@@ -52,7 +46,7 @@ class SmallCNN(nn.Module):
     batch statistics are per rank, the one part of a step that depends on the world size.
     """
 
-    def __init__(self, width: int = 16, *, batchnorm: bool = True) -> None:
+    def __init__(self, width: int = 16, *, batchnorm: bool = True, dropout: float = 0.0) -> None:
         super().__init__()
 
         def norm(channels: int) -> nn.Module:
@@ -67,6 +61,7 @@ class SmallCNN(nn.Module):
             nn.ReLU(),
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),
+            *([nn.Dropout(dropout)] if dropout > 0 else []),
         )
         self.classifier = nn.Linear(2 * width, CLASSES)
 
@@ -127,7 +122,7 @@ def evaluate(model: nn.Module, dataset: SyntheticImages, device: torch.device) -
 def make_job(args: argparse.Namespace) -> TrainingJob:
     """The example's factories (also used by the benchmarks)."""
     return TrainingJob(
-        model=lambda: SmallCNN(args.width, batchnorm=not args.no_batchnorm),
+        model=lambda: SmallCNN(args.width, batchnorm=not args.no_batchnorm, dropout=args.dropout),
         dataset=lambda: SyntheticImages(args.dataset_size, seed=args.seed),
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4),
         scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.max_steps or 1000, 1)),
@@ -156,6 +151,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=16, help="channels of the first conv layer")
     parser.add_argument("--no-batchnorm", action="store_true",
                         help="identities instead of BatchNorm (makes steps exactly world-size invariant on CPU)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="dropout before the classifier (random numbers in every step; resume stays bitwise)")
     parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")
     parser.add_argument("--sync-batchnorm", action="store_true", help="SyncBatchNorm (CUDA only)")
     parser.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer")
@@ -181,11 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
     try:
         if args.dataset_size <= 0:
-            raise ValueError(f"--dataset-size: must be positive, got {args.dataset_size}")
+            raise ConfigError(f"--dataset-size: must be positive, got {args.dataset_size}")
         if args.width <= 0:
-            raise ValueError(f"--width: must be positive, got {args.width}")
+            raise ConfigError(f"--width: must be positive, got {args.width}")
+        if not 0.0 <= args.dropout < 1.0:
+            raise ConfigError(f"--dropout: must be in [0, 1), got {args.dropout}")
         if args.throttle_ms < 0:
-            raise ValueError(f"--throttle-ms: must be >= 0, got {args.throttle_ms}")
+            raise ConfigError(f"--throttle-ms: must be >= 0, got {args.throttle_ms}")
         config = TrainerConfig(
             global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size,
@@ -211,17 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             observer = Throttled(observer, args.throttle_ms / 1000)
         trainer = Trainer(config, make_job(args), observer=observer, env=env)
         result = trainer.fit()
-    except (ValueError, CheckpointError, TrainerSetupError) as exc:
-        # One line, no traceback: bad input or a checkpoint directory that cannot be used.
-        print(f"synthetic_cnn: error: {exc}", file=sys.stderr)
-        return 2
-    except (dist.DistError, RuntimeError) as exc:
-        if not is_collective_failure(exc):
-            raise
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"synthetic_cnn: a collective failed (a peer probably died; torchrun restarts the group): {first_line}",
-              file=sys.stderr)
-        return 1
+    except Exception as exc:  # noqa: BLE001 - classified, recorded for the launcher, reported once
+        return failures.exit_after(exc, prog=PROG)
     if env.is_rank0:
         dataset = trainer.dataset
         if not isinstance(dataset, SyntheticImages):

@@ -115,7 +115,7 @@ class RunDirs:
         if not self.samples.exists():
             return 0
         return sum(1 for records in read_records(self.samples) for r in records
-                   if r["event"] == "step" and r["rank"] == 0)
+                   if r["event"] == "done" and records[0]["rank"] == 0)
 
 
 def start_node(

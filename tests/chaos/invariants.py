@@ -99,7 +99,7 @@ def steps_lost(samples: Path) -> list[int]:
     """For each restart: steps the previous generation completed that the next one redid."""
     last: dict[str, int] = {}
     for records in read_records(samples):
-        steps = [r["step"] for r in records if r["event"] == "step"]
+        steps = [r["step"] for r in records if r["event"] == "done"]
         generation = records[0]["generation"]
         last[generation] = max([last.get(generation, 0), *steps])
     gens = {records[0]["generation"]: records[0] for records in read_records(samples)}

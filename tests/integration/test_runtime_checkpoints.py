@@ -91,7 +91,7 @@ def test_sigterm_to_an_agent_checkpoints_the_step_it_stopped_at(etcd_server, uni
         agent.wait(60)
         took = time.monotonic() - signalled
     log = agent.output()
-    last_steps = {max(r["step"] for r in records if r["event"] == "step") for records in read_records(samples)}
+    last_steps = {max(r["step"] for r in records if r["event"] == "done") for records in read_records(samples)}
     assert len(last_steps) == 1, f"ranks stopped after different steps: {last_steps}"
     stopped_at = last_steps.pop()
     assert stopped_at < 1000

@@ -138,6 +138,36 @@ def test_rank0_killed_at_an_exact_point_of_a_step_still_resumes_bitwise(
     _assert_bitwise(model, reference)
 
 
+def test_dropout_model_resumes_bitwise_after_a_worker_sigkill(etcd_server, unique_id: str, tmp_path: Path) -> None:
+    """Dropout draws random numbers in every step, and the killed rank's generator state dies with
+    it: rank 0 is SIGKILLed, rank 1 saves just in time, and the resumed run still ends bitwise
+    equal to an undisturbed run (every step reseeds from (seed, rank, step))."""
+    dropout = ("--checkpoint-every", "1000", "--dropout", "0.3")
+    kill_after = random.Random().randint(STEPS_PER_EPOCH + 2, STEPS - 5)
+    samples = tmp_path / "faulty" / "samples"
+    with agents() as started:
+        undisturbed = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-ref", max_restarts=0,
+                                  log_path=tmp_path / "ref.log", job_args=_job(tmp_path, "ref", *dropout))
+        faulty = start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, max_restarts=2,
+                             log_path=tmp_path / "faulty.log", job_args=_job(tmp_path, "faulty", *dropout))
+        started += [undisturbed, faulty]
+        wait_for(lambda: steps_recorded(samples) >= kill_after, timeout=120, what=f"step {kill_after}",
+                 agents=started)
+        pid = kill_rank(faulty, samples, 0)
+        print(f"SIGKILLed rank 0 (pid {pid}) once step {kill_after} was done")
+        assert faulty.wait(180) == 0, faulty.tail()
+        assert undisturbed.wait(180) == 0, undisturbed.tail()
+    gens = generations(samples)
+    assert len(gens) == 2, f"the group was restarted exactly once: {gens}"
+    info = ckpt.verify(tmp_path / "faulty" / "ckpt", gens[1].resumed_step)
+    assert info.manifest.jit, "resumed from rank 1's just-in-time checkpoint"
+    assert "random streams derive from (seed, rank, step)" in faulty.output(), "the guarantee is logged at resume"
+    step, model = final_model(tmp_path / "faulty" / "ckpt")
+    ref_step, expected = final_model(tmp_path / "ref" / "ckpt")
+    assert step == ref_step == STEPS
+    _assert_bitwise(model, expected)
+
+
 def test_without_jit_the_same_kill_falls_back_to_the_periodic_checkpoint(
     etcd_server, unique_id: str, tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic_trainer import checkpoint as ckpt
+from elastic_trainer import rng
 from elastic_trainer.config import TrainerConfig
 from elastic_trainer.jit_save import SAVE_TIMEOUT_S
 from elastic_trainer.trainer import Trainer, TrainingJob
@@ -108,7 +109,7 @@ def test_a_mid_step_snapshot_is_exactly_the_checkpoint_of_the_last_completed_ste
     assert jit_info.manifest.jit and not ref_info.manifest.jit
     jit_state = torch.load(jit_info.path, weights_only=True)
     ref_state = torch.load(ref_info.path, weights_only=True)
-    assert jit_state["jit"] == {"writer_rank": 0, "buffers": "rank0"} and jit_state["rng"] == []
+    assert jit_state["jit"] == {"writer_rank": 0, "buffers": "rank0"} and jit_state["rng"]["scheme"] == rng.STEP_SCHEME
     for key in ("model", "optimizer", "scheduler", "sampler", "step", "epoch", "world_size", "fingerprint"):
         _assert_equal(jit_state[key], ref_state[key], key)
     assert int(jit_state["model"]["1.num_batches_tracked"]) == SAVE_AT, "BatchNorm statistics of step 5, not 6"

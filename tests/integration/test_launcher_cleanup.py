@@ -1,0 +1,99 @@
+"""Nothing outlives `elastic-trainer run`: SIGKILL the launcher (no `finally` runs) and its
+embedded etcd, the etcd data directory, the warm-start server and every worker are gone within
+seconds. A normal exit leaves nothing either."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.agents import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if text.encode() in (entry / "cmdline").read_bytes():
+                state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+                if state != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _launcher_marker(pid: int) -> str | None:
+    try:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"ELASTIC_TRAINER_LAUNCHER_ID="):
+                return item.decode()
+    except OSError:
+        return None
+    return None
+
+
+def _processes_with_env(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _launcher_marker(int(entry.name)) == marker:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("warm", ["on", "off"])
+def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    log = tmp_path / "launcher.log"
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "elastic_trainer.cli", "run", "--nproc-per-node", "2", "--metrics-port", "0",
+             "--warm-start", warm, "-m", "elastic_trainer.examples.synthetic_cnn", "--epochs", "50",
+             "--throttle-ms", "50", "--checkpoint-dir", str(tmp_path / "ckpt")],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    try:
+        wait_for(lambda: "step 10 " in log.read_text(), timeout=90, what="training to run")
+        (data_dir,) = [str(p) for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-etcd-")]
+        etcd = _processes_mentioning(data_dir)
+        assert etcd, "the embedded etcd runs with its data directory"
+        workers = [pid for pid in _processes_mentioning("synthetic_cnn") if pid != launcher.pid]
+        marker = _launcher_marker(workers[0]) if workers else None
+        assert marker, f"workers carry the launcher's marker: {workers}"
+        before = set(_processes_with_env(marker))
+        assert len(before) >= 3, f"etcd, workers (and a warm server): {before}"
+        launcher.kill()
+        launcher.wait(10)
+        wait_for(lambda: not _processes_with_env(marker), timeout=15, what="every process of the launcher to end")
+        wait_for(lambda: not Path(data_dir).exists(), timeout=10, what="the etcd data directory to go")
+        assert not _processes_mentioning(data_dir), "etcd is gone"
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], list(tmp_path.iterdir())
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _processes_mentioning(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_normal_exit_leaves_nothing_behind(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", "run", "--nproc-per-node", "2", "--metrics-port", "0",
+         "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", "5", "--checkpoint-dir", str(tmp_path / "c")],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(f"run took {time.monotonic() - started:.1f} s")
+    wait_for(lambda: not _processes_mentioning(str(tmp_path)), timeout=10, what="no process left")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], list(tmp_path.iterdir())

@@ -1,0 +1,137 @@
+"""Worker failure classification (elastic_trainer.failures) and the launcher's restart decision
+(elastic_trainer.failure_policy), on real exceptions and torch's real ProcessFailure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from elastic_trainer import failures
+from elastic_trainer.checkpoint import CheckpointMismatchError, CheckpointWriteError
+from elastic_trainer.config import ConfigError, TrainerConfig
+from elastic_trainer.failure_policy import FailurePolicy
+from elastic_trainer.failures import FailureClass
+
+
+def _raised(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as caught:  # noqa: BLE001 - a real traceback for the signature
+        return caught
+
+
+@pytest.mark.parametrize(("exc", "expected"), [
+    (SyntaxError("invalid syntax", ("train.py", 3, 1, "x = (")), FailureClass.DETERMINISTIC),
+    (ModuleNotFoundError("No module named 'missing'"), FailureClass.DETERMINISTIC),
+    (CheckpointMismatchError("checkpoint x belongs to a different job"), FailureClass.DETERMINISTIC),
+    (CheckpointWriteError("could not write: the disk is full (errno 28)"), FailureClass.DETERMINISTIC),
+    (SystemExit(2), FailureClass.DETERMINISTIC),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
+     FailureClass.TRANSIENT),
+    (dist.DistNetworkError("peer gone"), FailureClass.TRANSIENT),
+    (ZeroDivisionError("division by zero"), FailureClass.ERROR),
+    (SystemExit(3), FailureClass.ERROR),
+])
+def test_classification(exc: BaseException, expected: FailureClass) -> None:
+    assert failures.classify(_raised(exc))[0] is expected
+
+
+def test_an_invalid_trainer_config_is_deterministic() -> None:
+    with pytest.raises(ConfigError) as info:
+        TrainerConfig(global_batch_size=0)
+    assert isinstance(info.value, ValueError)
+    assert failures.classify(info.value) == (FailureClass.DETERMINISTIC, "global_batch_size: must be a positive "
+                                                                         "integer, got 0")
+
+
+def test_the_record_is_torchs_error_file_and_torch_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(failures, "_recorded", False)
+    error_file = tmp_path / "error.json"
+    exc = _raised(ZeroDivisionError("division by zero"))
+    failures.note_step(exc, 3)
+    report = failures.report_of(exc, rank=1)
+    assert failures.record(report, environ={failures.ERROR_FILE_ENV: str(error_file)})
+    data = json.loads(error_file.read_text())
+    assert data["errorTraits"] == {"category": "error", "retryability": "True"}
+    torch_view = ProcessFailure(local_rank=1, pid=123, exitcode=1, error_file=str(error_file))
+    assert torch_view.message["message"] == "ZeroDivisionError: division by zero (in step 3)"
+    assert "ZeroDivisionError" in torch_view.message["extraInfo"]["py_callstack"]
+    assert failures.read_report(torch_view.error_file_data) == report
+    # Once per process: a second failure (the teardown's) does not replace the root cause.
+    assert failures.record(failures.report_of(_raised(KeyError("x"))), environ={failures.ERROR_FILE_ENV: str(error_file)})
+    assert failures.read_report(json.loads(error_file.read_text())) == report
+
+
+def test_exit_after_prints_one_line_under_the_launcher(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(failures.ENV_LAUNCHER_REPORTS, "1")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.delenv(failures.ERROR_FILE_ENV, raising=False)
+    assert failures.exit_after(_raised(ZeroDivisionError("division by zero")), prog="job") == failures.EXIT_FAILED
+    assert capsys.readouterr().err == "job: error: ZeroDivisionError: division by zero (rank 2)\n"
+    assert failures.exit_after(_raised(ConfigError("--width: must be positive")), prog="job") == 2
+    assert capsys.readouterr().err == "job: error: --width: must be positive (rank 2)\n"
+    monkeypatch.delenv(failures.ENV_LAUNCHER_REPORTS)
+    failures.exit_after(_raised(ZeroDivisionError("division by zero")), prog="job")
+    assert capsys.readouterr().err.startswith("Traceback (most recent call last)"), "no launcher: the traceback"
+
+
+# -- the policy, on torch's own ProcessFailure read from real error files ---------------------------------
+def _failure(tmp_path: Path, rank: int, exc: BaseException | None, *, exitcode: int = 1, step: int | None = None,
+             at: float = 0.0) -> ProcessFailure:
+    path = tmp_path / f"error-{rank}-{at}.json"
+    if exc is not None:
+        raised = _raised(exc)
+        if step is not None:
+            failures.note_step(raised, step)
+        report = failures.report_of(raised, rank=rank)
+        object.__setattr__(report, "time", 1000.0 + at)
+        failures._recorded = False
+        failures.record(report, environ={failures.ERROR_FILE_ENV: str(path)})
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_a_deterministic_failure_stops_at_once_and_names_the_earliest(tmp_path: Path) -> None:
+    policy = FailurePolicy()
+    verdict = policy.judge({
+        1: _failure(tmp_path, 1, RuntimeError("Connection closed by peer"), at=2),
+        0: _failure(tmp_path, 0, CheckpointWriteError("could not write the checkpoint: the disk is full"), exitcode=2,
+                    at=1),
+    })
+    assert not verdict.restart and verdict.root_cause.rank == 0 and verdict.exit_code == 2
+    assert verdict.reason == ("rank 0 failed: could not write the checkpoint: the disk is full; a restart "
+                              "cannot fix this")
+    assert verdict.traceback is None
+
+
+def test_an_error_gets_one_restart_and_stops_when_it_repeats_at_the_same_step(tmp_path: Path) -> None:
+    policy = FailurePolicy()
+
+    def step3() -> ZeroDivisionError:
+        return ZeroDivisionError("division by zero")  # raised from the same line each time
+
+    first = policy.judge({0: _failure(tmp_path, 0, step3(), step=3, at=1)})
+    assert first.restart and "ZeroDivisionError" in first.reason
+    again = policy.judge({0: _failure(tmp_path, 0, step3(), step=3, at=2)})
+    assert not again.restart and again.exit_code == 1
+    assert "again after a restart" in again.reason
+    assert again.traceback is not None and again.traceback.startswith("Traceback")
+
+
+def test_the_same_error_at_another_step_is_given_another_restart(tmp_path: Path) -> None:
+    policy = FailurePolicy()
+    assert policy.judge({0: _failure(tmp_path, 0, ZeroDivisionError("x"), step=3, at=1)}).restart
+    assert policy.judge({0: _failure(tmp_path, 0, ZeroDivisionError("x"), step=9, at=2)}).restart
+
+
+def test_signals_and_unexplained_exits_are_transient_and_exit_2_is_not(tmp_path: Path) -> None:
+    policy = FailurePolicy()
+    killed = policy.judge({1: _failure(tmp_path, 1, None, exitcode=-9)})
+    assert killed.restart and killed.reason == "rank 1 failed: killed by SIGKILL"
+    assert policy.judge({1: _failure(tmp_path, 1, None, exitcode=1)}).restart
+    usage = policy.judge({0: _failure(tmp_path, 0, None, exitcode=2)})
+    assert not usage.restart and "status 2" in usage.reason
