@@ -5,11 +5,21 @@ rendezvous ``ttl``), so an abandoned run's keys expire. Blocking reads (``get``,
 ``multi_get``) read the key together with the cluster revision and, if it is missing, open an etcd
 watch from the next revision: no write can slip between the read and the watch, and the caller
 wakes as soon as the key is written -- not on a polling tick. A safety re-read every few seconds
-covers a watch stream broken by an etcd restart.
+covers a watch stream broken by an etcd restart. A key that is not set in time raises
+:class:`StoreTimeoutError`, a ``torch.distributed.DistStoreError`` like every torch store's.
 
 ``add`` is a compare-and-swap on the key's revision. It also writes a short-lived marker holding
 the result, so that when a response is lost and the call is retried, the retry returns the
 recorded result instead of adding twice.
+
+The store keeps torch's ``Store`` contract directly and behind C++ wrappers such as
+``dist.PrefixStore``. torch 2.13's trampoline (``PythonStore`` in
+``torch/csrc/distributed/c10d/init.cpp``) dispatches ``set``, ``get``, ``add``, ``compare_set``,
+``check``, ``wait``, ``append``, ``multi_get``, ``multi_set``, ``has_extended_api`` and ``clone``
+by those names, but the key count and key deletion as ``getNumKeys`` and ``deleteKey``, which this
+class therefore also defines. ``list_keys`` and the ``queue_*`` methods are not dispatched at all:
+behind a wrapper torch raises ``NotImplementedError`` for them. Check these names when torch is
+upgraded (``tests/unit/test_etcd_store_contract.py`` does).
 """
 
 from __future__ import annotations
@@ -18,11 +28,11 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import Store
+from torch.distributed import DistStoreError, Store
 
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.leases import RenewedLease
@@ -31,12 +41,34 @@ log = logging.getLogger(__name__)
 
 _SAFETY_RECHECK_S = 5.0
 _MARKER_TTL_S = 600
+_MAX_TXN_OPS = 128
+"""etcd's default ``--max-txn-ops``: ``multi_set`` and ``check`` send at most this many per request."""
+
+# The trampoline finds a Python override through the live Python object. A clone that only C++
+# holds (``PrefixStore.clone()`` returns one) would lose its Python half as soon as Python drops
+# it, and every later call would fail with "Not implemented". Clones are therefore kept for the
+# life of the process; each is small (it shares its parent's connection and leases), and torch
+# clones a store only when it splits a process group.
+_KEPT_CLONES: list[EtcdV3Store] = []
+
+
+class StoreTimeoutError(DistStoreError, LookupError):
+    """A key of an :class:`EtcdV3Store` was not set in time.
+
+    A ``torch.distributed.DistStoreError``, the error every torch store raises on a timeout (torch's
+    elastic store utilities catch only that), and a ``LookupError``. Python exceptions cross torch's
+    C++ wrappers unchanged, so callers of a ``PrefixStore`` over this store see this class too.
+    """
 
 
 def _to_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
     if isinstance(value, str):
         return value.encode("utf-8")
     return bytes(value)
+
+
+def _chunks(items: list[Any], size: int = _MAX_TXN_OPS) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 class EtcdV3Store(Store):
@@ -80,15 +112,27 @@ class EtcdV3Store(Store):
         self._connection.call(lambda c: c.put(self._key(key), data, lease=lease), what="a store set")
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        """Set ``keys`` to ``values``: atomically up to 128 keys, larger batches in order.
+
+        Raises:
+            ValueError: ``keys`` and ``values`` differ in length (nothing is written).
+        """
         if len(keys) != len(values):
-            raise ValueError("multi_set: keys and values differ in length")
+            raise ValueError(
+                f"multi_set: {len(keys)} keys but {len(values)} values; they must match"
+            )
         txn, lease = self._connection.etcd3.transactions, self._lease.lease_id()
         puts = [txn.Put(self._key(k), _to_bytes(v), lease=lease) for k, v in zip(keys, values, strict=True)]
-        self._connection.call(
-            lambda c: c.transaction(compare=[], success=puts, failure=[]), what="a store multi_set"
-        )
+        for chunk in _chunks(puts):
+            self._transaction(compare=[], success=chunk, what="a store multi_set")
 
-    def _compare_and_put(self, key: str, update: Any) -> bytes:
+    def _transaction(self, *, compare: list[Any], success: list[Any], what: str) -> bool:
+        succeeded, _ = self._connection.call(
+            lambda c: c.transaction(compare=compare, success=success, failure=[]), what=what
+        )
+        return bool(succeeded)
+
+    def _compare_and_put(self, key: str, update: Callable[[bytes | None], bytes | None]) -> bytes:
         """Atomically replace ``key`` by ``update(current_or_None)``; return the new value.
 
         ``update`` returns the new bytes or ``None`` for "leave as is". Retries lost CAS races.
@@ -125,21 +169,41 @@ class EtcdV3Store(Store):
                     failure=[],
                 )
                 if succeeded:
-                    return new  # type: ignore[no-any-return]
+                    return new
 
         return self._connection.call(attempt, what=f"an atomic update of {key!r}")
 
     def add(self, key: str, amount: int) -> int:
-        def increment(current: bytes | None) -> bytes:
-            return str(int(current or b"0") + amount).encode()
+        """Add ``amount`` to the integer at ``key`` (0 if missing) and return the sum.
 
-        return int(self._compare_and_put(key, increment))
+        Raises:
+            ValueError: the key holds something other than an integer (it is left unchanged).
+        """
+        not_integer: list[bytes] = []
+
+        def increment(current: bytes | None) -> bytes | None:
+            try:
+                return str(int(current or b"0") + amount).encode()
+            except ValueError:
+                not_integer.append(current or b"")
+                return None
+
+        result = self._compare_and_put(key, increment)
+        if not_integer:
+            raise ValueError(f"add: store key {key!r} holds {not_integer[-1]!r}, not an integer")
+        return int(result)
 
     def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to ``key``, creating it if missing (torch's ``append``)."""
         data = _to_bytes(value)
         self._compare_and_put(key, lambda current: (current or b"") + data)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected``; return the value it then holds.
+
+        torch's semantics: a missing key counts as holding ``b""``, and a missing key compared
+        with a non-empty ``expected`` is left missing and answers ``expected``.
+        """
         expected_b, desired_b = _to_bytes(expected), _to_bytes(desired)
         result: dict[str, bytes | None] = {}
 
@@ -152,46 +216,85 @@ class EtcdV3Store(Store):
         new = self._compare_and_put(key, swap)
         current = result.get("current")
         if current is None and expected_b != b"":
-            return expected_b  # TCPStore semantics: a missing key answers with ``expected``
+            return expected_b
         return new
 
     def delete_key(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
         return bool(self._connection.call(lambda c: c.delete(self._key(key)), what="a store delete"))
+
+    def deleteKey(self, key: str) -> bool:  # the trampoline's name for delete_key
+        """``delete_key`` under the name torch's C++ wrappers call."""
+        return self.delete_key(key)
 
     # -- reads ----------------------------------------------------------------------------------
 
     def check(self, keys: list[str]) -> bool:
+        """Whether every key in ``keys`` exists, without waiting."""
         txn = self._connection.etcd3.transactions
-        compare = [txn.Create(self._key(k)) > 0 for k in keys]
-        succeeded, _ = self._connection.call(
-            lambda c: c.transaction(compare=compare, success=[], failure=[]), what="a store check"
+        compares = [txn.Create(self._key(k)) > 0 for k in keys]
+        return all(
+            self._transaction(compare=chunk, success=[], what="a store check")
+            for chunk in _chunks(compares)
         )
-        return bool(succeeded)
 
     def num_keys(self) -> int:
+        """The number of keys in this store (like ``HashStore``: no internal keys counted)."""
         response = self._connection.call(
             lambda c: c.get_prefix_response(self._prefix, keys_only=True, count_only=True),
             what="a store key count",
         )
         return int(response.count)
 
+    def getNumKeys(self) -> int:  # the trampoline's name for num_keys
+        """``num_keys`` under the name torch's C++ wrappers call."""
+        return self.num_keys()
+
     def list_keys(self) -> list[str]:
+        """The keys of this store (direct calls only: torch 2.13's wrappers cannot reach it)."""
         items = self._connection.call(
             lambda c: list(c.get_prefix(self._prefix, keys_only=True)), what="a store key listing"
         )
         return [meta.key.decode()[len(self._prefix) :] for _, meta in items]
 
+    def has_extended_api(self) -> bool:
+        """True: ``append``, ``multi_get`` and ``multi_set`` keep torch's semantics."""
+        return True
+
     def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting up to the store's timeout for it to be set.
+
+        Raises:
+            StoreTimeoutError: the key was not set in time.
+        """
         return self._wait_for([key], self._timeout_s())[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``, waiting up to the store's timeout (in all) for them.
+
+        Raises:
+            StoreTimeoutError: a key was not set in time.
+        """
         return self._wait_for(keys, self._timeout_s())
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Wait until every key in ``keys`` is set, up to ``timeout`` or the store's timeout.
+
+        Raises:
+            StoreTimeoutError: a key was not set in time.
+        """
         self._wait_for(keys, timeout.total_seconds() if timeout is not None else self._timeout_s())
 
     def clone(self) -> EtcdV3Store:
-        return EtcdV3Store(self._connection, self._prefix, self._timeout(), self._ttl)
+        """A new store on the same keys, sharing this one's connection and leases.
+
+        The clone has its own timeout (a copy of this one's) and stays usable when this store,
+        or the wrapper it was cloned through, is gone.
+        """
+        twin = EtcdV3Store(self._connection, self._prefix, self._timeout(), self._ttl)
+        twin._lease, twin._marker_lease = self._lease, self._marker_lease
+        _KEPT_CLONES.append(twin)
+        return twin
 
     def _timeout(self) -> timedelta:
         # ``timeout`` is a property of the C++ base class that torch's type stubs do not declare.
@@ -204,7 +307,7 @@ class EtcdV3Store(Store):
         """Return the values of ``keys``, waiting for each until ``timeout_s`` has passed.
 
         Raises:
-            LookupError: a key did not appear in time (c10d's ``DistStoreError`` semantics).
+            StoreTimeoutError: a key did not appear in time.
         """
         deadline = time.monotonic() + timeout_s
         return [self._wait_for_one(key, deadline, timeout_s) for key in keys]
@@ -219,7 +322,7 @@ class EtcdV3Store(Store):
                 return bytes(response.kvs[0].value)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise LookupError(
+                raise StoreTimeoutError(
                     f"etcd store: key {key!r} was not set within {timeout_s:g}s (timeout)"
                 )
             self._watch_until_written(etcd_key, response.header.revision + 1, remaining)
