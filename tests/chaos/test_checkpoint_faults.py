@@ -1,5 +1,6 @@
-"""Checkpoint faults on a two-node job: the disk fills up during a checkpoint, and the newest
-checkpoint is corrupted before a restart.
+"""Checkpoint faults on a two-node job: the disk fills up during a checkpoint (the job stops; the
+operator frees the disk and starts it again), and the newest checkpoint is corrupted before a
+restart.
 
 The world size never changes, so after each the final weights must be bitwise the no-fault
 run's, with every sample consumed exactly once per epoch and no good checkpoint lost.
@@ -34,33 +35,37 @@ CHECKPOINT_BYTES = 90_000  # one checkpoint of the chaos job: .pt 81 kB, manifes
 
 
 def test_disk_full_during_a_checkpoint(etcd_server, no_fault, tmp_path: Path) -> None:
-    """The checkpoint disk (a small tmpfs) fills up just before a checkpoint: the write fails
-    with a clear error on every rank, the previous checkpoint is untouched, the group restarts
-    from it; once an operator frees the disk the job completes."""
+    """The checkpoint disk (a small tmpfs) fills up just before a checkpoint: no restart can fix
+    that, so the job stops at once (no restart spent) with the cause as one line on both nodes, and
+    the previous checkpoint is untouched. The operator frees the disk and starts the job again: it
+    resumes from that checkpoint and completes, exactly once and bitwise."""
     with small_disk(tmp_path / "disk", 64 * CHECKPOINT_BYTES) as disk, agents() as nodes:
         run = RunDirs.under(tmp_path / "run", checkpoints=disk.mountpoint / "ckpt")
-        run_id = unique_run_id("disk-full")
+        first_id = unique_run_id("disk-full")
         for name in ("a", "b"):
-            nodes.append(start_node(name=name, run=run, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
+            nodes.append(start_node(name=name, run=run, job=JOB, endpoint=etcd_server.endpoint, run_id=first_id,
                                     nnodes="2"))
-        node_a = nodes[0]
-
-        def disk_full_reported(step: int) -> bool:
-            return any("the disk is full" in node.output() for node in nodes)
-
-        faults = (FaultInjector(run)
-                  .at_step(12, "disk filled to less than a checkpoint", lambda: disk.fill(CHECKPOINT_BYTES // 3))
-                  .when(disk_full_reported, "operator frees the disk", disk.free))
-        faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
+        faults = FaultInjector(run).at_step(12, "disk filled to less than a checkpoint",
+                                            lambda: disk.fill(CHECKPOINT_BYTES // 3))
+        faults.run_until(lambda: all(node.proc.poll() is not None for node in nodes), timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
-        assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
         logs = "\n".join(node.output() for node in nodes)
+        assert codes[nodes[0].log_path.name] == 2, f"exit codes {codes}\n{tails(nodes)}"
+        assert "restarting the worker group" not in logs, "no restart spent on a full disk"
+        failed = [line for line in logs.splitlines() if "job failed:" in line]
+        assert failed and "the disk is full" in failed[0] and "is untouched" in failed[0], tails(nodes)
+        print(failed[0])
+
+        disk.free()  # the operator's part, then the same job again
+        second_id = unique_run_id("disk-freed")
+        restarted = [start_node(name=f"{name}2", run=run, job=JOB, endpoint=etcd_server.endpoint,
+                                run_id=second_id, nnodes="2") for name in ("a", "b")]
+        nodes.extend(restarted)
+        codes = wait_all(restarted, timeout=150)
+        assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(restarted)}"
         summary = check_run(run, JOB, no_fault, reference_world=2)
     print(describe(summary))
-    failed = [line for line in logs.splitlines() if "could not write the checkpoint" in line]
-    assert failed and "is untouched" in failed[0], f"no clear error for the full disk: {failed[:1]}"
-    print(failed[0])
-    assert len(summary.generations) >= 2, "the failed write restarted the group"
+    assert len(summary.generations) == 2, "one generation before the full disk, one after the operator's restart"
 
 
 def test_newest_checkpoint_corrupted(etcd_server, no_fault, run_dirs: RunDirs) -> None:
