@@ -33,7 +33,8 @@ def _job(tmp: Path, name: str) -> list[str]:
 
 
 def test_sigkilled_worker_resumes_to_bitwise_equal_weights(etcd_server, unique_id: str, tmp_path: Path) -> None:
-    kill_after = random.Random().randint(STEPS_PER_EPOCH + 2, 2 * STEPS_PER_EPOCH - 4)  # mid epoch 1
+    # Mid epoch 1, once the first checkpoint of epoch 1 (step 28) exists: steps are counted when done.
+    kill_after = random.Random().randint(STEPS_PER_EPOCH + 4, 2 * STEPS_PER_EPOCH - 4)
     print(f"killing a worker once step {kill_after} is recorded")
     with agents() as started:
         reference = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-ref", max_restarts=0,
