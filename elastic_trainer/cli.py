@@ -61,10 +61,15 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     for spec in OPTIONS:
         default_text = "none" if spec.default is None else spec.default
         parser.add_argument(
-            spec.flag, dest=spec.name, default=None, metavar=spec.name.split("_")[-1].upper(),
+            *spec.flags, dest=spec.name, default=None, metavar=spec.name.split("_")[-1].upper(),
             help=f"{spec.help} (default: {default_text}; env {spec.env})",
         )
     parser.add_argument("--config", default=None, help="TOML file with a [run] table of these options")
+    # torchrun habits: the same job line should work with both commands.
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None,
+                        help="accepted for torchrun compatibility; must be etcd-v3")
+    parser.add_argument("--standalone", action="store_true",
+                        help="accepted for torchrun compatibility: one node on an embedded etcd (the default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +110,24 @@ def _launch_values(args: argparse.Namespace) -> dict[str, Any]:
     return {spec.name: getattr(args, spec.name) for spec in OPTIONS}
 
 
+def _check_torchrun_habits(args: argparse.Namespace) -> None:
+    if args.rdzv_backend is not None and args.rdzv_backend != "etcd-v3":
+        raise UserError(f"--rdzv-backend {args.rdzv_backend}: elastic-trainer run always uses etcd-v3 (drop the "
+                        "option, or use plain torchrun for other backends)")
+    if args.standalone and (args.rdzv_endpoint or "").strip():
+        raise UserError("--standalone starts an embedded etcd: drop --rdzv-endpoint, or drop --standalone")
+
+
+def _warn_launcher_flags_after_target(words: Sequence[str]) -> None:
+    """``elastic-trainer run train.py --nproc-per-node 2``: the flag goes to the script; say so."""
+    flags = {flag for spec in OPTIONS for flag in spec.flags} | {"--max-restarts", "--module", "-m"}
+    for word in words[1:]:
+        name = word.split("=", 1)[0]
+        if name in flags:
+            print(f"{PROG}: warning: {name} comes after the script, so the script gets it; if it is meant for "
+                  f"{PROG} run, put it before the script", file=sys.stderr)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from elastic_trainer.launcher import (
         default_env_for_workers,
@@ -113,9 +136,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         split_target,
     )
 
+    _check_torchrun_habits(args)
     words = list(args.target)
     if words and words[0] == "--":
         words = words[1:]
+    _warn_launcher_flags_after_target(words)
     target = split_target(words, as_module=args.module)
     options = resolve_run_options(_launch_values(args), config_path=args.config)
     install_sigterm_as_exception()

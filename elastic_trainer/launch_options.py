@@ -135,10 +135,18 @@ class OptionSpec:
     parse: Callable[[Any], Any]
     default: Any
     help: str
+    aliases: tuple[str, ...] = ()
+    """Other spellings on the command line (torchrun's)."""
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The flag, its underscore spelling (torchrun accepts both), and the aliases."""
+        underscore = "--" + self.name
+        return tuple(dict.fromkeys((self.flag, *((underscore,) if underscore != self.flag else ()), *self.aliases)))
 
     @property
     def env(self) -> str:
@@ -149,7 +157,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("nnodes", _nnodes, "1:2", "number of nodes, N or MIN:MAX"),
     OptionSpec("nproc_per_node", _nproc, "auto", "workers per node ('auto': one per GPU, else 1)"),
     OptionSpec("rdzv_endpoint", _text, None, "etcd endpoint(s) host:port[,host:port]; none: embedded etcd"),
-    OptionSpec("run_id", _text, None, "rendezvous id of the job (required with --rdzv-endpoint)"),
+    OptionSpec("run_id", _text, None, "rendezvous id of the job (required with --rdzv-endpoint)",
+               aliases=("--rdzv-id", "--rdzv_id")),
     OptionSpec("rdzv_conf", _rdzv_conf, "", "extra rendezvous settings KEY=VALUE[,KEY=VALUE] (TLS, auth, ...)"),
     OptionSpec("max_restarts", _positive_int, 3, "worker group restarts before the job fails"),
     OptionSpec("monitor_interval", _positive_float, 0.1, "seconds between worker health checks"),
