@@ -176,7 +176,7 @@ class Trainer:
     Args:
         config: runtime settings.
         job: the factories.
-        observer: receives events (metrics); default: :class:`NullObserver`.
+        observer: receives events; default: :func:`build_observer` (Prometheus metrics under `elastic-trainer run`).
         env: the worker's place in the job; default: read from torchrun's environment.
     """
 
@@ -190,7 +190,8 @@ class Trainer:
     ) -> None:
         self.config = config
         self.job = job
-        self.observer: TrainingObserver = observer if observer is not None else NullObserver()
+        # Metrics by default wherever the launcher collects them (ELASTIC_TRAINER_METRICS=1).
+        self.observer: TrainingObserver = observer if observer is not None else build_observer()
         self.env = env
         self.step = 0
         self.resumed_from: int | None = None
@@ -218,6 +219,7 @@ class Trainer:
         """
         env = self.env or distributed.read_env(backend=self.config.backend)
         self.env = env
+        ensure_progress_logging(env.rank)
         owns_group = not dist.is_initialized()
         self._stop.install()
         self._wakeup.install()
@@ -941,6 +943,22 @@ def build_observer() -> TrainingObserver:
             f"unset {ENV_METRICS} or install the metrics extra"
         ) from exc
     return worker_observer()
+
+
+def ensure_progress_logging(rank: int) -> None:
+    """Show the runtime's progress lines (INFO) when the program configured no logging at all.
+
+    A program that set up logging (any handler on the root logger or on ``elastic_trainer``) keeps
+    its own configuration.
+    """
+    package = logging.getLogger("elastic_trainer")
+    if logging.getLogger().handlers or package.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    package.addHandler(handler)
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)
 
 
 def samples_per_step(config: TrainerConfig, world_size: int) -> str:
