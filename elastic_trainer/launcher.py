@@ -234,8 +234,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
                 janitor.stop_on_exit(server.pid)
             endpoint = server.endpoint
             run_id = options.run_id or f"local-{uuid.uuid4().hex[:12]}"
-            log.warning("embedded etcd on %s (run id %s); other nodes may join with "
-                        "--rdzv-endpoint %s --run-id %s", endpoint, run_id, endpoint, run_id)
+            log.warning("%s", join_banner(endpoint, run_id, options.etcd_host))
         else:
             endpoint, run_id = options.rdzv_endpoint, options.run_id or ""
             _check_external_etcd(options, run_id)
@@ -289,6 +288,33 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             log.error("rendezvous of run %r failed: %s", run_id, exc)
             return 1
     return 0
+
+
+def host_address() -> str | None:
+    """This host's address as other hosts see it (the first non-loopback IPv4 of its name)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        return None
+    for info in infos:
+        address = str(info[4][0])
+        if not address.startswith("127."):
+            return address
+    return None
+
+
+def join_banner(endpoint: str, run_id: str, etcd_host: str, address: str | None = None) -> str:
+    """The start-up line that tells other nodes how to join this node's embedded etcd."""
+    join = f"--rdzv-endpoint {endpoint} --run-id {run_id}"
+    if not (etcd_host.startswith("127.") or etcd_host in ("localhost", "::1")):
+        return f"embedded etcd on {endpoint} (run id {run_id}); other nodes join with: elastic-trainer run {join} ..."
+    address = address if address is not None else host_address()
+    hint = (f"; for other hosts, start this node with --etcd-host {address} and join {address}:PORT"
+            if address else "; for other hosts, start this node with --etcd-host <an address they reach>")
+    return (f"embedded etcd on {endpoint} (run id {run_id}), loopback only: nodes on this host join with "
+            f"elastic-trainer run {join} ...{hint}")
 
 
 LAUNCHER_ID_ENV = "ELASTIC_TRAINER_LAUNCHER_ID"

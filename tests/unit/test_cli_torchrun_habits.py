@@ -46,3 +46,15 @@ def test_a_launcher_flag_after_the_script_is_pointed_out(capsys: pytest.CaptureF
     assert out.rstrip().endswith("--max-steps 3 --nproc_per_node 2"), "the script still gets it"
     assert err.splitlines() == ["elastic-trainer: warning: --nproc_per_node comes after the script, so the script "
                                 "gets it; if it is meant for elastic-trainer run, put it before the script"]
+
+
+def test_the_join_banner_never_sends_other_hosts_to_loopback() -> None:
+    from elastic_trainer.launcher import join_banner
+
+    loopback = join_banner("127.0.0.1:2379", "local-1", "127.0.0.1", address="10.1.2.3")
+    assert "loopback only: nodes on this host join with elastic-trainer run --rdzv-endpoint 127.0.0.1:2379 " \
+           "--run-id local-1" in loopback
+    assert "for other hosts, start this node with --etcd-host 10.1.2.3 and join 10.1.2.3:PORT" in loopback
+    reachable = join_banner("10.1.2.3:2379", "local-1", "10.1.2.3")
+    assert "other nodes join with: elastic-trainer run --rdzv-endpoint 10.1.2.3:2379 --run-id local-1" in reachable
+    assert "127.0.0.1" not in reachable
