@@ -74,6 +74,10 @@ def _chunks(items: list[Any], size: int = _MAX_TXN_OPS) -> list[list[Any]]:
 class EtcdV3Store(Store):
     """A c10d ``Store`` whose keys are etcd v3 keys under ``prefix``.
 
+    Hold a reference to the store while a C++ wrapper (``dist.PrefixStore``) uses it: the wrapper
+    keeps only the C++ half, and torch answers "Tried to call pure virtual function" once the
+    Python half is gone. Clones need no such care (see :meth:`clone`).
+
     Args:
         connection: the connection to the etcd cluster.
         prefix: the etcd key prefix of this store (no trailing slash needed).
