@@ -30,8 +30,10 @@ gets SIGTERM; elastic only), ``node-join`` (a second node joins a one-node job; 
 Modes: ``fixed`` (``--nnodes N``) and ``elastic`` (``--nnodes 1:N``). The node killed is never the
 first one, which hosts c10d's TCPStore (losing it ends a c10d job for good).
 
-Prints a Markdown table with the ratios c10d / etcd-v3 and writes a timeline chart (step vs
-seconds since the fault, rank 0) to ``--chart``. Needs matplotlib for the chart.
+Prints a Markdown table with the ratios c10d / etcd-v3 (and writes ``--json``) first, then a
+timeline chart (step vs seconds since the fault, rank 0) to ``--chart``. The chart needs
+matplotlib (``pip install -e '.[bench]'``); without it the chart is skipped with one line and
+nothing measured is lost. Ctrl-C stops the runs and still prints the table of those finished.
 """
 
 from __future__ import annotations
@@ -350,13 +352,40 @@ def summarise(outcomes: list[Outcome], systems: Sequence[str], timeout: float) -
     return "\n".join(rows)
 
 
-def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path: Path) -> None:
-    """Step vs seconds since the fault, one panel per scenario/mode, one series per system (rank
-    0, the first repeat). A system that did not recover is named in the legend only."""
-    import matplotlib
+NO_MATPLOTLIB = "no chart: matplotlib is not installed (pip install -e '.[bench]')"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def report(outcomes: list[Outcome], systems: Sequence[str], timeout: float, *, chart_path: Path,
+           json_path: Path | None = None) -> None:
+    """Print the table and write the JSON, then draw the chart: the table and the results never
+    depend on the plot library, which only chart() imports."""
+    print(summarise(outcomes, systems, timeout), flush=True)
+    if json_path is not None:
+        json_path.write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
+        print(f"results: {json_path}", flush=True)
+    if not outcomes:
+        print("no chart: no run finished", file=sys.stderr)
+        return
+    if chart(outcomes, systems, timeout, chart_path):
+        print(f"chart: {chart_path}")
+
+
+def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path: Path) -> bool:
+    """Step vs seconds since the fault, one panel per scenario/mode, one series per system (rank
+    0, the first repeat). A system that did not recover is named in the legend only.
+
+    Returns:
+        False, after one line on stderr, when matplotlib cannot be imported (no chart drawn).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        missing = exc.name == "matplotlib"
+        print(NO_MATPLOTLIB if missing else f"no chart: cannot import matplotlib ({exc})", file=sys.stderr)
+        return False
 
     keys = list(dict.fromkeys((o.scenario, o.mode) for o in outcomes))
     columns = 2
@@ -393,14 +422,15 @@ def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path:
     fig.suptitle("Recovery: steps completed around the fault (solid line); dotted: first step after it")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def replot(json_path: Path, chart_path: Path, timeout: float) -> None:
     """Redraw the chart from a ``--json`` file (no new measurement)."""
     outcomes = [Outcome(**{**o, "timeline": [tuple(x) for x in o["timeline"]]}) for o in json.loads(json_path.read_text())]
     systems = list(dict.fromkeys(o.system for o in outcomes))
-    print(summarise(outcomes, systems, timeout))
-    chart(outcomes, systems, timeout, chart_path)
+    report(outcomes, systems, timeout, chart_path=chart_path)
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -443,34 +473,36 @@ def main(argv: Sequence[str]) -> int:
     from rendezvous.etcd_server import EtcdServer
 
     outcomes: list[Outcome] = []
-    with contextlib.ExitStack() as stack:
-        if args.keep is not None:
-            args.keep.mkdir(parents=True, exist_ok=True)
-            tmp = str(args.keep)
-        else:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-bench-"))
-        etcd = stack.enter_context(EtcdServer.single(Path(tmp) / f"etcd-{uuid.uuid4().hex[:6]}"))
-        for scenario in args.scenarios:
-            for mode in [m for m in args.modes if m in SCENARIOS[scenario]]:
-                for repeat in range(args.repeats):
-                    for system in args.systems:
-                        workdir = Path(tmp) / f"{scenario}-{mode}-{system}-{repeat}"
-                        workdir.mkdir(exist_ok=args.keep is not None)
-                        outcome = run_one(scenario, mode, system, cfg, workdir, etcd.endpoint)
-                        outcomes.append(outcome)
-                        print(f"{scenario:>14} {mode:>7} {system:>13} #{repeat}: recovery "
-                              f"{fmt_time(outcome.recovered_s, cfg.recovery_timeout)}, steps lost "
-                              f"{outcome.steps_lost} (last {outcome.last_step_before}, resumed "
-                              f"{outcome.resumed_from}){' ' + outcome.error if outcome.error else ''}", flush=True)
+    interrupted = False
+    try:
+        with contextlib.ExitStack() as stack:
+            if args.keep is not None:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                tmp = str(args.keep)
+            else:
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-bench-"))
+            etcd = stack.enter_context(EtcdServer.single(Path(tmp) / f"etcd-{uuid.uuid4().hex[:6]}"))
+            for scenario in args.scenarios:
+                for mode in [m for m in args.modes if m in SCENARIOS[scenario]]:
+                    for repeat in range(args.repeats):
+                        for system in args.systems:
+                            workdir = Path(tmp) / f"{scenario}-{mode}-{system}-{repeat}"
+                            workdir.mkdir(exist_ok=args.keep is not None)
+                            outcome = run_one(scenario, mode, system, cfg, workdir, etcd.endpoint)
+                            outcomes.append(outcome)
+                            print(f"{scenario:>14} {mode:>7} {system:>13} #{repeat}: recovery "
+                                  f"{fmt_time(outcome.recovered_s, cfg.recovery_timeout)}, steps lost "
+                                  f"{outcome.steps_lost} (last {outcome.last_step_before}, resumed "
+                                  f"{outcome.resumed_from}){' ' + outcome.error if outcome.error else ''}",
+                                  flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"\ninterrupted: the table of the {len(outcomes)} run(s) finished", file=sys.stderr)
     print()
     print(f"{cfg.nodes} nodes x {cfg.nproc_per_node} workers, gloo, fault at step {cfg.fault_step}, checkpoint "
           f"every {cfg.checkpoint_every} steps, {cfg.throttle_ms:g} ms sleep per step; median of {args.repeats}")
-    print(summarise(outcomes, args.systems, cfg.recovery_timeout))
-    if args.json:
-        args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
-    chart(outcomes, args.systems, cfg.recovery_timeout, args.chart)
-    print(f"chart: {args.chart}")
-    return 0
+    report(outcomes, args.systems, cfg.recovery_timeout, chart_path=args.chart, json_path=args.json)
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ seeded kill schedule.
 
     python benchmarks/steps_lost.py --kills 8 --modes off jit
     python benchmarks/steps_lost.py --kills 8 --modes off jit off-async jit-async
+
+Modes run one after the other. If one fails (or Ctrl-C), the rest are skipped and the table of
+the modes already measured is still printed (exit status 1, or 130 after Ctrl-C).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,7 +81,50 @@ def measure(mode: str, args: argparse.Namespace, endpoint: str, work: Path) -> l
     return results
 
 
-def main() -> None:
+Samples = list[tuple[int, float]]
+"""(steps lost, recovery seconds) of each kill."""
+
+
+def measure_modes(modes: Sequence[str], measure_one: Callable[[str], Samples]) -> tuple[dict[str, Samples], str | None]:
+    """Measure the modes in order, stopping at the first that fails. Returns the samples of the
+    modes measured and, when one failed or Ctrl-C stopped the run, one line saying so."""
+    table: dict[str, Samples] = {}
+    for mode in modes:
+        try:
+            table[mode] = measure_one(mode)
+        except KeyboardInterrupt:
+            return table, f"interrupted during mode {mode}"
+        except Exception as exc:  # reported with the table of the modes before it, never hidden
+            return table, f"mode {mode} failed: {type(exc).__name__}: {exc}"
+    return table, None
+
+
+def summarise(table: dict[str, Samples]) -> str:
+    """The Markdown table and the JIT-vs-periodic comparison lines."""
+    lines = [
+        f"checkpoint every {DEFAULT_CHECKPOINT_EVERY} steps (default); JIT = just-in-time save of the last "
+        "completed step",
+        "| mode | kills | steps lost: mean | median | max | recovery s (kill -> first new step): median | max |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, rows in table.items():
+        lost = [r[0] for r in rows]
+        rec = [r[1] for r in rows]
+        lines.append(f"| {mode} | {len(rows)} | {statistics.mean(lost):.1f} | {statistics.median(lost):.0f} | "
+                     f"{max(lost)} | {statistics.median(rec):.1f} | {max(rec):.1f} |")
+    for off, on in (("off", "jit"), ("off-async", "jit-async")):
+        if off in table and on in table:
+            lost_off = statistics.mean(r[0] for r in table[off])
+            lost_on = statistics.mean(r[0] for r in table[on])
+            rec_off = statistics.median(r[1] for r in table[off])
+            rec_ratio = f"{statistics.median(r[1] for r in table[on]) / rec_off:.2f}" if rec_off > 0 else "-"
+            ratio = f"{lost_off / lost_on:.0f}x fewer" if lost_on > 0 else "all of them avoided"
+            lines.append(f"{on} vs {off}: mean steps lost {lost_off:.1f} -> {lost_on:.1f} ({ratio}); "
+                         f"median recovery time ratio {rec_ratio}")
+    return "\n".join(lines)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=8)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["off", "jit"])
@@ -86,33 +133,24 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="keep logs, sample records and checkpoints here (default: a temporary directory)")
     args = parser.parse_args()
+    if args.kills < 1:
+        parser.error(f"--kills: must be at least 1, got {args.kills}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) if args.work_dir is None else args.work_dir
         work.mkdir(parents=True, exist_ok=True)
         server = EtcdServer.single(work / "etcd").start()
         try:
-            table = {mode: measure(mode, args, server.endpoint, work) for mode in args.modes}
+            table, problem = measure_modes(args.modes, lambda mode: measure(mode, args, server.endpoint, work))
         finally:
             server.stop()
     print()
-    print(f"checkpoint every {DEFAULT_CHECKPOINT_EVERY} steps (default); JIT = just-in-time save of the last "
-          "completed step")
-    print("| mode | kills | steps lost: mean | median | max | recovery s (kill -> first new step): median | max |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for mode, rows in table.items():
-        lost = [r[0] for r in rows]
-        rec = [r[1] for r in rows]
-        print(f"| {mode} | {len(rows)} | {statistics.mean(lost):.1f} | {statistics.median(lost):.0f} | {max(lost)} | "
-              f"{statistics.median(rec):.1f} | {max(rec):.1f} |")
-    for off, on in (("off", "jit"), ("off-async", "jit-async")):
-        if off in table and on in table:
-            lost_off = statistics.mean(r[0] for r in table[off])
-            lost_on = statistics.mean(r[0] for r in table[on])
-            rec_ratio = statistics.median(r[1] for r in table[on]) / statistics.median(r[1] for r in table[off])
-            ratio = f"{lost_off / lost_on:.0f}x fewer" if lost_on > 0 else "all of them avoided"
-            print(f"{on} vs {off}: mean steps lost {lost_off:.1f} -> {lost_on:.1f} ({ratio}); "
-                  f"median recovery time ratio {rec_ratio:.2f}")
+    if problem:
+        print(f"steps_lost.py: {problem}; the table has the modes measured before", file=sys.stderr)
+    print(summarise(table))
+    if problem is None:
+        return 0
+    return 130 if problem.startswith("interrupted") else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
