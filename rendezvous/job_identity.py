@@ -11,6 +11,10 @@ and has written nothing; the same job -- any node, any later restart of the same
 passes. The script is compared as written on the command line (``./train.py`` is ``train.py``),
 not as an absolute path, so nodes whose checkouts live in different folders agree.
 
+The record lives as long as the run's state: for good under the lease handler (whose closed
+state stays too, so a run id serves one job), with the state's ``ttl`` lease under
+``handler=dynamic``.
+
 Where the identity comes from: :func:`set_job_identity` (``elastic-trainer run`` calls it: it
 knows the real target even when workers start through a warm-start client); otherwise, in a
 plain ``torchrun`` process, torchrun's own command line. With neither, no check is made.

@@ -567,10 +567,12 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 self._swap(snapshot.state_revision, closed, stale)
                 continue
             in_last_call = min_reached_at is not None and state.previous is None
-            if now >= next_progress_at and (min_reached_at is None or in_last_call):
-                self._log_progress(len(live_joined), deadline - now, settings.last_call_timeout - waited)
-                next_progress_at = now + self._PROGRESS_LOG_S
-            timeout = min(self._SAFETY_RECHECK_S, max(next_progress_at - now, 0.05))
+            timeout = self._SAFETY_RECHECK_S
+            if min_reached_at is None or in_last_call:  # waiting for nodes: say so now and then
+                if now >= next_progress_at:
+                    self._log_progress(len(live_joined), deadline - now, settings.last_call_timeout - waited)
+                    next_progress_at = now + self._PROGRESS_LOG_S
+                timeout = min(timeout, next_progress_at - now)
             if in_last_call:
                 timeout = min(timeout, settings.last_call_timeout - waited)
             self._watch.wait(seen, min(timeout, deadline - now))

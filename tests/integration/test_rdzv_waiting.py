@@ -99,3 +99,38 @@ def test_torchrun_shows_the_waiting_lines_by_default(etcd_server, unique_id: str
     assert f"etcd-v3: run {unique_id}: waiting for nodes: 1 of min 2 joined, " in done.stderr, done.stderr[-3000:]
     assert "1 of min 2 nodes had joined round 0" in done.stderr, done.stderr[-3000:]
     assert not (tmp_path / "starts").exists()  # no worker started
+
+
+def test_waiting_for_a_previous_member_to_rejoin_does_not_poll_etcd(
+    etcd_server, unique_id: str, fast_progress: None
+) -> None:
+    """No progress line is due in a restart round, and no busy loop either: the node sleeps on
+    its watch (a safety re-read every 2 s) until the live member it waits for comes back."""
+    import threading
+    import time
+
+    make = lambda: create_handler(RendezvousParameters(  # noqa: E731
+        "etcd-v3", etcd_server.endpoint, unique_id, 1, 2, last_call_timeout="1", retry_timeout="10"))
+    a, b = make(), make()
+    try:
+        results: list[object] = []
+        first = [threading.Thread(target=lambda h=h: results.append(h.next_rendezvous())) for h in (a, b)]
+        for t in first:
+            t.start()
+        for t in first:
+            t.join(60)
+        assert len(results) == 2
+        restart = threading.Thread(target=lambda: results.append(a.next_rendezvous()))
+        restart.start()  # a opens round 1 and waits for b, which is alive
+        time.sleep(1.0)
+        before = a._connection.requests  # type: ignore[attr-defined]
+        time.sleep(4.0)
+        polled = a._connection.requests - before  # type: ignore[attr-defined]
+        assert restart.is_alive()
+        b.next_rendezvous()
+        restart.join(60)
+        assert len(results) == 3
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert polled <= 8, f"{polled} etcd requests in 4 s of waiting"
