@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_options(doctor)
     doctor.add_argument("doctor_args", nargs=argparse.REMAINDER, metavar="-- DOCTOR-ARGS")
 
+    demo = commands.add_parser("demo", help="watch a two-node job heal from real faults (about 90 s)",
+                               description="Starts an etcd and two nodes on this machine, then: a node joins, a "
+                               "worker is SIGKILLed, a node leaves with SIGTERM; ends with each fault's recovery "
+                               "time and the steps lost.", formatter_class=formatter)
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER, metavar="OPTIONS",
+                      help="--max-steps N, --throttle-ms MS, --dir DIR, --metrics-port PORT")
+
     checkpoint = commands.add_parser("checkpoint", help="list, verify or inspect checkpoints", epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
     actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=_Parser)
     for name, text in (("list", "checkpoints with path and step, newest last"),
@@ -207,7 +214,14 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "status": _cmd_status, "doctor": _cmd_doctor, "checkpoint": _cmd_checkpoint}
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from elastic_trainer import demo
+
+    return demo.main(list(args.demo_args))
+
+
+COMMANDS = {"run": _cmd_run, "status": _cmd_status, "doctor": _cmd_doctor, "checkpoint": _cmd_checkpoint,
+            "demo": _cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

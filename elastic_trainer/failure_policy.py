@@ -24,6 +24,9 @@ from typing import Any
 
 from elastic_trainer.failures import FailureClass, FailureReport, read_report
 
+EXIT_GRACEFUL_STOP = 128 + signal.SIGTERM
+"""A worker's status after the runtime's graceful stop (every rank stops after the same step)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RankFailure:
@@ -62,6 +65,8 @@ class RankFailure:
             return f"killed by {name}"
         if self.exitcode == 2:
             return "exited with status 2 (a usage error)"
+        if self.exitcode == EXIT_GRACEFUL_STOP:
+            return "stopped gracefully (this node or a peer was asked to stop: a scale-down or a new member)"
         return f"exited with status {self.exitcode}"
 
 

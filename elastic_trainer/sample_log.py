@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,8 +39,8 @@ class SampleLog:
                      "rank": rank, "indices": indices})
 
     def done(self, *, step: int) -> None:
-        """This process applied the update of ``step``."""
-        self._write({"event": "done", "step": step})
+        """This process applied the update of ``step`` (at unix time ``t``)."""
+        self._write({"event": "done", "step": step, "t": time.time()})
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -51,12 +53,7 @@ def read_records(directory: str | os.PathLike[str]) -> list[list[dict[str, Any]]
     """Every process's records, one list per file (a torn last line from a SIGKILL is dropped)."""
     processes = []
     for path in sorted(Path(directory).glob("samples-rank*-pid*.jsonl")):
-        records = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
+        records = read_records_of(path)
         if records:
             processes.append(records)
     return processes
@@ -85,3 +82,52 @@ def committed_history(processes: Iterable[list[dict[str, Any]]]) -> dict[int, li
             for record in steps:
                 history.setdefault(record["step"], []).append(record)
     return history
+
+
+@dataclass
+class Generation:
+    """One (re)start of a worker group, as its sample logs tell it."""
+
+    id: str
+    started_unix: float
+    resumed_step: int
+    world_size: int
+    last_step: int
+    """Highest step any rank of this generation completed (``resumed_step`` if none)."""
+    pids: dict[int, int] = field(default_factory=dict)
+    """rank -> worker pid."""
+    done_times: dict[int, float] = field(default_factory=dict)
+    """step -> unix time the first rank completed it."""
+
+
+def generations(directory: str | os.PathLike[str]) -> list[Generation]:
+    """Every generation recorded in ``directory``, oldest first."""
+    found: dict[str, Generation] = {}
+    if not Path(directory).exists():
+        return []
+    for path in sorted(Path(directory).glob("samples-rank*-pid*.jsonl")):
+        records = read_records_of(path)
+        if not records:
+            continue
+        start = records[0]
+        gen = found.setdefault(start["generation"], Generation(
+            id=start["generation"], started_unix=start["started_unix"], resumed_step=start["resumed_step"],
+            world_size=start["world_size"], last_step=start["resumed_step"]))
+        gen.pids[start["rank"]] = int(path.stem.rsplit("-pid", 1)[1])
+        for record in records[1:]:
+            if record["event"] == "done":
+                gen.last_step = max(gen.last_step, record["step"])
+                if "t" in record:
+                    gen.done_times[record["step"]] = min(gen.done_times.get(record["step"], record["t"]), record["t"])
+    return sorted(found.values(), key=lambda g: g.started_unix)
+
+
+def read_records_of(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """One process's records (a torn last line from a SIGKILL is dropped)."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records

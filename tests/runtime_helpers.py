@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from elastic_trainer.sample_log import read_records
+from elastic_trainer.sample_log import generations, read_records
 
 # Fast elastic rounds: torch's 30 s last call and heartbeat defaults would dominate every test.
 FAST_RDZV_CONF = "last_call_timeout=1,join_timeout=120,heartbeat_timeout=6,keep_alive_interval=1,retry_timeout=10"
@@ -181,52 +181,6 @@ def final_eval_loss(agent: Agent) -> float:
         if line.startswith("final step") and "eval_loss None" not in line:
             return float(line.split(" eval_loss ")[1].split()[0])
     raise AssertionError(f"no final line in the log of agent {agent.pid}:\n{agent.tail()}")
-
-
-@dataclass
-class Generation:
-    """One (re)start of a worker group, as its sample logs tell it."""
-
-    id: str
-    started_unix: float
-    resumed_step: int
-    world_size: int
-    last_step: int
-    """Highest step any rank of this generation completed (``resumed_step`` if none)."""
-    pids: dict[int, int]
-    """rank -> worker pid."""
-
-
-def generations(samples: Path) -> list[Generation]:
-    """Every generation recorded in ``samples``, oldest first."""
-    found: dict[str, Generation] = {}
-    if not samples.exists():
-        return []
-    for path in sorted(samples.glob("samples-rank*-pid*.jsonl")):
-        records = read_records_of(path)
-        if not records:
-            continue
-        start = records[0]
-        gen = found.setdefault(start["generation"], Generation(
-            id=start["generation"], started_unix=start["started_unix"], resumed_step=start["resumed_step"],
-            world_size=start["world_size"], last_step=start["resumed_step"], pids={}))
-        gen.pids[start["rank"]] = int(path.stem.rsplit("-pid", 1)[1])
-        steps = [r["step"] for r in records[1:] if r["event"] == "done"]
-        gen.last_step = max([gen.last_step, *steps])
-    return sorted(found.values(), key=lambda g: g.started_unix)
-
-
-def read_records_of(path: Path) -> list[dict[str, Any]]:
-    """One process's records (a torn last line from a SIGKILL is dropped)."""
-    import json
-
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
 
 
 def kill_rank(agent: Agent, samples: Path, rank: int) -> int:
