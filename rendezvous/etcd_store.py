@@ -186,6 +186,7 @@ class EtcdV3Store(Store):
         not_integer: list[bytes] = []
 
         def increment(current: bytes | None) -> bytes | None:
+            not_integer.clear()  # only the value the final attempt saw counts
             try:
                 return str(int(current or b"0") + amount).encode()
             except ValueError:
