@@ -171,13 +171,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from elastic_trainer.status import read_status, render_status
+    from rendezvous.settings import RendezvousConfigError, parse_conf_string
 
-    conf = {}
-    for item in filter(None, args.rdzv_conf.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UserError(f"--rdzv-conf: {item!r} is not KEY=VALUE")
-        conf[key.strip()] = value.strip()
+    try:
+        conf = parse_conf_string(args.rdzv_conf)
+    except RendezvousConfigError as exc:
+        raise UserError(str(exc)) from exc
     conf.setdefault("retry_timeout", "5")
     report = read_status(args.rdzv_endpoint, args.run_id, conf, args.checkpoint_dir)
     print(json.dumps(report, indent=2) if args.json else render_status(report))

@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING, Any
 from elastic_trainer.launch_options import RunOptions, UserError
 
 if TYPE_CHECKING:
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
     from elastic_trainer.failure_policy import Verdict as FailurePolicyVerdict
     from elastic_trainer.janitor import Janitor
     from elastic_trainer.warm_start import WarmStartServer
+    from rendezvous.settings import RendezvousSettings
 
 log = logging.getLogger(__name__)
 
@@ -115,34 +114,29 @@ def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, t
     return argv + (list(worker_args) if worker_args is not None else target.torchrun_args())
 
 
-def _rdzv_params(options: RunOptions, run_id: str) -> RendezvousParameters:
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+def rendezvous_settings(options: RunOptions, run_id: str) -> RendezvousSettings:
+    """The rendezvous settings this launch gives torchrun, parsed by the handler's own parser.
 
-    conf = dict(item.split("=", 1) for item in filter(None, options.rdzv_conf.split(",")))
-    return RendezvousParameters("etcd-v3", options.rdzv_endpoint or "", run_id, 1, 1, **conf)
-
-
-def _check_rdzv_conf(options: RunOptions) -> None:
-    """Rendezvous settings the handler would refuse inside the agent, refused here in one line
-    (embedded etcd or not)."""
-    from rendezvous.etcd_backend import key_prefix_from_params
+    Raises:
+        UserError: an unknown key or a bad value (the handler's one-line message).
+    """
+    from rendezvous.settings import RendezvousConfigError, settings_from_conf
 
     try:
-        key_prefix_from_params(_rdzv_params(options, options.run_id or "check"))
-    except ValueError as exc:
+        return settings_from_conf(rdzv_conf(options), endpoint=options.rdzv_endpoint or "", run_id=run_id or "check")
+    except RendezvousConfigError as exc:
         raise UserError(str(exc)) from exc
 
 
-def _check_external_etcd(options: RunOptions, run_id: str) -> None:
+def _check_external_etcd(settings: RendezvousSettings) -> None:
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-    from rendezvous.etcd_backend import client_config_from_params
     from rendezvous.etcd_client import EtcdConnection, quiet_retries
+    from rendezvous.settings import RendezvousConfigError
 
-    params = _rdzv_params(options, run_id)
     try:
-        connection = EtcdConnection(client_config_from_params(params))
-    except ValueError as exc:
+        connection = EtcdConnection(settings.client_config())
+    except (RendezvousConfigError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     try:
         with quiet_retries():  # a user mistake is one line, not a line per retry
@@ -204,7 +198,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             raise UserError(
                 "--run-id is required with --rdzv-endpoint: jobs sharing an etcd must not share an id"
             )
-    _check_rdzv_conf(options)
+    settings = rendezvous_settings(options, options.run_id or "check")  # every key, before anything starts
     if options.metrics_port:
         from elastic_trainer.metrics_server import MetricsError, allreduce_timing_mode
 
@@ -237,7 +231,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             log.warning("%s", join_banner(endpoint, run_id, options.etcd_host))
         else:
             endpoint, run_id = options.rdzv_endpoint, options.run_id or ""
-            _check_external_etcd(options, run_id)
+            _check_external_etcd(settings)
 
         if options.metrics_port:
             from elastic_trainer.metrics_server import (
@@ -261,6 +255,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             worker_args = warm.client_args(target.torchrun_args())  # falls back to worker_entry, cold
             warm.wait_ready()  # join only once our workers can start at once (see wait_ready)
         verdicts = _watch_failures(cleanup)
+        _claim_job_identity(cleanup, options, target)
         args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args))
         try:
             run(args)
@@ -342,6 +337,17 @@ def _watch_failures(cleanup: contextlib.ExitStack) -> list[FailurePolicyVerdict]
 
     cleanup.callback(on_group_failure(decide))
     return verdicts
+
+
+def _claim_job_identity(cleanup: contextlib.ExitStack, options: RunOptions, target: Target) -> None:
+    """Tell the rendezvous what this job runs (the real target, also when workers start through
+    the warm-start client): a node of another job under the same run id is refused."""
+    from rendezvous.job_identity import JobIdentity, set_job_identity
+
+    entry = target.module if target.module is not None else target.script
+    set_job_identity(JobIdentity.create(entry or "", target.args, module=target.module is not None,
+                                        nnodes=options.nnodes))
+    cleanup.callback(set_job_identity, None)
 
 
 def install_sigterm_as_exception() -> None:

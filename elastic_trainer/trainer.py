@@ -229,7 +229,8 @@ class Trainer:
                 distributed.init_process_group(env, pg_timeout_s=self.config.pg_timeout_s)
             self._setup()
             self._resume()
-            self.observer.on_start(world_size=env.world_size, restart_count=env.restart_count)
+            self.observer.on_start(world_size=env.world_size, restart_count=env.restart_count,
+                                   total_steps=self.total_steps)
             try:
                 return self._train()
             except Exception as exc:
@@ -253,6 +254,15 @@ class Trainer:
                     distributed.destroy_process_group()
                 if deadline is not None:
                     deadline.cancel()
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the job trains for in all: ``max_steps``, or ``epochs`` x steps per epoch
+        (``ceil(dataset size / global_batch_size)``, the last step of an epoch takes what is left),
+        whichever comes first. For LR schedules and progress; known once :meth:`fit` set up the data."""
+        per_epoch = len(self.sampler)
+        total = self.config.epochs * per_epoch
+        return total if self.config.max_steps is None else min(total, self.config.max_steps)
 
     # -- setup ---------------------------------------------------------------------------------
     def _env(self) -> distributed.DistEnv:
@@ -693,7 +703,9 @@ class Trainer:
         loss_sum, stop = pending.control[:2].tolist()
         plan = pending.plan
         self._loss = loss_sum / plan.global_samples
-        self.observer.on_step(step=pending.step, duration_s=pending.duration_s, data_wait_s=pending.data_wait_s,
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.observer.on_step(lr=lr if isinstance(lr, float) else None,  # a tensor lr would synchronise
+                              step=pending.step, duration_s=pending.duration_s, data_wait_s=pending.data_wait_s,
                               samples=plan.samples, tokens=plan.samples * self.job.tokens_per_sample, loss=self._loss)
         window_start, window_samples = self._window
         window_samples += plan.global_samples

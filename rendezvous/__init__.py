@@ -25,6 +25,7 @@ _EXPORTS = {
     "EtcdV3RendezvousBackend": "rendezvous.etcd_backend",
     "create_backend": "rendezvous.etcd_backend",
     "EtcdV3Store": "rendezvous.etcd_store",
+    "StoreTimeoutError": "rendezvous.etcd_store",
     "EtcdV3RendezvousHandler": "rendezvous.handler",
     "create_handler": "rendezvous.handler",
     "RendezvousConfigError": "rendezvous.settings",
