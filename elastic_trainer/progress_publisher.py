@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+THREAD_NAME = "progress-publisher"
 DEFAULT_INTERVAL_S = 10.0
 DEFAULT_ERROR_TTL_S = 7200
 MAX_ERROR_CHARS = 300
@@ -173,6 +174,14 @@ class _Collectable(Protocol):
     def collect(self) -> Iterable[Any]: ...
 
 
+class _NotFromThePublisher(logging.Filter):
+    """Drops the etcd client's per-retry warnings raised on the publisher's thread: the
+    publisher reports an outage once itself (the rendezvous's own retries still show)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != THREAD_NAME
+
+
 class ProgressPublisher:
     """Publishes this node's view of the job to etcd while it hosts global rank 0 (see the
     module docstring).
@@ -228,6 +237,7 @@ class ProgressPublisher:
         self._thread: threading.Thread | None = None
         self._failing = False
         self._final_budget = DEFAULT_INTERVAL_S
+        self._quiet = _NotFromThePublisher()
 
     @classmethod
     def from_params(
@@ -252,7 +262,8 @@ class ProgressPublisher:
     def start(self) -> None:
         """Start publishing from a daemon thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="progress-publisher", daemon=True)
+            logging.getLogger("rendezvous.etcd_client").addFilter(self._quiet)
+            self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
             self._thread.start()
 
     def publish_error(self, text: str) -> None:
@@ -275,6 +286,7 @@ class ProgressPublisher:
                 log.warning("progress publisher: etcd did not answer within %.0fs; stopped anyway", timeout_s)
         elif self._pending_error is not None:
             self._write_error(retry_timeout=timeout_s)  # never started: write it here
+        logging.getLogger("rendezvous.etcd_client").removeFilter(self._quiet)
         if self._owns_connection:
             self._connection.close()
 

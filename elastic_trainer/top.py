@@ -52,6 +52,12 @@ DEFAULT_INTERVAL_S = 2.0
 RATE_WINDOW_S = 20.0
 """Rates (steps/s, samples/s, step time, slowest rank) cover about this many seconds of frames."""
 MAX_FETCH_TIMEOUT_S = 5.0
+EXAMPLES = """examples:
+  elastic-trainer top                                  # this node's endpoint, 127.0.0.1:9400
+  elastic-trainer top --url node-0:9400 --url node-1:9400 --interval 5
+  elastic-trainer top --once --json                    # one frame for scripts
+
+q or Ctrl-C quits."""
 
 # Alternate screen on/off, cursor hidden/shown, cursor home, erase to line end / screen end.
 _ENTER, _LEAVE, _HOME, _EOL, _EOS = "\x1b[?1049h\x1b[?25l", "\x1b[?25h\x1b[?1049l", "\x1b[H", "\x1b[K", "\x1b[J"
@@ -324,8 +330,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description="Live view of a training job from its nodes' metrics endpoints.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``top``'s options (also the ``elastic-trainer top`` subcommand's)."""
     parser.add_argument("--url", action="append", default=None, metavar="URL",
                         help=f"a node's metrics endpoint, host:port or a URL; repeat for each node "
                              f"(default {DEFAULT_URL})")  # fmt: skip
@@ -334,12 +340,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("--run-id", default=None, help="show only this run (when endpoints serve several)")
     parser.add_argument("--once", action="store_true", help="print one frame and exit (reads twice, --interval apart)")
     parser.add_argument("--json", action="store_true", help="with --once: print the frame as JSON")
-    return parser
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
-    """Command-line entry point; returns the exit code (user mistakes: one line, 2)."""
-    args = build_parser(prog).parse_args(argv)
+def run_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
+    """Run with parsed :func:`add_arguments` options; returns the exit code (user mistakes: one
+    line on stderr, 2)."""
     if args.json and not args.once:
         print(f"{prog}: error: --json needs --once", file=sys.stderr)
         return 2
@@ -351,6 +356,14 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    """``python -m elastic_trainer.top``; returns the exit code."""
+    parser = _Parser(prog=prog, description="Live view of a training job from its nodes' metrics endpoints.",
+                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(parser)
+    return run_args(parser.parse_args(argv), prog=prog)
 
 
 if __name__ == "__main__":
