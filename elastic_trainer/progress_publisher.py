@@ -3,7 +3,7 @@
 ``status`` may run anywhere and reads only etcd, so the launchers put a small summary of their
 metrics there (launcher side)::
 
-    publisher = ProgressPublisher.from_params(params, metrics)  # the run's RendezvousParameters
+    publisher = ProgressPublisher.from_settings(settings, metrics)  # the run's RendezvousSettings
     publisher.start()                                           # a daemon thread
     ...
     publisher.publish_error("worker rank 1 exited with signal 9 (SIGKILL)")  # one line, rarely
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from elastic_trainer.metrics_server import LauncherMetrics
     from rendezvous.etcd_client import EtcdConnection
+    from rendezvous.settings import RendezvousSettings
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,19 @@ class ProgressKeys:
         self.error = self.prefix + "error"
 
     @classmethod
+    def from_settings(cls, settings: RendezvousSettings) -> ProgressKeys:
+        """The keys of the settings' run under their ``key_prefix`` (the rendezvous's)."""
+        return cls(settings.key_prefix, settings.run_id)
+
+    @classmethod
     def from_params(cls, params: RendezvousParameters) -> ProgressKeys:
-        """The keys of ``params.run_id`` under its ``key_prefix`` (the rendezvous's).
+        """The keys of ``params.run_id`` under its ``key_prefix``.
 
         Raises:
-            ValueError: a malformed ``key_prefix``."""
-        from rendezvous.lease_handler import RunKeys
+            ValueError: a malformed parameter (``RendezvousConfigError``)."""
+        from rendezvous.settings import parse_settings
 
-        run_keys = RunKeys.from_params(params)
-        return cls(run_keys.key_prefix, run_keys.run_id)
+        return cls.from_settings(parse_settings(params))
 
 
 def _number(value: Any) -> float | None:
@@ -240,22 +245,31 @@ class ProgressPublisher:
         self._quiet = _NotFromThePublisher()
 
     @classmethod
+    def from_settings(
+        cls, settings: RendezvousSettings, metrics: LauncherMetrics, *, interval_s: float = DEFAULT_INTERVAL_S
+    ) -> ProgressPublisher:
+        """A publisher for the settings' run (endpoints, TLS, auth, key prefix; ``ttl`` for
+        errors) over its own etcd connection, reading ``metrics``' registry.
+
+        Raises:
+            ValueError: no endpoint in ``settings`` (``RendezvousConfigError``)."""
+        from rendezvous.etcd_client import EtcdConnection
+
+        connection = EtcdConnection(settings.client_config())
+        return cls(connection, ProgressKeys.from_settings(settings), metrics.registry, node=metrics.node,
+                   interval_s=interval_s, error_ttl_s=settings.ttl, owns_connection=True)  # fmt: skip
+
+    @classmethod
     def from_params(
         cls, params: RendezvousParameters, metrics: LauncherMetrics, *, interval_s: float = DEFAULT_INTERVAL_S
     ) -> ProgressPublisher:
-        """A publisher for the run of ``params`` (endpoint, ``--rdzv-conf``: TLS, auth, prefix,
-        ``ttl`` for errors) over its own etcd connection, reading ``metrics``' registry.
+        """:meth:`from_settings` for torchrun's parameters (``--rdzv-endpoint``, ``--rdzv-conf``).
 
         Raises:
-            ValueError: malformed parameters (the message names the key)."""
-        from rendezvous.etcd_backend import client_config_from_params
-        from rendezvous.etcd_client import EtcdConnection
+            ValueError: a malformed parameter (``RendezvousConfigError``, naming the key)."""
+        from rendezvous.settings import parse_settings
 
-        keys = ProgressKeys.from_params(params)
-        error_ttl = params.get_as_int("ttl", DEFAULT_ERROR_TTL_S) or DEFAULT_ERROR_TTL_S
-        connection = EtcdConnection(client_config_from_params(params))
-        return cls(connection, keys, metrics.registry, node=metrics.node, interval_s=interval_s,
-                   error_ttl_s=error_ttl, owns_connection=True)  # fmt: skip
+        return cls.from_settings(parse_settings(params), metrics, interval_s=interval_s)
 
     # -- launcher side ---------------------------------------------------------------------------
 
