@@ -2,6 +2,7 @@
 
     elastic-trainer run --nnodes 1:2 --nproc-per-node 2 -m elastic_trainer.examples.synthetic_cnn
     elastic-trainer status --rdzv-endpoint 127.0.0.1:2379 --run-id job1
+    elastic-trainer top --url node-0:9400 --url node-1:9400
     elastic-trainer doctor --nproc-per-node 2
     elastic-trainer checkpoint list ./checkpoints --json
 
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--rdzv-conf", default="", help="KEY=VALUE[,...] etcd settings (TLS, auth, timeouts)")
     status.add_argument("--checkpoint-dir", default=None, help="also show the newest checkpoint here")
     status.add_argument("--json", action="store_true", help="print JSON")
+
+    from elastic_trainer import top as top_view
+
+    top = commands.add_parser("top", help="live view of a job from its nodes' metrics endpoints",
+                              epilog=top_view.EXAMPLES, formatter_class=formatter)
+    top_view.add_arguments(top)
 
     doctor = commands.add_parser("doctor", help="check the distributed setup on every rank", epilog=DOCTOR_EXAMPLE, formatter_class=formatter)
     _add_launch_options(doctor)
@@ -219,7 +226,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(list(args.demo_args))
 
 
-COMMANDS = {"run": _cmd_run, "status": _cmd_status, "doctor": _cmd_doctor, "checkpoint": _cmd_checkpoint,
+def _cmd_top(args: argparse.Namespace) -> int:
+    from elastic_trainer.top import run_args
+
+    return run_args(args, prog=f"{PROG} top")
+
+
+COMMANDS = {"run": _cmd_run, "status": _cmd_status, "top": _cmd_top, "doctor": _cmd_doctor, "checkpoint": _cmd_checkpoint,
             "demo": _cmd_demo}
 
 

@@ -46,6 +46,11 @@ class RankFailure:
                    timestamp=report.time if report is not None else float(getattr(failure, "timestamp", 0)))
 
     @property
+    def is_consequence(self) -> bool:
+        """It recorded a transient failure: it failed because another rank did."""
+        return self.report is not None and self.report.failure_class is FailureClass.TRANSIENT
+
+    @property
     def failure_class(self) -> FailureClass:
         if self.report is not None:
             return self.report.failure_class
@@ -101,8 +106,11 @@ class FailurePolicy:
 
     def judge(self, failures: Mapping[int, Any]) -> Verdict:
         """Decide on the failures torch's agent reported (``{global rank: ProcessFailure}``)."""
+        # A rank that recorded a transient failure (a collective failed) is a consequence of another
+        # rank's failure: a rank killed by a signal records nothing and is the likelier cause, whatever
+        # the clock says (a failure without a record is time-stamped when the agent noticed it).
         ranks = sorted((RankFailure.from_process_failure(rank, failure) for rank, failure in failures.items()),
-                       key=lambda f: (f.timestamp, f.rank))
+                       key=lambda f: (f.is_consequence, f.timestamp, f.rank))
         if not ranks:
             raise ValueError("a failed worker group with no failed worker")
         deterministic = [f for f in ranks if f.failure_class is FailureClass.DETERMINISTIC]

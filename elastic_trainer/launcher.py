@@ -27,6 +27,8 @@ from elastic_trainer.launch_options import RunOptions, UserError
 if TYPE_CHECKING:
     from elastic_trainer.failure_policy import Verdict as FailurePolicyVerdict
     from elastic_trainer.janitor import Janitor
+    from elastic_trainer.metrics_server import LauncherMetrics
+    from elastic_trainer.progress_publisher import ProgressPublisher
     from elastic_trainer.warm_start import WarmStartServer
     from rendezvous.settings import RendezvousSettings
 
@@ -233,6 +235,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             endpoint, run_id = options.rdzv_endpoint, options.run_id or ""
             _check_external_etcd(settings)
 
+        publisher = None
         if options.metrics_port:
             from elastic_trainer.metrics_server import (
                 LauncherMetricsConfig,
@@ -248,13 +251,15 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
                 raise UserError(f"metrics endpoint {options.metrics_addr}:{options.metrics_port}: {exc}") from exc
             cleanup.callback(metrics.close)
             log.warning("node metrics on %s", metrics.url)
+            publisher = _start_progress_publisher(options, endpoint, run_id, metrics)
+            cleanup.callback(publisher.close)  # runs before metrics.close and before etcd stops
 
         # Workers run the target through worker_entry, which records failures for the policy.
         worker_args = [*WORKER_ENTRY, *target.torchrun_args()]
         if warm is not None:
             worker_args = warm.client_args(target.torchrun_args())  # falls back to worker_entry, cold
             warm.wait_ready()  # join only once our workers can start at once (see wait_ready)
-        verdicts = _watch_failures(cleanup)
+        verdicts = _watch_failures(cleanup, publisher)
         _claim_job_identity(cleanup, options, target)
         args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args))
         try:
@@ -263,6 +268,8 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             if not verdicts:
                 rank, failure = exc.get_first_failure()
                 log.error("job failed: worker rank %s exited with %s", rank, failure.exitcode)
+                if publisher is not None:
+                    publisher.publish_error(f"worker rank {rank} exited with {failure.exitcode}")
                 return 1
             verdict = verdicts[-1]
             if verdict.traceback:
@@ -318,7 +325,23 @@ WORKER_ENTRY = ("-m", "elastic_trainer.worker_entry")
 """How torchrun starts a cold worker: the target under the worker entry point."""
 
 
-def _watch_failures(cleanup: contextlib.ExitStack) -> list[FailurePolicyVerdict]:
+def _start_progress_publisher(options: RunOptions, endpoint: str, run_id: str,
+                              metrics: LauncherMetrics) -> ProgressPublisher:
+    """Publish the job's progress to etcd for ``elastic-trainer status`` (while this node hosts
+    global rank 0; see elastic_trainer.progress_publisher)."""
+    from elastic_trainer.progress_publisher import ProgressPublisher
+    from rendezvous.settings import RendezvousConfigError, settings_from_conf
+
+    try:
+        settings = settings_from_conf(rdzv_conf(options), endpoint=endpoint, run_id=run_id)
+        publisher = ProgressPublisher.from_settings(settings, metrics)
+    except (RendezvousConfigError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    publisher.start()
+    return publisher
+
+
+def _watch_failures(cleanup: contextlib.ExitStack, publisher: ProgressPublisher | None = None) -> list[FailurePolicyVerdict]:
     """Install the failure policy on torchrun's agent; returns the list its verdicts go to."""
     from elastic_trainer.failure_policy import FailurePolicy
     from elastic_trainer.torch_agent_compat import on_group_failure
@@ -331,6 +354,8 @@ def _watch_failures(cleanup: contextlib.ExitStack) -> list[FailurePolicyVerdict]
             return True  # unhealthy without a failed worker: torch's own handling
         verdict = policy.judge(failures)
         verdicts.append(verdict)
+        if publisher is not None:
+            publisher.publish_error(verdict.reason)  # one line: status shows it as the last error
         if verdict.restart and remaining > 0:
             log.warning("%s; restarting the worker group (%d restart(s) left)", verdict.reason, remaining - 1)
         return verdict.restart

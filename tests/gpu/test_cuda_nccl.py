@@ -136,7 +136,7 @@ def test_elastic_trainer_run_on_nccl_restarts_a_killed_worker_and_resumes_on_the
                     seen = _scrape(port)
                 except OSError:
                     seen = {}
-                restarted = _total(seen, "elastic_trainer_worker_restarts") >= 1
+                restarted = _total(seen, "elastic_trainer_restarts_total") >= 1
                 if restarted and _total(seen, "elastic_trainer_allreduce_duration_seconds_count") > 0:
                     break
             time.sleep(0.2)
@@ -146,7 +146,7 @@ def test_elastic_trainer_run_on_nccl_restarts_a_killed_worker_and_resumes_on_the
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(30)
     assert launcher.returncode == 0, output[-4000:]
-    assert _total(seen, "elastic_trainer_worker_restarts") >= 1, f"no scrape during the restarted run: {seen}"
+    assert _total(seen, "elastic_trainer_restarts_total") >= 1, f"no scrape during the restarted run: {seen}"
     assert _total(seen, "elastic_trainer_allreduce_duration_seconds_count") > 0, seen
     assert _total(seen, "elastic_trainer_allreduce_duration_seconds_sum") > 0, seen
     assert _total(seen, "elastic_trainer_samples_total") > 0, seen

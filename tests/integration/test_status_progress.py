@@ -9,10 +9,13 @@ writing steps through ``worker_observer()`` into the multiprocess directory, exa
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +34,7 @@ from elastic_trainer.status import read_status, render_status
 from rendezvous.etcd_backend import client_config_from_params
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.etcd_server import EtcdServer, free_port
+from tests.agents import worker_processes
 from tests.prometheus_server import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -157,3 +161,55 @@ def test_an_unreachable_etcd_never_blocks_the_launcher(
     assert sum("retrying every" in m for m in messages) == 1, messages  # once per outage, not per attempt
     # The etcd client's per-retry warnings from the publisher's thread are left out too.
     assert not [r for r in caplog.records if r.name == "rendezvous.etcd_client" and r.threadName == "progress-publisher"]
+
+
+def test_a_real_run_publishes_progress_and_its_last_error(tmp_path: Path, etcd_server: EtcdServer, unique_id: str) -> None:
+    """``elastic-trainer run`` (two gloo workers on the session's etcd): ``status`` shows the
+    progress rank 0's launcher publishes, under the name its metrics carry; a killed worker's
+    root cause becomes the last error and the restart shows in the progress."""
+    port = free_port()
+    cli = [sys.executable, "-m", "elastic_trainer.cli"]
+    with open(tmp_path / "run.log", "wb") as log:
+        job = subprocess.Popen(
+            [*cli, "run", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nproc-per-node", "2",
+             "--metrics-addr", "127.0.0.1", "--metrics-port", str(port), "--max-restarts", "2",
+             "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", "100000", "--epochs", "10000",
+             "--throttle-ms", "40", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "50"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )  # fmt: skip
+        try:
+
+            def status_json() -> dict:
+                done = subprocess.run([*cli, "status", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id,
+                                       "--json"], capture_output=True, text=True, timeout=60)  # fmt: skip
+                assert done.returncode == 0, done.stderr
+                return json.loads(done.stdout)
+
+            def with_rate() -> dict | None:
+                assert job.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+                report = status_json()
+                p = report.get("progress")
+                return report if p and p["steps_per_s"] and report["found"] else None
+
+            report = wait_for("progress with a rate in status", with_rate, timeout_s=150)
+            progress = report["progress"]
+            assert progress["total_steps"] == 100000 and progress["world_size"] == 2
+            assert progress["eta_s"] > 0 and progress["samples_per_s"] > 0 and progress["lr"] is not None
+            (participant,) = report["participants"]
+            assert participant["pid"] == job.pid and progress["published_by"] == participant["name"]
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            assert f'node="{participant["name"]}"' in text
+
+            os.kill(worker_processes(job.pid)[-1], signal.SIGKILL)
+            error = wait_for("the root cause in status", lambda: status_json()["last_error"], timeout_s=120)
+            assert "SIGKILL" in error["text"] and error["node"] == participant["name"]
+            wait_for("the restart in the progress",
+                     lambda: (p := status_json()["progress"]) is not None and (p["restarts"] or 0) >= 1, timeout_s=150)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGTERM)
+                try:
+                    job.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(job.pid, signal.SIGKILL)
+                    job.wait(30)

@@ -135,3 +135,12 @@ def test_signals_and_unexplained_exits_are_transient_and_exit_2_is_not(tmp_path:
     assert policy.judge({1: _failure(tmp_path, 1, None, exitcode=1)}).restart
     usage = policy.judge({0: _failure(tmp_path, 0, None, exitcode=2)})
     assert not usage.restart and "status 2" in usage.reason
+
+
+def test_a_killed_rank_is_the_root_cause_rather_than_the_ranks_whose_collectives_failed(tmp_path: Path) -> None:
+    policy = FailurePolicy()
+    verdict = policy.judge({
+        1: _failure(tmp_path, 1, RuntimeError("Connection closed by peer"), at=0),  # recorded before the agent saw 0
+        0: _failure(tmp_path, 0, None, exitcode=-9),
+    })
+    assert verdict.restart and verdict.root_cause.rank == 0 and verdict.reason == "rank 0 failed: killed by SIGKILL"
