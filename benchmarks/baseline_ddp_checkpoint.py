@@ -14,7 +14,7 @@ fast-forwarded to that iteration). Nothing else: no SIGTERM handling, no atomic 
 elastic batch split (each rank takes ``global_batch_size // world_size`` samples).
 
 Every completed step is appended, with its wall time, to ``--record-steps`` in the JSON-lines
-format of ``elastic_trainer.sample_log`` (a ``start`` record, then one record per step), which
+format of ``elastic_trainer.runtime.sample_log`` (a ``start`` record, then one record per step), which
 is what the benchmark reads for both systems. Loading uses ``weights_only=True`` (torch's
 default since 2.6) like every checkpoint load in this project.
 """
@@ -54,7 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 class StepRecords:
-    """Per-process JSON lines, as ``elastic_trainer.sample_log`` writes them (plus ``t``)."""
+    """Per-process JSON lines, as ``elastic_trainer.runtime.sample_log`` writes them (plus ``t``)."""
 
     def __init__(self, directory: str, rank: int) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)

@@ -29,9 +29,9 @@ from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic_trainer.config import TrainerConfig  # noqa: E402
-from elastic_trainer.observer import NullObserver  # noqa: E402
-from elastic_trainer.trainer import Trainer, TrainingJob  # noqa: E402
+from elastic_trainer.runtime.observer import NullObserver  # noqa: E402
+from elastic_trainer.train.config import TrainerConfig  # noqa: E402
+from elastic_trainer.train.trainer import Trainer, TrainingJob  # noqa: E402
 
 
 class _Random(Dataset[tuple[torch.Tensor, torch.Tensor]]):

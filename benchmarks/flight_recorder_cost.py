@@ -3,13 +3,13 @@
 Issue 5's overhead goal (metrics on/off >= 0.99) fails on a GPU because of the Python hook's cost
 per DDP bucket (``benchmarks/RESULTS.md``, session 5). The way out is to time buckets without a
 hook: torch's flight recorder writes every collective in C++, NCCL adds its GPU duration, and
-:class:`elastic_trainer.collective_trace.CollectiveTrace` reads them once in a while. This
+:class:`elastic_trainer.metrics.collective_trace.CollectiveTrace` reads them once in a while. This
 benchmark measures both designs on the same workload before the observer switches:
 
 - phase "hook" (torch's defaults: the recorder on with 2000 entries, NCCL timing off): arms
   ``off`` (plain DDP) and ``hook`` (the timing hook);
 - phase "trace" (``TORCH_FR_BUFFER_SIZE=--ring``, ``TORCH_NCCL_ENABLE_TIMING=1``): arms ``off``
-  and ``trace`` (no hook; a :class:`~elastic_trainer.metrics_bucket_trace.TracedBucketTimer`,
+  and ``trace`` (no hook; a :class:`~elastic_trainer.metrics.bucket_trace.TracedBucketTimer`,
   which reads the recorder once about half its ring is new).
 
 Every ``--read-interval`` s (the observer's flush) the hook or trace arm's timer is drained into a
@@ -44,7 +44,7 @@ SETTLE = 10  # cycles left out at the start (DDP rebuilds its buckets after the 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: str, results: Any) -> None:
     """One rank of a phase (torch.multiprocessing spawn target); rank 0 reports."""
-    from elastic_trainer.collective_trace import trace_environment
+    from elastic_trainer.metrics.collective_trace import trace_environment
 
     if phase == "trace":
         trace_environment(os.environ, entries=args.ring)  # before the first process group
@@ -53,8 +53,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     import torch.distributed as dist
     from workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
 
-    from elastic_trainer.metrics_bucket_trace import TracedBucketTimer
-    from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
+    from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
+    from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
 
     init_worker(rank, world, port, args)
     cuda = args.device == "cuda"

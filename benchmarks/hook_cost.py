@@ -57,7 +57,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
 
     init_worker(rank, args.nproc, port, args)
     cuda = args.device == "cuda"
-    from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
+    from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
 
     base, x = _model_and_batch(args.model)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -101,7 +101,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
             extra = statistics.median(a - b for a, b in zip(cost[arm], cost["off"], strict=True))
             print(f"| {arm} | {statistics.median(cost[arm]) * 1e6:.1f} | {extra * 1e6:.1f} |", flush=True)
     dist.destroy_process_group()
-    from elastic_trainer.process_exit import exit_process
+    from elastic_trainer.runtime.process_exit import exit_process
 
     exit_process(0)  # not through interpreter shutdown, where gloo can abort (see process_exit)
 

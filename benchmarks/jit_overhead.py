@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime_throughput import _runtime, block_line, report_blocks  # noqa: E402
 from workloads import add_workload_arguments, init_worker, resolve_workload_arguments  # noqa: E402
 
-from elastic_trainer.config import ENV_JIT_SAVE  # noqa: E402
+from elastic_trainer.train.config import ENV_JIT_SAVE  # noqa: E402
 
 VARIANTS = ("jit-off", "jit-on")
 
@@ -60,8 +60,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 def _micro(args: argparse.Namespace) -> None:
     import time
 
+    from elastic_trainer.checkpoint.jit import AuthoritativeBuffers, StateGuard
     from elastic_trainer.examples.synthetic_cnn import SmallCNN
-    from elastic_trainer.jit_save import AuthoritativeBuffers, StateGuard
 
     torch.set_num_threads(1)
     model, guard = SmallCNN(args.width), StateGuard()

@@ -62,7 +62,7 @@ mode, interval, args = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
 if mode == "off":
     torchrun.main(args)
 else:
-    from elastic_trainer.metrics import LauncherMetricsConfig, start_launcher_metrics
+    from elastic_trainer.metrics.worker import LauncherMetricsConfig, start_launcher_metrics
     with start_launcher_metrics(LauncherMetricsConfig(addr="127.0.0.1", port=0)) as handle:
         stop, scrapes = threading.Event(), [0]
         def scrape():
@@ -82,8 +82,8 @@ else:
 
 MICRO = """
 import sys, time, torch, torch.distributed as dist
-from elastic_trainer.metrics import worker_observer
-from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
+from elastic_trainer.metrics.worker import worker_observer
+from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
 steps, reps = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -138,12 +138,12 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     import torch.distributed as dist
     from workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
 
-    from elastic_trainer.metrics import worker_observer
-    from elastic_trainer.observer import NullObserver, TrainingObserver
+    from elastic_trainer.metrics.worker import worker_observer
+    from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 
     if args.trace:  # before the first process group: the recorder reads its size once
-        from elastic_trainer.collective_trace import trace_environment
-        from elastic_trainer.metrics import ALLREDUCE_TIMING_ENV
+        from elastic_trainer.metrics.collective_trace import trace_environment
+        from elastic_trainer.metrics.worker import ALLREDUCE_TIMING_ENV
 
         os.environ[ALLREDUCE_TIMING_ENV] = "trace"
         trace_environment(os.environ)
@@ -221,7 +221,7 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch.multiprocessing as mp
 
-    from elastic_trainer.metrics import LauncherMetricsConfig, start_launcher_metrics
+    from elastic_trainer.metrics.worker import LauncherMetricsConfig, start_launcher_metrics
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -77,9 +77,9 @@ def run_worker(argv: list[str]) -> None:
     The runtime's sample log records each step right after its optimizer step; the benchmark
     adds the wall time to that record (a subclass swapped in for the trainer's ``SampleLog``).
     """
-    from elastic_trainer import trainer as trainer_module
     from elastic_trainer.examples import synthetic_cnn as example
-    from elastic_trainer.sample_log import SampleLog
+    from elastic_trainer.runtime.sample_log import SampleLog
+    from elastic_trainer.train import trainer as trainer_module
 
     class TimedSampleLog(SampleLog):
         def step(self, **record: object) -> None:  # type: ignore[override]
@@ -220,7 +220,7 @@ class Process:
 
 
 def read_processes(directory: Path) -> list[Process]:
-    from elastic_trainer.sample_log import read_records
+    from elastic_trainer.runtime.sample_log import read_records
 
     if not directory.exists():
         return []
@@ -230,7 +230,7 @@ def read_processes(directory: Path) -> list[Process]:
         step_records = [r for r in records[1:] if r.get("event") == "step"]
         if step_records and "t" not in step_records[0]:
             raise RuntimeError(f"step records without a time stamp in {directory}: the trainer no longer writes "
-                               "them through elastic_trainer.trainer.SampleLog (see run_worker)")
+                               "them through elastic_trainer.train.trainer.SampleLog (see run_worker)")
         steps = [(r["t"], r["step"], r["world_size"]) for r in step_records]
         found.append(Process(start["started_unix"], start["resumed_step"], start["rank"], steps))
     return found

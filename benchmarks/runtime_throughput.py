@@ -46,10 +46,10 @@ from workloads import (  # noqa: E402
     workload_of,
 )
 
-from elastic_trainer.config import TrainerConfig  # noqa: E402
-from elastic_trainer.distributed import read_env  # noqa: E402
-from elastic_trainer.observer import NullObserver  # noqa: E402
-from elastic_trainer.trainer import Trainer, TrainingJob  # noqa: E402
+from elastic_trainer.runtime.distributed import read_env  # noqa: E402
+from elastic_trainer.runtime.observer import NullObserver  # noqa: E402
+from elastic_trainer.train.config import TrainerConfig  # noqa: E402
+from elastic_trainer.train.trainer import Trainer, TrainingJob  # noqa: E402
 
 
 def _now() -> tuple[float, float]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from elastic_trainer import __version__
-from elastic_trainer.launch_options import OPTIONS, UserError, resolve_run_options
+from elastic_trainer.launch.options import OPTIONS, UserError, resolve_run_options
 
 PROG = "elastic-trainer"
 
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--checkpoint-dir", default=None, help="also show the newest checkpoint here")
     status.add_argument("--json", action="store_true", help="print JSON")
 
-    from elastic_trainer import top as top_view
+    from elastic_trainer.ops import top as top_view
 
     top = commands.add_parser("top", help="live view of a job from its nodes' metrics endpoints",
                               epilog=top_view.EXAMPLES, formatter_class=formatter)
@@ -143,7 +143,7 @@ def _warn_launcher_flags_after_target(words: Sequence[str]) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from elastic_trainer.launcher import (
+    from elastic_trainer.launch.launcher import (
         default_env_for_workers,
         install_sigterm_as_exception,
         launch,
@@ -163,7 +163,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from elastic_trainer.launcher import Target, install_sigterm_as_exception, launch
+    from elastic_trainer.launch.launcher import Target, install_sigterm_as_exception, launch
 
     extra = list(args.doctor_args)
     if extra and extra[0] == "--":
@@ -177,7 +177,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from elastic_trainer.status import read_status, render_status
+    from elastic_trainer.ops.status import read_status, render_status
     from rendezvous.settings import RendezvousConfigError, parse_conf_string
 
     try:
@@ -191,7 +191,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
-    from elastic_trainer import checkpoint_cli
+    from elastic_trainer.checkpoint import catalog as checkpoint_cli
 
     if args.action == "list":
         rows = checkpoint_cli.list_checkpoints(args.path)
@@ -221,13 +221,13 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from elastic_trainer import demo
+    from elastic_trainer.ops import demo
 
     return demo.main(list(args.demo_args))
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from elastic_trainer.top import run_args
+    from elastic_trainer.ops.top import run_args
 
     return run_args(args, prog=f"{PROG} top")
 

@@ -32,7 +32,7 @@ def worker_processes(agent_pid: int) -> list[int]:
     """The processes running the training target under an agent: its children, with a warm-start
     client replaced by the worker the node's warm server forked for it (the process a real fault
     would hit)."""
-    from elastic_trainer.warm_start import worker_pids
+    from elastic_trainer.launch.warm_start import worker_pids
 
     return worker_pids(agent_pid, children(agent_pid))
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from elastic_trainer.sample_log import generations, read_records
+from elastic_trainer.runtime.sample_log import generations, read_records
 
 # Fast elastic rounds: torch's 30 s last call and heartbeat defaults would dominate every test.
 FAST_RDZV_CONF = "last_call_timeout=1,join_timeout=120,heartbeat_timeout=6,keep_alive_interval=1,retry_timeout=10"

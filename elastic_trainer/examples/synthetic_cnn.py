@@ -26,12 +26,17 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from elastic_trainer import failures
-from elastic_trainer.config import DEFAULT_CHECKPOINT_EVERY, ConfigError, DDPOptions, TrainerConfig
-from elastic_trainer.distributed import read_env, strip_local_rank_arg
-from elastic_trainer.observer import TrainingObserver
-from elastic_trainer.process_exit import exit_process
-from elastic_trainer.trainer import Trainer, TrainingJob, build_observer
+from elastic_trainer.runtime import failures
+from elastic_trainer.runtime.distributed import read_env, strip_local_rank_arg
+from elastic_trainer.runtime.observer import TrainingObserver
+from elastic_trainer.runtime.process_exit import exit_process
+from elastic_trainer.train.config import (
+    DEFAULT_CHECKPOINT_EVERY,
+    ConfigError,
+    DDPOptions,
+    TrainerConfig,
+)
+from elastic_trainer.train.trainer import Trainer, TrainingJob, build_observer
 
 log = logging.getLogger("elastic_trainer.examples.synthetic_cnn")
 PROG = "synthetic_cnn"

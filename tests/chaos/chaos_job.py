@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from elastic_trainer.examples import synthetic_cnn as example
-from elastic_trainer.observer import TrainingObserver
-from elastic_trainer.trainer import TrainingJob
+from elastic_trainer.runtime.observer import TrainingObserver
+from elastic_trainer.train.trainer import TrainingJob
 
 SLOW_MS_ENV = "CHAOS_SLOW_MS"
 SLOW_STEPS_ENV = "CHAOS_SLOW_STEPS"

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic_trainer import checkpoint as ckpt
-from elastic_trainer.sample_log import read_records
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.runtime.sample_log import read_records
 from rendezvous.etcd_server import EtcdServer
 from tests.runtime_helpers import Agent, steps_recorded
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from elastic_trainer import checkpoint as ckpt
+from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages, evaluate
-from elastic_trainer.sample_log import committed_history, read_records
+from elastic_trainer.runtime.sample_log import committed_history, read_records
 from tests.chaos.chaos_job import EXIT_BEFORE_STEP_ENV
 from tests.chaos.faults import DamageWindow, JobSpec, RunDirs, start_node, unique_run_id, wait_all
 

@@ -55,7 +55,7 @@ def mean_compute_by_rank(port: int) -> dict[int, float]:
 
 def rank_of(node: Agent) -> int:
     """The rank of the node's one worker, from its log."""
-    match = re.search(r"\[rank (\d+)\] INFO elastic_trainer.distributed", node.output())
+    match = re.search(r"\[rank (\d+)\] INFO elastic_trainer.runtime.distributed", node.output())
     assert match, node.tail()
     return int(match.group(1))
 

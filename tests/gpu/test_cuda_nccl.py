@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic_trainer import checkpoint as ckpt
-from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
-from elastic_trainer.sample_log import committed_history, read_records
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
+from elastic_trainer.runtime.sample_log import committed_history, read_records
 from rendezvous.etcd_server import free_port
 from tests.runtime_helpers import generations, steps_recorded
 
@@ -173,7 +173,7 @@ def test_importing_torch_maps_the_driver_without_initialising_it_and_cuda_init_d
     """What the warm server relies on to fork workers on a GPU node (a fresh process: this one has CUDA up)."""
     probe = (
         "import torch\n"
-        "from elastic_trainer.warm_start import cuda_driver_initialized as initialised\n"
+        "from elastic_trainer.launch.warm_start import cuda_driver_initialized as initialised\n"
         "mapped = 'libcuda.so' in open('/proc/self/maps').read()\n"
         "before = initialised()\n"
         "torch.cuda.init()\n"
@@ -187,7 +187,7 @@ def test_importing_torch_maps_the_driver_without_initialising_it_and_cuda_init_d
 
 FLIGHT_RECORDER_PROBE = """
 import json, os, threading, time
-from elastic_trainer.collective_trace import CollectiveTrace, trace_environment
+from elastic_trainer.metrics.collective_trace import CollectiveTrace, trace_environment
 trace_environment(os.environ, entries=512)  # before the first process group
 import torch, torch.distributed as dist
 from torch import nn
@@ -236,13 +236,13 @@ def test_flight_recorder_times_every_nccl_bucket_without_a_hook(cuda: torch.devi
 
 OBSERVER_IN_TRACE_MODE = """
 import json, os, threading, time
-from elastic_trainer.collective_trace import trace_environment
+from elastic_trainer.metrics.collective_trace import trace_environment
 trace_environment(os.environ, entries=512)  # before the first process group
 import torch, torch.distributed as dist
 from torch import nn
 from prometheus_client import CollectorRegistry
-from elastic_trainer.metrics import PrometheusObserver, WorkerLabels
-from elastic_trainer.metrics_bucket_trace import TracedBucketTimer
+from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
+from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
 torch.manual_seed(0)

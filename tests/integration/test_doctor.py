@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from elastic_trainer.doctor_checks import usable_cpus
-from elastic_trainer.doctor_report import CHECKS
+from elastic_trainer.doctor.checks import usable_cpus
+from elastic_trainer.doctor.report import CHECKS
 
 pytestmark = pytest.mark.integration
 

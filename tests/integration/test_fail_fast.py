@@ -30,10 +30,10 @@ POISONED_SAMPLE_IN_STEP_3 = """
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from elastic_trainer import failures
-from elastic_trainer.config import TrainerConfig
-from elastic_trainer.process_exit import exit_process
-from elastic_trainer.trainer import Trainer, TrainingJob
+from elastic_trainer.runtime import failures
+from elastic_trainer.train.config import TrainerConfig
+from elastic_trainer.runtime.process_exit import exit_process
+from elastic_trainer.train.trainer import Trainer, TrainingJob
 
 def data():
     g = torch.Generator().manual_seed(0)

@@ -407,7 +407,7 @@ def test_status_reads_the_stored_node_values_over_one_connection(etcd_server, un
     nodes stored with their keys (not from their ids), read over a single etcd connection."""
     import os
 
-    from elastic_trainer.status import read_status
+    from elastic_trainer.ops.status import read_status
     from rendezvous.etcd_client import EtcdConnection
     from rendezvous.lease_handler import NodeInfo
 

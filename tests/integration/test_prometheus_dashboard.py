@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_trainer.status import read_status
+from elastic_trainer.ops.status import read_status
 from rendezvous.etcd_server import EtcdServer, free_port
 from tests.agents import children
 from tests.prometheus_server import prometheus_server, require_binary, wait_for
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 LAUNCHER = """
 import sys
 import torch.distributed.run as torchrun
-from elastic_trainer.metrics import LauncherMetricsConfig, start_launcher_metrics
+from elastic_trainer.metrics.worker import LauncherMetricsConfig, start_launcher_metrics
 
 port, run_id, multiproc_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 config = LauncherMetricsConfig(addr="127.0.0.1", port=port, run_id=run_id, multiproc_dir=multiproc_dir)
@@ -52,7 +52,7 @@ with start_launcher_metrics(config):
 """
 
 # The runtime's example job: ELASTIC_TRAINER_METRICS=1 (set by the launcher) makes it report
-# through elastic_trainer.metrics.worker_observer(). ~30 ms per step on 2 CPU cores.
+# through elastic_trainer.metrics.worker.worker_observer(). ~30 ms per step on 2 CPU cores.
 JOB_ARGS = [
     "-m", "elastic_trainer.examples.synthetic_cnn",
     "--max-steps", "1000", "--epochs", "1000", "--global-batch-size", "128", "--width", "32",

@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, port: int, results: Any) -> None:
     try:
         from prometheus_client import CollectorRegistry
 
-        from elastic_trainer.metrics import PrometheusObserver, WorkerLabels
+        from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
 
         registry = CollectorRegistry()
         labels = WorkerLabels(run_id="job", node="n", rank=rank, local_rank=rank)

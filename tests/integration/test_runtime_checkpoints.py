@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer.sample_log import read_records
+from elastic_trainer.runtime.sample_log import read_records
 from tests.runtime_helpers import agents, final_model, start_agent, steps_recorded, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.sample_log import committed_history, read_records
+from elastic_trainer.runtime.sample_log import committed_history, read_records
 from tests.runtime_helpers import (
     agents,
     final_eval_loss,

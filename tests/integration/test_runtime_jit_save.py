@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer import checkpoint as ckpt
-from elastic_trainer.sample_log import committed_history, read_records
-from elastic_trainer.trainer import ENV_TEST_KILL_AT
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.runtime.sample_log import committed_history, read_records
+from elastic_trainer.train.trainer import ENV_TEST_KILL_AT
 from tests.runtime_helpers import (
     agents,
     final_model,

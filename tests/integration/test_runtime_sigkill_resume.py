@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_trainer.sample_log import committed_history, read_records
+from elastic_trainer.runtime.sample_log import committed_history, read_records
 from tests.runtime_helpers import agents, final_model, start_agent, steps_recorded, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -92,10 +92,10 @@ def _three_rank_worker(rank: int, work: Path, ckpt_dir: Path, epochs: int, optio
     import torch.distributed as dist
     from torch import nn
 
-    from elastic_trainer.config import DDPOptions, TrainerConfig
-    from elastic_trainer.distributed import read_env
     from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages
-    from elastic_trainer.trainer import Trainer, TrainingJob
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.train.config import DDPOptions, TrainerConfig
+    from elastic_trainer.train.trainer import Trainer, TrainingJob
 
     dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=3)
     job = TrainingJob(

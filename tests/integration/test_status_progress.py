@@ -23,14 +23,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from elastic_trainer.metrics import PrometheusObserver, WorkerLabels
-from elastic_trainer.metrics_server import (
+from elastic_trainer.launch.node_metrics import (
     LauncherMetrics,
     LauncherMetricsConfig,
     start_launcher_metrics,
 )
-from elastic_trainer.progress_publisher import ProgressKeys, ProgressPublisher
-from elastic_trainer.status import read_status, render_status
+from elastic_trainer.launch.progress_publisher import ProgressKeys, ProgressPublisher
+from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
+from elastic_trainer.ops.status import read_status, render_status
 from rendezvous.etcd_backend import client_config_from_params
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.etcd_server import EtcdServer, free_port
@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 # A training worker in miniature: the real observer in multiprocess mode, stepping until killed.
 WORKER = """
 import time
-from elastic_trainer.metrics import worker_observer
+from elastic_trainer.metrics.worker import worker_observer
 obs = worker_observer()
 obs.on_start(world_size=2, restart_count=0, total_steps=100000)
 for step in range(1, 100000):
@@ -157,7 +157,7 @@ def test_an_unreachable_etcd_never_blocks_the_launcher(
                          timeout_s=30)  # fmt: skip
         finally:
             publisher.close(timeout_s=5.0)
-    messages = [r.getMessage() for r in caplog.records if r.name == "elastic_trainer.progress_publisher"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "elastic_trainer.launch.progress_publisher"]
     assert sum("retrying every" in m for m in messages) == 1, messages  # once per outage, not per attempt
     # The etcd client's per-retry warnings from the publisher's thread are left out too.
     assert not [r for r in caplog.records if r.name == "rendezvous.etcd_client" and r.threadName == "progress-publisher"]

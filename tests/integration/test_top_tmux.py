@@ -2,7 +2,7 @@
 
 The endpoint is the launcher's (``start_launcher_metrics``) with two real worker processes
 writing steps through ``worker_observer()``, rank 1 slower than rank 0. tmux (a private server
-socket, a 120x40 window) runs ``python -m elastic_trainer.top``; ``capture-pane`` reads the
+socket, a 120x40 window) runs ``python -m elastic_trainer.ops.top``; ``capture-pane`` reads the
 screen, ``send-keys q`` must end it.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.metrics_server import LauncherMetricsConfig, start_launcher_metrics
+from elastic_trainer.launch.node_metrics import LauncherMetricsConfig, start_launcher_metrics
 from rendezvous.etcd_server import free_port
 from tests.prometheus_server import IN_CI, wait_for
 
@@ -31,7 +31,7 @@ TMUX = shutil.which("tmux") or "/usr/bin/tmux"
 
 WORKER = """
 import sys, time
-from elastic_trainer.metrics import worker_observer
+from elastic_trainer.metrics.worker import worker_observer
 obs = worker_observer()
 obs.on_start(world_size=2, restart_count=0, total_steps=1000)
 step_s = float(sys.argv[1])
@@ -83,7 +83,7 @@ def test_top_shows_the_job_live_and_q_quits(tmp_path: Path, tmux: list[str], uni
                                    multiproc_dir=str(tmp_path / "multiproc"))  # fmt: skip
     with start_launcher_metrics(config) as metrics, workers(unique_id, tmp_path):
         down = f"127.0.0.1:{free_port()}"  # nothing listens there
-        command = f"{sys.executable} -m elastic_trainer.top --url {metrics.url} --url {down} --interval 1"
+        command = f"{sys.executable} -m elastic_trainer.ops.top --url {metrics.url} --url {down} --interval 1"
         subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", "120", "-y", "40", "-c", str(REPO),
                         "-e", f"PYTHONPATH={REPO}", command], check=True, timeout=30)  # fmt: skip
 

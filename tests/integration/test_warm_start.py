@@ -21,7 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.warm_start import FAILED_NAME, WarmStartServer, start_server, worker_pids
+from elastic_trainer.launch.warm_start import (
+    FAILED_NAME,
+    WarmStartServer,
+    start_server,
+    worker_pids,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -228,7 +233,7 @@ def test_a_preload_that_imports_prometheus_client_is_refused(tmp_path: Path) -> 
 
 
 def test_the_client_alone_is_usage_error() -> None:
-    done = subprocess.run([sys.executable, "-m", "elastic_trainer.warm_start"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "elastic_trainer.launch.warm_start"], capture_output=True, text=True,
                           cwd=REPO, timeout=30)
     assert done.returncode == 2 and done.stderr.startswith("usage:")
 

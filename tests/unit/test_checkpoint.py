@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from elastic_trainer import checkpoint as ckpt
+from elastic_trainer.checkpoint import files as ckpt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,7 +87,7 @@ def test_damaged_newest_falls_back_to_previous_with_warning(
         ckpt.manifest_path(tmp_path, 20).unlink()
     else:
         ckpt.manifest_path(tmp_path, 20).write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint.files"):
         found = ckpt.find_latest(tmp_path)
     assert found is not None and found.step == 10
     assert "ckpt-000000000020" in caplog.text
@@ -116,7 +116,7 @@ def test_foreign_checkpoint_is_a_clear_error_naming_the_difference(tmp_path: Pat
 _FULL_DISK_SCRIPT = textwrap.dedent(
     """
     import resource, signal, sys, torch
-    from elastic_trainer import checkpoint as ckpt
+    from elastic_trainer.checkpoint import files as ckpt
     directory, limit = sys.argv[1], int(sys.argv[2])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
@@ -267,7 +267,7 @@ def test_stale_temp_files_are_removed(tmp_path: Path) -> None:
 
 
 def test_pickle_of_python_rng_state_loads_weights_only(tmp_path: Path) -> None:
-    from elastic_trainer import rng
+    from elastic_trainer.runtime import rng
 
     state = rng.capture(torch.device("cpu"))
     path = tmp_path / "rng.pt"

@@ -49,7 +49,7 @@ def test_a_launcher_flag_after_the_script_is_pointed_out(capsys: pytest.CaptureF
 
 
 def test_the_join_banner_never_sends_other_hosts_to_loopback() -> None:
-    from elastic_trainer.launcher import join_banner
+    from elastic_trainer.launch.launcher import join_banner
 
     loopback = join_banner("127.0.0.1:2379", "local-1", "127.0.0.1", address="10.1.2.3")
     assert "loopback only: nodes on this host join with elastic-trainer run --rdzv-endpoint 127.0.0.1:2379 " \

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from elastic_trainer.collective_trace import (
+from elastic_trainer.metrics.collective_trace import (
     FR_BUFFER_SIZE_ENV,
     NCCL_ENABLE_TIMING_ENV,
     CollectiveTrace,
@@ -161,10 +161,10 @@ def test_trace_environment_keeps_what_the_user_set() -> None:
 
 REAL_RECORDER = """
 import json, os, pickle, sys, threading, time
-from elastic_trainer.collective_trace import CollectiveTrace, trace_environment, _default_dump
+from elastic_trainer.metrics.collective_trace import CollectiveTrace, trace_environment, _default_dump
 trace_environment(os.environ, entries=64)
 import torch, torch.distributed as dist
-from elastic_trainer.process_exit import exit_process
+from elastic_trainer.runtime.process_exit import exit_process
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 other = dist.new_group([0])
 plain, timed = CollectiveTrace("0"), CollectiveTrace("0", dump=lambda: pickle.dumps(with_durations()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_trainer.config import (
+from elastic_trainer.train.config import (
     DEFAULT_PG_TIMEOUT_S,
     DEFAULT_SIGTERM_GRACE_S,
     ENV_PG_TIMEOUT_S,

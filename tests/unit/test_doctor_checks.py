@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_trainer.doctor_checks import (
+from elastic_trainer.doctor.checks import (
     BackendProbe,
     TestModel,
     check_allreduce,
@@ -32,7 +32,7 @@ from elastic_trainer.doctor_checks import (
     interface_matches,
     parse_faults,
 )
-from elastic_trainer.doctor_report import FAIL, PASS, SKIP, WARN
+from elastic_trainer.doctor.report import FAIL, PASS, SKIP, WARN
 
 pytestmark = pytest.mark.timeout(60)
 

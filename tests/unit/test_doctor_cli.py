@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_trainer import doctor
-from elastic_trainer.doctor import DoctorOptions, UsageError, parse_args
+from elastic_trainer.doctor import main as doctor
+from elastic_trainer.doctor.main import DoctorOptions, UsageError, parse_args
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_trainer.doctor_perf import (
+from elastic_trainer.doctor.perf import (
     BandwidthRow,
     algbw_gbps,
     busbw_factor,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from elastic_trainer.doctor_report import (
+from elastic_trainer.doctor.report import (
     CHECKS,
     FAIL,
     PASS,

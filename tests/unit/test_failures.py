@@ -1,5 +1,5 @@
-"""Worker failure classification (elastic_trainer.failures) and the launcher's restart decision
-(elastic_trainer.failure_policy), on real exceptions and torch's real ProcessFailure."""
+"""Worker failure classification (elastic_trainer.runtime.failures) and the launcher's restart decision
+(elastic_trainer.launch.failure_policy), on real exceptions and torch's real ProcessFailure."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from elastic_trainer import failures
-from elastic_trainer.checkpoint import CheckpointMismatchError, CheckpointWriteError
-from elastic_trainer.config import ConfigError, TrainerConfig
-from elastic_trainer.failure_policy import FailurePolicy
-from elastic_trainer.failures import FailureClass
+from elastic_trainer.checkpoint.files import CheckpointMismatchError, CheckpointWriteError
+from elastic_trainer.launch.failure_policy import FailurePolicy
+from elastic_trainer.runtime import failures
+from elastic_trainer.runtime.failures import FailureClass
+from elastic_trainer.train.config import ConfigError, TrainerConfig
 
 
 def _raised(exc: BaseException) -> BaseException:

@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_trainer import checkpoint as ckpt
-from elastic_trainer import jit_save
-from elastic_trainer.config import ENV_JIT_SAVE, TrainerConfig
-from elastic_trainer.jit_save import (
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint import jit as jit_save
+from elastic_trainer.checkpoint.jit import (
     EXIT_AFTER_SIGNAL,
     AuthoritativeBuffers,
     ExitTimer,
     JitCheckpointer,
     StateGuard,
 )
+from elastic_trainer.train.config import ENV_JIT_SAVE, TrainerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -193,7 +193,7 @@ def test_a_step_claimed_by_another_writer_is_left_to_it(tmp_path: Path, caplog: 
     training.update()
     # Written by another process (not this pid): it is writing; do not write the step again.
     ckpt.claim_path(tmp_path, 1).write_text('{"host": "other-node", "pid": 1, "rank": 3}')
-    with caplog.at_level(logging.INFO, logger="elastic_trainer.jit_save"):
+    with caplog.at_level(logging.INFO, logger="elastic_trainer.checkpoint.jit"):
         outcome = training.jit.save("test", deadline=_deadline())
     assert not outcome.saved and "being written by" in outcome.detail and "other-node" in outcome.detail
     assert ckpt.iter_checkpoints(tmp_path) == [] and not training.drained

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_trainer import checkpoint as ckpt
+from elastic_trainer.checkpoint import files as ckpt
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -40,8 +40,8 @@ def _blocked_worker(rank: int, work: Path, mode: str) -> None:
     """Rank 0 blocks in an allreduce that rank 1 never joins (rank 1 stays alive, reading stdin)."""
     import torch.distributed as dist
 
-    from elastic_trainer.jit_save import JitCheckpointer, StateGuard
-    from elastic_trainer.signals import GracefulStop, SignalWakeup
+    from elastic_trainer.checkpoint.jit import JitCheckpointer, StateGuard
+    from elastic_trainer.runtime.signals import GracefulStop, SignalWakeup
 
     _init(rank, work)
     if rank == 1:
@@ -92,7 +92,7 @@ def _buffers_worker(rank: int, work: Path) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from elastic_trainer.jit_save import AuthoritativeBuffers
+    from elastic_trainer.checkpoint.jit import AuthoritativeBuffers
 
     _init(rank, work)
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
@@ -162,9 +162,9 @@ def _stop_worker(rank: int, work: Path, jit: str) -> None:
     from torch import nn
     from torch.utils.data import TensorDataset
 
-    from elastic_trainer.config import TrainerConfig
-    from elastic_trainer.distributed import read_env
-    from elastic_trainer.trainer import Trainer, TrainingJob
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.train.config import TrainerConfig
+    from elastic_trainer.train.trainer import Trainer, TrainingJob
 
     _init(rank, work)
 

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic_trainer import checkpoint as ckpt
-from elastic_trainer import rng
-from elastic_trainer.config import TrainerConfig
-from elastic_trainer.jit_save import SAVE_TIMEOUT_S
-from elastic_trainer.trainer import Trainer, TrainingJob
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint.jit import SAVE_TIMEOUT_S
+from elastic_trainer.runtime import rng
+from elastic_trainer.train.config import TrainerConfig
+from elastic_trainer.train.trainer import Trainer, TrainingJob
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,7 +162,7 @@ def test_a_failing_training_loop_saves_the_last_completed_step_before_raising(tm
 
 
 def test_zero_redundancy_turns_jit_off_with_a_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="elastic_trainer.trainer"):
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.train.trainer"):
         trainer = Trainer(_config(tmp_path, zero_redundancy=True), _job(), observer=FailingObserver(at=3))
         with pytest.raises(RuntimeError, match="Connection closed by peer"):
             trainer.fit()
@@ -182,7 +182,7 @@ def test_rank0_does_not_write_a_step_another_writer_claimed(tmp_path: Path, capl
         def __getattr__(self, name: str) -> Any:
             return lambda *args, **kwargs: None
 
-    with caplog.at_level(logging.WARNING, logger="elastic_trainer.trainer"):
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.train.trainer"):
         result = Trainer(_config(tmp_path, checkpoint_every=4, max_steps=6), _job(), observer=ClaimAfterStart()).fit()
     assert "step 4 is being checkpointed by" in caplog.text and "node-b" in caplog.text
     assert ckpt.iter_checkpoints(tmp_path) == [6] and result.step == 6

@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.launch_options import OPTIONS, UserError, resolve_run_options
-from elastic_trainer.launcher import Target, rdzv_conf, resolve_nproc, split_target, torchrun_argv
+from elastic_trainer.launch.launcher import (
+    Target,
+    rdzv_conf,
+    resolve_nproc,
+    split_target,
+    torchrun_argv,
+)
+from elastic_trainer.launch.options import OPTIONS, UserError, resolve_run_options
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -104,7 +110,7 @@ def test_warm_start_is_on_by_default_and_workers_go_through_the_client() -> None
     options = resolve_run_options({"warm_preload": " mymodel , mymodel.layers "}, env={})
     assert options.warm_start == "on" and options.warm_preload == "mymodel,mymodel.layers"
     target = split_target(["pkg.mod", "--lr", "0.1"], as_module=True)
-    client = ["-m", "elastic_trainer.warm_start", "--socket", "/s", "--", *target.torchrun_args()]
+    client = ["-m", "elastic_trainer.launch.warm_start", "--socket", "/s", "--", *target.torchrun_args()]
     argv = torchrun_argv(options, "e:1", "job", 2, target, client)
     assert argv[-len(client):] == client
 

@@ -11,7 +11,7 @@ from torch.distributed.elastic import events as torch_events
 from torch.distributed.elastic import metrics as torch_metrics
 from torch.distributed.elastic.events import Event, EventSource
 
-from elastic_trainer.metrics_agent import AgentMetrics, install_agent_hooks
+from elastic_trainer.launch.agent_metrics import AgentMetrics, install_agent_hooks
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic_trainer import metrics_bucket_trace
-from elastic_trainer.collective_trace import CollectiveTrace, TracedCollective
-from elastic_trainer.metrics_bucket_trace import TracedBucketTimer, ddp_bucket_sizes
+from elastic_trainer.metrics import bucket_trace as metrics_bucket_trace
+from elastic_trainer.metrics.bucket_trace import TracedBucketTimer, ddp_bucket_sizes
+from elastic_trainer.metrics.collective_trace import CollectiveTrace, TracedCollective
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -170,13 +170,13 @@ def test_an_unreadable_recorder_stops_the_timing_not_the_training(
 
 OBSERVED_RUN = """
 import json, os, pickle
-from elastic_trainer.collective_trace import CollectiveTrace, _default_dump, trace_environment
+from elastic_trainer.metrics.collective_trace import CollectiveTrace, _default_dump, trace_environment
 trace_environment(os.environ, entries=1024)
 import torch, torch.distributed as dist
 from prometheus_client import CollectorRegistry
-from elastic_trainer.metrics import PrometheusObserver, WorkerLabels
-from elastic_trainer.metrics_bucket_trace import TracedBucketTimer
-from elastic_trainer.process_exit import exit_process
+from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
+from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
+from elastic_trainer.runtime.process_exit import exit_process
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 def with_durations():  # what NCCL's watchdog adds (gloo never times its entries)

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
-from elastic_trainer.metrics import PrometheusObserver, WorkerLabels
-from elastic_trainer.metrics_comm_hook import (
+from elastic_trainer.metrics.allreduce_hook import (
     AllreduceTimer,
     BucketTiming,
     _PendingCuda,
     exposed_wait_s,
 )
+from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,8 +109,8 @@ def test_the_average_is_a_division_on_gloo_and_in_the_collective_on_nccl(gloo_wo
 
 AVERAGING_RANK = """
 import copy, sys, torch, torch.distributed as dist
-from elastic_trainer.metrics_comm_hook import AllreduceTimer, timed_allreduce_hook
-from elastic_trainer.process_exit import exit_process
+from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
+from elastic_trainer.runtime.process_exit import exit_process
 rank, store, average = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 torch.manual_seed(0)
@@ -164,7 +164,7 @@ def test_callback_threads_keep_one_python_thread_state() -> None:
     rank 1) when its callback is attached: the callback cannot run inline."""
     import threading
 
-    from elastic_trainer import metrics_comm_hook
+    from elastic_trainer.metrics import allreduce_hook as metrics_comm_hook
 
     rank0, rank1 = _gloo_pair()
     timer = AllreduceTimer()

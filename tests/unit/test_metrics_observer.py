@@ -8,10 +8,15 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry
 
-from elastic_trainer import metrics as metrics_mod
-from elastic_trainer.metrics import MetricsError, PrometheusObserver, WorkerLabels, worker_observer
-from elastic_trainer.metrics_comm_hook import AllreduceTimer, _PendingCuda
-from elastic_trainer.observer import TrainingObserver
+from elastic_trainer.metrics import worker as metrics_mod
+from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, _PendingCuda
+from elastic_trainer.metrics.worker import (
+    MetricsError,
+    PrometheusObserver,
+    WorkerLabels,
+    worker_observer,
+)
+from elastic_trainer.runtime.observer import TrainingObserver
 from tests.unit.test_metrics_comm_hook import FakeEvent
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Progress from metric samples (elastic_trainer.progress) and its etcd records (progress_publisher)."""
+"""Progress from metric samples (elastic_trainer.metrics.progress) and its etcd records (progress_publisher)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_trainer.progress import (
+from elastic_trainer.launch.progress_publisher import (
+    ErrorRecord,
+    ProgressKeys,
+    ProgressRecord,
+    one_line,
+)
+from elastic_trainer.metrics.progress import (
     RateWindow,
     Snapshot,
     eta_seconds,
@@ -18,7 +24,6 @@ from elastic_trainer.progress import (
     samples_of,
     slowest_rank,
 )
-from elastic_trainer.progress_publisher import ErrorRecord, ProgressKeys, ProgressRecord, one_line
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.elastic import metrics as torch_metrics
 
-from elastic_trainer.metrics_server import (
+from elastic_trainer.launch.node_metrics import (
     LauncherMetricsConfig,
     LiveMultiProcessCollector,
     MetricsError,
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(60)
 # A worker process in miniature: the real observer in multiprocess mode, then exit.
 WORKER = """
 import sys
-from elastic_trainer.metrics import worker_observer
+from elastic_trainer.metrics.worker import worker_observer
 obs = worker_observer()
 obs.on_start(world_size=2, restart_count=int(sys.argv[1]), total_steps=100)
 obs.on_step(step=1, duration_s=0.1, data_wait_s=0.0, samples=8, tokens=0, loss=0.5, lr=0.1)
@@ -140,7 +140,7 @@ def test_pid_alive() -> None:
 
 
 def test_serve_node_metrics_serves_workers_and_agent(tmp_path: Path) -> None:
-    from elastic_trainer.metrics_agent import AgentMetrics
+    from elastic_trainer.launch.agent_metrics import AgentMetrics
 
     run_worker(tmp_path, rank=0)
     agent = AgentMetrics(run_id="job", node="host-a")
@@ -254,7 +254,7 @@ def test_failed_start_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_worker_observer_honours_allreduce_switch(tmp_path: Path) -> None:
     code = (
-        "from elastic_trainer.metrics import worker_observer\n"
+        "from elastic_trainer.metrics.worker import worker_observer\n"
         "assert worker_observer().time_allreduce is False\n"
         "assert worker_observer() is worker_observer()\n"
     )
@@ -272,7 +272,7 @@ def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: st
     its process group exists); an unknown mode is a one-line error naming the variable."""
     code = (
         "import os\n"
-        "from elastic_trainer.metrics import worker_observer\n"
+        "from elastic_trainer.metrics.worker import worker_observer\n"
         "o = worker_observer()\n"
         "print(o.time_allreduce, o.trace_allreduce, os.environ.get('TORCH_FR_BUFFER_SIZE', '0'),\n"
         "      os.environ.get('TORCH_NCCL_ENABLE_TIMING', 'unset'))\n"
@@ -287,7 +287,7 @@ def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: st
 
 def test_worker_observer_rejects_an_unknown_allreduce_mode(tmp_path: Path) -> None:
     code = (
-        "from elastic_trainer.metrics import MetricsError, worker_observer\n"
+        "from elastic_trainer.metrics.worker import MetricsError, worker_observer\n"
         "try:\n"
         "    worker_observer()\n"
         "except MetricsError as exc:\n"

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic_trainer import distributed as d
+from elastic_trainer.runtime import distributed as d
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.sample_log import SampleLog, committed_history, read_records
+from elastic_trainer.runtime.sample_log import SampleLog, committed_history, read_records
 
 pytestmark = pytest.mark.timeout(30)
 

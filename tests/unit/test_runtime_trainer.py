@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic_trainer import checkpoint as ckpt
-from elastic_trainer import rng
-from elastic_trainer.config import TrainerConfig
-from elastic_trainer.trainer import (
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.runtime import rng
+from elastic_trainer.train.config import TrainerConfig
+from elastic_trainer.train.trainer import (
     EXIT_STOPPED,
     Trainer,
     TrainerSetupError,
@@ -148,7 +148,7 @@ def test_gradient_accumulation_matches_one_big_forward() -> None:
 def test_static_graph_with_gradient_accumulation_trains_like_a_dynamic_graph() -> None:
     """The first step accumulates under ``no_sync``; a static graph needs a synchronised first
     backward (torch asserts otherwise), which the start's priming pass provides."""
-    from elastic_trainer.config import DDPOptions
+    from elastic_trainer.train.config import DDPOptions
 
     dynamic, _ = _fit(_job(dropout=0.0), max_steps=3, micro_batch_size=3)
     static, result = _fit(_job(dropout=0.0), max_steps=3, micro_batch_size=3, ddp=DDPOptions(static_graph=True))
@@ -272,13 +272,13 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tmp_path: Pa
 
 
 def test_build_observer_defaults_to_null_and_reports_missing_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic_trainer.observer import NullObserver
+    from elastic_trainer.runtime.observer import NullObserver
 
     monkeypatch.delenv("ELASTIC_TRAINER_METRICS", raising=False)
     assert isinstance(build_observer(), NullObserver)
     monkeypatch.setenv("ELASTIC_TRAINER_METRICS", "1")
-    monkeypatch.setitem(__import__("sys").modules, "elastic_trainer.metrics", None)  # not importable
-    with pytest.raises(TrainerSetupError, match="ELASTIC_TRAINER_METRICS=1 but elastic_trainer.metrics"):
+    monkeypatch.setitem(__import__("sys").modules, "elastic_trainer.metrics.worker", None)  # not importable
+    with pytest.raises(TrainerSetupError, match="ELASTIC_TRAINER_METRICS=1 but elastic_trainer.metrics.worker"):
         build_observer()
 
 
@@ -367,8 +367,8 @@ def test_gpu_mixed_precision_syncbn_checkpoint_loads_on_cpu_and_resumes(tmp_path
     ],
 )
 def test_priming_passes_follow_ddps_bucket_rebuild(step: int, world: int, ddp: dict[str, bool], passes: int) -> None:
-    from elastic_trainer.config import DDPOptions
-    from elastic_trainer.distributed import read_env
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.train.config import DDPOptions
 
     trainer = Trainer(TrainerConfig(global_batch_size=8, ddp=DDPOptions(**ddp)), _job(),
                       env=read_env(environ={"RANK": "0", "WORLD_SIZE": str(world)}, cuda_devices=0))

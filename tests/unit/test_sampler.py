@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from elastic_trainer.sampler import ElasticSampler, MicroBatchSampler, split_evenly
+from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatchSampler, split_evenly
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_trainer.node_name import node_name, short_host
-from elastic_trainer.progress_publisher import ErrorRecord, ProgressRecord
-from elastic_trainer.status import describe_lease_state, describe_progress, render_status
+from elastic_trainer.launch.progress_publisher import ErrorRecord, ProgressRecord
+from elastic_trainer.metrics.node_name import node_name, short_host
+from elastic_trainer.ops.status import describe_lease_state, describe_progress, render_status
 from rendezvous.etcd_backend import DEFAULT_KEY_PREFIX
 from rendezvous.lease_handler import COMPLETE, NodeInfo, RoundState, RunKeys, Snapshot
 

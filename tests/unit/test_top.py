@@ -9,8 +9,8 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_trainer import top
-from elastic_trainer.progress import samples_of
+from elastic_trainer.metrics.progress import samples_of
+from elastic_trainer.ops import top
 from tests.unit.test_metrics_progress import node_text, two_ranks
 
 pytestmark = pytest.mark.timeout(60)

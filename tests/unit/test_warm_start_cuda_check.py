@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from elastic_trainer.warm_start import CUDA_ERROR_NOT_INITIALIZED, cuda_driver_initialized
+from elastic_trainer.launch.warm_start import CUDA_ERROR_NOT_INITIALIZED, cuda_driver_initialized
 
 REPO = Path(__file__).resolve().parents[2]
 LIBC = "7f0000000000-7f0000001000 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
@@ -52,7 +52,7 @@ def test_no_cuda_driver_mapped_is_safe_to_fork() -> None:
 
 
 def test_a_fresh_process_here_has_no_initialised_driver() -> None:
-    probe = "from elastic_trainer.warm_start import cuda_driver_initialized as f; print(f())"
+    probe = "from elastic_trainer.launch.warm_start import cuda_driver_initialized as f; print(f())"
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
 

@@ -60,6 +60,6 @@ if __name__ == "__main__":
     # the agent then counts this finished worker as failed and restarts the whole group once
     # more -- an extra rendezvous round after the job had already finished. Every file this
     # script writes is closed by now.
-    from elastic_trainer.process_exit import exit_process
+    from elastic_trainer.runtime.process_exit import exit_process
 
     exit_process(0)

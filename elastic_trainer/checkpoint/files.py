@@ -1,0 +1,584 @@
+"""Checkpoint files: atomic writes, a sha256 manifest, safe loading, fallback, async writing.
+
+Layout of a checkpoint directory (shared by all nodes; only rank 0 writes)::
+
+    ckpt-000000000100.pt     torch.save of a plain dict; torch.load(path, weights_only=True)
+                             gives {"model": <state_dict>, "optimizer": ..., "step": 100, ...}
+    ckpt-000000000100.json   manifest: sha256 and size of the .pt, step, epoch, world size and
+                             the job fingerprint
+
+Both files are written to a hidden temporary file in the same directory, fsynced and renamed into
+place, and then the directory is fsynced, so a crash or a full disk at any point leaves either the
+complete new checkpoint or none, and never touches the previous ones. A checkpoint counts only
+when its manifest exists and the .pt matches its sha256; a newer one that does not is skipped with
+a warning that names it (and is renamed ``*.corrupt`` so it can never be pruned in place of a good
+one). Loading is always ``weights_only=True``; there is no unsafe fallback.
+
+Writers: rank 0 writes the periodic and final checkpoints; any surviving rank may write a
+*just-in-time* checkpoint of the last completed step when the group fails
+(:mod:`elastic_trainer.checkpoint.jit`; its manifest says ``"jit": true``). Two processes never write
+the same step: a writer first creates ``.ckpt-<step>.claim`` with ``O_CREAT | O_EXCL`` (atomic on
+local file systems and on NFSv3+), writes, and removes the claim; a process that cannot create
+the claim leaves the step to its holder. Rank 0 removes claims left by killed writers when the
+group (re)starts, when no writer of the previous group is left.
+
+This module does file work only; the trainer decides when rank 0 writes and synchronises ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_trainer.runtime.failures import DeterministicError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "elastic-trainer/1"
+_NAME_RE = re.compile(r"^ckpt-(\d{12})\.(pt|json)$")
+_TMP_RE = re.compile(r"^\.ckpt-\d{12}\.(pt|json)\.tmp-\d+$")
+_CLAIM_RE = re.compile(r"^\.ckpt-\d{12}\.claim$")
+_CHUNK = 8 << 20
+
+
+class CheckpointError(DeterministicError):
+    """A checkpoint could not be used or written; the message says which file and why."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint directory belongs to another job (other model, dataset or seed)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed; the previous checkpoints are untouched."""
+
+
+def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """Path of the ``.pt`` file of ``step``."""
+    return Path(directory) / f"ckpt-{step:012d}.pt"
+
+
+def manifest_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """Path of the manifest of ``step``."""
+    return Path(directory) / f"ckpt-{step:012d}.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What the ``.json`` next to each checkpoint records."""
+
+    format: str
+    file: str
+    step: int
+    epoch: int
+    world_size: int
+    sha256: str
+    nbytes: int
+    fingerprint: str
+    fingerprint_fields: dict[str, Any]
+    created_unix: float
+    jit: bool = False
+    """Written just in time by a surviving rank after a failure (absent in older manifests)."""
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not an {FORMAT} manifest")
+        # Fields with defaults may be missing (manifests written before they existed); a missing
+        # required field is a TypeError, reported as a corrupt manifest by verify().
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A complete, verified checkpoint on disk."""
+
+    path: Path
+    manifest: Manifest
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+
+# -- fingerprints ----------------------------------------------------------------------------------
+def model_signature(state_dict: Mapping[str, Any]) -> list[list[Any]]:
+    """``[name, shape, dtype]`` of every tensor of a state_dict: the model's identity."""
+    return [
+        [name, list(value.shape), str(value.dtype).removeprefix("torch.")]
+        for name, value in state_dict.items()
+        if isinstance(value, torch.Tensor)
+    ]
+
+
+def job_fingerprint(fields: Mapping[str, Any]) -> str:
+    """sha256 of the JSON of ``fields`` (keys sorted): equal jobs, equal fingerprints."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def check_fingerprint(info: CheckpointInfo, expected: Mapping[str, Any]) -> None:
+    """Raise :class:`CheckpointMismatchError` unless ``info`` was written by the same job.
+
+    The message names the first field that differs (for the model: the first tensor).
+    """
+    if info.manifest.fingerprint == job_fingerprint(expected):
+        return
+    saved = info.manifest.fingerprint_fields
+    for key in sorted(set(saved) | set(expected)):
+        if saved.get(key) == expected.get(key):
+            continue
+        if key == "model":
+            detail = _first_model_difference(saved.get(key) or [], expected.get(key) or [])
+        else:
+            detail = f"{key} is {expected.get(key)!r} here but {saved.get(key)!r} in the checkpoint"
+        break
+    else:
+        detail = "fingerprint differs"
+    raise CheckpointMismatchError(
+        f"checkpoint {info.path} belongs to a different job ({detail}); use another --checkpoint-dir "
+        "or remove it. Nothing was overwritten."
+    )
+
+
+def _first_model_difference(saved: list[list[Any]], here: list[list[Any]]) -> str:
+    def describe(shape: list[int], dtype: str) -> str:
+        return f"{dtype}{list(shape)}"
+
+    saved_by_name = {entry[0]: describe(*entry[1:]) for entry in saved}
+    here_by_name = {entry[0]: describe(*entry[1:]) for entry in here}
+    for name, spec in here_by_name.items():
+        if name not in saved_by_name:
+            return f"model tensor {name!r} is not in the checkpoint"
+        if saved_by_name[name] != spec:
+            return f"model tensor {name!r} is {spec} here but {saved_by_name[name]} in the checkpoint"
+    for name in saved_by_name:
+        if name not in here_by_name:
+            return f"the checkpoint has model tensor {name!r} that this model lacks"
+    return "model differs"
+
+
+# -- atomic writes ---------------------------------------------------------------------------------
+class _HashingWriter:
+    """File wrapper that hashes and counts what passes through (torch.save streams into it)."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self.sha256 = hashlib.sha256()
+        self.nbytes = 0
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.nbytes += len(data)
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            # torch.save turns this into a RuntimeError; keep it so the caller can report errno.
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make renames inside ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(target: Path, write: Callable[[Any], None]) -> _HashingWriter:
+    """Write ``target`` through a temp file in its directory: fsync, then rename over it.
+
+    On any error the temp file is removed and ``target`` (if it existed) is untouched.
+    """
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    writer: _HashingWriter | None = None
+    try:
+        with open(tmp, "wb") as file:
+            writer = _HashingWriter(file)
+            write(writer)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, target)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if writer is not None and writer.error is not None and exc is not writer.error:
+            raise writer.error from exc
+        raise
+    return writer
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    payload: Mapping[str, Any],
+    *,
+    step: int,
+    epoch: int,
+    world_size: int,
+    fingerprint_fields: Mapping[str, Any],
+    keep_last: int | None,
+    jit: bool = False,
+) -> CheckpointInfo:
+    """Write ``payload`` as the checkpoint of ``step``, then prune all but the ``keep_last`` newest.
+
+    ``keep_last=None`` prunes nothing (just-in-time writers leave pruning to rank 0, so that two
+    writers never delete each other's files); ``jit`` is recorded in the manifest.
+
+    Raises:
+        CheckpointWriteError: the write failed (full disk, permissions, ...). Earlier checkpoints
+            are untouched and nothing was pruned.
+    """
+    directory = Path(directory)
+    pt, js = checkpoint_path(directory, step), manifest_path(directory, step)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        writer = _write_atomically(pt, lambda f: torch.save(dict(payload), f))
+        fields = dict(fingerprint_fields)
+        manifest = Manifest(
+            format=FORMAT,
+            file=pt.name,
+            step=step,
+            epoch=epoch,
+            world_size=world_size,
+            sha256=writer.sha256.hexdigest(),
+            nbytes=writer.nbytes,
+            fingerprint=job_fingerprint(fields),
+            fingerprint_fields=fields,
+            created_unix=time.time(),
+            jit=jit,
+        )
+        text = json.dumps(asdict(manifest), indent=1, sort_keys=True).encode()
+        _write_atomically(js, lambda f: f.write(text))
+        fsync_directory(directory)
+    except Exception as exc:
+        # A half-renamed pair (.pt without manifest) is ignored by readers and pruned as leftovers.
+        if isinstance(exc, OSError):
+            reason = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or str(exc))
+            reason = f"{reason} (errno {exc.errno})"
+        else:
+            reason = f"{exc.__class__.__name__}: {exc}"
+        previous = latest_name(directory, before=step)
+        kept = f"the previous checkpoint {previous} is untouched" if previous else "no earlier checkpoint exists"
+        raise CheckpointWriteError(
+            f"could not write the checkpoint of step {step} to {directory}: {reason}; {kept}"
+        ) from exc
+    if keep_last is not None:
+        prune(directory, keep_last)
+    log.info("%scheckpoint of step %d written to %s (%.1f MB)", "just-in-time " if jit else "", step, pt,
+             manifest.nbytes / 1e6)
+    return CheckpointInfo(path=pt, manifest=manifest)
+
+
+def _steps(directory: Path) -> dict[int, set[str]]:
+    found: dict[int, set[str]] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            match = _NAME_RE.match(entry.name)
+            if match:
+                found.setdefault(int(match.group(1)), set()).add(match.group(2))
+    return found
+
+
+def latest_name(directory: Path, *, before: int | None = None) -> str | None:
+    """Name of the newest complete-looking checkpoint (``.pt`` and manifest), unverified."""
+    complete = [s for s, kinds in _steps(directory).items() if kinds == {"pt", "json"}]
+    if before is not None:
+        complete = [s for s in complete if s < before]
+    return checkpoint_path(directory, max(complete)).name if complete else None
+
+
+def prune(directory: Path, keep_last: int) -> None:
+    """Delete all but the ``keep_last`` newest complete checkpoints (manifest first, then the
+    .pt), and incomplete leftovers older than the oldest one kept."""
+    found = _steps(directory)
+    complete = sorted((s for s, kinds in found.items() if kinds == {"pt", "json"}), reverse=True)
+    if not complete:
+        return
+    kept = complete[:keep_last]
+    for step in found:
+        if step < kept[-1] or (step not in kept and step < kept[0] and found[step] != {"pt", "json"}):
+            for path in (manifest_path(directory, step), checkpoint_path(directory, step)):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+
+def remove_stale_temp_files(directory: str | os.PathLike[str]) -> None:
+    """Delete temp files left by writers that were killed mid-write."""
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            if _TMP_RE.match(entry.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
+# -- one writer per step ---------------------------------------------------------------------------
+def claim_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """Path of the claim file a writer of ``step`` holds while it writes."""
+    return Path(directory) / f".ckpt-{step:012d}.claim"
+
+
+@dataclass(frozen=True, slots=True)
+class StepClaim:
+    """The right to write one step's checkpoint, held by this process until :meth:`release`."""
+
+    path: Path
+    step: int
+
+    def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def claim_owner() -> dict[str, Any]:
+    """What a claim file records about its holder."""
+    return {"host": os.uname().nodename, "pid": os.getpid(), "created_unix": time.time()}
+
+
+def try_claim(directory: str | os.PathLike[str], step: int, **details: Any) -> StepClaim | None:
+    """Create the claim of ``step`` atomically (``O_CREAT | O_EXCL``); ``None`` if someone holds it.
+
+    ``details`` (plain data, e.g. the rank) are recorded beside host and pid for people reading
+    the directory.
+
+    Raises:
+        OSError: the directory cannot be written (other than the claim existing).
+    """
+    path = claim_path(directory, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return None
+    try:
+        os.write(fd, json.dumps({**claim_owner(), **details}, sort_keys=True).encode())
+    finally:
+        os.close(fd)
+    return StepClaim(path=path, step=step)
+
+
+def read_claim(directory: str | os.PathLike[str], step: int) -> dict[str, Any] | None:
+    """The holder of ``step``'s claim as recorded in the file, or ``None`` (no claim, or unreadable:
+    the holder may be between creating and writing it)."""
+    try:
+        data = json.loads(claim_path(directory, step).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def held_by_this_process(holder: Mapping[str, Any] | None) -> bool:
+    return holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == os.uname().nodename
+
+
+def remove_stale_claims(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete every claim file (rank 0 at start-up: writers of the previous group are gone)."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            if _CLAIM_RE.match(entry.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    if removed:
+        log.info("removed claims left by interrupted checkpoint writers: %s", ", ".join(p.name for p in removed))
+    return removed
+
+
+def newest_step(directory: str | os.PathLike[str]) -> int | None:
+    """Step of the newest checkpoint that has both files (unverified), ``None`` if there is none."""
+    steps = iter_checkpoints(directory)
+    return max(steps) if steps else None
+
+
+# -- finding and loading ---------------------------------------------------------------------------
+def _sha256_of(path: Path) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def verify(directory: Path, step: int) -> CheckpointInfo:
+    """Check the checkpoint of ``step`` against its manifest.
+
+    Raises:
+        CheckpointError: manifest missing or unreadable, file missing, size or sha256 mismatch.
+    """
+    pt, js = checkpoint_path(directory, step), manifest_path(directory, step)
+    try:
+        manifest = Manifest.from_json(js.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {pt} has no manifest {js.name} (write interrupted)") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint manifest {js} is corrupt ({exc})") from exc
+    if manifest.step != step or manifest.file != pt.name:
+        raise CheckpointError(f"checkpoint manifest {js} describes {manifest.file}, not {pt.name}")
+    try:
+        digest, size = _sha256_of(pt)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {pt} is missing (its manifest {js.name} exists)") from None
+    if size != manifest.nbytes:
+        raise CheckpointError(f"checkpoint {pt} is truncated or corrupt: {size} bytes, manifest says {manifest.nbytes}")
+    if digest != manifest.sha256:
+        raise CheckpointError(f"checkpoint {pt} is corrupt: sha256 {digest[:16]}... does not match its manifest")
+    return CheckpointInfo(path=pt, manifest=manifest)
+
+
+def find_latest(directory: str | os.PathLike[str]) -> CheckpointInfo | None:
+    """The newest checkpoint that verifies, or ``None``.
+
+    Every newer checkpoint that fails verification is logged as a warning naming the file.
+    """
+    directory = Path(directory)
+    for step in sorted(_steps(directory), reverse=True):
+        try:
+            return verify(directory, step)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s; falling back to the previous one", exc)
+    return None
+
+
+def quarantine_newer_than(directory: str | os.PathLike[str], step: int | None) -> list[Path]:
+    """Rename every checkpoint file newer than ``step`` (all if ``None``) to ``*.corrupt``.
+
+    Called by rank 0 once it resumes from ``step``: the newer files failed verification, and
+    leaving them under their names would let pruning delete good checkpoints in their favour.
+    """
+    directory = Path(directory)
+    moved = []
+    for newer in sorted(_steps(directory)):
+        if step is not None and newer <= step:
+            continue
+        for path in (checkpoint_path(directory, newer), manifest_path(directory, newer)):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(path, path.with_name(path.name + ".corrupt"))
+                moved.append(path)
+    if moved:
+        log.warning("set aside damaged checkpoint files as *.corrupt: %s", ", ".join(p.name for p in moved))
+    return moved
+
+
+def map_location_for(device: torch.device) -> Callable[[Any, str], Any]:
+    """A ``map_location`` putting tensors saved on any CUDA device onto ``device``.
+
+    ``cuda:N`` becomes ``device`` when it is a CUDA device (so rank 3 never loads onto GPU 0) and
+    CPU otherwise; CPU tensors stay on the CPU (RNG states must).
+    """
+    target = str(device)
+
+    def _map(storage: Any, location: str) -> Any:
+        if location.startswith("cuda"):
+            return torch.serialization.default_restore_location(storage, target if device.type == "cuda" else "cpu")
+        return storage
+
+    return _map
+
+
+def load_checkpoint(path: str | os.PathLike[str], device: torch.device) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)`` with the device mapping of :func:`map_location_for`.
+
+    Raises:
+        CheckpointError: the file does not load as a plain-data checkpoint of this format.
+    """
+    try:
+        state = torch.load(path, map_location=map_location_for(device), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - translated at the boundary, never retried unsafely
+        raise CheckpointError(f"checkpoint {path} does not load with weights_only=True: {exc}") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
+        raise CheckpointError(f"{path} is not an {FORMAT} checkpoint")
+    return state
+
+
+# -- async writing -----------------------------------------------------------------------------------
+def snapshot_to_cpu(obj: Any) -> Any:
+    """Deep copy of nested dicts/lists/tuples with every tensor copied to CPU memory.
+
+    The training thread calls this so that the background writer never reads tensors the next
+    optimizer step is changing.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: snapshot_to_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot_to_cpu(value) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(snapshot_to_cpu(value) for value in obj)
+    return obj
+
+
+class AsyncCheckpointWriter:
+    """Writes checkpoints on a background thread, at most one in flight.
+
+    :meth:`submit` first waits for the previous write (so a slow disk slows training down instead
+    of piling up snapshots in memory) and re-raises its error, if any.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._result: CheckpointInfo | None = None
+        self.on_written: Callable[[CheckpointInfo, float], None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, save: Callable[[], CheckpointInfo]) -> None:
+        """Run ``save`` (usually :func:`save_checkpoint` over a CPU snapshot) in the background."""
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(save,), name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self, save: Callable[[], CheckpointInfo]) -> None:
+        started = time.monotonic()
+        try:
+            self._result = save()
+            if self.on_written is not None:
+                self.on_written(self._result, time.monotonic() - started)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = exc
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Wait for the write in flight; re-raise its error. Returns the last checkpoint written.
+
+        Raises:
+            CheckpointError: the background write failed, or did not finish within ``timeout``.
+        """
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise CheckpointError(f"the background checkpoint write did not finish within {timeout:.0f} s")
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointWriteError(f"the background checkpoint write failed: {error}") from error
+        return self._result
+
+
+def iter_checkpoints(directory: str | os.PathLike[str]) -> list[int]:
+    """Steps that have a ``.pt`` and a manifest, oldest first (unverified)."""
+    return sorted(s for s, kinds in _steps(Path(directory)).items() if kinds == {"pt", "json"})

@@ -1,0 +1,4 @@
+"""``elastic-trainer doctor``: checks of the distributed set-up, run on every rank.
+
+Runs in: worker processes that ``elastic-trainer doctor`` launches (``python -m elastic_trainer.doctor``).
+"""

@@ -1,0 +1,502 @@
+"""``elastic-trainer doctor``: the DDP debugging checklist, run on every rank, reported once.
+
+Run it under torchrun exactly like a training job, on every node::
+
+    torchrun --standalone --nproc-per-node=2 -m elastic_trainer.doctor --sizes 1K..64M
+    elastic-trainer doctor --nproc-per-node=2          # the same through the elastic launcher
+
+Every rank checks the torchrun environment, the backends (NCCL's version with CUDA), GPUs per
+node, the timeout/NCCL settings, the device placement of a test model and batch; then, together,
+an allreduce of the ranks' numbers, one DDP backward whose gradients must agree everywhere,
+allreduce latency and bus bandwidth per message size (nccl-tests' formulas), and the
+compute/communication ratio of one step of the example model. The results are gathered and
+rank 0 prints one report, a PASS / WARN / FAIL line per check (``--json`` for machines). Exit
+status, on every rank: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 for
+bad arguments.
+
+Nothing waits forever: the process group is created with ``--timeout`` (every collective gives
+up after it, and a failed collective skips the remaining collective checks instead of hanging in
+them), and a watchdog ends the process after ``--deadline`` seconds whatever happens.
+
+Self-test: ``ELASTIC_TRAINER_DOCTOR_FAULT=allreduce`` (or ``grad_sync``, ``placement``,
+``hang``) makes the last rank misbehave on purpose; the report must then show that check FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.doctor.checks import (
+    FAULT_ENV,
+    TIMEOUT_ENV,
+    TORCHRUN_ENV,
+    TestModel,
+    check_allreduce,
+    check_backend,
+    check_bandwidth,
+    check_compute_comm,
+    check_devices,
+    check_env,
+    check_grad_sync,
+    check_placement,
+    check_timeouts,
+    example_model,
+    first_line,
+    host_interfaces,
+    parse_faults,
+    probe_backend,
+    usable_cpus,
+)
+from elastic_trainer.doctor.perf import DEFAULT_SIZES, barrier, parse_sizes
+from elastic_trainer.doctor.report import (
+    FAIL,
+    PASS,
+    SKIP,
+    CheckResult,
+    MergedReport,
+    RankReport,
+    merge,
+    render_json,
+    render_text,
+)
+from elastic_trainer.runtime import distributed
+
+log = logging.getLogger(__name__)
+
+PROG = "elastic-trainer doctor"
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_DEADLINE_S = 300.0
+DEFAULT_ITERS = 20
+DEFAULT_WARMUP = 5
+DEFAULT_BATCH_SIZE = 32
+MAX_ITERS = 10_000
+
+DESCRIPTION = """\
+Run the DDP debugging checklist on every rank, under torchrun, and print one report from rank 0
+with PASS / WARN / FAIL per check: torchrun environment, backends (NCCL version with CUDA), GPU
+count vs LOCAL_WORLD_SIZE, timeout and NCCL environment, device placement, allreduce correctness,
+gradient synchronisation after a DDP backward, allreduce latency and bus bandwidth per message
+size, and the compute/communication ratio of one step of the example model."""
+
+EPILOG = """\
+examples:
+  torchrun --standalone --nproc-per-node=2 -m elastic_trainer.doctor
+  torchrun --standalone --nproc-per-node=2 -m elastic_trainer.doctor --json --sizes 1K,64K --iters 3
+  elastic-trainer doctor --nproc-per-node=8 --rdzv-endpoint=etcd:2379 --run-id=doctor-1
+
+exit status: 0 all checks passed (warnings allowed), 1 a check failed, 2 bad arguments.
+self-test: ELASTIC_TRAINER_DOCTOR_FAULT=allreduce|grad_sync|placement|hang breaks the last rank on purpose.
+"""
+
+
+_QUIET_RANK_GRACE_S = 10.0
+"""How long a non-zero rank with bad arguments waits for the agent to stop it after rank 0 fails."""
+
+
+class UsageError(ValueError):
+    """A bad command line: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+@dataclass(kw_only=True, slots=True)
+class DoctorOptions:
+    """What the command line asks for, validated."""
+
+    json: bool = False
+    """Print the machine-readable report instead of the text one."""
+    sizes: list[int] = field(default_factory=lambda: parse_sizes(DEFAULT_SIZES))
+    """Allreduce message sizes in bytes for the bandwidth table."""
+    iters: int = DEFAULT_ITERS
+    """Timed iterations per measurement."""
+    warmup: int = DEFAULT_WARMUP
+    """Untimed iterations before each measurement."""
+    batch_size: int = DEFAULT_BATCH_SIZE
+    """Per-rank batch of the example model for the placement, grad-sync and ratio checks."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Collective timeout of the doctor's process group."""
+    deadline_s: float = DEFAULT_DEADLINE_S
+    """Hard limit on the whole run; the process exits with a FAIL after it."""
+    verbose: bool = False
+    """Log debug messages, including the traceback behind a check that crashed."""
+
+    def __post_init__(self) -> None:
+        if not self.sizes:
+            raise ValueError("sizes: at least one message size is needed")
+        if not 1 <= self.iters <= MAX_ITERS:
+            raise ValueError(f"iters: must be in 1..{MAX_ITERS}, got {self.iters}")
+        if not 0 <= self.warmup <= MAX_ITERS:
+            raise ValueError(f"warmup: must be in 0..{MAX_ITERS}, got {self.warmup}")
+        if not 1 <= self.batch_size <= 65_536:
+            raise ValueError(f"batch_size: must be in 1..65536, got {self.batch_size}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s: must be a positive number of seconds, got {self.timeout_s}")
+        if not self.deadline_s > self.timeout_s:
+            raise ValueError(f"deadline_s: must exceed the timeout ({self.timeout_s:g} s), got {self.deadline_s:g}")
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return parse_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print a machine-readable JSON report")
+    parser.add_argument("--sizes", type=_sizes, default=None, metavar="MIN..MAX[:F] | S1,S2,...",
+                        help=f"allreduce message sizes: a range that multiplies by F (default 2) or a list; "
+                             f"units K, M, G (binary) (default {DEFAULT_SIZES})")
+    parser.add_argument("--iters", type=int, default=DEFAULT_ITERS, metavar="N",
+                        help=f"timed iterations per measurement (default {DEFAULT_ITERS})")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, metavar="N",
+                        help=f"untimed iterations before each measurement (default {DEFAULT_WARMUP})")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
+                        help=f"per-rank batch of the example model (default {DEFAULT_BATCH_SIZE})")
+    parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help=f"collective timeout of the doctor's process group (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--deadline", type=_positive_float, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
+                        help=f"hard limit on the whole run (default {DEFAULT_DEADLINE_S:g})")
+    parser.add_argument("--verbose", action="store_true",
+                        help="log debug messages, with the traceback behind a check that crashed")
+    return parser
+
+
+_FLAGS = {"sizes": "--sizes", "iters": "--iters", "warmup": "--warmup", "batch_size": "--batch-size",
+          "timeout_s": "--timeout", "deadline_s": "--deadline"}
+"""The flag behind each :class:`DoctorOptions` field, for error messages."""
+
+
+def parse_args(argv: Sequence[str]) -> DoctorOptions:
+    """Parse and validate the command line.
+
+    Raises:
+        UsageError: an unknown option or a bad value (one line, naming it).
+        SystemExit: ``--help`` (status 0).
+    """
+    args = build_parser().parse_args(list(argv))
+    try:
+        return DoctorOptions(json=args.json, sizes=args.sizes or parse_sizes(DEFAULT_SIZES), iters=args.iters,
+                             warmup=args.warmup, batch_size=args.batch_size, timeout_s=args.timeout,
+                             deadline_s=args.deadline, verbose=args.verbose)
+    except ValueError as exc:
+        name, _, message = str(exc).partition(": ")
+        raise UsageError(f"{_FLAGS.get(name, name)}: {message}") from None
+
+
+def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:
+    try:
+        return int(environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+class Watchdog:
+    """Ends the process after ``deadline_s``, whatever it is stuck in: a hung peer, a driver
+    call, a collective whose timeout did not fire. Calls ``on_expiry`` first (to print)."""
+
+    def __init__(self, deadline_s: float, on_expiry: Callable[[], None]) -> None:
+        self._deadline_s = deadline_s
+        self._on_expiry = on_expiry
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="doctor-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        if self._done.wait(self._deadline_s):
+            return
+        try:
+            self._on_expiry()
+        finally:
+            os._exit(1)
+
+
+class Doctor:
+    """Runs every check on this rank, in order, keeping the ranks in step for collectives."""
+
+    def __init__(self, options: DoctorOptions, environ: Mapping[str, str], faults: frozenset[str]) -> None:
+        self.options = options
+        self.environ = dict(environ)  # the user's environment, before we touch os.environ
+        self.faults = faults
+        self.results: list[CheckResult] = []
+        self.current = "startup"
+        self.rank = _int_or_none(environ, "RANK")
+        self.world_size = _int_or_none(environ, "WORLD_SIZE") or 1
+        self.env: distributed.DistEnv | None = None
+        self.group_ready = False
+        self.group_problem = "the process group was not created"
+        self.printed = False
+        self.lock = threading.Lock()
+        self.facts: dict[str, object] = {}
+
+    # -- helpers --
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.env.device if self.env else None
+
+    def faulty(self, name: str) -> bool:
+        """Whether fault ``name`` is injected on this rank (always the last rank)."""
+        rank = self.env.rank if self.env else self.rank
+        return name in self.faults and rank == self.world_size - 1
+
+    def record(self, result: CheckResult) -> None:
+        with self.lock:
+            self.results.append(result)
+
+    def local(self, name: str, fn: Callable[[], CheckResult]) -> None:
+        self.current = name
+        try:
+            self.record(fn())
+        except Exception as exc:  # noqa: BLE001 - a check's crash is that check's FAIL
+            log.debug("check %s crashed", name, exc_info=True)
+            self.record(CheckResult(name=name, status=FAIL, detail=f"the check crashed: {first_line(exc)}"))
+
+    def collective(self, name: str, fn: Callable[[], CheckResult]) -> None:
+        """Run a check that communicates; after a failure, skip the rest (they could only hang)."""
+        self.current = name
+        if not self.group_ready:
+            self.record(CheckResult(name=name, status=SKIP, detail=f"not run: {self.group_problem}"))
+            return
+        try:
+            self.record(fn())
+        except Exception as exc:  # noqa: BLE001 - a failed collective is this check's FAIL
+            log.debug("check %s failed", name, exc_info=True)
+            hint = ""
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                hint = f" (a peer did not take part within --timeout={self.options.timeout_s:g}s: hung, dead or slow)"
+            self.record(CheckResult(name=name, status=FAIL, detail=f"{first_line(exc)}{hint}"))
+            self.group_ready = False
+            self.group_problem = f"the process group failed in the {name} check"
+
+    # -- the run --
+
+    def run(self) -> None:
+        probe = probe_backend()
+        cuda_devices = torch.cuda.device_count() if probe.cuda else 0
+        self.facts = {
+            "env": {name: self.environ.get(name) for name in (*TORCHRUN_ENV, "GROUP_WORLD_SIZE")},
+            "timeouts_env": {name: self.environ.get(name) for name in TIMEOUT_ENV},
+            "torch_version": torch.__version__,
+            "nccl_version": probe.nccl_version,
+            "backend": "nccl" if cuda_devices else "gloo",
+            "faults": sorted(self.faults),
+        }
+        self.local("env", lambda: check_env(self.environ))
+        self.local("backend", lambda: check_backend(probe))
+        self.local("devices", lambda: check_devices(
+            cuda_devices=cuda_devices, local_world_size=_int_or_none(self.environ, "LOCAL_WORLD_SIZE"),
+            local_rank=_int_or_none(self.environ, "LOCAL_RANK"), cpu_count=usable_cpus(),
+            cuda_visible=self.environ.get("CUDA_VISIBLE_DEVICES")))
+        self.local("timeouts", lambda: check_timeouts(self.environ, interfaces=host_interfaces()))
+        self.current = "process_group"
+        self.init_group()
+        model = example_model()
+        if self.device is None:
+            self.record(CheckResult(name="placement", status=SKIP, detail="not run: no device (see env/devices)"))
+        else:
+            self.local("placement", lambda: self.placement(model))
+        rank = self.env.rank if self.env else 0
+        device = self.device or torch.device("cpu")
+        self.collective("allreduce", lambda: check_allreduce(
+            rank=rank, world_size=self.world_size, device=device,
+            corrupt=self.faulty("allreduce"), hang=self.faulty("hang")))
+        self.collective("grad_sync", lambda: check_grad_sync(
+            rank=rank, world_size=self.world_size, device=device, model=model,
+            batch_size=self.options.batch_size, corrupt=self.faulty("grad_sync")))
+        self.collective("bandwidth", lambda: check_bandwidth(
+            sizes=self.options.sizes, iters=self.options.iters, warmup=self.options.warmup,
+            device=device, world_size=self.world_size))
+        self.collective("compute_comm", lambda: check_compute_comm(
+            model=model, batch_size=self.options.batch_size, iters=self.options.iters,
+            warmup=self.options.warmup, device=device, world_size=self.world_size, rank=rank))
+        self.current = "gather"
+
+    def init_group(self) -> None:
+        try:
+            env = distributed.read_env(environ=self.environ)
+        except ValueError as exc:
+            self.group_problem = f"cannot join the process group: {exc}"
+            self.record(CheckResult(name="process_group", status=SKIP, detail=f"not run: {exc}"))
+            return
+        self.env = env
+        self.world_size = env.world_size
+        if env.device.type == "cuda":
+            # The doctor wants collective errors raised where it can report them, not a process
+            # torn down (1) or a hang (0): CleanUpOnly aborts the communicator and lets the
+            # caller see the failure. Only this process's group; the timeouts check read the
+            # user's own value before this line.
+            os.environ[distributed.NCCL_ASYNC_ERROR_HANDLING] = "2"
+        began = time.monotonic()
+        try:
+            distributed.init_process_group(env, pg_timeout_s=self.options.timeout_s)
+            if env.launched:
+                barrier(env.device)  # every rank is in: the group works, not only this end of it
+        except Exception as exc:  # noqa: BLE001 - reported as this check's FAIL
+            self.group_problem = "the process group could not be created"
+            self.record(CheckResult(name="process_group", status=FAIL, detail=(
+                f"{env.backend} with timeout {self.options.timeout_s:g} s: {first_line(exc)}")))
+            return
+        self.group_ready = True
+        how = "torchrun's store" if env.launched else "a single in-process store (not launched by torchrun)"
+        self.record(CheckResult(name="process_group", status=PASS, data={"backend": env.backend}, detail=(
+            f"{env.backend}, {env.world_size} rank(s) via {how}, collective timeout {self.options.timeout_s:g} s, "
+            f"ready in {time.monotonic() - began:.2f} s")))
+
+    def placement(self, model: TestModel) -> CheckResult:
+        if self.env is None:
+            raise RuntimeError("placement check run before the environment check")
+        device = self.env.device
+        torch.manual_seed(0)
+        module = model.build().to(device).train()
+        batch_device = torch.device("meta") if self.faulty("placement") else device
+        inputs, target = model.batch(self.options.batch_size, seed=self.env.rank, device=device)
+        return check_placement(module, inputs.to(batch_device), target.to(batch_device), device)
+
+    def rank_report(self, *, pending: str | None = None) -> RankReport:
+        with self.lock:
+            results = list(self.results)
+        if pending:
+            results.append(CheckResult(name=pending, status=FAIL, detail=(
+                f"did not finish within --deadline={self.options.deadline_s:g}s (the doctor was stopped)")))
+        return RankReport(
+            rank=self.env.rank if self.env else (self.rank if self.rank is not None else -1),
+            host=socket.gethostname(),
+            device=str(self.device) if self.device else "?",
+            facts=dict(self.facts),
+            results=results,
+        )
+
+
+def _gather(doctor: Doctor) -> tuple[list[RankReport], str | None]:
+    """Every rank's report on every rank; only this rank's, with the reason, when impossible."""
+    own = doctor.rank_report()
+    if not doctor.group_ready:
+        return [own], f"the other ranks' results could not be gathered ({doctor.group_problem})"
+    gathered: list[object] = [None] * doctor.world_size
+    try:
+        dist.all_gather_object(gathered, own)
+    except Exception as exc:  # noqa: BLE001 - fall back to this rank's own results
+        return [own], f"the other ranks' results could not be gathered: {first_line(exc)}"
+    return [r for r in gathered if isinstance(r, RankReport)], None
+
+
+def _leave_together(doctor: Doctor) -> None:
+    """A last barrier, so that no rank tears its connections down while a peer still reads from
+    them (gloo aborts a process whose peer vanished mid-transfer). The report is out already:
+    a failure here is only logged."""
+    try:
+        barrier(doctor.device or torch.device("cpu"))
+    except Exception as exc:  # noqa: BLE001 - nothing left to report it in
+        log.warning("final barrier failed: %s", first_line(exc))
+
+
+def _reporter(doctor: Doctor) -> bool:
+    """Rank 0 reports; so does a rank that could not even tell where it belongs (no rank 0
+    report can include it)."""
+    return doctor.env is None or doctor.env.rank == 0
+
+
+def _emit(doctor: Doctor, report: MergedReport, *, as_json: bool) -> None:
+    """Rank 0 prints the report; another rank that could not hand its results over names its
+    failures on stderr (nobody else can)."""
+    if _reporter(doctor):
+        print(render_json(report) if as_json else render_text(report), flush=True)
+    elif report.partial:
+        for result in report.results:
+            if result.status == FAIL:
+                print(f"doctor: rank {doctor.env.rank if doctor.env else doctor.rank}: FAIL {result.name}: "
+                      f"{result.detail}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (every rank). Returns the exit status: 0 pass, 1 a check failed, 2 bad usage."""
+    environ = dict(os.environ)
+    quiet = _int_or_none(environ, "RANK") not in (None, 0)  # bad usage: say it once, on rank 0
+    try:
+        options = parse_args(sys.argv[1:] if argv is None else argv)
+        faults = parse_faults(environ.get(FAULT_ENV, ""))
+    except ValueError as exc:  # UsageError included
+        if not quiet:
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        elif "TORCHELASTIC_RUN_ID" in environ:
+            # Under an elastic agent the first rank to exit non-zero gets the others killed: give
+            # rank 0 (same arguments, same error) a bounded head start to print the one line.
+            time.sleep(_QUIET_RANK_GRACE_S)
+        return 2
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    logging.basicConfig(level=logging.DEBUG if options.verbose else logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s [rank {environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s")
+
+    doctor = Doctor(options, environ, faults)
+
+    def on_expiry() -> None:
+        with doctor.lock:
+            if doctor.printed:
+                return
+            doctor.printed = True
+        print(f"{PROG}: rank {doctor.rank}: deadline of {options.deadline_s:g} s exceeded in the "
+              f"{doctor.current} check; exiting", file=sys.stderr, flush=True)
+        report = merge([doctor.rank_report(pending=doctor.current)], world_size=doctor.world_size,
+                       partial=f"stopped after --deadline={options.deadline_s:g}s in the {doctor.current} check")
+        _emit(doctor, report, as_json=options.json)
+
+    watchdog = Watchdog(options.deadline_s, on_expiry)
+    watchdog.start()
+    try:
+        doctor.run()
+        reports, partial = _gather(doctor)
+        report = merge(reports, partial=partial, world_size=doctor.world_size)
+        with doctor.lock:
+            first = not doctor.printed
+            doctor.printed = True
+        if first:
+            _emit(doctor, report, as_json=options.json)
+        if not partial:
+            _leave_together(doctor)
+        return 1 if partial else report.exit_code
+    finally:
+        distributed.destroy_process_group()
+        watchdog.stop()
+
+
+def run_main() -> None:
+    """``python -m elastic_trainer.doctor``: run, then exit without interpreter teardown (gloo
+    occasionally aborts there after a clean ``destroy_process_group``, which would turn a finished
+    report into a failed rank). Everything is flushed first."""
+    code = main()
+    from elastic_trainer.runtime.process_exit import exit_process
+
+    exit_process(code)

@@ -1,0 +1,128 @@
+"""The launcher's restart decision: heal what a restart can heal, stop at once on what it cannot.
+
+Each time torchrun's agent finds its worker group failed, :class:`FailurePolicy` reads what the
+workers recorded in torchrun's error files (:mod:`elastic_trainer.runtime.failures`) and decides:
+
+* a **deterministic** failure (bad script, configuration, checkpoint directory, full disk, exit
+  status 2) stops the job at once, without spending a restart;
+* an **error** in the user's code is given one restart; the same error (type, place, step) after
+  a restart stops the job;
+* anything else -- a peer died, a collective failed, a signal, an unexplained exit -- is
+  **transient**: the group restarts, as plain torchrun would, up to ``--max-restarts``.
+
+The root cause is the earliest failure; the launcher prints it as one line (and, for an error in
+the user's code, its traceback once). Pure: the agent hook is in
+:mod:`elastic_trainer.launch.torch_agent_compat`, the printing in the launcher.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic_trainer.runtime.failures import FailureClass, FailureReport, read_report
+
+EXIT_GRACEFUL_STOP = 128 + signal.SIGTERM
+"""A worker's status after the runtime's graceful stop (every rank stops after the same step)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """One failed worker, as the agent saw it."""
+
+    rank: int
+    exitcode: int
+    report: FailureReport | None
+    """What the worker recorded, if it recorded anything."""
+    timestamp: float
+
+    @classmethod
+    def from_process_failure(cls, rank: int, failure: Any) -> RankFailure:
+        """From torch's ``ProcessFailure`` (``exitcode``, ``error_file_data``, ``timestamp``)."""
+        report = read_report(getattr(failure, "error_file_data", None))
+        return cls(rank=rank, exitcode=int(failure.exitcode), report=report,
+                   timestamp=report.time if report is not None else float(getattr(failure, "timestamp", 0)))
+
+    @property
+    def is_consequence(self) -> bool:
+        """It recorded a transient failure: it failed because another rank did."""
+        return self.report is not None and self.report.failure_class is FailureClass.TRANSIENT
+
+    @property
+    def failure_class(self) -> FailureClass:
+        if self.report is not None:
+            return self.report.failure_class
+        if self.exitcode == 2:
+            return FailureClass.DETERMINISTIC
+        return FailureClass.TRANSIENT  # a signal, or an exit with no explanation: give it a restart
+
+    @property
+    def summary(self) -> str:
+        if self.report is not None:
+            return self.report.summary
+        if self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            return f"killed by {name}"
+        if self.exitcode == 2:
+            return "exited with status 2 (a usage error)"
+        if self.exitcode == EXIT_GRACEFUL_STOP:
+            return "stopped gracefully (this node or a peer was asked to stop: a scale-down or a new member)"
+        return f"exited with status {self.exitcode}"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What to do about one failure of the worker group."""
+
+    restart: bool
+    root_cause: RankFailure
+    reason: str
+    """One line: why the job stops or restarts."""
+
+    @property
+    def traceback(self) -> str | None:
+        """The root cause's traceback when it is an error in the user's code (printed once)."""
+        report = self.root_cause.report
+        if report is None or report.failure_class is not FailureClass.ERROR:
+            return None
+        return report.traceback or None
+
+    @property
+    def exit_code(self) -> int:
+        """The launcher's exit status when the job stops on this verdict."""
+        return 2 if self.root_cause.failure_class is FailureClass.DETERMINISTIC else 1
+
+
+@dataclass
+class FailurePolicy:
+    """Decides each failure of one agent's worker group; remembers errors across restarts."""
+
+    _seen_errors: set[str] = field(default_factory=set)
+
+    def judge(self, failures: Mapping[int, Any]) -> Verdict:
+        """Decide on the failures torch's agent reported (``{global rank: ProcessFailure}``)."""
+        # A rank that recorded a transient failure (a collective failed) is a consequence of another
+        # rank's failure: a rank killed by a signal records nothing and is the likelier cause, whatever
+        # the clock says (a failure without a record is time-stamped when the agent noticed it).
+        ranks = sorted((RankFailure.from_process_failure(rank, failure) for rank, failure in failures.items()),
+                       key=lambda f: (f.is_consequence, f.timestamp, f.rank))
+        if not ranks:
+            raise ValueError("a failed worker group with no failed worker")
+        deterministic = [f for f in ranks if f.failure_class is FailureClass.DETERMINISTIC]
+        if deterministic:
+            cause = deterministic[0]
+            return Verdict(False, cause, f"rank {cause.rank} failed: {cause.summary}; a restart cannot fix this")
+        errors = [f for f in ranks if f.failure_class is FailureClass.ERROR and f.report is not None]
+        repeated = [f for f in errors if f.report is not None and f.report.signature in self._seen_errors]
+        if repeated:
+            cause = repeated[0]
+            return Verdict(False, cause, f"rank {cause.rank} failed: {cause.summary}, again after a restart; "
+                                         "stopping instead of retrying")
+        self._seen_errors.update(f.report.signature for f in errors if f.report is not None)
+        cause = errors[0] if errors else ranks[0]
+        return Verdict(True, cause, f"rank {cause.rank} failed: {cause.summary}")

@@ -1,0 +1,163 @@
+"""Nothing outlives the launcher: a tiny process that cleans up after it, however it ends.
+
+``elastic-trainer run`` starts one janitor (``python -m elastic_trainer.launch.janitor``) before anything
+else and tells it, over the janitor's stdin, what to clean up: directories (the embedded etcd's
+data, ...) and processes (the embedded etcd; the workers, marked by an environment variable only this
+launcher's workers carry). The launcher is the only holder of that pipe's write
+end, so when the launcher ends -- normally, by an exception, or SIGKILLed, when no ``finally`` runs
+-- the janitor reads end-of-file. It then stops every registered process still alive (SIGTERM, then
+SIGKILL after :data:`GRACE_S`), also any process whose command line names a registered directory
+(an etcd started but not yet registered), and removes the directories. After a normal exit the
+launcher has already done all of this and the janitor finds nothing left.
+
+The janitor runs in its own session (a signal to the launcher's process group does not reach it)
+and ignores SIGINT/SIGTERM: its only trigger is the pipe. Stdlib only: it starts in tens of ms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO
+
+GRACE_S = 3.0
+"""Seconds a registered process gets between SIGTERM and SIGKILL."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (field 22 of /proc/PID/stat): tells a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    now = _start_time(pid)
+    return now is not None and (started is None or now == started)
+
+
+def _matching_pids(paths: Iterable[str], markers: Iterable[str]) -> list[int]:
+    """Processes whose command line mentions one of ``paths`` (e.g. ``--data-dir PATH``) or whose
+    environment holds one of ``markers`` (``KEY=VALUE``: the launcher's workers)."""
+    wanted = [p.encode() for p in paths if p]
+    entries = {m.encode() for m in markers if m}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = set((entry / "environ").read_bytes().split(b"\0")) if entries else set()
+        except OSError:
+            continue
+        if any(path in cmdline for path in wanted) or entries & environ:
+            found.append(int(entry.name))
+    return found
+
+
+def clean_up(pids: dict[int, str | None], paths: list[str], markers: Iterable[str] = (), *,
+             grace_s: float = GRACE_S, spare: Iterable[int] = ()) -> None:
+    """Stop ``pids`` (pid -> start time), any process naming ``paths`` and any process whose
+    environment holds one of ``markers`` (never those in ``spare``); then remove ``paths``."""
+    targets = {pid: started for pid, started in pids.items() if _alive(pid, started)}
+    for pid in _matching_pids(paths, markers):
+        targets.setdefault(pid, _start_time(pid))
+    for pid in spare:
+        targets.pop(pid, None)
+    for pid in targets:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p, s) for p, s in targets.items()):
+        time.sleep(0.05)
+    for pid, started in targets.items():
+        if _alive(pid, started):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def serve(commands: IO[str]) -> int:
+    """Read registrations until end-of-file, then clean up (the janitor's main)."""
+    launcher = os.getppid()
+    pids: dict[int, str | None] = {}
+    paths: list[str] = []
+    markers: list[str] = []
+    for line in commands:
+        kind, _, value = line.rstrip("\n").partition(" ")
+        if kind == "pid" and value.isdigit():
+            pids[int(value)] = _start_time(int(value))
+        elif kind == "forget-pid" and value.isdigit():
+            pids.pop(int(value), None)
+        elif kind == "path" and value:
+            paths.append(value)
+        elif kind == "forget-path":
+            with contextlib.suppress(ValueError):
+                paths.remove(value)
+        elif kind == "env" and "=" in value:
+            markers.append(value)
+    clean_up(pids, paths, markers, spare=(launcher,))
+    return 0
+
+
+class Janitor:
+    """The launcher's handle: register what must not outlive it; :meth:`close` at a normal exit."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_trainer.launch.janitor"], stdin=subprocess.PIPE, text=True,
+            start_new_session=True, stdout=subprocess.DEVNULL,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _send(self, line: str) -> None:
+        if self._proc.stdin is None or self._proc.stdin.closed:
+            return
+        with contextlib.suppress(BrokenPipeError):
+            self._proc.stdin.write(line + "\n")
+            self._proc.stdin.flush()
+
+    def remove_on_exit(self, path: str | os.PathLike[str]) -> None:
+        """Remove ``path`` (and stop processes naming it) once the launcher is gone."""
+        self._send(f"path {os.fspath(path)}")
+
+    def stop_processes_with_env(self, key: str, value: str) -> None:
+        """Stop every process whose environment has ``key=value`` (this launcher's workers)."""
+        self._send(f"env {key}={value}")
+
+    def stop_on_exit(self, pid: int) -> None:
+        """Stop process ``pid`` once the launcher is gone."""
+        self._send(f"pid {pid}")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Normal exit: the janitor cleans whatever is left and exits."""
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
+def main() -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    return serve(sys.stdin)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

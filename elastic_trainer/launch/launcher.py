@@ -1,0 +1,405 @@
+"""``elastic-trainer run``: torchrun's own launcher over ``etcd-v3``, with an embedded etcd.
+
+    elastic-trainer run --nnodes 1:2 --nproc-per-node 2 -m elastic_trainer.examples.synthetic_cnn
+
+The agent, restarts and worker management are torch's (``torch.distributed.run``); this module
+only chooses defaults, validates everything a user can get wrong before anything starts, starts
+an embedded etcd when no endpoint is given, serves the node's metrics, and always cleans up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elastic_trainer.launch.options import RunOptions, UserError
+
+if TYPE_CHECKING:
+    from elastic_trainer.launch.failure_policy import Verdict as FailurePolicyVerdict
+    from elastic_trainer.launch.janitor import Janitor
+    from elastic_trainer.launch.node_metrics import LauncherMetrics
+    from elastic_trainer.launch.progress_publisher import ProgressPublisher
+    from elastic_trainer.launch.warm_start import WarmStartServer
+    from rendezvous.settings import RendezvousSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What the workers run: a script path or a module, with its arguments."""
+
+    script: str | None
+    module: str | None
+    args: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if (self.script is None) == (self.module is None):
+            raise UserError("give exactly one of SCRIPT or -m MODULE")
+
+    def check(self) -> None:
+        """Raise :class:`UserError` if the script or module does not exist."""
+        if self.script is not None:
+            if not Path(self.script).is_file():
+                raise UserError(f"script {self.script}: no such file")
+            return
+        try:
+            found = importlib.util.find_spec(self.module or "")
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise UserError(f"module {self.module}: not found on the Python path")
+
+    def torchrun_args(self) -> list[str]:
+        head = ["-m", self.module] if self.module is not None else [self.script or ""]
+        return [*head, *self.args]
+
+
+def resolve_nproc(options: RunOptions, cuda_devices: int) -> int:
+    """Workers per node from ``--nproc-per-node`` and ``--device``.
+
+    Raises:
+        UserError: CUDA requested but absent, or more workers than visible GPUs.
+    """
+    device = options.device
+    if device == "cuda" and cuda_devices == 0:
+        raise UserError("--device cuda: no CUDA device is visible")
+    use_cuda = device == "cuda" or (device == "auto" and cuda_devices > 0)
+    if options.nproc_per_node == "auto":
+        return cuda_devices if use_cuda else 1
+    nproc = int(options.nproc_per_node)
+    if use_cuda and nproc > cuda_devices:
+        raise UserError(
+            f"--nproc-per-node {nproc}: only {cuda_devices} GPU(s) visible "
+            "(CUDA_VISIBLE_DEVICES); one worker per GPU at most"
+        )
+    return nproc
+
+
+def rdzv_conf(options: RunOptions) -> str:
+    """The ``--rdzv-conf`` string: our timeouts first, the user's keys last (they win)."""
+    ours = (
+        f"join_timeout={options.join_timeout},last_call_timeout={options.last_call_timeout},"
+        f"lease_ttl={options.lease_ttl},"
+        f"close_timeout={options.close_timeout},heartbeat_timeout={options.heartbeat_timeout},"
+        f"keep_alive_interval={options.keep_alive_interval}"
+    )
+    return ",".join(filter(None, (ours, options.rdzv_conf)))
+
+
+def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, target: Target,
+                  worker_args: Sequence[str] | None = None) -> list[str]:
+    """The torchrun command line this launch is equivalent to (``worker_args`` replaces the
+    target's own arguments when workers go through the warm-start client)."""
+    argv = [
+        f"--nnodes={options.nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={rdzv_conf(options)}",
+        f"--max-restarts={options.max_restarts}",
+        f"--monitor-interval={options.monitor_interval}",
+    ]
+    if options.log_dir:
+        argv += [f"--log-dir={options.log_dir}", "--tee=3"]
+    return argv + (list(worker_args) if worker_args is not None else target.torchrun_args())
+
+
+def rendezvous_settings(options: RunOptions, run_id: str) -> RendezvousSettings:
+    """The rendezvous settings this launch gives torchrun, parsed by the handler's own parser.
+
+    Raises:
+        UserError: an unknown key or a bad value (the handler's one-line message).
+    """
+    from rendezvous.settings import RendezvousConfigError, settings_from_conf
+
+    try:
+        return settings_from_conf(rdzv_conf(options), endpoint=options.rdzv_endpoint or "", run_id=run_id or "check")
+    except RendezvousConfigError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _check_external_etcd(settings: RendezvousSettings) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from rendezvous.etcd_client import EtcdConnection, quiet_retries
+    from rendezvous.settings import RendezvousConfigError
+
+    try:
+        connection = EtcdConnection(settings.client_config())
+    except (RendezvousConfigError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    try:
+        with quiet_retries():  # a user mistake is one line, not a line per retry
+            connection.check()
+    except RendezvousConnectionError as exc:
+        raise UserError(f"cannot use etcd: {exc}") from exc
+    finally:
+        connection.close()
+
+
+def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int:
+    """Run the job; return the process exit code.
+
+    Raises:
+        UserError: anything the user can fix, detected before workers start.
+    """
+    target.check()
+    with contextlib.ExitStack() as cleanup:
+        janitor = None
+        if not dry_run:
+            from elastic_trainer.launch.janitor import Janitor
+
+            janitor = Janitor()  # first in, last out: cleans up even after a SIGKILL of this process
+            cleanup.callback(janitor.close)
+            # Workers (cold or warm-forked) inherit this marker: none outlives this launcher either.
+            os.environ[LAUNCHER_ID_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            janitor.stop_processes_with_env(LAUNCHER_ID_ENV, os.environ[LAUNCHER_ID_ENV])
+        warm = None
+        if options.warm_start == "on" and not dry_run:
+            # First of all: the server's imports then overlap the launcher's own and the
+            # rendezvous, so even a node's first workers (a join) do not wait for them in series.
+            from elastic_trainer.launch.warm_start import DEFAULT_PRELOAD, start_server
+
+            extra = [name for name in options.warm_preload.split(",") if name]
+            warm = start_server([*DEFAULT_PRELOAD, *extra])
+            cleanup.callback(warm.close)
+        return _launch(options, target, warm, janitor, dry_run=dry_run)
+
+
+def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, janitor: Janitor | None, *,
+            dry_run: bool) -> int:
+    import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+    from torch.distributed.run import get_args_parser, run
+
+    from rendezvous.etcd_client import parse_endpoints
+    from rendezvous.plugin import ensure_registered
+
+    ensure_registered()
+    nproc = resolve_nproc(options, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if options.rdzv_endpoint is not None:
+        try:
+            parse_endpoints(options.rdzv_endpoint)
+        except ValueError as exc:
+            raise UserError(f"--rdzv-endpoint {options.rdzv_endpoint!r}: {exc}") from exc
+        if not options.run_id:
+            raise UserError(
+                "--run-id is required with --rdzv-endpoint: jobs sharing an etcd must not share an id"
+            )
+    settings = rendezvous_settings(options, options.run_id or "check")  # every key, before anything starts
+    if options.metrics_port:
+        from elastic_trainer.launch.node_metrics import MetricsError, allreduce_timing_mode
+
+        try:
+            allreduce_timing_mode()  # before etcd and the agent: a typo fails once, not per worker
+        except MetricsError as exc:
+            raise UserError(str(exc)) from exc
+    if dry_run:
+        endpoint = options.rdzv_endpoint or f"{options.etcd_host}:<free port>"
+        print("torchrun " + " ".join(torchrun_argv(options, endpoint, options.run_id or "<derived>", nproc, target)))
+        return 0
+
+    with contextlib.ExitStack() as cleanup:
+        if options.rdzv_endpoint is None:
+            from rendezvous.etcd_server import EtcdServer, EtcdServerError
+
+            data_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="elastic-trainer-etcd-"))
+            if janitor is not None:
+                janitor.remove_on_exit(data_dir)  # and stops the etcd whose --data-dir is in it
+            server = EtcdServer.single(Path(data_dir) / "data", host=options.etcd_host)
+            cleanup.callback(server.stop)
+            try:
+                server.start()
+            except EtcdServerError as exc:
+                raise UserError(f"embedded etcd: {exc}") from exc
+            if janitor is not None and server.pid is not None:
+                janitor.stop_on_exit(server.pid)
+            endpoint = server.endpoint
+            run_id = options.run_id or f"local-{uuid.uuid4().hex[:12]}"
+            log.warning("%s", join_banner(endpoint, run_id, options.etcd_host))
+        else:
+            endpoint, run_id = options.rdzv_endpoint, options.run_id or ""
+            _check_external_etcd(settings)
+
+        publisher = None
+        if options.metrics_port:
+            from elastic_trainer.launch.node_metrics import (
+                LauncherMetricsConfig,
+                MetricsError,
+                start_launcher_metrics,
+            )
+
+            try:
+                metrics = start_launcher_metrics(
+                    LauncherMetricsConfig(addr=options.metrics_addr, port=options.metrics_port, run_id=run_id)
+                )
+            except (MetricsError, OSError) as exc:
+                raise UserError(f"metrics endpoint {options.metrics_addr}:{options.metrics_port}: {exc}") from exc
+            cleanup.callback(metrics.close)
+            log.warning("node metrics on %s", metrics.url)
+            publisher = _start_progress_publisher(options, endpoint, run_id, metrics)
+            cleanup.callback(publisher.close)  # runs before metrics.close and before etcd stops
+
+        # Workers run the target through worker_entry, which records failures for the policy.
+        worker_args = [*WORKER_ENTRY, *target.torchrun_args()]
+        if warm is not None:
+            worker_args = warm.client_args(target.torchrun_args())  # falls back to worker_entry, cold
+            warm.wait_ready()  # join only once our workers can start at once (see wait_ready)
+        verdicts = _watch_failures(cleanup, publisher)
+        _claim_job_identity(cleanup, options, target)
+        args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args))
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            if not verdicts:
+                rank, failure = exc.get_first_failure()
+                log.error("job failed: worker rank %s exited with %s", rank, failure.exitcode)
+                if publisher is not None:
+                    publisher.publish_error(f"worker rank {rank} exited with {failure.exitcode}")
+                return 1
+            verdict = verdicts[-1]
+            if verdict.traceback:
+                sys.stderr.write(verdict.traceback)
+            log.error("job failed: %s", verdict.reason if not verdict.restart else
+                      f"{verdict.reason}; no restarts left (--max-restarts {options.max_restarts})")
+            return verdict.exit_code
+        except SignalException as exc:
+            log.warning("stopped by %s; workers were given their checkpoint grace", exc.sigval.name)
+            return 128 + int(exc.sigval)
+        except RendezvousClosedError:
+            # torch closes a run when any node's agent ends (the job finished, or a node gave up):
+            # a node that comes back later has nothing to join. Not a success: this node did no work.
+            log.error("run %r is closed (the job finished or a node gave up before this node could rejoin); "
+                      "nothing left to join", run_id)
+            return 1
+        except RendezvousError as exc:  # join timeout, etcd gone for longer than retry_timeout
+            log.error("rendezvous of run %r failed: %s", run_id, exc)
+            return 1
+    return 0
+
+
+def host_address() -> str | None:
+    """This host's address as other hosts see it (the first non-loopback IPv4 of its name)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        return None
+    for info in infos:
+        address = str(info[4][0])
+        if not address.startswith("127."):
+            return address
+    return None
+
+
+def join_banner(endpoint: str, run_id: str, etcd_host: str, address: str | None = None) -> str:
+    """The start-up line that tells other nodes how to join this node's embedded etcd."""
+    join = f"--rdzv-endpoint {endpoint} --run-id {run_id}"
+    if not (etcd_host.startswith("127.") or etcd_host in ("localhost", "::1")):
+        return f"embedded etcd on {endpoint} (run id {run_id}); other nodes join with: elastic-trainer run {join} ..."
+    address = address if address is not None else host_address()
+    hint = (f"; for other hosts, start this node with --etcd-host {address} and join {address}:PORT"
+            if address else "; for other hosts, start this node with --etcd-host <an address they reach>")
+    return (f"embedded etcd on {endpoint} (run id {run_id}), loopback only: nodes on this host join with "
+            f"elastic-trainer run {join} ...{hint}")
+
+
+LAUNCHER_ID_ENV = "ELASTIC_TRAINER_LAUNCHER_ID"
+"""Marks this launcher's workers (inherited environment), for the janitor."""
+WORKER_ENTRY = ("-m", "elastic_trainer.train.worker_entry")
+"""How torchrun starts a cold worker: the target under the worker entry point."""
+
+
+def _start_progress_publisher(options: RunOptions, endpoint: str, run_id: str,
+                              metrics: LauncherMetrics) -> ProgressPublisher:
+    """Publish the job's progress to etcd for ``elastic-trainer status`` (while this node hosts
+    global rank 0; see elastic_trainer.launch.progress_publisher)."""
+    from elastic_trainer.launch.progress_publisher import ProgressPublisher
+    from rendezvous.settings import RendezvousConfigError, settings_from_conf
+
+    try:
+        settings = settings_from_conf(rdzv_conf(options), endpoint=endpoint, run_id=run_id)
+        publisher = ProgressPublisher.from_settings(settings, metrics)
+    except (RendezvousConfigError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    publisher.start()
+    return publisher
+
+
+def _watch_failures(cleanup: contextlib.ExitStack, publisher: ProgressPublisher | None = None) -> list[FailurePolicyVerdict]:
+    """Install the failure policy on torchrun's agent; returns the list its verdicts go to."""
+    from elastic_trainer.launch.failure_policy import FailurePolicy
+    from elastic_trainer.launch.torch_agent_compat import on_group_failure
+
+    policy = FailurePolicy()
+    verdicts: list[FailurePolicyVerdict] = []
+
+    def decide(failures: dict[int, Any], remaining: int) -> bool:
+        if not failures:
+            return True  # unhealthy without a failed worker: torch's own handling
+        verdict = policy.judge(failures)
+        verdicts.append(verdict)
+        if publisher is not None:
+            publisher.publish_error(verdict.reason)  # one line: status shows it as the last error
+        if verdict.restart and remaining > 0:
+            log.warning("%s; restarting the worker group (%d restart(s) left)", verdict.reason, remaining - 1)
+        return verdict.restart
+
+    cleanup.callback(on_group_failure(decide))
+    return verdicts
+
+
+def _claim_job_identity(cleanup: contextlib.ExitStack, options: RunOptions, target: Target) -> None:
+    """Tell the rendezvous what this job runs (the real target, also when workers start through
+    the warm-start client): a node of another job under the same run id is refused."""
+    from rendezvous.job_identity import JobIdentity, set_job_identity
+
+    entry = target.module if target.module is not None else target.script
+    set_job_identity(JobIdentity.create(entry or "", target.args, module=target.module is not None,
+                                        nnodes=options.nnodes))
+    cleanup.callback(set_job_identity, None)
+
+
+def install_sigterm_as_exception() -> None:
+    """Make SIGTERM/SIGINT unwind the launcher (so ``finally`` blocks stop etcd) before torch
+    installs its own handlers for the agent's lifetime."""
+
+    def raise_signal(signum: int, _frame: object) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(f"launcher got signal {signum}", sigval=signal.Signals(signum))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, raise_signal)
+
+
+def split_target(words: Sequence[str], *, as_module: bool) -> Target:
+    """Build the target from argparse's remainder (first word: the script or module)."""
+    if not words:
+        raise UserError("nothing to run: give SCRIPT or -m MODULE")
+    if as_module:
+        return Target(None, words[0], tuple(words[1:]))
+    return Target(words[0], None, tuple(words[1:]))
+
+
+def default_env_for_workers() -> None:
+    """Environment defaults the workers inherit (never overriding the user's)."""
+    from elastic_trainer.runtime.failures import ENV_LAUNCHER_REPORTS
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[ENV_LAUNCHER_REPORTS] = "1"  # this launcher prints root causes: workers say one line

@@ -1,0 +1,393 @@
+"""The node's metrics endpoint, served by the launcher and alive across worker restarts.
+
+The launcher calls :func:`start_launcher_metrics` before it starts torchrun's agent:
+
+1. it creates the multiprocess directory and exports ``PROMETHEUS_MULTIPROC_DIR`` (and
+   ``ELASTIC_TRAINER_METRICS=1`` unless set) so every worker the agent starts reports there,
+   and ``ELASTIC_TRAINER_NODE``, the node's name (:mod:`elastic_trainer.metrics.node_name`), so that the
+   workers' ``node`` label is the agent's and the one ``elastic-trainer status`` shows;
+2. it routes the agent's torch elastic metrics and events into :class:`AgentMetrics`;
+3. it serves ``http://<addr>:<port>/metrics`` (default ``0.0.0.0:9400``) from a daemon thread:
+   the workers' files merged by prometheus-client's ``MultiProcessCollector``, plus the agent's
+   metrics.
+
+Dead workers are handled by the collector itself before each scrape, for every pid that no
+longer runs (the endpoint needs no notice from the agent):
+
+- its ``live*`` gauges are removed (``multiprocess.mark_process_dead``);
+- its counters, histograms and ``max``/``min``/``sum``/``mostrecent`` gauges are folded into one
+  archive file per type (``counter_archive.db``, ``gauge_max_archive.db``, ...), merged per
+  series exactly as the collector would merge them, and its files deleted. The node's counters
+  therefore never go backwards across restarts, and a scrape reads a bounded number of files
+  (otherwise every restart would add a file per worker: ~1.5 s per scrape after 800 dead
+  workers, measured).
+
+Example (what the CLI does; tests do the same around ``torch.distributed.run.main``)::
+
+    handle = start_launcher_metrics(LauncherMetricsConfig(port=9400, run_id=run_id))
+    try:
+        torch.distributed.run.main(torchrun_args)
+    finally:
+        handle.close()
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.registry import Collector
+
+from elastic_trainer.launch.agent_metrics import AgentMetrics, install_agent_hooks
+from elastic_trainer.metrics.node_name import NODE_NAME_ENV, local_node_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_ADDR = "0.0.0.0"
+"""All interfaces: Prometheus in the cluster scrapes the pod IP."""
+DEFAULT_METRICS_PORT = 9400
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+METRICS_SWITCH_ENV = "ELASTIC_TRAINER_METRICS"
+
+_PID_FILE = re.compile(r"^(counter|histogram|summary|gauge_[a-z]+)_(\d+)\.db$")
+ARCHIVE_PID = "archive"
+
+
+def _latest(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return a if a[1] >= b[1] else b
+
+
+# How the values of one series from two files combine, by file prefix: the merge
+# MultiProcessCollector applies at scrape time. (value, timestamp) pairs.
+_MERGE: dict[str, Callable[[tuple[float, float], tuple[float, float]], tuple[float, float]]] = {
+    "counter": lambda a, b: (a[0] + b[0], 0.0),
+    "histogram": lambda a, b: (a[0] + b[0], 0.0),  # per-bucket counts and _sum
+    "summary": lambda a, b: (a[0] + b[0], 0.0),
+    "gauge_sum": lambda a, b: (a[0] + b[0], 0.0),
+    "gauge_max": lambda a, b: (max(a[0], b[0]), 0.0),
+    "gauge_min": lambda a, b: (min(a[0], b[0]), 0.0),
+    "gauge_mostrecent": _latest,
+}
+
+
+class MetricsError(ValueError):
+    """A metrics setting (port, address, directory, environment) that cannot work here.
+
+    A ``ValueError`` so that entry points that print bad settings as one line handle it too.
+    """
+
+
+ALLREDUCE_TIMING_ENV = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
+"""How workers time their gradient buckets' allreduces:
+
+- ``hook`` (default; also ``1``): the allreduce timing hook, a Python comm hook. On CPU it costs
+  ~20 us of host CPU per bucket (torch's stock Python ``allreduce_hook`` ~25 us); on a GPU host
+  1.4-2.5 ms per step of a 13-bucket model (benchmarks/RESULTS.md, session 5).
+- ``trace``: no hook; NCCL's own timings, read from torch's flight recorder once about half its
+  ring is new (:mod:`elastic_trainer.metrics.bucket_trace`). CUDA models only (a CPU model keeps
+  the hook); not yet measured on a GPU.
+- ``0``: none. The allreduce metrics stay empty and step_compute equals the step time."""
+ALLREDUCE_TIMING_MODES = {"1": "hook", "true": "hook", "yes": "hook", "hook": "hook", "trace": "trace",
+                          "0": "off", "false": "off", "no": "off"}  # fmt: skip
+
+
+def allreduce_timing_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``hook``, ``trace`` or ``off``: how workers time their allreduces (:data:`ALLREDUCE_TIMING_ENV`).
+
+    Raises:
+        MetricsError: the variable holds something else.
+    """
+    raw = (os.environ if environ is None else environ).get(ALLREDUCE_TIMING_ENV, "hook")
+    mode = ALLREDUCE_TIMING_MODES.get(raw.strip().lower())
+    if mode is None:
+        raise MetricsError(f"{ALLREDUCE_TIMING_ENV}={raw!r}: expected hook, trace or 0")
+    return mode
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie, killed but not reaped, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return os.path.exists(f"/proc/{pid}") if os.path.isdir("/proc") else True
+
+
+class LiveMultiProcessCollector(Collector):
+    """``MultiProcessCollector`` that first retires the files of processes that died.
+
+    Args:
+        path: the multiprocess directory.
+        is_alive: liveness test of a pid (injectable for tests).
+    """
+
+    def __init__(self, path: str, *, is_alive: Callable[[int], bool] = pid_alive) -> None:
+        self._path = path
+        self._is_alive = is_alive
+        self._inner = MultiProcessCollector(None, path=path)
+        # Concurrent scrapes would race mark_process_dead's glob-then-remove.
+        self._lock = threading.Lock()
+
+    def reap(self) -> list[int]:
+        """Retire every dead pid's files (see the module docstring); return those pids."""
+        by_pid: dict[int, list[tuple[str, str]]] = {}
+        for filename in os.listdir(self._path):
+            match = _PID_FILE.match(filename)
+            if match:
+                by_pid.setdefault(int(match.group(2)), []).append((match.group(1), filename))
+        dead = sorted(pid for pid in by_pid if not self._is_alive(pid))
+        for pid in dead:
+            mark_process_dead(pid, self._path)
+            for prefix, filename in by_pid[pid]:
+                if prefix in _MERGE:
+                    self._archive(prefix, os.path.join(self._path, filename))
+            log.debug("retired the metric files of dead worker pid %d", pid)
+        return dead
+
+    def _archive(self, prefix: str, dead_file: str) -> None:
+        archive = os.path.join(self._path, f"{prefix}_{ARCHIVE_PID}.db")
+        merge = _MERGE[prefix]
+        merged: dict[str, tuple[float, float]] = {}
+        files = [archive, dead_file] if os.path.exists(archive) else [dead_file]
+        for path in files:
+            for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(path):
+                merged[key] = merge(merged[key], (value, timestamp)) if key in merged else (value, timestamp)
+        # Written aside and renamed: a scrape never sees a half-written archive (it globs *.db).
+        staging = archive + ".tmp"
+        if os.path.exists(staging):
+            os.remove(staging)
+        out = MmapedDict(staging)
+        try:
+            for key, (value, timestamp) in merged.items():
+                out.write_value(key, value, timestamp)
+        finally:
+            out.close()
+        os.replace(staging, archive)
+        os.remove(dead_file)
+
+    def collect(self) -> Iterable[Any]:
+        with self._lock:
+            self.reap()
+            return list(self._inner.collect())
+
+
+class NodeMetricsServer:
+    """A running ``/metrics`` endpoint (see :func:`serve_node_metrics`)."""
+
+    def __init__(self, httpd: Any, thread: threading.Thread, registry: CollectorRegistry) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        self.registry = registry
+        self.addr: str = httpd.server_address[0]
+        self.port: int = httpd.server_port
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.addr in ("0.0.0.0", "") else self.addr
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_node_metrics(
+    addr: str,
+    port: int,
+    multiproc_dir: str,
+    *,
+    agent_metrics: AgentMetrics | None = None,
+) -> NodeMetricsServer:
+    """Serve the workers' multiprocess metrics (and the agent's) on ``http://addr:port/metrics``.
+
+    Args:
+        addr: bind address (``0.0.0.0``: all IPv4 interfaces; ``::`` for IPv6).
+        port: TCP port; 0 picks a free one (read it from the result's ``port``).
+        multiproc_dir: the workers' ``PROMETHEUS_MULTIPROC_DIR``; must exist.
+        agent_metrics: the agent's metrics to serve alongside, if any.
+
+    Raises:
+        MetricsError: the directory is missing or the address cannot be bound.
+    """
+    if not os.path.isdir(multiproc_dir):
+        raise MetricsError(f"metrics directory {multiproc_dir} does not exist")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LiveMultiProcessCollector(multiproc_dir))
+    if agent_metrics is not None:
+        registry.register(agent_metrics)
+    try:
+        httpd, thread = start_http_server(port, addr=addr, registry=registry)
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise MetricsError(f"cannot serve metrics on {addr}:{port}: {reason}") from exc
+    server = NodeMetricsServer(httpd, thread, registry)
+    log.info("serving node metrics on %s:%d", addr, server.port)
+    return server
+
+
+@dataclass(kw_only=True, slots=True)
+class LauncherMetricsConfig:
+    """Where and how the launcher serves its node's metrics."""
+
+    addr: str = DEFAULT_METRICS_ADDR
+    """Bind address of the endpoint (``--metrics-addr``)."""
+    port: int = DEFAULT_METRICS_PORT
+    """TCP port of the endpoint (``--metrics-port``); 0 picks a free one."""
+    run_id: str = "none"
+    """The job's rendezvous id, the ``run_id`` label of the agent's metrics."""
+    node: str = field(default_factory=local_node_name)
+    """This node's name, the ``node`` label of the agent's metrics and (exported to them as
+    ``ELASTIC_TRAINER_NODE``) of the workers'; default ``{short host}-{this pid}``, the name
+    ``elastic-trainer status`` derives from the rendezvous (the agent runs in this process)."""
+    multiproc_dir: str | None = None
+    """Directory for the workers' metric files; ``None``: ``$PROMETHEUS_MULTIPROC_DIR`` if set,
+    else a fresh temporary directory removed on close. Stale ``*.db`` files are deleted."""
+
+    def __post_init__(self) -> None:
+        # MetricsError is a ValueError: callers catching either get one clear line.
+        if not self.addr:
+            raise MetricsError("addr must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise MetricsError(f"port must be in 0..65535, got {self.port}")
+        if not self.run_id:
+            raise MetricsError("run_id must not be empty")
+        if not self.node:
+            raise MetricsError("node must not be empty")
+
+
+class LauncherMetrics:
+    """What :func:`start_launcher_metrics` set up; :meth:`close` undoes all of it."""
+
+    def __init__(
+        self,
+        *,
+        server: NodeMetricsServer,
+        agent_metrics: AgentMetrics,
+        multiproc_dir: str,
+        cleanup: list[Callable[[], None]],
+    ) -> None:
+        self.server = server
+        self.agent_metrics = agent_metrics
+        self.multiproc_dir = multiproc_dir
+        self._cleanup = cleanup
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """What the endpoint serves (workers' files merged, plus the agent's): read it in-process
+        (``elastic_trainer.launch.progress_publisher``) instead of scraping the port."""
+        return self.server.registry
+
+    @property
+    def node(self) -> str:
+        """This node's name (the ``node`` label)."""
+        return self.agent_metrics.node
+
+    @property
+    def run_id(self) -> str:
+        return self.agent_metrics.run_id
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        """Stop the endpoint, unhook torch elastic, restore the environment. Idempotent."""
+        while self._cleanup:
+            self._cleanup.pop()()
+
+    def __enter__(self) -> LauncherMetrics:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
+    """Prepare the launcher process to serve its node's metrics; call before starting the agent.
+
+    Sets ``PROMETHEUS_MULTIPROC_DIR``, ``ELASTIC_TRAINER_NODE`` (and ``ELASTIC_TRAINER_METRICS=1``
+    unless already set) in this process's environment, which the agent passes to every worker
+    it starts.
+
+    Raises:
+        MetricsError: the directory cannot be prepared, the endpoint cannot be bound, or
+            :data:`ALLREDUCE_TIMING_ENV` is not a mode.
+    """
+    allreduce_timing_mode()  # a typo fails here, once, not in every worker the agent starts
+    cleanup: list[Callable[[], None]] = []  # run in reverse by close()
+    try:
+        directory = config.multiproc_dir or os.environ.get(MULTIPROC_DIR_ENV) or None
+        if directory is None:
+            directory = tempfile.mkdtemp(prefix="elastic-trainer-metrics-")
+            cleanup.append(lambda: shutil.rmtree(directory, ignore_errors=True))
+        else:
+            _prepare_dir(directory)
+        cleanup.append(_set_env(MULTIPROC_DIR_ENV, directory))
+        if METRICS_SWITCH_ENV not in os.environ:
+            cleanup.append(_set_env(METRICS_SWITCH_ENV, "1"))
+        cleanup.append(_set_env(NODE_NAME_ENV, config.node))
+        agent_metrics = AgentMetrics(run_id=config.run_id, node=config.node)
+        cleanup.append(install_agent_hooks(agent_metrics))
+        server = serve_node_metrics(
+            config.addr, config.port, directory, agent_metrics=agent_metrics
+        )
+        cleanup.append(server.close)
+    except BaseException:
+        while cleanup:
+            cleanup.pop()()
+        raise
+    return LauncherMetrics(
+        server=server, agent_metrics=agent_metrics, multiproc_dir=directory, cleanup=cleanup
+    )
+
+
+def _prepare_dir(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        for stale in glob.glob(os.path.join(directory, "*.db")):
+            os.remove(stale)
+    except OSError as exc:
+        raise MetricsError(f"cannot prepare metrics directory {directory}: {exc}") from exc
+
+
+def _set_env(name: str, value: str) -> Callable[[], None]:
+    previous = os.environ.get(name)
+    os.environ[name] = value
+
+    def restore() -> None:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+    return restore

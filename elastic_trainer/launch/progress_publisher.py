@@ -1,0 +1,404 @@
+"""Job progress in etcd, for ``elastic-trainer status``: published by the launcher of global rank 0.
+
+``status`` may run anywhere and reads only etcd, so the launchers put a small summary of their
+metrics there (launcher side)::
+
+    publisher = ProgressPublisher.from_settings(settings, metrics)  # the run's RendezvousSettings
+    publisher.start()                                           # a daemon thread
+    ...
+    publisher.publish_error("worker rank 1 exited with signal 9 (SIGKILL)")  # one line, rarely
+    publisher.close()
+
+and ``status`` reads them back with :func:`read_progress`. Keys, under the run next to the
+rendezvous's ``rdzv/`` and ``store``:
+
+==================================  =========================================================
+``{prefix}/{run}/progress/state``   JSON :class:`ProgressRecord`, attached to a lease of three
+                                    intervals: it vanishes soon after its node stops publishing
+``{prefix}/{run}/progress/error``   JSON :class:`ErrorRecord` (node, one line, unix time); a
+                                    lease of the run's ``ttl`` (2 h by default)
+==================================  =========================================================
+
+Invariants: etcd load is bounded and independent of the job's size. Every launcher reads its
+own registry every ``interval_s`` (10 s; in-process, no request), and only the node that hosts
+global rank 0 (a live ``elastic_trainer_step{rank="0"}`` series in its registry) writes: one
+lease renewal and one put per interval. Errors are written when the launcher reports one. A
+publisher never stops or slows the launcher: every etcd call runs on its thread with a retry
+budget of at most one interval, and a failure is logged (once per outage) and retried at the
+next interval.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, Protocol
+
+from elastic_trainer.metrics.progress import RateWindow, Snapshot, progress_view, samples_of
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastic_trainer.launch.node_metrics import LauncherMetrics
+    from rendezvous.etcd_client import EtcdConnection
+    from rendezvous.settings import RendezvousSettings
+
+log = logging.getLogger(__name__)
+
+THREAD_NAME = "progress-publisher"
+DEFAULT_INTERVAL_S = 10.0
+DEFAULT_ERROR_TTL_S = 7200
+MAX_ERROR_CHARS = 300
+
+
+class ProgressKeys:
+    """The etcd keys of one run's progress (``{key_prefix}/{run_id}/progress/``)."""
+
+    def __init__(self, key_prefix: str, run_id: str) -> None:
+        if not run_id:
+            raise ValueError("run_id must not be empty")
+        self.prefix = f"{key_prefix.rstrip('/')}/{run_id}/progress/"
+        self.state = self.prefix + "state"
+        self.error = self.prefix + "error"
+
+    @classmethod
+    def from_settings(cls, settings: RendezvousSettings) -> ProgressKeys:
+        """The keys of the settings' run under their ``key_prefix`` (the rendezvous's)."""
+        return cls(settings.key_prefix, settings.run_id)
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> ProgressKeys:
+        """The keys of ``params.run_id`` under its ``key_prefix``.
+
+        Raises:
+            ValueError: a malformed parameter (``RendezvousConfigError``)."""
+        from rendezvous.settings import parse_settings
+
+        return cls.from_settings(parse_settings(params))
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _integer(value: Any) -> int | None:
+    number = _number(value)
+    return None if number is None or number != int(number) else int(number)
+
+
+@dataclass(kw_only=True, slots=True)
+class ProgressRecord:
+    """The job's progress as the node of global rank 0 last published it."""
+
+    node: str
+    """The publishing node's name (:mod:`elastic_trainer.metrics.node_name`)."""
+    published_unix: float
+    step: int | None = None
+    total_steps: int | None = None
+    world_size: int | None = None
+    steps_per_s: float | None = None
+    samples_per_s: float | None = None
+    """The job's throughput, scaled from the publishing node's ranks (see :mod:`elastic_trainer.metrics.progress`)."""
+    step_time_p50_s: float | None = None
+    loss: float | None = None
+    lr: float | None = None
+    last_step_unix: float | None = None
+    last_checkpoint_step: int | None = None
+    last_checkpoint_unix: float | None = None
+    restarts: int | None = None
+    """The publishing node's restart count (``elastic_trainer_restarts_total``)."""
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> ProgressRecord | None:
+        """The record, or ``None`` if ``raw`` is missing or not one (bad fields read as unknown)."""
+        data = _json_object(raw)
+        if data is None or not isinstance(data.get("node"), str):
+            return None
+        published = _number(data.get("published_unix"))
+        if published is None:
+            return None
+        values: dict[str, Any] = {"node": data["node"], "published_unix": published}
+        for f in fields(cls):
+            if f.name not in values:
+                values[f.name] = (_integer if f.name in _INTEGER_FIELDS else _number)(data.get(f.name))
+        return cls(**values)
+
+
+_INTEGER_FIELDS = frozenset({"step", "total_steps", "world_size", "last_checkpoint_step", "restarts"})
+
+
+@dataclass(kw_only=True, slots=True)
+class ErrorRecord:
+    """The last error a launcher reported for the run: one line."""
+
+    node: str
+    text: str
+    unix: float
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> ErrorRecord | None:
+        data = _json_object(raw)
+        if data is None:
+            return None
+        node, text, unix = data.get("node"), data.get("text"), _number(data.get("unix"))
+        if not isinstance(node, str) or not isinstance(text, str) or unix is None:
+            return None
+        return cls(node=node, text=text, unix=unix)
+
+
+def _json_object(raw: bytes | None) -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # also bad UTF-8
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def one_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """The first non-empty line of ``text``, at most ``limit`` characters."""
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class _Collectable(Protocol):
+    def collect(self) -> Iterable[Any]: ...
+
+
+class _NotFromThePublisher(logging.Filter):
+    """Drops the etcd client's per-retry warnings raised on the publisher's thread: the
+    publisher reports an outage once itself (the rendezvous's own retries still show)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != THREAD_NAME
+
+
+class ProgressPublisher:
+    """Publishes this node's view of the job to etcd while it hosts global rank 0 (see the
+    module docstring).
+
+    Args:
+        connection: etcd; the publisher uses it from its own thread (and closes it on
+            :meth:`close` when ``owns_connection``).
+        keys: where to write.
+        registry: the launcher's metrics registry (``LauncherMetrics.registry``).
+        node: this node's name.
+        interval_s: seconds between reads of the registry (and writes, on rank 0's node).
+        error_ttl_s: seconds an error record lives.
+        owns_connection: close ``connection`` in :meth:`close`.
+        clock: monotonic time (injectable for tests); wall_clock: unix time for the records.
+
+    Raises:
+        ValueError: a non-positive interval or TTL.
+    """
+
+    def __init__(
+        self,
+        connection: EtcdConnection,
+        keys: ProgressKeys,
+        registry: _Collectable,
+        *,
+        node: str,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        error_ttl_s: int = DEFAULT_ERROR_TTL_S,
+        owns_connection: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if error_ttl_s < 1:
+            raise ValueError(f"error_ttl_s must be >= 1, got {error_ttl_s}")
+        self._connection = connection
+        self.keys = keys
+        self._registry = registry
+        self.node = node
+        self.interval_s = interval_s
+        self._ttl = max(2, math.ceil(3 * interval_s))
+        self._error_ttl = error_ttl_s
+        self._owns_connection = owns_connection
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._window = RateWindow(span_s=max(60.0, 3 * interval_s))
+        self._lease_id: int | None = None
+        self._lock = threading.Lock()
+        self._pending_error: ErrorRecord | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+        self._final_budget = DEFAULT_INTERVAL_S
+        self._quiet = _NotFromThePublisher()
+
+    @classmethod
+    def from_settings(
+        cls, settings: RendezvousSettings, metrics: LauncherMetrics, *, interval_s: float = DEFAULT_INTERVAL_S
+    ) -> ProgressPublisher:
+        """A publisher for the settings' run (endpoints, TLS, auth, key prefix; ``ttl`` for
+        errors) over its own etcd connection, reading ``metrics``' registry.
+
+        Raises:
+            ValueError: no endpoint in ``settings`` (``RendezvousConfigError``)."""
+        from rendezvous.etcd_client import EtcdConnection
+
+        connection = EtcdConnection(settings.client_config())
+        return cls(connection, ProgressKeys.from_settings(settings), metrics.registry, node=metrics.node,
+                   interval_s=interval_s, error_ttl_s=settings.ttl, owns_connection=True)  # fmt: skip
+
+    @classmethod
+    def from_params(
+        cls, params: RendezvousParameters, metrics: LauncherMetrics, *, interval_s: float = DEFAULT_INTERVAL_S
+    ) -> ProgressPublisher:
+        """:meth:`from_settings` for torchrun's parameters (``--rdzv-endpoint``, ``--rdzv-conf``).
+
+        Raises:
+            ValueError: a malformed parameter (``RendezvousConfigError``, naming the key)."""
+        from rendezvous.settings import parse_settings
+
+        return cls.from_settings(parse_settings(params), metrics, interval_s=interval_s)
+
+    # -- launcher side ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start publishing from a daemon thread (idempotent)."""
+        if self._thread is None:
+            logging.getLogger("rendezvous.etcd_client").addFilter(self._quiet)
+            self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+            self._thread.start()
+
+    def publish_error(self, text: str) -> None:
+        """Report an error of the run (its first line is kept): written at once by the
+        publisher's thread, never blocking the caller. The latest error wins."""
+        record = ErrorRecord(node=self.node, text=one_line(text) or "unknown error", unix=self._wall_clock())
+        with self._lock:
+            self._pending_error = record
+        self._wake.set()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread (after it wrote a pending error, within ``timeout_s``); idempotent."""
+        self._final_budget = timeout_s
+        self._stop.set()
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+            if thread.is_alive():
+                log.warning("progress publisher: etcd did not answer within %.0fs; stopped anyway", timeout_s)
+        elif self._pending_error is not None:
+            self._write_error(retry_timeout=timeout_s)  # never started: write it here
+        logging.getLogger("rendezvous.etcd_client").removeFilter(self._quiet)
+        if self._owns_connection:
+            self._connection.close()
+
+    # -- one round (the thread calls these; tests may too) --------------------------------------
+
+    def publish_once(self) -> ProgressRecord | None:
+        """Read the registry; if this node hosts global rank 0, write the progress record.
+
+        Returns:
+            The record written, or ``None`` (not rank 0's node).
+
+        Raises:
+            RendezvousConnectionError: etcd did not take the write.
+        """
+        snapshot = Snapshot.from_samples(samples_of(self._registry.collect()), taken_at=self._clock())
+        baseline = self._window.add(snapshot)
+        if not any(rank == 0 for _, rank in snapshot.live_ranks):
+            return None
+        view = progress_view(snapshot, baseline)
+        own = snapshot.nodes.get(self.node)
+        restarts = own.restarts if own is not None else view.restarts
+        record = ProgressRecord(
+            node=self.node, published_unix=self._wall_clock(), step=view.step, total_steps=view.total_steps,
+            world_size=view.world_size, steps_per_s=view.steps_per_s, samples_per_s=view.samples_per_s,
+            step_time_p50_s=view.step_time_p50_s, loss=view.loss, lr=view.lr, last_step_unix=view.last_step_unix,
+            last_checkpoint_step=view.last_checkpoint_step, last_checkpoint_unix=view.last_checkpoint_unix,
+            restarts=None if restarts is None else int(restarts),
+        )  # fmt: skip
+        self._put_progress(record.encode())
+        return record
+
+    def _put_progress(self, value: bytes) -> None:
+        budget = min(self.interval_s, self._connection.config.retry_timeout)
+        lease_id = self._lease_id
+        if lease_id is not None:
+            try:
+                alive = self._connection.call(lambda c: int(list(c.refresh_lease(lease_id))[0].TTL) > 0,
+                                              what="a progress lease renewal", retry_timeout=budget)  # fmt: skip
+            except Exception:
+                alive = False  # lease gone (etcd restored, expired while cut off): grant a new one
+            if not alive:
+                lease_id = None
+        if lease_id is None:
+            lease = self._connection.call(lambda c: c.lease(self._ttl), what="a progress lease grant",
+                                          retry_timeout=budget)  # fmt: skip
+            lease_id = self._lease_id = int(lease.id)
+        self._connection.call(lambda c: c.put(self.keys.state, value, lease=lease_id), what="a progress write",
+                              retry_timeout=budget)  # fmt: skip
+
+    def _write_error(self, *, retry_timeout: float) -> None:
+        with self._lock:
+            record, self._pending_error = self._pending_error, None
+        if record is None:
+            return
+        try:
+            lease = self._connection.call(lambda c: c.lease(self._error_ttl), what="an error lease grant",
+                                          retry_timeout=retry_timeout)  # fmt: skip
+            self._connection.call(lambda c: c.put(self.keys.error, record.encode(), lease=int(lease.id)),
+                                  what="an error write", retry_timeout=retry_timeout)  # fmt: skip
+        except Exception as exc:
+            log.warning("progress publisher: could not record the error in etcd: %s", exc)
+
+    def _run(self) -> None:
+        next_at = self._clock()
+        while not self._stop.is_set():
+            if self._pending_error is not None:
+                self._write_error(retry_timeout=min(self.interval_s, self._connection.config.retry_timeout))
+            now = self._clock()
+            if now >= next_at:
+                next_at = now + self.interval_s
+                try:
+                    self.publish_once()
+                except Exception as exc:  # etcd away, a registry read failed: try next interval
+                    if not self._failing:
+                        log.warning("progress publisher: %s (retrying every %.0fs)", exc, self.interval_s)
+                    self._failing = True
+                else:
+                    if self._failing:
+                        log.warning("progress publisher: publishing again")
+                    self._failing = False
+            self._wake.wait(max(0.0, next_at - self._clock()))
+            self._wake.clear()
+        if self._pending_error is not None:  # reported just before close()
+            self._write_error(retry_timeout=self._final_budget)
+
+
+def read_progress(connection: EtcdConnection, keys: ProgressKeys) -> tuple[ProgressRecord | None, ErrorRecord | None]:
+    """The run's published progress and last error (one request; either may be ``None``).
+
+    Raises:
+        RendezvousConnectionError: etcd cannot be read.
+    """
+    response = connection.call(lambda c: c.get_prefix_response(keys.prefix), what="a progress read")
+    progress = error = None
+    for kv in response.kvs:
+        key = kv.key.decode()
+        if key == keys.state:
+            progress = ProgressRecord.decode(kv.value)
+        elif key == keys.error:
+            error = ErrorRecord.decode(kv.value)
+    return progress, error

@@ -1,0 +1,191 @@
+"""DDP bucket timings from the flight recorder, numbered by step: the hook-free counterpart of
+:class:`~elastic_trainer.metrics.allreduce_hook.AllreduceTimer` (``ELASTIC_TRAINER_METRICS_ALLREDUCE=trace``).
+
+:class:`TracedBucketTimer` offers what the observer uses of ``AllreduceTimer`` (``step_seq``,
+``drain()``, ``dropped``, ``use_cuda``) without a communication hook: DDP reduces its buckets the
+way it does with no hook at all, in C++, and the timings come from
+:class:`~elastic_trainer.metrics.collective_trace.CollectiveTrace` once per flush. Two things replace what the
+hook saw per bucket:
+
+- **Which collectives are buckets.** The traced group's allreduces whose size is one of the DDP
+  model's bucket sizes (its first guess and its rebuilt buckets, from DDP's logging data). The
+  runtime's per-step control allreduce (a few numbers on the same group) is left out by this, as
+  long as no bucket has its size. DDP rebuilds its buckets in the second iteration but logs the
+  new sizes only at the start of the third forward, so a collective of unknown size is held
+  back until the rebuilt sizes are known (or :data:`HOLD_STEPS` steps passed: DDP did not
+  rebuild), then counted or left out.
+- **Which step a bucket belongs to.** A forward pre-hook on the DDP model (one Python call per
+  forward, not per bucket) notes the wall time at which each forward that will synchronise
+  gradients starts (``require_backward_grad_sync``, grad mode on). A bucket launched after the
+  start of the k-th such forward and before the next belongs to step k (from 0): the numbering the
+  hook gives by counting DDP's last buckets. The recorder stamps launches with the same clock
+  (``time.time_ns()``).
+
+Reading costs ~20 us of GIL time per entry *in the ring* (``benchmarks/RESULTS.md``, session 6),
+new or not, so the timer does not read at every flush: it learns how many collectives (of all
+groups) a step launches and reads once about half the ring is new, at least every
+:data:`MAX_READ_INTERVAL_S`, and after a read that found entries lost, at every flush again until
+it has learnt the rate anew. That costs ~2 entry reads per collective whatever the ring's size.
+
+The durations are GPU kernel times of each allreduce (NCCL's start and end events), without the
+time a bucket queued behind the previous one. Only NCCL times its collectives: on gloo every
+bucket counts as untimed (:attr:`CollectiveTrace.untimed`) and the allreduce metrics stay empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from bisect import bisect_right
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastic_trainer.metrics.allreduce_hook import BucketTiming
+from elastic_trainer.metrics.collective_trace import (
+    DEFAULT_BUFFER_ENTRIES,
+    FR_BUFFER_SIZE_ENV,
+    CollectiveTrace,
+    TracedCollective,
+    TraceFormatError,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_REMEMBERED_STEPS = 4096
+"""Forward start times kept (a bucket launched before the oldest kept is dropped)."""
+HOLD_STEPS = 8
+"""Steps a collective of unknown size waits for DDP to log its rebuilt bucket sizes."""
+MAX_READ_INTERVAL_S = 10.0
+"""Longest time between two reads of the recorder (while steps run)."""
+
+
+def ddp_bucket_sizes(ddp_model: Any) -> tuple[set[int], bool]:
+    """Bytes of every bucket DDP has logged (its first guess and, once logged, the rebuilt ones),
+    and whether the rebuilt ones are among them."""
+    data = ddp_model._get_ddp_logging_data()
+    sizes: set[int] = set()
+    for key in ("bucket_sizes", "rebuilt_bucket_sizes"):
+        raw = data.get(key)
+        if isinstance(raw, str):
+            sizes.update(int(part) for part in raw.split(",") if part.strip())
+    return sizes, isinstance(data.get("rebuilt_bucket_sizes"), str)
+
+
+class TracedBucketTimer:
+    """Bucket timings of one DDP model, read from the flight recorder (see the module docstring).
+
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model; a forward pre-hook is registered on it.
+        trace: the reader of the model's process group (default: a :class:`CollectiveTrace` of
+            ``ddp_model.process_group``'s name).
+        ring_entries: the recorder's ring size (default: ``TORCH_FR_BUFFER_SIZE``, else
+            :data:`~elastic_trainer.metrics.collective_trace.DEFAULT_BUFFER_ENTRIES`).
+        clock_ns: wall clock in ns, the recorder's (injectable for tests).
+        clock: monotonic clock for :data:`MAX_READ_INTERVAL_S` (injectable for tests).
+    """
+
+    use_cuda = True
+    """The observer pairs these timings with steps the way it pairs CUDA events: later."""
+
+    def __init__(self, ddp_model: Any, *, trace: CollectiveTrace | None = None, ring_entries: int | None = None,
+                 clock_ns: Callable[[], int] = time.time_ns,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self._ddp = ddp_model
+        if trace is None:
+            trace = CollectiveTrace(ddp_model.process_group.group_name)
+        self.trace = trace
+        self._clock_ns = clock_ns
+        self._clock = clock
+        if ring_entries is None:
+            ring_entries = int(os.environ.get(FR_BUFFER_SIZE_ENV, DEFAULT_BUFFER_ENTRIES))
+        if ring_entries <= 0:
+            log.warning("%s=%d turns torch's flight recorder off: the allreduce metrics stay empty",
+                        FR_BUFFER_SIZE_ENV, ring_entries)  # fmt: skip
+        self._half_ring = max(1, ring_entries // 2)
+        self._per_step: float | None = None  # collectives of all groups per step; None: unknown
+        self._read_step = 0  # step_seq at the last read
+        self._read_s = -math.inf
+        self._read_record = -1  # the recorder's newest record at the last read
+        self._lost_at_read = 0
+        self._broken = False  # a dump this reader cannot parse: no more reads
+        self.step_seq = 0
+        """Synchronising forwards started so far: the step number (from 0) of the buckets
+        launched now."""
+        self._starts: list[int] = []  # wall ns of the forwards of steps _first, _first + 1, ...
+        self._first = 0
+        self._early = 0
+        self._held: list[tuple[int, TracedCollective]] = []  # (step, collective) of unknown size
+        self._handle = ddp_model.register_forward_pre_hook(self._on_forward)
+
+    @property
+    def dropped(self) -> int:
+        """Timings lost: collectives (of any group) overwritten in the recorder's ring before a
+        read, and collectives launched before the oldest remembered forward."""
+        return self.trace.lost + self._early
+
+    def _on_forward(self, module: Any, _inputs: Any) -> None:
+        if module.require_backward_grad_sync and torch.is_grad_enabled():
+            self._starts.append(self._clock_ns())
+            self.step_seq += 1
+
+    def _read_due(self) -> bool:
+        if self._broken:
+            return False
+        if self._per_step is None or self._clock() - self._read_s >= MAX_READ_INTERVAL_S:
+            return True
+        return (self.step_seq - self._read_step) * self._per_step >= self._half_ring
+
+    def _read(self) -> list[TracedCollective]:
+        trace = self.trace
+        try:
+            collectives = trace.read()
+        except TraceFormatError as exc:  # metrics must never stop the training
+            log.warning("allreduce timing from the flight recorder stops: %s", exc)
+            self._broken = True
+            return []
+        steps = self.step_seq - self._read_step
+        if trace.lost > self._lost_at_read:
+            self._per_step = None  # the ring wrapped between two reads: read every flush, learn again
+        elif steps > 0 and self._read_record >= 0:
+            self._per_step = (trace.newest_record - self._read_record) / steps
+        self._read_step, self._read_s = self.step_seq, self._clock()
+        self._read_record, self._lost_at_read = trace.newest_record, trace.lost
+        return collectives
+
+    def remove(self) -> None:
+        """Stop numbering forwards (the model is no longer observed)."""
+        self._handle.remove()
+
+    def drain(self) -> list[BucketTiming]:
+        """The bucket allreduces found finished since the last call, oldest first, with their
+        steps. Reads the recorder only when due (see the module docstring); never blocks on the GPU."""
+        starts = self._starts
+        if len(starts) > MAX_REMEMBERED_STEPS:
+            cut = len(starts) - MAX_REMEMBERED_STEPS
+            del starts[:cut]
+            self._first += cut
+        collectives = self._read() if self._read_due() else []
+        if not collectives and not self._held:
+            return []
+        sizes, rebuilt = ddp_bucket_sizes(self._ddp)
+        first = self._first
+        candidates, self._held = self._held, []
+        for c in collectives:
+            index = bisect_right(starts, c.created_ns) - 1
+            if index < 0:
+                self._early += 1  # launched before the oldest remembered forward
+            else:
+                candidates.append((first + index, c))
+        timings: list[BucketTiming] = []
+        for step, c in candidates:
+            if c.nbytes in sizes:
+                timings.append(BucketTiming(step_seq=step, nbytes=c.nbytes, duration_s=c.duration_s,
+                                            launched_s=None, done_s=None))  # fmt: skip
+            elif not rebuilt and step > self.step_seq - HOLD_STEPS:
+                self._held.append((step, c))  # perhaps a rebuilt bucket whose size DDP has not logged
+            # else: not one of DDP's buckets (the runtime's control allreduce, ...)
+        return timings

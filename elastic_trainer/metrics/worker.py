@@ -1,0 +1,755 @@
+"""Prometheus metrics for training: the worker-side :class:`TrainingObserver` and its labels.
+
+Workers report through prometheus-client's multiprocess mode: every worker process writes its
+samples to memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR``, a directory the launcher creates
+and exports before it starts the agent (:func:`start_launcher_metrics`); the launcher serves
+one endpoint per node that merges those files with the agent's own metrics
+(:mod:`elastic_trainer.launch.node_metrics`). A worker therefore needs no port of its own and its
+counters outlive it: a restarted worker's counters continue from the dead one's. Per-step values
+are gathered in plain Python and written to those files once a second
+(:data:`DEFAULT_FLUSH_INTERVAL_S`), not on every step (see :class:`PrometheusObserver`).
+
+Worker metrics (``run_id`` and ``node`` on all; ``rank``/``local_rank`` where marked *). ``node`` is
+the node's name ``{short host}-{agent pid}`` (:mod:`elastic_trainer.metrics.node_name`), the name
+``elastic-trainer status`` shows, exported by the launcher to its workers:
+
+=================================================  =========  ==================================
+name                                               type       meaning
+=================================================  =========  ==================================
+elastic_trainer_samples_total *                    counter    samples this rank trained on
+elastic_trainer_tokens_total *                     counter    tokens this rank trained on
+elastic_trainer_step_duration_seconds *            histogram  optimizer step wall time
+elastic_trainer_data_wait_seconds *                histogram  time a step waited for its batch
+elastic_trainer_step_compute_seconds *             histogram  step time minus the exposed
+                                                              allreduce wait (straggler signal)
+elastic_trainer_step *                             gauge      last finished step
+elastic_trainer_target_steps                       gauge      steps the job trains for in all
+                                                              (max_steps or epochs x steps/epoch)
+elastic_trainer_last_step_timestamp_seconds        gauge      unix time of the last finished step
+                                                              (a hang: time() minus it grows)
+elastic_trainer_loss *                             gauge      last loss
+elastic_trainer_learning_rate                      gauge      learning rate of the last step
+elastic_trainer_allreduce_duration_seconds *       histogram  one gradient bucket's allreduce
+elastic_trainer_allreduce_bucket_bytes *           histogram  size of each allreduced bucket
+elastic_trainer_allreduce_bytes_total *            counter    bytes allreduced
+elastic_trainer_allreduce_bus_bandwidth_bytes_per_second *
+                                                   gauge      nccl-tests bus bandwidth,
+                                                              2(n-1)/n * bytes / time
+elastic_trainer_world_size                         gauge      ranks in the current world
+elastic_trainer_checkpoint_save_duration_seconds   histogram  checkpoint write stall (rank 0)
+elastic_trainer_checkpoint_load_duration_seconds * histogram  checkpoint restore time
+elastic_trainer_checkpoint_saved_bytes_total       counter    bytes written to checkpoints
+elastic_trainer_checkpoint_loaded_bytes_total *    counter    bytes restored from checkpoints
+elastic_trainer_last_checkpoint_step               gauge      step of the newest checkpoint
+elastic_trainer_last_checkpoint_timestamp_seconds  gauge      unix time of the newest save
+=================================================  =========  ==================================
+
+Restarts are counted once, by the agent: ``elastic_trainer_restarts_total``
+(:mod:`elastic_trainer.launch.agent_metrics`), every worker-group restart of the node, after a failure
+or a membership change. Workers export no restart count of their own (their
+``TORCHELASTIC_RESTART_COUNT`` counts failure restarts only, so the two used to disagree).
+Throughput is ``rate(elastic_trainer_samples_total)``; steps per second is the per-rank rate of
+``elastic_trainer_step_duration_seconds_count``; the ETA is (target - step) / steps per second.
+
+Multiprocess modes: gauges describing a live process (step, loss, learning rate, bandwidth,
+world size) use ``livemostrecent``, so they vanish when the launcher marks a dead worker's pid
+dead; facts that stay true after a worker dies (newest checkpoint, last step time, target steps)
+use ``max``/``mostrecent``.
+
+The straggler signal is computed in PromQL from the per-rank ``step_compute`` histograms (each
+rank's mean against the median across ranks): no extra collective in the step. Whole-step times
+are nearly equal across ranks in synchronous DDP, because fast ranks wait for the slow one in
+the gradient allreduce; subtracting the wait after the last bucket's launch exposes the rank
+that everyone waits for.
+
+Usage in a training script started by ``elastic-trainer run``::
+
+    from elastic_trainer.metrics.worker import worker_observer
+    observer = worker_observer()        # reads RANK, LOCAL_RANK, TORCHELASTIC_RUN_ID, ...
+    observer.wrap_ddp(ddp_model)        # allreduce timing hook
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import values as prometheus_values
+
+from elastic_trainer.launch.node_metrics import (
+    ALLREDUCE_TIMING_ENV,
+    DEFAULT_METRICS_ADDR,
+    DEFAULT_METRICS_PORT,
+    LauncherMetrics,
+    LauncherMetricsConfig,
+    MetricsError,
+    NodeMetricsServer,
+    allreduce_timing_mode,
+    serve_node_metrics,
+    start_launcher_metrics,
+)
+from elastic_trainer.metrics.allreduce_hook import (
+    AllreduceTimer,
+    BucketTiming,
+    CpuRecord,
+    exposed_wait_s,
+    timed_allreduce_hook,
+)
+from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
+from elastic_trainer.metrics.collective_trace import trace_environment
+from elastic_trainer.metrics.node_name import worker_node_name
+
+__all__ = [
+    "DEFAULT_METRICS_ADDR",
+    "DEFAULT_METRICS_PORT",
+    "LauncherMetrics",
+    "LauncherMetricsConfig",
+    "MetricsError",
+    "NodeMetricsServer",
+    "PrometheusObserver",
+    "WorkerLabels",
+    "serve_node_metrics",
+    "start_launcher_metrics",
+    "worker_observer",
+]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "elastic_trainer_"
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Histogram buckets, in base units. Roughly x2 apart so p50/p95 interpolate within ~40%.
+STEP_SECONDS_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0,
+)  # fmt: skip
+DATA_WAIT_SECONDS_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)  # fmt: skip
+ALLREDUCE_SECONDS_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
+    1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+BUCKET_BYTES_BUCKETS = tuple(float(1024 * 4**i) for i in range(11))  # 1 KiB .. 1 GiB
+CHECKPOINT_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+DEFAULT_FLUSH_INTERVAL_S = 1.0
+"""Seconds between writes of the per-step values to the multiprocess files (see
+:class:`PrometheusObserver`): well under Prometheus' scrape interval."""
+
+# Steps whose step time waits for their allreduce timings (CUDA events finish after the host
+# moved on). Bounded so a model without DDP cannot grow it.
+_RECENT_STEPS = 16
+
+MAX_DEFERRED_STEPS = 64
+"""Steps :meth:`PrometheusObserver.on_step` gathers at most before it flushes, whatever the
+interval: bounds the allreduce timing records waiting in the hook's queue."""
+
+_NODE_LABELS = ("run_id", "node")
+_RANK_LABELS = ("run_id", "node", "rank", "local_rank")
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerLabels:
+    """Label values of one worker process."""
+
+    run_id: str
+    """The job's rendezvous id (``TORCHELASTIC_RUN_ID``)."""
+    node: str
+    """The node's name, ``{short host}-{agent pid}`` (:mod:`elastic_trainer.metrics.node_name`): stable
+    across worker restarts, unlike GROUP_RANK, and the name ``elastic-trainer status`` shows."""
+    rank: int
+    """Global rank (``RANK``)."""
+    local_rank: int
+    """Rank on this node (``LOCAL_RANK``)."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("run_id must not be empty")
+        if not self.node:
+            raise ValueError("node must not be empty")
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if self.local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0, got {self.local_rank}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> WorkerLabels:
+        """Read the labels torchrun and the launcher give every worker (defaults for a plain
+        single process; the node name from ``ELASTIC_TRAINER_NODE``, else the short host name)."""
+        env = dict(os.environ) if env is None else env
+        try:
+            rank = int(env.get("RANK", "0"))
+            local_rank = int(env.get("LOCAL_RANK", "0"))
+        except ValueError as exc:
+            raise ValueError(f"RANK and LOCAL_RANK must be integers: {exc}") from exc
+        return cls(
+            run_id=env.get("TORCHELASTIC_RUN_ID") or "none",
+            node=worker_node_name(env),
+            rank=rank,
+            local_rank=local_rank,
+        )
+
+
+class _LazyChild:
+    """A gauge child created on its first ``set``, so that no series exists before then."""
+
+    __slots__ = ("_child", "_parent", "_values")
+
+    def __init__(self, parent: Gauge, values: Sequence[str]) -> None:
+        self._parent = parent
+        self._values = tuple(values)
+        self._child: Any = None
+
+    def set(self, value: float) -> None:
+        if self._child is None:
+            self._child = self._parent.labels(*self._values)
+        self._child.set(value)
+
+
+class _WorkerMetrics:
+    """The metric objects of one worker, bound to its labels."""
+
+    def __init__(self, registry: CollectorRegistry, labels: WorkerLabels) -> None:
+        node = (labels.run_id, labels.node)
+        rank = (*node, str(labels.rank), str(labels.local_rank))
+
+        def counter(name: str, doc: str, values: Sequence[str]) -> Any:
+            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+            return Counter(PREFIX + name, doc, names, registry=registry).labels(*values)
+
+        def histogram(name: str, doc: str, values: Sequence[str], buckets: Sequence[float]) -> Any:
+            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+            return Histogram(
+                PREFIX + name, doc, names, registry=registry, buckets=buckets
+            ).labels(*values)
+
+        def gauge(name: str, doc: str, values: Sequence[str], mode: str, lazy: bool = False) -> Any:
+            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+            parent = Gauge(
+                PREFIX + name, doc, names, registry=registry, multiprocess_mode=mode  # type: ignore[arg-type]
+            )
+            return _LazyChild(parent, values) if lazy else parent.labels(*values)
+
+        self.samples = counter("samples", "Samples this rank trained on.", rank)
+        self.tokens = counter("tokens", "Tokens this rank trained on.", rank)
+        self.step_duration = histogram(
+            "step_duration_seconds", "Wall time of one optimizer step.", rank, STEP_SECONDS_BUCKETS
+        )
+        self.data_wait = histogram(
+            "data_wait_seconds",
+            "Time a step waited for its batch from the data loader.",
+            rank,
+            DATA_WAIT_SECONDS_BUCKETS,
+        )
+        self.step_compute = histogram(
+            "step_compute_seconds",
+            "Step time minus the allreduce wait after the last gradient bucket's launch: the "
+            "time this rank did not wait for peers (compare across ranks to find stragglers).",
+            rank,
+            STEP_SECONDS_BUCKETS,
+        )
+        # Lazy: no series before the first value (a 0 would read as "done", "1970" or, after a
+        # resume, as a step backwards).
+        self.step = gauge("step", "Last optimizer step this rank finished.", rank, "livemostrecent", lazy=True)
+        self.target_steps = gauge(
+            "target_steps",
+            "Optimizer steps the job trains for in all (max_steps, or epochs x steps per epoch).",
+            node,
+            "mostrecent",
+            lazy=True,
+        )
+        self.last_step_time = gauge(
+            "last_step_timestamp_seconds",
+            "Unix time the last optimizer step finished on this node (time() minus it grows "
+            "while training hangs or restarts).",
+            node,
+            "max",
+            lazy=True,
+        )
+        self.loss = gauge("loss", "Training loss of this rank's last step.", rank, "livemostrecent")
+        self.learning_rate = gauge(
+            "learning_rate",
+            "Learning rate of the last optimizer step (first parameter group).",
+            node,
+            "livemostrecent",
+            lazy=True,
+        )
+        self.allreduce_duration = histogram(
+            "allreduce_duration_seconds",
+            "Launch to completion of one gradient bucket's allreduce (DDP comm hook).",
+            rank,
+            ALLREDUCE_SECONDS_BUCKETS,
+        )
+        self.allreduce_bucket_bytes = histogram(
+            "allreduce_bucket_bytes",
+            "Size of each allreduced gradient bucket.",
+            rank,
+            BUCKET_BYTES_BUCKETS,
+        )
+        self.allreduce_bytes = counter("allreduce_bytes", "Gradient bytes allreduced.", rank)
+        self.allreduce_busbw = gauge(
+            "allreduce_bus_bandwidth_bytes_per_second",
+            "Effective allreduce bus bandwidth of the last step's buckets, as nccl-tests "
+            "defines it: 2*(n-1)/n * bytes / time.",
+            rank,
+            "livemostrecent",
+        )
+        self.world_size = gauge(
+            "world_size", "Ranks in the current world.", node, "livemostrecent"
+        )
+        self.checkpoint_save_duration = histogram(
+            "checkpoint_save_duration_seconds",
+            "Training stall to write one checkpoint.",
+            node,
+            CHECKPOINT_SECONDS_BUCKETS,
+        )
+        self.checkpoint_load_duration = histogram(
+            "checkpoint_load_duration_seconds",
+            "Time to restore one checkpoint.",
+            rank,
+            CHECKPOINT_SECONDS_BUCKETS,
+        )
+        self.checkpoint_saved_bytes = counter(
+            "checkpoint_saved_bytes", "Bytes written to checkpoints.", node
+        )
+        self.checkpoint_loaded_bytes = counter(
+            "checkpoint_loaded_bytes", "Bytes restored from checkpoints.", rank
+        )
+        # No series before the first checkpoint: a 0 would read as a checkpoint in 1970.
+        self.last_checkpoint_step = gauge(
+            "last_checkpoint_step",
+            "Step of the newest checkpoint saved or loaded.",
+            node,
+            "max",
+            lazy=True,
+        )
+        self.last_checkpoint_time = gauge(
+            "last_checkpoint_timestamp_seconds",
+            "Unix time the newest checkpoint was saved.",
+            node,
+            "max",
+            lazy=True,
+        )
+
+
+class _LocalHistogram:
+    """A histogram child's observations, kept in plain Python until :meth:`flush` writes them.
+
+    prometheus-client stores a histogram as one value per bucket (non-cumulative) plus ``_sum``;
+    each ``observe`` takes a lock and writes two of them to the memory-mapped file (~5 us). Here
+    an observation is a bisect and two additions; a flush adds the counts gathered since the
+    last one to the same values, so the exported series are exactly what ``observe`` would
+    have written (tests/unit/test_metrics_observer.py checks that against ``observe``).
+    """
+
+    __slots__ = ("_bounds", "_buckets", "_sum", "counts", "total")
+
+    def __init__(self, child: Any) -> None:
+        bounds = getattr(child, "_upper_bounds", None)
+        buckets = getattr(child, "_buckets", None)
+        total = getattr(child, "_sum", None)
+        if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+            raise MetricsError(
+                "this prometheus_client's Histogram lacks _upper_bounds/_buckets/_sum; "
+                "elastic_trainer.metrics.worker needs prometheus-client >= 0.17"
+            )
+        self._bounds = tuple(bounds)  # ends with +Inf, so every number finds a bucket
+        self._buckets = buckets
+        self._sum = total
+        self.counts = [0] * len(self._bounds)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: the first bound >= value, i.e. Prometheus' "le" (value <= bound).
+        self.counts[bisect_left(self._bounds, value)] += 1
+        self.total += value
+
+    def flush(self) -> None:
+        counts = self.counts
+        if not any(counts):
+            return
+        self._sum.inc(self.total)
+        self.total = 0.0
+        for i, count in enumerate(counts):
+            if count:
+                self._buckets[i].inc(count)
+                counts[i] = 0
+
+
+class PrometheusObserver:
+    """A :class:`~elastic_trainer.runtime.observer.TrainingObserver` recording into prometheus-client.
+
+    Every callback runs on the training thread; nothing here talks to other ranks or waits for
+    the GPU. Per-step values are gathered in plain Python and written to prometheus-client
+    (memory-mapped files in multiprocess mode) at most every ``flush_interval_s``, by the first
+    ``on_step`` after it elapsed, and at once by checkpoint events, :meth:`on_start` and
+    :meth:`flush`. A step then costs a few microseconds instead of ~15 locked file writes; the
+    price is that a worker killed with SIGKILL loses its last ``flush_interval_s`` of counts
+    (Prometheus scrapes every 15 s or so anyway). :func:`worker_observer` flushes at exit.
+
+    Args:
+        labels: this worker's label values.
+        registry: where the metrics are registered (tests inject their own).
+        wall_clock: unix time source for checkpoint timestamps (injectable for tests).
+        time_allreduce: time the DDP model's bucket allreduces from :meth:`wrap_ddp` on.
+        trace_allreduce: time them through the flight recorder instead of the timing hook (CUDA
+            models; see :data:`ALLREDUCE_TIMING_ENV`).
+        flush_interval_s: seconds between writes of the per-step values; 0 writes every step.
+        clock: monotonic clock for the flush interval (injectable for tests).
+
+    Raises:
+        ValueError: ``flush_interval_s`` is negative.
+    """
+
+    def __init__(
+        self,
+        *,
+        labels: WorkerLabels,
+        registry: CollectorRegistry | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        time_allreduce: bool = True,
+        trace_allreduce: bool = False,
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not flush_interval_s >= 0:
+            raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
+        self.labels = labels
+        self.time_allreduce = time_allreduce
+        self.trace_allreduce = trace_allreduce
+        self.flush_interval_s = flush_interval_s
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._m = m = _WorkerMetrics(self.registry, labels)
+        self._wall_clock = wall_clock
+        self._clock = clock
+        self._next_flush = -math.inf
+        self._world_size = 1
+        self._timer: AllreduceTimer | TracedBucketTimer | None = None  # set by wrap_ddp
+        # Steps not absorbed yet: (step, duration, data wait, samples, tokens, loss, the hook's
+        # step number when the step was reported).
+        self._steps: list[tuple[int, float, float, int, int, float | None, int]] = []
+        # The hook's number of the next step to report that ran a synchronised backward: the
+        # k-th such step (from 0) is the one whose buckets the hook numbered k.
+        self._expect = 0
+        self._open: dict[int, list[float]] = {}  # CPU: step -> [last launch, last completion]
+        self._step_durations: dict[int, float] = {}  # CUDA: step -> step duration
+        self._pending: dict[int, list[BucketTiming]] = {}  # CUDA: step -> its bucket timings
+        # Per-step values not yet written: histograms, counter increments, last gauge values.
+        self._step_duration = _LocalHistogram(m.step_duration)
+        self._data_wait = _LocalHistogram(m.data_wait)
+        self._step_compute = _LocalHistogram(m.step_compute)
+        self._allreduce_duration = _LocalHistogram(m.allreduce_duration)
+        self._allreduce_bucket_bytes = _LocalHistogram(m.allreduce_bucket_bytes)
+        self._histograms = (
+            self._step_duration, self._data_wait, self._step_compute,
+            self._allreduce_duration, self._allreduce_bucket_bytes,
+        )  # fmt: skip
+        self._samples = 0
+        self._tokens = 0
+        self._allreduce_bytes = 0
+        self._step: int | None = None
+        self._loss: float | None = None
+        self._lr: float | None = None
+        self._last_step_at: float | None = None  # monotonic time of the last reported step
+        self._busbw: float | None = None
+
+    def on_start(self, *, world_size: int, restart_count: int, total_steps: int | None = None) -> None:
+        """See :class:`~elastic_trainer.runtime.observer.TrainingObserver`.
+
+        ``restart_count`` is not exported: the agent counts restarts
+        (``elastic_trainer_restarts_total``), failures and membership changes alike."""
+        self._world_size = world_size
+        self._m.world_size.set(world_size)
+        if total_steps is not None:
+            self._m.target_steps.set(total_steps)
+
+    def on_step(
+        self,
+        *,
+        step: int,
+        duration_s: float,
+        data_wait_s: float,
+        samples: int,
+        tokens: int,
+        loss: float | None,
+        lr: float | None = None,
+    ) -> None:
+        """See :class:`~elastic_trainer.runtime.observer.TrainingObserver`.
+
+        Only appends the step to a list (and keeps ``lr`` and the step's time). The next :meth:`flush` (at most ``flush_interval_s``
+        or :data:`MAX_DEFERRED_STEPS` steps later) turns the gathered steps into samples in one
+        tight loop, which costs a fraction of doing the same work once per step right after a
+        training step has evicted it from the caches."""
+        timer = self._timer
+        steps = self._steps
+        steps.append((step, duration_s, data_wait_s, samples, tokens, loss,
+                      -1 if timer is None else timer.step_seq))  # fmt: skip
+        now = self._clock()
+        self._last_step_at = now
+        if lr is not None:
+            self._lr = lr
+        if len(steps) >= MAX_DEFERRED_STEPS or now >= self._next_flush:
+            self.flush()
+            self._next_flush = now + self.flush_interval_s
+
+    def on_priming(self, *, backward_passes: int) -> None:
+        """See :class:`~elastic_trainer.runtime.observer.TrainingObserver`. The passes' bucket timings
+        still count as allreduces; the next step reported is paired with the hook's step after
+        them, not with a priming pass."""
+        if backward_passes < 0:
+            raise ValueError(f"backward_passes must be >= 0, got {backward_passes}")
+        if self._timer is None or not backward_passes:
+            return
+        self._absorb_steps()  # steps reported before the passes keep their own numbers
+        self._expect += backward_passes
+        for seq in [s for s in self._open if s < self._expect]:
+            del self._open[seq]
+
+    def _absorb_steps(self) -> None:
+        """Turn the steps gathered by :meth:`on_step` into local histogram and counter values."""
+        steps = self._steps
+        if steps:
+            self._steps = []
+        timer = self._timer
+        cuda = timer is not None and timer.use_cuda
+        if timer is not None:
+            # Every bucket record first: the runtime may report a step after the next step's
+            # backward, so its records may come out of the queue together with later steps'.
+            if cuda:
+                self._absorb_cuda(timer.drain())
+            elif isinstance(timer, AllreduceTimer):
+                self._absorb_cpu(timer.drain_cpu())
+        expect = self._expect
+        opened = self._open
+        compute = self._step_compute
+        for step, duration_s, data_wait_s, samples, tokens, loss, step_seq in steps:
+            self._samples += samples
+            self._tokens += tokens
+            self._step_duration.observe(duration_s)
+            self._data_wait.observe(data_wait_s)
+            self._step = step
+            if loss is not None and math.isfinite(loss):
+                self._loss = loss
+            if step_seq <= expect:
+                # No hook, or no synchronised backward since the last reported step (all
+                # no_sync; exact for a step reported before the next one's backward): no wait.
+                compute.observe(duration_s)
+            elif cuda:
+                self._step_durations[expect] = duration_s  # paired once its events finished
+                expect += 1
+            else:
+                # CPU callbacks finish before backward returns, so all of this step's buckets
+                # are in. The wait after its last launch: see exposed_wait_s.
+                span = opened.pop(expect, None)
+                wait = span[1] - span[0] if span is not None and span[1] > span[0] else 0.0
+                compute.observe(duration_s - wait if duration_s > wait else 0.0)
+                expect += 1
+        self._expect = expect
+        if cuda:
+            self._pair_cuda_steps()
+        while len(opened) > _RECENT_STEPS:  # only a loop that reports far fewer steps than it runs
+            del opened[min(opened)]
+
+    def _add_allreduce(self, total_bytes: int, total_s: float) -> None:
+        self._allreduce_bytes += total_bytes
+        n = self._world_size
+        if total_s > 0 and n > 1:
+            self._busbw = 2.0 * (n - 1) / n * total_bytes / total_s
+
+    def _absorb_cpu(self, records: list[CpuRecord]) -> None:
+        expect = self._expect
+        opened = self._open
+        duration_hist = self._allreduce_duration
+        bytes_hist = self._allreduce_bucket_bytes
+        total_bytes = 0
+        total_s = 0.0
+        for seq, nbytes, launched, done in records:
+            elapsed = done - launched if done > launched else 0.0
+            duration_hist.observe(elapsed)
+            bytes_hist.observe(nbytes)
+            total_bytes += nbytes
+            total_s += elapsed
+            if seq >= expect:
+                span = opened.get(seq)
+                if span is None:
+                    opened[seq] = [launched, done]
+                else:
+                    span[0] = max(span[0], launched)
+                    span[1] = max(span[1], done)
+        self._add_allreduce(total_bytes, total_s)
+
+    def _absorb_cuda(self, timings: list[BucketTiming]) -> None:
+        total_bytes = 0
+        total_s = 0.0
+        for t in timings:
+            self._allreduce_duration.observe(t.duration_s)
+            self._allreduce_bucket_bytes.observe(t.nbytes)
+            total_bytes += t.nbytes
+            total_s += t.duration_s
+            self._pending.setdefault(t.step_seq, []).append(t)
+        self._add_allreduce(total_bytes, total_s)
+
+    def _pair_cuda_steps(self) -> None:
+        # Events finish in launch order: a step's buckets are all in once a later step's first
+        # bucket finished.
+        complete_upto = max(self._pending, default=-1) - 1
+        for seq in sorted(self._pending):
+            if seq > complete_upto:
+                break
+            group = self._pending.pop(seq)
+            duration = self._step_durations.pop(seq, None)
+            if duration is not None:
+                self._step_compute.observe(max(0.0, duration - exposed_wait_s(group)))
+        oldest = self._expect - 1 - _RECENT_STEPS
+        for seq in [s for s in self._step_durations if s <= oldest]:
+            del self._step_durations[seq]
+        for seq in [s for s in self._pending if s <= oldest]:
+            del self._pending[seq]
+
+    def flush(self) -> None:
+        """Write the per-step values gathered since the last flush to prometheus-client."""
+        self._absorb_steps()
+        m = self._m
+        for histogram in self._histograms:
+            histogram.flush()
+        if self._samples:
+            m.samples.inc(self._samples)
+            self._samples = 0
+        if self._tokens:
+            m.tokens.inc(self._tokens)
+            self._tokens = 0
+        if self._allreduce_bytes:
+            m.allreduce_bytes.inc(self._allreduce_bytes)
+            self._allreduce_bytes = 0
+        if self._step is not None:
+            m.step.set(self._step)
+            self._step = None
+        if self._loss is not None:
+            m.loss.set(self._loss)
+            self._loss = None
+        if self._lr is not None:
+            if math.isfinite(self._lr):
+                m.learning_rate.set(self._lr)
+            self._lr = None
+        if self._last_step_at is not None:
+            # The step's wall time, from the monotonic time kept per step (one clock read per step).
+            m.last_step_time.set(self._wall_clock() - max(0.0, self._clock() - self._last_step_at))
+            self._last_step_at = None
+        if self._busbw is not None:
+            m.allreduce_busbw.set(self._busbw)
+            self._busbw = None
+
+    def on_checkpoint_saved(self, *, step: int, duration_s: float, nbytes: int) -> None:
+        """See :class:`~elastic_trainer.runtime.observer.TrainingObserver`."""
+        m = self._m
+        m.checkpoint_save_duration.observe(duration_s)
+        m.checkpoint_saved_bytes.inc(nbytes)
+        m.last_checkpoint_step.set(step)
+        m.last_checkpoint_time.set(self._wall_clock())
+        self.flush()  # the step gauges agree with the newest checkpoint
+
+    def on_checkpoint_loaded(self, *, step: int, duration_s: float, nbytes: int) -> None:
+        """See :class:`~elastic_trainer.runtime.observer.TrainingObserver`."""
+        m = self._m
+        m.checkpoint_load_duration.observe(duration_s)
+        m.checkpoint_loaded_bytes.inc(nbytes)
+        m.last_checkpoint_step.set(step)
+        self.flush()
+
+    def wrap_ddp(self, ddp_model: Any) -> None:
+        """Time the model's bucket allreduces: register
+        :func:`~elastic_trainer.metrics.allreduce_hook.timed_allreduce_hook` on it, or with
+        ``trace_allreduce`` and a CUDA model a :class:`TracedBucketTimer` (no hook).
+
+        Does nothing when the observer was built with ``time_allreduce=False``.
+
+        Raises:
+            RuntimeError: the model already has a communication hook (DDP allows one).
+        """
+        if not self.time_allreduce:
+            return
+        device_ids = getattr(ddp_model, "device_ids", None)
+        use_cuda = bool(device_ids) or _params_on_cuda(ddp_model)
+        timer: AllreduceTimer | TracedBucketTimer
+        if self.trace_allreduce and use_cuda:
+            timer = TracedBucketTimer(ddp_model)
+        else:
+            if self.trace_allreduce:
+                log.warning("%s=trace times NCCL collectives only; this model is on the CPU, so its "
+                            "buckets are timed by the allreduce timing hook", ALLREDUCE_TIMING_ENV)  # fmt: skip
+            timer = AllreduceTimer(getattr(ddp_model, "process_group", None), use_cuda=use_cuda)
+            ddp_model.register_comm_hook(timer, timed_allreduce_hook)
+        self.attach_timer(timer)
+
+    def attach_timer(self, timer: AllreduceTimer | TracedBucketTimer) -> None:
+        """Read bucket timings from ``timer`` from now on (:meth:`wrap_ddp` makes it; tests too)."""
+        # A new model's timer numbers its backward passes from 0: what was reported for the
+        # previous one is absorbed under the old numbers, its unpaired timings are dropped.
+        self._absorb_steps()
+        if isinstance(self._timer, TracedBucketTimer):
+            self._timer.remove()
+        self._expect = 0
+        self._open.clear()
+        self._step_durations.clear()
+        self._pending.clear()
+        self._timer = timer
+
+
+def _params_on_cuda(model: Any) -> bool:
+    for param in model.parameters():
+        return bool(param.is_cuda)
+    return False
+
+
+_process_observer: tuple[int, PrometheusObserver] | None = None
+
+
+def worker_observer() -> PrometheusObserver:
+    """The metrics observer of this worker process, created on first use.
+
+    One per process: two observers writing the same multiprocess file would overwrite each
+    other's counters. Labels come from torchrun's environment (:meth:`WorkerLabels.from_env`).
+
+    ``ELASTIC_TRAINER_METRICS_ALLREDUCE`` chooses how allreduces are timed (see
+    :data:`ALLREDUCE_TIMING_ENV`); ``trace`` turns the flight recorder on in this process's
+    environment, so call this before the process group is created.
+
+    Raises:
+        MetricsError: ``ELASTIC_TRAINER_METRICS_ALLREDUCE`` is not a mode;
+            ``PROMETHEUS_MULTIPROC_DIR`` is unset, not a directory, or was set only
+            after prometheus-client was imported, so nothing would reach the node endpoint.
+    """
+    global _process_observer
+    if _process_observer is not None and _process_observer[0] == os.getpid():
+        return _process_observer[1]
+    directory = os.environ.get(MULTIPROC_DIR_ENV, "")
+    if not directory:
+        raise MetricsError(
+            f"worker metrics need {MULTIPROC_DIR_ENV}: start the job with `elastic-trainer run` "
+            "(its launcher creates the directory and serves it) or unset ELASTIC_TRAINER_METRICS"
+        )
+    if not os.path.isdir(directory):
+        raise MetricsError(f"{MULTIPROC_DIR_ENV}={directory} is not a directory")
+    if prometheus_values.ValueClass is prometheus_values.MutexValue:
+        raise MetricsError(
+            f"prometheus_client was imported before {MULTIPROC_DIR_ENV} was set, so this "
+            "process would keep its metrics in memory; set it in the environment before Python "
+            "starts"
+        )
+    mode = allreduce_timing_mode()
+    if mode == "trace":
+        trace_environment(os.environ)  # before the process group: the recorder reads its size once
+    observer = PrometheusObserver(labels=WorkerLabels.from_env(), time_allreduce=mode != "off",
+                                  trace_allreduce=mode == "trace")  # fmt: skip
+    _process_observer = (os.getpid(), observer)
+    atexit.register(observer.flush)  # the last interval's steps (a SIGKILL still loses them)
+    log.debug("worker metrics for rank %d write to %s", observer.labels.rank, directory)
+    return observer

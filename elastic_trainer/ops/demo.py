@@ -1,0 +1,354 @@
+"""``elastic-trainer demo``: two nodes on this machine, a real etcd, real faults, and the recovery.
+
+    elastic-trainer demo                 # about 90 s
+    elastic-trainer demo --max-steps 300 # shorter
+
+It starts a standalone etcd and node ``a`` (``elastic-trainer run --nnodes 1:2``, two workers) on
+the example job, then, at fixed fractions of the run: node ``b`` joins (the group grows to four
+workers), a worker of node ``a`` is SIGKILLed (the group heals from the just-in-time checkpoint),
+and node ``b`` leaves with SIGTERM (a scale-down: it checkpoints and the group shrinks). Nothing is
+staged: the faults are real signals to real processes, and every figure in the closing summary is
+read from the workers' own sample records (``--record-samples``) and checkpoints. The nodes' full
+logs go to ``<dir>/logs``; the console shows the demo's narrative and the nodes' key lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from elastic_trainer.runtime.sample_log import (
+    Generation,
+    committed_history,
+    generations,
+    read_records,
+)
+
+PROG = "elastic-trainer demo"
+SHOWN = ("INFO elastic_trainer.train.trainer: step ", "restarting the worker group", "resumed from", "received SIGTERM",
+         "job failed", "training finished", "error:", "node metrics on", "waiting for nodes")
+"""Node output lines echoed to the console (everything goes to the node's log file)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoSettings:
+    """The demo's knobs (the command-line options of the same names)."""
+
+    max_steps: int = 1200
+    """Optimizer steps in all; the faults come at fixed fractions of it."""
+    throttle_ms: float = 45.0
+    """Sleep after every step, so the run lasts long enough to watch."""
+    directory: Path = Path("runs/demo")
+    """Checkpoints, sample records and logs go here (cleared at start)."""
+    metrics_port: int = 9400
+    """Node a's metrics port; node b uses the next one. 0: metrics off."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 100:
+            raise ValueError(f"--max-steps: at least 100 (the faults need room), got {self.max_steps}")
+        if self.throttle_ms < 0:
+            raise ValueError(f"--throttle-ms: must be >= 0, got {self.throttle_ms}")
+        if not 0 <= self.metrics_port <= 65534:
+            raise ValueError(f"--metrics-port: must be 0..65534, got {self.metrics_port}")
+
+
+@dataclass
+class FaultRecord:
+    """One fault and how the job came back from it."""
+
+    name: str
+    at_unix: float
+    at_step: int
+    recovered_s: float | None = None
+    steps_lost: int | None = None
+
+
+@dataclass
+class Node:
+    """One ``elastic-trainer run`` process and its output."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    log: IO[str]
+    echo: Callable[[str], None]
+    lines: list[str] = field(default_factory=list)
+    stopping: bool = False
+    """The demo signalled it to stop: its exit is expected."""
+    _last: tuple[str, float] = ("", 0.0)
+
+    def pump(self) -> None:
+        """Reader thread: every line to the log, the key ones to the console."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.write(line)
+            self.log.flush()
+            self.lines.append(line)
+            if any(marker in line for marker in SHOWN):
+                short = _short(line.rstrip())
+                message = short.split(": ", 1)[-1]
+                now = time.monotonic()
+                if message == self._last[0] and now - self._last[1] < 2.0:
+                    continue  # every rank says it: once is enough on the console
+                self._last = (message, now)
+                self.echo(f"[node {self.name}] {short}")
+
+
+_RUNTIME_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ \[rank (\d+)\] [A-Z]+ [\w.]+: (.*)$")
+
+
+def _short(line: str) -> str:
+    """``rank R: message`` for a runtime log line (timestamp, level and logger dropped)."""
+    match = _RUNTIME_LINE.match(line)
+    return f"rank {match.group(1)}: {match.group(2)}" if match else line
+
+
+class Demo:
+    """Runs the scenario; see the module docstring."""
+
+    def __init__(self, settings: DemoSettings, *, out: IO[str] = sys.stdout) -> None:
+        self.settings = settings
+        self.out = out
+        self.dir = settings.directory.resolve()
+        self.samples = self.dir / "samples"
+        self.checkpoints = self.dir / "checkpoints"
+        self.logs = self.dir / "logs"
+        self.nodes: dict[str, Node] = {}
+        self.faults: list[FaultRecord] = []
+        self._lock = threading.Lock()
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            print(text, file=self.out, flush=True)
+
+    # -- processes ---------------------------------------------------------------------------------
+    def start_node(self, name: str, endpoint: str, run_id: str, port: int) -> Node:
+        s = self.settings
+        cmd = [
+            sys.executable, "-m", "elastic_trainer.cli", "run", "--nnodes", "1:2", "--nproc-per-node", "2",
+            "--device", "cpu", "--rdzv-endpoint", endpoint, "--run-id", run_id, "--metrics-port", str(port),
+            "--metrics-addr", "127.0.0.1", "--max-restarts", "5",
+            "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", str(s.max_steps), "--epochs", "1000",
+            "--global-batch-size", "64", "--checkpoint-dir", str(self.checkpoints), "--checkpoint-every", "100",
+            "--seed", "0", "--throttle-ms", str(s.throttle_ms), "--record-samples", str(self.samples),
+            "--log-every", "50",
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        log = open(self.logs / f"node-{name}.log", "w", encoding="utf-8")  # noqa: SIM115 - closed in stop_all
+        log.write("$ " + " ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        node = Node(name, proc, log, self.say)
+        threading.Thread(target=node.pump, name=f"node-{name}", daemon=True).start()
+        self.nodes[name] = node
+        return node
+
+    def stop_all(self) -> None:
+        for node in self.nodes.values():
+            if node.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    node.proc.send_signal(signal.SIGTERM)
+        for node in self.nodes.values():
+            try:
+                node.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+            node.log.close()
+
+    # -- progress, read from the workers' own records -------------------------------------------------
+    def generations(self) -> list[Generation]:
+        return generations(self.samples)
+
+    def step(self) -> int:
+        return max((g.last_step for g in self.generations()), default=0)
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            failed = [n for n in self.nodes.values() if n.proc.poll() not in (None, 0) and not n.stopping]
+            if failed:
+                raise RuntimeError(f"node {failed[0].name} exited with {failed[0].proc.returncode} while waiting for "
+                                   f"{what}; see {self.logs}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}; see {self.logs}")
+            time.sleep(0.05)
+
+    def measure(self, fault: FaultRecord, before: int) -> None:
+        """Recovery of ``fault``: a new generation's first completed step after it; steps lost."""
+
+        def recovered() -> Generation | None:
+            for gen in self.generations()[before:]:
+                if gen.started_unix >= fault.at_unix - 1 and any(t > fault.at_unix for t in gen.done_times.values()):
+                    return gen
+            return None
+
+        self.wait_until(lambda: recovered() is not None, f"recovery from: {fault.name}")
+        gen = recovered()
+        assert gen is not None
+        first = min(t for t in gen.done_times.values() if t > fault.at_unix)
+        fault.recovered_s = first - fault.at_unix
+        previous = self.generations()[before - 1] if before > 0 else None
+        fault.steps_lost = max(0, previous.last_step - gen.resumed_step) if previous else 0
+        self.say(f"[demo]   recovered: step {gen.resumed_step + 1} done {fault.recovered_s:.1f} s after the fault, "
+                 f"world of {gen.world_size} workers, {fault.steps_lost} step(s) lost")
+
+    # -- the scenario -------------------------------------------------------------------------------
+    def run(self) -> int:
+        from rendezvous.etcd_server import EtcdServer
+
+        s = self.settings
+        for sub in (self.samples, self.checkpoints, self.logs):
+            if sub.exists():
+                import shutil
+
+                shutil.rmtree(sub)
+            sub.mkdir(parents=True)
+        ports = _ports(s.metrics_port)
+        self.say(f"{PROG}: 2 nodes x 2 workers on this machine, a real etcd, real faults; "
+                 f"{s.max_steps} steps (--max-steps shortens it)")
+        etcd = EtcdServer.single(self.dir / "etcd")
+        etcd.start()
+        run_id = f"demo-{os.getpid()}"
+        try:
+            self.say(f"[demo] etcd on {etcd.endpoint}; run id {run_id}; checkpoints in {self.checkpoints}")
+            if ports[0]:
+                self.say(f"[demo] live view: elastic-trainer top --url http://127.0.0.1:{ports[0]}/metrics "
+                         f"--url http://127.0.0.1:{ports[1]}/metrics   (in another terminal)")
+            self.say("[demo] node a starts (elastic: 1 to 2 nodes, 2 workers each)")
+            self.start_node("a", etcd.endpoint, run_id, ports[0])
+            join_at, kill_at, leave_at = (int(s.max_steps * f) for f in (0.15, 0.45, 0.70))
+
+            self.wait_until(lambda: self.step() >= join_at, f"step {join_at}")
+            before = len(self.generations())
+            join = FaultRecord("node b joins (scale-up)", time.time(), self.step())
+            self.faults.append(join)
+            self.say(f"[demo] node b joins at step {join.at_step}")
+            self.start_node("b", etcd.endpoint, run_id, ports[1])
+            self.measure(join, before)
+
+            self.wait_until(lambda: self.step() >= kill_at, f"step {kill_at}")
+            before = len(self.generations())
+            newest = self.generations()[-1]
+            rank = 1 if 1 in newest.pids else min(newest.pids)
+            kill = FaultRecord(f"worker SIGKILL (rank {rank}, node a)", time.time(), self.step())
+            self.faults.append(kill)
+            self.say(f"[demo] SIGKILL worker rank {rank} (pid {newest.pids[rank]}) at step {kill.at_step}")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(newest.pids[rank], signal.SIGKILL)
+            self.measure(kill, before)
+
+            self.wait_until(lambda: self.step() >= leave_at, f"step {leave_at}")
+            before = len(self.generations())
+            leave = FaultRecord("node b leaves (SIGTERM, scale-down)", time.time(), self.step())
+            self.faults.append(leave)
+            self.say(f"[demo] SIGTERM node b at step {leave.at_step} (preemption / scale-down)")
+            self.nodes["b"].stopping = True
+            self.nodes["b"].proc.send_signal(signal.SIGTERM)
+            self.measure(leave, before)
+
+            self.wait_until(lambda: self.nodes["a"].proc.poll() is not None, "the end of training", timeout=600)
+            code = self.nodes["a"].proc.wait()
+            time.sleep(0.2)  # the reader thread's last lines
+            self.summary(code, ports)
+            return 0 if code == 0 else 1
+        finally:
+            self.stop_all()
+            etcd.stop()
+            import shutil
+
+            shutil.rmtree(self.dir / "etcd", ignore_errors=True)
+
+    def summary(self, code: int, ports: Sequence[int]) -> None:
+        history = committed_history(read_records(self.samples))
+        steps_once = sorted(history) == list(range(1, self.settings.max_steps + 1))
+        by_epoch: dict[int, list[int]] = {}
+        for records in history.values():
+            for record in records:
+                by_epoch.setdefault(record["epoch"], []).extend(record["indices"])
+        repeated = sum(len(indices) - len(set(indices)) for indices in by_epoch.values())
+        newest = sorted(self.checkpoints.glob("ckpt-*.pt"))
+        self.say("")
+        self.say(f"{PROG}: summary")
+        self.say(f"  {'fault':<38} {'recovered in':>12}  {'steps lost':>10}")
+        for fault in self.faults:
+            recovered = "-" if fault.recovered_s is None else f"{fault.recovered_s:.1f} s"
+            lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
+            self.say(f"  {fault.name:<38} {recovered:>12}  {lost:>10}")
+        self.say(f"  training: {'finished' if code == 0 else f'FAILED (exit {code})'}, {len(history)} steps "
+                 f"committed ({'each once' if steps_once else 'NOT each once'}), "
+                 f"{sum(len(v) for v in by_epoch.values())} samples, {repeated} seen twice within an epoch")
+        if newest:
+            self.say(f"  checkpoints: {self.checkpoints} (newest {newest[-1].name})")
+        if ports[0]:
+            self.say(f"  metrics were served at http://127.0.0.1:{ports[0]}/metrics (node a) and "
+                     f"http://127.0.0.1:{ports[1]}/metrics (node b)")
+        self.say(f"  node logs: {self.logs}")
+
+
+def _ports(first: int) -> tuple[int, int]:
+    """Node a's and b's metrics ports: ``first`` and the next, or free ones if those are taken."""
+    if first == 0:
+        return 0, 0
+    from rendezvous.etcd_server import free_port
+
+    wanted = (first, first + 1)
+    if all(_port_free(port) for port in wanted):
+        return wanted
+    return free_port(), free_port()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = DemoSettings()
+    parser.add_argument("--max-steps", type=int, default=int(os.environ.get("MAX_STEPS", defaults.max_steps)),
+                        help=f"steps in all (default {defaults.max_steps}, or $MAX_STEPS)")
+    parser.add_argument("--throttle-ms", type=float, default=defaults.throttle_ms, help="sleep after every step")
+    parser.add_argument("--dir", type=Path, default=Path(os.environ.get("DEMO_DIR", str(defaults.directory))),
+                        help=f"where checkpoints and logs go (default {defaults.directory}, or $DEMO_DIR)")
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", defaults.metrics_port)),
+                        help="node a's metrics port, node b's is the next (0: off; default 9400 or $METRICS_PORT)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        settings = DemoSettings(max_steps=args.max_steps, throttle_ms=args.throttle_ms, directory=args.dir,
+                                metrics_port=args.metrics_port)
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return Demo(settings).run()
+    except RuntimeError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

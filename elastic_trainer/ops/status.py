@@ -1,0 +1,311 @@
+"""``elastic-trainer status``: what the rendezvous of a run looks like in etcd right now.
+
+    elastic-trainer status --rdzv-endpoint etcd:2379 --run-id job1 --checkpoint-dir /ckpt --json
+
+Two handlers can own a run, and both are read over one etcd connection:
+
+- the lease handler (``rendezvous.lease_handler``, the default for ``etcd-v3``): its round state
+  is JSON, each node's address and pid come from the value stored with its node key, and each
+  node's lease shows how long ago it last kept itself alive;
+- torch's dynamic handler (``--rdzv-conf handler=dynamic``): a pickled ``_RendezvousState``,
+  read with an unpickler that admits only the classes that state is made of, so a tampered key
+  cannot run code in the operator's shell.
+
+Each node is shown with its name, ``{short host}-{agent pid}`` (:mod:`elastic_trainer.metrics.node_name`),
+the ``node`` label of its metrics. The job's progress (step and target, ETA, throughput, world
+size) and its last error come from the keys the launchers publish
+(:mod:`elastic_trainer.launch.progress_publisher`); the ETA is (target - step) / steps per second.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elastic_trainer.launch.options import UserError
+from elastic_trainer.metrics.node_name import node_name
+from elastic_trainer.metrics.progress import eta_seconds, format_duration
+
+if TYPE_CHECKING:  # imported where used: they pull in torch and etcd3
+    from elastic_trainer.launch.progress_publisher import ErrorRecord, ProgressRecord
+    from rendezvous.etcd_client import EtcdConnection
+    from rendezvous.lease_handler import RunKeys, Snapshot
+
+_ALLOWED_CLASSES = {
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+    ("datetime", "datetime"),
+    ("datetime", "timedelta"),
+    ("datetime", "timezone"),
+    ("builtins", "set"),
+    ("builtins", "dict"),
+}
+
+
+class _StateUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED_CLASSES:
+            raise pickle.UnpicklingError(f"unexpected class {module}.{name} in rendezvous state")
+        return super().find_class(module, name)
+
+
+def decode_state(raw: bytes) -> Any:
+    """Unpickle a rendezvous state, admitting only its own classes."""
+    return _StateUnpickler(io.BytesIO(raw)).load()
+
+
+def _node(node: Any) -> dict[str, Any]:
+    return {"node": f"{node.addr}_{node.pid}_{node.local_id}", "name": node_name(node.addr, node.pid),
+            "addr": node.addr, "pid": node.pid}
+
+
+def describe_state(state: Any, now: datetime) -> dict[str, Any]:
+    """A JSON-ready view of a ``_RendezvousState`` (``now``: an aware UTC datetime)."""
+    heartbeats = state.last_heartbeats
+    participants = []
+    for node, rank in sorted(state.participants.items(), key=lambda item: item[1]):
+        beat = heartbeats.get(node)
+        if beat is not None and beat.tzinfo is None:  # older torch wrote naive UTC times
+            beat = beat.replace(tzinfo=timezone.utc)
+        participants.append(
+            {**_node(node), "rank": rank,
+             "heartbeat_age_s": None if beat is None else round((now - beat).total_seconds(), 1)}
+        )
+    return {
+        "handler": "dynamic",
+        "round": state.round,
+        "complete": state.complete,
+        "closed": state.closed,
+        "participants": participants,
+        "waiting": [_node(n) for n in sorted(state.wait_list, key=str)],
+        "redundant": [_node(n) for n in sorted(state.redundancy_list, key=str)],
+    }
+
+
+def _lease_node(node: str, value: bytes | None) -> dict[str, Any]:
+    """``node`` with the address and pid its node key stores (``NodeInfo``).
+
+    A node whose key is gone (its lease expired) or holds no valid value has only its id; the
+    lease handler builds ids as ``ADDR_PID_SUFFIX``, so they are read from it as a best effort.
+    """
+    from rendezvous.lease_handler import NodeInfo
+
+    info = NodeInfo.decode(value)
+    if info is not None:
+        return {"node": node, "name": node_name(info.addr, info.pid), "addr": info.addr, "pid": info.pid}
+    parts = node.rsplit("_", 2)
+    addr = parts[0] if len(parts) == 3 else node
+    pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+    return {"node": node, "name": node_name(addr, pid), "addr": addr, "pid": pid}
+
+
+def describe_lease_state(snapshot: Snapshot, lease_ages: dict[str, float | None]) -> dict[str, Any]:
+    """A JSON-ready view of the lease handler's state (``rendezvous.lease_handler``); its state must be set."""
+    state = snapshot.state
+    if state is None:
+        raise ValueError("snapshot: the run has no lease rendezvous state")
+    values = snapshot.node_values
+    participants = [
+        {**_lease_node(node, values.get(node)), "rank": rank, "alive": node in snapshot.live,
+         "heartbeat_age_s": lease_ages.get(node)}
+        for rank, node in enumerate(state.participants)
+    ]
+    in_round = set(state.participants)
+    waiting = [n for n in snapshot.joined.get(state.round, []) if n not in in_round]
+    waiting += [n for n in sorted(snapshot.live) if n not in in_round and n not in waiting]
+    return {
+        "handler": "lease",
+        "round": state.round,
+        "complete": state.status == "complete",
+        "closed": state.status == "closed",
+        "participants": participants,
+        "waiting": [_lease_node(n, values.get(n)) for n in waiting],
+        "redundant": [],
+    }
+
+
+def _read_lease_status(connection: EtcdConnection, keys: RunKeys) -> dict[str, Any] | None:
+    """The lease handler's view of the run at ``keys``; ``None`` if it has no state there."""
+    from rendezvous.lease_handler import read_snapshot
+
+    snapshot = read_snapshot(connection, keys)
+    if snapshot.state is None:
+        return None
+    ages: dict[str, float | None] = {}
+
+    def lease_info(lease_id: int) -> Any:
+        return connection.call(lambda client: client.get_lease_info(lease_id), what="a lease read")
+
+    for node, lease_id in snapshot.leases.items():
+        info = lease_info(lease_id)
+        # keep-alives run every TTL/3, so the time since the last one is granted - remaining
+        ages[node] = float(info.grantedTTL - info.TTL) if info.TTL > 0 else None
+    return describe_lease_state(snapshot, ages)
+
+
+def newest_checkpoint(directory: str) -> dict[str, Any] | None:
+    from elastic_trainer.checkpoint.files import find_latest
+
+    path = Path(directory)
+    if not path.is_dir():
+        raise UserError(f"--checkpoint-dir {directory}: not a directory")
+    info = find_latest(path)
+    if info is None:
+        return None
+    created = datetime.fromtimestamp(info.manifest.created_unix, timezone.utc)
+    return {
+        "path": str(info.path),
+        "step": info.step,
+        "epoch": info.manifest.epoch,
+        "age_s": round((datetime.now(timezone.utc) - created).total_seconds(), 1),
+    }
+
+
+def describe_progress(
+    record: ProgressRecord | None, error: ErrorRecord | None, now_unix: float
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """JSON-ready views of the published progress and last error, with ages as of ``now_unix``
+    and the ETA, (target - step) / steps per second."""
+    progress = None
+    if record is not None:
+        def age(unix: float | None) -> float | None:
+            return None if unix is None else round(max(0.0, now_unix - unix), 1)
+
+        step, total = record.step, record.total_steps
+        progress = {
+            "step": step,
+            "total_steps": total,
+            "percent": None if step is None or not total else round(100.0 * step / total, 1),
+            "eta_s": _rounded(eta_seconds(step, total, record.steps_per_s)),
+            "world_size": record.world_size,
+            "samples_per_s": _rounded(record.samples_per_s),
+            "steps_per_s": _rounded(record.steps_per_s, 3),
+            "step_time_p50_s": _rounded(record.step_time_p50_s, 4),
+            "loss": record.loss,
+            "lr": record.lr,
+            "restarts": record.restarts,
+            "last_step_age_s": age(record.last_step_unix),
+            "last_checkpoint_step": record.last_checkpoint_step,
+            "last_checkpoint_age_s": age(record.last_checkpoint_unix),
+            "published_by": record.node,
+            "published_age_s": age(record.published_unix),
+        }
+    last_error = None
+    if error is not None:
+        last_error = {"text": error.text, "node": error.node, "age_s": round(max(0.0, now_unix - error.unix), 1)}
+    return progress, last_error
+
+
+def _rounded(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoint_dir: str | None) -> dict[str, Any]:
+    """Everything ``status`` shows, as a dict.
+
+    Raises:
+        UserError: bad endpoint or settings, unreachable etcd, unreadable state.
+    """
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousParameters,
+        RendezvousStateError,
+    )
+
+    from elastic_trainer.launch.progress_publisher import ProgressKeys, read_progress
+    from rendezvous.etcd_backend import EtcdV3RendezvousBackend, client_config_from_params
+    from rendezvous.etcd_client import EtcdConnection, quiet_retries
+    from rendezvous.lease_handler import RunKeys
+
+    params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **rdzv_conf)
+    try:
+        keys = RunKeys.from_params(params)
+        progress_keys = ProgressKeys(keys.key_prefix, run_id)
+        connection = EtcdConnection(client_config_from_params(params))
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    # One connection for both handlers' keys: the lease handler's first, then the dynamic one's.
+    try:
+        with quiet_retries():
+            lease_view = _read_lease_status(connection, keys)
+            found = None
+            if lease_view is None:
+                found = EtcdV3RendezvousBackend(connection, run_id, key_prefix=keys.key_prefix).get_state()
+            record, error = read_progress(connection, progress_keys)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    except (RendezvousConnectionError, RendezvousStateError) as exc:
+        raise UserError(f"cannot read the rendezvous of {run_id!r}: {exc}") from exc
+    finally:
+        connection.close()
+    report: dict[str, Any] = {"run_id": run_id, "endpoint": endpoint,
+                              "found": found is not None or lease_view is not None}
+    if lease_view is not None:
+        report.update(lease_view)
+    elif found is not None:
+        try:
+            state = decode_state(found[0])
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+            raise UserError(f"the rendezvous state of {run_id!r} is unreadable: {exc}") from exc
+        report.update(describe_state(state, datetime.now(timezone.utc)))
+    report["progress"], report["last_error"] = describe_progress(record, error, time.time())
+    if checkpoint_dir is not None:
+        report["checkpoint"] = newest_checkpoint(checkpoint_dir)
+    return report
+
+
+def render_status(report: dict[str, Any]) -> str:
+    """Human-readable lines of a status report."""
+    lines = [f"run {report['run_id']} on etcd {report['endpoint']}"]
+    if not report["found"]:
+        lines.append("  no rendezvous state (the run has not started, or its state expired)")
+    else:
+        flags = ("closed" if report["closed"] else "open") + (", complete" if report["complete"] else ", forming")
+        lines.append(f"  round {report['round']} ({flags}), {len(report['participants'])} participant(s)")
+        for p in report["participants"]:
+            age = "?" if p["heartbeat_age_s"] is None else f"{p['heartbeat_age_s']}s"
+            lines.append(f"    rank {p['rank']:>3}  {p['name']:<24} heartbeat {age:>6} ago  ({p['node']})")
+        lines.append(f"  waiting: {', '.join(n['name'] for n in report['waiting']) or 'none'}")
+        if report["redundant"]:
+            lines.append(f"  redundant: {', '.join(n['name'] for n in report['redundant'])}")
+    lines.extend(render_progress(report.get("progress"), report.get("last_error")))
+    if "checkpoint" in report:
+        ckpt = report["checkpoint"]
+        lines.append(
+            "  newest checkpoint: none" if ckpt is None
+            else f"  newest checkpoint: step {ckpt['step']} (epoch {ckpt['epoch']}), {ckpt['age_s']}s old, {ckpt['path']}"
+        )
+    return "\n".join(lines)
+
+
+def render_progress(progress: dict[str, Any] | None, last_error: dict[str, Any] | None) -> list[str]:
+    """The progress and last-error lines of ``status`` (see :func:`describe_progress`)."""
+    lines = []
+    if progress is None:
+        lines.append("  progress: none published (no training rank 0 right now, or metrics are off)")
+    else:
+        total = progress["total_steps"]
+        step = "?" if progress["step"] is None else str(progress["step"])
+        of = f"step {step} / {total} ({progress['percent']}%)" if total else f"step {step} (no target)"
+        rate = progress["samples_per_s"]
+        lines.append(
+            f"  progress: {of}, ETA {format_duration(progress['eta_s'])}, "
+            f"{'-' if rate is None else f'{rate:.1f}'} samples/s, world size {progress['world_size'] or '?'}"
+        )
+        loss, lr = progress["loss"], progress["lr"]
+        lines.append(
+            f"    last step {format_duration(progress['last_step_age_s'])} ago, "
+            f"loss {'-' if loss is None else f'{loss:.4g}'}, lr {'-' if lr is None else f'{lr:.3g}'}, "
+            f"restarts {'-' if progress['restarts'] is None else progress['restarts']}; "
+            f"published {format_duration(progress['published_age_s'])} ago by {progress['published_by']}"
+        )
+    if last_error is None:
+        lines.append("  last error: none")
+    else:
+        lines.append(f"  last error: {last_error['text']} ({last_error['node']}, "
+                     f"{format_duration(last_error['age_s'])} ago)")
+    return lines

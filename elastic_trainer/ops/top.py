@@ -1,0 +1,370 @@
+"""``elastic-trainer top``: a live view of a job, read from its nodes' metrics endpoints.
+
+    python -m elastic_trainer.ops.top                                  # this node, 127.0.0.1:9400
+    python -m elastic_trainer.ops.top --url node-0:9400 --url node-1:9400 --interval 5
+    python -m elastic_trainer.ops.top --once --json                    # one frame, for scripts
+
+Every ``--interval`` seconds it reads every endpoint (in parallel, each within a timeout),
+merges their samples and redraws in place with plain ANSI sequences (the terminal's alternate
+screen; ``q`` or Ctrl-C quits). It shows the step and target, ETA, throughput, step time,
+world size, restarts, the ages of the last step and checkpoint, loss, learning rate and the
+slowest rank and node (:mod:`elastic_trainer.metrics.progress` computes all of them). Rates are taken
+over the frames of the last :data:`RATE_WINDOW_S` seconds; the first frame shows lifetime step
+times and no rates, and ``--once`` reads twice, ``--interval`` apart, to have them. An endpoint
+that cannot be read is listed as down and the others are still shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import select
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import IO, Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic_trainer.metrics.progress import (
+    ProgressView,
+    RateWindow,
+    Sample,
+    Snapshot,
+    format_duration,
+    progress_view,
+    samples_of,
+)
+
+PROG = "elastic-trainer top"
+DEFAULT_URL = "http://127.0.0.1:9400/metrics"
+DEFAULT_INTERVAL_S = 2.0
+RATE_WINDOW_S = 20.0
+"""Rates (steps/s, samples/s, step time, slowest rank) cover about this many seconds of frames."""
+MAX_FETCH_TIMEOUT_S = 5.0
+EXAMPLES = """examples:
+  elastic-trainer top                                  # this node's endpoint, 127.0.0.1:9400
+  elastic-trainer top --url node-0:9400 --url node-1:9400 --interval 5
+  elastic-trainer top --once --json                    # one frame for scripts
+
+q or Ctrl-C quits."""
+
+# Alternate screen on/off, cursor hidden/shown, cursor home, erase to line end / screen end.
+_ENTER, _LEAVE, _HOME, _EOL, _EOS = "\x1b[?1049h\x1b[?25l", "\x1b[?25h\x1b[?1049l", "\x1b[H", "\x1b[K", "\x1b[J"
+
+
+def normalize_url(text: str) -> str:
+    """``host:port`` or a URL without a path -> ``http://host:port/metrics``.
+
+    Raises:
+        ValueError: not an http(s) URL with a host.
+    """
+    raw = text.strip()
+    if "://" not in raw:
+        raw = "http://" + raw
+    parsed = urllib.parse.urlsplit(raw)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"--url {text!r}: expected host:port or http(s)://host:port/metrics")
+    try:
+        parsed.port  # noqa: B018 -- raises on a malformed port
+    except ValueError as exc:
+        raise ValueError(f"--url {text!r}: {exc}") from exc
+    path = parsed.path if parsed.path not in ("", "/") else "/metrics"
+    return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, parsed.query, ""))
+
+
+@dataclass(slots=True)
+class Scrape:
+    """One endpoint's answer: its samples, or why there are none."""
+
+    url: str
+    samples: list[Sample] | None = None
+    error: str | None = None
+    snapshot: Snapshot | None = field(default=None, repr=False)
+    """This endpoint's values alone (its node names, ranks and restarts)."""
+
+
+def fetch(url: str, timeout_s: float) -> Scrape:
+    """Read and parse one endpoint; errors become :attr:`Scrape.error` (one line)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            text = response.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as exc:
+        return Scrape(url, error=f"HTTP {exc.code} {exc.reason}")
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        return Scrape(url, error=getattr(reason, "strerror", None) or str(reason))
+    except (OSError, ValueError) as exc:  # timeouts, resets, bad responses
+        return Scrape(url, error=str(exc) or type(exc).__name__)
+    try:
+        samples = samples_of(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as exc:
+        return Scrape(url, error=f"not Prometheus text: {str(exc)[:80]}")
+    return Scrape(url, samples=samples)
+
+
+def scrape_all(urls: Sequence[str], timeout_s: float, *, read: Callable[[str, float], Scrape] = fetch) -> list[Scrape]:
+    """Read every endpoint in parallel (each within ``timeout_s``), in ``urls`` order."""
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(urls)))) as pool:
+        return list(pool.map(lambda url: read(url, timeout_s), urls))
+
+
+class TopModel:
+    """The frames' state: one rate window over the merged samples of every endpoint."""
+
+    def __init__(self, *, run_id: str | None = None, window_s: float = RATE_WINDOW_S) -> None:
+        self.run_id = run_id
+        self._window = RateWindow(span_s=window_s)
+
+    def update(self, scrapes: list[Scrape], taken_at: float) -> ProgressView:
+        merged: list[Sample] = []
+        for scrape in scrapes:
+            if scrape.samples is not None:
+                merged.extend(scrape.samples)
+                scrape.snapshot = Snapshot.from_samples(scrape.samples, taken_at=taken_at, run_id=self.run_id)
+        snapshot = Snapshot.from_samples(merged, taken_at=taken_at, run_id=self.run_id)
+        return progress_view(snapshot, self._window.add(snapshot))
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _bar(step: int, total: int, width: int = 30) -> str:
+    done = min(width, max(0, round(width * step / total))) if total > 0 else 0
+    return "[" + "#" * done + "." * (width - done) + "]"
+
+
+def render(
+    view: ProgressView, scrapes: list[Scrape], *, now_unix: float, interval_s: float | None, live: bool
+) -> list[str]:
+    """The lines of one frame (without terminal control sequences)."""
+    clock = datetime.fromtimestamp(now_unix).strftime("%H:%M:%S")
+    run = view.run_id or (", ".join(view.run_ids) + "  (several runs: pass --run-id)" if view.run_ids else "-")
+    head = f"elastic-trainer top   run {run}   {clock}"
+    if live and interval_s is not None:
+        head += f"   every {interval_s:g}s   q quits"
+    lines = [head, ""]
+    step, total = view.step, view.total_steps
+    if step is None:
+        lines.append("step        -   (no live worker reports a step)")
+    elif total:
+        lines.append(f"step        {step} / {total}   {100.0 * step / total:5.1f}%  {_bar(step, total)}")
+    else:
+        lines.append(f"step        {step} / ?   (the job reports no target)")
+    lines.append(f"ETA         {format_duration(view.eta_s):<14}  {_num(view.steps_per_s, '.2f')} steps/s")
+    rate = _num(view.samples_per_s, ".1f") + (" (est.)" if view.samples_estimated else "")
+    p50 = None if view.step_time_p50_s is None else view.step_time_p50_s * 1000.0
+    lines.append(f"throughput  {rate} samples/s   step time p50 {_num(p50, '.1f')} ms")
+    restarts = view.restarts
+    lines.append(f"world size  {view.world_size if view.world_size is not None else '-'}   "
+                 f"restarts {'-' if restarts is None else int(restarts)}")  # fmt: skip
+    last_step = None if view.last_step_unix is None else now_unix - view.last_step_unix
+    ckpt = "none"
+    if view.last_checkpoint_step is not None:
+        ckpt_age = None if view.last_checkpoint_unix is None else now_unix - view.last_checkpoint_unix
+        ckpt = f"step {view.last_checkpoint_step}, {format_duration(ckpt_age)} ago"
+    lines.append(f"last step   {'-' if last_step is None else format_duration(last_step) + ' ago'}   checkpoint {ckpt}")
+    lines.append(f"loss        {_num(view.loss, '.4g'):<14}  lr {_num(view.lr, '.4g')}")
+    slow = view.slowest
+    if slow is None:
+        lines.append("slowest     -   (needs two ranks with step times)")
+    else:
+        lines.append(f"slowest     rank {slow.rank} on {slow.node}: compute {slow.compute_s * 1000.0:.1f} ms/step, "
+                     f"{slow.vs_median:.2f}x the median")  # fmt: skip
+    up = sum(1 for s in scrapes if s.error is None)
+    lines += ["", f"endpoints   {up} of {len(scrapes)} up"]
+    for scrape in scrapes:
+        if scrape.error is not None:
+            lines.append(f"  DOWN  {scrape.url}: {scrape.error}")
+            continue
+        nodes = scrape.snapshot.nodes if scrape.snapshot is not None else {}
+        if not nodes:
+            lines.append(f"  up    {scrape.url}: no training metrics yet")
+        for name, stats in nodes.items():
+            ranks = ",".join(map(str, stats.ranks)) or "none live"
+            restarts_text = "-" if stats.restarts is None else str(int(stats.restarts))
+            lines.append(f"  up    {name:<24} ranks {ranks:<12} restarts {restarts_text:<4} {scrape.url}")
+    return lines
+
+
+def frame_json(view: ProgressView, scrapes: list[Scrape], now_unix: float) -> dict[str, Any]:
+    """``--once --json``: the view plus each endpoint's state."""
+    out = view.to_dict()
+    out["last_step_age_s"] = None if view.last_step_unix is None else round(now_unix - view.last_step_unix, 3)
+    out["last_checkpoint_age_s"] = (
+        None if view.last_checkpoint_unix is None else round(now_unix - view.last_checkpoint_unix, 3)
+    )
+    out["endpoints"] = [{"url": s.url, "up": s.error is None, "error": s.error} for s in scrapes]
+    return out
+
+
+@contextlib.contextmanager
+def _keys(stdin: IO[str] | None) -> Iterator[int | None]:
+    """Single keys from a terminal on stdin (cbreak mode, restored on exit); ``None`` otherwise."""
+    if stdin is None or not stdin.isatty():
+        yield None
+        return
+    import termios
+    import tty
+
+    fd = stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    try:
+        yield fd
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _wait_for_quit(fd: int | None, timeout_s: float, sleep: Callable[[float], None]) -> bool:
+    """Wait up to ``timeout_s``; True if ``q`` was pressed."""
+    if fd is None:
+        sleep(timeout_s)
+        return False
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            data = os.read(fd, 64)
+            if not data or b"q" in data.lower():
+                return True
+    return False
+
+
+def run_top(
+    urls: Sequence[str],
+    *,
+    interval_s: float = DEFAULT_INTERVAL_S,
+    once: bool = False,
+    stream: IO[str] | None = None,
+    run_id: str | None = None,
+    as_json: bool = False,
+    stdin: IO[str] | None = None,
+    read: Callable[[str, float], Scrape] = fetch,
+    clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Show the job behind ``urls`` until ``q`` or Ctrl-C (or one frame with ``once``).
+
+    Returns:
+        The exit code: 0; with ``once``, 1 when no endpoint could be read.
+
+    Raises:
+        ValueError: a bad URL or interval.
+    """
+    if not interval_s > 0:
+        raise ValueError(f"--interval must be > 0 seconds, got {interval_s:g}")
+    if not urls:
+        raise ValueError("give at least one --url")
+    urls = [normalize_url(u) for u in urls]
+    out = stream if stream is not None else sys.stdout
+    model = TopModel(run_id=run_id)
+    timeout_s = min(MAX_FETCH_TIMEOUT_S, max(1.0, interval_s))
+
+    def frame() -> tuple[ProgressView, list[Scrape]]:
+        scrapes = scrape_all(urls, timeout_s, read=read)
+        return model.update(scrapes, clock()), scrapes
+
+    if once:
+        frame()
+        sleep(interval_s)
+        view, scrapes = frame()
+        if as_json:
+            out.write(json.dumps(frame_json(view, scrapes, wall_clock()), indent=2) + "\n")
+        else:
+            out.write("\n".join(render(view, scrapes, now_unix=wall_clock(), interval_s=None, live=False)) + "\n")
+        out.flush()
+        return 0 if any(s.error is None for s in scrapes) else 1
+
+    terminal = out.isatty()
+    with _keys(stdin if stdin is not None else sys.stdin) as fd:
+        if terminal:
+            out.write(_ENTER)
+        try:
+            while True:
+                started = clock()
+                view, scrapes = frame()
+                lines = render(view, scrapes, now_unix=wall_clock(), interval_s=interval_s, live=True)
+                if terminal:
+                    width = _terminal_width(out)
+                    out.write(_HOME + "".join(line[:width] + _EOL + "\n" for line in lines) + _EOS)
+                else:
+                    out.write("\n".join(lines) + "\n\n")
+                out.flush()
+                if _wait_for_quit(fd, max(0.0, interval_s - (clock() - started)), sleep):
+                    return 0
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            if terminal:
+                out.write(_LEAVE)
+                out.flush()
+
+
+def _terminal_width(out: IO[str]) -> int:
+    """The terminal's own width, read every frame (it may be resized). Not ``$COLUMNS`` first,
+    as ``shutil.get_terminal_size`` does: an exported COLUMNS is often stale."""
+    try:
+        columns = os.get_terminal_size(out.fileno()).columns
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        columns = 0
+    return columns or shutil.get_terminal_size().columns
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``top``'s options (also the ``elastic-trainer top`` subcommand's)."""
+    parser.add_argument("--url", action="append", default=None, metavar="URL",
+                        help=f"a node's metrics endpoint, host:port or a URL; repeat for each node "
+                             f"(default {DEFAULT_URL})")  # fmt: skip
+    parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
+                        help=f"seconds between frames (default {DEFAULT_INTERVAL_S:g})")  # fmt: skip
+    parser.add_argument("--run-id", default=None, help="show only this run (when endpoints serve several)")
+    parser.add_argument("--once", action="store_true", help="print one frame and exit (reads twice, --interval apart)")
+    parser.add_argument("--json", action="store_true", help="with --once: print the frame as JSON")
+
+
+def run_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
+    """Run with parsed :func:`add_arguments` options; returns the exit code (user mistakes: one
+    line on stderr, 2)."""
+    if args.json and not args.once:
+        print(f"{prog}: error: --json needs --once", file=sys.stderr)
+        return 2
+    try:
+        return run_top(args.url or [DEFAULT_URL], interval_s=args.interval, once=args.once,
+                       run_id=args.run_id, as_json=args.json)  # fmt: skip
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
+    """``python -m elastic_trainer.ops.top``; returns the exit code."""
+    parser = _Parser(prog=prog, description="Live view of a training job from its nodes' metrics endpoints.",
+                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(parser)
+    return run_args(parser.parse_args(argv), prog=prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

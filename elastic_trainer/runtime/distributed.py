@@ -1,0 +1,209 @@
+"""Process-group setup and teardown for workers started by torchrun (or by hand, single process).
+
+Reads ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` from torchrun's environment (the legacy
+``--local_rank`` / ``--local-rank`` argument of ``torch.distributed.launch`` is accepted too),
+picks ``cuda:LOCAL_RANK`` and NCCL when CUDA is present, the CPU and gloo otherwise, and creates the
+process group with a generous timeout (30 minutes by default) so that a slow rank is tolerated.
+
+The NCCL error-handling environment is made consistent with that timeout before the group exists:
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` tears a process down when a collective fails or exceeds the
+timeout (so the torchrun agent notices and restarts the group, instead of a hang),
+``TORCH_NCCL_BLOCKING_WAIT`` stays off (the two modes exclude each other), the watchdog monitor is
+on and its heartbeat timeout equals the collective timeout (it may kill a process whose watchdog
+thread is stuck, but never sooner than a stuck collective would). Values the user set are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+from collections.abc import Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.train.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+NCCL_ENABLE_MONITORING = "TORCH_NCCL_ENABLE_MONITORING"
+NCCL_HEARTBEAT_TIMEOUT_SEC = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
+
+
+@dataclass(frozen=True, slots=True)
+class DistEnv:
+    """Where this worker sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    restart_count: int
+    """``TORCHELASTIC_RESTART_COUNT``: how often this node's agent restarted the workers."""
+    launched: bool
+    """Started by a launcher (torchrun); ``False``: a single process run by hand."""
+    device: torch.device
+    backend: str
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def strip_local_rank_arg(argv: Sequence[str]) -> tuple[int | None, list[str]]:
+    """Remove a legacy ``--local_rank N`` / ``--local-rank=N`` from ``argv``.
+
+    ``torch.distributed.launch`` without ``--use-env`` passes it; torchrun sets ``LOCAL_RANK``.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None)
+    try:
+        known, rest = parser.parse_known_args(list(argv))
+    except SystemExit:
+        raise ConfigError("--local-rank: expects an integer") from None
+    return known.local_rank, rest
+
+
+def _env_int(environ: MutableMapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not an integer") from None
+
+
+def read_env(
+    *,
+    local_rank_arg: int | None = None,
+    backend: str | None = None,
+    environ: MutableMapping[str, str] | None = None,
+    cuda_devices: int | None = None,
+) -> DistEnv:
+    """Read the launcher's environment.
+
+    Args:
+        local_rank_arg: value of a legacy ``--local-rank`` argument (``LOCAL_RANK`` wins).
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL with CUDA, gloo without.
+        environ: defaults to ``os.environ``.
+        cuda_devices: visible CUDA devices; defaults to ``torch.cuda.device_count()``.
+
+    Raises:
+        ValueError: inconsistent or malformed variables, or LOCAL_RANK without a matching GPU.
+    """
+    environ = os.environ if environ is None else environ
+    cuda_devices = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    rank, world_size = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
+    local_rank = _env_int(environ, "LOCAL_RANK")
+    if local_rank is not None and local_rank_arg is not None and local_rank != local_rank_arg:
+        log.warning("LOCAL_RANK=%d and --local-rank=%d disagree; using LOCAL_RANK", local_rank, local_rank_arg)
+    if local_rank is None:
+        local_rank = local_rank_arg
+    launched = rank is not None or world_size is not None
+    if launched and (rank is None or world_size is None):
+        raise ConfigError("RANK and WORLD_SIZE must both be set (start workers with torchrun)")
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    local_rank = 0 if local_rank is None else local_rank
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"RANK={rank} is not within WORLD_SIZE={world_size}")
+    if local_rank < 0:
+        raise ConfigError(f"LOCAL_RANK: must be >= 0, got {local_rank}")
+    local_world_size = _env_int(environ, "LOCAL_WORLD_SIZE") or 1
+    restart_count = _env_int(environ, "TORCHELASTIC_RESTART_COUNT") or 0
+
+    if backend not in (None, "nccl", "gloo"):
+        raise ConfigError(f"backend: must be 'nccl' or 'gloo', got {backend!r}")
+    if backend is None:
+        backend = "nccl" if cuda_devices > 0 else "gloo"
+    if cuda_devices > 0:
+        if local_rank >= cuda_devices:
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank} but only {cuda_devices} CUDA device(s) are visible: start at most "
+                f"{cuda_devices} workers per node (--nproc-per-node) or fix CUDA_VISIBLE_DEVICES"
+            )
+        device = torch.device("cuda", local_rank)
+    else:
+        if backend == "nccl":
+            raise ConfigError("backend: 'nccl' needs CUDA devices; none are visible (use gloo on CPU)")
+        device = torch.device("cpu")
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        restart_count=restart_count,
+        launched=launched,
+        device=device,
+        backend=backend,
+    )
+
+
+def configure_nccl_environment(pg_timeout_s: float, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set NCCL watchdog / error-handling variables consistent with ``pg_timeout_s``.
+
+    Only fills in what the user left unset; warns about user settings that defeat the goal
+    (a dead rank must end in a process exit, not a hang). Returns what was set.
+    """
+    environ = os.environ if environ is None else environ
+    wanted = {
+        NCCL_ASYNC_ERROR_HANDLING: "1",
+        NCCL_ENABLE_MONITORING: "1",
+        NCCL_HEARTBEAT_TIMEOUT_SEC: str(math.ceil(pg_timeout_s)),
+    }
+    applied = {}
+    for name, value in wanted.items():
+        if name not in environ:
+            environ[name] = value
+            applied[name] = value
+    if environ.get(NCCL_ASYNC_ERROR_HANDLING) == "0" and environ.get(NCCL_BLOCKING_WAIT, "0") == "0":
+        log.warning(
+            "%s=0 without %s: a failed or timed-out NCCL collective leaves the process hanging "
+            "instead of exiting, so torchrun cannot restart the job", NCCL_ASYNC_ERROR_HANDLING, NCCL_BLOCKING_WAIT,
+        )
+    return applied
+
+
+def init_process_group(env: DistEnv, *, pg_timeout_s: float) -> None:
+    """Create the default process group for ``env`` (device selected first, as NCCL requires)."""
+    configure_nccl_environment(pg_timeout_s)
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    timeout = timedelta(seconds=pg_timeout_s)
+    if env.launched:
+        dist.init_process_group(backend=env.backend, timeout=timeout, rank=env.rank, world_size=env.world_size)
+    else:
+        # One process started by hand: no launcher, no MASTER_ADDR; an in-process store suffices.
+        dist.init_process_group(backend=env.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+    log.info(
+        "rank %d/%d (local %d) on %s, backend %s, collective timeout %.0f s",
+        env.rank, env.world_size, env.local_rank, env.device, env.backend, pg_timeout_s,
+    )
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group if one exists; never raises (it runs on error paths)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - cleanup after a failure must not mask the failure
+        log.warning("destroy_process_group failed", exc_info=True)
+
+
+@contextmanager
+def distributed_session(env: DistEnv, *, pg_timeout_s: float) -> Iterator[DistEnv]:
+    """``init_process_group`` on entry, ``destroy_process_group`` on every exit path."""
+    try:
+        init_process_group(env, pg_timeout_s=pg_timeout_s)
+        yield env
+    finally:
+        destroy_process_group()

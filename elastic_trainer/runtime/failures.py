@@ -1,0 +1,245 @@
+"""Worker failures: is it worth a restart? Classify, record for the launcher, report once.
+
+A worker that fails is one of three kinds (:class:`FailureClass`):
+
+* ``deterministic`` -- a restart cannot help: a script that does not compile or import, a bad
+  configuration, a checkpoint directory that belongs to another job, cannot be used, or is full,
+  an explicit exit with status 2 (the usage-error convention of argparse and shells);
+* ``transient`` -- a peer died, a collective failed or timed out, the node is being stopped:
+  restarting the group heals it;
+* ``error`` -- any other exception of the user's code. Restarted once; the launcher stops the job
+  when the same error (type, place and step) comes back after a restart.
+
+The classification travels in torchrun's own error file (``TORCHELASTIC_ERROR_FILE``, the file
+``@record`` writes), in torch's format plus an ``elastic_trainer`` section, so torchrun's root-cause
+report keeps working and ``elastic-trainer run`` (:mod:`elastic_trainer.launch.failure_policy`) decides
+from it. Under ``elastic-trainer run`` (:data:`ENV_LAUNCHER_REPORTS`) the launcher prints the root
+cause once, so a failing worker prints one line instead of a traceback per rank.
+
+Import-light on purpose: the worker entry point loads it only after a failure, and it never
+imports torch (it looks torch up in ``sys.modules``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+"""Where torchrun asks each worker to record its failure (read by the agent)."""
+ENV_LAUNCHER_REPORTS = "ELASTIC_TRAINER_REPORTS_FAILURES"
+"""Set by ``elastic-trainer run`` for its workers: the launcher prints root causes and tracebacks."""
+EXIT_DETERMINISTIC = 2
+"""Exit status of a worker that failed deterministically (the usage-error convention)."""
+EXIT_FAILED = 1
+_STEP_ATTR = "_elastic_trainer_step"
+
+
+class FailureClass(str, enum.Enum):
+    """Whether a restart can heal a failure (see the module docstring)."""
+
+    DETERMINISTIC = "deterministic"
+    TRANSIENT = "transient"
+    ERROR = "error"
+
+
+class DeterministicError(Exception):
+    """Base of errors no restart can fix (configuration, checkpoint directory, ...).
+
+    The runtime's own ones subclass it; user code may raise it (or a subclass) too.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class FailureReport:
+    """What one worker recorded about its failure."""
+
+    failure_class: FailureClass
+    summary: str
+    """One line: what went wrong, for people."""
+    signature: str
+    """Equal for the same error at the same place and step (the launcher's repeat check)."""
+    step: int | None
+    rank: int | None
+    time: float
+    traceback: str
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["failure_class"] = self.failure_class.value
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FailureReport:
+        return cls(
+            failure_class=FailureClass(data["failure_class"]),
+            summary=str(data["summary"]),
+            signature=str(data["signature"]),
+            step=None if data.get("step") is None else int(data["step"]),
+            rank=None if data.get("rank") is None else int(data["rank"]),
+            time=float(data["time"]),
+            traceback=str(data.get("traceback", "")),
+        )
+
+
+_COLLECTIVE_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo",
+                               "ProcessGroupNCCL", "NCCL error", "gloo/transport", "Broken pipe")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because a peer went away or timed out.
+
+    torch 2.13's gloo raises a plain ``RuntimeError`` ("... Connection closed by peer ...") from
+    collectives and from DDP's backward, not a ``DistError``; both are recognised.
+    """
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", None) if dist is not None else None
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _COLLECTIVE_FAILURE_MARKERS)
+
+
+def note_step(exc: BaseException, step: int) -> None:
+    """Record on ``exc`` the step it was raised in (the training loop calls this)."""
+    if getattr(exc, _STEP_ATTR, None) is None:
+        with contextlib.suppress(AttributeError):  # a type with __slots__: no step, still classified
+            setattr(exc, _STEP_ATTR, step)
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def message_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, without a C++ ``[file.cc:NN]`` prefix."""
+    text = str(exc).strip()
+    return _SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else ""
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (the message alone for the runtime's own errors)."""
+    line = message_line(exc)
+    if isinstance(exc, DeterministicError) and line:
+        return line
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+def classify(exc: BaseException) -> tuple[FailureClass, str]:
+    """The class of ``exc`` and a one-line summary of it."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code == EXIT_DETERMINISTIC:
+            return FailureClass.DETERMINISTIC, "the worker exited with status 2 (a usage error)"
+        return FailureClass.ERROR, f"the worker exited with status {code}"
+    if isinstance(exc, KeyboardInterrupt):
+        return FailureClass.TRANSIENT, "interrupted"
+    if is_collective_failure(exc):
+        cause = message_line(exc).split(". ")[0]  # gloo appends advice to its first sentence
+        return FailureClass.TRANSIENT, f"a collective failed (a peer died or timed out): {cause}"
+    if isinstance(exc, SyntaxError):
+        where = f" ({exc.filename}, line {exc.lineno})" if exc.filename else ""
+        return FailureClass.DETERMINISTIC, f"SyntaxError: {exc.msg}{where}"
+    if isinstance(exc, (ImportError, DeterministicError)):
+        return FailureClass.DETERMINISTIC, first_line(exc)
+    return FailureClass.ERROR, first_line(exc)
+
+
+def _signature(exc: BaseException, step: int | None) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+    return f"{type(exc).__module__}.{type(exc).__qualname__}@{where}#step={step}"
+
+
+def report_of(exc: BaseException, *, rank: int | None = None) -> FailureReport:
+    """Classify ``exc`` into a :class:`FailureReport` (with its traceback)."""
+    failure_class, summary = classify(exc)
+    step = getattr(exc, _STEP_ATTR, None)
+    if step is not None:
+        summary = f"{summary} (in step {step})"
+    return FailureReport(
+        failure_class=failure_class,
+        summary=summary,
+        signature=_signature(exc, step),
+        step=step,
+        rank=rank,
+        time=time.time(),
+        traceback="".join(traceback.format_exception(exc)),
+    )
+
+
+_recorded = False
+
+
+def record(report: FailureReport, *, environ: dict[str, str] | None = None) -> bool:
+    """Write ``report`` to torchrun's error file, once per process; False when there is none.
+
+    The file is torch's format (``ErrorHandler.record_exception``), so torchrun's own root-cause
+    report shows it, with ``errorTraits`` and an ``elastic_trainer`` section added.
+    """
+    global _recorded
+    path = (os.environ if environ is None else environ).get(ERROR_FILE_ENV)
+    if not path:
+        return False
+    if _recorded:
+        return True
+    data = {
+        "message": {
+            "message": report.summary,
+            "extraInfo": {"py_callstack": report.traceback, "timestamp": str(int(report.time))},
+        },
+        "errorTraits": {
+            "category": report.failure_class.value,
+            "retryability": str(report.failure_class is not FailureClass.DETERMINISTIC),
+        },
+        "elastic_trainer": report.to_json(),
+    }
+    try:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(data, file)
+    except OSError:
+        return False
+    _recorded = True
+    return True
+
+
+def read_report(error_file_data: Any) -> FailureReport | None:
+    """The report inside an error file's JSON, or ``None`` (not ours, or malformed)."""
+    if not isinstance(error_file_data, dict) or not isinstance(error_file_data.get("elastic_trainer"), dict):
+        return None
+    try:
+        return FailureReport.from_json(error_file_data["elastic_trainer"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _rank() -> int | None:
+    raw = os.environ.get("RANK", "")
+    return int(raw) if raw.isdigit() else None
+
+
+def exit_after(exc: BaseException, *, prog: str) -> int:
+    """Record ``exc``, tell the user what happened, return the worker's exit status.
+
+    Under ``elastic-trainer run`` one line (the launcher prints the root cause and, for an error
+    in the user's code, its traceback once). Elsewhere a traceback for an error in the code, one
+    line for the rest.
+    """
+    report = report_of(exc, rank=_rank())
+    record(report)
+    launcher_reports = os.environ.get(ENV_LAUNCHER_REPORTS) == "1"
+    where = f" (rank {report.rank})" if report.rank is not None else ""
+    if report.failure_class is FailureClass.ERROR and not launcher_reports:
+        sys.stderr.write(report.traceback)
+    elif report.failure_class is FailureClass.TRANSIENT:
+        sys.stderr.write(f"{prog}: {report.summary}{where}; stopping for a restart\n")
+    else:
+        sys.stderr.write(f"{prog}: error: {report.summary}{where}\n")
+    sys.stderr.flush()
+    return EXIT_DETERMINISTIC if report.failure_class is FailureClass.DETERMINISTIC else EXIT_FAILED
