@@ -10,8 +10,11 @@ SIGKILL after :data:`GRACE_S`), also any process whose command line names a regi
 (an etcd started but not yet registered), and removes the directories. After a normal exit the
 launcher has already done all of this and the janitor finds nothing left.
 
-The janitor runs in its own session (a signal to the launcher's process group does not reach it)
-and ignores SIGINT/SIGTERM: its only trigger is the pipe. Stdlib only: it starts in tens of ms.
+The janitor detaches from the launcher's process tree (its starter exits at once, so it is no child
+of the launcher and never mistaken for a worker), runs in its own session (a signal to the
+launcher's process group does not reach it) and ignores SIGINT/SIGTERM: its only trigger is the
+pipe. When it has cleaned up it closes its stdout, which :meth:`Janitor.close` waits for. Stdlib
+only: it starts in tens of ms.
 """
 
 from __future__ import annotations
@@ -87,9 +90,8 @@ def clean_up(pids: dict[int, str | None], paths: list[str], markers: Iterable[st
         shutil.rmtree(path, ignore_errors=True)
 
 
-def serve(commands: IO[str]) -> int:
-    """Read registrations until end-of-file, then clean up (the janitor's main)."""
-    launcher = os.getppid()
+def serve(commands: IO[str], *, launcher: int) -> int:
+    """Read registrations until end-of-file, then clean up (never touching ``launcher``)."""
     pids: dict[int, str | None] = {}
     paths: list[str] = []
     markers: list[str] = []
@@ -114,14 +116,12 @@ class Janitor:
     """The launcher's handle: register what must not outlive it; :meth:`close` at a normal exit."""
 
     def __init__(self) -> None:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_trainer.launch.janitor"], stdin=subprocess.PIPE, text=True,
-            start_new_session=True, stdout=subprocess.DEVNULL,
+        starter = subprocess.Popen(
+            [sys.executable, "-m", "elastic_trainer.launch.janitor", str(os.getpid())], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, start_new_session=True,
         )
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
+        starter.wait()  # it forks the janitor and exits: the janitor is no child of ours
+        self._proc = starter
 
     def _send(self, line: str) -> None:
         if self._proc.stdin is None or self._proc.stdin.closed:
@@ -143,20 +143,30 @@ class Janitor:
         self._send(f"pid {pid}")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Normal exit: the janitor cleans whatever is left and exits."""
+        """Normal exit: the janitor cleans whatever is left; wait (bounded) until it is done."""
         if self._proc.stdin is not None and not self._proc.stdin.closed:
             with contextlib.suppress(BrokenPipeError):
                 self._proc.stdin.close()
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
+        if self._proc.stdout is not None:
+            import selectors
+
+            with selectors.DefaultSelector() as selector:
+                selector.register(self._proc.stdout, selectors.EVENT_READ)
+                selector.select(timeout)  # readable at end-of-file: the janitor finished
+            self._proc.stdout.close()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    launcher = int(args[0]) if args and args[0].isdigit() else os.getppid()
+    if os.fork() > 0:  # detach: the starter exits, the janitor is re-parented away from the launcher
+        os._exit(0)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    return serve(sys.stdin)
+    try:
+        return serve(sys.stdin, launcher=launcher)
+    finally:
+        sys.stdout.close()  # tells a waiting launcher that the clean-up is done
 
 
 if __name__ == "__main__":

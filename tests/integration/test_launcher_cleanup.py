@@ -35,6 +35,10 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[1])
+
+
 def _launcher_marker(pid: int) -> str | None:
     try:
         for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
@@ -71,6 +75,8 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
         workers = [pid for pid in _processes_mentioning("synthetic_cnn") if pid != launcher.pid]
         marker = _launcher_marker(workers[0]) if workers else None
         assert marker, f"workers carry the launcher's marker: {workers}"
+        janitors = _processes_mentioning("elastic_trainer.launch.janitor")
+        assert janitors and all(_parent(pid) != launcher.pid for pid in janitors), "the janitor is no worker-like child"
         before = set(_processes_with_env(marker))
         assert len(before) >= 3, f"etcd, workers (and a warm server): {before}"
         launcher.kill()
