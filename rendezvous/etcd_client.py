@@ -14,6 +14,12 @@ one place where
 
 Callers must make their writes idempotent under retry (compare-and-swap on a revision): a write
 whose response was lost is retried, and the retry must notice that the first attempt applied.
+
+One connection may serve many threads (a process's rendezvous handler, its store, its lease
+keep-alive and watch streams; a benchmark's hundreds of simulated nodes). A failed attempt moves
+to the next endpoint only if the client it used is still the current one, so that a hundred
+threads failing together on a dead member fail over once, not a hundred times. Every request is
+counted, by kind (:attr:`EtcdConnection.request_counts`), for benchmarks and tests.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,8 +220,13 @@ class EtcdConnection:
         self._index = 0
         self._client: Any = None
         self._is_transient = self._make_transient_predicate()
+        self._count_lock = threading.Lock()
         self.requests = 0
-        """Requests sent to etcd by :meth:`call` (each attempt counts): for benchmarks and metrics."""
+        """Requests sent to etcd (each attempt counts; each message on a keep-alive or watch
+        stream too): for benchmarks and metrics."""
+        self.request_counts: Counter[str] = Counter()
+        """:attr:`requests` by kind (the ``kind`` or ``what`` of :meth:`call`)."""
+        self._close_hooks: list[Callable[[], None]] = []
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -228,28 +240,44 @@ class EtcdConnection:
         """The imported ``etcd3`` module (its ``transactions`` helpers build compare/ops)."""
         return self._etcd3
 
-    def call(self, operation: Callable[[Any], T], *, what: str, retry_timeout: float | None = None) -> T:
+    def call(
+        self,
+        operation: Callable[[Any], T],
+        *,
+        what: str,
+        retry_timeout: float | None = None,
+        kind: str | None = None,
+    ) -> T:
         """Run ``operation(client)`` with retries; return its result.
 
         ``retry_timeout`` overrides the configured retry budget for this call (e.g. a short one
-        at interpreter exit).
+        at interpreter exit). ``kind`` names the request in :attr:`request_counts` (default:
+        ``what``, which is also the text of errors and retry warnings).
 
         Raises:
             RendezvousConnectionError: etcd stayed unreachable for ``retry_timeout`` seconds, or
                 refused the request for a reason a retry cannot fix (auth, permission, TLS).
         """
         budget = self.config.retry_timeout if retry_timeout is None else retry_timeout
+        used: list[Any] = [None]  # the client of the latest attempt: the one to fail over from
+
+        def attempt() -> T:
+            client = self._current_client()
+            used[0] = client
+            self.count(kind or what)
+            return operation(client)
+
         retrying = Retrying(
             retry=retry_if_exception(self._is_transient),
             # Exponential backoff plus jitter (composed: works with every tenacity >= 8.2).
             wait=wait_exponential(multiplier=0.05, max=1.0) + wait_random(0, 0.1),
             stop=stop_after_delay(budget),
-            before_sleep=self._before_retry(what),
+            before_sleep=self._before_retry(what, used),
             sleep=self._sleep,
             reraise=True,
         )
         try:
-            return retrying(lambda: self._counted(operation))
+            return retrying(attempt)
         except RendezvousConnectionError:
             raise
         except Exception as exc:
@@ -262,14 +290,37 @@ class EtcdConnection:
                 f"etcd at {self.endpoint} refused {what}: {_describe(exc)}"
             ) from exc
 
-    def _counted(self, operation: Callable[[Any], T]) -> T:
-        client = self._current_client()
-        self.requests += 1
-        return operation(client)
+    def count(self, kind: str, n: int = 1) -> None:
+        """Count ``n`` requests of ``kind`` (stream messages are counted by their owners)."""
+        with self._count_lock:
+            self.requests += n
+            self.request_counts[kind] += n
 
     def client(self) -> Any:
         """The raw ``etcd3`` client of the current endpoint (for watches), connecting if needed."""
         return self.call(lambda client: client, what="connect")
+
+    def current_client(self) -> Any:
+        """The raw client of the current endpoint, connecting if needed; no retry, not counted.
+
+        Raises:
+            grpc.RpcError, etcd3 errors: connecting (authenticating) failed.
+        """
+        return self._current_client()
+
+    def fail_over_from(self, client: Any) -> None:
+        """Move to the next endpoint if ``client`` is still the current one (a stream on it
+        failed); otherwise someone already moved on."""
+        self._fail_over(client)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a fault that a retry on another endpoint may fix."""
+        return self._is_transient(exc)
+
+    def add_close_hook(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when the connection is closed (streams that live on it stop)."""
+        with self._lock:
+            self._close_hooks.append(hook)
 
     def check(self) -> None:
         """Fail fast (within ``retry_timeout``) if etcd cannot be reached or refuses us."""
@@ -278,6 +329,12 @@ class EtcdConnection:
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
+            hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as exc:  # a stream that fails to stop must not keep the channel open
+                log.debug("closing a stream of the etcd connection failed: %s", exc)
         if client is not None:
             client.close()
 
@@ -293,19 +350,23 @@ class EtcdConnection:
         def is_transient(exc: BaseException) -> bool:
             if isinstance(exc, transient_types):
                 return True
+            if isinstance(exc, ValueError) and "closed channel" in str(exc):
+                return True  # another thread failed over and closed the client this one used
             code = _grpc_code(exc)
             if code in _TRANSIENT_CODES:
                 return True
+            if code == grpc.StatusCode.CANCELLED and "Channel closed" in _describe(exc):
+                return True  # in flight when another thread's failover closed the channel
             # An expired simple auth token: reconnecting authenticates again.
             return code == grpc.StatusCode.UNAUTHENTICATED and "auth token" in _describe(exc)
 
         return is_transient
 
-    def _before_retry(self, what: str) -> Callable[[RetryCallState], None]:
+    def _before_retry(self, what: str, used: list[Any]) -> Callable[[RetryCallState], None]:
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             failed = self.endpoint
-            self._fail_over()
+            self._fail_over(used[0])
             log.warning(
                 "%s to etcd failed on %s (%s); retry %d on %s in %.2fs",
                 what,
@@ -318,8 +379,10 @@ class EtcdConnection:
 
         return before_sleep
 
-    def _fail_over(self) -> None:
+    def _fail_over(self, failed_client: Any = None) -> None:
         with self._lock:
+            if failed_client is not None and self._client is not None and self._client is not failed_client:
+                return  # another thread has already moved on from the client that failed
             client, self._client = self._client, None
             self._index = (self._index + 1) % len(self.config.endpoints)
         if client is not None:

@@ -1,51 +1,50 @@
 """A native etcd v3 rendezvous handler: leases for liveness, watches for wake-ups, fast close.
 
+    torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=etcd-0:2379,etcd-1:2379,etcd-2:2379 \\
+             --rdzv-id=job-42 --nnodes=1:1024 --nproc-per-node=8 train.py
+
 torch's dynamic rendezvous (``handler.py``) keeps the whole rendezvous in one key that every node
 rewrites with heartbeats, polls it once a second, notices a dead node only when its heartbeat is
 older than ``heartbeat_timeout``, and waits the ``last_call_timeout`` window (30 s) in *every*
-elastic round. Recovering from a crashed worker thus costs half a minute. This handler keeps
-torchrun's contract (same ``RendezvousHandler`` interface, same ranks-by-round semantics) and
-changes how a round is reached:
+elastic round. This handler keeps torchrun's contract (same ``RendezvousHandler`` interface, same
+ranks-by-round semantics) and changes how a round is reached:
 
-* **Liveness through leases.** Each node holds an etcd lease (``lease_ttl``, default 10 s) kept
-  alive by a background thread, and a key ``nodes/<node>`` attached to it. A node that dies loses
-  its key when the lease expires; a node that leaves gracefully (SIGTERM, scale-down) revokes its
-  lease on exit and disappears at once. No heartbeat writes to a shared key.
-* **Wake-ups through watches.** Everything a waiting node needs lives under ``rdzv/``; a prefix
-  watch wakes it on any change (a join, a close, a death), and ``num_nodes_waiting()`` -- called
-  by the agent every monitor interval -- reads a cache that the same watch keeps current: zero
-  etcd requests in steady state besides lease keep-alives.
+* **Liveness through leases.** Each node holds an etcd lease (``lease_ttl``, default 10 s), kept
+  alive over one streaming keep-alive per process (:mod:`rendezvous.lease_keeper`), and a key
+  ``nodes/<node>`` attached to it. A node that dies loses its key when the lease expires; a node
+  that leaves (SIGTERM, scale-down, a normal exit) revokes its lease and disappears at once.
+* **One coordinator decides.** The node holding ``state/coordinator``
+  (:mod:`rendezvous.coordinator`) watches every node and join key and closes a round as soon as
+  the rule holds, writing ranks in shards; if it dies its key goes with its lease, and another
+  node claims the key after a short random delay.
+* **Each node watches only what concerns it**: the three ``state*`` keys and its own rank shard
+  (:mod:`rendezvous.round_state` lists the keys). Joining a round is one write; being released
+  is two watch events; ``num_nodes_waiting()`` -- called by the agent every monitor interval --
+  reads a cache the watch keeps current: no etcd request in steady state besides keep-alives.
 * **Fast close.** A round that follows another closes as soon as every *live* member of the
   previous round has rejoined (and at least ``min_nodes`` are in). The last-call window applies
-  only to the first round of a job, to gather nodes beyond the minimum. A newcomer opens a new
-  round only while the job is below ``max_nodes``; otherwise it waits until a slot frees.
+  only to a job's first round, to gather nodes beyond the minimum. A newcomer opens a new round
+  only while the job is below ``max_nodes``; otherwise it waits as a spare until a slot frees.
 
-Keys under ``{key_prefix}/{run_id}/``::
-
-    rdzv/state            framed JSON: round, status (open|complete|closed), participants, previous
-    rdzv/nodes/<node>     a live node (attached to its lease); JSON {"addr": ..., "pid": ...}
-    rdzv/rounds/<r>/<node> node joined round r (attached to its lease)
-    store/...             the rendezvous store (EtcdV3Store), per round under a prefix
-    job                   what the job runs (rendezvous.job_identity): another job is refused
-
-Every state change is a compare-and-swap on ``rdzv/state``'s revision, so concurrent nodes agree
-on one outcome; any node may close a round once the condition holds. While a node waits for the
-minimum (or in the last call) it logs how many nodes have joined and how long is left, at WARNING
-so that torchrun and ``elastic-trainer run`` show it by default.
+A round therefore costs each node a constant number of etcd requests and events, whatever the
+size of the job; ``docs/design/rendezvous-scale.md`` explains the design and
+``benchmarks/RESULTS.md`` has the measurements (1 to 10,000 nodes). Every state change is a
+compare-and-swap on ``state``'s revision, so concurrent writers agree on one outcome. While a
+node waits for the minimum (or in the last call) it logs how many nodes have joined and how long
+is left, at WARNING so that torchrun and ``elastic-trainer run`` show it by default.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -54,178 +53,50 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousParameters,
     RendezvousStateError,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
 
+from rendezvous import etcd_ops
+from rendezvous.coordinator import RoundCoordinator
 from rendezvous.etcd_client import EtcdConnection, quiet_retries
 from rendezvous.etcd_store import EtcdV3Store
-from rendezvous.framing import frame_state, unframe_state
 from rendezvous.job_identity import claim_run, current_job_identity
-from rendezvous.settings import RendezvousSettings, parse_settings
+from rendezvous.lease_keeper import LeaseKeeper
+from rendezvous.round_state import (
+    CLOSED,
+    COMPLETE,
+    OPEN,
+    MasterInfo,
+    NodeInfo,
+    RoundState,
+    RunKeys,
+    Snapshot,
+    close_ready,
+    decide_close,
+    decode_shard,
+    order_participants,
+    read_snapshot,
+    shard_count,
+    shard_of,
+    waiting_summary,
+)
+from rendezvous.scheduler import Scheduler
+from rendezvous.settings import RendezvousSettings
+from rendezvous.watch_hub import HubWatch, WatchHub
+
+__all__ = [
+    "CLOSED", "COMPLETE", "OPEN", "LeaseRendezvousHandler", "MasterInfo", "NodeInfo", "RoundState",
+    "RunKeys", "Snapshot", "close_ready", "create_lease_handler", "decide_close", "order_participants",
+    "read_snapshot", "waiting_summary",
+]
 
 log = logging.getLogger(__name__)
 
-OPEN, COMPLETE, CLOSED = "open", "complete", "closed"
-
-
-@dataclass(slots=True)
-class RoundState:
-    """The decoded ``rdzv/state`` key."""
-
-    round: int
-    status: str
-    participants: list[str] = field(default_factory=list)
-    previous: list[str] | None = None
-
-    def encode(self) -> bytes:
-        data = {"round": self.round, "status": self.status, "participants": self.participants,
-                "previous": self.previous}
-        return frame_state(json.dumps(data, sort_keys=True).encode())
-
-    @classmethod
-    def decode(cls, raw: bytes, key: str) -> RoundState:
-        try:
-            data = json.loads(unframe_state(raw, key=key))
-            state = cls(int(data["round"]), str(data["status"]), list(data["participants"]), data["previous"])
-        except RendezvousStateError:
-            raise
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RendezvousStateError(f"the rendezvous state at {key} is malformed: {exc}") from exc
-        if state.status not in (OPEN, COMPLETE, CLOSED):
-            raise RendezvousStateError(f"the rendezvous state at {key} has unknown status {state.status!r}")
-        return state
-
-
-@dataclass(slots=True)
-class Snapshot:
-    """One consistent read of everything under ``rdzv/``."""
-
-    revision: int
-    state: RoundState | None
-    state_revision: int
-    live: set[str]
-    joined: dict[int, list[str]]  # round -> nodes in join (create revision) order
-    leases: dict[str, int] = field(default_factory=dict)  # live node -> its lease id
-    node_values: dict[str, bytes] = field(default_factory=dict)  # live node -> its key's value (NodeInfo)
-
-
-def decide_close(
-    snapshot: Snapshot, settings: RendezvousSettings, min_reached_for: float
-) -> list[str] | None:
-    """The participants of the open round if it may close now, else ``None``.
-
-    Args:
-        snapshot: the current view; its state must be ``open``.
-        min_reached_for: seconds since this node first saw ``min_nodes`` joined (0 if not yet).
-    """
-    state = snapshot.state
-    if state is None or state.status != OPEN:
-        return None
-    joined = [n for n in snapshot.joined.get(state.round, []) if n in snapshot.live]
-    if len(joined) < settings.min_nodes:
-        return None
-    ordered = order_participants(joined, state.previous)[: settings.max_nodes]
-    if len(joined) >= settings.max_nodes:
-        return ordered
-    if state.previous is not None:
-        missing = [n for n in state.previous if n in snapshot.live and n not in joined]
-        return ordered if not missing else None
-    return ordered if min_reached_for >= settings.last_call_timeout else None
-
-
-def order_participants(joined: list[str], previous: list[str] | None) -> list[str]:
-    """Previous members keep their relative order (rank 0 stays rank 0); newcomers follow."""
-    before = [n for n in (previous or []) if n in joined]
-    return before + [n for n in joined if n not in before]
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    """What a node stores under its ``rdzv/nodes/<node>`` key: where it runs."""
-
-    addr: str
-    pid: int
-
-    def encode(self) -> bytes:
-        return json.dumps({"addr": self.addr, "pid": self.pid}).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes | None) -> NodeInfo | None:
-        """The stored info, or ``None`` if ``raw`` is missing or not a node value."""
-        if not raw:
-            return None
-        try:
-            data = json.loads(raw)
-            addr, pid = data["addr"], data["pid"]
-        except (ValueError, TypeError, KeyError, RecursionError):  # JSON/UTF-8 errors: ValueError
-            return None
-        if not isinstance(addr, str) or not isinstance(pid, int) or isinstance(pid, bool):
-            return None
-        return cls(addr, pid)
-
-
-class RunKeys:
-    """The etcd keys of one run's lease rendezvous."""
-
-    def __init__(self, key_prefix: str, run_id: str) -> None:
-        self.key_prefix, self.run_id = key_prefix, run_id
-        base = f"{key_prefix.rstrip('/')}/{run_id}"
-        self.rdzv = f"{base}/rdzv/"
-        self.state = f"{base}/rdzv/state"
-        self.nodes = f"{base}/rdzv/nodes/"
-        self.rounds = f"{base}/rdzv/rounds/"
-        self.store = f"{base}/store"
-        self.job = f"{base}/job"
-
-    @classmethod
-    def from_settings(cls, settings: RendezvousSettings) -> RunKeys:
-        """The keys of the settings' run under their ``key_prefix``."""
-        return cls(settings.key_prefix, settings.run_id)
-
-    @classmethod
-    def from_params(cls, params: RendezvousParameters) -> RunKeys:
-        """The keys of ``params.run_id`` under the ``key_prefix`` rdzv-conf key (default
-        :data:`rendezvous.settings.DEFAULT_KEY_PREFIX`): the handler's and ``status``'s.
-
-        Raises:
-            RendezvousConfigError: a malformed parameter (see :func:`parse_settings`)."""
-        return cls.from_settings(parse_settings(params))
-
-    def node(self, node: str) -> str:
-        return self.nodes + node
-
-    def joined(self, round_: int, node: str) -> str:
-        return f"{self.rounds}{round_}/{node}"
-
-
-def read_snapshot(connection: EtcdConnection, keys: RunKeys) -> Snapshot:
-    """Everything under ``rdzv/`` in one request (also used by ``elastic-trainer status``)."""
-    response = connection.call(lambda client: client.get_prefix_response(keys.rdzv), what="a rendezvous read")
-    state, state_revision, live, leases, values = None, 0, set(), {}, {}
-    joined: dict[int, list[tuple[int, str]]] = {}
-    for kv in response.kvs:
-        key = kv.key.decode()
-        if key == keys.state:
-            state, state_revision = RoundState.decode(kv.value, key), kv.mod_revision
-        elif key.startswith(keys.nodes):
-            node = key[len(keys.nodes):]
-            live.add(node)
-            leases[node] = int(kv.lease)
-            values[node] = bytes(kv.value)
-        elif key.startswith(keys.rounds):
-            round_text, _, node = key[len(keys.rounds):].partition("/")
-            joined.setdefault(int(round_text), []).append((kv.create_revision, node))
-    ordered = {r: [n for _, n in sorted(items)] for r, items in joined.items()}
-    return Snapshot(response.header.revision, state, state_revision, live, ordered, leases, values)
-
-
-def _range_end(prefix: str) -> bytes:
-    raw = bytearray(prefix.encode())
-    raw[-1] += 1
-    return bytes(raw)
+_CLAIM_SPREAD_S_PER_NODE = 0.001
+"""A node claims a vacant coordinator key after a random delay of up to this much per node of
+``max_nodes`` (at most ``lease_ttl``): ten thousand nodes send a handful of claims, not 10,000."""
 
 
 def _lease_not_found(exc: BaseException) -> bool:
@@ -233,106 +104,112 @@ def _lease_not_found(exc: BaseException) -> bool:
     return "lease not found" in str(exc)
 
 
-def _refresh(lease_id: int) -> Callable[[Any], int]:
-    return lambda client: int(list(client.refresh_lease(lease_id))[0].TTL)
-
-
-def _put(key: str, value: bytes, lease: int) -> Callable[[Any], Any]:
-    return lambda client: client.put(key, value, lease=lease)
-
-
 class _NodeLease:
-    """This node's lease and liveness key, kept alive by a daemon thread; revoked on exit."""
+    """This node's lease and liveness key, kept alive by the connection's keeper; revoked on exit."""
 
     def __init__(self, connection: EtcdConnection, key: str, value: bytes, ttl: int) -> None:
         self._connection, self._key, self._value, self._ttl = connection, key, value, ttl
+        self._keeper = LeaseKeeper.of(connection)
+        self._scheduler = Scheduler.of(connection)
         self._lock = threading.Lock()
         self._lease_id: int | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._revoked = False
 
     def lease_id(self) -> int:
         with self._lock:
             if self._lease_id is None:
                 lease = self._connection.call(lambda c: c.lease(self._ttl), what="a lease grant")
-                self._lease_id = int(lease.id)
+                lease_id = int(lease.id)
                 self._connection.call(
-                    lambda c: c.put(self._key, self._value, lease=self._lease_id), what="a node registration"
+                    lambda c: c.put(self._key, self._value, lease=lease_id), what="a node registration"
                 )
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._keep_alive, name="etcd-v3-lease", daemon=True)
-                self._thread.start()
+                self._lease_id = lease_id
+                self._revoked = False
+                self._keeper.keep(lease_id, self._ttl, self._expired)
             return self._lease_id
+
+    def current(self) -> int | None:
+        """The lease in use, or ``None`` if none is granted now."""
+        return self._lease_id
 
     def invalidate(self, lease_id: int) -> None:
         """Forget ``lease_id`` (etcd no longer has it); the next :meth:`lease_id` grants anew."""
         with self._lock:
             if self._lease_id == lease_id:
                 self._lease_id = None
+        self._keeper.forget(lease_id)
 
-    def _keep_alive(self) -> None:
-        interval = max(self._ttl / 3.0, 0.5)
-        while not self._stop.wait(interval):
-            lease_id = self._lease_id
-            if lease_id is None:
-                continue
-            try:
-                ttl = self._connection.call(_refresh(lease_id), what="a lease keep-alive")
-            except Exception as exc:  # etcd unreachable for retry_timeout: keep trying
-                log.warning("etcd-v3: lease keep-alive failed: %s", exc)
-                continue
-            if ttl <= 0:  # expired while we were cut off: re-register under a new lease
-                log.warning("etcd-v3: this node's lease expired; registering again")
-                with self._lock:
-                    self._lease_id = None
-                try:
-                    self.lease_id()
-                except Exception as exc:
-                    log.warning("etcd-v3: re-registration failed: %s", exc)
+    def _expired(self, lease_id: int) -> None:
+        """The keeper learnt that etcd dropped the lease (this node was cut off): register again."""
+        with self._lock:
+            if self._lease_id != lease_id or self._revoked:
+                return
+            self._lease_id = None
+        log.warning("etcd-v3: this node's lease expired; registering again")
+        self._scheduler.call_later(0.0, self._register_again)
+
+    def _register_again(self) -> None:
+        if self._revoked:
+            return
+        try:
+            self.lease_id()
+        except Exception as exc:
+            log.warning("etcd-v3: re-registration failed (%s); retrying in 1 s", exc)
+            self._scheduler.call_later(1.0, self._register_again)
 
     def revoke(self) -> None:
         """Leave: stop keeping alive and revoke, so peers see this node gone immediately."""
-        self._stop.set()
         with self._lock:
             lease_id, self._lease_id = self._lease_id, None
-        if lease_id is not None:
-            try:
-                # Short, quiet budget: this also runs at interpreter exit, where etcd may be gone
-                # (the lease then simply expires).
-                with quiet_retries():
-                    self._connection.call(
-                        lambda c: c.revoke_lease(lease_id), what="a lease revocation", retry_timeout=2.0
-                    )
-            except Exception as exc:  # peers will see the lease expire instead
-                log.info("etcd-v3: could not revoke this node's lease (it will expire): %s", exc)
+            self._revoked = True
+        if lease_id is None:
+            return
+        self._keeper.forget(lease_id)
+        try:
+            # Short, quiet budget: this also runs at interpreter exit, where etcd may be gone
+            # (the lease then simply expires).
+            with quiet_retries():
+                self._connection.call(lambda c: c.revoke_lease(lease_id), what="a lease revocation", retry_timeout=2.0)
+        except Exception as exc:  # peers will see the lease expire instead
+            log.info("etcd-v3: could not revoke this node's lease (it will expire): %s", exc)
 
 
-class _PrefixWatch:
-    """A self-healing watch on ``rdzv/``: bumps a version and wakes waiters on every event."""
+class _RoundWatch:
+    """This node's watches: ``rdzv/state*`` and its rank shard. Bumps a version and wakes waiters
+    on every event; reports itself broken when etcd can no longer resume it (compaction)."""
 
-    def __init__(self, connection: EtcdConnection, prefix: str, on_event: Callable[[Any], None]) -> None:
-        self._connection, self._prefix, self._on_event = connection, prefix, on_event
+    def __init__(self, hub: WatchHub, prefix: str, shard_key: str, on_event: Callable[[Any], None]) -> None:
+        self._hub, self._prefix, self._shard_key = hub, prefix, shard_key
+        self._on_event = on_event  # looked up per event: tests wrap it
         self._cond = threading.Condition()
         self.version = 0
-        self._watch: tuple[Any, int] | None = None
+        self._watches: list[HubWatch] = []
         self._broken = True
 
     def ensure(self, start_revision: int) -> None:
-        """(Re)create the watch from ``start_revision`` if it is not running."""
+        """(Re)create the watches from ``start_revision`` if they are not running."""
         if not self._broken:
             return
-        client = self._connection.client()
-        watch_id = client.add_watch_prefix_callback(
-            self._prefix, self._callback, start_revision=start_revision
-        )
-        self._watch, self._broken = (client, watch_id), False
+        for watch in self._watches:
+            watch.cancel()
+        self._watches = [
+            self._hub.watch(self._prefix, prefix=True, start_revision=start_revision,
+                            on_events=self._deliver, on_lost=self._lost),
+            self._hub.watch(self._shard_key, start_revision=start_revision, on_events=self._deliver,
+                            on_lost=self._lost),
+        ]
+        self._broken = False
 
-    def _callback(self, response: Any) -> None:
-        if isinstance(response, Exception):
-            self._broken = True
-        else:
-            for event in getattr(response, "events", ()):
-                self._on_event(event)
+    def _deliver(self, events: list[Any]) -> None:
+        for event in events:
+            self._on_event(event)
+        with self._cond:
+            self.version += 1
+            self._cond.notify_all()
+
+    def _lost(self, reason: str) -> None:
+        log.info("etcd-v3: the rendezvous watch was lost (%s); reading again", reason)
+        self._broken = True
         with self._cond:
             self.version += 1
             self._cond.notify_all()
@@ -343,19 +220,42 @@ class _PrefixWatch:
             self._cond.wait_for(lambda: self.version != seen_version, timeout=max(timeout, 0.0))
 
     def cancel(self) -> None:
-        watch, self._watch = self._watch, None
+        watches, self._watches = self._watches, []
         self._broken = True
-        if watch is not None:
-            try:
-                watch[0].cancel_watch(watch[1])
-            except Exception as exc:
-                log.debug("cancelling the rendezvous watch failed: %s", exc)
+        for watch in watches:
+            watch.cancel()
+
+
+class _CoordinatorSlot:
+    """The coordinator this node runs, if any (shared with the finalizer)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.coordinator: RoundCoordinator | None = None
+        self.left = False
+
+    def stop(self) -> None:
+        with self.lock:
+            self.left = True
+            coordinator, self.coordinator = self.coordinator, None
+        if coordinator is not None:
+            coordinator.stop(wait=2.0)
+
+
+def _leave(lease: _NodeLease, watch: _RoundWatch, slot: _CoordinatorSlot) -> None:
+    slot.stop()
+    watch.cancel()
+    lease.revoke()
 
 
 class LeaseRendezvousHandler(RendezvousHandler):
-    """The ``etcd-v3`` handler: see the module docstring."""
+    """The ``etcd-v3`` handler: see the module docstring.
 
-    _SAFETY_RECHECK_S = 2.0
+    Many handlers may share one :class:`EtcdConnection` (a benchmark simulating nodes); each keeps
+    its own lease, keys and watches, exactly as one per process would.
+    """
+
+    _SAFETY_RECHECK_S = 60.0  # no event for this long while waiting: read the state (a stalled stream?)
     _PROGRESS_LOG_S = 5.0  # while waiting for nodes: a line this often
 
     def __init__(self, connection: EtcdConnection, settings: RendezvousSettings) -> None:
@@ -363,20 +263,31 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._settings = settings
         self._keys = RunKeys.from_settings(settings)
         self._addr = settings.local_addr or socket.getfqdn()
-        self.node_id = f"{self._addr}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        self.node_id = f"{self._addr}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         node_info = NodeInfo(self._addr, os.getpid()).encode()
         self._lease = _NodeLease(connection, self._keys.node(self.node_id), node_info, settings.lease_ttl)
         self._store = EtcdV3Store(connection, self._keys.store, ttl=settings.ttl)
-        self._watch = _PrefixWatch(connection, self._keys.rdzv, self._on_event)
+        self._scheduler = Scheduler.of(connection)
+        self._shards = shard_count(settings.max_nodes)
+        self._shard_key = self._keys.shard(shard_of(self.node_id, self._shards))
+        self._watch = _RoundWatch(WatchHub.of(connection), self._keys.state, self._shard_key, self._on_event)
+        # The cache the watch keeps (written on the watch thread, read anywhere).
+        self._state: tuple[RoundState | None, int] = (None, 0)  # the state and its mod revision
+        self._coordinator_id: str | None = None
+        self._master: MasterInfo | None = None
+        self._shard: tuple[int, dict[str, int]] | None = None  # (round, ranks) of this node's shard
         self._round = -1  # the round this node last completed
-        self._latest_round = -1  # the highest round number seen (cache fed by the watch)
-        self._members: frozenset[str] = frozenset()  # participants of this node's round
-        self._member_lost = False  # a participant's node key vanished (death, leave, partition)
-        self._closed = False  # the watch saw the run closed (a finished job)
+        self._latest_round = -1  # the highest round number seen
+        self._closed = False  # the run is closed (a finished job)
+        self._slot = _CoordinatorSlot()
+        self._claim_pending = False
+        self._tcp_lock = threading.Lock()
         self._tcp_store: dist.TCPStore | None = None
+        self._tcp_store_round = -1
+        self._wait_marks: dict[tuple[int, str], float] = {}
         # A node whose launcher exits (SIGTERM on scale-down, an error) leaves at once instead
         # of after its lease expires: weakref.finalize also runs at interpreter exit.
-        self._finalizer = weakref.finalize(self, _NodeLease.revoke, self._lease)
+        self._finalizer = weakref.finalize(self, _leave, self._lease, self._watch, self._slot)
 
     # -- RendezvousHandler ------------------------------------------------------------------------
 
@@ -397,60 +308,55 @@ class LeaseRendezvousHandler(RendezvousHandler):
         """See base class."""
         deadline = time.monotonic() + self._settings.join_timeout
         self._lease.lease_id()
-        participants, round_ = self._join_round(deadline)
-        rank, world_size = participants.index(self.node_id), len(participants)
+        rank, world_size, round_, master = self._join_round(deadline)
         self._round = round_
-        self._members, self._member_lost = frozenset(participants), False
         store = dist.PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{round_}", self._store)
-        # A fresh TCPStore for the workers every round (see handler.py for why it must be fresh).
-        server_port = None
-        if rank == 0:
-            self._tcp_store = dist.TCPStore(host_name=self._addr, port=0, is_master=True, multi_tenant=True)
-            server_port = self._tcp_store.port
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._addr, server_port=server_port)
+        # A fresh TCPStore for the workers every round (see handler.py for why it must be fresh),
+        # hosted by rank 0, whose address came with the round.
+        bootstrap = RendezvousStoreInfo(master.addr, master.port)
         log.info("etcd-v3: node %s is rank %d of %d in round %d of run %s",
                  self.node_id, rank, world_size, round_, self._settings.run_id)
         return RendezvousInfo(store, rank, world_size, bootstrap)
 
     def is_closed(self) -> bool:
         """See base class."""
-        snapshot = self._read()
-        return snapshot.state is not None and snapshot.state.status == CLOSED
+        state, _ = self._read_state()
+        return state is not None and state.status == CLOSED
 
     def set_closed(self) -> None:
         """See base class."""
+        conn, key = self._connection, self._keys.state
         while True:
-            snapshot = self._read()
-            state = snapshot.state or RoundState(0, OPEN)
+            state, revision = self._read_state()
+            state = state or RoundState(0, OPEN)
             if state.status == CLOSED:
                 return
-            closed = RoundState(state.round, CLOSED, state.participants, state.previous)
-            if self._swap(snapshot.state_revision, closed):
+            closed = RoundState(state.round, CLOSED, world_size=state.world_size, shards=state.shards)
+            compare = etcd_ops.mod_is(conn, key, revision) if revision else etcd_ops.absent(conn, key)
+            result = etcd_ops.transaction(conn, [compare], [etcd_ops.put(conn, key, closed.encode())],
+                                          what="a rendezvous state change")
+            if result.succeeded:
                 return
 
     def num_nodes_waiting(self) -> int:
         """See base class. Served from the watch's cache: no etcd request.
 
-        Non-zero (so the agent restarts its workers and rejoins) when a newer round is open, or
-        when a member of this node's round lost its lease: a frozen or partitioned peer gives the
-        workers no error -- they would block in a collective until the process-group timeout --
-        but its lease expires after ``lease_ttl``. Zero once the run is closed (a finished job's
-        nodes leave one after another; that is no reason to restart).
+        Non-zero (so the agent restarts its workers and rejoins) when a newer round is open: a
+        node opened it to join, a node restarted, or the coordinator saw a member of this round
+        lose its lease (a frozen or partitioned peer gives the workers no error -- they would
+        block in a collective until the process-group timeout -- but its lease expires after
+        ``lease_ttl``). Zero once the run is closed (a finished job's nodes leave one after
+        another; that is no reason to restart).
         """
-        if self._watch._broken:  # the watch died (etcd restart): one read refreshes the cache
+        if self._watch._broken:  # the watch could not be resumed: one read refreshes the cache
             try:
-                snapshot = self._read()
-                self._watch.ensure(snapshot.revision + 1)
-                if snapshot.state is not None:
-                    self._closed = snapshot.state.status == CLOSED
-                if self._members - snapshot.live:
-                    self._member_lost = True
+                self._sync()
             except Exception as exc:
                 log.warning("etcd-v3: cannot refresh the rendezvous view: %s", exc)
                 return 0
         if self._closed or self._round < 0:
             return 0
-        return 1 if self._latest_round > self._round or self._member_lost else 0
+        return 1 if self._latest_round > self._round else 0
 
     def shutdown(self) -> bool:
         """See base class. Closes the rendezvous for everyone (torch semantics) and leaves."""
@@ -461,121 +367,344 @@ class LeaseRendezvousHandler(RendezvousHandler):
             log.warning("etcd-v3: could not close the rendezvous: %s", exc)
             return False
         finally:
-            self._watch.cancel()
             self._finalizer()
 
-    # -- the protocol -----------------------------------------------------------------------------
+    def leave(self) -> None:
+        """Leave the run without closing it (what a node does when its launcher exits)."""
+        self._finalizer()
+
+    # -- the cache --------------------------------------------------------------------------------
 
     def _on_event(self, event: Any) -> None:
         key = event.key.decode() if isinstance(event.key, bytes) else str(event.key)
-        if key.startswith(self._keys.nodes):
-            node = key[len(self._keys.nodes):]
-            deleted = isinstance(event, self._connection.etcd3.events.DeleteEvent)
-            if deleted and node in self._members and node != self.node_id:
-                if self._closed:  # a finished job's nodes leave one after another: no news
-                    log.info("etcd-v3: node %s left the closed run", node)
-                    return
-                log.warning("etcd-v3: node %s of round %d is gone (lease expired or revoked)", node, self._round)
-                self._member_lost = True
+        deleted = isinstance(event, self._connection.etcd3.events.DeleteEvent)
+        keys = self._keys
+        if key == keys.state:
+            if deleted:
+                self._state = (None, int(event.mod_revision))
+                return
+            try:
+                state = RoundState.decode(event.value, key)
+            except RendezvousStateError as exc:
+                log.warning("etcd-v3: ignoring a bad rendezvous state: %s", exc)
+                return
+            self._take_state(state, int(event.mod_revision))
+        elif key == keys.coordinator:
+            self._coordinator_id = None if deleted else bytes(event.value).decode(errors="replace")
+            if self._coordinator_id is None:
+                self._schedule_claim()
+        elif key == keys.master:
+            self._master = None if deleted else MasterInfo.decode(event.value)
+        elif key == self._shard_key and not deleted:
+            try:
+                self._shard = decode_shard(event.value, key)
+            except RendezvousStateError as exc:
+                log.warning("etcd-v3: ignoring a bad rank shard: %s", exc)
+
+    def _take_state(self, state: RoundState, revision: int) -> None:
+        if revision < self._state[1]:
             return
-        if key != self._keys.state or not getattr(event, "value", None):
-            return
-        try:
-            state = RoundState.decode(event.value, key)
-        except RendezvousStateError:
-            return
+        self._state = (state, revision)
         self._latest_round = max(self._latest_round, state.round)
         self._closed = state.status == CLOSED
 
-    def _read(self) -> Snapshot:
-        snapshot = read_snapshot(self._connection, self._keys)
-        if snapshot.state is not None:
-            self._latest_round = max(self._latest_round, snapshot.state.round)
-        return snapshot
+    def _sync(self) -> None:
+        """Read the ``state*`` keys and this node's shard at one revision; watch from the next."""
+        conn = self._connection
+        result = etcd_ops.read(conn, [etcd_ops.get(conn, self._keys.state, prefix=True),
+                                      etcd_ops.get(conn, self._shard_key)], what="a rendezvous state read")
+        coordinator = master = None
+        state: tuple[RoundState, int] | None = None
+        for kv in etcd_ops.range_kvs(result.responses[0]):
+            key = kv.key.decode()
+            if key == self._keys.state:
+                state = (RoundState.decode(kv.value, key), int(kv.mod_revision))
+            elif key == self._keys.coordinator:
+                coordinator = bytes(kv.value).decode(errors="replace")
+            elif key == self._keys.master:
+                master = MasterInfo.decode(kv.value)
+        shard, _ = etcd_ops.first_value(result.responses[1])
+        if state is not None:
+            self._take_state(*state)
+        self._coordinator_id, self._master = coordinator, master
+        if shard is not None:
+            self._shard = decode_shard(shard, self._shard_key)
+        self._watch.ensure(result.revision + 1)
+        if state is not None and coordinator is None:
+            self._schedule_claim()
 
-    def _swap(self, expected_revision: int, new: RoundState, extra: list[Any] | None = None) -> bool:
-        txn = self._connection.etcd3.transactions
-        key = self._keys.state
-        compare = [txn.Mod(key) == expected_revision] if expected_revision else [txn.Create(key) == 0]
-        succeeded, _ = self._connection.call(
-            lambda c: c.transaction(compare=compare, success=[txn.Put(key, new.encode()), *(extra or [])], failure=[]),
-            what="a rendezvous state change",
-        )
-        return bool(succeeded)
+    def _recheck(self) -> None:
+        """One read of the state: if the watch missed a change, start it again from a read."""
+        state, revision = self._read_state()
+        if revision > self._state[1]:
+            log.warning("etcd-v3: the rendezvous watch fell behind; reading again")
+            self._watch.cancel()
+            self._sync()
 
-    def _join_round(self, deadline: float) -> tuple[list[str], int]:
-        """Join (or open) a round and wait until it closes with this node in it."""
+    def _read_state(self) -> tuple[RoundState | None, int]:
+        value, meta = self._connection.call(lambda c: c.get(self._keys.state), what="a rendezvous state read")
+        if value is None:
+            return None, 0
+        return RoundState.decode(value, self._keys.state), int(meta.mod_revision)
+
+    # -- the coordinator role ---------------------------------------------------------------------
+
+    def _schedule_claim(self) -> None:
+        if self._claim_pending or self._slot.left:
+            return
+        self._claim_pending = True
+        spread = min(float(self._settings.lease_ttl), self._settings.max_nodes * _CLAIM_SPREAD_S_PER_NODE)
+        self._scheduler.call_later(random.uniform(0.0, spread), self._try_claim)
+
+    def _try_claim(self) -> None:
+        """Claim the vacant coordinator key (on the scheduler thread)."""
+        self._claim_pending = False
+        if self._slot.left or self._coordinator_id is not None or self._state[0] is None:
+            return
+        conn, key = self._connection, self._keys.coordinator
+        try:
+            lease = self._lease.lease_id()
+            result = etcd_ops.transaction(
+                conn, [etcd_ops.absent(conn, key)], [etcd_ops.put(conn, key, self.node_id.encode(), lease)],
+                [etcd_ops.get(conn, key)], what="a coordinator claim", retry_timeout=min(self._settings.retry_timeout, 5.0))
+        except Exception as exc:
+            log.info("etcd-v3: claiming the coordinator role failed (%s); trying again", exc)
+            if not self._slot.left:
+                self._claim_pending = True
+                self._scheduler.call_later(1.0, self._try_claim)
+            return
+        holder = self.node_id if result.succeeded else (etcd_ops.first_value(result.responses[0])[0] or b"").decode()
+        if holder == self.node_id:
+            self._start_coordinator()
+
+    def _start_coordinator(self) -> None:
+        with self._slot.lock:
+            if self._slot.left or (self._slot.coordinator is not None and self._slot.coordinator.running):
+                return
+            coordinator = RoundCoordinator(
+                self._connection, self._keys, self._settings, self.node_id,
+                make_master=self._serve_round, on_stop=self._coordinator_stopped,
+                progress_interval=self._PROGRESS_LOG_S)
+            self._slot.coordinator = coordinator
+        log.info("etcd-v3: node %s coordinates run %s", self.node_id, self._settings.run_id)
+        coordinator.start()
+
+    def _coordinator_stopped(self) -> None:
+        with self._slot.lock:
+            self._slot.coordinator = None
+        if self._coordinator_id in (None, self.node_id):  # not deposed: the role is vacant
+            self._coordinator_id = None
+            self._scheduler.call_later(1.0, self._schedule_claim)
+
+    @property
+    def _coordinator(self) -> RoundCoordinator | None:
+        """The coordinator this node runs, if it holds the role."""
+        return self._slot.coordinator
+
+    # -- rank 0's store ---------------------------------------------------------------------------
+
+    def _serve_round(self, round_: int) -> MasterInfo:
+        """Start (once per round) the store rank 0 serves to the workers; its address."""
+        with self._tcp_lock:
+            if self._tcp_store is None or self._tcp_store_round != round_:
+                self._tcp_store = dist.TCPStore(host_name=self._addr, port=0, is_master=True, multi_tenant=True)
+                self._tcp_store_round = round_
+            return MasterInfo(round_, self._addr, self._tcp_store.port)
+
+    def _master_of(self, state: RoundState, rank: int) -> MasterInfo | None:
+        """Rank 0's store address for ``state``'s round: from the state, the master key, or (as
+        rank 0) by starting the store and publishing it; ``None`` while it is not known yet."""
+        master = MasterInfo.of_state(state)
+        if master is not None:
+            return master
+        master = self._master
+        if master is not None and master.round == state.round:
+            return master
+        if rank != 0:
+            return None
+        master = self._serve_round(state.round)
+        self._connection.call(lambda c: c.put(self._keys.master, master.encode()), what="a store address")
+        self._master = master
+        return master
+
+    # -- the protocol -----------------------------------------------------------------------------
+
+    def _join_round(self, deadline: float) -> tuple[int, int, int, MasterInfo]:
+        """Join (or open) a round and wait until it closes with this node in it.
+
+        Returns:
+            This node's rank, the world size, the round and rank 0's store address.
+        """
         settings = self._settings
-        joined_round: int | None = None
-        min_reached_at: float | None = None
+        joined: tuple[int, int] | None = None  # (round, lease) of this node's join key
+        min_seen_at: float | None = None
         next_progress_at = time.monotonic() + self._PROGRESS_LOG_S
+        recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * random.uniform(0.8, 1.2)
         while True:
             seen = self._watch.version
-            snapshot = self._read()
-            self._watch.ensure(snapshot.revision + 1)
-            state = snapshot.state
+            if self._watch._broken:
+                self._sync()
+            elif time.monotonic() >= recheck_at:  # nothing heard for long: is the watch behind?
+                self._recheck()
+                recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * random.uniform(0.8, 1.2)
+            state, revision = self._state
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousTimeoutError(
                     f"etcd-v3: no rendezvous of run {settings.run_id!r} within {settings.join_timeout:g}s: "
-                    f"{waiting_summary(snapshot, settings, self.node_id)}"
+                    f"{self._waiting_summary()}"
                 )
             if state is None:
-                self._swap(0, RoundState(0, OPEN))
+                self._create_state()
                 continue
+            if self._coordinator_id is None:
+                self._schedule_claim()
             if state.status == CLOSED:
                 raise RendezvousClosedError(f"the rendezvous of run {settings.run_id!r} is closed")
+            timeout = recheck_at - now
             if state.status == COMPLETE:
-                if joined_round == state.round and self.node_id in state.participants:
-                    return state.participants, state.round
-                if state.round > self._round and self.node_id in state.participants:
-                    return state.participants, state.round
-                live_members = [n for n in state.participants if n in snapshot.live]
-                if len(live_members) < settings.max_nodes or self.node_id in state.participants:
-                    # Open the next round; the running members see it and rejoin.
-                    self._swap(snapshot.state_revision, RoundState(state.round + 1, OPEN, [], state.participants))
+                in_round = self._rank_in(state, joined)
+                if in_round is not None:
+                    rank = in_round
+                    master = self._master_of(state, rank)
+                    if master is not None:
+                        return rank, state.world_size, state.round, master
+                    timeout = 1.0  # rank 0 publishes its address right away; read it if it is late
+                    if self._waited_for(state, "master", now):
+                        self._sync_master()
+                        continue
+                elif self._is_pending(state, joined, now):
+                    timeout = 0.5  # the shard of this round has not arrived yet
+                elif self._round == state.round or state.world_size < settings.max_nodes:
+                    # A restart (this node ran the round) or room for a newcomer: open the next
+                    # round; the running members see it and rejoin.
+                    self._write_state(RoundState(state.round + 1, OPEN, previous_round=state.round), revision)
                     continue
-                # The job is full: wait as a spare until a round opens.
-                self._watch.wait(seen, min(self._SAFETY_RECHECK_S, deadline - now))
+                # else: the job is full: wait as a spare until a round opens.
+            elif joined is None or joined[0] != state.round or joined[1] != self._lease.current():
+                if self._join(state.round):
+                    joined = (state.round, self._lease.current() or 0)
+                    min_seen_at = None
                 continue
-            # status OPEN
-            if joined_round != state.round:
-                join_key = self._keys.joined(state.round, self.node_id)
-                lease = self._lease.lease_id()
-                try:
-                    self._connection.call(_put(join_key, b"", lease), what="a rendezvous join")
-                except RendezvousConnectionError as exc:
-                    if not _lease_not_found(exc):
-                        raise
-                    # Cut off longer than lease_ttl (a partition): our lease expired. Register
-                    # again under a new lease and retry the join.
-                    log.warning("etcd-v3: this node's lease expired; registering again")
-                    self._lease.invalidate(lease)
-                    continue
-                joined_round, min_reached_at = state.round, None
-                continue
-            live_joined = [n for n in snapshot.joined.get(state.round, []) if n in snapshot.live]
-            if len(live_joined) >= settings.min_nodes and min_reached_at is None:
-                min_reached_at = now
-            waited = 0.0 if min_reached_at is None else now - min_reached_at
-            participants = decide_close(snapshot, settings, waited)
-            if participants is not None:
-                txn = self._connection.etcd3.transactions
-                stale = [txn.Delete(f"{self._keys.rounds}{r}/", _range_end(f"{self._keys.rounds}{r}/"))
-                         for r in snapshot.joined if r < state.round]
-                closed = RoundState(state.round, COMPLETE, participants, state.previous)
-                self._swap(snapshot.state_revision, closed, stale)
-                continue
-            in_last_call = min_reached_at is not None and state.previous is None
-            timeout = self._SAFETY_RECHECK_S
-            if min_reached_at is None or in_last_call:  # waiting for nodes: say so now and then
-                if now >= next_progress_at:
-                    self._log_progress(len(live_joined), deadline - now, settings.last_call_timeout - waited)
-                    next_progress_at = now + self._PROGRESS_LOG_S
-                timeout = min(timeout, next_progress_at - now)
-            if in_last_call:
-                timeout = min(timeout, settings.last_call_timeout - waited)
+            else:  # open, joined: wait for the coordinator to close it
+                count = max(state.joined, 1)
+                if count >= settings.min_nodes and min_seen_at is None:
+                    min_seen_at = now
+                first_round = state.previous_round is None
+                in_last_call = min_seen_at is not None and first_round and count < settings.max_nodes
+                waited = 0.0 if min_seen_at is None else now - min_seen_at
+                if min_seen_at is None or in_last_call:  # waiting for nodes: say so now and then
+                    if now >= next_progress_at:
+                        self._log_progress(count, deadline - now, settings.last_call_timeout - waited)
+                        next_progress_at = now + self._PROGRESS_LOG_S
+                    timeout = min(timeout, next_progress_at - now)
             self._watch.wait(seen, min(timeout, deadline - now))
+            if self._watch.version != seen:
+                recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * random.uniform(0.8, 1.2)
+
+    def _rank_in(self, state: RoundState, joined: tuple[int, int] | None) -> int | None:
+        """This node's rank in the complete ``state`` if it is a participant (per its shard)."""
+        if state.round <= self._round and not (joined is not None and joined[0] == state.round):
+            return None  # a round this node already ran: not a new one for it
+        shard = self._shard
+        if state.shards != self._shards:  # settings differ between nodes: read the right shard
+            shard = self._read_shard(state)
+        if shard is None or shard[0] != state.round:
+            return None
+        return shard[1].get(self.node_id)
+
+    def _is_pending(self, state: RoundState, joined: tuple[int, int] | None, now: float) -> bool:
+        """Whether this node joined ``state``'s round but its shard has not arrived yet."""
+        if joined is None or joined[0] != state.round:
+            return False
+        shard = self._shard
+        if shard is not None and shard[0] >= state.round:
+            return False
+        if self._waited_for(state, "shard", now):
+            self._shard = self._read_shard(state)
+        return True
+
+    def _waited_for(self, state: RoundState, what: str, now: float) -> bool:
+        """True once per round and ``what`` after waiting a second for it (then read it)."""
+        marks = self._wait_marks
+        key = (state.round, what)
+        since = marks.setdefault(key, now)
+        if now - since >= 1.0:
+            marks[key] = float("inf")
+            if len(marks) > 16:
+                marks.clear()
+            return True
+        return False
+
+    def _read_shard(self, state: RoundState) -> tuple[int, dict[str, int]] | None:
+        key = self._keys.shard(shard_of(self.node_id, max(state.shards, 1)))
+        value, _ = self._connection.call(lambda c: c.get(key), what="a rank read")
+        return None if value is None else decode_shard(value, key)
+
+    def _sync_master(self) -> None:
+        value, _ = self._connection.call(lambda c: c.get(self._keys.master), what="a store address read")
+        if value is not None:
+            self._master = MasterInfo.decode(value)
+
+    def _join(self, round_: int) -> bool:
+        """Put this node's join key for ``round_``; False if the lease had expired (registered
+        again: the caller looks again)."""
+        lease = self._lease.lease_id()
+        key = self._keys.joined(round_, self.node_id)
+        try:
+            self._connection.call(lambda c: c.put(key, b"", lease=lease), what="a rendezvous join")
+        except RendezvousConnectionError as exc:
+            if not _lease_not_found(exc):
+                raise
+            # Cut off longer than lease_ttl (a partition): our lease expired. Register again
+            # under a new lease and retry the join.
+            log.warning("etcd-v3: this node's lease expired; registering again")
+            self._lease.invalidate(lease)
+            return False
+        return True
+
+    def _create_state(self) -> None:
+        """Open the job's first round and take the coordinator role with it."""
+        conn, keys = self._connection, self._keys
+        lease = self._lease.lease_id()
+        result = etcd_ops.transaction(
+            conn, [etcd_ops.absent(conn, keys.state)],
+            [etcd_ops.put(conn, keys.state, RoundState(0, OPEN).encode()),
+             etcd_ops.put(conn, keys.coordinator, self.node_id.encode(), lease)],
+            [etcd_ops.get(conn, keys.state, prefix=True)], what="a rendezvous state change")
+        if result.succeeded:
+            self._take_state(RoundState(0, OPEN), result.revision)
+            self._coordinator_id = self.node_id
+            self._start_coordinator()
+            return
+        for kv in etcd_ops.range_kvs(result.responses[0]):
+            key = kv.key.decode()
+            if key == keys.state:
+                self._take_state(RoundState.decode(kv.value, key), int(kv.mod_revision))
+            elif key == keys.coordinator:
+                self._coordinator_id = bytes(kv.value).decode(errors="replace")
+                if self._coordinator_id == self.node_id:  # our own attempt, retried
+                    self._start_coordinator()
+
+    def _write_state(self, new: RoundState, revision: int) -> None:
+        """CAS the state from ``revision`` to ``new``; on a conflict take the current state."""
+        conn, key = self._connection, self._keys.state
+        result = etcd_ops.transaction(conn, [etcd_ops.mod_is(conn, key, revision)],
+                                      [etcd_ops.put(conn, key, new.encode())], [etcd_ops.get(conn, key)],
+                                      what="a rendezvous state change")
+        if result.succeeded:
+            self._take_state(new, result.revision)
+            return
+        value, current_rev = etcd_ops.first_value(result.responses[0])
+        if value is not None:
+            self._take_state(RoundState.decode(value, key), current_rev)
+
+    def _waiting_summary(self) -> str:
+        try:
+            snapshot = read_snapshot(self._connection, self._keys)
+        except Exception as exc:
+            return f"the rendezvous could not be read ({exc})"
+        return waiting_summary(snapshot, self._settings, self.node_id)
 
     def _log_progress(self, joined: int, left: float, last_call_left: float) -> None:
         settings = self._settings
@@ -586,27 +715,6 @@ class LeaseRendezvousHandler(RendezvousHandler):
             log.warning("etcd-v3: run %s: waiting for more nodes: %d joined (min %d, max %d), "
                         "last call ends in %.0f s", settings.run_id, joined, settings.min_nodes,
                         settings.max_nodes, max(last_call_left, 0.0))
-
-
-def waiting_summary(snapshot: Snapshot, settings: RendezvousSettings, node_id: str) -> str:
-    """Why a round has not closed for ``node_id``, for people (the join-timeout error)."""
-    state = snapshot.state
-    if state is None:
-        return "no round was open"
-    if state.status == COMPLETE:
-        live = [n for n in state.participants if n in snapshot.live]
-        return (f"the job is full ({len(live)} of max {settings.max_nodes} nodes run it); "
-                "this node waited as a spare")
-    if state.status != OPEN:
-        return f"the rendezvous is {state.status}"
-    joined = [n for n in snapshot.joined.get(state.round, []) if n in snapshot.live]
-    if len(joined) < settings.min_nodes:
-        return f"{len(joined)} of min {settings.min_nodes} nodes had joined round {state.round}"
-    missing = [n for n in state.previous or [] if n in snapshot.live and n not in joined]
-    if missing:
-        return (f"{len(joined)} nodes had joined round {state.round}; {len(missing)} live member(s) "
-                f"of the previous round had not rejoined: {', '.join(missing)}")
-    return f"{len(joined)} nodes had joined round {state.round} (min {settings.min_nodes}), still in the last call"
 
 
 def create_lease_handler(settings: RendezvousSettings) -> LeaseRendezvousHandler:

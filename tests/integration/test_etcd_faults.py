@@ -156,7 +156,7 @@ def test_a_retried_add_never_applies_twice(etcd_server, unique_id: str) -> None:
     store.set("n", b"10")
     proxy = _LoseFirstTxnResponse(connection.client(), connection.etcd3)
     connection._client = proxy
-    connection._fail_over = lambda: None  # keep the proxy in place across the retry
+    connection._fail_over = lambda *_: None  # keep the proxy in place across the retry
     assert store.add("n", 5) == 15
     assert proxy.lost == 1
     assert store.get("n") == b"15"

@@ -221,8 +221,8 @@ def test_join_after_the_lease_expired_registers_again(etcd_server, unique_id) ->
     try:
         handler.next_rendezvous()
         lease = handler._lease  # type: ignore[attr-defined]
-        lease._stop.set()  # no more keep-alives: as if cut off from etcd
         old = lease._lease_id
+        lease._keeper.forget(old)  # no more keep-alives: as if cut off from etcd
         handler._connection.call(lambda c: c.revoke_lease(old), what="expire")  # type: ignore[attr-defined]
         info = handler.next_rendezvous()
         assert info.world_size == 1
@@ -323,38 +323,21 @@ def test_a_restart_round_leaves_nothing_waiting(pair) -> None:  # type: ignore[n
     assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
 
 
-class DeletesSeen:
-    """Records the node keys whose delete events ``handler``'s watch has *finished* processing.
+def wait_until_the_departure_was_seen(survivor: Any, node_id: str, timeout: float = 15.0) -> None:
+    """Return once ``survivor`` coordinates the run and its coordinator's view has lost ``node_id``.
 
     Positive evidence for tests that assert that something did not happen after a departure:
-    only once the departure's event went through the handler does "no restart" mean anything.
+    departures reach the coordinator only (the leaver may have held the role: the survivor then
+    claims it and starts from a fresh read), so only once it has processed this one does "no
+    restart" mean anything.
     """
-
-    def __init__(self, handler: Any) -> None:
-        self._deleted: set[str] = set()
-        self._cond = threading.Condition()
-        self._delete_event = handler._connection.etcd3.events.DeleteEvent
-        self._nodes_prefix = handler._keys.nodes
-        watch = handler._watch
-        original = watch._on_event
-
-        def recording(event: Any) -> None:
-            original(event)  # first the handler, then the record: "seen" means "processed"
-            key = event.key.decode()
-            if isinstance(event, self._delete_event) and key.startswith(self._nodes_prefix):
-                with self._cond:
-                    self._deleted.add(key[len(self._nodes_prefix):])
-                    self._cond.notify_all()
-
-        watch._on_event = recording
-
-    def wait_for(self, node_id: str, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while node_id not in self._deleted:
-                left = deadline - time.monotonic()
-                assert left > 0, f"the watch never delivered the departure of {node_id} within {timeout}s"
-                self._cond.wait(left)
+    deadline = time.monotonic() + timeout
+    while True:
+        coordinator = survivor._coordinator
+        if coordinator is not None and coordinator.running and node_id not in coordinator.live_nodes():
+            return
+        assert time.monotonic() < deadline, f"the survivor's coordinator never saw {node_id} leave within {timeout}s"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("after_a_restart", [False, True], ids=["first-round", "after-a-restart"])
@@ -369,25 +352,24 @@ def test_a_finished_job_does_not_restart_the_last_node(pair, after_a_restart) ->
         pair.join(b, a)  # the restart round: b rejoined first
         assert a._round == b._round == 1
     assert b.num_nodes_waiting() == 0
-    seen = DeletesSeen(b)
     assert a.shutdown() is True
-    seen.wait_for(a.node_id)
+    wait_until_the_departure_was_seen(b, a.node_id)
     assert b.num_nodes_waiting() == 0
     assert b.is_closed()
 
 
 def test_a_finished_node_leaving_is_logged_as_news_not_as_a_loss(pair, caplog) -> None:  # type: ignore[no-untyped-def]
-    """The operator's side of the same departure: b logs it at INFO, never as a lost node (a
-    WARNING at every normal finish reads like the cause of a restart)."""
+    """The operator's side of the same departure: the survivor logs it at INFO, never as a lost
+    node (a WARNING at every normal finish reads like the cause of a restart)."""
     a, b = pair.handlers
     pair.join(a, b)
-    caplog.set_level(logging.INFO, logger="rendezvous.lease_handler")
-    seen = DeletesSeen(b)
+    caplog.set_level(logging.INFO, logger="rendezvous")
     assert a.shutdown() is True
-    seen.wait_for(a.node_id)
-    left = [r for r in caplog.records if r.name == "rendezvous.lease_handler" and a.node_id in r.getMessage()]
-    assert [r.levelno for r in left] == [logging.INFO], [r.getMessage() for r in left]
-    assert "left the closed run" in left[0].getMessage()
+    wait_until_the_departure_was_seen(b, a.node_id)
+    about_a = [r for r in caplog.records if r.name.startswith("rendezvous.") and a.node_id in r.getMessage()]
+    assert [r.getMessage() for r in about_a if r.levelno >= logging.WARNING] == []
+    left = [r for r in about_a if "left the closed run" in r.getMessage()]
+    assert [r.levelno for r in left] == [logging.INFO], [r.getMessage() for r in about_a]
 
 
 def test_a_member_that_leaves_a_running_job_is_noticed(pair) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,119 @@
+"""etcd transactions as the lease rendezvous writes them: raw requests, with the header revision.
+
+``etcd3``'s ``transaction()`` drops the response header, so a writer cannot learn the revision
+its write created. :func:`transaction` sends a ``TxnRequest`` built from the small op helpers
+below through :meth:`EtcdConnection.call` (retries, failover, counting) and returns whether the
+comparisons held, the header revision and the raw responses.
+
+A transaction may be retried after its response was lost; each caller decides from the failure
+branch's reads whether its own earlier attempt applied (see :func:`first_value`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rendezvous.etcd_client import EtcdConnection
+from rendezvous.watch_hub import prefix_end
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    """The outcome of :func:`transaction`."""
+
+    succeeded: bool
+    revision: int
+    """The cluster revision after the transaction (the write's revision if it wrote)."""
+    responses: list[Any]
+    """The raw ``ResponseOp`` of each op of the branch that ran."""
+
+
+def transaction(
+    connection: EtcdConnection,
+    compare: list[Any],
+    success: list[Any],
+    failure: list[Any] | None = None,
+    *,
+    what: str,
+    kind: str | None = None,
+    retry_timeout: float | None = None,
+) -> TxnResult:
+    """Run one etcd transaction (``compare`` from :func:`mod_is` etc., ops from :func:`put` etc.).
+
+    Raises:
+        RendezvousConnectionError: see :meth:`EtcdConnection.call`.
+    """
+    rpc = connection.etcd3.etcdrpc
+    request = rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
+
+    def send(client: Any) -> Any:
+        return client.kvstub.Txn(request, client.timeout, credentials=client.call_credentials,
+                                 metadata=client.metadata)
+
+    response = connection.call(send, what=what, kind=kind, retry_timeout=retry_timeout)
+    return TxnResult(bool(response.succeeded), int(response.header.revision), list(response.responses))
+
+
+def read(connection: EtcdConnection, ops: list[Any], *, what: str, kind: str | None = None) -> TxnResult:
+    """Several ranges read at one revision (a read-only transaction: no write, no raft entry)."""
+    return transaction(connection, [], ops, what=what, kind=kind)
+
+
+def put(connection: EtcdConnection, key: str, value: bytes, lease: int = 0) -> Any:
+    rpc = connection.etcd3.etcdrpc
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key.encode(), value=value, lease=lease))
+
+
+def get(connection: EtcdConnection, key: str, *, prefix: bool = False) -> Any:
+    rpc = connection.etcd3.etcdrpc
+    raw = key.encode()
+    request = rpc.RangeRequest(key=raw)
+    if prefix:
+        request.range_end = prefix_end(raw)
+    return rpc.RequestOp(request_range=request)
+
+
+def delete_prefix(connection: EtcdConnection, prefix: str) -> Any:
+    rpc = connection.etcd3.etcdrpc
+    raw = prefix.encode()
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=raw, range_end=prefix_end(raw)))
+
+
+def delete(connection: EtcdConnection, key: str) -> Any:
+    rpc = connection.etcd3.etcdrpc
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key.encode()))
+
+
+def _compare(connection: EtcdConnection, key: str, target: str, result: str, **value: Any) -> Any:
+    rpc = connection.etcd3.etcdrpc
+    return rpc.Compare(key=key.encode(), target=getattr(rpc.Compare, target),
+                       result=getattr(rpc.Compare, result), **value)
+
+
+def mod_is(connection: EtcdConnection, key: str, revision: int) -> Any:
+    """``key`` was last written at ``revision`` (0: ``key`` does not exist)."""
+    return _compare(connection, key, "MOD", "EQUAL", mod_revision=revision)
+
+
+def absent(connection: EtcdConnection, key: str) -> Any:
+    """``key`` does not exist."""
+    return _compare(connection, key, "CREATE", "EQUAL", create_revision=0)
+
+
+def value_is(connection: EtcdConnection, key: str, value: bytes) -> Any:
+    """``key`` holds ``value``."""
+    return _compare(connection, key, "VALUE", "EQUAL", value=value)
+
+
+def range_kvs(response: Any) -> list[Any]:
+    """The key-values of a range ``ResponseOp``."""
+    return list(response.response_range.kvs)
+
+
+def first_value(response: Any) -> tuple[bytes | None, int]:
+    """``(value, mod_revision)`` of the first key of a range ``ResponseOp`` (``(None, 0)`` if none)."""
+    kvs = response.response_range.kvs
+    if not kvs:
+        return None, 0
+    return bytes(kvs[0].value), int(kvs[0].mod_revision)
