@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from elastic_trainer.checkpoint.config import CheckpointConfig  # noqa: E402
 from elastic_trainer.runtime.observer import NullObserver  # noqa: E402
 from elastic_trainer.train.config import TrainerConfig  # noqa: E402
 from elastic_trainer.train.trainer import Trainer, TrainingJob  # noqa: E402
@@ -67,11 +68,9 @@ def run(mode: str, args: argparse.Namespace, directory: str) -> tuple[float, lis
         global_batch_size=args.batch,
         max_steps=args.steps,
         epochs=10_000,
-        checkpoint_dir=None if mode == "none" else directory,
         # One more than the run: the final checkpoint (always synchronous) is not a periodic one.
-        checkpoint_every=args.every,
-        keep_last=1,
-        async_checkpoint=mode == "async",
+        checkpoint=CheckpointConfig(directory=None if mode == "none" else directory, every=args.every, keep_last=1,
+                                    async_write=mode == "async"),
         log_every=10_000,
     )
     started = time.perf_counter()

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime_throughput import _runtime, block_line, report_blocks  # noqa: E402
 from workloads import add_workload_arguments, init_worker, resolve_workload_arguments  # noqa: E402
 
-from elastic_trainer.train.config import ENV_JIT_SAVE  # noqa: E402
+from elastic_trainer.runtime.settings import ENV_JIT_SAVE  # noqa: E402
 
 VARIANTS = ("jit-off", "jit-on")
 

@@ -53,12 +53,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and its name shadows the
-# `rendezvous` package (benchmarks/rendezvous.py): drop it, and make the repository importable.
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
 
 SYSTEMS = ("etcd-v3", "c10d", "c10d-unshared")
 SCENARIOS = {  # scenario -> the modes it makes sense in
@@ -68,25 +64,6 @@ SCENARIOS = {  # scenario -> the modes it makes sense in
     "node-join": ("elastic",),
 }
 BASELINE = HERE / "baseline_ddp_checkpoint.py"
-
-
-# -- the worker of the etcd-v3 system --------------------------------------------------------------
-def run_worker(argv: list[str]) -> None:
-    """``recovery.py worker ARGS``: the example job, its sample records stamped with ``time.time()``.
-
-    The runtime's sample log records each step right after its optimizer step; the benchmark
-    adds the wall time to that record (a subclass swapped in for the trainer's ``SampleLog``).
-    """
-    from elastic_trainer.examples import synthetic_cnn as example
-    from elastic_trainer.runtime.sample_log import SampleLog
-    from elastic_trainer.train import trainer as trainer_module
-
-    class TimedSampleLog(SampleLog):
-        def step(self, **record: object) -> None:  # type: ignore[override]
-            self._write({"event": "step", **record, "t": time.time()})
-
-    trainer_module.SampleLog = TimedSampleLog  # type: ignore[misc]
-    example._exit(example.main(argv))
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -172,7 +149,7 @@ class Cluster:
             cmd = [sys.executable, "-m", "elastic_trainer.cli", "run", "--nnodes", self.nnodes,
                    "--nproc-per-node", str(cfg.nproc_per_node), "--device", "cpu",
                    "--rdzv-endpoint", self.etcd_endpoint, "--run-id", self.run_id, "--max-restarts", "10",
-                   "--metrics-port", "0", str(Path(__file__).resolve()), "worker", *common,
+                   "--metrics-port", "0", "-m", "elastic_trainer.examples.synthetic_cnn", *common,
                    "--epochs", "1000", "--checkpoint-dir", str(self.workdir / "ckpt"),
                    "--record-samples", str(self.records), "--log-every", "1000"]
             return cmd, env
@@ -227,11 +204,13 @@ def read_processes(directory: Path) -> list[Process]:
     found = []
     for records in read_records(directory):
         start = records[0]
-        step_records = [r for r in records[1:] if r.get("event") == "step"]
+        # The runtime records a step's completion ("done", with its time); the baseline script
+        # writes one time-stamped "step" record per completed step.
+        done = [r for r in records[1:] if r.get("event") == "done"]
+        step_records = done or [r for r in records[1:] if r.get("event") == "step"]
         if step_records and "t" not in step_records[0]:
-            raise RuntimeError(f"step records without a time stamp in {directory}: the trainer no longer writes "
-                               "them through elastic_trainer.train.trainer.SampleLog (see run_worker)")
-        steps = [(r["t"], r["step"], r["world_size"]) for r in step_records]
+            raise RuntimeError(f"step records without a time stamp in {directory}")
+        steps = [(r["t"], r["step"], start["world_size"]) for r in step_records]
         found.append(Process(start["started_unix"], start["resumed_step"], start["rank"], steps))
     return found
 
@@ -454,9 +433,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str]) -> int:
-    if argv[:1] == ["worker"]:
-        run_worker(list(argv[1:]))
-        return 0
     args = parse_args(argv)
     try:
         cfg = BenchConfig(nodes=args.nodes, nproc_per_node=args.nproc_per_node, fault_step=args.fault_step,

@@ -46,6 +46,7 @@ from workloads import (  # noqa: E402
     workload_of,
 )
 
+from elastic_trainer.checkpoint.config import CheckpointConfig  # noqa: E402
 from elastic_trainer.runtime.distributed import read_env  # noqa: E402
 from elastic_trainer.runtime.observer import NullObserver  # noqa: E402
 from elastic_trainer.train.config import TrainerConfig  # noqa: E402
@@ -111,7 +112,8 @@ def _runtime(args: argparse.Namespace, checkpoint_dir: str | None) -> list[tuple
         tokens_per_sample=spec.tokens_per_sample,
     )
     config = TrainerConfig(global_batch_size=args.global_batch_size, seed=args.seed, epochs=10_000,
-                           max_steps=args.warmup + args.steps, checkpoint_dir=checkpoint_dir, log_every=10_000,
+                           max_steps=args.warmup + args.steps, checkpoint=CheckpointConfig(directory=checkpoint_dir),
+                           log_every=10_000,
                            mixed_precision="bf16" if args.bf16 else "no")  # fmt: skip
     env = read_env(cuda_devices=0) if args.device == "cpu" else None  # CPU even where a GPU is visible
     Trainer(config, job, observer=clock, env=env).fit()

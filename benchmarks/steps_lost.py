@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic_trainer.train.config import DEFAULT_CHECKPOINT_EVERY, ENV_JIT_SAVE  # noqa: E402
+from elastic_trainer.checkpoint.config import DEFAULT_CHECKPOINT_EVERY  # noqa: E402
+from elastic_trainer.runtime.settings import ENV_JIT_SAVE  # noqa: E402
 from rendezvous.etcd_server import EtcdServer  # noqa: E402
 from tests.runtime_helpers import generations, start_agent, wait_for  # noqa: E402
 

@@ -109,6 +109,7 @@ def start_agent(
     max_restarts: int = 3,
     rdzv_conf: str = FAST_RDZV_CONF,
     extra_env: dict[str, str] | None = None,
+    target: Sequence[str] | None = None,
 ) -> Agent:
     """Start ``torchrun --rdzv-backend=etcd-v3 ... -m synthetic_cnn JOB_ARGS``."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(extra_env or {}))
@@ -118,7 +119,7 @@ def start_agent(
         "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
         f"--rdzv-conf={rdzv_conf}", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
         f"--max-restarts={max_restarts}",
-        "-m", EXAMPLE, *job_args,
+        *(target if target is not None else ["-m", EXAMPLE]), *job_args,
     ]
     log_file = open(log_path, "ab")  # noqa: SIM115 - closed by Agent.stop
     log_file.write(("$ " + " ".join(cmd) + "\n").encode())

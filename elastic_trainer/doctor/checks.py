@@ -46,7 +46,7 @@ from elastic_trainer.doctor.perf import (
 )
 from elastic_trainer.doctor.report import FAIL, PASS, SKIP, WARN, CheckResult, format_size
 from elastic_trainer.runtime import distributed
-from elastic_trainer.train.config import DEFAULT_PG_TIMEOUT_S, ENV_PG_TIMEOUT_S
+from elastic_trainer.runtime.settings import DEFAULT_PG_TIMEOUT_S, ENV_PG_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

@@ -28,14 +28,17 @@ from torch.utils.data import Dataset
 
 from elastic_trainer.runtime import failures
 from elastic_trainer.runtime.distributed import read_env, strip_local_rank_arg
+from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.process_exit import exit_process
+from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.train.config import (
     DEFAULT_CHECKPOINT_EVERY,
-    ConfigError,
+    CheckpointConfig,
     DDPOptions,
     TrainerConfig,
 )
+from elastic_trainer.train.loop import FaultHook
 from elastic_trainer.train.trainer import Trainer, TrainingJob, build_observer
 
 log = logging.getLogger("elastic_trainer.examples.synthetic_cnn")
@@ -111,11 +114,9 @@ class Throttled:
         return getattr(self._inner, name)
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, dataset: SyntheticImages, device: torch.device) -> float:
-    """Mean cross-entropy of ``model`` (eval mode) over the whole dataset: the "final loss",
-    far less noisy than the loss of one mini-batch."""
-    model.eval()
+    """Mean cross-entropy of ``model`` over the whole dataset (call it in eval mode, under
+    ``torch.no_grad()``): the "final loss", far less noisy than the loss of one mini-batch."""
     total = 0.0
     for start in range(0, len(dataset), 256):
         images = dataset.images[start : start + 256].to(device)
@@ -130,6 +131,8 @@ def make_job(args: argparse.Namespace) -> TrainingJob:
         model=lambda: SmallCNN(args.width, batchnorm=not args.no_batchnorm, dropout=args.dropout),
         dataset=lambda: SyntheticImages(args.dataset_size, seed=args.seed),
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4),
+        evaluate=lambda model, step: {"eval_loss": evaluate(model, SyntheticImages(512, seed=args.seed),
+                                                            next(model.parameters()).device)},
         scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.max_steps or 1000, 1)),
         loss=nn.CrossEntropyLoss(),
     )
@@ -158,6 +161,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="identities instead of BatchNorm (makes steps exactly world-size invariant on CPU)")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="dropout before the classifier (random numbers in every step; resume stays bitwise)")
+    parser.add_argument("--grad-clip-norm", type=float, default=None, help="clip gradients to this 2-norm")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="full-loss evaluation on 512 samples every this many steps (rank 0 logs it)")
     parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")
     parser.add_argument("--sync-batchnorm", action="store_true", help="SyncBatchNorm (CUDA only)")
     parser.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer")
@@ -177,7 +183,8 @@ def _configure_logging() -> None:
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, fault_hook: FaultHook | None = None) -> int:
+    """The example's worker; ``fault_hook`` is a test seam (``elastic_trainer.train.loop.FaultHook``)."""
     local_rank, rest = strip_local_rank_arg(sys.argv[1:] if argv is None else argv)
     args = parse_args(rest)
     _configure_logging()
@@ -196,24 +203,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             epochs=args.epochs,
             max_steps=args.max_steps,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-            keep_last=args.keep_last,
-            async_checkpoint=args.async_checkpoint,
+            checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
+                                        keep_last=args.keep_last, async_write=args.async_checkpoint,
+                                        jit_save=args.jit_save),
+            grad_clip_norm=args.grad_clip_norm,
+            eval_every=args.eval_every,
             mixed_precision=args.mixed_precision,
             sync_batchnorm=args.sync_batchnorm,
             zero_redundancy=args.zero,
-            **({} if args.jit_save is None else {"jit_save": args.jit_save}),
             ddp=DDPOptions(),
             log_every=args.log_every,
             num_workers=args.num_workers,
             record_samples_dir=args.record_samples,
         )
+        settings = WorkerSettings.from_environ()  # the worker's environment, parsed once
         env = read_env(local_rank_arg=local_rank, backend=config.backend)
-        observer = build_observer()
+        observer = build_observer(settings)
         if args.throttle_ms > 0:
             observer = Throttled(observer, args.throttle_ms / 1000)
-        trainer = Trainer(config, make_job(args), observer=observer, env=env)
+        trainer = Trainer(config, make_job(args), observer=observer, env=env, settings=settings,
+                          fault_hook=fault_hook)
         result = trainer.fit()
     except Exception as exc:  # noqa: BLE001 - classified, recorded for the launcher, reported once
         return failures.exit_after(exc, prog=PROG)
@@ -221,7 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dataset = trainer.dataset
         if not isinstance(dataset, SyntheticImages):
             raise TypeError(f"the example's dataset is {type(dataset).__name__}, not SyntheticImages")
-        eval_loss = None if result.stopped_by_signal else evaluate(trainer.model, dataset, env.device)
+        trainer.model.eval()
+        with torch.no_grad():
+            eval_loss = None if result.stopped_by_signal else evaluate(trainer.model, dataset, env.device)
         print(f"final step {result.step} epoch {result.epoch} loss {result.loss} eval_loss {eval_loss} "
               f"checkpoint {result.checkpoint} stopped_by_signal {result.stopped_by_signal}", flush=True)
     return result.exit_code

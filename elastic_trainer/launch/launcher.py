@@ -399,7 +399,7 @@ def split_target(words: Sequence[str], *, as_module: bool) -> Target:
 
 def default_env_for_workers() -> None:
     """Environment defaults the workers inherit (never overriding the user's)."""
-    from elastic_trainer.runtime.failures import ENV_LAUNCHER_REPORTS
+    from elastic_trainer.runtime.settings import ENV_REPORTS_FAILURES
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ[ENV_LAUNCHER_REPORTS] = "1"  # this launcher prints root causes: workers say one line
+    os.environ[ENV_REPORTS_FAILURES] = "1"  # this launcher prints root causes: workers say one line

@@ -51,15 +51,24 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 
 from elastic_trainer.launch.agent_metrics import AgentMetrics, install_agent_hooks
-from elastic_trainer.metrics.node_name import NODE_NAME_ENV, local_node_name
+from elastic_trainer.metrics.node_name import local_node_name
+from elastic_trainer.metrics.worker import MetricsError
+from elastic_trainer.runtime.failures import ConfigError
+from elastic_trainer.runtime.settings import (
+    ENV_METRICS,
+    ENV_METRICS_ALLREDUCE,
+    ENV_MULTIPROC_DIR,
+    ENV_NODE,
+)
+from elastic_trainer.runtime.settings import allreduce_timing_mode as settings_mode
 
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_ADDR = "0.0.0.0"
 """All interfaces: Prometheus in the cluster scrapes the pod IP."""
 DEFAULT_METRICS_PORT = 9400
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-METRICS_SWITCH_ENV = "ELASTIC_TRAINER_METRICS"
+MULTIPROC_DIR_ENV = ENV_MULTIPROC_DIR
+METRICS_SWITCH_ENV = ENV_METRICS
 
 _PID_FILE = re.compile(r"^(counter|histogram|summary|gauge_[a-z]+)_(\d+)\.db$")
 ARCHIVE_PID = "archive"
@@ -82,38 +91,18 @@ _MERGE: dict[str, Callable[[tuple[float, float], tuple[float, float]], tuple[flo
 }
 
 
-class MetricsError(ValueError):
-    """A metrics setting (port, address, directory, environment) that cannot work here.
-
-    A ``ValueError`` so that entry points that print bad settings as one line handle it too.
-    """
-
-
-ALLREDUCE_TIMING_ENV = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
-"""How workers time their gradient buckets' allreduces:
-
-- ``hook`` (default; also ``1``): the allreduce timing hook, a Python comm hook. On CPU it costs
-  ~20 us of host CPU per bucket (torch's stock Python ``allreduce_hook`` ~25 us); on a GPU host
-  1.4-2.5 ms per step of a 13-bucket model (benchmarks/RESULTS.md, session 5).
-- ``trace``: no hook; NCCL's own timings, read from torch's flight recorder once about half its
-  ring is new (:mod:`elastic_trainer.metrics.bucket_trace`). CUDA models only (a CPU model keeps
-  the hook); not yet measured on a GPU.
-- ``0``: none. The allreduce metrics stay empty and step_compute equals the step time."""
-ALLREDUCE_TIMING_MODES = {"1": "hook", "true": "hook", "yes": "hook", "hook": "hook", "trace": "trace",
-                          "0": "off", "false": "off", "no": "off"}  # fmt: skip
-
-
 def allreduce_timing_mode(environ: Mapping[str, str] | None = None) -> str:
-    """``hook``, ``trace`` or ``off``: how workers time their allreduces (:data:`ALLREDUCE_TIMING_ENV`).
+    """``hook``, ``trace`` or ``off``: how this launcher's workers will time their allreduces
+    (``ELASTIC_TRAINER_METRICS_ALLREDUCE``), checked before any worker starts.
 
     Raises:
         MetricsError: the variable holds something else.
     """
-    raw = (os.environ if environ is None else environ).get(ALLREDUCE_TIMING_ENV, "hook")
-    mode = ALLREDUCE_TIMING_MODES.get(raw.strip().lower())
-    if mode is None:
-        raise MetricsError(f"{ALLREDUCE_TIMING_ENV}={raw!r}: expected hook, trace or 0")
-    return mode
+    raw = (os.environ if environ is None else environ).get(ENV_METRICS_ALLREDUCE)
+    try:
+        return settings_mode(raw)
+    except ConfigError as exc:
+        raise MetricsError(str(exc)) from exc
 
 
 def pid_alive(pid: int) -> bool:
@@ -341,7 +330,7 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
 
     Raises:
         MetricsError: the directory cannot be prepared, the endpoint cannot be bound, or
-            :data:`ALLREDUCE_TIMING_ENV` is not a mode.
+            ``ELASTIC_TRAINER_METRICS_ALLREDUCE`` is not a mode.
     """
     allreduce_timing_mode()  # a typo fails here, once, not in every worker the agent starts
     cleanup: list[Callable[[], None]] = []  # run in reverse by close()
@@ -355,7 +344,7 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
         cleanup.append(_set_env(MULTIPROC_DIR_ENV, directory))
         if METRICS_SWITCH_ENV not in os.environ:
             cleanup.append(_set_env(METRICS_SWITCH_ENV, "1"))
-        cleanup.append(_set_env(NODE_NAME_ENV, config.node))
+        cleanup.append(_set_env(ENV_NODE, config.node))
         agent_metrics = AgentMetrics(run_id=config.run_id, node=config.node)
         cleanup.append(install_agent_hooks(agent_metrics))
         server = serve_node_metrics(

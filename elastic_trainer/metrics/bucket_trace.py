@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from bisect import bisect_right
 from collections.abc import Callable
@@ -82,8 +81,8 @@ class TracedBucketTimer:
         ddp_model: the ``DistributedDataParallel`` model; a forward pre-hook is registered on it.
         trace: the reader of the model's process group (default: a :class:`CollectiveTrace` of
             ``ddp_model.process_group``'s name).
-        ring_entries: the recorder's ring size (default: ``TORCH_FR_BUFFER_SIZE``, else
-            :data:`~elastic_trainer.metrics.collective_trace.DEFAULT_BUFFER_ENTRIES`).
+        ring_entries: the recorder's ring size (the worker settings' ``TORCH_FR_BUFFER_SIZE``;
+            default :data:`~elastic_trainer.metrics.collective_trace.DEFAULT_BUFFER_ENTRIES`).
         clock_ns: wall clock in ns, the recorder's (injectable for tests).
         clock: monotonic clock for :data:`MAX_READ_INTERVAL_S` (injectable for tests).
     """
@@ -101,7 +100,7 @@ class TracedBucketTimer:
         self._clock_ns = clock_ns
         self._clock = clock
         if ring_entries is None:
-            ring_entries = int(os.environ.get(FR_BUFFER_SIZE_ENV, DEFAULT_BUFFER_ENTRIES))
+            ring_entries = DEFAULT_BUFFER_ENTRIES
         if ring_entries <= 0:
             log.warning("%s=%d turns torch's flight recorder off: the allreduce metrics stay empty",
                         FR_BUFFER_SIZE_ENV, ring_entries)  # fmt: skip

@@ -10,7 +10,7 @@ Both halves come from what the lease rendezvous already stores for each node und
 ``addr`` is the host's fully qualified name unless torchrun got ``--local-addr``, and ``pid`` is
 the agent's, which under ``elastic-trainer run`` is the launcher's own pid.
 
-The launcher exports the name to its workers as :data:`NODE_NAME_ENV`.
+The launcher exports the name to its workers as ``ELASTIC_TRAINER_NODE``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-
-NODE_NAME_ENV = "ELASTIC_TRAINER_NODE"
-"""Set by the launcher (``start_launcher_metrics``) for its workers: this node's name."""
 
 
 def short_host(addr: str) -> str:
@@ -48,8 +45,7 @@ def local_node_name(pid: int | None = None) -> str:
     return node_name(socket.getfqdn(), os.getpid() if pid is None else pid)
 
 
-def worker_node_name(environ: dict[str, str] | None = None) -> str:
-    """The node name a worker reports: :data:`NODE_NAME_ENV` from its launcher, else the short
+def worker_node_name(from_launcher: str | None) -> str:
+    """The node name a worker reports: the launcher's (``ELASTIC_TRAINER_NODE``), else the short
     host name (a worker started without ``elastic-trainer run`` does not know its agent's pid)."""
-    env = os.environ if environ is None else environ
-    return env.get(NODE_NAME_ENV) or short_host(socket.gethostname())
+    return from_launcher or short_host(socket.gethostname())

@@ -84,18 +84,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import values as prometheus_values
 
-from elastic_trainer.launch.node_metrics import (
-    ALLREDUCE_TIMING_ENV,
-    DEFAULT_METRICS_ADDR,
-    DEFAULT_METRICS_PORT,
-    LauncherMetrics,
-    LauncherMetricsConfig,
-    MetricsError,
-    NodeMetricsServer,
-    allreduce_timing_mode,
-    serve_node_metrics,
-    start_launcher_metrics,
-)
 from elastic_trainer.metrics.allreduce_hook import (
     AllreduceTimer,
     BucketTiming,
@@ -106,25 +94,19 @@ from elastic_trainer.metrics.allreduce_hook import (
 from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
 from elastic_trainer.metrics.collective_trace import trace_environment
 from elastic_trainer.metrics.node_name import worker_node_name
+from elastic_trainer.runtime.failures import ConfigError
+from elastic_trainer.runtime.settings import ENV_MULTIPROC_DIR, WorkerSettings
 
-__all__ = [
-    "DEFAULT_METRICS_ADDR",
-    "DEFAULT_METRICS_PORT",
-    "LauncherMetrics",
-    "LauncherMetricsConfig",
-    "MetricsError",
-    "NodeMetricsServer",
-    "PrometheusObserver",
-    "WorkerLabels",
-    "serve_node_metrics",
-    "start_launcher_metrics",
-    "worker_observer",
-]
+__all__ = ["MetricsError", "PrometheusObserver", "WorkerLabels", "worker_observer"]
+
+
+class MetricsError(ConfigError):
+    """Metrics cannot be set up as asked; the message says why (one line, no restart fixes it)."""
 
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_trainer_"
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+MULTIPROC_DIR_ENV = ENV_MULTIPROC_DIR
 # Histogram buckets, in base units. Roughly x2 apart so p50/p95 interpolate within ~40%.
 STEP_SECONDS_BUCKETS = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -181,21 +163,11 @@ class WorkerLabels:
             raise ValueError(f"local_rank must be >= 0, got {self.local_rank}")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> WorkerLabels:
-        """Read the labels torchrun and the launcher give every worker (defaults for a plain
-        single process; the node name from ``ELASTIC_TRAINER_NODE``, else the short host name)."""
-        env = dict(os.environ) if env is None else env
-        try:
-            rank = int(env.get("RANK", "0"))
-            local_rank = int(env.get("LOCAL_RANK", "0"))
-        except ValueError as exc:
-            raise ValueError(f"RANK and LOCAL_RANK must be integers: {exc}") from exc
-        return cls(
-            run_id=env.get("TORCHELASTIC_RUN_ID") or "none",
-            node=worker_node_name(env),
-            rank=rank,
-            local_rank=local_rank,
-        )
+    def from_settings(cls, settings: WorkerSettings, *, rank: int, local_rank: int) -> WorkerLabels:
+        """The labels torchrun and the launcher give every worker (defaults for a plain single
+        process; the node name from the launcher, else the short host name)."""
+        return cls(run_id=settings.run_id or "none", node=worker_node_name(settings.node), rank=rank,
+                   local_rank=local_rank)
 
 
 class _LazyChild:
@@ -401,7 +373,7 @@ class PrometheusObserver:
         wall_clock: unix time source for checkpoint timestamps (injectable for tests).
         time_allreduce: time the DDP model's bucket allreduces from :meth:`wrap_ddp` on.
         trace_allreduce: time them through the flight recorder instead of the timing hook (CUDA
-            models; see :data:`ALLREDUCE_TIMING_ENV`).
+            models; see ``ELASTIC_TRAINER_METRICS_ALLREDUCE``).
         flush_interval_s: seconds between writes of the per-step values; 0 writes every step.
         clock: monotonic clock for the flush interval (injectable for tests).
 
@@ -417,6 +389,7 @@ class PrometheusObserver:
         wall_clock: Callable[[], float] = time.time,
         time_allreduce: bool = True,
         trace_allreduce: bool = False,
+        ring_entries: int | None = None,
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -425,6 +398,7 @@ class PrometheusObserver:
         self.labels = labels
         self.time_allreduce = time_allreduce
         self.trace_allreduce = trace_allreduce
+        self.ring_entries = ring_entries
         self.flush_interval_s = flush_interval_s
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._m = m = _WorkerMetrics(self.registry, labels)
@@ -680,11 +654,11 @@ class PrometheusObserver:
         use_cuda = bool(device_ids) or _params_on_cuda(ddp_model)
         timer: AllreduceTimer | TracedBucketTimer
         if self.trace_allreduce and use_cuda:
-            timer = TracedBucketTimer(ddp_model)
+            timer = TracedBucketTimer(ddp_model, ring_entries=self.ring_entries)
         else:
             if self.trace_allreduce:
                 log.warning("%s=trace times NCCL collectives only; this model is on the CPU, so its "
-                            "buckets are timed by the allreduce timing hook", ALLREDUCE_TIMING_ENV)  # fmt: skip
+                            "buckets are timed by the allreduce timing hook", "ELASTIC_TRAINER_METRICS_ALLREDUCE")  # fmt: skip
             timer = AllreduceTimer(getattr(ddp_model, "process_group", None), use_cuda=use_cuda)
             ddp_model.register_comm_hook(timer, timed_allreduce_hook)
         self.attach_timer(timer)
@@ -712,25 +686,25 @@ def _params_on_cuda(model: Any) -> bool:
 _process_observer: tuple[int, PrometheusObserver] | None = None
 
 
-def worker_observer() -> PrometheusObserver:
+def worker_observer(settings: WorkerSettings | None = None, *, rank: int | None = None,
+                    local_rank: int | None = None) -> PrometheusObserver:
     """The metrics observer of this worker process, created on first use.
 
     One per process: two observers writing the same multiprocess file would overwrite each
-    other's counters. Labels come from torchrun's environment (:meth:`WorkerLabels.from_env`).
-
-    ``ELASTIC_TRAINER_METRICS_ALLREDUCE`` chooses how allreduces are timed (see
-    :data:`ALLREDUCE_TIMING_ENV`); ``trace`` turns the flight recorder on in this process's
-    environment, so call this before the process group is created.
+    other's counters. ``settings`` (default: parsed from the environment) give the labels and
+    the allreduce timing mode; ``trace`` turns the flight recorder on in this process's
+    environment, so call this before the process group is created. ``rank``/``local_rank``
+    default to torchrun's ``RANK``/``LOCAL_RANK``.
 
     Raises:
-        MetricsError: ``ELASTIC_TRAINER_METRICS_ALLREDUCE`` is not a mode;
-            ``PROMETHEUS_MULTIPROC_DIR`` is unset, not a directory, or was set only
+        MetricsError: ``PROMETHEUS_MULTIPROC_DIR`` is unset, not a directory, or was set only
             after prometheus-client was imported, so nothing would reach the node endpoint.
     """
     global _process_observer
     if _process_observer is not None and _process_observer[0] == os.getpid():
         return _process_observer[1]
-    directory = os.environ.get(MULTIPROC_DIR_ENV, "")
+    settings = settings if settings is not None else WorkerSettings.from_environ()
+    directory = settings.metrics_dir or ""
     if not directory:
         raise MetricsError(
             f"worker metrics need {MULTIPROC_DIR_ENV}: start the job with `elastic-trainer run` "
@@ -744,11 +718,14 @@ def worker_observer() -> PrometheusObserver:
             "process would keep its metrics in memory; set it in the environment before Python "
             "starts"
         )
-    mode = allreduce_timing_mode()
+    mode = settings.metrics_allreduce
     if mode == "trace":
         trace_environment(os.environ)  # before the process group: the recorder reads its size once
-    observer = PrometheusObserver(labels=WorkerLabels.from_env(), time_allreduce=mode != "off",
-                                  trace_allreduce=mode == "trace")  # fmt: skip
+    rank = settings.rank if rank is None else rank
+    local_rank = settings.local_rank if local_rank is None else local_rank
+    labels = WorkerLabels.from_settings(settings, rank=rank, local_rank=local_rank)
+    observer = PrometheusObserver(labels=labels, time_allreduce=mode != "off", trace_allreduce=mode == "trace",
+                                  ring_entries=settings.fr_buffer_entries)
     _process_observer = (os.getpid(), observer)
     atexit.register(observer.flush)  # the last interval's steps (a SIGKILL still loses them)
     log.debug("worker metrics for rank %d write to %s", observer.labels.rank, directory)

@@ -36,7 +36,7 @@ from elastic_trainer.runtime.sample_log import (
 )
 
 PROG = "elastic-trainer demo"
-SHOWN = ("INFO elastic_trainer.train.trainer: step ", "restarting the worker group", "resumed from", "received SIGTERM",
+SHOWN = ("INFO elastic_trainer.train.loop: step ", "restarting the worker group", "resumed from", "received SIGTERM",
          "job failed", "training finished", "error:", "node metrics on", "waiting for nodes")
 """Node output lines echoed to the console (everything goes to the node's log file)."""
 

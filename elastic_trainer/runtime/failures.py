@@ -13,7 +13,7 @@ A worker that fails is one of three kinds (:class:`FailureClass`):
 The classification travels in torchrun's own error file (``TORCHELASTIC_ERROR_FILE``, the file
 ``@record`` writes), in torch's format plus an ``elastic_trainer`` section, so torchrun's root-cause
 report keeps working and ``elastic-trainer run`` (:mod:`elastic_trainer.launch.failure_policy`) decides
-from it. Under ``elastic-trainer run`` (:data:`ENV_LAUNCHER_REPORTS`) the launcher prints the root
+from it. Under ``elastic-trainer run`` (``ELASTIC_TRAINER_REPORTS_FAILURES``) the launcher prints the root
 cause once, so a failing worker prints one line instead of a traceback per rank.
 
 Import-light on purpose: the worker entry point loads it only after a failure, and it never
@@ -30,13 +30,10 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-"""Where torchrun asks each worker to record its failure (read by the agent)."""
-ENV_LAUNCHER_REPORTS = "ELASTIC_TRAINER_REPORTS_FAILURES"
-"""Set by ``elastic-trainer run`` for its workers: the launcher prints root causes and tracebacks."""
 EXIT_DETERMINISTIC = 2
 """Exit status of a worker that failed deterministically (the usage-error convention)."""
 EXIT_FAILED = 1
@@ -56,6 +53,10 @@ class DeterministicError(Exception):
 
     The runtime's own ones subclass it; user code may raise it (or a subclass) too.
     """
+
+
+class ConfigError(DeterministicError, ValueError):
+    """A setting is invalid; the message names it. A restart cannot fix it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,14 +178,14 @@ def report_of(exc: BaseException, *, rank: int | None = None) -> FailureReport:
 _recorded = False
 
 
-def record(report: FailureReport, *, environ: dict[str, str] | None = None) -> bool:
+def record(report: FailureReport, *, error_file: str | None) -> bool:
     """Write ``report`` to torchrun's error file, once per process; False when there is none.
 
     The file is torch's format (``ErrorHandler.record_exception``), so torchrun's own root-cause
     report shows it, with ``errorTraits`` and an ``elastic_trainer`` section added.
     """
     global _recorded
-    path = (os.environ if environ is None else environ).get(ERROR_FILE_ENV)
+    path = error_file
     if not path:
         return False
     if _recorded:
@@ -219,21 +220,37 @@ def read_report(error_file_data: Any) -> FailureReport | None:
         return None
 
 
-def _rank() -> int | None:
-    raw = os.environ.get("RANK", "")
-    return int(raw) if raw.isdigit() else None
+@dataclass(frozen=True, slots=True)
+class ReportTarget:
+    """Where a worker's failure goes: its rank, torchrun's error file, whether the launcher prints
+    root causes. :meth:`from_environ` is for entry points: it never fails (a failure to report
+    must not hide the failure)."""
+
+    rank: int | None = None
+    error_file: str | None = None
+    launcher_reports: bool = False
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ReportTarget:
+        env = os.environ if environ is None else environ
+        from elastic_trainer.runtime.settings import ENV_ERROR_FILE, ENV_REPORTS_FAILURES
+
+        raw = env.get("RANK", "")
+        return cls(rank=int(raw) if raw.isdigit() else None, error_file=env.get(ENV_ERROR_FILE) or None,
+                   launcher_reports=env.get(ENV_REPORTS_FAILURES, "").strip() == "1")
 
 
-def exit_after(exc: BaseException, *, prog: str) -> int:
+def exit_after(exc: BaseException, *, prog: str, target: ReportTarget | None = None) -> int:
     """Record ``exc``, tell the user what happened, return the worker's exit status.
 
     Under ``elastic-trainer run`` one line (the launcher prints the root cause and, for an error
     in the user's code, its traceback once). Elsewhere a traceback for an error in the code, one
-    line for the rest.
+    line for the rest. ``target`` defaults to :meth:`ReportTarget.from_environ` (entry points).
     """
-    report = report_of(exc, rank=_rank())
-    record(report)
-    launcher_reports = os.environ.get(ENV_LAUNCHER_REPORTS) == "1"
+    target = ReportTarget.from_environ() if target is None else target
+    report = report_of(exc, rank=target.rank)
+    record(report, error_file=target.error_file)
+    launcher_reports = target.launcher_reports
     where = f" (rank {report.rank})" if report.rank is not None else ""
     if report.failure_class is FailureClass.ERROR and not launcher_reports:
         sys.stderr.write(report.traceback)

@@ -61,7 +61,7 @@ def run(argv: Sequence[str]) -> int:
         if code not in (0, 128 + 15):  # 143: a graceful stop after SIGTERM, not a failure
             from elastic_trainer.runtime import failures
 
-            failures.record(failures.report_of(exc))
+            failures.record(failures.report_of(exc), error_file=failures.ReportTarget.from_environ().error_file)
         return code
     except BaseException as exc:  # noqa: BLE001 - the worker's own uncaught error
         from elastic_trainer.runtime import failures

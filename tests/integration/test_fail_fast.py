@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 from elastic_trainer.runtime import failures
+from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.runtime.process_exit import exit_process
 from elastic_trainer.train.trainer import Trainer, TrainingJob
@@ -43,7 +44,8 @@ def data():
 
 job = TrainingJob(model=lambda: nn.Linear(4, 2), dataset=data, loss=nn.functional.cross_entropy,
                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-config = TrainerConfig(global_batch_size=8, max_steps=10, shuffle=False, checkpoint_dir=CKPT, log_every=1000)
+config = TrainerConfig(global_batch_size=8, max_steps=10, shuffle=False, checkpoint=CheckpointConfig(directory=CKPT),
+                       log_every=1000)
 try:
     Trainer(config, job).fit()
 except Exception as exc:

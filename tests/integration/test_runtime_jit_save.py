@@ -18,7 +18,6 @@ import torch
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.runtime.sample_log import committed_history, read_records
-from elastic_trainer.train.trainer import ENV_TEST_KILL_AT
 from tests.runtime_helpers import (
     agents,
     final_model,
@@ -30,6 +29,8 @@ from tests.runtime_helpers import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+KILL_AT_JOB = Path(__file__).parent / "scripts" / "kill_at_job.py"
 
 DATASET, BATCH, EPOCHS = 600, 24, 2  # 25 steps per epoch, 50 in all
 STEPS_PER_EPOCH = DATASET // BATCH
@@ -118,12 +119,12 @@ def test_rank0_killed_at_an_exact_point_of_a_step_still_resumes_bitwise(
     samples = tmp_path / "faulty" / "samples"
     with agents() as started:
         agent = start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, max_restarts=2,
-                            log_path=tmp_path / "faulty.log", extra_env={ENV_TEST_KILL_AT: f"0:{kill_step}:{point}"},
+                            log_path=tmp_path / "faulty.log", target=[str(KILL_AT_JOB), f"0:{kill_step}:{point}"],
                             job_args=_job(tmp_path, "faulty", "--checkpoint-every", "1000"))
         started.append(agent)
         assert agent.wait(180) == 0, agent.tail()
     log = agent.output()
-    assert f"SIGKILLing this worker at {point} of step {kill_step}" in log, agent.tail()
+    assert f"test hook: SIGKILLing this worker at {point} of step {kill_step}" in log, agent.tail()
     gens = generations(samples)
     assert len(gens) == 2, f"the group was restarted exactly once: {gens}"
     killed, resumed = gens

@@ -92,6 +92,7 @@ def _three_rank_worker(rank: int, work: Path, ckpt_dir: Path, epochs: int, optio
     import torch.distributed as dist
     from torch import nn
 
+    from elastic_trainer.checkpoint.config import CheckpointConfig
     from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.train.config import DDPOptions, TrainerConfig
@@ -104,8 +105,9 @@ def _three_rank_worker(rank: int, work: Path, ckpt_dir: Path, epochs: int, optio
         scheduler=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=100),
     )
     settings = THREE_RANK_CONFIGS[options]
-    config = TrainerConfig(global_batch_size=24, epochs=epochs, checkpoint_dir=str(ckpt_dir), checkpoint_every=1000,
-                           log_every=1000, jit_save=False, ddp=DDPOptions(**settings.get("ddp", {})),
+    config = TrainerConfig(global_batch_size=24, epochs=epochs,
+                           checkpoint=CheckpointConfig(directory=str(ckpt_dir), every=1000, jit_save=False),
+                           log_every=1000, ddp=DDPOptions(**settings.get("ddp", {})),
                            micro_batch_size=settings.get("micro_batch_size"))
     trainer = Trainer(config, job, env=read_env(environ={"RANK": str(rank), "WORLD_SIZE": "3"}, cuda_devices=0))
     if not prime:  # the negative control: the restart as it was before the fix

@@ -13,8 +13,8 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from elastic_trainer.checkpoint.files import CheckpointMismatchError, CheckpointWriteError
 from elastic_trainer.launch.failure_policy import FailurePolicy
 from elastic_trainer.runtime import failures
-from elastic_trainer.runtime.failures import FailureClass
-from elastic_trainer.train.config import ConfigError, TrainerConfig
+from elastic_trainer.runtime.failures import ConfigError, FailureClass
+from elastic_trainer.train.config import TrainerConfig
 
 
 def _raised(exc: BaseException) -> BaseException:
@@ -54,7 +54,7 @@ def test_the_record_is_torchs_error_file_and_torch_reads_it(tmp_path: Path, monk
     exc = _raised(ZeroDivisionError("division by zero"))
     failures.note_step(exc, 3)
     report = failures.report_of(exc, rank=1)
-    assert failures.record(report, environ={failures.ERROR_FILE_ENV: str(error_file)})
+    assert failures.record(report, error_file=str(error_file))
     data = json.loads(error_file.read_text())
     assert data["errorTraits"] == {"category": "error", "retryability": "True"}
     torch_view = ProcessFailure(local_rank=1, pid=123, exitcode=1, error_file=str(error_file))
@@ -62,20 +62,20 @@ def test_the_record_is_torchs_error_file_and_torch_reads_it(tmp_path: Path, monk
     assert "ZeroDivisionError" in torch_view.message["extraInfo"]["py_callstack"]
     assert failures.read_report(torch_view.error_file_data) == report
     # Once per process: a second failure (the teardown's) does not replace the root cause.
-    assert failures.record(failures.report_of(_raised(KeyError("x"))), environ={failures.ERROR_FILE_ENV: str(error_file)})
+    assert failures.record(failures.report_of(_raised(KeyError("x"))), error_file=str(error_file))
     assert failures.read_report(json.loads(error_file.read_text())) == report
 
 
 def test_exit_after_prints_one_line_under_the_launcher(capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(failures.ENV_LAUNCHER_REPORTS, "1")
+    monkeypatch.setenv("ELASTIC_TRAINER_REPORTS_FAILURES", "1")
     monkeypatch.setenv("RANK", "2")
-    monkeypatch.delenv(failures.ERROR_FILE_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     assert failures.exit_after(_raised(ZeroDivisionError("division by zero")), prog="job") == failures.EXIT_FAILED
     assert capsys.readouterr().err == "job: error: ZeroDivisionError: division by zero (rank 2)\n"
     assert failures.exit_after(_raised(ConfigError("--width: must be positive")), prog="job") == 2
     assert capsys.readouterr().err == "job: error: --width: must be positive (rank 2)\n"
-    monkeypatch.delenv(failures.ENV_LAUNCHER_REPORTS)
+    monkeypatch.delenv("ELASTIC_TRAINER_REPORTS_FAILURES")
     failures.exit_after(_raised(ZeroDivisionError("division by zero")), prog="job")
     assert capsys.readouterr().err.startswith("Traceback (most recent call last)"), "no launcher: the traceback"
 
@@ -91,7 +91,7 @@ def _failure(tmp_path: Path, rank: int, exc: BaseException | None, *, exitcode: 
         report = failures.report_of(raised, rank=rank)
         object.__setattr__(report, "time", 1000.0 + at)
         failures._recorded = False
-        failures.record(report, environ={failures.ERROR_FILE_ENV: str(path)})
+        failures.record(report, error_file=str(path))
     return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
 
 

@@ -18,6 +18,7 @@ import torch
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint import jit as jit_save
+from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.jit import (
     EXIT_AFTER_SIGNAL,
     AuthoritativeBuffers,
@@ -25,7 +26,7 @@ from elastic_trainer.checkpoint.jit import (
     JitCheckpointer,
     StateGuard,
 )
-from elastic_trainer.train.config import ENV_JIT_SAVE, TrainerConfig
+from elastic_trainer.runtime.settings import ENV_JIT_SAVE, WorkerSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -391,15 +392,11 @@ def test_a_snapshot_never_sees_a_later_steps_buffers_and_commits_reuse_one_buffe
 
 
 # -- configuration --------------------------------------------------------------------------------------
-def test_jit_save_is_on_by_default_and_env_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_JIT_SAVE, raising=False)
-    assert TrainerConfig(global_batch_size=4).jit_save is True
-    monkeypatch.setenv(ENV_JIT_SAVE, "0")
-    assert TrainerConfig(global_batch_size=4).jit_save is False
-    assert TrainerConfig(global_batch_size=4, jit_save=True).jit_save is True, "explicit beats env"
-    monkeypatch.setenv(ENV_JIT_SAVE, "sometimes")
+def test_jit_save_is_on_by_default_and_env_turns_it_off() -> None:
+    assert WorkerSettings.from_environ({}).jit_save is True
+    assert WorkerSettings.from_environ({ENV_JIT_SAVE: "0"}).jit_save is False
+    assert CheckpointConfig(jit_save=True).jit_save is True, "the config's value beats the environment's"
     with pytest.raises(ValueError, match="ELASTIC_TRAINER_JIT_SAVE: 'sometimes' is not a boolean"):
-        TrainerConfig(global_batch_size=4)
-    monkeypatch.delenv(ENV_JIT_SAVE)
-    with pytest.raises(ValueError, match="jit_save: must be true or false"):
-        TrainerConfig(global_batch_size=4, jit_save="yes")  # type: ignore[arg-type]
+        WorkerSettings.from_environ({ENV_JIT_SAVE: "sometimes"})
+    with pytest.raises(ValueError, match="checkpoint.jit_save: must be true or false"):
+        CheckpointConfig(jit_save="yes")  # type: ignore[arg-type]

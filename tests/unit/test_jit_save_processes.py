@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint import files as ckpt
+from tests.support.configs import trainer_config
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -163,7 +164,6 @@ def _stop_worker(rank: int, work: Path, jit: str) -> None:
     from torch.utils.data import TensorDataset
 
     from elastic_trainer.runtime.distributed import read_env
-    from elastic_trainer.train.config import TrainerConfig
     from elastic_trainer.train.trainer import Trainer, TrainingJob
 
     _init(rank, work)
@@ -185,12 +185,12 @@ def _stop_worker(rank: int, work: Path, jit: str) -> None:
 
     job = TrainingJob(model=lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), SignalAt(), nn.Linear(8, 2)),
                       dataset=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
-    config = TrainerConfig(global_batch_size=8, max_steps=20, epochs=5, log_every=1000, checkpoint_every=1000,
-                           checkpoint_dir=str(work / "ckpt"), jit_save=jit == "on")
+    config = trainer_config(global_batch_size=8, max_steps=20, epochs=5, log_every=1000, checkpoint_every=1000,
+                            checkpoint_dir=str(work / "ckpt"), jit_save=jit == "on")
     env = read_env(environ={"RANK": str(rank), "WORLD_SIZE": "2"}, cuda_devices=0, backend="gloo")
     trainer = Trainer(config, job, env=env)
     result = trainer.fit()
-    exchanged = trainer._buffers is not None and trainer._buffers.exchange
+    exchanged = trainer.checkpoints.buffers is not None and trainer.checkpoints.buffers.exchange
     (work / f"stop-{rank}.json").write_text(json.dumps({"step": result.step, "signal": result.stopped_by_signal,
                                                          "exchanged": exchanged}))
 

@@ -21,6 +21,7 @@ from elastic_trainer.checkpoint.jit import SAVE_TIMEOUT_S
 from elastic_trainer.runtime import rng
 from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.trainer import Trainer, TrainingJob
+from tests.support.configs import trainer_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,7 +64,7 @@ def _config(directory: Path, **overrides: Any) -> TrainerConfig:
     values: dict[str, Any] = {"global_batch_size": 8, "max_steps": STEPS, "epochs": 3, "log_every": 1000,
                               "checkpoint_dir": str(directory), "checkpoint_every": 1000, "jit_save": True}
     values.update(overrides)
-    return TrainerConfig(**values)
+    return trainer_config(**values)
 
 
 def _assert_equal(a: Any, b: Any, where: str = "") -> None:
@@ -89,7 +90,7 @@ def _jit_mid_step(directory: Path) -> tuple[Trainer, Any]:
     def save_from_another_thread() -> None:
         trainer: Trainer = holder["trainer"]
         thread = threading.Thread(target=lambda: holder.setdefault(
-            "outcome", trainer._jit.save("test", deadline=time.monotonic() + SAVE_TIMEOUT_S)))
+            "outcome", trainer.checkpoints.save_just_in_time("test", deadline=time.monotonic() + SAVE_TIMEOUT_S)))
         thread.start()
         thread.join(30)
 
@@ -162,12 +163,12 @@ def test_a_failing_training_loop_saves_the_last_completed_step_before_raising(tm
 
 
 def test_zero_redundancy_turns_jit_off_with_a_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="elastic_trainer.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint.manager"):
         trainer = Trainer(_config(tmp_path, zero_redundancy=True), _job(), observer=FailingObserver(at=3))
         with pytest.raises(RuntimeError, match="Connection closed by peer"):
             trainer.fit()
-    assert not trainer._jit.enabled
-    assert "just-in-time checkpoints are off with zero_redundancy" in caplog.text
+    assert not trainer.checkpoints.jit_enabled
+    assert "just-in-time checkpoints are off with a sharded optimizer (ZeroRedundancyOptimizer)" in caplog.text
     assert ckpt.iter_checkpoints(tmp_path) == [], "no JIT save of a sharded optimizer"
 
 
@@ -182,7 +183,7 @@ def test_rank0_does_not_write_a_step_another_writer_claimed(tmp_path: Path, capl
         def __getattr__(self, name: str) -> Any:
             return lambda *args, **kwargs: None
 
-    with caplog.at_level(logging.WARNING, logger="elastic_trainer.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.checkpoint.manager"):
         result = Trainer(_config(tmp_path, checkpoint_every=4, max_steps=6), _job(), observer=ClaimAfterStart()).fit()
     assert "step 4 is being checkpointed by" in caplog.text and "node-b" in caplog.text
     assert ckpt.iter_checkpoints(tmp_path) == [6] and result.step == 6

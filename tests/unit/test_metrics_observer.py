@@ -17,6 +17,7 @@ from elastic_trainer.metrics.worker import (
     worker_observer,
 )
 from elastic_trainer.runtime.observer import TrainingObserver
+from elastic_trainer.runtime.settings import WorkerSettings
 from tests.unit.test_metrics_comm_hook import FakeEvent
 
 pytestmark = pytest.mark.timeout(60)
@@ -195,13 +196,14 @@ def test_worker_labels_validate_and_read_env() -> None:
         WorkerLabels(run_id="j", node="n", rank=-1, local_rank=0)
     with pytest.raises(ValueError, match="run_id"):
         WorkerLabels(run_id="", node="n", rank=0, local_rank=0)
-    labels = WorkerLabels.from_env({"RANK": "5", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "j1"})
+    settings = WorkerSettings.from_environ({"RANK": "5", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "j1"})
+    labels = WorkerLabels.from_settings(settings, rank=settings.rank, local_rank=settings.local_rank)
     assert (labels.run_id, labels.rank, labels.local_rank) == ("j1", 5, 1)
     assert labels.node == socket.gethostname().split(".")[0]  # no launcher: the short host name
-    env = {"RANK": "0", "ELASTIC_TRAINER_NODE": "node-7-4242"}  # exported by the launcher
-    assert WorkerLabels.from_env(env).node == "node-7-4242"
+    settings = WorkerSettings.from_environ({"RANK": "0", "ELASTIC_TRAINER_NODE": "node-7-4242"})  # the launcher's
+    assert WorkerLabels.from_settings(settings, rank=0, local_rank=0).node == "node-7-4242"
     with pytest.raises(ValueError, match="RANK"):
-        WorkerLabels.from_env({"RANK": "x"})
+        WorkerSettings.from_environ({"RANK": "x"})
 
 
 def test_worker_observer_refuses_without_multiproc_dir(

@@ -285,12 +285,13 @@ def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: st
     assert done.stdout.split() == expected.split()
 
 
-def test_worker_observer_rejects_an_unknown_allreduce_mode(tmp_path: Path) -> None:
+def test_a_worker_refuses_an_unknown_allreduce_mode(tmp_path: Path) -> None:
     code = (
-        "from elastic_trainer.metrics.worker import MetricsError, worker_observer\n"
+        "from elastic_trainer.runtime.failures import ConfigError\n"
+        "from elastic_trainer.metrics.worker import worker_observer\n"
         "try:\n"
         "    worker_observer()\n"
-        "except MetricsError as exc:\n"
+        "except ConfigError as exc:\n"
         "    print(exc)\n"
     )
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), ELASTIC_TRAINER_METRICS_ALLREDUCE="traec")

@@ -38,7 +38,7 @@ def _run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_progress_lines_without_any_logging_setup() -> None:
     done = _run({})
     assert done.returncode == 0, done.stderr
-    progress = [line for line in done.stderr.splitlines() if "[rank 0] INFO elastic_trainer.train.trainer: step" in line]
+    progress = [line for line in done.stderr.splitlines() if "[rank 0] INFO elastic_trainer.train.loop: step" in line]
     assert [line.split(": ", 1)[1].split(" epoch")[0] for line in progress] == ["step 5", "step 10"], done.stderr
     assert "no checkpoint_dir: this job is not fault tolerant" in done.stderr
     assert "observer NullObserver" in done.stdout, "no launcher collecting metrics: none"

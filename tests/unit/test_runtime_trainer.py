@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +22,6 @@ from torch.utils.data import TensorDataset
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.runtime import rng
-from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.trainer import (
     EXIT_STOPPED,
     Trainer,
@@ -29,6 +29,7 @@ from elastic_trainer.train.trainer import (
     TrainingJob,
     build_observer,
 )
+from tests.support.configs import trainer_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,7 +62,7 @@ def _job(*, dropout: float = 0.2, width: int = 16, batchnorm: bool = False, mode
 def _fit(job: TrainingJob, **cfg: Any) -> tuple[Trainer, Any]:
     cfg.setdefault("global_batch_size", 8)
     cfg.setdefault("log_every", 1000)
-    trainer = Trainer(TrainerConfig(**cfg), job)
+    trainer = Trainer(trainer_config(**cfg), job)
     return trainer, trainer.fit()
 
 
@@ -236,7 +237,7 @@ class RecordingObserver:
 
 def test_observer_sees_wrap_start_steps_and_checkpoints(tmp_path: Path) -> None:
     observer = RecordingObserver()
-    Trainer(TrainerConfig(global_batch_size=8, max_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2),
+    Trainer(trainer_config(global_batch_size=8, max_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2),
             _job(), observer=observer).fit()
     kinds = [kind for kind, _ in observer.events]
     # A step is reported once its control allreduce (global loss, stop flag) is in, which overlaps
@@ -247,7 +248,7 @@ def test_observer_sees_wrap_start_steps_and_checkpoints(tmp_path: Path) -> None:
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["samples"] == 8 for s in steps)
     assert all(kw["nbytes"] > 0 for kind, kw in observer.events if kind == "saved")
     observer2 = RecordingObserver()
-    Trainer(TrainerConfig(global_batch_size=8, max_steps=5, checkpoint_dir=str(tmp_path)), _job(),
+    Trainer(trainer_config(global_batch_size=8, max_steps=5, checkpoint_dir=str(tmp_path)), _job(),
             observer=observer2).fit()
     loaded = [kw for kind, kw in observer2.events if kind == "loaded"]
     assert len(loaded) == 1 and loaded[0]["step"] == 4
@@ -261,7 +262,7 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tmp_path: Pa
             if kw["step"] == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    result = Trainer(TrainerConfig(global_batch_size=8, max_steps=50, checkpoint_dir=str(tmp_path),
+    result = Trainer(trainer_config(global_batch_size=8, max_steps=50, checkpoint_dir=str(tmp_path),
                                    checkpoint_every=100), _job(), observer=KillAtStep3()).fit()
     assert result.stopped_by_signal and result.exit_code == EXIT_STOPPED
     # Step 3 is reported at the end of step 4, after step 4's stop flag was sampled: the flag rides
@@ -370,9 +371,9 @@ def test_priming_passes_follow_ddps_bucket_rebuild(step: int, world: int, ddp: d
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.train.config import DDPOptions
 
-    trainer = Trainer(TrainerConfig(global_batch_size=8, ddp=DDPOptions(**ddp)), _job(),
+    trainer = Trainer(trainer_config(global_batch_size=8, ddp=DDPOptions(**ddp)), _job(),
                       env=read_env(environ={"RANK": "0", "WORLD_SIZE": str(world)}, cuda_devices=0))
-    trainer.step = step
+    trainer.loop = SimpleNamespace(step=step)  # type: ignore[assignment]  # a loop resumed at `step`
     assert trainer._priming_passes() == passes
 
 

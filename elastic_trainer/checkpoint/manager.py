@@ -1,0 +1,463 @@
+"""The checkpoint manager: everything about checkpoints that a training loop needs, in one object.
+
+    manager = CheckpointManager(CheckpointConfig(directory="/ckpt", every=100), env=env,
+                                states={"model": model, "optimizer": opt, "sampler": sampler},
+                                fingerprint={"model": model_signature(model.state_dict())})
+    step = manager.load() or 0                 # collective: rank 0 chooses, every rank loads
+    ...
+    with manager.update(step + 1):             # the optimizer step, scheduler, sampler advance
+        optimizer.step()
+    if manager.due(step + 1):
+        manager.save(epoch=sampler.epoch)      # collective
+
+It owns the resume choice (rank 0 picks the newest good checkpoint of this job, broadcasts it,
+every rank loads it with a ``map_location`` onto its own device and ``weights_only=True``),
+periodic and final saves (atomic files, one writer per step through claims, optionally on a
+background thread), and the just-in-time save of :mod:`elastic_trainer.checkpoint.jit`: the update
+section held under a lock so that a snapshot never mixes step S and S+1, and a surviving rank
+saving the last completed step when the group fails. It reads its
+:class:`~elastic_trainer.checkpoint.config.CheckpointConfig` once and takes the states it saves as
+objects with ``state_dict``/``load_state_dict``. The files are those of
+:mod:`elastic_trainer.checkpoint.files`: ``torch.load(path, weights_only=True)["model"]`` is a plain
+state_dict, and ``elastic-trainer checkpoint list|verify|inspect`` reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint.config import CheckpointConfig
+from elastic_trainer.checkpoint.jit import (
+    SAVE_TIMEOUT_S,
+    AuthoritativeBuffers,
+    ExitTimer,
+    JitCheckpointer,
+    JitOutcome,
+    StateGuard,
+    device_snapshot,
+)
+from elastic_trainer.runtime import rng
+from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
+from elastic_trainer.runtime.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+TEARDOWN_S = 10.0
+"""After a failure, the just-in-time save plus the teardown must end within ``SAVE_TIMEOUT_S +
+TEARDOWN_S``; past that the process exits (code 1) instead of hanging."""
+
+
+class Stateful(Protocol):
+    """What the manager saves: anything with ``state_dict`` and ``load_state_dict``."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class CheckpointManager:
+    """Checkpoints of one worker's training state; see the module docstring.
+
+    Args:
+        config: the checkpoint section.
+        env: this worker's place in the job.
+        states: name -> object to save and restore (``None`` values are saved as ``None``).
+            ``"model"`` is the plain model (not the DDP wrapper); ``"sampler"`` the elastic sampler.
+        fingerprint: what identifies the job (model signature, dataset size, seed, ...): another
+            job's checkpoint is refused, never loaded or overwritten.
+        model: the module whose buffers a just-in-time save must take from rank 0 (defaults to
+            ``states["model"]`` when it is a module).
+        settings: the worker's environment (``ELASTIC_TRAINER_JIT_SAVE``); parsed when omitted.
+        observer: told of saves and loads (metrics).
+        run_config: stored in every checkpoint as ``"config"`` (plain data).
+        stop_deadline: the graceful stop's deadline (``time.monotonic()``), if one is running.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        env: DistEnv,
+        states: Mapping[str, Stateful | None],
+        fingerprint: Mapping[str, Any],
+        model: nn.Module | None = None,
+        settings: WorkerSettings | None = None,
+        observer: TrainingObserver | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        stop_deadline: Callable[[], float | None] = lambda: None,
+    ) -> None:
+        self.config = config
+        self.env = env
+        self.states = dict(states)
+        self.fingerprint_fields = dict(fingerprint)
+        candidate = self.states.get("model")
+        self.model = model if model is not None else (candidate if isinstance(candidate, nn.Module) else None)
+        self.settings = settings if settings is not None else WorkerSettings.from_environ()
+        self.observer: TrainingObserver = observer if observer is not None else NullObserver()
+        self.run_config = dict(run_config or {})
+        self._stop_deadline = stop_deadline
+        self.step = 0
+        """Optimizer steps completed (the one resumed from, then each :meth:`update`)."""
+        self.epoch = 0
+        """The epoch of the checkpoint resumed from (:attr:`current_epoch` follows the sampler)."""
+        self.resumed_from: int | None = None
+        self.last_path: str | None = None
+        self._last_saved_step: int | None = None
+        self._writer = ckpt.AsyncCheckpointWriter()
+        self.guard = StateGuard()
+        self._jit = JitCheckpointer(guard=self.guard, directory=None, rank=env.rank, step=lambda: self.step,
+                                    payload=dict, write=lambda step, payload: "", enabled=False)
+        self.buffers: AuthoritativeBuffers | None = None
+        """Rank 0's module buffers, when just-in-time saves need them (see ``checkpoint.jit``)."""
+        self._update_event: Any = None
+        self._deadline: ExitTimer | None = None
+
+    # -- properties ----------------------------------------------------------------------------------
+    @property
+    def directory(self) -> str | None:
+        return self.config.directory
+
+    @property
+    def jit_enabled(self) -> bool:
+        return self._jit.enabled
+
+    def use_stop_deadline(self, deadline: Callable[[], float | None]) -> None:
+        """Where the graceful stop's deadline comes from (the loop that owns the stop signal)."""
+        self._stop_deadline = deadline
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch the state is in: the sampler's, if one is saved."""
+        return int(getattr(self.states.get("sampler"), "epoch", self.epoch))
+
+    def due(self, step: int) -> bool:
+        """Whether a periodic checkpoint is due after ``step``."""
+        return self.directory is not None and step % self.config.every == 0
+
+    # -- resume --------------------------------------------------------------------------------------
+    def load(self) -> int | None:
+        """Collective: restore the newest good checkpoint of this job, if any; returns its step.
+
+        Rank 0 chooses (and decides, for every rank, whether to save just in time), every rank
+        loads the same file onto its own device. Also arms the just-in-time save.
+
+        Raises:
+            CheckpointMismatchError: the directory holds another job's checkpoints.
+            CheckpointError: the directory cannot be used.
+        """
+        env = self.env
+        decision: list[Any] = [None, self._jit_wanted()]
+        if self.directory is not None and env.is_rank0:
+            decision[0] = self._choose()
+        if env.world_size > 1:
+            dist.broadcast_object_list(decision, src=0)
+        kind, value = decision[0] or ("none", None)
+        if kind == "mismatch":
+            raise ckpt.CheckpointMismatchError(value)
+        if kind == "error":
+            raise ckpt.CheckpointError(value)
+        if kind == "load":
+            if value is None:
+                raise RuntimeError("rank 0 chose to load a checkpoint but sent no path")
+            started = time.monotonic()
+            state = ckpt.load_checkpoint(value, env.device)
+            self._apply(state)
+            self.observer.on_checkpoint_loaded(step=self.step, duration_s=time.monotonic() - started,
+                                               nbytes=os.path.getsize(value))
+            self.resumed_from = self._last_saved_step = self.step
+            self.last_path = value
+            if env.is_rank0:
+                log.info("resumed from %s%s (step %d, epoch %d, saved by %d ranks, now %d); exact resume: random "
+                         "streams derive from (seed, rank, step), so every step from here is bitwise the step of a "
+                         "fault-free run with the same world-size history",
+                         value, " (a just-in-time checkpoint)" if state.get("jit") else "", self.step, self.epoch,
+                         state["world_size"], env.world_size)
+        elif env.is_rank0 and self.directory is None:
+            log.warning("no checkpoint_dir: this job is not fault tolerant; a restart starts again from step 0 "
+                        "(give a checkpoint directory that every node shares, e.g. --checkpoint-dir)")
+        elif env.is_rank0:
+            log.info("starting from scratch (no checkpoint in %s)", self.directory)
+        self._setup_jit(bool(decision[1]))
+        return self.resumed_from
+
+    def _jit_wanted(self) -> bool:
+        """This rank's view of whether to save just in time (rank 0's view is the one used)."""
+        wanted = self.config.jit_save if self.config.jit_save is not None else self.settings.jit_save
+        if not wanted:
+            if self.env.is_rank0:
+                log.info("just-in-time checkpoints are off (jit_save=False or ELASTIC_TRAINER_JIT_SAVE=0)")
+            return False
+        if self.directory is None:
+            return False
+        if any(hasattr(obj, "consolidate_state_dict") for obj in self.states.values()):
+            if self.env.is_rank0:
+                log.warning("just-in-time checkpoints are off with a sharded optimizer (ZeroRedundancyOptimizer): its "
+                            "state is spread over the ranks and its step runs collectives, so no single surviving rank "
+                            "holds it; a failure resumes from the last periodic checkpoint")
+            return False
+        return True
+
+    def _choose(self) -> tuple[str, str | None]:
+        """Rank 0: which checkpoint every rank loads, as ``(kind, value)`` for the broadcast."""
+        directory = Path(self.directory or ".")
+        if directory.exists() and not directory.is_dir():
+            return ("error", f"checkpoint_dir {directory} exists and is not a directory")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise PermissionError(f"{directory} is not writable")
+            ckpt.remove_stale_temp_files(directory)
+            ckpt.remove_stale_claims(directory)  # writers of the previous group are gone by now
+            info = ckpt.find_latest(directory)
+        except OSError as exc:
+            return ("error", f"checkpoint_dir {directory} cannot be used: {exc.strerror or exc}")
+        if info is not None:
+            try:
+                ckpt.check_fingerprint(info, self.fingerprint_fields)
+            except ckpt.CheckpointMismatchError as exc:
+                return ("mismatch", str(exc))  # another job's directory: touch nothing
+        # With the job's own checkpoint chosen (or none usable), set the newer damaged ones aside.
+        ckpt.quarantine_newer_than(directory, None if info is None else info.step)
+        return ("none", None) if info is None else ("load", str(info.path))
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        for name, obj in self.states.items():
+            if obj is not None and state.get(name) is not None:
+                obj.load_state_dict(state[name])
+        self.step = int(state["step"])
+        self.epoch = int(state.get("epoch", 0))
+
+    # -- the update section ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def update(self, step: int, *, buffers: torch.Tensor | None = None) -> Iterator[None]:
+        """Around everything that turns "after step ``step - 1``" into "after step ``step``"
+        (optimizer, scheduler, scaler, sampler): a just-in-time snapshot sees one or the other.
+
+        ``buffers``: rank 0's buffers of this step as they arrived on the step's control
+        allreduce (``AuthoritativeBuffers.capture``); ``None`` keeps this rank's own.
+        """
+        with self.guard.update():
+            yield
+            self.step = step
+            if self.buffers is not None:
+                self.buffers.commit(buffers)
+            if self._update_event is not None:
+                self._update_event.record()
+
+    def boundary(self) -> None:
+        """A step ended (stall detection of the just-in-time save)."""
+        self.guard.boundary()
+
+    # -- saving --------------------------------------------------------------------------------------
+    def save(self, *, final: bool = False) -> str | None:
+        """Collective: checkpoint the current step (every rank calls it at the same step).
+
+        Rank 0 writes; every rank learns the outcome from rank 0 (a failed write is an error on
+        every rank, never a hang at a barrier), which is also the barrier that keeps the other
+        ranks from going on (or exiting) before the file is in place. ``final`` writes
+        synchronously. Returns the path (``None`` without a directory).
+
+        Raises:
+            CheckpointWriteError: the write failed (a full disk, ...); earlier checkpoints stand.
+        """
+        env = self.env
+        if self.directory is None or self._last_saved_step == self.step:
+            return self.last_path
+        started = time.monotonic()
+        for obj in self.states.values():
+            consolidate = getattr(obj, "consolidate_state_dict", None)
+            if consolidate is not None:
+                consolidate(to=0)  # a sharded optimizer gathers its state on rank 0
+        outcome: list[Any] = [("ok", None)]
+        if env.is_rank0:
+            try:
+                with self._jit.busy():
+                    outcome = [("ok", self._write(sync=final or not self.config.async_write, started=started))]
+            except ckpt.CheckpointError as exc:
+                outcome = [("error", str(exc))]
+        if env.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise ckpt.CheckpointWriteError(value)
+        self._last_saved_step = self.step
+        self.last_path = value
+        return value
+
+    def payload(self, model_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What a checkpoint holds (live tensors; the caller copies or writes them at once)."""
+        data: dict[str, Any] = {"format": ckpt.FORMAT}
+        for name, obj in self.states.items():
+            data[name] = None if obj is None else obj.state_dict()
+        if model_state is not None:
+            data["model"] = model_state
+        data.update({
+            "rng": {"scheme": rng.STEP_SCHEME, "seed": self.fingerprint_fields.get("seed")},
+            "step": self.step,
+            "epoch": self.current_epoch,
+            "world_size": self.env.world_size,
+            "fingerprint": ckpt.job_fingerprint(self.fingerprint_fields),
+            "config": self.run_config,
+        })
+        return data
+
+    def _write(self, *, sync: bool, started: float) -> str:
+        directory = self.directory
+        if directory is None:
+            raise RuntimeError("checkpointing needs a directory")
+        payload = self.payload()
+        step, epoch, world_size = self.step, self.current_epoch, self.env.world_size
+        path = str(ckpt.checkpoint_path(directory, step))
+        claim: ckpt.StepClaim | None = None
+        if self._jit.enabled:
+            # One writer per step: a survivor may be writing this step just in time (the group is
+            # failing); it will finish it.
+            try:
+                claim = ckpt.try_claim(directory, step, rank=self.env.rank, kind="periodic")
+            except OSError as exc:
+                raise ckpt.CheckpointWriteError(
+                    f"could not write the checkpoint of step {step} to {directory}: {exc.strerror or exc}") from exc
+            if claim is None:
+                log.warning("step %d is being checkpointed by %s; not writing it again", step,
+                            ckpt.read_claim(directory, step) or "another writer")
+                return path
+
+        def save(data: dict[str, Any]) -> ckpt.CheckpointInfo:
+            try:
+                return ckpt.save_checkpoint(directory, data, step=step, epoch=epoch, world_size=world_size,
+                                            fingerprint_fields=self.fingerprint_fields, keep_last=self.config.keep_last)
+            finally:
+                if claim is not None:
+                    claim.release()
+
+        try:
+            if sync:
+                self._writer.wait(self._remaining_s())
+                nbytes = save(payload).manifest.nbytes
+            else:
+                snapshot = ckpt.snapshot_to_cpu(payload)  # on this thread: the next step changes the tensors
+                nbytes = _nbytes(snapshot)
+                self._writer.submit(lambda: save(snapshot))
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
+        self.observer.on_checkpoint_saved(step=step, duration_s=time.monotonic() - started, nbytes=nbytes)
+        return path
+
+    def _remaining_s(self) -> float | None:
+        deadline = self._stop_deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    # -- the just-in-time save -------------------------------------------------------------------------
+    def _setup_jit(self, enabled: bool) -> None:
+        env = self.env
+        self._jit = JitCheckpointer(
+            guard=self.guard, directory=self.directory, rank=env.rank, step=lambda: self.step,
+            payload=self._jit_payload, write=self._jit_write, drain=self._drain,
+            stop_deadline=self._stop_deadline, enabled=enabled,
+        )
+        if enabled and self.model is not None:
+            self.buffers = AuthoritativeBuffers(self.model, rank=env.rank, world_size=env.world_size)
+            if env.device.type == "cuda":
+                self._update_event = torch.cuda.Event()
+
+    def arm(self) -> None:
+        """Training starts: the state now is a completed step (every rank holds the same buffers)."""
+        if self.buffers is not None:
+            self.buffers.capture(identical=True)
+        self._jit.arm()
+
+    def busy(self) -> contextlib.AbstractContextManager[None]:
+        """Around work that is no stall although no step boundary passes (a checkpoint write)."""
+        return self._jit.busy()
+
+    def stand_down(self) -> None:
+        """The ranks agreed to stop (or training ended): the graceful path owns the exit."""
+        self._jit.stand_down()
+
+    def on_signal(self, signum: int) -> None:
+        """A stop signal arrived, maybe while the training thread is blocked in a collective."""
+        self._jit.on_signal(signum)
+
+    def after_failure(self, exc: BaseException) -> None:
+        """The training loop raised: save the last completed step just in time (bounded), and
+        make sure the process ends soon after (:data:`TEARDOWN_S`)."""
+        if not self._jit.enabled:
+            return
+        # Save, then let the exception end the process quickly: torchrun restarts the group
+        # once all its local workers are gone. Never hang on the way.
+        self._deadline = ExitTimer(SAVE_TIMEOUT_S + TEARDOWN_S, 1, "saving and stopping after a failure")
+        self._jit.after_failure(exc)
+
+    def save_just_in_time(self, reason: str, *, deadline: float) -> JitOutcome:
+        """Save the last completed step now, from any thread (what a failure or a stalled stop
+        does; idempotent)."""
+        return self._jit.save(reason, deadline=deadline)
+
+    def _jit_payload(self) -> dict[str, Any]:
+        """(Holding the guard) a host copy of the state after the last completed step."""
+        env = self.env
+
+        def build() -> dict[str, Any]:
+            model_state = self.model.state_dict() if self.model is not None else None
+            source = "none"
+            if self.buffers is not None and model_state is not None:
+                buffers, source = self.buffers.snapshot()
+                model_state.update(buffers)
+            payload = self.payload(model_state)
+            payload["jit"] = {"writer_rank": env.rank, "buffers": source}
+            return payload
+
+        return device_snapshot(build, env.device, self._update_event)
+
+    def _jit_write(self, step: int, payload: dict[str, Any]) -> str:
+        if self.directory is None:
+            raise RuntimeError("just-in-time checkpointing needs a directory")
+        info = ckpt.save_checkpoint(self.directory, payload, step=step, epoch=int(payload["epoch"]),
+                                    world_size=self.env.world_size, fingerprint_fields=self.fingerprint_fields,
+                                    keep_last=None, jit=True)
+        return str(info.path)
+
+    def _drain(self, timeout: float) -> None:
+        """Let this process's own background checkpoint write finish before it exits."""
+        with contextlib.suppress(ckpt.CheckpointError):
+            self._writer.wait(timeout)
+
+    # -- the end ----------------------------------------------------------------------------------------
+    def close(self, grace_s: float) -> None:
+        """Finish a background write (within the stop's remaining time, else ``grace_s``) and stand
+        down; cancels the after-failure deadline once the caller's teardown is done."""
+        try:
+            if self._writer.busy:
+                remaining = self._remaining_s()
+                try:
+                    self._writer.wait(remaining if remaining is not None else grace_s)
+                except ckpt.CheckpointError:
+                    log.exception("the last background checkpoint write failed")
+        finally:
+            self._jit.stand_down()
+            if self._deadline is not None:
+                self._deadline.cancel()
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0

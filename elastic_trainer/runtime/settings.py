@@ -1,0 +1,197 @@
+"""Every environment variable a worker process reads, parsed once, into :class:`WorkerSettings`.
+
+A worker's entry point (``Trainer.fit``, :class:`~elastic_trainer.train.loop.ElasticLoop`, the
+example's ``main``) calls :meth:`WorkerSettings.from_environ` once; everything below it receives
+the settings or one of their values and never reads ``os.environ``. Precedence for a value that
+also has a config field: the value given in code or on the script's command line > the
+environment variable > the default. torchrun's own variables (``RANK``, ``WORLD_SIZE``, ...) are
+parsed by :func:`elastic_trainer.runtime.distributed.read_env`.
+
+The launcher (``elastic-trainer run``) sets several of these for its workers; their names live
+here, and the launcher imports them from here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from elastic_trainer.runtime.failures import ConfigError
+
+ENV_JIT_SAVE = "ELASTIC_TRAINER_JIT_SAVE"
+"""``0`` turns off the just-in-time checkpoint of the last completed step on failures."""
+ENV_SIGTERM_GRACE_S = "ELASTIC_TRAINER_SIGTERM_GRACE_S"
+"""Seconds between SIGTERM and exit in which the ranks checkpoint the step they stopped after."""
+ENV_PG_TIMEOUT_S = "ELASTIC_TRAINER_PG_TIMEOUT_S"
+"""Process-group (collective) timeout in seconds."""
+ENV_METRICS = "ELASTIC_TRAINER_METRICS"
+"""``1``: report metrics to the node's endpoint (the launcher sets it)."""
+ENV_METRICS_ALLREDUCE = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
+"""How gradient allreduces are timed: ``hook`` (default), ``trace`` (CUDA: NCCL's timings from the
+flight recorder) or ``0`` (not at all). See :mod:`elastic_trainer.metrics.allreduce_hook`."""
+ENV_NODE = "ELASTIC_TRAINER_NODE"
+"""This node's name, ``{short host}-{launcher pid}`` (the launcher sets it)."""
+ENV_REPORTS_FAILURES = "ELASTIC_TRAINER_REPORTS_FAILURES"
+"""``1``: the launcher prints root causes, so a failing worker prints one line (the launcher sets it)."""
+ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus-client's multiprocess directory, served by the node's endpoint (the launcher sets it)."""
+ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+"""Where torchrun asks each worker to record its failure."""
+ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
+"""The job's rendezvous id (torchrun sets it)."""
+ENV_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+"""Entries of torch's flight recorder ring (torch reads it once, when the process group starts)."""
+
+DEFAULT_SIGTERM_GRACE_S = 30.0
+"""torchrun's agent SIGKILLs workers 30 s after its SIGTERM: a larger grace buys nothing there."""
+DEFAULT_PG_TIMEOUT_S = 30 * 60.0
+"""torch's own default and what the DDP guides advise for skewed ranks; a dead rank is still
+noticed at once (its process exits and the agent restarts the group)."""
+DEFAULT_FR_BUFFER_ENTRIES = 2000
+"""torch's default flight-recorder ring size."""
+
+ALLREDUCE_TIMING_MODES = {"1": "hook", "true": "hook", "yes": "hook", "hook": "hook", "trace": "trace",
+                          "0": "off", "false": "off", "no": "off"}  # fmt: skip
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ConfigError(f"{name}: {environ[name]!r} is not a boolean (use 1 or 0)")
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}: must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not an integer") from None
+
+
+def allreduce_timing_mode(raw: str | None) -> str:
+    """``hook``, ``trace`` or ``off`` from a :data:`ENV_METRICS_ALLREDUCE` value (unset: ``hook``).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    mode = ALLREDUCE_TIMING_MODES.get((raw if raw is not None else "hook").strip().lower())
+    if mode is None:
+        raise ConfigError(f"{ENV_METRICS_ALLREDUCE}={raw!r}: expected hook, trace or 0")
+    return mode
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerSettings:
+    """What a worker process takes from its environment (see the module docstring)."""
+
+    jit_save: bool = True
+    """Save the last completed step just in time when the group fails (:data:`ENV_JIT_SAVE`)."""
+    sigterm_grace_s: float = DEFAULT_SIGTERM_GRACE_S
+    """Seconds from SIGTERM to exit (:data:`ENV_SIGTERM_GRACE_S`)."""
+    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
+    """Collective timeout (:data:`ENV_PG_TIMEOUT_S`)."""
+    metrics: bool = False
+    """Report to the node's metrics endpoint (:data:`ENV_METRICS`)."""
+    metrics_allreduce: str = "hook"
+    """``hook``, ``trace`` or ``off`` (:data:`ENV_METRICS_ALLREDUCE`)."""
+    metrics_dir: str | None = None
+    """prometheus-client's multiprocess directory (:data:`ENV_MULTIPROC_DIR`)."""
+    node: str | None = None
+    """This node's name (:data:`ENV_NODE`); ``None`` outside ``elastic-trainer run``."""
+    run_id: str | None = None
+    """The job's rendezvous id (:data:`ENV_RUN_ID`)."""
+    error_file: str | None = None
+    """torchrun's error file for this worker (:data:`ENV_ERROR_FILE`)."""
+    launcher_reports_failures: bool = False
+    """The launcher prints root causes (:data:`ENV_REPORTS_FAILURES`)."""
+    fr_buffer_entries: int = DEFAULT_FR_BUFFER_ENTRIES
+    """torch's flight-recorder ring size (:data:`ENV_FR_BUFFER_SIZE`)."""
+    rank: int = 0
+    """torchrun's ``RANK`` (0 for a process started by hand), for labels and reports."""
+    local_rank: int = 0
+    """torchrun's ``LOCAL_RANK``."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
+        """Parse the worker's environment (default ``os.environ``), once.
+
+        Raises:
+            ConfigError: a variable holds a value of the wrong kind; the message names it.
+        """
+        env = os.environ if environ is None else environ
+        ring = _int(env, ENV_FR_BUFFER_SIZE, DEFAULT_FR_BUFFER_ENTRIES)
+        return cls(
+            jit_save=_bool(env, ENV_JIT_SAVE, True),
+            sigterm_grace_s=_seconds(env, ENV_SIGTERM_GRACE_S, DEFAULT_SIGTERM_GRACE_S),
+            pg_timeout_s=_seconds(env, ENV_PG_TIMEOUT_S, DEFAULT_PG_TIMEOUT_S),
+            metrics=_bool(env, ENV_METRICS, False),
+            metrics_allreduce=allreduce_timing_mode(env.get(ENV_METRICS_ALLREDUCE)),
+            metrics_dir=env.get(ENV_MULTIPROC_DIR) or None,
+            node=env.get(ENV_NODE) or None,
+            run_id=env.get(ENV_RUN_ID) or None,
+            error_file=env.get(ENV_ERROR_FILE) or None,
+            launcher_reports_failures=env.get(ENV_REPORTS_FAILURES, "").strip() == "1",
+            fr_buffer_entries=ring,
+            rank=_int(env, "RANK", 0),
+            local_rank=_int(env, "LOCAL_RANK", 0),
+        )
+
+
+def check_positive(name: str, value: float | int | None, *, allow_none: bool = False) -> None:
+    """A config field's check: a positive number (``None`` too with ``allow_none``).
+
+    Raises:
+        ConfigError: naming ``name``.
+    """
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name}: must be a positive number, got {value!r}")
+
+
+def check_positive_int(name: str, value: int | None, *, allow_none: bool = False) -> None:
+    """A config field's check: a positive integer (``None`` too with ``allow_none``).
+
+    Raises:
+        ConfigError: naming ``name``.
+    """
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def check_bool(name: str, value: object, *, allow_none: bool = False) -> None:
+    """A config field's check: ``True`` or ``False`` (``None`` too with ``allow_none``).
+
+    Raises:
+        ConfigError: naming ``name``.
+    """
+    if value is None and allow_none:
+        return
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: must be true or false, got {value!r}")

@@ -1,0 +1,379 @@
+"""Your own training loop, elastic: the runtime's duties around it, in one object.
+
+    with ElasticLoop(env=env, sampler=sampler, checkpoints=manager, max_steps=1000) as loop:
+        for plan in loop:                       # resumes first; yields this rank's share of each step
+            loss = train_step(plan.indices)     # forward and backward, your way
+            with loop.update(loss=loss):        # optimizer, scheduler: the update section
+                optimizer.step()
+                scheduler.step()
+    result = loop.result                        # finished, or stopped for a restart (exit with its code)
+
+What the loop does for the body: it loads the newest checkpoint before the first step (rank 0
+chooses, every rank loads onto its device); reseeds every rank's random generators at each step
+from ``(seed, rank, step)`` (exact resume, dropout included); hands out each step's samples from
+the elastic sampler (exactly once per epoch at any world size); runs one small control allreduce
+per step (the global loss and the stop flag, and rank 0's buffers for the just-in-time save); on
+SIGTERM makes every rank stop after the same step and checkpoints it; writes periodic checkpoints;
+and when the body raises, saves the last completed step just in time (any surviving rank) before
+the exception ends the process. Metrics go to the observer.
+
+What the body must do: apply every change of the training state (optimizer, scheduler, anything
+that is saved) inside ``with loop.update(...)``, exactly once per step, and nothing of it outside.
+The loop advances the sampler and the step count there. Between steps (after the update) it may
+evaluate, log or call collectives: the next step reseeds its random numbers anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.checkpoint.manager import CheckpointManager
+from elastic_trainer.runtime import failures, rng
+from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
+from elastic_trainer.runtime.sample_log import SampleLog
+from elastic_trainer.runtime.sampler import ElasticSampler, StepPlan
+from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.runtime.signals import GracefulStop, SignalWakeup
+from elastic_trainer.runtime.step_control import ControlChannel, ControlResult, PendingControl
+
+log = logging.getLogger(__name__)
+
+EXIT_STOPPED = 128 + 15
+"""Exit code after a graceful stop: non-zero so that torchrun restarts (or ends) the group."""
+
+FaultHook = Callable[[str, int], None]
+"""Test seam: ``hook(point, step)`` at ``"before_control"`` and ``"after_update"`` of every step."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    """How a run of the loop ended."""
+
+    step: int
+    epoch: int
+    loss: float | None
+    """Mean loss over the global batch of the last reported step."""
+    resumed_from: int | None
+    """Step of the checkpoint this run started from."""
+    stopped_by_signal: bool
+    """A rank received SIGTERM/SIGINT; every rank stopped after the same step."""
+    checkpoint: str | None
+    """The last checkpoint written (rank 0 only)."""
+
+    @property
+    def finished(self) -> bool:
+        """Training reached its end. ``False``: this process was stopped (scale-down, preemption, a
+        new member): do not run end-of-training code, exit with :attr:`exit_code` and let torchrun
+        restart the group."""
+        return not self.stopped_by_signal
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_STOPPED if self.stopped_by_signal else 0
+
+
+class ElasticLoop:
+    """Drives one worker's training loop; see the module docstring.
+
+    Args:
+        env: this worker's place in the job (its process group must exist).
+        sampler: the elastic sampler (also saved and restored by ``checkpoints``).
+        checkpoints: the checkpoint manager.
+        max_steps: stop after this many steps in total; ``None``: all ``epochs``.
+        epochs: passes over the dataset.
+        seed: the job's seed (every step's random numbers derive from it).
+        observer: metrics; default none.
+        settings: the worker's environment settings; parsed when omitted.
+        sigterm_grace_s: seconds from SIGTERM to exit; default the settings'.
+        log_every: rank 0 logs a progress line every this many steps.
+        record_samples_dir: audit: every rank records every step's dataset indices there.
+        tokens_per_sample: for the observer's token counts.
+        lr: returns the learning rate to report (a Python float; a tensor would synchronise).
+        after_step: called with the step number after each step, on every rank.
+        fault_hook: test seam (:data:`FaultHook`).
+    """
+
+    def __init__(
+        self,
+        *,
+        env: DistEnv,
+        sampler: ElasticSampler,
+        checkpoints: CheckpointManager,
+        max_steps: int | None = None,
+        epochs: int = 1,
+        seed: int = 0,
+        observer: TrainingObserver | None = None,
+        settings: WorkerSettings | None = None,
+        sigterm_grace_s: float | None = None,
+        log_every: int = 10,
+        record_samples_dir: str | None = None,
+        tokens_per_sample: int = 0,
+        lr: Callable[[], float | None] | None = None,
+        after_step: Sequence[Callable[[int], None]] = (),
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.env = env
+        self.sampler = sampler
+        self.checkpoints = checkpoints
+        self.max_steps = max_steps
+        self.epochs = epochs
+        self.seed = seed
+        self.observer: TrainingObserver = observer if observer is not None else NullObserver()
+        settings = settings if settings is not None else WorkerSettings.from_environ()
+        self._stop = GracefulStop(sigterm_grace_s if sigterm_grace_s is not None else settings.sigterm_grace_s)
+        self._wakeup = SignalWakeup(checkpoints.on_signal)
+        self.log_every = log_every
+        self.record_samples_dir = record_samples_dir
+        self.tokens_per_sample = tokens_per_sample
+        self._lr = lr or (lambda: None)
+        self._after_step = list(after_step)
+        self._fault = fault_hook
+        self._channel = ControlChannel(env)
+        self._sample_log: SampleLog | None = None
+        self._plan: StepPlan | None = None
+        self._control: PendingControl | None = None
+        self._pending: PendingControl | None = None
+        self._updated = False
+        self._started_at = 0.0
+        self._data_wait = 0.0
+        self._durations: dict[int, tuple[float, float, StepPlan]] = {}
+        self._window = (time.monotonic(), 0)
+        self.loss: float | None = None
+        self.result: TrainResult | None = None
+        checkpoints.use_stop_deadline(lambda: self._stop.deadline)
+
+    # -- properties ---------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self.checkpoints.step
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self.checkpoints.resumed_from
+
+    @property
+    def total_steps(self) -> int:
+        """Steps the job trains for in all: ``max_steps`` or ``epochs`` x steps per epoch
+        (``ceil(dataset size / global batch)``), whichever comes first."""
+        total = self.epochs * len(self.sampler)
+        return total if self.max_steps is None else min(total, self.max_steps)
+
+    @property
+    def stop_requested(self) -> bool:
+        """This rank received a stop signal (every rank agrees on it a step later at most)."""
+        return self._stop.requested
+
+    def done(self) -> bool:
+        return (self.max_steps is not None and self.step >= self.max_steps) or self.sampler.epoch >= self.epochs
+
+    # -- the context --------------------------------------------------------------------------------
+    def __enter__(self) -> ElasticLoop:
+        self._stop.install()
+        self._wakeup.install()
+        try:
+            self.checkpoints.load()
+            self.sampler_check()
+            self._open_sample_log()
+            self.observer.on_start(world_size=self.env.world_size, restart_count=self.env.restart_count,
+                                   total_steps=self.total_steps)
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def sampler_check(self) -> None:
+        """The manager restored the sampler it saves: the loop must drive the same object."""
+        saved = self.checkpoints.states.get("sampler")
+        if saved is not None and saved is not self.sampler:
+            raise ValueError("checkpoints must save the loop's sampler (states['sampler'] is another object)")
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if isinstance(exc, Exception):
+                failures.note_step(exc, self.step + 1)  # the launcher's repeat check compares steps
+                self.checkpoints.after_failure(exc)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        try:
+            self.checkpoints.close(self._stop.grace_s)
+        finally:
+            self._wakeup.uninstall()
+            self._stop.uninstall()
+            if self._sample_log is not None:
+                self._sample_log.close()
+
+    def _open_sample_log(self) -> None:
+        if self.record_samples_dir is None:
+            return
+        generation = [(uuid.uuid4().hex, time.time())]
+        if self.env.world_size > 1:
+            dist.broadcast_object_list(generation, src=0)
+        self._sample_log = SampleLog(self.record_samples_dir, rank=self.env.rank)
+        self._sample_log.start(generation=generation[0][0], started_unix=generation[0][1],
+                               resumed_step=self.step, world_size=self.env.world_size, rank=self.env.rank)
+
+    # -- the steps ----------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[StepPlan]:
+        """This rank's share of each step, until the job is done or every rank agreed to stop."""
+        env = self.env
+        self.checkpoints.arm()
+        while not self.done():
+            if self.sampler.epoch_done:
+                with self.checkpoints.guard.update():
+                    self.sampler.set_epoch(self.sampler.epoch + 1)
+                continue
+            for plan in self.sampler.plans(env.rank, env.world_size):
+                if self.done():
+                    break
+                self._begin(plan)
+                yield plan
+                if not self._updated:
+                    raise RuntimeError(f"step {self.step + 1}: the loop body must apply its update inside "
+                                       "`with loop.update(...)`")
+                if self._after_update(plan):
+                    return
+        self._end()
+
+    def _begin(self, plan: StepPlan) -> None:
+        env = self.env
+        self._plan, self._control, self._updated = plan, None, False
+        self._started_at = time.monotonic()
+        self._data_wait = 0.0
+        # Every step's random numbers are a function of (seed, rank, step): exact resume needs no
+        # generator state, not even the dead rank's (see elastic_trainer.runtime.rng).
+        rng.seed_step(self.seed, env.rank, self.step, env.device)
+        if self._sample_log is not None:
+            # Written before the step can commit anywhere (no rank can finish its update before this
+            # rank joined the step's collectives), so a committed step always has every rank's record.
+            self._sample_log.step(step=self.step + 1, epoch=plan.epoch, cursor=plan.cursor,
+                                  world_size=env.world_size, rank=env.rank, indices=plan.indices)
+
+    def add_data_wait(self, seconds: float) -> None:
+        """Time the body spent waiting for its data in this step (reported to the observer)."""
+        self._data_wait += seconds
+
+    def start_control(self, loss_sum: torch.Tensor) -> None:
+        """Start this step's control allreduce now (after the last forward, so that it overlaps the
+        backward). ``loss_sum``: this rank's loss summed over its samples of the step. Optional:
+        :meth:`update` starts it otherwise."""
+        plan = self._current_plan()
+        if self._control is not None:
+            raise RuntimeError(f"step {self.step + 1}: the control allreduce was started twice")
+        if self._fault is not None:
+            self._fault("before_control", self.step + 1)
+        buffers = self.checkpoints.buffers.capture() if self.checkpoints.buffers is not None else None
+        self._control = self._channel.start(self.step + 1, loss_sum, global_samples=plan.global_samples,
+                                            stop=self._stop.requested, buffers=buffers)
+
+    @contextlib.contextmanager
+    def update(self, loss: torch.Tensor | None = None) -> Iterator[None]:
+        """The update section of the current step: apply the optimizer step (and everything else
+        that changes the saved state) inside it.
+
+        ``loss``: this rank's mean loss over its samples of the step, for the global loss (if
+        :meth:`start_control` was not called).
+        """
+        plan = self._current_plan()
+        if self._updated:
+            raise RuntimeError(f"step {self.step + 1}: one update per step")
+        if self._control is None:
+            local = (loss.detach().float() * plan.samples if loss is not None
+                     else torch.zeros((), device=self.env.device))
+            self.start_control(local)
+        control = self._control
+        if control is None:
+            raise RuntimeError("no control allreduce for this step")
+        self._channel.wait_before_update(control)
+        with self.checkpoints.update(self.step + 1, buffers=control.buffers if control.complete else None):
+            yield
+            self.sampler.advance(plan)
+        self._updated = True
+
+    def _current_plan(self) -> StepPlan:
+        if self._plan is None:
+            raise RuntimeError("no step in progress: call this inside `for plan in loop`")
+        return self._plan
+
+    def _after_update(self, plan: StepPlan) -> bool:
+        """Bookkeeping after a step's update; True when every rank agreed to stop (and it was
+        checkpointed)."""
+        step = self.step
+        if self._fault is not None:
+            self._fault("after_update", step)
+        self._durations[step] = (time.monotonic() - self._started_at, self._data_wait, plan)
+        self.checkpoints.boundary()
+        if self._sample_log is not None:
+            self._sample_log.done(step=step)
+        control = self._control
+        self._plan = None
+        # A step is reported (loss, stop flag) once its control allreduce is in: usually it overlaps
+        # the next step and is read then; when the update waited for it, it is read now and a stop
+        # ends the run one step earlier. Either way every rank reads the same flag after the same step.
+        stop = self._report(self._pending) if self._pending is not None else False
+        if control is not None and control.complete:
+            stop = self._report(control) or stop
+            self._pending = None
+        else:
+            self._pending = control
+        if stop:
+            self.checkpoints.stand_down()  # every rank agreed to stop: the graceful path owns the exit
+            if self._pending is not None:
+                self._report(self._pending)
+                self._pending = None
+            log.warning("stopping after step %d (signal on %s)", step,
+                        "this rank" if self._stop.requested else "another rank")
+            path = self.checkpoints.save(final=True)
+            self.result = TrainResult(step=step, epoch=self.sampler.epoch, loss=self.loss,
+                                      resumed_from=self.resumed_from, stopped_by_signal=True, checkpoint=path)
+            return True
+        if self.checkpoints.due(step):
+            self.checkpoints.save(final=False)
+        for callback in self._after_step:
+            callback(step)
+        return False
+
+    def _report(self, pending: PendingControl) -> bool:
+        result: ControlResult = self._channel.finish(pending)
+        self.loss = result.loss
+        duration, data_wait, plan = self._durations.pop(result.step, (0.0, 0.0, None))
+        samples = plan.samples if plan is not None else 0
+        self.observer.on_step(step=result.step, duration_s=duration, data_wait_s=data_wait, samples=samples,
+                              tokens=samples * self.tokens_per_sample, loss=result.loss, lr=self._lr())
+        start, window_samples = self._window
+        window_samples += pending.global_samples
+        if self.env.is_rank0 and result.step % self.log_every == 0:
+            now = time.monotonic()
+            lr = self._lr()
+            log.info("step %d epoch %d loss %.4f samples/s %.1f world %d lr %s", result.step, self.sampler.epoch,
+                     result.loss, window_samples / max(now - start, 1e-9), self.env.world_size,
+                     "n/a" if lr is None else f"{lr:.3g}")
+            start, window_samples = now, 0
+        self._window = (start, window_samples)
+        return result.stop
+
+    def _end(self) -> None:
+        self.checkpoints.stand_down()
+        if self._pending is not None:
+            self._report(self._pending)
+            self._pending = None
+        path = self.checkpoints.save(final=True)
+        if self.env.is_rank0:
+            log.info("training finished at step %d (epoch %d), loss %s", self.step, self.sampler.epoch,
+                     "n/a" if self.loss is None or math.isnan(self.loss) else f"{self.loss:.6f}")
+        self.result = TrainResult(step=self.step, epoch=self.sampler.epoch, loss=self.loss,
+                                  resumed_from=self.resumed_from, stopped_by_signal=False, checkpoint=path)

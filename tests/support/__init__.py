@@ -1,0 +1,1 @@
+"""What the test tiers share: agents (real torchrun and launcher processes), waiting, servers."""
