@@ -65,6 +65,7 @@ class RoundCoordinator:
             the address of the store it now serves for the round.
         on_stop: called once, from the coordinator's thread, when it stops for any reason.
         progress_interval: seconds between two progress lines of a waiting node.
+        deadline: the gRPC deadline of one write attempt (default: ``read_timeout``).
     """
 
     def __init__(
@@ -77,11 +78,13 @@ class RoundCoordinator:
         make_master: Callable[[int], MasterInfo],
         on_stop: Callable[[], None],
         progress_interval: float = 5.0,
+        deadline: float | None = None,
     ) -> None:
         self._connection, self._keys, self._settings = connection, keys, settings
         self.node_id = node_id
         self._make_master, self._on_stop = make_master, on_stop
         self._progress_interval = progress_interval
+        self._deadline = deadline
         self._hub = WatchHub.of(connection)
         self._cond = threading.Condition()
         self._dirty = True
@@ -352,7 +355,12 @@ class RoundCoordinator:
             if ready:
                 ordered = sorted(joined, key=joined.__getitem__)
                 live_joined = [n for n in ordered if n in self._live]
-                participants = order_participants(live_joined, self._previous)[: settings.max_nodes]
+                ordered = order_participants(live_joined, self._previous)
+                if first_round and self.node_id in joined:
+                    # Any order will do in a first round: this node first, so that rank 0's store
+                    # address comes with the close (no separate write to wait for).
+                    ordered = [self.node_id, *(n for n in ordered if n != self.node_id)]
+                participants = ordered[: settings.max_nodes]
                 ready = len(live_joined) == count or close_ready(
                     joined=len(live_joined), first_round=first_round, missing_previous=len(self._missing),
                     waited=waited, settings=settings)
@@ -377,7 +385,7 @@ class RoundCoordinator:
         conn, keys = self._connection, self._keys
         return etcd_ops.transaction(
             conn, [*compare, etcd_ops.value_is(conn, keys.coordinator, self.node_id.encode())], success,
-            [etcd_ops.get(conn, keys.state), etcd_ops.get(conn, keys.coordinator)], what=what)
+            [etcd_ops.get(conn, keys.state), etcd_ops.get(conn, keys.coordinator)], what=what, deadline=self._deadline)
 
     def _write_state(self, new: RoundState, revision: int, extra: list[Any], what: str) -> int | None:
         """CAS the state from ``revision`` to ``new`` (plus ``extra`` ops); the new revision, or

@@ -38,8 +38,11 @@ def transaction(
     what: str,
     kind: str | None = None,
     retry_timeout: float | None = None,
+    deadline: float | None = None,
 ) -> TxnResult:
     """Run one etcd transaction (``compare`` from :func:`mod_is` etc., ops from :func:`put` etc.).
+
+    ``deadline`` is the gRPC deadline of one attempt (default: the connection's ``read_timeout``).
 
     Raises:
         RendezvousConnectionError: see :meth:`EtcdConnection.call`.
@@ -48,16 +51,29 @@ def transaction(
     request = rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
 
     def send(client: Any) -> Any:
-        return client.kvstub.Txn(request, client.timeout, credentials=client.call_credentials,
+        return client.kvstub.Txn(request, deadline or client.timeout, credentials=client.call_credentials,
                                  metadata=client.metadata)
 
     response = connection.call(send, what=what, kind=kind, retry_timeout=retry_timeout)
     return TxnResult(bool(response.succeeded), int(response.header.revision), list(response.responses))
 
 
-def read(connection: EtcdConnection, ops: list[Any], *, what: str, kind: str | None = None) -> TxnResult:
+def read(connection: EtcdConnection, ops: list[Any], *, what: str, kind: str | None = None,
+         deadline: float | None = None) -> TxnResult:
     """Several ranges read at one revision (a read-only transaction: no write, no raft entry)."""
-    return transaction(connection, [], ops, what=what, kind=kind)
+    return transaction(connection, [], ops, what=what, kind=kind, deadline=deadline)
+
+
+def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, *, what: str,
+            deadline: float | None = None) -> int:
+    """Put one key; the revision of the write."""
+    request = connection.etcd3.etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
+
+    def send(client: Any) -> Any:
+        return client.kvstub.Put(request, deadline or client.timeout, credentials=client.call_credentials,
+                                 metadata=client.metadata)
+
+    return int(connection.call(send, what=what).header.revision)
 
 
 def put(connection: EtcdConnection, key: str, value: bytes, lease: int = 0) -> Any:

@@ -99,6 +99,17 @@ _CLAIM_SPREAD_S_PER_NODE = 0.001
 ``max_nodes`` (at most ``lease_ttl``): ten thousand nodes send a handful of claims, not 10,000."""
 
 
+def round_deadline(settings: RendezvousSettings) -> float:
+    """The gRPC deadline of one request on a round's path: ``lease_ttl / 4`` (at least 2 s, at
+    most ``read_timeout``).
+
+    etcd holds a write that a follower forwarded to a leader that then died until its own request
+    timeout (5 s plus two election timeouts) before it answers "request timed out"; a shorter
+    deadline lets the attempt fail over to a live member instead, after at most this long.
+    """
+    return min(settings.read_timeout, max(2.0, settings.lease_ttl / 4))
+
+
 def _lease_not_found(exc: BaseException) -> bool:
     """etcd answered NOT_FOUND "requested lease not found" (the lease expired)."""
     return "lease not found" in str(exc)
@@ -268,6 +279,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._lease = _NodeLease(connection, self._keys.node(self.node_id), node_info, settings.lease_ttl)
         self._store = EtcdV3Store(connection, self._keys.store, ttl=settings.ttl)
         self._scheduler = Scheduler.of(connection)
+        self._deadline = round_deadline(settings)
         self._shards = shard_count(settings.max_nodes)
         self._shard_key = self._keys.shard(shard_of(self.node_id, self._shards))
         self._watch = _RoundWatch(WatchHub.of(connection), self._keys.state, self._shard_key, self._on_event)
@@ -412,7 +424,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         """Read the ``state*`` keys and this node's shard at one revision; watch from the next."""
         conn = self._connection
         result = etcd_ops.read(conn, [etcd_ops.get(conn, self._keys.state, prefix=True),
-                                      etcd_ops.get(conn, self._shard_key)], what="a rendezvous state read")
+                                      etcd_ops.get(conn, self._shard_key)], what="a rendezvous state read",
+                                deadline=self._deadline)
         coordinator = master = None
         state: tuple[RoundState, int] | None = None
         for kv in etcd_ops.range_kvs(result.responses[0]):
@@ -466,7 +479,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
             lease = self._lease.lease_id()
             result = etcd_ops.transaction(
                 conn, [etcd_ops.absent(conn, key)], [etcd_ops.put(conn, key, self.node_id.encode(), lease)],
-                [etcd_ops.get(conn, key)], what="a coordinator claim", retry_timeout=min(self._settings.retry_timeout, 5.0))
+                [etcd_ops.get(conn, key)], what="a coordinator claim", retry_timeout=min(self._settings.retry_timeout, 5.0),
+                deadline=self._deadline)
         except Exception as exc:
             log.info("etcd-v3: claiming the coordinator role failed (%s); trying again", exc)
             if not self._slot.left:
@@ -484,7 +498,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
             coordinator = RoundCoordinator(
                 self._connection, self._keys, self._settings, self.node_id,
                 make_master=self._serve_round, on_stop=self._coordinator_stopped,
-                progress_interval=self._PROGRESS_LOG_S)
+                progress_interval=self._PROGRESS_LOG_S, deadline=self._deadline)
             self._slot.coordinator = coordinator
         log.info("etcd-v3: node %s coordinates run %s", self.node_id, self._settings.run_id)
         coordinator.start()
@@ -523,7 +537,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         if rank != 0:
             return None
         master = self._serve_round(state.round)
-        self._connection.call(lambda c: c.put(self._keys.master, master.encode()), what="a store address")
+        etcd_ops.put_key(self._connection, self._keys.master, master.encode(), what="a store address",
+                         deadline=self._deadline)
         self._master = master
         return master
 
@@ -569,8 +584,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
                     master = self._master_of(state, rank)
                     if master is not None:
                         return rank, state.world_size, state.round, master
-                    timeout = 1.0  # rank 0 publishes its address right away; read it if it is late
-                    if self._waited_for(state, "master", now):
+                    timeout = 1.0  # rank 0 publishes its address at once; read it if it is late
+                    if self._waited_for(state, "master", now, 5.0):
                         self._sync_master()
                         continue
                 elif self._is_pending(state, joined, now):
@@ -620,16 +635,17 @@ class LeaseRendezvousHandler(RendezvousHandler):
         shard = self._shard
         if shard is not None and shard[0] >= state.round:
             return False
-        if self._waited_for(state, "shard", now):
+        if self._waited_for(state, "shard", now, 2.0):
             self._shard = self._read_shard(state)
         return True
 
-    def _waited_for(self, state: RoundState, what: str, now: float) -> bool:
-        """True once per round and ``what`` after waiting a second for it (then read it)."""
+    def _waited_for(self, state: RoundState, what: str, now: float, patience: float) -> bool:
+        """True once per round and ``what`` after waiting ``patience`` seconds for it (the
+        watch should have brought it: the caller then reads it)."""
         marks = self._wait_marks
         key = (state.round, what)
         since = marks.setdefault(key, now)
-        if now - since >= 1.0:
+        if now - since >= patience:
             marks[key] = float("inf")
             if len(marks) > 16:
                 marks.clear()
@@ -652,7 +668,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         lease = self._lease.lease_id()
         key = self._keys.joined(round_, self.node_id)
         try:
-            self._connection.call(lambda c: c.put(key, b"", lease=lease), what="a rendezvous join")
+            etcd_ops.put_key(self._connection, key, b"", lease, what="a rendezvous join", deadline=self._deadline)
         except RendezvousConnectionError as exc:
             if not _lease_not_found(exc):
                 raise
@@ -671,7 +687,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
             conn, [etcd_ops.absent(conn, keys.state)],
             [etcd_ops.put(conn, keys.state, RoundState(0, OPEN).encode()),
              etcd_ops.put(conn, keys.coordinator, self.node_id.encode(), lease)],
-            [etcd_ops.get(conn, keys.state, prefix=True)], what="a rendezvous state change")
+            [etcd_ops.get(conn, keys.state, prefix=True)], what="a rendezvous state change", deadline=self._deadline)
         if result.succeeded:
             self._take_state(RoundState(0, OPEN), result.revision)
             self._coordinator_id = self.node_id
@@ -691,7 +707,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         conn, key = self._connection, self._keys.state
         result = etcd_ops.transaction(conn, [etcd_ops.mod_is(conn, key, revision)],
                                       [etcd_ops.put(conn, key, new.encode())], [etcd_ops.get(conn, key)],
-                                      what="a rendezvous state change")
+                                      what="a rendezvous state change", deadline=self._deadline)
         if result.succeeded:
             self._take_state(new, result.revision)
             return
