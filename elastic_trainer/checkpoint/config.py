@@ -22,9 +22,11 @@ class CheckpointConfig:
     """Write a checkpoint every this many optimizer steps (and at the end, and on SIGTERM)."""
     keep_last: int = 3
     """Checkpoints kept on disk; older ones are deleted after a newer one is safely written."""
-    async_write: bool = False
-    """Copy the state to host memory on the training thread and write the file on a background
-    thread (at most one write in flight)."""
+    async_write: bool = True
+    """Periodic checkpoints: copy the state into reused host buffers (pinned on CUDA, without
+    waiting for the GPU) and write the file on a background thread, at most one write in flight.
+    ``False``: rank 0 writes while the others train on. Final and SIGTERM checkpoints are written at
+    once, always."""
     jit_save: bool | None = None
     """When the group fails, a surviving rank saves the last completed step, so at most one step is
     redone. ``None``: ``ELASTIC_TRAINER_JIT_SAVE`` (default on). See :mod:`elastic_trainer.checkpoint.jit`."""

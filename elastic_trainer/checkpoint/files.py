@@ -545,6 +545,11 @@ class AsyncCheckpointWriter:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def failed(self) -> bool:
+        """The last write ended with an error (:meth:`wait` raises it). Never waits."""
+        return self._error is not None and not self.busy
+
     def submit(self, save: Callable[[], CheckpointInfo]) -> None:
         """Run ``save`` (usually :func:`save_checkpoint` over a CPU snapshot) in the background."""
         self.wait()

@@ -47,6 +47,7 @@ from elastic_trainer.checkpoint.jit import (
     StateGuard,
     device_snapshot,
 )
+from elastic_trainer.checkpoint.staging import StagingBuffers
 from elastic_trainer.runtime import rng
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
@@ -116,6 +117,8 @@ class CheckpointManager:
         self.last_path: str | None = None
         self._last_saved_step: int | None = None
         self._writer = ckpt.AsyncCheckpointWriter()
+        self._staging = StagingBuffers(env.device)
+        self._failure: ckpt.CheckpointError | None = None
         self.guard = StateGuard()
         self._jit = JitCheckpointer(guard=self.guard, directory=None, rank=env.rank, step=lambda: self.step,
                                     payload=dict, write=lambda step, payload: "", enabled=False)
@@ -262,15 +265,18 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------------
     def save(self, *, final: bool = False) -> str | None:
-        """Collective: checkpoint the current step (every rank calls it at the same step).
+        """Checkpoint the current step (every rank calls it at the same step).
 
-        Rank 0 writes; every rank learns the outcome from rank 0 (a failed write is an error on
-        every rank, never a hang at a barrier), which is also the barrier that keeps the other
-        ranks from going on (or exiting) before the file is in place. ``final`` writes
-        synchronously. Returns the path (``None`` without a directory).
+        Periodic saves (``final=False``) cost the other ranks nothing: rank 0 stages the state
+        into reused host buffers and writes it on a background thread (``async_write``, the
+        default) or writes it at once; a failure is reported to every rank by the next step's
+        control (:attr:`write_failed`). ``final`` (the end, a graceful stop) is collective: rank 0
+        writes synchronously, and every rank learns the outcome from rank 0, which is also the
+        barrier that keeps the others from exiting before the file is in place. Returns the path
+        (``None`` without a directory; on rank 0 only).
 
         Raises:
-            CheckpointWriteError: the write failed (a full disk, ...); earlier checkpoints stand.
+            CheckpointWriteError: a final write failed (a full disk, ...); earlier checkpoints stand.
         """
         env = self.env
         if self.directory is None or self._last_saved_step == self.step:
@@ -280,11 +286,19 @@ class CheckpointManager:
             consolidate = getattr(obj, "consolidate_state_dict", None)
             if consolidate is not None:
                 consolidate(to=0)  # a sharded optimizer gathers its state on rank 0
+        if not final:
+            self._last_saved_step = self.step
+            if env.is_rank0 and self._failure is None:
+                try:
+                    with self._jit.busy():
+                        self.last_path = self._write(sync=not self.config.async_write, started=started)
+                except ckpt.CheckpointError as exc:
+                    self._failure = exc  # every rank raises it at the next step's control
+            return self.last_path
         outcome: list[Any] = [("ok", None)]
         if env.is_rank0:
             try:
-                with self._jit.busy():
-                    outcome = [("ok", self._write(sync=final or not self.config.async_write, started=started))]
+                outcome = [("ok", self._write(sync=True, started=started))]
             except ckpt.CheckpointError as exc:
                 outcome = [("error", str(exc))]
         if env.world_size > 1:
@@ -295,6 +309,28 @@ class CheckpointManager:
         self._last_saved_step = self.step
         self.last_path = value
         return value
+
+    @property
+    def write_failed(self) -> bool:
+        """(Rank 0) a periodic write failed; the next control tells every rank. Never waits."""
+        if self._failure is None and self._writer.failed:
+            try:
+                self._writer.wait(0)
+            except ckpt.CheckpointError as exc:
+                self._failure = exc
+        return self._failure is not None
+
+    def raise_write_failure(self) -> None:
+        """Every rank, after a control said rank 0's checkpoint write failed: raise it (rank 0
+        raises its own error, the others say where to look).
+
+        Raises:
+            CheckpointWriteError: always.
+        """
+        if self._failure is not None:
+            raise ckpt.CheckpointWriteError(str(self._failure)) from self._failure
+        raise ckpt.CheckpointWriteError("rank 0 could not write a checkpoint (its log says why); earlier checkpoints "
+                                        "stand")
 
     def payload(self, model_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint holds (live tensors; the caller copies or writes them at once)."""
@@ -347,9 +383,16 @@ class CheckpointManager:
                 self._writer.wait(self._remaining_s())
                 nbytes = save(payload).manifest.nbytes
             else:
-                snapshot = ckpt.snapshot_to_cpu(payload)  # on this thread: the next step changes the tensors
-                nbytes = _nbytes(snapshot)
-                self._writer.submit(lambda: save(snapshot))
+                # On this thread: the next step changes the tensors. Into reused (pinned) buffers;
+                # on CUDA the copies are queued, and the writer waits for them, not this thread.
+                staged = self._staging.stage(payload)
+                nbytes = staged.nbytes
+
+                def write_staged() -> ckpt.CheckpointInfo:
+                    staged.ready()
+                    return save(staged.payload)
+
+                self._writer.submit(write_staged)
         except BaseException:
             if claim is not None:
                 claim.release()
@@ -451,13 +494,3 @@ class CheckpointManager:
             self._jit.stand_down()
             if self._deadline is not None:
                 self._deadline.cancel()
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0

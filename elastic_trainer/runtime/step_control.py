@@ -1,16 +1,26 @@
-"""The one small collective of every step: the global loss, the stop flag, and rank 0's buffers.
+"""The one small collective of every step: the stop flag, the global loss, and rank 0's buffers,
+without the training thread ever waiting for the GPU.
 
-Every rank contributes ``[loss sum of its samples, stop requested?]`` (and, with just-in-time saving
-of a model with buffers, rank 0's buffers: :class:`~elastic_trainer.checkpoint.jit.AuthoritativeBuffers`)
-to one allreduce per step, started after the step's last forward so that it overlaps the backward.
-Every rank reads the same reduced stop flag after the same step, so all stop together: after the
-step during which a signal arrived, or one step later (the read is deferred to the next step, when
-waiting for the allreduce costs nothing). When buffers ride on it, the update waits for it
-(:meth:`ControlChannel.wait_before_update`) and it is read at once.
+Each step ``S`` starts an asynchronous allreduce of a host tensor
+``[stop requested?, loss sum of step S-1, ranks that had it, checkpoint failed?]`` on a host-side
+group (the default group when it is gloo; a gloo group of the same ranks under NCCL). Step S's
+loss sum is copied device-to-host into a reused (pinned) slot behind an event, and read one step
+later only if that copy is done (``Event.query``): a loss that is not ready is reported as
+missing, never waited for. The values are read through numpy views of the host tensors, so no
+``item``/``tolist``/``cpu`` runs on the training thread. Every rank reads the same reduced stop flag
+after the same step: the step during which a signal arrived, or the next (when the read is
+deferred to it, where waiting for the host collective costs nothing).
+
+With just-in-time saving of a model whose buffers change in the forward (BatchNorm), rank 0's
+buffers of step S must reach every rank before any rank applies S's update
+(:mod:`elastic_trainer.checkpoint.jit`). On the CPU they ride on the same host tensor and the update
+waits for it. On CUDA they ride on a device allreduce and the host waits for it before queueing the
+update: the one wait on the GPU left in a step, only for such models (``docs/design/steady-state.md``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,78 +29,134 @@ import torch.distributed as dist
 
 from elastic_trainer.runtime.distributed import DistEnv
 
+_STOP, _LOSS, _PRESENT, _CHECKPOINT_FAILED, _HEADER = 0, 1, 2, 3, 4
+
 
 @dataclass(slots=True)
 class PendingControl:
     """A step's control allreduce, maybe still in flight."""
 
     step: int
-    global_samples: int
-    control: torch.Tensor
+    host: torch.Tensor
+    view: Any
+    """numpy view of ``host``: read without a torch call."""
     work: Any
-    buffers_at: int | None = None
-    """Where rank 0's module buffers start in ``control``, if they ride on it."""
+    loss_of: int | None
+    """The step whose loss sum rides on this control (the previous one), if any."""
+    loss_samples: int
+    """That step's global sample count."""
+    buffers: torch.Tensor | None = None
+    """Rank 0's buffers of this step (after :meth:`ControlChannel.wait_before_update`)."""
+    buffer_work: Any = None
     complete: bool = False
-    """The update waited for it: its loss and stop flag can be read without waiting."""
-
-    @property
-    def buffers(self) -> torch.Tensor | None:
-        """Rank 0's buffers of this step as they arrived (complete controls only)."""
-        return None if self.buffers_at is None else self.control[self.buffers_at:]
+    """The update waited for it: its stop flag can be read without waiting."""
 
 
 @dataclass(frozen=True, slots=True)
 class ControlResult:
-    """A finished step's control: the global mean loss and whether every rank must stop."""
+    """A finished control: whether every rank must stop, and the loss of the step it carried."""
 
     step: int
-    loss: float
     stop: bool
+    loss_step: int | None
+    loss: float | None
+    """Mean loss over that step's global batch; ``None`` if a rank's value was not ready."""
+    checkpoint_failed: bool
 
 
 class ControlChannel:
-    """Starts and finishes the per-step control allreduce of one worker (see the module docstring)."""
+    """Starts and finishes the per-step control of one worker (see the module docstring).
+
+    Args:
+        env: this worker's place in the job (its process group must exist; every rank constructs
+            its channel at the same point: under NCCL that creates a gloo group).
+    """
 
     def __init__(self, env: DistEnv) -> None:
         self.env = env
+        self._cuda = env.device.type == "cuda"
+        self.group: Any = None
+        if env.world_size > 1 and env.backend != "gloo":
+            self.group = dist.new_group(backend="gloo")  # host-side: a CPU tensor, no device stream
+        self._size_hosts(_HEADER)
+        self._loss_slots = [torch.zeros((), dtype=torch.float64, pin_memory=self._cuda) for _ in range(2)]
+        self._loss_views = [s.numpy() for s in self._loss_slots]
+        self._loss_events: list[Any] = [torch.cuda.Event() if self._cuda else None for _ in range(2)]
+        self._loss_step: int | None = None
+        self._loss_samples = 0
+        self._turn = 0
 
-    def start(self, step: int, loss_sum: torch.Tensor, *, global_samples: int, stop: bool,
-              buffers: torch.Tensor | None = None) -> PendingControl:
-        """Start step ``step``'s allreduce of ``loss_sum`` (this rank's samples' loss, summed), the
-        stop flag and ``buffers`` (this rank's contribution of rank 0's buffers, or ``None``)."""
-        device = self.env.device
-        flag = torch.tensor(float(stop), device=device)
-        if buffers is None:
-            control = torch.stack([loss_sum.detach().float().reshape(()), flag])
+    def _size_hosts(self, size: int) -> None:
+        self._hosts = [torch.zeros(size, dtype=torch.float64) for _ in range(2)]
+        self._views = [h.numpy() for h in self._hosts]
+
+    def start(self, step: int, loss_sum: torch.Tensor | None, *, global_samples: int, stop: bool,
+              buffers: torch.Tensor | None = None, checkpoint_failed: bool = False) -> PendingControl:
+        """Start step ``step``'s control: this rank's stop flag, the previous step's loss sum, and
+        ``buffers`` (this rank's contribution of rank 0's buffers, or ``None``). ``loss_sum`` (this
+        rank's loss summed over its samples of ``step``) is staged for the next control."""
+        if buffers is not None and not self._cuda and self._hosts[0].numel() != _HEADER + buffers.numel():
+            self._size_hosts(_HEADER + buffers.numel())  # the first step with buffers, or a new layout
+        turn = self._turn
+        self._turn ^= 1
+        host, view = self._hosts[turn], self._views[turn]
+        view[_STOP] = 1.0 if stop else 0.0
+        view[_CHECKPOINT_FAILED] = 1.0 if checkpoint_failed else 0.0
+        previous, view[_LOSS], view[_PRESENT] = self._loss_step, 0.0, 0.0
+        if previous is not None:
+            slot = turn ^ 1  # staged by the previous start
+            event = self._loss_events[slot]
+            if event is None or event.query():
+                view[_LOSS], view[_PRESENT] = float(self._loss_views[slot]), 1.0
+        pending = PendingControl(step=step, host=host, view=view, work=None, loss_of=previous,
+                                 loss_samples=self._loss_samples)
+        if buffers is not None and not self._cuda:
+            host[_HEADER:].copy_(buffers)
+            pending.buffers = host[_HEADER:]
+        if self.env.world_size > 1:
+            pending.work = dist.all_reduce(host, group=self.group, async_op=True)
+        if buffers is not None and self._cuda:
+            pending.buffers = buffers.clone()
+            pending.buffer_work = dist.all_reduce(pending.buffers, async_op=True) if self.env.world_size > 1 else None
+        # Stage this step's loss for the next control (into the slot this one did not read).
+        if loss_sum is not None:
+            self._loss_slots[turn].copy_(loss_sum.detach().reshape(()), non_blocking=self._cuda)
+            event = self._loss_events[turn]
+            if event is not None:
+                event.record()
+            self._loss_step, self._loss_samples = step, global_samples
         else:
-            control = torch.cat([torch.stack([loss_sum.detach().double().reshape(()), flag.double()]),
-                                 buffers.to(device)])
-        work = dist.all_reduce(control, async_op=True) if self.env.world_size > 1 else None
-        return PendingControl(step=step, global_samples=global_samples, control=control, work=work,
-                              buffers_at=None if buffers is None else 2)
+            self._loss_step = None
+        return pending
 
     def wait_before_update(self, pending: PendingControl) -> None:
-        """Rank 0's buffers ride on ``pending``: no rank updates before it completed (raises if a
+        """Rank 0's buffers ride on ``pending``: no rank updates before they arrived (raises if a
         peer died, leaving the state "after the previous step")."""
-        if pending.buffers_at is None:
+        if pending.buffers is None:
             return
-        if pending.work is None:  # one rank: nothing to wait for
-            pending.complete = True
-            return
-        pending.work.wait()
-        pending.work = None
-        if pending.control.device.type == "cuda":
-            # NCCL's wait() only orders streams. Block the host as well: a control allreduce that
-            # never completes (dead peer) must leave the update unqueued, or the host would record
-            # "step S+1" while the GPU stays at S (and a just-in-time snapshot, which waits for the
-            # last update's event, would wait forever).
-            torch.cuda.current_stream(pending.control.device).synchronize()
+        if self._cuda:
+            if pending.buffer_work is not None:
+                pending.buffer_work.wait()
+                pending.buffer_work = None
+                # NCCL's wait() only orders streams. A buffer allreduce that never completes (dead
+                # peer) must leave the update unqueued, or the host would record "step S+1" while
+                # the GPU stays at S: the one host wait on the GPU, for models with buffers only.
+                torch.cuda.current_stream(self.env.device).synchronize()
+        else:
+            if pending.work is not None:
+                pending.work.wait()
+                pending.work = None
         pending.complete = True
 
     def finish(self, pending: PendingControl) -> ControlResult:
-        """Wait for ``pending`` if needed and read it."""
+        """Wait for ``pending``'s host collective if needed (it ran while the host computed) and read it."""
         if pending.work is not None:
             pending.work.wait()
             pending.work = None
-        loss_sum, stop = pending.control[:2].tolist()
-        return ControlResult(step=pending.step, loss=loss_sum / pending.global_samples, stop=stop > 0)
+        view = pending.view
+        loss = None
+        if pending.loss_of is not None and view[_PRESENT] == self.env.world_size and pending.loss_samples:
+            loss = float(view[_LOSS]) / pending.loss_samples
+        return ControlResult(step=pending.step, stop=bool(view[_STOP] > 0), loss_step=pending.loss_of,
+                             loss=None if loss is not None and math.isnan(loss) else loss,
+                             checkpoint_failed=bool(view[_CHECKPOINT_FAILED] > 0))

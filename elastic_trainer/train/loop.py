@@ -139,7 +139,7 @@ class ElasticLoop:
         self._lr = lr or (lambda: None)
         self._after_step = list(after_step)
         self._fault = fault_hook
-        self._channel = ControlChannel(env)
+        self._channel: ControlChannel | None = None  # created in __enter__, collectively
         self._sample_log: SampleLog | None = None
         self._plan: StepPlan | None = None
         self._control: PendingControl | None = None
@@ -183,6 +183,7 @@ class ElasticLoop:
         self._stop.install()
         self._wakeup.install()
         try:
+            self._channel = ControlChannel(self.env)
             self.checkpoints.load()
             self.sampler_check()
             self._open_sample_log()
@@ -267,7 +268,12 @@ class ElasticLoop:
         """Time the body spent waiting for its data in this step (reported to the observer)."""
         self._data_wait += seconds
 
-    def start_control(self, loss_sum: torch.Tensor) -> None:
+    def _channel_(self) -> ControlChannel:
+        if self._channel is None:
+            raise RuntimeError("the loop is used outside `with loop:`")
+        return self._channel
+
+    def start_control(self, loss_sum: torch.Tensor | None) -> None:
         """Start this step's control allreduce now (after the last forward, so that it overlaps the
         backward). ``loss_sum``: this rank's loss summed over its samples of the step. Optional:
         :meth:`update` starts it otherwise."""
@@ -277,8 +283,9 @@ class ElasticLoop:
         if self._fault is not None:
             self._fault("before_control", self.step + 1)
         buffers = self.checkpoints.buffers.capture() if self.checkpoints.buffers is not None else None
-        self._control = self._channel.start(self.step + 1, loss_sum, global_samples=plan.global_samples,
-                                            stop=self._stop.requested, buffers=buffers)
+        self._control = self._channel_().start(self.step + 1, loss_sum, global_samples=plan.global_samples,
+                                               stop=self._stop.requested, buffers=buffers,
+                                               checkpoint_failed=self.checkpoints.write_failed)
 
     @contextlib.contextmanager
     def update(self, loss: torch.Tensor | None = None) -> Iterator[None]:
@@ -292,13 +299,11 @@ class ElasticLoop:
         if self._updated:
             raise RuntimeError(f"step {self.step + 1}: one update per step")
         if self._control is None:
-            local = (loss.detach().float() * plan.samples if loss is not None
-                     else torch.zeros((), device=self.env.device))
-            self.start_control(local)
+            self.start_control(loss.detach().float() * plan.samples if loss is not None else None)
         control = self._control
         if control is None:
             raise RuntimeError("no control allreduce for this step")
-        self._channel.wait_before_update(control)
+        self._channel_().wait_before_update(control)
         with self.checkpoints.update(self.step + 1, buffers=control.buffers if control.complete else None):
             yield
             self.sampler.advance(plan)
@@ -332,9 +337,7 @@ class ElasticLoop:
             self._pending = control
         if stop:
             self.checkpoints.stand_down()  # every rank agreed to stop: the graceful path owns the exit
-            if self._pending is not None:
-                self._report(self._pending)
-                self._pending = None
+            self._flush()
             log.warning("stopping after step %d (signal on %s)", step,
                         "this rank" if self._stop.requested else "another rank")
             path = self.checkpoints.save(final=True)
@@ -348,29 +351,45 @@ class ElasticLoop:
         return False
 
     def _report(self, pending: PendingControl) -> bool:
-        result: ControlResult = self._channel.finish(pending)
-        self.loss = result.loss
-        duration, data_wait, plan = self._durations.pop(result.step, (0.0, 0.0, None))
-        samples = plan.samples if plan is not None else 0
-        self.observer.on_step(step=result.step, duration_s=duration, data_wait_s=data_wait, samples=samples,
-                              tokens=samples * self.tokens_per_sample, loss=result.loss, lr=self._lr())
-        start, window_samples = self._window
-        window_samples += pending.global_samples
-        if self.env.is_rank0 and result.step % self.log_every == 0:
-            now = time.monotonic()
-            lr = self._lr()
-            log.info("step %d epoch %d loss %.4f samples/s %.1f world %d lr %s", result.step, self.sampler.epoch,
-                     result.loss, window_samples / max(now - start, 1e-9), self.env.world_size,
-                     "n/a" if lr is None else f"{lr:.3g}")
-            start, window_samples = now, 0
-        self._window = (start, window_samples)
+        """Read a finished control: report the step whose loss it carried; True when every rank
+        agreed to stop."""
+        result: ControlResult = self._channel_().finish(pending)
+        if result.checkpoint_failed:
+            self.checkpoints.raise_write_failure()
+        if result.loss_step is not None:
+            self._report_step(result.loss_step, result.loss)
         return result.stop
 
-    def _end(self) -> None:
-        self.checkpoints.stand_down()
+    def _report_step(self, step: int, loss: float | None) -> None:
+        if loss is not None:
+            self.loss = loss
+        duration, data_wait, plan = self._durations.pop(step, (0.0, 0.0, None))
+        samples = plan.samples if plan is not None else 0
+        lr = self._lr()
+        self.observer.on_step(step=step, duration_s=duration, data_wait_s=data_wait, samples=samples,
+                              tokens=samples * self.tokens_per_sample, loss=loss, lr=lr)
+        start, window_samples = self._window
+        window_samples += plan.global_samples if plan is not None else 0
+        if self.env.is_rank0 and step % self.log_every == 0:
+            now = time.monotonic()
+            log.info("step %d epoch %d loss %s samples/s %.1f world %d lr %s", step, self.sampler.epoch,
+                     "n/a" if loss is None else f"{loss:.4f}", window_samples / max(now - start, 1e-9),
+                     self.env.world_size, "n/a" if lr is None else f"{lr:.3g}")
+            start, window_samples = now, 0
+        self._window = (start, window_samples)
+
+    def _flush(self) -> None:
+        """Every rank, at the same point (the end, or an agreed stop): one more control that
+        carries the last step's loss, so every step is reported."""
         if self._pending is not None:
             self._report(self._pending)
             self._pending = None
+        if self._durations:
+            self._report(self._channel_().start(self.step, None, global_samples=0, stop=False))
+
+    def _end(self) -> None:
+        self.checkpoints.stand_down()
+        self._flush()
         path = self.checkpoints.save(final=True)
         if self.env.is_rank0:
             log.info("training finished at step %d (epoch %d), loss %s", self.step, self.sampler.epoch,

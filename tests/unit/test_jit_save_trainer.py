@@ -150,10 +150,11 @@ def test_a_failing_training_loop_saves_the_last_completed_step_before_raising(tm
     trainer = Trainer(_config(tmp_path, jit_save=jit), _job(), observer=FailingObserver(at=3))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         trainer.fit()
-    # Step 3 is reported at the end of step 4, whose update is complete: step 4 is the last one.
-    assert trainer.step == 4
+    # Step 3 is reported at the end of step 5 (its loss rides on step 4's control, read after
+    # step 5), whose update is complete: step 5 is the last one.
+    assert trainer.step == 5
     if jit:
-        assert ckpt.iter_checkpoints(tmp_path) == [4] and ckpt.verify(tmp_path, 4).manifest.jit
+        assert ckpt.iter_checkpoints(tmp_path) == [5] and ckpt.verify(tmp_path, 5).manifest.jit
     else:
         assert ckpt.iter_checkpoints(tmp_path) == [], "without JIT nothing is saved: the test can fail"
     for thread in threading.enumerate():

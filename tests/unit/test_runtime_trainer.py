@@ -240,9 +240,10 @@ def test_observer_sees_wrap_start_steps_and_checkpoints(tmp_path: Path) -> None:
     Trainer(trainer_config(global_batch_size=8, max_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2),
             _job(), observer=observer).fit()
     kinds = [kind for kind, _ in observer.events]
-    # A step is reported once its control allreduce (global loss, stop flag) is in, which overlaps
-    # the next step: the checkpoint of step 2 is saved before step 2 is reported.
-    assert kinds == ["wrap", "start", "step", "saved", "step", "step", "saved", "step"]
+    # A step's loss is staged without waiting for the device and rides on the next step's control,
+    # which is read one step later still (no wait on the host collective): step 1 is reported at
+    # the end of step 3, after step 2's checkpoint; the end reports the rest.
+    assert kinds == ["wrap", "start", "saved", "step", "step", "saved", "step", "step"]
     assert observer.events[0][1]["ddp"] == "DistributedDataParallel"
     steps = [kw for kind, kw in observer.events if kind == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["samples"] == 8 for s in steps)
@@ -262,12 +263,12 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tmp_path: Pa
             if kw["step"] == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    result = Trainer(trainer_config(global_batch_size=8, max_steps=50, checkpoint_dir=str(tmp_path),
+    result = Trainer(trainer_config(global_batch_size=8, max_steps=50, epochs=10, checkpoint_dir=str(tmp_path),
                                    checkpoint_every=100), _job(), observer=KillAtStep3()).fit()
     assert result.stopped_by_signal and result.exit_code == EXIT_STOPPED
-    # Step 3 is reported at the end of step 4, after step 4's stop flag was sampled: the flag rides
-    # on step 5's control allreduce, which completes during step 6. Step in progress + one more.
-    assert result.step == 6
+    # Step 3 is reported at the end of step 5 (its loss rides on step 4's control, read after step
+    # 5): the flag rides on step 6's control, read after step 7. Step in progress + one more.
+    assert result.step == 7
     assert list(ckpt.iter_checkpoints(tmp_path)) == [result.step]
     assert signal.getsignal(signal.SIGTERM) is previous
 
