@@ -55,6 +55,8 @@ from prometheus_client.core import (
 from torch.distributed.elastic import metrics as torch_metrics
 from torch.distributed.elastic.metrics.api import MetricData, MetricHandler
 
+from elastic_trainer.runtime import torch_compat
+
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_trainer_"
@@ -65,7 +67,6 @@ RENDEZVOUS_SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 1
 # torch's WorkerState names, lower-cased as in its ``workers.<role>.<state>`` metrics.
 WORKER_STATES = ("unknown", "init", "healthy", "unhealthy", "stopped", "succeeded", "failed")
 
-_RESTART_SUFFIX = "._restart_workers.duration.ms"
 _REMAINING_SUFFIX = ".remaining_restarts"
 _RENDEZVOUS_EVENT = "torchelastic.worker.status.RENDEZVOUS"
 _START_EVENT = "torchelastic.worker.status.START"
@@ -222,7 +223,7 @@ class TorchElasticMetricHandler(MetricHandler):
 
     def emit(self, metric_data: MetricData) -> None:
         name: str = metric_data.name
-        if name.endswith(_RESTART_SUFFIX):
+        if name.endswith(torch_compat.AGENT_RESTART_METRIC_SUFFIX):
             self._agent.restarted()
         elif name.endswith(_REMAINING_SUFFIX):
             self._agent.set_remaining_restarts(int(metric_data.value))
@@ -247,9 +248,7 @@ class AgentEventHandler(logging.Handler):
                 if duration_ms is not None:
                     self._agent.rendezvous_finished(float(duration_ms) / 1000.0)
             elif name == _START_EVENT:
-                # SimpleElasticAgent._construct_event nests the group's sizes in a JSON string.
-                details = json.loads(event["metadata"]["metadata"])
-                self._agent.workers_started(int(details["group_world_size"]))
+                self._agent.workers_started(torch_compat.start_event_nodes(event["metadata"]))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             # A torch upgrade changed the event format: say so once, keep the agent running.
             if not self._warned:

@@ -12,7 +12,7 @@ workers recorded in torchrun's error files (:mod:`elastic_trainer.runtime.failur
 
 The root cause is the earliest failure; the launcher prints it as one line (and, for an error in
 the user's code, its traceback once). Pure: the agent hook is in
-:mod:`elastic_trainer.launch.torch_agent_compat`, the printing in the launcher.
+:func:`elastic_trainer.runtime.torch_compat.on_group_failure`, the printing in the launcher.
 """
 
 from __future__ import annotations

@@ -344,7 +344,7 @@ def _start_progress_publisher(options: RunOptions, endpoint: str, run_id: str,
 def _watch_failures(cleanup: contextlib.ExitStack, publisher: ProgressPublisher | None = None) -> list[FailurePolicyVerdict]:
     """Install the failure policy on torchrun's agent; returns the list its verdicts go to."""
     from elastic_trainer.launch.failure_policy import FailurePolicy
-    from elastic_trainer.launch.torch_agent_compat import on_group_failure
+    from elastic_trainer.runtime.torch_compat import on_group_failure
 
     policy = FailurePolicy()
     verdicts: list[FailurePolicyVerdict] = []

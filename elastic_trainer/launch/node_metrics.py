@@ -36,7 +36,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -46,11 +45,11 @@ from types import TracebackType
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
 from elastic_trainer.launch.agent_metrics import AgentMetrics, install_agent_hooks
+from elastic_trainer.metrics import prometheus_compat
 from elastic_trainer.metrics.node_name import local_node_name
 from elastic_trainer.metrics.worker import MetricsError
 from elastic_trainer.runtime.failures import ConfigError
@@ -70,25 +69,7 @@ DEFAULT_METRICS_PORT = 9400
 MULTIPROC_DIR_ENV = ENV_MULTIPROC_DIR
 METRICS_SWITCH_ENV = ENV_METRICS
 
-_PID_FILE = re.compile(r"^(counter|histogram|summary|gauge_[a-z]+)_(\d+)\.db$")
 ARCHIVE_PID = "archive"
-
-
-def _latest(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
-    return a if a[1] >= b[1] else b
-
-
-# How the values of one series from two files combine, by file prefix: the merge
-# MultiProcessCollector applies at scrape time. (value, timestamp) pairs.
-_MERGE: dict[str, Callable[[tuple[float, float], tuple[float, float]], tuple[float, float]]] = {
-    "counter": lambda a, b: (a[0] + b[0], 0.0),
-    "histogram": lambda a, b: (a[0] + b[0], 0.0),  # per-bucket counts and _sum
-    "summary": lambda a, b: (a[0] + b[0], 0.0),
-    "gauge_sum": lambda a, b: (a[0] + b[0], 0.0),
-    "gauge_max": lambda a, b: (max(a[0], b[0]), 0.0),
-    "gauge_min": lambda a, b: (min(a[0], b[0]), 0.0),
-    "gauge_mostrecent": _latest,
-}
 
 
 def allreduce_timing_mode(environ: Mapping[str, str] | None = None) -> str:
@@ -139,36 +120,31 @@ class LiveMultiProcessCollector(Collector):
         """Retire every dead pid's files (see the module docstring); return those pids."""
         by_pid: dict[int, list[tuple[str, str]]] = {}
         for filename in os.listdir(self._path):
-            match = _PID_FILE.match(filename)
-            if match:
-                by_pid.setdefault(int(match.group(2)), []).append((match.group(1), filename))
+            found = prometheus_compat.pid_file(filename)
+            if found is not None:
+                by_pid.setdefault(found[1], []).append((found[0], filename))
         dead = sorted(pid for pid in by_pid if not self._is_alive(pid))
         for pid in dead:
             mark_process_dead(pid, self._path)
             for prefix, filename in by_pid[pid]:
-                if prefix in _MERGE:
+                if prefix in prometheus_compat.MERGE:
                     self._archive(prefix, os.path.join(self._path, filename))
             log.debug("retired the metric files of dead worker pid %d", pid)
         return dead
 
     def _archive(self, prefix: str, dead_file: str) -> None:
-        archive = os.path.join(self._path, f"{prefix}_{ARCHIVE_PID}.db")
-        merge = _MERGE[prefix]
-        merged: dict[str, tuple[float, float]] = {}
+        archive = os.path.join(self._path, prometheus_compat.db_file_name(prefix, ARCHIVE_PID))
+        merge = prometheus_compat.MERGE[prefix]
+        merged: dict[str, prometheus_compat.Value] = {}
         files = [archive, dead_file] if os.path.exists(archive) else [dead_file]
         for path in files:
-            for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(path):
+            for key, value, timestamp in prometheus_compat.read_values(path):
                 merged[key] = merge(merged[key], (value, timestamp)) if key in merged else (value, timestamp)
         # Written aside and renamed: a scrape never sees a half-written archive (it globs *.db).
         staging = archive + ".tmp"
         if os.path.exists(staging):
             os.remove(staging)
-        out = MmapedDict(staging)
-        try:
-            for key, (value, timestamp) in merged.items():
-                out.write_value(key, value, timestamp)
-        finally:
-            out.close()
+        prometheus_compat.write_values(staging, merged.items())
         os.replace(staging, archive)
         os.remove(dead_file)
 

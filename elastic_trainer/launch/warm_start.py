@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from elastic_trainer.runtime import torch_compat
+
 SOCKET_NAME = "server.sock"
 FAILED_NAME = "server.failed"
 WORKERS_DIR = "workers"
@@ -70,7 +72,7 @@ DEFAULT_PRELOAD = (
     "torch.distributed",
     "torch.distributed.elastic.multiprocessing.errors",
     "torch.nn.parallel",
-    "torch._dynamo",
+    torch_compat.DYNAMO_MODULE,
     "torch.utils.data",
     "elastic_trainer.train.trainer",
     "elastic_trainer.checkpoint.files",

@@ -51,6 +51,7 @@ from elastic_trainer.metrics.collective_trace import (
     TracedCollective,
     TraceFormatError,
 )
+from elastic_trainer.runtime import torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ MAX_READ_INTERVAL_S = 10.0
 def ddp_bucket_sizes(ddp_model: Any) -> tuple[set[int], bool]:
     """Bytes of every bucket DDP has logged (its first guess and, once logged, the rebuilt ones),
     and whether the rebuilt ones are among them."""
-    data = ddp_model._get_ddp_logging_data()
+    data = torch_compat.ddp_logging_data(ddp_model)
     sizes: set[int] = set()
     for key in ("bucket_sizes", "rebuilt_bucket_sizes"):
         raw = data.get(key)

@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_trainer.runtime import torch_compat
+
 FR_BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 NCCL_ENABLE_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 DEFAULT_BUFFER_ENTRIES = 2000
@@ -73,10 +75,9 @@ def trace_environment(
 
 def _default_dump() -> bytes:
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
-    except ImportError as exc:  # a torch without it (it is private API)
-        raise TraceFormatError(f"this torch cannot dump its flight recorder ({exc})") from exc
-    return _dump_fr_trace(True, False, False)  # type: ignore[no-any-return]
+        return torch_compat.dump_flight_recorder()
+    except torch_compat.TorchCompatError as exc:
+        raise TraceFormatError(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import values as prometheus_values
 
 from elastic_trainer.metrics.allreduce_hook import (
     AllreduceTimer,
@@ -94,6 +93,7 @@ from elastic_trainer.metrics.allreduce_hook import (
 from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
 from elastic_trainer.metrics.collective_trace import trace_environment
 from elastic_trainer.metrics.node_name import worker_node_name
+from elastic_trainer.metrics.prometheus_compat import histogram_parts, multiprocess_values
 from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.runtime.settings import ENV_MULTIPROC_DIR, WorkerSettings
 
@@ -325,14 +325,13 @@ class _LocalHistogram:
     __slots__ = ("_bounds", "_buckets", "_sum", "counts", "total")
 
     def __init__(self, child: Any) -> None:
-        bounds = getattr(child, "_upper_bounds", None)
-        buckets = getattr(child, "_buckets", None)
-        total = getattr(child, "_sum", None)
-        if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        parts = histogram_parts(child)
+        if parts is None:
             raise MetricsError(
                 "this prometheus_client's Histogram lacks _upper_bounds/_buckets/_sum; "
                 "elastic_trainer.metrics.worker needs prometheus-client >= 0.17"
             )
+        bounds, buckets, total = parts
         self._bounds = tuple(bounds)  # ends with +Inf, so every number finds a bucket
         self._buckets = buckets
         self._sum = total
@@ -712,7 +711,7 @@ def worker_observer(settings: WorkerSettings | None = None, *, rank: int | None 
         )
     if not os.path.isdir(directory):
         raise MetricsError(f"{MULTIPROC_DIR_ENV}={directory} is not a directory")
-    if prometheus_values.ValueClass is prometheus_values.MutexValue:
+    if not multiprocess_values():
         raise MetricsError(
             f"prometheus_client was imported before {MULTIPROC_DIR_ENV} was set, so this "
             "process would keep its metrics in memory; set it in the environment before Python "

@@ -19,7 +19,6 @@ size) and its last error come from the keys the launchers publish
 
 from __future__ import annotations
 
-import io
 import pickle
 import time
 from datetime import datetime, timezone
@@ -29,42 +28,21 @@ from typing import TYPE_CHECKING, Any
 from elastic_trainer.launch.options import UserError
 from elastic_trainer.metrics.node_name import node_name
 from elastic_trainer.metrics.progress import eta_seconds, format_duration
+from elastic_trainer.runtime import torch_compat
+from elastic_trainer.runtime.torch_compat import DynamicNode, DynamicState
 
 if TYPE_CHECKING:  # imported where used: they pull in torch and etcd3
     from elastic_trainer.launch.progress_publisher import ErrorRecord, ProgressRecord
     from rendezvous.etcd_client import EtcdConnection
     from rendezvous.lease_handler import RunKeys, Snapshot
 
-_ALLOWED_CLASSES = {
-    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
-    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
-    ("datetime", "datetime"),
-    ("datetime", "timedelta"),
-    ("datetime", "timezone"),
-    ("builtins", "set"),
-    ("builtins", "dict"),
-}
-
-
-class _StateUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _ALLOWED_CLASSES:
-            raise pickle.UnpicklingError(f"unexpected class {module}.{name} in rendezvous state")
-        return super().find_class(module, name)
-
-
-def decode_state(raw: bytes) -> Any:
-    """Unpickle a rendezvous state, admitting only its own classes."""
-    return _StateUnpickler(io.BytesIO(raw)).load()
-
-
-def _node(node: Any) -> dict[str, Any]:
+def _node(node: DynamicNode) -> dict[str, Any]:
     return {"node": f"{node.addr}_{node.pid}_{node.local_id}", "name": node_name(node.addr, node.pid),
             "addr": node.addr, "pid": node.pid}
 
 
-def describe_state(state: Any, now: datetime) -> dict[str, Any]:
-    """A JSON-ready view of a ``_RendezvousState`` (``now``: an aware UTC datetime)."""
+def describe_state(state: DynamicState, now: datetime) -> dict[str, Any]:
+    """A JSON-ready view of torch's dynamic rendezvous state (``now``: an aware UTC datetime)."""
     heartbeats = state.last_heartbeats
     participants = []
     for node, rank in sorted(state.participants.items(), key=lambda item: item[1]):
@@ -248,7 +226,7 @@ def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoin
         report.update(lease_view)
     elif found is not None:
         try:
-            state = decode_state(found[0])
+            state = torch_compat.decode_dynamic_state(found[0])
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
             raise UserError(f"the rendezvous state of {run_id!r} is unreadable: {exc}") from exc
         report.update(describe_state(state, datetime.now(timezone.utc)))

@@ -1,0 +1,208 @@
+"""Every use of a private torch API, in one place. Checked against torch 2.13.0.
+
+Private names (a leading underscore) may change in any torch release. The rest of the package
+calls the functions here instead, so a torch upgrade means checking this one file against the new
+torch. Each entry names the torch code it relies on.
+
+Light to import (torch, and any stdlib module the warm-start client does not load anyway, are
+imported inside the functions): the warm-start client and ``elastic-trainer status`` import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from datetime import datetime
+
+    import torch
+
+CHECKED_TORCH = "2.13.0"
+"""The torch version every entry below was checked against."""
+
+
+class TorchCompatError(RuntimeError):
+    """This torch lacks a private API the caller needs."""
+
+
+# -- the elastic agent (launcher process) -------------------------------------------------------
+
+GroupFailureCallback = Callable[[dict[int, Any], int], bool]
+"""``(failures by global rank, restarts left) -> may the agent restart?``"""
+
+
+def on_group_failure(callback: GroupFailureCallback) -> Callable[[], None]:
+    """Call ``callback`` whenever the agent finds its worker group failed, before it restarts it.
+
+    Relies on ``LocalElasticAgent._monitor_workers`` (returns the failures) and
+    ``SimpleElasticAgent._remaining_restarts`` (``_invoke_run`` restarts while it is > 0): a
+    ``False`` from ``callback`` sets it to 0, so the agent stops its workers and returns the failure
+    as after its last restart. On a torch without these names nothing is installed (one warning)
+    and restarts follow ``--max-restarts``, as with plain torchrun.
+
+    Returns:
+        A function that removes the hook.
+    """
+    import logging
+
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = getattr(LocalElasticAgent, "_monitor_workers", None)
+    if original is None or not hasattr(LocalElasticAgent, "_restart_workers"):
+        logging.getLogger(__name__).warning("this torch's elastic agent has no _monitor_workers: every failure is retried up to "
+                    "--max-restarts times")
+        return lambda: None
+
+    def _monitor_workers(self: Any, worker_group: Any) -> Any:
+        result = original(self, worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            remaining = int(getattr(self, "_remaining_restarts", 0))
+            if not callback(dict(result.failures), remaining):
+                self._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
+
+    def uninstall() -> None:
+        LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
+
+    return uninstall
+
+
+AGENT_RESTART_METRIC_SUFFIX = "._restart_workers.duration.ms"
+"""The ``@prof`` metric torch emits once per worker-group restart: its name ends with the private
+method's (``SimpleElasticAgent._restart_workers``)."""
+
+
+def start_event_nodes(event_metadata: Mapping[str, Any]) -> int:
+    """Nodes in the new worker group, from a ``torchelastic.worker.status.START`` event.
+
+    ``SimpleElasticAgent._construct_event`` nests the worker's details as a JSON string under
+    ``metadata``; ``group_world_size`` is the number of agents.
+
+    Raises:
+        ValueError, KeyError, TypeError: the event is not in that format.
+    """
+    import json
+
+    details = json.loads(event_metadata["metadata"])
+    return int(details["group_world_size"])
+
+
+# -- torch's dynamic rendezvous state (elastic-trainer status) ----------------------------------
+
+_DYNAMIC = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+_STATE_CLASSES = {
+    (_DYNAMIC, "_RendezvousState"),
+    (_DYNAMIC, "_NodeDesc"),
+    ("datetime", "datetime"),
+    ("datetime", "timedelta"),
+    ("datetime", "timezone"),
+    ("builtins", "set"),
+    ("builtins", "dict"),
+}
+
+
+class DynamicNode(NamedTuple):
+    """A node of torch's dynamic rendezvous (``_NodeDesc``)."""
+
+    addr: str
+    pid: int
+    local_id: int
+
+    def __str__(self) -> str:
+        return f"{self.addr}_{self.pid}_{self.local_id}"  # as _NodeDesc.__repr__
+
+
+class DynamicState(NamedTuple):
+    """The fields of torch's ``_RendezvousState`` that ``status`` shows."""
+
+    round: int
+    complete: bool
+    closed: bool
+    participants: dict[DynamicNode, int]
+    wait_list: set[DynamicNode]
+    redundancy_list: set[DynamicNode]
+    last_heartbeats: dict[DynamicNode, datetime]
+
+
+def decode_dynamic_state(raw: bytes) -> DynamicState:
+    """Unpickle the state torch's dynamic handler stores (``_RendezvousState``), admitting only the
+    classes it is made of, so a tampered key cannot run code in the reader.
+
+    Raises:
+        pickle.UnpicklingError: a class outside that state, or not a pickle.
+        AttributeError: a torch whose state lacks these fields.
+    """
+    import io
+    import pickle
+
+    class StateUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) not in _STATE_CLASSES:
+                raise pickle.UnpicklingError(f"unexpected class {module}.{name} in rendezvous state")
+            return super().find_class(module, name)
+
+    state = StateUnpickler(io.BytesIO(raw)).load()
+
+    def node(desc: Any) -> DynamicNode:
+        return DynamicNode(addr=desc.addr, pid=desc.pid, local_id=desc.local_id)
+
+    return DynamicState(
+        round=state.round, complete=state.complete, closed=state.closed,
+        participants={node(n): rank for n, rank in state.participants.items()},
+        wait_list={node(n) for n in state.wait_list},
+        redundancy_list={node(n) for n in state.redundancy_list},
+        last_heartbeats={node(n): beat for n, beat in state.last_heartbeats.items()},
+    )  # fmt: skip
+
+
+# -- collectives and DDP (worker processes) -----------------------------------------------------
+
+def dump_flight_recorder() -> bytes:
+    """The flight recorder's pickled dump: collectives, no stack traces, finished ones included
+    (``torch._C._distributed_c10d._dump_fr_trace``).
+
+    Raises:
+        TorchCompatError: this torch has no such function.
+    """
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise TorchCompatError(f"this torch cannot dump its flight recorder ({exc})") from exc
+    return _dump_fr_trace(True, False, False)  # type: ignore[no-any-return]
+
+
+def ddp_logging_data(ddp_model: Any) -> Mapping[str, Any]:
+    """DDP's logging data (``DistributedDataParallel._get_ddp_logging_data``): among others
+    ``bucket_sizes`` and, once DDP rebuilt its buckets, ``rebuilt_bucket_sizes`` (comma-separated
+    byte counts)."""
+    return ddp_model._get_ddp_logging_data()  # type: ignore[no-any-return]
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every ``i`` in one kernel launch (``torch._foreach_copy_``)."""
+    import torch
+
+    torch._foreach_copy_(dst, src)
+
+
+def own_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers registered on ``module`` itself (not its children), by attribute name, from
+    ``Module._buffers``: unlike ``named_buffers`` it neither merges a tensor registered twice nor
+    recurses."""
+    for name, buffer in module._buffers.items():
+        if buffer is not None:
+            yield name, buffer
+
+
+def set_own_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor) -> None:
+    """Put ``buffer`` back as ``module``'s registered buffer ``name`` (``Module._buffers``),
+    without the registration hooks ``setattr`` would run."""
+    module._buffers[name] = buffer
+
+
+DYNAMO_MODULE = "torch._dynamo"
+"""torch.compile's module: heavy to import, so the warm-start server preloads it."""
