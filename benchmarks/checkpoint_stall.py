@@ -11,28 +11,24 @@ write is fsynced). Two measures per mode:
 * effective cost: (run time with checkpoints - run time without) / checkpoints, which also counts
   what the background writer takes from training (CPU, memory bandwidth) in async mode.
 
-    python benchmarks/checkpoint_stall.py --steps 40 --every 10 --repeats 2
+    python -m benchmarks.checkpoint_stall --steps 40 --every 10 --repeats 2
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from elastic_trainer.checkpoint.config import CheckpointConfig  # noqa: E402
-from elastic_trainer.runtime.observer import NullObserver  # noqa: E402
-from elastic_trainer.train.config import TrainerConfig  # noqa: E402
-from elastic_trainer.train.trainer import Trainer, TrainingJob  # noqa: E402
+from elastic_trainer.checkpoint.config import CheckpointConfig
+from elastic_trainer.runtime.observer import NullObserver
+from elastic_trainer.train.config import TrainerConfig
+from elastic_trainer.train.trainer import Trainer, TrainingJob
 
 
 class _Random(Dataset[tuple[torch.Tensor, torch.Tensor]]):

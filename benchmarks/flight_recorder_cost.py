@@ -23,8 +23,8 @@ completes its entries), so the trace arm there measures reading, not a working d
 
 Usage::
 
-    python benchmarks/flight_recorder_cost.py --cycles 200                    # CPU smoke run
-    python benchmarks/flight_recorder_cost.py --device cuda --model gpt --cycles 300 --repeat 2
+    python -m benchmarks.flight_recorder_cost --cycles 200                    # CPU smoke run
+    python -m benchmarks.flight_recorder_cost --device cuda --model gpt --cycles 300 --repeat 2
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import statistics
 import time
 from typing import Any
 
-from workloads import add_workload_arguments, free_port, resolve_workload_arguments
+from benchmarks.workloads import add_workload_arguments, resolve_workload_arguments
+from rendezvous.etcd_server import free_port
 
 PHASES = {"hook": ("off", "hook"), "trace": ("off", "trace")}
 SETTLE = 10  # cycles left out at the start (DDP rebuilds its buckets after the first)
@@ -51,8 +52,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     import prometheus_client
     import torch
     import torch.distributed as dist
-    from workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
 
+    from benchmarks.workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
     from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
     from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
 

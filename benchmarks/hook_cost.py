@@ -16,9 +16,9 @@ the pass is bound by the host and the wall time is the host's cost, bucket hooks
 
 Usage::
 
-    python benchmarks/hook_cost.py                    # tiny model: the hooks' fixed cost dominates
-    python benchmarks/hook_cost.py --model example    # the runtime example's CNN (width 32, batch 64)
-    python benchmarks/hook_cost.py --device cuda --model buckets --blocks 12 --steps 100
+    python -m benchmarks.hook_cost                    # tiny model: the hooks' fixed cost dominates
+    python -m benchmarks.hook_cost --model example    # the runtime example's CNN (width 32, batch 64)
+    python -m benchmarks.hook_cost --device cuda --model buckets --blocks 12 --steps 100
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _model_and_batch(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
-    from workloads import init_worker
+    from benchmarks.workloads import init_worker
 
     init_worker(rank, args.nproc, port, args)
     cuda = args.device == "cuda"

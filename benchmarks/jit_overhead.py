@@ -9,9 +9,9 @@ processes, gloo, checkpoints in a temporary directory every 100 steps), the two 
 alternating blocks inside the same two warm processes; reported: median throughput, median of
 the per-block ratios, and the CPU time per sample (robust to a shared machine).
 
-    python benchmarks/jit_overhead.py --blocks 8
-    python benchmarks/jit_overhead.py --blocks 8 --aa   # A/A: the same code twice, for the noise floor
-    python benchmarks/jit_overhead.py --micro           # per-step added work, one process, no noise
+    python -m benchmarks.jit_overhead --blocks 8
+    python -m benchmarks.jit_overhead --blocks 8 --aa   # A/A: the same code twice, for the noise floor
+    python -m benchmarks.jit_overhead --micro           # per-step added work, one process, no noise
 
 On a shared machine the end-to-end ratio can drown in noise (check it against ``--aa``);
 ``--micro`` times what JIT adds to a step in isolation: the buffer copy, the wider control
@@ -22,20 +22,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from runtime_throughput import _runtime, block_line, report_blocks  # noqa: E402
-from workloads import add_workload_arguments, init_worker, resolve_workload_arguments  # noqa: E402
-
-from elastic_trainer.runtime.settings import ENV_JIT_SAVE  # noqa: E402
+from benchmarks.runtime_throughput import _runtime, block_line, report_blocks
+from benchmarks.workloads import add_workload_arguments, init_worker, resolve_workload_arguments
+from elastic_trainer.runtime.settings import ENV_JIT_SAVE
 
 VARIANTS = ("jit-off", "jit-on")
 

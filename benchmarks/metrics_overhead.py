@@ -30,11 +30,11 @@ the single-process CPU cost of the hook per bucket and of ``on_step`` (best of 9
 
 Usage::
 
-    python benchmarks/metrics_overhead.py                     # 3 x 1500 cycles, + micro
-    python benchmarks/metrics_overhead.py --no-hook           # attribute: everything but the hook
-    python benchmarks/metrics_overhead.py --end-to-end --rounds 3 --max-steps 800
-    python benchmarks/metrics_overhead.py --device cuda --model gpt --cycles 300 --rebuild-every 100
-    python benchmarks/metrics_overhead.py --device cuda --model gpt --cycles 300 --rebuild-every 100 --trace
+    python -m benchmarks.metrics_overhead                     # 3 x 1500 cycles, + micro
+    python -m benchmarks.metrics_overhead --no-hook           # attribute: everything but the hook
+    python -m benchmarks.metrics_overhead --end-to-end --rounds 3 --max-steps 800
+    python -m benchmarks.metrics_overhead --device cuda --model gpt --cycles 300 --rebuild-every 100
+    python -m benchmarks.metrics_overhead --device cuda --model gpt --cycles 300 --rebuild-every 100 --trace
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workloads import add_workload_arguments, free_port, resolve_workload_arguments
+from benchmarks.workloads import add_workload_arguments, resolve_workload_arguments
+from rendezvous.etcd_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,8 +137,8 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
 
     import torch
     import torch.distributed as dist
-    from workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
 
+    from benchmarks.workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
     from elastic_trainer.metrics.worker import worker_observer
     from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 

@@ -1,8 +1,8 @@
 """Recovery after a fault: this project vs plain torchrun, side by side in one run.
 
-    python benchmarks/recovery.py                                   # every scenario, both systems
-    python benchmarks/recovery.py --scenarios worker-sigkill --modes elastic --repeats 3
-    python benchmarks/recovery.py --systems etcd-v3 c10d c10d-unshared --json out.json
+    python -m benchmarks.recovery                                   # every scenario, both systems
+    python -m benchmarks.recovery --scenarios worker-sigkill --modes elastic --repeats 3
+    python -m benchmarks.recovery --systems etcd-v3 c10d c10d-unshared --json out.json
 
 For each scenario a job of N nodes x P workers (separate launcher processes on this machine,
 gloo, the example model) trains until step ``--fault-step``; then the fault is injected and the
@@ -44,14 +44,15 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from elastic_trainer.ops.processes import NodeProcess, start_process, wait_for
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -122,7 +123,7 @@ class Outcome:
 
 # -- nodes -----------------------------------------------------------------------------------------
 class Cluster:
-    """The node processes of one run (``tests.runtime_helpers.Agent``), always stopped at exit."""
+    """The node processes of one run, always stopped at exit."""
 
     def __init__(self, system: str, mode: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str) -> None:
         self.system, self.mode, self.cfg, self.workdir = system, mode, cfg, workdir
@@ -132,7 +133,7 @@ class Cluster:
         from rendezvous.etcd_server import free_port
 
         self.c10d_port = free_port()
-        self.nodes: list = []
+        self.nodes: list[NodeProcess] = []
 
     @property
     def nnodes(self) -> str:
@@ -164,17 +165,9 @@ class Cluster:
         return cmd, env
 
     def start_node(self) -> None:
-        from tests.runtime_helpers import Agent
-
         index = len(self.nodes)
         cmd, env = self.command(index)
-        log_path = self.workdir / f"node-{index}.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 - closed by Agent.stop
-        log_file.write(("$ " + " ".join(cmd) + "\n").encode())
-        log_file.flush()
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)
-        self.nodes.append(Agent(proc=proc, log_path=log_path, _log_file=log_file))
+        self.nodes.append(start_process(cmd, self.workdir / f"node-{index}.log", env, cwd=REPO))
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -234,15 +227,6 @@ def analyse(outcome: Outcome, processes: list[Process], fault_unix: float) -> Ou
 
 
 # -- one run ---------------------------------------------------------------------------------------
-def wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(poll)
-    return False
-
-
 def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str) -> Outcome:
     """Start the job, inject the fault at ``fault_step``, measure, stop everything."""
     outcome = Outcome(scenario, mode, system)
@@ -250,7 +234,10 @@ def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Pa
     try:
         for _ in range(1 if scenario == "node-join" else cfg.nodes):
             cluster.start_node()
-        if not wait_until(lambda: highest_step(read_processes(cluster.records)) >= cfg.fault_step, cfg.startup_timeout):
+        try:
+            wait_for(lambda: highest_step(read_processes(cluster.records)) >= cfg.fault_step,
+                     timeout=cfg.startup_timeout, what=f"step {cfg.fault_step}")  # fmt: skip
+        except TimeoutError:
             outcome.error = f"did not reach step {cfg.fault_step} within {cfg.startup_timeout:.0f} s"
             print(f"  {system}: {outcome.error}\n{cluster.tail()}", file=sys.stderr)
             return outcome
@@ -277,7 +264,8 @@ def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Pa
             return highest_step(after) >= min(p.steps[0][1] for p in after) + cfg.steps_after or (
                 time.time() - first > 10)
 
-        wait_until(recovered_enough, cfg.recovery_timeout)
+        with contextlib.suppress(TimeoutError):  # not recovered in time: analyse() reports it
+            wait_for(recovered_enough, timeout=cfg.recovery_timeout, what="recovery")
         return analyse(outcome, read_processes(cluster.records), fault_unix)
     finally:
         cluster.stop()

@@ -8,8 +8,8 @@ The bare loop is the textbook one: ``DistributedSampler`` + ``DataLoader`` +
 allreduce per step (global loss + stop flag), sample accounting and, in the ``runtime+ckpt``
 variant, the default checkpoint every 100 steps (synchronous, rank 0).
 
-    python benchmarks/runtime_throughput.py --blocks 6
-    python benchmarks/runtime_throughput.py --device cuda --model gpt --blocks 4 --steps 100
+    python -m benchmarks.runtime_throughput --blocks 6
+    python -m benchmarks.runtime_throughput --device cuda --model gpt --blocks 4 --steps 100
 
 Both processes run the variants in alternating blocks (rotating order) so that noise from other
 work on the machine hits all variants alike; reported: median throughput over the blocks and
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -36,21 +35,18 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from workloads import (  # noqa: E402
+from benchmarks.workloads import (
     add_workload_arguments,
-    free_port,
     init_worker,
     resolve_workload_arguments,
     workload_of,
 )
-
-from elastic_trainer.checkpoint.config import CheckpointConfig  # noqa: E402
-from elastic_trainer.runtime.distributed import read_env  # noqa: E402
-from elastic_trainer.runtime.observer import NullObserver  # noqa: E402
-from elastic_trainer.train.config import TrainerConfig  # noqa: E402
-from elastic_trainer.train.trainer import Trainer, TrainingJob  # noqa: E402
+from elastic_trainer.checkpoint.config import CheckpointConfig
+from elastic_trainer.runtime.distributed import read_env
+from elastic_trainer.runtime.observer import NullObserver
+from elastic_trainer.train.config import TrainerConfig
+from elastic_trainer.train.trainer import Trainer, TrainingJob
+from rendezvous.etcd_server import free_port
 
 
 def _now() -> tuple[float, float]:

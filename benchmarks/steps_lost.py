@@ -9,8 +9,8 @@ step any rank recorded before the kill - step the restarted group resumed from (
 redone), and recovery time = kill -> first step of the restarted group. Both modes use the same
 seeded kill schedule.
 
-    python benchmarks/steps_lost.py --kills 8 --modes off jit
-    python benchmarks/steps_lost.py --kills 8 --modes off jit off-async jit-async
+    python -m benchmarks.steps_lost --kills 8 --modes off jit
+    python -m benchmarks.steps_lost --kills 8 --modes off jit off-async jit-async
 
 Modes run one after the other. If one fails (or Ctrl-C), the rest are skipped and the table of
 the modes already measured is still printed (exit status 1, or 130 after Ctrl-C).
@@ -19,6 +19,7 @@ the modes already measured is still printed (exit status 1, or 130 after Ctrl-C)
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -27,12 +28,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from elastic_trainer.checkpoint.config import DEFAULT_CHECKPOINT_EVERY  # noqa: E402
-from elastic_trainer.runtime.settings import ENV_JIT_SAVE  # noqa: E402
-from rendezvous.etcd_server import EtcdServer  # noqa: E402
-from tests.runtime_helpers import generations, start_agent, wait_for  # noqa: E402
+from elastic_trainer.checkpoint.config import DEFAULT_CHECKPOINT_EVERY
+from elastic_trainer.ops.processes import NodeProcess, start_process, wait_for
+from elastic_trainer.runtime.sample_log import generations
+from elastic_trainer.runtime.settings import ENV_JIT_SAVE
+from rendezvous.etcd_server import EtcdServer
 
 MODES = {
     "off": {"jit": "0", "async": False},
@@ -42,6 +42,21 @@ MODES = {
 }
 
 
+# Fast elastic rounds: torch's 30 s last call and heartbeat defaults would dominate every restart.
+RDZV_CONF = "last_call_timeout=1,join_timeout=120,heartbeat_timeout=6,keep_alive_interval=1,retry_timeout=10"
+
+
+def start_agent(endpoint: str, run_id: str, log_path: Path, job_args: Sequence[str], max_restarts: int,
+                jit: str) -> NodeProcess:
+    """``torchrun --rdzv-backend=etcd-v3 ... -m synthetic_cnn JOB_ARGS``: one node, two workers."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", ENV_JIT_SAVE: jit}
+    env.pop("ELASTIC_TRAINER_METRICS", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}",
+           f"--rdzv-id={run_id}", f"--rdzv-conf={RDZV_CONF}", "--nnodes=1", "--nproc-per-node=2",
+           f"--max-restarts={max_restarts}", "-m", "elastic_trainer.examples.synthetic_cnn", *job_args]
+    return start_process(cmd, log_path, env)
+
+
 def measure(mode: str, args: argparse.Namespace, endpoint: str, work: Path) -> list[tuple[int, float]]:
     """Kill a worker ``args.kills`` times; ``(steps lost, recovery seconds)`` per kill."""
     samples = work / f"{mode}-samples"
@@ -49,15 +64,15 @@ def measure(mode: str, args: argparse.Namespace, endpoint: str, work: Path) -> l
            "--checkpoint-dir", str(work / f"{mode}-ckpt"), "--record-samples", str(samples), "--log-every", "1000"]
     if MODES[mode]["async"]:
         job.append("--async-checkpoint")
-    agent = start_agent(endpoint=endpoint, run_id=f"steps-lost-{mode}-{time.time_ns()}", log_path=work / f"{mode}.log",
-                        job_args=job, max_restarts=args.kills + 1, extra_env={ENV_JIT_SAVE: MODES[mode]["jit"]})
+    agent = start_agent(endpoint, f"steps-lost-{mode}-{time.time_ns()}", work / f"{mode}.log", job,
+                        max_restarts=args.kills + 1, jit=str(MODES[mode]["jit"]))
     rng = random.Random(args.seed)  # the same kill schedule for every mode
     results = []
     try:
         for kill in range(args.kills):
             # Let the group run past two checkpoint intervals, then kill at a random moment.
             wait_for(lambda: (gens := generations(samples)) and gens[-1].last_step - gens[-1].resumed_step
-                     > 2 * DEFAULT_CHECKPOINT_EVERY, timeout=300, what="training to progress", agents=[agent],
+                     > 2 * DEFAULT_CHECKPOINT_EVERY, timeout=300, what="training to progress", describe=agent.tail,
                      interval=0.1)
             time.sleep(rng.uniform(0, args.max_delay_s))
             current = generations(samples)[-1]
@@ -69,7 +84,7 @@ def measure(mode: str, args: argparse.Namespace, endpoint: str, work: Path) -> l
                 gens = generations(samples)
                 return gens[-1].id != old and gens[-1].last_step > gens[-1].resumed_step
 
-            wait_for(restarted, timeout=300, what="the restarted group's first step", agents=[agent], interval=0.05)
+            wait_for(restarted, timeout=300, what="the restarted group's first step", describe=agent.tail)
             recovery = time.monotonic() - killed_at
             # The old group's workers are all gone before the new one starts: its records are final.
             old, new = next(g for g in generations(samples) if g.id == current.id), generations(samples)[-1]

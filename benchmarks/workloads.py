@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import math
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -171,13 +170,6 @@ def train_step(job: Workload, ddp: nn.Module, optimizer: torch.optim.Optimizer, 
     loss.backward()
     optimizer.step()
     return float(loss.item())
-
-
-def free_port() -> int:
-    # Not rendezvous.etcd_server.free_port: benchmarks/rendezvous.py shadows that package here.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def init_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:

@@ -6,15 +6,13 @@ fails the session instead.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rendezvous.etcd_server import EtcdServer, EtcdServerError, find_etcd_binary
-
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+from tests.support.ci import IN_CI
 
 
 def _require_etcd_binary() -> str:

@@ -1,9 +1,9 @@
 """Fault injection for the chaos suite: nodes as launcher processes, and faults fired at steps.
 
 A *node* is one ``elastic-trainer run`` launcher process (torchrun's agent runs inside it) with
-its own workers, started by :func:`start_node`; it is a :class:`tests.runtime_helpers.Agent`, so
-:meth:`~tests.runtime_helpers.Agent.kill_worker`, ``kill_node`` and ``terminate`` are the process
-faults. :class:`FaultInjector` fires faults when the job reaches given steps, read from the
+its own workers, started by :func:`start_node`; it is an
+:class:`elastic_trainer.ops.processes.NodeProcess`, so its ``kill_worker``, ``kill_node`` and
+``terminate`` are the process faults. :class:`FaultInjector` fires faults when the job reaches given steps, read from the
 runtime's own sample records, as torchft's ``EventInjector().fail_at(rank, step)`` does::
 
     faults = FaultInjector(run).at_step(20, "worker SIGKILL", lambda: node_b.kill_worker())
@@ -30,13 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.ops.processes import start_process
 from elastic_trainer.runtime.sample_log import read_records
 from rendezvous.etcd_server import EtcdServer
-from tests.runtime_helpers import Agent, steps_recorded
+from tests.support.agents import Agent, tails
+from tests.support.ci import IN_CI
+from tests.support.records import steps_recorded
 
 REPO = Path(__file__).resolve().parents[2]
 CHAOS_JOB = Path(__file__).with_name("chaos_job.py")
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 # Fast rounds and a short liveness bound: torch's 30 s defaults would dominate every scenario.
 # Keys a handler does not know are ignored, so this works with the lease and dynamic handlers.
@@ -155,14 +157,8 @@ def start_node(
     ]
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]
-    log_path = run.log(name)
-    log_file = open(log_path, "ab")  # noqa: SIM115 - closed by Agent.stop
-    log_file.write(("$ " + " ".join(cmd) + "\n").encode())
-    log_file.flush()
     # `ip netns exec` execs the command in place: the pid is the launcher's either way.
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=node_env, cwd=REPO,
-                            start_new_session=True)
-    return Agent(proc=proc, log_path=log_path, _log_file=log_file)
+    return start_process(cmd, run.log(name), node_env, cwd=REPO)
 
 
 def unique_run_id(prefix: str) -> str:
@@ -243,10 +239,6 @@ def in_background(action: Callable[[], object], threads: list[threading.Thread])
         threads.append(thread)
 
     return start
-
-
-def tails(agents: Sequence[Agent], lines: int = 40) -> str:
-    return "\n\n".join(f"--- node {a.log_path.name} (pid {a.pid}) ---\n{a.tail(lines)}" for a in agents)
 
 
 def wait_all(agents: Sequence[Agent], timeout: float) -> dict[str, int | None]:

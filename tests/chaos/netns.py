@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 from rendezvous.etcd_server import find_etcd_binary
+from tests.support.ci import IN_CI
 
 SUBNET = "198.18.0"
 HUB_ADDRESS = f"{SUBNET}.1"
 ETCD_CLIENT_PORT, ETCD_PEER_PORT = 2379, 2380
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _ip(*args: str) -> None:

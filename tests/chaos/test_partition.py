@@ -19,13 +19,12 @@ from tests.chaos.faults import (
     JobSpec,
     RunDirs,
     start_node,
-    tails,
     unique_run_id,
     wait_all,
 )
 from tests.chaos.invariants import check_run, describe
 from tests.chaos.netns import private_network
-from tests.runtime_helpers import agents
+from tests.support.agents import agents, tails
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 

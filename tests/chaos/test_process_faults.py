@@ -18,12 +18,11 @@ from tests.chaos.faults import (
     JobSpec,
     RunDirs,
     start_node,
-    tails,
     unique_run_id,
     wait_all,
 )
 from tests.chaos.invariants import check_run, describe, steps_lost
-from tests.runtime_helpers import agents
+from tests.support.agents import agents, tails
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 

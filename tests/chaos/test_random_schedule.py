@@ -35,12 +35,11 @@ from tests.chaos.faults import (
     in_background,
     kill,
     start_node,
-    tails,
     unique_run_id,
     wait_all,
 )
 from tests.chaos.invariants import check_run, describe
-from tests.runtime_helpers import Agent, agents
+from tests.support.agents import Agent, agents, tails
 
 KINDS = ("worker_sigkill", "node_sigkill", "node_sigterm", "node_join", "etcd_restart", "corrupt_newest")
 MIN_NODES, MAX_NODES = 1, 3

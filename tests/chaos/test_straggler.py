@@ -21,12 +21,11 @@ from tests.chaos.faults import (
     JobSpec,
     RunDirs,
     start_node,
-    tails,
     unique_run_id,
     wait_all,
 )
 from tests.chaos.invariants import check_run, describe
-from tests.runtime_helpers import Agent, agents
+from tests.support.agents import Agent, agents, tails
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 

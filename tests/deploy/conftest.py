@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+from tests.support.ci import IN_CI
 
 REPO = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO / "helm" / "elastic-trainer"

@@ -49,7 +49,7 @@ from tests.deploy.conftest import (
     require_dashboard,
     require_etcd_binary,
 )
-from tests.tls_pki import make_pki
+from tests.support.tls_pki import make_pki
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
-from elastic_trainer.runtime.sample_log import committed_history, read_records
+from elastic_trainer.runtime.sample_log import committed_history, generations, read_records
 from rendezvous.etcd_server import free_port
-from tests.runtime_helpers import generations, steps_recorded
+from tests.support.records import steps_recorded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer.ops.processes import wait_for
 from rendezvous.etcd_server import free_port
-from tests.agents import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -135,7 +135,7 @@ def test_status_shows_a_running_job(etcd_server, tmp_path: Path, unique_id: str)
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
     )
     try:
-        wait_for(lambda: any(ckpt.glob("*.json")), 120, "a first checkpoint")
+        wait_for(lambda: any(ckpt.glob("*.json")), timeout=120, what="a first checkpoint")
         done = cli("status", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id,
                    "--checkpoint-dir", str(ckpt), "--json")
         assert done.returncode == 0, done.stderr

@@ -8,7 +8,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from rendezvous import create_backend
-from tests.backend_contract import BackendContract
+from tests.support.backend_contract import BackendContract
 
 pytestmark = pytest.mark.integration
 

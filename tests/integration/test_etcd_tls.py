@@ -25,7 +25,7 @@ from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpo
 from rendezvous.etcd_server import free_port
 from rendezvous.handler import create_handler
 from tests.conftest import _require_etcd_binary
-from tests.tls_pki import Pki, make_pki
+from tests.support.tls_pki import Pki, make_pki
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

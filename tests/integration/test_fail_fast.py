@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.support.ci import IN_CI
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -14,15 +14,10 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.ops.processes import wait_for
 from elastic_trainer.runtime.sample_log import committed_history, generations, read_records
-from tests.runtime_helpers import (
-    FAST_RDZV_CONF,
-    agents,
-    final_model,
-    start_agent,
-    steps_recorded,
-    wait_for,
-)
+from tests.support.agents import FAST_RDZV_CONF, agents, start_agent
+from tests.support.records import final_model, steps_recorded
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic_trainer.ops.processes import NodeProcess, start_process, wait_for
 from elastic_trainer.ops.status import read_status
 from rendezvous.etcd_server import EtcdServer, free_port
-from tests.agents import children
-from tests.prometheus_server import prometheus_server, require_binary, wait_for
+from tests.support.prometheus_server import prometheus_server, require_binary
 from tests.unit.test_metrics_dashboard import (
     dashboard_expressions,
     load_dashboard,
@@ -107,10 +107,8 @@ class Poller:
 
 
 @contextlib.contextmanager
-def launcher(
-    tmp_path: Path, etcd: EtcdServer, run_id: str, port: int
-) -> Iterator[subprocess.Popen[bytes]]:
-    log = open(tmp_path / "launcher.log", "wb")  # noqa: SIM115 -- closed below
+def launcher(tmp_path: Path, etcd: EtcdServer, run_id: str, port: int) -> Iterator[NodeProcess]:
+    """The wrapper launcher (see the module docstring); nothing of it survives the test."""
     torchrun_args = [
         "--rdzv-backend=etcd-v3",
         f"--rdzv-endpoint={etcd.endpoint}",
@@ -121,26 +119,10 @@ def launcher(
         "--monitor-interval=0.2",
         "--rdzv-conf=last_call_timeout=1,join_timeout=60,retry_timeout=10",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, str(port), run_id, str(tmp_path / "multiproc"),
-         *torchrun_args, *JOB_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt")],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            # Workers run in their own sessions (shared notes): kill them, then the launcher.
-            for pid in children(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
+    cmd = [sys.executable, "-c", LAUNCHER, str(port), run_id, str(tmp_path / "multiproc"),
+           *torchrun_args, *JOB_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    with start_process(cmd, tmp_path / "launcher.log", {**os.environ, "OMP_NUM_THREADS": "1"}) as node:
+        yield node
 
 
 def finite_points(result: list[dict]) -> int:
@@ -169,8 +151,9 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
             ckpt = values(text, "elastic_trainer_last_checkpoint_step")
             return text if ranks == {"0", "1"} and ckpt and ckpt[0] >= min_ckpt_step else None
 
-        before_text = wait_for("both ranks training and a checkpoint", lambda: progressed(50), timeout_s=120)
-        wait_for("Prometheus scraping the node", prom.scrapes_ok, timeout_s=30)
+        before_text = wait_for(lambda: progressed(50), timeout=120, what="both ranks training and a checkpoint",
+                               retry_on=(OSError,), interval=0.2)  # fmt: skip
+        wait_for(prom.scrapes_ok, timeout=30, what="Prometheus scraping the node", retry_on=(OSError,), interval=0.2)
 
         # promtool check metrics: a live scrape of a running job passes every lint, silently.
         lint = subprocess.run([promtool, "check", "metrics"], input=before_text, capture_output=True,
@@ -184,7 +167,7 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
         thread.start()
         try:
             # A worker dies: the agent restarts the group; the launcher's endpoint stays up.
-            victim = children(proc.pid)[-1]
+            victim = proc.worker_pids()[-1]
             samples_before = total(scrape(url), "elastic_trainer_samples_total")
             os.kill(victim, signal.SIGKILL)
 
@@ -196,7 +179,8 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
                 )
                 return text if ok else None
 
-            after_text = wait_for("training to resume after the restart", restarted, timeout_s=120)
+            after_text = wait_for(restarted, timeout=120, what="training to resume after the restart",
+                                  retry_on=(OSError,), interval=0.2)  # fmt: skip
             # The dead worker's live gauges went with it: one loss per rank, no stale pid.
             assert sorted(ls["rank"] for n, ls, _ in samples(after_text) if n == "elastic_trainer_loss") == ["0", "1"]
             assert not list((tmp_path / "multiproc").glob(f"gauge_live*_{victim}.db"))
@@ -213,7 +197,7 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
         finally:
             poller.stop()
             thread.join(timeout=10)
-        assert proc.wait(timeout=180) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+        assert proc.wait(180) == 0, proc.tail()
 
         # Across the restart the endpoint never failed and the node's counters never went back.
         assert poller.ok >= 10 and poller.failures == []

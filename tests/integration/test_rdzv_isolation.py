@@ -14,11 +14,13 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_trainer.ops.processes import wait_for
 from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
 from rendezvous.handler import create_handler
 from rendezvous.job_identity import JobIdentity, RunIdInUseError, set_job_identity
 from rendezvous.settings import DEFAULT_KEY_PREFIX
-from tests.agents import Agent, agents_cleanup, wait_for
+from tests.support.agents import Agent
+from tests.support.agents import agents as agents_cleanup
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agents import wait_for
+from elastic_trainer.ops.processes import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic_trainer.ops.processes import wait_for
 from elastic_trainer.runtime.sample_log import read_records
-from tests.runtime_helpers import agents, final_model, start_agent, steps_recorded, wait_for
+from tests.support.agents import agents, start_agent, tails
+from tests.support.records import final_model, steps_recorded
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -85,7 +87,7 @@ def test_sigterm_to_an_agent_checkpoints_the_step_it_stopped_at(etcd_server, uni
                                            "--throttle-ms", "30", "--record-samples", str(samples)),
                             extra_env={"ELASTIC_TRAINER_SIGTERM_GRACE_S": "20"})
         started.append(agent)
-        wait_for(lambda: steps_recorded(samples) >= 7, timeout=120, what="step 7", agents=started)
+        wait_for(lambda: steps_recorded(samples) >= 7, timeout=120, what="step 7", describe=lambda: tails(started))
         signalled = time.monotonic()
         agent.terminate()
         agent.wait(60)

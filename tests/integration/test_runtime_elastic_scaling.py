@@ -12,15 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer.ops.processes import wait_for
 from elastic_trainer.runtime.sample_log import committed_history, read_records
-from tests.runtime_helpers import (
-    agents,
-    final_eval_loss,
-    final_model,
-    start_agent,
-    steps_recorded,
-    wait_for,
-)
+from tests.support.agents import agents, start_agent, tails
+from tests.support.records import final_eval_loss, final_model, steps_recorded
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -54,12 +49,12 @@ def test_two_nodes_to_one_to_two_consume_every_sample_once_per_epoch(etcd_server
         )
         started += [node_a, node_b]
         wait_for(lambda: steps_recorded(samples, world_size=4) >= 6, timeout=120, what="6 steps on 2 nodes",
-                 agents=started)
+                 describe=lambda: tails(started))
         node_b.terminate()  # preempted: finishes the step, rank 0 checkpoints it, node B leaves
         node_b.wait(60)
         assert "received SIGTERM" in node_b.output() and "stopping after step" in node_b.output(), node_b.tail()
         wait_for(lambda: steps_recorded(samples, world_size=2), timeout=120, what="training on 1 node",
-                 agents=started)
+                 describe=lambda: tails(started))
         node_c = start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, nnodes="1:2", max_restarts=5,
                              log_path=tmp_path / "node-c.log", job_args=elastic_args)
         started.append(node_c)

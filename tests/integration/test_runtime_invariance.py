@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from elastic_trainer.examples.synthetic_cnn import SmallCNN
-from tests.runtime_helpers import agents, final_model, start_agent
+from tests.support.agents import agents, start_agent
+from tests.support.records import final_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -17,16 +17,10 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint import files as ckpt
-from elastic_trainer.runtime.sample_log import committed_history, read_records
-from tests.runtime_helpers import (
-    agents,
-    final_model,
-    generations,
-    kill_rank,
-    start_agent,
-    steps_recorded,
-    wait_for,
-)
+from elastic_trainer.ops.processes import wait_for
+from elastic_trainer.runtime.sample_log import committed_history, generations, read_records
+from tests.support.agents import agents, kill_rank, start_agent, tails
+from tests.support.records import final_model, steps_recorded
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -72,7 +66,7 @@ def _kill_and_finish(etcd_server, run_id: str, tmp: Path, *, rank: int, kill_aft
                             job_args=_job(tmp, "faulty", "--checkpoint-every", every))
         started.append(agent)
         wait_for(lambda: steps_recorded(samples) >= kill_after, timeout=120, what=f"step {kill_after}",
-                 agents=started)
+                 describe=lambda: tails(started))
         pid = kill_rank(agent, samples, rank)
         print(f"SIGKILLed rank {rank} (pid {pid}) once step {kill_after} was recorded")
         assert agent.wait(180) == 0, agent.tail()
@@ -153,7 +147,7 @@ def test_dropout_model_resumes_bitwise_after_a_worker_sigkill(etcd_server, uniqu
                              log_path=tmp_path / "faulty.log", job_args=_job(tmp_path, "faulty", *dropout))
         started += [undisturbed, faulty]
         wait_for(lambda: steps_recorded(samples) >= kill_after, timeout=120, what=f"step {kill_after}",
-                 agents=started)
+                 describe=lambda: tails(started))
         pid = kill_rank(faulty, samples, 0)
         print(f"SIGKILLed rank 0 (pid {pid}) once step {kill_after} was done")
         assert faulty.wait(180) == 0, faulty.tail()
@@ -200,7 +194,7 @@ def test_node_sigterm_loses_no_step(etcd_server, unique_id: str, tmp_path: Path)
         )
         started += [node_a, node_b]
         wait_for(lambda: steps_recorded(samples, world_size=2) >= 8, timeout=120, what="8 steps on 2 nodes",
-                 agents=started)
+                 describe=lambda: tails(started))
         node_b.terminate()  # graceful scale-down of one of the two nodes
         node_b.wait(60)
         assert node_a.wait(180) == 0, node_a.tail()
@@ -226,14 +220,14 @@ def test_sigterm_while_blocked_on_a_stuck_peer_saves_within_seconds(etcd_server,
                             log_path=tmp_path / "stuck.log",
                             job_args=_job(tmp_path, "stuck", "--checkpoint-every", "1000", "--epochs", "20"))
         started.append(agent)
-        wait_for(lambda: steps_recorded(samples) >= 6, timeout=120, what="step 6", agents=started)
+        wait_for(lambda: steps_recorded(samples) >= 6, timeout=120, what="step 6", describe=lambda: tails(started))
         pids = generations(samples)[-1].pids
         os.kill(pids[1], signal.SIGSTOP)
         # Rank 0 finishes at most the step in flight, then waits for rank 1 forever.
-        wait_for(lambda: _stalled(samples, 0), timeout=30, what="rank 0 to stall", agents=started)
+        wait_for(lambda: _stalled(samples, 0), timeout=30, what="rank 0 to stall", describe=lambda: tails(started))
         signalled = time.monotonic()
         agent.terminate()
-        wait_for(lambda: not _alive(pids[0]), timeout=25, what="rank 0 to exit", agents=started)
+        wait_for(lambda: not _alive(pids[0]), timeout=25, what="rank 0 to exit", describe=lambda: tails(started))
         took = time.monotonic() - signalled
         os.kill(pids[1], signal.SIGKILL)  # the hung worker; torchrun would do it after 30 s
         agent.wait(60)

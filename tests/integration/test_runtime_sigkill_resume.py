@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from elastic_trainer.ops.processes import wait_for
 from elastic_trainer.runtime.sample_log import committed_history, read_records
-from tests.runtime_helpers import agents, final_model, start_agent, steps_recorded, wait_for
+from tests.support.agents import agents, start_agent, tails
+from tests.support.records import final_model, steps_recorded
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -45,7 +47,7 @@ def test_sigkilled_worker_resumes_to_bitwise_equal_weights(etcd_server, unique_i
                              extra_env={"ELASTIC_TRAINER_JIT_SAVE": "0"})
         started += [reference, faulty]
         wait_for(lambda: steps_recorded(tmp_path / "faulty" / "samples") >= kill_after, timeout=120,
-                 what=f"step {kill_after}", agents=started)
+                 what=f"step {kill_after}", describe=lambda: tails(started))
         killed_pid = faulty.kill_worker(index=random.Random().randint(0, 1))
         print(f"SIGKILLed worker {killed_pid}")
         assert faulty.wait(180) == 0, faulty.tail()

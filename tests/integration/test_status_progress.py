@@ -30,12 +30,11 @@ from elastic_trainer.launch.node_metrics import (
 )
 from elastic_trainer.launch.progress_publisher import ProgressKeys, ProgressPublisher
 from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
+from elastic_trainer.ops.processes import wait_for, worker_processes
 from elastic_trainer.ops.status import read_status, render_status
 from rendezvous.etcd_backend import client_config_from_params
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.etcd_server import EtcdServer, free_port
-from tests.agents import worker_processes
-from tests.prometheus_server import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -92,7 +91,8 @@ def test_status_shows_the_progress_rank_0_publishes_and_the_last_error(
                 p = status(etcd_server, unique_id)["progress"]
                 return p if p and p["step"] and p["steps_per_s"] else None
 
-            progress = wait_for("rank 0's node to publish progress with a rate", progressed, timeout_s=90)
+            progress = wait_for(progressed, timeout=90, what="rank 0's node to publish progress with a rate",
+                                interval=0.2)  # fmt: skip
             assert progress["total_steps"] == 100000 and progress["world_size"] == 2
             assert progress["published_by"] == "host-a-101" and progress["lr"] == 0.01
             assert 0 < progress["step"] < 100000 and progress["steps_per_s"] > 0
@@ -103,7 +103,8 @@ def test_status_shows_the_progress_rank_0_publishes_and_the_last_error(
 
             # Any node may report an error: one line, read back by status.
             publisher.publish_error("worker rank 1 (pid 77) exited with signal 9 (SIGKILL)\nTraceback ...")
-            error = wait_for("the error in etcd", lambda: status(etcd_server, unique_id)["last_error"], timeout_s=30)
+            error = wait_for(lambda: status(etcd_server, unique_id)["last_error"], timeout=30, what="the error in etcd",
+                             interval=0.2)  # fmt: skip
             assert error["text"] == "worker rank 1 (pid 77) exited with signal 9 (SIGKILL)"
             assert error["node"] == "host-a-101"
 
@@ -129,7 +130,8 @@ def test_status_shows_the_progress_rank_0_publishes_and_the_last_error(
             publisher.close()
 
     # The publisher stopped: its progress key expires with its lease (3 intervals); the error stays.
-    wait_for("the progress key to expire", lambda: status(etcd_server, unique_id)["progress"] is None, timeout_s=30)
+    wait_for(lambda: status(etcd_server, unique_id)["progress"] is None, timeout=30, what="the progress key to expire",
+             interval=0.2)  # fmt: skip
     assert status(etcd_server, unique_id)["last_error"] is not None
 
 
@@ -147,14 +149,14 @@ def test_an_unreachable_etcd_never_blocks_the_launcher(
                     "elastic_trainer_step", {"run_id": unique_id, "node": "host-a-101", "rank": "0", "local_rank": "0"}
                 ) is not None
 
-            wait_for("the worker's first step", has_step, timeout_s=90)
+            wait_for(has_step, timeout=90, what="the worker's first step", interval=0.2)
             with pytest.raises(RendezvousConnectionError):
                 publisher.publish_once()
             publisher.publish_error("an error nobody can store")
             with caplog.at_level(logging.WARNING):
                 publisher.start()
-                wait_for("a warning", lambda: [r for r in caplog.records if "progress publisher" in r.getMessage()],
-                         timeout_s=30)  # fmt: skip
+                wait_for(lambda: [r for r in caplog.records if "progress publisher" in r.getMessage()], timeout=30,
+                         what="a warning", interval=0.2)  # fmt: skip
         finally:
             publisher.close(timeout_s=5.0)
     messages = [r.getMessage() for r in caplog.records if r.name == "elastic_trainer.launch.progress_publisher"]
@@ -191,7 +193,7 @@ def test_a_real_run_publishes_progress_and_its_last_error(tmp_path: Path, etcd_s
                 p = report.get("progress")
                 return report if p and p["steps_per_s"] and report["found"] else None
 
-            report = wait_for("progress with a rate in status", with_rate, timeout_s=150)
+            report = wait_for(with_rate, timeout=150, what="progress with a rate in status", interval=0.2)
             progress = report["progress"]
             assert progress["total_steps"] == 100000 and progress["world_size"] == 2
             assert progress["eta_s"] > 0 and progress["samples_per_s"] > 0 and progress["lr"] is not None
@@ -201,10 +203,11 @@ def test_a_real_run_publishes_progress_and_its_last_error(tmp_path: Path, etcd_s
             assert f'node="{participant["name"]}"' in text
 
             os.kill(worker_processes(job.pid)[-1], signal.SIGKILL)
-            error = wait_for("the root cause in status", lambda: status_json()["last_error"], timeout_s=120)
+            error = wait_for(lambda: status_json()["last_error"], timeout=120, what="the root cause in status",
+                             interval=0.2)  # fmt: skip
             assert "SIGKILL" in error["text"] and error["node"] == participant["name"]
-            wait_for("the restart in the progress",
-                     lambda: (p := status_json()["progress"]) is not None and (p["restarts"] or 0) >= 1, timeout_s=150)
+            wait_for(lambda: (p := status_json()["progress"]) is not None and (p["restarts"] or 0) >= 1, timeout=150,
+                     what="the restart in the progress", interval=0.2)  # fmt: skip
         finally:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGTERM)

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer.launch.node_metrics import LauncherMetricsConfig, start_launcher_metrics
+from elastic_trainer.ops.processes import wait_for
 from rendezvous.etcd_server import free_port
-from tests.prometheus_server import IN_CI, wait_for
+from tests.support.ci import IN_CI
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -92,15 +93,16 @@ def test_top_shows_the_job_live_and_q_quits(tmp_path: Path, tmux: list[str], uni
             match = re.search(r"step\s+(\d+) / 1000", text)
             return (int(match.group(1)), text) if match and int(match.group(1)) > after else None
 
-        first, _ = wait_for("top to show the step and the target", lambda: step_on_screen(0), timeout_s=120)
+        first, _ = wait_for(lambda: step_on_screen(0), timeout=120, what="top to show the step and the target",
+                            interval=0.2)  # fmt: skip
         # Redrawn in place: a later frame shows a later step, and the screen has one header.
-        wait_for("top to refresh", lambda: step_on_screen(first), timeout_s=60)
+        wait_for(lambda: step_on_screen(first), timeout=60, what="top to refresh", interval=0.2)
 
         def with_rates() -> str | None:
             text = screen(tmux)
             return text if "slowest     rank 1 on host-a-101" in text and "ETA         -" not in text else None
 
-        text = wait_for("the rates, the ETA and the slower rank 1", with_rates, timeout_s=60)
+        text = wait_for(with_rates, timeout=60, what="the rates, the ETA and the slower rank 1", interval=0.2)
         assert text.count("elastic-trainer top") == 1 and f"run {unique_id}" in text
         assert "world size  2" in text and "lr 0.05" in text and "q quits" in text
         assert re.search(r"up\s+host-a-101\s+ranks 0,1", text)
@@ -113,4 +115,4 @@ def test_top_shows_the_job_live_and_q_quits(tmp_path: Path, tmux: list[str], uni
             alive = subprocess.run([*tmux, "has-session", "-t", "top"], capture_output=True, timeout=30)
             return alive.returncode != 0
 
-        wait_for("q to end top (its tmux session closes with it)", ended, timeout_s=30)
+        wait_for(ended, timeout=30, what="q to end top (its tmux session closes with it)", interval=0.2)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.agents import Agent, agents_cleanup, wait_for
+from elastic_trainer.ops.processes import wait_for
+from tests.support.agents import Agent
+from tests.support.agents import agents as agents_cleanup
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from elastic_trainer.launch.warm_start import (
     start_server,
     worker_pids,
 )
+from elastic_trainer.ops.processes import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -81,17 +81,12 @@ def looping_worker(warm: WarmStartServer, tmp_path: Path) -> tuple[subprocess.Po
     script.write_text(WORKER)
     out = tmp_path / "out.json"
     proc = client(warm, tmp_path, str(script), str(out), "loop")
-    wait_for(out)
+    wait_for(lambda: written(out), timeout=30, what=f"the worker to write {out}")
     return proc, read_json(out)["pid"]
 
 
-def wait_for(path: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.stat().st_size > 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{path} did not appear within {timeout} s")
+def written(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
 
 
 def alive(pid: int) -> bool:
@@ -104,13 +99,8 @@ def alive(pid: int) -> bool:
     return False
 
 
-def wait_dead(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return True
-        time.sleep(0.02)
-    return False
+def wait_dead(pid: int, what: str) -> None:
+    wait_for(lambda: not alive(pid), timeout=10, what=what)
 
 
 def read_json(path: Path) -> dict:
@@ -185,7 +175,7 @@ def test_killing_the_client_kills_its_worker(server: WarmStartServer, tmp_path: 
     proc, worker = looping_worker(server, tmp_path)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
-    assert wait_dead(worker), f"worker {worker} outlived its client"
+    wait_dead(worker, f"worker {worker} to end with its client")
 
 
 def test_when_the_launcher_goes_away_the_server_kills_its_workers(tmp_path: Path) -> None:
@@ -193,12 +183,9 @@ def test_when_the_launcher_goes_away_the_server_kills_its_workers(tmp_path: Path
     proc, worker = looping_worker(warm, tmp_path)
     try:
         os.close(warm._pipe_write)  # what the launcher's exit, even by SIGKILL, does: the pipe closes
-        assert wait_dead(worker), f"worker {worker} outlived the server"
+        wait_dead(worker, f"worker {worker} to end with the server")
         assert proc.wait(30) != 0
-        deadline = time.monotonic() + 10
-        while warm.directory.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not warm.directory.exists(), "the server left its directory behind"
+        wait_for(lambda: not warm.directory.exists(), timeout=10, what="the server to remove its directory")
     finally:
         warm.close()
         with contextlib.suppress(ProcessLookupError):

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.backend_contract import BackendContract
+from tests.support.backend_contract import BackendContract
 from tests.unit.fakes import InMemoryBackend
 
 

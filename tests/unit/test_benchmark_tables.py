@@ -6,49 +6,29 @@ failed or interrupted mode still leaves the table of the ones measured before it
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
 pytestmark = pytest.mark.timeout(60)
 
 
-def load_benchmark(name: str) -> types.ModuleType:
-    """benchmarks/<name>.py as a module (benchmarks/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        f"bench_{name}", REPO / "benchmarks" / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def recovery() -> types.ModuleType:
+    from benchmarks import recovery
+
+    return recovery
 
 
 @pytest.fixture(scope="module")
-def recovery() -> Iterator[types.ModuleType]:
-    path = list(sys.path)
-    module = load_benchmark("recovery")
-    yield module
-    sys.path[:] = path  # the script puts the repository first on sys.path
-    sys.modules.pop(module.__name__, None)
+def steps_lost() -> types.ModuleType:
+    from benchmarks import steps_lost
 
-
-@pytest.fixture(scope="module")
-def steps_lost() -> Iterator[types.ModuleType]:
-    path = list(sys.path)
-    module = load_benchmark("steps_lost")
-    yield module
-    sys.path[:] = path
-    sys.modules.pop(module.__name__, None)
+    return steps_lost
 
 
 def outcomes(recovery: types.ModuleType) -> list[Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.prometheus_server import require_binary
+from tests.support.prometheus_server import require_binary
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,21 +14,19 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
+from elastic_trainer.ops.processes import wait_for
 from rendezvous.etcd_server import free_port
-
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-T = TypeVar("T")
+from tests.support.ci import IN_CI
 
 
 def require_binary(name: str, env_var: str) -> str:
@@ -43,24 +41,6 @@ def require_binary(name: str, env_var: str) -> str:
     if IN_CI:
         pytest.fail(f"CI must have a real {name}: {message}")
     pytest.skip(message)
-
-
-def wait_for(
-    what: str, probe: Callable[[], T | None], *, timeout_s: float, interval_s: float = 0.2
-) -> T:
-    """Poll ``probe`` until it returns something other than None/False; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    last_error: BaseException | None = None
-    while True:
-        try:
-            result = probe()
-            if result is not None and result is not False:
-                return result
-        except (OSError, ValueError, KeyError) as exc:
-            last_error = exc
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}: {last_error}")
-        time.sleep(interval_s)
 
 
 class PrometheusError(RuntimeError):
@@ -122,7 +102,8 @@ class PrometheusServer:
                 cwd=self.work_dir,
             )
         try:
-            wait_for("Prometheus to be ready", self._ready, timeout_s=timeout_s)
+            wait_for(self._ready, timeout=timeout_s, what="Prometheus to be ready", retry_on=(OSError,),
+                     describe=self.log_tail, interval=0.2)
         except BaseException:
             self.stop()
             raise
