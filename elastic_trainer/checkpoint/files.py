@@ -1,28 +1,16 @@
-"""Checkpoint files: atomic writes, a sha256 manifest, safe loading, fallback, async writing.
-
-Layout of a checkpoint directory (shared by all nodes; only rank 0 writes)::
+"""Checkpoint files: atomic writes, a sha256 manifest, claims, safe loading, the async writer.
 
     ckpt-000000000100.pt     torch.save of a plain dict; torch.load(path, weights_only=True)
                              gives {"model": <state_dict>, "optimizer": ..., "step": 100, ...}
     ckpt-000000000100.json   manifest: sha256 and size of the .pt, step, epoch, world size and
                              the job fingerprint
 
-Both files are written to a hidden temporary file in the same directory, fsynced and renamed into
-place, and then the directory is fsynced, so a crash or a full disk at any point leaves either the
-complete new checkpoint or none, and never touches the previous ones. A checkpoint counts only
-when its manifest exists and the .pt matches its sha256; a newer one that does not is skipped with
-a warning that names it (and is renamed ``*.corrupt`` so it can never be pruned in place of a good
-one). Loading is always ``weights_only=True``; there is no unsafe fallback.
-
-Writers: rank 0 writes the periodic and final checkpoints; any surviving rank may write a
-*just-in-time* checkpoint of the last completed step when the group fails
-(:mod:`elastic_trainer.checkpoint.jit`; its manifest says ``"jit": true``). Two processes never write
-the same step: a writer first creates ``.ckpt-<step>.claim`` with ``O_CREAT | O_EXCL`` (atomic on
-local file systems and on NFSv3+), writes, and removes the claim; a process that cannot create
-the claim leaves the step to its holder. Rank 0 removes claims left by killed writers when the
-group (re)starts, when no writer of the previous group is left.
-
-This module does file work only; the trainer decides when rank 0 writes and synchronises ranks.
+Invariants: a crash or a full disk at any point leaves the complete new checkpoint or none, and
+never touches earlier ones; a checkpoint counts only when its manifest exists and the ``.pt``
+matches its sha256; loading is ``weights_only=True`` with no unsafe fallback; two processes never
+write the same step (``O_CREAT | O_EXCL`` claims). File work only: the
+:class:`~elastic_trainer.checkpoint.manager.CheckpointManager` decides who writes when. Design:
+``docs/design/checkpointing.md``.
 """
 
 from __future__ import annotations

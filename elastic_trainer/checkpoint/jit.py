@@ -1,92 +1,18 @@
-"""Just-in-time (JIT) checkpoint: when the worker group fails, a surviving rank saves the last
-completed step, so a worker SIGKILL costs at most one step instead of everything since the last
-periodic checkpoint, without checkpointing every step.
+"""Just-in-time checkpoint: when the worker group fails, a surviving rank saves the last completed
+step, so a worker SIGKILL costs at most one step instead of everything since the last periodic
+checkpoint.
 
-Every rank of a DDP job holds the full replicated state (weights, optimizer, scheduler, sampler
-cursor) of the last completed step. When a worker dies, torchrun stops the group; the survivors
-have that state in memory until they exit. This module writes it out on the way down. Turn it
-off with ``TrainerConfig(jit_save=False)`` or ``ELASTIC_TRAINER_JIT_SAVE=0``.
-
-Design, and why:
-
-* **Two triggers.** (a) *A collective raises*: gloo reports a dead peer as soon as the kernel
-  closes its sockets (``RuntimeError: ... Connection closed by peer``, not a ``DistError``, in
-  torch 2.13). The trainer catches the failure around the training loop
-  (:meth:`JitCheckpointer.after_failure`), saves, and re-raises so that the process exits at
-  once: torchrun restarts the group only when all its local workers are gone. (b) *A stop
-  signal while the main thread does not come back*: torchrun's agent SIGTERMs the surviving
-  local workers when one dies (and every worker when it sees a new rendezvous round). A Python
-  signal handler only runs when the main thread returns to the interpreter, which it does not
-  while blocked inside a C++ collective whose peer is alive but stuck. The signal is therefore
-  also received through :class:`~elastic_trainer.runtime.signals.SignalWakeup` (``set_wakeup_fd``: the
-  C-level handler writes the signal number to a pipe at once; a thread reads it). That thread
-  gives the ordinary graceful stop (finish the step, all ranks agree through the per-step
-  control allreduce, rank 0 checkpoints) a chance first: only when the main thread passes no
-  step boundary for ``max(1 s, 3 x the longest of the last 8 steps)`` (at most 10 s) does it
-  save the last completed step itself and exit. Checkpoint writes in progress do not count as
-  a stall, and once the ranks have agreed to stop the graceful path owns the exit.
-* **Consistency.** A snapshot is never taken in the middle of an update: the trainer holds
-  :class:`StateGuard` around the whole update section (GradScaler, ``optimizer.step``,
-  ``scheduler.step``, sampler cursor, step counter, epoch change) and the saver takes the same
-  lock, so it waits for an update in progress to end and then sees exactly "after step S";
-  between updates (forward, backward, blocked collectives) it does not wait at all. Gradients
-  are not saved. An exception raised inside the update section marks the state inconsistent
-  and no JIT checkpoint is written. ``ZeroRedundancyOptimizer`` is not supported: its state is
-  sharded over the ranks and its step runs collectives, so no single survivor holds it (the
-  trainer turns JIT off and logs why).
-* **Buffers.** Weights change only in the update, but BatchNorm statistics change in every
-  forward, and DDP makes rank 0's the authoritative ones (broadcast at each forward). What a
-  regular checkpoint of step S holds is rank 0's buffers after step S. So after the (last)
-  forward of every step each rank copies its buffers (a few KB for BatchNorm), and rank 0's ride
-  to every rank on the step's existing control allreduce (:class:`AuthoritativeBuffers`; no extra
-  collective, the other ranks add ``-0.0``, which leaves rank 0's values bit for bit). That
-  allreduce completes *before any rank applies the step's update* (the trainer waits for it
-  first), and the update section records the arrived values as the buffers of the new step. So
-  whatever the moment a rank dies, every survivor holds a matching pair: either the update of
-  step S was not applied (the weights, optimizer, cursor and buffers of step S-1: one step lost)
-  or it was, with rank 0's buffers of step S. Any survivor then writes exactly what rank 0 would
-  have written, and a resumed run is bitwise equal to the uninterrupted one even when rank 0 was
-  the worker that died. (Before, the allreduce ran after the update, and a rank 0 killed in
-  between left the survivors only their own statistics: not bitwise.) The price is that the
-  control allreduce no longer overlaps the next step when JIT saving is on; it is started right
-  after the last forward, so it overlaps the backward instead, and the wait before the update is
-  usually over at once (measured in ``benchmarks/RESULTS.md``). In return the step's loss and
-  stop flag are read in the same step: a graceful stop takes effect one step earlier. Buffers of
-  a dtype that cannot ride on a float64 allreduce are saved from the writer's own copy
-  (``buffers: "local"`` in the checkpoint, with a warning at start).
-* **One writer.** Any survivor may hold the state (rank 0 may be the dead one), so every rank
-  tries, and a claim file created with ``O_CREAT | O_EXCL`` in the shared checkpoint directory
-  picks exactly one per step over all ranks and nodes (rank 0's periodic writes take the same
-  claim). A step that already has a complete checkpoint (or a newer one) is skipped. The write
-  is the ordinary atomic one (temp file, fsync, rename, directory fsync, sha256 manifest) with
-  ``"jit": true`` in the manifest; it prunes nothing (rank 0's next checkpoint does).
-* **RNG.** The dead rank's generator state is gone with it, so no checkpoint relies on saved
-  generator states: every step reseeds each rank from ``(seed, rank, step)``
-  (:func:`elastic_trainer.runtime.rng.seed_step`). A JIT checkpoint written by any survivor therefore
-  resumes bitwise, dropout included.
-* **Bounded.** torchrun (2.13) stops workers with ``PContext.close(SIGTERM, timeout=30)``:
-  ``LocalElasticAgent._stop_workers`` calls ``_shutdown()`` whose default timeout is 30 s, and
-  an agent that is itself SIGTERMed calls ``_shutdown(sig, timeout=shutdown_timeout)``, also
-  30 s; after that it SIGKILLs. Stall detection (at most 10 s) plus the save (at most 15 s,
-  :data:`SAVE_TIMEOUT_S`) end inside that window and inside the SIGTERM grace period; a save that
-  overruns its deadline (by :data:`BACKSTOP_S`) ends the process (``os._exit``) rather than
-  hang, leaving at worst a temporary file and a claim that rank 0 removes at the next start.
-  After a failure (trigger (a)) the save plus the teardown are bounded the same way.
-
-Trigger (a) covers any exception from the training loop except a failed checkpoint write (the
-same disk would fail again): a peer's death is the common case, but the last completed step is
-just as consistent after a bug in user code. On CUDA the snapshot is copied to host memory on a
-side stream that waits only for an event recorded at the end of the last update, so a hung NCCL
-kernel queued since does not block it. Limitations: with NCCL and
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` the NCCL watchdog may tear the process down before
-trigger (a) runs (trigger (b) still works); the CUDA paths are not exercised by the CPU test
-suite.
-
-See it work (a worker SIGKILL, then ``resumed from ... (a just-in-time checkpoint)`` in the log)::
+Invariants: a snapshot is taken holding :class:`StateGuard` (never in the middle of an update);
+any survivor writes exactly what rank 0 would have written (:class:`AuthoritativeBuffers`); one
+writer per step (claims); every save is bounded (:data:`SAVE_TIMEOUT_S`, then the process exits).
+Triggers: a failing training loop (:meth:`JitCheckpointer.after_failure`) and a stop signal while
+the training thread is stuck in a collective (:meth:`JitCheckpointer.on_signal`). Off with
+``CheckpointConfig(jit_save=False)`` or ``ELASTIC_TRAINER_JIT_SAVE=0``. Design:
+``docs/design/checkpointing.md``.
 
     torchrun --standalone --nproc-per-node=2 --max-restarts=1 -m elastic_trainer.examples.synthetic_cnn \
         --epochs 10 --checkpoint-dir /tmp/ckpt --checkpoint-every 1000 --throttle-ms 40 &
-    sleep 8; kill -9 "$(pgrep -f synthetic_cnn | tail -1)"
+    sleep 8; kill -9 "$(pgrep -f synthetic_cnn | tail -1)"   # then: resumed from ... (a just-in-time checkpoint)
 """
 
 from __future__ import annotations
@@ -106,6 +32,7 @@ import torch
 from torch import nn
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.runtime.failures import log_line
 
 log = logging.getLogger(__name__)
 
@@ -380,13 +307,6 @@ def flush_logs() -> None:
             handler.flush()
 
 
-def first_line(exc: BaseException) -> str:
-    """``"<first line of the message> (<type>)"``: one line for logs, which must not look like a
-    traceback (tests and operators grep worker logs for ``Error:``)."""
-    text = str(exc).strip()
-    return f"{text.splitlines()[0]} ({type(exc).__name__})" if text else type(exc).__name__
-
-
 # -- the saver ---------------------------------------------------------------------------------------
 class JitCheckpointer:
     """Saves the last completed step once, from whichever thread asks first.
@@ -462,10 +382,10 @@ class JitCheckpointer:
         if not self.enabled:
             return None
         if isinstance(exc, ckpt.CheckpointError):
-            log.info("no just-in-time save after a checkpoint error (%s)", first_line(exc))
+            log.info("no just-in-time save after a checkpoint error (%s)", log_line(exc))
             return None
-        log.warning("training failed (%s); saving the last completed step just in time", first_line(exc))
-        return self.save(f"after {first_line(exc)}", deadline=time.monotonic() + SAVE_TIMEOUT_S)
+        log.warning("training failed (%s); saving the last completed step just in time", log_line(exc))
+        return self.save(f"after {log_line(exc)}", deadline=time.monotonic() + SAVE_TIMEOUT_S)
 
     # -- signal side (wakeup thread) ------------------------------------------------------------------
     def on_signal(self, signum: int) -> None:
@@ -561,8 +481,8 @@ class JitCheckpointer:
                 payload = self._payload()
             path = self._write(step, payload)
         except Exception as exc:  # noqa: BLE001 - reported; the process is going down anyway
-            log.error("just-in-time save of step %s failed: %s", step, first_line(exc))
-            return JitOutcome(saved=False, step=step, path=None, detail=f"failed: {first_line(exc)}")
+            log.error("just-in-time save of step %s failed: %s", step, log_line(exc))
+            return JitOutcome(saved=False, step=step, path=None, detail=f"failed: {log_line(exc)}")
         finally:
             if claim is not None:
                 claim.release()

@@ -124,6 +124,13 @@ def message_line(exc: BaseException) -> str:
     return _SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else ""
 
 
+def log_line(exc: BaseException) -> str:
+    """``"<first line of the message> (<type>)"``: for log lines that must not look like a
+    traceback (operators and the chaos suite grep worker logs for ``Error:``)."""
+    line = message_line(exc)
+    return f"{line} ({type(exc).__name__})" if line else type(exc).__name__
+
+
 def first_line(exc: BaseException) -> str:
     """``Type: first line of the message`` (the message alone for the runtime's own errors)."""
     line = message_line(exc)
