@@ -1,41 +1,10 @@
 """Metrics of the torchrun agent: restarts, rendezvous rounds, membership, worker-group state.
 
-torch's elastic agent reports through two public seams, both hooked here in the launcher
-process:
-
-- ``torch.distributed.elastic.metrics``: ``put_metric`` / ``@prof`` values of the
-  ``torchelastic`` group reach the :class:`MetricHandler` given to ``metrics.configure``
-  (:class:`TorchElasticMetricHandler`): ``SimpleElasticAgent._restart_workers.duration.ms`` per
-  restart, ``workers.<role>.remaining_restarts`` and ``workers.<role>.<state>`` every monitor
-  tick (0.1 s by default, so the handler must stay cheap).
-- ``torch.distributed.elastic.events``: the agent records JSON :class:`Event` s on the logger
-  ``torchelastic-events-<destination>`` (``--event-log-handler``, ``null`` by default). A
-  :class:`logging.Handler` on those loggers (:class:`AgentEventHandler`) sees
-  ``torchelastic.worker.status.RENDEZVOUS`` (one per round, with ``duration_ms``) and
-  ``...START`` (one per started worker, with the new group's node and worker counts).
-
-Agent metrics, all labelled ``run_id`` and ``node`` (the node's name, ``{short host}-{agent pid}``,
-see :mod:`elastic_trainer.metrics.node_name`):
-
-=============================================  =========  ======================================
-elastic_trainer_restarts_total                 counter    worker-group restarts on this node, as
-                                                          the agent counts them (after a worker
-                                                          failure or a membership change); the
-                                                          job's one restart count
-elastic_trainer_agent_remaining_restarts       gauge      failure restarts left (--max-restarts;
-                                                          membership changes do not use them up)
-elastic_trainer_worker_group_state             gauge      1 for the current state, label
-                                                          ``state`` (healthy, unhealthy, ...)
-elastic_trainer_rendezvous_duration_seconds    histogram  one rendezvous round; ``_count`` is
-                                                          the number of rounds
-elastic_trainer_nodes                          gauge      nodes in the current round
-elastic_trainer_membership_changes_total       counter    rounds whose node count differed from
-                                                          this agent's previous round
-=============================================  =========  ======================================
-
-These live in plain Python objects exposed by a custom collector, never in prometheus-client's
-value classes: the launcher exports ``PROMETHEUS_MULTIPROC_DIR`` for its workers, and a value
-class chosen from that variable would write the agent's metrics into the workers' directory.
+Read from torch's two public seams in the launcher process: the ``torchelastic`` metric group
+(:class:`TorchElasticMetricHandler`, called every monitor tick, so it stays cheap) and the agent's
+JSON events on the ``torchelastic-events-*`` loggers (:class:`AgentEventHandler`). Kept in plain
+Python behind a custom collector, never in prometheus-client's value classes (which would write
+into the workers' multiprocess directory). Metric names and meanings: ``docs/design/metrics.md``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The launcher's restart decision: heal what a restart can heal, stop at once on what it cannot.
 
 Each time torchrun's agent finds its worker group failed, :class:`FailurePolicy` reads what the
-workers recorded in torchrun's error files (:mod:`elastic_trainer.runtime.failures`) and decides:
-
-* a **deterministic** failure (bad script, configuration, checkpoint directory, full disk, exit
-  status 2) stops the job at once, without spending a restart;
-* an **error** in the user's code is given one restart; the same error (type, place, step) after
-  a restart stops the job;
-* anything else -- a peer died, a collective failed, a signal, an unexplained exit -- is
-  **transient**: the group restarts, as plain torchrun would, up to ``--max-restarts``.
-
-The root cause is the earliest failure; the launcher prints it as one line (and, for an error in
-the user's code, its traceback once). Pure: the agent hook is in
+workers recorded (:mod:`elastic_trainer.runtime.failures`): a **deterministic** failure stops the
+job without spending a restart, an **error** in the user's code gets one restart, anything else is
+**transient** and restarts as plain torchrun would. The root cause is the earliest failure that is
+not a consequence of another. Pure: the agent hook is
 :func:`elastic_trainer.runtime.torch_compat.on_group_failure`, the printing in the launcher.
+Design: ``docs/design/launcher.md``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Nothing outlives the launcher: a tiny process that cleans up after it, however it ends.
 
-``elastic-trainer run`` starts one janitor (``python -m elastic_trainer.launch.janitor``) before anything
-else and tells it, over the janitor's stdin, what to clean up: directories (the embedded etcd's
-data, ...) and processes (the embedded etcd; the workers, marked by an environment variable only this
-launcher's workers carry). The launcher is the only holder of that pipe's write
-end, so when the launcher ends -- normally, by an exception, or SIGKILLed, when no ``finally`` runs
--- the janitor reads end-of-file. It then stops every registered process still alive (SIGTERM, then
-SIGKILL after :data:`GRACE_S`), also any process whose command line names a registered directory
-(an etcd started but not yet registered), and removes the directories. After a normal exit the
-launcher has already done all of this and the janitor finds nothing left.
-
-The janitor detaches from the launcher's process tree (its starter exits at once, so it is no child
-of the launcher and never mistaken for a worker), runs in its own session (a signal to the
-launcher's process group does not reach it) and ignores SIGINT/SIGTERM: its only trigger is the
-pipe. When it has cleaned up it closes its stdout, which :meth:`Janitor.close` waits for. Stdlib
-only: it starts in tens of ms.
+``elastic-trainer run`` starts one (``python -m elastic_trainer.launch.janitor LAUNCHER_PID``)
+before anything else and registers, over the janitor's stdin, what must not outlive it:
+directories, pids, and the environment marker its workers carry. When the launcher ends, even by
+SIGKILL, the janitor reads end-of-file, stops those processes (SIGTERM, then SIGKILL after
+:data:`GRACE_S`) and removes the directories. It is no child of the launcher, ignores
+SIGINT/SIGTERM, and is stdlib-only. Design: ``docs/design/launcher.md``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
     elastic-trainer run --nnodes 1:2 --nproc-per-node 2 -m elastic_trainer.examples.synthetic_cnn
 
 The agent, restarts and worker management are torch's (``torch.distributed.run``); this module
-only chooses defaults, validates everything a user can get wrong before anything starts, starts
-an embedded etcd when no endpoint is given, serves the node's metrics, and always cleans up.
+chooses defaults, validates everything a user can get wrong before anything starts, starts an
+embedded etcd when no endpoint is given, wires in the node's metrics, the failure policy, warm
+start and the janitor, and always cleans up. Design: ``docs/design/launcher.md``.
 """
 
 from __future__ import annotations

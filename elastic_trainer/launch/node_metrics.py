@@ -1,28 +1,12 @@
 """The node's metrics endpoint, served by the launcher and alive across worker restarts.
 
-The launcher calls :func:`start_launcher_metrics` before it starts torchrun's agent:
-
-1. it creates the multiprocess directory and exports ``PROMETHEUS_MULTIPROC_DIR`` (and
-   ``ELASTIC_TRAINER_METRICS=1`` unless set) so every worker the agent starts reports there,
-   and ``ELASTIC_TRAINER_NODE``, the node's name (:mod:`elastic_trainer.metrics.node_name`), so that the
-   workers' ``node`` label is the agent's and the one ``elastic-trainer status`` shows;
-2. it routes the agent's torch elastic metrics and events into :class:`AgentMetrics`;
-3. it serves ``http://<addr>:<port>/metrics`` (default ``0.0.0.0:9400``) from a daemon thread:
-   the workers' files merged by prometheus-client's ``MultiProcessCollector``, plus the agent's
-   metrics.
-
-Dead workers are handled by the collector itself before each scrape, for every pid that no
-longer runs (the endpoint needs no notice from the agent):
-
-- its ``live*`` gauges are removed (``multiprocess.mark_process_dead``);
-- its counters, histograms and ``max``/``min``/``sum``/``mostrecent`` gauges are folded into one
-  archive file per type (``counter_archive.db``, ``gauge_max_archive.db``, ...), merged per
-  series exactly as the collector would merge them, and its files deleted. The node's counters
-  therefore never go backwards across restarts, and a scrape reads a bounded number of files
-  (otherwise every restart would add a file per worker: ~1.5 s per scrape after 800 dead
-  workers, measured).
-
-Example (what the CLI does; tests do the same around ``torch.distributed.run.main``)::
+:func:`start_launcher_metrics` (before the agent starts) creates the workers' multiprocess
+directory and exports ``PROMETHEUS_MULTIPROC_DIR`` and ``ELASTIC_TRAINER_NODE`` to them, routes the
+agent's torch elastic metrics and events into :class:`AgentMetrics`, and serves
+``http://<addr>:<port>/metrics`` (default ``0.0.0.0:9400``): the workers' files merged, plus the
+agent's metrics. Before each scrape the files of dead workers are retired (``live*`` gauges
+dropped, the rest folded into one archive per kind), so counters never go backwards and a scrape
+reads a bounded number of files. Design: ``docs/design/metrics.md``.
 
     handle = start_launcher_metrics(LauncherMetricsConfig(port=9400, run_id=run_id))
     try:

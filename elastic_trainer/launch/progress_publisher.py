@@ -1,31 +1,15 @@
 """Job progress in etcd, for ``elastic-trainer status``: published by the launcher of global rank 0.
 
-``status`` may run anywhere and reads only etcd, so the launchers put a small summary of their
-metrics there (launcher side)::
-
     publisher = ProgressPublisher.from_settings(settings, metrics)  # the run's RendezvousSettings
     publisher.start()                                           # a daemon thread
-    ...
     publisher.publish_error("worker rank 1 exited with signal 9 (SIGKILL)")  # one line, rarely
     publisher.close()
 
-and ``status`` reads them back with :func:`read_progress`. Keys, under the run next to the
-rendezvous's ``rdzv/`` and ``store``:
-
-==================================  =========================================================
-``{prefix}/{run}/progress/state``   JSON :class:`ProgressRecord`, attached to a lease of three
-                                    intervals: it vanishes soon after its node stops publishing
-``{prefix}/{run}/progress/error``   JSON :class:`ErrorRecord` (node, one line, unix time); a
-                                    lease of the run's ``ttl`` (2 h by default)
-==================================  =========================================================
-
-Invariants: etcd load is bounded and independent of the job's size. Every launcher reads its
-own registry every ``interval_s`` (10 s; in-process, no request), and only the node that hosts
-global rank 0 (a live ``elastic_trainer_step{rank="0"}`` series in its registry) writes: one
-lease renewal and one put per interval. Errors are written when the launcher reports one. A
-publisher never stops or slows the launcher: every etcd call runs on its thread with a retry
-budget of at most one interval, and a failure is logged (once per outage) and retried at the
-next interval.
+``status`` reads them back with :func:`read_progress` from ``{prefix}/{run}/progress/state`` (a
+:class:`ProgressRecord` on a lease of three intervals) and ``.../progress/error`` (an
+:class:`ErrorRecord` on a lease of the run's ``ttl``). Invariants: only the node hosting global
+rank 0 writes, one lease renewal and one put per interval, whatever the job's size; no etcd call
+ever blocks or stops the launcher. Design: ``docs/design/launcher.md``.
 """
 
 from __future__ import annotations

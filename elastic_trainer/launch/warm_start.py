@@ -1,43 +1,15 @@
 """Warm worker start: restarted workers are forked from a process that has already imported torch.
 
-Why: after a fault torchrun starts every worker of the node again, and each new process spends
-seconds importing torch, ``torch.distributed`` and the DDP machinery before it can rejoin (two
-to five seconds per worker on a loaded two-core node, several workers importing at once). That
-is most of a recovery once the rendezvous closes in well under a second.
+    python -m elastic_trainer.launch.warm_start serve --dir DIR --parent-fd FD --preload torch,...
+    python -u -m elastic_trainer.launch.warm_start --socket DIR/server.sock -- -m MODULE ARGS...
 
-How, without changing what torchrun sees:
-
-* ``elastic-trainer run`` starts one **warm server** per node (``python -m
-  elastic_trainer.launch.warm_start serve``). It imports the modules a worker needs (``torch``,
-  ``torch.distributed``, DDP, dynamo, the runtime), never touches CUDA, then listens on a unix
-  socket in a private (0700) directory. It detaches from the launcher's process tree (its
-  parent exits at once) but watches a pipe from the launcher: when the launcher goes away, for
-  any reason, the server SIGKILLs every worker it forked and exits.
-* torchrun still starts each worker as a subprocess, as always, but the command is the **warm
-  client** (``python -u -m elastic_trainer.launch.warm_start --socket PATH -- TARGET...``): a
-  stdlib-only process that starts in tens of milliseconds, hands its stdin/stdout/stderr file
-  descriptors, environment, working directory and command line to the server (``SCM_RIGHTS``),
-  and gets back the pid of a worker the server forked for it. The forked worker starts a new
-  session, takes over those descriptors and that environment and runs the target exactly as
-  ``python -u -m MODULE`` / ``python -u SCRIPT`` would (``runpy``), with its imports already done.
-* The client stands in for the worker towards torchrun: signals it receives (torchrun's
-  SIGTERM to the group, SIGINT, ...) are forwarded to the worker's process group, and it exits
-  with the worker's exit status (dying by the same signal when the worker was killed), so
-  torchrun's failure detection, restarts and error reports are unchanged. If the client itself
-  is SIGKILLed (torchrun's escalation, a test), the server sees its socket close and SIGKILLs the
-  worker's group.
-
-If the server cannot be used (it failed to start, it is gone, the socket is refused), the client
-falls back to a cold start of the same command (``os.execv``) after one warning line, so a warm
-start can only make a start faster, never make it fail. ``--warm-start off`` turns it off.
-
-Forking after importing torch is what ``multiprocessing``'s forkserver and torch's own
-``--start-method=forkserver`` do; the server refuses to serve (and clients fall back) if the CUDA
-driver got initialised in it, because CUDA state must never cross a ``fork`` (merely having
-``libcuda`` mapped, as ``import torch`` does with CUDA builds, is fine).
-
-For tools and tests: :func:`worker_pids` maps a launcher's children (clients) onto the workers
-actually running the target, through the registry the server keeps in its directory.
+``elastic-trainer run`` starts one warm server per node; torchrun starts each worker as a tiny
+client that has the server fork the real worker with the client's stdio, environment, working
+directory and arguments, forwards signals to it and exits with its status, so torchrun sees no
+difference. Invariants: the server never initialises CUDA (it refuses to serve if the driver got
+initialised) and never imports prometheus-client; a client that cannot use the server starts cold
+after one line; no worker outlives its client or the launcher. The client is stdlib-only. Design:
+``docs/design/warm-start.md``.
 """
 
 from __future__ import annotations
@@ -79,11 +51,9 @@ DEFAULT_PRELOAD = (
     "elastic_trainer.runtime.failures",
     "elastic_trainer.train.worker_entry",
 )
-"""Imported by the server before it serves: what every runtime worker imports anyway.
-
-Not ``prometheus_client`` (nor the metrics modules): it chooses its multiprocess mode from
-``PROMETHEUS_MULTIPROC_DIR`` when it is imported, and the server starts before the launcher has
-created that directory; workers import it themselves, in a few milliseconds."""
+"""Imported by the server before it serves: what every runtime worker imports anyway. Never
+``prometheus_client`` (nor the metrics modules): its multiprocess mode is fixed at import, before
+the launcher has created the workers' directory."""
 
 CONNECT_WAIT_S = 120.0
 """How long a client waits for a server that is still importing before it starts cold."""
@@ -145,12 +115,10 @@ CUDA_ERROR_NOT_INITIALIZED = 3
 def cuda_driver_initialized(maps: str | None = None, *, load: Callable[..., Any] | None = None) -> bool:
     """Whether this process initialised the CUDA driver (``cuInit``), after which a ``fork`` is unsafe.
 
-    Having ``libcuda`` mapped is not enough to refuse: torch's CUDA builds map it at ``import
-    torch`` (seen with torch 2.11+cu130 on an H100 node), and forking then is what DataLoader
-    workers do every day. The question goes to each driver copy already loaded (``RTLD_NOLOAD``:
-    nothing new is loaded): ``cuCtxGetCurrent`` answers ``CUDA_ERROR_NOT_INITIALIZED`` without
-    initialising anything. A driver that is mapped but cannot be asked counts as initialised (the
-    safe answer: workers start cold).
+    A mapped ``libcuda`` is not enough to refuse (torch's CUDA builds map it at import). Each
+    driver copy already loaded is asked (``RTLD_NOLOAD``) with ``cuCtxGetCurrent``, which answers
+    ``CUDA_ERROR_NOT_INITIALIZED`` without initialising anything; a driver that cannot be asked
+    counts as initialised. See ``docs/design/warm-start.md``.
 
     Args:
         maps: the text of ``/proc/self/maps`` (for tests); read when ``None``.

@@ -2,6 +2,8 @@
 
 Runs in: the worker processes (``worker``: the Prometheus observer; ``allreduce_hook``,
 ``bucket_trace``, ``collective_trace``: allreduce timing). ``progress`` and ``node_name`` are pure
-and shared. The node's endpoint and the agent's metrics are the launcher's
-(``elastic_trainer.launch.node_metrics``, ``elastic_trainer.launch.agent_metrics``).
+and shared; ``prometheus_compat`` holds every private prometheus-client use (workers and the
+launcher). The node's endpoint and the agent's metrics are the launcher's
+(``elastic_trainer.launch.node_metrics``, ``elastic_trainer.launch.agent_metrics``). Design:
+``docs/design/metrics.md``.
 """

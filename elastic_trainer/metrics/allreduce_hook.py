@@ -1,32 +1,15 @@
 """Time every DDP gradient bucket's allreduce without adding a synchronisation to the step.
 
-:func:`timed_allreduce_hook` is a DDP communication hook that runs torch's default allreduce
-(an average over the group, as ``default_hooks.allreduce_hook``; on NCCL in the collective, see
-:meth:`AllreduceTimer._resolve_group`) and timestamps the bucket's future:
+:func:`timed_allreduce_hook` is a DDP communication hook: torch's default allreduce (an average
+over the group) with the bucket's future timestamped, by the monotonic clock on CPU and by CUDA
+events on GPU. Events are only queried later (:meth:`AllreduceTimer.drain`), never synchronised.
+The callback appends to a ``deque`` and the observer drains it: no lock on either side.
 
-- on CPU (gloo) with ``time.monotonic()`` when the hook launches the bucket and in the
-  ``future.then`` callback when its allreduce completes;
-- on GPU with a CUDA event recorded on the current stream at launch and another recorded in the
-  ``then`` callback, which runs on a stream that waits for the collective. The events are only
-  *queried* later (:meth:`AllreduceTimer.drain`), never synchronised, so the host never blocks
-  on the GPU for the sake of metrics.
-
-A Python hook must return a future that a Python callback completed (DDP refuses the
-collective's own future), so one ``then`` callback per bucket is the floor: torch's stock
-``allreduce_hook`` pays it too. Everything else is kept off that path: the hook calls the
-process group directly (``dist.all_reduce`` adds ~10 us of Python checks per call), the
-callback appends one tuple to a ``deque`` (atomic under the GIL: no lock), and the observer
-turns the tuples into Prometheus samples on the training thread, in batches.
-
-On CPU the callback runs on one of gloo's threads, which Python does not know. pybind11 then
-creates a Python thread state to take the GIL and destroys it afterwards, on every bucket.
-:func:`_keep_thread_state` gives each such thread one thread state for its lifetime instead,
-which is what torch does for its own autograd threads (``PythonEngine::thread_init``). In a
-2-rank gloo job with a tiny model that took the hook's extra CPU from ~110 us to ~0 per step;
-with the example's model the hook still costs ~100-200 us per step and rank either way (see
-``benchmarks/RESULTS.md``). This module
-deliberately does not use ``from __future__ import annotations``: DDP compares the hook's
-annotations with the real ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
+Register with ``ddp_model.register_comm_hook(AllreduceTimer(...), timed_allreduce_hook)``. Why
+the hook is built this way (one callback per bucket is DDP's floor, kept thread states on gloo's
+threads, NCCL averaging, event reuse): ``docs/design/metrics.md``. No ``from __future__ import
+annotations`` here: DDP compares the hook's annotations with the real ``dist.GradBucket`` and
+``torch.futures.Future[torch.Tensor]``.
 """
 
 import ctypes
@@ -67,11 +50,10 @@ def _keep_thread_state() -> None:
     """Keep this thread's Python thread state alive until the interpreter exits (once per thread).
 
     Called with the GIL held from a callback that pybind11 entered on a thread Python did not
-    create. ``PyGILState_Ensure`` on the thread state pybind11 made for the call only raises its
-    use count (the GIL is held already), so pybind11 releases the GIL afterwards but no longer
-    destroys the state, and reuses it for the thread's next callback. The one state per backend
-    thread (a few KB) outlives the thread and is freed with the interpreter. On a thread Python made (the callback ran inline) it
-    only raises a count that nothing lowers, which is harmless. Not CPython: nothing to keep.
+    create. ``PyGILState_Ensure`` on the state pybind11 made for the call only raises its use
+    count, so pybind11 no longer destroys it after the call and reuses it for the thread's next
+    callback. On a thread Python made it raises a count nothing lowers (harmless). Not CPython:
+    nothing to keep.
     """
     if getattr(_thread_state_kept, "done", False):
         return
@@ -117,8 +99,8 @@ class _PendingCuda:
 class AllreduceTimer:
     """State of :func:`timed_allreduce_hook`: collects per-bucket timings until drained.
 
-    The hook's callbacks (on gloo's threads; on NCCL inline, on the autograd thread) only append
-    to a ``deque``; ``deque.append`` and ``popleft`` are atomic, so neither side takes a lock.
+    The hook's callbacks (on gloo's threads; on NCCL on the autograd thread) only append to a
+    ``deque``, whose ``append`` and ``popleft`` are atomic: neither side takes a lock.
 
     Args:
         process_group: the DDP model's process group (``None``: the default group).
@@ -149,8 +131,7 @@ class AllreduceTimer:
         self._max_pending = max_pending
         self._done: deque[CpuRecord] = deque(maxlen=max_pending)
         self._cuda: deque[_PendingCuda] = deque(maxlen=max_pending)
-        # Timing events whose elapsed time was read, for reuse instead of creating (and later
-        # destroying) two CUDA events per bucket (benchmarks/RESULTS.md, session 5).
+        # Timing events whose elapsed time was read, reused instead of two new events per bucket.
         self._free_events: list[Any] = []
         self._group: Any = None  # resolved on the first bucket (after init_process_group)
         self._world = 1
@@ -158,13 +139,11 @@ class AllreduceTimer:
         self._options = dist.AllreduceOptions()
 
     def _resolve_group(self) -> Any:
-        """The group, and how it averages: CUDA buckets on NCCL in the collective (``ReduceOp.AVG``,
-        which NCCL applies as a pre-multiplied sum), anything else by dividing the bucket first,
-        as torch's hooks do against fp16 overflow. Without a hook DDP fuses that division into its
-        copy of the gradients into the bucket; a hook gets the undivided bucket, so a separate
-        division is one more pass over every gradient byte. One rank divides by nothing.
-        ``name()`` is the group's default backend: only with ``use_cuda`` is it the one that
-        reduces these buckets (a ``cpu:gloo,cuda:nccl`` group reports "nccl")."""
+        """The group, and how it averages: CUDA buckets on NCCL in the collective
+        (``ReduceOp.AVG``), anything else by dividing the bucket first, as torch's hooks do
+        against fp16 overflow; one rank divides by nothing. ``name()`` is the group's default
+        backend, which reduces these buckets only with ``use_cuda`` (a ``cpu:gloo,cuda:nccl``
+        group reports "nccl")."""
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         if group is None:
             raise RuntimeError("the allreduce timing hook ran before init_process_group")
@@ -263,12 +242,8 @@ class AllreduceTimer:
 def timed_allreduce_hook(
     state: AllreduceTimer, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: torch's default allreduce (an average), with the bucket's future timestamped.
-
-    Register with ``ddp_model.register_comm_hook(AllreduceTimer(...), timed_allreduce_hook)``.
-    One Python callback per bucket (the one DDP requires), which also unwraps the result the
-    way the default hook does.
-    """
+    """DDP comm hook: torch's default allreduce (an average), with the bucket's future timestamped
+    by its one Python callback (the one DDP requires), which also unwraps the result."""
     buffer = bucket.buffer()
     step_seq = state.step_seq
     if bucket.is_last():

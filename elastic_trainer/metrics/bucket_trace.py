@@ -1,35 +1,12 @@
 """DDP bucket timings from the flight recorder, numbered by step: the hook-free counterpart of
 :class:`~elastic_trainer.metrics.allreduce_hook.AllreduceTimer` (``ELASTIC_TRAINER_METRICS_ALLREDUCE=trace``).
 
-:class:`TracedBucketTimer` offers what the observer uses of ``AllreduceTimer`` (``step_seq``,
-``drain()``, ``dropped``, ``use_cuda``) without a communication hook: DDP reduces its buckets the
-way it does with no hook at all, in C++, and the timings come from
-:class:`~elastic_trainer.metrics.collective_trace.CollectiveTrace` once per flush. Two things replace what the
-hook saw per bucket:
-
-- **Which collectives are buckets.** The traced group's allreduces whose size is one of the DDP
-  model's bucket sizes (its first guess and its rebuilt buckets, from DDP's logging data). The
-  runtime's per-step control allreduce (a few numbers on the same group) is left out by this, as
-  long as no bucket has its size. DDP rebuilds its buckets in the second iteration but logs the
-  new sizes only at the start of the third forward, so a collective of unknown size is held
-  back until the rebuilt sizes are known (or :data:`HOLD_STEPS` steps passed: DDP did not
-  rebuild), then counted or left out.
-- **Which step a bucket belongs to.** A forward pre-hook on the DDP model (one Python call per
-  forward, not per bucket) notes the wall time at which each forward that will synchronise
-  gradients starts (``require_backward_grad_sync``, grad mode on). A bucket launched after the
-  start of the k-th such forward and before the next belongs to step k (from 0): the numbering the
-  hook gives by counting DDP's last buckets. The recorder stamps launches with the same clock
-  (``time.time_ns()``).
-
-Reading costs ~20 us of GIL time per entry *in the ring* (``benchmarks/RESULTS.md``, session 6),
-new or not, so the timer does not read at every flush: it learns how many collectives (of all
-groups) a step launches and reads once about half the ring is new, at least every
-:data:`MAX_READ_INTERVAL_S`, and after a read that found entries lost, at every flush again until
-it has learnt the rate anew. That costs ~2 entry reads per collective whatever the ring's size.
-
-The durations are GPU kernel times of each allreduce (NCCL's start and end events), without the
-time a bucket queued behind the previous one. Only NCCL times its collectives: on gloo every
-bucket counts as untimed (:attr:`CollectiveTrace.untimed`) and the allreduce metrics stay empty.
+:class:`TracedBucketTimer` offers what the observer uses of ``AllreduceTimer`` without a
+communication hook. A bucket is an allreduce of the model's group whose size DDP logged as a
+bucket size; it belongs to the last synchronising forward that started before its launch (one
+forward pre-hook). The ring is read once about half of it is new, at least every
+:data:`MAX_READ_INTERVAL_S`. Only NCCL times its collectives: on gloo every bucket counts as
+untimed. Design and costs: ``docs/design/metrics.md``.
 """
 
 from __future__ import annotations

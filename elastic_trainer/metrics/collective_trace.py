@@ -1,27 +1,10 @@
-"""Per-collective timings read from torch's flight recorder: allreduce timing with no Python per bucket.
+"""Per-collective timings read from torch's flight recorder (no Python per bucket).
 
-The allreduce timing hook (:mod:`elastic_trainer.metrics.allreduce_hook`) pays a Python call and a
-``future.then`` callback per DDP bucket. On a GPU that is 1.4-2.5 ms of host time per step of a
-GPT-2-small-shaped model (13 buckets), 4-7 % of a 33 ms step (``benchmarks/RESULTS.md``, session
-5), and torch's own stock Python hook costs ~75 % of that: no Python hook can meet the 0.99
-overhead goal there. The flight recorder does the bookkeeping in C++ instead, and torch runs it
-by default: every collective of every process group is recorded in a ring buffer
-(``TORCH_FR_BUFFER_SIZE`` entries, 2000 unless set) with its process group, operation, sizes and
-dtypes, and with ``TORCH_NCCL_ENABLE_TIMING=1`` NCCL's watchdog
-adds each finished collective's GPU duration (``duration_ms``, from CUDA events around the kernel).
-:class:`CollectiveTrace` reads that buffer once in a while (``_dump_fr_trace``) and returns the
-collectives it has not returned before, in launch order.
-
-Costs, measured on this project's 2-core CPU machine (``benchmarks/RESULTS.md``, session 6):
-recording is C++ on the launching thread (below the noise of a ~100 us gloo allreduce); a read
-holds the GIL for ~20 us per entry in the buffer (dump + unpickle), whatever was new, so a reader
-that reads when about half the buffer is new pays ~40 us per collective, against ~100-200 us per
-bucket of a Python hook on a GPU host. What is not known yet (it needs a GPU; the gloo backend of
-torch 2.13 records collectives but never their durations): the NCCL recording cost with timing
-on, and which thread's collectives carry which ``thread_id``.
-
-This module only reads and parses; it does not decide which collectives are DDP's buckets or which
-step they belong to.
+:class:`CollectiveTrace` reads the recorder's ring and returns one group's finished, timed
+collectives of one kind, each once, in launch order, without waiting for any. Only NCCL times its
+entries (``TORCH_NCCL_ENABLE_TIMING=1``). Which collectives are DDP's buckets, and of which step,
+is :mod:`elastic_trainer.metrics.bucket_trace`'s business. Design and read costs:
+``docs/design/metrics.md``.
 """
 
 from __future__ import annotations
@@ -63,7 +46,6 @@ def trace_environment(
 
     Must run before the process creates its first process group: the recorder reads its size once.
     Values the user set are kept (a buffer of 0 keeps the recorder off). Returns what was set.
-    (torch records 2000 entries by default; the size is set here so that readers know it.)
     """
     if entries < 1:
         raise ValueError(f"entries must be >= 1, got {entries}")

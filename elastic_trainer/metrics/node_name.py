@@ -1,16 +1,9 @@
 """The one name of a node (one launcher and its torchrun agent): ``{short host}-{agent pid}``.
 
-Metrics label their series with it (``node``), ``elastic-trainer status`` shows it next to the
-rendezvous node id, and ``elastic-trainer top`` names the slowest node with it, so an operator
-can follow one node from a dashboard to ``status`` and back. Two nodes on one host differ by
-their pid; a node keeps its name across worker restarts (the agent lives on).
-
-Both halves come from what the lease rendezvous already stores for each node under
-``rdzv/nodes/<node id>`` (``{"addr": ..., "pid": ...}``, ``rendezvous.lease_handler.NodeInfo``):
-``addr`` is the host's fully qualified name unless torchrun got ``--local-addr``, and ``pid`` is
-the agent's, which under ``elastic-trainer run`` is the launcher's own pid.
-
-The launcher exports the name to its workers as ``ELASTIC_TRAINER_NODE``.
+The ``node`` label of every metric, the name ``elastic-trainer status`` and ``top`` show. Both
+halves come from what the lease rendezvous stores per node (``rendezvous.lease_handler.NodeInfo``:
+``addr``, ``pid``; under ``elastic-trainer run`` the agent's pid is the launcher's). Stable across
+worker restarts; exported to workers as ``ELASTIC_TRAINER_NODE``. Why: ``docs/design/metrics.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
 """What a job's metrics say about its progress: step and target, rates, ETA, the slowest rank.
 
 Pure functions over prometheus-client samples, wherever they come from: a node's ``/metrics``
-text (``elastic-trainer top``, :mod:`elastic_trainer.ops.top`) or the launcher's own registry
+text (:mod:`elastic_trainer.ops.top`) or the launcher's own registry
 (:mod:`elastic_trainer.launch.progress_publisher`, which puts the result in etcd for
-``elastic-trainer status``). Metric names and meanings: :mod:`elastic_trainer.metrics.worker`.
+``elastic-trainer status``)::
 
     window = RateWindow(span_s=60.0)
     snapshot = Snapshot.from_samples(samples, taken_at=time.monotonic())
     view = progress_view(snapshot, window.add(snapshot))
 
-Rates compare two snapshots: steps per second is the change of the last finished step over
-the window (a resume from an older checkpoint moves the step back, and the window starts
-again), throughput the change of ``samples_total``. A node sees only its own ranks' samples;
-throughput is scaled by ``world size / ranks seen`` (each rank trains an equal share of the
-global batch, up to one sample) and marked ``samples_estimated``. The slowest rank is the one
-with the largest mean ``step_compute`` time over the window, compared with the median of all
-ranks seen (the straggler signal, see :mod:`elastic_trainer.metrics.worker`).
+Rates compare two snapshots of a window (a step moving back, a resume from an older checkpoint,
+starts the window again). A node sees only its own ranks: throughput is scaled by world size over
+ranks seen and marked estimated. The slowest rank has the largest mean ``step_compute`` time,
+compared with the median over ranks. Metric names and the straggler signal:
+``docs/design/metrics.md``.
 """
 
 from __future__ import annotations

@@ -1,72 +1,17 @@
-"""Prometheus metrics for training: the worker-side :class:`TrainingObserver` and its labels.
+"""Prometheus metrics of a worker process: :class:`PrometheusObserver` and its labels.
 
-Workers report through prometheus-client's multiprocess mode: every worker process writes its
-samples to memory-mapped files in ``PROMETHEUS_MULTIPROC_DIR``, a directory the launcher creates
-and exports before it starts the agent (:func:`start_launcher_metrics`); the launcher serves
-one endpoint per node that merges those files with the agent's own metrics
-(:mod:`elastic_trainer.launch.node_metrics`). A worker therefore needs no port of its own and its
-counters outlive it: a restarted worker's counters continue from the dead one's. Per-step values
-are gathered in plain Python and written to those files once a second
-(:data:`DEFAULT_FLUSH_INTERVAL_S`), not on every step (see :class:`PrometheusObserver`).
+Workers write through prometheus-client's multiprocess mode into the directory the launcher
+serves (:mod:`elastic_trainer.launch.node_metrics`), so a worker needs no port and its counters
+outlive it. Per-step values are gathered in plain Python and written once a second
+(:data:`DEFAULT_FLUSH_INTERVAL_S`). Every callback runs on the training thread and never waits
+for other ranks or the GPU. Metric names, gauge modes, the straggler signal and why:
+``docs/design/metrics.md``.
 
-Worker metrics (``run_id`` and ``node`` on all; ``rank``/``local_rank`` where marked *). ``node`` is
-the node's name ``{short host}-{agent pid}`` (:mod:`elastic_trainer.metrics.node_name`), the name
-``elastic-trainer status`` shows, exported by the launcher to its workers:
-
-=================================================  =========  ==================================
-name                                               type       meaning
-=================================================  =========  ==================================
-elastic_trainer_samples_total *                    counter    samples this rank trained on
-elastic_trainer_tokens_total *                     counter    tokens this rank trained on
-elastic_trainer_step_duration_seconds *            histogram  optimizer step wall time
-elastic_trainer_data_wait_seconds *                histogram  time a step waited for its batch
-elastic_trainer_step_compute_seconds *             histogram  step time minus the exposed
-                                                              allreduce wait (straggler signal)
-elastic_trainer_step *                             gauge      last finished step
-elastic_trainer_target_steps                       gauge      steps the job trains for in all
-                                                              (max_steps or epochs x steps/epoch)
-elastic_trainer_last_step_timestamp_seconds        gauge      unix time of the last finished step
-                                                              (a hang: time() minus it grows)
-elastic_trainer_loss *                             gauge      last loss
-elastic_trainer_learning_rate                      gauge      learning rate of the last step
-elastic_trainer_allreduce_duration_seconds *       histogram  one gradient bucket's allreduce
-elastic_trainer_allreduce_bucket_bytes *           histogram  size of each allreduced bucket
-elastic_trainer_allreduce_bytes_total *            counter    bytes allreduced
-elastic_trainer_allreduce_bus_bandwidth_bytes_per_second *
-                                                   gauge      nccl-tests bus bandwidth,
-                                                              2(n-1)/n * bytes / time
-elastic_trainer_world_size                         gauge      ranks in the current world
-elastic_trainer_checkpoint_save_duration_seconds   histogram  checkpoint write stall (rank 0)
-elastic_trainer_checkpoint_load_duration_seconds * histogram  checkpoint restore time
-elastic_trainer_checkpoint_saved_bytes_total       counter    bytes written to checkpoints
-elastic_trainer_checkpoint_loaded_bytes_total *    counter    bytes restored from checkpoints
-elastic_trainer_last_checkpoint_step               gauge      step of the newest checkpoint
-elastic_trainer_last_checkpoint_timestamp_seconds  gauge      unix time of the newest save
-=================================================  =========  ==================================
-
-Restarts are counted once, by the agent: ``elastic_trainer_restarts_total``
-(:mod:`elastic_trainer.launch.agent_metrics`), every worker-group restart of the node, after a failure
-or a membership change. Workers export no restart count of their own (their
-``TORCHELASTIC_RESTART_COUNT`` counts failure restarts only, so the two used to disagree).
-Throughput is ``rate(elastic_trainer_samples_total)``; steps per second is the per-rank rate of
-``elastic_trainer_step_duration_seconds_count``; the ETA is (target - step) / steps per second.
-
-Multiprocess modes: gauges describing a live process (step, loss, learning rate, bandwidth,
-world size) use ``livemostrecent``, so they vanish when the launcher marks a dead worker's pid
-dead; facts that stay true after a worker dies (newest checkpoint, last step time, target steps)
-use ``max``/``mostrecent``.
-
-The straggler signal is computed in PromQL from the per-rank ``step_compute`` histograms (each
-rank's mean against the median across ranks): no extra collective in the step. Whole-step times
-are nearly equal across ranks in synchronous DDP, because fast ranks wait for the slow one in
-the gradient allreduce; subtracting the wait after the last bucket's launch exposes the rank
-that everyone waits for.
-
-Usage in a training script started by ``elastic-trainer run``::
+In a training script started by ``elastic-trainer run``::
 
     from elastic_trainer.metrics.worker import worker_observer
     observer = worker_observer()        # reads RANK, LOCAL_RANK, TORCHELASTIC_RUN_ID, ...
-    observer.wrap_ddp(ddp_model)        # allreduce timing hook
+    observer.wrap_ddp(ddp_model)        # allreduce timing
 """
 
 from __future__ import annotations
@@ -107,7 +52,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "elastic_trainer_"
 MULTIPROC_DIR_ENV = ENV_MULTIPROC_DIR
-# Histogram buckets, in base units. Roughly x2 apart so p50/p95 interpolate within ~40%.
+# Histogram buckets, in base units, roughly x2 apart (see docs/design/metrics.md).
 STEP_SECONDS_BUCKETS = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0,
@@ -315,11 +260,10 @@ class _WorkerMetrics:
 class _LocalHistogram:
     """A histogram child's observations, kept in plain Python until :meth:`flush` writes them.
 
-    prometheus-client stores a histogram as one value per bucket (non-cumulative) plus ``_sum``;
-    each ``observe`` takes a lock and writes two of them to the memory-mapped file (~5 us). Here
-    an observation is a bisect and two additions; a flush adds the counts gathered since the
-    last one to the same values, so the exported series are exactly what ``observe`` would
-    have written (tests/unit/test_metrics_observer.py checks that against ``observe``).
+    prometheus-client keeps one value per bucket (non-cumulative) plus ``_sum``, each ``observe``
+    a locked write of two of them. Here an observation is a bisect and two additions; a flush
+    adds the gathered counts to the same values, so the exported series are exactly what
+    ``observe`` would have written.
     """
 
     __slots__ = ("_bounds", "_buckets", "_sum", "counts", "total")
@@ -358,13 +302,10 @@ class _LocalHistogram:
 class PrometheusObserver:
     """A :class:`~elastic_trainer.runtime.observer.TrainingObserver` recording into prometheus-client.
 
-    Every callback runs on the training thread; nothing here talks to other ranks or waits for
-    the GPU. Per-step values are gathered in plain Python and written to prometheus-client
-    (memory-mapped files in multiprocess mode) at most every ``flush_interval_s``, by the first
-    ``on_step`` after it elapsed, and at once by checkpoint events, :meth:`on_start` and
-    :meth:`flush`. A step then costs a few microseconds instead of ~15 locked file writes; the
-    price is that a worker killed with SIGKILL loses its last ``flush_interval_s`` of counts
-    (Prometheus scrapes every 15 s or so anyway). :func:`worker_observer` flushes at exit.
+    Per-step values are written to prometheus-client at most every ``flush_interval_s`` (by the
+    first ``on_step`` after it elapsed) and at once by checkpoint events and :meth:`flush`; a
+    worker killed by SIGKILL loses its last interval of counts. :func:`worker_observer` flushes
+    at exit.
 
     Args:
         labels: this worker's label values.
@@ -457,10 +398,8 @@ class PrometheusObserver:
     ) -> None:
         """See :class:`~elastic_trainer.runtime.observer.TrainingObserver`.
 
-        Only appends the step to a list (and keeps ``lr`` and the step's time). The next :meth:`flush` (at most ``flush_interval_s``
-        or :data:`MAX_DEFERRED_STEPS` steps later) turns the gathered steps into samples in one
-        tight loop, which costs a fraction of doing the same work once per step right after a
-        training step has evicted it from the caches."""
+        Only appends the step to a list; the next :meth:`flush` (at most ``flush_interval_s`` or
+        :data:`MAX_DEFERRED_STEPS` steps later) turns the gathered steps into samples at once."""
         timer = self._timer
         steps = self._steps
         steps.append((step, duration_s, data_wait_s, samples, tokens, loss,

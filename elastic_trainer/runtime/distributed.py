@@ -1,16 +1,13 @@
 """Process-group setup and teardown for workers started by torchrun (or by hand, single process).
 
-Reads ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` from torchrun's environment (the legacy
-``--local_rank`` / ``--local-rank`` argument of ``torch.distributed.launch`` is accepted too),
-picks ``cuda:LOCAL_RANK`` and NCCL when CUDA is present, the CPU and gloo otherwise, and creates the
-process group with a generous timeout (30 minutes by default) so that a slow rank is tolerated.
-
-The NCCL error-handling environment is made consistent with that timeout before the group exists:
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` tears a process down when a collective fails or exceeds the
-timeout (so the torchrun agent notices and restarts the group, instead of a hang),
-``TORCH_NCCL_BLOCKING_WAIT`` stays off (the two modes exclude each other), the watchdog monitor is
-on and its heartbeat timeout equals the collective timeout (it may kill a process whose watchdog
-thread is stuck, but never sooner than a stuck collective would). Values the user set are kept.
+Reads ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` (a legacy ``--local-rank`` argument too), picks
+``cuda:LOCAL_RANK`` and NCCL when CUDA is present, the CPU and gloo otherwise, and creates the group
+with a generous timeout (30 minutes by default) so a slow rank is tolerated. Before the group
+exists the NCCL environment is made consistent with that timeout (values the user set are kept):
+asynchronous error handling on, so a failed or timed-out collective ends the process and torchrun
+restarts the group instead of hanging; blocking wait off (the two modes exclude each other); the
+watchdog monitor on, its heartbeat timeout equal to the collective timeout (it never ends a
+process sooner than a stuck collective would).
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.train.config import ConfigError
+from elastic_trainer.runtime.failures import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -1,23 +1,11 @@
 """Worker failures: is it worth a restart? Classify, record for the launcher, report once.
 
-A worker that fails is one of three kinds (:class:`FailureClass`):
-
-* ``deterministic`` -- a restart cannot help: a script that does not compile or import, a bad
-  configuration, a checkpoint directory that belongs to another job, cannot be used, or is full,
-  an explicit exit with status 2 (the usage-error convention of argparse and shells);
-* ``transient`` -- a peer died, a collective failed or timed out, the node is being stopped:
-  restarting the group heals it;
-* ``error`` -- any other exception of the user's code. Restarted once; the launcher stops the job
-  when the same error (type, place and step) comes back after a restart.
-
-The classification travels in torchrun's own error file (``TORCHELASTIC_ERROR_FILE``, the file
-``@record`` writes), in torch's format plus an ``elastic_trainer`` section, so torchrun's root-cause
-report keeps working and ``elastic-trainer run`` (:mod:`elastic_trainer.launch.failure_policy`) decides
-from it. Under ``elastic-trainer run`` (``ELASTIC_TRAINER_REPORTS_FAILURES``) the launcher prints the root
-cause once, so a failing worker prints one line instead of a traceback per rank.
-
-Import-light on purpose: the worker entry point loads it only after a failure, and it never
-imports torch (it looks torch up in ``sys.modules``).
+A failure is ``deterministic`` (a restart cannot help: the script does not import, a bad
+configuration, an unusable checkpoint directory, exit status 2), ``transient`` (a peer died, a
+collective failed, the node is stopping) or an ``error`` of the user's code (one restart). The
+class travels in torchrun's own error file (``TORCHELASTIC_ERROR_FILE``), in torch's format plus an
+``elastic_trainer`` section, for :mod:`elastic_trainer.launch.failure_policy`. Import-light: it is
+loaded only after a failure and never imports torch. Design: ``docs/design/launcher.md``.
 """
 
 from __future__ import annotations
@@ -57,6 +45,11 @@ class DeterministicError(Exception):
 
 class ConfigError(DeterministicError, ValueError):
     """A setting is invalid; the message names it. A restart cannot fix it."""
+
+
+class UserError(ConfigError):
+    """A mistake at a command line (``elastic-trainer``'s or the doctor's): one line on stderr, exit
+    status 2, no traceback."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,9 @@
 """Leaving a training process without the C++ teardown that can abort it.
 
-torch 2.13 with gloo occasionally aborts during interpreter teardown, after a clean
-``destroy_process_group`` (``terminate called without an active exception``, SIGABRT, exit -6).
-A worker that finished its job then looks *failed* to torchrun's agent, which restarts the whole
-finished group; a worker that failed with a clear error code gets a crash report instead. Seen
-here in the chaos and torchrun tests; the cause is torch's, not ours.
-
-:func:`exit_process` ends the process the way a normal interpreter exit would as far as Python
-code can tell -- non-daemon threads joined, ``atexit`` handlers run (e.g. the metrics' last
-flush), logging shut down, streams flushed -- and then leaves with ``os._exit``, skipping the
-C++ static destructors. Entry points (the example, ``doctor``, warm-started workers) call it last.
+torch 2.13 with gloo occasionally aborts (SIGABRT) in interpreter teardown after a clean
+``destroy_process_group``, which makes a finished worker look failed. :func:`exit_process` does
+Python's own exit work (threads, ``atexit``, logging, streams), then ``os._exit``. Entry points
+call it last. Design: ``docs/design/graceful-stop.md``.
 """
 
 from __future__ import annotations

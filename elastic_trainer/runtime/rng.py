@@ -1,15 +1,11 @@
 """Random numbers of a training process: derived per step, so no state needs saving.
 
-Exact resume: at the start of every optimizer step the runtime reseeds this process's generators
-(Python, numpy, torch CPU and the worker's CUDA device) from ``(seed, rank, step)``
-(:func:`seed_step`). Whatever a step draws (dropout, random augmentation in the step) is then a pure
-function of the job's seed, the rank and the step number, so a rank restarted after any fault --
-even one whose generator state died with it -- draws exactly what the uninterrupted run drew.
-Across a world-size change the guarantee is the same for the new world: every step is bitwise the
-step of a fault-free run with the same world-size history. Design: ``docs/design/exact-resume.md``.
-
-:func:`capture`/:func:`restore` (plain data that loads with ``weights_only=True``) remain for code
-that must leave no trace on the generators (DDP bucket priming).
+At the start of every optimizer step the runtime reseeds this process's generators (Python,
+numpy, torch CPU and the worker's CUDA device) from ``(seed, rank, step)`` (:func:`seed_step`), so
+whatever a step draws is a pure function of the job's seed, the rank and the step: a rank
+restarted after any fault draws exactly what the uninterrupted run drew. :func:`capture` and
+:func:`restore` remain for code that must leave no trace on the generators (DDP bucket priming).
+Design: ``docs/design/exact-resume.md``.
 """
 
 from __future__ import annotations
@@ -40,9 +36,8 @@ STEP_SCHEME = "per-step:sha256(seed:rank:step)"
 def seed_step(seed: int, rank: int, step: int, device: torch.device) -> None:
     """Reseed every generator this rank draws from for the step after ``step`` completed steps.
 
-    Cheap (a few microseconds, no device synchronisation): the CPU generator and only this
-    worker's CUDA generator are seeded (``torch.manual_seed`` would also touch every device and
-    costs ~100 us).
+    No device synchronisation: only the CPU generator and this worker's CUDA generator are seeded
+    (``torch.manual_seed`` would touch every device).
     """
     derived = derive_seed(seed, rank, step)
     random.seed(derived)

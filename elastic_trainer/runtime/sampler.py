@@ -1,20 +1,16 @@
 """The elastic sampler: a global data order with a cursor, re-partitioned over any world size.
 
-``DistributedSampler`` fixes each rank's slice of the epoch when the epoch starts, so a restart
-with a different number of workers either repeats or skips samples. Here the epoch is one global
-order (a permutation seeded by ``seed + epoch``, exactly as ``DistributedSampler``'s), consumed in
-optimizer steps of ``global_batch_size`` samples, and the only state is the *global cursor*: how
-many samples of that order have been consumed. Step ``k`` of an epoch always takes
-``order[cursor : cursor + global_batch_size]`` (the last step takes what is left) and splits it
-over the ranks alive *now*. After a restart with any world size, training continues at the saved
-cursor, so every sample is used exactly once per epoch.
+Each epoch is one global order (a permutation seeded by ``seed + epoch``, as
+``DistributedSampler``'s), consumed in optimizer steps of ``global_batch_size`` samples; the only
+state is the *global cursor*. Step ``k`` takes ``order[cursor : cursor + global_batch_size]`` and
+splits it over the ranks alive now, so after a restart at any world size every sample is still
+used exactly once per epoch (``DistributedSampler`` fixes each rank's slice at the epoch's start
+and repeats or skips samples instead). Everything a rank sees is a pure function of
+``(seed, epoch, cursor, world_size, rank)``.
 
-Everything a rank sees is a pure function of ``(seed, epoch, cursor, world_size, rank)``: a run
-resumed from a checkpoint replays the same batches as the run that wrote it.
-
-A rank's share is cut into the same number of micro-batches on every rank (DDP needs every rank to
-run the same number of backward passes). A rank whose share is smaller than that number (only in
-the last, short step of an epoch) gets *padding* micro-batches: one real index, loss weight 0.
+Every rank runs the same number of micro-batches (DDP needs equal backward passes); a rank whose
+share is smaller (only in an epoch's last, short step) gets *padding* micro-batches: one real
+index, loss weight 0. Design: ``docs/design/exact-resume.md``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Every environment variable a worker process reads, parsed once, into :class:`WorkerSettings`.
 
-A worker's entry point (``Trainer.fit``, :class:`~elastic_trainer.train.loop.ElasticLoop`, the
-example's ``main``) calls :meth:`WorkerSettings.from_environ` once; everything below it receives
-the settings or one of their values and never reads ``os.environ``. Precedence for a value that
-also has a config field: the value given in code or on the script's command line > the
-environment variable > the default. torchrun's own variables (``RANK``, ``WORLD_SIZE``, ...) are
-parsed by :func:`elastic_trainer.runtime.distributed.read_env`.
-
-The launcher (``elastic-trainer run``) sets several of these for its workers; their names live
-here, and the launcher imports them from here.
+A worker's entry point calls :meth:`WorkerSettings.from_environ` once; code below it receives the
+settings and never reads ``os.environ``. Precedence for a value that also has a config field:
+code or the script's command line > the environment > the default. torchrun's own variables are
+parsed by :func:`elastic_trainer.runtime.distributed.read_env`; the launcher imports the names it
+sets for its workers from here.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ ENV_METRICS = "ELASTIC_TRAINER_METRICS"
 """``1``: report metrics to the node's endpoint (the launcher sets it)."""
 ENV_METRICS_ALLREDUCE = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
 """How gradient allreduces are timed: ``hook`` (default), ``trace`` (CUDA: NCCL's timings from the
-flight recorder) or ``0`` (not at all). See :mod:`elastic_trainer.metrics.allreduce_hook`."""
+flight recorder) or ``0`` (not at all). See ``docs/design/metrics.md``."""
 ENV_NODE = "ELASTIC_TRAINER_NODE"
 """This node's name, ``{short host}-{launcher pid}`` (the launcher sets it)."""
 ENV_REPORTS_FAILURES = "ELASTIC_TRAINER_REPORTS_FAILURES"
@@ -47,8 +43,8 @@ ENV_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
 DEFAULT_SIGTERM_GRACE_S = 30.0
 """torchrun's agent SIGKILLs workers 30 s after its SIGTERM: a larger grace buys nothing there."""
 DEFAULT_PG_TIMEOUT_S = 30 * 60.0
-"""torch's own default and what the DDP guides advise for skewed ranks; a dead rank is still
-noticed at once (its process exits and the agent restarts the group)."""
+"""torch's own default, as the DDP guides advise for skewed ranks; a dead rank is still noticed at
+once (its process exits and the agent restarts the group)."""
 DEFAULT_FR_BUFFER_ENTRIES = 2000
 """torch's default flight-recorder ring size."""
 
@@ -165,8 +161,7 @@ def check_positive(name: str, value: float | int | None, *, allow_none: bool = F
     """A config field's check: a positive number (``None`` too with ``allow_none``).
 
     Raises:
-        ConfigError: naming ``name``.
-    """
+        ConfigError: naming ``name``."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -177,8 +172,7 @@ def check_positive_int(name: str, value: int | None, *, allow_none: bool = False
     """A config field's check: a positive integer (``None`` too with ``allow_none``).
 
     Raises:
-        ConfigError: naming ``name``.
-    """
+        ConfigError: naming ``name``."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -189,8 +183,7 @@ def check_bool(name: str, value: object, *, allow_none: bool = False) -> None:
     """A config field's check: ``True`` or ``False`` (``None`` too with ``allow_none``).
 
     Raises:
-        ConfigError: naming ``name``.
-    """
+        ConfigError: naming ``name``."""
     if value is None and allow_none:
         return
     if not isinstance(value, bool):

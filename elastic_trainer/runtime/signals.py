@@ -1,21 +1,10 @@
 """Graceful stop on SIGTERM/SIGINT: finish the step, checkpoint, exit within a grace period.
 
-torchrun's agent forwards SIGTERM to its workers when the node is preempted or scaled down, and
-when it restarts the group for a new member, and SIGKILLs them 30 s later. The handler only sets
-a flag; the training loop checks it at the end of every step (all ranks agree on it through one
-collective, so they stop after the same step and rank 0 checkpoints that step). A watchdog ends
-the process at the deadline should the stop itself hang (e.g. a peer vanished mid-collective).
-
-A Python signal handler runs only when the main thread is back in the interpreter: while it is
-blocked inside a C++ collective (a gloo/NCCL wait whose peer is gone), the flag is not even set.
-:class:`SignalWakeup` learns of the signal at once, on its own thread, through
-``signal.set_wakeup_fd``: CPython's C-level handler writes the signal number to that file
-descriptor the moment the signal arrives, whichever thread the kernel delivered it to and
-whatever the main thread is doing. (The alternative, blocking the signals with
-``pthread_sigmask`` and ``sigwait``-ing on a thread, needs the mask in place before any thread
-exists; torch, gloo and the DataLoader start threads of their own, and a signal delivered to one
-of them would be missed.) :mod:`elastic_trainer.checkpoint.jit` uses it to save the last completed
-step when the main thread does not come back.
+:class:`GracefulStop`'s handler only sets a flag (the loop reads it at the end of every step and
+all ranks agree through one collective); a watchdog ends the process at the deadline should the
+stop itself hang. :class:`SignalWakeup` reports the signal at once on a thread of its own, through
+``signal.set_wakeup_fd``, even while the main thread is blocked in a C++ collective
+(:mod:`elastic_trainer.checkpoint.jit` uses it). Design: ``docs/design/graceful-stop.md``.
 """
 
 from __future__ import annotations
