@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, then run ruff, mypy and the whole test suite (unit, integration, chaos, deploy) against
+# Set up, then run ruff, mypy, the import contracts and the whole test suite (unit, integration, chaos, deploy) against
 # real etcd, torchrun, Prometheus and Helm. CUDA tests (marker gpu) need a GPU: run them with
 # `bash scripts/test.sh -m gpu`. Arguments replace the default and go to pytest (e.g. tests/unit -x).
 #
@@ -73,6 +73,7 @@ if [ $# -eq 0 ]; then
     # The whole suite: lint and types first (cheap, and they catch what tests miss).
     "$venv/bin/python" -m ruff check .
     "$venv/bin/python" -m mypy
+    "$venv/bin/lint-imports"
     set -- tests -m "not gpu"
 fi
 exec "$venv/bin/python" -m pytest -p no:cacheprovider "$@"

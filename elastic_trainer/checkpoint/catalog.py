@@ -18,7 +18,7 @@ from elastic_trainer.checkpoint.files import (
     iter_checkpoints,
     verify,
 )
-from elastic_trainer.launch.options import UserError
+from elastic_trainer.runtime.failures import UserError
 
 
 def _directory(text: str) -> Path:

@@ -51,7 +51,7 @@ from elastic_trainer.doctor.checks import (
     check_grad_sync,
     check_placement,
     check_timeouts,
-    example_model,
+    doctor_model,
     first_line,
     host_interfaces,
     parse_faults,
@@ -71,6 +71,7 @@ from elastic_trainer.doctor.report import (
     render_text,
 )
 from elastic_trainer.runtime import distributed
+from elastic_trainer.runtime.failures import UserError
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +105,9 @@ _QUIET_RANK_GRACE_S = 10.0
 """How long a non-zero rank with bad arguments waits for the agent to stop it after rank 0 fails."""
 
 
-class UsageError(ValueError):
-    """A bad command line: reported in one line, exit status 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
+        raise UserError(message)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -197,7 +194,7 @@ def parse_args(argv: Sequence[str]) -> DoctorOptions:
     """Parse and validate the command line.
 
     Raises:
-        UsageError: an unknown option or a bad value (one line, naming it).
+        UserError: an unknown option or a bad value (one line, naming it).
         SystemExit: ``--help`` (status 0).
     """
     args = build_parser().parse_args(list(argv))
@@ -207,7 +204,7 @@ def parse_args(argv: Sequence[str]) -> DoctorOptions:
                              deadline_s=args.deadline, verbose=args.verbose)
     except ValueError as exc:
         name, _, message = str(exc).partition(": ")
-        raise UsageError(f"{_FLAGS.get(name, name)}: {message}") from None
+        raise UserError(f"{_FLAGS.get(name, name)}: {message}") from None
 
 
 def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:
@@ -322,7 +319,7 @@ class Doctor:
         self.local("timeouts", lambda: check_timeouts(self.environ, interfaces=host_interfaces()))
         self.current = "process_group"
         self.init_group()
-        model = example_model()
+        model = doctor_model()
         if self.device is None:
             self.record(CheckResult(name="placement", status=SKIP, detail="not run: no device (see env/devices)"))
         else:
@@ -447,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options = parse_args(sys.argv[1:] if argv is None else argv)
         faults = parse_faults(environ.get(FAULT_ENV, ""))
-    except ValueError as exc:  # UsageError included
+    except ValueError as exc:  # UserError included
         if not quiet:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         elif "TORCHELASTIC_RUN_ID" in environ:

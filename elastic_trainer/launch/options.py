@@ -47,12 +47,10 @@ from typing import Any
 
 import tomllib
 
+from elastic_trainer.runtime.failures import UserError
+
 ENV_PREFIX = "ELASTIC_TRAINER_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
-
-
-class UserError(ValueError):
-    """A mistake of the user's: reported as one line, exit code 2, no traceback."""
 
 
 def _positive_int(text: Any) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from elastic_trainer.doctor import main as doctor
-from elastic_trainer.doctor.main import DoctorOptions, UsageError, parse_args
+from elastic_trainer.doctor.main import DoctorOptions, parse_args
+from elastic_trainer.runtime.failures import UserError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,7 +38,7 @@ def test_flags() -> None:
     (["--timeout", "60", "--deadline", "30"], "--deadline: must exceed the timeout (60 s), got 30"),
 ])
 def test_bad_flags_raise_usage_error(argv: list[str], message: str) -> None:
-    with pytest.raises(UsageError) as caught:
+    with pytest.raises(UserError) as caught:
         parse_args(argv)
     assert message in str(caught.value)
 
