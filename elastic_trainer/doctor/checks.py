@@ -1,19 +1,10 @@
 """The checks of ``elastic-trainer doctor``, one function each.
 
-They automate the debugging checklist of the DDP guides: the launcher's environment, the
-backends, GPUs per node, the timeout/NCCL settings, where a model and a batch end up, whether an
-allreduce adds up, whether DDP really averages gradients, and what the network and one step cost.
-
 Local checks take their inputs as arguments (environment mapping, device counts) so that unit
 tests can feed them anything. Collective checks need the default process group and must be
 called by every rank in the same order; each returns a :class:`CheckResult` and raises only when
-a collective itself failed.
-
-Self-test faults (``ELASTIC_TRAINER_DOCTOR_FAULT``, comma-separated) make the last rank
-misbehave on purpose, to show that the doctor catches it: ``allreduce`` adds 1 to its
-contribution, ``grad_sync`` adds 1 to one of its gradients after the DDP backward, ``placement``
-leaves its test batch on the ``meta`` device, ``hang`` makes it never join the allreduce check
-(the others must time out after ``--timeout`` and report it, not hang).
+a collective itself failed. Self-test faults (:data:`FAULTS`, ``ELASTIC_TRAINER_DOCTOR_FAULT``)
+make the last rank misbehave on purpose. Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

@@ -5,21 +5,11 @@ Run it under torchrun exactly like a training job, on every node::
     torchrun --standalone --nproc-per-node=2 -m elastic_trainer.doctor --sizes 1K..64M
     elastic-trainer doctor --nproc-per-node=2          # the same through the elastic launcher
 
-Every rank checks the torchrun environment, the backends (NCCL's version with CUDA), GPUs per
-node, the timeout/NCCL settings, the device placement of a test model and batch; then, together,
-an allreduce of the ranks' numbers, one DDP backward whose gradients must agree everywhere,
-allreduce latency and bus bandwidth per message size (nccl-tests' formulas), and the
-compute/communication ratio of one step of the example model. The results are gathered and
-rank 0 prints one report, a PASS / WARN / FAIL line per check (``--json`` for machines). Exit
-status, on every rank: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 for
-bad arguments.
-
-Nothing waits forever: the process group is created with ``--timeout`` (every collective gives
-up after it, and a failed collective skips the remaining collective checks instead of hanging in
-them), and a watchdog ends the process after ``--deadline`` seconds whatever happens.
-
-Self-test: ``ELASTIC_TRAINER_DOCTOR_FAULT=allreduce`` (or ``grad_sync``, ``placement``,
-``hang``) makes the last rank misbehave on purpose; the report must then show that check FAIL.
+:class:`Doctor` runs the local checks, creates the process group, runs the collective checks in
+the same order on every rank, gathers the results and has rank 0 print one report (``--json``
+for machines). Exit status on every rank: 0 nothing failed, 1 a check failed, 2 bad arguments.
+Nothing waits forever: collectives time out after ``--timeout`` and a watchdog ends the process
+after ``--deadline``. Self-test: ``ELASTIC_TRAINER_DOCTOR_FAULT``. Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

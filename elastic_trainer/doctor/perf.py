@@ -1,14 +1,9 @@
 """Measurements for ``elastic-trainer doctor``: allreduce latency and bus bandwidth, and the
 compute/communication ratio of one training step.
 
-The bandwidth figures follow nccl-tests (``doc/PERFORMANCE.md``): for a message of ``S`` bytes
-whose allreduce takes ``t`` seconds on ``n`` ranks, ``algbw = S / t`` and
-``busbw = algbw * 2(n-1)/n``, the rate each link carries with a ring algorithm, so busbw can be
-compared with the hardware's link bandwidth whatever ``n`` is. GB is 10^9 bytes, as there.
-
-On a GPU the time is taken with CUDA events around ``iters`` back-to-back allreduces; on the CPU
-with ``time.perf_counter`` after a barrier (gloo allreduces are synchronous). Every rank measures,
-and the slowest rank's time is reported: a collective is only as fast as its slowest member.
+Bandwidth as nccl-tests defines it (``algbw = S / t``, ``busbw = algbw * 2(n-1)/n``, GB = 10^9
+bytes); CUDA events on a GPU, ``time.perf_counter`` after a barrier on the CPU; the slowest rank's
+time is reported. Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Results of ``elastic-trainer doctor``: per-rank check results, their merge, and the report.
 
-Every rank runs every check and records a :class:`CheckResult` per check in a :class:`RankReport`.
-The reports are gathered to every rank, :func:`merge` folds them into one result per check (the
-worst status wins; the ranks behind a WARN or FAIL are named) and adds the findings that only
-show when ranks are compared (duplicate RANKs, two ranks on one GPU, different torch versions).
-:func:`render_text` and :func:`render_json` print what rank 0 shows. All of it is pure: the unit
-tests build reports by hand.
+Every rank records a :class:`CheckResult` per check in a :class:`RankReport`; :func:`merge` folds
+the gathered reports into one result per check (the worst status wins, the ranks behind a WARN or
+FAIL are named) and adds what only shows when ranks are compared. :func:`render_text` and
+:func:`render_json` print what rank 0 shows. Pure: unit tests build reports by hand.
 """
 
 from __future__ import annotations
