@@ -7,9 +7,9 @@ Two handlers can own a run, and both are read over one etcd connection:
 - the lease handler (``rendezvous.lease_handler``, the default for ``etcd-v3``): its round state
   is JSON, each node's address and pid come from the value stored with its node key, and each
   node's lease shows how long ago it last kept itself alive;
-- torch's dynamic handler (``--rdzv-conf handler=dynamic``): a pickled ``_RendezvousState``,
-  read with an unpickler that admits only the classes that state is made of, so a tampered key
-  cannot run code in the operator's shell.
+- torch's dynamic handler (``--rdzv-conf handler=dynamic``): its pickled state, read by
+  :func:`elastic_trainer.runtime.torch_compat.decode_dynamic_state`, which admits only the classes
+  that state is made of, so a tampered key cannot run code in the operator's shell.
 
 Each node is shown with its name, ``{short host}-{agent pid}`` (:mod:`elastic_trainer.metrics.node_name`),
 the ``node`` label of its metrics. The job's progress (step and target, ETA, throughput, world

@@ -2,5 +2,6 @@
 
 Runs in: every worker process (started by torchrun). Process group set-up, per-step random
 streams, the elastic sampler, graceful-stop signals, failure classification and the worker's
-settings. Imports nothing from ``launch``, ``ops`` or ``doctor``.
+settings; ``torch_compat`` holds every private torch use of the package (the launcher and
+``status`` import it too). Imports nothing from ``launch``, ``ops`` or ``doctor``.
 """
