@@ -1,40 +1,10 @@
-"""Options of ``elastic-trainer run``: one table, four sources, one precedence.
+"""Options of ``elastic-trainer run``: one table (:data:`OPTIONS`), four sources, one precedence.
 
 Every option comes, in order of precedence, from the command line, from the environment variable
 ``ELASTIC_TRAINER_<NAME>`` (``--rdzv-endpoint`` -> ``ELASTIC_TRAINER_RDZV_ENDPOINT``), from the
 ``[run]`` table of a TOML file given by ``--config`` (or ``ELASTIC_TRAINER_CONFIG``), or from the
-default below. An unknown key in the file is an error, not silently ignored.
-
-Defaults, chosen for elastic work:
-
-===================  ==========  ==========================================================
-option               default     why
-===================  ==========  ==========================================================
-nnodes               ``1:2``     elastic: trains with one node, admits a second
-nproc_per_node       ``auto``    one worker per visible GPU, else 1 on CPU
-max_restarts         ``3``       survive a few worker failures without a human
-monitor_interval     ``0.1``     seconds between worker health checks (torchrun's
-                                 default; a check is a process poll and a cached etcd
-                                 view, no request)
-rdzv_endpoint        (none)      none: start an embedded etcd on a free loopback port
-run_id               (derived)   required with an external etcd; derived for an embedded one
-join_timeout         ``600``     seconds a node waits for the minimum number of nodes
-last_call_timeout    ``5``       first round only: seconds to admit extra nodes once the
-                                 minimum is there (later rounds close once all live members
-                                 rejoined)
-lease_ttl            ``10``      seconds after which a node that died without a goodbye
-                                 loses its membership (etcd lease)
-close_timeout        ``30``      ``handler=dynamic`` only: seconds for a round to close
-heartbeat_timeout    ``30``      ``handler=dynamic`` only: heartbeat age of a dead node
-keep_alive_interval  ``5``       ``handler=dynamic`` only: seconds between heartbeats
-metrics_port         ``9400``    the node's Prometheus endpoint; 0 turns metrics off
-metrics_addr         ``0.0.0.0`` bind address of that endpoint (pods are scraped from outside)
-device               ``auto``    ``cuda`` if available, else ``cpu``
-etcd_host            127.0.0.1   where the embedded etcd listens
-warm_start           ``on``      (re)started workers are forked from a per-node server that has
-                                 already imported torch: seconds off every recovery
-warm_preload         (none)      extra modules for that server to import (your model's)
-===================  ==========  ==========================================================
+default. An unknown key in the file is an error, not silently ignored. The defaults and why they
+suit elastic work: ``docs/design/launcher.md``; ``elastic-trainer run --help`` lists them.
 """
 
 from __future__ import annotations

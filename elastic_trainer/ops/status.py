@@ -2,19 +2,13 @@
 
     elastic-trainer status --rdzv-endpoint etcd:2379 --run-id job1 --checkpoint-dir /ckpt --json
 
-Two handlers can own a run, and both are read over one etcd connection:
-
-- the lease handler (``rendezvous.lease_handler``, the default for ``etcd-v3``): its round state
-  is JSON, each node's address and pid come from the value stored with its node key, and each
-  node's lease shows how long ago it last kept itself alive;
-- torch's dynamic handler (``--rdzv-conf handler=dynamic``): its pickled state, read by
-  :func:`elastic_trainer.runtime.torch_compat.decode_dynamic_state`, which admits only the classes
-  that state is made of, so a tampered key cannot run code in the operator's shell.
-
-Each node is shown with its name, ``{short host}-{agent pid}`` (:mod:`elastic_trainer.metrics.node_name`),
-the ``node`` label of its metrics. The job's progress (step and target, ETA, throughput, world
-size) and its last error come from the keys the launchers publish
-(:mod:`elastic_trainer.launch.progress_publisher`); the ETA is (target - step) / steps per second.
+Reads, over one etcd connection, the state of whichever handler owns the run: the lease handler's
+(``rendezvous.lease_handler``: JSON state, each node's address and pid from its node key, lease
+ages as heartbeat ages) or torch's dynamic handler's (its pickled state, decoded by
+:func:`elastic_trainer.runtime.torch_compat.decode_dynamic_state`, which admits only that state's
+classes, so a tampered key cannot run code in the operator's shell). Nodes are shown by their
+metric name (:mod:`elastic_trainer.metrics.node_name`); progress, ETA and the last error come from
+the keys the launchers publish (:mod:`elastic_trainer.launch.progress_publisher`).
 """
 
 from __future__ import annotations
