@@ -19,7 +19,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from elastic_trainer.ops.processes import NodeProcess, start_process, wait_for
 from elastic_trainer.runtime.sample_log import (
     Generation,
     committed_history,
@@ -39,6 +39,8 @@ PROG = "elastic-trainer demo"
 SHOWN = ("INFO elastic_trainer.train.loop: step ", "restarting the worker group", "resumed from", "received SIGTERM",
          "job failed", "training finished", "error:", "node metrics on", "waiting for nodes")
 """Node output lines echoed to the console (everything goes to the node's log file)."""
+STOP_GRACE_S = 40.0
+"""How long a node may take to stop after SIGTERM at the end before it is killed."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,32 +78,54 @@ class FaultRecord:
 
 @dataclass
 class Node:
-    """One ``elastic-trainer run`` process and its output."""
+    """One ``elastic-trainer run`` process, its output in its log file, key lines echoed."""
 
     name: str
-    proc: subprocess.Popen[str]
-    log: IO[str]
+    process: NodeProcess
     echo: Callable[[str], None]
-    lines: list[str] = field(default_factory=list)
     stopping: bool = False
     """The demo signalled it to stop: its exit is expected."""
     _last: tuple[str, float] = ("", 0.0)
+    _echoing: threading.Thread | None = field(default=None, repr=False)
 
-    def pump(self) -> None:
-        """Reader thread: every line to the log, the key ones to the console."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.log.flush()
-            self.lines.append(line)
-            if any(marker in line for marker in SHOWN):
-                short = _short(line.rstrip())
-                message = short.split(": ", 1)[-1]
-                now = time.monotonic()
-                if message == self._last[0] and now - self._last[1] < 2.0:
-                    continue  # every rank says it: once is enough on the console
-                self._last = (message, now)
-                self.echo(f"[node {self.name}] {short}")
+    def start_echo(self) -> None:
+        self._echoing = threading.Thread(target=self._follow, name=f"node-{self.name}", daemon=True)
+        self._echoing.start()
+
+    def finish_echo(self, timeout: float = 5.0) -> None:
+        """Wait until the lines the node wrote before it exited have been echoed."""
+        if self._echoing is not None:
+            self._echoing.join(timeout)
+
+    def _follow(self) -> None:
+        """Reader thread: follows the log file until the node has exited and all of it is read."""
+        with open(self.process.log_path, encoding="utf-8", errors="replace") as log:
+            log.readline()  # the command line start_process wrote: the log's, not the console's
+            partial = ""
+            while True:
+                exited = self.process.poll() is not None  # before reading: nothing comes after it
+                chunk = log.readline()
+                if chunk.endswith("\n"):
+                    self._show(partial + chunk)
+                    partial = ""
+                elif chunk:
+                    partial += chunk  # the rest of the line is still being written
+                elif exited:
+                    if partial:
+                        self._show(partial)
+                    return
+                else:
+                    time.sleep(0.1)
+
+    def _show(self, line: str) -> None:
+        if any(marker in line for marker in SHOWN):
+            short = _short(line.rstrip())
+            message = short.split(": ", 1)[-1]
+            now = time.monotonic()
+            if message == self._last[0] and now - self._last[1] < 2.0:
+                return  # every rank says it: once is enough on the console
+            self._last = (message, now)
+            self.echo(f"[node {self.name}] {short}")
 
 
 _RUNTIME_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ \[rank (\d+)\] [A-Z]+ [\w.]+: (.*)$")
@@ -144,26 +168,21 @@ class Demo:
             "--log-every", "50",
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        log = open(self.logs / f"node-{name}.log", "w", encoding="utf-8")  # noqa: SIM115 - closed in stop_all
-        log.write("$ " + " ".join(cmd) + "\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        node = Node(name, proc, log, self.say)
-        threading.Thread(target=node.pump, name=f"node-{name}", daemon=True).start()
+        node = Node(name, start_process(cmd, self.logs / f"node-{name}.log", env), self.say)
         self.nodes[name] = node
+        node.start_echo()
         return node
 
     def stop_all(self) -> None:
+        """SIGTERM every node still running, give them :data:`STOP_GRACE_S` together, then kill
+        whatever is left of them (workers included)."""
         for node in self.nodes.values():
-            if node.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    node.proc.send_signal(signal.SIGTERM)
+            node.process.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
         for node in self.nodes.values():
-            try:
-                node.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                node.proc.kill()
-            node.log.close()
+            with contextlib.suppress(TimeoutError):
+                node.process.wait(max(0.1, deadline - time.monotonic()))
+            node.process.stop()
 
     # -- progress, read from the workers' own records -------------------------------------------------
     def generations(self) -> list[Generation]:
@@ -173,15 +192,26 @@ class Demo:
         return max((g.last_step for g in self.generations()), default=0)
 
     def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            failed = [n for n in self.nodes.values() if n.proc.poll() not in (None, 0) and not n.stopping]
-            if failed:
-                raise RuntimeError(f"node {failed[0].name} exited with {failed[0].proc.returncode} while waiting for "
-                                   f"{what}; see {self.logs}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}; see {self.logs}")
-            time.sleep(0.05)
+        """Wait for ``condition``; a node that fails meanwhile or the timeout ends the demo.
+
+        Raises:
+            RuntimeError: one line naming what failed and where the logs are.
+        """
+
+        def done() -> bool:
+            if condition():
+                return True
+            for node in self.nodes.values():
+                code = node.process.poll()
+                if code not in (None, 0) and not node.stopping:
+                    raise RuntimeError(f"node {node.name} exited with {code} while waiting for {what}; "
+                                       f"see {self.logs}")
+            return False
+
+        try:
+            wait_for(done, timeout=timeout, what=what)
+        except TimeoutError as exc:
+            raise RuntimeError(f"{exc}; see {self.logs}") from exc
 
     def measure(self, fault: FaultRecord, before: int) -> None:
         """Recovery of ``fault``: a new generation's first completed step after it; steps lost."""
@@ -253,12 +283,12 @@ class Demo:
             self.faults.append(leave)
             self.say(f"[demo] SIGTERM node b at step {leave.at_step} (preemption / scale-down)")
             self.nodes["b"].stopping = True
-            self.nodes["b"].proc.send_signal(signal.SIGTERM)
+            self.nodes["b"].process.terminate()
             self.measure(leave, before)
 
-            self.wait_until(lambda: self.nodes["a"].proc.poll() is not None, "the end of training", timeout=600)
-            code = self.nodes["a"].proc.wait()
-            time.sleep(0.2)  # the reader thread's last lines
+            self.wait_until(lambda: self.nodes["a"].process.poll() is not None, "the end of training", timeout=600)
+            code = self.nodes["a"].process.wait(10)
+            self.nodes["a"].finish_echo()
             self.summary(code, ports)
             return 0 if code == 0 else 1
         finally:
