@@ -63,7 +63,7 @@ mode, interval, args = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
 if mode == "off":
     torchrun.main(args)
 else:
-    from elastic_trainer.metrics.worker import LauncherMetricsConfig, start_launcher_metrics
+    from elastic_trainer.launch.node_metrics import LauncherMetricsConfig, start_launcher_metrics
     with start_launcher_metrics(LauncherMetricsConfig(addr="127.0.0.1", port=0)) as handle:
         stop, scrapes = threading.Event(), [0]
         def scrape():
@@ -144,9 +144,9 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
 
     if args.trace:  # before the first process group: the recorder reads its size once
         from elastic_trainer.metrics.collective_trace import trace_environment
-        from elastic_trainer.metrics.worker import ALLREDUCE_TIMING_ENV
+        from elastic_trainer.runtime.settings import ENV_METRICS_ALLREDUCE
 
-        os.environ[ALLREDUCE_TIMING_ENV] = "trace"
+        os.environ[ENV_METRICS_ALLREDUCE] = "trace"
         trace_environment(os.environ)
     init_worker(rank, world, port, args)
     # With the recorder, "on" must read only its own buckets: every arm gets a group of its own.
@@ -222,7 +222,7 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch.multiprocessing as mp
 
-    from elastic_trainer.metrics.worker import LauncherMetricsConfig, start_launcher_metrics
+    from elastic_trainer.launch.node_metrics import LauncherMetricsConfig, start_launcher_metrics
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

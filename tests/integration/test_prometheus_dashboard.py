@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 LAUNCHER = """
 import sys
 import torch.distributed.run as torchrun
-from elastic_trainer.metrics.worker import LauncherMetricsConfig, start_launcher_metrics
+from elastic_trainer.launch.node_metrics import LauncherMetricsConfig, start_launcher_metrics
 
 port, run_id, multiproc_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 config = LauncherMetricsConfig(addr="127.0.0.1", port=port, run_id=run_id, multiproc_dir=multiproc_dir)
@@ -146,6 +146,7 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
         node = f"{socket.getfqdn().split('.')[0]}-{proc.pid}"
 
         def progressed(min_ckpt_step: float) -> str | None:
+            assert proc.poll() is None, f"the launcher exited with {proc.poll()}:\n{proc.tail()}"
             text = scrape(url)
             ranks = {ls["rank"] for n, ls, v in samples(text) if n == "elastic_trainer_samples_total" and v > 0}
             ckpt = values(text, "elastic_trainer_last_checkpoint_step")
