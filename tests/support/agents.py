@@ -76,8 +76,9 @@ def agents() -> Iterator[list[Agent]]:
     try:
         yield started
     finally:
-        for agent in started:
-            agent.stop()
+        with contextlib.ExitStack() as stopping:  # every agent is stopped even if one stop fails
+            for agent in started:
+                stopping.callback(agent.stop)
 
 
 def tails(agents: Sequence[Agent], lines: int = 40) -> str:
