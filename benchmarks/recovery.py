@@ -197,11 +197,12 @@ def read_processes(directory: Path) -> list[Process]:
     found = []
     for records in read_records(directory):
         start = records[0]
-        # The runtime records a step's completion ("done", with its time); the baseline script
-        # writes one time-stamped "step" record per completed step.
+        # The runtime records a step's completion ("done", with its time) after its "step" record
+        # (no time: a process may have one before its first "done"); the baseline script writes
+        # one time-stamped "step" record per completed step.
         done = [r for r in records[1:] if r.get("event") == "done"]
-        step_records = done or [r for r in records[1:] if r.get("event") == "step"]
-        if step_records and "t" not in step_records[0]:
+        step_records = done or [r for r in records[1:] if r.get("event") == "step" and "t" in r]
+        if any("t" not in r for r in step_records):
             raise RuntimeError(f"step records without a time stamp in {directory}")
         steps = [(r["t"], r["step"], start["world_size"]) for r in step_records]
         found.append(Process(start["started_unix"], start["resumed_step"], start["rank"], steps))
