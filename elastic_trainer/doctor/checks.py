@@ -10,7 +10,6 @@ make the last rank misbehave on purpose. Design: ``docs/design/doctor.md``.
 from __future__ import annotations
 
 import copy
-import importlib
 import logging
 import math
 import os
@@ -60,8 +59,6 @@ TIMEOUT_ENV = (ENV_PG_TIMEOUT_S, distributed.NCCL_ASYNC_ERROR_HANDLING, distribu
                "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 """What the timeouts check reads (and compares across ranks)."""
 
-EXAMPLE_MODULE = "elastic_trainer.examples.synthetic_cnn"
-"""The runtime's example job, whose ``SmallCNN`` the doctor trains one step of."""
 ALLREDUCE_ELEMENTS = 1 << 18
 """float32 elements in the correctness allreduce (1 MiB: several chunks in any ring)."""
 GRAD_RTOL = 1e-3
@@ -338,13 +335,16 @@ def host_interfaces() -> list[str] | None:
 # --- the test model --------------------------------------------------------------------------
 
 
-class _FallbackCNN(nn.Module):
-    """Used only when the example model cannot be imported: conv-BN-ReLU, pool, linear."""
+class DoctorCNN(nn.Module):
+    """The doctor's own model (it never imports the examples): conv-BN-ReLU twice, pool, linear,
+    the shape of a small image classifier, so placement, gradient sync and compute are exercised."""
 
-    def __init__(self, classes: int = 10) -> None:
+    def __init__(self, classes: int = 10, width: int = 16) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, classes))
+        self.body = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -368,16 +368,9 @@ class TestModel:
         return images.to(device), labels.to(device)
 
 
-def example_model() -> TestModel:
-    """The runtime example's ``SmallCNN`` when it imports, else a small CNN of our own."""
-    try:
-        synthetic_cnn = importlib.import_module(EXAMPLE_MODULE)
-        build = synthetic_cnn.SmallCNN
-        classes = int(getattr(synthetic_cnn, "CLASSES", 10))
-    except Exception as exc:  # noqa: BLE001 - absent or broken example: measure our own CNN instead
-        log.warning("example model unavailable (%s); using a fallback CNN", first_line(exc))
-        return TestModel(build=_FallbackCNN, source="fallback CNN (example model not importable)")
-    return TestModel(build=build, source="examples.synthetic_cnn.SmallCNN", classes=classes)
+def doctor_model() -> TestModel:
+    """The model the doctor trains one step of (:class:`DoctorCNN`)."""
+    return TestModel(build=DoctorCNN, source="the doctor's CNN (conv-BN-ReLU x2, pool, linear)")
 
 
 def check_placement(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor,
