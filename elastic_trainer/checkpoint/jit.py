@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.runtime import torch_compat
 from elastic_trainer.runtime.failures import log_line
 
 log = logging.getLogger(__name__)
@@ -194,10 +195,10 @@ class AuthoritativeBuffers:
         # from step to step: the control allreduce gets a copy of it (torch.cat), never the
         # tensor itself, and commit() keeps the reduced control tensor, not this one.
         try:
-            torch._foreach_copy_(self._views, live)
+            torch_compat.foreach_copy_(self._views, live)
         except RuntimeError:  # a buffer was resized in place
             self._relayout(live)
-            torch._foreach_copy_(self._views, live)
+            torch_compat.foreach_copy_(self._views, live)
         if identical:
             self._commit_own("rank0")
             return None

@@ -341,13 +341,14 @@ class DoctorCNN(nn.Module):
 
     def __init__(self, classes: int = 10, width: int = 16) -> None:
         super().__init__()
-        self.body = nn.Sequential(
+        self.features = nn.Sequential(
             nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
             nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, classes))
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.classifier = nn.Linear(2 * width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
+        return self.classifier(self.features(x))
 
 
 @dataclass(kw_only=True, slots=True)

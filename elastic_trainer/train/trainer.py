@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint.manager import CheckpointManager
-from elastic_trainer.runtime import distributed, rng
+from elastic_trainer.runtime import distributed, rng, torch_compat
 from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatchSampler, StepPlan
@@ -435,7 +435,7 @@ class Trainer:
         inputs, target = move_to(first, device)
         generators = rng.capture(device)
         saved = [(module, name, buffer, buffer.detach().clone())
-                 for module in self.model.modules() for name, buffer in module._buffers.items() if buffer is not None]
+                 for module in self.model.modules() for name, buffer in torch_compat.own_buffers(module)]
         for _ in range(passes):
             (self._forward_loss(inputs, target).float() * 0.0).backward()
         # No step reports these allreduces. Observers written before on_priming existed lack it.
@@ -446,7 +446,7 @@ class Trainer:
         with torch.no_grad():
             for module, name, buffer, copy in saved:
                 buffer.copy_(copy)
-                module._buffers[name] = buffer  # in case the forward replaced the tensor
+                torch_compat.set_own_buffer(module, name, buffer)  # in case the forward replaced it
         rng.restore(generators, device)
         log.debug("primed DDP's buckets with %d pass(es) before step %d", passes, self.step + 1)
         return itertools.chain([first], batches)

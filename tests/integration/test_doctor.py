@@ -98,7 +98,7 @@ def test_json_report_is_complete_and_parseable() -> None:
         assert row["algbw_gbps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
     ratio = checks["compute_comm"]["data"]
     assert ratio["ratio"] == pytest.approx(ratio["compute_ms"] / ratio["comm_ms"])
-    assert "synthetic_cnn" in ratio["model"]
+    assert "doctor's CNN" in ratio["model"]
 
 
 @pytest.mark.timeout(180)

@@ -27,7 +27,7 @@ from elastic_trainer.doctor.checks import (
     check_grad_sync,
     check_placement,
     check_timeouts,
-    example_model,
+    doctor_model,
     first_line,
     interface_matches,
     parse_faults,
@@ -217,22 +217,22 @@ def test_first_line_drops_the_cpp_location() -> None:
 # --- placement -------------------------------------------------------------------------------
 
 
-def test_example_model_is_the_runtime_example() -> None:
-    model = example_model()
-    assert "synthetic_cnn" in model.source
+def test_the_doctor_model_is_its_own_cnn() -> None:
+    model = doctor_model()
+    assert "doctor's CNN" in model.source
     inputs, target = model.batch(4, seed=0, device=CPU)
     assert model.build()(inputs).shape == (4, model.classes) and target.shape == (4,)
 
 
 def test_placement_on_the_right_device_passes() -> None:
-    model = example_model()
+    model = doctor_model()
     inputs, target = model.batch(4, seed=0, device=CPU)
     result = check_placement(model.build(), inputs, target, CPU)
     assert result.status == PASS and "all on cpu" in result.detail
 
 
 def test_placement_names_misplaced_batch_and_parameters() -> None:
-    model = example_model()
+    model = doctor_model()
     module = model.build()
     module.classifier.to("meta")  # a model moved only partly
     inputs, target = model.batch(4, seed=0, device=CPU)
@@ -246,7 +246,7 @@ def test_placement_reports_a_failing_forward() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("Expected all tensors to be on the same device")
 
-    inputs, target = example_model().batch(2, seed=0, device=CPU)
+    inputs, target = doctor_model().batch(2, seed=0, device=CPU)
     result = check_placement(Broken(), inputs, target, CPU)
     assert result.status == FAIL and "forward failed" in result.detail
 
@@ -272,7 +272,7 @@ def test_allreduce_check(one_rank_group: None) -> None:
 
 
 def test_grad_sync_check(one_rank_group: None) -> None:
-    model = example_model()
+    model = doctor_model()
     result = check_grad_sync(rank=0, world_size=1, device=CPU, model=model, batch_size=8)
     assert result.status == PASS, result.detail
     assert result.data["max_rel_error_vs_mean"] <= 1e-3
@@ -296,11 +296,3 @@ def test_compute_comm_check(one_rank_group: None) -> None:
     assert result.data["ratio"] > 0 and "compute/comm" in result.detail
 
 
-def test_example_model_falls_back_when_the_example_cannot_be_imported(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-
-    monkeypatch.setitem(sys.modules, "elastic_trainer.examples.synthetic_cnn", None)  # import -> ImportError
-    model = example_model()
-    assert model.source.startswith("fallback CNN")
-    inputs, _ = model.batch(2, seed=0, device=CPU)
-    assert model.build()(inputs).shape == (2, model.classes)
