@@ -650,7 +650,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--backends", nargs="+", default=["lease", "dynamic", "c10d"], choices=["lease", "dynamic", "c10d"])
     parser.add_argument("--scenarios", nargs="*", default=[], help=f"'all' or some of {', '.join(SCENARIOS)}")
     parser.add_argument("--scenario-nodes", type=int, default=1024)
-    parser.add_argument("--per-process", type=int, default=1250, help="agents per simulation process")
+    parser.add_argument("--per-process", type=int, default=500, help="agents per simulation process")
     parser.add_argument("--limit", type=float, default=300.0, help="seconds a phase may take before the backend is given up at that N")
     parser.add_argument("--steady-s", type=float, default=60.0, help="seconds of steady state measured (0: skip)")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds of quiet before each measurement")

@@ -177,6 +177,9 @@ def _check_pem_file(name: str, path: str, marker: bytes) -> None:
         raise ValueError(f"{name}: {path} is not a PEM file (no {marker.decode().strip('-')!r} block)")
 
 
+_RETIRE_AFTER_S = 60.0
+"""A client replaced by a failover is closed this long after (at a later failover or close)."""
+
 # gRPC status codes that may go away by themselves: retry, on the next endpoint.
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -227,6 +230,7 @@ class EtcdConnection:
         self.request_counts: Counter[str] = Counter()
         """:attr:`requests` by kind (the ``kind`` or ``what`` of :meth:`call`)."""
         self._close_hooks: list[Callable[[], None]] = []
+        self._retired: list[tuple[float, Any]] = []  # (when, client) replaced by a failover
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -330,13 +334,16 @@ class EtcdConnection:
         with self._lock:
             client, self._client = self._client, None
             hooks, self._close_hooks = self._close_hooks, []
+            retired, self._retired = [c for _, c in self._retired], []
         for hook in hooks:
             try:
                 hook()
             except Exception as exc:  # a stream that fails to stop must not keep the channel open
                 log.debug("closing a stream of the etcd connection failed: %s", exc)
-        if client is not None:
-            client.close()
+        for old in [client, *retired]:
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    old.close()
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -380,14 +387,22 @@ class EtcdConnection:
         return before_sleep
 
     def _fail_over(self, failed_client: Any = None) -> None:
+        now = time.monotonic()
         with self._lock:
             if failed_client is not None and self._client is not None and self._client is not failed_client:
                 return  # another thread has already moved on from the client that failed
             client, self._client = self._client, None
             self._index = (self._index + 1) % len(self.config.endpoints)
-        if client is not None:
+            # The old client is not closed at once: other threads' calls and the streams on it
+            # (watches, keep-alives) may be fine -- a deadline exceeded under load is no dead
+            # member -- and closing it would break them all. It is closed a while later.
+            if client is not None:
+                self._retired.append((now, client))
+            expired = [c for at, c in self._retired if now - at > _RETIRE_AFTER_S]
+            self._retired = [(at, c) for at, c in self._retired if now - at <= _RETIRE_AFTER_S]
+        for old in expired:
             try:
-                client.close()
+                old.close()
             except Exception as exc:  # closing a broken channel must not hide the real error
                 log.debug("closing etcd client failed: %s", exc)
 

@@ -6,7 +6,9 @@ below through :meth:`EtcdConnection.call` (retries, failover, counting) and retu
 comparisons held, the header revision and the raw responses.
 
 A transaction may be retried after its response was lost; each caller decides from the failure
-branch's reads whether its own earlier attempt applied (see :func:`first_value`).
+branch's reads whether its own earlier attempt applied (see :func:`first_value`). A transaction
+always writes in one of its branches: etcd before 3.5.5 panics when the client's deadline expires
+during a read-only one (etcd-io/etcd#14110); reads are plain ranges (:func:`get_range`).
 """
 
 from __future__ import annotations
@@ -58,10 +60,24 @@ def transaction(
     return TxnResult(bool(response.succeeded), int(response.header.revision), list(response.responses))
 
 
-def read(connection: EtcdConnection, ops: list[Any], *, what: str, kind: str | None = None,
-         deadline: float | None = None) -> TxnResult:
-    """Several ranges read at one revision (a read-only transaction: no write, no raft entry)."""
-    return transaction(connection, [], ops, what=what, kind=kind, deadline=deadline)
+def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, what: str,
+              deadline: float | None = None) -> Any:
+    """One range read (the ``RangeResponse``: its ``kvs`` and header revision).
+
+    Never a read-only transaction: etcd before 3.5.5 panics when the client's deadline expires
+    while it serves one (etcd-io/etcd#14110), and a short deadline under load is exactly when.
+    """
+    rpc = connection.etcd3.etcdrpc
+    raw = key.encode()
+    request = rpc.RangeRequest(key=raw)
+    if prefix:
+        request.range_end = prefix_end(raw)
+
+    def send(client: Any) -> Any:
+        return client.kvstub.Range(request, deadline or client.timeout, credentials=client.call_credentials,
+                                   metadata=client.metadata)
+
+    return connection.call(send, what=what)
 
 
 def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, *, what: str,

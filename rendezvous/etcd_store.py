@@ -235,13 +235,24 @@ class EtcdV3Store(Store):
     # -- reads ----------------------------------------------------------------------------------
 
     def check(self, keys: list[str]) -> bool:
-        """Whether every key in ``keys`` exists, without waiting."""
-        txn = self._connection.etcd3.transactions
-        compares = [txn.Create(self._key(k)) > 0 for k in keys]
-        return all(
-            self._transaction(compare=chunk, success=[], what="a store check")
-            for chunk in _chunks(compares)
-        )
+        """Whether every key in ``keys`` exists, without waiting.
+
+        One count-only range per key, not one read-only transaction of comparisons: etcd before
+        3.5.5 panics when a client's deadline expires during a read-only transaction
+        (etcd-io/etcd#14110).
+        """
+        rpc = self._connection.etcd3.etcdrpc
+        for key in keys:
+            request = rpc.RangeRequest(key=self._key(key).encode(), count_only=True)
+
+            def count(client: Any, request: Any = request) -> int:
+                response = client.kvstub.Range(request, client.timeout, credentials=client.call_credentials,
+                                               metadata=client.metadata)
+                return int(response.count)
+
+            if not self._connection.call(count, what="a store check"):
+                return False
+        return True
 
     def num_keys(self) -> int:
         """The number of keys in this store (like ``HashStore``: no internal keys counted)."""

@@ -423,12 +423,14 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def _sync(self) -> None:
         """Read the ``state*`` keys and this node's shard at one revision; watch from the next."""
         conn = self._connection
-        result = etcd_ops.read(conn, [etcd_ops.get(conn, self._keys.state, prefix=True),
-                                      etcd_ops.get(conn, self._shard_key)], what="a rendezvous state read",
-                                deadline=self._deadline)
+        response = etcd_ops.get_range(conn, self._keys.state, prefix=True, what="a rendezvous state read",
+                                      deadline=self._deadline)
+        # The shard is read after the state: the watches start at the state's revision, so a
+        # shard written in between arrives once more through them (harmless).
+        shard_response = etcd_ops.get_range(conn, self._shard_key, what="a rank read", deadline=self._deadline)
         coordinator = master = None
         state: tuple[RoundState, int] | None = None
-        for kv in etcd_ops.range_kvs(result.responses[0]):
+        for kv in response.kvs:
             key = kv.key.decode()
             if key == self._keys.state:
                 state = (RoundState.decode(kv.value, key), int(kv.mod_revision))
@@ -436,13 +438,12 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 coordinator = bytes(kv.value).decode(errors="replace")
             elif key == self._keys.master:
                 master = MasterInfo.decode(kv.value)
-        shard, _ = etcd_ops.first_value(result.responses[1])
         if state is not None:
             self._take_state(*state)
         self._coordinator_id, self._master = coordinator, master
-        if shard is not None:
-            self._shard = decode_shard(shard, self._shard_key)
-        self._watch.ensure(result.revision + 1)
+        if shard_response.kvs:
+            self._shard = decode_shard(bytes(shard_response.kvs[0].value), self._shard_key)
+        self._watch.ensure(int(response.header.revision) + 1)
         if state is not None and coordinator is None:
             self._schedule_claim()
 
