@@ -20,6 +20,7 @@ from typing import Any
 
 from elastic_trainer import __version__
 from elastic_trainer.launch.options import OPTIONS, UserError, resolve_run_options
+from elastic_trainer.runtime.failures import OneLineArgumentParser
 
 PROG = "elastic-trainer"
 
@@ -51,13 +52,6 @@ CHECKPOINT_EXAMPLE = """example:
   elastic-trainer checkpoint inspect ./ckpt/ckpt-000000000200.pt"""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one line with exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     for spec in OPTIONS:
         default_text = "none" if spec.default is None else spec.default
@@ -75,9 +69,9 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(prog=PROG, description="Fault-tolerant, elastic PyTorch DDP training.", formatter_class=formatter)
+    parser = OneLineArgumentParser(prog=PROG, description="Fault-tolerant, elastic PyTorch DDP training.", formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
 
     run = commands.add_parser("run", help="launch a training job elastically", epilog=RUN_EXAMPLE, formatter_class=formatter)
     _add_launch_options(run)
@@ -110,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--max-steps N, --throttle-ms MS, --dir DIR, --metrics-port PORT")
 
     checkpoint = commands.add_parser("checkpoint", help="list, verify or inspect checkpoints", epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
-    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=OneLineArgumentParser)
     for name, text in (("list", "checkpoints with path and step, newest last"),
                        ("verify", "check every checkpoint against its manifest's sha256"),
                        ("inspect", "what a checkpoint holds (no GPU needed)")):

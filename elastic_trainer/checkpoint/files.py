@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from elastic_trainer.runtime.atomic_files import atomic_file, fsync_directory
 from elastic_trainer.runtime.failures import DeterministicError
 
 log = logging.getLogger(__name__)
@@ -183,32 +184,15 @@ class _HashingWriter:
         self._file.flush()
 
 
-def fsync_directory(directory: Path) -> None:
-    """Make renames inside ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomically(target: Path, write: Callable[[Any], None]) -> _HashingWriter:
-    """Write ``target`` through a temp file in its directory: fsync, then rename over it.
-
-    On any error the temp file is removed and ``target`` (if it existed) is untouched.
-    """
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    """Write ``target`` through an fsynced temporary file (:func:`atomic_file`), hashing what
+    passes; a write error keeps its errno (``torch.save`` would wrap it in a RuntimeError)."""
     writer: _HashingWriter | None = None
     try:
-        with open(tmp, "wb") as file:
+        with atomic_file(target, durable=True) as file:
             writer = _HashingWriter(file)
             write(writer)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, target)
     except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         if writer is not None and writer.error is not None and exc is not writer.error:
             raise writer.error from exc
         raise

@@ -13,7 +13,6 @@ import copy
 import logging
 import math
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,6 +35,7 @@ from elastic_trainer.doctor.perf import (
 )
 from elastic_trainer.doctor.report import FAIL, PASS, SKIP, WARN, CheckResult, format_size
 from elastic_trainer.runtime import distributed
+from elastic_trainer.runtime.failures import first_line
 from elastic_trainer.runtime.settings import DEFAULT_PG_TIMEOUT_S, ENV_PG_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -80,15 +80,6 @@ def parse_faults(text: str) -> frozenset[str]:
     return names
 
 
-_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
-
-
-def first_line(exc: BaseException) -> str:
-    """``Type: first line of the message``, without a C++ ``[file.cc:NN]`` prefix."""
-    text = str(exc).strip()
-    if not text:
-        return type(exc).__name__
-    return f"{type(exc).__name__}: {_SOURCE_PREFIX.sub('', text.splitlines()[0])}"
 
 
 # --- local checks ----------------------------------------------------------------------------

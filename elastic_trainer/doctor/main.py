@@ -95,7 +95,9 @@ _QUIET_RANK_GRACE_S = 10.0
 """How long a non-zero rank with bad arguments waits for the agent to stop it after rank 0 fails."""
 
 
-class _Parser(argparse.ArgumentParser):
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse that raises :class:`UserError` (the doctor reports it on every rank, then exits 2)."""
+
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UserError(message)
 
@@ -154,7 +156,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+    parser = _RaisingParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print a machine-readable JSON report")
     parser.add_argument("--sizes", type=_sizes, default=None, metavar="MIN..MAX[:F] | S1,S2,...",

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from elastic_trainer.runtime import torch_compat
+from elastic_trainer.runtime.atomic_files import write_atomically
 
 SOCKET_NAME = "server.sock"
 FAILED_NAME = "server.failed"
@@ -211,7 +212,7 @@ class _Server:
         self.by_pid[pid] = worker
         self.by_conn[conn.fileno()] = worker
         with contextlib.suppress(OSError):
-            _write_atomically(self.directory / WORKERS_DIR / str(client_pid), str(pid))
+            write_atomically(self.directory / WORKERS_DIR / str(client_pid), str(pid).encode(), durable=False)
         try:
             _send_message(conn, {"pid": pid})
         except OSError:
@@ -263,12 +264,6 @@ class _Server:
     def shutdown(self) -> None:
         for worker in list(self.by_pid.values()):
             self._kill(worker)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    scratch = path.with_name(path.name + ".tmp")
-    scratch.write_text(text)
-    os.replace(scratch, path)
 
 
 def _become_worker(server: _Server, conn: socket.socket, request: dict[str, object], fds: list[int]) -> None:
@@ -362,7 +357,7 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
             return 0  # the launcher already stopped (e.g. a user error): nobody to tell
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
         with contextlib.suppress(OSError):
-            _write_atomically(directory / FAILED_NAME, reason)
+            write_atomically(directory / FAILED_NAME, reason.encode(), durable=False)
         print(f"elastic-trainer: warm start unavailable ({reason}); workers start cold", file=sys.stderr, flush=True)
         _wait_for_eof(parent_pipe)  # keep the reason readable for clients while the launcher runs
         _remove(directory)
@@ -389,7 +384,7 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
     except OSError as exc:  # e.g. a socket path too long: tell clients to start cold, once
         reason = f"cannot listen on {scratch}: {exc.strerror or exc}"
         with contextlib.suppress(OSError):
-            _write_atomically(directory / FAILED_NAME, reason)
+            write_atomically(directory / FAILED_NAME, reason.encode(), durable=False)
         print(f"elastic-trainer: warm start unavailable ({reason}); workers start cold", file=sys.stderr, flush=True)
         _wait_for_eof(parent_pipe)
         _remove(directory)

@@ -45,6 +45,7 @@ from elastic_trainer.metrics.progress import (
     progress_view,
     samples_of,
 )
+from elastic_trainer.runtime.failures import OneLineArgumentParser
 
 PROG = "elastic-trainer top"
 DEFAULT_URL = "http://127.0.0.1:9400/metrics"
@@ -323,13 +324,6 @@ def _terminal_width(out: IO[str]) -> int:
     return columns or shutil.get_terminal_size().columns
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line with exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``top``'s options (also the ``elastic-trainer top`` subcommand's)."""
     parser.add_argument("--url", action="append", default=None, metavar="URL",
@@ -360,7 +354,7 @@ def run_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     """``python -m elastic_trainer.ops.top``; returns the exit code."""
-    parser = _Parser(prog=prog, description="Live view of a training job from its nodes' metrics endpoints.",
+    parser = OneLineArgumentParser(prog=prog, description="Live view of a training job from its nodes' metrics endpoints.",
                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_arguments(parser)
     return run_args(parser.parse_args(argv), prog=prog)

@@ -10,6 +10,7 @@ loaded only after a failure and never imports torch. Design: ``docs/design/launc
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import enum
 import json
@@ -20,7 +21,7 @@ import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_DETERMINISTIC = 2
 """Exit status of a worker that failed deterministically (the usage-error convention)."""
@@ -50,6 +51,13 @@ class ConfigError(DeterministicError, ValueError):
 class UserError(ConfigError):
     """A mistake at a command line (``elastic-trainer``'s or the doctor's): one line on stderr, exit
     status 2, no traceback."""
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line and exit status 2 (every command of the project)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 @dataclass(frozen=True, slots=True)
