@@ -19,8 +19,8 @@ from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpo
 from rendezvous.handler import create_handler
 from rendezvous.job_identity import JobIdentity, RunIdInUseError, set_job_identity
 from rendezvous.settings import DEFAULT_KEY_PREFIX
-from tests.support.agents import Agent
 from tests.support.agents import agents as agents_cleanup
+from tests.support.agents import start_torchrun
 
 pytestmark = pytest.mark.integration
 
@@ -118,9 +118,9 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_finishes_und
         "other nnodes": [*torchrun(etcd_server.endpoint, unique_id, nnodes="1:3"), SCRIPT],
     }
     with agents_cleanup() as agents:
-        job_a = Agent(torchrun(etcd_server.endpoint, unique_id), [SCRIPT], tmp_path / "a.log", env)
+        job_a = start_torchrun(torchrun(etcd_server.endpoint, unique_id), [SCRIPT], tmp_path / "a.log", env)
         agents.append(job_a)
-        wait_for(lambda: (tmp_path / "progress-0").exists(), 120, "job A to train")
+        wait_for(lambda: (tmp_path / "progress-0").exists(), timeout=120, what="job A to train")
         state_key = f"{DEFAULT_KEY_PREFIX}/{unique_id}/rdzv/state"
         state_before = read_key(etcd_server.endpoint, state_key)
         for case, argv in others.items():
@@ -131,12 +131,12 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_finishes_und
             assert len(lines) == 1 and "Traceback" not in done.stderr, f"{case}: {done.stderr[-3000:]}"
             assert lines[0].startswith(f"etcd-v3: error: run id {unique_id!r} is in use by another job: "
                                        f"it runs '{SCRIPT}' with --nnodes 1:2, this node runs "), lines[0]
-            assert job_a.process.poll() is None, f"job A ended while job B ({case}) was refused"
+            assert job_a.poll() is None, f"job A ended while job B ({case}) was refused"
         assert read_key(etcd_server.endpoint, state_key) == state_before  # no round opened, nothing closed
         code = job_a.wait(180)
-    assert code == 0, job_a.log()[-3000:]
+    assert code == 0, job_a.output()[-3000:]
     starts = (tmp_path / "starts").read_text().split()
-    assert len(starts) == 2, job_a.log()[-3000:]  # its two workers started once: never restarted
+    assert len(starts) == 2, job_a.output()[-3000:]  # its two workers started once: never restarted
     (result,) = [json.loads(p.read_text()) for p in tmp_path.glob(f"done-{unique_id}-*.json")]
     assert (result["attempt"], result["world_size"]) == (0, 2)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer.ops.processes import wait_for
-from tests.support.agents import Agent
+from tests.support.agents import Agent, start_torchrun
 from tests.support.agents import agents as agents_cleanup
 
 pytestmark = pytest.mark.integration
@@ -37,7 +37,7 @@ def results(out: Path, run_id: str) -> list[dict]:
 
 
 def start(agents: list[Agent], tmp_path: Path, endpoint: str, run_id: str, name: str, env: dict[str, str], **kw) -> Agent:  # type: ignore[no-untyped-def]
-    agent = Agent(torchrun_args(endpoint, run_id, **kw), [SCRIPT], tmp_path / f"{name}.log", env)
+    agent = start_torchrun(torchrun_args(endpoint, run_id, **kw), [SCRIPT], tmp_path / f"{name}.log", env)
     agents.append(agent)
     return agent
 
@@ -73,7 +73,7 @@ def test_two_agents_train_together(etcd_server, tmp_path: Path, unique_id: str) 
         for name in ("a", "b"):
             start(agents, tmp_path, etcd_server.endpoint, unique_id, name, env)
         codes = [a.wait(120) for a in agents]
-    assert codes == [0, 0], agents[0].log()[-3000:]
+    assert codes == [0, 0], agents[0].output()[-3000:]
     (result,) = results(tmp_path, unique_id)
     assert result["world_size"] == 4 and result["rank_sum"] == 6.0
 
@@ -85,12 +85,12 @@ def test_worker_sigkill_restarts_the_group(etcd_server, tmp_path: Path, unique_i
             start(agents, tmp_path, etcd_server.endpoint, unique_id, name, env)
         codes = [a.wait(150) for a in agents]
     assert (tmp_path / "died").exists()
-    assert codes == [0, 0], agents[1].log()[-3000:]
+    assert codes == [0, 0], agents[1].output()[-3000:]
     # All four workers started exactly twice: the kill's restart and nothing after the group
     # finished (a finished worker that aborts in interpreter teardown would add a round; see
     # scripts/ddp_steps.py).
     starts = len((tmp_path / "starts").read_text().split())
-    assert starts == 8, f"{starts} worker starts\n" + agents[0].log()[-3000:] + agents[1].log()[-3000:]
+    assert starts == 8, f"{starts} worker starts\n" + agents[0].output()[-3000:] + agents[1].output()[-3000:]
     (result,) = results(tmp_path, unique_id)
     assert result["world_size"] == 4
 
@@ -100,10 +100,10 @@ def test_lost_agent_the_survivor_re_rendezvouses(etcd_server, tmp_path: Path, un
     with agents_cleanup() as agents:
         survivor = start(agents, tmp_path, etcd_server.endpoint, unique_id, "a", env)
         doomed = start(agents, tmp_path, etcd_server.endpoint, unique_id, "b", env)
-        wait_for(lambda: any(tmp_path.glob("progress-*")), 90, "training to start")
+        wait_for(lambda: any(tmp_path.glob("progress-*")), timeout=90, what="training to start")
         doomed.kill_node()
         code = survivor.wait(180)
-    assert code == 0, survivor.log()[-3000:]
+    assert code == 0, survivor.output()[-3000:]
     final = results(tmp_path, unique_id)[-1]
     assert final["world_size"] == 2, final
 
@@ -114,11 +114,11 @@ def test_late_joiner_gets_a_fresh_store_address(etcd_server, tmp_path: Path, uni
     env = {"OUT_DIR": str(tmp_path), "STEPS": "80", "STEP_SLEEP_S": "0.1"}
     with agents_cleanup() as agents:
         first = start(agents, tmp_path, etcd_server.endpoint, unique_id, "a", env)
-        wait_for(lambda: (tmp_path / "progress-0").exists(), 90, "the first agent to train alone")
+        wait_for(lambda: (tmp_path / "progress-0").exists(), timeout=90, what="the first agent to train alone")
         time.sleep(2)
         second = start(agents, tmp_path, etcd_server.endpoint, unique_id, "b", env)
         codes = [first.wait(150), second.wait(150)]
-    assert codes == [0, 0], first.log()[-3000:]
+    assert codes == [0, 0], first.output()[-3000:]
     assert results(tmp_path, unique_id)[-1]["world_size"] == 4
 
 
