@@ -7,7 +7,9 @@ SCRIPT``. It runs the target exactly as ``python -m``/``python SCRIPT`` would (`
 uncaught failure -- a syntax error, a missing import, an exception, ``sys.exit(2)`` -- is
 classified and recorded in torchrun's error file (:mod:`elastic_trainer.runtime.failures`) instead of
 printing a traceback from every rank: the launcher prints the root cause once and decides whether
-a restart can help. Stdlib only until a failure happens.
+a restart can help. Before the target runs it starts the worker's heartbeat
+(:mod:`elastic_trainer.runtime.heartbeat`; a no-op unless the launcher asked for one), so cold and
+warm-forked workers alike are watched for freezing. Stdlib only until a failure happens.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import contextlib
 import os
 import sys
 from collections.abc import Sequence
+
+from elastic_trainer.runtime import heartbeat
 
 PROG = "elastic-trainer worker"
 
@@ -54,6 +58,7 @@ def exit_status(value: object) -> int:
 
 def run(argv: Sequence[str]) -> int:
     """Run the target; classify and record an uncaught failure; return the exit status."""
+    heartbeat.start_from_environ()
     try:
         return run_target(argv)
     except SystemExit as exc:
