@@ -5,7 +5,8 @@
 The agent, restarts and worker management are torch's (``torch.distributed.run``); this module
 chooses defaults, validates everything a user can get wrong before anything starts, starts an
 embedded etcd when no endpoint is given, wires in the node's metrics, the failure policy, warm
-start and the janitor, and always cleans up. Design: ``docs/design/launcher.md``.
+start, the frozen-worker watchdog and the janitor, and always cleans up. Design:
+``docs/design/launcher.md``.
 """
 
 from __future__ import annotations
@@ -237,6 +238,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             _check_external_etcd(settings)
 
         publisher = None
+        metrics: LauncherMetrics | None = None
         if options.metrics_port:
             from elastic_trainer.launch.node_metrics import (
                 LauncherMetricsConfig,
@@ -254,6 +256,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             log.warning("node metrics on %s", metrics.url)
             publisher = _start_progress_publisher(options, endpoint, run_id, metrics)
             cleanup.callback(publisher.close)  # runs before metrics.close and before etcd stops
+        _watch_frozen_workers(cleanup, options, janitor, metrics)
 
         # Workers run the target through worker_entry, which records failures for the policy.
         worker_args = [*WORKER_ENTRY, *target.torchrun_args()]
@@ -340,6 +343,33 @@ def _start_progress_publisher(options: RunOptions, endpoint: str, run_id: str,
         raise UserError(str(exc)) from exc
     publisher.start()
     return publisher
+
+
+def _watch_frozen_workers(cleanup: contextlib.ExitStack, options: RunOptions, janitor: Janitor | None,
+                          metrics: LauncherMetrics | None) -> None:
+    """Give the workers a heartbeat directory and stop any that freezes (``--frozen-timeout``, 0:
+    off; see elastic_trainer.launch.watchdog). Stops before the directory goes."""
+    if not options.frozen_timeout:
+        return
+    from elastic_trainer.launch.watchdog import (
+        FrozenWorkerWatchdog,
+        WatchdogConfig,
+        heartbeat_parent,
+    )
+    from elastic_trainer.metrics.node_name import local_node_name
+    from elastic_trainer.runtime.heartbeat import ENV_HEARTBEAT_DIR
+
+    directory = cleanup.enter_context(tempfile.TemporaryDirectory(
+        prefix="elastic-trainer-heartbeat-", dir=heartbeat_parent(), ignore_cleanup_errors=True))
+    if janitor is not None:
+        janitor.remove_on_exit(directory)
+    config = WatchdogConfig(directory=Path(directory), node=metrics.node if metrics else local_node_name(),
+                            floor_s=options.frozen_timeout)
+    watchdog = FrozenWorkerWatchdog(config, on_frozen=metrics.frozen_workers.stopped if metrics else None)
+    os.environ[ENV_HEARTBEAT_DIR] = directory  # inherited by every worker, cold or warm-forked
+    cleanup.callback(os.environ.pop, ENV_HEARTBEAT_DIR, None)
+    watchdog.start()
+    cleanup.callback(watchdog.stop)
 
 
 def _watch_failures(cleanup: contextlib.ExitStack, publisher: ProgressPublisher | None = None) -> list[FailurePolicyVerdict]:

@@ -4,9 +4,10 @@
 directory and exports ``PROMETHEUS_MULTIPROC_DIR`` and ``ELASTIC_TRAINER_NODE`` to them, routes the
 agent's torch elastic metrics and events into :class:`AgentMetrics`, and serves
 ``http://<addr>:<port>/metrics`` (default ``0.0.0.0:9400``): the workers' files merged, plus the
-agent's metrics. Before each scrape the files of dead workers are retired (``live*`` gauges
-dropped, the rest folded into one archive per kind), so counters never go backwards and a scrape
-reads a bounded number of files. Design: ``docs/design/metrics.md``.
+agent's metrics and the frozen-worker watchdog's counter (:class:`FrozenWorkerMetrics`). Before
+each scrape the files of dead workers are retired (``live*`` gauges dropped, the rest folded into
+one archive per kind), so counters never go backwards and a scrape reads a bounded number of
+files. Design: ``docs/design/metrics.md``.
 
     handle = start_launcher_metrics(LauncherMetricsConfig(port=9400, run_id=run_id))
     try:
@@ -29,6 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
@@ -138,6 +140,50 @@ class LiveMultiProcessCollector(Collector):
             return list(self._inner.collect())
 
 
+class FrozenWorkerMetrics(Collector):
+    """``elastic_trainer_frozen_workers_total``: workers of this node the frozen-worker watchdog
+    stopped (:mod:`elastic_trainer.launch.watchdog`). Plain Python behind a collector, like the
+    agent's metrics: prometheus-client's value classes would write into the workers' directory.
+
+    Args:
+        run_id: the job's rendezvous id.
+        node: this node's name.
+        registry: registered there when given.
+    """
+
+    NAME = "elastic_trainer_frozen_workers"
+
+    def __init__(self, *, run_id: str, node: str, registry: CollectorRegistry | None = None) -> None:
+        self._labels = [run_id, node]
+        self._count = 0
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def stopped(self, _worker: object = None) -> None:
+        """The watchdog stopped one frozen worker (``_worker``: what its callback passes)."""
+        with self._lock:
+            self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            self.NAME,
+            "Workers of this node that made no progress for longer than the frozen-worker threshold "
+            "and were stopped so the job heals.",
+            labels=["run_id", "node"],
+        )
+        with self._lock:
+            family.add_metric(self._labels, self._count)
+        return [family]
+
+
 class NodeMetricsServer:
     """A running ``/metrics`` endpoint (see :func:`serve_node_metrics`)."""
 
@@ -167,6 +213,7 @@ def serve_node_metrics(
     multiproc_dir: str,
     *,
     agent_metrics: AgentMetrics | None = None,
+    extra: Iterable[Collector] = (),
 ) -> NodeMetricsServer:
     """Serve the workers' multiprocess metrics (and the agent's) on ``http://addr:port/metrics``.
 
@@ -175,6 +222,7 @@ def serve_node_metrics(
         port: TCP port; 0 picks a free one (read it from the result's ``port``).
         multiproc_dir: the workers' ``PROMETHEUS_MULTIPROC_DIR``; must exist.
         agent_metrics: the agent's metrics to serve alongside, if any.
+        extra: more of the launcher's own collectors to serve.
 
     Raises:
         MetricsError: the directory is missing or the address cannot be bound.
@@ -185,6 +233,8 @@ def serve_node_metrics(
     registry.register(LiveMultiProcessCollector(multiproc_dir))
     if agent_metrics is not None:
         registry.register(agent_metrics)
+    for collector in extra:
+        registry.register(collector)
     try:
         httpd, thread = start_http_server(port, addr=addr, registry=registry)
     except (OSError, ValueError) as exc:
@@ -235,9 +285,12 @@ class LauncherMetrics:
         agent_metrics: AgentMetrics,
         multiproc_dir: str,
         cleanup: list[Callable[[], None]],
+        frozen_workers: FrozenWorkerMetrics,
     ) -> None:
         self.server = server
         self.agent_metrics = agent_metrics
+        self.frozen_workers = frozen_workers
+        """The frozen-worker watchdog's counter (served by :attr:`server`)."""
         self.multiproc_dir = multiproc_dir
         self._cleanup = cleanup
 
@@ -306,9 +359,10 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
             cleanup.append(_set_env(METRICS_SWITCH_ENV, "1"))
         cleanup.append(_set_env(ENV_NODE, config.node))
         agent_metrics = AgentMetrics(run_id=config.run_id, node=config.node)
+        frozen_workers = FrozenWorkerMetrics(run_id=config.run_id, node=config.node)
         cleanup.append(install_agent_hooks(agent_metrics))
         server = serve_node_metrics(
-            config.addr, config.port, directory, agent_metrics=agent_metrics
+            config.addr, config.port, directory, agent_metrics=agent_metrics, extra=[frozen_workers]
         )
         cleanup.append(server.close)
     except BaseException:
@@ -316,7 +370,8 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
             cleanup.pop()()
         raise
     return LauncherMetrics(
-        server=server, agent_metrics=agent_metrics, multiproc_dir=directory, cleanup=cleanup
+        server=server, agent_metrics=agent_metrics, multiproc_dir=directory, cleanup=cleanup,
+        frozen_workers=frozen_workers,
     )
 
 

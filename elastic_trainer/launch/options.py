@@ -37,6 +37,13 @@ def _positive_float(text: Any) -> float:
     return value
 
 
+def _frozen_timeout(text: Any) -> float:
+    value = float(text)
+    if not (value == 0 or 1 <= value < float("inf")):
+        raise ValueError("must be 0 (off) or at least 1 second")
+    return value
+
+
 def _port(text: Any) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -143,6 +150,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("log_dir", _text, None, "directory for per-worker logs (default: inherit the console)"),
     OptionSpec("warm_start", _choice("on", "off"), "on", "fork restarted workers from a process with torch imported"),
     OptionSpec("warm_preload", _modules, "", "extra modules the warm server imports (comma-separated)"),
+    OptionSpec("frozen_timeout", _frozen_timeout, 10.0,
+               "seconds a live worker may make no progress before it is stopped as frozen "
+               "(5x the median step time if longer; 0: off)"),
 )
 OPTIONS_BY_NAME = {spec.name: spec for spec in OPTIONS}
 
@@ -191,6 +201,9 @@ class RunOptions:
     """``on``: workers are forked from a warm server (:mod:`elastic_trainer.launch.warm_start`)."""
     warm_preload: str
     """Extra comma-separated modules the warm server imports."""
+    frozen_timeout: float
+    """Least silence, seconds, after which the watchdog stops a frozen worker; 0 turns it off
+    (:mod:`elastic_trainer.launch.watchdog`)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each value came from (cli, env, file, default): shown by ``--dry-run``."""
 

@@ -26,6 +26,7 @@ from elastic_trainer.runtime.heartbeat import (
     SLOT_SIZE,
     VERSION,
     Heartbeat,
+    SlotReading,
     read_slot,
     slot_path,
 )
@@ -48,7 +49,7 @@ def test_slot_round_trip(tmp_path: Path) -> None:
         first = read_slot(beat.path)
         assert first is not None
         assert (first.pid, first.rank, first.local_rank) == (os.getpid(), 3, 1)
-        assert first.start_ticks == heartbeat.process_start_ticks(os.getpid()) > 0
+        assert first.start_ticks == heartbeat.process_start_ticks(os.getpid()) and first.start_ticks > 0
         assert (first.beats, first.step) == (0, None)
         before = time.monotonic_ns()
         beat.beat()
@@ -107,8 +108,11 @@ def test_start_from_environ_is_idempotent_and_beats(tmp_path: Path) -> None:
     env = {ENV_HEARTBEAT_DIR: str(tmp_path), "RANK": "5", "LOCAL_RANK": "1"}
     started = heartbeat.start_from_environ(env)
     assert started is not None and heartbeat.start_from_environ(env) is started
-    reading = wait_for(lambda: (r := read_slot(started.path)) and r.beats >= 2 and r, timeout=10,
-                       what="two beats")
+    def two_beats() -> SlotReading | None:
+        found = read_slot(started.path)
+        return found if found is not None and found.beats >= 2 else None
+
+    reading = wait_for(two_beats, timeout=10, what="two beats")
     assert (reading.rank, reading.local_rank) == (5, 1)
     heartbeat.note_step(42)
     after = read_slot(started.path)
