@@ -126,6 +126,7 @@ class CheckpointManager:
         """Rank 0's module buffers, when just-in-time saves need them (see ``checkpoint.jit``)."""
         self._update_event: Any = None
         self._deadline: ExitTimer | None = None
+        self._peer_state = False  # keep rank 0's buffers for peers even without just-in-time saves
 
     # -- properties ----------------------------------------------------------------------------------
     @property
@@ -194,6 +195,33 @@ class CheckpointManager:
             log.info("starting from scratch (no checkpoint in %s)", self.directory)
         self._setup_jit(bool(decision[1]))
         return self.resumed_from
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Continue from ``state``, a peer's payload (:meth:`peer_payload`, on this rank's device):
+        no file, no collective. Also arms the just-in-time save. Returns the step."""
+        self._apply(state)
+        self.resumed_from = self.step
+        self._last_saved_step = None
+        self.last_path = None
+        self._setup_jit(self._jit_wanted())
+        return self.step
+
+    def serve_peers(self) -> None:
+        """This rank may be asked for its state (:meth:`peer_payload`) when the group heals in
+        place: keep rank 0's module buffers of every completed step, as just-in-time saves do."""
+        self._peer_state = True
+
+    @property
+    def holds_consistent_state(self) -> bool:
+        """No exception escaped an update section: the state is that of :attr:`step`."""
+        return self.guard.consistent
+
+    def peer_payload(self) -> dict[str, Any]:
+        """A host copy of the state after the last completed step, module buffers included as
+        they were then (an aborted forward may have moved them since): what peers take when the
+        group heals in place."""
+        with self.guard.hold(timeout=SAVE_TIMEOUT_S):
+            return self._jit_payload()
 
     def _jit_wanted(self) -> bool:
         """This rank's view of whether to save just in time (rank 0's view is the one used)."""
@@ -412,7 +440,8 @@ class CheckpointManager:
             payload=self._jit_payload, write=self._jit_write, drain=self._drain,
             stop_deadline=self._stop_deadline, enabled=enabled,
         )
-        if enabled and self.model is not None:
+        self.buffers = None
+        if (enabled or self._peer_state) and self.model is not None:
             self.buffers = AuthoritativeBuffers(self.model, rank=env.rank, world_size=env.world_size)
             if env.device.type == "cuda":
                 self._update_event = torch.cuda.Event()

@@ -507,31 +507,68 @@ def _start_cold(target_args: Sequence[str], reason: str) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-u", "-m", "elastic_trainer.train.worker_entry", *target_args])
 
 
+HEAL_ENV, HEAL_JOIN_ENV = "ELASTIC_TRAINER_HEAL", "ELASTIC_TRAINER_HEAL_JOIN"
+"""(``elastic_trainer.runtime.settings``'s names; this client imports nothing of the runtime.)"""
+REPLACED_ON = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
+"""Deaths after which a worker that heals in place is replaced at once: it was killed or crashed,
+and its peers carry on without it (a stop signal, an exit status or an exception is the agent's)."""
+MAX_REPLACEMENTS = 100
+"""Replacements one client starts at most (a worker that dies at every start is the agent's)."""
+
+
+def _fork_worker(sock_path: Path, target_args: Sequence[str], env: dict[str, str]) -> tuple[socket.socket, int]:
+    sock = _connect(sock_path, time.monotonic() + CONNECT_WAIT_S)
+    _send_message(sock, {"argv": list(target_args), "env": env, "cwd": os.getcwd(), "client_pid": os.getpid()},
+                  fds=(0, 1, 2))
+    reply, _ = _recv_message(sock)
+    if "pid" not in reply:
+        sock.close()
+        raise WarmStartError(str(reply.get("error", "the warm server refused")))
+    return sock, int(reply["pid"])  # type: ignore[call-overload]
+
+
 def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
-    """Have the warm server fork the worker, stand in for it, return (or die with) its status."""
+    """Have the warm server fork the worker, stand in for it, return (or die with) its status.
+
+    When the job heals in place, a worker killed by a signal (SIGKILL, a crash) is replaced by a
+    new one that joins its running peers; the agent sees nothing (it would restart every worker)."""
+    env = dict(os.environ)
     try:
-        sock = _connect(socket_path, time.monotonic() + CONNECT_WAIT_S)
-        _send_message(sock, {"argv": list(target_args), "env": dict(os.environ), "cwd": os.getcwd(),
-                             "client_pid": os.getpid()}, fds=(0, 1, 2))
-        reply, _ = _recv_message(sock)
+        sock, worker_pid = _fork_worker(socket_path, target_args, env)
     except (OSError, EOFError, ValueError, WarmStartError) as exc:
         _start_cold(target_args, str(exc) or type(exc).__name__)
-    if "pid" not in reply:
-        _start_cold(target_args, str(reply.get("error", "the warm server refused")))
-    worker_pid = int(reply["pid"])  # type: ignore[call-overload]
+    current = [worker_pid]
+    stopping = [False]
 
     def forward(signum: int, _frame: object) -> None:
+        stopping[0] = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(worker_pid, signum)
+            os.killpg(current[0], signum)
 
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
-    try:
-        status, _ = _recv_message(sock)
-        returncode = int(status["returncode"])  # type: ignore[call-overload]
-    except (OSError, EOFError, ValueError, KeyError):
-        # The server vanished (its launcher died): the worker went with it.
-        return 1
+    replacements = 0
+    while True:
+        try:
+            status, _ = _recv_message(sock)
+            returncode = int(status["returncode"])  # type: ignore[call-overload]
+        except (OSError, EOFError, ValueError, KeyError):
+            # The server vanished (its launcher died): the worker went with it.
+            return 1
+        sock.close()
+        heals = env.get(HEAL_ENV, "").strip().lower() in ("in_place", "1")
+        if (heals and returncode < 0 and -returncode in REPLACED_ON and not stopping[0]
+                and replacements < MAX_REPLACEMENTS):
+            replacements += 1
+            print(f"elastic-trainer: worker {current[0]} died ({signal.Signals(-returncode).name}); "
+                  "starting a replacement that joins its peers in place", file=sys.stderr, flush=True)
+            env[HEAL_JOIN_ENV] = "1"
+            try:
+                sock, current[0] = _fork_worker(socket_path, target_args, env)
+                continue
+            except (OSError, EOFError, ValueError, WarmStartError) as exc:
+                print(f"elastic-trainer: no replacement ({exc}); leaving it to the agent", file=sys.stderr, flush=True)
+        break
     if returncode < 0:  # killed by a signal: die the same way so torchrun sees the same status
         if -returncode not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-returncode, signal.SIG_DFL)

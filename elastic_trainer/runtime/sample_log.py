@@ -1,8 +1,9 @@
 """Audit log of consumed samples: JSON lines per rank per optimizer step.
 
 Used to prove exactly-once data consumption across restarts (see :func:`committed_history`).
-Each worker process writes its own file, ``samples-rank{R}-pid{PID}.jsonl``; the first line of a
-file is a ``start`` record naming the step the process resumed from. A ``step`` record (the
+Each worker process writes its own file per generation, ``samples-rank{R}-pid{PID}.jsonl`` (a
+process that healed in place into another generation continues in ``...-pid{PID}-{N}.jsonl``);
+the first line of a file is a ``start`` record naming the step the generation resumed from. A ``step`` record (the
 step's indices) is written when the step *starts*, before any rank can commit it, so every
 committed step has every rank's record whoever checkpointed it; a ``done`` record follows the
 step's update (it tells how far a process got, e.g. for counting steps lost).
@@ -22,16 +23,19 @@ from typing import Any, TextIO
 class SampleLog:
     """Appends records for one worker process, flushed line by line."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, rank: int, pid: int | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, rank: int, pid: int | None = None, part: int = 0) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        self.path = path / f"samples-rank{rank:04d}-pid{os.getpid() if pid is None else pid}.jsonl"
+        suffix = f"-{part}" if part else ""
+        self.path = path / f"samples-rank{rank:04d}-pid{os.getpid() if pid is None else pid}{suffix}.jsonl"
         self._file: TextIO = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
-    def start(self, *, generation: str, started_unix: float, resumed_step: int, world_size: int, rank: int) -> None:
-        """``generation`` and ``started_unix`` are rank 0's, shared by the whole worker group."""
+    def start(self, *, generation: str, started_unix: float, resumed_step: int, world_size: int, rank: int,
+              source: str = "checkpoint") -> None:
+        """``generation`` and ``started_unix`` are rank 0's, shared by the whole worker group.
+        ``source``: where the state came from (``checkpoint``, or ``peer`` after an in-place heal)."""
         self._write({"event": "start", "generation": generation, "started_unix": started_unix,
-                     "resumed_step": resumed_step, "world_size": world_size, "rank": rank})
+                     "resumed_step": resumed_step, "world_size": world_size, "rank": rank, "source": source})
 
     def step(self, *, step: int, epoch: int, cursor: int, world_size: int, rank: int, indices: list[int]) -> None:
         """``step`` is the number of optimizer steps done after this one."""
@@ -113,13 +117,18 @@ def generations(directory: str | os.PathLike[str]) -> list[Generation]:
         gen = found.setdefault(start["generation"], Generation(
             id=start["generation"], started_unix=start["started_unix"], resumed_step=start["resumed_step"],
             world_size=start["world_size"], last_step=start["resumed_step"]))
-        gen.pids[start["rank"]] = int(path.stem.rsplit("-pid", 1)[1])
+        gen.pids[start["rank"]] = pid_of(path)
         for record in records[1:]:
             if record["event"] == "done":
                 gen.last_step = max(gen.last_step, record["step"])
                 if "t" in record:
                     gen.done_times[record["step"]] = min(gen.done_times.get(record["step"], record["t"]), record["t"])
     return sorted(found.values(), key=lambda g: g.started_unix)
+
+
+def pid_of(path: str | os.PathLike[str]) -> int:
+    """The process id in a sample log's file name."""
+    return int(Path(path).stem.rsplit("-pid", 1)[1].split("-")[0])
 
 
 def read_records_of(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

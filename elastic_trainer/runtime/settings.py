@@ -39,6 +39,21 @@ ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
 """The job's rendezvous id (torchrun sets it)."""
 ENV_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
 """Entries of torch's flight recorder ring (torch reads it once, when the process group starts)."""
+ENV_HEAL = "ELASTIC_TRAINER_HEAL"
+"""``in_place``: survivors of a fault keep their processes and heal the group in place
+(``docs/design/heal-in-place.md``); ``off`` (the default outside ``elastic-trainer run``)."""
+ENV_HEAL_JOIN = "ELASTIC_TRAINER_HEAL_JOIN"
+"""``1``: this process joins a running job in place (a replacement, a new node, a spare)."""
+ENV_HEAL_ENDPOINT = "ELASTIC_TRAINER_HEAL_ENDPOINT"
+"""The etcd endpoint(s) the job's membership lives in (the launcher sets it)."""
+ENV_HEAL_RDZV_CONF = "ELASTIC_TRAINER_HEAL_RDZV_CONF"
+"""The job's ``--rdzv-conf`` (etcd TLS and auth settings), for the membership's etcd connection."""
+ENV_HEAL_WORLD = "ELASTIC_TRAINER_HEAL_WORLD"
+"""``MIN:MAX`` processes a healed group may have (``--nnodes`` times workers per node)."""
+ENV_HEAL_SETTLE_S = "ELASTIC_TRAINER_HEAL_SETTLE_S"
+"""How long a round waits for members that did not answer before it counts them as gone."""
+ENV_HEAL_TIMEOUT_S = "ELASTIC_TRAINER_HEAL_TIMEOUT_S"
+"""How long a round may wait for enough members before the process gives up (exits)."""
 
 DEFAULT_SIGTERM_GRACE_S = 30.0
 """torchrun's agent SIGKILLs workers 30 s after its SIGTERM: a larger grace buys nothing there."""
@@ -100,6 +115,56 @@ def allreduce_timing_mode(raw: str | None) -> str:
     return mode
 
 
+DEFAULT_HEAL_SETTLE_S = 0.5
+"""A live member answers a round on its watch thread within milliseconds; half a second covers a
+loaded machine's scheduling delays many times over."""
+DEFAULT_HEAL_TIMEOUT_S = 600.0
+"""Like torchrun's join timeout: how long survivors below the minimum wait for new members."""
+
+
+def _world(environ: Mapping[str, str], name: str) -> tuple[int, int] | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    low, _, high = raw.partition(":")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not MIN:MAX") from None
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"{name}: need 1 <= MIN <= MAX, got {raw!r}")
+    return lo, hi
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HealSettings:
+    """In-place healing (:data:`ENV_HEAL` and the variables beside it)."""
+
+    enabled: bool = False
+    join: bool = False
+    """This process joins a running job (:data:`ENV_HEAL_JOIN`)."""
+    endpoint: str | None = None
+    rdzv_conf: str = ""
+    world: tuple[int, int] | None = None
+    """``(min, max)`` processes; ``None``: the size torchrun formed, fixed."""
+    settle_s: float = DEFAULT_HEAL_SETTLE_S
+    timeout_s: float = DEFAULT_HEAL_TIMEOUT_S
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> HealSettings:
+        raw = env.get(ENV_HEAL, "").strip().lower()
+        if raw not in ("", "off", "0", "in_place", "1"):
+            raise ConfigError(f"{ENV_HEAL}: {env[ENV_HEAL]!r} is not in_place or off")
+        enabled = raw in ("in_place", "1")
+        endpoint = env.get(ENV_HEAL_ENDPOINT, "").strip() or None
+        if enabled and endpoint is None:
+            raise ConfigError(f"{ENV_HEAL}=in_place needs {ENV_HEAL_ENDPOINT} (the job's etcd)")
+        return cls(enabled=enabled, join=_bool(env, ENV_HEAL_JOIN, False), endpoint=endpoint,
+                   rdzv_conf=env.get(ENV_HEAL_RDZV_CONF, ""), world=_world(env, ENV_HEAL_WORLD),
+                   settle_s=_seconds(env, ENV_HEAL_SETTLE_S, DEFAULT_HEAL_SETTLE_S),
+                   timeout_s=_seconds(env, ENV_HEAL_TIMEOUT_S, DEFAULT_HEAL_TIMEOUT_S))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerSettings:
     """What a worker process takes from its environment (see the module docstring)."""
@@ -130,6 +195,8 @@ class WorkerSettings:
     """torchrun's ``RANK`` (0 for a process started by hand), for labels and reports."""
     local_rank: int = 0
     """torchrun's ``LOCAL_RANK``."""
+    heal: HealSettings = HealSettings()
+    """In-place healing."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -154,6 +221,7 @@ class WorkerSettings:
             fr_buffer_entries=ring,
             rank=_int(env, "RANK", 0),
             local_rank=_int(env, "LOCAL_RANK", 0),
+            heal=HealSettings.from_environ(env),
         )
 
 

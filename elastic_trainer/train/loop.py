@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,13 @@ log = logging.getLogger(__name__)
 
 EXIT_STOPPED = 128 + 15
 """Exit code after a graceful stop: non-zero so that torchrun restarts (or ends) the group."""
+
+def heal_signal(exc: BaseException) -> bool:
+    """A failed collective (a peer is gone): what in-place healing takes over."""
+    from elastic_trainer.heal.healer import is_group_failure
+
+    return is_group_failure(exc)
+
 
 FaultHook = Callable[[str, int], None]
 """Test seam: ``hook(point, step)`` at ``"before_control"`` and ``"after_update"`` of every step."""
@@ -102,6 +110,12 @@ class ElasticLoop:
         lr: returns the learning rate to report (a Python float; a tensor would synchronise).
         after_step: called with the step number after each step, on every rank.
         fault_hook: test seam (:data:`FaultHook`).
+        heals_in_place: a failed collective is healed by the caller (:mod:`elastic_trainer.heal`):
+            the loop then neither saves just in time nor arms the exit deadline for it, and keeps
+            rank 0's buffers of every step so that this rank can hand its state to peers.
+        initial_state: start from this state (a peer's, after a heal) instead of the newest
+            checkpoint.
+        generation_part: how many times this process healed before (names its sample log).
     """
 
     def __init__(
@@ -122,6 +136,9 @@ class ElasticLoop:
         lr: Callable[[], float | None] | None = None,
         after_step: Sequence[Callable[[int], None]] = (),
         fault_hook: FaultHook | None = None,
+        heals_in_place: bool = False,
+        initial_state: dict[str, Any] | None = None,
+        generation_part: int = 0,
     ) -> None:
         self.env = env
         self.sampler = sampler
@@ -139,6 +156,13 @@ class ElasticLoop:
         self._lr = lr or (lambda: None)
         self._after_step = list(after_step)
         self._fault = fault_hook
+        self.heals_in_place = heals_in_place
+        self._initial_state = initial_state
+        self._generation_part = generation_part
+        self.state_ready = False
+        """The state is this run's (loaded or taken from a peer): this rank may serve it."""
+        self.state_source = "checkpoint"
+        """Where the state came from: ``checkpoint`` (or a fresh start) or ``peer``."""
         self._channel: ControlChannel | None = None  # created in __enter__, collectively
         self._sample_log: SampleLog | None = None
         self._plan: StepPlan | None = None
@@ -184,7 +208,14 @@ class ElasticLoop:
         self._wakeup.install()
         try:
             self._channel = ControlChannel(self.env)
-            self.checkpoints.load()
+            if self.heals_in_place:
+                self.checkpoints.serve_peers()
+            if self._initial_state is not None:
+                self.checkpoints.restore(self._initial_state)
+                self._initial_state, self.state_source = None, "peer"
+            else:
+                self.checkpoints.load()
+            self.state_ready = True
             self.sampler_check()
             self._open_sample_log()
             self.observer.on_start(world_size=self.env.world_size, restart_count=self.env.restart_count,
@@ -203,7 +234,7 @@ class ElasticLoop:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and not (self.heals_in_place and heal_signal(exc)):
                 failures.note_step(exc, self.step + 1)  # the launcher's repeat check compares steps
                 self.checkpoints.after_failure(exc)
         finally:
@@ -224,9 +255,10 @@ class ElasticLoop:
         generation = [(uuid.uuid4().hex, time.time())]
         if self.env.world_size > 1:
             dist.broadcast_object_list(generation, src=0)
-        self._sample_log = SampleLog(self.record_samples_dir, rank=self.env.rank)
+        self._sample_log = SampleLog(self.record_samples_dir, rank=self.env.rank, part=self._generation_part)
         self._sample_log.start(generation=generation[0][0], started_unix=generation[0][1],
-                               resumed_step=self.step, world_size=self.env.world_size, rank=self.env.rank)
+                               resumed_step=self.step, world_size=self.env.world_size, rank=self.env.rank,
+                               source=self.state_source)
 
     # -- the steps ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[StepPlan]:

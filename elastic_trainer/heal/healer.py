@@ -1,0 +1,311 @@
+"""One worker's side of in-place healing: join, notice a fault, form the next epoch, go on.
+
+    healer = Healer.create(settings, env, pg_timeout_s=...)   # None when healing is off
+    env, state = healer.start(env)        # torchrun's group (or: join a running job)
+    ...                                   # train; on a failed collective:
+    outcome = healer.heal(step=step, snapshot=manager.peer_payload)
+    env, state = outcome.env, outcome.state   # new group, and the state to continue from
+
+The protocol is :mod:`elastic_trainer.heal.protocol`, its etcd side
+:mod:`elastic_trainer.heal.membership`, the group :mod:`elastic_trainer.heal.group`. This module
+ties them to one process's life: while it trains, a round opened by anyone aborts its group at
+once (from the watch's responder thread), so its training thread never waits on a dead or frozen
+peer; the training thread then answers the round with the step it holds, waits for the epoch,
+builds the new group and takes the newest state from a live peer. Only a process that died is
+started again; it joins the same way, as does a new node or a spare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.heal.group import HealableGroup
+from elastic_trainer.heal.membership import HealTimeoutError, Membership
+from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRules
+from elastic_trainer.heal.state_transfer import share_state
+from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.settings import HealSettings
+
+log = logging.getLogger(__name__)
+
+_GROUP_FAILURE_MARKERS = (
+    "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+    "NCCL communicator was aborted", "NCCL error", "ProcessGroupNCCL", "Socket Timeout",
+)
+
+
+class HealError(RuntimeError):
+    """The group could not be healed in place (the process exits; its launcher takes over)."""
+
+
+class RunFinished(Exception):
+    """The job finished while this process waited to join it."""
+
+
+@dataclass(frozen=True, slots=True)
+class HealOutcome:
+    """A new epoch: this process's place in it and the state to continue from."""
+
+    env: DistEnv
+    epoch: Epoch
+    state: dict[str, Any] | None
+    """The newest state a member held (``None``: nobody held any; load the newest checkpoint)."""
+    took_s: float
+
+
+class Regrouped(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised out of a training session when its group was healed: start a new session."""
+
+    def __init__(self, outcome: HealOutcome) -> None:
+        super().__init__(f"healed into epoch {outcome.epoch.number}")
+        self.outcome = outcome
+
+
+def is_group_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because a peer is gone (not a bug in the step)."""
+    if isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc)
+        return any(marker in text for marker in _GROUP_FAILURE_MARKERS)
+    return False
+
+
+class Healer:
+    """See the module docstring. Use :meth:`create`."""
+
+    def __init__(self, settings: HealSettings, *, run_id: str, node: str, local_rank: int, backend: str,
+                 device: torch.device, pg_timeout_s: float, world: tuple[int, int]) -> None:
+        from rendezvous.etcd_client import EtcdConnection
+        from rendezvous.settings import RendezvousConfigError, settings_from_conf
+
+        self.settings = settings
+        self.run_id = run_id
+        self.device = device
+        try:
+            rdzv = settings_from_conf(settings.rdzv_conf, endpoint=settings.endpoint or "", run_id=run_id)
+            config = rdzv.client_config()
+        except (RendezvousConfigError, ValueError) as exc:
+            raise HealError(f"in-place healing: {exc}") from exc
+        self.connection = EtcdConnection(config)
+        self.member = Member(id=f"{node}/{local_rank}/{os.getpid()}-{uuid.uuid4().hex[:6]}", slot=f"{node}/{local_rank}")
+        rules = RoundRules(min_world=world[0], max_world=world[1], settle_s=settings.settle_s)
+        self.membership = Membership(self.connection, run_id, self.member, rules, on_round_open=self._round_opened)
+        keep = frozenset(endpoint.port for endpoint in config.endpoints)
+        self.group = HealableGroup(backend, pg_timeout_s, keep_ports=keep)
+        self._phase = "starting"  # starting | training | healing | spare | closed
+        self._phase_lock = threading.Lock()
+        self._epoch: Epoch | None = None
+        self._stores: list[Any] = []  # EtcdV3Stores of live groups (the C++ wrapper needs the Python half)
+        self._side_group: Any = None
+        self.heals = 0
+
+    @classmethod
+    def create(cls, settings: HealSettings, env: DistEnv, *, run_id: str | None, node: str | None,
+               pg_timeout_s: float) -> Healer | None:
+        """The healer of this worker, or ``None`` when healing is off or impossible here.
+
+        Raises:
+            HealError: healing is on but misconfigured.
+        """
+        if not settings.enabled or not env.launched:
+            return None
+        if run_id is None or node is None:
+            raise HealError("in-place healing needs TORCHELASTIC_RUN_ID and ELASTIC_TRAINER_NODE "
+                            "(start the job with elastic-trainer run)")
+        world = settings.world or (env.world_size, env.world_size)
+        return cls(settings, run_id=run_id, node=node, local_rank=env.local_rank, backend=env.backend,
+                   device=env.device, pg_timeout_s=pg_timeout_s, world=world)
+
+    # -- state -------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> Epoch | None:
+        return self._epoch
+
+    def _set_phase(self, phase: str) -> None:
+        with self._phase_lock:
+            self._phase = phase
+
+    # -- start -------------------------------------------------------------------------------------
+    def start(self, env: DistEnv) -> tuple[DistEnv, dict[str, Any] | None]:
+        """Create this worker's group: torchrun's (the first epoch), or, for a process started to
+        join a running job, the next epoch's. Returns the environment and, for a joiner, the
+        state its peers hold (``None``: load the newest checkpoint)."""
+        self.membership.start()
+        if self.settings.join:
+            outcome = self._join(env, reason="join")
+            return outcome.env, outcome.state
+        self.group.create(rank=env.rank, world_size=env.world_size)
+        self._create_side_group()
+        members: list[Any] = [None] * env.world_size
+        dist.all_gather_object(members, self.member)
+        number = [0]
+        if env.rank == 0:
+            number[0] = self.membership.form(list(members), step=NO_STATE, reason="rendezvous").number
+        dist.broadcast_object_list(number, src=0)
+        if not self.membership.wait(lambda: (e := self.membership.epoch) is not None and e.number >= number[0], 30.0):
+            raise HealError(f"epoch {number[0]} written by rank 0 never arrived")
+        self._epoch = self.membership.epoch
+        self._set_phase("training")
+        return env, None
+
+    def _join(self, env: DistEnv, *, reason: str) -> HealOutcome:
+        """A process without state: join the next round (or wait as a spare for one)."""
+        self._set_phase("healing")
+        started = time.monotonic()
+        if not self.membership.wait(lambda: self.membership.epoch is not None, self.settings.timeout_s):
+            raise HealError(f"no running job to join in place within {self.settings.timeout_s:g} s")
+        return self._round(env, step=NO_STATE, snapshot=None, reason=reason, started=started)
+
+    # -- heal --------------------------------------------------------------------------------------
+    def heal(self, env: DistEnv, *, step: int, snapshot: Callable[[], dict[str, Any]], reason: str) -> HealOutcome:
+        """After a failed collective: abort the group, form the next epoch, take the newest state.
+
+        ``step``: the last step this process applied; ``snapshot()``: its state (called only if
+        this process is the source).
+
+        Raises:
+            HealError: no epoch could be formed in time (the process should exit).
+            RunFinished: the job finished meanwhile.
+        """
+        self._set_phase("healing")
+        started = time.monotonic()
+        self.group.destroy()
+        return self._round(env, step=step, snapshot=snapshot, reason=reason, started=started)
+
+    def _round(self, env: DistEnv, *, step: int, snapshot: Callable[[], dict[str, Any]] | None, reason: str,
+               started: float) -> HealOutcome:
+        deadline = started + self.settings.timeout_s
+        while True:
+            current = self.membership.epoch
+            if current is None:
+                raise HealError("the job's membership record is gone")
+            if current.finished:
+                raise RunFinished(f"the job finished at epoch {current.number}")
+            number = current.number + 1
+            try:
+                if not self.membership.round_open(number):
+                    self.membership.open_round(number, reason)
+                self.membership.answer(number, Join(self.member, ready=True, step=step))
+                epoch = self.membership.settle(number, deadline=deadline, reason=reason)
+            except HealTimeoutError as exc:
+                raise HealError(f"healing in place failed: {exc}") from exc
+            rank = epoch.rank_of(self.member.id)
+            if epoch.finished:
+                raise RunFinished(f"the job finished at epoch {epoch.number}")
+            if rank is None:
+                if step == NO_STATE and epoch.world_size >= self.membership.rules.max_world:
+                    self._wait_as_spare(epoch, deadline=None)
+                    continue
+                log.warning("heal: epoch %d formed without this process (late); joining the next one", epoch.number)
+                if time.monotonic() > deadline:
+                    raise HealError("healing in place failed: left out of every epoch")
+                continue
+            try:
+                return self._enter(env, epoch, rank, step=step, snapshot=snapshot, started=started)
+            except Exception as exc:  # a peer failed while the group formed or the state moved
+                if not is_group_failure(exc) and not isinstance(exc, dist.DistStoreError):
+                    raise
+                log.warning("heal: epoch %d failed while forming (%s); healing again", epoch.number,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self.group.destroy()
+                if time.monotonic() > deadline:
+                    raise HealError("healing in place failed: every epoch broke while forming") from exc
+
+    def _wait_as_spare(self, epoch: Epoch, *, deadline: float | None) -> None:
+        """Beyond the job's maximum size: wait (answering every round) until a round opens."""
+        self._set_phase("spare")
+        log.warning("heal: the job is at its maximum size (%d); waiting as a spare", epoch.world_size)
+        number = epoch.number + 1
+        while not self.membership.wait(
+                lambda: self.membership.round_open(number) or ((e := self.membership.epoch) is not None
+                                                               and (e.finished or e.number >= number)), 60.0):
+            if deadline is not None and time.monotonic() > deadline:
+                raise HealError("no place in the job freed up")
+        self._set_phase("healing")
+
+    def _enter(self, env: DistEnv, epoch: Epoch, rank: int, *, step: int,
+               snapshot: Callable[[], dict[str, Any]] | None, started: float) -> HealOutcome:
+        from rendezvous.etcd_store import EtcdV3Store
+
+        store = EtcdV3Store(self.connection, f"{self.membership.keys.prefix}store/{epoch.number}",
+                            timeout=timedelta(seconds=60))
+        self._stores = [store]
+        self.group.create(rank=rank, world_size=epoch.world_size, store=store)
+        self._create_side_group()
+        state = None
+        if epoch.source is not None:
+            source = epoch.rank_of(epoch.source)
+            if source is None:
+                raise HealError(f"epoch {epoch.number} names a source that is not a member")
+            payload = None
+            if rank == source:
+                if snapshot is None:
+                    raise HealError("chosen as the state source without state")
+                payload = snapshot()
+            state = share_state(payload, src=source, device=self.device, group=self._side_group)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(epoch.world_size)
+        new_env = dataclasses.replace(env, rank=rank, world_size=epoch.world_size)
+        self._epoch = epoch
+        self.heals += 1
+        took = time.monotonic() - started
+        self._set_phase("training")
+        if rank == 0:
+            log.warning("heal: epoch %d formed in %.2f s (%s): %d member(s), continuing from step %s%s", epoch.number,
+                        took, epoch.reason, epoch.world_size, epoch.step if epoch.step != NO_STATE else "of the newest checkpoint",
+                        "" if step == NO_STATE and rank != 0 else "")
+        return HealOutcome(env=new_env, epoch=epoch, state=state, took_s=took)
+
+    def _create_side_group(self) -> None:
+        """A gloo group of the same ranks for host-side transfers when the default group is NCCL."""
+        if self.group.backend == "gloo":
+            self._side_group = None
+            return
+        from elastic_trainer.heal.group import socket_inodes
+
+        before = socket_inodes()
+        self._side_group = dist.new_group(backend="gloo")
+        self.group.adopt_new_sockets(before)
+
+    # -- the responder -------------------------------------------------------------------------------
+    def _round_opened(self, number: int, reason: str) -> None:
+        """(Responder thread) round ``number`` opened: while training in the epoch before it, abort
+        the group (the training thread fails fast and heals) and answer that this process lives."""
+        with self._phase_lock:
+            phase = self._phase
+        epoch = self._epoch
+        if phase == "spare":
+            self.membership.answer(number, Join(self.member, ready=True, step=NO_STATE))
+            return
+        if phase != "training" or epoch is None or number != epoch.number + 1:
+            return
+        log.warning("heal: round %d opened (%s); stopping this step", number, reason or "a fault")
+        self.group.abort()
+        self.membership.answer(number, Join(self.member, ready=False))
+
+    # -- the end -------------------------------------------------------------------------------------
+    def finish(self, env: DistEnv) -> None:
+        """Training ended (rank 0 marks the run finished: spares and late joiners stop)."""
+        if env.rank == 0:
+            try:
+                self.membership.finish()
+            except Exception as exc:  # noqa: BLE001 - the job is done; a stale record only delays spares
+                log.warning("heal: could not mark the run finished: %s", exc)
+
+    def close(self) -> None:
+        self._set_phase("closed")
+        self.membership.close()
+        self.group.destroy()
+        self.connection.close()
