@@ -102,11 +102,15 @@ def rdzv_conf(options: RunOptions) -> str:
 def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, target: Target,
                   worker_args: Sequence[str] | None = None) -> list[str]:
     """The torchrun command line this launch is equivalent to (``worker_args`` replaces the
-    target's own arguments when workers go through the warm-start client)."""
+    target's own arguments when workers go through the warm-start client). Healing in place, the
+    backend is ``etcd-v3`` wrapped by :mod:`elastic_trainer.launch.in_place` (registered in this
+    process only)."""
+    from elastic_trainer.launch.in_place import BACKEND_NAME
+
     argv = [
         f"--nnodes={options.nnodes}",
         f"--nproc-per-node={nproc}",
-        "--rdzv-backend=etcd-v3",
+        f"--rdzv-backend={BACKEND_NAME if options.heal == 'in_place' else 'etcd-v3'}",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
         f"--rdzv-conf={rdzv_conf(options)}",
@@ -265,6 +269,8 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             warm.wait_ready()  # join only once our workers can start at once (see wait_ready)
         verdicts = _watch_failures(cleanup, publisher)
         _claim_job_identity(cleanup, options, target)
+        if options.heal == "in_place":
+            _heal_in_place(options, endpoint, nproc, node=metrics.node if metrics is not None else None)
         args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args))
         try:
             run(args)
@@ -294,6 +300,17 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             log.error("rendezvous of run %r failed: %s", run_id, exc)
             return 1
     return 0
+
+
+def _heal_in_place(options: RunOptions, endpoint: str, nproc: int, *, node: str | None) -> None:
+    """Register the in-place rendezvous backend and tell the workers how to heal."""
+    from elastic_trainer.launch.in_place import register_backend, worker_environment
+    from elastic_trainer.metrics.node_name import local_node_name
+
+    node = node or local_node_name()
+    register_backend(node=node)
+    os.environ.update(worker_environment(endpoint=endpoint, rdzv_conf=rdzv_conf(options), node=node,
+                                         min_world=options.min_nodes * nproc, max_world=options.max_nodes * nproc))
 
 
 def host_address() -> str | None:

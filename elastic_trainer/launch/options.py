@@ -153,6 +153,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("frozen_timeout", _frozen_timeout, 10.0,
                "seconds a live worker may make no progress before it is stopped as frozen "
                "(5x the median step time if longer; 0: off)"),
+    OptionSpec("heal", _choice("in_place", "off"), "in_place",
+               "in_place: survivors of a fault keep their processes and state, only what died restarts; "
+               "off: every fault restarts every worker (plain torchrun)"),
 )
 OPTIONS_BY_NAME = {spec.name: spec for spec in OPTIONS}
 
@@ -204,6 +207,8 @@ class RunOptions:
     frozen_timeout: float
     """Least silence, seconds, after which the watchdog stops a frozen worker; 0 turns it off
     (:mod:`elastic_trainer.launch.watchdog`)."""
+    heal: str = "in_place"
+    """``in_place`` or ``off`` (:mod:`elastic_trainer.launch.in_place`)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each value came from (cli, env, file, default): shown by ``--dry-run``."""
 
