@@ -368,16 +368,12 @@ def _watch_frozen_workers(cleanup: contextlib.ExitStack, options: RunOptions, ja
     off; see elastic_trainer.launch.watchdog). Stops before the directory goes."""
     if not options.frozen_timeout:
         return
-    from elastic_trainer.launch.watchdog import (
-        FrozenWorkerWatchdog,
-        WatchdogConfig,
-        heartbeat_parent,
-    )
+    from elastic_trainer.launch.watchdog import FrozenWorkerWatchdog, WatchdogConfig
     from elastic_trainer.metrics.node_name import local_node_name
     from elastic_trainer.runtime.heartbeat import ENV_HEARTBEAT_DIR
 
-    directory = cleanup.enter_context(tempfile.TemporaryDirectory(
-        prefix="elastic-trainer-heartbeat-", dir=heartbeat_parent(), ignore_cleanup_errors=True))
+    directory = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="elastic-trainer-heartbeat-",
+                                                                  ignore_cleanup_errors=True))
     if janitor is not None:
         janitor.remove_on_exit(directory)
     config = WatchdogConfig(directory=Path(directory), node=metrics.node if metrics else local_node_name(),

@@ -192,13 +192,6 @@ def process_state(pid: int) -> tuple[int, str] | None:
         return None
 
 
-def heartbeat_parent() -> str | None:
-    """Where the heartbeat directory goes: ``/dev/shm`` when usable (memory only: a beat never waits
-    for disk writeback of its mapped page), else ``None`` (the temporary directory)."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-
-
 def is_running(pid: int, start_ticks: int) -> bool:
     """Whether the process a slot describes still runs: same start time, not a zombie."""
     state = process_state(pid)

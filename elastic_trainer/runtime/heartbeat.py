@@ -1,6 +1,6 @@
 """A worker's heartbeat: a small slot file its launcher reads to tell a frozen worker from a slow one.
 
-    ELASTIC_TRAINER_HEARTBEAT_DIR=/dev/shm/hb python -c \\
+    mkdir -p /tmp/hb && ELASTIC_TRAINER_HEARTBEAT_DIR=/tmp/hb python -c \\
         "from elastic_trainer.runtime import heartbeat; heartbeat.start_from_environ(); heartbeat.note_step(1)"
 
 Under ``elastic-trainer run`` the launcher names a per-node directory in
