@@ -20,6 +20,27 @@ from rendezvous.etcd_client import EtcdConnection
 from rendezvous.watch_hub import prefix_end
 
 
+class _Patience:
+    """The deadlines of a request's attempts: ``deadline``, then twice as long each retry, up to
+    the client's ``read_timeout``.
+
+    A short first deadline gets a request stuck behind a dead leader retried on a live member
+    soon; doubling it keeps an overloaded etcd (every request slow, none lost) from being
+    flooded with retries of requests it is still serving.
+    """
+
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+        self._attempt = 0
+
+    def next(self, client: Any) -> float:
+        self._attempt += 1
+        longest = float(client.timeout)
+        if self._deadline is None:
+            return longest
+        return float(min(longest, self._deadline * 2 ** (self._attempt - 1)))
+
+
 @dataclass(frozen=True, slots=True)
 class TxnResult:
     """The outcome of :func:`transaction`."""
@@ -44,16 +65,18 @@ def transaction(
 ) -> TxnResult:
     """Run one etcd transaction (``compare`` from :func:`mod_is` etc., ops from :func:`put` etc.).
 
-    ``deadline`` is the gRPC deadline of one attempt (default: the connection's ``read_timeout``).
+    ``deadline`` is the gRPC deadline of the first attempt (default: the connection's
+    ``read_timeout``); see :class:`_Patience` for the next ones.
 
     Raises:
         RendezvousConnectionError: see :meth:`EtcdConnection.call`.
     """
     rpc = connection.etcd3.etcdrpc
     request = rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
+    patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return client.kvstub.Txn(request, deadline or client.timeout, credentials=client.call_credentials,
+        return client.kvstub.Txn(request, patience.next(client), credentials=client.call_credentials,
                                  metadata=client.metadata)
 
     response = connection.call(send, what=what, kind=kind, retry_timeout=retry_timeout)
@@ -72,9 +95,10 @@ def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, wha
     request = rpc.RangeRequest(key=raw)
     if prefix:
         request.range_end = prefix_end(raw)
+    patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return client.kvstub.Range(request, deadline or client.timeout, credentials=client.call_credentials,
+        return client.kvstub.Range(request, patience.next(client), credentials=client.call_credentials,
                                    metadata=client.metadata)
 
     return connection.call(send, what=what)
@@ -84,9 +108,10 @@ def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, 
             deadline: float | None = None) -> int:
     """Put one key; the revision of the write."""
     request = connection.etcd3.etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
+    patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return client.kvstub.Put(request, deadline or client.timeout, credentials=client.call_credentials,
+        return client.kvstub.Put(request, patience.next(client), credentials=client.call_credentials,
                                  metadata=client.metadata)
 
     return int(connection.call(send, what=what).header.revision)

@@ -94,9 +94,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_CLAIM_SPREAD_S_PER_NODE = 0.001
-"""A node claims a vacant coordinator key after a random delay of up to this much per node of
-``max_nodes`` (at most ``lease_ttl``): ten thousand nodes send a handful of claims, not 10,000."""
+_SPREAD_S_PER_NODE = 0.001
+"""A node opens a job's first round or claims a vacant coordinator key after a random delay of up
+to this much per node of ``max_nodes`` (at most ``lease_ttl``), and only if no other node has
+done it by then: ten thousand nodes send a handful of such writes, not ten thousand."""
 
 
 def round_deadline(settings: RendezvousSettings) -> float:
@@ -266,7 +267,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
     its own lease, keys and watches, exactly as one per process would.
     """
 
-    _SAFETY_RECHECK_S = 60.0  # no event for this long while waiting: read the state (a stalled stream?)
+    _SAFETY_RECHECK_S = 300.0  # no event for this long while waiting: read the state (a stalled stream?)
     _PROGRESS_LOG_S = 5.0  # while waiting for nodes: a line this often
 
     def __init__(self, connection: EtcdConnection, settings: RendezvousSettings) -> None:
@@ -467,8 +468,12 @@ class LeaseRendezvousHandler(RendezvousHandler):
         if self._claim_pending or self._slot.left:
             return
         self._claim_pending = True
-        spread = min(float(self._settings.lease_ttl), self._settings.max_nodes * _CLAIM_SPREAD_S_PER_NODE)
-        self._scheduler.call_later(random.uniform(0.0, spread), self._try_claim)
+        self._scheduler.call_later(random.uniform(0.0, self._spread()), self._try_claim)
+
+    def _spread(self) -> float:
+        """Over how many seconds the nodes of a job spread a write that only one of them needs
+        to make (open the first round, claim the coordinator role)."""
+        return min(float(self._settings.lease_ttl), self._settings.max_nodes * _SPREAD_S_PER_NODE)
 
     def _try_claim(self) -> None:
         """Claim the vacant coordinator key (on the scheduler thread)."""
@@ -556,6 +561,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         min_seen_at: float | None = None
         next_progress_at = time.monotonic() + self._PROGRESS_LOG_S
         recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * random.uniform(0.8, 1.2)
+        creation_due: float | None = None
         while True:
             seen = self._watch.version
             if self._watch._broken:
@@ -571,7 +577,12 @@ class LeaseRendezvousHandler(RendezvousHandler):
                     f"{self._waiting_summary()}"
                 )
             if state is None:
-                self._create_state()
+                if creation_due is None:  # wait a moment: another node may be creating it
+                    creation_due = now + random.uniform(0.0, self._spread())
+                if now >= creation_due:
+                    self._create_state()
+                    continue
+                self._watch.wait(seen, creation_due - now)
                 continue
             if self._coordinator_id is None:
                 self._schedule_claim()
