@@ -38,7 +38,10 @@ def _positive_float(text: Any) -> float:
 
 
 def _frozen_timeout(text: Any) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("not a number of seconds") from None
     if not (value == 0 or 1 <= value < float("inf")):
         raise ValueError("must be 0 (off) or at least 1 second")
     return value

@@ -302,10 +302,12 @@ def test_frozen_timeout_option() -> None:
     assert resolve_run_options({}, env={}).frozen_timeout == 10.0
     assert resolve_run_options({"frozen_timeout": "0"}, env={}).frozen_timeout == 0.0
     assert resolve_run_options({}, env={"ELASTIC_TRAINER_FROZEN_TIMEOUT": "30"}).frozen_timeout == 30.0
-    for bad in ("0.5", "-1", "nan", "inf", "soon"):
+    for bad in ("0.5", "-1", "nan", "inf", "soon"):  # one line each, naming the option
         with pytest.raises(UserError, match="--frozen-timeout") as caught:
             resolve_run_options({"frozen_timeout": bad}, env={})
         assert "\n" not in str(caught.value)
+    with pytest.raises(UserError, match=r"ELASTIC_TRAINER_FROZEN_TIMEOUT: bad value 'soon' \(not a number of seconds\)"):
+        resolve_run_options({}, env={"ELASTIC_TRAINER_FROZEN_TIMEOUT": "soon"})
 
 
 def test_frozen_worker_counter() -> None:
