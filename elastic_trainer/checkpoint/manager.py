@@ -203,6 +203,11 @@ class CheckpointManager:
         self.resumed_from = self.step
         self._last_saved_step = None
         self.last_path = None
+        if self.env.is_rank0 and self.directory is not None and Path(self.directory).is_dir():
+            # Every member's writes ended before it answered the heal round: what is left behind
+            # is a dead writer's (as at a start-up, where rank 0 does the same).
+            ckpt.remove_stale_temp_files(self.directory)
+            ckpt.remove_stale_claims(self.directory)
         self._setup_jit(self._jit_wanted())
         return self.step
 

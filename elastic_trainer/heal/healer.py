@@ -50,6 +50,11 @@ class HealError(RuntimeError):
     """The group could not be healed in place (the process exits; its launcher takes over)."""
 
 
+class GroupAborted(RuntimeError):
+    """Raised by the training thread at a step boundary when a round is open (a group of one
+    rank has no connection whose end would tell it)."""
+
+
 class RunFinished(Exception):
     """The job finished while this process waited to join it."""
 
@@ -75,7 +80,7 @@ class Regrouped(Exception):  # noqa: N818 - a control-flow signal, not an error
 
 def is_group_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because a peer is gone (not a bug in the step)."""
-    if isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)):
+    if isinstance(exc, (GroupAborted, dist.DistBackendError, dist.DistNetworkError)):
         return True
     if isinstance(exc, RuntimeError):
         text = str(exc)
@@ -110,6 +115,7 @@ class Healer:
         self._epoch: Epoch | None = None
         self._stores: list[Any] = []  # EtcdV3Stores of live groups (the C++ wrapper needs the Python half)
         self._side_group: Any = None
+        self._group_aborted = False
         self.heals = 0
 
     @classmethod
@@ -134,9 +140,17 @@ class Healer:
     def epoch(self) -> Epoch | None:
         return self._epoch
 
+    def check(self) -> None:
+        """(Training thread, every step) raise :class:`GroupAborted` if a round opened since this
+        epoch began. One attribute read."""
+        if self._group_aborted:
+            raise GroupAborted(f"a heal round after epoch {self._epoch.number if self._epoch else '?'} is open")
+
     def _set_phase(self, phase: str) -> None:
         with self._phase_lock:
             self._phase = phase
+            if phase == "training":
+                self._group_aborted = False
 
     # -- start -------------------------------------------------------------------------------------
     def start(self, env: DistEnv) -> tuple[DistEnv, dict[str, Any] | None]:
@@ -292,6 +306,7 @@ class Healer:
         if phase != "training" or epoch is None or number != epoch.number + 1:
             return
         log.warning("heal: round %d opened (%s); stopping this step", number, reason or "a fault")
+        self._group_aborted = True
         self.group.abort()
         self.membership.answer(number, Join(self.member, ready=False))
 

@@ -100,17 +100,17 @@ def rdzv_conf(options: RunOptions) -> str:
 
 
 def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, target: Target,
-                  worker_args: Sequence[str] | None = None) -> list[str]:
+                  worker_args: Sequence[str] | None = None, *, in_place_backend: bool = False) -> list[str]:
     """The torchrun command line this launch is equivalent to (``worker_args`` replaces the
-    target's own arguments when workers go through the warm-start client). Healing in place, the
-    backend is ``etcd-v3`` wrapped by :mod:`elastic_trainer.launch.in_place` (registered in this
-    process only)."""
+    target's own arguments when workers go through the warm-start client). ``in_place_backend``:
+    the launcher's own command line, whose backend is ``etcd-v3`` wrapped by
+    :mod:`elastic_trainer.launch.in_place` (registered in this process only)."""
     from elastic_trainer.launch.in_place import BACKEND_NAME
 
     argv = [
         f"--nnodes={options.nnodes}",
         f"--nproc-per-node={nproc}",
-        f"--rdzv-backend={BACKEND_NAME if options.heal == 'in_place' else 'etcd-v3'}",
+        f"--rdzv-backend={BACKEND_NAME if in_place_backend else 'etcd-v3'}",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
         f"--rdzv-conf={rdzv_conf(options)}",
@@ -271,7 +271,11 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
         _claim_job_identity(cleanup, options, target)
         if options.heal == "in_place":
             _heal_in_place(options, endpoint, nproc, node=metrics.node if metrics is not None else None)
-        args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args))
+            from elastic_trainer.runtime.torch_compat import without_exit_barrier
+
+            cleanup.callback(without_exit_barrier())
+        args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args,
+                                                          in_place_backend=options.heal == "in_place"))
         try:
             run(args)
         except ChildFailedError as exc:

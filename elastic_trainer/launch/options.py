@@ -228,7 +228,7 @@ class RunOptions:
 
     @property
     def max_nodes(self) -> int:
-        return int(self.nnodes.split(":")[1])
+        return int(self.nnodes.split(":")[-1])  # "N" (built in code) or "MIN:MAX" (parsed)
 
 
 def load_config_file(path: str) -> dict[str, Any]:

@@ -71,6 +71,32 @@ def on_group_failure(callback: GroupFailureCallback) -> Callable[[], None]:
     return uninstall
 
 
+def without_exit_barrier() -> Callable[[], None]:
+    """Make torchrun's agent skip its exit barrier (``SimpleElasticAgent._exit_barrier``).
+
+    The barrier waits for every node of the agent's last rendezvous. Healing in place, that
+    rendezvous is the job's first one: a node lost since would keep every survivor's launcher
+    waiting ``exit_barrier_timeout`` (300 s) after the job finished. Nothing needs it there (no
+    worker uses the agent's store after its group formed). Returns a function that restores it;
+    on a torch without the name nothing is installed.
+    """
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    original = getattr(SimpleElasticAgent, "_exit_barrier", None)
+    if original is None:
+        return lambda: None
+
+    def _exit_barrier(self: Any) -> None:
+        return None
+
+    SimpleElasticAgent._exit_barrier = _exit_barrier  # type: ignore[method-assign]
+
+    def uninstall() -> None:
+        SimpleElasticAgent._exit_barrier = original  # type: ignore[method-assign]
+
+    return uninstall
+
+
 AGENT_RESTART_METRIC_SUFFIX = "._restart_workers.duration.ms"
 """The ``@prof`` metric torch emits once per worker-group restart: its name ends with the private
 method's (``SimpleElasticAgent._restart_workers``)."""

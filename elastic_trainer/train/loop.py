@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.checkpoint.manager import CheckpointManager
-from elastic_trainer.runtime import failures, rng
+from elastic_trainer.runtime import failures, heartbeat, rng
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sample_log import SampleLog
@@ -115,6 +115,8 @@ class ElasticLoop:
             rank 0's buffers of every step so that this rank can hand its state to peers.
         initial_state: start from this state (a peer's, after a heal) instead of the newest
             checkpoint.
+        heal_check: called at the start of every step; raises to stop the step when the group
+            is being healed (``Healer.check``).
         generation_part: how many times this process healed before (names its sample log).
     """
 
@@ -139,6 +141,7 @@ class ElasticLoop:
         heals_in_place: bool = False,
         initial_state: dict[str, Any] | None = None,
         generation_part: int = 0,
+        heal_check: Callable[[], None] | None = None,
     ) -> None:
         self.env = env
         self.sampler = sampler
@@ -158,6 +161,7 @@ class ElasticLoop:
         self._fault = fault_hook
         self.heals_in_place = heals_in_place
         self._initial_state = initial_state
+        self._heal_check = heal_check
         self._generation_part = generation_part
         self.state_ready = False
         """The state is this run's (loaded or taken from a peer): this rank may serve it."""
@@ -284,6 +288,8 @@ class ElasticLoop:
 
     def _begin(self, plan: StepPlan) -> None:
         env = self.env
+        if self._heal_check is not None:
+            self._heal_check()
         self._plan, self._control, self._updated = plan, None, False
         self._started_at = time.monotonic()
         self._data_wait = 0.0
@@ -354,6 +360,7 @@ class ElasticLoop:
             self._fault("after_update", step)
         self._durations[step] = (time.monotonic() - self._started_at, self._data_wait, plan)
         self.checkpoints.boundary()
+        heartbeat.note_step(step)  # the launcher's frozen-worker watchdog learns the step times
         if self._sample_log is not None:
             self._sample_log.done(step=step)
         control = self._control

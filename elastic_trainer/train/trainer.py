@@ -375,6 +375,7 @@ class Trainer:
             tokens_per_sample=self.job.tokens_per_sample, lr=self._lr, after_step=[self._between_steps],
             fault_hook=self._fault_hook, heals_in_place=healer is not None, initial_state=initial_state,
             generation_part=healer.heals if healer is not None else 0,
+            heal_check=healer.check if healer is not None else None,
         )
         return self.loop
 

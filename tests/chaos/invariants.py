@@ -58,6 +58,8 @@ class Generation:
     started_unix: float
     resumed_step: int
     world_size: int
+    source: str = "checkpoint"
+    """``peer``: the group healed in place and took a live member's state, not a checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,8 @@ def generations(samples: Path) -> list[Generation]:
     found: dict[str, Generation] = {}
     for records in read_records(samples):
         start = records[0]
-        found.setdefault(start["generation"], Generation(start["started_unix"], start["resumed_step"], start["world_size"]))
+        found.setdefault(start["generation"], Generation(start["started_unix"], start["resumed_step"], start["world_size"],
+                                                         start.get("source", "checkpoint")))
     return sorted(found.values(), key=lambda g: g.started_unix)
 
 
@@ -153,6 +156,11 @@ def check_checkpoints(run: RunDirs, job: JobSpec, gens: list[Generation], *, dam
         before = [s for s, m in manifests.items() if m.created_unix < gen.started_unix]
         before += [w.step for w in damage_windows if w.created_unix < gen.started_unix < w.damaged_unix]
         expected = max(before, default=0)
+        if gen.source == "peer":  # healed in place: from the newest state a survivor held
+            assert gen.resumed_step >= expected, (
+                f"a heal at {gen.started_unix:.2f} went on from step {gen.resumed_step}, older than the newest "
+                f"valid checkpoint then (step {expected})")
+            continue
         assert gen.resumed_step == expected, (
             f"a restart at {gen.started_unix:.2f} resumed from step {gen.resumed_step}, but the newest valid "
             f"checkpoint then was step {expected}")
