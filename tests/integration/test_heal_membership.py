@@ -1,0 +1,85 @@
+"""The in-place membership on a real etcd: epochs, rounds, the responder, one winner per round."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from elastic_trainer.heal.membership import HealTimeoutError, Membership
+from elastic_trainer.heal.protocol import NO_STATE, Join, Member, RoundRules
+from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def connection(etcd_server) -> Iterator[EtcdConnection]:
+    conn = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(etcd_server.endpoint)))
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _members(n: int) -> list[Member]:
+    return [Member(id=f"n{i}/0/{1000 + i}", slot=f"n{i}/0") for i in range(n)]
+
+
+def test_a_round_forms_the_next_epoch_once_and_every_member_sees_it(connection: EtcdConnection) -> None:
+    run_id = f"membership-{uuid.uuid4().hex[:8]}"
+    rules = RoundRules(min_world=1, max_world=3, settle_s=0.3)
+    members = _members(3)
+    opened: list[tuple[str, int, str]] = []
+    views = [Membership(connection, run_id, m, rules,
+                        on_round_open=lambda n, why, who=m.id: opened.append((who, n, why))) for m in members]
+    try:
+        for view in views:
+            view.start()
+        first = views[0].form(members, step=NO_STATE, reason="rendezvous")
+        assert first.number == 1
+        assert all(v.wait(lambda v=v: v.epoch == first, 10.0) for v in views)
+
+        # Member 2 is gone; 0 opens round 2, 0 and 1 answer with their steps; both try to close it.
+        views[0].open_round(2, "peer lost")
+        assert views[1].wait(lambda: views[1].round_open(2), 10.0)
+        views[0].answer(2, Join(members[0], ready=True, step=41))
+        views[1].answer(2, Join(members[1], ready=True, step=42))
+        results: list[object] = []
+        threads = [threading.Thread(target=lambda v=v: results.append(
+            v.settle(2, deadline=time.monotonic() + 20, reason="peer lost"))) for v in views[:2]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(results) == 2 and results[0] == results[1]  # one epoch, whoever wrote it
+        second = views[0].epoch
+        assert second is not None and second.number == 2
+        assert second.members == (members[0], members[1])  # 2 did not answer within settle_s
+        assert second.step == 42 and second.source == members[1].id
+        assert {n for _, n, _ in opened} == {2} and {who for who, _, _ in opened} == {m.id for m in members}
+        assert views[2].wait(lambda: views[2].epoch == second, 10.0)  # the absent one sees it too
+
+        views[0].finish()
+        assert views[1].wait(lambda: (e := views[1].epoch) is not None and e.finished, 10.0)
+    finally:
+        for view in views:
+            view.close()
+
+
+def test_a_round_without_enough_members_times_out(connection: EtcdConnection) -> None:
+    run_id = f"membership-{uuid.uuid4().hex[:8]}"
+    members = _members(2)
+    view = Membership(connection, run_id, members[0], RoundRules(min_world=2, max_world=2, settle_s=0.1))
+    try:
+        view.start()
+        view.form(members, step=NO_STATE, reason="rendezvous")
+        view.open_round(2, "peer lost")
+        view.answer(2, Join(members[0], ready=True, step=5))
+        with pytest.raises(HealTimeoutError, match="at least 2 members"):
+            view.settle(2, deadline=time.monotonic() + 1.5, reason="peer lost")
+    finally:
+        view.close()
