@@ -35,7 +35,7 @@ from elastic_trainer.heal.group import HealableGroup
 from elastic_trainer.heal.membership import HealTimeoutError, Membership
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRules
 from elastic_trainer.heal.state_transfer import share_state
-from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.distributed import DistEnv, announce_group, configure_nccl_environment
 from elastic_trainer.runtime.settings import HealSettings
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,11 @@ class Healer:
         if self.settings.join:
             outcome = self._join(env, reason="join")
             return outcome.env, outcome.state
+        configure_nccl_environment(self.group.timeout_s)
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)
         self.group.create(rank=env.rank, world_size=env.world_size)
+        announce_group(env, self.group.timeout_s)
         self._create_side_group()
         members: list[Any] = [None] * env.world_size
         dist.all_gather_object(members, self.member)
@@ -257,6 +261,9 @@ class Healer:
         store = EtcdV3Store(self.connection, f"{self.membership.keys.prefix}store/{epoch.number}",
                             timeout=timedelta(seconds=60))
         self._stores = [store]
+        if env.device.type == "cuda":
+            configure_nccl_environment(self.group.timeout_s)
+            torch.cuda.set_device(env.device)
         self.group.create(rank=rank, world_size=epoch.world_size, store=store)
         self._create_side_group()
         state = None
@@ -272,6 +279,7 @@ class Healer:
             state = share_state(payload, src=source, device=self.device, group=self._side_group)
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(epoch.world_size)
         new_env = dataclasses.replace(env, rank=rank, world_size=epoch.world_size)
+        announce_group(new_env, self.group.timeout_s)
         self._epoch = epoch
         self.heals += 1
         took = time.monotonic() - started

@@ -180,6 +180,11 @@ def init_process_group(env: DistEnv, *, pg_timeout_s: float) -> None:
     else:
         # One process started by hand: no launcher, no MASTER_ADDR; an in-process store suffices.
         dist.init_process_group(backend=env.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+    announce_group(env, pg_timeout_s)
+
+
+def announce_group(env: DistEnv, pg_timeout_s: float) -> None:
+    """The log line that says where this worker sits (whoever created its group)."""
     log.info(
         "rank %d/%d (local %d) on %s, backend %s, collective timeout %.0f s",
         env.rank, env.world_size, env.local_rank, env.device, env.backend, pg_timeout_s,
