@@ -321,6 +321,7 @@ class Healer:
     # -- the end -------------------------------------------------------------------------------------
     def finish(self, env: DistEnv) -> None:
         """Training ended (rank 0 marks the run finished: spares and late joiners stop)."""
+        self._set_phase("finished")  # a round opened now (a node leaving) is no reason to abort
         if env.rank == 0:
             try:
                 self.membership.finish()

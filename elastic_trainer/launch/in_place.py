@@ -11,9 +11,12 @@ stops re-forming the whole job:
   workers as *joiners*: they join the running group in place and take the state from a peer;
 * ``num_nodes_waiting()`` is 0: a new node or a lost one is the workers' business, not a reason
   to restart every worker of every node;
-* each launcher holds a key ``nodes/<node>`` on a lease (``lease_ttl``): a job whose epoch names
-  a node whose key lives is running, one whose nodes are all gone (a crashed earlier job with the
-  same run id) is not.
+* each launcher holds a key ``nodes/<node>`` on a short lease (:data:`NODE_LEASE_TTL_S`, kept
+  alive beside the rendezvous' long one): a job whose epoch names a node whose key lives is
+  running, one whose nodes are all gone (a crashed earlier job with the same run id) is not;
+* every launcher watches those keys: when a member node's key expires (a node lost without a
+  goodbye: power, network, a partition; no connection breaks, so no collective fails) it opens a
+  heal round, and the survivors' workers abort their group and go on without it.
 
 Everything else (close, shutdown, run id, store) is the ``etcd-v3`` handler's.
 Design: ``docs/design/heal-in-place.md``.
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,9 +52,14 @@ from elastic_trainer.runtime.settings import (
 from rendezvous import etcd_ops
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.lease_keeper import LeaseKeeper
+from rendezvous.watch_hub import WatchHub
 
 log = logging.getLogger(__name__)
 
+NODE_LEASE_TTL_S = 2
+"""TTL of a node's liveness key: etcd's smallest with its default election timeout (1 s: 1.5 x
+1 s, rounded up). Renewed every 0.67 s (a third), so one lost renewal is survived; a node is
+declared lost 2 to 2.5 s after its last renewal (etcd checks expiries every 0.5 s)."""
 BACKEND_NAME = "elastic-trainer-in-place"
 """The rendezvous backend name ``elastic-trainer run`` gives torchrun when it heals in place."""
 
@@ -79,20 +89,71 @@ def running_epoch(connection: EtcdConnection, keys: HealKeys, *, own_node: str) 
     return epoch if (member_nodes & nodes) - {own_node} else None
 
 
+def open_round_for_lost_node(connection: EtcdConnection, keys: HealKeys, node: str) -> bool:
+    """If ``node`` is a member of the job's current epoch, open the next round; True if opened
+    (by this call or already)."""
+    response = etcd_ops.get_range(connection, keys.epoch, what="reading the heal epoch")
+    if not response.kvs:
+        return False
+    try:
+        epoch = Epoch.decode(bytes(response.kvs[0].value))
+    except ProtocolError:
+        return False
+    if epoch.finished or not any(member.slot.rsplit("/", 1)[0] == node for member in epoch.members):
+        return False
+    number = epoch.number + 1
+    key = keys.open(number)
+    etcd_ops.transaction(connection, [etcd_ops.absent(connection, key)],
+                         [etcd_ops.put(connection, key, f"launcher node {node} lost".encode())],
+                         what="opening a heal round", deadline=2.0)
+    log.warning("in-place: node %s is gone (its liveness lease expired); its peers heal without it (round %d)",
+                node, number)
+    return True
+
+
 class InPlaceRendezvousHandler(RendezvousHandler):
     """Wraps the ``etcd-v3`` handler; see the module docstring."""
 
     def __init__(self, inner: RendezvousHandler, connection: EtcdConnection, *, run_id: str, node: str,
-                 lease_ttl: int) -> None:
+                 lease_ttl: int = NODE_LEASE_TTL_S) -> None:
         self._inner = inner
         self._connection = connection
         self._keys = HealKeys.of(run_id)
         self._node = node
         self._formed_once = False
         self._lease_id = int(connection.call(lambda client: client.lease(lease_ttl), what="a lease grant").id)
-        etcd_ops.put_key(connection, node_key(self._keys, node), node.encode(), lease=self._lease_id,
-                         what="registering this node")
+        revision = etcd_ops.put_key(connection, node_key(self._keys, node), node.encode(), lease=self._lease_id,
+                                    what="registering this node")
         LeaseKeeper.of(connection).keep(self._lease_id, lease_ttl, lambda _lease: self._register_again(lease_ttl))
+        self._watch = WatchHub.of(connection).watch(node_key(self._keys, ""), start_revision=revision + 1,
+                                                    on_events=self._on_node_events, on_lost=self._on_watch_lost,
+                                                    prefix=True)
+        self._lost_nodes: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        threading.Thread(target=self._report_lost_nodes, name="in-place-nodes", daemon=True).start()
+
+    # -- lost nodes ----------------------------------------------------------------------------
+    def _on_node_events(self, events: list[Any]) -> None:
+        deleted = self._connection.etcd3.events.DeleteEvent
+        prefix = node_key(self._keys, "")
+        for event in events:
+            if isinstance(event, deleted):
+                key = event.key.decode() if isinstance(event.key, bytes) else str(event.key)
+                self._lost_nodes.put(key[len(prefix):])
+
+    def _on_watch_lost(self, reason: str) -> None:
+        log.warning("in-place: the watch of the job's nodes is lost (%s); lost nodes are noticed by their "
+                    "collectives only", reason)
+
+    def _report_lost_nodes(self) -> None:
+        """Open a heal round for each member node whose key expired (never blocks the watch)."""
+        while True:
+            node = self._lost_nodes.get()
+            if node is None:
+                return
+            try:
+                open_round_for_lost_node(self._connection, self._keys, node)
+            except Exception as exc:  # noqa: BLE001 - the workers' collectives still notice, later
+                log.warning("in-place: could not report node %s lost: %s", node, exc)
 
     def _register_again(self, lease_ttl: int) -> None:
         log.warning("in-place: this node's lease expired (etcd unreachable for %d s); registering again", lease_ttl)
@@ -148,6 +209,8 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         return self._inner.shutdown()
 
     def _leave(self) -> None:
+        self._lost_nodes.put(None)
+        self._watch.cancel()
         LeaseKeeper.of(self._connection).forget(self._lease_id)
         try:
             self._connection.call(lambda client: client.revoke_lease(self._lease_id), what="a lease revoke",
@@ -167,8 +230,7 @@ def register_backend(*, node: str) -> None:
         inner = create_rdzv_handler(params)
         settings = parse_settings(params)
         connection = EtcdConnection(settings.client_config())
-        return InPlaceRendezvousHandler(inner, connection, run_id=params.run_id, node=node,
-                                        lease_ttl=int(settings.lease_ttl))
+        return InPlaceRendezvousHandler(inner, connection, run_id=params.run_id, node=node)
 
     registry: Any = rendezvous_handler_registry
     if registry._registry.get(BACKEND_NAME) is None:

@@ -1,0 +1,154 @@
+"""In-place healing (the default of ``elastic-trainer run``): what survives a fault, and who steps in.
+
+Each scenario checks the suite's invariants (exactly once, no checkpoint lost, bitwise weights of
+a no-fault run through the same world sizes) and what only healing in place gives: the surviving
+workers are the same processes before and after the fault, a lost process's place is taken by a
+replacement or a hot spare, and the state comes from a live peer (the new generation's records
+say ``source: peer``), not from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer.runtime.sample_log import read_records
+from tests.chaos.faults import FaultInjector, JobSpec, RunDirs, start_node, unique_run_id, wait_all
+from tests.chaos.invariants import check_run, describe, steps_lost
+from tests.support.agents import agents, tails
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+
+JOB = JobSpec()
+
+
+def _start_records(samples: Path) -> list[dict]:
+    return sorted((records[0] for records in read_records(samples)), key=lambda r: r["started_unix"])
+
+
+def _pids_by_generation(samples: Path) -> list[set[int]]:
+    """Worker pids of each generation, oldest first (from the sample files' names)."""
+    from elastic_trainer.runtime.sample_log import generations
+
+    return [set(g.pids.values()) for g in generations(samples)]
+
+
+def test_worker_sigkill_survivors_keep_their_process(etcd_server, no_fault, run_dirs: RunDirs) -> None:
+    """Two nodes x two workers; one worker SIGKILLed: only it is replaced, the three others go on
+    in the same processes, from their own state."""
+    run_id = unique_run_id("heal-worker")
+    job = JobSpec(global_batch_size=12)
+    with agents() as nodes:
+        for name in ("a", "b"):
+            nodes.append(start_node(name=name, run=run_dirs, job=job, endpoint=etcd_server.endpoint,
+                                    run_id=run_id, nnodes="2", nproc_per_node=2))
+        killed: list[int] = []
+        faults = FaultInjector(run_dirs).at_step(20, "a worker of node b SIGKILLed",
+                                                 lambda: killed.append(nodes[1].kill_worker()))
+        faults.run_until(lambda: all(n.proc.poll() is not None for n in nodes), timeout=200, agents=nodes)
+        codes = wait_all(nodes, timeout=30)
+        assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
+        logs = "\n".join(node.output() for node in nodes)
+
+    summary = check_run(run_dirs, job, no_fault, reference_world=4)
+    print(describe(summary))
+    assert "starting a replacement that joins its peers in place" in logs
+    assert "restarting the worker group" not in logs, "no worker group restart"
+    before, after = _pids_by_generation(run_dirs.samples)[:2]
+    assert killed[0] in before and killed[0] not in after
+    assert len(before & after) == 3, f"the three survivors kept their processes: {before} -> {after}"
+    assert _start_records(run_dirs.samples)[-1]["source"] == "peer"
+    assert steps_lost(run_dirs.samples) == [0], "healing in place loses no step"
+
+
+def test_hot_spare_takes_a_lost_node_place(etcd_server, no_fault, run_dirs: RunDirs) -> None:
+    """A job of at most two nodes and a third that waits as a spare: when node b is SIGKILLed, the
+    spare takes its place and the world size never drops."""
+    run_id = unique_run_id("heal-spare")
+    job = JobSpec(throttle_ms=80)
+    with agents() as nodes:
+        for name in ("a", "b"):
+            nodes.append(start_node(name=name, run=run_dirs, job=job, endpoint=etcd_server.endpoint,
+                                    run_id=run_id, nnodes="1:2"))
+        spare: list = []
+
+        def start_spare() -> None:
+            spare.append(start_node(name="c", run=run_dirs, job=job, endpoint=etcd_server.endpoint,
+                                    run_id=run_id, nnodes="1:2"))
+            nodes.append(spare[0])
+
+        def spare_waiting() -> bool:
+            return bool(spare) and "waiting as a spare" in spare[0].output()
+
+        faults = (FaultInjector(run_dirs)
+                  .at_step(8, "node c starts (beyond the maximum)", start_spare)
+                  .when(lambda step: spare_waiting(), "node b SIGKILL", lambda: nodes[1].kill_node()))
+        faults.run_until(lambda: nodes[0].proc.poll() is not None, timeout=240, agents=nodes)
+        codes = wait_all([nodes[0], spare[0]], timeout=30)
+        assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
+
+    summary = check_run(run_dirs, job, no_fault, reference_world=2)
+    print(describe(summary))
+    assert summary.world_phases == [2], "the spare kept the world at two"
+    joined = [r for r in _start_records(run_dirs.samples) if r["source"] == "peer"]
+    assert joined, "the spare took its state from a peer"
+
+
+def test_a_fault_during_a_heal(etcd_server, no_fault, run_dirs: RunDirs) -> None:
+    """A second worker dies while the group heals from the first death: the heal starts over and
+    the job still ends exactly once and bitwise."""
+    run_id = unique_run_id("heal-twice")
+    with agents() as nodes:
+        for name in ("a", "b", "c"):
+            nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=etcd_server.endpoint,
+                                    run_id=run_id, nnodes="3"))
+
+        def replacement_started() -> bool:
+            return "starting a replacement" in nodes[2].output()
+
+        faults = (FaultInjector(run_dirs)
+                  .at_step(20, "node c's worker SIGKILLed", lambda: nodes[2].kill_worker())
+                  .when(lambda step: replacement_started(), "node b's worker SIGKILLed during the heal",
+                        lambda: nodes[1].kill_worker()))
+        faults.run_until(lambda: all(n.proc.poll() is not None for n in nodes), timeout=240, agents=nodes)
+        codes = wait_all(nodes, timeout=30)
+        assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
+        logs = "\n".join(node.output() for node in nodes)
+
+    summary = check_run(run_dirs, JOB, no_fault, reference_world=3)
+    print(describe(summary))
+    assert logs.count("starting a replacement that joins its peers in place") == 2
+    assert not any(steps_lost(run_dirs.samples)), "no step lost"
+
+
+def test_node_sigkill_is_healed_without_waiting_for_its_lease(etcd_server, no_fault, run_dirs: RunDirs) -> None:
+    """A node SIGKILLed: its peer's connections break, so the survivor heals at once, in its own
+    process and from its own state, without waiting for the dead node's rendezvous lease (the
+    time is printed; benchmarks/recovery.py measures it)."""
+    run_id = unique_run_id("heal-node")
+    with agents() as nodes:
+        for name in ("a", "b"):
+            nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=etcd_server.endpoint,
+                                    run_id=run_id, nnodes="1:2"))
+        killed_at: list[float] = []
+
+        def kill_b() -> None:
+            killed_at.append(time.time())
+            nodes[1].kill_node()
+
+        faults = FaultInjector(run_dirs).at_step(20, "node b SIGKILL", kill_b)
+        faults.run_until(lambda: nodes[0].proc.poll() is not None, timeout=200, agents=nodes)
+        assert nodes[0].wait(30) == 0, tails(nodes)
+
+    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
+    print(describe(summary))
+    assert summary.world_phases == [2, 1]
+    from elastic_trainer.runtime.sample_log import generations
+
+    first, healed = generations(run_dirs.samples)[-2:]
+    recovered_s = healed.done_times[min(healed.done_times)] - killed_at[0]
+    print(f"node SIGKILL -> next committed step: {recovered_s:.2f} s")
+    assert set(healed.pids.values()) < set(first.pids.values()), "the survivor kept its process"
+    assert _start_records(run_dirs.samples)[-1]["source"] == "peer"
