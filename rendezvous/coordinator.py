@@ -122,7 +122,8 @@ class RoundCoordinator:
             self._stopping = True
             self._cond.notify_all()
         thread = self._thread
-        if wait > 0 and thread is not None and thread is not threading.current_thread():
+        # is_alive: a node may leave while another thread is about to start its coordinator
+        if wait > 0 and thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(wait)
 
     @property
