@@ -316,7 +316,7 @@ class Healer:
         log.warning("heal: round %d opened (%s); stopping this step", number, reason or "a fault")
         self._group_aborted = True
         self.group.abort()
-        self.membership.answer(number, Join(self.member, ready=False))
+        self.membership.announce(number, Join(self.member, ready=False))
 
     # -- the end -------------------------------------------------------------------------------------
     def finish(self, env: DistEnv) -> None:

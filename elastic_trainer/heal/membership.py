@@ -195,6 +195,13 @@ class Membership:
         etcd_ops.put_key(self.connection, self.keys.join(number, join.member.id), join.encode(),
                          what="answering a heal round", deadline=2.0)
 
+    def announce(self, number: int, join: Join) -> None:
+        """Write a provisional answer unless this process already answered (never overwrites a
+        ready one: the training thread may answer between the watch event and this write)."""
+        conn, key = self.connection, self.keys.join(number, join.member.id)
+        etcd_ops.transaction(conn, [etcd_ops.absent(conn, key)], [etcd_ops.put(conn, key, join.encode())],
+                             what="answering a heal round", deadline=2.0)
+
     def finish(self) -> None:
         """Mark the run finished (training ended): spares and late joiners stop waiting."""
         while True:
