@@ -28,7 +28,7 @@ ranks-by-round semantics) and changes how a round is reached:
 
 A round therefore costs each node a constant number of etcd requests and events, whatever the
 size of the job; ``docs/design/rendezvous-scale.md`` explains the design and
-``benchmarks/RESULTS.md`` has the measurements (1 to 10,000 nodes). Every state change is a
+``benchmarks/RESULTS.md`` has the measurements (up to 4,096 simulated nodes). Every state change is a
 compare-and-swap on ``state``'s revision, so concurrent writers agree on one outcome. While a
 node waits for the minimum (or in the last call) it logs how many nodes have joined and how long
 is left, at WARNING so that torchrun and ``elastic-trainer run`` show it by default.
