@@ -14,7 +14,9 @@ benchmark measures
   from (work done again).
 
 Systems: ``etcd-v3`` is ``elastic-trainer run`` (our launcher, the ``etcd-v3`` rendezvous on a
-local etcd, the runtime and its checkpoints) running ``synthetic_cnn``; ``c10d`` is plain
+local etcd, the runtime and its checkpoints) running ``synthetic_cnn``, healing in place (its
+default); ``etcd-v3-restart`` is the same with ``--heal off`` (every fault restarts every worker,
+warm-started, from the newest checkpoint or the just-in-time one); ``c10d`` is plain
 ``torchrun --rdzv-backend=c10d`` running ``benchmarks/baseline_ddp_checkpoint.py`` (the same
 model trained as the DDP guides write it, with their hand-written rank-0 checkpoint);
 ``c10d-unshared`` is the same with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the workaround for
@@ -26,7 +28,11 @@ seconds after the fault is reported as "did not recover within T s" and stopped.
 Scenarios: ``worker-sigkill`` (one worker of the last node), ``node-sigkill`` (the last node
 vanishes: agent and workers SIGKILLed; in fixed-size mode a replacement node is started at
 once, as an orchestrator would), ``node-sigterm`` (the last node is scaled down: its launcher
-gets SIGTERM; elastic only), ``node-join`` (a second node joins a one-node job; elastic only).
+gets SIGTERM; elastic only), ``node-join`` (a second node joins a one-node job; elastic only),
+``worker-sigstop`` (a worker of the last node frozen: alive, silent), ``hot-spare`` (one node
+more than ``--nodes`` waits beyond the maximum, then the last full member is SIGKILLed; elastic
+only). A node cut off by a network partition needs network namespaces (root): the chaos suite's
+``test_partition.py`` covers it and prints its time.
 Modes: ``fixed`` (``--nnodes N``) and ``elastic`` (``--nnodes 1:N``). The node killed is never the
 first one, which hosts c10d's TCPStore (losing it ends a c10d job for good).
 
@@ -43,6 +49,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -57,12 +64,14 @@ from elastic_trainer.ops.processes import NodeProcess, start_process, wait_for
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-SYSTEMS = ("etcd-v3", "c10d", "c10d-unshared")
+SYSTEMS = ("etcd-v3", "etcd-v3-restart", "c10d", "c10d-unshared")
 SCENARIOS = {  # scenario -> the modes it makes sense in
     "worker-sigkill": ("fixed", "elastic"),
     "node-sigkill": ("fixed", "elastic"),
     "node-sigterm": ("elastic",),
     "node-join": ("elastic",),
+    "worker-sigstop": ("fixed", "elastic"),
+    "hot-spare": ("elastic",),
 }
 BASELINE = HERE / "baseline_ddp_checkpoint.py"
 
@@ -146,8 +155,9 @@ class Cluster:
         common = ["--global-batch-size", str(cfg.global_batch_size), "--dataset-size", str(cfg.dataset_size),
                   "--checkpoint-every", str(cfg.checkpoint_every), "--throttle-ms", str(cfg.throttle_ms),
                   "--seed", "0"]
-        if self.system == "etcd-v3":
-            cmd = [sys.executable, "-m", "elastic_trainer.cli", "run", "--nnodes", self.nnodes,
+        if self.system in ("etcd-v3", "etcd-v3-restart"):
+            heal = "in_place" if self.system == "etcd-v3" else "off"
+            cmd = [sys.executable, "-m", "elastic_trainer.cli", "run", "--nnodes", self.nnodes, "--heal", heal,
                    "--nproc-per-node", str(cfg.nproc_per_node), "--device", "cpu",
                    "--rdzv-endpoint", self.etcd_endpoint, "--run-id", self.run_id, "--max-restarts", "10",
                    "--metrics-port", "0", "-m", "elastic_trainer.examples.synthetic_cnn", *common,
@@ -243,9 +253,21 @@ def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Pa
             print(f"  {system}: {outcome.error}\n{cluster.tail()}", file=sys.stderr)
             return outcome
         victim = cluster.nodes[-1]
+        if scenario == "hot-spare":
+            cluster.start_node()  # beyond --nodes: waits as a spare (torchrun: in the next round)
+            spare = cluster.nodes[-1]
+            if system == "etcd-v3":
+                wait_for(lambda: "waiting as a spare" in spare.output(), timeout=cfg.startup_timeout,
+                         what="the spare node to wait")
+            else:
+                time.sleep(10.0)  # its agent has joined the waiting list by then
         fault_unix = time.time()
         if scenario == "worker-sigkill":
             victim.kill_worker(0)
+        elif scenario == "worker-sigstop":
+            os.kill(sorted(victim.worker_pids())[0], signal.SIGSTOP)
+        elif scenario == "hot-spare":
+            victim.kill_node()
         elif scenario == "node-sigkill":
             victim.kill_node()
             if mode == "fixed":
@@ -359,7 +381,7 @@ def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path:
     columns = 2
     rows = math.ceil(len(keys) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(12, 3.4 * rows), squeeze=False)
-    colors = {"etcd-v3": "tab:blue", "c10d": "tab:red", "c10d-unshared": "tab:orange"}
+    colors = {"etcd-v3": "tab:blue", "etcd-v3-restart": "tab:green", "c10d": "tab:red", "c10d-unshared": "tab:orange"}
     window = 3.0  # seconds shown before the fault
     for ax, (scenario, mode) in zip(axes.flat, keys, strict=False):
         right, low = 5.0, None
