@@ -17,6 +17,7 @@ started again; it joins the same way, as does a new node or a spare.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -26,6 +27,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -158,6 +160,9 @@ class Healer:
         join a running job, the next epoch's. Returns the environment and, for a joiner, the
         state its peers hold (``None``: load the newest checkpoint)."""
         self.membership.start()
+        if self.settings.marker is not None:  # tells the warm-start client to replace this process if it dies
+            with contextlib.suppress(OSError):
+                Path(self.settings.marker).touch()
         if self.settings.join:
             outcome = self._join(env, reason="join")
             return outcome.env, outcome.state

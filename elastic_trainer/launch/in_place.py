@@ -130,6 +130,22 @@ class InPlaceRendezvousHandler(RendezvousHandler):
                                                     prefix=True)
         self._lost_nodes: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         threading.Thread(target=self._report_lost_nodes, name="in-place-nodes", daemon=True).start()
+        # Whether the job's workers heal in place at all: they say so by writing an epoch (the
+        # Trainer does; a script with its own loop does not, and keeps torchrun's restarts).
+        self._heals = running_epoch(connection, self._keys, own_node=node) is not None
+        self._epoch_watch = WatchHub.of(connection).watch(self._keys.epoch, start_revision=revision + 1,
+                                                          on_events=self._on_epoch_events,
+                                                          on_lost=self._on_watch_lost)
+
+    def _on_epoch_events(self, events: list[Any]) -> None:
+        deleted = self._connection.etcd3.events.DeleteEvent
+        for event in events:
+            if isinstance(event, deleted):
+                continue
+            try:
+                self._heals = not Epoch.decode(bytes(event.value)).finished
+            except ProtocolError:
+                continue
 
     # -- lost nodes ----------------------------------------------------------------------------
     def _on_node_events(self, events: list[Any]) -> None:
@@ -179,7 +195,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         running = None if self._formed_once else running_epoch(self._connection, self._keys, own_node=self._node)
-        if self._formed_once or running is not None:
+        if (self._formed_once and self._heals) or running is not None:
             os.environ[ENV_HEAL_JOIN] = "1"
             if running is not None:
                 log.warning("in-place: job %s is running (epoch %d, %d workers); this node's workers join it in place",
@@ -191,6 +207,8 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             store = PrefixStore("in-place-placeholder", HashStore())
             return RendezvousInfo(store, 0, 1, RendezvousStoreInfo("127.0.0.1", 0))
         os.environ[ENV_HEAL_JOIN] = "0"
+        if self._formed_once:
+            log.warning("in-place: this job's workers do not heal in place (no epoch written); torchrun restarts them")
         info = self._inner.next_rendezvous()
         self._formed_once = True
         return info
@@ -202,7 +220,8 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return 0
+        # Workers that heal in place take joins and losses in; others restart as with torchrun.
+        return 0 if self._heals else self._inner.num_nodes_waiting()
 
     def shutdown(self) -> bool:
         self._leave()
@@ -211,6 +230,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
     def _leave(self) -> None:
         self._lost_nodes.put(None)
         self._watch.cancel()
+        self._epoch_watch.cancel()
         LeaseKeeper.of(self._connection).forget(self._lease_id)
         try:
             self._connection.call(lambda client: client.revoke_lease(self._lease_id), what="a lease revoke",

@@ -364,6 +364,7 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
         return 1
     try:
         (directory / WORKERS_DIR).mkdir(exist_ok=True)
+        (directory / HEALS_DIR).mkdir(exist_ok=True)
     except FileNotFoundError:
         return 0  # the launcher stopped while we were importing
     wakeup_read, wakeup_write = os.pipe()
@@ -507,8 +508,10 @@ def _start_cold(target_args: Sequence[str], reason: str) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-u", "-m", "elastic_trainer.train.worker_entry", *target_args])
 
 
-HEAL_ENV, HEAL_JOIN_ENV = "ELASTIC_TRAINER_HEAL", "ELASTIC_TRAINER_HEAL_JOIN"
+HEAL_ENV, HEAL_JOIN_ENV, HEAL_MARKER_ENV = "ELASTIC_TRAINER_HEAL", "ELASTIC_TRAINER_HEAL_JOIN", "ELASTIC_TRAINER_HEAL_MARKER"
 """(``elastic_trainer.runtime.settings``'s names; this client imports nothing of the runtime.)"""
+HEALS_DIR = "heals"
+"""Under the server's directory: a worker that heals in place creates ``heals/<client pid>``."""
 REPLACED_ON = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
 """Deaths after which a worker that heals in place is replaced at once: it was killed or crashed,
 and its peers carry on without it (a stop signal, an exit status or an exception is the agent's)."""
@@ -531,8 +534,12 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
     """Have the warm server fork the worker, stand in for it, return (or die with) its status.
 
     When the job heals in place, a worker killed by a signal (SIGKILL, a crash) is replaced by a
-    new one that joins its running peers; the agent sees nothing (it would restart every worker)."""
+    new one that joins its running peers; the agent sees nothing (it would restart every worker).
+    Only a worker that said it heals in place (it created its marker file: the Trainer does; a
+    script with its own loop does not) is replaced."""
     env = dict(os.environ)
+    marker = socket_path.parent / HEALS_DIR / str(os.getpid())
+    env[HEAL_MARKER_ENV] = str(marker)
     try:
         sock, worker_pid = _fork_worker(socket_path, target_args, env)
     except (OSError, EOFError, ValueError, WarmStartError) as exc:
@@ -556,7 +563,7 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
             # The server vanished (its launcher died): the worker went with it.
             return 1
         sock.close()
-        heals = env.get(HEAL_ENV, "").strip().lower() in ("in_place", "1")
+        heals = env.get(HEAL_ENV, "").strip().lower() in ("in_place", "1") and marker.exists()
         if (heals and returncode < 0 and -returncode in REPLACED_ON and not stopping[0]
                 and replacements < MAX_REPLACEMENTS):
             replacements += 1

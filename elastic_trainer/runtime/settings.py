@@ -52,6 +52,8 @@ ENV_HEAL_WORLD = "ELASTIC_TRAINER_HEAL_WORLD"
 """``MIN:MAX`` processes a healed group may have (``--nnodes`` times workers per node)."""
 ENV_HEAL_SETTLE_S = "ELASTIC_TRAINER_HEAL_SETTLE_S"
 """How long a round waits for members that did not answer before it counts them as gone."""
+ENV_HEAL_MARKER = "ELASTIC_TRAINER_HEAL_MARKER"
+"""A file a worker that heals in place creates (the warm-start client then replaces it if it dies)."""
 ENV_HEAL_TIMEOUT_S = "ELASTIC_TRAINER_HEAL_TIMEOUT_S"
 """How long a round may wait for enough members before the process gives up (exits)."""
 
@@ -149,6 +151,8 @@ class HealSettings:
     """``(min, max)`` processes; ``None``: the size torchrun formed, fixed."""
     settle_s: float = DEFAULT_HEAL_SETTLE_S
     timeout_s: float = DEFAULT_HEAL_TIMEOUT_S
+    marker: str | None = None
+    """(:data:`ENV_HEAL_MARKER`) created once this process heals in place."""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> HealSettings:
@@ -162,7 +166,8 @@ class HealSettings:
         return cls(enabled=enabled, join=_bool(env, ENV_HEAL_JOIN, False), endpoint=endpoint,
                    rdzv_conf=env.get(ENV_HEAL_RDZV_CONF, ""), world=_world(env, ENV_HEAL_WORLD),
                    settle_s=_seconds(env, ENV_HEAL_SETTLE_S, DEFAULT_HEAL_SETTLE_S),
-                   timeout_s=_seconds(env, ENV_HEAL_TIMEOUT_S, DEFAULT_HEAL_TIMEOUT_S))
+                   timeout_s=_seconds(env, ENV_HEAL_TIMEOUT_S, DEFAULT_HEAL_TIMEOUT_S),
+                   marker=env.get(ENV_HEAL_MARKER) or None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
