@@ -1,4 +1,4 @@
-"""Metrics of the torchrun agent: restarts, rendezvous rounds, membership, worker-group state.
+"""Metrics of the torchrun agent: restarts, in-place heals, rendezvous rounds, membership, worker-group state.
 
 Read from torch's two public seams in the launcher process: the ``torchelastic`` metric group
 (:class:`TorchElasticMetricHandler`, called every monitor tick, so it stays cheap) and the agent's
@@ -86,6 +86,7 @@ class AgentMetrics:
         self._labels = [run_id, node]
         self._lock = threading.Lock()  # written by the agent thread, read by scrapes
         self._restarts = 0
+        self._heals = 0
         self._remaining_restarts: int | None = None
         self._state: str | None = None
         self._rendezvous = _Histogram(RENDEZVOUS_SECONDS_BUCKETS)
@@ -99,6 +100,11 @@ class AgentMetrics:
         """The agent restarted its worker group (after a failure or a membership change)."""
         with self._lock:
             self._restarts += 1
+
+    def healed(self) -> None:
+        """The job's workers healed in place (a new epoch, no restart; ``elastic_trainer.launch.in_place``)."""
+        with self._lock:
+            self._heals += 1
 
     def set_remaining_restarts(self, remaining: int) -> None:
         with self._lock:
@@ -143,6 +149,13 @@ class AgentMetrics:
             labels=labels,
         )
         restarts.add_metric(self._labels, self._restarts)
+        heals = CounterMetricFamily(
+            PREFIX + "heals",
+            "In-place heals of the job this node's agent saw: the workers formed a new group without a "
+            "restart, after a lost worker or node, or a joining one (--heal in_place).",
+            labels=labels,
+        )
+        heals.add_metric(self._labels, self._heals)
         remaining = GaugeMetricFamily(
             PREFIX + "agent_remaining_restarts",
             "Failure restarts the agent has left before it gives up (--max-restarts).",
@@ -177,7 +190,7 @@ class AgentMetrics:
             labels=labels,
         )
         changes.add_metric(self._labels, self._membership_changes)
-        return [restarts, remaining, state, rendezvous, nodes, changes]
+        return [restarts, heals, remaining, state, rendezvous, nodes, changes]
 
 
 class TorchElasticMetricHandler(MetricHandler):

@@ -16,7 +16,9 @@ stops re-forming the whole job:
   running, one whose nodes are all gone (a crashed earlier job with the same run id) is not;
 * every launcher watches those keys: when a member node's key expires (a node lost without a
   goodbye: power, network, a partition; no connection breaks, so no collective fails) it opens a
-  heal round, and the survivors' workers abort their group and go on without it.
+  heal round, and the survivors' workers abort their group and go on without it;
+* every new epoch that is not a first rendezvous is a heal: the launcher's ``on_heal`` callback
+  hears of it (it counts heals and reports their root cause, :func:`describe_heal`).
 
 Everything else (close, shutdown, run id, store) is the ``etcd-v3`` handler's.
 Design: ``docs/design/heal-in-place.md``.
@@ -28,7 +30,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch.distributed import HashStore, PrefixStore
@@ -62,6 +64,49 @@ NODE_LEASE_TTL_S = 2
 declared lost 2 to 2.5 s after its last renewal (etcd checks expiries every 0.5 s)."""
 BACKEND_NAME = "elastic-trainer-in-place"
 """The rendezvous backend name ``elastic-trainer run`` gives torchrun when it heals in place."""
+FIRST_EPOCH_REASON = "rendezvous"
+"""The reason of an epoch formed by torchrun's rendezvous (a start or a restart, not a heal)."""
+
+HealCallback = Callable[[Epoch, Sequence[str]], None]
+"""``on_heal(epoch, causes)``: called from a watch thread (must not block) for each new epoch that
+is a heal; ``causes``: one line per member node whose liveness key expired that this launcher
+reported since the previous epoch."""
+
+
+class HealReports:
+    """Turns the epochs a launcher sees into ``on_heal`` calls: once per epoch (numbers only grow),
+    none for a first rendezvous or a finished run, with the causes noted since the last one."""
+
+    def __init__(self, on_heal: HealCallback | None) -> None:
+        self._on_heal = on_heal
+        self._last_epoch = 0
+        self._causes: list[str] = []
+        self._lock = threading.Lock()
+
+    def note_cause(self, text: str) -> None:
+        """Something this launcher saw that the next heal is about (a member node lost)."""
+        with self._lock:
+            self._causes.append(text)
+
+    def saw(self, epoch: Epoch) -> None:
+        with self._lock:
+            if epoch.finished or epoch.number <= self._last_epoch:
+                return
+            self._last_epoch = epoch.number
+            causes, self._causes = self._causes, []
+        if epoch.reason != FIRST_EPOCH_REASON and self._on_heal is not None:
+            try:
+                self._on_heal(epoch, causes)
+            except Exception as exc:  # noqa: BLE001 - a report must not stop the watch
+                log.warning("in-place: reporting heal %d failed: %s", epoch.number, exc)
+
+
+def describe_heal(epoch: Epoch, causes: Sequence[str]) -> str:
+    """One line for ``status``: what happened (``causes``, if this node knows them) and how the
+    job went on."""
+    start = f"step {epoch.step}" if epoch.step >= 0 else "the newest checkpoint"
+    outcome = f"healed in place: epoch {epoch.number}, {epoch.world_size} worker(s) go on from {start}"
+    return f"{'; '.join(causes)}; {outcome}" if causes else f"{epoch.reason or 'a fault'}; {outcome}"
 
 
 def node_key(keys: HealKeys, node: str) -> str:
@@ -115,8 +160,9 @@ class InPlaceRendezvousHandler(RendezvousHandler):
     """Wraps the ``etcd-v3`` handler; see the module docstring."""
 
     def __init__(self, inner: RendezvousHandler, connection: EtcdConnection, *, run_id: str, node: str,
-                 lease_ttl: int = NODE_LEASE_TTL_S) -> None:
+                 lease_ttl: int = NODE_LEASE_TTL_S, on_heal: HealCallback | None = None) -> None:
         self._inner = inner
+        self._reports = HealReports(on_heal)
         self._connection = connection
         self._keys = HealKeys.of(run_id)
         self._node = node
@@ -143,9 +189,11 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             if isinstance(event, deleted):
                 continue
             try:
-                self._heals = not Epoch.decode(bytes(event.value)).finished
+                epoch = Epoch.decode(bytes(event.value))
             except ProtocolError:
                 continue
+            self._heals = not epoch.finished
+            self._reports.saw(epoch)
 
     # -- lost nodes ----------------------------------------------------------------------------
     def _on_node_events(self, events: list[Any]) -> None:
@@ -167,7 +215,8 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             if node is None:
                 return
             try:
-                open_round_for_lost_node(self._connection, self._keys, node)
+                if open_round_for_lost_node(self._connection, self._keys, node):
+                    self._reports.note_cause(f"node {node} lost (its {NODE_LEASE_TTL_S} s liveness lease expired)")
             except Exception as exc:  # noqa: BLE001 - the workers' collectives still notice, later
                 log.warning("in-place: could not report node %s lost: %s", node, exc)
 
@@ -239,7 +288,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             log.debug("in-place: revoking this node's lease failed: %s", exc)
 
 
-def register_backend(*, node: str) -> None:
+def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
     """Register :data:`BACKEND_NAME` with torch: the ``etcd-v3`` handler, wrapped."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
@@ -250,7 +299,7 @@ def register_backend(*, node: str) -> None:
         inner = create_rdzv_handler(params)
         settings = parse_settings(params)
         connection = EtcdConnection(settings.client_config())
-        return InPlaceRendezvousHandler(inner, connection, run_id=params.run_id, node=node)
+        return InPlaceRendezvousHandler(inner, connection, run_id=params.run_id, node=node, on_heal=on_heal)
 
     registry: Any = rendezvous_handler_registry
     if registry._registry.get(BACKEND_NAME) is None:

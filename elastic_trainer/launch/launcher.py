@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 from elastic_trainer.launch.options import RunOptions, UserError
 
 if TYPE_CHECKING:
+    from elastic_trainer.heal.protocol import Epoch
     from elastic_trainer.launch.failure_policy import Verdict as FailurePolicyVerdict
+    from elastic_trainer.launch.in_place import HealCallback
     from elastic_trainer.launch.janitor import Janitor
     from elastic_trainer.launch.node_metrics import LauncherMetrics
     from elastic_trainer.launch.progress_publisher import ProgressPublisher
@@ -270,7 +272,8 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
         verdicts = _watch_failures(cleanup, publisher)
         _claim_job_identity(cleanup, options, target)
         if options.heal == "in_place":
-            _heal_in_place(options, endpoint, nproc, node=metrics.node if metrics is not None else None)
+            _heal_in_place(options, endpoint, nproc, node=metrics.node if metrics is not None else None,
+                           on_heal=_report_heals(warm, metrics, publisher))
             from elastic_trainer.runtime.torch_compat import without_exit_barrier
 
             cleanup.callback(without_exit_barrier())
@@ -306,13 +309,14 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
     return 0
 
 
-def _heal_in_place(options: RunOptions, endpoint: str, nproc: int, *, node: str | None) -> None:
+def _heal_in_place(options: RunOptions, endpoint: str, nproc: int, *, node: str | None,
+                   on_heal: HealCallback | None = None) -> None:
     """Register the in-place rendezvous backend and tell the workers how to heal."""
     from elastic_trainer.launch.in_place import register_backend, worker_environment
     from elastic_trainer.metrics.node_name import local_node_name
 
     node = node or local_node_name()
-    register_backend(node=node)
+    register_backend(node=node, on_heal=on_heal)
     os.environ.update(worker_environment(endpoint=endpoint, rdzv_conf=rdzv_conf(options), node=node,
                                          min_world=options.min_nodes * nproc, max_world=options.max_nodes * nproc))
 
@@ -387,6 +391,25 @@ def _watch_frozen_workers(cleanup: contextlib.ExitStack, options: RunOptions, ja
     cleanup.callback(os.environ.pop, ENV_HEARTBEAT_DIR, None)
     watchdog.start()
     cleanup.callback(watchdog.stop)
+
+
+def _report_heals(warm: WarmStartServer | None, metrics: LauncherMetrics | None,
+                  publisher: ProgressPublisher | None) -> HealCallback:
+    """What the launcher does when its job healed in place: count it (``elastic_trainer_heals_total``)
+    and, if this node knows the root cause (a worker of its own that died, a member node it saw
+    lost), log it and report it as the run's last error (``status``)."""
+    from elastic_trainer.launch.in_place import describe_heal
+    from elastic_trainer.launch.warm_start import take_deaths
+
+    def on_heal(epoch: Epoch, lost_nodes: Sequence[str]) -> None:
+        if metrics is not None:
+            metrics.agent_metrics.healed()
+        causes = [*(take_deaths(warm.directory) if warm is not None else []), *lost_nodes]
+        log.warning("%s", describe_heal(epoch, causes))
+        if causes and publisher is not None:
+            publisher.publish_error(describe_heal(epoch, causes))
+
+    return on_heal
 
 
 def _watch_failures(cleanup: contextlib.ExitStack, publisher: ProgressPublisher | None = None) -> list[FailurePolicyVerdict]:

@@ -98,6 +98,8 @@ class ProgressRecord:
     last_checkpoint_unix: float | None = None
     restarts: int | None = None
     """The publishing node's restart count (``elastic_trainer_restarts_total``)."""
+    heals: int | None = None
+    """The publishing node's in-place heal count (``elastic_trainer_heals_total``)."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -118,7 +120,7 @@ class ProgressRecord:
         return cls(**values)
 
 
-_INTEGER_FIELDS = frozenset({"step", "total_steps", "world_size", "last_checkpoint_step", "restarts"})
+_INTEGER_FIELDS = frozenset({"step", "total_steps", "world_size", "last_checkpoint_step", "restarts", "heals"})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -306,12 +308,13 @@ class ProgressPublisher:
         view = progress_view(snapshot, baseline)
         own = snapshot.nodes.get(self.node)
         restarts = own.restarts if own is not None else view.restarts
+        heals = own.heals if own is not None else view.heals
         record = ProgressRecord(
             node=self.node, published_unix=self._wall_clock(), step=view.step, total_steps=view.total_steps,
             world_size=view.world_size, steps_per_s=view.steps_per_s, samples_per_s=view.samples_per_s,
             step_time_p50_s=view.step_time_p50_s, loss=view.loss, lr=view.lr, last_step_unix=view.last_step_unix,
             last_checkpoint_step=view.last_checkpoint_step, last_checkpoint_unix=view.last_checkpoint_unix,
-            restarts=None if restarts is None else int(restarts),
+            restarts=None if restarts is None else int(restarts), heals=None if heals is None else int(heals),
         )  # fmt: skip
         self._put_progress(record.encode())
         return record

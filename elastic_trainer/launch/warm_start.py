@@ -365,6 +365,7 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
     try:
         (directory / WORKERS_DIR).mkdir(exist_ok=True)
         (directory / HEALS_DIR).mkdir(exist_ok=True)
+        (directory / DEATHS_DIR).mkdir(exist_ok=True)
     except FileNotFoundError:
         return 0  # the launcher stopped while we were importing
     wakeup_read, wakeup_write = os.pipe()
@@ -517,6 +518,26 @@ REPLACED_ON = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, si
 and its peers carry on without it (a stop signal, an exit status or an exception is the agent's)."""
 MAX_REPLACEMENTS = 100
 """Replacements one client starts at most (a worker that dies at every start is the agent's)."""
+DEATHS_DIR = "deaths"
+"""Under the server's directory: one file per replaced worker, its one-line root cause, for the
+launcher to report when the heal it caused is done (:func:`take_deaths`)."""
+
+
+def record_death(directory: Path, text: str) -> None:
+    """Leave ``text`` (one line) for the launcher; never raises (the report is best effort)."""
+    with contextlib.suppress(OSError):
+        write_atomically(directory / DEATHS_DIR / f"{time.time_ns()}-{os.getpid()}", text.encode(), durable=False)
+
+
+def take_deaths(directory: Path) -> list[str]:
+    """The root causes :func:`record_death` left, oldest first; each is read once (then removed)."""
+    found: list[str] = []
+    with contextlib.suppress(OSError):
+        for path in sorted((directory / DEATHS_DIR).iterdir(), key=lambda p: p.name):
+            with contextlib.suppress(OSError):
+                found.append(path.read_text(errors="replace").strip())
+                path.unlink()
+    return [text for text in found if text]
 
 
 def _fork_worker(sock_path: Path, target_args: Sequence[str], env: dict[str, str]) -> tuple[socket.socket, int]:
@@ -567,8 +588,10 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
         if (heals and returncode < 0 and -returncode in REPLACED_ON and not stopping[0]
                 and replacements < MAX_REPLACEMENTS):
             replacements += 1
-            print(f"elastic-trainer: worker {current[0]} died ({signal.Signals(-returncode).name}); "
-                  "starting a replacement that joins its peers in place", file=sys.stderr, flush=True)
+            death = f"local worker {env.get('LOCAL_RANK', '?')} (pid {current[0]}) died of {signal.Signals(-returncode).name}"
+            print(f"elastic-trainer: {death}; starting a replacement that joins its peers in place",
+                  file=sys.stderr, flush=True)
+            record_death(socket_path.parent, death)
             env[HEAL_JOIN_ENV] = "1"
             try:
                 sock, current[0] = _fork_worker(socket_path, target_args, env)

@@ -34,6 +34,7 @@ STEP_BUCKET = PREFIX + "step_duration_seconds_bucket"
 COMPUTE_SUM = PREFIX + "step_compute_seconds_sum"
 COMPUTE_COUNT = PREFIX + "step_compute_seconds_count"
 RESTARTS = PREFIX + "restarts_total"
+HEALS = PREFIX + "heals_total"
 LAST_STEP_TIME = PREFIX + "last_step_timestamp_seconds"
 LAST_CHECKPOINT_STEP = PREFIX + "last_checkpoint_step"
 LAST_CHECKPOINT_TIME = PREFIX + "last_checkpoint_timestamp_seconds"
@@ -75,6 +76,8 @@ class NodeStats:
     """Global ranks with a live worker on the node (a live ``step`` gauge)."""
     restarts: float | None = None
     """``elastic_trainer_restarts_total`` of the node's agent."""
+    heals: float | None = None
+    """``elastic_trainer_heals_total`` of the node's launcher (in-place heals it saw)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,6 +119,7 @@ class Snapshot:
         compute_sum: dict[RankId, float] = {}
         compute_count: dict[RankId, float] = {}
         restarts: dict[str, float] = {}
+        heals: dict[str, float] = {}
         for sample in samples:
             name, labels, value = sample.name, sample.labels, float(sample.value)
             if not name.startswith(PREFIX):
@@ -141,6 +145,8 @@ class Snapshot:
                 compute_count[(node, rank)] = compute_count.get((node, rank), 0.0) + value
             elif name == RESTARTS:
                 restarts[node] = restarts.get(node, 0.0) + value
+            elif name == HEALS:
+                heals[node] = heals.get(node, 0.0) + value
             elif name == TARGET_STEPS:
                 snap.total_steps = _max_int(snap.total_steps, value)
             elif name == WORLD_SIZE:
@@ -160,9 +166,9 @@ class Snapshot:
             snap.step = int(max(steps.values()))
         snap.loss = statistics.fmean(losses) if losses else None
         snap.compute = {r: (compute_sum[r], compute_count.get(r, 0.0)) for r in compute_sum}
-        for node in sorted({n for n, _ in steps} | set(restarts)):
+        for node in sorted({n for n, _ in steps} | set(restarts) | set(heals)):
             snap.nodes[node] = NodeStats(ranks=tuple(sorted(r for n, r in steps if n == node)),
-                                         restarts=restarts.get(node))  # fmt: skip
+                                         restarts=restarts.get(node), heals=heals.get(node))  # fmt: skip
         return snap
 
 
@@ -269,10 +275,17 @@ class ProgressView:
         counts = [s.restarts for s in self.nodes.values() if s.restarts is not None]
         return max(counts) if counts else None
 
+    @property
+    def heals(self) -> float | None:
+        """The highest in-place heal count of the nodes seen (each launcher counts the job's heals)."""
+        counts = [s.heals for s in self.nodes.values() if s.heals is not None]
+        return max(counts) if counts else None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         out = asdict(self)
         out["restarts"] = self.restarts
+        out["heals"] = self.heals
         out["run_ids"] = list(self.run_ids)
         return out
 

@@ -160,6 +160,7 @@ def describe_progress(
             "loss": record.loss,
             "lr": record.lr,
             "restarts": record.restarts,
+            "heals": record.heals,
             "last_step_age_s": age(record.last_step_unix),
             "last_checkpoint_step": record.last_checkpoint_step,
             "last_checkpoint_age_s": age(record.last_checkpoint_unix),
@@ -272,7 +273,8 @@ def render_progress(progress: dict[str, Any] | None, last_error: dict[str, Any] 
         lines.append(
             f"    last step {format_duration(progress['last_step_age_s'])} ago, "
             f"loss {'-' if loss is None else f'{loss:.4g}'}, lr {'-' if lr is None else f'{lr:.3g}'}, "
-            f"restarts {'-' if progress['restarts'] is None else progress['restarts']}; "
+            f"restarts {'-' if progress['restarts'] is None else progress['restarts']}, "
+            f"heals {'-' if progress.get('heals') is None else progress['heals']}; "
             f"published {format_duration(progress['published_age_s'])} ago by {progress['published_by']}"
         )
     if last_error is None:

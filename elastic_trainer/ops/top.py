@@ -167,9 +167,10 @@ def render(
     rate = _num(view.samples_per_s, ".1f") + (" (est.)" if view.samples_estimated else "")
     p50 = None if view.step_time_p50_s is None else view.step_time_p50_s * 1000.0
     lines.append(f"throughput  {rate} samples/s   step time p50 {_num(p50, '.1f')} ms")
-    restarts = view.restarts
+    restarts, heals = view.restarts, view.heals
     lines.append(f"world size  {view.world_size if view.world_size is not None else '-'}   "
-                 f"restarts {'-' if restarts is None else int(restarts)}")  # fmt: skip
+                 f"restarts {'-' if restarts is None else int(restarts)}   "
+                 f"heals {'-' if heals is None else int(heals)}")  # fmt: skip
     last_step = None if view.last_step_unix is None else now_unix - view.last_step_unix
     ckpt = "none"
     if view.last_checkpoint_step is not None:

@@ -165,17 +165,21 @@ def test_an_unreachable_etcd_never_blocks_the_launcher(
     assert not [r for r in caplog.records if r.name == "rendezvous.etcd_client" and r.threadName == "progress-publisher"]
 
 
-def test_a_real_run_publishes_progress_and_its_last_error(tmp_path: Path, etcd_server: EtcdServer, unique_id: str) -> None:
+@pytest.mark.parametrize("heal", ["in_place", "off"])
+def test_a_real_run_publishes_progress_and_its_last_error(
+    tmp_path: Path, etcd_server: EtcdServer, unique_id: str, heal: str
+) -> None:
     """``elastic-trainer run`` (two gloo workers on the session's etcd): ``status`` shows the
     progress rank 0's launcher publishes, under the name its metrics carry; a killed worker's
-    root cause becomes the last error and the restart shows in the progress."""
+    root cause becomes the last error, and the heal (in place) or the restart (``--heal off``)
+    shows in the progress."""
     port = free_port()
     cli = [sys.executable, "-m", "elastic_trainer.cli"]
     with open(tmp_path / "run.log", "wb") as log:
         job = subprocess.Popen(
             [*cli, "run", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nproc-per-node", "2",
              "--metrics-addr", "127.0.0.1", "--metrics-port", str(port), "--max-restarts", "2",
-             "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", "100000", "--epochs", "10000",
+             "--heal", heal, "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", "100000", "--epochs", "10000",
              "--throttle-ms", "40", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "50"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
         )  # fmt: skip
@@ -206,8 +210,12 @@ def test_a_real_run_publishes_progress_and_its_last_error(tmp_path: Path, etcd_s
             error = wait_for(lambda: status_json()["last_error"], timeout=120, what="the root cause in status",
                              interval=0.2)  # fmt: skip
             assert "SIGKILL" in error["text"] and error["node"] == participant["name"]
-            wait_for(lambda: (p := status_json()["progress"]) is not None and (p["restarts"] or 0) >= 1, timeout=150,
-                     what="the restart in the progress", interval=0.2)  # fmt: skip
+            counted = "heals" if heal == "in_place" else "restarts"
+            if heal == "in_place":
+                assert "healed in place" in error["text"], error
+            progress = wait_for(lambda: (p := status_json()["progress"]) is not None and (p[counted] or 0) >= 1 and p,
+                                timeout=150, what=f"the {counted} in the progress", interval=0.2)  # fmt: skip
+            assert progress["restarts" if heal == "in_place" else "heals"] == 0, progress  # one kind, not both
         finally:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGTERM)

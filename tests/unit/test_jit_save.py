@@ -5,9 +5,10 @@ training state."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -167,24 +168,35 @@ def test_nothing_is_saved_before_training_started(tmp_path: Path) -> None:
 
 
 # -- one writer per step -------------------------------------------------------------------------------
-def _race(directory: str, start: Any, results: Any, index: int) -> None:
-    start.wait()
-    claim = ckpt.try_claim(directory, 7, rank=index)
-    results.put(index if claim is not None else -1)
+_RACER = """
+import os, sys, time
+from elastic_trainer.checkpoint import files
+directory, go, index = sys.argv[1], sys.argv[2], int(sys.argv[3])
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.001)
+print("won" if files.try_claim(directory, 7, rank=index) is not None else "lost", flush=True)
+"""
 
 
 def test_exactly_one_process_claims_a_step(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("fork")
-    start, results = context.Event(), context.Queue()
-    processes = [context.Process(target=_race, args=(str(tmp_path), start, results, i)) for i in range(8)]
-    for process in processes:
-        process.start()
-    start.set()
-    outcomes = [results.get(timeout=30) for _ in processes]
-    for process in processes:
-        process.join(30)
-    winners = [i for i in outcomes if i >= 0]
-    assert len(winners) == 1, outcomes
+    # Fresh interpreters, not fork(): a fork of this process (other tests' gRPC and torch threads)
+    # can deadlock the child on a lock some thread held.
+    go = tmp_path / "go"
+    racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), str(go), str(i)], stdout=subprocess.PIPE,
+                               text=True) for i in range(8)]  # fmt: skip
+    try:
+        for racer in racers:
+            assert racer.stdout is not None and racer.stdout.readline().strip() == "ready"
+        go.touch()
+        outcomes = [racer.communicate(timeout=60)[0].strip() for racer in racers]
+    finally:
+        for racer in racers:
+            if racer.poll() is None:
+                racer.kill()
+                racer.wait()
+    winners = [i for i, outcome in enumerate(outcomes) if outcome == "won"]
+    assert len(winners) == 1 and outcomes.count("lost") == 7, outcomes
     holder = ckpt.read_claim(tmp_path, 7)
     assert holder is not None and holder["rank"] == winners[0]
 

@@ -141,3 +141,11 @@ def test_labels_must_be_given() -> None:
         AgentMetrics(run_id="", node="n")
     with pytest.raises(ValueError, match="node"):
         AgentMetrics(run_id="r", node="")
+
+
+def test_heals_are_counted_apart_from_restarts(agent: AgentMetrics, registry: CollectorRegistry) -> None:
+    assert value(registry, "elastic_trainer_heals_total") == 0
+    agent.healed()
+    agent.healed()
+    assert value(registry, "elastic_trainer_heals_total") == 2
+    assert value(registry, "elastic_trainer_restarts_total") == 0

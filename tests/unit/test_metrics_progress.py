@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def node_text(*, node: str, ranks: dict[int, dict[str, float]], run: str = "job", target: int | None = 1000,
-              world: int = 2, restarts: float = 0.0, extra: str = "") -> str:
+              world: int = 2, restarts: float = 0.0, heals: float = 0.0, extra: str = "") -> str:
     """Exposition text of one node, shaped like the launcher endpoint's."""
     lines = []
     for rank, v in ranks.items():
@@ -50,6 +50,7 @@ def node_text(*, node: str, ranks: dict[int, dict[str, float]], run: str = "job"
     lines += [
         f"elastic_trainer_world_size{{{node_labels}}} {world}",
         f"elastic_trainer_restarts_total{{{node_labels}}} {restarts}",
+        f"elastic_trainer_heals_total{{{node_labels}}} {heals}",
         f"elastic_trainer_last_step_timestamp_seconds{{{node_labels}}} 1700000100.0",
         f"elastic_trainer_last_checkpoint_step{{{node_labels}}} 100",
         f"elastic_trainer_last_checkpoint_timestamp_seconds{{{node_labels}}} 1700000000.0",

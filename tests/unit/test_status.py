@@ -94,7 +94,8 @@ def test_node_names_use_the_short_host_and_the_agent_pid() -> None:
 
 RECORD = ProgressRecord(node="a-1", published_unix=1000.0, step=150, total_steps=1000, world_size=4,
                         steps_per_s=5.0, samples_per_s=1280.04, step_time_p50_s=0.2, loss=0.51234, lr=0.05,
-                        last_step_unix=998.0, last_checkpoint_step=100, last_checkpoint_unix=900.0, restarts=1)  # fmt: skip
+                        last_step_unix=998.0, last_checkpoint_step=100, last_checkpoint_unix=900.0, restarts=1,
+                        heals=3)  # fmt: skip
 
 
 def test_progress_with_eta_and_ages() -> None:
@@ -103,7 +104,7 @@ def test_progress_with_eta_and_ages() -> None:
     assert progress is not None and error is not None
     assert (progress["step"], progress["total_steps"], progress["percent"]) == (150, 1000, 15.0)
     assert progress["eta_s"] == 170.0  # (1000 - 150) / 5
-    assert (progress["world_size"], progress["samples_per_s"], progress["restarts"]) == (4, 1280.0, 1)
+    assert (progress["world_size"], progress["samples_per_s"], progress["restarts"], progress["heals"]) == (4, 1280.0, 1, 3)
     assert (progress["last_step_age_s"], progress["published_age_s"], progress["last_checkpoint_age_s"]) == (5.0, 3.0, 103.0)
     assert progress["published_by"] == "a-1"
     assert error == {"text": "rank 3 exited with signal 9", "node": "b-2", "age_s": 123.0}
@@ -130,7 +131,7 @@ def test_render_shows_names_progress_and_the_last_error() -> None:
     text = render_status(report(progress, error))
     assert "rank   0  host-42" in text and "(host.x_42_abcdef)" in text
     assert "progress: step 150 / 1000 (15.0%), ETA 2m50s, 1280.0 samples/s, world size 4" in text
-    assert "last step 5.0s ago, loss 0.5123, lr 0.05, restarts 1; published 3.0s ago by a-1" in text
+    assert "last step 5.0s ago, loss 0.5123, lr 0.05, restarts 1, heals 3; published 3.0s ago by a-1" in text
     assert "last error: rank 3 exited with signal 9 (b-2, 2m03s ago)" in text
 
 

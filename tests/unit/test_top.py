@@ -66,14 +66,14 @@ def frame(frames: dict[str, list[str | None]], **kwargs: object) -> tuple[int, s
 
 def test_once_shows_progress_rates_and_the_slowest_rank() -> None:
     code, text = frame({A: [node_text(node="a-1", ranks=two_ranks(100, slow_extra=0.01), restarts=1),
-                            node_text(node="a-1", ranks=two_ranks(150, slow_extra=0.01), restarts=1)]})
+                            node_text(node="a-1", ranks=two_ranks(150, slow_extra=0.01), restarts=1, heals=2)]})
     assert code == 0
     assert "run job" in text
     assert re.search(r"step\s+150 / 1000\s+15\.0%", text)
     assert "ETA         2m50s" in text  # (1000 - 150) / 5 steps/s
     assert "5.00 steps/s" in text
     assert "640.0 samples/s" in text and "step time p50 75.0 ms" in text
-    assert "world size  2   restarts 1" in text
+    assert "world size  2   restarts 1   heals 2" in text
     assert "last step   3.0s ago   checkpoint step 100, 1m43s ago" in text
     assert "loss        1.5" in text and "lr 0.05" in text
     assert "slowest     rank 1 on a-1: compute 30.0 ms/step, 1.20x the median" in text
