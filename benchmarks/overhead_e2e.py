@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from benchmarks.runtime_throughput import report_blocks
 from benchmarks.workloads import (
     add_workload_arguments,
     init_worker,
@@ -41,7 +40,6 @@ from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.runtime.distributed import read_env
 from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.trainer import Trainer, TrainingJob
-from rendezvous.etcd_server import free_port
 
 VARIANTS = ("bare", "defaults")
 
@@ -131,11 +129,6 @@ def _line(args: argparse.Namespace, block: int, variant: str, times: list[tuple[
     return f"{block} {variant} {samples / wall} {float(cpu.cpu()[0]) / samples * 1e6} {steps}"
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=6, help="rounds of (bare, defaults), order alternating")
@@ -145,29 +138,9 @@ def main() -> None:
     parser.add_argument("--tmp", default=None, help="directory for checkpoints and metrics (default: system temp)")
     args = parser.parse_args()
     resolve_workload_arguments(parser, args)
-    with tempfile.TemporaryDirectory(dir=args.tmp) as metrics, tempfile.NamedTemporaryFile(dir=args.tmp) as out:
+    with tempfile.TemporaryDirectory(dir=args.tmp) as metrics:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics  # before the workers import prometheus_client
-        mp.start_processes(_worker, args=(args.nproc, free_port(), args, out.name), nprocs=args.nproc,
-                           start_method="spawn")
-        lines = Path(out.name).read_text().splitlines()
-    blocks: dict[int, dict[str, tuple[float, float, list[float]]]] = {}
-    for line in lines:
-        block, variant, rate, cpu, steps = line.split()
-        blocks.setdefault(int(block), {})[variant] = (float(rate), float(cpu), [float(s) for s in steps.split(",")])
-        print(f"block {block}: {variant:8s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
-    where = f"{args.nproc} x {torch.cuda.get_device_name()}, NCCL" if args.device == "cuda" else f"{args.nproc} gloo ranks"
-    print(f"\n{args.model}, global batch {args.global_batch_size}; {where}; load average {os.getloadavg()[0]:.1f} "
-          f"({os.cpu_count()} cores)")
-    print("| variant | samples/s (median) | ratio vs bare | CPU-us/sample | CPU ratio vs bare | step ms p50 | p99 | max |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for variant in VARIANTS:
-        rate = statistics.median(b[variant][0] for b in blocks.values())
-        ratio = statistics.median(b[variant][0] / b["bare"][0] for b in blocks.values())
-        cpu = statistics.median(b[variant][1] for b in blocks.values())
-        cpu_ratio = statistics.median(b[variant][1] / b["bare"][1] for b in blocks.values())
-        steps = [s for b in blocks.values() for s in b[variant][2]]
-        print(f"| {variant} | {rate:.1f} | {ratio:.3f} | {cpu:.1f} | {cpu_ratio:.3f} | {_percentile(steps, 0.5):.2f} | "
-              f"{_percentile(steps, 0.99):.2f} | {max(steps):.2f} |")
+        report_blocks(args, _worker, VARIANTS, baseline="bare")
 
 
 if __name__ == "__main__":

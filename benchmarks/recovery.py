@@ -3,6 +3,7 @@
     python -m benchmarks.recovery                                   # every scenario, both systems
     python -m benchmarks.recovery --scenarios worker-sigkill --modes elastic --repeats 3
     python -m benchmarks.recovery --systems etcd-v3 c10d c10d-unshared --json out.json
+    python -m benchmarks.recovery --etcd-load 60 --systems etcd-v3 etcd-v3-restart   # etcd load, no fault
 
 For each scenario a job of N nodes x P workers (separate launcher processes on this machine,
 gloo, the example model) trains until step ``--fault-step``; then the fault is injected and the
@@ -294,6 +295,62 @@ def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Pa
         cluster.stop()
 
 
+# -- etcd load in steady state ----------------------------------------------------------------------
+def etcd_messages(client_url: str) -> dict[str, float]:
+    """gRPC messages etcd received so far, by method (``grpc_server_msg_received_total``: one per
+    unary request, one per message of a stream: a lease keep-alive, a watch request)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{client_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "grpc_server_msg_received_total":
+                method = f"{sample.labels['grpc_service'].rsplit('.', 1)[-1]}.{sample.labels['grpc_method']}"
+                found[method] = found.get(method, 0.0) + sample.value
+    return found
+
+
+def measure_etcd_load(system: str, cfg: BenchConfig, workdir: Path, etcd_url: str, etcd_endpoint: str,
+                      window_s: float) -> dict[str, object]:
+    """Start ``cfg.nodes`` nodes (fixed size), let them train past ``fault_step``, then count what
+    etcd receives over ``window_s`` seconds of healthy training; per node and minute."""
+    cluster = Cluster(system, "fixed", cfg, workdir, etcd_endpoint)
+    try:
+        for _ in range(cfg.nodes):
+            cluster.start_node()
+        wait_for(lambda: highest_step(read_processes(cluster.records)) >= cfg.fault_step,
+                 timeout=cfg.startup_timeout, what=f"step {cfg.fault_step}",
+                 describe=cluster.tail)  # fmt: skip
+        before, step_before, started = etcd_messages(etcd_url), highest_step(read_processes(cluster.records)), time.monotonic()
+        time.sleep(window_s)
+        after, elapsed = etcd_messages(etcd_url), time.monotonic() - started
+        steps = highest_step(read_processes(cluster.records)) - step_before
+    finally:
+        cluster.stop()
+    scale = 60.0 / elapsed / cfg.nodes
+    by_method = {m: round((after.get(m, 0.0) - before.get(m, 0.0)) * scale, 1) for m in sorted(after)}
+    by_method = {m: v for m, v in by_method.items() if v > 0}
+    return {"system": system, "nodes": cfg.nodes, "workers_per_node": cfg.nproc_per_node, "window_s": round(elapsed, 1),
+            "steps": steps, "per_node_per_minute": round(sum(by_method.values()), 1), "by_method": by_method}
+
+
+def etcd_load_table(loads: Sequence[dict[str, object]]) -> str:
+    methods = sorted({m for load in loads for m in load["by_method"]})  # type: ignore[attr-defined]
+    lines = ["| system | steps in window | etcd messages per node per minute | "
+             + " | ".join(methods) + " | at 1,000 nodes (messages/s) |",
+             "|---|---:|---:|" + "---:|" * len(methods) + "---:|"]
+    for load in loads:
+        per_node = float(load["per_node_per_minute"])  # type: ignore[arg-type]
+        cells = [str(load["by_method"].get(m, 0)) for m in methods]  # type: ignore[attr-defined]
+        lines.append(f"| {load['system']} | {load['steps']} | {per_node:.1f} | " + " | ".join(cells)
+                     + f" | {per_node * 1000 / 60:.0f} |")
+    return "\n".join(lines)
+
+
 # -- report ----------------------------------------------------------------------------------------
 def fmt_time(seconds: float | None, timeout: float) -> str:
     return f"did not recover within {timeout:.0f} s" if seconds is None else f"{seconds:.2f} s"
@@ -438,6 +495,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--chart", type=Path, default=HERE / "recovery_timeline.png", help="timeline PNG")
     parser.add_argument("--json", type=Path, default=None, help="also write every outcome as JSON")
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs' logs and records in this directory")
+    parser.add_argument("--etcd-load", type=float, default=0.0, metavar="SECONDS",
+                        help="instead of faults: count what etcd receives per node and minute over this many "
+                             "seconds of healthy training (the etcd-v3 systems among --systems)")
     parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
                         help="only redraw the chart and table from an earlier --json file")
     return parser.parse_args(list(argv))
@@ -469,6 +529,19 @@ def main(argv: Sequence[str]) -> int:
             else:
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-bench-"))
             etcd = stack.enter_context(EtcdServer.single(Path(tmp) / f"etcd-{uuid.uuid4().hex[:6]}"))
+            if args.etcd_load > 0:
+                loads = []
+                for system in [s for s in args.systems if s.startswith("etcd-v3")]:
+                    workdir = Path(tmp) / f"etcd-load-{system}"
+                    workdir.mkdir(exist_ok=args.keep is not None)
+                    loads.append(measure_etcd_load(system, cfg, workdir, etcd.member.client_url, etcd.endpoint,
+                                                   args.etcd_load))
+                    print(f"{system}: {loads[-1]['per_node_per_minute']} etcd messages per node per minute", flush=True)
+                print(f"\n{cfg.nodes} nodes x {cfg.nproc_per_node} workers, healthy training, "
+                      f"{args.etcd_load:g} s window\n\n{etcd_load_table(loads)}")
+                if args.json is not None:
+                    args.json.write_text(json.dumps(loads, indent=1))
+                return 0
             for scenario in args.scenarios:
                 for mode in [m for m in args.modes if m in SCENARIOS[scenario]]:
                     for repeat in range(args.repeats):

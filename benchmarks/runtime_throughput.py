@@ -170,30 +170,43 @@ def main() -> None:
 def report_blocks(args: argparse.Namespace, worker: Any, variants: Sequence[str], *, baseline: str,
                   note: str = "") -> None:  # fmt: skip
     """Run ``worker`` on ``args.nproc`` spawned ranks (it writes ``block variant samples/s
-    CPU-us/sample`` lines to the file it is given), print every block, then a table of medians
-    and of per-block ratios against ``baseline``."""
+    CPU-us/sample [step-ms,step-ms,...]`` lines to the file it is given), print every block, then
+    a table of medians and of per-block ratios against ``baseline``; with step times, their p50,
+    p99 and maximum over every timed step too (they show stalls that medians hide)."""
     with tempfile.NamedTemporaryFile(dir=args.tmp, suffix=".txt") as out:
         mp.start_processes(worker, args=(args.nproc, free_port(), args, out.name), nprocs=args.nproc,
                            start_method="spawn")  # fmt: skip
         lines = Path(out.name).read_text().splitlines()
     width = max(len(v) for v in variants)
-    per_block: dict[int, dict[str, tuple[float, float]]] = {}
+    per_block: dict[int, dict[str, tuple[float, float, list[float]]]] = {}
     for line in lines:
-        block, variant, rate, cpu = line.split()
-        per_block.setdefault(int(block), {})[variant] = (float(rate), float(cpu))
+        block, variant, rate, cpu, *steps = line.split()
+        times = [float(s) for s in steps[0].split(",")] if steps else []
+        per_block.setdefault(int(block), {})[variant] = (float(rate), float(cpu), times)
         print(f"block {block}: {variant:{width}s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
     print()
-    where = f"{args.nproc} x {torch.cuda.get_device_name()}, NCCL" if args.device == "cuda" else "2 gloo ranks"
+    where = f"{args.nproc} x {torch.cuda.get_device_name()}, NCCL" if args.device == "cuda" else f"{args.nproc} gloo ranks"
     what = f"{args.model}{', bf16 autocast' if args.bf16 else ''}, global batch {args.global_batch_size}"
     print(f"{what}; {where}; load average at the end: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores){note}")
-    print(f"| variant | samples/s (median) | ratio vs {baseline} | CPU-us per sample, both ranks (median) | CPU ratio vs {baseline} |")
-    print("|---|---:|---:|---:|---:|")
+    timed = all(times for b in per_block.values() for _, _, times in b.values())
+    print(f"| variant | samples/s (median) | ratio vs {baseline} | CPU-us per sample, both ranks (median) | "
+          f"CPU ratio vs {baseline} |" + (" step ms p50 | p99 | max |" if timed else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if timed else ""))
     for variant in variants:
         median_rate = statistics.median(b[variant][0] for b in per_block.values())
         ratio = statistics.median(b[variant][0] / b[baseline][0] for b in per_block.values())
         median_cpu = statistics.median(b[variant][1] for b in per_block.values())
         cpu_ratio = statistics.median(b[variant][1] / b[baseline][1] for b in per_block.values())
-        print(f"| {variant} | {median_rate:.1f} | {ratio:.3f} | {median_cpu:.1f} | {cpu_ratio:.3f} |")
+        row = f"| {variant} | {median_rate:.1f} | {ratio:.3f} | {median_cpu:.1f} | {cpu_ratio:.3f} |"
+        if timed:
+            step_ms = sorted(t for b in per_block.values() for t in b[variant][2])
+            row += f" {_percentile(step_ms, 0.5):.2f} | {_percentile(step_ms, 0.99):.2f} | {step_ms[-1]:.2f} |"
+        print(row)
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
 
 if __name__ == "__main__":
     main()
