@@ -68,7 +68,10 @@ def committed_history(processes: Iterable[list[dict[str, Any]]]) -> dict[int, li
 
     Every (re)start of the worker group is a *generation* (one id and start time, chosen by rank 0).
     A generation resumes from a checkpoint of step ``s`` and redoes the steps after ``s``: those
-    steps' records from earlier generations were rolled back and are replaced by its own.
+    steps' records from earlier generations were rolled back and are replaced by its own. A
+    generation that started no step rolled nothing back: whatever state it loaded was never
+    trained on, and the generation after it resumes from its own state (after an in-place heal,
+    perhaps a peer's that still holds those steps) and rolls back for itself.
     """
     generations: dict[str, tuple[float, int, list[list[dict[str, Any]]]]] = {}
     for records in processes:
@@ -80,6 +83,8 @@ def committed_history(processes: Iterable[list[dict[str, Any]]]) -> dict[int, li
         group.append(steps)
     history: dict[int, list[dict[str, Any]]] = {}
     for _started, resumed, group in sorted(generations.values(), key=lambda g: g[0]):
+        if not any(group):
+            continue
         for step in [s for s in history if s > resumed]:
             del history[step]
         for steps in group:

@@ -38,3 +38,17 @@ def test_a_torn_last_line_is_ignored(tmp_path: Path) -> None:
         f.write('{"event": "step", "st')  # SIGKILL mid-write
     (records,) = read_records(tmp_path)
     assert [r["event"] for r in records] == ["start", "step", "step"]
+
+
+def test_a_generation_that_started_no_step_rolls_nothing_back(tmp_path: Path) -> None:
+    """A joiner that formed a group alone from the step-5 checkpoint (its peer unreachable), then
+    healed into a group that took a survivor's state of step 7 before either trained: steps 6-7
+    of the first generation are in the model, and must stay in the history."""
+    for rank in (0, 1):
+        _process(tmp_path, rank, "first", 100.0, 0, range(1, 8))
+    _process(tmp_path, 0, "alone", 150.0, 5, range(0))  # loaded step 5, trained nothing
+    for rank in (0, 1):
+        _process(tmp_path, rank, "healed", 200.0 + rank, 7, range(8, 11))  # from a peer's step 7
+    history = committed_history(read_records(tmp_path))
+    assert sorted(history) == list(range(1, 11))
+    assert all(len(records) == 2 for records in history.values())
