@@ -179,7 +179,9 @@ def decide(previous: Epoch, joins: Sequence[Join], *, waited_s: float, rules: Ro
            reason: str, arrival: Mapping[str, int] | None = None) -> Decision:
     """Whether round ``previous.number + 1`` can close after ``waited_s`` seconds, given its joins.
 
-    It closes at once when every slot of ``previous`` answered ready (the member itself or its
+    The state goes on from the member of ``previous`` with the newest step (a process that was
+    not a member of ``previous`` is never the source). It closes at once when every slot of
+    ``previous`` answered ready (the member itself or its
     replacement) and nobody is still provisional; otherwise once ``settle_s`` has passed and
     every provisional process became ready (or ``ready_timeout_s`` passed). It needs at least
     ``min_world`` ready processes; beyond ``max_world`` the rest are spares.
@@ -200,9 +202,13 @@ def decide(previous: Epoch, joins: Sequence[Join], *, waited_s: float, rules: Ro
     if len(ordered) < rules.min_world:
         return Decision(None, f"at least {rules.min_world} members (have {len(ordered)})")
     chosen, spares = ordered[: rules.max_world], ordered[rules.max_world:]
-    holders = [j for j in chosen if j.has_state]
+    # Only the epoch being replaced can hand on its state: a process that missed it (late for the
+    # round that formed it, its etcd unreachable) holds an older line of training, which the
+    # epoch's members may have moved past or diverged from, however high its step.
+    members = {m.id for m in previous.members}
+    holders = [j for j in chosen if j.has_state and j.member.id in members]
     step = max((j.step for j in holders), default=NO_STATE)
-    source = next((j.member.id for j in chosen if j.has_state and j.step == step), None)
+    source = next((j.member.id for j in holders if j.step == step), None)
     epoch = Epoch(number=previous.number + 1, members=tuple(j.member for j in chosen), step=step, source=source,
                   started_unix=now_unix, reason=reason)
     return Decision(epoch, spares=tuple(j.member for j in spares))

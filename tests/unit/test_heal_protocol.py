@@ -80,6 +80,20 @@ def test_the_newest_state_wins_whoever_holds_it() -> None:
     assert decision.epoch is not None and decision.epoch.step == 120 and decision.epoch.source == A1.id
 
 
+def test_a_process_that_missed_the_epoch_never_hands_on_its_state() -> None:
+    """Epoch 3 formed without c0 (late: its etcd was away) from the step-100 checkpoint; c0 still
+    holds step 120 of the epoch before. Round 4 goes on from epoch 3's line, not c0's."""
+    late = member("c", 0, 30)
+    rules = RoundRules(min_world=1, max_world=5)
+    joins = [ready(A0, 100), ready(A1, 100), ready(B0, 101), ready(B1, 101), ready(late, 120)]
+    decision = decide(EPOCH, joins, waited_s=0.0, rules=rules, now_unix=5.0, reason="join")
+    assert decision.epoch is not None and late in decision.epoch.members
+    assert (decision.epoch.step, decision.epoch.source) == (101, B0.id)
+    only_late = decide(EPOCH, [ready(late, 120), *(ready(m, NO_STATE) for m in (A0, A1, B0, B1))], waited_s=0.0,
+                       rules=rules, now_unix=5.0, reason="join")  # fmt: skip
+    assert only_late.epoch is not None and (only_late.epoch.step, only_late.epoch.source) == (NO_STATE, None)
+
+
 def test_nobody_holding_state_means_the_checkpoint() -> None:
     joins = [ready(m, NO_STATE) for m in (A0, A1, B0, B1)]
     decision = decide(EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r")
