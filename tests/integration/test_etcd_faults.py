@@ -3,6 +3,7 @@ lost responses. Every failure must be a clear error within a bound, never a hang
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import time
@@ -107,6 +108,9 @@ def test_backend_rides_out_an_etcd_restart(own_etcd_server, unique_id: str) -> N
 def test_rendezvous_completes_across_an_etcd_restart(own_etcd_server, unique_id: str) -> None:
     conf = {"retry_timeout": 20, "join_timeout": 60, "last_call_timeout": 1}
     results: dict[str, Any] = {}
+    # A node's shutdown() ends the run for everyone (as torch's handlers do): leave only once both
+    # have their rendezvous, or a slow second node finds the run closed.
+    both_joined = threading.Barrier(2)
 
     def join(name: str) -> None:
         handler = create_handler(params(own_etcd_server.endpoint, unique_id, 2, 2, **conf))
@@ -116,6 +120,8 @@ def test_rendezvous_completes_across_an_etcd_restart(own_etcd_server, unique_id:
         except Exception as exc:  # surfaced by the assertion below
             results[name] = exc
         finally:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_joined.wait(timeout=90)
             handler.shutdown()
 
     first = threading.Thread(target=join, args=("a",))
