@@ -24,11 +24,12 @@ upgraded (``tests/unit/test_etcd_store_contract.py`` does).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -71,6 +72,39 @@ def _chunks(items: list[Any], size: int = _MAX_TXN_OPS) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+class _Cancellation:
+    """Shared by a store and its clones: once cancelled, every wait ends and every read fails."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._waiting: set[threading.Event] = set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            waiting = list(self._waiting)
+        for event in waiting:
+            event.set()
+
+    def check(self, key: str) -> None:
+        if self._cancelled:
+            raise StoreTimeoutError(f"etcd store: waiting for key {key!r} was cancelled (the group is abandoned)")
+
+    @contextlib.contextmanager
+    def waking(self, event: threading.Event) -> Iterator[None]:
+        """While inside, :meth:`cancel` sets ``event``."""
+        with self._lock:
+            if self._cancelled:
+                event.set()
+            self._waiting.add(event)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting.discard(event)
+
+
 class EtcdV3Store(Store):
     """A c10d ``Store`` whose keys are etcd v3 keys under ``prefix``.
 
@@ -99,8 +133,15 @@ class EtcdV3Store(Store):
         self._ttl = ttl
         self._lease = RenewedLease(connection, ttl)
         self._marker_lease = RenewedLease(connection, _MARKER_TTL_S)
+        self._cancelled = _Cancellation()
         if timeout is not None:
             self.set_timeout(timeout)
+
+    def cancel(self) -> None:
+        """Make every blocking read of this store and its clones, waiting now or later, fail at once
+        with :class:`StoreTimeoutError` (any thread): a group being formed on this store is
+        abandoned, e.g. because a member died before writing its address."""
+        self._cancelled.cancel()
 
     @property
     def prefix(self) -> str:
@@ -308,7 +349,7 @@ class EtcdV3Store(Store):
         or the wrapper it was cloned through, is gone.
         """
         twin = EtcdV3Store(self._connection, self._prefix, self._timeout(), self._ttl)
-        twin._lease, twin._marker_lease = self._lease, self._marker_lease
+        twin._lease, twin._marker_lease, twin._cancelled = self._lease, self._marker_lease, self._cancelled
         _KEPT_CLONES.append(twin)
         return twin
 
@@ -331,6 +372,7 @@ class EtcdV3Store(Store):
     def _wait_for_one(self, key: str, deadline: float, timeout_s: float) -> bytes:
         etcd_key = self._key(key)
         while True:
+            self._cancelled.check(key)
             response = self._connection.call(
                 lambda c: c.get_response(etcd_key), what=f"a store read of {key!r}"
             )
@@ -357,7 +399,8 @@ class EtcdV3Store(Store):
             time.sleep(min(0.2, remaining))
             return
         try:
-            woken.wait(min(remaining, _SAFETY_RECHECK_S))
+            with self._cancelled.waking(woken):
+                woken.wait(min(remaining, _SAFETY_RECHECK_S))
         finally:
             try:
                 client.cancel_watch(watch_id)

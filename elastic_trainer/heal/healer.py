@@ -116,6 +116,8 @@ class Healer:
         self._phase_lock = threading.Lock()
         self._epoch: Epoch | None = None
         self._stores: list[Any] = []  # EtcdV3Stores of live groups (the C++ wrapper needs the Python half)
+        self._forming: int | None = None  # the epoch whose group this process is building
+        self._abandoned = False  # a later round opened while it was being built
         self._side_group: Any = None
         self._group_aborted = False
         self.heals = 0
@@ -261,11 +263,32 @@ class Healer:
 
     def _enter(self, env: DistEnv, epoch: Epoch, rank: int, *, step: int,
                snapshot: Callable[[], dict[str, Any]] | None, started: float) -> HealOutcome:
+        """Build ``epoch``'s group and move the state; abandoned (``DistStoreError``) when the next
+        round opens meanwhile: a member died before it wrote its address or sent the state, and
+        waiting for it would hold this process out of the round that replaces it."""
+        with self._phase_lock:
+            self._forming, self._abandoned = epoch.number, False
+        try:
+            if self.membership.round_open(epoch.number + 1):
+                raise dist.DistStoreError(f"round {epoch.number + 1} opened before epoch {epoch.number} formed")
+            return self._form(env, epoch, rank, step=step, snapshot=snapshot, started=started)
+        except Exception as exc:
+            if self._abandoned and not isinstance(exc, dist.DistStoreError):
+                raise dist.DistStoreError(f"epoch {epoch.number} abandoned while forming: {exc}") from exc
+            raise
+        finally:
+            with self._phase_lock:
+                self._forming = None
+
+    def _form(self, env: DistEnv, epoch: Epoch, rank: int, *, step: int,
+              snapshot: Callable[[], dict[str, Any]] | None, started: float) -> HealOutcome:
         from rendezvous.etcd_store import EtcdV3Store
 
         store = EtcdV3Store(self.connection, f"{self.membership.keys.prefix}store/{epoch.number}",
                             timeout=timedelta(seconds=60))
         self._stores = [store]
+        if self._abandoned:  # the next round opened before this store existed
+            store.cancel()
         if env.device.type == "cuda":
             configure_nccl_environment(self.group.timeout_s)
             torch.cuda.set_device(env.device)
@@ -311,10 +334,20 @@ class Healer:
         """(Responder thread) round ``number`` opened: while training in the epoch before it, abort
         the group (the training thread fails fast and heals) and answer that this process lives."""
         with self._phase_lock:
-            phase = self._phase
+            phase, forming = self._phase, self._forming
+            if forming is not None and number == forming + 1:
+                self._abandoned = True
         epoch = self._epoch
         if phase == "spare":
             self.membership.answer(number, Join(self.member, ready=True, step=NO_STATE))
+            return
+        if forming is not None and number == forming + 1:
+            log.warning("heal: round %d opened while epoch %d was forming (%s); starting over", number, forming,
+                        reason or "a fault")
+            self.membership.announce(number, Join(self.member, ready=False))
+            for store in self._stores:
+                store.cancel()
+            self.group.abort()
             return
         if phase != "training" or epoch is None or number != epoch.number + 1:
             return

@@ -179,6 +179,9 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         # Whether the job's workers heal in place at all: they say so by writing an epoch (the
         # Trainer does; a script with its own loop does not, and keeps torchrun's restarts).
         self._heals = running_epoch(connection, self._keys, own_node=node) is not None
+        # Training ended (rank 0 marked the epoch finished): the workers are leaving with success;
+        # a node lost now (its rendezvous lease expiring) is no reason to restart them.
+        self._finished = False
         self._epoch_watch = WatchHub.of(connection).watch(self._keys.epoch, start_revision=revision + 1,
                                                           on_events=self._on_epoch_events,
                                                           on_lost=self._on_watch_lost)
@@ -193,6 +196,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             except ProtocolError:
                 continue
             self._heals = not epoch.finished
+            self._finished = self._finished or epoch.finished
             self._reports.saw(epoch)
 
     # -- lost nodes ----------------------------------------------------------------------------
@@ -270,7 +274,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         # Workers that heal in place take joins and losses in; others restart as with torchrun.
-        return 0 if self._heals else self._inner.num_nodes_waiting()
+        return 0 if self._heals or self._finished else self._inner.num_nodes_waiting()
 
     def shutdown(self) -> bool:
         self._leave()

@@ -303,3 +303,33 @@ def test_blocked_get_is_woken_by_the_watch(store: EtcdV3Store) -> None:
     thread.join(10)
     # Without the watch the reader would wake at its 5 s safety re-read, 3.5 s after the write.
     assert woke and woke[0] - written < 2.5
+
+
+def test_cancel_ends_every_wait_at_once_through_prefix_stores_and_clones(store: EtcdV3Store,
+                                                                         prefixed: dist.PrefixStore) -> None:
+    """A healing process abandons a group whose member died before writing its address: cancel()
+    ends a wait blocked behind C++ (PrefixStore) and in a clone, and later reads fail too."""
+    clone = store.clone()
+    errors: list[BaseException] = []
+
+    def blocked(target: dist.Store, key: str) -> None:
+        try:
+            target.get(key)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=blocked, args=(prefixed, "addr/1")),
+               threading.Thread(target=blocked, args=(clone, "addr/2"))]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    assert not errors and all(t.is_alive() for t in threads), "both wait for keys nobody writes"
+    started = time.monotonic()
+    store.cancel()
+    for thread in threads:
+        thread.join(5)
+    assert time.monotonic() - started < 3, "cancel ended the waits at once, not at the 10 s timeout"
+    assert len(errors) == 2 and all(isinstance(e, dist.DistStoreError) for e in errors), errors
+    assert any("cancelled" in str(e) for e in errors), errors
+    with pytest.raises(dist.DistStoreError):
+        store.get("addr/3")
