@@ -26,6 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic_trainer.runtime.torch_compat import forget_unfinished_default_group
+
 log = logging.getLogger(__name__)
 
 
@@ -103,7 +105,11 @@ class HealableGroup:
                                   "rank": rank, "world_size": world_size}
         if store is not None:
             kwargs["store"] = store
-        dist.init_process_group(**kwargs)
+        try:
+            dist.init_process_group(**kwargs)
+        except BaseException:
+            forget_unfinished_default_group()  # the next attempt must name its group as fresh peers do
+            raise
         self.adopt_new_sockets(before)
         with self._lock:
             self._aborted = False

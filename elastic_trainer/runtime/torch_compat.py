@@ -187,6 +187,21 @@ def decode_dynamic_state(raw: bytes) -> DynamicState:
 
 # -- collectives and DDP (worker processes) -----------------------------------------------------
 
+def forget_unfinished_default_group() -> None:
+    """After ``init_process_group`` failed half way (a peer never came), let the next call name its
+    group as every other process does.
+
+    torch names the default group by a counter (``"0"`` in a fresh process; the name prefixes the
+    group's store keys) that it takes before connecting and resets only in
+    ``destroy_process_group``; a group that never formed is not destroyed, so the next attempt in
+    the same process would wait for its peers under ``"1"`` while a fresh process writes under
+    ``"0"`` (measured on torch 2.13: both waited out the collective timeout)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
+
+
 def dump_flight_recorder() -> bytes:
     """The flight recorder's pickled dump: collectives, no stack traces, finished ones included
     (``torch._C._distributed_c10d._dump_fr_trace``).
