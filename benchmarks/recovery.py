@@ -75,6 +75,8 @@ SCENARIOS = {  # scenario -> the modes it makes sense in
     "hot-spare": ("elastic",),
 }
 BASELINE = HERE / "baseline_ddp_checkpoint.py"
+JOINS_IN_PLACE = "this node's workers join it in place"
+"""What a launcher logs once it is ready and joins a running job in place (``launch/in_place.py``)."""
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -122,6 +124,10 @@ class Outcome:
     mode: str
     system: str
     recovered_s: float | None = None
+    ready_s: float | None = None
+    """node-join, in place: seconds from launching the new node to its launcher joining the running
+    job (its warm server up, the placeholder round returned); ``recovered_s - ready_s`` is the join
+    itself."""
     """Fault to the first step after recovery; ``None``: not within the timeout."""
     steps_lost: int | None = None
     last_step_before: int | None = None
@@ -277,6 +283,12 @@ def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Pa
             victim.terminate()
         elif scenario == "node-join":
             cluster.start_node()
+            if system == "etcd-v3":
+                newcomer = cluster.nodes[-1]
+                with contextlib.suppress(TimeoutError):
+                    wait_for(lambda: JOINS_IN_PLACE in newcomer.output(), timeout=cfg.recovery_timeout,
+                             what="the new node's launcher to join", interval=0.02)  # fmt: skip
+                    outcome.ready_s = time.time() - fault_unix
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
 
@@ -553,7 +565,9 @@ def main(argv: Sequence[str]) -> int:
                             print(f"{scenario:>14} {mode:>7} {system:>13} #{repeat}: recovery "
                                   f"{fmt_time(outcome.recovered_s, cfg.recovery_timeout)}, steps lost "
                                   f"{outcome.steps_lost} (last {outcome.last_step_before}, resumed "
-                                  f"{outcome.resumed_from}){' ' + outcome.error if outcome.error else ''}",
+                                  f"{outcome.resumed_from})"
+                                  f"{'' if outcome.ready_s is None or outcome.recovered_s is None else f', launcher ready after {outcome.ready_s:.2f} s, joined {outcome.recovered_s - outcome.ready_s:.2f} s later'}"
+                                  f"{' ' + outcome.error if outcome.error else ''}",
                                   flush=True)
     except KeyboardInterrupt:
         interrupted = True
