@@ -91,6 +91,8 @@ class WatchHub:
         self._call: Any = None
         self.events = 0
         """Events delivered to callbacks (all watches)."""
+        self.last_failure: float | None = None
+        """``time.monotonic()`` of the stream's last failure (etcd away, a failover), if any."""
 
     @classmethod
     def of(cls, connection: EtcdConnection) -> WatchHub:
@@ -200,6 +202,7 @@ class WatchHub:
                 with self._lock:
                     if self._closed:
                         return
+                self.last_failure = time.monotonic()
                 log.info("etcd-v3: the watch stream failed (%s); resuming its watches", exc)
                 if client is not None and self._connection.is_transient(exc):
                     self._connection.fail_over_from(client)

@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -64,6 +65,9 @@ NODE_LEASE_TTL_S = 2
 declared lost 2 to 2.5 s after its last renewal (etcd checks expiries every 0.5 s)."""
 BACKEND_NAME = "elastic-trainer-in-place"
 """The rendezvous backend name ``elastic-trainer run`` gives torchrun when it heals in place."""
+OUTAGE_GRACE_S = 10.0
+"""After this launcher lost its watch stream (etcd away), node keys expiring within this many
+seconds may be the outage's doing, not the nodes' (see ``_still_lost``)."""
 FIRST_EPOCH_REASON = "rendezvous"
 """The reason of an epoch formed by torchrun's rendezvous (a start or a restart, not a heal)."""
 
@@ -219,10 +223,28 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             if node is None:
                 return
             try:
+                if not self._still_lost(node):
+                    log.warning("in-place: node %s registered again after an etcd outage; not lost", node)
+                    continue
                 if open_round_for_lost_node(self._connection, self._keys, node):
                     self._reports.note_cause(f"node {node} lost (its {NODE_LEASE_TTL_S} s liveness lease expired)")
             except Exception as exc:  # noqa: BLE001 - the workers' collectives still notice, later
                 log.warning("in-place: could not report node %s lost: %s", node, exc)
+
+    def _still_lost(self, node: str) -> bool:
+        """Whether ``node``'s expired key means the node is gone. Right after etcd itself was away
+        (this launcher's watch stream failed within :data:`OUTAGE_GRACE_S`), every node's short
+        lease may have run out with it: the node gets two TTLs to register again first."""
+        failed = WatchHub.of(self._connection).last_failure
+        if failed is None or time.monotonic() - failed > OUTAGE_GRACE_S:
+            return True
+        key = node_key(self._keys, node)
+        deadline = time.monotonic() + 2 * NODE_LEASE_TTL_S
+        while time.monotonic() < deadline:
+            if etcd_ops.get_range(self._connection, key, what="reading a node's liveness key").kvs:
+                return False
+            time.sleep(0.2)
+        return True
 
     def _register_again(self, lease_ttl: int) -> None:
         log.warning("in-place: this node's lease expired (etcd unreachable for %d s); registering again", lease_ttl)
