@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -355,6 +357,25 @@ class Healer:
         self._group_aborted = True
         self.group.abort()
         self.membership.announce(number, Join(self.member, ready=False))
+        fence = threading.Timer(self.membership.rules.ready_timeout_s, self._fence_if_stuck, args=(epoch, number))
+        fence.daemon = True
+        fence.start()
+
+    def _fence_if_stuck(self, epoch: Epoch, number: int) -> None:
+        """(Timer) ``ready_timeout_s`` after this process said it lives, its training thread has
+        still not left epoch ``epoch`` to answer round ``number``: it is blocked where the group's
+        abort does not reach, and the round goes on without it (or, below the minimum, cannot go
+        on at all). End the process like a crash, so that it is replaced and the replacement
+        joins; the stacks go to stderr first, to find where it was blocked."""
+        with self._phase_lock:
+            stuck = self._phase == "training" and self._epoch is epoch
+        if not stuck:
+            return
+        log.error("heal: the training thread did not stop its step within %.0f s of round %d; ending this "
+                  "process so that a replacement joins (thread stacks follow)",
+                  self.membership.rules.ready_timeout_s, number)
+        faulthandler.dump_traceback(all_threads=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     # -- the end -------------------------------------------------------------------------------------
     def finish(self, env: DistEnv) -> None:
