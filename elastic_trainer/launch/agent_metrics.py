@@ -140,22 +140,19 @@ class AgentMetrics:
         with self._lock:
             return self._families()
 
+    def _counter(self, name: str, value: float, doc: str) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["run_id", "node"])
+        family.add_metric(self._labels, value)
+        return family
+
     def _families(self) -> list[Metric]:
         labels = ["run_id", "node"]
-        restarts = CounterMetricFamily(
-            PREFIX + "restarts",
-            "Worker-group restarts on this node, as its agent counts them: after a worker failure "
-            "or a membership change.",
-            labels=labels,
-        )
-        restarts.add_metric(self._labels, self._restarts)
-        heals = CounterMetricFamily(
-            PREFIX + "heals",
-            "In-place heals of the job this node's agent saw: the workers formed a new group without a "
-            "restart, after a lost worker or node, or a joining one (--heal in_place).",
-            labels=labels,
-        )
-        heals.add_metric(self._labels, self._heals)
+        restarts = self._counter("restarts", self._restarts,
+                                 "Worker-group restarts on this node, as its agent counts them: after a worker "
+                                 "failure or a membership change.")  # fmt: skip
+        heals = self._counter("heals", self._heals,
+                              "In-place heals of the job this node's agent saw: the workers formed a new group "
+                              "without a restart, after a lost worker or node, or a joining one (--heal in_place).")  # fmt: skip
         remaining = GaugeMetricFamily(
             PREFIX + "agent_remaining_restarts",
             "Failure restarts the agent has left before it gives up (--max-restarts).",
