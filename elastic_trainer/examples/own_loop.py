@@ -43,7 +43,7 @@ from elastic_trainer.checkpoint.manager import CheckpointManager  # elastic
 from elastic_trainer.runtime import failures
 from elastic_trainer.runtime.distributed import destroy_process_group, init_process_group, read_env
 from elastic_trainer.runtime.process_exit import exit_process
-from elastic_trainer.runtime.sampler import ElasticSampler  # elastic
+from elastic_trainer.runtime.sampler import ElasticSampler, StepPlan, split_evenly  # elastic
 from elastic_trainer.runtime.settings import WorkerSettings  # elastic
 from elastic_trainer.train.loop import ElasticLoop  # elastic
 from elastic_trainer.train.trainer import build_observer  # elastic
@@ -220,11 +220,8 @@ def train(args: argparse.Namespace) -> int:
     return result.exit_code  # not finished: stopped for a restart (exit 143, torchrun decides)
 
 
-def _positions(plan: object, rank: int, world_size: int) -> list[int]:
+def _positions(plan: StepPlan, rank: int, world_size: int) -> list[int]:
     """The global positions of this rank's real samples in the step (as the sampler splits it)."""
-    from elastic_trainer.runtime.sampler import StepPlan, split_evenly
-
-    assert isinstance(plan, StepPlan)
     shares = split_evenly(plan.global_samples, world_size)
     start = plan.cursor + sum(shares[:rank])
     positions = list(range(start, start + shares[rank]))

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_trainer.heal.protocol import (
@@ -90,8 +90,8 @@ class _Round:
     opened_by: str | None = None
     opened_at: float | None = None  # this process's monotonic clock when it saw the round open
     reason: str = ""
-    joins: dict[str, Join] | None = None
-    arrival: dict[str, int] | None = None
+    joins: dict[str, Join] = field(default_factory=dict)
+    arrival: dict[str, int] = field(default_factory=dict)
 
 
 class Membership:
@@ -260,8 +260,8 @@ class Membership:
         found = self._rounds.get(number)
         if epoch is None or epoch.number != number - 1 or found is None or found.opened_at is None:
             return None
-        joins = list((found.joins or {}).values())
-        mine = (found.joins or {}).get(self.member.id)
+        joins = list(found.joins.values())
+        mine = found.joins.get(self.member.id)
         if mine is None or not mine.ready:
             return None  # only a process that answered ready closes a round
         return decide(epoch, joins, waited_s=time.monotonic() - found.opened_at, rules=self.rules,
@@ -347,7 +347,7 @@ class Membership:
         if deleted:
             self._rounds.pop(number, None)
             return None
-        found = self._rounds.setdefault(number, _Round(joins={}, arrival={}))
+        found = self._rounds.setdefault(number, _Round())
         if rest == "open":
             if found.opened_by is None:
                 by, _, reason = value.decode(errors="replace").partition(" ")
@@ -360,7 +360,6 @@ class Membership:
             except ProtocolError as exc:
                 log.warning("heal: ignoring %s", exc)
                 return None
-            assert found.joins is not None and found.arrival is not None
             found.joins[join.member.id] = join
             found.arrival.setdefault(join.member.id, created)  # etcd's order: the same for every process
         return None

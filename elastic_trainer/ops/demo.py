@@ -224,7 +224,8 @@ class Demo:
 
         self.wait_until(lambda: recovered() is not None, f"recovery from: {fault.name}")
         gen = recovered()
-        assert gen is not None
+        if gen is None:  # wait_until saw it; a generation does not disappear from the logs
+            raise RuntimeError(f"recovery from {fault.name} was seen, then not found in the sample logs")
         first = min(t for t in gen.done_times.values() if t > fault.at_unix)
         fault.recovered_s = first - fault.at_unix
         previous = self.generations()[before - 1] if before > 0 else None
