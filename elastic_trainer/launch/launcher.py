@@ -405,9 +405,10 @@ def _report_heals(warm: WarmStartServer | None, metrics: LauncherMetrics | None,
         if metrics is not None:
             metrics.agent_metrics.healed()
         causes = [*(take_deaths(warm.directory) if warm is not None else []), *lost_nodes]
-        log.warning("%s", describe_heal(epoch, causes))
+        line = describe_heal(epoch, causes)
+        log.warning("%s", line)
         if causes and publisher is not None:
-            publisher.publish_error(describe_heal(epoch, causes))
+            publisher.publish_error(line)
 
     return on_heal
 
