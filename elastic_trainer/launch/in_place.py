@@ -17,6 +17,9 @@ stops re-forming the whole job:
 * every launcher watches those keys: when a member node's key expires (a node lost without a
   goodbye: power, network, a partition; no connection breaks, so no collective fails) it opens a
   heal round, and the survivors' workers abort their group and go on without it;
+* the launchers also send each other heartbeats (:mod:`elastic_trainer.launch.peer_heartbeat`,
+  addresses in those keys): a member node silent for 0.8 s is reported the same way, well before
+  its lease expires;
 * every new epoch that is not a first rendezvous is a heal: the launcher's ``on_heal`` callback
   hears of it (it counts heals and reports their root cause, :func:`describe_heal`).
 
@@ -26,6 +29,7 @@ Design: ``docs/design/heal-in-place.md``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -44,6 +48,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_trainer.heal.membership import HealKeys
 from elastic_trainer.heal.protocol import Epoch, ProtocolError
+from elastic_trainer.launch.peer_heartbeat import SILENT_AFTER_S, PeerHeartbeats, route_address
 from elastic_trainer.runtime.settings import (
     ENV_HEAL,
     ENV_HEAL_ENDPOINT,
@@ -117,6 +122,20 @@ def node_key(keys: HealKeys, node: str) -> str:
     return f"{keys.prefix}nodes/{node}"
 
 
+def node_record(heartbeat: str | None) -> bytes:
+    """The value of a node's liveness key: where it listens for heartbeats."""
+    return json.dumps({"heartbeat": heartbeat}).encode()
+
+
+def heartbeat_address(value: bytes) -> str | None:
+    """The heartbeat address in a node's liveness key (``None``: none, or not readable)."""
+    try:
+        address = json.loads(value).get("heartbeat")
+    except (ValueError, AttributeError):
+        return None
+    return address if isinstance(address, str) else None
+
+
 def running_epoch(connection: EtcdConnection, keys: HealKeys, *, own_node: str) -> Epoch | None:
     """The job's current epoch if the job is running: not finished, and at least one of its
     members' nodes (not this one) holds its key."""
@@ -138,9 +157,9 @@ def running_epoch(connection: EtcdConnection, keys: HealKeys, *, own_node: str) 
     return epoch if (member_nodes & nodes) - {own_node} else None
 
 
-def open_round_for_lost_node(connection: EtcdConnection, keys: HealKeys, node: str) -> bool:
+def open_round_for_lost_node(connection: EtcdConnection, keys: HealKeys, node: str, *, why: str) -> bool:
     """If ``node`` is a member of the job's current epoch, open the next round; True if opened
-    (by this call or already)."""
+    (by this call or already). ``why``: how it was found lost, for the log."""
     response = etcd_ops.get_range(connection, keys.epoch, what="reading the heal epoch")
     if not response.kvs:
         return False
@@ -155,8 +174,7 @@ def open_round_for_lost_node(connection: EtcdConnection, keys: HealKeys, node: s
     etcd_ops.transaction(connection, [etcd_ops.absent(connection, key)],
                          [etcd_ops.put(connection, key, f"launcher node {node} lost".encode())],
                          what="opening a heal round", deadline=2.0)
-    log.warning("in-place: node %s is gone (its liveness lease expired); its peers heal without it (round %d)",
-                node, number)
+    log.warning("in-place: node %s is gone (%s); its peers heal without it (round %d)", node, why, number)
     return True
 
 
@@ -164,21 +182,30 @@ class InPlaceRendezvousHandler(RendezvousHandler):
     """Wraps the ``etcd-v3`` handler; see the module docstring."""
 
     def __init__(self, inner: RendezvousHandler, connection: EtcdConnection, *, run_id: str, node: str,
-                 lease_ttl: int = NODE_LEASE_TTL_S, on_heal: HealCallback | None = None) -> None:
+                 lease_ttl: int = NODE_LEASE_TTL_S, on_heal: HealCallback | None = None,
+                 heartbeat_host: str | None = None) -> None:
+        """``heartbeat_host``: the address peers send this node's heartbeats to (``None``: no
+        heartbeats; a lost node is noticed by its lease)."""
         self._inner = inner
         self._reports = HealReports(on_heal)
         self._connection = connection
         self._keys = HealKeys.of(run_id)
         self._node = node
         self._formed_once = False
+        self._lost_nodes: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+        self._heartbeats = None if heartbeat_host is None else PeerHeartbeats(
+            run_id=run_id, node=node, advertise_host=heartbeat_host,
+            on_silent=lambda peer: self._lost_nodes.put((peer, "heartbeat")))
+        self._peer_addresses: dict[str, str] = {}
+        self._peers_lock = threading.Lock()
         self._lease_id = int(connection.call(lambda client: client.lease(lease_ttl), what="a lease grant").id)
-        revision = etcd_ops.put_key(connection, node_key(self._keys, node), node.encode(), lease=self._lease_id,
+        revision = etcd_ops.put_key(connection, node_key(self._keys, node), self._record(), lease=self._lease_id,
                                     what="registering this node")
         LeaseKeeper.of(connection).keep(self._lease_id, lease_ttl, lambda _lease: self._register_again(lease_ttl))
         self._watch = WatchHub.of(connection).watch(node_key(self._keys, ""), start_revision=revision + 1,
                                                     on_events=self._on_node_events, on_lost=self._on_watch_lost,
                                                     prefix=True)
-        self._lost_nodes: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._read_peers()
         threading.Thread(target=self._report_lost_nodes, name="in-place-nodes", daemon=True).start()
         # Whether the job's workers heal in place at all: they say so by writing an epoch (the
         # Trainer does; a script with its own loop does not, and keeps torchrun's restarts).
@@ -204,30 +231,61 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             self._reports.saw(epoch)
 
     # -- lost nodes ----------------------------------------------------------------------------
+    def _record(self) -> bytes:
+        return node_record(self._heartbeats.address if self._heartbeats is not None else None)
+
+    def _read_peers(self) -> None:
+        """The nodes registered before this one's watch started, and their heartbeat addresses."""
+        prefix = node_key(self._keys, "")
+        response = etcd_ops.get_range(self._connection, prefix, prefix=True, what="reading the job's nodes")
+        with self._peers_lock:
+            for kv in response.kvs:
+                address = heartbeat_address(bytes(kv.value))
+                if address is not None:
+                    self._peer_addresses.setdefault(kv.key.decode()[len(prefix):], address)
+        self._update_heartbeats()
+
+    def _update_heartbeats(self) -> None:
+        if self._heartbeats is not None:
+            with self._peers_lock:
+                peers = dict(self._peer_addresses)
+            self._heartbeats.set_peers(peers)
+
     def _on_node_events(self, events: list[Any]) -> None:
         deleted = self._connection.etcd3.events.DeleteEvent
         prefix = node_key(self._keys, "")
         for event in events:
+            key = event.key.decode() if isinstance(event.key, bytes) else str(event.key)
+            node = key[len(prefix):]
+            with self._peers_lock:
+                if isinstance(event, deleted):
+                    self._peer_addresses.pop(node, None)
+                elif (address := heartbeat_address(bytes(event.value))) is not None:
+                    self._peer_addresses[node] = address
             if isinstance(event, deleted):
-                key = event.key.decode() if isinstance(event.key, bytes) else str(event.key)
-                self._lost_nodes.put(key[len(prefix):])
+                self._lost_nodes.put((node, "lease"))
+        self._update_heartbeats()
 
     def _on_watch_lost(self, reason: str) -> None:
         log.warning("in-place: the watch of the job's nodes is lost (%s); lost nodes are noticed by their "
                     "collectives only", reason)
 
     def _report_lost_nodes(self) -> None:
-        """Open a heal round for each member node whose key expired (never blocks the watch)."""
+        """Open a heal round for each member node whose key expired or whose heartbeats stopped
+        (never blocks the watch or the heartbeats)."""
         while True:
-            node = self._lost_nodes.get()
-            if node is None:
+            item = self._lost_nodes.get()
+            if item is None:
                 return
+            node, found_by = item
             try:
-                if not self._still_lost(node):
+                if found_by == "lease" and not self._still_lost(node):
                     log.warning("in-place: node %s registered again after an etcd outage; not lost", node)
                     continue
-                if open_round_for_lost_node(self._connection, self._keys, node):
-                    self._reports.note_cause(f"node {node} lost (its {NODE_LEASE_TTL_S} s liveness lease expired)")
+                why = (f"no heartbeat for {SILENT_AFTER_S:g} s" if found_by == "heartbeat"
+                       else f"its {NODE_LEASE_TTL_S} s liveness lease expired")
+                if open_round_for_lost_node(self._connection, self._keys, node, why=why):
+                    self._reports.note_cause(f"node {node} lost ({why})")
             except Exception as exc:  # noqa: BLE001 - the workers' collectives still notice, later
                 log.warning("in-place: could not report node %s lost: %s", node, exc)
 
@@ -250,7 +308,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         log.warning("in-place: this node's lease expired (etcd unreachable for %d s); registering again", lease_ttl)
         try:
             self._lease_id = int(self._connection.call(lambda c: c.lease(lease_ttl), what="a lease grant").id)
-            etcd_ops.put_key(self._connection, node_key(self._keys, self._node), self._node.encode(),
+            etcd_ops.put_key(self._connection, node_key(self._keys, self._node), self._record(),
                              lease=self._lease_id, what="registering this node")
             LeaseKeeper.of(self._connection).keep(self._lease_id, lease_ttl,
                                                   lambda _lease: self._register_again(lease_ttl))
@@ -304,6 +362,8 @@ class InPlaceRendezvousHandler(RendezvousHandler):
 
     def _leave(self) -> None:
         self._lost_nodes.put(None)
+        if self._heartbeats is not None:
+            self._heartbeats.close()
         self._watch.cancel()
         self._epoch_watch.cancel()
         LeaseKeeper.of(self._connection).forget(self._lease_id)
@@ -324,8 +384,14 @@ def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
     def create(params: RendezvousParameters) -> RendezvousHandler:
         inner = create_rdzv_handler(params)
         settings = parse_settings(params)
-        connection = EtcdConnection(settings.client_config())
-        return InPlaceRendezvousHandler(inner, connection, run_id=params.run_id, node=node, on_heal=on_heal)
+        config = settings.client_config()
+        connection = EtcdConnection(config)
+        # Peers send heartbeats where they reach this node: torchrun's --local-addr, else the
+        # address of this host's route to etcd (the cluster's network).
+        first = config.endpoints[0]
+        host = params.local_addr or route_address(first.host, first.port)
+        return InPlaceRendezvousHandler(inner, connection, run_id=params.run_id, node=node, on_heal=on_heal,
+                                        heartbeat_host=host)
 
     registry: Any = rendezvous_handler_registry
     if registry._registry.get(BACKEND_NAME) is None:

@@ -1,0 +1,159 @@
+"""Peer heartbeats on loopback UDP: who is watched, when a silent node is reported, what is not."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from elastic_trainer.launch.peer_heartbeat import PeerHeartbeats, parse_address, ring_neighbours
+
+FAST = {"interval_s": 0.02, "silent_after_s": 0.25}
+
+
+def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+class Reports:
+    def __init__(self) -> None:
+        self.nodes: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, node: str) -> None:
+        with self.lock:
+            self.nodes.append(node)
+
+
+@pytest.fixture
+def made() -> Iterator[list[PeerHeartbeats]]:
+    beats: list[PeerHeartbeats] = []
+    try:
+        yield beats
+    finally:
+        for b in beats:
+            b.close()
+
+
+def _start(made: list[PeerHeartbeats], node: str, reports: Reports, run_id: str = "job", **kwargs: object) -> PeerHeartbeats:
+    beats = PeerHeartbeats(run_id=run_id, node=node, advertise_host="127.0.0.1", on_silent=reports,
+                           **{**FAST, **kwargs})  # type: ignore[arg-type]
+    made.append(beats)
+    return beats
+
+
+def test_ring_neighbours_send_after_and_watch_before() -> None:
+    nodes = ["a", "b", "c", "d", "e"]
+    assert ring_neighbours(nodes, "b", 2) == (["c", "d"], ["a", "e"])
+    assert ring_neighbours(nodes, "e", 2) == (["a", "b"], ["d", "c"])
+    # Everyone is watched by exactly `fanout` others, whatever the size.
+    for size in range(2, 9):
+        ring = [f"n{i}" for i in range(size)]
+        watchers = {n: 0 for n in ring}
+        for n in ring:
+            for target in ring_neighbours(ring, n, 2)[0]:
+                watchers[target] += 1
+        assert set(watchers.values()) == {min(2, size - 1)}
+    assert ring_neighbours(["a"], "a", 2) == ([], [])
+    assert ring_neighbours(["a", "b"], "a", 2) == (["b"], ["b"])
+
+
+def test_parse_address() -> None:
+    assert parse_address("10.0.0.5:4000") == ("10.0.0.5", 4000)
+    assert parse_address("[::1]:4000") == ("::1", 4000)
+    for bad in ("10.0.0.5", ":4000", "host:port"):
+        with pytest.raises(ValueError, match="host:port"):
+            parse_address(bad)
+
+
+def test_bad_timing_is_refused() -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        PeerHeartbeats(run_id="j", node="a", advertise_host="127.0.0.1", on_silent=print, interval_s=1.0,
+                       silent_after_s=0.5)
+
+
+def test_a_node_that_stops_is_reported_once_and_again_after_it_came_back(made: list[PeerHeartbeats]) -> None:
+    reports_a, reports_b = Reports(), Reports()
+    a, b = _start(made, "a", reports_a), _start(made, "b", reports_b)
+    a.set_peers({"b": b.address})
+    b.set_peers({"a": a.address})
+    assert _wait(lambda: "b" in a.heard() and "a" in b.heard(), 2.0)
+    time.sleep(0.5)  # both alive: two silent_after_s without a report
+    assert reports_a.nodes == [] and reports_b.nodes == []
+
+    port = parse_address(b.address)[1]
+    b.close()
+    stopped = time.monotonic()
+    assert _wait(lambda: reports_a.nodes == ["b"], 2.0), reports_a.nodes
+    assert time.monotonic() - stopped >= 0.2  # not before silent_after_s (less a tick)
+    time.sleep(0.5)
+    assert reports_a.nodes == ["b"], "reported once while it stays silent"
+
+    # b comes back (a new process, here on the same port): heard again, and reportable again.
+    again = Reports()
+    b2 = PeerHeartbeats(run_id="job", node="b", advertise_host="127.0.0.1", on_silent=again, **FAST)
+    made.append(b2)
+    if parse_address(b2.address)[1] != port:
+        a.set_peers({"b": b2.address})
+    b2.set_peers({"a": a.address})
+    assert _wait(lambda: "a" in b2.heard() and a.heard().get("b", 0) > stopped, 2.0)
+    b2.close()
+    assert _wait(lambda: reports_a.nodes == ["b", "b"], 2.0), reports_a.nodes
+
+
+def test_a_node_never_heard_is_never_reported(made: list[PeerHeartbeats]) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
+        silent.bind(("127.0.0.1", 0))  # a peer that receives and never sends (UDP blocked one way)
+        reports = Reports()
+        a = _start(made, "a", reports)
+        a.set_peers({"b": f"127.0.0.1:{silent.getsockname()[1]}"})
+        silent.settimeout(2.0)
+        data = silent.recv(512)
+        assert data == b"job\na"  # a does send
+        time.sleep(0.6)
+        assert reports.nodes == []
+
+
+def test_datagrams_of_another_job_do_not_count(made: list[PeerHeartbeats]) -> None:
+    reports = Reports()
+    a = _start(made, "a", reports, run_id="job-1")
+    other = _start(made, "b", Reports(), run_id="job-2")
+    a.set_peers({"b": other.address})
+    other.set_peers({"a": a.address})
+    time.sleep(0.4)
+    assert "b" not in a.heard() and reports.nodes == []
+
+
+def test_a_node_watched_only_from_now_gets_a_full_silence_before_a_report(made: list[PeerHeartbeats]) -> None:
+    """Ring changes reach nodes at different times: a node newly watched may not send here yet."""
+    reports = Reports()
+    a = _start(made, "a", reports, fanout=1)
+    c = _start(made, "c", Reports(), fanout=1)
+    a.set_peers({"c": c.address})
+    c.set_peers({"a": a.address})
+    assert _wait(lambda: "c" in a.heard(), 2.0)  # two nodes: a watches c
+    d = _start(made, "d", Reports(), fanout=1)
+    everyone = {"a": a.address, "c": c.address, "d": d.address}
+    for beats in (a, c, d):
+        beats.set_peers({k: v for k, v in everyone.items() if k != beats.node})
+    # Ring a -> c -> d -> a: a watches d; c sends to d only, so a's news of c gets old.
+    assert _wait(lambda: "d" in a.heard(), 2.0)
+    time.sleep(0.5)
+    assert time.monotonic() - a.heard()["c"] > 0.4
+    d.close()
+    # d leaves cleanly (its key deleted): a watches c again, which still sends to d until its own
+    # view changes. a must not report c for a silence it could not have heard.
+    a.set_peers({"c": c.address})
+    time.sleep(0.15)
+    c.set_peers({"a": a.address})
+    time.sleep(0.5)
+    assert reports.nodes == []
+    assert time.monotonic() - a.heard()["c"] < 0.2
