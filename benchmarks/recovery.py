@@ -32,8 +32,9 @@ once, as an orchestrator would), ``node-sigterm`` (the last node is scaled down:
 gets SIGTERM; elastic only), ``node-join`` (a second node joins a one-node job; elastic only),
 ``worker-sigstop`` (a worker of the last node frozen: alive, silent), ``hot-spare`` (one node
 more than ``--nodes`` waits beyond the maximum, then the last full member is SIGKILLed; elastic
-only). A node cut off by a network partition needs network namespaces (root): the chaos suite's
-``test_partition.py`` covers it and prints its time.
+only), ``partition`` (the last node cut off from the others and from etcd: each node runs in its own
+network namespace, etcd in a hub namespace, and the last node's link goes silent; elastic only;
+needs ``ip netns`` as root, left out of the default scenarios otherwise).
 Modes: ``fixed`` (``--nnodes N``) and ``elastic`` (``--nnodes 1:N``). The node killed is never the
 first one, which hosts c10d's TCPStore (losing it ends a c10d job for good).
 
@@ -60,6 +61,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.netns import Network
 from elastic_trainer.ops.processes import NodeProcess, start_process, wait_for
 
 HERE = Path(__file__).resolve().parent
@@ -73,7 +75,9 @@ SCENARIOS = {  # scenario -> the modes it makes sense in
     "node-join": ("elastic",),
     "worker-sigstop": ("fixed", "elastic"),
     "hot-spare": ("elastic",),
+    "partition": ("elastic",),
 }
+NEEDS_ROOT = ("partition",)
 BASELINE = HERE / "baseline_ddp_checkpoint.py"
 JOINS_IN_PLACE = "this node's workers join it in place"
 """What a launcher logs once it is ready and joins a running job in place (``launch/in_place.py``)."""
@@ -141,14 +145,18 @@ class Outcome:
 class Cluster:
     """The node processes of one run, always stopped at exit."""
 
-    def __init__(self, system: str, mode: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str) -> None:
+    def __init__(self, system: str, mode: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str,
+                 network: Network | None = None) -> None:
+        """``network``: run node ``i`` in the namespace of ``n{i}`` (etcd is then the hub's)."""
         self.system, self.mode, self.cfg, self.workdir = system, mode, cfg, workdir
         self.records = workdir / "steps"
         self.run_id = f"recovery-{uuid.uuid4().hex[:8]}"
         self.etcd_endpoint = etcd_endpoint
+        self.network = network
         from rendezvous.etcd_server import free_port
 
         self.c10d_port = free_port()
+        self.c10d_host = "127.0.0.1" if network is None else network.address("n0")
         self.nodes: list[NodeProcess] = []
 
     @property
@@ -175,7 +183,7 @@ class Cluster:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         host = "true" if index == 0 else "false"  # the first node hosts the store, as in a real job
         cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{self.c10d_port}", f"--rdzv-id={self.run_id}",
+               f"--rdzv-endpoint={self.c10d_host}:{self.c10d_port}", f"--rdzv-id={self.run_id}",
                f"--rdzv-conf=is_host={host}", f"--nnodes={self.nnodes}", f"--nproc-per-node={cfg.nproc_per_node}",
                "--max-restarts=10", str(BASELINE), *common, "--max-steps", "1000000",
                "--checkpoint", str(self.workdir / "model.checkpoint"), "--record-steps", str(self.records)]
@@ -184,6 +192,10 @@ class Cluster:
     def start_node(self) -> None:
         index = len(self.nodes)
         cmd, env = self.command(index)
+        if self.network is not None:
+            name = f"n{index}"
+            cmd = [*self.network.exec_prefix(name), *cmd]  # `ip netns exec` execs: the pid is the node's
+            env.update(PET_LOCAL_ADDR=self.network.address(name), GLOO_SOCKET_IFNAME="eth0")
         self.nodes.append(start_process(cmd, self.workdir / f"node-{index}.log", env, cwd=REPO))
 
     def stop(self) -> None:
@@ -248,7 +260,15 @@ def analyse(outcome: Outcome, processes: list[Process], fault_unix: float) -> Ou
 def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str) -> Outcome:
     """Start the job, inject the fault at ``fault_step``, measure, stop everything."""
     outcome = Outcome(scenario, mode, system)
-    cluster = Cluster(system, mode, cfg, workdir, etcd_endpoint)
+    if scenario not in NEEDS_ROOT:
+        return _run_cluster(outcome, Cluster(system, mode, cfg, workdir, etcd_endpoint))
+    with Network([f"n{i}" for i in range(cfg.nodes)]) as network:
+        return _run_cluster(outcome, Cluster(system, mode, cfg, workdir, network.start_etcd(workdir / "etcd"),
+                                             network))
+
+
+def _run_cluster(outcome: Outcome, cluster: Cluster) -> Outcome:
+    scenario, mode, system, cfg = outcome.scenario, outcome.mode, outcome.system, cluster.cfg
     try:
         for _ in range(1 if scenario == "node-join" else cfg.nodes):
             cluster.start_node()
@@ -281,6 +301,10 @@ def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Pa
                 cluster.start_node()  # the orchestrator's replacement
         elif scenario == "node-sigterm":
             victim.terminate()
+        elif scenario == "partition":
+            if cluster.network is None:
+                raise ValueError("the partition scenario runs in network namespaces")
+            cluster.network.partition(f"n{len(cluster.nodes) - 1}")
         elif scenario == "node-join":
             cluster.start_node()
             if system == "etcd-v3":
@@ -495,7 +519,8 @@ def replot(json_path: Path, chart_path: Path, timeout: float) -> None:
 # -- main ------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenarios", nargs="+", choices=tuple(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--scenarios", nargs="+", choices=tuple(SCENARIOS),
+                        default=[s for s in SCENARIOS if s not in NEEDS_ROOT or os.geteuid() == 0])
     parser.add_argument("--modes", nargs="+", choices=("fixed", "elastic"), default=["fixed", "elastic"])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=1)
@@ -525,6 +550,9 @@ def main(argv: Sequence[str]) -> int:
             raise ValueError(f"repeats: must be positive, got {args.repeats}")
     except ValueError as exc:
         print(f"recovery.py: error: {exc}", file=sys.stderr)
+        return 2
+    if os.geteuid() != 0 and (needs := [s for s in args.scenarios if s in NEEDS_ROOT]):
+        print(f"recovery.py: error: scenario {needs[0]} needs `ip netns`, which needs root", file=sys.stderr)
         return 2
     if args.replot is not None:
         replot(args.replot, args.chart, cfg.recovery_timeout)

@@ -84,8 +84,9 @@ def transaction(
 
 
 def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, what: str,
-              deadline: float | None = None) -> Any:
-    """One range read (the ``RangeResponse``: its ``kvs`` and header revision).
+              deadline: float | None = None, retry_timeout: float | None = None) -> Any:
+    """One range read (the ``RangeResponse``: its ``kvs`` and header revision); ``deadline``: of
+    the first attempt; ``retry_timeout``: of all of them (the connection's own by default).
 
     Never a read-only transaction: etcd before 3.5.5 panics when the client's deadline expires
     while it serves one (etcd-io/etcd#14110), and a short deadline under load is exactly when.
@@ -101,7 +102,7 @@ def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, wha
         return client.kvstub.Range(request, patience.next(client), credentials=client.call_credentials,
                                    metadata=client.metadata)
 
-    return connection.call(send, what=what)
+    return connection.call(send, what=what, retry_timeout=retry_timeout)
 
 
 def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, *, what: str,

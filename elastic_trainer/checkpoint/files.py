@@ -55,6 +55,15 @@ class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed; the previous checkpoints are untouched."""
 
 
+class CheckpointFencedError(CheckpointError):
+    """A checkpoint was written but not committed: its writer could not confirm that it still
+    belongs to the job (see ``fence`` of :func:`save_checkpoint`). Nothing on disk changed."""
+
+
+CommitFence = Callable[[], str | None]
+"""Asked right before a checkpoint is committed: ``None`` to commit, or why not (one line)."""
+
+
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
     """Path of the ``.pt`` file of ``step``."""
     return Path(directory) / f"ckpt-{step:012d}.pt"
@@ -209,21 +218,32 @@ def save_checkpoint(
     fingerprint_fields: Mapping[str, Any],
     keep_last: int | None,
     jit: bool = False,
+    fence: CommitFence | None = None,
 ) -> CheckpointInfo:
     """Write ``payload`` as the checkpoint of ``step``, then prune all but the ``keep_last`` newest.
 
     ``keep_last=None`` prunes nothing (just-in-time writers leave pruning to rank 0, so that two
-    writers never delete each other's files); ``jit`` is recorded in the manifest.
+    writers never delete each other's files); ``jit`` is recorded in the manifest. ``fence`` is
+    asked once the data is in its temporary file and before anything is renamed into place: a
+    writer cut off from its job (a partition) leaves the directory as it was.
 
     Raises:
+        CheckpointFencedError: ``fence`` refused; nothing on disk changed.
         CheckpointWriteError: the write failed (full disk, permissions, ...). Earlier checkpoints
             are untouched and nothing was pruned.
     """
     directory = Path(directory)
     pt, js = checkpoint_path(directory, step), manifest_path(directory, step)
+
+    def write(file: Any) -> None:
+        torch.save(dict(payload), file)
+        refused = fence() if fence is not None else None
+        if refused is not None:
+            raise CheckpointFencedError(f"the checkpoint of step {step} was not committed: {refused}")
+
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        writer = _write_atomically(pt, lambda f: torch.save(dict(payload), f))
+        writer = _write_atomically(pt, write)
         fields = dict(fingerprint_fields)
         manifest = Manifest(
             format=FORMAT,
@@ -241,6 +261,8 @@ def save_checkpoint(
         text = json.dumps(asdict(manifest), indent=1, sort_keys=True).encode()
         _write_atomically(js, lambda f: f.write(text))
         fsync_directory(directory)
+    except CheckpointFencedError:
+        raise
     except Exception as exc:
         # A half-renamed pair (.pt without manifest) is ignored by readers and pruned as leftovers.
         if isinstance(exc, OSError):
@@ -534,6 +556,8 @@ class AsyncCheckpointWriter:
             self._result = save()
             if self.on_written is not None:
                 self.on_written(self._result, time.monotonic() - started)
+        except CheckpointFencedError as exc:  # not a failure: the next checkpoint tries again
+            log.warning("%s", exc)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = exc
 

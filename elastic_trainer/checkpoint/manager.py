@@ -84,6 +84,8 @@ class CheckpointManager:
         observer: told of saves and loads (metrics).
         run_config: stored in every checkpoint as ``"config"`` (plain data).
         stop_deadline: the graceful stop's deadline (``time.monotonic()``), if one is running.
+        fence: asked before every checkpoint is committed (periodic, final, just in time); a
+            refusal leaves the directory as it was (see :func:`ckpt.save_checkpoint`).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class CheckpointManager:
         observer: TrainingObserver | None = None,
         run_config: Mapping[str, Any] | None = None,
         stop_deadline: Callable[[], float | None] = lambda: None,
+        fence: ckpt.CommitFence | None = None,
     ) -> None:
         self.config = config
         self.env = env
@@ -109,6 +112,7 @@ class CheckpointManager:
         self.observer: TrainingObserver = observer if observer is not None else NullObserver()
         self.run_config = dict(run_config or {})
         self._stop_deadline = stop_deadline
+        self._fence = fence
         self.step = 0
         """Optimizer steps completed (the one resumed from, then each :meth:`update`)."""
         self.epoch = 0
@@ -382,7 +386,9 @@ class CheckpointManager:
         })
         return data
 
-    def _write(self, *, sync: bool, started: float) -> str:
+    def _write(self, *, sync: bool, started: float) -> str | None:
+        """Write (``sync``) or stage and submit the checkpoint of the current step; its path (the
+        previous one's when the fence refused the commit)."""
         directory = self.directory
         if directory is None:
             raise RuntimeError("checkpointing needs a directory")
@@ -406,7 +412,8 @@ class CheckpointManager:
         def save(data: dict[str, Any]) -> ckpt.CheckpointInfo:
             try:
                 return ckpt.save_checkpoint(directory, data, step=step, epoch=epoch, world_size=world_size,
-                                            fingerprint_fields=self.fingerprint_fields, keep_last=self.config.keep_last)
+                                            fingerprint_fields=self.fingerprint_fields, keep_last=self.config.keep_last,
+                                            fence=self._fence)
             finally:
                 if claim is not None:
                     claim.release()
@@ -414,7 +421,11 @@ class CheckpointManager:
         try:
             if sync:
                 self._writer.wait(self._remaining_s())
-                nbytes = save(payload).manifest.nbytes
+                try:
+                    nbytes = save(payload).manifest.nbytes
+                except ckpt.CheckpointFencedError as exc:
+                    log.warning("%s", exc)
+                    return self.last_path
             else:
                 # On this thread: the next step changes the tensors. Into reused (pinned) buffers;
                 # on CUDA the copies are queued, and the writer waits for them, not this thread.
@@ -505,7 +516,7 @@ class CheckpointManager:
             raise RuntimeError("just-in-time checkpointing needs a directory")
         info = ckpt.save_checkpoint(self.directory, payload, step=step, epoch=int(payload["epoch"]),
                                     world_size=self.env.world_size, fingerprint_fields=self.fingerprint_fields,
-                                    keep_last=None, jit=True)
+                                    keep_last=None, jit=True, fence=self._fence)
         return str(info.path)
 
     def _drain(self, timeout: float) -> None:

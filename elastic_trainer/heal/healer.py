@@ -41,6 +41,7 @@ from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRu
 from elastic_trainer.heal.state_transfer import share_state
 from elastic_trainer.runtime.distributed import DistEnv, announce_group, configure_nccl_environment
 from elastic_trainer.runtime.settings import HealSettings
+from rendezvous import etcd_ops
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ _GROUP_FAILURE_MARKERS = (
     "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
     "NCCL communicator was aborted", "NCCL error", "ProcessGroupNCCL", "Socket Timeout",
 )
+
+
+FENCE_TIMEOUT_S = 5.0
+"""How long a checkpoint commit waits for etcd to confirm that its writer still belongs to the job."""
 
 
 class HealError(RuntimeError):
@@ -151,6 +156,24 @@ class Healer:
         epoch began. One attribute read."""
         if self._group_aborted:
             raise GroupAborted(f"a heal round after epoch {self._epoch.number if self._epoch else '?'} is open")
+
+    def commit_fence(self) -> str | None:
+        """(Any thread; asked before a checkpoint is committed) ``None`` when etcd confirms, within
+        :data:`FENCE_TIMEOUT_S`, that this process is a member of the job's current epoch; else why
+        not. A process cut off by a partition cannot get that answer, and one the others went on
+        without is not a member: neither commits a checkpoint the job does not know about."""
+        try:
+            response = etcd_ops.get_range(self.connection, self.membership.keys.epoch, what="confirming membership",
+                                          deadline=1.0, retry_timeout=FENCE_TIMEOUT_S)
+            current = Epoch.decode(bytes(response.kvs[0].value)) if response.kvs else None
+        except Exception as exc:  # noqa: BLE001 - any failure to confirm is a refusal
+            return (f"etcd did not confirm within {FENCE_TIMEOUT_S:g} s that this process still belongs to the job "
+                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+        if current is None:
+            return "the job's membership record is gone"
+        if current.rank_of(self.member.id) is None:
+            return f"the job went on without this process (epoch {current.number})"
+        return None
 
     def _set_phase(self, phase: str) -> None:
         with self._phase_lock:

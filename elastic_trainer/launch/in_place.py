@@ -70,6 +70,10 @@ NODE_LEASE_TTL_S = 2
 declared lost 2 to 2.5 s after its last renewal (etcd checks expiries every 0.5 s)."""
 BACKEND_NAME = "elastic-trainer-in-place"
 """The rendezvous backend name ``elastic-trainer run`` gives torchrun when it heals in place."""
+HEARTBEAT_REPORT_RETRY_S = 2.0
+"""How long a launcher tries to reach etcd to report a silent peer: one that cannot is more likely
+cut off itself (the report would open a needless round once it is back); a node really lost is
+still found by its lease."""
 OUTAGE_GRACE_S = 10.0
 """After this launcher lost its watch stream (etcd away), node keys expiring within this many
 seconds may be the outage's doing, not the nodes' (see ``_still_lost``)."""
@@ -157,10 +161,12 @@ def running_epoch(connection: EtcdConnection, keys: HealKeys, *, own_node: str) 
     return epoch if (member_nodes & nodes) - {own_node} else None
 
 
-def open_round_for_lost_node(connection: EtcdConnection, keys: HealKeys, node: str, *, why: str) -> bool:
+def open_round_for_lost_node(connection: EtcdConnection, keys: HealKeys, node: str, *, why: str,
+                             retry_timeout: float | None = None) -> bool:
     """If ``node`` is a member of the job's current epoch, open the next round; True if opened
-    (by this call or already). ``why``: how it was found lost, for the log."""
-    response = etcd_ops.get_range(connection, keys.epoch, what="reading the heal epoch")
+    (by this call or already). ``why``: how it was found lost, for the log; ``retry_timeout``: of
+    each etcd request (the connection's by default)."""
+    response = etcd_ops.get_range(connection, keys.epoch, what="reading the heal epoch", retry_timeout=retry_timeout)
     if not response.kvs:
         return False
     try:
@@ -173,7 +179,7 @@ def open_round_for_lost_node(connection: EtcdConnection, keys: HealKeys, node: s
     key = keys.open(number)
     etcd_ops.transaction(connection, [etcd_ops.absent(connection, key)],
                          [etcd_ops.put(connection, key, f"launcher node {node} lost".encode())],
-                         what="opening a heal round", deadline=2.0)
+                         what="opening a heal round", deadline=2.0, retry_timeout=retry_timeout)
     log.warning("in-place: node %s is gone (%s); its peers heal without it (round %d)", node, why, number)
     return True
 
@@ -282,9 +288,13 @@ class InPlaceRendezvousHandler(RendezvousHandler):
                 if found_by == "lease" and not self._still_lost(node):
                     log.warning("in-place: node %s registered again after an etcd outage; not lost", node)
                     continue
-                why = (f"no heartbeat for {SILENT_AFTER_S:g} s" if found_by == "heartbeat"
-                       else f"its {NODE_LEASE_TTL_S} s liveness lease expired")
-                if open_round_for_lost_node(self._connection, self._keys, node, why=why):
+                by_heartbeat = found_by == "heartbeat"
+                if by_heartbeat and self._heartbeats is not None and not self._heartbeats.still_silent(node):
+                    continue  # heard again meanwhile
+                why = f"no heartbeat for {SILENT_AFTER_S:g} s" if by_heartbeat else \
+                    f"its {NODE_LEASE_TTL_S} s liveness lease expired"
+                if open_round_for_lost_node(self._connection, self._keys, node, why=why,
+                                            retry_timeout=HEARTBEAT_REPORT_RETRY_S if by_heartbeat else None):
                     self._reports.note_cause(f"node {node} lost ({why})")
             except Exception as exc:  # noqa: BLE001 - the workers' collectives still notice, later
                 log.warning("in-place: could not report node %s lost: %s", node, exc)

@@ -145,6 +145,12 @@ class PeerHeartbeats:
             if parsed and self._watching_since is None:
                 self._watching_since = now
 
+    def still_silent(self, node: str) -> bool:
+        """Whether ``node`` has not been heard for ``silent_after_s`` (a report is still true)."""
+        with self._lock:
+            last = self._heard.get(node)
+        return last is None or self._clock() - last > self.silent_after_s
+
     def heard(self) -> dict[str, float]:
         """Node -> when it was last heard (this object's clock)."""
         with self._lock:

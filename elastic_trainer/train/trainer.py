@@ -367,6 +367,7 @@ class Trainer:
             run_config=cfg.to_dict(),
             states={"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                     "scaler": self.scaler, "sampler": self.sampler},
+            fence=healer.commit_fence if healer is not None else None,
         )
         self.loop = ElasticLoop(
             env=env, sampler=self.sampler, checkpoints=self.checkpoints, max_steps=cfg.max_steps, epochs=cfg.epochs,

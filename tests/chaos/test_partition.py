@@ -1,11 +1,12 @@
 """A node partitioned from the others and from etcd, then healed.
 
-Each node runs in its own network namespace (:mod:`tests.chaos.netns`), etcd in a third. Node b's
-link goes silent mid-training: no connection is reset, so the survivors notice only when their
-collective times out (``ELASTIC_TRAINER_PG_TIMEOUT_S``, short here) and node b's etcd lease
-expires; node a then trains alone. The partition heals while node b's agent is trying to
-rendezvous again, its lease long expired; node b rejoins under a new lease and the job completes: every sample exactly once per epoch, no checkpoint lost,
-the weights of a no-fault run through the same world sizes.
+Each node runs in its own network namespace (:mod:`benchmarks.netns`), etcd in a third. Node b's
+link goes silent mid-training: no connection is reset and no collective fails. Node a's launcher
+misses node b's heartbeats (``launch/peer_heartbeat.py``) and opens a heal round before b's
+liveness lease expires; node a's workers abort their group and train alone. Node b's workers,
+blocked in a collective, time out (``ELASTIC_TRAINER_PG_TIMEOUT_S``, short here) and cannot heal
+without etcd. The partition heals; node b rejoins and the job completes: every sample exactly once
+per epoch, no checkpoint lost, the weights of a no-fault run through the same world sizes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer.runtime.sample_log import generations
 from tests.chaos.faults import (
     FaultInjector,
     JobSpec,
@@ -32,25 +34,40 @@ JOB = JobSpec(throttle_ms=60)
 COLLECTIVE_TIMEOUT_S = 8
 
 
-def test_node_partitioned_then_healed(no_fault, tmp_path: Path, run_dirs: RunDirs) -> None:
-    with private_network(["a", "b"]) as net, agents() as nodes:
+@pytest.mark.parametrize("cut", ["the other node", "the writer's node"])
+def test_node_partitioned_then_healed(cut: str, no_fault, tmp_path: Path, run_dirs: RunDirs) -> None:
+    """``the writer's node``: the node of rank 0, which writes the checkpoints; cut off, it must
+    commit none that the others do not know about (the commit fence), and the other node's
+    worker becomes rank 0."""
+    names = ["a", "b"]
+    with private_network(names) as net, agents() as nodes:
         endpoint = net.start_etcd(tmp_path / "etcd" / "data")
         run_id = unique_run_id("partition")
-        for name in ("a", "b"):
+        for name in names:
             nodes.append(start_node(
                 name=name, run=run_dirs, job=JOB, endpoint=endpoint, run_id=run_id, nnodes="1:2",
                 netns=net.namespace(name), local_addr=net.address(name),
                 env={"GLOO_SOCKET_IFNAME": "eth0", "ELASTIC_TRAINER_PG_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}))
-        node_a, node_b = nodes
+        cut_off: list[int] = []
+
+        def partition() -> None:
+            rank0 = generations(run_dirs.samples)[-1].pids[0]
+            writer = next(i for i, node in enumerate(nodes) if rank0 in node.worker_pids())
+            cut_off.append(writer if cut == "the writer's node" else 1 - writer)
+            net.partition(names[cut_off[0]])
+
         faults = (FaultInjector(run_dirs)
-                  .at_step(20, "node b partitioned", lambda: net.partition("b"))
-                  # Heal once node a trains alone: node b's workers timed out with a's, so its agent
-                  # is trying to rendezvous again, its lease long expired (it must rejoin under a new one).
-                  .when(lambda step: run_dirs.steps(world_size=1) >= 30, "partition healed", lambda: net.heal("b")))
-        faults.run_until(lambda: node_a.proc.poll() is not None, timeout=240, agents=nodes)
+                  .at_step(20, f"{cut} partitioned", partition)
+                  # Heal once the other node trains alone: the cut-off node's agent must rejoin
+                  # under a new lease, its workers as newcomers.
+                  .when(lambda step: run_dirs.steps(world_size=1) >= 30, "partition healed",
+                        lambda: net.heal(names[cut_off[0]])))
+        faults.run_until(lambda: all(n.proc.poll() is not None for n in nodes), timeout=240, agents=nodes)
         codes = wait_all(nodes, timeout=60)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
+        survivor_log = nodes[1 - cut_off[0]].output()
 
     summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
     print(describe(summary))
-    assert summary.world_phases == [2, 1, 2], "node a went on alone during the partition, then b rejoined"
+    assert summary.world_phases == [2, 1, 2], "one node went on alone during the partition, then the other rejoined"
+    assert "is gone (no heartbeat for" in survivor_log, "the partition was noticed by heartbeats, not a lease"

@@ -280,3 +280,46 @@ def test_pickle_of_python_rng_state_loads_weights_only(tmp_path: Path) -> None:
     assert [random.random() for _ in range(3)] == expected[0]
     assert torch.equal(torch.rand(3), expected[1])
     assert pickle.dumps(loaded["python"])  # plain data
+
+
+def test_a_refused_commit_leaves_the_directory_as_it_was(tmp_path: Path) -> None:
+    """The fence is asked after the data is written and before anything is renamed: a writer cut
+    off from its job neither adds a checkpoint nor replaces one of the same step."""
+    kept = _save(tmp_path, 5)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    asked: list[bool] = []
+
+    def fence() -> str | None:
+        asked.append(any(".tmp-" in p.name for p in tmp_path.iterdir()))  # the data is written by now
+        return "etcd did not confirm that this process still belongs to the job"
+
+    other = _model()
+    with torch.no_grad():
+        other[0].weight.add_(1.0)
+    payload = {"format": ckpt.FORMAT, "model": other.state_dict(), "step": 5}
+    for step in (5, 6):
+        with pytest.raises(ckpt.CheckpointFencedError, match=f"step {step} was not committed: etcd did not confirm"):
+            ckpt.save_checkpoint(tmp_path, payload, step=step, epoch=0, world_size=2, fingerprint_fields=_fields(other),
+                                 keep_last=5, fence=fence)
+    assert asked == [True, True]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert ckpt.verify(tmp_path, 5).manifest.sha256 == kept.manifest.sha256
+
+    info = ckpt.save_checkpoint(tmp_path, payload, step=6, epoch=0, world_size=2, fingerprint_fields=_fields(other),
+                                keep_last=5, fence=lambda: None)
+    assert ckpt.iter_checkpoints(tmp_path) == [5, 6] and info.manifest.step == 6
+
+
+def test_a_fenced_background_write_is_skipped_not_failed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    writer = ckpt.AsyncCheckpointWriter()
+    writer.submit(lambda: _save(tmp_path, 1))
+    assert writer.wait(10) is not None
+
+    def fenced() -> ckpt.CheckpointInfo:
+        raise ckpt.CheckpointFencedError("the checkpoint of step 2 was not committed: the job went on without it")
+
+    caplog.set_level(logging.WARNING, logger="elastic_trainer.checkpoint.files")
+    writer.submit(fenced)
+    result = writer.wait(10)  # no error: training goes on, the next checkpoint tries again
+    assert result is not None and result.manifest.step == 1
+    assert not writer.failed and "step 2 was not committed" in caplog.text

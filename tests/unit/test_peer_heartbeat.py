@@ -88,12 +88,14 @@ def test_a_node_that_stops_is_reported_once_and_again_after_it_came_back(made: l
     assert _wait(lambda: "b" in a.heard() and "a" in b.heard(), 2.0)
     time.sleep(0.5)  # both alive: two silent_after_s without a report
     assert reports_a.nodes == [] and reports_b.nodes == []
+    assert not a.still_silent("b")
 
     port = parse_address(b.address)[1]
     b.close()
     stopped = time.monotonic()
     assert _wait(lambda: reports_a.nodes == ["b"], 2.0), reports_a.nodes
     assert time.monotonic() - stopped >= 0.2  # not before silent_after_s (less a tick)
+    assert a.still_silent("b")
     time.sleep(0.5)
     assert reports_a.nodes == ["b"], "reported once while it stays silent"
 
