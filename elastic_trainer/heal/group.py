@@ -16,6 +16,7 @@ over the job's etcd store: no rank hosts the store, so it survives the loss of a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -26,9 +27,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic_trainer.runtime.abortable import WAITS
 from elastic_trainer.runtime.torch_compat import forget_unfinished_default_group
 
 log = logging.getLogger(__name__)
+
+KEEP_MARGIN_S = 60.0
+"""A group kept after an abort is let go this long after its collectives' timeout."""
 
 
 def socket_inodes() -> dict[int, int]:
@@ -93,6 +98,7 @@ class HealableGroup:
         self._sockets: dict[int, int] = {}
         self._aborted = False
         self.generation = 0
+        self._kept: list[Any] = []  # aborted groups whose blocked collectives outlive them
 
     @property
     def aborted(self) -> bool:
@@ -138,12 +144,32 @@ class HealableGroup:
         log.debug("heal: shut down %d connection(s) of the process group", closed)
 
     def destroy(self) -> None:
-        """Abort and destroy the current group (never raises: it runs after a failure)."""
+        """Abort and destroy the current group (never raises: it runs after a failure).
+
+        A group with a collective that an abort had to interrupt (:mod:`elastic_trainer.runtime.abortable`)
+        is unregistered but kept alive until its timeout has passed: its gloo thread may stay
+        blocked until then, and the group's destructor would join that thread, on whichever
+        thread let go of the group last (the training thread, in a garbage collection)."""
         self.abort()
+        WAITS.abort("the process group is destroyed")
+        interrupted = WAITS.reset()
         if dist.is_initialized():
+            if interrupted:
+                kept = dist.distributed_c10d._get_default_group()
+                self._kept.append(kept)
+                release = threading.Timer(self.timeout_s + KEEP_MARGIN_S, self._release, args=(kept,))
+                release.daemon = True
+                release.start()
+                log.info("heal: %d collective(s) of the aborted group were interrupted; it is kept %.0f s, not "
+                         "destructed now (%d kept)", interrupted, self.timeout_s + KEEP_MARGIN_S, len(self._kept))
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # noqa: BLE001 - the group is broken anyway
                 log.warning("heal: destroying the broken process group failed: %s", exc)
         with self._lock:
             self._sockets = {}
+
+    def _release(self, group: Any) -> None:
+        """(Timer) the kept group's collectives have all timed out by now: let it go."""
+        with contextlib.suppress(ValueError):
+            self._kept.remove(group)

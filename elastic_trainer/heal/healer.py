@@ -39,6 +39,7 @@ from elastic_trainer.heal.group import HealableGroup
 from elastic_trainer.heal.membership import HealTimeoutError, Membership
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRules
 from elastic_trainer.heal.state_transfer import share_state
+from elastic_trainer.runtime.abortable import ABORT_MARKER, WAITS
 from elastic_trainer.runtime.distributed import DistEnv, announce_group, configure_nccl_environment
 from elastic_trainer.runtime.settings import HealSettings
 from rendezvous import etcd_ops
@@ -46,13 +47,32 @@ from rendezvous import etcd_ops
 log = logging.getLogger(__name__)
 
 _GROUP_FAILURE_MARKERS = (
-    "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+    ABORT_MARKER, "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
     "NCCL communicator was aborted", "NCCL error", "ProcessGroupNCCL", "Socket Timeout",
 )
 
 
 FENCE_TIMEOUT_S = 5.0
 """How long a checkpoint commit waits for etcd to confirm that its writer still belongs to the job."""
+
+
+STUCK_IDLE_S = 5.0
+"""After a round opened, a training thread still in its step that used no CPU for this long is
+blocked where the abort does not reach (a wait for data longer than this is taken for one too:
+that process is replaced, at the cost of a restart)."""
+STOP_WATCH_INTERVAL_S = 0.5
+
+
+def thread_cpu_seconds(native_id: int) -> float | None:
+    """User plus system CPU time of one thread of this process (``/proc``; ``None`` where that is
+    not readable)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat", "rb") as stat_file:
+            raw = stat_file.read()
+        fields = raw[raw.rindex(b")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class HealError(RuntimeError):
@@ -119,6 +139,8 @@ class Healer:
         self.membership = Membership(self.connection, run_id, self.member, rules, on_round_open=self._round_opened)
         keep = frozenset(endpoint.port for endpoint in config.endpoints)
         self.group = HealableGroup(backend, pg_timeout_s, keep_ports=keep)
+        # gloo can leave a collective blocked after an abort (runtime/abortable.py); NCCL's abort works.
+        WAITS.enabled = backend == "gloo"
         self._phase = "starting"  # starting | training | healing | spare | closed
         self._phase_lock = threading.Lock()
         self._epoch: Epoch | None = None
@@ -127,6 +149,7 @@ class Healer:
         self._abandoned = False  # a later round opened while it was being built
         self._side_group: Any = None
         self._group_aborted = False
+        self._training_thread: int | None = None  # native id, for the stop watch's CPU clock
         self.heals = 0
 
     @classmethod
@@ -186,6 +209,7 @@ class Healer:
         """Create this worker's group: torchrun's (the first epoch), or, for a process started to
         join a running job, the next epoch's. Returns the environment and, for a joiner, the
         state its peers hold (``None``: load the newest checkpoint)."""
+        self._training_thread = threading.get_native_id()
         self.membership.start()
         if self.settings.marker is not None:  # tells the warm-start client to replace this process if it dies
             with contextlib.suppress(OSError):
@@ -373,30 +397,51 @@ class Healer:
             for store in self._stores:
                 store.cancel()
             self.group.abort()
+            WAITS.abort(f"round {number} opened while epoch {forming} was forming")
             return
         if phase != "training" or epoch is None or number != epoch.number + 1:
             return
         log.warning("heal: round %d opened (%s); stopping this step", number, reason or "a fault")
         self._group_aborted = True
         self.group.abort()
+        WAITS.abort(f"round {number} opened: {reason or 'a fault'}")
         self.membership.announce(number, Join(self.member, ready=False))
-        fence = threading.Timer(self.membership.rules.ready_timeout_s, self._fence_if_stuck, args=(epoch, number))
-        fence.daemon = True
-        fence.start()
+        threading.Thread(target=self._watch_stop, args=(epoch, number), name="heal-stop-watch", daemon=True).start()
 
-    def _fence_if_stuck(self, epoch: Epoch, number: int) -> None:
-        """(Timer) ``ready_timeout_s`` after this process said it lives, its training thread has
-        still not left epoch ``epoch`` to answer round ``number``: it is blocked where the group's
-        abort does not reach, and the round goes on without it (or, below the minimum, cannot go
-        on at all). End the process like a crash, so that it is replaced and the replacement
-        joins; the stacks go to stderr first, to find where it was blocked."""
+    def _watch_stop(self, epoch: Epoch, number: int) -> None:
+        """(Thread) until the training thread leaves epoch ``epoch``: if it used no CPU for
+        :data:`STUCK_IDLE_S` (blocked on a collective that the abort did not end: gloo can leave
+        one waiting out the group's timeout, see ``runtime/abortable.py``), or has not left
+        within ``ready_timeout_s`` whatever it does, end this process (:meth:`_fence_if_stuck`).
+        A thread that computes keeps its CPU clock moving and is given the full bound."""
+        started = idle_since = time.monotonic()
+        last = thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
+        while True:
+            time.sleep(STOP_WATCH_INTERVAL_S)
+            with self._phase_lock:
+                if not (self._phase == "training" and self._epoch is epoch):
+                    return
+            now = time.monotonic()
+            cpu = thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
+            if cpu is None or cpu != last:
+                last, idle_since = cpu, now
+            idle = cpu is not None and now - idle_since >= STUCK_IDLE_S
+            if idle or now - started >= self.membership.rules.ready_timeout_s:
+                self._fence_if_stuck(epoch, number, waited_s=now - started, idle=idle)
+                return
+
+    def _fence_if_stuck(self, epoch: Epoch, number: int, *, waited_s: float, idle: bool) -> None:
+        """Its training thread has not left epoch ``epoch`` to answer round ``number`` (see
+        :meth:`_watch_stop`): the round cannot count on it. End the process like a crash, so that
+        its launcher starts a replacement, which answers the round for the same slot (the round
+        does not wait for a process whose replacement answered); the stacks go to stderr first."""
         with self._phase_lock:
             stuck = self._phase == "training" and self._epoch is epoch
         if not stuck:
             return
-        log.error("heal: the training thread did not stop its step within %.0f s of round %d; ending this "
-                  "process so that a replacement joins (thread stacks follow)",
-                  self.membership.rules.ready_timeout_s, number)
+        how = "blocked (no CPU used) for" if idle else "still in its step after"
+        log.error("heal: the training thread is %s %.0f s after round %d opened; ending this process so that a "
+                  "replacement joins (thread stacks follow)", how, waited_s, number)
         faulthandler.dump_traceback(all_threads=True)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -183,15 +183,17 @@ def decide(previous: Epoch, joins: Sequence[Join], *, waited_s: float, rules: Ro
     not a member of ``previous`` is never the source). It closes at once when every slot of
     ``previous`` answered ready (the member itself or its
     replacement) and nobody is still provisional; otherwise once ``settle_s`` has passed and
-    every provisional process became ready (or ``ready_timeout_s`` passed). It needs at least
-    ``min_world`` ready processes; beyond ``max_world`` the rest are spares.
+    every provisional process became ready (or ``ready_timeout_s`` passed). A provisional process
+    whose slot a ready replacement answered for is not waited for: its launcher starts a
+    replacement only once it died (a process stuck in its step ends itself, ``heal/healer.py``).
+    It needs at least ``min_world`` ready processes; beyond ``max_world`` the rest are spares.
     ``arrival``: member id -> order of its first record (ties and newcomers' ranks).
     """
     arrival = arrival or {}
     ready = [j for j in joins if j.ready]
     ready_ids = {j.member.id for j in ready}
-    provisional = [j for j in joins if not j.ready and j.member.id not in ready_ids]
     answered = {j.member.slot for j in ready}
+    provisional = [j for j in joins if not j.ready and j.member.id not in ready_ids and j.member.slot not in answered]
     missing = [m for m in previous.members if m.slot not in answered]
     if missing or provisional:
         if waited_s < rules.settle_s:

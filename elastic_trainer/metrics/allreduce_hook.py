@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_trainer.runtime.abortable import WAITS
+
 # Bounds the memory of records nobody drains (e.g. a loop that never calls on_step).
 DEFAULT_MAX_PENDING = 8192
 
@@ -260,7 +262,9 @@ def timed_allreduce_hook(
 
     launched = state.clock()
     fut = group.allreduce([buffer], state._options).get_future()
-    return fut.then(partial(state._cpu_done, step_seq, buffer.nbytes, launched))  # type: ignore[no-any-return]
+    # Healing in place, the training thread waits on a tracked future an abort can end (gloo
+    # may never end a collective whose connections were cut; see runtime/abortable.py).
+    return WAITS.track(fut.then(partial(state._cpu_done, step_seq, buffer.nbytes, launched)))
 
 
 def exposed_wait_s(timings: list[BucketTiming]) -> float:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_trainer.runtime.abortable import WAITS
 from elastic_trainer.runtime.distributed import DistEnv
 
 _STOP, _LOSS, _PRESENT, _CHECKPOINT_FAILED, _HEADER = 0, 1, 2, 3, 4
@@ -114,7 +115,9 @@ class ControlChannel:
             host[_HEADER:].copy_(buffers)
             pending.buffers = host[_HEADER:]
         if self.env.world_size > 1:
-            pending.work = dist.all_reduce(host, group=self.group, async_op=True)
+            work = dist.all_reduce(host, group=self.group, async_op=True)
+            # Healing in place, wait on a future an abort can end (see runtime/abortable.py).
+            pending.work = WAITS.track(work.get_future()) if WAITS.enabled else work  # type: ignore[union-attr]
         if buffers is not None and self._cuda:
             pending.buffers = buffers.clone()
             pending.buffer_work = dist.all_reduce(pending.buffers, async_op=True) if self.env.world_size > 1 else None

@@ -247,3 +247,9 @@ def set_own_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor) -> 
 
 DYNAMO_MODULE = "torch._dynamo"
 """torch.compile's module: heavy to import, so the warm-start server preloads it."""
+
+
+def has_comm_hook(ddp_model: Any) -> bool:
+    """Whether a communication hook is registered on ``ddp_model`` (DDP keeps them in the private
+    ``_comm_hooks`` list, torch 2.13)."""
+    return bool(getattr(ddp_model, "_comm_hooks", None))

@@ -46,6 +46,7 @@ from elastic_trainer.heal.healer import (
 )
 from elastic_trainer.heal.protocol import NO_STATE
 from elastic_trainer.runtime import distributed, rng, torch_compat
+from elastic_trainer.runtime.abortable import WAITS, abortable_allreduce_hook
 from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatchSampler, StepPlan
@@ -334,6 +335,9 @@ class Trainer:
         self._drop_model_wrapper()
         self.ddp = DDP(self.model, **self._ddp_kwargs(self._env().device))
         self.observer.wrap_ddp(self.ddp)
+        if WAITS.enabled and not torch_compat.has_comm_hook(self.ddp):
+            # Healing in place on gloo: the buckets' waits must be abortable (runtime/abortable.py).
+            self.ddp.register_comm_hook(None, abortable_allreduce_hook)
 
     def _drop_model_wrapper(self) -> None:
         """Let go of the DDP of a broken group: its reducer's hooks leave the parameters with it."""

@@ -1,26 +1,29 @@
 """A process whose training thread never left its epoch after it told a round it lives is ended
-like a crash (so that a replacement joins), never one that is healing or healed."""
+like a crash (so that a replacement joins), never one that is healing or healed: at once when the
+thread is blocked (its CPU clock stands still), after the full bound when it computes."""
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from elastic_trainer.heal import healer as healer_module
-from elastic_trainer.heal.healer import Healer
+from elastic_trainer.heal.healer import Healer, thread_cpu_seconds
 from elastic_trainer.heal.protocol import Epoch, Member
 
 EPOCH = Epoch(number=3, members=(Member(id="a/0/1", slot="a/0"),), step=7, source=None, started_unix=1.0,
               reason="r")  # fmt: skip
 
 
-def healer_in(phase: str, epoch: Epoch) -> Healer:
+def healer_in(phase: str, epoch: Epoch, *, ready_timeout_s: float = 60.0) -> Healer:
     healer = object.__new__(Healer)  # only the fence's state: no etcd, no group
     healer._phase, healer._phase_lock, healer._epoch = phase, threading.Lock(), epoch
-    healer.membership = SimpleNamespace(rules=SimpleNamespace(ready_timeout_s=60.0))  # type: ignore[assignment]
+    healer._training_thread = None
+    healer.membership = SimpleNamespace(rules=SimpleNamespace(ready_timeout_s=ready_timeout_s))  # type: ignore[assignment]
     return healer
 
 
@@ -33,12 +36,75 @@ def kills(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
 
 def test_a_training_thread_stuck_in_its_epoch_ends_the_process(kills: list[tuple[int, int]]) -> None:
-    healer_in("training", EPOCH)._fence_if_stuck(EPOCH, 4)
+    healer_in("training", EPOCH)._fence_if_stuck(EPOCH, 4, waited_s=60.0, idle=False)
     assert kills == [(healer_module.os.getpid(), signal.SIGKILL)]
 
 
 def test_a_process_that_healed_or_is_healing_is_left_alone(kills: list[tuple[int, int]]) -> None:
-    healer_in("healing", EPOCH)._fence_if_stuck(EPOCH, 4)
+    healer_in("healing", EPOCH)._fence_if_stuck(EPOCH, 4, waited_s=60.0, idle=False)
     later = Epoch(number=4, members=EPOCH.members, step=8, source=None, started_unix=2.0, reason="r")
-    healer_in("training", later)._fence_if_stuck(EPOCH, 4)
+    healer_in("training", later)._fence_if_stuck(EPOCH, 4, waited_s=60.0, idle=False)
+    assert kills == []
+
+
+def _thread(work: str, stop: threading.Event) -> threading.Thread:
+    """A stand-in training thread: ``blocked`` waits (as on a collective), ``busy`` computes."""
+
+    def run() -> None:
+        while not stop.is_set():
+            if work == "blocked":
+                stop.wait()
+            else:
+                sum(i * i for i in range(20_000))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_thread_cpu_clock_moves_only_while_it_computes() -> None:
+    stop = threading.Event()
+    blocked, busy = _thread("blocked", stop), _thread("busy", stop)
+    try:
+        time.sleep(0.05)
+        assert blocked.native_id is not None and busy.native_id is not None
+        before = thread_cpu_seconds(blocked.native_id), thread_cpu_seconds(busy.native_id)
+        time.sleep(0.5)
+        after = thread_cpu_seconds(blocked.native_id), thread_cpu_seconds(busy.native_id)
+    finally:
+        stop.set()
+    assert None not in before + after
+    assert after[0] == before[0], "a blocked thread uses no CPU"
+    assert after[1] > before[1], "a computing thread does"  # type: ignore[operator]
+    assert thread_cpu_seconds(2**31 - 1) is None  # no such thread
+
+
+@pytest.mark.parametrize("work", ["blocked", "busy"])
+def test_the_stop_watch_ends_a_blocked_thread_soon_and_a_computing_one_at_the_bound(
+        work: str, kills: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(healer_module, "STUCK_IDLE_S", 0.6)
+    monkeypatch.setattr(healer_module, "STOP_WATCH_INTERVAL_S", 0.05)
+    healer = healer_in("training", EPOCH, ready_timeout_s=3.0)
+    stop = threading.Event()
+    thread = _thread(work, stop)
+    healer._training_thread = thread.native_id
+    started = time.monotonic()
+    try:
+        healer._watch_stop(EPOCH, 4)
+    finally:
+        stop.set()
+    took = time.monotonic() - started
+    assert kills == [(healer_module.os.getpid(), signal.SIGKILL)]
+    if work == "blocked":
+        assert took < 2.0, f"a blocked thread is ended after its idle time, not the bound ({took:.2f} s)"
+    else:
+        assert took >= 3.0, f"a computing thread gets the full bound ({took:.2f} s)"
+
+
+def test_the_stop_watch_lets_go_once_the_thread_left_its_epoch(kills: list[tuple[int, int]],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(healer_module, "STOP_WATCH_INTERVAL_S", 0.05)
+    healer = healer_in("training", EPOCH)
+    threading.Timer(0.2, lambda: setattr(healer, "_phase", "healing")).start()
+    healer._watch_stop(EPOCH, 4)  # returns once the phase changed
     assert kills == []

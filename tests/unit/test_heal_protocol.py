@@ -121,3 +121,13 @@ def test_rules_are_checked() -> None:
         RoundRules(min_world=3, max_world=2)
     with pytest.raises(ValueError):
         RoundRules(min_world=1, max_world=2, settle_s=5.0, ready_timeout_s=1.0)
+
+
+def test_a_stuck_process_whose_replacement_answered_is_not_waited_for() -> None:
+    """B1 said it lives, then was stuck and ended itself; its launcher's replacement answers for
+    the same slot: the round closes at once, with the replacement in B1's rank."""
+    replacement = Member(id="b/1/999", slot=B1.slot)
+    joins = [ready(A0), ready(A1), ready(B0), Join(B1, ready=False), ready(replacement, step=NO_STATE)]
+    decision = decide(EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r")
+    assert decision.epoch is not None
+    assert decision.epoch.members == (A0, A1, B0, replacement)

@@ -1,0 +1,126 @@
+"""Waits on collectives that an abort ends at once, even where gloo leaves the collective blocked.
+
+gloo in torch 2.13 can leave a collective blocked after its connections are gone: a send whose
+bytes were still queued in the connection's transmit queue when the connection failed is never
+told (gloo's tcp ``Pair::signalException`` notifies the bound buffers of that queue, not the
+unbound ones collectives use), so its gloo thread waits out the group's timeout, 30 minutes here.
+Found by the chaos suite: a survivor's training thread sat in DDP's ``finalize_backward`` on a
+gradient bucket whose ring allreduce had a large send queued when the group was aborted.
+
+So the training thread never waits on a gloo future directly while healing in place: each such
+future is passed through :data:`WAITS` (:meth:`AbortableWaits.track`), which returns a future of
+its own, completed from the original (one callback, on gloo's thread). :meth:`AbortableWaits.abort`
+(the healer, when a heal round opens) fails every tracked future still pending, and every one
+tracked after it until :meth:`AbortableWaits.reset` (the backward pass goes on launching buckets
+after an abort), so the training thread raises and heals; a blocked gloo thread is left behind with its group, which is then kept
+alive rather than destructed (its destructor would join that thread; see
+``heal/group.py``). Off (``enabled`` False, without in-place healing), :meth:`track` returns the
+future it is given and costs one attribute read.
+
+Invariant: a tracked future is completed exactly once, under one lock: by its collective, or by
+an abort, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ABORT_MARKER = "heal: the process group was aborted"
+"""In the message of every error :meth:`AbortableWaits.abort` sets (a group failure, not a bug)."""
+
+
+class AbortableWaits:
+    """The pending tracked futures of one process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._pending: set[torch.futures.Future[Any]] = set()
+        self._aborted: str | None = None  # why, until reset
+        self.interrupted = 0
+        """Waits ended by an abort since :meth:`reset` (their collectives may still be blocked)."""
+
+    def track(self, future: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+        """A future completed as ``future`` is, or failed by :meth:`abort`, whichever comes first."""
+        if not self.enabled:
+            return future
+        mine: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            if self._aborted is not None:
+                mine.set_exception(RuntimeError(f"{ABORT_MARKER} ({self._aborted})"))
+                self.interrupted += 1
+                return mine
+            self._pending.add(mine)
+        future.add_done_callback(partial(self._complete, mine))
+        return mine
+
+    def _complete(self, mine: torch.futures.Future[Any], done: torch.futures.Future[Any]) -> None:
+        """(gloo's thread) the collective finished: pass its value or error on, unless aborted."""
+        try:
+            value, error = done.value(), None
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter
+            value, error = None, exc
+        with self._lock:
+            self._pending.discard(mine)
+            if mine.done():
+                return  # aborted first
+            if error is not None:
+                mine.set_exception(error)
+            else:
+                mine.set_result(value)
+
+    def abort(self, reason: str) -> int:
+        """Fail every pending tracked future now, and every one tracked until :meth:`reset` (any
+        thread); returns how many were pending."""
+        with self._lock:
+            self._aborted = self._aborted or reason
+            pending, self._pending = self._pending, set()
+            failed = 0
+            for future in pending:
+                if not future.done():
+                    future.set_exception(RuntimeError(f"{ABORT_MARKER} ({reason})"))
+                    failed += 1
+            self.interrupted += failed
+        return failed
+
+    def reset(self) -> int:
+        """A new group: forget the old one's; returns how many of its waits an abort ended."""
+        with self._lock:
+            interrupted, self.interrupted = self.interrupted, 0
+            self._pending.clear()
+            self._aborted = None
+        return interrupted
+
+
+WAITS = AbortableWaits()
+"""This process's tracked waits (a worker has one default group at a time)."""
+
+
+def _bucket_value(done: torch.futures.Future[Any]) -> torch.Tensor:
+    return done.value()[0]  # type: ignore[no-any-return]
+
+
+def abortable_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: torch's default allreduce (an average) with its future tracked by
+    :data:`WAITS`; for a model whose buckets no other hook (the metrics' timing) already tracks.
+    ``state``: the process group (``None``: the default group)."""
+    group = state if state is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    world = dist.get_world_size(group)
+    if world > 1:
+        buffer.div_(world)
+    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()  # type: ignore[union-attr]
+    then: Callable[[torch.futures.Future[Any]], torch.Tensor] = _bucket_value
+    return WAITS.track(future.then(then))
+
+
+# DDP compares a hook's annotations with the real types; this module's are strings (PEP 563).
+abortable_allreduce_hook.__annotations__ = {
+    "state": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
+}
