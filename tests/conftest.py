@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
 from rendezvous.etcd_server import EtcdServer, EtcdServerError, find_etcd_binary
 from tests.support.ci import IN_CI
 
@@ -34,6 +35,16 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def connection(etcd_server: EtcdServer) -> Iterator[EtcdConnection]:
+    """A client connection to the session's etcd, closed after the test."""
+    conn = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(etcd_server.endpoint)))
+    try:
+        yield conn
+    finally:
+        conn.close()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -21,22 +20,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.utils import store as torch_store_util
 
 from rendezvous import EtcdV3Store
-from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
+from rendezvous.etcd_client import EtcdConnection
 from rendezvous.etcd_store import StoreTimeoutError
 
 pytestmark = pytest.mark.integration
 
 TIMEOUT = timedelta(seconds=10)
 SHORT = timedelta(seconds=1)
-
-
-@pytest.fixture
-def connection(etcd_server) -> Iterator[EtcdConnection]:
-    connection = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(etcd_server.endpoint)))
-    try:
-        yield connection
-    finally:
-        connection.close()
 
 
 @pytest.fixture

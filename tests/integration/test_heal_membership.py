@@ -5,24 +5,14 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from elastic_trainer.heal.membership import HealTimeoutError, Membership
 from elastic_trainer.heal.protocol import NO_STATE, Join, Member, RoundRules
-from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
+from rendezvous.etcd_client import EtcdConnection
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def connection(etcd_server) -> Iterator[EtcdConnection]:
-    conn = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(etcd_server.endpoint)))
-    try:
-        yield conn
-    finally:
-        conn.close()
 
 
 def _members(n: int) -> list[Member]:

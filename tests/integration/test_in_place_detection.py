@@ -31,15 +31,6 @@ def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
 
 
 @pytest.fixture
-def connection(etcd_server) -> Iterator[EtcdConnection]:
-    conn = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(etcd_server.endpoint)))
-    try:
-        yield conn
-    finally:
-        conn.close()
-
-
-@pytest.fixture
 def launchers(etcd_server) -> Iterator[Callable[..., InPlaceRendezvousHandler]]:
     """Start one node's in-place handler (the real ``etcd-v3`` one inside); all shut down at exit."""
     made: list[tuple[InPlaceRendezvousHandler, EtcdConnection]] = []
