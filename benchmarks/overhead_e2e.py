@@ -9,7 +9,8 @@ the same job through ``Trainer`` with everything at its default, as under ``elas
 the elastic sampler, per-step random streams, the per-step control, metrics through the real
 worker observer and its allreduce timing (``PROMETHEUS_MULTIPROC_DIR`` set, as the launcher does),
 the just-in-time save armed, asynchronous checkpoints every 100 steps (the default interval), a
-progress line every 10 steps. (Warm start changes restarts only.) Both run in the same two warm
+progress line every 10 steps, and on gloo the abortable waits of in-place healing (every bucket's
+future tracked). (Warm start changes restarts only.) Both run in the same two warm
 processes in alternating blocks, so that noise hits both alike. Reported: the median of the
 per-block throughput ratios, the CPU time per sample (both ranks, every thread: the cost of each
 loop whatever else runs on the machine), and percentiles of the step time (p50, p99, max) over
@@ -37,6 +38,7 @@ from benchmarks.workloads import (
     workload_of,
 )
 from elastic_trainer.checkpoint.config import CheckpointConfig
+from elastic_trainer.runtime.abortable import WAITS
 from elastic_trainer.runtime.distributed import read_env
 from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.trainer import Trainer, TrainingJob
@@ -95,7 +97,13 @@ def _defaults(args: argparse.Namespace, checkpoint_dir: str) -> list[tuple[float
         times.append(_now())
 
     env = read_env(cuda_devices=0) if args.device == "cpu" else None
-    Trainer(config, job, env=env, callbacks=[clock]).fit()
+    # Healing in place (the default of `elastic-trainer run`) on gloo tracks every wait of the
+    # training thread on a collective, so that an abort ends it (runtime/abortable.py).
+    WAITS.enabled = args.device == "cpu"
+    try:
+        Trainer(config, job, env=env, callbacks=[clock]).fit()
+    finally:
+        WAITS.enabled = False
     return times
 
 
