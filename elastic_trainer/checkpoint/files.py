@@ -193,12 +193,13 @@ class _HashingWriter:
         self._file.flush()
 
 
-def _write_atomically(target: Path, write: Callable[[Any], None]) -> _HashingWriter:
+def _write_atomically(target: Path, write: Callable[[Any], None],
+                      before_replace: Callable[[], None] | None = None) -> _HashingWriter:
     """Write ``target`` through an fsynced temporary file (:func:`atomic_file`), hashing what
     passes; a write error keeps its errno (``torch.save`` would wrap it in a RuntimeError)."""
     writer: _HashingWriter | None = None
     try:
-        with atomic_file(target, durable=True) as file:
+        with atomic_file(target, durable=True, before_replace=before_replace) as file:
             writer = _HashingWriter(file)
             write(writer)
     except BaseException as exc:
@@ -224,8 +225,8 @@ def save_checkpoint(
 
     ``keep_last=None`` prunes nothing (just-in-time writers leave pruning to rank 0, so that two
     writers never delete each other's files); ``jit`` is recorded in the manifest. ``fence`` is
-    asked once the data is in its temporary file and before anything is renamed into place: a
-    writer cut off from its job (a partition) leaves the directory as it was.
+    asked once the data is durable in its temporary file, right before anything is renamed into
+    place: a writer cut off from its job (a partition) leaves the directory as it was.
 
     Raises:
         CheckpointFencedError: ``fence`` refused; nothing on disk changed.
@@ -235,15 +236,14 @@ def save_checkpoint(
     directory = Path(directory)
     pt, js = checkpoint_path(directory, step), manifest_path(directory, step)
 
-    def write(file: Any) -> None:
-        torch.save(dict(payload), file)
+    def ask_fence() -> None:
         refused = fence() if fence is not None else None
         if refused is not None:
             raise CheckpointFencedError(f"the checkpoint of step {step} was not committed: {refused}")
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        writer = _write_atomically(pt, write)
+        writer = _write_atomically(pt, lambda file: torch.save(dict(payload), file), before_replace=ask_fence)
         fields = dict(fingerprint_fields)
         manifest = Manifest(
             format=FORMAT,
@@ -534,6 +534,8 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self._result: CheckpointInfo | None = None
         self.on_written: Callable[[CheckpointInfo, float], None] | None = None
+        self.on_refused: Callable[[CheckpointFencedError], None] | None = None
+        """Called (on the writer's thread) when the commit fence refused the write."""
 
     @property
     def busy(self) -> bool:
@@ -558,6 +560,8 @@ class AsyncCheckpointWriter:
                 self.on_written(self._result, time.monotonic() - started)
         except CheckpointFencedError as exc:  # not a failure: the next checkpoint tries again
             log.warning("%s", exc)
+            if self.on_refused is not None:
+                self.on_refused(exc)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
             self._error = exc
 

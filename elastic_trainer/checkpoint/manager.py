@@ -113,14 +113,17 @@ class CheckpointManager:
         self.run_config = dict(run_config or {})
         self._stop_deadline = stop_deadline
         self._fence = fence
+        self._sync_writing = False
         self.step = 0
         """Optimizer steps completed (the one resumed from, then each :meth:`update`)."""
         self.epoch = 0
         """The epoch of the checkpoint resumed from (:attr:`current_epoch` follows the sampler)."""
         self.resumed_from: int | None = None
         self.last_path: str | None = None
+        self._committed_path: str | None = None  # the last path before a background write in flight
         self._last_saved_step: int | None = None
         self._writer = ckpt.AsyncCheckpointWriter()
+        self._writer.on_refused = self._background_write_refused
         self._staging = StagingBuffers(env.device)
         self._failure: ckpt.CheckpointError | None = None
         self.guard = StateGuard()
@@ -328,6 +331,7 @@ class CheckpointManager:
             if env.is_rank0 and self._failure is None:
                 try:
                     with self._jit.busy():
+                        self._committed_path = self.last_path
                         self.last_path = self._write(sync=not self.config.async_write, started=started)
                 except ckpt.CheckpointError as exc:
                     self._failure = exc  # every rank raises it at the next step's control
@@ -346,6 +350,17 @@ class CheckpointManager:
         self._last_saved_step = self.step
         self.last_path = value
         return value
+
+    def _background_write_refused(self, exc: ckpt.CheckpointFencedError) -> None:
+        """(Writer thread) the commit fence refused the write just submitted: nothing new is on
+        disk, so the last checkpoint is still the previous one, and the step may be saved again."""
+        self.last_path = self._committed_path
+        self._last_saved_step = None
+
+    @property
+    def writing(self) -> bool:
+        """A checkpoint is being written (in the background, or on the calling thread)."""
+        return self._sync_writing or self._writer.busy
 
     @property
     def write_failed(self) -> bool:
@@ -420,12 +435,16 @@ class CheckpointManager:
 
         try:
             if sync:
-                self._writer.wait(self._remaining_s())
+                self._sync_writing = True
                 try:
+                    self._writer.wait(self._remaining_s())
                     nbytes = save(payload).manifest.nbytes
                 except ckpt.CheckpointFencedError as exc:
                     log.warning("%s", exc)
+                    self._last_saved_step = None  # not saved: the step may be saved again
                     return self.last_path
+                finally:
+                    self._sync_writing = False
             else:
                 # On this thread: the next step changes the tensors. Into reused (pinned) buffers;
                 # on CUDA the copies are queued, and the writer waits for them, not this thread.

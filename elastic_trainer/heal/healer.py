@@ -139,8 +139,10 @@ class Healer:
         self.membership = Membership(self.connection, run_id, self.member, rules, on_round_open=self._round_opened)
         keep = frozenset(endpoint.port for endpoint in config.endpoints)
         self.group = HealableGroup(backend, pg_timeout_s, keep_ports=keep)
-        # gloo can leave a collective blocked after an abort (runtime/abortable.py); NCCL's abort works.
-        WAITS.enabled = backend == "gloo"
+        # gloo can leave a collective blocked after an abort (runtime/abortable.py); NCCL's abort
+        # works. CPU tensors only: a tracked future is a CPU future, which would drop the CUDA
+        # stream ordering of a gloo collective on device tensors.
+        WAITS.enabled = backend == "gloo" and device.type == "cpu"
         self._phase = "starting"  # starting | training | healing | spare | closed
         self._phase_lock = threading.Lock()
         self._epoch: Epoch | None = None
@@ -150,6 +152,9 @@ class Healer:
         self._side_group: Any = None
         self._group_aborted = False
         self._training_thread: int | None = None  # native id, for the stop watch's CPU clock
+        self.busy_probe: Callable[[], bool] | None = None
+        """True while the training thread waits on work that is no hang (a checkpoint write):
+        the stop watch does not count that as idle (the trainer sets it)."""
         self.heals = 0
 
     @classmethod
@@ -413,7 +418,8 @@ class Healer:
         :data:`STUCK_IDLE_S` (blocked on a collective that the abort did not end: gloo can leave
         one waiting out the group's timeout, see ``runtime/abortable.py``), or has not left
         within ``ready_timeout_s`` whatever it does, end this process (:meth:`_fence_if_stuck`).
-        A thread that computes keeps its CPU clock moving and is given the full bound."""
+        A thread that computes keeps its CPU clock moving, and one that waits for a checkpoint
+        write (:attr:`busy_probe`) is not idle: both are given the full bound."""
         started = idle_since = time.monotonic()
         last = thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
         while True:
@@ -423,12 +429,18 @@ class Healer:
                     return
             now = time.monotonic()
             cpu = thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
-            if cpu is None or cpu != last:
+            if cpu is None or cpu != last or self._busy():
                 last, idle_since = cpu, now
             idle = cpu is not None and now - idle_since >= STUCK_IDLE_S
             if idle or now - started >= self.membership.rules.ready_timeout_s:
                 self._fence_if_stuck(epoch, number, waited_s=now - started, idle=idle)
                 return
+
+    def _busy(self) -> bool:
+        try:
+            return self.busy_probe is not None and self.busy_probe()
+        except Exception:  # noqa: BLE001 - a probe that fails tells nothing
+            return False
 
     def _fence_if_stuck(self, epoch: Epoch, number: int, *, waited_s: float, idle: bool) -> None:
         """Its training thread has not left epoch ``epoch`` to answer round ``number`` (see

@@ -1,12 +1,15 @@
-"""Training state from a live peer: two broadcasts of the checkpoint payload, instead of a disk read.
+"""Training state from a live peer: the checkpoint payload in three broadcasts, instead of a disk read.
 
 The source rank splits the payload a checkpoint holds (model, optimizers, scheduler, scaler,
-sampler, step, RNG) into its tensors and the rest. The rest -- containers and scalars, each tensor
-replaced by its index, plus every tensor's dtype, shape and place -- is serialised with
-``torch.save`` (a few kB) and every rank loads it with ``weights_only=True``, as it would load the
-checkpoint file. The tensors travel as their raw bytes, packed into one flat buffer, in one
-broadcast over a host-side (gloo) group; each rank takes its tensors as views of that buffer (on
-its own ``device``). Serialising the tensors too (``torch.save`` into memory and back) cost ten
+sampler, step, RNG) into its tensors and the rest. The rest -- containers (``OrderedDict`` and a
+state dict's ``_metadata`` kept) and scalars, each tensor replaced by its index, plus every
+tensor's dtype, shape and place -- is serialised with ``torch.save`` (a few kB; its size goes
+first) and every rank loads it with ``weights_only=True``, as it would load the checkpoint file.
+The tensors travel as their raw bytes, packed into one flat buffer, in one broadcast over a
+host-side (gloo) group; each rank copies its tensors out of that buffer onto its own ``device``
+(own storage each: a view would keep, and a later ``torch.save`` would write, the whole buffer).
+Each broadcast is waited on through ``runtime/abortable.py``, so a round that opens meanwhile
+ends it. Serialising the tensors too (``torch.save`` into memory and back) cost ten
 times the broadcast itself: 4.3 s against 0.3 s for 600 MB (``benchmarks/restart_cost.py``).
 Every member takes the state, the source included: a survivor's module buffers may have moved in
 the forward of the step that failed, and the payload carries those of the last completed step.
@@ -17,10 +20,14 @@ from __future__ import annotations
 import io
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from elastic_trainer.runtime.abortable import WAITS
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,8 @@ def _split(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return {_TENSOR_KEY: len(tensors) - 1}
+    if isinstance(value, OrderedDict):
+        return _ordered(value, (_split(item, tensors) for item in value.values()))
     if isinstance(value, dict):
         return {key: _split(item, tensors) for key, item in value.items()}
     if isinstance(value, list):
@@ -44,8 +53,20 @@ def _split(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
+def _ordered(like: OrderedDict[Any, Any], values: Iterable[Any]) -> OrderedDict[Any, Any]:
+    """An ``OrderedDict`` of ``like``'s keys and ``values``, with its ``_metadata`` (a module
+    state dict's versions, which ``load_state_dict`` reads)."""
+    result = OrderedDict(zip(like.keys(), values, strict=True))
+    metadata = getattr(like, "_metadata", None)
+    if metadata is not None:
+        result._metadata = metadata  # type: ignore[attr-defined]
+    return result
+
+
 def _join(value: Any, tensors: list[torch.Tensor]) -> Any:
     """The inverse of :func:`_split`."""
+    if isinstance(value, OrderedDict):
+        return _ordered(value, (_join(item, tensors) for item in value.values()))
     if isinstance(value, dict):
         if len(value) == 1 and _TENSOR_KEY in value:
             return tensors[int(value[_TENSOR_KEY])]
@@ -67,12 +88,19 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[str, list[int], int
     return layout, offset
 
 
+def _broadcast(tensor: torch.Tensor, *, src: int, group: Any) -> None:
+    """One broadcast, waited on so that an abort ends it (``runtime/abortable.py``)."""
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    if work is not None:
+        WAITS.track(work.get_future()).wait()
+
+
 def _broadcast_bytes(data: bytes | None, *, src: int, group: Any) -> bytes:
     size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=src, group=group)
+    _broadcast(size, src=src, group=group)
     buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
               else torch.empty(int(size[0]), dtype=torch.uint8))
-    dist.broadcast(buffer, src=src, group=group)
+    _broadcast(buffer, src=src, group=group)
     return buffer.numpy().tobytes()
 
 
@@ -105,14 +133,14 @@ def share_state(payload: dict[str, Any] | None, *, src: int, device: torch.devic
             if nbytes:
                 flat[offset:offset + nbytes].copy_(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
     if flat.numel():
-        dist.broadcast(flat, src=src, group=group)
+        _broadcast(flat, src=src, group=group)
     received = []
     for dtype_name, shape, offset, nbytes in meta["layout"]:
         dtype = getattr(torch, dtype_name)
         if not isinstance(dtype, torch.dtype):
             raise RuntimeError(f"the shared state names an unknown dtype {dtype_name!r}")
-        tensor = flat[offset:offset + nbytes].view(dtype).reshape(shape)
-        received.append(tensor if device.type == "cpu" else tensor.to(device))
+        view = flat[offset:offset + nbytes].view(dtype).reshape(shape)
+        received.append(view.clone() if device.type == "cpu" else view.to(device))
     state = _join(meta["rest"], received)
     if not isinstance(state, dict):
         raise RuntimeError("the shared state is not a checkpoint payload")

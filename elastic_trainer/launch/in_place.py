@@ -204,9 +204,14 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             on_silent=lambda peer: self._lost_nodes.put((peer, "heartbeat")))
         self._peer_addresses: dict[str, str] = {}
         self._peers_lock = threading.Lock()
-        self._lease_id = int(connection.call(lambda client: client.lease(lease_ttl), what="a lease grant").id)
-        revision = etcd_ops.put_key(connection, node_key(self._keys, node), self._record(), lease=self._lease_id,
-                                    what="registering this node")
+        try:
+            self._lease_id = int(connection.call(lambda client: client.lease(lease_ttl), what="a lease grant").id)
+            revision = etcd_ops.put_key(connection, node_key(self._keys, node), self._record(), lease=self._lease_id,
+                                        what="registering this node")
+        except BaseException:
+            if self._heartbeats is not None:
+                self._heartbeats.close()
+            raise
         LeaseKeeper.of(connection).keep(self._lease_id, lease_ttl, lambda _lease: self._register_again(lease_ttl))
         self._watch = WatchHub.of(connection).watch(node_key(self._keys, ""), start_revision=revision + 1,
                                                     on_events=self._on_node_events, on_lost=self._on_watch_lost,
@@ -253,9 +258,8 @@ class InPlaceRendezvousHandler(RendezvousHandler):
 
     def _update_heartbeats(self) -> None:
         if self._heartbeats is not None:
-            with self._peers_lock:
-                peers = dict(self._peer_addresses)
-            self._heartbeats.set_peers(peers)
+            with self._peers_lock:  # held across: two updates never apply out of order
+                self._heartbeats.set_peers(dict(self._peer_addresses))
 
     def _on_node_events(self, events: list[Any]) -> None:
         deleted = self._connection.etcd3.events.DeleteEvent

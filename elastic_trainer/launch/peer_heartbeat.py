@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +73,23 @@ def ring_neighbours(nodes: list[str], node: str, fanout: int) -> tuple[list[str]
 
 
 def route_address(host: str, port: int) -> str:
-    """The local address this host uses to reach ``host:port`` (no packet is sent)."""
+    """The local address this host uses to reach ``host:port`` (no packet is sent); loopback,
+    with a warning, where there is no route (peers elsewhere then never hear this node, and its
+    lease is what finds it lost)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((host, port))
             return str(probe.getsockname()[0])
-        except OSError:
+        except OSError as exc:
+            log.warning("heartbeats: no route to %s:%d (%s); advertising 127.0.0.1 (pass --local-addr)", host, port,
+                        exc)
             return "127.0.0.1"
+
+
+def _resolve(address: tuple[str, int]) -> tuple[Any, ...]:
+    """A socket address for ``sendto`` (a host name resolved once, not on every datagram)."""
+    return tuple(socket.getaddrinfo(address[0], address[1], type=socket.SOCK_DGRAM)[0][4])
 
 
 class PeerHeartbeats:
@@ -112,7 +122,8 @@ class PeerHeartbeats:
         port = self._socket.getsockname()[1]
         self.address = f"[{advertise_host}]:{port}" if family == socket.AF_INET6 else f"{advertise_host}:{port}"
         self._lock = threading.Lock()
-        self._peers: dict[str, tuple[str, int]] = {}
+        self._peers: dict[str, tuple[Any, ...]] = {}
+        self._lingering: dict[str, tuple[tuple[Any, ...], float]] = {}  # former targets, until when
         self._heard: dict[str, float] = {}
         self._reported: set[str] = set()
         self._watching_since: float | None = None
@@ -124,17 +135,22 @@ class PeerHeartbeats:
     def set_peers(self, peers: Mapping[str, str]) -> None:
         """The job's other live nodes and their heartbeat addresses (``host:port``); a node left
         out is no longer sent to or watched. Unreadable addresses are skipped with a warning."""
-        parsed: dict[str, tuple[str, int]] = {}
+        parsed: dict[str, tuple[Any, ...]] = {}
         for name, address in peers.items():
             if name == self.node:
                 continue
             try:
-                parsed[name] = parse_address(address)
-            except ValueError as exc:
+                parsed[name] = _resolve(parse_address(address))
+            except (ValueError, OSError) as exc:
                 log.warning("heartbeats: node %s: %s", name, exc)
         now = self._clock()
         with self._lock:
-            _, watched = ring_neighbours(list(self._peers), self.node, self.fanout)
+            sent_to, watched = ring_neighbours(list(self._peers), self.node, self.fanout)
+            # Nodes this one stops sending to may still watch it until their own view changes:
+            # they keep getting beats for one silence more.
+            for name in sent_to:
+                if name in parsed and name in self._peers:
+                    self._lingering[name] = (self._peers[name], now + self.silent_after_s)
             self._peers = parsed
             _, watch = ring_neighbours(list(parsed), self.node, self.fanout)
             # A node watched from now on may not have sent here until its own view changed too:
@@ -200,9 +216,13 @@ class PeerHeartbeats:
                     self._reported.discard(sender)
 
     def _beat(self) -> None:
+        now = self._clock()
         with self._lock:
             send_to, _ = ring_neighbours(list(self._peers), self.node, self.fanout)
             targets = [self._peers[name] for name in send_to]
+            self._lingering = {name: (address, until) for name, (address, until) in self._lingering.items()
+                               if until > now and name not in send_to}
+            targets += [address for address, _ in self._lingering.values()]
         for target in targets:
             try:
                 self._socket.sendto(self._payload, target)

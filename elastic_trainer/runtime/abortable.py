@@ -52,28 +52,32 @@ class AbortableWaits:
             return future
         mine: torch.futures.Future[Any] = torch.futures.Future()
         with self._lock:
-            if self._aborted is not None:
-                mine.set_exception(RuntimeError(f"{ABORT_MARKER} ({self._aborted})"))
+            aborted = self._aborted
+            if aborted is not None:
                 self.interrupted += 1
-                return mine
-            self._pending.add(mine)
+            else:
+                self._pending.add(mine)
+        if aborted is not None:
+            mine.set_exception(RuntimeError(f"{ABORT_MARKER} ({aborted})"))
+            return mine
         future.add_done_callback(partial(self._complete, mine))
         return mine
 
     def _complete(self, mine: torch.futures.Future[Any], done: torch.futures.Future[Any]) -> None:
-        """(gloo's thread) the collective finished: pass its value or error on, unless aborted."""
-        try:
-            value, error = done.value(), None
-        except Exception as exc:  # noqa: BLE001 - handed to the waiter
-            value, error = None, exc
+        """(gloo's thread) the collective finished: pass its value or error on, unless aborted.
+        Whoever takes ``mine`` out of the pending set under the lock completes it, outside the
+        lock (a future runs its callbacks inline)."""
         with self._lock:
+            owned = mine in self._pending
             self._pending.discard(mine)
-            if mine.done():
-                return  # aborted first
-            if error is not None:
-                mine.set_exception(error)
-            else:
-                mine.set_result(value)
+        if not owned:
+            return  # aborted first
+        try:
+            value = done.value()
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter
+            mine.set_exception(exc)
+        else:
+            mine.set_result(value)
 
     def abort(self, reason: str) -> int:
         """Fail every pending tracked future now, and every one tracked until :meth:`reset` (any
@@ -81,13 +85,10 @@ class AbortableWaits:
         with self._lock:
             self._aborted = self._aborted or reason
             pending, self._pending = self._pending, set()
-            failed = 0
-            for future in pending:
-                if not future.done():
-                    future.set_exception(RuntimeError(f"{ABORT_MARKER} ({reason})"))
-                    failed += 1
-            self.interrupted += failed
-        return failed
+            self.interrupted += len(pending)
+        for future in pending:
+            future.set_exception(RuntimeError(f"{ABORT_MARKER} ({reason})"))
+        return len(pending)
 
     def reset(self) -> int:
         """A new group: forget the old one's; returns how many of its waits an abort ended."""

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 
 @contextlib.contextmanager
-def atomic_file(target: Path, *, durable: bool = True) -> Iterator[BinaryIO]:
-    """A binary file to write; it replaces ``target`` when the block ends without an error."""
+def atomic_file(target: Path, *, durable: bool = True,
+                before_replace: Callable[[], None] | None = None) -> Iterator[BinaryIO]:
+    """A binary file to write; it replaces ``target`` when the block ends without an error.
+    ``before_replace`` runs once the data is durable, right before the rename; if it raises,
+    ``target`` is left as it was."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as file:
@@ -25,6 +28,8 @@ def atomic_file(target: Path, *, durable: bool = True) -> Iterator[BinaryIO]:
             file.flush()
             if durable:
                 os.fsync(file.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -373,6 +373,8 @@ class Trainer:
                     "scaler": self.scaler, "sampler": self.sampler},
             fence=healer.commit_fence if healer is not None else None,
         )
+        if healer is not None:
+            healer.busy_probe = lambda: self.checkpoints.writing
         self.loop = ElasticLoop(
             env=env, sampler=self.sampler, checkpoints=self.checkpoints, max_steps=cfg.max_steps, epochs=cfg.epochs,
             seed=cfg.seed, observer=self.observer, settings=settings, sigterm_grace_s=cfg.sigterm_grace(settings),

@@ -146,9 +146,10 @@ def test_a_node_watched_only_from_now_gets_a_full_silence_before_a_report(made: 
     everyone = {"a": a.address, "c": c.address, "d": d.address}
     for beats in (a, c, d):
         beats.set_peers({k: v for k, v in everyone.items() if k != beats.node})
-    # Ring a -> c -> d -> a: a watches d; c sends to d only, so a's news of c gets old.
+    # Ring a -> c -> d -> a: a watches d; c sends to d only (after one silence of lingering
+    # beats to a), so a's news of c gets old.
     assert _wait(lambda: "d" in a.heard(), 2.0)
-    time.sleep(0.5)
+    time.sleep(0.9)
     assert time.monotonic() - a.heard()["c"] > 0.4
     d.close()
     # d leaves cleanly (its key deleted): a watches c again, which still sends to d until its own
@@ -159,3 +160,26 @@ def test_a_node_watched_only_from_now_gets_a_full_silence_before_a_report(made: 
     time.sleep(0.5)
     assert reports.nodes == []
     assert time.monotonic() - a.heard()["c"] < 0.2
+
+
+def test_a_former_target_keeps_getting_beats_for_one_silence(made: list[PeerHeartbeats]) -> None:
+    """A ring change reaches nodes at different times: the node this one stops sending to may
+    still watch it, and must not find it silent before its own view changes."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as old_target:
+        old_target.bind(("127.0.0.1", 0))
+        old_target.settimeout(0.05)
+        a = _start(made, "a", Reports(), fanout=1)
+        old = f"127.0.0.1:{old_target.getsockname()[1]}"
+        a.set_peers({"b": old})
+        assert old_target.recv(512) == b"job\na"
+        other = _start(made, "aa", Reports(), fanout=1)  # sorts between a and b: a now sends to aa
+        a.set_peers({"aa": other.address, "b": old})
+        changed = time.monotonic()
+        last = changed
+        while time.monotonic() - changed < 1.0:
+            try:
+                old_target.recv(512)
+                last = time.monotonic()
+            except TimeoutError:
+                pass
+        assert 0.15 < last - changed < 0.45, f"beats to the former target for one silence (0.25 s): {last - changed:.2f}"

@@ -1,0 +1,49 @@
+"""The checkpoint manager under a commit fence: a refused periodic write changes nothing on disk
+and is not reported as the last checkpoint; the same step can be saved again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint.config import CheckpointConfig
+from elastic_trainer.checkpoint.manager import CheckpointManager
+from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.settings import WorkerSettings
+
+ENV = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, launched=False,
+              device=torch.device("cpu"), backend="gloo")
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_a_refused_write_is_not_the_last_checkpoint(tmp_path: Path, async_write: bool) -> None:
+    refuse = [False]
+    model = nn.Linear(3, 2)
+    manager = CheckpointManager(
+        CheckpointConfig(directory=str(tmp_path), every=1, async_write=async_write), env=ENV,
+        states={"model": model}, fingerprint={"model": ckpt.model_signature(model.state_dict())},
+        settings=WorkerSettings(), fence=lambda: "the job went on without this process" if refuse[0] else None)
+    try:
+        manager.step = 1
+        first = manager.save()
+        manager._drain(10.0)  # the background write, if any
+        assert first is not None and ckpt.iter_checkpoints(tmp_path) == [1]
+
+        refuse[0] = True
+        manager.step = 2
+        manager.save()
+        manager._drain(10.0)  # the background write, if any
+        assert ckpt.iter_checkpoints(tmp_path) == [1], "nothing committed"
+        assert manager.last_path == first, "the last checkpoint is still step 1's"
+        assert not manager.write_failed, "a refusal is no write failure"
+
+        refuse[0] = False  # etcd confirms again: the same step is saved, not skipped
+        again = manager.save()
+        manager._drain(10.0)  # the background write, if any
+        assert ckpt.iter_checkpoints(tmp_path) == [1, 2] and again is not None and again.endswith("000000000002.pt")
+    finally:
+        manager.close(5.0)
