@@ -386,30 +386,36 @@ class Healer:
     # -- the responder -------------------------------------------------------------------------------
     def _round_opened(self, number: int, reason: str) -> None:
         """(Responder thread) round ``number`` opened: while training in the epoch before it, abort
-        the group (the training thread fails fast and heals) and answer that this process lives."""
+        the group (the training thread fails fast and heals) and answer that this process lives.
+
+        The aborts happen under the phase lock, in the phase they were decided in: the training
+        thread, which sets the phase under the same lock before it destroys the group (and resets
+        the tracked waits), never sees an abort meant for the group before land on the next one."""
         with self._phase_lock:
-            phase, forming = self._phase, self._forming
-            if forming is not None and number == forming + 1:
+            phase, forming, epoch = self._phase, self._forming, self._epoch
+            abandoning = forming is not None and number == forming + 1
+            stopping = not abandoning and phase == "training" and epoch is not None and number == epoch.number + 1
+            if abandoning:
                 self._abandoned = True
-        epoch = self._epoch
+                for store in self._stores:
+                    store.cancel()
+                self.group.abort()
+                WAITS.abort(f"round {number} opened while epoch {forming} was forming")
+            elif stopping:
+                self._group_aborted = True
+                self.group.abort()
+                WAITS.abort(f"round {number} opened: {reason or 'a fault'}")
         if phase == "spare":
             self.membership.answer(number, Join(self.member, ready=True, step=NO_STATE))
             return
-        if forming is not None and number == forming + 1:
+        if abandoning:
             log.warning("heal: round %d opened while epoch %d was forming (%s); starting over", number, forming,
                         reason or "a fault")
             self.membership.announce(number, Join(self.member, ready=False))
-            for store in self._stores:
-                store.cancel()
-            self.group.abort()
-            WAITS.abort(f"round {number} opened while epoch {forming} was forming")
             return
-        if phase != "training" or epoch is None or number != epoch.number + 1:
+        if not stopping or epoch is None:
             return
         log.warning("heal: round %d opened (%s); stopping this step", number, reason or "a fault")
-        self._group_aborted = True
-        self.group.abort()
-        WAITS.abort(f"round {number} opened: {reason or 'a fault'}")
         self.membership.announce(number, Join(self.member, ready=False))
         threading.Thread(target=self._watch_stop, args=(epoch, number), name="heal-stop-watch", daemon=True).start()
 
