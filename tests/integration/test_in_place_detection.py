@@ -14,6 +14,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from elastic_trainer.heal.membership import HealKeys
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Member
 from elastic_trainer.launch.in_place import InPlaceRendezvousHandler, node_key
+from elastic_trainer.ops.processes import wait_for
 from rendezvous import etcd_ops
 from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
 from rendezvous.plugin import create_rdzv_handler
@@ -21,13 +22,6 @@ from rendezvous.plugin import create_rdzv_handler
 pytestmark = pytest.mark.timeout(120)
 
 
-def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.fixture
@@ -69,14 +63,14 @@ def test_a_silent_node_is_reported_by_heartbeats_while_its_lease_still_lives(
     a, b = launchers(run_id, "a"), launchers(run_id, "b")
     _write_epoch(connection, run_id, ["a", "b"])
     assert a._heartbeats is not None and b._heartbeats is not None
-    assert _wait(lambda: "b" in a._heartbeats.heard() and "a" in b._heartbeats.heard(), 10.0), \
-        "each launcher hears the other (addresses from the nodes' etcd keys)"
+    wait_for(lambda: "b" in a._heartbeats.heard() and "a" in b._heartbeats.heard(), timeout=10.0,
+             what="each launcher hears the other (addresses from the nodes' etcd keys)")
     time.sleep(1.5)
     assert not _exists(connection, keys.open(2)), "two live nodes: no round"
 
     caplog.set_level(logging.WARNING, logger="elastic_trainer.launch.in_place")
     b._heartbeats.close()  # node b's network goes silent; its etcd lease is still renewed
-    assert _wait(lambda: _exists(connection, keys.open(2)), 10.0), "a opened a heal round"
+    wait_for(lambda: _exists(connection, keys.open(2)), timeout=10.0, what="a opened a heal round")
     assert _exists(connection, node_key(keys, "b")), "b's lease had not expired: the heartbeats found it"
     opened = etcd_ops.get_range(connection, keys.open(2), what="reading the round").kvs[0].value
     assert b"node b lost" in bytes(opened)
@@ -92,7 +86,7 @@ def test_without_heartbeats_the_lease_finds_the_lost_node(connection: EtcdConnec
     time.sleep(1.0)
     assert not _exists(connection, keys.open(2))
     connection.call(lambda client: client.revoke_lease(b._lease_id), what="a lease revoke")
-    assert _wait(lambda: _exists(connection, keys.open(2)), 10.0)
+    wait_for(lambda: _exists(connection, keys.open(2)), timeout=10.0, what="a opened a heal round")
     opened = etcd_ops.get_range(connection, keys.open(2), what="reading the round").kvs[0].value
     assert b"node b lost" in bytes(opened) and a._heartbeats is None
 
@@ -102,7 +96,7 @@ def test_a_finished_job_opens_no_round_for_a_lost_node(connection: EtcdConnectio
     keys = HealKeys.of(run_id)
     a = launchers(run_id, "a")
     _write_epoch(connection, run_id, ["a", "b"], finished=True)
-    assert _wait(lambda: a._finished, 10.0), "the launcher saw the job finish"
+    wait_for(lambda: a._finished, timeout=10.0, what="the launcher saw the job finish")
     b = launchers(run_id, "b")
     connection.call(lambda client: client.revoke_lease(b._lease_id), what="a lease revoke")
     time.sleep(1.0)

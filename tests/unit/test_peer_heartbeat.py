@@ -5,22 +5,16 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from elastic_trainer.launch.peer_heartbeat import PeerHeartbeats, parse_address, ring_neighbours
+from elastic_trainer.ops.processes import wait_for
 
 FAST = {"interval_s": 0.02, "silent_after_s": 0.25}
 
 
-def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 class Reports:
@@ -85,7 +79,7 @@ def test_a_node_that_stops_is_reported_once_and_again_after_it_came_back(made: l
     a, b = _start(made, "a", reports_a), _start(made, "b", reports_b)
     a.set_peers({"b": b.address})
     b.set_peers({"a": a.address})
-    assert _wait(lambda: "b" in a.heard() and "a" in b.heard(), 2.0)
+    wait_for(lambda: "b" in a.heard() and "a" in b.heard(), timeout=2.0, what="each hears the other")
     time.sleep(0.5)  # both alive: two silent_after_s without a report
     assert reports_a.nodes == [] and reports_b.nodes == []
     assert not a.still_silent("b")
@@ -93,7 +87,8 @@ def test_a_node_that_stops_is_reported_once_and_again_after_it_came_back(made: l
     port = parse_address(b.address)[1]
     b.close()
     stopped = time.monotonic()
-    assert _wait(lambda: reports_a.nodes == ["b"], 2.0), reports_a.nodes
+    wait_for(lambda: reports_a.nodes == ["b"], timeout=2.0, what="b reported silent",
+             describe=lambda: str(reports_a.nodes))
     assert time.monotonic() - stopped >= 0.2  # not before silent_after_s (less a tick)
     assert a.still_silent("b")
     time.sleep(0.5)
@@ -106,9 +101,10 @@ def test_a_node_that_stops_is_reported_once_and_again_after_it_came_back(made: l
     if parse_address(b2.address)[1] != port:
         a.set_peers({"b": b2.address})
     b2.set_peers({"a": a.address})
-    assert _wait(lambda: "a" in b2.heard() and a.heard().get("b", 0) > stopped, 2.0)
+    wait_for(lambda: "a" in b2.heard() and a.heard().get("b", 0) > stopped, timeout=2.0, what="b heard again")
     b2.close()
-    assert _wait(lambda: reports_a.nodes == ["b", "b"], 2.0), reports_a.nodes
+    wait_for(lambda: reports_a.nodes == ["b", "b"], timeout=2.0, what="b reported silent again",
+             describe=lambda: str(reports_a.nodes))
 
 
 def test_a_node_never_heard_is_never_reported(made: list[PeerHeartbeats]) -> None:
@@ -141,14 +137,14 @@ def test_a_node_watched_only_from_now_gets_a_full_silence_before_a_report(made: 
     c = _start(made, "c", Reports(), fanout=1)
     a.set_peers({"c": c.address})
     c.set_peers({"a": a.address})
-    assert _wait(lambda: "c" in a.heard(), 2.0)  # two nodes: a watches c
+    wait_for(lambda: "c" in a.heard(), timeout=2.0, what="a hears c")  # two nodes: a watches c
     d = _start(made, "d", Reports(), fanout=1)
     everyone = {"a": a.address, "c": c.address, "d": d.address}
     for beats in (a, c, d):
         beats.set_peers({k: v for k, v in everyone.items() if k != beats.node})
     # Ring a -> c -> d -> a: a watches d; c sends to d only (after one silence of lingering
     # beats to a), so a's news of c gets old.
-    assert _wait(lambda: "d" in a.heard(), 2.0)
+    wait_for(lambda: "d" in a.heard(), timeout=2.0, what="a hears d")
     time.sleep(0.9)
     assert time.monotonic() - a.heard()["c"] > 0.4
     d.close()
