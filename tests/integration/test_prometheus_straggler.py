@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from elastic_trainer.runtime.process_exit import exit_process
 from rendezvous.etcd_server import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -80,6 +81,7 @@ def _worker(rank: int, world: int, port: int, results: Any) -> None:
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # torch 2.13's gloo can abort in interpreter teardown (runtime/process_exit.py)
 
 
 def test_compute_time_singles_out_the_slow_rank_while_step_times_agree() -> None:

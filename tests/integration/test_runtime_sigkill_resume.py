@@ -169,5 +169,8 @@ def test_three_rank_restart_without_priming_is_not_bitwise(tmp_path: Path) -> No
 
 
 if __name__ == "__main__":
+    from elastic_trainer.runtime.process_exit import exit_process
+
     _three_rank_worker(int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
                        sys.argv[6] == "1")
+    exit_process(0)  # torch 2.13's gloo can abort in interpreter teardown (runtime/process_exit.py)

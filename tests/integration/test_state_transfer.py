@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic_trainer.heal.state_transfer import share_state
+from elastic_trainer.runtime.process_exit import exit_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,6 +69,7 @@ def _rank(rank: int, store_file: str, out_dir: str) -> None:
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # torch 2.13's gloo can abort in interpreter teardown (runtime/process_exit.py)
 
 
 def test_every_rank_gets_the_payload_back_exactly(tmp_path: Path) -> None:
