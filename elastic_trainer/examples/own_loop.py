@@ -12,7 +12,10 @@ extra input (a mask of the positions to score), gradient clipping, a GradScaler,
 ``--eval-every`` steps and a metric of its own. The lines marked ``# elastic:`` are all it takes to
 get exact resume of model, optimizers, scheduler, scaler, sampler and random numbers (onto each
 rank's own device), exactly-once data at any world size, periodic asynchronous checkpoints, the
-SIGTERM checkpoint, the just-in-time save of the last step when a worker dies, and metrics.
+SIGTERM checkpoint, the just-in-time save of the last step when a worker dies, and metrics. Under
+``elastic-trainer run`` a peer's failure is healed in place: the surviving processes keep their
+model and optimizers, re-form the group and go on (``ElasticGroup``); only a process that died is
+started again, and it takes its state from a live peer.
 
 Streams: the elastic sampler hands out positions in each epoch's global order, and a checkpoint
 holds the epoch and the count of samples consumed (the cursor), never the data. A map-style
@@ -41,11 +44,12 @@ from elastic_trainer.checkpoint.config import CheckpointConfig  # elastic
 from elastic_trainer.checkpoint.files import model_signature  # elastic
 from elastic_trainer.checkpoint.manager import CheckpointManager  # elastic
 from elastic_trainer.runtime import failures
-from elastic_trainer.runtime.distributed import destroy_process_group, init_process_group, read_env
+from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.process_exit import exit_process
 from elastic_trainer.runtime.sampler import ElasticSampler, StepPlan, split_evenly  # elastic
 from elastic_trainer.runtime.settings import WorkerSettings  # elastic
-from elastic_trainer.train.loop import ElasticLoop  # elastic
+from elastic_trainer.train.elastic_group import ElasticGroup  # elastic
+from elastic_trainer.train.loop import ElasticLoop
 from elastic_trainer.train.trainer import build_observer  # elastic
 
 PROG = "own_loop"
@@ -146,12 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def train(args: argparse.Namespace) -> int:
     settings = WorkerSettings.from_environ()  # elastic: the worker's environment, parsed once
-    env = read_env()  # rank, world size and device from torchrun
-    init_process_group(env, pg_timeout_s=settings.pg_timeout_s)  # the DDP guides' init_process_group
-    try:
+    # elastic: forms the process group (the DDP guides' init_process_group) and, under
+    # elastic-trainer run, heals it in place when a peer fails: this process keeps its state.
+    with ElasticGroup(settings) as group:
+        env = group.env  # rank, world size and device from torchrun
         torch.manual_seed(args.seed)  # identical initial weights on every rank
         model = CharLM(width=32, dropout=0.1).to(env.device)
-        ddp = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
         body = [p for name, p in model.named_parameters() if not name.startswith("embedding")]
         optimizer = torch.optim.AdamW(body, lr=3e-3, weight_decay=0.01)
         embedding_optimizer = torch.optim.SGD(model.embedding.parameters(), lr=0.1, momentum=0.9)
@@ -162,62 +166,75 @@ def train(args: argparse.Namespace) -> int:
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
         scaler = torch.amp.GradScaler(env.device.type, enabled=env.device.type == "cuda")
         observer = build_observer(settings)  # elastic: metrics (none outside elastic-trainer run)
-        observer.wrap_ddp(ddp)  # elastic: allreduce timing
-        checkpoints = CheckpointManager(  # elastic: everything it saves and restores, by name
-            CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every, async_write=True),
-            env=env, settings=settings, observer=observer,
-            states={"model": model, "optimizer": optimizer, "embedding_optimizer": embedding_optimizer,
-                    "scheduler": scheduler, "scaler": scaler, "sampler": sampler},
-            fingerprint={"model": model_signature(model.state_dict()), "dataset_size": len(windows), "seed": args.seed},
-        )
-        loop = ElasticLoop(env=env, sampler=sampler, checkpoints=checkpoints, max_steps=args.max_steps,  # elastic
-                           epochs=args.epochs, seed=args.seed, observer=observer, settings=settings,
-                           log_every=args.log_every, record_samples_dir=args.record_samples,
-                           lr=lambda: float(scheduler.get_last_lr()[0]))
-        stream: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
-        stream_at = (-1, -1)
-        with loop:  # elastic: resumes here; on a failure, the last completed step is saved just in time
-            for plan in loop:  # elastic: this rank's share of each step, exactly once per epoch
-                if args.stream:
-                    if stream is None or stream_at != (plan.epoch, plan.cursor):
-                        stream = Stream(windows, sampler.order(plan.epoch)).from_position(plan.cursor)
-                    batch = [next(stream) for _ in range(plan.global_samples)]  # every rank reads the step
-                    stream_at = (plan.epoch, plan.next_cursor)
-                    mine = [batch[i - plan.cursor] for i in _positions(plan, env.rank, env.world_size)]
-                else:
-                    mine = [windows[i] for i in plan.micro_batches[0].indices]
-                tokens = torch.stack([x for x, _ in mine]).to(env.device)
-                targets = torch.stack([y for _, y in mine]).to(env.device)
-                mask = torch.ones_like(targets, dtype=torch.bool)
-                mask[:, :4] = False  # score only positions with some context
-                optimizer.zero_grad(set_to_none=True)
-                embedding_optimizer.zero_grad(set_to_none=True)
-                with torch.autocast(env.device.type, dtype=torch.float16, enabled=env.device.type == "cuda"):
-                    loss = masked_loss(ddp(tokens), targets, mask)
-                # The global batch's mean whatever the world size: DDP averages over the ranks, each
-                # rank weighs its share (a padding rank in a short last step weighs nothing).
-                scaler.scale(loss * plan.samples * env.world_size / plan.global_samples).backward()
-                scaler.unscale_(optimizer)
-                scaler.unscale_(embedding_optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                with loop.update(loss=loss):  # elastic: every change of the saved state, in here
-                    scaler.step(optimizer)
-                    scaler.step(embedding_optimizer)
-                    scaler.update()
-                    scheduler.step()
-                TOKENS.inc(plan.samples * tokens.shape[1])
-                if args.throttle_ms > 0:
-                    time.sleep(args.throttle_ms / 1000)
-                if loop.step % args.eval_every == 0:  # between steps: evaluation is free to run
-                    evaluate(model, held_out, env, loop.step)
-        result = loop.result
+        for attempt in group.attempts():  # elastic: once, and again after each in-place heal
+            with attempt:  # elastic: a peer's failure is healed here, then the next attempt goes on
+                env = attempt.env  # elastic: the rank and world size change with a heal
+                ddp = attempt.wrap(  # elastic: allreduce timing; the old group's DDP is let go after a heal
+                    DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None), observer)
+                checkpoints = CheckpointManager(  # elastic: everything it saves and restores, by name
+                    CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every, async_write=True),
+                    env=env, settings=settings, observer=observer, fence=attempt.fence,
+                    states={"model": model, "optimizer": optimizer, "embedding_optimizer": embedding_optimizer,
+                            "scheduler": scheduler, "scaler": scaler, "sampler": sampler},
+                    fingerprint={"model": model_signature(model.state_dict()), "dataset_size": len(windows),
+                                 "seed": args.seed},
+                )
+                loop = attempt.loop(sampler=sampler, checkpoints=checkpoints, max_steps=args.max_steps,  # elastic
+                                    epochs=args.epochs, seed=args.seed, observer=observer, settings=settings,
+                                    log_every=args.log_every, record_samples_dir=args.record_samples,
+                                    lr=lambda: float(scheduler.get_last_lr()[0]))
+                with loop:  # elastic: resumes here; on a failure, the last completed step is saved just in time
+                    train_steps(args, loop, env, ddp, model, (optimizer, embedding_optimizer), scheduler, scaler,
+                                windows, held_out)
+        result = group.result
         if result is None:
             raise RuntimeError("the loop ended without a result")
-    finally:
-        destroy_process_group()
     if env.is_rank0 and result.finished:
         log.info("final step %d loss %s checkpoint %s", result.step, result.loss, result.checkpoint)
     return result.exit_code  # not finished: stopped for a restart (exit 143, torchrun decides)
+
+
+def train_steps(args: argparse.Namespace, loop: ElasticLoop, env: DistEnv, ddp: DDP, model: CharLM,
+                optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer],
+                scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler, windows: Windows,
+                held_out: Windows) -> None:
+    """The user's own steps, as a plain DDP loop writes them."""
+    optimizer, embedding_optimizer = optimizers
+    stream: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+    stream_at = (-1, -1)
+    for plan in loop:  # elastic: this rank's share of each step, exactly once per epoch
+        if args.stream:
+            if stream is None or stream_at != (plan.epoch, plan.cursor):
+                stream = Stream(windows, loop.sampler.order(plan.epoch)).from_position(plan.cursor)
+            batch = [next(stream) for _ in range(plan.global_samples)]  # every rank reads the step
+            stream_at = (plan.epoch, plan.next_cursor)
+            mine = [batch[i - plan.cursor] for i in _positions(plan, env.rank, env.world_size)]
+        else:
+            mine = [windows[i] for i in plan.micro_batches[0].indices]
+        tokens = torch.stack([x for x, _ in mine]).to(env.device)
+        targets = torch.stack([y for _, y in mine]).to(env.device)
+        mask = torch.ones_like(targets, dtype=torch.bool)
+        mask[:, :4] = False  # score only positions with some context
+        optimizer.zero_grad(set_to_none=True)
+        embedding_optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(env.device.type, dtype=torch.float16, enabled=env.device.type == "cuda"):
+            loss = masked_loss(ddp(tokens), targets, mask)
+        # The global batch's mean whatever the world size: DDP averages over the ranks, each
+        # rank weighs its share (a padding rank in a short last step weighs nothing).
+        scaler.scale(loss * plan.samples * env.world_size / plan.global_samples).backward()
+        scaler.unscale_(optimizer)
+        scaler.unscale_(embedding_optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with loop.update(loss=loss):  # elastic: every change of the saved state, in here
+            scaler.step(optimizer)
+            scaler.step(embedding_optimizer)
+            scaler.update()
+            scheduler.step()
+        TOKENS.inc(plan.samples * tokens.shape[1])
+        if args.throttle_ms > 0:
+            time.sleep(args.throttle_ms / 1000)
+        if loop.step % args.eval_every == 0:  # between steps: evaluation is free to run
+            evaluate(model, held_out, env, loop.step)
 
 
 def _positions(plan: StepPlan, rank: int, world_size: int) -> list[int]:

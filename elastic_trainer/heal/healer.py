@@ -99,14 +99,6 @@ class HealOutcome:
     took_s: float
 
 
-class Regrouped(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """Raised out of a training session when its group was healed: start a new session."""
-
-    def __init__(self, outcome: HealOutcome) -> None:
-        super().__init__(f"healed into epoch {outcome.epoch.number}")
-        self.outcome = outcome
-
-
 def is_group_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because a peer is gone (not a bug in the step)."""
     if isinstance(exc, (GroupAborted, dist.DistBackendError, dist.DistNetworkError)):

@@ -253,3 +253,12 @@ def has_comm_hook(ddp_model: Any) -> bool:
     """Whether a communication hook is registered on ``ddp_model`` (DDP keeps them in the private
     ``_comm_hooks`` list, torch 2.13)."""
     return bool(getattr(ddp_model, "_comm_hooks", None))
+
+
+def detach_ddp(ddp_model: Any) -> None:
+    """Remove the autograd hooks of ``ddp_model``'s reducer (``_remove_autograd_hooks``, private in
+    torch 2.13), so that a DDP of a broken group no longer reduces the parameters' gradients even
+    while something still holds it. A wrapper without that method is left as it is."""
+    remove = getattr(ddp_model, "_remove_autograd_hooks", None)
+    if remove is not None:
+        remove()

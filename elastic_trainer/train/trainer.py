@@ -30,28 +30,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint.manager import CheckpointManager
-from elastic_trainer.heal.healer import (
-    Healer,
-    HealError,
-    HealOutcome,
-    RunFinished,
-    is_group_failure,
-)
-from elastic_trainer.heal.protocol import NO_STATE
 from elastic_trainer.runtime import distributed, rng, torch_compat
-from elastic_trainer.runtime.abortable import WAITS, abortable_allreduce_hook
 from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatchSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.train.config import TrainerConfig
+from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
 from elastic_trainer.train.loop import EXIT_STOPPED, ElasticLoop, FaultHook, TrainResult
 
 __all__ = ["EXIT_STOPPED", "Callback", "TrainResult", "Trainer", "TrainerSetupError", "TrainingJob",
@@ -211,65 +202,22 @@ class Trainer:
             # Metrics by default wherever the launcher collects them (ELASTIC_TRAINER_METRICS=1).
             self._observer = build_observer(settings)
         ensure_progress_logging(env.rank)
-        owns_group = not dist.is_initialized()
-        healer: Healer | None = None
-        try:
-            if owns_group:
-                healer = Healer.create(settings.heal, env, run_id=settings.run_id, node=settings.node,
-                                       pg_timeout_s=self.config.pg_timeout(settings))
-            state: dict[str, Any] | None = None
-            if healer is not None:
-                try:
-                    self.env, state = healer.start(env)
-                except RunFinished:
-                    log.warning("the job finished before this process could join it")
-                    return TrainResult(step=0, epoch=0, loss=None, resumed_from=None, stopped_by_signal=False,
-                                       checkpoint=None)
-            elif owns_group:
-                distributed.init_process_group(env, pg_timeout_s=self.config.pg_timeout(settings))
-            self._setup()
-            while True:
-                try:
-                    self._wrap_model()
-                    with self._make_loop(healer=healer, initial_state=state) as loop:
+        with ElasticGroup(settings, env, pg_timeout_s=self.config.pg_timeout(settings)) as group:
+            self.env = group.env
+            prepared = False
+            for attempt in group.attempts():
+                with attempt:  # a peer's failure is healed in place here; the next attempt goes on
+                    self.env = attempt.env
+                    if not prepared:
+                        self._setup()
+                        prepared = True
+                    self._wrap_model(attempt)
+                    with self._make_loop(attempt) as loop:
                         self._train(loop)
-                    break
-                except Exception as exc:
-                    if healer is None or not is_group_failure(exc):
-                        raise
-                    try:
-                        outcome = self._heal(healer, exc)
-                    except RunFinished:
-                        log.warning("the job finished while this process healed")
-                        return TrainResult(step=self.step, epoch=self.sampler.epoch, loss=None, resumed_from=None,
-                                           stopped_by_signal=False, checkpoint=None)
-                    self.env, state = outcome.env, outcome.state
-            if loop.result is None:
-                raise RuntimeError("the training loop ended without a result")
-            if healer is not None and loop.result.finished:
-                healer.finish(self._env())
-            return loop.result
-        finally:
-            if healer is not None:
-                healer.close()
-            elif owns_group:
-                distributed.destroy_process_group()
-
-    def _heal(self, healer: Healer, exc: Exception) -> HealOutcome:
-        """A collective failed: heal the group in place (or, if that fails, save just in time and
-        let the failure end the process as it would without healing)."""
-        loop = self.loop
-        holds = loop is not None and loop.state_ready and loop.checkpoints.holds_consistent_state
-        step = loop.step if holds and loop is not None else NO_STATE
-        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        self._drop_model_wrapper()
-        try:
-            return healer.heal(self._env(), step=step, snapshot=self.checkpoints.peer_payload, reason=reason)
-        except HealError as heal_exc:
-            log.error("%s; falling back to a restart", heal_exc)
-            if holds:
-                self.checkpoints.after_failure(exc)
-            raise exc from heal_exc
+            result = group.result
+        if result is None:
+            raise RuntimeError("the training loop ended without a result")
+        return result
 
     # -- setup ---------------------------------------------------------------------------------
     def _env(self) -> distributed.DistEnv:
@@ -330,14 +278,10 @@ class Trainer:
             "shuffle": cfg.shuffle,
         }
 
-    def _wrap_model(self) -> None:
-        """DDP over the current process group (again after every heal: the group is new)."""
+    def _wrap_model(self, attempt: Attempt) -> None:
+        """DDP over the attempt's process group (again after every heal: the group is new)."""
         self._drop_model_wrapper()
-        self.ddp = DDP(self.model, **self._ddp_kwargs(self._env().device))
-        self.observer.wrap_ddp(self.ddp)
-        if WAITS.enabled and not torch_compat.has_comm_hook(self.ddp):
-            # Healing in place on gloo: the buckets' waits must be abortable (runtime/abortable.py).
-            self.ddp.register_comm_hook(None, abortable_allreduce_hook)
+        self.ddp = attempt.wrap(DDP(self.model, **self._ddp_kwargs(self._env().device)), self.observer)
 
     def _drop_model_wrapper(self) -> None:
         """Let go of the DDP of a broken group: its reducer's hooks leave the parameters with it."""
@@ -363,7 +307,7 @@ class Trainer:
             kwargs.update(device_ids=[device.index], output_device=device.index)
         return kwargs
 
-    def _make_loop(self, *, healer: Healer | None = None, initial_state: dict[str, Any] | None = None) -> ElasticLoop:
+    def _make_loop(self, attempt: Attempt) -> ElasticLoop:
         cfg, env = self.config, self._env()
         settings = self.settings if self.settings is not None else WorkerSettings()
         self.checkpoints = CheckpointManager(
@@ -371,18 +315,14 @@ class Trainer:
             run_config=cfg.to_dict(),
             states={"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                     "scaler": self.scaler, "sampler": self.sampler},
-            fence=healer.commit_fence if healer is not None else None,
+            fence=attempt.fence,
         )
-        if healer is not None:
-            healer.busy_probe = lambda: self.checkpoints.writing
-        self.loop = ElasticLoop(
-            env=env, sampler=self.sampler, checkpoints=self.checkpoints, max_steps=cfg.max_steps, epochs=cfg.epochs,
+        self.loop = attempt.loop(
+            sampler=self.sampler, checkpoints=self.checkpoints, max_steps=cfg.max_steps, epochs=cfg.epochs,
             seed=cfg.seed, observer=self.observer, settings=settings, sigterm_grace_s=cfg.sigterm_grace(settings),
             log_every=cfg.log_every, record_samples_dir=cfg.record_samples_dir,
             tokens_per_sample=self.job.tokens_per_sample, lr=self._lr, after_step=[self._between_steps],
-            fault_hook=self._fault_hook, heals_in_place=healer is not None, initial_state=initial_state,
-            generation_part=healer.heals if healer is not None else 0,
-            heal_check=healer.check if healer is not None else None,
+            fault_hook=self._fault_hook,
         )
         return self.loop
 

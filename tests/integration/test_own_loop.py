@@ -1,7 +1,9 @@
 """The own-loop example (a plain DDP loop plus the library's few lines) is tested the way the runtime
 is: a worker SIGKILLed under `elastic-trainer run` and the final weights bitwise equal to an
-undisturbed run, no sample lost or repeated; the same job under plain torchrun with the data read
-as a stream trains exactly the same steps; its checkpoints verify with `elastic-trainer checkpoint`."""
+undisturbed run, no sample lost or repeated, both healed in place (the default: the survivor keeps
+its process and its state, the replacement takes the state from it) and with `--heal off` (the
+group restarts from the just-in-time checkpoint); the same job under plain torchrun with the data
+read as a stream trains exactly the same steps; its checkpoints verify with `elastic-trainer checkpoint`."""
 
 from __future__ import annotations
 
@@ -31,12 +33,13 @@ def _job(tmp: Path, name: str, *extra: str) -> list[str]:
             "--record-samples", str(tmp / name / "samples"), "--eval-every", "1000", "--log-every", "20", *extra]
 
 
-def _launch(tmp: Path, name: str, run_id: str, endpoint: str, *extra: str) -> subprocess.Popen[bytes]:
+def _launch(tmp: Path, name: str, run_id: str, endpoint: str, *extra: str, heal: str = "in_place"
+            ) -> subprocess.Popen[bytes]:
     log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed by the process's end
     return subprocess.Popen(
         [sys.executable, "-m", "elastic_trainer.cli", "run", "--rdzv-endpoint", endpoint, "--run-id", run_id,
          "--nnodes", "1", "--nproc-per-node", "2", "--metrics-port", "0", "--rdzv-conf", FAST_RDZV_CONF,
-         *OWN_LOOP, *_job(tmp, name, *extra)],
+         "--heal", heal, *OWN_LOOP, *_job(tmp, name, *extra)],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
         start_new_session=True)
 
@@ -47,10 +50,11 @@ def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> N
         assert torch.equal(a[name], b[name]), f"{name} differs"
 
 
+@pytest.mark.parametrize("heal", ["in_place", "off"])
 def test_a_sigkilled_worker_of_your_own_loop_resumes_bitwise_and_exactly_once(
-        etcd_server, unique_id: str, tmp_path: Path) -> None:
-    reference = _launch(tmp_path, "ref", f"{unique_id}-ref", etcd_server.endpoint)
-    faulty = _launch(tmp_path, "faulty", unique_id, etcd_server.endpoint, "--throttle-ms", "60")
+        etcd_server, unique_id: str, tmp_path: Path, heal: str) -> None:
+    reference = _launch(tmp_path, "ref", f"{unique_id}-ref", etcd_server.endpoint, heal=heal)
+    faulty = _launch(tmp_path, "faulty", unique_id, etcd_server.endpoint, "--throttle-ms", "60", heal=heal)
     try:
         samples = tmp_path / "faulty" / "samples"
         wait_for(lambda: steps_recorded(samples) >= 25, timeout=120, what="step 25")
@@ -63,8 +67,18 @@ def test_a_sigkilled_worker_of_your_own_loop_resumes_bitwise_and_exactly_once(
             if proc.poll() is None:
                 proc.kill()
     gens = generations(tmp_path / "faulty" / "samples")
-    assert len(gens) == 2, f"restarted exactly once: {gens}"
-    assert ckpt.verify(tmp_path / "faulty" / "ckpt", gens[1].resumed_step).manifest.jit, "resumed just in time"
+    assert len(gens) == 2, f"healed or restarted exactly once: {gens}"
+    log = (tmp_path / "faulty.log").read_text()
+    if heal == "in_place":
+        assert gens[0].pids[1] in gens[1].pids.values(), f"the survivor kept its process: {gens}"
+        assert newest.pids[0] not in gens[1].pids.values()
+        starts = sorted((records[0] for records in read_records(samples)), key=lambda r: r["started_unix"])
+        assert {r["source"] for r in starts if r["generation"] == gens[1].id} == {"peer"}, starts
+        assert gens[1].resumed_step == gens[0].last_step, "healing in place loses no step"
+        assert "restarting the worker group" not in log
+    else:
+        assert not set(gens[0].pids.values()) & set(gens[1].pids.values()), "the whole group restarted"
+        assert ckpt.verify(tmp_path / "faulty" / "ckpt", gens[1].resumed_step).manifest.jit, "resumed just in time"
     step, model = final_model(tmp_path / "faulty" / "ckpt")
     ref_step, expected = final_model(tmp_path / "ref" / "ckpt")
     assert step == ref_step == STEPS

@@ -1,0 +1,217 @@
+"""The worker's process group over a training run, healed in place after a peer's failure.
+
+    with ElasticGroup(settings) as group:               # forms the group (instead of init_process_group)
+        ...                                             # model, optimizers, sampler: built once
+        for attempt in group.attempts():                # once; again after each in-place heal
+            with attempt:                               # a peer's failure is healed here
+                ddp = attempt.wrap(DDP(model), observer)
+                checkpoints = CheckpointManager(..., env=attempt.env, fence=attempt.fence)
+                with attempt.loop(sampler=sampler, checkpoints=checkpoints, ...) as loop:
+                    for plan in loop: ...
+    result = group.result
+
+Under ``elastic-trainer run`` (in-place healing on) a failed collective does not end the process:
+the attempt's exit aborts the broken group, agrees on the new membership and the newest state
+through etcd (:mod:`elastic_trainer.heal.healer`), removes the old DDP's gradient hooks, and the
+next attempt goes on in the same process from the state it holds (or, for a newcomer, the state a
+live peer sent). Anything else (a bug in the step, a stop) leaves the attempt as it came. Without
+healing (plain torchrun, ``--heal off``) there is exactly one attempt and the group is torchrun's.
+The Trainer and the own-loop API share this object. Design: ``docs/design/heal-in-place.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.checkpoint.files import CommitFence
+from elastic_trainer.checkpoint.manager import CheckpointManager
+from elastic_trainer.heal.healer import Healer, HealError, RunFinished, is_group_failure
+from elastic_trainer.heal.protocol import NO_STATE
+from elastic_trainer.runtime import distributed, torch_compat
+from elastic_trainer.runtime.abortable import WAITS, abortable_allreduce_hook
+from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.observer import TrainingObserver
+from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.train.loop import ElasticLoop, TrainResult
+
+log = logging.getLogger(__name__)
+
+
+class ElasticGroup:
+    """Owns the process group for one training run; see the module docstring.
+
+    Args:
+        settings: the worker's environment settings; parsed when omitted.
+        env: this worker's place in the job; read from torchrun's environment when omitted.
+        pg_timeout_s: the collective timeout; default the settings'.
+
+    A group that already exists when the context is entered (created by the caller) is used as
+    it is: no healing, and it is not destroyed at the end.
+    """
+
+    def __init__(self, settings: WorkerSettings | None = None, env: DistEnv | None = None, *,
+                 pg_timeout_s: float | None = None) -> None:
+        self.settings = settings if settings is not None else WorkerSettings.from_environ()
+        self.env = env if env is not None else distributed.read_env()
+        self.pg_timeout_s = pg_timeout_s if pg_timeout_s is not None else self.settings.pg_timeout_s
+        self.healer: Healer | None = None
+        self._owns = False
+        self._state: dict[str, Any] | None = None
+        self._loop: ElasticLoop | None = None
+        self._result: TrainResult | None = None
+        self._ended = False
+
+    @property
+    def heals_in_place(self) -> bool:
+        return self.healer is not None
+
+    @property
+    def result(self) -> TrainResult | None:
+        """How training ended: the last loop's result, or an empty one when the job finished
+        before (or while) this process could join it. ``None`` before the end."""
+        if self._result is not None:
+            return self._result
+        return self._loop.result if self._loop is not None else None
+
+    # -- the group's life -------------------------------------------------------------------------
+    def __enter__(self) -> ElasticGroup:
+        self._owns = not dist.is_initialized()
+        if not self._owns:
+            return self
+        self.healer = Healer.create(self.settings.heal, self.env, run_id=self.settings.run_id,
+                                    node=self.settings.node, pg_timeout_s=self.pg_timeout_s)
+        try:
+            if self.healer is None:
+                distributed.init_process_group(self.env, pg_timeout_s=self.pg_timeout_s)
+                return self
+            try:
+                self.env, self._state = self.healer.start(self.env)
+            except RunFinished:
+                log.warning("the job finished before this process could join it")
+                self._finish_early(step=0, epoch=0)
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.healer is not None:
+            self.healer.close()
+        elif self._owns:
+            distributed.destroy_process_group()
+
+    def attempts(self) -> Iterator[Attempt]:
+        """One attempt, and one more after each in-place heal (none when the job finished before
+        this process joined it)."""
+        while not self._ended:
+            attempt = Attempt(self, self.env, self._state)
+            self._state = None
+            yield attempt
+            if not attempt.healed:
+                return
+
+    def _finish_early(self, *, step: int, epoch: int) -> None:
+        self._ended = True
+        self._result = TrainResult(step=step, epoch=epoch, loss=None, resumed_from=None, stopped_by_signal=False,
+                                   checkpoint=None)
+
+
+class Attempt:
+    """One epoch of the group: train in its ``with`` block; see the module docstring."""
+
+    def __init__(self, group: ElasticGroup, env: DistEnv, state: dict[str, Any] | None) -> None:
+        self.group = group
+        self.env = env
+        """This process's rank and world in this attempt (they change with a heal)."""
+        self.initial_state = state
+        """The state a live peer sent (a newcomer, or after a heal); ``None``: load the newest checkpoint."""
+        self.healed = False
+        self._wrappers: list[weakref.ref[Any]] = []
+
+    @property
+    def fence(self) -> CommitFence | None:
+        """The checkpoint commit fence (``CheckpointManager(fence=...)``): a process the job went on
+        without never commits a checkpoint. ``None`` without in-place healing."""
+        return self.group.healer.commit_fence if self.group.healer is not None else None
+
+    def wrap(self, ddp: torch.nn.parallel.DistributedDataParallel,
+             observer: TrainingObserver | None = None) -> torch.nn.parallel.DistributedDataParallel:
+        """Take ``ddp`` (built on this attempt's group) into the attempt: the observer's allreduce
+        timing, abortable bucket waits where healing needs them, and, after a heal, its gradient
+        hooks removed. Returns ``ddp``."""
+        if observer is not None:
+            observer.wrap_ddp(ddp)
+        if WAITS.enabled and not torch_compat.has_comm_hook(ddp):
+            # Healing in place on gloo: the buckets' waits must be abortable (runtime/abortable.py).
+            ddp.register_comm_hook(None, abortable_allreduce_hook)
+        self._wrappers.append(weakref.ref(ddp))
+        return ddp
+
+    def loop(self, **options: Any) -> ElasticLoop:
+        """An :class:`ElasticLoop` for this attempt (``options``: the loop's, less ``env`` and the
+        healing ones, which the attempt supplies)."""
+        healer = self.group.healer
+        loop = ElasticLoop(env=self.env, heals_in_place=healer is not None, initial_state=self.initial_state,
+                           generation_part=healer.heals if healer is not None else 0,
+                           heal_check=healer.check if healer is not None else None, **options)
+        self.initial_state = None
+        if healer is not None:
+            checkpoints: CheckpointManager = loop.checkpoints
+            healer.busy_probe = lambda: checkpoints.writing
+        self.group._loop = loop
+        return loop
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        group, healer = self.group, self.group.healer
+        loop = group._loop
+        if exc is None:
+            if healer is not None and loop is not None and loop.result is not None and loop.result.finished:
+                healer.finish(self.env)
+            return False
+        if healer is None or not isinstance(exc, Exception) or not is_group_failure(exc):
+            return False
+        holds = loop is not None and loop.state_ready and loop.checkpoints.holds_consistent_state
+        step = loop.step if holds and loop is not None else NO_STATE
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        self._detach_wrappers()
+        snapshot = loop.checkpoints.peer_payload if loop is not None else dict
+        try:
+            outcome = healer.heal(self.env, step=step, snapshot=snapshot, reason=reason)
+        except RunFinished:
+            log.warning("the job finished while this process healed")
+            group._finish_early(step=loop.step if loop is not None else 0,
+                                epoch=loop.sampler.epoch if loop is not None else 0)
+            return True
+        except HealError as heal_exc:
+            log.error("%s; falling back to a restart", heal_exc)
+            if holds and loop is not None:
+                loop.checkpoints.after_failure(exc)
+            raise exc from heal_exc
+        group.env, group._state = outcome.env, outcome.state
+        self.healed = True
+        return True
+
+    def _detach_wrappers(self) -> None:
+        """The DDP of the broken group must not reduce another gradient, whoever still holds it."""
+        for ref in self._wrappers:
+            ddp = ref()
+            if ddp is not None:
+                torch_compat.detach_ddp(ddp)
+        self._wrappers.clear()
+        gc.collect()
