@@ -1,0 +1,159 @@
+"""ElasticGroup's attempts: a group failure is healed and suppressed, everything else is not.
+
+The healer and the loop are fakes here (the real ones run in tests/integration/test_own_loop.py and
+the chaos suite); the DDP whose hooks a heal removes is real, on a one-rank gloo group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from elastic_trainer.heal.healer import HealError, HealOutcome, RunFinished
+from elastic_trainer.runtime.distributed import DistEnv, read_env
+from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.train.elastic_group import ElasticGroup
+from elastic_trainer.train.loop import TrainResult
+
+GROUP_FAILURE = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
+
+
+class FakeHealer:
+    def __init__(self, *, fails_with: BaseException | None = None) -> None:
+        self.fails_with = fails_with
+        self.heals = 0
+        self.calls: list[dict[str, Any]] = []
+        self.finished: list[DistEnv] = []
+
+    def check(self) -> None:
+        pass
+
+    def commit_fence(self) -> str | None:
+        return None
+
+    def heal(self, env: DistEnv, *, step: int, snapshot: Any, reason: str) -> HealOutcome:
+        self.calls.append({"step": step, "reason": reason, "snapshot": snapshot()})
+        if self.fails_with is not None:
+            raise self.fails_with
+        self.heals += 1
+        return HealOutcome(env=dataclasses.replace(env, rank=1, world_size=3), epoch=None,  # type: ignore[arg-type]
+                           state={"from": "peer"}, took_s=0.1)
+
+    def finish(self, env: DistEnv) -> None:
+        self.finished.append(env)
+
+
+class FakeCheckpoints:
+    holds_consistent_state = True
+
+    def __init__(self) -> None:
+        self.failures: list[BaseException] = []
+
+    def peer_payload(self) -> dict[str, Any]:
+        return {"step": 7}
+
+    def after_failure(self, exc: BaseException) -> None:
+        self.failures.append(exc)
+
+
+def _env() -> DistEnv:
+    return read_env(environ={"RANK": "0", "WORLD_SIZE": "2"}, cuda_devices=0)
+
+
+def _group(healer: FakeHealer | None) -> tuple[ElasticGroup, SimpleNamespace]:
+    group = ElasticGroup(WorkerSettings(), _env())
+    group.healer = healer  # type: ignore[assignment]
+    loop = SimpleNamespace(state_ready=True, step=7, checkpoints=FakeCheckpoints(), sampler=SimpleNamespace(epoch=2),
+                           result=TrainResult(step=9, epoch=2, loss=0.5, resumed_from=None, stopped_by_signal=False,
+                                              checkpoint=None))
+    group._loop = loop  # type: ignore[assignment]
+    return group, loop
+
+
+def test_a_group_failure_is_healed_and_the_next_attempt_has_the_new_place_and_state() -> None:
+    healer = FakeHealer()
+    group, loop = _group(healer)
+    seen: list[tuple[int, int, Any]] = []
+    for attempt in group.attempts():
+        seen.append((attempt.env.rank, attempt.env.world_size, attempt.initial_state))
+        with attempt:
+            if len(seen) == 1:
+                raise RuntimeError(GROUP_FAILURE + "\nmore lines")
+    assert seen == [(0, 2, None), (1, 3, {"from": "peer"})]
+    assert healer.calls == [{"step": 7, "reason": GROUP_FAILURE, "snapshot": {"step": 7}}]
+    assert [env.rank for env in healer.finished] == [1], "rank 1 of the healed epoch marks the end"
+    assert group.result is loop.result
+
+
+def test_without_healing_there_is_one_attempt_and_a_group_failure_ends_it() -> None:
+    group, _ = _group(None)
+    attempts = 0
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        for attempt in group.attempts():
+            attempts += 1
+            with attempt:
+                raise RuntimeError(GROUP_FAILURE)
+    assert attempts == 1
+
+
+def test_a_bug_in_the_step_is_not_healed() -> None:
+    healer = FakeHealer()
+    group, _ = _group(healer)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        for attempt in group.attempts():
+            with attempt:
+                raise ValueError("shape mismatch")
+    assert healer.calls == [] and healer.finished == []
+
+
+def test_a_heal_that_fails_saves_just_in_time_and_raises_the_collective_failure() -> None:
+    healer = FakeHealer(fails_with=HealError("no epoch within 60 s"))
+    group, loop = _group(healer)
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as raised:
+        for attempt in group.attempts():
+            with attempt:
+                raise RuntimeError(GROUP_FAILURE)
+    assert isinstance(raised.value.__cause__, HealError)
+    assert loop.checkpoints.failures == [raised.value], "the last step is saved just in time"
+
+
+def test_a_job_that_finished_during_the_heal_ends_the_attempts_quietly() -> None:
+    group, _ = _group(FakeHealer(fails_with=RunFinished("done")))
+    attempts = 0
+    for attempt in group.attempts():
+        attempts += 1
+        with attempt:
+            raise RuntimeError(GROUP_FAILURE)
+    assert attempts == 1
+    assert group.result is not None and group.result.finished and group.result.step == 7
+
+
+def test_the_broken_group_s_ddp_reduces_no_more_gradients(gloo_world: None) -> None:
+    group, _ = _group(FakeHealer())
+    model = nn.Linear(4, 2)
+    reduced: list[int] = []
+
+    def counting_hook(state, bucket):  # unannotated: DDP checks annotations, and these are strings here
+        reduced.append(1)
+        return allreduce_hook(None, bucket)
+
+    old: DDP | None = None
+    for attempt in group.attempts():
+        with attempt:
+            if old is not None:
+                break  # the second attempt: healed
+            old = attempt.wrap(DDP(model))
+            old.register_comm_hook(None, counting_hook)
+            old(torch.randn(3, 4)).sum().backward()
+            assert reduced == [1]
+            raise RuntimeError(GROUP_FAILURE)
+    assert old is not None
+    old(torch.randn(3, 4)).sum().backward()  # still held here, as the caller's variable would be
+    assert reduced == [1], "the old DDP's hooks were removed at the heal"
