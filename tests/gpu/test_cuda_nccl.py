@@ -1,5 +1,6 @@
 """CUDA and NCCL on a real GPU: the allreduce timing hook's CUDA events, and `elastic-trainer run`
-on NCCL through a worker restart (checkpoint restored onto the GPU, metrics kept).
+on NCCL through a killed worker, restarted (checkpoint restored onto the GPU, metrics kept) and
+healed in place (survivors keep their processes; two GPUs).
 
 Marker ``gpu``: CI has no GPU and deselects these (``-m "not gpu"``); run them where one is, with
 ``bash scripts/test.sh tests/gpu -m gpu``. Without a GPU they skip (they are never selected in CI).
@@ -109,26 +110,28 @@ def _total(samples: dict[str, float], name: str) -> float:
     return sum(value for key, value in samples.items() if key.startswith(name + "{"))
 
 
-def test_elastic_trainer_run_on_nccl_restarts_a_killed_worker_and_resumes_on_the_gpu(
-    cuda: torch.device, tmp_path: Path
-) -> None:
-    gpus = torch.cuda.device_count()
-    port, steps, batch = free_port(), 80, 16 * gpus
+KILL_AT_JOB = REPO / "tests" / "integration" / "scripts" / "kill_at_job.py"
+
+
+def _run_with_a_kill(tmp_path: Path, *, heal: str, gpus: int, steps: int, batch: int,
+                     counter: str) -> tuple[str, dict[str, float]]:
+    """`elastic-trainer run` on NCCL, the worker of rank 0 SIGKILLed once its update of step 23 is
+    applied; the node's endpoint is scraped while the next generation trains. Returns the output
+    and the last scrape."""
+    port = free_port()
     checkpoints, samples = tmp_path / "ckpt", tmp_path / "samples"
     cmd = [
         sys.executable, "-m", "elastic_trainer.cli", "run", "--device", "cuda", "--nnodes", "1",
-        "--nproc-per-node", str(gpus), "--metrics-port", str(port), "--metrics-addr", "127.0.0.1",
-        "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", str(steps), "--global-batch-size", str(batch),
-        "--mixed-precision", "bf16", "--sync-batchnorm", "--checkpoint-dir", str(checkpoints),
+        "--nproc-per-node", str(gpus), "--metrics-port", str(port), "--metrics-addr", "127.0.0.1", "--heal", heal,
+        str(KILL_AT_JOB), "0:23:after_update", "--max-steps", str(steps), "--global-batch-size", str(batch),
+        "--dataset-size", str(steps * batch), "--mixed-precision", "bf16", "--sync-batchnorm", "--checkpoint-dir", str(checkpoints),
         "--checkpoint-every", "10", "--record-samples", str(samples), "--throttle-ms", "100", "--log-every", "10",
     ]  # fmt: skip
-    # Rank 0 dies once its update of step 23 is applied: the newest checkpoint is step 20's.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTIC_TRAINER_TEST_KILL_AT": "0:23:after_update"}
-    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)  # fmt: skip
+    launcher = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     try:
-        # The restarted generation trains while the endpoint is scraped: it stayed up across the
-        # restart, counts the restart, and times the new workers' NCCL buckets with CUDA events.
+        # The next generation trains while the endpoint is scraped: it stayed up across the fault,
+        # counts it, and times the new group's NCCL buckets with CUDA events.
         deadline, seen = time.monotonic() + 240, {}
         while time.monotonic() < deadline and launcher.poll() is None:
             if len(generations(samples)) >= 2 and steps_recorded(samples) >= 30:
@@ -136,8 +139,7 @@ def test_elastic_trainer_run_on_nccl_restarts_a_killed_worker_and_resumes_on_the
                     seen = _scrape(port)
                 except OSError:
                     seen = {}
-                restarted = _total(seen, "elastic_trainer_restarts_total") >= 1
-                if restarted and _total(seen, "elastic_trainer_allreduce_duration_seconds_count") > 0:
+                if _total(seen, counter) >= 1 and _total(seen, "elastic_trainer_allreduce_duration_seconds_count") > 0:
                     break
             time.sleep(0.2)
         output, _ = launcher.communicate(timeout=240)
@@ -146,20 +148,32 @@ def test_elastic_trainer_run_on_nccl_restarts_a_killed_worker_and_resumes_on_the
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(30)
     assert launcher.returncode == 0, output[-4000:]
-    assert _total(seen, "elastic_trainer_restarts_total") >= 1, f"no scrape during the restarted run: {seen}"
+    assert _total(seen, counter) >= 1, f"no scrape during the next generation: {seen}"
     assert _total(seen, "elastic_trainer_allreduce_duration_seconds_count") > 0, seen
     assert _total(seen, "elastic_trainer_allreduce_duration_seconds_sum") > 0, seen
     assert _total(seen, "elastic_trainer_samples_total") > 0, seen
-
-    assert output.count("on cuda:0, backend nccl") >= 2, output[-4000:]  # both generations
-    assert "warm start unavailable" not in output, output[-4000:]
-    gens = generations(samples)
-    assert len(gens) == 2 and gens[1].resumed_step == 20, gens
     history = committed_history(read_records(samples))
     assert sorted(history) == list(range(1, steps + 1))
     indices = [i for recs in history.values() for r in recs for i in r["indices"]]
     assert len(indices) == len(set(indices)) == steps * batch, "a sample was lost or repeated"
+    return output, seen
 
+
+def test_elastic_trainer_run_on_nccl_restarts_a_killed_worker_and_resumes_on_the_gpu(
+    cuda: torch.device, tmp_path: Path
+) -> None:
+    """``--heal off``: the worker group restarts and resumes from a checkpoint, onto the GPU."""
+    gpus = torch.cuda.device_count()
+    steps, batch = 80, 16 * gpus
+    output, _ = _run_with_a_kill(tmp_path, heal="off", gpus=gpus, steps=steps, batch=batch,
+                                 counter="elastic_trainer_restarts_total")
+    assert output.count("on cuda:0, backend nccl") >= 2, output[-4000:]  # both generations
+    assert "warm start unavailable" not in output, output[-4000:]
+    gens = generations(tmp_path / "samples")
+    # One GPU: nobody survives to save step 23 just in time, so the periodic checkpoint of step 20.
+    assert len(gens) == 2 and gens[1].resumed_step == (20 if gpus == 1 else 23), gens
+
+    checkpoints = tmp_path / "ckpt"
     newest = sorted(checkpoints.glob("ckpt-*.pt"))[-1]
     on_gpu = ckpt.load_checkpoint(newest, torch.device("cuda", gpus - 1))
     assert on_gpu["step"] == steps
@@ -167,6 +181,28 @@ def test_elastic_trainer_run_on_nccl_restarts_a_killed_worker_and_resumes_on_the
     on_cpu = ckpt.load_checkpoint(newest, torch.device("cpu"))
     assert {t.device.type for t in on_cpu["model"].values()} == {"cpu"}
     assert any("running_mean" in name for name in on_cpu["model"]), "SyncBatchNorm statistics were not saved"
+
+
+def test_elastic_trainer_run_on_nccl_heals_a_killed_worker_in_place(cuda: torch.device, tmp_path: Path) -> None:
+    """The default, ``--heal in_place``, on NCCL: the survivors keep their processes (and their
+    CUDA contexts), abort the NCCL communicator, form the next group and go on from the state they
+    hold; the replacement takes it from them. Needs two GPUs (one NCCL rank per GPU)."""
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip(f"needs 2 GPUs for two NCCL ranks, found {gpus}")
+    steps, batch = 80, 16 * gpus
+    output, _ = _run_with_a_kill(tmp_path, heal="in_place", gpus=gpus, steps=steps, batch=batch,
+                                 counter="elastic_trainer_heals_total")
+    assert "starting a replacement that joins its peers in place" in output, output[-4000:]
+    assert "restarting the worker group" not in output, output[-4000:]
+    gens = generations(tmp_path / "samples")
+    assert len(gens) == 2, gens
+    killed = gens[0].pids[0]
+    assert killed not in gens[1].pids.values()
+    assert set(gens[0].pids.values()) - {killed} <= set(gens[1].pids.values()), "the survivors kept their processes"
+    assert gens[1].resumed_step == gens[0].last_step == 23, "no step lost"
+    starts = [records[0] for records in read_records(tmp_path / "samples") if records[0]["generation"] == gens[1].id]
+    assert {r["source"] for r in starts} == {"peer"}, starts
 
 
 def test_importing_torch_maps_the_driver_without_initialising_it_and_cuda_init_does(cuda: torch.device) -> None:
