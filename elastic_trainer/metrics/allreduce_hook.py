@@ -264,7 +264,7 @@ def timed_allreduce_hook(
     fut = group.allreduce([buffer], state._options).get_future()
     # Healing in place, the training thread waits on a tracked future an abort can end (gloo
     # may never end a collective whose connections were cut; see runtime/abortable.py).
-    return WAITS.track(fut.then(partial(state._cpu_done, step_seq, buffer.nbytes, launched)))
+    return WAITS.track(fut, partial(state._cpu_done, step_seq, buffer.nbytes, launched))
 
 
 def exposed_wait_s(timings: list[BucketTiming]) -> float:

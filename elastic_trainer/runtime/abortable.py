@@ -46,10 +46,13 @@ class AbortableWaits:
         self.interrupted = 0
         """Waits ended by an abort since :meth:`reset` (their collectives may still be blocked)."""
 
-    def track(self, future: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
-        """A future completed as ``future`` is, or failed by :meth:`abort`, whichever comes first."""
+    def track(self, future: torch.futures.Future[Any],
+              then: Callable[[torch.futures.Future[Any]], Any] | None = None) -> torch.futures.Future[Any]:
+        """A future completed as ``future`` is (with ``then(future)``'s value, as
+        ``future.then(then)`` would be), or failed by :meth:`abort`, whichever comes first. One
+        Python callback per tracked future, ``then`` included (a comm hook's per-bucket cost)."""
         if not self.enabled:
-            return future
+            return future.then(then) if then is not None else future
         mine: torch.futures.Future[Any] = torch.futures.Future()
         with self._lock:
             aborted = self._aborted
@@ -60,20 +63,21 @@ class AbortableWaits:
         if aborted is not None:
             mine.set_exception(RuntimeError(f"{ABORT_MARKER} ({aborted})"))
             return mine
-        future.add_done_callback(partial(self._complete, mine))
+        future.add_done_callback(partial(self._complete, mine, then))
         return mine
 
-    def _complete(self, mine: torch.futures.Future[Any], done: torch.futures.Future[Any]) -> None:
-        """(gloo's thread) the collective finished: pass its value or error on, unless aborted.
-        Whoever takes ``mine`` out of the pending set under the lock completes it, outside the
-        lock (a future runs its callbacks inline)."""
+    def _complete(self, mine: torch.futures.Future[Any], then: Callable[[torch.futures.Future[Any]], Any] | None,
+                  done: torch.futures.Future[Any]) -> None:
+        """(gloo's thread) the collective finished: pass its value (through ``then``) or error on,
+        unless aborted. Whoever takes ``mine`` out of the pending set under the lock completes it,
+        outside the lock (a future runs its callbacks inline)."""
         with self._lock:
             owned = mine in self._pending
             self._pending.discard(mine)
         if not owned:
             return  # aborted first
         try:
-            value = done.value()
+            value = then(done) if then is not None else done.value()
         except Exception as exc:  # noqa: BLE001 - handed to the waiter
             mine.set_exception(exc)
         else:
@@ -117,8 +121,7 @@ def abortable_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futur
     if world > 1:
         buffer.div_(world)
     future = dist.all_reduce(buffer, group=group, async_op=True).get_future()  # type: ignore[union-attr]
-    then: Callable[[torch.futures.Future[Any]], torch.Tensor] = _bucket_value
-    return WAITS.track(future.then(then))
+    return WAITS.track(future, _bucket_value)
 
 
 # DDP compares a hook's annotations with the real types; this module's are strings (PEP 563).

@@ -52,3 +52,36 @@ def test_an_abort_fails_what_is_pending_and_the_late_collective_changes_nothing(
     fresh = waits.track(source)  # the next group's waits are not aborted
     source.set_result(1)
     assert fresh.wait() == 1
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_then_runs_once_on_the_value_as_future_then_would(enabled: bool) -> None:
+    waits = AbortableWaits()
+    waits.enabled = enabled
+    calls: list[int] = []
+
+    def then(done: torch.futures.Future[int]) -> int:
+        calls.append(1)
+        return done.value() * 10
+
+    ok, bad = torch.futures.Future(), torch.futures.Future()
+    tracked_ok, tracked_bad = waits.track(ok, then), waits.track(bad, then)
+    ok.set_result(4)
+    assert tracked_ok.wait() == 40
+    bad.set_exception(RuntimeError("Connection reset by peer"))
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        tracked_bad.wait()
+    assert calls == [1, 1]
+
+
+def test_after_an_abort_then_never_runs() -> None:
+    waits = AbortableWaits()
+    waits.enabled = True
+    calls: list[int] = []
+    stuck = torch.futures.Future()
+    tracked = waits.track(stuck, lambda done: calls.append(1))
+    waits.abort("round 5 opened")
+    stuck.set_result(1)
+    with pytest.raises(RuntimeError, match=ABORT_MARKER):
+        tracked.wait()
+    assert calls == []
