@@ -99,7 +99,7 @@ def _defaults(args: argparse.Namespace, checkpoint_dir: str) -> list[tuple[float
     env = read_env(cuda_devices=0) if args.device == "cpu" else None
     # Healing in place (the default of `elastic-trainer run`) on gloo tracks every wait of the
     # training thread on a collective, so that an abort ends it (runtime/abortable.py).
-    WAITS.enabled = args.device == "cpu"
+    WAITS.enabled = args.device == "cpu" and args.abortable_waits
     try:
         Trainer(config, job, env=env, callbacks=[clock]).fit()
     finally:
@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6, help="rounds of (bare, defaults), order alternating")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per block (200: two checkpoints)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each block")
+    parser.add_argument("--abortable-waits", action=argparse.BooleanOptionalAction, default=True,
+                        help="track collective waits as in-place healing does on gloo (default on; off: A/B of their cost)")
     add_workload_arguments(parser)
     parser.add_argument("--tmp", default=None, help="directory for checkpoints and metrics (default: system temp)")
     args = parser.parse_args()
