@@ -467,6 +467,10 @@ class Healer:
 
     def close(self) -> None:
         self._set_phase("closed")
-        self.membership.close()
-        self.group.destroy()
-        self.connection.close()
+        try:
+            self.membership.close()
+            self.group.destroy()
+            self.connection.close()
+        finally:
+            WAITS.enabled = False  # this process's waits are plain again (set in __init__)
+            WAITS.reset()

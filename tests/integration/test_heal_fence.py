@@ -32,7 +32,7 @@ def healer(etcd_server) -> Iterator[Healer]:
     try:
         yield made
     finally:
-        made.connection.close()
+        made.close()
 
 
 def _write_epoch(healer: Healer, number: int, members: tuple[Member, ...]) -> None:

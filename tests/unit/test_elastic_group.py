@@ -149,8 +149,9 @@ def test_the_broken_group_s_ddp_reduces_no_more_gradients(gloo_world: None) -> N
         with attempt:
             if old is not None:
                 break  # the second attempt: healed
-            old = attempt.wrap(DDP(model))
-            old.register_comm_hook(None, counting_hook)
+            old = DDP(model)
+            old.register_comm_hook(None, counting_hook)  # first: wrap adds no hook to a DDP that has one
+            attempt.wrap(old)
             old(torch.randn(3, 4)).sum().backward()
             assert reduced == [1]
             raise RuntimeError(GROUP_FAILURE)
