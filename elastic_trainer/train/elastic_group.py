@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -139,6 +139,7 @@ class Attempt:
         """The state a live peer sent (a newcomer, or after a heal); ``None``: load the newest checkpoint."""
         self.healed = False
         self._wrappers: list[weakref.ref[Any]] = []
+        self._releases: list[Callable[[], None]] = []
 
     @property
     def fence(self) -> CommitFence | None:
@@ -146,17 +147,20 @@ class Attempt:
         without never commits a checkpoint. ``None`` without in-place healing."""
         return self.group.healer.commit_fence if self.group.healer is not None else None
 
-    def wrap(self, ddp: torch.nn.parallel.DistributedDataParallel,
-             observer: TrainingObserver | None = None) -> torch.nn.parallel.DistributedDataParallel:
+    def wrap(self, ddp: torch.nn.parallel.DistributedDataParallel, observer: TrainingObserver | None = None, *,
+             release: Callable[[], None] | None = None) -> torch.nn.parallel.DistributedDataParallel:
         """Take ``ddp`` (built on this attempt's group) into the attempt: the observer's allreduce
-        timing, abortable bucket waits where healing needs them, and, after a heal, its gradient
-        hooks removed. Returns ``ddp``."""
+        timing, abortable bucket waits where healing needs them, and, at a heal, its gradient
+        hooks removed. ``release``: called at a heal, before the state moves, to drop the caller's
+        references to ``ddp`` (its buckets are as large as the gradients). Returns ``ddp``."""
         if observer is not None:
             observer.wrap_ddp(ddp)
         if WAITS.enabled and not torch_compat.has_comm_hook(ddp):
             # Healing in place on gloo: the buckets' waits must be abortable (runtime/abortable.py).
             ddp.register_comm_hook(None, abortable_allreduce_hook)
         self._wrappers.append(weakref.ref(ddp))
+        if release is not None:
+            self._releases.append(release)
         return ddp
 
     def loop(self, **options: Any) -> ElasticLoop:
@@ -209,6 +213,9 @@ class Attempt:
 
     def _detach_wrappers(self) -> None:
         """The DDP of the broken group must not reduce another gradient, whoever still holds it."""
+        for release in self._releases:
+            release()
+        self._releases.clear()
         for ref in self._wrappers:
             ddp = ref()
             if ddp is not None:

@@ -281,7 +281,8 @@ class Trainer:
     def _wrap_model(self, attempt: Attempt) -> None:
         """DDP over the attempt's process group (again after every heal: the group is new)."""
         self._drop_model_wrapper()
-        self.ddp = attempt.wrap(DDP(self.model, **self._ddp_kwargs(self._env().device)), self.observer)
+        self.ddp = attempt.wrap(DDP(self.model, **self._ddp_kwargs(self._env().device)), self.observer,
+                                release=self._drop_model_wrapper)
 
     def _drop_model_wrapper(self) -> None:
         """Let go of the DDP of a broken group: its reducer's hooks leave the parameters with it."""

@@ -136,9 +136,11 @@ def test_a_job_that_finished_during_the_heal_ends_the_attempts_quietly() -> None
 
 
 def test_the_broken_group_s_ddp_reduces_no_more_gradients(gloo_world: None) -> None:
-    group, _ = _group(FakeHealer())
+    healer = FakeHealer()
+    group, _ = _group(healer)
     model = nn.Linear(4, 2)
     reduced: list[int] = []
+    released: list[int] = []
 
     def counting_hook(state, bucket):  # unannotated: DDP checks annotations, and these are strings here
         reduced.append(1)
@@ -151,10 +153,11 @@ def test_the_broken_group_s_ddp_reduces_no_more_gradients(gloo_world: None) -> N
                 break  # the second attempt: healed
             old = DDP(model)
             old.register_comm_hook(None, counting_hook)  # first: wrap adds no hook to a DDP that has one
-            attempt.wrap(old)
+            attempt.wrap(old, release=lambda: released.append(len(healer.calls)))
             old(torch.randn(3, 4)).sum().backward()
             assert reduced == [1]
             raise RuntimeError(GROUP_FAILURE)
     assert old is not None
     old(torch.randn(3, 4)).sum().backward()  # still held here, as the caller's variable would be
     assert reduced == [1], "the old DDP's hooks were removed at the heal"
+    assert released == [0], "the caller let go of the old DDP once, before the heal moved any state"
