@@ -10,7 +10,8 @@ A *node* is one ``torchrun`` agent or ``elastic-trainer run`` launcher process, 
     try:
         wait_for(lambda: node.worker_pids(), timeout=60, what="a worker", describe=node.tail)
         node.kill_worker(0)
-        assert node.wait(300) == 0, node.tail()
+        if node.wait(300) != 0:
+            raise RuntimeError(f"the node failed:\n{node.tail()}")
     finally:
         node.stop()
 

@@ -70,10 +70,6 @@ class ElasticGroup:
         self._ended = False
 
     @property
-    def heals_in_place(self) -> bool:
-        return self.healer is not None
-
-    @property
     def result(self) -> TrainResult | None:
         """How training ended: the last loop's result, or an empty one when the job finished
         before (or while) this process could join it. ``None`` before the end."""

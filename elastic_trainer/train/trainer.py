@@ -19,7 +19,6 @@ a restart.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import itertools
 import logging
@@ -285,10 +284,8 @@ class Trainer:
                                 release=self._drop_model_wrapper)
 
     def _drop_model_wrapper(self) -> None:
-        """Let go of the DDP of a broken group: its reducer's hooks leave the parameters with it."""
-        if getattr(self, "ddp", None) is not None:
-            self.ddp = None  # type: ignore[assignment]
-            gc.collect()
+        """Let go of the DDP of a broken group (the attempt collects it once every holder let go)."""
+        self.ddp = None  # type: ignore[assignment]
 
     def _ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
         ddp = self.config.ddp
