@@ -41,11 +41,11 @@ from tenacity import (
     retry_if_exception,
     stop_after_delay,
     wait_exponential,
-    wait_random,
 )
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from rendezvous._protobuf_compat import import_etcd3
+from rendezvous.jitter import wait_jitter
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class EtcdConnection:
         retrying = Retrying(
             retry=retry_if_exception(self._is_transient),
             # Exponential backoff plus jitter (composed: works with every tenacity >= 8.2).
-            wait=wait_exponential(multiplier=0.05, max=1.0) + wait_random(0, 0.1),
+            wait=wait_exponential(multiplier=0.05, max=1.0) + wait_jitter(0, 0.1),
             stop=stop_after_delay(budget),
             before_sleep=self._before_retry(what, used),
             sleep=self._sleep,

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -58,7 +57,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from rendezvous import etcd_ops
+from rendezvous import etcd_ops, jitter
 from rendezvous.coordinator import RoundCoordinator
 from rendezvous.etcd_client import EtcdConnection, quiet_retries
 from rendezvous.etcd_store import EtcdV3Store
@@ -468,7 +467,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         if self._claim_pending or self._slot.left:
             return
         self._claim_pending = True
-        self._scheduler.call_later(random.uniform(0.0, self._spread()), self._try_claim)
+        self._scheduler.call_later(jitter.uniform(0.0, self._spread()), self._try_claim)
 
     def _spread(self) -> float:
         """Over how many seconds the nodes of a job spread a write that only one of them needs
@@ -560,7 +559,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         joined: tuple[int, int] | None = None  # (round, lease) of this node's join key
         min_seen_at: float | None = None
         next_progress_at = time.monotonic() + self._PROGRESS_LOG_S
-        recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * random.uniform(0.8, 1.2)
+        recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * jitter.uniform(0.8, 1.2)
         creation_due: float | None = None
         while True:
             seen = self._watch.version
@@ -568,7 +567,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 self._sync()
             elif time.monotonic() >= recheck_at:  # nothing heard for long: is the watch behind?
                 self._recheck()
-                recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * random.uniform(0.8, 1.2)
+                recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * jitter.uniform(0.8, 1.2)
             state, revision = self._state
             now = time.monotonic()
             if now > deadline:
@@ -578,7 +577,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 )
             if state is None:
                 if creation_due is None:  # wait a moment: another node may be creating it
-                    creation_due = now + random.uniform(0.0, self._spread())
+                    creation_due = now + jitter.uniform(0.0, self._spread())
                 if now >= creation_due:
                     self._create_state()
                     continue
@@ -627,7 +626,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
                     timeout = min(timeout, next_progress_at - now)
             self._watch.wait(seen, min(timeout, deadline - now))
             if self._watch.version != seen:
-                recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * random.uniform(0.8, 1.2)
+                recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * jitter.uniform(0.8, 1.2)
 
     def _rank_in(self, state: RoundState, joined: tuple[int, int] | None) -> int | None:
         """This node's rank in the complete ``state`` if it is a participant (per its shard)."""

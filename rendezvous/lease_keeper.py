@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import random
 import threading
 import time
 import weakref
@@ -31,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rendezvous import jitter
 from rendezvous.etcd_client import EtcdConnection
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class LeaseKeeper:
                 with self._cond:
                     self._call = None
                     self._cond.notify_all()
-            time.sleep(backoff + random.uniform(0, backoff))
+            time.sleep(backoff + jitter.uniform(0, backoff))
             backoff = min(backoff * 2, 1.0)
             self._spread_overdue()
 
@@ -178,7 +178,7 @@ class LeaseKeeper:
             now = time.monotonic()
             for lease_id, when in list(self._next_due.items()):
                 if when <= now + 0.1:
-                    self._schedule(lease_id, now + random.uniform(0.0, 1.0))
+                    self._schedule(lease_id, now + jitter.uniform(0.0, 1.0))
 
     def _expired(self, lease_id: int) -> None:
         with self._cond:

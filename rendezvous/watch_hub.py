@@ -23,13 +23,13 @@ from __future__ import annotations
 import collections
 import logging
 import queue
-import random
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from rendezvous import jitter
 from rendezvous.etcd_client import EtcdConnection
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class WatchHub:
                 outbox.put(_END)
                 with self._lock:
                     self._outbox, self._call = None, None
-            time.sleep(backoff + random.uniform(0, backoff))
+            time.sleep(backoff + jitter.uniform(0, backoff))
             backoff = min(backoff * 2, 1.0)
 
     def _handle(self, response: Any) -> None:

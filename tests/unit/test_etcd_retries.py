@@ -102,3 +102,22 @@ def test_retries_stop_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RendezvousConnectionError, match="did not answer op within 5s"):
         conn.call(operation, what="op")
     assert 3 < len(attempts) < 20 and attempts[-1] <= 6.1
+
+
+def test_retries_leave_the_global_random_generator_alone(connection) -> None:  # type: ignore[no-untyped-def]
+    """A worker restores Python's global random state bit for bit after a fault; an etcd retry
+    on a background thread must not draw from it (its jitter has a generator of its own)."""
+    import random
+
+    conn, sleeps, _ = connection
+    failures = [conn.etcd3.exceptions.ConnectionFailedError() for _ in range(3)]
+
+    def operation(_client: object) -> str:
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    before = random.getstate()
+    assert conn.call(operation, what="a test op") == "ok"
+    assert len(sleeps) == 3
+    assert random.getstate() == before
