@@ -100,15 +100,14 @@ done it by then: ten thousand nodes send a handful of such writes, not ten thous
 
 
 def round_deadline(settings: RendezvousSettings) -> float:
-    """The gRPC deadline of a round request's first attempt: ``lease_ttl / 10`` (at least 1 s, at
-    most ``read_timeout``); each retry doubles it (``etcd_ops``).
+    """The gRPC deadline of one request on a round's path: ``lease_ttl / 4`` (at least 2 s, at
+    most ``read_timeout``).
 
     etcd holds a write that a follower forwarded to a leader that then died until its own request
-    timeout (5 s plus two election timeouts) before it answers "request timed out"; a short first
-    deadline lets the attempt fail over to a live member instead, after at most this long. The
-    doubling keeps an overloaded etcd, whose requests are slow but not lost, from being flooded.
+    timeout (5 s plus two election timeouts) before it answers "request timed out"; a shorter
+    deadline lets the attempt fail over to a live member instead, after at most this long.
     """
-    return min(settings.read_timeout, max(1.0, settings.lease_ttl / 10))
+    return min(settings.read_timeout, max(2.0, settings.lease_ttl / 4))
 
 
 def _lease_not_found(exc: BaseException) -> bool:

@@ -121,14 +121,14 @@ def test_retry_deadlines_double_up_to_the_read_timeout() -> None:
     assert _Patience(None).next(client) == 10.0
 
 
-def test_a_round_request_first_waits_a_tenth_of_the_lease_ttl_bounded_by_one_second_and_the_read_timeout() -> None:
-    """Short enough that a write held by a dead leader moves to a live member within 1 s at the
-    default ``lease_ttl=10``; never above ``read_timeout``; never below 1 s."""
+def test_a_round_request_first_waits_a_quarter_of_the_lease_ttl_bounded_by_two_seconds_and_the_read_timeout() -> None:
+    """A write held by a dead leader moves to a live member within 2.5 s at the default
+    ``lease_ttl=10``; never above ``read_timeout``, never below 2 s."""
     from dataclasses import replace
 
     from rendezvous.lease_handler import round_deadline
 
-    assert round_deadline(SETTINGS) == 1.0  # lease_ttl 10
-    assert round_deadline(replace(SETTINGS, lease_ttl=60)) == 6.0
-    assert round_deadline(replace(SETTINGS, lease_ttl=60, read_timeout=4.0)) == 4.0
-    assert round_deadline(replace(SETTINGS, lease_ttl=3)) == 1.0
+    assert round_deadline(SETTINGS) == 2.5  # lease_ttl 10
+    assert round_deadline(replace(SETTINGS, lease_ttl=32)) == 8.0
+    assert round_deadline(replace(SETTINGS, lease_ttl=60)) == 10.0  # read_timeout
+    assert round_deadline(replace(SETTINGS, lease_ttl=3)) == 2.0
