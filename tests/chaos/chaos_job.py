@@ -15,6 +15,10 @@ Hooks (environment variables of one node, so one node can misbehave while the ot
     A straggler: each rank of this node sleeps ``CHAOS_SLOW_MS`` milliseconds after the forward
     of each of its first ``CHAOS_SLOW_STEPS`` steps (before the backward, so that the time counts
     as the rank's compute, as a slow GPU's would), then runs at full speed.
+``CHAOS_SLOW_WHILE_FILE`` (with ``CHAOS_SLOW_MS``)
+    Each rank of this node sleeps ``CHAOS_SLOW_MS`` milliseconds in each step while this file
+    exists: the job keeps stepping (no watchdog sees a frozen worker) but cannot end before the
+    scenario removes the file, however slowly a process it waits for starts on a loaded machine.
 ``CHAOS_EXIT_BEFORE_STEP``
     Each rank of this node exits (code 0) while computing that step, after the previous step and
     its checkpoint are complete. With ``--checkpoint-every 1`` a run thus ends at an exact step: the
@@ -34,15 +38,20 @@ from elastic_trainer.examples import synthetic_cnn as example
 SLOW_MS_ENV = "CHAOS_SLOW_MS"
 SLOW_STEPS_ENV = "CHAOS_SLOW_STEPS"
 EXIT_BEFORE_STEP_ENV = "CHAOS_EXIT_BEFORE_STEP"
+SLOW_WHILE_FILE_ENV = "CHAOS_SLOW_WHILE_FILE"
 
 
-def chaos_hook(slow_s: float, slow_steps: int, exit_before: int | None):  # type: ignore[no-untyped-def]
+def chaos_hook(slow_s: float, slow_steps: int, exit_before: int | None,  # type: ignore[no-untyped-def]
+               slow_while: str | None = None):
     """The fault hook of the module docstring."""
 
     def hook(point: str, step: int) -> None:
         if point != "before_control":
             return
-        if step <= slow_steps:
+        if slow_while is not None:
+            if os.path.exists(slow_while):
+                time.sleep(slow_s)
+        elif step <= slow_steps:
             time.sleep(slow_s)
         if exit_before is not None and step >= exit_before:
             sys.stdout.flush()
@@ -56,7 +65,7 @@ def main() -> int:
     slow_ms = float(os.environ.get(SLOW_MS_ENV, "0") or 0)
     exit_before = os.environ.get(EXIT_BEFORE_STEP_ENV)
     hook = chaos_hook(slow_ms / 1000, int(os.environ.get(SLOW_STEPS_ENV, "1000000000")) if slow_ms > 0 else 0,
-                      int(exit_before) if exit_before else None)
+                      int(exit_before) if exit_before else None, os.environ.get(SLOW_WHILE_FILE_ENV) or None)
     return example.main(fault_hook=hook)
 
 

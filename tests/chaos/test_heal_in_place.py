@@ -68,10 +68,15 @@ def test_hot_spare_takes_a_lost_node_place(etcd_server, no_fault, run_dirs: RunD
     spare takes its place and the world size never drops."""
     run_id = unique_run_id("heal-spare")
     job = JobSpec(throttle_ms=80)
+    # Until the spare waits, a and b step slowly: on a loaded machine its start (imports, etcd)
+    # may take longer than the whole job would at full speed.
+    hold = run_dirs.root / "spare-not-waiting-yet"
+    hold.touch()
+    held = {"CHAOS_SLOW_WHILE_FILE": str(hold), "CHAOS_SLOW_MS": "250"}
     with agents() as nodes:
         for name in ("a", "b"):
             nodes.append(start_node(name=name, run=run_dirs, job=job, endpoint=etcd_server.endpoint,
-                                    run_id=run_id, nnodes="1:2"))
+                                    run_id=run_id, nnodes="1:2", env=held))
         spare: list = []
 
         def start_spare() -> None:
@@ -82,9 +87,13 @@ def test_hot_spare_takes_a_lost_node_place(etcd_server, no_fault, run_dirs: RunD
         def spare_waiting() -> bool:
             return bool(spare) and "waiting as a spare" in spare[0].output()
 
+        def kill_b() -> None:
+            nodes[1].kill_node()
+            hold.unlink()
+
         faults = (FaultInjector(run_dirs)
                   .at_step(8, "node c starts (beyond the maximum)", start_spare)
-                  .when(lambda step: spare_waiting(), "node b SIGKILL", lambda: nodes[1].kill_node()))
+                  .when(lambda step: spare_waiting(), "node b SIGKILL", kill_b))
         faults.run_until(lambda: nodes[0].proc.poll() is not None, timeout=240, agents=nodes)
         codes = wait_all([nodes[0], spare[0]], timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
