@@ -253,23 +253,28 @@ class _CoordinatorSlot:
             coordinator.stop(wait=2.0)
 
 
-def _leave(lease: _NodeLease, watch: _RoundWatch, slot: _CoordinatorSlot) -> None:
+def _leave(lease: _NodeLease, watch: _RoundWatch, slot: _CoordinatorSlot, owned: EtcdConnection | None) -> None:
     slot.stop()
     watch.cancel()
     lease.revoke()
+    if owned is not None:  # its keep-alive, watch and task threads end with it
+        owned.close()
 
 
 class LeaseRendezvousHandler(RendezvousHandler):
     """The ``etcd-v3`` handler: see the module docstring.
 
     Many handlers may share one :class:`EtcdConnection` (a benchmark simulating nodes); each keeps
-    its own lease, keys and watches, exactly as one per process would.
+    its own lease, keys and watches, exactly as one per process would. With ``owns_connection``
+    (:func:`create_lease_handler`), leaving (:meth:`shutdown`, :meth:`leave`, garbage collection)
+    also closes the connection, so no thread of it outlives the handler.
     """
 
     _SAFETY_RECHECK_S = 300.0  # no event for this long while waiting: read the state (a stalled stream?)
     _PROGRESS_LOG_S = 5.0  # while waiting for nodes: a line this often
 
-    def __init__(self, connection: EtcdConnection, settings: RendezvousSettings) -> None:
+    def __init__(self, connection: EtcdConnection, settings: RendezvousSettings, *,
+                 owns_connection: bool = False) -> None:
         self._connection = connection
         self._settings = settings
         self._keys = RunKeys.from_settings(settings)
@@ -299,7 +304,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._wait_marks: dict[tuple[int, str], float] = {}
         # A node whose launcher exits (SIGTERM on scale-down, an error) leaves at once instead
         # of after its lease expires: weakref.finalize also runs at interpreter exit.
-        self._finalizer = weakref.finalize(self, _leave, self._lease, self._watch, self._slot)
+        self._finalizer = weakref.finalize(self, _leave, self._lease, self._watch, self._slot,
+                                           connection if owns_connection else None)
 
     # -- RendezvousHandler ------------------------------------------------------------------------
 
@@ -758,7 +764,7 @@ def create_lease_handler(settings: RendezvousSettings) -> LeaseRendezvousHandler
         identity = current_job_identity()
         if identity is not None:  # no lease: the record lives as long as the round state
             claim_run(connection, RunKeys.from_settings(settings).job, identity, run_id=settings.run_id)
-        return LeaseRendezvousHandler(connection, settings)
+        return LeaseRendezvousHandler(connection, settings, owns_connection=True)
     except BaseException:
         connection.close()
         raise

@@ -192,9 +192,29 @@ def test_shutdown_closes_the_run_for_late_nodes(etcd_server, unique_id) -> None:
     first.next_rendezvous()
     assert first.shutdown() is True
     late = create_handler(params)
-    assert late.is_closed()
-    with pytest.raises(RendezvousClosedError):
-        late.next_rendezvous()
+    try:
+        assert late.is_closed()
+        with pytest.raises(RendezvousClosedError):
+            late.next_rendezvous()
+    finally:
+        late.leave()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["shutdown", "leave"])
+def test_no_thread_of_a_handler_outlives_it(etcd_server, unique_id, how) -> None:  # type: ignore[no-untyped-def]
+    """A handler built by create_handler owns its etcd connection: shutting down or leaving ends
+    the connection's keep-alive, watch and task threads (nothing keeps renewing or watching in a
+    process that goes on, such as a test run or a launcher that retries)."""
+    before = set(threading.enumerate())
+    handler = create_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1))
+    handler.next_rendezvous()
+    started = [t for t in threading.enumerate() if t not in before and t.name.startswith("etcd-v3")]
+    assert {t.name for t in started} >= {"etcd-v3-keepalive", "etcd-v3-watch"}, started
+    getattr(handler, how)()
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t in started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [t.name for t in started if t.is_alive()] == []
 
 
 def test_a_frozen_member_triggers_a_restart_after_its_lease(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
