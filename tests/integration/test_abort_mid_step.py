@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,15 +29,30 @@ pytestmark = pytest.mark.timeout(300)
 def test_every_abort_ends_the_step_at_once(hook: str, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outs = [tmp_path / f"out{rank}.json" for rank in range(2)]
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    files = [log.open("w") for log in logs]  # not pipes: a stack dump must never block on a full pipe
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(rank), str(tmp_path / "store"), str(ITERATIONS), hook,
-                               str(outs[rank])], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               str(outs[rank])], env=env, stdout=files[rank], stderr=subprocess.STDOUT)
              for rank in range(2)]
+    deadline = time.monotonic() + 240
     try:
-        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stuck = [rank for rank, proc in enumerate(procs) if proc.poll() is None]
+        for rank in stuck:
+            procs[rank].send_signal(signal.SIGUSR1)  # every thread's stack into its output
+        time.sleep(1.0 if stuck else 0.0)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
+    for proc, file in zip(procs, files, strict=True):
+        proc.wait()
+        file.close()
+    outputs = [log.read_text() for log in logs]
+    assert not stuck, "\n".join(f"rank {rank} still running after 240 s:\n{outputs[rank][-6000:]}" for rank in stuck) + (
+        "".join(f"\nrank {rank} exited {proc.returncode}:\n{outputs[rank][-3000:]}"
+                for rank, proc in enumerate(procs) if rank not in stuck))
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{outputs[rank][-3000:]}"
     for out in outs:

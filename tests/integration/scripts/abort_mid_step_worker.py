@@ -8,9 +8,11 @@ gradient bucket's send blocked until the group's timeout (runtime/abortable.py).
 
 from __future__ import annotations
 
+import faulthandler
 import inspect
 import json
 import random
+import signal
 import sys
 import threading
 import time
@@ -30,6 +32,7 @@ BOUND_S = 10.0
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks before it kills
     rank, store_file, iterations, hook, out = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4],
                                                sys.argv[5])
     WAITS.enabled = True
@@ -52,6 +55,13 @@ def main() -> None:
             ddp.register_comm_hook(AllreduceTimer(ddp.process_group), timed_allreduce_hook)
         else:
             ddp.register_comm_hook(None, abortable_allreduce_hook)
+        # Two steps before any abort: DDP's second forward rebuilds its buckets with a broadcast of
+        # its own, which no hook reaches either (in a worker the stop watch covers it, as it does
+        # the buffer broadcast).
+        for _ in range(2):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(inputs), target).backward()
+            optimizer.step()
         store.set(f"ready-{iteration}-{rank}", "1")
         store.wait([f"ready-{iteration}-{1 - rank}"])
         aborted_at: list[float] = []
