@@ -404,6 +404,10 @@ class Healer:
             log.warning("heal: round %d opened while epoch %d was forming (%s); starting over", number, forming,
                         reason or "a fault")
             self.membership.announce(number, Join(self.member, ready=False))
+            # Building a group can block where no abort reaches (gloo connecting to a peer that
+            # died after it published its address): the same watch as a step's.
+            threading.Thread(target=self._watch_stop, args=(None, number), kwargs={"forming": forming},
+                             name="heal-stop-watch", daemon=True).start()
             return
         if not stopping or epoch is None:
             return
@@ -411,8 +415,16 @@ class Healer:
         self.membership.announce(number, Join(self.member, ready=False))
         threading.Thread(target=self._watch_stop, args=(epoch, number), name="heal-stop-watch", daemon=True).start()
 
-    def _watch_stop(self, epoch: Epoch, number: int) -> None:
-        """(Thread) until the training thread leaves epoch ``epoch``: if it used no CPU for
+    def _still_in(self, epoch: Epoch | None, forming: int | None) -> bool:
+        """(Under the phase lock) the training thread is still training in ``epoch``, or (with
+        ``forming``) still building epoch ``forming``'s group."""
+        if forming is not None:
+            return self._forming == forming
+        return self._phase == "training" and self._epoch is epoch
+
+    def _watch_stop(self, epoch: Epoch | None, number: int, *, forming: int | None = None) -> None:
+        """(Thread) until the training thread leaves epoch ``epoch`` (with ``forming``: stops
+        building epoch ``forming``'s group): if it used no CPU for
         :data:`STUCK_IDLE_S` (blocked on a collective that the abort did not end: gloo can leave
         one waiting out the group's timeout, see ``runtime/abortable.py``), or has not left
         within ``ready_timeout_s`` whatever it does, end this process (:meth:`_fence_if_stuck`).
@@ -423,7 +435,7 @@ class Healer:
         while True:
             time.sleep(STOP_WATCH_INTERVAL_S)
             with self._phase_lock:
-                if not (self._phase == "training" and self._epoch is epoch):
+                if not self._still_in(epoch, forming):
                     return
             now = time.monotonic()
             cpu = thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
@@ -431,7 +443,7 @@ class Healer:
                 last, idle_since = cpu, now
             idle = cpu is not None and now - idle_since >= STUCK_IDLE_S
             if idle or now - started >= self.membership.rules.ready_timeout_s:
-                self._fence_if_stuck(epoch, number, waited_s=now - started, idle=idle)
+                self._fence_if_stuck(epoch, number, waited_s=now - started, idle=idle, forming=forming)
                 return
 
     def _busy(self) -> bool:
@@ -440,18 +452,20 @@ class Healer:
         except Exception:  # noqa: BLE001 - a probe that fails tells nothing
             return False
 
-    def _fence_if_stuck(self, epoch: Epoch, number: int, *, waited_s: float, idle: bool) -> None:
+    def _fence_if_stuck(self, epoch: Epoch | None, number: int, *, waited_s: float, idle: bool,
+                        forming: int | None = None) -> None:
         """Its training thread has not left epoch ``epoch`` to answer round ``number`` (see
         :meth:`_watch_stop`): the round cannot count on it. End the process like a crash, so that
         its launcher starts a replacement, which answers the round for the same slot (the round
         does not wait for a process whose replacement answered); the stacks go to stderr first."""
         with self._phase_lock:
-            stuck = self._phase == "training" and self._epoch is epoch
+            stuck = self._still_in(epoch, forming)
         if not stuck:
             return
         how = "blocked (no CPU used) for" if idle else "still in its step after"
-        log.error("heal: the training thread is %s %.0f s after round %d opened; ending this process so that a "
-                  "replacement joins (thread stacks follow)", how, waited_s, number)
+        where = "" if forming is None else f" building epoch {forming}'s group"
+        log.error("heal: the training thread is %s %.0f s%s after round %d opened; ending this process so that a "
+                  "replacement joins (thread stacks follow)", how, waited_s, where, number)
         faulthandler.dump_traceback(all_threads=True)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -23,6 +23,7 @@ def healer_in(phase: str, epoch: Epoch, *, ready_timeout_s: float = 60.0) -> Hea
     healer = object.__new__(Healer)  # only the fence's state: no etcd, no group
     healer._phase, healer._phase_lock, healer._epoch = phase, threading.Lock(), epoch
     healer._training_thread = None
+    healer._forming = None
     healer.membership = SimpleNamespace(rules=SimpleNamespace(ready_timeout_s=ready_timeout_s))  # type: ignore[assignment]
     return healer
 
@@ -108,3 +109,57 @@ def test_the_stop_watch_lets_go_once_the_thread_left_its_epoch(kills: list[tuple
     threading.Timer(0.2, lambda: setattr(healer, "_phase", "healing")).start()
     healer._watch_stop(EPOCH, 4)  # returns once the phase changed
     assert kills == []
+
+
+def test_a_thread_blocked_building_an_abandoned_epoch_ends_the_process(kills: list[tuple[int, int]],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round that opens while an epoch's group is being built abandons it; a thread that stays
+    blocked in that build (gloo connecting to a peer that died, where no abort reaches) is ended
+    like a stuck step (CI saw such a thread hold a node out of the job until the round's timeout)."""
+    monkeypatch.setattr(healer_module, "STUCK_IDLE_S", 0.6)
+    monkeypatch.setattr(healer_module, "STOP_WATCH_INTERVAL_S", 0.05)
+    healer = healer_in("healing", EPOCH, ready_timeout_s=30.0)
+    healer._forming = 4
+    stop = threading.Event()
+    thread = _thread("blocked", stop)
+    healer._training_thread = thread.native_id
+    started = time.monotonic()
+    try:
+        healer._watch_stop(None, 5, forming=4)
+    finally:
+        stop.set()
+    assert kills == [(healer_module.os.getpid(), signal.SIGKILL)]
+    assert time.monotonic() - started < 2.0
+
+
+def test_the_forming_watch_lets_go_once_the_build_ended(kills: list[tuple[int, int]],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(healer_module, "STOP_WATCH_INTERVAL_S", 0.05)
+    healer = healer_in("healing", EPOCH)
+    healer._forming = 4
+    threading.Timer(0.2, lambda: setattr(healer, "_forming", None)).start()
+    healer._watch_stop(None, 5, forming=4)  # returns once the build was given up
+    healer._forming = 6  # a later epoch's build is no reason either
+    healer._fence_if_stuck(None, 5, waited_s=60.0, idle=True, forming=4)
+    assert kills == []
+
+
+def test_a_round_that_abandons_a_build_starts_the_watch_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    healer = healer_in("healing", EPOCH)
+    healer._forming, healer._abandoned, healer._stores = 4, False, []
+    healer.member = EPOCH.members[0]
+    announced: list[object] = []
+    healer.membership.announce = lambda number, join: announced.append((number, join.ready))  # type: ignore[attr-defined]
+    healer.group = SimpleNamespace(abort=lambda: None)  # type: ignore[assignment]
+    watched: list[tuple[object, ...]] = []
+    done = threading.Event()
+
+    def watch(epoch: object, number: int, *, forming: int | None = None) -> None:
+        watched.append((epoch, number, forming))
+        done.set()
+
+    monkeypatch.setattr(healer, "_watch_stop", watch)
+    healer._round_opened(5, "node b lost")
+    assert done.wait(5.0)
+    assert healer._abandoned and announced == [(5, False)]
+    assert watched == [(None, 5, 4)]
