@@ -100,6 +100,7 @@ class RoundCoordinator:
         self._members: list[str] = []  # participants of round _members_round
         self._member_set: frozenset[str] = frozenset()
         self._members_round: int | None = None
+        self._closing: int | None = None  # the round this coordinator's close transaction is writing
         self._lost: list[str] = []  # members gone from a complete round, not acted on yet
         self._previous: list[str] | None = None  # the open round's previous participants
         self._missing: set[str] = set()  # live previous participants not rejoined yet
@@ -252,8 +253,11 @@ class RoundCoordinator:
                 self._missing = {n for n in self._members if n in self._live and n not in joined}
             else:  # the previous round was decided by another coordinator
                 self._needs_resync = True
-        elif state.status == COMPLETE and self._members_round != state.round:
-            self._needs_resync = True  # closed by another coordinator: read its ranks
+        elif state.status == COMPLETE and self._members_round != state.round and self._closing != state.round:
+            # Closed by another coordinator: read its ranks. (Not our own close, whose event can
+            # arrive on the watch before _close records the members: that read and the re-armed
+            # watches were pure waste, once a round.)
+            self._needs_resync = True
         self._dirty = True
 
     def _on_lost(self, reason: str) -> None:
@@ -421,7 +425,17 @@ class RoundCoordinator:
             stale = sorted(r for r in self._joined if r < state.round)[:_MAX_STALE_DELETES]
         ops = [etcd_ops.put(conn, keys.shard(k), encode_shard(state.round, shard)) for k, shard in enumerate(ranks)]
         ops += [etcd_ops.delete_prefix(conn, keys.round_prefix(r)) for r in stale]
-        new_revision = self._write_state(closed, revision, ops, "a round close")
+        with self._cond:
+            self._closing = state.round
+        new_revision: int | None = None
+        try:
+            new_revision = self._write_state(closed, revision, ops, "a round close")
+        finally:
+            with self._cond:
+                self._closing = None
+                if (self._state is not None and self._state.status == COMPLETE and self._state.round == state.round
+                        and self._members_round != state.round and new_revision is None):
+                    self._needs_resync = True  # another coordinator closed it meanwhile: read its ranks
         if new_revision is None:
             return
         with self._cond:
