@@ -406,14 +406,17 @@ class Healer:
             self.membership.announce(number, Join(self.member, ready=False))
             # Building a group can block where no abort reaches (gloo connecting to a peer that
             # died after it published its address): the same watch as a step's.
-            threading.Thread(target=self._watch_stop, args=(None, number), kwargs={"forming": forming},
-                             name="heal-stop-watch", daemon=True).start()
+            self._start_stop_watch(None, number, forming=forming)
             return
         if not stopping or epoch is None:
             return
         log.warning("heal: round %d opened (%s); stopping this step", number, reason or "a fault")
         self.membership.announce(number, Join(self.member, ready=False))
-        threading.Thread(target=self._watch_stop, args=(epoch, number), name="heal-stop-watch", daemon=True).start()
+        self._start_stop_watch(epoch, number)
+
+    def _start_stop_watch(self, epoch: Epoch | None, number: int, *, forming: int | None = None) -> None:
+        threading.Thread(target=self._watch_stop, args=(epoch, number), kwargs={"forming": forming},
+                         name="heal-stop-watch", daemon=True).start()
 
     def _still_in(self, epoch: Epoch | None, forming: int | None) -> bool:
         """(Under the phase lock) the training thread is still training in ``epoch``, or (with

@@ -48,10 +48,8 @@ def chaos_hook(slow_s: float, slow_steps: int, exit_before: int | None,  # type:
     def hook(point: str, step: int) -> None:
         if point != "before_control":
             return
-        if slow_while is not None:
-            if os.path.exists(slow_while):
-                time.sleep(slow_s)
-        elif step <= slow_steps:
+        slowed = os.path.exists(slow_while) if slow_while is not None else step <= slow_steps
+        if slowed:
             time.sleep(slow_s)
         if exit_before is not None and step >= exit_before:
             sys.stdout.flush()
