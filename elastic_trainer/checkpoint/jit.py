@@ -143,6 +143,15 @@ _EXCHANGEABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16, to
 """Buffer dtypes that round-trip exactly through float64 (int64 up to 2**53: step counters)."""
 
 
+def replaces_buffer_broadcast(model: nn.Module) -> bool:
+    """Whether rank 0's buffers riding on the control allreduce (``AuthoritativeBuffers(apply=True)``)
+    can stand in for DDP's forward-time buffer broadcast: every buffer DDP would broadcast is one a
+    state_dict holds (the others do not ride), with a dtype that rides exactly, and there is one."""
+    persistent = {id(module._buffers[attr]) for module, attr, _ in _persistent_buffer_slots(model)}
+    buffers = [b for _, b in model.named_buffers()]
+    return bool(buffers) and all(id(b) in persistent and b.dtype in _EXCHANGEABLE for b in buffers)
+
+
 class AuthoritativeBuffers:
     """Rank 0's module buffers after the last completed step, held by every rank.
 
@@ -154,12 +163,19 @@ class AuthoritativeBuffers:
     allreduce has completed, the update section calls :meth:`commit` with its result; a saver
     holding the guard calls :meth:`snapshot` and gets the buffers of exactly the step the
     weights are at.
+
+    With ``apply=True`` :meth:`commit` also writes rank 0's values into this rank's module
+    buffers: what DDP's forward-time buffer broadcast would do at the next forward, which the
+    runtime then turns off (:func:`replaces_buffer_broadcast`). One collective per step fewer,
+    and the buffers travel on a collective that an abort can end (``runtime/abortable.py``).
     """
 
-    def __init__(self, model: nn.Module, *, rank: int, world_size: int) -> None:
+    def __init__(self, model: nn.Module, *, rank: int, world_size: int, apply: bool = False) -> None:
         self._slots = _persistent_buffer_slots(model)
         self._rank = rank
         self._world_size = world_size
+        self._apply = apply and rank != 0 and world_size > 1  # rank 0's own values come back unchanged
+        self._applied_views: dict[int, list[torch.Tensor]] = {}  # reduced tensor's data_ptr -> its views
         self._layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
         self._own: torch.Tensor | None = None  # this rank's buffers of the step in progress, float64
         self._views: list[torch.Tensor] = []  # _own cut into the buffers' shapes
@@ -214,9 +230,23 @@ class AuthoritativeBuffers:
             return
         if reduced is not None:
             self._committed, self._committed_layout, self._source = reduced, self._layout, "rank0"
+            if self._apply:
+                self._write_live(reduced)
         else:
             exact = self._rank == 0 or self._world_size == 1
             self._commit_own("rank0" if exact else "local")
+
+    def _write_live(self, reduced: torch.Tensor) -> None:
+        # The control channel alternates between two tensors: their views are cut once per layout.
+        views = self._applied_views.get(reduced.data_ptr())
+        if views is None:
+            views, offset = [], 0
+            for _, _, shape, numel in self._layout:
+                views.append(reduced[offset : offset + numel].view(shape))
+                offset += numel
+            self._applied_views[reduced.data_ptr()] = views
+        with torch.no_grad():
+            torch_compat.foreach_copy_(self._live, views)
 
     def _commit_own(self, source: str) -> None:
         # Copied into a second buffer kept from step to step, not cloned: no allocation per step.
@@ -232,6 +262,7 @@ class AuthoritativeBuffers:
 
     def _relayout(self, live: list[torch.Tensor]) -> None:
         self._live = live
+        self._applied_views = {}
         self._layout = [(key, t.dtype, t.shape, t.numel()) for (_, _, key), t in zip(self._slots, live, strict=True)]
         layout = self._layout
         self._own = torch.empty(sum(n for *_, n in layout), dtype=torch.float64, device=live[0].device)

@@ -134,6 +134,7 @@ class CheckpointManager:
         self._update_event: Any = None
         self._deadline: ExitTimer | None = None
         self._peer_state = False  # keep rank 0's buffers for peers even without just-in-time saves
+        self._apply_buffers = False  # rank 0's buffers replace DDP's forward broadcast
 
     # -- properties ----------------------------------------------------------------------------------
     @property
@@ -222,6 +223,12 @@ class CheckpointManager:
         """This rank may be asked for its state (:meth:`peer_payload`) when the group heals in
         place: keep rank 0's module buffers of every completed step, as just-in-time saves do."""
         self._peer_state = True
+
+    def sync_buffers(self) -> None:
+        """The model's DDP does not broadcast buffers at each forward: rank 0's buffers ride on
+        every step's control allreduce and are written into every rank's module (call before
+        entering; see ``checkpoint.jit.replaces_buffer_broadcast``)."""
+        self._apply_buffers = True
 
     @property
     def holds_consistent_state(self) -> bool:
@@ -476,8 +483,9 @@ class CheckpointManager:
             stop_deadline=self._stop_deadline, enabled=enabled,
         )
         self.buffers = None
-        if (enabled or self._peer_state) and self.model is not None:
-            self.buffers = AuthoritativeBuffers(self.model, rank=env.rank, world_size=env.world_size)
+        if (enabled or self._peer_state or self._apply_buffers) and self.model is not None:
+            self.buffers = AuthoritativeBuffers(self.model, rank=env.rank, world_size=env.world_size,
+                                                apply=self._apply_buffers)
             if env.device.type == "cuda":
                 self._update_event = torch.cuda.Event()
 

@@ -185,8 +185,11 @@ def _stop_worker(rank: int, work: Path, jit: str) -> None:
 
     job = TrainingJob(model=lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), SignalAt(), nn.Linear(8, 2)),
                       dataset=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
+    from elastic_trainer.train.config import DDPOptions
+
     config = trainer_config(global_batch_size=8, max_steps=20, epochs=5, log_every=1000, checkpoint_every=1000,
-                            checkpoint_dir=str(work / "ckpt"), jit_save=jit == "on")
+                            checkpoint_dir=str(work / "ckpt"), jit_save=jit == "on",
+                            ddp=DDPOptions(broadcast_buffers=jit != "off-unsynced"))
     env = read_env(environ={"RANK": str(rank), "WORLD_SIZE": "2"}, cuda_devices=0, backend="gloo")
     trainer = Trainer(config, job, env=env)
     result = trainer.fit()
@@ -323,15 +326,17 @@ def test_every_rank_saves_rank0s_buffers_of_the_last_step(tmp_path: Path) -> Non
     assert rank1["round0"] == start and rank0["round0"] == start
 
 
-@pytest.mark.parametrize(("jit", "stopped_after"), [("on", SIGNAL_STEP), ("off", SIGNAL_STEP + 1)])
+@pytest.mark.parametrize(("jit", "stopped_after"),
+                         [("on", SIGNAL_STEP), ("off", SIGNAL_STEP), ("off-unsynced", SIGNAL_STEP + 1)])
 def test_a_stop_signal_ends_the_run_after_the_step_in_progress_when_buffers_ride_on_the_control(
     tmp_path: Path, jit: str, stopped_after: int
 ) -> None:
-    """JIT on: rank 0's buffers ride on the control allreduce, which the update waits for, so the
-    stop flag of step SIGNAL_STEP is read in that step. JIT off: the allreduce overlaps the next
-    step and the flag is read one step later."""
+    """JIT on, or off with DDP's buffer broadcast wanted (which they then replace): rank 0's buffers
+    ride on the control allreduce, which the update waits for, so the stop flag of step SIGNAL_STEP
+    is read in that step. JIT off and buffers not synchronised (``broadcast_buffers=False``): the
+    allreduce overlaps the next step and the flag is read one step later."""
     results, logs = _run_pair("stop", jit, work=tmp_path)
-    expected = {"step": stopped_after, "signal": True, "exchanged": jit == "on"}
+    expected = {"step": stopped_after, "signal": True, "exchanged": jit != "off-unsynced"}
     assert results == [expected, expected], logs
     # The newest is the step the run stopped after (a JIT save of an earlier step may precede it
     # when a loaded machine stalls a rank past the stall limit after the signal).

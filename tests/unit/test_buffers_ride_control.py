@@ -1,0 +1,131 @@
+"""Rank 0's buffers riding on the step's control allreduce stand in for DDP's forward-time buffer
+broadcast bit for bit: three real gloo processes train a BatchNorm model on different data per
+rank, with gradient accumulation, once with DDP broadcasting buffers at each synced forward and
+once with ``forward_sync_buffers=False`` and ``AuthoritativeBuffers(apply=True)``. Every rank
+ends with the same weights and buffers in both runs; without either, the ranks' buffers drift.
+
+This file is also the worker script: ``python -m tests.unit.test_buffers_ride_control MODE RANK DIR``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_trainer.checkpoint.jit import replaces_buffer_broadcast
+from elastic_trainer.examples.synthetic_cnn import SmallCNN
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLD, STEPS, MICRO = 3, 6, 2
+
+
+# -- worker side ---------------------------------------------------------------------------------------
+def _worker(mode: str, rank: int, work: Path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from elastic_trainer.checkpoint.jit import AuthoritativeBuffers
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.runtime.step_control import ControlChannel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=WORLD)
+    env = read_env(environ={"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0"}, cuda_devices=0)
+    torch.manual_seed(0)
+    model = SmallCNN(8)
+    ddp = DDP(model, forward_sync_buffers=(mode == "ddp"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    channel = ControlChannel(env)
+    buffers = AuthoritativeBuffers(model, rank=rank, world_size=WORLD, apply=(mode == "ride"))
+    buffers.capture(identical=True)
+    seen: list[torch.Tensor] = []  # the buffers each forward starts from (after DDP's broadcast, if any)
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.cat([b.double().flatten() for b in model.buffers()])))
+    data = torch.Generator().manual_seed(100 + rank)  # each rank sees different batches
+    for step in range(1, STEPS + 1):
+        optimizer.zero_grad(set_to_none=True)
+        pending = None
+        for micro in range(MICRO):
+            x = torch.randn(4, 3, 8, 8, generator=data) * (1 + rank)
+            y = torch.randint(0, 10, (4,), generator=data)
+            last = micro == MICRO - 1
+            with ddp.no_sync() if not last else torch.enable_grad():
+                loss = torch.nn.functional.cross_entropy(ddp(x), y)
+                if last:
+                    pending = channel.start(step, loss.detach(), global_samples=WORLD * 8, stop=False,
+                                            buffers=buffers.capture())
+                loss.backward()
+        assert pending is not None
+        channel.wait_before_update(pending)
+        optimizer.step()
+        buffers.commit(pending.buffers)
+        channel.finish(pending)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save({"state": state, "seen": torch.stack(seen)}, work / f"{mode}-{rank}.pt")
+    dist.destroy_process_group()
+
+
+# -- test side -------------------------------------------------------------------------------------------
+def _run(mode: str, work: Path) -> list[dict[str, torch.Tensor]]:
+    """Per rank: ``state`` (the final state_dict) and ``seen`` (one row of buffers per forward)."""
+    work.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.test_buffers_ride_control", mode, str(rank), str(work)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(WORLD)]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"{mode} rank {rank}: {out[-2000:]}"
+    return [torch.load(work / f"{mode}-{rank}.pt", weights_only=True) for rank in range(WORLD)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def test_buffers_on_the_control_equal_ddps_broadcast_bit_for_bit(tmp_path: Path) -> None:
+    ddp = _run("ddp", tmp_path / "ddp")
+    ride = _run("ride", tmp_path / "ride")
+    drift = _run("none", tmp_path / "none")
+    assert ddp[0]["seen"].shape[0] == STEPS * MICRO
+    assert not torch.equal(ddp[0]["seen"][0], ddp[0]["seen"][-1]), "BN statistics never changed"
+    for rank in range(WORLD):
+        # Every forward of every rank starts from the same buffers, bit for bit (as float64 rows:
+        # float32 statistics and the int64 counter both round-trip exactly).
+        assert torch.equal(_bits(ride[rank]["seen"]), _bits(ddp[rank]["seen"])), f"rank {rank}: buffers differ"
+        for key, value in ddp[rank]["state"].items():
+            if key in dict(SmallCNN(8).named_parameters()):
+                assert torch.equal(_bits(ride[rank]["state"][key]), _bits(value)), f"rank {rank}: {key} differs"
+    # Rank 0's final buffers (what it checkpoints) are the same; the other ranks hold rank 0's too.
+    for key, value in ddp[0]["state"].items():
+        assert all(torch.equal(_bits(ride[rank]["state"][key]), _bits(value)) for rank in range(WORLD)), key
+    # Each step's first forward starts from rank 0's buffers (the later micro-batches from the
+    # rank's own, as DDP does). The comparison can fail: with neither, every forward starts from
+    # the rank's own statistics.
+    firsts = slice(None, None, MICRO)
+    assert all(torch.equal(ddp[rank]["seen"][firsts], ddp[0]["seen"][firsts]) for rank in range(WORLD))
+    assert not torch.equal(ddp[1]["seen"][1::MICRO], ddp[0]["seen"][1::MICRO])
+    assert not torch.equal(drift[1]["seen"][firsts], drift[0]["seen"][firsts])
+
+
+def test_only_models_whose_every_buffer_rides_exactly_replace_the_broadcast() -> None:
+    assert replaces_buffer_broadcast(SmallCNN(4))
+    assert not replaces_buffer_broadcast(SmallCNN(4, batchnorm=False))  # no buffer: nothing to replace
+    with_scratch = SmallCNN(4)
+    with_scratch.register_buffer("scratch", torch.zeros(2), persistent=False)  # DDP broadcasts it; it does not ride
+    assert not replaces_buffer_broadcast(with_scratch)
+    with_complex = SmallCNN(4)
+    with_complex.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
+    assert not replaces_buffer_broadcast(with_complex)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))
