@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.runtime.abortable import WAITS
+from elastic_trainer.runtime.bucket_rider import RIDER
 
 # Bounds the memory of records nobody drains (e.g. a loop that never calls on_step).
 DEFAULT_MAX_PENDING = 8192
@@ -261,10 +262,13 @@ def timed_allreduce_hook(
         return fut.then(partial(state._cuda_done, pending))  # type: ignore[no-any-return]
 
     launched = state.clock()
-    fut = group.allreduce([buffer], state._options).get_future()
+    fut = RIDER.allreduce(group, buffer, state._options)  # the step's control may ride on it
     # Healing in place, the training thread waits on a tracked future an abort can end (gloo
     # may never end a collective whose connections were cut; see runtime/abortable.py).
     return WAITS.track(fut, partial(state._cpu_done, step_seq, buffer.nbytes, launched))
+
+
+RIDER.hooks.add(timed_allreduce_hook)
 
 
 def exposed_wait_s(timings: list[BucketTiming]) -> float:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_trainer.runtime.bucket_rider import RIDER
+
 ABORT_MARKER = "heal: the process group was aborted"
 """In the message of every error :meth:`AbortableWaits.abort` sets (a group failure, not a bug)."""
 
@@ -120,7 +122,7 @@ def abortable_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futur
     world = dist.get_world_size(group)
     if world > 1:
         buffer.div_(world)
-    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()  # type: ignore[union-attr]
+    future = RIDER.allreduce(group, buffer)  # the step's control may ride on it (runtime/bucket_rider.py)
     return WAITS.track(future, _bucket_value)
 
 
@@ -128,3 +130,4 @@ def abortable_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futur
 abortable_allreduce_hook.__annotations__ = {
     "state": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
 }
+RIDER.hooks.add(abortable_allreduce_hook)

@@ -16,6 +16,13 @@ buffers of step S must reach every rank before any rank applies S's update
 (:mod:`elastic_trainer.checkpoint.jit`). On the CPU they ride on the same host tensor and the update
 waits for it. On CUDA they ride on a device allreduce and the host waits for it before queueing the
 update: the one wait on the GPU left in a step, only for such models (``docs/design/steady-state.md``).
+
+On gloo with a comm hook of this package (metrics timing, abortable waits), the control rides on
+the first gradient bucket's allreduce instead (:mod:`elastic_trainer.runtime.bucket_rider`): one
+collective per step fewer. The float64 control travels as two float32 halves (``hi = float32(x)``,
+``lo = float32(x - hi)``), exact for every float32/16 value and integer below 2**48; a rank whose
+contribution does not split exactly says so in a flag slot, and then every rank sends the float64
+control on its own collective for that step. Riding, the control completes within its step.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from elastic_trainer.runtime.abortable import WAITS
+from elastic_trainer.runtime.bucket_rider import BucketRider
 from elastic_trainer.runtime.distributed import DistEnv
 
 _STOP, _LOSS, _PRESENT, _CHECKPOINT_FAILED, _HEADER = 0, 1, 2, 3, 4
@@ -51,6 +60,8 @@ class PendingControl:
     buffer_work: Any = None
     complete: bool = False
     """The update waited for it: its stop flag can be read without waiting."""
+    payload: torch.Tensor | None = None
+    """The float32 halves riding on a gradient bucket (``None``: not riding, or resolved)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +84,16 @@ class ControlChannel:
             its channel at the same point: under NCCL that creates a gloo group).
     """
 
-    def __init__(self, env: DistEnv) -> None:
+    def __init__(self, env: DistEnv, *, rider: BucketRider | None = None) -> None:
         self.env = env
         self._cuda = env.device.type == "cuda"
         self.group: Any = None
         if env.world_size > 1 and env.backend != "gloo":
             self.group = dist.new_group(backend="gloo")  # host-side: a CPU tensor, no device stream
+        # Riding needs the buckets on the CPU and on the group the control would use (the default).
+        self._rider = rider if env.world_size > 1 and self.group is None and not self._cuda else None
+        if rider is not None:
+            rider.clear()  # a payload left aboard by a failed step of an earlier group goes nowhere
         self._size_hosts(_HEADER)
         self._loss_slots = [torch.zeros((), dtype=torch.float64, pin_memory=self._cuda) for _ in range(2)]
         self._loss_views = [s.numpy() for s in self._loss_slots]
@@ -90,6 +105,9 @@ class ControlChannel:
     def _size_hosts(self, size: int) -> None:
         self._hosts = [torch.zeros(size, dtype=torch.float64) for _ in range(2)]
         self._views = [h.numpy() for h in self._hosts]
+        # Riding: [hi (size), lo (size), inexact] in float32, and their numpy views.
+        self._payloads = [torch.zeros(2 * size + 1, dtype=torch.float32) for _ in range(2)]
+        self._payload_views = [p.numpy() for p in self._payloads]
 
     def start(self, step: int, loss_sum: torch.Tensor | None, *, global_samples: int, stop: bool,
               buffers: torch.Tensor | None = None, checkpoint_failed: bool = False) -> PendingControl:
@@ -114,10 +132,13 @@ class ControlChannel:
         if buffers is not None and not self._cuda:
             host[_HEADER:].copy_(buffers)
             pending.buffers = host[_HEADER:]
-        if self.env.world_size > 1:
-            work = dist.all_reduce(host, group=self.group, async_op=True)
-            # Healing in place, wait on a future an abort can end (see runtime/abortable.py).
-            pending.work = WAITS.track(work.get_future()) if WAITS.enabled else work  # type: ignore[union-attr]
+        if self._rider is not None:
+            payload = self._payloads[turn]
+            _split(view, self._payload_views[turn])
+            self._rider.board(payload)
+            pending.payload = payload
+        elif self.env.world_size > 1:
+            pending.work = self._allreduce(host)
         if buffers is not None and self._cuda:
             pending.buffers = buffers.clone()
             pending.buffer_work = dist.all_reduce(pending.buffers, async_op=True) if self.env.world_size > 1 else None
@@ -132,9 +153,36 @@ class ControlChannel:
             self._loss_step = None
         return pending
 
+    def _allreduce(self, host: torch.Tensor) -> Any:
+        work = dist.all_reduce(host, group=self.group, async_op=True)
+        # Healing in place, wait on a future an abort can end (see runtime/abortable.py).
+        return WAITS.track(work.get_future()) if WAITS.enabled else work  # type: ignore[union-attr]
+
+    def _land(self, pending: PendingControl) -> None:
+        """A riding control, after the backward: its sum, into ``pending.host`` (float64)."""
+        payload, pending.payload = pending.payload, None
+        if payload is None or self._rider is None:
+            return
+        future = self._rider.collect(payload)
+        if future is not None:
+            (WAITS.track(future) if WAITS.enabled else future).wait()  # done with the backward's buckets
+            halves = self._payload_views[0 if payload is self._payloads[0] else 1]
+            if halves[-1] == 0:
+                _join(halves, pending.view)
+                pending.complete = True
+                return
+        # No bucket took it (every rank alike), or a rank's share did not split exactly: the
+        # float64 control on its own collective (pending.host still holds this rank's share).
+        self._allreduce(pending.host).wait()
+        pending.complete = True
+
     def wait_before_update(self, pending: PendingControl) -> None:
         """Rank 0's buffers ride on ``pending``: no rank updates before they arrived (raises if a
-        peer died, leaving the state "after the previous step")."""
+        peer died, leaving the state "after the previous step"). A control riding on a bucket
+        is complete after the backward: it is read now."""
+        if pending.payload is not None:
+            self._land(pending)
+            return
         if pending.buffers is None:
             return
         if self._cuda:
@@ -153,6 +201,8 @@ class ControlChannel:
 
     def finish(self, pending: PendingControl) -> ControlResult:
         """Wait for ``pending``'s host collective if needed (it ran while the host computed) and read it."""
+        if pending.payload is not None:
+            self._land(pending)
         if pending.work is not None:
             pending.work.wait()
             pending.work = None
@@ -163,3 +213,23 @@ class ControlChannel:
         return ControlResult(step=pending.step, stop=bool(view[_STOP] > 0), loss_step=pending.loss_of,
                              loss=None if loss is not None and math.isnan(loss) else loss,
                              checkpoint_failed=bool(view[_CHECKPOINT_FAILED] > 0))
+
+
+def _split(control: Any, halves: Any) -> None:
+    """``halves`` (float32, ``2n + 1``) = ``[hi, lo, inexact]`` of ``control`` (float64, ``n``):
+    ``hi + lo == control`` exactly unless ``inexact`` is 1 (numpy on views: no torch call)."""
+    n = control.shape[0]
+    hi, lo = halves[:n], halves[n : 2 * n]
+    with np.errstate(all="ignore"):  # inf, nan and overflow end up inexact: the float64 path
+        np.copyto(hi, control, casting="same_kind")  # rounds to the nearest float32
+        np.copyto(lo, control - hi, casting="same_kind")  # control - hi is exact in float64
+        joined = np.where(lo == 0, hi, hi.astype(np.float64) + lo)
+    halves[-1] = 0.0 if np.array_equal(joined, control, equal_nan=True) else 1.0
+
+
+def _join(halves: Any, control: Any) -> None:
+    """The inverse of :func:`_split` after the sum: ``hi`` alone where ``lo`` is zero (keeps the
+    sign of ``-0.0``, which ``hi + 0.0`` would not)."""
+    n = control.shape[0]
+    hi, lo = halves[:n].astype(np.float64), halves[n : 2 * n]
+    np.copyto(control, np.where(lo == 0, hi, hi + lo))

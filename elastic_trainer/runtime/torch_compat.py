@@ -249,6 +249,12 @@ DYNAMO_MODULE = "torch._dynamo"
 """torch.compile's module: heavy to import, so the warm-start server preloads it."""
 
 
+def comm_hooks(ddp_model: Any) -> list[Any]:
+    """The communication hook functions registered on ``ddp_model`` (DDP keeps ``(hook, state)``
+    pairs in the private ``_comm_hooks`` list, torch 2.13)."""
+    return [hook for hook, _ in getattr(ddp_model, "_comm_hooks", None) or []]
+
+
 def has_comm_hook(ddp_model: Any) -> bool:
     """Whether a communication hook is registered on ``ddp_model`` (DDP keeps them in the private
     ``_comm_hooks`` list, torch 2.13)."""

@@ -37,6 +37,7 @@ from elastic_trainer.heal.healer import Healer, HealError, RunFinished, is_group
 from elastic_trainer.heal.protocol import NO_STATE
 from elastic_trainer.runtime import distributed, torch_compat
 from elastic_trainer.runtime.abortable import WAITS, abortable_allreduce_hook
+from elastic_trainer.runtime.bucket_rider import RIDER
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
@@ -136,6 +137,7 @@ class Attempt:
         self.healed = False
         self._wrappers: list[weakref.ref[Any]] = []
         self._releases: list[Callable[[], None]] = []
+        self._rides_buckets = False
 
     @property
     def fence(self) -> CommitFence | None:
@@ -154,6 +156,7 @@ class Attempt:
         if WAITS.enabled and not torch_compat.has_comm_hook(ddp):
             # Healing in place on gloo: the buckets' waits must be abortable (runtime/abortable.py).
             ddp.register_comm_hook(None, abortable_allreduce_hook)
+        self._rides_buckets = RIDER.carries(ddp)  # the step's control can ride on its buckets
         self._wrappers.append(weakref.ref(ddp))
         if release is not None:
             self._releases.append(release)
@@ -165,7 +168,8 @@ class Attempt:
         healer = self.group.healer
         loop = ElasticLoop(env=self.env, heals_in_place=healer is not None, initial_state=self.initial_state,
                            generation_part=healer.heals if healer is not None else 0,
-                           heal_check=healer.check if healer is not None else None, **options)
+                           heal_check=healer.check if healer is not None else None,
+                           control_rides_buckets=self._rides_buckets, **options)
         self.initial_state = None
         if healer is not None:
             checkpoints: CheckpointManager = loop.checkpoints

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.runtime import failures, heartbeat, rng
+from elastic_trainer.runtime.bucket_rider import RIDER
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sample_log import SampleLog
@@ -118,6 +119,9 @@ class ElasticLoop:
         heal_check: called at the start of every step; raises to stop the step when the group
             is being healed (``Healer.check``).
         generation_part: how many times this process healed before (names its sample log).
+        control_rides_buckets: the model's DDP reduces its buckets through a hook that takes the
+            step's control aboard (``runtime.bucket_rider``); it rides when :meth:`start_control`
+            is called before the backward, and goes on its own collective otherwise.
     """
 
     def __init__(
@@ -142,6 +146,7 @@ class ElasticLoop:
         initial_state: dict[str, Any] | None = None,
         generation_part: int = 0,
         heal_check: Callable[[], None] | None = None,
+        control_rides_buckets: bool = False,
     ) -> None:
         self.env = env
         self.sampler = sampler
@@ -163,6 +168,7 @@ class ElasticLoop:
         self._initial_state = initial_state
         self._heal_check = heal_check
         self._generation_part = generation_part
+        self._rides_buckets = control_rides_buckets
         self.state_ready = False
         """The state is this run's (loaded or taken from a peer): this rank may serve it."""
         self.state_source = "checkpoint"
@@ -211,7 +217,7 @@ class ElasticLoop:
         self._stop.install()
         self._wakeup.install()
         try:
-            self._channel = ControlChannel(self.env)
+            self._channel = ControlChannel(self.env, rider=RIDER if self._rides_buckets else None)
             if self.heals_in_place:
                 self.checkpoints.serve_peers()
             if self._initial_state is not None:

@@ -9,6 +9,7 @@ This file is also the worker script: ``python -m tests.unit.test_buffers_ride_co
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,30 +24,58 @@ pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD, STEPS, MICRO = 3, 6, 2
+BIG = 2**52 + 2**26 + 1
 
 
 # -- worker side ---------------------------------------------------------------------------------------
+class _Counter(torch.nn.Module):
+    """An int64 buffer that float32 halves cannot carry (its low half needs 27 bits), moved by
+    each forward by a rank-dependent amount."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.register_buffer("big", torch.tensor(BIG, dtype=torch.int64))
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.big.add_(1 + self.rank)
+        return x
+
+
 def _worker(mode: str, rank: int, work: Path) -> None:
+    """``mode``: how buffers are synchronised (``ddp``: DDP's broadcast; ``ride``: on the control
+    allreduce; ``fold``: on the control riding on the first gradient bucket; ``none``), with
+    ``+big`` a buffer the float32 halves cannot carry exactly."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from elastic_trainer.checkpoint.jit import AuthoritativeBuffers
+    from elastic_trainer.runtime.abortable import abortable_allreduce_hook
+    from elastic_trainer.runtime.bucket_rider import RIDER
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.runtime.step_control import ControlChannel
 
+    sync, big = mode.split("+")[0], mode.endswith("+big")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=WORLD)
     env = read_env(environ={"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0"}, cuda_devices=0)
     torch.manual_seed(0)
-    model = SmallCNN(8)
-    ddp = DDP(model, forward_sync_buffers=(mode == "ddp"))
+    model = torch.nn.Sequential(_Counter(rank), SmallCNN(8)) if big else SmallCNN(8)
+    ddp = DDP(model, forward_sync_buffers=(sync == "ddp"))
+    if sync == "fold":
+        ddp.register_comm_hook(None, abortable_allreduce_hook)
+        assert RIDER.carries(ddp)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    channel = ControlChannel(env)
-    buffers = AuthoritativeBuffers(model, rank=rank, world_size=WORLD, apply=(mode == "ride"))
+    channel = ControlChannel(env, rider=RIDER if sync == "fold" else None)
+    separate = []  # the control's own collectives
+    own_allreduce = channel._allreduce
+    channel._allreduce = lambda host: (separate.append(1), own_allreduce(host))[1]  # type: ignore[method-assign]
+    buffers = AuthoritativeBuffers(model, rank=rank, world_size=WORLD, apply=sync in ("ride", "fold"))
     buffers.capture(identical=True)
     seen: list[torch.Tensor] = []  # the buffers each forward starts from (after DDP's broadcast, if any)
     model.register_forward_pre_hook(lambda *_: seen.append(torch.cat([b.double().flatten() for b in model.buffers()])))
     data = torch.Generator().manual_seed(100 + rank)  # each rank sees different batches
+    results = []
     for step in range(1, STEPS + 1):
         optimizer.zero_grad(set_to_none=True)
         pending = None
@@ -57,17 +86,19 @@ def _worker(mode: str, rank: int, work: Path) -> None:
             with ddp.no_sync() if not last else torch.enable_grad():
                 loss = torch.nn.functional.cross_entropy(ddp(x), y)
                 if last:
-                    pending = channel.start(step, loss.detach(), global_samples=WORLD * 8, stop=False,
-                                            buffers=buffers.capture())
+                    pending = channel.start(step, loss.detach() * 4, global_samples=WORLD * 4,
+                                            stop=rank == 2 and step == 4, buffers=buffers.capture())
                 loss.backward()
         assert pending is not None
         channel.wait_before_update(pending)
         optimizer.step()
         buffers.commit(pending.buffers)
-        channel.finish(pending)
+        result = channel.finish(pending)
+        results.append([result.stop, result.loss_step, result.loss])
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.save({"state": state, "seen": torch.stack(seen)}, work / f"{mode}-{rank}.pt")
-    dist.destroy_process_group()
+    torch.save({"state": state, "seen": torch.stack(seen), "results": results, "separate": len(separate)},
+               work / f"{mode}-{rank}.pt")
+    dist.barrier()
 
 
 # -- test side -------------------------------------------------------------------------------------------
@@ -116,6 +147,48 @@ def test_buffers_on_the_control_equal_ddps_broadcast_bit_for_bit(tmp_path: Path)
     assert not torch.equal(drift[1]["seen"][firsts], drift[0]["seen"][firsts])
 
 
+def test_the_control_riding_on_a_gradient_bucket_is_exact_and_needs_no_collective(tmp_path: Path) -> None:
+    ride = _run("ride", tmp_path / "ride")
+    fold = _run("fold", tmp_path / "fold")
+    big = _run("fold+big", tmp_path / "big")
+    firsts = slice(None, None, MICRO)
+    for rank in range(WORLD):
+        assert ride[rank]["separate"] == STEPS and fold[rank]["separate"] == 0, "the control still had a collective"
+        # The buffers arrive exactly: each step's first forward starts from rank 0's, bit for bit.
+        assert torch.equal(_bits(fold[rank]["seen"][firsts]), _bits(fold[0]["seen"][firsts])), rank
+        # Stop flag and loss as on the control's own collective (the loss is summed in float32).
+        assert [r[:2] for r in fold[rank]["results"]] == [r[:2] for r in ride[rank]["results"]]
+        assert [r[0] for r in fold[rank]["results"]] == [step == 4 for step in range(1, STEPS + 1)]
+        losses = [(a, b) for (_, _, a), (_, _, b) in zip(fold[rank]["results"], ride[rank]["results"], strict=True)]
+        assert losses[0] == (None, None) and all(a is not None and b is not None for a, b in losses[1:])
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in losses[1:]), losses
+        for key, value in ride[rank]["state"].items():  # the same training (up to the sums' order)
+            assert torch.allclose(fold[rank]["state"][key].double(), value.double(), rtol=1e-5, atol=1e-6), key
+        # A value that does not split into float32 halves sends that step's control on its own
+        # collective, and rank 0's counter still arrives exactly (it moves by 1 a forward there).
+        assert big[rank]["separate"] == STEPS
+        counter = big[rank]["seen"][firsts, 0].to(torch.int64)
+        assert counter.tolist() == [BIG + MICRO * step for step in range(STEPS)]
+
+
+def test_float64_control_splits_into_exact_float32_halves() -> None:
+    import numpy as np
+
+    from elastic_trainer.runtime.step_control import _join, _split
+
+    exact = np.array([0.0, -0.0, 1.5, -(2.0**47) - 3, 2.0**48 - 1, float(np.float32(0.1)), float(np.float32(3e-45)), float("nan")])
+    halves = np.zeros(2 * len(exact) + 1, dtype=np.float32)
+    _split(exact, halves)
+    assert halves[-1] == 0
+    joined = np.zeros_like(exact)
+    _join(halves, joined)
+    assert joined.tobytes() == np.where(np.isnan(exact), joined, exact).tobytes() and np.isnan(joined[-1])
+    assert np.signbit(joined[1]) and not np.signbit(joined[0])
+    for inexact in (0.1, float(BIG), float("inf"), 1e300):
+        _split(np.array([1.0, inexact]), halves[:5])
+        assert halves[4] == 1, inexact
+
+
 def test_only_models_whose_every_buffer_rides_exactly_replace_the_broadcast() -> None:
     assert replaces_buffer_broadcast(SmallCNN(4))
     assert not replaces_buffer_broadcast(SmallCNN(4, batchnorm=False))  # no buffer: nothing to replace
@@ -129,3 +202,7 @@ def test_only_models_whose_every_buffer_rides_exactly_replace_the_broadcast() ->
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))
+    # Skip interpreter teardown: tearing gloo down can abort ("terminate called without an
+    # active exception"), as tests/integration/scripts/ddp_steps.py notes.
+    sys.stdout.flush()
+    os._exit(0)
