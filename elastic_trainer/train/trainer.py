@@ -286,8 +286,11 @@ class Trainer:
 
     def _buffers_ride_control(self) -> bool:
         """Rank 0's buffers ride on each step's control allreduce instead of DDP's forward-time
-        broadcast: one collective per step fewer, and one an abort can end (``checkpoint.jit``)."""
-        return (self._env().world_size > 1 and self.config.ddp.broadcast_buffers
+        broadcast: one collective per step fewer, and one an abort can end (``checkpoint.jit``).
+        On the CPU only: on CUDA the buffers' allreduce makes the host wait for the device before
+        the update (``docs/design/steady-state.md``), which DDP's broadcast does not."""
+        env = self._env()
+        return (env.world_size > 1 and env.device.type == "cpu" and self.config.ddp.broadcast_buffers
                 and replaces_buffer_broadcast(self.model))
 
     def _drop_model_wrapper(self) -> None:

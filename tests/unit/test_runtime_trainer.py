@@ -352,22 +352,24 @@ def test_gpu_mixed_precision_syncbn_checkpoint_loads_on_cpu_and_resumes(tmp_path
 
 # -- buffers: DDP's forward broadcast, or rank 0's buffers on the control allreduce ------------------------
 @pytest.mark.parametrize(
-    ("world", "batchnorm", "broadcast", "forward_sync"),
+    ("world", "batchnorm", "broadcast", "forward_sync", "gpus"),
     [
-        (3, True, True, False),  # rank 0's buffers ride on the control: DDP's broadcast is off
-        (3, False, True, True),  # no buffers: DDP's setting as configured
-        (3, True, False, False),  # the user turned broadcasting off: nothing replaces it
-        (1, True, True, True),  # one rank: nothing rides
+        (3, True, True, False, 0),  # rank 0's buffers ride on the control: DDP's broadcast is off
+        (3, False, True, True, 0),  # no buffers: DDP's setting as configured
+        (3, True, False, False, 0),  # the user turned broadcasting off: nothing replaces it
+        (1, True, True, True, 0),  # one rank: nothing rides
+        (3, True, True, True, 1),  # CUDA: the ride would make the host wait for the device
     ],
 )
 def test_ddp_broadcasts_buffers_only_where_the_control_does_not_carry_them(
-        world: int, batchnorm: bool, broadcast: bool, forward_sync: bool) -> None:
+        world: int, batchnorm: bool, broadcast: bool, forward_sync: bool, gpus: int) -> None:
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.train.config import DDPOptions
 
+    env = read_env(environ={"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}, cuda_devices=gpus)
+    assert env.device.type == ("cuda" if gpus else "cpu")
     trainer = Trainer(trainer_config(global_batch_size=8, ddp=DDPOptions(broadcast_buffers=broadcast)),
-                      _job(batchnorm=batchnorm),
-                      env=read_env(environ={"RANK": "0", "WORLD_SIZE": str(world)}, cuda_devices=0))
+                      _job(batchnorm=batchnorm), env=env)
     trainer.model = trainer.job.model()
     assert trainer._ddp_kwargs(torch.device("cpu"))["forward_sync_buffers"] is forward_sync
 
