@@ -143,13 +143,25 @@ _EXCHANGEABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16, to
 """Buffer dtypes that round-trip exactly through float64 (int64 up to 2**53: step counters)."""
 
 
+_INT_HEADROOM = 2**50
+"""A 64-bit integer buffer replaces DDP's broadcast only below this at the start (a counter moved
+by one a forward would need 2**53 - 2**50 forwards to leave float64's exact range)."""
+
+
 def replaces_buffer_broadcast(model: nn.Module) -> bool:
     """Whether rank 0's buffers riding on the control allreduce (``AuthoritativeBuffers(apply=True)``)
     can stand in for DDP's forward-time buffer broadcast: every buffer DDP would broadcast is one a
-    state_dict holds (the others do not ride), with a dtype that rides exactly, and there is one."""
+    state_dict holds (the others do not ride), with a dtype that rides exactly (64-bit integers:
+    holding values well inside float64's exact range now), and there is one."""
     persistent = {id(module._buffers[attr]) for module, attr, _ in _persistent_buffer_slots(model)}
     buffers = [b for _, b in model.named_buffers()]
-    return bool(buffers) and all(id(b) in persistent and b.dtype in _EXCHANGEABLE for b in buffers)
+
+    def rides(b: torch.Tensor) -> bool:
+        if id(b) not in persistent or b.dtype not in _EXCHANGEABLE:
+            return False
+        return b.dtype != torch.int64 or b.numel() == 0 or int(b.abs().max()) < _INT_HEADROOM
+
+    return bool(buffers) and all(rides(b) for b in buffers)
 
 
 class AuthoritativeBuffers:

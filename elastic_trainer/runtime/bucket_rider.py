@@ -50,13 +50,15 @@ class BucketRider:
     def allreduce(self, group: Any, buffer: torch.Tensor, options: Any = None) -> torch.futures.Future[Any]:
         """(comm hook) Start ``buffer``'s sum over ``group``, with the payload aboard if any: one
         collective either way. The future's value is a list whose first tensor is ``buffer``."""
-        payload = self._aboard
-        if payload is None or buffer.device.type != "cpu" or buffer.dtype != payload.dtype:
+        payload, world = self._aboard, dist.group.WORLD
+        group = world if group is None else group
+        if (payload is None or buffer.device.type != "cpu" or buffer.dtype != payload.dtype
+                or group is not world or world is None):  # the control's group only
             if options is None:
                 return dist.all_reduce(buffer, group=group, async_op=True).get_future()  # type: ignore[union-attr]
             return group.allreduce([buffer], options).get_future()  # type: ignore[no-any-return]
         self._aboard = None
-        future = group.allreduce_coalesced([buffer, payload], self._options).get_future()
+        future = world.allreduce_coalesced([buffer, payload], self._options).get_future()
         self._taken = (payload, future)
         return future  # type: ignore[no-any-return]
 

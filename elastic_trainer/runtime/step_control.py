@@ -19,10 +19,13 @@ update: the one wait on the GPU left in a step, only for such models (``docs/des
 
 On gloo with a comm hook of this package (metrics timing, abortable waits), the control rides on
 the first gradient bucket's allreduce instead (:mod:`elastic_trainer.runtime.bucket_rider`): one
-collective per step fewer. The float64 control travels as two float32 halves (``hi = float32(x)``,
-``lo = float32(x - hi)``), exact for every float32/16 value and integer below 2**48; a rank whose
-contribution does not split exactly says so in a flag slot, and then every rank sends the float64
-control on its own collective for that step. Riding, the control completes within its step.
+collective per step fewer. Each rank's float64 share travels as two float32 halves
+(``hi = float32(x)``, ``lo = float32(x - hi)``), exact for every float32/16 value and integer below
+2**48; a rank whose share does not split exactly says so in a flag slot, and then every rank sends
+the float64 control on its own collective for that step. Rank 0's buffers arrive bit for bit (the
+other ranks add ``-0.0``); the global loss is summed in float32 (a sum of float32 losses, which the
+float64 path adds exactly, may differ in its last bits). Riding, the control completes within its
+step. Every rank rides or none does (agreed when the channel is built).
 """
 
 from __future__ import annotations
@@ -90,10 +93,10 @@ class ControlChannel:
         self.group: Any = None
         if env.world_size > 1 and env.backend != "gloo":
             self.group = dist.new_group(backend="gloo")  # host-side: a CPU tensor, no device stream
-        # Riding needs the buckets on the CPU and on the group the control would use (the default).
-        self._rider = rider if env.world_size > 1 and self.group is None and not self._cuda else None
-        if rider is not None:
-            rider.clear()  # a payload left aboard by a failed step of an earlier group goes nowhere
+        # Riding needs the buckets on the CPU and on the group the control would use (the default),
+        # and every rank riding: their buckets' collectives must match.
+        possible = env.world_size > 1 and self.group is None and not self._cuda  # alike on every rank
+        self._rider = rider if possible and _everyone(rider is not None) else None
         self._size_hosts(_HEADER)
         self._loss_slots = [torch.zeros((), dtype=torch.float64, pin_memory=self._cuda) for _ in range(2)]
         self._loss_views = [s.numpy() for s in self._loss_slots]
@@ -213,6 +216,13 @@ class ControlChannel:
         return ControlResult(step=pending.step, stop=bool(view[_STOP] > 0), loss_step=pending.loss_of,
                              loss=None if loss is not None and math.isnan(loss) else loss,
                              checkpoint_failed=bool(view[_CHECKPOINT_FAILED] > 0))
+
+
+def _everyone(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank of the default group (one collective; construction only)."""
+    votes = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN)
+    return bool(votes.numpy()[0] > 0)
 
 
 def _split(control: Any, halves: Any) -> None:

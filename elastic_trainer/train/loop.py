@@ -217,6 +217,7 @@ class ElasticLoop:
         self._stop.install()
         self._wakeup.install()
         try:
+            RIDER.clear()  # a payload a failed step left aboard must not ride on this group's buckets
             self._channel = ControlChannel(self.env, rider=RIDER if self._rides_buckets else None)
             if self.heals_in_place:
                 self.checkpoints.serve_peers()
