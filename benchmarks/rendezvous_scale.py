@@ -57,7 +57,7 @@ sys.path.insert(0, str(HERE))  # scale_agents next to this file
 from scale_agents import AgentRef, Fleet, cpu_seconds  # noqa: E402
 
 SCENARIOS = ("lose-1", "lose-coordinator", "join-1", "leave-10pct", "etcd-follower-killed", "etcd-leader-killed",
-             "restart")
+             "restart-round")
 WRITE_KINDS = {
     "a lease grant", "a node registration", "a rendezvous join", "a rendezvous state change",
     "a coordinator claim", "a round close", "a new round", "a progress count", "a store address",
@@ -469,7 +469,7 @@ class ScenarioRun:
 
             self.alive = [r for r in self.alive if r not in gone]
             self.measure(scenario, drop, lambda: self.alive)
-        elif scenario == "restart":  # a restart round without a fault, at this point of the chain
+        elif scenario == "restart-round":  # a restart round without a fault, at this point of the chain
             self.measure(scenario, self.restart, lambda: self.alive)
         elif scenario == "join-1":
             newcomer: list[AgentRef] = []
@@ -675,7 +675,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--replot", type=Path, default=None, help="only print the tables and draw the chart of a --json file")
     parser.add_argument("--workdir", type=Path, default=None, help="etcd data and logs (default: a temporary folder)")
     parser.add_argument("--agent-warnings", action="store_true",
-                        help="agents log warnings, not only errors (into the workdir's logs/)")
+                        help="agents log warnings, not only errors, and the coordinator its decisions "
+                             "(into the workdir's logs/)")
     args = parser.parse_args(argv)
     if args.scenarios == ["all"]:
         args.scenarios = list(SCENARIOS)

@@ -254,7 +254,9 @@ def serve(argv: Sequence[str]) -> None:
     args = parse_args(argv)
     threading.stack_size(512 * 1024)  # a thousand agent threads: keep their stacks small
     logging.basicConfig(level=logging.ERROR if args.quiet else logging.WARNING,
-                        format=f"[sim {args.process_index}] %(levelname)s %(name)s: %(message)s")
+                        format=f"[sim {args.process_index}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.quiet:  # one coordinator per run: its decisions too (a line per round or loss)
+        logging.getLogger("rendezvous.coordinator").setLevel(logging.INFO)
     simulation = Simulation(args)
     print(json.dumps({"ok": True, "ready": len(simulation.agents), "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
@@ -297,7 +299,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--conf", default="", help="--rdzv-conf of every agent")
     parser.add_argument("--retry-timeout", type=float, default=20.0)
     parser.add_argument("--monitor-interval", type=float, default=0.1)
-    parser.add_argument("--quiet", action="store_true", help="log errors only")
+    parser.add_argument("--quiet", action="store_true",
+                        help="log errors only (else warnings, and the coordinator's decisions)")
     return parser.parse_args(argv)
 
 

@@ -127,7 +127,16 @@ class _NodeLease:
         self._revoked = False
 
     def lease_id(self) -> int:
+        """The lease in use, granted (and this node registered) if none is.
+
+        Raises:
+            RendezvousClosedError: this node left (:meth:`revoke`): it never registers again, or
+                a thread still inside ``next_rendezvous`` would bring back a node that peers
+                then wait for.
+        """
         with self._lock:
+            if self._revoked:
+                raise RendezvousClosedError("etcd-v3: this node left the run")
             if self._lease_id is None:
                 lease = self._connection.call(lambda c: c.lease(self._ttl), what="a lease grant")
                 lease_id = int(lease.id)
@@ -135,9 +144,13 @@ class _NodeLease:
                     lambda c: c.put(self._key, self._value, lease=lease_id), what="a node registration"
                 )
                 self._lease_id = lease_id
-                self._revoked = False
                 self._keeper.keep(lease_id, self._ttl, self._expired)
             return self._lease_id
+
+    @property
+    def revoked(self) -> bool:
+        """This node left the run."""
+        return self._revoked
 
     def current(self) -> int | None:
         """The lease in use, or ``None`` if none is granted now."""
@@ -235,6 +248,9 @@ class _RoundWatch:
         self._broken = True
         for watch in watches:
             watch.cancel()
+        with self._cond:  # a thread waiting in next_rendezvous looks again (and sees it left)
+            self.version += 1
+            self._cond.notify_all()
 
 
 class _CoordinatorSlot:
@@ -255,8 +271,8 @@ class _CoordinatorSlot:
 
 def _leave(lease: _NodeLease, watch: _RoundWatch, slot: _CoordinatorSlot, owned: EtcdConnection | None) -> None:
     slot.stop()
+    lease.revoke()  # first: a joining thread woken by the cancel must find the node gone
     watch.cancel()
-    lease.revoke()
     if owned is not None:  # its keep-alive, watch and task threads end with it
         owned.close()
 
@@ -568,6 +584,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * jitter.uniform(0.8, 1.2)
         creation_due: float | None = None
         while True:
+            if self._lease.revoked:  # left (from another thread) while joining: never join again
+                raise RendezvousClosedError(f"etcd-v3: this node left run {settings.run_id!r}")
             seen = self._watch.version
             if self._watch._broken:
                 self._sync()

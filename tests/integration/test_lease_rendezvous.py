@@ -438,3 +438,45 @@ def test_status_reads_the_stored_node_values_over_one_connection(etcd_server, un
         (a.node_id, a._addr, os.getpid()), (b.node_id, b._addr, os.getpid())}
     waiting = [{k: w[k] for k in ("node", "addr", "pid")} for w in report["waiting"]]  # other fields may come
     assert waiting == [{"node": "spare", "addr": "10.9.8.7", "pid": 4321}]
+
+
+def test_a_node_that_leaves_while_joining_never_registers_again(etcd_server, unique_id) -> None:  # type: ignore[no-untyped-def]
+    """``leave()`` while another thread waits in ``next_rendezvous`` (a launcher leaving from its
+    signal path; the scale benchmark's 10 % leaving at once): the join ends at once with
+    RendezvousClosedError and the node stays gone. Before, the join loop granted a new lease and
+    registered the node again: a live node that never joined, which a restart round waits for."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    nodes = InProcess(etcd_server.endpoint, unique_id, 2)
+    try:
+        stayer, leaver = nodes.handlers
+        outcome: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                leaver.next_rendezvous()  # min 2: waits for the stayer, which never joins
+                outcome.append(None)
+            except BaseException as exc:  # checked in the test's thread
+                outcome.append(exc)
+
+        thread = threading.Thread(target=join)
+        thread.start()
+        node_key = stayer._keys.node(leaver.node_id)
+
+        def registered() -> bool:
+            return stayer._connection.call(lambda c: c.get(node_key), what="a test read")[0] is not None
+
+        deadline = time.monotonic() + 15
+        while leaver._lease.current() is None or not registered():
+            assert time.monotonic() < deadline, "the leaver never registered"
+            time.sleep(0.05)
+        left_at = time.monotonic()
+        leaver.leave()
+        thread.join(10)
+        assert not thread.is_alive(), "the join went on after the node left"
+        assert isinstance(outcome[0], RendezvousClosedError), outcome
+        assert time.monotonic() - left_at < 5
+        time.sleep(1.0)  # a re-registration would have happened by now
+        assert not registered(), "the node registered again"
+    finally:
+        nodes.close()
