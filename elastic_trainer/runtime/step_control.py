@@ -65,6 +65,8 @@ class PendingControl:
     """The update waited for it: its stop flag can be read without waiting."""
     payload: torch.Tensor | None = None
     """The float32 halves riding on a gradient bucket (``None``: not riding, or resolved)."""
+    halves: Any = None
+    """numpy view of ``payload``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +139,9 @@ class ControlChannel:
             pending.buffers = host[_HEADER:]
         if self._rider is not None:
             payload = self._payloads[turn]
-            _split(view, self._payload_views[turn])
+            pending.payload, pending.halves = payload, self._payload_views[turn]
+            _split(view, pending.halves)
             self._rider.board(payload)
-            pending.payload = payload
         elif self.env.world_size > 1:
             pending.work = self._allreduce(host)
         if buffers is not None and self._cuda:
@@ -169,9 +171,8 @@ class ControlChannel:
         future = self._rider.collect(payload)
         if future is not None:
             (WAITS.track(future) if WAITS.enabled else future).wait()  # done with the backward's buckets
-            halves = self._payload_views[0 if payload is self._payloads[0] else 1]
-            if halves[-1] == 0:
-                _join(halves, pending.view)
+            if pending.halves[-1] == 0:
+                _join(pending.halves, pending.view)
                 pending.complete = True
                 return
         # No bucket took it (every rank alike), or a rank's share did not split exactly: the
@@ -233,13 +234,17 @@ def _split(control: Any, halves: Any) -> None:
     with np.errstate(all="ignore"):  # inf, nan and overflow end up inexact: the float64 path
         np.copyto(hi, control, casting="same_kind")  # rounds to the nearest float32
         np.copyto(lo, control - hi, casting="same_kind")  # control - hi is exact in float64
-        joined = np.where(lo == 0, hi, hi.astype(np.float64) + lo)
+        joined = _joined(hi, lo)
     halves[-1] = 0.0 if np.array_equal(joined, control, equal_nan=True) else 1.0
 
 
 def _join(halves: Any, control: Any) -> None:
-    """The inverse of :func:`_split` after the sum: ``hi`` alone where ``lo`` is zero (keeps the
-    sign of ``-0.0``, which ``hi + 0.0`` would not)."""
+    """The inverse of :func:`_split` after the sum, into ``control``."""
     n = control.shape[0]
-    hi, lo = halves[:n].astype(np.float64), halves[n : 2 * n]
-    np.copyto(control, np.where(lo == 0, hi, hi + lo))
+    np.copyto(control, _joined(halves[:n], halves[n : 2 * n]))
+
+
+def _joined(hi: Any, lo: Any) -> Any:
+    """``hi + lo`` in float64, ``hi`` alone where ``lo`` is zero (keeps the sign of ``-0.0``,
+    which ``hi + 0.0`` would not)."""
+    return np.where(lo == 0, hi, hi.astype(np.float64) + lo)

@@ -256,9 +256,8 @@ def comm_hooks(ddp_model: Any) -> list[Any]:
 
 
 def has_comm_hook(ddp_model: Any) -> bool:
-    """Whether a communication hook is registered on ``ddp_model`` (DDP keeps them in the private
-    ``_comm_hooks`` list, torch 2.13)."""
-    return bool(getattr(ddp_model, "_comm_hooks", None))
+    """Whether a communication hook is registered on ``ddp_model`` (:func:`comm_hooks`)."""
+    return bool(comm_hooks(ddp_model))
 
 
 def detach_ddp(ddp_model: Any) -> None:
