@@ -99,11 +99,77 @@ class _PendingCuda:
     end: Any | None  # set by the then-callback
 
 
-class AllreduceTimer:
-    """State of :func:`timed_allreduce_hook`: collects per-bucket timings until drained.
+class TimingRecords:
+    """Where the hook's callbacks put their timings (on gloo's threads; on NCCL on the autograd
+    thread): ``deque``s, whose ``append`` and ``popleft`` are atomic, so neither side takes a lock.
 
-    The hook's callbacks (on gloo's threads; on NCCL on the autograd thread) only append to a
-    ``deque``, whose ``append`` and ``popleft`` are atomic: neither side takes a lock.
+    Invariant: nothing here owns a process group. A callback can be the last owner of what it is
+    bound to (gloo's thread drops the callback after running it, possibly after the training
+    thread dropped everything else), and a gloo group destructed on one of its own threads joins
+    that thread and aborts the process ("Resource deadlock avoided"). So the callbacks are bound
+    to this object, never to the :class:`AllreduceTimer` that holds the group.
+    """
+
+    __slots__ = ("clock", "dropped", "_max_pending", "_done", "_cuda", "_free_events")
+
+    def __init__(self, clock: Callable[[], float], max_pending: int) -> None:
+        self.clock = clock
+        self.dropped = 0
+        """Records dropped because nobody drained them in time (the oldest go first)."""
+        self._max_pending = max_pending
+        self._done: deque[CpuRecord] = deque(maxlen=max_pending)
+        self._cuda: deque[_PendingCuda] = deque(maxlen=max_pending)
+        # Timing events whose elapsed time was read, reused instead of two new events per bucket.
+        self._free_events: list[Any] = []
+
+    def record_cpu(self, step_seq: int, nbytes: int, launched_s: float, done_s: float) -> None:
+        """Store one completed CPU-timed bucket."""
+        done = self._done
+        if len(done) == self._max_pending:
+            self.dropped += 1  # the deque drops the oldest itself
+        done.append((step_seq, nbytes, launched_s, done_s))
+
+    def cpu_done(self, step_seq: int, nbytes: int, launched_s: float, fut: Any) -> torch.Tensor:
+        """(the bucket future's callback) Timestamp the bucket and unwrap its value."""
+        done_s = self.clock()
+        if not getattr(_thread_state_kept, "done", False):
+            _keep_thread_state()
+        value = fut.value()[0]  # raises if the collective failed: nothing is recorded then
+        done = self._done  # record_cpu, inlined: this runs once per bucket on the critical path
+        if len(done) == self._max_pending:
+            self.dropped += 1
+        done.append((step_seq, nbytes, launched_s, done_s))
+        return value
+
+    def add_cuda(self, pending: _PendingCuda) -> None:
+        if len(self._cuda) == self._max_pending:
+            self.dropped += 1
+        self._cuda.append(pending)
+
+    def event(self) -> Any:
+        """A timing CUDA event: one whose timing was drained already, else a new one. The hook and
+        its callbacks take events, :meth:`AllreduceTimer.drain` gives them back (``list.pop`` and
+        ``extend`` are atomic under the GIL, so any thread may take one)."""
+        try:
+            return self._free_events.pop()
+        except IndexError:
+            return torch.cuda.Event(enable_timing=True)
+
+    def cuda_done(self, pending: _PendingCuda, fut: Any) -> torch.Tensor:
+        """(the bucket future's callback, on the collective's stream) Record the end event."""
+        value = fut.value()[0]  # raises if the collective failed: nothing is recorded then
+        end = self.event()
+        end.record()  # on the callback's stream, which waits for the collective
+        pending.end = end
+        self.add_cuda(pending)
+        return value
+
+
+class AllreduceTimer:
+    """State of :func:`timed_allreduce_hook`: the group, and per-bucket timings until drained.
+
+    The hook's callbacks write to :attr:`records` (see :class:`TimingRecords` for why they are
+    bound to it and not to this object).
 
     Args:
         process_group: the DDP model's process group (``None``: the default group).
@@ -130,16 +196,16 @@ class AllreduceTimer:
         step index (from 0) of the buckets launched now. The hook advances it on DDP's last
         bucket (``GradBucket.is_last``), so a bucket is attributed to the backward that launched
         it however late the training loop reports its steps."""
-        self.dropped = 0
-        self._max_pending = max_pending
-        self._done: deque[CpuRecord] = deque(maxlen=max_pending)
-        self._cuda: deque[_PendingCuda] = deque(maxlen=max_pending)
-        # Timing events whose elapsed time was read, reused instead of two new events per bucket.
-        self._free_events: list[Any] = []
+        self.records = TimingRecords(clock, max_pending)
         self._group: Any = None  # resolved on the first bucket (after init_process_group)
         self._world = 1
         self._divide = False
         self._options = dist.AllreduceOptions()
+
+    @property
+    def dropped(self) -> int:
+        """Records dropped because nobody drained them in time."""
+        return self.records.dropped
 
     def _resolve_group(self) -> Any:
         """The group, and how it averages: CUDA buckets on NCCL in the collective
@@ -159,44 +225,12 @@ class AllreduceTimer:
         return group
 
     def record_cpu(self, step_seq: int, nbytes: int, launched_s: float, done_s: float) -> None:
-        """Store one completed CPU-timed bucket (called from the future's callback)."""
-        done = self._done
-        if len(done) == self._max_pending:
-            self.dropped += 1  # the deque drops the oldest itself
-        done.append((step_seq, nbytes, launched_s, done_s))
-
-    def _cpu_done(self, step_seq: int, nbytes: int, launched_s: float, fut: Any) -> torch.Tensor:
-        done_s = self.clock()
-        if not getattr(_thread_state_kept, "done", False):
-            _keep_thread_state()
-        value = fut.value()[0]  # raises if the collective failed: nothing is recorded then
-        done = self._done  # record_cpu, inlined: this runs once per bucket on the critical path
-        if len(done) == self._max_pending:
-            self.dropped += 1
-        done.append((step_seq, nbytes, launched_s, done_s))
-        return value
+        """Store one completed CPU-timed bucket (what the hook's callback does)."""
+        self.records.record_cpu(step_seq, nbytes, launched_s, done_s)
 
     def add_cuda(self, pending: _PendingCuda) -> None:
-        if len(self._cuda) == self._max_pending:
-            self.dropped += 1
-        self._cuda.append(pending)
-
-    def _event(self) -> Any:
-        """A timing CUDA event: one whose timing was drained already, else a new one. The hook and
-        its callbacks take events, :meth:`drain` gives them back (``list.pop``/``extend`` are
-        atomic under the GIL, so any thread may take one)."""
-        try:
-            return self._free_events.pop()
-        except IndexError:
-            return torch.cuda.Event(enable_timing=True)
-
-    def _cuda_done(self, pending: _PendingCuda, fut: Any) -> torch.Tensor:
-        value = fut.value()[0]  # raises if the collective failed: nothing is recorded then
-        end = self._event()
-        end.record()  # on the callback's stream, which waits for the collective
-        pending.end = end
-        self.add_cuda(pending)
-        return value
+        """Store one CUDA-timed bucket whose end event is recorded."""
+        self.records.add_cuda(pending)
 
     def next_step(self) -> None:
         """Mark the end of a backward pass: buckets launched from now on belong to the next step.
@@ -206,7 +240,7 @@ class AllreduceTimer:
 
     def drain_cpu(self) -> list[CpuRecord]:
         """Return and forget every CPU-timed record, oldest first (the observer's fast path)."""
-        done = self._done
+        done = self.records._done
         return [done.popleft() for _ in range(len(done))]
 
     def drain(self) -> list[BucketTiming]:
@@ -216,7 +250,8 @@ class AllreduceTimer:
                          launched_s=launched, done_s=done)  # fmt: skip
             for seq, nbytes, launched, done in self.drain_cpu()
         ]
-        cuda = self._cuda
+        records = self.records
+        cuda = records._cuda
         # Collectives on one stream finish in launch order: stop at the first one still running
         # instead of querying (or waiting for) the rest.
         while cuda:
@@ -226,7 +261,7 @@ class AllreduceTimer:
             popped = cuda.popleft()
             if popped is not pending:  # a full deque dropped the one queried while the hook appended
                 if popped.end is None or not popped.end.query():
-                    self.dropped += 1  # never wait: drop this one too
+                    records.dropped += 1  # never wait: drop this one too
                     continue
                 pending = popped
             timings.append(
@@ -238,7 +273,7 @@ class AllreduceTimer:
                     done_s=None,
                 )
             )
-            self._free_events.extend((pending.start, pending.end))  # read: free to record again
+            records._free_events.extend((pending.start, pending.end))  # read: free to record again
         return timings
 
 
@@ -254,18 +289,19 @@ def timed_allreduce_hook(
     group = state._group if state._group is not None else state._resolve_group()
     if state._divide:  # the average (see AllreduceTimer._resolve_group)
         buffer.div_(state._world)
+    records = state.records  # what the callback is bound to: never the group (see TimingRecords)
     if state.use_cuda:
-        start = state._event()
+        start = records.event()
         start.record()
         pending = _PendingCuda(step_seq, buffer.nbytes, start, None)
         fut = group.allreduce([buffer], state._options).get_future()
-        return fut.then(partial(state._cuda_done, pending))  # type: ignore[no-any-return]
+        return fut.then(partial(records.cuda_done, pending))  # type: ignore[no-any-return]
 
     launched = state.clock()
     fut = RIDER.allreduce(group, buffer, state._options)  # the step's control may ride on it
     # Healing in place, the training thread waits on a tracked future an abort can end (gloo
     # may never end a collective whose connections were cut; see runtime/abortable.py).
-    return WAITS.track(fut, partial(state._cpu_done, step_seq, buffer.nbytes, launched))
+    return WAITS.track(fut, partial(records.cpu_done, step_seq, buffer.nbytes, launched))
 
 
 RIDER.hooks.add(timed_allreduce_hook)

@@ -172,7 +172,7 @@ def test_callback_threads_keep_one_python_thread_state() -> None:
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         seen.append(threading.get_ident())
-        return timer._cpu_done(0, 16, 0.0, fut)
+        return timer.records.cpu_done(0, 16, 0.0, fut)
 
     before = len(metrics_comm_hook._kept_thread_states)
     for _ in range(20):
@@ -186,6 +186,48 @@ def test_callback_threads_keep_one_python_thread_state() -> None:
         # be gone and the thread's next callback would keep a state again.
         assert kept.count(ident) == 1, (ident, kept)
     assert len(timer.drain_cpu()) == 20
+
+
+LAST_OWNER_ON_GLOO_THREAD = """
+import threading, time, torch, torch.distributed as dist
+from datetime import timedelta
+from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
+from elastic_trainer.runtime import bucket_rider
+raw = []
+launch = bucket_rider.RIDER.allreduce
+bucket_rider.RIDER.allreduce = lambda *args: raw.append(launch(*args)) or raw[-1]
+store, groups = dist.HashStore(), [None, None]
+def connect(rank):
+    groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+connecting = [threading.Thread(target=connect, args=(rank,)) for rank in (0, 1)]
+for thread in connecting: thread.start()
+for thread in connecting: thread.join()
+rank0, rank1 = groups
+groups.clear()
+class Bucket:
+    def buffer(self): return torch.ones(4)
+    def is_last(self): return True
+timer = AllreduceTimer(rank0)
+result = timed_allreduce_hook(timer, Bucket())
+# gloo's thread drops the timer's callback only after this one, long after the waiter went on
+raw.pop().add_done_callback(lambda done: time.sleep(0.5))
+rank1.allreduce([torch.ones(4)]).wait()
+value = result.wait()
+del result, timer, rank0  # the callback is now the last owner of what it is bound to
+time.sleep(1.0)
+print(value.tolist(), flush=True)
+"""
+
+
+def test_a_bucket_callback_never_owns_the_group() -> None:
+    """gloo's thread drops a bucket callback after running it, so the callback can be the last
+    owner of what it is bound to. Had it owned the group, the group would be destructed on its own
+    thread, which joins itself and aborts the process ("Resource deadlock avoided"): how CI's
+    pytest process died once."""
+    proc = subprocess.run([sys.executable, "-c", LAST_OWNER_ON_GLOO_THREAD], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[0] == "[1.5, 1.5, 1.5, 1.5]", proc.stdout  # (1/2 + 1), ran
 
 
 def test_exposed_wait_is_last_done_minus_last_launch() -> None:
@@ -251,25 +293,25 @@ def test_cuda_events_are_reused_once_drained_and_not_before(monkeypatch: pytest.
     timer = AllreduceTimer(use_cuda=True)
 
     def bucket(seq: int) -> _PendingCuda:  # what the hook does for one bucket, its collective done
-        pending = _PendingCuda(seq, 8, timer._event(), None)
+        pending = _PendingCuda(seq, 8, timer.records.event(), None)
         failed: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         failed.set_exception(RuntimeError("collective failed"))
-        timer._cuda_done(pending, failed)
+        timer.records.cuda_done(pending, failed)
         return pending
 
     with pytest.raises(RuntimeError, match="collective failed"):
         bucket(0)  # a failed collective records nothing and keeps its start event out of the pool
-    assert len(created) == 1 and not timer._cuda and not timer._free_events
+    assert len(created) == 1 and not timer.records._cuda and not timer.records._free_events
 
     class Done(torch.futures.Future):  # type: ignore[type-arg]
         def value(self) -> list[torch.Tensor]:
             return [torch.zeros(1)]
 
-    first = _PendingCuda(1, 8, timer._event(), None)
-    timer._cuda_done(first, Done())
+    first = _PendingCuda(1, 8, timer.records.event(), None)
+    timer.records.cuda_done(first, Done())
     assert len(created) == 3 and timer.drain() == []  # still running on the GPU: kept
-    assert timer._event() is not first.start and len(created) == 4  # nothing is free yet
+    assert timer.records.event() is not first.start and len(created) == 4  # nothing is free yet
     first.start.done = first.end.done = True  # type: ignore[union-attr]
     assert [t.step_seq for t in timer.drain()] == [1]
-    reused = {id(timer._event()), id(timer._event())}
+    reused = {id(timer.records.event()), id(timer.records.event())}
     assert reused == {id(first.start), id(first.end)} and len(created) == 4
