@@ -147,6 +147,8 @@ class Healer:
         self.busy_probe: Callable[[], bool] | None = None
         """True while the training thread waits on work that is no hang (a checkpoint write):
         the stop watch does not count that as idle (the trainer sets it)."""
+        self._hand_on: Callable[[int, str], object] | None = None
+        self._hand_on_lock = threading.Lock()  # held while handing on: the state does not move meanwhile
         self.heals = 0
 
     @classmethod
@@ -176,6 +178,14 @@ class Healer:
         epoch began. One attribute read."""
         if self._group_aborted:
             raise GroupAborted(f"a heal round after epoch {self._epoch.number if self._epoch else '?'} is open")
+
+    def offer_state(self, hand_on: Callable[[int, str], object] | None) -> None:
+        """(Training thread) ``hand_on(held, reason)`` saves this process's last completed step
+        unless ``held`` (the newest step another ready member of the epoch holds) covers it: what
+        the stop watch calls before it ends a stuck process. Set while a training loop runs in an
+        epoch; ``None`` before the state moves, which waits for a save already under way."""
+        with self._hand_on_lock:
+            self._hand_on = hand_on
 
     def commit_fence(self) -> str | None:
         """(Any thread; asked before a checkpoint is committed) ``None`` when etcd confirms, within
@@ -469,8 +479,29 @@ class Healer:
         where = "" if forming is None else f" building epoch {forming}'s group"
         log.error("heal: the training thread is %s %.0f s%s after round %d opened; ending this process so that a "
                   "replacement joins (thread stacks follow)", how, waited_s, where, number)
+        if epoch is not None:
+            self._hand_on_state(epoch, number)
         faulthandler.dump_traceback(all_threads=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _hand_on_state(self, epoch: Epoch, number: int) -> None:
+        """(Stop watch) before a stuck process ends: its state may be the only copy of the newest
+        step (the other members died or are replacements), so unless a ready member of ``epoch``
+        answered round ``number`` with that step, save it just in time. The round waits for this
+        process's slot, which its replacement answers only after this process died, so the round
+        reads the checkpoint after it is written; the commit fence refuses it once the job went on
+        without this process."""
+        with self._hand_on_lock:
+            if self._hand_on is None:
+                log.warning("heal: no training loop holds a completed step here (its state was moving); "
+                            "nothing to hand on")
+                return
+            held = self.membership.newest_ready_step(number, among=epoch)
+            try:
+                self._hand_on(held, f"stuck after round {number} opened")
+            except Exception as exc:  # noqa: BLE001 - the process ends either way; its replacement reads the disk
+                log.error("heal: could not hand this process's state on: %s",
+                          str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     # -- the end -------------------------------------------------------------------------------------
     def finish(self, env: DistEnv) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_trainer.heal.protocol import (
+    NO_STATE,
     Decision,
     Epoch,
     Join,
@@ -151,6 +152,15 @@ class Membership:
         with self._lock:
             found = self._rounds.get(number)
             return found is not None and found.opened_by is not None
+
+    def newest_ready_step(self, number: int, *, among: Epoch) -> int:
+        """The newest step that another member of ``among`` answered round ``number`` ready with
+        (``NO_STATE``: none did). Only such a member can be the round's state source."""
+        members = {member.id for member in among.members} - {self.member.id}
+        with self._lock:
+            found = self._rounds.get(number)
+            joins = list(found.joins.values()) if found is not None else []
+        return max((j.step for j in joins if j.ready and j.member.id in members), default=NO_STATE)
 
     def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait (at most ``timeout`` s) until ``predicate()`` holds; it runs under the view's lock."""

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.checkpoint.files import CommitFence
+from elastic_trainer.checkpoint.jit import SAVE_TIMEOUT_S
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.heal.healer import Healer, HealError, RunFinished, is_group_failure
 from elastic_trainer.heal.protocol import NO_STATE
@@ -44,6 +47,17 @@ from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.train.loop import ElasticLoop, TrainResult
 
 log = logging.getLogger(__name__)
+
+
+def _hand_on(checkpoints: CheckpointManager, held: int, reason: str) -> None:
+    """(The healer's stop watch, before it ends this stuck process) save the last completed step
+    just in time, unless ``held``, a step a ready peer of the epoch holds, covers it."""
+    step = checkpoints.step
+    if held >= step:
+        log.warning("heal: a live peer holds step %d (this process: %d); nothing to save before ending", held, step)
+        return
+    outcome = checkpoints.save_just_in_time(reason, deadline=time.monotonic() + SAVE_TIMEOUT_S)
+    log.warning("heal: handing step %d on through the disk before ending: %s", step, outcome.detail)
 
 
 class ElasticGroup:
@@ -174,6 +188,7 @@ class Attempt:
         if healer is not None:
             checkpoints: CheckpointManager = loop.checkpoints
             healer.busy_probe = lambda: checkpoints.writing
+            healer.offer_state(partial(_hand_on, checkpoints))
         self.group._loop = loop
         return loop
 
@@ -184,6 +199,8 @@ class Attempt:
                  tb: TracebackType | None) -> bool:
         group, healer = self.group, self.group.healer
         loop = group._loop
+        if healer is not None:
+            healer.offer_state(None)  # the loop is over: from here on its state may move
         if exc is None:
             if healer is not None and loop is not None and loop.result is not None and loop.result.finished:
                 healer.finish(self.env)

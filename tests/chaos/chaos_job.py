@@ -25,12 +25,17 @@ Hooks (environment variables of one node, so one node can misbehave while the ot
     suite replays a faulty run's world-size changes at the same steps without faults (see
     :mod:`tests.chaos.invariants`). (SIGTERM cannot do this: the runtime may take one more step
     before it stops.)
+``CHAOS_BLOCK_AT_STEP`` and ``CHAOS_BLOCK_FILE``
+    At that step, if this file exists, the rank deletes it and blocks for good using no CPU, as a
+    survivor blocked in a collective that no abort reaches does (DDP's bucket rebuild in a new
+    model's second forward): only the heal's stop watch ends it. Its replacement finds no file.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 from elastic_trainer.examples import synthetic_cnn as example
@@ -39,15 +44,21 @@ SLOW_MS_ENV = "CHAOS_SLOW_MS"
 SLOW_STEPS_ENV = "CHAOS_SLOW_STEPS"
 EXIT_BEFORE_STEP_ENV = "CHAOS_EXIT_BEFORE_STEP"
 SLOW_WHILE_FILE_ENV = "CHAOS_SLOW_WHILE_FILE"
+BLOCK_AT_STEP_ENV = "CHAOS_BLOCK_AT_STEP"
+BLOCK_FILE_ENV = "CHAOS_BLOCK_FILE"
 
 
 def chaos_hook(slow_s: float, slow_steps: int, exit_before: int | None,  # type: ignore[no-untyped-def]
-               slow_while: str | None = None):
+               slow_while: str | None = None, block: tuple[int, str] | None = None):
     """The fault hook of the module docstring."""
 
     def hook(point: str, step: int) -> None:
         if point != "before_control":
             return
+        if block is not None and step == block[0] and os.path.exists(block[1]):
+            os.unlink(block[1])
+            print(f"chaos: blocking at step {step}", flush=True)
+            threading.Event().wait()  # no CPU, no end
         slowed = os.path.exists(slow_while) if slow_while is not None else step <= slow_steps
         if slowed:
             time.sleep(slow_s)
@@ -62,8 +73,10 @@ def chaos_hook(slow_s: float, slow_steps: int, exit_before: int | None,  # type:
 def main() -> int:
     slow_ms = float(os.environ.get(SLOW_MS_ENV, "0") or 0)
     exit_before = os.environ.get(EXIT_BEFORE_STEP_ENV)
+    block_at, block_file = os.environ.get(BLOCK_AT_STEP_ENV), os.environ.get(BLOCK_FILE_ENV)
     hook = chaos_hook(slow_ms / 1000, int(os.environ.get(SLOW_STEPS_ENV, "1000000000")) if slow_ms > 0 else 0,
-                      int(exit_before) if exit_before else None, os.environ.get(SLOW_WHILE_FILE_ENV) or None)
+                      int(exit_before) if exit_before else None, os.environ.get(SLOW_WHILE_FILE_ENV) or None,
+                      (int(block_at), block_file) if block_at and block_file else None)
     return example.main(fault_hook=hook)
 
 

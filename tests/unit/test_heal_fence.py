@@ -13,7 +13,9 @@ import pytest
 
 from elastic_trainer.heal import healer as healer_module
 from elastic_trainer.heal.healer import Healer, thread_cpu_seconds
-from elastic_trainer.heal.protocol import Epoch, Member
+from elastic_trainer.heal.membership import Membership, _Round
+from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member
+from elastic_trainer.train import elastic_group
 
 EPOCH = Epoch(number=3, members=(Member(id="a/0/1", slot="a/0"),), step=7, source=None, started_unix=1.0,
               reason="r")  # fmt: skip
@@ -24,8 +26,17 @@ def healer_in(phase: str, epoch: Epoch, *, ready_timeout_s: float = 60.0) -> Hea
     healer._phase, healer._phase_lock, healer._epoch = phase, threading.Lock(), epoch
     healer._training_thread = None
     healer._forming = None
+    healer._hand_on, healer._hand_on_lock = None, threading.Lock()
     healer.membership = SimpleNamespace(rules=SimpleNamespace(ready_timeout_s=ready_timeout_s))  # type: ignore[assignment]
     return healer
+
+
+def membership_with(joins: list[Join]) -> Membership:
+    """The membership view of a process of :data:`EPOCH` that saw round 4 open with ``joins``."""
+    view = object.__new__(Membership)  # only the round view: no etcd
+    view.member, view._lock, view._rounds = EPOCH.members[0], threading.Condition(), {}
+    view._rounds[4] = _Round(opened_by="b/0/2", opened_at=0.0, joins={j.member.id: j for j in joins})
+    return view
 
 
 @pytest.fixture
@@ -39,6 +50,63 @@ def kills(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 def test_a_training_thread_stuck_in_its_epoch_ends_the_process(kills: list[tuple[int, int]]) -> None:
     healer_in("training", EPOCH)._fence_if_stuck(EPOCH, 4, waited_s=60.0, idle=False)
     assert kills == [(healer_module.os.getpid(), signal.SIGKILL)]
+
+
+PAIR = Epoch(number=3, members=(Member(id="a/0/1", slot="a/0"), Member(id="b/0/1", slot="b/0")), step=7,
+             source=None, started_unix=1.0, reason="r")  # fmt: skip
+
+
+@pytest.mark.parametrize(("joins", "held"), [
+    ([], NO_STATE),  # nobody answered yet
+    ([Join(Member(id="b/0/2", slot="b/0"), ready=True)], NO_STATE),  # b's replacement: no state
+    ([Join(Member(id="c/0/1", slot="c/0"), ready=True, step=12)], NO_STATE),  # not of the epoch: never a source
+    ([Join(Member(id="b/0/1", slot="b/0"), ready=False)], NO_STATE),  # b lives but has not stopped yet
+    ([Join(Member(id="b/0/1", slot="b/0"), ready=True, step=9),
+      Join(Member(id="a/0/1", slot="a/0"), ready=False)], 9),  # b holds step 9; a's own answer does not count
+])  # fmt: skip
+def test_a_stuck_process_offers_its_state_before_it_ends(kills: list[tuple[int, int]], joins: list[Join],
+                                                         held: int) -> None:
+    """Before the stop watch ends a stuck process, the loop's offer is called with the newest step a
+    ready member of the epoch holds (the loop saves its own step unless that covers it), then the
+    process ends; once the loop withdrew its offer (its state may move) nothing is saved."""
+    healer = healer_in("training", PAIR)
+    healer.membership = membership_with(joins)
+    offered: list[tuple[int, str]] = []
+
+    def offer(step: int, reason: str) -> None:
+        assert kills == [], "saved before the process ends"
+        offered.append((step, reason))
+
+    healer.offer_state(offer)
+    healer._fence_if_stuck(PAIR, 4, waited_s=5.0, idle=True)
+    assert offered == [(held, "stuck after round 4 opened")] and len(kills) == 1
+    healer.offer_state(None)
+    healer._fence_if_stuck(PAIR, 4, waited_s=5.0, idle=True)
+    assert len(offered) == 1 and len(kills) == 2
+
+
+def test_a_failing_offer_still_ends_the_process(kills: list[tuple[int, int]]) -> None:
+    healer = healer_in("training", PAIR)
+    healer.membership = membership_with([])
+
+    def offer(step: int, reason: str) -> None:
+        raise OSError("disk full")
+
+    healer.offer_state(offer)
+    healer._fence_if_stuck(PAIR, 4, waited_s=5.0, idle=True)
+    assert kills == [(healer_module.os.getpid(), signal.SIGKILL)]
+
+
+def test_the_loop_saves_its_step_unless_a_peer_holds_it() -> None:
+    saved: list[str] = []
+    checkpoints = SimpleNamespace(step=22, save_just_in_time=lambda reason, deadline: (
+        saved.append(reason), SimpleNamespace(detail="written"))[1])
+    elastic_group._hand_on(checkpoints, 22, "a peer holds it")  # type: ignore[arg-type]
+    elastic_group._hand_on(checkpoints, 23, "a peer holds newer")  # type: ignore[arg-type]
+    assert saved == []
+    elastic_group._hand_on(checkpoints, 21, "older elsewhere")  # type: ignore[arg-type]
+    elastic_group._hand_on(checkpoints, NO_STATE, "nowhere else")  # type: ignore[arg-type]
+    assert saved == ["older elsewhere", "nowhere else"]
 
 
 def test_a_process_that_healed_or_is_healing_is_left_alone(kills: list[tuple[int, int]]) -> None:
