@@ -13,32 +13,49 @@ during a read-only one (etcd-io/etcd#14110); reads are plain ranges (:func:`get_
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.watch_hub import prefix_end
 
+T = TypeVar("T")
+
 
 class _Patience:
-    """The deadlines of a request's attempts: ``deadline``, then twice as long each retry, up to
-    the client's ``read_timeout``.
+    """The deadlines of a request's attempts: ``deadline``, and twice the last one after an
+    attempt that waited its deadline out, up to the client's ``read_timeout``.
 
     A short first deadline gets a request stuck behind a dead leader retried on a live member
-    soon; doubling it keeps an overloaded etcd (every request slow, none lost) from being
-    flooded with retries of requests it is still serving.
+    soon; doubling it after a timeout keeps an overloaded etcd (every request slow, none lost)
+    from being flooded with retries of requests it is still serving. An attempt that failed fast
+    (the member refused the connection) says nothing about etcd's speed and keeps the deadline:
+    the next member gets the same short one, so a write sent to a follower during a leader
+    election is retried after one short deadline, not after etcd's own 5 s request timeout.
     """
 
-    def __init__(self, deadline: float | None) -> None:
-        self._deadline = deadline
-        self._attempt = 0
+    TIMED_OUT = 0.9
+    """An attempt that failed after this share of its deadline waited it out."""
 
-    def next(self, client: Any) -> float:
-        self._attempt += 1
+    def __init__(self, deadline: float | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._deadline = deadline
+        self._clock = clock
+
+    def send(self, client: Any, rpc: Callable[[float], T]) -> T:
+        """``rpc(timeout)`` with this attempt's deadline (an attempt of :meth:`EtcdConnection.call`)."""
         longest = float(client.timeout)
         if self._deadline is None:
-            return longest
-        return float(min(longest, self._deadline * 2 ** (self._attempt - 1)))
+            return rpc(longest)
+        timeout = min(longest, self._deadline)
+        started = self._clock()
+        try:
+            return rpc(timeout)
+        except Exception:
+            if self._clock() - started >= self.TIMED_OUT * timeout:
+                self._deadline = timeout * 2
+            raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +93,8 @@ def transaction(
     patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return client.kvstub.Txn(request, patience.next(client), credentials=client.call_credentials,
-                                 metadata=client.metadata)
+        return patience.send(client, lambda timeout: client.kvstub.Txn(
+            request, timeout, credentials=client.call_credentials, metadata=client.metadata))
 
     response = connection.call(send, what=what, kind=kind, retry_timeout=retry_timeout)
     return TxnResult(bool(response.succeeded), int(response.header.revision), list(response.responses))
@@ -99,8 +116,8 @@ def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, wha
     patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return client.kvstub.Range(request, patience.next(client), credentials=client.call_credentials,
-                                   metadata=client.metadata)
+        return patience.send(client, lambda timeout: client.kvstub.Range(
+            request, timeout, credentials=client.call_credentials, metadata=client.metadata))
 
     return connection.call(send, what=what, retry_timeout=retry_timeout)
 
@@ -112,8 +129,8 @@ def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, 
     patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return client.kvstub.Put(request, patience.next(client), credentials=client.call_credentials,
-                                 metadata=client.metadata)
+        return patience.send(client, lambda timeout: client.kvstub.Put(
+            request, timeout, credentials=client.call_credentials, metadata=client.metadata))
 
     return int(connection.call(send, what=what).header.revision)
 

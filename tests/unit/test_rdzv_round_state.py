@@ -114,11 +114,36 @@ def test_the_master_address_comes_from_the_state_or_its_key() -> None:
     assert MasterInfo.decode(b"{}") is None and MasterInfo.decode(None) is None
 
 
-def test_retry_deadlines_double_up_to_the_read_timeout() -> None:
+def test_retry_deadlines_double_after_a_timeout_only_up_to_the_read_timeout() -> None:
+    """An attempt that waited its deadline out doubles the next one (etcd may just be slow); one
+    refused at once keeps it, so the next member gets the same short deadline (session 13: a
+    round close sent to a follower during a leader election after a refused first attempt got 5 s,
+    and etcd held it for its own 5 s request timeout)."""
+    now = [0.0]
     client = types.SimpleNamespace(timeout=10.0)
-    patience = _Patience(2.5)
-    assert [patience.next(client) for _ in range(4)] == [2.5, 5.0, 10.0, 10.0]
-    assert _Patience(None).next(client) == 10.0
+    patience = _Patience(2.5, clock=lambda: now[0])
+    given: list[float] = []
+
+    def attempt(took: float | None) -> None:
+        def rpc(timeout: float) -> str:
+            given.append(timeout)
+            if took is None:
+                return "answered"
+            now[0] += took
+            raise RuntimeError("failed")
+
+        try:
+            rpc_result = patience.send(client, rpc)
+        except RuntimeError:
+            return
+        assert rpc_result == "answered"
+
+    for took in (0.01, 0.01, 2.5, 0.0, 5.0, 10.0, 10.0, None):  # refused, refused, timed out, ...
+        attempt(took)
+    assert given == [2.5, 2.5, 2.5, 5.0, 5.0, 10.0, 10.0, 10.0]
+    unbounded: list[float] = []
+    _Patience(None).send(client, unbounded.append)
+    assert unbounded == [10.0]
 
 
 def test_a_round_request_first_waits_a_quarter_of_the_lease_ttl_bounded_by_two_seconds_and_the_read_timeout() -> None:
