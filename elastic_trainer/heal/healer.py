@@ -182,8 +182,10 @@ class Healer:
     def offer_state(self, hand_on: Callable[[int, str], object] | None) -> None:
         """(Training thread) ``hand_on(held, reason)`` saves this process's last completed step
         unless ``held`` (the newest step another ready member of the epoch holds) covers it: what
-        the stop watch calls before it ends a stuck process. Set while a training loop runs in an
-        epoch; ``None`` before the state moves, which waits for a save already under way."""
+        the stop watch calls before it ends a stuck process. Set while a training loop runs and
+        kept through the heal after it (a heal only reads the model); ``None`` before anything
+        writes the model again (DDP's initial broadcast, the next loop's load), which waits for a
+        save already under way."""
         with self._hand_on_lock:
             self._hand_on = hand_on
 
@@ -479,15 +481,15 @@ class Healer:
         where = "" if forming is None else f" building epoch {forming}'s group"
         log.error("heal: the training thread is %s %.0f s%s after round %d opened; ending this process so that a "
                   "replacement joins (thread stacks follow)", how, waited_s, where, number)
-        if epoch is not None:
-            self._hand_on_state(epoch, number)
+        self._hand_on_state(epoch, number)
         faulthandler.dump_traceback(all_threads=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _hand_on_state(self, epoch: Epoch, number: int) -> None:
+    def _hand_on_state(self, epoch: Epoch | None, number: int) -> None:
         """(Stop watch) before a stuck process ends: its state may be the only copy of the newest
         step (the other members died or are replacements), so unless a ready member of ``epoch``
-        answered round ``number`` with that step, save it just in time. The round waits for this
+        (``None``: the one being built) answered round ``number`` with that step, save it just in
+        time. The round waits for this
         process's slot, which its replacement answers only after this process died, so the round
         reads the checkpoint after it is written; the commit fence refuses it once the job went on
         without this process."""
@@ -496,7 +498,8 @@ class Healer:
                 log.warning("heal: no training loop holds a completed step here (its state was moving); "
                             "nothing to hand on")
                 return
-            held = self.membership.newest_ready_step(number, among=epoch)
+            among = epoch if epoch is not None else self.membership.epoch
+            held = self.membership.newest_ready_step(number, among=among) if among is not None else NO_STATE
             try:
                 self._hand_on(held, f"stuck after round {number} opened")
             except Exception as exc:  # noqa: BLE001 - the process ends either way; its replacement reads the disk

@@ -102,9 +102,13 @@ class FailurePolicy:
         """Decide on the failures torch's agent reported (``{global rank: ProcessFailure}``)."""
         # A rank that recorded a transient failure (a collective failed) is a consequence of another
         # rank's failure: a rank killed by a signal records nothing and is the likelier cause, whatever
-        # the clock says (a failure without a record is time-stamped when the agent noticed it).
+        # the clock says (a failure without a record is time-stamped, in whole seconds, when the agent
+        # noticed it). So is a rank killed by SIGTERM beside one that failed otherwise: SIGTERM is
+        # what the agent sends the rest of the group once it saw a failure, and it can reach a rank
+        # before that rank recorded its own consequence (CI, on a loaded machine: "rank 0 failed:
+        # killed by SIGTERM" where rank 1 had been SIGKILLed).
         ranks = sorted((RankFailure.from_process_failure(rank, failure) for rank, failure in failures.items()),
-                       key=lambda f: (f.is_consequence, f.timestamp, f.rank))
+                       key=lambda f: (f.is_consequence, f.exitcode == -signal.SIGTERM, f.timestamp, f.rank))
         if not ranks:
             raise ValueError("a failed worker group with no failed worker")
         deterministic = [f for f in ranks if f.failure_class is FailureClass.DETERMINISTIC]

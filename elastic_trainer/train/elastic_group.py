@@ -197,10 +197,18 @@ class Attempt:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
+        healer = self.group.healer
+        try:
+            return self._end(exc)
+        finally:
+            if healer is not None:
+                healer.offer_state(None)  # what writes the model next (DDP's broadcast, a load) comes after
+
+    def _end(self, exc: BaseException | None) -> bool:
+        """:meth:`__exit__`: heal after a group failure (the loop's offer to hand its state on
+        stands meanwhile: a heal only reads the model)."""
         group, healer = self.group, self.group.healer
         loop = group._loop
-        if healer is not None:
-            healer.offer_state(None)  # the loop is over: from here on its state may move
         if exc is None:
             if healer is not None and loop is not None and loop.result is not None and loop.result.finished:
                 healer.finish(self.env)

@@ -142,8 +142,8 @@ def test_a_fault_during_a_heal(etcd_server, no_fault, run_dirs: RunDirs) -> None
     # and a replacement joins. Seen once in CI (session 11), in the buffer broadcast, which the
     # control allreduce now carries instead (tracked); left: the bucket-index broadcast of a new
     # DDP's second forward. The stop watch first hands its state on (saves its step unless a live
-    # peer holds it), so no step is lost; only a process stuck while its state was moving (building
-    # the next group or DDP) has nothing to hand on, and then the job goes on from its newest
+    # peer holds it), so no step is lost; only a process stuck in the next DDP's construction (its
+    # model being written) has nothing to hand on, and then the job goes on from its newest
     # checkpoint, exact (check_run) but with the steps since it redone.
     fenced = logs.count("ending this process so that a replacement joins")
     assert logs.count("starting a replacement that joins its peers in place") == 2 + fenced

@@ -144,3 +144,13 @@ def test_a_killed_rank_is_the_root_cause_rather_than_the_ranks_whose_collectives
         0: _failure(tmp_path, 0, None, exitcode=-9),
     })
     assert verdict.restart and verdict.root_cause.rank == 0 and verdict.reason == "rank 0 failed: killed by SIGKILL"
+
+
+def test_a_rank_the_agent_terminated_is_not_the_root_cause_of_a_killed_peer(tmp_path: Path) -> None:
+    """rank 1 SIGKILLed; the agent SIGTERMs rank 0 before rank 0 recorded its failed collective.
+    Both failures have no record and the same (whole-second) timestamp: the SIGKILL is the cause."""
+    policy = FailurePolicy()
+    verdict = policy.judge({0: _failure(tmp_path, 0, None, exitcode=-15), 1: _failure(tmp_path, 1, None, exitcode=-9)})
+    assert verdict.root_cause.rank == 1 and verdict.reason == "rank 1 failed: killed by SIGKILL"
+    alone = policy.judge({0: _failure(tmp_path, 0, None, exitcode=-15)})  # a SIGTERM on its own is still the cause
+    assert alone.root_cause.rank == 0 and alone.reason == "rank 0 failed: killed by SIGTERM"

@@ -85,6 +85,19 @@ def test_a_stuck_process_offers_its_state_before_it_ends(kills: list[tuple[int, 
     assert len(offered) == 1 and len(kills) == 2
 
 
+def test_a_process_stuck_building_the_next_group_offers_its_state_too(kills: list[tuple[int, int]]) -> None:
+    """Stuck building epoch 3's group when round 4 opens: the state it held has not moved (a heal
+    only reads the model), so it is offered, against what the members of epoch 3 answered."""
+    healer = healer_in("healing", PAIR)
+    healer._forming = 3
+    healer.membership = membership_with([Join(Member(id="b/0/1", slot="b/0"), ready=True, step=5)])
+    healer.membership._epoch = PAIR  # the epoch being built is the membership's newest
+    offered: list[int] = []
+    healer.offer_state(lambda held, reason: offered.append(held))
+    healer._fence_if_stuck(None, 4, waited_s=5.0, idle=True, forming=3)
+    assert offered == [5] and len(kills) == 1
+
+
 def test_a_failing_offer_still_ends_the_process(kills: list[tuple[int, int]]) -> None:
     healer = healer_in("training", PAIR)
     healer.membership = membership_with([])
