@@ -31,15 +31,21 @@ class FakeHealer:
         self.heals = 0
         self.calls: list[dict[str, Any]] = []
         self.finished: list[DistEnv] = []
+        self.offer: Any = None
+        self.offer_during_heal: Any = None
 
     def check(self) -> None:
         pass
+
+    def offer_state(self, hand_on: Any) -> None:
+        self.offer = hand_on
 
     def commit_fence(self) -> str | None:
         return None
 
     def heal(self, env: DistEnv, *, step: int, snapshot: Any, reason: str) -> HealOutcome:
         self.calls.append({"step": step, "reason": reason, "snapshot": snapshot()})
+        self.offer_during_heal = self.offer
         if self.fails_with is not None:
             raise self.fails_with
         self.heals += 1
@@ -88,6 +94,7 @@ def test_a_group_failure_is_healed_and_the_next_attempt_has_the_new_place_and_st
                 raise RuntimeError(GROUP_FAILURE + "\nmore lines")
     assert seen == [(0, 2, None), (1, 3, {"from": "peer"})]
     assert healer.calls == [{"step": 7, "reason": GROUP_FAILURE, "snapshot": {"step": 7}}]
+    assert healer.offer is None, "withdrawn once the attempt is over (the model is written next)"
     assert [env.rank for env in healer.finished] == [1], "rank 1 of the healed epoch marks the end"
     assert group.result is loop.result
 
@@ -161,3 +168,15 @@ def test_the_broken_group_s_ddp_reduces_no_more_gradients(gloo_world: None) -> N
     old(torch.randn(3, 4)).sum().backward()  # still held here, as the caller's variable would be
     assert reduced == [1], "the old DDP's hooks were removed at the heal"
     assert released == [0], "the caller let go of the old DDP once, before the heal moved any state"
+
+
+def test_the_loop_s_offer_to_hand_its_state_on_stands_through_the_heal() -> None:
+    """A heal only reads the model: a process stuck while it heals can still save the step it held."""
+    healer = FakeHealer()
+    group, loop = _group(healer)
+    for attempt in group.attempts():
+        with attempt:
+            if not healer.calls:
+                healer.offer_state("the loop's offer")  # what Attempt.loop() does
+                raise RuntimeError(GROUP_FAILURE)
+    assert healer.offer_during_heal == "the loop's offer" and healer.offer is None
