@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -256,7 +258,9 @@ def serve(argv: Sequence[str]) -> None:
     logging.basicConfig(level=logging.ERROR if args.quiet else logging.WARNING,
                         format=f"[sim {args.process_index}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.quiet:  # one coordinator per run: its decisions too (a line per round or loss)
-        logging.getLogger("rendezvous.coordinator").setLevel(logging.INFO)
+        for name in ("rendezvous.coordinator", "rendezvous.watch_hub"):  # and each stream that failed over
+            logging.getLogger(name).setLevel(logging.INFO)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stalled round: every thread's stack into the log
     simulation = Simulation(args)
     print(json.dumps({"ok": True, "ready": len(simulation.agents), "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
@@ -453,17 +457,22 @@ class Fleet:
         deadline = time.monotonic() + timeout
         groups = list(self._by_process(refs))
         while True:
-            done, errors = 0, []
+            done, errors, by_process = 0, [], []
             for process, indices in groups:
                 reply = process.ask({"cmd": "progress", "agents": indices, "since": since})
                 done += reply["done"]
                 errors += reply["errors"]
+                by_process.append(f"{reply['done']}/{len(indices)}")
             if done == len(refs):
                 return
             if errors:
                 raise RuntimeError(f"agent(s) failed: {errors[0]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{done} of {len(refs)} agents completed a round within {timeout:g}s")
+                for process, _ in groups:  # every thread's stack into the process's log, for the post-mortem
+                    with contextlib.suppress(OSError):
+                        process.process.send_signal(signal.SIGUSR1)
+                raise TimeoutError(f"{done} of {len(refs)} agents completed a round within {timeout:g}s "
+                                   f"(by process: {', '.join(by_process)}; stacks in the logs)")
             time.sleep(poll)
 
     def releases(self, reports: list[dict[str, Any]], refs: Sequence[AgentRef], since: float) -> list[float]:
