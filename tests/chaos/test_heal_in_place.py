@@ -17,7 +17,7 @@ import pytest
 from elastic_trainer.runtime.sample_log import read_records
 from tests.chaos.faults import FaultInjector, JobSpec, RunDirs, start_node, unique_run_id, wait_all
 from tests.chaos.invariants import check_run, describe, steps_lost
-from tests.support.agents import agents, tails
+from tests.support.agents import Agent, agents, tails
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -35,6 +35,15 @@ def _pids_by_generation(samples: Path) -> list[set[int]]:
     return [set(g.pids.values()) for g in generations(samples)]
 
 
+def _run_to_the_end(faults: FaultInjector, nodes: list[Agent], timeout: float) -> str:
+    """Inject ``faults`` until every node has exited, require that each exited 0, and return
+    what they printed."""
+    faults.run_until(lambda: all(n.proc.poll() is not None for n in nodes), timeout=timeout, agents=nodes)
+    codes = wait_all(nodes, timeout=30)
+    assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
+    return "\n".join(node.output() for node in nodes)
+
+
 def test_worker_sigkill_survivors_keep_their_process(etcd_server, no_fault, run_dirs: RunDirs) -> None:
     """Two nodes x two workers; one worker SIGKILLed: only it is replaced, the three others go on
     in the same processes, from their own state."""
@@ -47,10 +56,7 @@ def test_worker_sigkill_survivors_keep_their_process(etcd_server, no_fault, run_
         killed: list[int] = []
         faults = FaultInjector(run_dirs).at_step(20, "a worker of node b SIGKILLed",
                                                  lambda: killed.append(nodes[1].kill_worker()))
-        faults.run_until(lambda: all(n.proc.poll() is not None for n in nodes), timeout=200, agents=nodes)
-        codes = wait_all(nodes, timeout=30)
-        assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
-        logs = "\n".join(node.output() for node in nodes)
+        logs = _run_to_the_end(faults, nodes, timeout=200)
 
     summary = check_run(run_dirs, job, no_fault, reference_world=4)
     print(describe(summary))
@@ -130,10 +136,7 @@ def test_a_fault_during_a_heal(etcd_server, no_fault, run_dirs: RunDirs) -> None
                   .at_step(20, "node c's worker SIGKILLed", lambda: nodes[2].kill_worker())
                   .when(lambda step: replacement_started(), "node b's worker SIGKILLed during the heal",
                         lambda: nodes[1].kill_worker()))
-        faults.run_until(lambda: all(n.proc.poll() is not None for n in nodes), timeout=240, agents=nodes)
-        codes = wait_all(nodes, timeout=30)
-        assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
-        logs = "\n".join(node.output() for node in nodes)
+        logs = _run_to_the_end(faults, nodes, timeout=240)
 
     summary = check_run(run_dirs, JOB, no_fault, reference_world=3)
     print(describe(summary))
@@ -173,10 +176,7 @@ def test_a_survivor_blocked_where_no_abort_reaches_hands_its_state_on(etcd_serve
 
         faults = FaultInjector(run_dirs).when(a_blocked, "node b's worker SIGKILLed while a's is blocked",
                                               lambda: nodes[1].kill_worker())
-        faults.run_until(lambda: all(n.proc.poll() is not None for n in nodes), timeout=240, agents=nodes)
-        codes = wait_all(nodes, timeout=30)
-        assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
-        logs = "\n".join(node.output() for node in nodes)
+        logs = _run_to_the_end(faults, nodes, timeout=240)
 
     summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
     print(describe(summary))
