@@ -252,6 +252,21 @@ class Simulation:
         }
 
 
+def _dump_state(signum: int, frame: Any) -> None:
+    """(SIGUSR1) Every thread's stack and every watch stream's state, into this process's log."""
+    from rendezvous import watch_hub
+
+    faulthandler.dump_traceback(all_threads=True)
+    now = time.monotonic()
+    for connection, hub in list(watch_hub._SHARED.items()):
+        with hub._lock:
+            state = (f"endpoint {connection.endpoint}, {len(hub._active)} active, {len(hub._pending)} awaiting "
+                     f"creation, {len(hub._by_id)} created, {hub.events} events delivered, stream "
+                     f"{'none' if hub._call is None else 'active' if hub._call.is_active() else 'ended'}, last failure "
+                     f"{'never' if hub.last_failure is None else f'{now - hub.last_failure:.1f} s ago'}")
+        print(f"watch hub: {state}", file=sys.stderr, flush=True)
+
+
 def serve(argv: Sequence[str]) -> None:
     args = parse_args(argv)
     threading.stack_size(512 * 1024)  # a thousand agent threads: keep their stacks small
@@ -260,7 +275,7 @@ def serve(argv: Sequence[str]) -> None:
     if not args.quiet:  # one coordinator per run: its decisions too (a line per round or loss)
         for name in ("rendezvous.coordinator", "rendezvous.watch_hub"):  # and each stream that failed over
             logging.getLogger(name).setLevel(logging.INFO)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stalled round: every thread's stack into the log
+    signal.signal(signal.SIGUSR1, _dump_state)  # a stalled round: stacks and watch streams into the log
     simulation = Simulation(args)
     print(json.dumps({"ok": True, "ready": len(simulation.agents), "pid": os.getpid()}), flush=True)
     for line in sys.stdin:

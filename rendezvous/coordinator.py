@@ -52,6 +52,12 @@ log = logging.getLogger(__name__)
 
 _MAX_STALE_DELETES = 5
 
+WATCH_CHECK_S = 5.0
+"""While a round is open and no event arrived for this long, the coordinator counts the round's
+joins in etcd (one count-only read); a view behind that count at two checks in a row is a stream
+that stopped delivering: it is restarted on the next member and the view read again. Seen with
+etcd 3.5.1 after a leader was killed under load: the round never closed."""
+
 
 class _Deposed(Exception):
     """The coordinator key no longer names this node."""
@@ -108,6 +114,8 @@ class RoundCoordinator:
         self._min_reached_at: float | None = None
         self._published: tuple[int, float] = (-1, float("-inf"))
         self._wake_at = float("inf")
+        self._heard_at = time.monotonic()  # the last event of any watch (or read of the view)
+        self._behind: tuple[int, int] | None = None  # (round, joins seen) when etcd had more at the last check
         self.closes = 0
         """Rounds this coordinator closed (tests and benchmarks)."""
 
@@ -223,6 +231,7 @@ class RoundCoordinator:
                 self._apply_state(state, snapshot.state_revision)
             self._needs_resync = False
             self._dirty = True
+            self._heard_at, self._behind = time.monotonic(), None
         start = snapshot.revision + 1
         hub, keys = self._hub, self._keys
         self._watches = [
@@ -269,6 +278,7 @@ class RoundCoordinator:
     def _on_state_events(self, events: list[Any]) -> None:
         delete_event = self._connection.etcd3.events.DeleteEvent
         with self._cond:
+            self._heard_at = time.monotonic()
             for event in events:
                 key = event.key.decode()
                 if key == self._keys.coordinator:
@@ -287,6 +297,7 @@ class RoundCoordinator:
         delete_event = self._connection.etcd3.events.DeleteEvent
         prefix = len(self._keys.nodes)
         with self._cond:
+            self._heard_at = time.monotonic()
             for event in events:
                 node = event.key.decode()[prefix:]
                 if not isinstance(event, delete_event):
@@ -307,6 +318,7 @@ class RoundCoordinator:
         delete_event = self._connection.etcd3.events.DeleteEvent
         prefix = len(self._keys.rounds)
         with self._cond:
+            self._heard_at = time.monotonic()
             for event in events:
                 round_text, _, node = event.key.decode()[prefix:].partition("/")
                 try:
@@ -378,8 +390,35 @@ class RoundCoordinator:
                 self._wake(self._min_reached_at + settings.last_call_timeout)
         if ready:
             self._close(state, revision, participants)
-        elif publish:
+            return
+        if publish:
             self._publish_count(state, revision, count, now)
+        self._check_watch(state.round, count, now)
+
+    def _check_watch(self, round_: int, seen: int, now: float) -> None:
+        """(A round open, not ready) see :data:`WATCH_CHECK_S`."""
+        with self._cond:
+            heard_at = self._heard_at
+        if now - heard_at < WATCH_CHECK_S:
+            self._wake(heard_at + WATCH_CHECK_S)
+            return
+        in_etcd = etcd_ops.count_prefix(self._connection, self._keys.round_prefix(round_), what="a watch check",
+                                        deadline=self._deadline)
+        with self._cond:
+            if in_etcd > seen and self._behind == (round_, seen) and self._heard_at == heard_at:
+                self._behind, self._needs_resync, self._dirty = None, True, True
+                stale = True
+            else:
+                self._behind = (round_, seen) if in_etcd > seen else None
+                self._heard_at = now  # the next check after another quiet period
+                stale = False
+        if stale:
+            log.warning("etcd-v3: the coordinator of run %s sees %d join(s) of round %d, etcd holds %d, and no "
+                        "event came for %.0f s; restarting the watch stream and reading again",
+                        self._settings.run_id, seen, round_, in_etcd, now - heard_at)
+            self._hub.restart(f"the coordinator's view of run {self._settings.run_id} fell behind")
+        else:
+            self._wake(now + WATCH_CHECK_S)
 
     def _wake(self, at: float) -> None:
         self._wake_at = min(self._wake_at, at)

@@ -490,3 +490,64 @@ def test_a_node_that_leaves_while_joining_never_registers_again(etcd_server, uni
         assert not registered(), "the node registered again"
     finally:
         nodes.close()
+
+
+def test_a_restarted_watch_stream_resumes_every_watch_without_loss_or_repeat(connection, unique_id) -> None:  # type: ignore[no-untyped-def]
+    """``WatchHub.restart`` ends the stream; the watches resume on a new one from the revision
+    after their last event: a key written meanwhile arrives once, nothing earlier again."""
+    from rendezvous.watch_hub import WatchHub
+
+    hub = WatchHub.of(connection)
+    prefix = f"/test/{unique_id}/"
+    seen: list[str] = []
+    arrived = threading.Condition()
+
+    def on_events(events: list[Any]) -> None:
+        with arrived:
+            seen.extend(bytes(event.key).decode()[len(prefix):] for event in events)
+            arrived.notify_all()
+
+    def wait_for(count: int) -> None:
+        with arrived:
+            assert arrived.wait_for(lambda: len(seen) >= count, timeout=15), seen
+
+    start = connection.call(lambda c: c.get_prefix_response(prefix), what="a read").header.revision + 1
+    watch = hub.watch(prefix, prefix=True, start_revision=start, on_events=on_events,
+                      on_lost=lambda reason: seen.append(f"lost: {reason}"))
+    try:
+        connection.call(lambda c: c.put(prefix + "a", b"1"), what="a put")
+        wait_for(1)
+        failures = hub.last_failure
+        hub.restart("a test")
+        connection.call(lambda c: c.put(prefix + "b", b"2"), what="a put")
+        wait_for(2)
+        deadline = time.monotonic() + 15
+        while hub.last_failure == failures and time.monotonic() < deadline:  # the restart was seen
+            time.sleep(0.02)
+        connection.call(lambda c: c.put(prefix + "c", b"3"), what="a put")
+        wait_for(3)
+        time.sleep(0.3)  # a repeat would arrive by now
+        assert seen == ["a", "b", "c"] and hub.last_failure != failures
+    finally:
+        watch.cancel()
+
+
+def test_a_coordinator_whose_stream_stops_delivering_still_closes_the_round(  # type: ignore[no-untyped-def]
+        pair, monkeypatch, caplog) -> None:
+    """The coordinator's join watch delivers nothing (as a stream stuck after an etcd leader
+    loss, seen at 1,024 agents): its watch check counts the round's joins in etcd, restarts the
+    stream and reads the view again, and the round closes. Without the check it never would."""
+    from rendezvous import coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "WATCH_CHECK_S", 0.3)
+    a, b = pair.handlers
+    pair.join(a, b)
+    (boss,) = [h for h in (a, b) if h._coordinator is not None and h._coordinator.running]
+    rounds_watch = next(w for w in boss._coordinator._watches if w.key == boss._keys.rounds.encode())
+    rounds_watch.on_events = lambda events: None  # the stream "delivers" no join from here on
+    caplog.set_level(logging.WARNING, logger="rendezvous")
+    started = time.monotonic()
+    first, second = pair.join(a, b)  # a restart round
+    assert first.bootstrap_store_info is not None and {first.rank, second.rank} == {0, 1}
+    assert any("restarting the watch stream" in r.getMessage() for r in caplog.records)
+    assert time.monotonic() - started < 30
