@@ -53,10 +53,13 @@ log = logging.getLogger(__name__)
 _MAX_STALE_DELETES = 5
 
 WATCH_CHECK_S = 5.0
-"""While a round is open and no event arrived for this long, the coordinator counts the round's
-joins in etcd (one count-only read); a view behind that count at two checks in a row is a stream
-that stopped delivering: it is restarted on the next member and the view read again. Seen with
-etcd 3.5.1 after a leader was killed under load: the round never closed."""
+"""While a round is open and no event arrived for this long, the coordinator checks its view
+against etcd: the state key's revision, and the count of the round's joins (one count-only
+read). A view behind etcd at two checks in a row, with no event between, is a stream that
+stopped delivering: it is restarted on the next member and the view read again. Seen with etcd
+3.5.1 after a leader was killed under load: the round never closed."""
+WATCH_CHECK_IDLE_S = 15.0
+"""The same check between rounds (the state key only): a missed opening of the next round."""
 
 
 class _Deposed(Exception):
@@ -166,6 +169,7 @@ class RoundCoordinator:
                     if self._needs_resync:
                         self._resync()
                     self._step()
+                    self._check_watch()
                     backoff = 0.1
                 except _Deposed:
                     log.info("etcd-v3: node %s no longer coordinates run %s", self.node_id, self._settings.run_id)
@@ -393,32 +397,44 @@ class RoundCoordinator:
             return
         if publish:
             self._publish_count(state, revision, count, now)
-        self._check_watch(state.round, count, now)
 
-    def _check_watch(self, round_: int, seen: int, now: float) -> None:
-        """(A round open, not ready) see :data:`WATCH_CHECK_S`."""
+    def _check_watch(self) -> None:
+        """(After each step) see :data:`WATCH_CHECK_S`: schedule the next check, or check now."""
+        now = time.monotonic()
         with self._cond:
-            heard_at = self._heard_at
-        if now - heard_at < WATCH_CHECK_S:
-            self._wake(heard_at + WATCH_CHECK_S)
+            if self._needs_resync or self._stopping:
+                return
+            heard_at, state, state_rev = self._heard_at, self._state, self._state_rev
+            open_round = state.round if state is not None and state.status == OPEN else None
+            seen = len(self._joined.get(open_round, {})) if open_round is not None else 0
+        quiet = WATCH_CHECK_S if open_round is not None else WATCH_CHECK_IDLE_S
+        if now - heard_at < quiet:
+            self._wake(heard_at + quiet)
             return
-        in_etcd = etcd_ops.count_prefix(self._connection, self._keys.round_prefix(round_), what="a watch check",
-                                        deadline=self._deadline)
+        conn, keys = self._connection, self._keys
+        found = etcd_ops.get_range(conn, keys.state, what="a watch check", deadline=self._deadline)
+        in_etcd_rev = int(found.kvs[0].mod_revision) if found.kvs else 0
+        in_etcd = seen
+        if in_etcd_rev <= state_rev and open_round is not None:
+            in_etcd = etcd_ops.count_prefix(conn, keys.round_prefix(open_round), what="a watch check",
+                                            deadline=self._deadline)
+        behind = in_etcd_rev > state_rev or in_etcd > seen
+        mark = (state_rev, seen)
         with self._cond:
-            if in_etcd > seen and self._behind == (round_, seen) and self._heard_at == heard_at:
+            stale = behind and self._behind == mark and self._heard_at == heard_at
+            if stale:
                 self._behind, self._needs_resync, self._dirty = None, True, True
-                stale = True
             else:
-                self._behind = (round_, seen) if in_etcd > seen else None
+                self._behind = mark if behind else None
                 self._heard_at = now  # the next check after another quiet period
-                stale = False
         if stale:
-            log.warning("etcd-v3: the coordinator of run %s sees %d join(s) of round %d, etcd holds %d, and no "
-                        "event came for %.0f s; restarting the watch stream and reading again",
-                        self._settings.run_id, seen, round_, in_etcd, now - heard_at)
+            log.warning("etcd-v3: the coordinator of run %s is behind etcd (state revision %d, etcd %d; %d join(s) "
+                        "of the open round seen, etcd holds %d) and no event came for %.0f s; restarting the "
+                        "watch stream and reading again", self._settings.run_id, state_rev, in_etcd_rev, seen,
+                        in_etcd, now - heard_at)
             self._hub.restart(f"the coordinator's view of run {self._settings.run_id} fell behind")
         else:
-            self._wake(now + WATCH_CHECK_S)
+            self._wake(now + quiet)
 
     def _wake(self, at: float) -> None:
         self._wake_at = min(self._wake_at, at)

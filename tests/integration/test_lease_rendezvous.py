@@ -532,19 +532,24 @@ def test_a_restarted_watch_stream_resumes_every_watch_without_loss_or_repeat(con
         watch.cancel()
 
 
+@pytest.mark.parametrize("silenced", ["joins", "state"])
 def test_a_coordinator_whose_stream_stops_delivering_still_closes_the_round(  # type: ignore[no-untyped-def]
-        pair, monkeypatch, caplog) -> None:
-    """The coordinator's join watch delivers nothing (as a stream stuck after an etcd leader
-    loss, seen at 1,024 agents): its watch check counts the round's joins in etcd, restarts the
-    stream and reads the view again, and the round closes. Without the check it never would."""
+        pair, monkeypatch, caplog, silenced: str) -> None:
+    """The coordinator's join watch, or its state watch, delivers nothing (as a stream stuck
+    after an etcd leader loss, seen at 1,024 agents: the joins, or the opening of the next
+    round, never arrive): its watch check compares the view with etcd (the state's revision, the
+    round's join count), restarts the stream and reads the view again, and the round closes.
+    Without the check it never would."""
     from rendezvous import coordinator as coordinator_module
 
     monkeypatch.setattr(coordinator_module, "WATCH_CHECK_S", 0.3)
+    monkeypatch.setattr(coordinator_module, "WATCH_CHECK_IDLE_S", 0.3)
     a, b = pair.handlers
     pair.join(a, b)
     (boss,) = [h for h in (a, b) if h._coordinator is not None and h._coordinator.running]
-    rounds_watch = next(w for w in boss._coordinator._watches if w.key == boss._keys.rounds.encode())
-    rounds_watch.on_events = lambda events: None  # the stream "delivers" no join from here on
+    key = (boss._keys.rounds if silenced == "joins" else boss._keys.state).encode()
+    watch = next(w for w in boss._coordinator._watches if w.key == key)
+    watch.on_events = lambda events: None  # the stream "delivers" nothing of it from here on
     caplog.set_level(logging.WARNING, logger="rendezvous")
     started = time.monotonic()
     first, second = pair.join(a, b)  # a restart round
