@@ -52,15 +52,6 @@ log = logging.getLogger(__name__)
 
 _MAX_STALE_DELETES = 5
 
-WATCH_CHECK_S = 5.0
-"""While a round is open and no event arrived for this long, the coordinator checks its view
-against etcd: the state key's revision, and the count of the round's joins (one count-only
-read). A view behind etcd at two checks in a row, with no event between, is a stream that
-stopped delivering: it is restarted on the next member and the view read again. Seen with etcd
-3.5.1 after a leader was killed under load: the round never closed."""
-WATCH_CHECK_IDLE_S = 15.0
-"""The same check between rounds (the state key only): a missed opening of the next round."""
-
 
 class _Deposed(Exception):
     """The coordinator key no longer names this node."""
@@ -117,8 +108,6 @@ class RoundCoordinator:
         self._min_reached_at: float | None = None
         self._published: tuple[int, float] = (-1, float("-inf"))
         self._wake_at = float("inf")
-        self._heard_at = time.monotonic()  # the last event of any watch (or read of the view)
-        self._behind: tuple[int, int] | None = None  # (round, joins seen) when etcd had more at the last check
         self.closes = 0
         """Rounds this coordinator closed (tests and benchmarks)."""
 
@@ -169,7 +158,6 @@ class RoundCoordinator:
                     if self._needs_resync:
                         self._resync()
                     self._step()
-                    self._check_watch()
                     backoff = 0.1
                 except _Deposed:
                     log.info("etcd-v3: node %s no longer coordinates run %s", self.node_id, self._settings.run_id)
@@ -235,7 +223,6 @@ class RoundCoordinator:
                 self._apply_state(state, snapshot.state_revision)
             self._needs_resync = False
             self._dirty = True
-            self._heard_at, self._behind = time.monotonic(), None
         start = snapshot.revision + 1
         hub, keys = self._hub, self._keys
         self._watches = [
@@ -282,7 +269,6 @@ class RoundCoordinator:
     def _on_state_events(self, events: list[Any]) -> None:
         delete_event = self._connection.etcd3.events.DeleteEvent
         with self._cond:
-            self._heard_at = time.monotonic()
             for event in events:
                 key = event.key.decode()
                 if key == self._keys.coordinator:
@@ -301,7 +287,6 @@ class RoundCoordinator:
         delete_event = self._connection.etcd3.events.DeleteEvent
         prefix = len(self._keys.nodes)
         with self._cond:
-            self._heard_at = time.monotonic()
             for event in events:
                 node = event.key.decode()[prefix:]
                 if not isinstance(event, delete_event):
@@ -322,7 +307,6 @@ class RoundCoordinator:
         delete_event = self._connection.etcd3.events.DeleteEvent
         prefix = len(self._keys.rounds)
         with self._cond:
-            self._heard_at = time.monotonic()
             for event in events:
                 round_text, _, node = event.key.decode()[prefix:].partition("/")
                 try:
@@ -394,47 +378,8 @@ class RoundCoordinator:
                 self._wake(self._min_reached_at + settings.last_call_timeout)
         if ready:
             self._close(state, revision, participants)
-            return
-        if publish:
+        elif publish:
             self._publish_count(state, revision, count, now)
-
-    def _check_watch(self) -> None:
-        """(After each step) see :data:`WATCH_CHECK_S`: schedule the next check, or check now."""
-        now = time.monotonic()
-        with self._cond:
-            if self._needs_resync or self._stopping:
-                return
-            heard_at, state, state_rev = self._heard_at, self._state, self._state_rev
-            open_round = state.round if state is not None and state.status == OPEN else None
-            seen = len(self._joined.get(open_round, {})) if open_round is not None else 0
-        quiet = WATCH_CHECK_S if open_round is not None else WATCH_CHECK_IDLE_S
-        if now - heard_at < quiet:
-            self._wake(heard_at + quiet)
-            return
-        conn, keys = self._connection, self._keys
-        found = etcd_ops.get_range(conn, keys.state, what="a watch check", deadline=self._deadline)
-        in_etcd_rev = int(found.kvs[0].mod_revision) if found.kvs else 0
-        in_etcd = seen
-        if in_etcd_rev <= state_rev and open_round is not None:
-            in_etcd = etcd_ops.count_prefix(conn, keys.round_prefix(open_round), what="a watch check",
-                                            deadline=self._deadline)
-        behind = in_etcd_rev > state_rev or in_etcd > seen
-        mark = (state_rev, seen)
-        with self._cond:
-            stale = behind and self._behind == mark and self._heard_at == heard_at
-            if stale:
-                self._behind, self._needs_resync, self._dirty = None, True, True
-            else:
-                self._behind = mark if behind else None
-                self._heard_at = now  # the next check after another quiet period
-        if stale:
-            log.warning("etcd-v3: the coordinator of run %s is behind etcd (state revision %d, etcd %d; %d join(s) "
-                        "of the open round seen, etcd holds %d) and no event came for %.0f s; restarting the "
-                        "watch stream and reading again", self._settings.run_id, state_rev, in_etcd_rev, seen,
-                        in_etcd, now - heard_at)
-            self._hub.restart(f"the coordinator's view of run {self._settings.run_id} fell behind")
-        else:
-            self._wake(now + quiet)
 
     def _wake(self, at: float) -> None:
         self._wake_at = min(self._wake_at, at)

@@ -122,21 +122,6 @@ def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, wha
     return connection.call(send, what=what, retry_timeout=retry_timeout)
 
 
-def count_prefix(connection: EtcdConnection, prefix: str, *, what: str, deadline: float | None = None) -> int:
-    """How many keys are under ``prefix`` (a count-only range: the answer's size does not grow
-    with the count)."""
-    rpc = connection.etcd3.etcdrpc
-    raw = prefix.encode()
-    request = rpc.RangeRequest(key=raw, range_end=prefix_end(raw), count_only=True)
-    patience = _Patience(deadline)
-
-    def send(client: Any) -> Any:
-        return patience.send(client, lambda timeout: client.kvstub.Range(
-            request, timeout, credentials=client.call_credentials, metadata=client.metadata))
-
-    return int(connection.call(send, what=what).count)
-
-
 def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, *, what: str,
             deadline: float | None = None) -> int:
     """Put one key; the revision of the write."""

@@ -224,11 +224,6 @@ class _RoundWatch:
         ]
         self._broken = False
 
-    def restart_stream(self, reason: str) -> None:
-        """The stream under these watches delivers nothing: resume every watch of this
-        connection on a new one (:meth:`WatchHub.restart`)."""
-        self._hub.restart(reason)
-
     def _deliver(self, events: list[Any]) -> None:
         for event in events:
             self._on_event(event)
@@ -291,7 +286,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
     also closes the connection, so no thread of it outlives the handler.
     """
 
-    _SAFETY_RECHECK_S = 30.0  # no event for this long while waiting: read the state (a stalled stream?)
+    _SAFETY_RECHECK_S = 300.0  # no event for this long while waiting: read the state (a stalled stream?)
     _PROGRESS_LOG_S = 5.0  # while waiting for nodes: a line this often
 
     def __init__(self, connection: EtcdConnection, settings: RendezvousSettings, *,
@@ -478,9 +473,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         """One read of the state: if the watch missed a change, start it again from a read."""
         state, revision = self._read_state()
         if revision > self._state[1]:
-            log.warning("etcd-v3: the rendezvous watch fell behind; restarting its stream and reading again")
+            log.warning("etcd-v3: the rendezvous watch fell behind; reading again")
             self._watch.cancel()
-            self._watch.restart_stream("this node's rendezvous watch fell behind")
             self._sync()
 
     def _read_state(self) -> tuple[RoundState | None, int]:

@@ -89,7 +89,6 @@ class WatchHub:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._call: Any = None
-        self._restart_reason: str | None = None  # set by restart(): the next stream goes to the next member
         self.events = 0
         """Events delivered to callbacks (all watches)."""
         self.last_failure: float | None = None
@@ -144,19 +143,6 @@ class WatchHub:
             outbox.put(_END)
         if call is not None:
             call.cancel()
-
-    def restart(self, reason: str) -> None:
-        """End the current stream and resume every watch on a new one, on the next member: for
-        a stream that stays open but delivers nothing (a watcher of it that never caught up;
-        seen with etcd 3.5.1 after a leader was killed under load). Watches resume from the
-        revision after the last event they delivered, so nothing is lost or repeated."""
-        with self._lock:
-            call = self._call
-            if call is None or self._closed:
-                return
-            self._restart_reason = reason
-        log.warning("etcd-v3: restarting the watch stream (%s)", reason)
-        call.cancel()
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -216,11 +202,9 @@ class WatchHub:
                 with self._lock:
                     if self._closed:
                         return
-                    restarted, self._restart_reason = self._restart_reason, None
                 self.last_failure = time.monotonic()
-                if restarted is None:
-                    log.info("etcd-v3: the watch stream failed (%s); resuming its watches", exc)
-                if client is not None and (restarted is not None or self._connection.is_transient(exc)):
+                log.info("etcd-v3: the watch stream failed (%s); resuming its watches", exc)
+                if client is not None and self._connection.is_transient(exc):
                     self._connection.fail_over_from(client)
             finally:
                 outbox.put(_END)
