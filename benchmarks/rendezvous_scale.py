@@ -77,6 +77,10 @@ _MAXED = ("etcd_mvcc_db_total_size_in_bytes", "etcd_mvcc_db_total_size_in_use_in
 _METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
+class ClusterDisagrees(RuntimeError):
+    """A revived etcd member holds another store than its peers (see :meth:`Cluster.check_consistent`)."""
+
+
 class Cluster:
     """A fresh 3-member etcd cluster on loopback, with its metrics and CPU seconds."""
 
@@ -102,21 +106,26 @@ class Cluster:
                     total += cpu_seconds(server.pid)
         return total
 
+    @staticmethod
+    def _scrape(server: Any) -> Iterator[tuple[str, float]]:
+        """(name, value) of every sample of one member's ``/metrics`` (labels dropped)."""
+        with urllib.request.urlopen(f"{server.member.client_url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            match = _METRIC.match(line)
+            if match:
+                yield match.group(1), float(match.group(3))
+
     def metrics(self) -> dict[str, float]:
         values: dict[str, float] = {}
         for server in self.servers:
             if not server.is_running():
                 continue
             try:
-                with urllib.request.urlopen(f"{server.member.client_url}/metrics", timeout=10) as response:
-                    text = response.read().decode()
+                samples = list(self._scrape(server))
             except OSError:
                 continue
-            for line in text.splitlines():
-                match = _METRIC.match(line)
-                if not match:
-                    continue
-                name, value = match.group(1), float(match.group(3))
+            for name, value in samples:
                 if name in _SUMMED:
                     values[name] = values.get(name, 0.0) + value
                 elif name in _MAXED:
@@ -137,11 +146,8 @@ class Cluster:
         self.check_consistent()
 
     def _gauges(self, server: Any) -> dict[str, float]:
-        with urllib.request.urlopen(f"{server.member.client_url}/metrics", timeout=10) as response:
-            text = response.read().decode()
         wanted = ("etcd_server_proposals_applied_total", "etcd_debugging_mvcc_current_revision")
-        return {name: float(value) for name, _, value in (line.partition(" ") for line in text.splitlines())
-                if name in wanted}
+        return {name: value for name, value in self._scrape(server) if name in wanted}
 
     def check_consistent(self, timeout: float = 30.0) -> None:
         """Raise unless every running member holds the same store once they applied the same
@@ -162,7 +168,7 @@ class Cluster:
                     disagreed = (applied, revisions)
                     time.sleep(1.0)
                     continue
-                raise RuntimeError(f"the etcd members disagree after a member was revived: store revisions {revisions} "
+                raise ClusterDisagrees(f"the etcd members disagree after a member was revived: store revisions {revisions} "
                                    f"at the same applied index {applied.pop():.0f} (etcd 3.5.0-3.5.2 lose writes on a "
                                    "member killed under load, etcd-io/etcd#13766)")
             if time.monotonic() > deadline:
@@ -548,7 +554,7 @@ def measure_scenarios(n: int, scenarios: Sequence[str], args: argparse.Namespace
             for scenario in scenarios:
                 try:
                     run.run(scenario)
-                except RuntimeError as exc:  # etcd itself broke (a revived member lost writes): stop the chain
+                except ClusterDisagrees as exc:  # etcd itself broke (a revived member lost writes): stop the chain
                     run.results.append(Result("lease", n, f"{scenario}: chain stopped", ok=False, note=str(exc)))
                     print(f"[lease N={n}] chain stopped: {exc}", file=sys.stderr, flush=True)
                     break

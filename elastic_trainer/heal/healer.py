@@ -489,10 +489,9 @@ class Healer:
         """(Stop watch) before a stuck process ends: its state may be the only copy of the newest
         step (the other members died or are replacements), so unless a ready member of ``epoch``
         (``None``: the one being built) answered round ``number`` with that step, save it just in
-        time. The round waits for this
-        process's slot, which its replacement answers only after this process died, so the round
-        reads the checkpoint after it is written; the commit fence refuses it once the job went on
-        without this process."""
+        time. The round waits for this process's slot, which its replacement answers only after
+        this process died, so the round reads the checkpoint after it is written; the commit fence
+        refuses it once the job went on without this process."""
         with self._hand_on_lock:
             if self._hand_on is None:
                 log.warning("heal: no training loop holds a completed step here (its state was moving); "
