@@ -170,7 +170,9 @@ def train(args: argparse.Namespace) -> int:
             with attempt:  # elastic: a peer's failure is healed here, then the next attempt goes on
                 env = attempt.env  # elastic: the rank and world size change with a heal
                 ddp = attempt.wrap(  # elastic: allreduce timing; the old group's DDP is let go after a heal
-                    DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None), observer)
+                    DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                        init_sync=attempt.ddp_init_sync),  # elastic: no broadcast when a peer's state comes next
+                    observer)
                 checkpoints = CheckpointManager(  # elastic: everything it saves and restores, by name
                     CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every, async_write=True),
                     env=env, settings=settings, observer=observer, fence=attempt.fence,

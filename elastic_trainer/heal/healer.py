@@ -184,8 +184,8 @@ class Healer:
         unless ``held`` (the newest step another ready member of the epoch holds) covers it: what
         the stop watch calls before it ends a stuck process. Set while a training loop runs and
         kept through the heal after it (a heal only reads the model); ``None`` before anything
-        writes the model again (DDP's initial broadcast, the next loop's load), which waits for a
-        save already under way."""
+        writes the model again (the next loop's load; DDP's initial broadcast on a start from
+        disk), which waits for a save already under way."""
         with self._hand_on_lock:
             self._hand_on = hand_on
 

@@ -4,7 +4,7 @@
         ...                                             # model, optimizers, sampler: built once
         for attempt in group.attempts():                # once; again after each in-place heal
             with attempt:                               # a peer's failure is healed here
-                ddp = attempt.wrap(DDP(model), observer)
+                ddp = attempt.wrap(DDP(model, init_sync=attempt.ddp_init_sync), observer)
                 checkpoints = CheckpointManager(..., env=attempt.env, fence=attempt.fence)
                 with attempt.loop(sampler=sampler, checkpoints=checkpoints, ...) as loop:
                     for plan in loop: ...
@@ -49,9 +49,14 @@ from elastic_trainer.train.loop import ElasticLoop, TrainResult
 log = logging.getLogger(__name__)
 
 
-def _hand_on(checkpoints: CheckpointManager, held: int, reason: str) -> None:
+def _hand_on(loop: ElasticLoop, held: int, reason: str) -> None:
     """(The healer's stop watch, before it ends this stuck process) save the last completed step
-    just in time, unless ``held``, a step a ready peer of the epoch holds, covers it."""
+    just in time, unless ``held``, a step a ready peer of the epoch holds, covers it, or the loop
+    has not restored its state yet (the model then holds nothing a save should keep)."""
+    if not loop.state_ready:
+        log.warning("heal: the training loop had not restored its state yet; nothing to hand on")
+        return
+    checkpoints = loop.checkpoints
     step = checkpoints.step
     if held >= step:
         log.warning("heal: a live peer holds step %d (this process: %d); nothing to save before ending", held, step)
@@ -148,10 +153,21 @@ class Attempt:
         """This process's rank and world in this attempt (they change with a heal)."""
         self.initial_state = state
         """The state a live peer sent (a newcomer, or after a heal); ``None``: load the newest checkpoint."""
+        self._from_peer = state is not None
         self.healed = False
         self._wrappers: list[weakref.ref[Any]] = []
         self._releases: list[Callable[[], None]] = []
         self._rides_buckets = False
+
+    @property
+    def ddp_init_sync(self) -> bool:
+        """DDP's ``init_sync`` for this attempt's model. ``False`` when the attempt starts from a
+        peer's state: every member restores that same payload when its loop starts, so DDP's
+        construction-time broadcast of rank 0's module would be redundant, and it is the one
+        collective between a heal and the next loop that no abort reaches. A process stuck there
+        would end with its state being overwritten, with nothing to hand on
+        (``docs/design/heal-in-place.md``). ``True`` for a start from disk or from scratch."""
+        return not self._from_peer
 
     @property
     def fence(self) -> CommitFence | None:
@@ -188,7 +204,7 @@ class Attempt:
         if healer is not None:
             checkpoints: CheckpointManager = loop.checkpoints
             healer.busy_probe = lambda: checkpoints.writing
-            healer.offer_state(partial(_hand_on, checkpoints))
+            healer.offer_state(partial(_hand_on, loop))
         self.group._loop = loop
         return loop
 

@@ -279,10 +279,11 @@ class Trainer:
         }
 
     def _wrap_model(self, attempt: Attempt) -> None:
-        """DDP over the attempt's process group (again after every heal: the group is new)."""
+        """DDP over the attempt's process group (again after every heal: the group is new; its
+        construction broadcasts nothing when every member restores a peer's state next)."""
         self._drop_model_wrapper()
-        self.ddp = attempt.wrap(DDP(self.model, **self._ddp_kwargs(self._env().device)), self.observer,
-                                release=self._drop_model_wrapper)
+        self.ddp = attempt.wrap(DDP(self.model, init_sync=attempt.ddp_init_sync, **self._ddp_kwargs(self._env().device)),
+                                self.observer, release=self._drop_model_wrapper)
 
     def _buffers_ride_control(self) -> bool:
         """Rank 0's buffers ride on each step's control allreduce instead of DDP's forward-time

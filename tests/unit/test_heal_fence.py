@@ -114,12 +114,24 @@ def test_the_loop_saves_its_step_unless_a_peer_holds_it() -> None:
     saved: list[str] = []
     checkpoints = SimpleNamespace(step=22, save_just_in_time=lambda reason, deadline: (
         saved.append(reason), SimpleNamespace(detail="written"))[1])
-    elastic_group._hand_on(checkpoints, 22, "a peer holds it")  # type: ignore[arg-type]
-    elastic_group._hand_on(checkpoints, 23, "a peer holds newer")  # type: ignore[arg-type]
+    loop = SimpleNamespace(state_ready=True, checkpoints=checkpoints)
+    elastic_group._hand_on(loop, 22, "a peer holds it")  # type: ignore[arg-type]
+    elastic_group._hand_on(loop, 23, "a peer holds newer")  # type: ignore[arg-type]
     assert saved == []
-    elastic_group._hand_on(checkpoints, 21, "older elsewhere")  # type: ignore[arg-type]
-    elastic_group._hand_on(checkpoints, NO_STATE, "nowhere else")  # type: ignore[arg-type]
+    elastic_group._hand_on(loop, 21, "older elsewhere")  # type: ignore[arg-type]
+    elastic_group._hand_on(loop, NO_STATE, "nowhere else")  # type: ignore[arg-type]
     assert saved == ["older elsewhere", "nowhere else"]
+
+
+def test_a_loop_that_has_not_restored_its_state_saves_nothing() -> None:
+    """Between ``Attempt.loop()`` and the loop's start the model holds the old attempt's values (or
+    none): a save then would write a step the model does not hold."""
+    saved: list[str] = []
+    checkpoints = SimpleNamespace(step=0, save_just_in_time=lambda reason, deadline: (
+        saved.append(reason), SimpleNamespace(detail="written"))[1])
+    elastic_group._hand_on(SimpleNamespace(state_ready=False, checkpoints=checkpoints),  # type: ignore[arg-type]
+                           NO_STATE, "stuck before the restore")
+    assert saved == []
 
 
 def test_a_process_that_healed_or_is_healing_is_left_alone(kills: list[tuple[int, int]]) -> None:

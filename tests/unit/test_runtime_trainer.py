@@ -374,6 +374,37 @@ def test_ddp_broadcasts_buffers_only_where_the_control_does_not_carry_them(
     assert trainer._ddp_kwargs(torch.device("cpu"))["forward_sync_buffers"] is forward_sync
 
 
+@pytest.mark.parametrize(("from_peer", "broadcasts"), [(False, 1), (True, 0)])
+def test_ddp_broadcasts_the_module_at_construction_only_without_a_peer_s_state(
+        gloo_world: None, monkeypatch: pytest.MonkeyPatch, from_peer: bool, broadcasts: int) -> None:
+    """After a heal every member restores the same peer state when its loop starts: DDP's
+    construction-time broadcast is redundant there, and no abort reaches it."""
+    from torch.nn.parallel import distributed as ddp_module
+
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.runtime.observer import NullObserver
+    from elastic_trainer.train.elastic_group import Attempt
+
+    synced: list[int] = []
+    real = ddp_module._sync_module_states
+
+    def counting(**kwargs: Any) -> None:
+        synced.append(1)
+        real(**kwargs)
+
+    monkeypatch.setattr(ddp_module, "_sync_module_states", counting)
+    env = read_env(environ={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, cuda_devices=0)
+    trainer = Trainer(trainer_config(global_batch_size=8), _job(), env=env, observer=NullObserver())
+    trainer.model = trainer.job.model()
+    group = SimpleNamespace(healer=None)
+    attempt = Attempt(group, env, {"step": 3} if from_peer else None)  # type: ignore[arg-type]
+    assert attempt.ddp_init_sync is not from_peer
+    trainer._wrap_model(attempt)
+    assert len(synced) == broadcasts
+    attempt.initial_state = None  # what Attempt.loop() does: the answer must not change with it
+    assert attempt.ddp_init_sync is not from_peer
+
+
 # -- DDP bucket priming after a restart (the 3-rank bitwise tests are in tests/integration) ----------------
 @pytest.mark.parametrize(
     ("step", "world", "ddp", "passes"),
