@@ -257,13 +257,7 @@ def _dump_state(signum: int, frame: Any) -> None:
     from rendezvous import watch_hub
 
     faulthandler.dump_traceback(all_threads=True)
-    now = time.monotonic()
-    for connection, hub in list(watch_hub._SHARED.items()):
-        with hub._lock:
-            state = (f"endpoint {connection.endpoint}, {len(hub._active)} active, {len(hub._pending)} awaiting "
-                     f"creation, {len(hub._by_id)} created, {hub.events} events delivered, stream "
-                     f"{'none' if hub._call is None else 'active' if hub._call.is_active() else 'ended'}, last failure "
-                     f"{'never' if hub.last_failure is None else f'{now - hub.last_failure:.1f} s ago'}")
+    for state in watch_hub.describe_all():
         print(f"watch hub: {state}", file=sys.stderr, flush=True)
 
 

@@ -39,6 +39,13 @@ _SHARED_LOCK = threading.Lock()
 _END = object()
 
 
+def describe_all() -> list[str]:
+    """:meth:`WatchHub.describe` of every hub in this process."""
+    with _SHARED_LOCK:
+        hubs = list(_SHARED.values())
+    return [hub.describe() for hub in hubs]
+
+
 def prefix_end(prefix: bytes) -> bytes:
     """The ``range_end`` that makes a range or watch cover every key starting with ``prefix``."""
     raw = bytearray(prefix)
@@ -132,6 +139,16 @@ class WatchHub:
                 self._thread = threading.Thread(target=self._run, name="etcd-v3-watch", daemon=True)
                 self._thread.start()
         return watch
+
+    def describe(self) -> str:
+        """One line on the hub's state, for a diagnostic dump: its watches (active, awaiting
+        creation, created), the events delivered, the stream, and its last failure."""
+        with self._lock:
+            stream = "none" if self._call is None else "active" if self._call.is_active() else "ended"
+            failure = "never" if self.last_failure is None else f"{time.monotonic() - self.last_failure:.1f} s ago"
+            return (f"endpoint {self._connection.endpoint}, {len(self._active)} active, {len(self._pending)} awaiting "
+                    f"creation, {len(self._by_id)} created, {self.events} events delivered, stream {stream}, "
+                    f"last failure {failure}")
 
     def close(self) -> None:
         """End every watch and the stream."""

@@ -76,3 +76,66 @@ def test_bad_arguments_are_one_line(scale, argv, message, capsys) -> None:  # ty
         scale.parse_args(argv)
     assert raised.value.code == 2
     assert message in capsys.readouterr().err
+
+
+class _Member:
+    def __init__(self, name: str, *, running: bool = True) -> None:
+        self.member = types.SimpleNamespace(name=name)
+        self.running = running
+
+    def is_running(self) -> bool:
+        return self.running
+
+
+def _cluster(scale: types.ModuleType, readings: list[dict[str, dict[str, float]]],
+             monkeypatch: pytest.MonkeyPatch) -> tuple[object, list[float]]:
+    """A Cluster whose members' gauges come from ``readings``, one dict per check round (the last
+    repeats); sleeps are recorded, not slept."""
+    cluster = object.__new__(scale.Cluster)
+    cluster.servers = [_Member("m0"), _Member("m1"), _Member("m2", running=False)]
+    rounds = iter(readings)
+    current: dict[str, dict[str, float]] = {}
+
+    def gauges(server: _Member) -> dict[str, float]:
+        nonlocal current
+        if server is cluster.servers[0]:
+            current = next(rounds, current)
+        return current[server.member.name]
+
+    slept: list[float] = []
+    monkeypatch.setattr(cluster, "_gauges", gauges)
+    monkeypatch.setattr(scale.time, "sleep", slept.append)
+    return cluster, slept
+
+
+def _g(applied: float, revision: float) -> dict[str, float]:
+    return {"etcd_server_proposals_applied_total": applied, "etcd_debugging_mvcc_current_revision": revision}
+
+
+def test_members_that_caught_up_and_agree_pass(scale: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster, slept = _cluster(scale, [{"m0": _g(90, 40), "m1": _g(88, 39)},  # m1 still catching up
+                                      {"m0": _g(90, 40), "m1": _g(90, 40)}], monkeypatch)
+    cluster.check_consistent()
+    assert slept == [0.2], "one wait for the revived member to catch up; the stopped member is not asked"
+
+
+def test_a_member_that_lost_a_write_is_named_after_a_second_look(scale: types.ModuleType,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster, slept = _cluster(scale, [{"m0": _g(90, 40), "m1": _g(90, 39)}], monkeypatch)
+    with pytest.raises(scale.ClusterDisagrees, match=r"'m1': 39.*same applied index 90.*13766"):
+        cluster.check_consistent()
+    assert slept == [1.0], "the same disagreement is confirmed 1 s later before the chain stops"
+
+
+def test_a_disagreement_that_resolves_is_not_reported(scale: types.ModuleType,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster, _ = _cluster(scale, [{"m0": _g(90, 40), "m1": _g(90, 39)},  # a revision in flight
+                                  {"m0": _g(91, 41), "m1": _g(91, 41)}], monkeypatch)
+    cluster.check_consistent()
+
+
+def test_a_member_that_never_catches_up_times_out(scale: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster, _ = _cluster(scale, [{"m0": _g(90, 40), "m1": _g(80, 30)}], monkeypatch)
+    with pytest.raises(RuntimeError, match="did not catch up within 0 s") as raised:
+        cluster.check_consistent(timeout=0.0)
+    assert not isinstance(raised.value, scale.ClusterDisagrees)
