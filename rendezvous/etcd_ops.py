@@ -24,20 +24,37 @@ from rendezvous.watch_hub import prefix_end
 T = TypeVar("T")
 
 
+REQUIRE_LEADER = ("hasleader", "true")
+"""gRPC metadata of every request sent here (etcd's ``WithRequireLeader``): a member that knows it
+has no leader, during an election or cut off from the others, refuses the request at once with
+``UNAVAILABLE: etcdserver: no leader`` instead of holding it until a deadline, and the retry moves on."""
+
+
+def request_metadata(client: Any) -> tuple[tuple[str, str], ...]:
+    """``client``'s own metadata (its auth token) and :data:`REQUIRE_LEADER`."""
+    return (*(client.metadata or ()), REQUIRE_LEADER)
+
+
 class _Patience:
-    """The deadlines of a request's attempts: ``deadline``, and twice the last one after an
-    attempt that waited its deadline out, up to the client's ``read_timeout``.
+    """The deadlines of a request's attempts: ``deadline``, then twice the last one after an
+    attempt that waited its deadline out (up to the client's ``read_timeout``), or
+    :attr:`AFTER_REFUSAL` after one that was refused at once.
 
     A short first deadline gets a request stuck behind a dead leader retried on a live member
     soon; doubling it after a timeout keeps an overloaded etcd (every request slow, none lost)
-    from being flooded with retries of requests it is still serving. An attempt that failed fast
-    (the member refused the connection) says nothing about etcd's speed and keeps the deadline:
-    the next member gets the same short one, so a write sent to a follower during a leader
-    election is retried after one short deadline, not after etcd's own 5 s request timeout.
+    from being flooded with retries of requests it is still serving. An attempt refused at once
+    (the member is gone, or has no leader) says nothing about etcd's speed, but it says that the
+    cluster may be losing its leader: a follower that has not noticed yet forwards the next
+    attempt to the dead leader, where it is lost, and holds it until the deadline. So the next
+    attempt gets the short :attr:`AFTER_REFUSAL`; one sent once the follower noticed is refused
+    at once (:data:`REQUIRE_LEADER`), and the first one after the election succeeds.
     """
 
     TIMED_OUT = 0.9
     """An attempt that failed after this share of its deadline waited it out."""
+    AFTER_REFUSAL = 0.5
+    """The deadline after a refused attempt (seconds): about one election timeout of the local
+    cluster, and at most the first deadline."""
 
     def __init__(self, deadline: float | None, clock: Callable[[], float] = time.monotonic) -> None:
         self._deadline = deadline
@@ -55,6 +72,8 @@ class _Patience:
         except Exception:
             if self._clock() - started >= self.TIMED_OUT * timeout:
                 self._deadline = timeout * 2
+            else:
+                self._deadline = min(timeout, self.AFTER_REFUSAL)
             raise
 
 
@@ -94,7 +113,7 @@ def transaction(
 
     def send(client: Any) -> Any:
         return patience.send(client, lambda timeout: client.kvstub.Txn(
-            request, timeout, credentials=client.call_credentials, metadata=client.metadata))
+            request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
 
     response = connection.call(send, what=what, kind=kind, retry_timeout=retry_timeout)
     return TxnResult(bool(response.succeeded), int(response.header.revision), list(response.responses))
@@ -117,7 +136,7 @@ def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, wha
 
     def send(client: Any) -> Any:
         return patience.send(client, lambda timeout: client.kvstub.Range(
-            request, timeout, credentials=client.call_credentials, metadata=client.metadata))
+            request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
 
     return connection.call(send, what=what, retry_timeout=retry_timeout)
 
@@ -130,7 +149,7 @@ def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, 
 
     def send(client: Any) -> Any:
         return patience.send(client, lambda timeout: client.kvstub.Put(
-            request, timeout, credentials=client.call_credentials, metadata=client.metadata))
+            request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
 
     return int(connection.call(send, what=what).header.revision)
 

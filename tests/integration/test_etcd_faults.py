@@ -166,3 +166,28 @@ def test_a_retried_add_never_applies_twice(etcd_server, unique_id: str) -> None:
     assert store.add("n", 5) == 15
     assert proxy.lost == 1
     assert store.get("n") == b"15"
+
+
+def test_a_member_without_a_leader_refuses_at_once(tmp_path: Path, unique_id: str) -> None:
+    """Two of three members die: the last one has no leader. A round write sent to it is refused
+    at once ("no leader", etcd's WithRequireLeader metadata) and retried, instead of being held
+    for its whole deadline by a member that cannot commit it."""
+    from rendezvous import etcd_ops
+    from rendezvous.etcd_server import local_cluster
+
+    with local_cluster(tmp_path / "etcd", 3) as servers:
+        survivor, *doomed = servers
+        connection = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(survivor.endpoint), retry_timeout=2.0))
+        try:
+            etcd_ops.put_key(connection, f"/test/{unique_id}/k", b"v", what="a write with a quorum")
+            for server in doomed:
+                server.stop(kill=True)
+            time.sleep(1.5)  # election timeout 0.5 s: the survivor has noticed that it has no leader
+            started = time.monotonic()
+            with pytest.raises(RendezvousConnectionError, match="no leader"):
+                etcd_ops.put_key(connection, f"/test/{unique_id}/k", b"w", what="a write without a quorum",
+                                 deadline=5.0)
+            took = time.monotonic() - started
+        finally:
+            connection.close()
+    assert took < 4.0, f"the attempts were held {took:.1f} s, not refused (a 5 s deadline, a 2 s retry budget)"

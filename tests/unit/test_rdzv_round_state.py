@@ -3,6 +3,7 @@ state's encoding, rank shards, the count-only close rule, and the retry deadline
 
 from __future__ import annotations
 
+import contextlib
 import types
 import zlib
 
@@ -114,36 +115,44 @@ def test_the_master_address_comes_from_the_state_or_its_key() -> None:
     assert MasterInfo.decode(b"{}") is None and MasterInfo.decode(None) is None
 
 
-def test_retry_deadlines_double_after_a_timeout_only_up_to_the_read_timeout() -> None:
-    """An attempt that waited its deadline out doubles the next one (etcd may just be slow); one
-    refused at once keeps it, so the next member gets the same short deadline (session 13: a
-    round close sent to a follower during a leader election after a refused first attempt got 5 s,
-    and etcd held it for its own 5 s request timeout)."""
+def _deadlines_given(first: float | None, tooks: tuple[float | None, ...]) -> list[float]:
+    """The deadline of each attempt when attempt i takes ``tooks[i]`` seconds to fail (``None``:
+    it is answered); the read timeout is 10 s."""
     now = [0.0]
     client = types.SimpleNamespace(timeout=10.0)
-    patience = _Patience(2.5, clock=lambda: now[0])
+    patience = _Patience(first, clock=lambda: now[0])
     given: list[float] = []
-
-    def attempt(took: float | None) -> None:
-        def rpc(timeout: float) -> str:
+    for took in tooks:
+        def rpc(timeout: float, took: float | None = took) -> str:
             given.append(timeout)
             if took is None:
                 return "answered"
             now[0] += took
             raise RuntimeError("failed")
 
-        try:
-            rpc_result = patience.send(client, rpc)
-        except RuntimeError:
-            return
-        assert rpc_result == "answered"
+        with contextlib.suppress(RuntimeError):
+            assert patience.send(client, rpc) == "answered"
+    return given
 
-    for took in (0.01, 0.01, 2.5, 0.0, 5.0, 10.0, 10.0, None):  # refused, refused, timed out, ...
-        attempt(took)
-    assert given == [2.5, 2.5, 2.5, 5.0, 5.0, 10.0, 10.0, 10.0]
-    unbounded: list[float] = []
-    _Patience(None).send(client, unbounded.append)
-    assert unbounded == [10.0]
+
+def test_retry_deadlines_double_after_a_timeout_and_shrink_after_a_refusal() -> None:
+    """An attempt that waited its deadline out doubles the next one (etcd may just be slow), up to
+    the read timeout. One refused at once makes the next one short (session 13: a round close
+    refused by a dead leader went to a follower that forwarded it to the dead leader and held it
+    for the whole deadline); session 14 shortened it from the first deadline to AFTER_REFUSAL."""
+    # timed out, timed out, timed out at the cap, refused, timed out, refused, answered
+    assert _deadlines_given(2.5, (2.5, 5.0, 10.0, 0.01, 0.5, 0.0, None)) == [2.5, 5.0, 10.0, 10.0, 0.5, 1.0, 0.5]
+    assert _Patience.AFTER_REFUSAL <= 2.5
+    assert _deadlines_given(0.2, (0.0, None)) == [0.2, 0.2], "a refusal never lengthens a shorter deadline"
+    assert _deadlines_given(None, (None,)) == [10.0]
+
+
+def test_every_request_requires_a_leader_and_keeps_the_client_s_token() -> None:
+    from rendezvous.etcd_ops import REQUIRE_LEADER, request_metadata
+
+    assert request_metadata(types.SimpleNamespace(metadata=None)) == (REQUIRE_LEADER,)
+    assert request_metadata(types.SimpleNamespace(metadata=(("token", "t"),))) == (("token", "t"), REQUIRE_LEADER)
+    assert REQUIRE_LEADER == ("hasleader", "true")  # etcd's rpctypes.MetadataRequireLeaderKey / MetadataHasLeader
 
 
 def test_a_round_request_first_waits_a_quarter_of_the_lease_ttl_bounded_by_two_seconds_and_the_read_timeout() -> None:
