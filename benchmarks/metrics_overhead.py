@@ -32,6 +32,7 @@ Usage::
 
     python -m benchmarks.metrics_overhead                     # 3 x 1500 cycles, + micro
     python -m benchmarks.metrics_overhead --no-hook           # attribute: everything but the hook
+    python -m benchmarks.metrics_overhead --in-place          # as `elastic-trainer run` heals on CPU
     python -m benchmarks.metrics_overhead --end-to-end --rounds 3 --max-steps 800
     python -m benchmarks.metrics_overhead --device cuda --model gpt --cycles 300 --rebuild-every 100
     python -m benchmarks.metrics_overhead --device cuda --model gpt --cycles 300 --rebuild-every 100 --trace
@@ -127,7 +128,8 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     """One worker of the interleaved measurement (torch.multiprocessing spawn target).
 
     Holds the example's model three times (same weights): "off" and "aa" plain DDP with no
-    observer, "on" with ``worker_observer()`` and (unless ``--no-hook``) the timing hook. Every
+    observer, "on" with ``worker_observer()`` and (unless ``--no-hook``) the timing hook; with
+    ``--in-place`` every wait is tracked and "off"/"aa" carry the abortable hook instead. Every
     cycle trains one step of each on the same batch, in an order rotated every cycle (so no arm
     always follows another), and records each step's CPU seconds (this process, all threads:
     gloo's and the hook callbacks') and wall seconds. "aa" is the A/A arm: it differs from
@@ -140,7 +142,11 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
 
     from benchmarks.workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
     from elastic_trainer.metrics.worker import worker_observer
+    from elastic_trainer.runtime import torch_compat
+    from elastic_trainer.runtime.abortable import WAITS, abortable_allreduce_hook
     from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
+
+    WAITS.enabled = args.in_place  # what the healer sets on gloo/CPU (heal/healer.py)
 
     if args.trace:  # before the first process group: the recorder reads its size once
         from elastic_trainer.metrics.collective_trace import trace_environment
@@ -174,6 +180,10 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
                 observer = worker_observer()
                 if args.hook:
                     observer.wrap_ddp(ddp)
+            if args.in_place and not torch_compat.has_comm_hook(ddp):
+                # What Attempt.wrap registers when no timing hook is there: metrics off still
+                # pays a Python hook per bucket while healing in place on gloo.
+                ddp.register_comm_hook(None, abortable_allreduce_hook)
             observer.on_start(world_size=world, restart_count=0)
             fresh[arm] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
         return fresh
@@ -355,6 +365,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs (fresh processes each)")
     parser.add_argument("--no-hook", dest="hook", action="store_false",
                         help="'on' without the allreduce timing hook (ELASTIC_TRAINER_METRICS_ALLREDUCE=0)")
+    parser.add_argument("--in-place", action="store_true",
+                        help="as `elastic-trainer run` trains on CPU (healing in place): every wait is tracked, and "
+                             "'off' and 'aa' carry the abortable allreduce hook the runtime registers without metrics")
     parser.add_argument("--trace", action="store_true",
                         help="'on' times allreduces through the flight recorder (ELASTIC_TRAINER_METRICS_ALLREDUCE="
                              "trace; CUDA): the recorder is on for every arm, each arm on its own process group")
@@ -370,6 +383,8 @@ def main() -> None:
     resolve_workload_arguments(parser, args)
     if args.trace and not args.hook:
         parser.error("--trace and --no-hook exclude each other")
+    if args.in_place and args.device == "cuda":
+        parser.error("--in-place is the gloo (CPU) case: on NCCL healing in place adds no hook")
     cuda = args.device == "cuda"
     workers = "gloo workers"
     if cuda:
@@ -385,7 +400,9 @@ def main() -> None:
     print(f"{what}, global batch {args.global_batch_size}{', bf16 autocast' if args.bf16 else ''}, "
           f"{args.nproc} {workers}, "
           f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing "
-          f"{'flight recorder' if args.trace else 'hook' if args.hook else 'off'}; load average {os.getloadavg()[0]:.1f}")
+          f"{'flight recorder' if args.trace else 'hook' if args.hook else 'off'}"
+          f"{'; healing in place (tracked waits, the abortable hook on off/aa)' if args.in_place else ''}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     if cuda:
         print("on CUDA every step ends in loss.item(): the wall ratio is the throughput ratio (host CPU time "
               "includes the spin while waiting for the GPU)")
