@@ -45,9 +45,8 @@ class _Patience:
     (the member refused the connection, or has no leader: :data:`REQUIRE_LEADER`) says nothing
     about etcd's speed and keeps the deadline: the next member gets the same short one, so a
     write sent to a follower during a leader election is retried after one short deadline, not
-    after etcd's own 5 s request timeout. (Shortening it further after a refusal was measured in
-    session 14 and changed nothing: a leader loss costs what the writes in flight on the followers
-    lose, one first deadline; RESULTS.md, issue 20.)
+    after etcd's own 5 s request timeout. Why it is not shortened after a refusal:
+    ``docs/design/rendezvous-scale.md`` (Faults).
     """
 
     TIMED_OUT = 0.9
