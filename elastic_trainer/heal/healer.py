@@ -289,6 +289,15 @@ class Healer:
             if epoch.finished:
                 raise RunFinished(f"the job finished at epoch {epoch.number}")
             if rank is None:
+                if any(m.slot == self.member.slot for m in epoch.members):
+                    # The epoch closed with this slot's previous process before this one answered:
+                    # that process has ended (its launcher started this one), so the epoch cannot
+                    # form. The next round replaces it; its members, still forming, abandon it.
+                    log.warning("heal: epoch %d formed with the process this one replaces; opening the next round",
+                                epoch.number)
+                    if time.monotonic() > deadline:
+                        raise HealError("healing in place failed: every epoch named this slot's previous process")
+                    continue
                 if step == NO_STATE and epoch.world_size >= self.membership.rules.max_world:
                     self._wait_as_spare(epoch, deadline=None)
                     continue

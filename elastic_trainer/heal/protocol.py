@@ -159,12 +159,17 @@ class Decision:
 
 
 def _order(previous: Epoch, ready: Iterable[Join], arrival: Mapping[str, int]) -> list[Join]:
-    """One join per slot (the one with the newest state), in rank order: the previous epoch's
-    slots keep their order, then newcomers in the order they joined."""
+    """One join per slot, in rank order: the previous epoch's slots keep their order, then
+    newcomers in the order they joined.
+
+    A slot's join is its newest process's (the last to arrive): a launcher starts a process for a
+    slot only once the one before it ended, so an older process of the slot is dead, whatever
+    state it said it held (a survivor that answered and was then ended by its launcher's restart
+    of the whole group). Same arrival: the newest state, then the id (deterministic)."""
     by_slot: dict[str, Join] = {}
     for join in ready:
         current = by_slot.get(join.member.slot)
-        if current is None or (join.step, -arrival.get(join.member.id, 0)) > (current.step, -arrival.get(current.member.id, 0)):
+        if current is None or _newer(join, current, arrival):
             by_slot[join.member.slot] = join
     rank_of_slot = {member.slot: rank for rank, member in enumerate(previous.members)}
 
@@ -173,6 +178,14 @@ def _order(previous: Epoch, ready: Iterable[Join], arrival: Mapping[str, int]) -
         return (math.inf if rank is None else rank, arrival.get(join.member.id, 0), join.member.id)
 
     return sorted(by_slot.values(), key=key)
+
+
+def _newer(join: Join, other: Join, arrival: Mapping[str, int]) -> bool:
+    """Whether ``join`` supersedes ``other`` for their slot (see :func:`_order`)."""
+    def rank(j: Join) -> tuple[int, int, str]:
+        return (arrival.get(j.member.id, 0), j.step, j.member.id)
+
+    return rank(join) > rank(other)
 
 
 def decide(previous: Epoch, joins: Sequence[Join], *, waited_s: float, rules: RoundRules, now_unix: float,

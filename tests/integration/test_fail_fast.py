@@ -56,8 +56,12 @@ except Exception as exc:
 def _run(*target: str, warm: str = "off", timeout: float = 150) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("ELASTIC_TRAINER_METRICS", None)
-    return subprocess.run([*LAUNCH, "--warm-start", warm, *target], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
+    try:
+        return subprocess.run([*LAUNCH, "--warm-start", warm, *target], capture_output=True, text=True,
+                              timeout=timeout, cwd=REPO, env=env)
+    except subprocess.TimeoutExpired as exc:
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        pytest.fail(f"the job did not end within {timeout} s; its stderr ends:\n{stderr[-6000:]}")
 
 
 def _restarts(done: subprocess.CompletedProcess[str]) -> int:

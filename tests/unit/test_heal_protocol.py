@@ -131,3 +131,16 @@ def test_a_stuck_process_whose_replacement_answered_is_not_waited_for() -> None:
     decision = decide(EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r")
     assert decision.epoch is not None
     assert decision.epoch.members == (A0, A1, B0, replacement)
+
+
+def test_a_slot_s_newest_process_replaces_an_older_one_that_answered_with_state() -> None:
+    """A1 answered ready with step 120, then its launcher restarted the whole group (ending A1)
+    and A1's replacement answered for the same slot: A1 is dead, so the slot is the replacement's
+    and A1 is never the source, however new its state."""
+    replacement = member("a", 1, 99)
+    joins = [ready(A1, 121), ready(A0), ready(B0), ready(B1), ready(replacement, NO_STATE)]
+    arrival = {A1.id: 1, A0.id: 2, B0.id: 3, B1.id: 4, replacement.id: 5}
+    decision = decide(EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r", arrival=arrival)
+    assert decision.epoch is not None
+    assert decision.epoch.members == (A0, replacement, B0, B1)
+    assert (decision.epoch.step, decision.epoch.source) == (120, A0.id)
