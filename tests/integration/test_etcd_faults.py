@@ -191,3 +191,55 @@ def test_a_member_without_a_leader_refuses_at_once(tmp_path: Path, unique_id: st
         finally:
             connection.close()
     assert took < 4.0, f"the attempts were held {took:.1f} s, not refused (a 5 s deadline, a 2 s retry budget)"
+
+
+def _leader_index(servers: list[Any]) -> int:
+    """The index in ``servers`` of the raft leader (each member's own status names it)."""
+    deadline = time.monotonic() + 10
+    while True:
+        for index, server in enumerate(servers):
+            connection = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(server.endpoint), retry_timeout=2.0))
+            try:
+                status = connection.call(
+                    lambda c, conn=connection: c.maintenancestub.Status(conn.etcd3.etcdrpc.StatusRequest(), 2.0),
+                    what="a status")
+            finally:
+                connection.close()
+            if status.leader and status.leader == status.header.member_id:
+                return index
+        assert time.monotonic() < deadline, "no leader elected"
+        time.sleep(0.2)
+
+
+def test_a_write_lost_with_a_frozen_leader_is_retried_once_the_raft_term_moves(tmp_path: Path, unique_id: str) -> None:
+    """The leader stops (SIGSTOP: its sockets stay open, so nothing is refused). A write sent to
+    a follower is forwarded to it and lost without a word; etcd would hold it for the whole
+    deadline. The client sees the term move (the followers elect a new leader within about a
+    second) and retries then, on the next member, instead of after its 5 s deadline."""
+    import os
+    import signal
+
+    from rendezvous import etcd_ops
+    from rendezvous.etcd_server import local_cluster
+
+    with local_cluster(tmp_path / "etcd", 3) as servers:
+        leader = servers[_leader_index(servers)]
+        followers = [s for s in servers if s is not leader]
+        connection = EtcdConnection(EtcdClientConfig(
+            endpoints=parse_endpoints(",".join(s.endpoint for s in followers)), retry_timeout=15.0))
+        key = f"/test/{unique_id}/k"
+        try:
+            etcd_ops.put_key(connection, key, b"before", what="a write with a leader")
+            assert leader.pid is not None
+            os.kill(leader.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                etcd_ops.put_key(connection, key, b"after", what="a write as the leader froze", deadline=5.0)
+                took = time.monotonic() - started
+            finally:
+                os.kill(leader.pid, signal.SIGCONT)
+            value = etcd_ops.get_range(connection, key, what="a read").kvs[0].value
+        finally:
+            connection.close()
+    assert value == b"after"
+    assert took < 3.5, f"the write waited {took:.1f} s (its deadline is 5 s): the term change did not end it"
