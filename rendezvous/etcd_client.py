@@ -3,8 +3,8 @@
 Every call to etcd made by this package goes through :meth:`EtcdConnection.call`, which is the
 one place where
 
-* transient faults (gRPC ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED``, a leader change -- a write
-  in flight across it raises :class:`LeaderLostError` --, an etcd restart, an expired auth token) are retried with tenacity -- exponential backoff with jitter,
+* transient faults (gRPC ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED``, a leader change, an etcd
+  restart, an expired auth token) are retried with tenacity -- exponential backoff with jitter,
   bounded by a total deadline (``retry_timeout``) shorter than the rendezvous timeouts -- and each
   retry moves to the next endpoint of the cluster and is logged once with its cause;
 * permanent faults (wrong password, permission denied, invalid argument, bad TLS material) fail
@@ -180,24 +180,6 @@ def _check_pem_file(name: str, path: str, marker: bytes) -> None:
 _RETIRE_AFTER_S = 60.0
 """A client replaced by a failover is closed this long after (at a later failover or close)."""
 
-class LeaderLostError(Exception):
-    """A write in flight when the cluster's raft term moved: the leader it was forwarded to was
-    replaced, and etcd drops such a write without a word (``etcd_ops``). Transient: retried."""
-
-
-class RaftTerm:
-    """The highest raft term seen in any response on a connection (request, keep-alive, watch)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.highest = 0
-
-    def observe(self, term: int) -> None:
-        if term > self.highest:
-            with self._lock:
-                self.highest = max(self.highest, term)
-
-
 # gRPC status codes that may go away by themselves: retry, on the next endpoint.
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -249,9 +231,6 @@ class EtcdConnection:
         """:attr:`requests` by kind (the ``kind`` or ``what`` of :meth:`call`)."""
         self._close_hooks: list[Callable[[], None]] = []
         self._retired: list[tuple[float, Any]] = []  # (when, client) replaced by a failover
-        self.raft_term = RaftTerm()
-        """The cluster's raft term as last seen here: a write in flight across a change of it
-        may have been lost with its leader (``etcd_ops``)."""
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -376,7 +355,7 @@ class EtcdConnection:
         transient_types = (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError)
 
         def is_transient(exc: BaseException) -> bool:
-            if isinstance(exc, (*transient_types, LeaderLostError)):
+            if isinstance(exc, transient_types):
                 return True
             if isinstance(exc, ValueError) and "closed channel" in str(exc):
                 return True  # another thread failed over and closed the client this one used

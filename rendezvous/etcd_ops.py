@@ -9,9 +9,6 @@ A transaction may be retried after its response was lost; each caller decides fr
 branch's reads whether its own earlier attempt applied (see :func:`first_value`). A transaction
 always writes in one of its branches: etcd before 3.5.5 panics when the client's deadline expires
 during a read-only one (etcd-io/etcd#14110); reads are plain ranges (:func:`get_range`).
-
-A write in flight when etcd's leader is lost is retried once the raft term moves, about a second
-later, not after its deadline (:func:`_await_write`).
 """
 
 from __future__ import annotations
@@ -21,9 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
-
-from rendezvous.etcd_client import EtcdConnection, LeaderLostError
+from rendezvous.etcd_client import EtcdConnection
 from rendezvous.watch_hub import prefix_end
 
 T = TypeVar("T")
@@ -38,78 +33,6 @@ has no leader, during an election or cut off from the others, refuses the reques
 def request_metadata(client: Any) -> tuple[tuple[str, str], ...]:
     """``client``'s own metadata (its auth token) and :data:`REQUIRE_LEADER`."""
     return (*(client.metadata or ()), REQUIRE_LEADER)
-
-
-TERM_PROBE_INTERVAL_S = 0.5
-"""A write not yet answered asks its member for the raft term after this long, and again every
-this long: see :func:`_await_write`."""
-
-TERM_PROBE_KIND = "a raft term probe"
-"""The kind under which the probes are counted (:attr:`EtcdConnection.request_counts`)."""
-
-
-def _await_write(connection: EtcdConnection, client: Any, method: Any, request: Any, timeout: float, *,
-                 probe_key: bytes, interval: float = TERM_PROBE_INTERVAL_S) -> Any:
-    """``method(request)`` (a ``Txn`` or ``Put`` stub), ended early when its leader was replaced.
-
-    A follower forwards a write to the leader; if the leader dies (or freezes) meanwhile, the
-    write is lost without a word and etcd holds the request until a deadline. The followers elect
-    a new leader within an election timeout, at a higher raft term. So while the write is not
-    answered, every ``interval`` this asks the same member for its term (a serializable
-    count-only range of ``probe_key``: served locally, no raft write, answered without a leader
-    too), and once the term is above the one seen before the write was sent, cancels it and
-    raises :class:`LeaderLostError`: the retry (on the next member) goes out about a second after
-    the leader was lost, not after the deadline. A cluster that is merely slow keeps its term, so
-    it gets one cheap local read per ``interval`` per slow write and no retry.
-
-    Raises:
-        LeaderLostError: the term moved while the write was in flight.
-        grpc.RpcError: the write failed (its deadline included).
-    """
-    sent_in = connection.raft_term.highest
-    future = method.future(request, timeout, credentials=client.call_credentials, metadata=request_metadata(client))
-    while True:
-        try:
-            response = future.result(timeout=interval)
-        except grpc.FutureTimeoutError:
-            term = _member_term(connection, client, probe_key, interval)
-            if term is None:
-                continue
-            if not sent_in:
-                sent_in = term  # nothing seen before on this connection: the first probe is the baseline
-            elif term > sent_in:
-                future.cancel()
-                raise LeaderLostError(f"etcd's raft term moved from {sent_in} to {term} while the write was in "
-                                      "flight: its leader was replaced, and the write may be lost") from None
-            continue
-        connection.raft_term.observe(int(response.header.raft_term))
-        return response
-
-
-def _member_term(connection: EtcdConnection, client: Any, key: bytes, deadline: float) -> int | None:
-    """The raft term of ``client``'s member (``None``: it did not answer within ``deadline``)."""
-    request = connection.etcd3.etcdrpc.RangeRequest(key=key, serializable=True, count_only=True)
-    connection.count(TERM_PROBE_KIND)
-    try:
-        response = client.kvstub.Range(request, deadline, credentials=client.call_credentials,
-                                       metadata=client.metadata)
-    except Exception:  # noqa: BLE001 - a probe that fails tells nothing; the write's own deadline still holds
-        return None
-    return int(response.header.raft_term)
-
-
-def _written_key(request: Any) -> bytes:
-    """A key a ``Txn``/``Put`` request touches (the term probe reads it: a user allowed to write
-    a key may read it)."""
-    if hasattr(request, "compare"):
-        for compare in request.compare:
-            return bytes(compare.key)
-        for op in request.success:
-            which = op.WhichOneof("request")
-            if which is not None:
-                return bytes(getattr(op, which).key)
-        return b"\0"
-    return bytes(request.key)
 
 
 class _Patience:
@@ -142,8 +65,6 @@ class _Patience:
         started = self._clock()
         try:
             return rpc(timeout)
-        except LeaderLostError:
-            raise  # ended early on purpose: says nothing about etcd's speed
         except Exception:
             if self._clock() - started >= self.TIMED_OUT * timeout:
                 self._deadline = timeout * 2
@@ -184,11 +105,9 @@ def transaction(
     request = rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
     patience = _Patience(deadline)
 
-    probe_key = _written_key(request)
-
     def send(client: Any) -> Any:
-        return patience.send(client, lambda timeout: _await_write(
-            connection, client, client.kvstub.Txn, request, timeout, probe_key=probe_key))
+        return patience.send(client, lambda timeout: client.kvstub.Txn(
+            request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
 
     response = connection.call(send, what=what, kind=kind, retry_timeout=retry_timeout)
     return TxnResult(bool(response.succeeded), int(response.header.revision), list(response.responses))
@@ -210,10 +129,8 @@ def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, wha
     patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        response = patience.send(client, lambda timeout: client.kvstub.Range(
+        return patience.send(client, lambda timeout: client.kvstub.Range(
             request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
-        connection.raft_term.observe(int(response.header.raft_term))
-        return response
 
     return connection.call(send, what=what, retry_timeout=retry_timeout)
 
@@ -225,8 +142,8 @@ def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, 
     patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return patience.send(client, lambda timeout: _await_write(
-            connection, client, client.kvstub.Put, request, timeout, probe_key=request.key))
+        return patience.send(client, lambda timeout: client.kvstub.Put(
+            request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
 
     return int(connection.call(send, what=what).header.revision)
 

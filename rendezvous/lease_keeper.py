@@ -154,7 +154,6 @@ class LeaseKeeper:
                     self._call = call
                 for response in call:
                     backoff = 0.05
-                    self._connection.raft_term.observe(int(response.header.raft_term))
                     if response.TTL <= 0:
                         self._expired(int(response.ID))
             except Exception as exc:

@@ -214,7 +214,6 @@ class WatchHub:
                     self._call = call
                 for response in call:
                     backoff = 0.05
-                    self._connection.raft_term.observe(int(response.header.raft_term))
                     self._handle(response)
             except Exception as exc:
                 with self._lock:
