@@ -111,7 +111,9 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_finishes_und
     etcd_server, unique_id: str, tmp_path: Path
 ) -> None:
     """The incident: a copy-pasted ``--rdzv-id`` let another script into a running job."""
-    env = {"OUT_DIR": str(tmp_path), "STEPS": "800", "STEP_SLEEP_S": "0.05", "OMP_NUM_THREADS": "1"}
+    stop = tmp_path / "stop"  # job A trains until the refusals are checked (at most 800 steps)
+    env = {"OUT_DIR": str(tmp_path), "STEPS": "800", "STEP_SLEEP_S": "0.05", "OMP_NUM_THREADS": "1",
+           "STOP_FILE": str(stop)}
     others = {
         "other arguments": [*torchrun(etcd_server.endpoint, unique_id), SCRIPT, "--eval"],
         "another module": [*torchrun(etcd_server.endpoint, unique_id), "-m", "elastic_trainer.examples.synthetic_cnn"],
@@ -133,6 +135,8 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_finishes_und
                                        f"it runs '{SCRIPT}' with --nnodes 1:2, this node runs "), lines[0]
             assert job_a.poll() is None, f"job A ended while job B ({case}) was refused"
         assert read_key(etcd_server.endpoint, state_key) == state_before  # no round opened, nothing closed
+        assert job_a.poll() is None, "job A outlived the refusals"
+        stop.touch()
         code = job_a.wait(180)
     assert code == 0, job_a.output()[-3000:]
     starts = (tmp_path / "starts").read_text().split()

@@ -5,6 +5,7 @@ Environment knobs (tests set them):
   STEP_SLEEP_S     sleep per step, to leave room for faults (default 0.05)
   OUT_DIR          where rank 0 writes ``done-<attempt>.json`` with world size and the weights sum
   DIE_AT_STEP      on the first attempt, the rank given by DIE_RANK SIGKILLs itself at this step
+  STOP_FILE        once this file exists, every rank stops after the same step (agreed by an allreduce)
 """
 
 import json
@@ -27,6 +28,7 @@ def main() -> None:
     sleep_s = float(os.environ.get("STEP_SLEEP_S", "0.05"))
     die_at = int(os.environ.get("DIE_AT_STEP", "-1"))
     die_rank = int(os.environ.get("DIE_RANK", "1"))
+    stop_file = os.environ.get("STOP_FILE")
     out = Path(os.environ["OUT_DIR"])
     with open(out / "starts", "a") as starts:  # one line per worker start, restarts included
         starts.write(f"{os.getpid()}\n")
@@ -44,6 +46,11 @@ def main() -> None:
         opt.step()
         (out / f"progress-{os.environ.get('GROUP_RANK', '0')}").write_text(str(step))
         time.sleep(sleep_s)
+        if stop_file is not None:
+            stop = torch.tensor([float(Path(stop_file).exists())])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
     if rank == 0:
