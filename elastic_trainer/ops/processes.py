@@ -56,6 +56,27 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def describe_tree(pid: int) -> str:
+    """``pid`` and every process under it, one line each: pid, state, kernel wait channel and
+    command line (which process of a hung node is still there, and where it waits)."""
+    lines: list[str] = []
+    pending = [(pid, 0)]
+    while pending:
+        current, depth = pending.pop()
+        proc = Path(f"/proc/{current}")
+        try:
+            stat = (proc / "stat").read_text()
+            state = stat[stat.rindex(")") + 2:].split()[0]
+            wchan = (proc / "wchan").read_text().strip() or "-"
+            argv = " ".join((proc / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+        except (OSError, ValueError, IndexError):
+            continue
+        threads = len(list((proc / "task").iterdir())) if (proc / "task").exists() else 0
+        lines.append(f"{'  ' * depth}{current} {state} wchan={wchan} threads={threads} {argv[:160]}")
+        pending += [(child, depth + 1) for child in reversed(children(current))]
+    return "\n".join(lines)
+
+
 def worker_processes(launcher_pid: int) -> list[int]:
     """The processes running the training target under a torchrun agent or launcher: its
     children, each warm-start client replaced by the worker forked for it."""
@@ -187,12 +208,14 @@ class NodeProcess:
         """Its exit status once it exits.
 
         Raises:
-            TimeoutError: still running after ``timeout`` seconds (the error ends with its log).
+            TimeoutError: still running after ``timeout`` seconds (the error ends with its log,
+                then the processes still running under it: :func:`describe_tree`).
         """
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise TimeoutError(f"node {self.pid} still running after {timeout:g} s:\n{self.tail()}") from None
+            raise TimeoutError(f"node {self.pid} still running after {timeout:g} s:\n{self.tail()}\n"
+                               f"processes still running:\n{describe_tree(self.pid)}") from None
 
     def output(self) -> str:
         """Everything in its log so far (its command line first)."""

@@ -121,8 +121,11 @@ def test_terminate_sends_sigterm_and_wait_returns_the_status(node: NodeProcess) 
 
 def test_wait_on_a_running_node_fails_with_its_log(node: NodeProcess) -> None:
     wait_for(lambda: "node up" in node.output(), timeout=10, what="the node's line")
-    with pytest.raises(TimeoutError, match=rf"node {node.pid} still running after 0.1 s:\n(.|\n)*node up with 2"):
+    with pytest.raises(TimeoutError, match=rf"node {node.pid} still running after 0.1 s:\n(.|\n)*node up with 2") as raised:
         node.wait(0.1)
+    tree = str(raised.value).split("processes still running:\n", 1)[1].splitlines()
+    assert tree[0].startswith(f"{node.pid} ") and " wchan=" in tree[0], tree  # the node, then its processes
+    assert len(tree) == 1 + len(descendants(node.pid)) and all(line.startswith("  ") for line in tree[1:]), tree
 
 
 def test_stop_is_safe_twice_and_after_an_exit(tmp_path: Path) -> None:
