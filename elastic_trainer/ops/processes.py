@@ -69,9 +69,9 @@ def describe_tree(pid: int) -> str:
             state = stat[stat.rindex(")") + 2:].split()[0]
             wchan = (proc / "wchan").read_text().strip() or "-"
             argv = " ".join((proc / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
-        except (OSError, ValueError, IndexError):
+            threads = len(list((proc / "task").iterdir()))
+        except (OSError, ValueError, IndexError):  # it exited meanwhile
             continue
-        threads = len(list((proc / "task").iterdir())) if (proc / "task").exists() else 0
         lines.append(f"{'  ' * depth}{current} {state} wchan={wchan} threads={threads} {argv[:160]}")
         pending += [(child, depth + 1) for child in reversed(children(current))]
     return "\n".join(lines)
