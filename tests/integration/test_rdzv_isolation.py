@@ -135,7 +135,7 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_finishes_und
                                        f"it runs '{SCRIPT}' with --nnodes 1:2, this node runs "), lines[0]
             assert job_a.poll() is None, f"job A ended while job B ({case}) was refused"
         assert read_key(etcd_server.endpoint, state_key) == state_before  # no round opened, nothing closed
-        assert job_a.poll() is None, "job A outlived the refusals"
+        assert job_a.poll() is None, "job A ended before the refusals were checked"
         stop.touch()
         code = job_a.wait(180)
     assert code == 0, job_a.output()[-3000:]
