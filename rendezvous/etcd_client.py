@@ -15,6 +15,11 @@ one place where
 Callers must make their writes idempotent under retry (compare-and-swap on a revision): a write
 whose response was lost is retried, and the retry must notice that the first attempt applied.
 
+Requests go to etcd's leader (:mod:`rendezvous.etcd_leader`), streams (watches, keep-alives) to
+the connection's home member: a request a follower forwards is lost without a word if the leader
+dies, one sent to the leader fails at once and is retried. A failed request drops the belief
+about the leader, not the home member; a failed stream or leader lookup moves the home.
+
 One connection may serve many threads (a process's rendezvous handler, its store, its lease
 keep-alive and watch streams; a benchmark's hundreds of simulated nodes). A failed attempt moves
 to the next endpoint only if the client it used is still the current one, so that a hundred
@@ -45,6 +50,13 @@ from tenacity import (
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from rendezvous._protobuf_compat import import_etcd3
+from rendezvous.etcd_leader import (
+    LeaderBelief,
+    LeaderRoute,
+    MemberStatus,
+    NoLeaderError,
+    member_status,
+)
 from rendezvous.jitter import wait_jitter
 
 log = logging.getLogger(__name__)
@@ -213,9 +225,12 @@ class EtcdConnection:
     Args:
         config: where and how to connect.
         sleep: injected into tenacity so that tests need not wait.
+        route_to_leader: send requests to the leader (:class:`LeaderRoute`); ``False``: to the
+            home member, as streams.
     """
 
-    def __init__(self, config: EtcdClientConfig, *, sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, config: EtcdClientConfig, *, sleep: Callable[[float], None] = time.sleep,
+                 route_to_leader: bool = True):
         self._etcd3 = import_etcd3()
         self.config = config
         self._sleep = sleep
@@ -231,6 +246,9 @@ class EtcdConnection:
         """:attr:`requests` by kind (the ``kind`` or ``what`` of :meth:`call`)."""
         self._close_hooks: list[Callable[[], None]] = []
         self._retired: list[tuple[float, Any]] = []  # (when, client) replaced by a failover
+        self._route: LeaderRoute | None = (
+            LeaderRoute(len(config.endpoints), self._member_status) if route_to_leader else None)
+        self._side_clients: dict[int, Any] = {}  # endpoint index -> client, for the leader's requests
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -238,6 +256,12 @@ class EtcdConnection:
     def endpoint(self) -> Endpoint:
         """The endpoint currently in use."""
         return self.config.endpoints[self._index]
+
+    @property
+    def leader_endpoint(self) -> Endpoint | None:
+        """The endpoint requests go to now, if a leader was found among the configured ones."""
+        belief = self._route.belief if self._route is not None else None
+        return None if belief is None or belief.index is None else self.config.endpoints[belief.index]
 
     @property
     def etcd3(self) -> Any:
@@ -252,7 +276,7 @@ class EtcdConnection:
         retry_timeout: float | None = None,
         kind: str | None = None,
     ) -> T:
-        """Run ``operation(client)`` with retries; return its result.
+        """Run ``operation(client)`` on the leader's client, with retries; return its result.
 
         ``retry_timeout`` overrides the configured retry budget for this call (e.g. a short one
         at interpreter exit). ``kind`` names the request in :attr:`request_counts` (default:
@@ -262,12 +286,29 @@ class EtcdConnection:
             RendezvousConnectionError: etcd stayed unreachable for ``retry_timeout`` seconds, or
                 refused the request for a reason a retry cannot fix (auth, permission, TLS).
         """
+        return self._call(operation, what=what, retry_timeout=retry_timeout, kind=kind, to_leader=True)
+
+    def _call(
+        self,
+        operation: Callable[[Any], T],
+        *,
+        what: str,
+        retry_timeout: float | None,
+        kind: str | None,
+        to_leader: bool,
+    ) -> T:
         budget = self.config.retry_timeout if retry_timeout is None else retry_timeout
-        used: list[Any] = [None]  # the client of the latest attempt: the one to fail over from
+        # The latest attempt's client and the leader belief it used: what a retry moves away from.
+        used: list[Any] = [None, None]
 
         def attempt() -> T:
-            client = self._current_client()
-            used[0] = client
+            home_index, client = self._home()
+            used[0], used[1] = client, None
+            if to_leader and self._route is not None:
+                belief = self._route.find(home_index, client, self._client_for, self.config.read_timeout)
+                if belief.index is not None:
+                    client = self._client_for(belief.index)
+                used[0], used[1] = client, belief
             self.count(kind or what)
             return operation(client)
 
@@ -302,7 +343,7 @@ class EtcdConnection:
 
     def client(self) -> Any:
         """The raw ``etcd3`` client of the current endpoint (for watches), connecting if needed."""
-        return self.call(lambda client: client, what="connect")
+        return self._call(lambda client: client, what="connect", retry_timeout=None, kind=None, to_leader=False)
 
     def current_client(self) -> Any:
         """The raw client of the current endpoint, connecting if needed; no retry, not counted.
@@ -328,13 +369,16 @@ class EtcdConnection:
 
     def check(self) -> None:
         """Fail fast (within ``retry_timeout``) if etcd cannot be reached or refuses us."""
-        self.call(lambda client: client.status(), what="a status request")
+        self._call(lambda client: client.status(), what="a status request", retry_timeout=None, kind=None,
+                   to_leader=False)
 
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
             hooks, self._close_hooks = self._close_hooks, []
             retired, self._retired = [c for _, c in self._retired], []
+            retired += self._side_clients.values()
+            self._side_clients = {}
         for hook in hooks:
             try:
                 hook()
@@ -355,7 +399,7 @@ class EtcdConnection:
         transient_types = (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError)
 
         def is_transient(exc: BaseException) -> bool:
-            if isinstance(exc, transient_types):
+            if isinstance(exc, (*transient_types, NoLeaderError)):
                 return True
             if isinstance(exc, ValueError) and "closed channel" in str(exc):
                 return True  # another thread failed over and closed the client this one used
@@ -372,19 +416,40 @@ class EtcdConnection:
     def _before_retry(self, what: str, used: list[Any]) -> Callable[[RetryCallState], None]:
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            failed = self.endpoint
-            self._fail_over(used[0])
+            failed = self._endpoint_of(used[0])
+            self._after_failure(used[0], used[1], exc)
             log.warning(
-                "%s to etcd failed on %s (%s); retry %d on %s in %.2fs",
+                "%s to etcd failed on %s (%s); retry %d in %.2fs",
                 what,
                 failed,
                 _describe(exc) if exc else "?",
                 state.attempt_number,
-                self.endpoint,
                 state.upcoming_sleep,
             )
 
         return before_sleep
+
+    def _after_failure(self, client: Any, belief: LeaderBelief | None, exc: BaseException | None) -> None:
+        """Move away from what an attempt failed on: the leader belief it used (asked again next
+        time) and, if it failed on the home member's client, the home member."""
+        if belief is not None and self._route is not None:
+            self._route.forget(belief)
+            index = belief.index
+            with self._lock:
+                on_side = index is not None and self._side_clients.get(index) is client
+                if index is not None and on_side and exc is not None and _grpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
+                    del self._side_clients[index]  # reconnect: authenticate again
+                    self._retired.append((time.monotonic(), client))
+            if on_side:
+                return  # the home member's streams are fine
+        self._fail_over(client)
+
+    def _endpoint_of(self, client: Any) -> Endpoint:
+        with self._lock:
+            for index, side in self._side_clients.items():
+                if side is client:
+                    return self.config.endpoints[index]
+        return self.endpoint
 
     def _fail_over(self, failed_client: Any = None) -> None:
         now = time.monotonic()
@@ -407,10 +472,29 @@ class EtcdConnection:
                 log.debug("closing etcd client failed: %s", exc)
 
     def _current_client(self) -> Any:
+        return self._home()[1]
+
+    def _home(self) -> tuple[int, Any]:
+        """The home member's endpoint index and client, connecting if needed."""
         with self._lock:
             if self._client is None:
                 self._client = self._connect(self.config.endpoints[self._index])
-            return self._client
+            return self._index, self._client
+
+    def _client_for(self, index: int) -> Any:
+        """A client of endpoint ``index``: the home client if that is the home, else a side client
+        kept for as long as the connection (gRPC reconnects it when its member comes back)."""
+        with self._lock:
+            if index == self._index and self._client is not None:
+                return self._client
+            client = self._side_clients.get(index)
+            if client is None:
+                client = self._side_clients[index] = self._connect(self.config.endpoints[index])
+            return client
+
+    def _member_status(self, client: Any, timeout: float) -> MemberStatus:
+        self.count("leader lookup")
+        return member_status(client, timeout)
 
     def _connect(self, endpoint: Endpoint) -> Any:
         config = self.config

@@ -191,3 +191,80 @@ def test_a_member_without_a_leader_refuses_at_once(tmp_path: Path, unique_id: st
         finally:
             connection.close()
     assert took < 4.0, f"the attempts were held {took:.1f} s, not refused (a 5 s deadline, a 2 s retry budget)"
+
+
+def test_writes_go_to_the_leader_and_outlive_its_death_without_a_deadline(tmp_path: Path, unique_id: str) -> None:
+    """Requests go to the leader, not through the connection's home member (a follower). The
+    leader is SIGKILLed while four threads write: a write a follower had forwarded to it would be
+    lost without a word and held for its 10 s deadline (etcd's own request timeout is 6 s); sent to
+    the leader, it fails at once and is retried on the new leader within the election."""
+    from rendezvous import etcd_ops
+    from rendezvous.etcd_leader import member_status
+    from rendezvous.etcd_server import local_cluster
+
+    def leader_of(servers: list[Any]) -> Any:
+        probe = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(servers[0].endpoint)),
+                               route_to_leader=False)
+        try:
+            leader_id = member_status(probe.client(), 2.0).leader_id
+            for server in servers:
+                member = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(server.endpoint)),
+                                        route_to_leader=False)
+                try:
+                    if member_status(member.client(), 2.0).member_id == leader_id:
+                        return server
+                finally:
+                    member.close()
+        finally:
+            probe.close()
+        raise AssertionError("no member is the leader")
+
+    with local_cluster(tmp_path / "etcd", 3) as servers:
+        leader = leader_of(servers)
+        followers = [s for s in servers if s is not leader]
+        home = followers[0]
+        config = EtcdClientConfig(endpoints=parse_endpoints(",".join(s.endpoint for s in [home, *followers[1:], leader])),
+                                  read_timeout=10.0, retry_timeout=20.0)
+        connection = EtcdConnection(config)
+        stop = threading.Event()
+        writes: list[tuple[float, float]] = []
+        errors: list[BaseException] = []
+
+        def writer(n: int) -> None:
+            i = 0
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    etcd_ops.put_key(connection, f"/test/{unique_id}/w{n}", str(i).encode(), what="a write")
+                except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                    errors.append(exc)
+                    return
+                writes.append((started, time.monotonic()))
+                i += 1
+
+        try:
+            etcd_ops.put_key(connection, f"/test/{unique_id}/first", b"v", what="a write")
+            assert str(connection.leader_endpoint) == leader.endpoint
+            assert str(connection.endpoint) == home.endpoint
+            threads = [threading.Thread(target=writer, args=(n,), daemon=True) for n in range(4)]
+            for thread in threads:
+                thread.start()
+            time.sleep(1.0)
+            killed_at = time.monotonic()
+            leader.stop(kill=True)
+            time.sleep(3.0)
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
+            new_leader = leader_of(followers)
+            after = etcd_ops.put_key(connection, f"/test/{unique_id}/after", b"v", what="a write")
+        finally:
+            stop.set()
+            connection.close()
+    assert not errors, errors
+    across = [end - start for start, end in writes if start <= killed_at <= end]
+    assert across, "no write was in flight when the leader died"
+    assert max(across) < 4.5, f"a write in flight at the leader's death took {max(across):.1f} s (held, not refused)"
+    assert any(start > killed_at for start, _ in writes), "no write succeeded after the leader's death"
+    assert after > 0 and str(connection.endpoint) == home.endpoint
+    assert str(connection.leader_endpoint) == new_leader.endpoint

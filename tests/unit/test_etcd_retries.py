@@ -27,7 +27,7 @@ class FakeRpcError(grpc.RpcError):
 def connection(monkeypatch: pytest.MonkeyPatch) -> tuple[EtcdConnection, list[float], list[str]]:
     sleeps: list[float] = []
     config = EtcdClientConfig(endpoints=parse_endpoints("a:1,b:2,c:3"), retry_timeout=1000)
-    conn = EtcdConnection(config, sleep=sleeps.append)
+    conn = EtcdConnection(config, sleep=sleeps.append, route_to_leader=False)  # the home member's failover
     connected: list[str] = []
 
     def fake_connect(endpoint: Any) -> object:
@@ -91,6 +91,7 @@ def test_retries_stop_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     conn = EtcdConnection(
         EtcdClientConfig(endpoints=parse_endpoints("a:1"), retry_timeout=5),
         sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+        route_to_leader=False,
     )
     monkeypatch.setattr(conn, "_connect", lambda endpoint: object())
     attempts = []

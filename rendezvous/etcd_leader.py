@@ -1,0 +1,149 @@
+"""Which of the configured etcd endpoints is the raft leader, as the members themselves say.
+
+:class:`EtcdConnection` sends its requests (writes, linearizable reads, lease grants) to the
+leader and keeps its streams (watches, keep-alives) on its home member. A request a follower
+received is forwarded to the leader; if the leader dies then, the request is lost without a word
+and only its deadline tells. A request sent to the leader itself fails at once when the leader's
+process dies (its sockets close), and the retry asks again who leads.
+
+Invariants:
+
+* A belief names the member the home member reported as leader, mapped to a configured endpoint by
+  the member ids that endpoints report in their own ``Status``; an unknown leader (an endpoint
+  behind a load balancer, a member not in the list) maps to ``None``: requests go to the home.
+* A belief is dropped by the attempt that failed on it (one rediscovery per failure wave, not per
+  thread) and is asked again after :data:`BELIEF_S`, so that a leader that moved without a
+  failure is followed.
+* No leader (an election) is a transient fault, :class:`NoLeaderError`: the caller backs off.
+
+Why, and what it costs: ``docs/design/rendezvous-scale.md`` (Faults).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BELIEF_S = 30.0
+"""A belief older than this is checked again (one ``Status`` of the home member) before use."""
+
+PROBE_TIMEOUT_S = 1.0
+"""Deadline of the ``Status`` that asks an endpoint for its member id."""
+
+
+class NoLeaderError(RuntimeError):
+    """The home member knows no leader (an election is under way): retry after a backoff."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemberStatus:
+    """What a member's ``Status`` says about itself and its leader (``leader_id`` 0: none)."""
+
+    member_id: int
+    leader_id: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LeaderBelief:
+    """Where requests go now: ``index`` of the leader's endpoint (``None``: the home member)."""
+
+    index: int | None
+    leader_id: int
+    since: float
+
+
+def member_status(client: Any, timeout: float) -> MemberStatus:
+    """One ``Status`` request, answered by the member itself (no raft round).
+
+    Raises:
+        grpc.RpcError: the member did not answer.
+    """
+    from rendezvous._protobuf_compat import import_etcd3
+
+    request = import_etcd3().etcdrpc.StatusRequest()
+    response = client.maintenancestub.Status(
+        request, timeout, credentials=client.call_credentials, metadata=client.metadata)
+    return MemberStatus(int(response.header.member_id), int(response.leader))
+
+
+class LeaderRoute:
+    """The current belief about the leader's endpoint, found by asking the members.
+
+    Args:
+        endpoint_count: number of configured endpoints (indices ``0 .. n-1``).
+        status: ``status(client, timeout)``, normally :func:`member_status`.
+        clock: for the belief's age.
+    """
+
+    def __init__(self, endpoint_count: int, status: Callable[[Any, float], MemberStatus] = member_status,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._count = endpoint_count
+        self._status = status
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._belief: LeaderBelief | None = None
+        self._member_ids: dict[int, int] = {}  # endpoint index -> member id it reported
+        self._unknown_reported: set[int] = set()
+
+    @property
+    def belief(self) -> LeaderBelief | None:
+        return self._belief
+
+    def find(self, home_index: int, home: Any, client_for: Callable[[int], Any], timeout: float) -> LeaderBelief:
+        """The belief, asking the home member (and, for an unknown leader id, every endpoint)
+        when there is none or it is older than :data:`BELIEF_S`.
+
+        Raises:
+            NoLeaderError: the home member knows no leader.
+            grpc.RpcError, etcd3 errors: the home member did not answer (its caller fails over).
+        """
+        belief = self._belief
+        if belief is not None and self._clock() - belief.since < BELIEF_S:
+            return belief
+        with self._lock:
+            belief = self._belief
+            if belief is not None and self._clock() - belief.since < BELIEF_S:
+                return belief  # another thread asked while this one waited
+            status = self._status(home, timeout)
+            self._member_ids[home_index] = status.member_id
+            if status.leader_id == 0:
+                raise NoLeaderError(f"etcd member {status.member_id:x} has no leader (an election is under way)")
+            index = self._index_of(status.leader_id)
+            if index is None:
+                self._probe(home_index, client_for, min(timeout, PROBE_TIMEOUT_S))
+                index = self._index_of(status.leader_id)
+            if index is None and status.leader_id not in self._unknown_reported:
+                self._unknown_reported.add(status.leader_id)
+                log.info("etcd's leader %x is not among the configured endpoints: requests go through "
+                         "the member each connection uses", status.leader_id)
+            self._belief = LeaderBelief(index, status.leader_id, self._clock())
+            return self._belief
+
+    def forget(self, belief: LeaderBelief) -> None:
+        """Drop ``belief`` if it is still the current one (an attempt on it failed)."""
+        with self._lock:
+            if self._belief is belief:
+                self._belief = None
+
+    def _index_of(self, member_id: int) -> int | None:
+        for index, known in self._member_ids.items():
+            if known == member_id:
+                return index
+        return None
+
+    def _probe(self, home_index: int, client_for: Callable[[int], Any], timeout: float) -> None:
+        """Ask every other endpoint for its member id (ids change when a member is replaced)."""
+        for index in range(self._count):
+            if index == home_index:
+                continue
+            try:
+                self._member_ids[index] = self._status(client_for(index), timeout).member_id
+            except Exception as exc:  # a dead or slow member: its id stays unknown this time
+                self._member_ids.pop(index, None)
+                log.debug("etcd endpoint %d did not say its member id: %s", index, exc)

@@ -1,0 +1,134 @@
+"""EtcdConnection sends requests to etcd's leader: fake members that answer ``Status``, an
+injected sleep (nothing waits)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+from rendezvous import etcd_leader
+from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
+from rendezvous.etcd_leader import LeaderRoute, MemberStatus
+
+
+class Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "connection refused"
+
+
+class FakeCluster:
+    """Three members ``a:1 b:2 c:3`` with ids 1, 2, 3; ``leader`` is what every live member says."""
+
+    def __init__(self) -> None:
+        self.ids = {"a:1": 1, "b:2": 2, "c:3": 3}
+        self.leader = 2
+        self.dead: set[str] = set()
+        self.connected: list[str] = []
+        self.status_asked: list[str] = []
+
+    def connect(self, endpoint: Any) -> SimpleNamespace:
+        name = str(endpoint)
+        self.connected.append(name)
+        return SimpleNamespace(name=name)
+
+    def status(self, client: SimpleNamespace, timeout: float) -> MemberStatus:
+        self.status_asked.append(client.name)
+        if client.name in self.dead:
+            raise Unavailable()
+        return MemberStatus(self.ids[client.name], self.leader)
+
+
+@pytest.fixture
+def cluster(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCluster, EtcdConnection, list[float]]:
+    fake = FakeCluster()
+    sleeps: list[float] = []
+    conn = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints("a:1,b:2,c:3"), retry_timeout=1000),
+                          sleep=sleeps.append)
+    monkeypatch.setattr(conn, "_connect", fake.connect)
+    monkeypatch.setattr("rendezvous.etcd_client.member_status", fake.status)
+    return fake, conn, sleeps
+
+
+def where(fake: FakeCluster) -> Any:
+    def operation(client: SimpleNamespace) -> str:
+        if client.name in fake.dead:
+            raise Unavailable()
+        return str(client.name)
+    return operation
+
+
+def test_requests_go_to_the_leader_and_the_lookup_is_kept(cluster) -> None:  # type: ignore[no-untyped-def]
+    fake, conn, _ = cluster
+    assert conn.call(where(fake), what="a write") == "b:2"
+    assert conn.call(where(fake), what="a write") == "b:2"
+    assert fake.status_asked == ["a:1", "b:2", "c:3"]  # the home's leader id, then the others' ids, once
+    assert str(conn.leader_endpoint) == "b:2" and str(conn.endpoint) == "a:1"
+    assert conn.request_counts["leader lookup"] == 3 and conn.request_counts["a write"] == 2
+
+
+def test_a_dead_leader_is_asked_about_again_and_the_home_member_stays(cluster) -> None:  # type: ignore[no-untyped-def]
+    fake, conn, sleeps = cluster
+    assert conn.call(where(fake), what="a write") == "b:2"
+    fake.dead.add("b:2")  # the leader's process dies; the home member still names it for a while
+    calls = {"n": 0}
+
+    def operation(client: SimpleNamespace) -> str:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            fake.leader = 3  # elected while the second attempt failed
+        return where(fake)(client)
+
+    assert conn.call(operation, what="a write") == "c:3"
+    assert len(sleeps) == 2  # two backoffs, no deadline waited out
+    assert str(conn.endpoint) == "a:1" and fake.connected.count("a:1") == 1  # the home was not left
+    assert str(conn.leader_endpoint) == "c:3"
+
+
+def test_no_leader_is_retried_and_named_when_it_lasts(cluster) -> None:  # type: ignore[no-untyped-def]
+    fake, conn, sleeps = cluster
+    fake.leader = 0
+    conn.config.retry_timeout = 0.3
+    with pytest.raises(RendezvousConnectionError, match="no leader"):
+        conn.call(where(fake), what="a write")
+    assert sleeps  # retried
+
+
+def test_a_leader_outside_the_endpoints_leaves_requests_on_the_home_member(cluster, caplog) -> None:  # type: ignore[no-untyped-def]
+    fake, conn, _ = cluster
+    fake.leader = 99  # e.g. the endpoints are a load balancer's addresses
+    with caplog.at_level(logging.INFO, logger="rendezvous.etcd_leader"):
+        assert conn.call(where(fake), what="a write") == "a:1"
+    assert conn.leader_endpoint is None
+    assert [r for r in caplog.records if "not among the configured endpoints" in r.getMessage()]
+
+
+def test_a_home_member_that_does_not_answer_the_lookup_is_left(cluster) -> None:  # type: ignore[no-untyped-def]
+    fake, conn, _ = cluster
+    fake.dead.add("a:1")
+    assert conn.call(where(fake), what="a write") == "b:2"
+    assert str(conn.endpoint) == "b:2"  # the home moved on; b is also the leader: one client serves both
+
+
+def test_an_old_belief_is_checked_again(cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    fake, conn, _ = cluster
+    clock = [0.0]
+    conn._route = LeaderRoute(3, conn._member_status, clock=lambda: clock[0])
+    assert conn.call(where(fake), what="a write") == "b:2"
+    fake.leader = 3  # moved without any request failing (e.g. a leadership transfer)
+    assert conn.call(where(fake), what="a write") == "b:2"
+    clock[0] += etcd_leader.BELIEF_S
+    assert conn.call(where(fake), what="a write") == "c:3"
+
+
+def test_streams_stay_on_the_home_member(cluster) -> None:  # type: ignore[no-untyped-def]
+    fake, conn, _ = cluster
+    assert conn.client().name == "a:1"
+    assert fake.status_asked == []
