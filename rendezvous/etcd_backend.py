@@ -95,7 +95,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         """See base class."""
-        value, meta = self._connection.call(lambda c: c.get(self._key), what="a state read")
+        value, meta = self._connection.call(lambda c: c.get(self._key), what="a state read", read=True)
         if value is None:
             return None
         return unframe_state(value, key=self._key), meta.mod_revision

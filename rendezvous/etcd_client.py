@@ -275,18 +275,22 @@ class EtcdConnection:
         what: str,
         retry_timeout: float | None = None,
         kind: str | None = None,
+        read: bool = False,
     ) -> T:
-        """Run ``operation(client)`` on the leader's client, with retries; return its result.
+        """Run ``operation(client)`` with retries; return its result.
 
-        ``retry_timeout`` overrides the configured retry budget for this call (e.g. a short one
-        at interpreter exit). ``kind`` names the request in :attr:`request_counts` (default:
-        ``what``, which is also the text of errors and retry warnings).
+        ``operation`` gets the leader's client, or with ``read`` the home member's: a follower
+        holds a linearizable read until a new leader confirms it, it does not lose it, and reads
+        spread over the members. ``retry_timeout`` overrides the configured retry budget for this
+        call (e.g. a short one at interpreter exit). ``kind`` names the request in
+        :attr:`request_counts` (default: ``what``, which is also the text of errors and retry
+        warnings).
 
         Raises:
             RendezvousConnectionError: etcd stayed unreachable for ``retry_timeout`` seconds, or
                 refused the request for a reason a retry cannot fix (auth, permission, TLS).
         """
-        return self._call(operation, what=what, retry_timeout=retry_timeout, kind=kind, to_leader=True)
+        return self._call(operation, what=what, retry_timeout=retry_timeout, kind=kind, to_leader=not read)
 
     def _call(
         self,
@@ -408,6 +412,8 @@ class EtcdConnection:
                 return True
             if code == grpc.StatusCode.CANCELLED and "Channel closed" in _describe(exc):
                 return True  # in flight when another thread's failover closed the channel
+            if "too many requests" in _describe(exc):
+                return True  # etcd's back-pressure: its apply lags its commits by 5,000 entries
             # An expired simple auth token: reconnecting authenticates again.
             return code == grpc.StatusCode.UNAUTHENTICATED and "auth token" in _describe(exc)
 

@@ -132,7 +132,7 @@ def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, wha
         return patience.send(client, lambda timeout: client.kvstub.Range(
             request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
 
-    return connection.call(send, what=what, retry_timeout=retry_timeout)
+    return connection.call(send, what=what, retry_timeout=retry_timeout, read=True)
 
 
 def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, *, what: str,

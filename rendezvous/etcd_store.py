@@ -291,7 +291,7 @@ class EtcdV3Store(Store):
                                                metadata=client.metadata)
                 return int(response.count)
 
-            if not self._connection.call(count, what="a store check"):
+            if not self._connection.call(count, what="a store check", read=True):
                 return False
         return True
 
@@ -299,7 +299,7 @@ class EtcdV3Store(Store):
         """The number of keys in this store (like ``HashStore``: no internal keys counted)."""
         response = self._connection.call(
             lambda c: c.get_prefix_response(self._prefix, keys_only=True, count_only=True),
-            what="a store key count",
+            what="a store key count", read=True,
         )
         return int(response.count)
 
@@ -310,7 +310,7 @@ class EtcdV3Store(Store):
     def list_keys(self) -> list[str]:
         """The keys of this store (direct calls only: torch 2.13's wrappers cannot reach it)."""
         items = self._connection.call(
-            lambda c: list(c.get_prefix(self._prefix, keys_only=True)), what="a store key listing"
+            lambda c: list(c.get_prefix(self._prefix, keys_only=True)), what="a store key listing", read=True
         )
         return [meta.key.decode()[len(self._prefix) :] for _, meta in items]
 
@@ -374,7 +374,7 @@ class EtcdV3Store(Store):
         while True:
             self._cancelled.check(key)
             response = self._connection.call(
-                lambda c: c.get_response(etcd_key), what=f"a store read of {key!r}"
+                lambda c: c.get_response(etcd_key), what=f"a store read of {key!r}", read=True
             )
             if response.kvs:
                 return bytes(response.kvs[0].value)

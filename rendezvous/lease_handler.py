@@ -478,7 +478,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
             self._sync()
 
     def _read_state(self) -> tuple[RoundState | None, int]:
-        value, meta = self._connection.call(lambda c: c.get(self._keys.state), what="a rendezvous state read")
+        value, meta = self._connection.call(lambda c: c.get(self._keys.state), what="a rendezvous state read",
+                                           read=True)
         if value is None:
             return None, 0
         return RoundState.decode(value, self._keys.state), int(meta.mod_revision)
@@ -689,11 +690,11 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     def _read_shard(self, state: RoundState) -> tuple[int, dict[str, int]] | None:
         key = self._keys.shard(shard_of(self.node_id, max(state.shards, 1)))
-        value, _ = self._connection.call(lambda c: c.get(key), what="a rank read")
+        value, _ = self._connection.call(lambda c: c.get(key), what="a rank read", read=True)
         return None if value is None else decode_shard(value, key)
 
     def _sync_master(self) -> None:
-        value, _ = self._connection.call(lambda c: c.get(self._keys.master), what="a store address read")
+        value, _ = self._connection.call(lambda c: c.get(self._keys.master), what="a store address read", read=True)
         if value is not None:
             self._master = MasterInfo.decode(value)
 

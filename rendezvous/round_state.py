@@ -251,7 +251,8 @@ class RunKeys:
 def read_snapshot(connection: EtcdConnection, keys: RunKeys) -> Snapshot:
     """Everything under ``rdzv/`` in one request: its size grows with the job, so only
     ``elastic-trainer status``, a new coordinator and a join-timeout message read it."""
-    response = connection.call(lambda client: client.get_prefix_response(keys.rdzv), what="a rendezvous read")
+    response = connection.call(lambda client: client.get_prefix_response(keys.rdzv), what="a rendezvous read",
+                               read=True)
     state, state_revision, live, leases, values = None, 0, set(), {}, {}
     coordinator, master = None, None
     join_revisions: dict[int, dict[str, int]] = {}

@@ -132,3 +132,9 @@ def test_streams_stay_on_the_home_member(cluster) -> None:  # type: ignore[no-un
     fake, conn, _ = cluster
     assert conn.client().name == "a:1"
     assert fake.status_asked == []
+
+
+def test_reads_are_served_by_the_home_member(cluster) -> None:  # type: ignore[no-untyped-def]
+    fake, conn, _ = cluster
+    assert conn.call(where(fake), what="a read", read=True) == "a:1"
+    assert fake.status_asked == []  # no lookup for a read

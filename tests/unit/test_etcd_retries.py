@@ -122,3 +122,18 @@ def test_retries_leave_the_global_random_generator_alone(connection) -> None:  #
     assert conn.call(operation, what="a test op") == "ok"
     assert len(sleeps) == 3
     assert random.getstate() == before
+
+
+def test_too_many_requests_is_back_pressure_and_retried(connection) -> None:  # type: ignore[no-untyped-def]
+    """etcd refuses requests while its apply lags its commits by 5,000 entries: a retry after a
+    backoff succeeds, failing the rendezvous would not help."""
+    conn, sleeps, _ = connection
+    failures = [FakeRpcError(grpc.StatusCode.UNKNOWN, "etcdserver: too many requests")]
+
+    def operation(_client: object) -> str:
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    assert conn.call(operation, what="a test op") == "ok"
+    assert len(sleeps) == 1
