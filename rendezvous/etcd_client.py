@@ -314,7 +314,10 @@ class EtcdConnection:
                     client = self._client_for(belief.index)
                 used[0], used[1] = client, belief
             self.count(kind or what)
-            return operation(client)
+            result = operation(client)
+            if self._route is not None:
+                self._observe_term(result)
+            return result
 
         retrying = Retrying(
             retry=retry_if_exception(self._is_transient),
@@ -497,6 +500,13 @@ class EtcdConnection:
             if client is None:
                 client = self._side_clients[index] = self._connect(self.config.endpoints[index])
             return client
+
+    def _observe_term(self, response: Any) -> None:
+        """Tell the leader route the raft term of a raw etcd response (every response header
+        carries it; results of ``etcd3``'s own helpers carry none)."""
+        term = getattr(getattr(response, "header", None), "raft_term", None)
+        if isinstance(term, int) and self._route is not None:
+            self._route.observe_term(term)
 
     def _member_status(self, client: Any, timeout: float) -> MemberStatus:
         self.count("leader lookup")

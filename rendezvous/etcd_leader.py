@@ -12,8 +12,9 @@ Invariants:
   the member ids that endpoints report in their own ``Status``; an unknown leader (an endpoint
   behind a load balancer, a member not in the list) maps to ``None``: requests go to the home.
 * A belief is dropped by the attempt that failed on it (one rediscovery per failure wave, not per
-  thread) and is asked again after :data:`BELIEF_S`, so that a leader that moved without a
-  failure is followed.
+  thread), by any response from a later raft term than the belief's (an election happened since:
+  e.g. the leader died while this process sent nothing and came back as a follower), and is
+  asked again after :data:`BELIEF_S` in any case.
 * No leader (an election) is a transient fault, :class:`NoLeaderError`: the caller backs off.
 
 Why, and what it costs: ``docs/design/rendezvous-scale.md`` (Faults).
@@ -47,6 +48,7 @@ class MemberStatus:
 
     member_id: int
     leader_id: int
+    raft_term: int = 0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -56,6 +58,7 @@ class LeaderBelief:
     index: int | None
     leader_id: int
     since: float
+    raft_term: int = 0
 
 
 def member_status(client: Any, timeout: float) -> MemberStatus:
@@ -69,7 +72,7 @@ def member_status(client: Any, timeout: float) -> MemberStatus:
     request = import_etcd3().etcdrpc.StatusRequest()
     response = client.maintenancestub.Status(
         request, timeout, credentials=client.call_credentials, metadata=client.metadata)
-    return MemberStatus(int(response.header.member_id), int(response.leader))
+    return MemberStatus(int(response.header.member_id), int(response.leader), int(response.header.raft_term))
 
 
 class LeaderRoute:
@@ -122,7 +125,7 @@ class LeaderRoute:
                 self._unknown_reported.add(status.leader_id)
                 log.info("etcd's leader %x is not among the configured endpoints: requests go through "
                          "the member each connection uses", status.leader_id)
-            self._belief = LeaderBelief(index, status.leader_id, self._clock())
+            self._belief = LeaderBelief(index, status.leader_id, self._clock(), status.raft_term)
             return self._belief
 
     def forget(self, belief: LeaderBelief) -> None:
@@ -130,6 +133,13 @@ class LeaderRoute:
         with self._lock:
             if self._belief is belief:
                 self._belief = None
+
+    def observe_term(self, raft_term: int) -> None:
+        """A response came from ``raft_term``: a later term than the belief's means an election
+        happened since it was formed, so ask again at the next request."""
+        belief = self._belief
+        if belief is not None and raft_term > belief.raft_term:
+            self.forget(belief)
 
     def _index_of(self, member_id: int) -> int | None:
         for index, known in self._member_ids.items():

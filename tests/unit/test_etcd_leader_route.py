@@ -30,6 +30,7 @@ class FakeCluster:
     def __init__(self) -> None:
         self.ids = {"a:1": 1, "b:2": 2, "c:3": 3}
         self.leader = 2
+        self.term = 5
         self.dead: set[str] = set()
         self.connected: list[str] = []
         self.status_asked: list[str] = []
@@ -43,7 +44,7 @@ class FakeCluster:
         self.status_asked.append(client.name)
         if client.name in self.dead:
             raise Unavailable()
-        return MemberStatus(self.ids[client.name], self.leader)
+        return MemberStatus(self.ids[client.name], self.leader, self.term)
 
 
 @pytest.fixture
@@ -138,3 +139,19 @@ def test_reads_are_served_by_the_home_member(cluster) -> None:  # type: ignore[n
     fake, conn, _ = cluster
     assert conn.call(where(fake), what="a read", read=True) == "a:1"
     assert fake.status_asked == []  # no lookup for a read
+
+
+def test_a_response_from_a_later_term_has_the_leader_asked_again(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The leader died while this process sent nothing, came back as a follower, and its channel
+    reconnected without an error: the first response from the new term tells."""
+    fake, conn, _ = cluster
+
+    def response(client: SimpleNamespace) -> SimpleNamespace:
+        return SimpleNamespace(name=client.name, header=SimpleNamespace(raft_term=fake.term))
+
+    assert conn.call(response, what="a write").name == "b:2"
+    fake.leader, fake.term = 3, 6  # an election: b still answers (as a follower, forwarding)
+    assert conn.call(response, what="a write").name == "b:2"  # no failure; its header says term 6
+    assert conn.call(response, what="a write").name == "c:3"
+    assert conn.call(response, what="a write").name == "c:3"
+    assert fake.status_asked.count("a:1") == 2  # once at first, once after the new term
