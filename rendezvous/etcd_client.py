@@ -205,6 +205,15 @@ def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:
     return None
 
 
+NOT_SENT = "not sent (no connection)"
+"""The :attr:`EtcdConnection.request_counts` kind of attempts that never reached a member: its
+address refused the connection (a dead member's process); the retry went elsewhere."""
+
+
+def _never_sent(exc: BaseException) -> bool:
+    return _grpc_code(exc) == grpc.StatusCode.UNAVAILABLE and "failed to connect" in _describe(exc)
+
+
 def _describe(exc: BaseException) -> str:
     # etcd3 replaces a gRPC error by its own bare exception ("ConnectionFailedError: etcd
     # connection failed"); the gRPC error it replaced says why, e.g. "Tls handshake failed ...
@@ -243,7 +252,8 @@ class EtcdConnection:
         """Requests sent to etcd (each attempt counts; each message on a keep-alive or watch
         stream too): for benchmarks and metrics."""
         self.request_counts: Counter[str] = Counter()
-        """:attr:`requests` by kind (the ``kind`` or ``what`` of :meth:`call`)."""
+        """:attr:`requests` by kind (the ``kind`` or ``what`` of :meth:`call`), and the attempts
+        that never reached etcd under :data:`NOT_SENT`."""
         self._close_hooks: list[Callable[[], None]] = []
         self._retired: list[tuple[float, Any]] = []  # (when, client) replaced by a failover
         self._route: LeaderRoute | None = (
@@ -324,7 +334,7 @@ class EtcdConnection:
             # Exponential backoff plus jitter (composed: works with every tenacity >= 8.2).
             wait=wait_exponential(multiplier=0.05, max=1.0) + wait_jitter(0, 0.1),
             stop=stop_after_delay(budget),
-            before_sleep=self._before_retry(what, used),
+            before_sleep=self._before_retry(what, used, kind or what),
             sleep=self._sleep,
             reraise=True,
         )
@@ -422,9 +432,14 @@ class EtcdConnection:
 
         return is_transient
 
-    def _before_retry(self, what: str, used: list[Any]) -> Callable[[RetryCallState], None]:
+    def _before_retry(self, what: str, used: list[Any], kind: str) -> Callable[[RetryCallState], None]:
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
+            if exc is not None and _never_sent(exc):
+                with self._count_lock:  # it never reached etcd: not an etcd request
+                    self.requests -= 1
+                    self.request_counts[kind] -= 1
+                    self.request_counts[NOT_SENT] += 1
             failed = self._endpoint_of(used[0])
             self._after_failure(used[0], used[1], exc)
             log.warning(

@@ -137,3 +137,21 @@ def test_too_many_requests_is_back_pressure_and_retried(connection) -> None:  # 
 
     assert conn.call(operation, what="a test op") == "ok"
     assert len(sleeps) == 1
+
+
+def test_an_attempt_that_never_connected_is_not_counted_as_an_etcd_request(connection) -> None:  # type: ignore[no-untyped-def]
+    from rendezvous.etcd_client import NOT_SENT
+
+    conn, _, _ = connection
+    failures = [FakeRpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: "
+                             "UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused"),
+                FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (recvmsg:Connection reset by peer)")]
+
+    def operation(_client: object) -> str:
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    assert conn.call(operation, what="a test op") == "ok"
+    assert conn.requests == 2  # the reset one reached a member, the refused one did not
+    assert conn.request_counts["a test op"] == 2 and conn.request_counts[NOT_SENT] == 1
