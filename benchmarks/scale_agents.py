@@ -13,8 +13,9 @@ the agent join again when it is non-zero (as torchrun restarts its workers). No 
 What a process shares among its agents, and why the figures still hold for N machines:
 
 * ``lease``/``dynamic``: one ``EtcdConnection`` (one gRPC channel, so one TCP connection, to one
-  member; processes are spread over the members). gRPC multiplexes calls on it, so no agent
-  waits for another's request. Each agent still sends its own requests, holds its own lease and
+  home member for reads and streams, and one to the leader for writes; processes are spread over
+  the members). gRPC multiplexes calls on them, so no agent waits for another's request; the
+  lookup of the leader (one ``Status``) is shared by the process's agents. Each agent still sends its own requests, holds its own lease and
   its own etcd watchers (``lease``); etcd does the same work per agent as for one agent per
   machine. The lease keep-alives of a process travel on one stream (``LeaseKeeper``), as they
   would on each machine's own stream: one message per lease and renewal either way.
