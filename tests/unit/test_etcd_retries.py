@@ -23,6 +23,16 @@ class FakeRpcError(grpc.RpcError):
         return self._details
 
 
+def failing_then_ok(failures: list[BaseException]) -> Any:
+    """An operation that raises each of ``failures`` in turn, then returns ``"ok"``."""
+
+    def operation(_client: object) -> str:
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+    return operation
+
+
 @pytest.fixture
 def connection(monkeypatch: pytest.MonkeyPatch) -> tuple[EtcdConnection, list[float], list[str]]:
     sleeps: list[float] = []
@@ -42,13 +52,8 @@ def test_transient_errors_are_retried_on_the_next_endpoint(connection, caplog) -
     conn, sleeps, connected = connection
     failures = [conn.etcd3.exceptions.ConnectionFailedError(), FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED)]
 
-    def operation(_client: object) -> str:
-        if failures:
-            raise failures.pop(0)
-        return "ok"
-
     with caplog.at_level(logging.WARNING, logger="rendezvous.etcd_client"):
-        assert conn.call(operation, what="a test op") == "ok"
+        assert conn.call(failing_then_ok(failures), what="a test op") == "ok"
     assert connected == ["a:1", "b:2", "c:3"]
     assert len(sleeps) == 2 and all(0 < s <= 1.2 for s in sleeps)
     retries = [r for r in caplog.records if "retry" in r.getMessage()]
@@ -76,12 +81,7 @@ def test_expired_auth_token_reconnects(connection) -> None:  # type: ignore[no-u
     conn, _, connected = connection
     failures = [FakeRpcError(grpc.StatusCode.UNAUTHENTICATED, "etcdserver: invalid auth token")]
 
-    def operation(_client: object) -> str:
-        if failures:
-            raise failures.pop(0)
-        return "ok"
-
-    assert conn.call(operation, what="op") == "ok"
+    assert conn.call(failing_then_ok(failures), what="op") == "ok"
     assert len(connected) == 2
 
 
@@ -113,13 +113,8 @@ def test_retries_leave_the_global_random_generator_alone(connection) -> None:  #
     conn, sleeps, _ = connection
     failures = [conn.etcd3.exceptions.ConnectionFailedError() for _ in range(3)]
 
-    def operation(_client: object) -> str:
-        if failures:
-            raise failures.pop(0)
-        return "ok"
-
     before = random.getstate()
-    assert conn.call(operation, what="a test op") == "ok"
+    assert conn.call(failing_then_ok(failures), what="a test op") == "ok"
     assert len(sleeps) == 3
     assert random.getstate() == before
 
@@ -130,12 +125,7 @@ def test_too_many_requests_is_back_pressure_and_retried(connection) -> None:  # 
     conn, sleeps, _ = connection
     failures = [FakeRpcError(grpc.StatusCode.UNKNOWN, "etcdserver: too many requests")]
 
-    def operation(_client: object) -> str:
-        if failures:
-            raise failures.pop(0)
-        return "ok"
-
-    assert conn.call(operation, what="a test op") == "ok"
+    assert conn.call(failing_then_ok(failures), what="a test op") == "ok"
     assert len(sleeps) == 1
 
 
@@ -147,11 +137,6 @@ def test_an_attempt_that_never_connected_is_not_counted_as_an_etcd_request(conne
                              "UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused"),
                 FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (recvmsg:Connection reset by peer)")]
 
-    def operation(_client: object) -> str:
-        if failures:
-            raise failures.pop(0)
-        return "ok"
-
-    assert conn.call(operation, what="a test op") == "ok"
+    assert conn.call(failing_then_ok(failures), what="a test op") == "ok"
     assert conn.requests == 2  # the reset one reached a member, the refused one did not
     assert conn.request_counts["a test op"] == 2 and conn.request_counts[NOT_SENT] == 1
