@@ -53,8 +53,8 @@ from rendezvous._protobuf_compat import import_etcd3
 from rendezvous.etcd_leader import (
     LeaderBelief,
     LeaderRoute,
+    LeaderUnknownError,
     MemberStatus,
-    NoLeaderError,
     member_status,
 )
 from rendezvous.jitter import wait_jitter
@@ -312,18 +312,20 @@ class EtcdConnection:
         to_leader: bool,
     ) -> T:
         budget = self.config.retry_timeout if retry_timeout is None else retry_timeout
-        # The latest attempt's client and the leader belief it used: what a retry moves away from.
-        used: list[Any] = [None, None]
+        # The latest attempt's client and the leader belief it used (what a retry moves away
+        # from), and the kind it counted (None: it failed before sending its request).
+        used: list[Any] = [None, None, None]
 
         def attempt() -> T:
             home_index, client = self._home()
-            used[0], used[1] = client, None
+            used[0], used[1], used[2] = client, None, None
             if to_leader and self._route is not None:
                 belief = self._route.find(home_index, client, self._client_for, self.config.read_timeout)
                 if belief.index is not None:
                     client = self._client_for(belief.index)
                 used[0], used[1] = client, belief
             self.count(kind or what)
+            used[2] = kind or what
             result = operation(client)
             if self._route is not None:
                 self._observe_term(result)
@@ -334,7 +336,7 @@ class EtcdConnection:
             # Exponential backoff plus jitter (composed: works with every tenacity >= 8.2).
             wait=wait_exponential(multiplier=0.05, max=1.0) + wait_jitter(0, 0.1),
             stop=stop_after_delay(budget),
-            before_sleep=self._before_retry(what, used, kind or what),
+            before_sleep=self._before_retry(what, used),
             sleep=self._sleep,
             reraise=True,
         )
@@ -416,7 +418,7 @@ class EtcdConnection:
         transient_types = (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError)
 
         def is_transient(exc: BaseException) -> bool:
-            if isinstance(exc, (*transient_types, NoLeaderError)):
+            if isinstance(exc, (*transient_types, LeaderUnknownError)):
                 return True
             if isinstance(exc, ValueError) and "closed channel" in str(exc):
                 return True  # another thread failed over and closed the client this one used
@@ -432,14 +434,11 @@ class EtcdConnection:
 
         return is_transient
 
-    def _before_retry(self, what: str, used: list[Any], kind: str) -> Callable[[RetryCallState], None]:
+    def _before_retry(self, what: str, used: list[Any]) -> Callable[[RetryCallState], None]:
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            if exc is not None and _never_sent(exc):
-                with self._count_lock:  # it never reached etcd: not an etcd request
-                    self.requests -= 1
-                    self.request_counts[kind] -= 1
-                    self.request_counts[NOT_SENT] += 1
+            if exc is not None and used[2] is not None and _never_sent(exc):
+                self._uncount(used[2])
             failed = self._endpoint_of(used[0])
             self._after_failure(used[0], used[1], exc)
             log.warning(
@@ -455,18 +454,36 @@ class EtcdConnection:
 
     def _after_failure(self, client: Any, belief: LeaderBelief | None, exc: BaseException | None) -> None:
         """Move away from what an attempt failed on: the leader belief it used (asked again next
-        time) and, if it failed on the home member's client, the home member."""
+        time) and, if it failed on the home member's client, the home member. No leader known
+        moves nothing: the home member answered (an election), or another thread's lookup failed
+        and that thread moves on."""
+        if isinstance(exc, LeaderUnknownError):
+            return
         if belief is not None and self._route is not None:
             self._route.forget(belief)
-            index = belief.index
-            with self._lock:
-                on_side = index is not None and self._side_clients.get(index) is client
-                if index is not None and on_side and exc is not None and _grpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
-                    del self._side_clients[index]  # reconnect: authenticate again
-                    self._retired.append((time.monotonic(), client))
-            if on_side:
+            if belief.index is not None and self._is_side_client(belief.index, client):
+                if exc is not None and _grpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
+                    self._retire_side_client(belief.index, client)  # reconnect: authenticate again
                 return  # the home member's streams are fine
         self._fail_over(client)
+
+    def _uncount(self, kind: str) -> None:
+        """Move one request of ``kind`` to :data:`NOT_SENT`: it never reached etcd."""
+        with self._count_lock:
+            self.requests -= 1
+            self.request_counts[kind] -= 1
+            self.request_counts[NOT_SENT] += 1
+
+    def _is_side_client(self, index: int, client: Any) -> bool:
+        with self._lock:
+            return self._side_clients.get(index) is client
+
+    def _retire_side_client(self, index: int, client: Any) -> None:
+        with self._lock:
+            if self._side_clients.get(index) is client:
+                del self._side_clients[index]
+                self._retired.append((time.monotonic(), client))
+        self._close_expired()
 
     def _endpoint_of(self, client: Any) -> Endpoint:
         with self._lock:
@@ -487,6 +504,12 @@ class EtcdConnection:
             # member -- and closing it would break them all. It is closed a while later.
             if client is not None:
                 self._retired.append((now, client))
+        self._close_expired()
+
+    def _close_expired(self) -> None:
+        """Close the clients retired more than :data:`_RETIRE_AFTER_S` ago."""
+        now = time.monotonic()
+        with self._lock:
             expired = [c for at, c in self._retired if now - at > _RETIRE_AFTER_S]
             self._retired = [(at, c) for at, c in self._retired if now - at <= _RETIRE_AFTER_S]
         for old in expired:
@@ -512,9 +535,17 @@ class EtcdConnection:
             if index == self._index and self._client is not None:
                 return self._client
             client = self._side_clients.get(index)
-            if client is None:
-                client = self._side_clients[index] = self._connect(self.config.endpoints[index])
+        if client is not None:
             return client
+        # Connected outside the lock: with auth, connecting is a request, and a member that does
+        # not answer must not stall the home member's callers and streams.
+        fresh = self._connect(self.config.endpoints[index])
+        with self._lock:
+            client = self._side_clients.setdefault(index, fresh)
+        if client is not fresh:
+            with contextlib.suppress(Exception):
+                fresh.close()  # another thread connected first
+        return client
 
     def _observe_term(self, response: Any) -> None:
         """Tell the leader route the raft term of a raw etcd response (every response header
@@ -524,8 +555,19 @@ class EtcdConnection:
             self._route.observe_term(term)
 
     def _member_status(self, client: Any, timeout: float) -> MemberStatus:
+        """A counted ``Status``: the leader route's only request."""
         self.count("leader lookup")
-        return member_status(client, timeout)
+        try:
+            return member_status(client, timeout)
+        except Exception as exc:
+            if _never_sent(exc):
+                self._uncount("leader lookup")
+            if _grpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
+                with self._lock:
+                    side = [i for i, c in self._side_clients.items() if c is client]
+                for index in side:
+                    self._retire_side_client(index, client)  # reconnect: authenticate again
+            raise
 
     def _connect(self, endpoint: Endpoint) -> Any:
         config = self.config

@@ -380,7 +380,7 @@ def read_progress(connection: EtcdConnection, keys: ProgressKeys) -> tuple[Progr
     Raises:
         RendezvousConnectionError: etcd cannot be read.
     """
-    response = connection.call(lambda c: c.get_prefix_response(keys.prefix), what="a progress read")
+    response = connection.call(lambda c: c.get_prefix_response(keys.prefix), what="a progress read", read=True)
     progress = error = None
     for kv in response.kvs:
         key = kv.key.decode()

@@ -93,13 +93,90 @@ def test_a_dead_leader_is_asked_about_again_and_the_home_member_stays(cluster) -
     assert str(conn.leader_endpoint) == "c:3"
 
 
-def test_no_leader_is_retried_and_named_when_it_lasts(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_no_leader_is_retried_from_the_same_home_and_named_when_it_lasts(cluster) -> None:  # type: ignore[no-untyped-def]
     fake, conn, sleeps = cluster
-    fake.leader = 0
+    fake.leader = 0  # an election: every member answers, none knows a leader
     conn.config.retry_timeout = 0.3
     with pytest.raises(RendezvousConnectionError, match="no leader"):
         conn.call(where(fake), what="a write")
-    assert sleeps  # retried
+    assert len(sleeps) >= 2  # retried
+    assert str(conn.endpoint) == "a:1" and fake.connected.count("a:1") == 1  # the home answered: kept
+    assert conn.request_counts["a write"] == 0  # nothing was sent without a leader
+
+
+def test_a_home_member_cut_off_from_the_leader_is_not_trusted_alone(cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    fake, conn, _ = cluster
+    real_status = fake.status
+
+    def status(client: SimpleNamespace, timeout: float) -> MemberStatus:
+        answer = real_status(client, timeout)
+        return MemberStatus(answer.member_id, 0, 4) if client.name == "a:1" else answer
+
+    monkeypatch.setattr("rendezvous.etcd_client.member_status", status)
+    assert conn.call(where(fake), what="a write") == "b:2"  # what the others say
+    assert str(conn.endpoint) == "a:1"
+
+
+def test_threads_that_waited_for_a_failed_lookup_fail_at_once() -> None:
+    """A home member that does not answer the lookup costs one deadline, not one per thread in
+    a row: the threads that queued behind the failed lookup back off at once."""
+    import threading
+
+    from rendezvous.etcd_leader import LeaderUnknownError
+
+    entered, release = threading.Event(), threading.Event()
+    asked: list[str] = []
+
+    def status(client: str, timeout: float) -> MemberStatus:
+        asked.append(client)
+        entered.set()
+        release.wait(10)
+        raise Unavailable()
+
+    route = LeaderRoute(3, status)
+    errors: list[BaseException] = []
+
+    def find() -> None:
+        try:
+            route.find(0, "home", lambda i: f"side{i}", 10.0)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertions
+            errors.append(exc)
+
+    first = threading.Thread(target=find)
+    first.start()
+    assert entered.wait(10)
+    waiting = [threading.Thread(target=find) for _ in range(5)]
+    for thread in waiting:
+        thread.start()
+    release.set()
+    for thread in [first, *waiting]:
+        thread.join(10)
+    assert asked == ["home"]
+    assert sum(isinstance(e, Unavailable) for e in errors) == 1
+    assert sum(isinstance(e, LeaderUnknownError) for e in errors) == 5
+
+
+def test_a_lookup_refused_before_it_was_sent_is_not_counted(cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from rendezvous.etcd_client import NOT_SENT
+
+    fake, conn, _ = cluster
+    refused = [True]
+    real_status = fake.status
+
+    class Refused(Unavailable):
+        def details(self) -> str:
+            return "failed to connect to all addresses; last error: Connection refused"
+
+    def status(client: SimpleNamespace, timeout: float) -> MemberStatus:
+        if client.name == "a:1" and refused:
+            refused.pop()
+            raise Refused()
+        return real_status(client, timeout)
+
+    monkeypatch.setattr("rendezvous.etcd_client.member_status", status)
+    assert conn.call(where(fake), what="a write") == "b:2"
+    assert conn.request_counts["a write"] == 1 and conn.request_counts[NOT_SENT] == 1
+    assert conn.request_counts["leader lookup"] == 1  # the new home b:2 names itself: nothing to probe
 
 
 def test_a_leader_outside_the_endpoints_leaves_requests_on_the_home_member(cluster, caplog) -> None:  # type: ignore[no-untyped-def]
