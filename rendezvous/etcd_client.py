@@ -228,6 +228,17 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """What a :meth:`EtcdConnection.call`'s latest attempt used, for the retry to move away from:
+    its client, the leader belief that chose it, and the kind it counted (``None``: it failed
+    before sending its request)."""
+
+    client: Any = None
+    belief: LeaderBelief | None = None
+    counted: str | None = None
+
+
 class EtcdConnection:
     """A thread-safe handle on an etcd cluster with retries and endpoint failover.
 
@@ -300,35 +311,21 @@ class EtcdConnection:
             RendezvousConnectionError: etcd stayed unreachable for ``retry_timeout`` seconds, or
                 refused the request for a reason a retry cannot fix (auth, permission, TLS).
         """
-        return self._call(operation, what=what, retry_timeout=retry_timeout, kind=kind, to_leader=not read)
-
-    def _call(
-        self,
-        operation: Callable[[Any], T],
-        *,
-        what: str,
-        retry_timeout: float | None,
-        kind: str | None,
-        to_leader: bool,
-    ) -> T:
         budget = self.config.retry_timeout if retry_timeout is None else retry_timeout
-        # The latest attempt's client and the leader belief it used (what a retry moves away
-        # from), and the kind it counted (None: it failed before sending its request).
-        used: list[Any] = [None, None, None]
+        used = _Attempt()
 
         def attempt() -> T:
             home_index, client = self._home()
-            used[0], used[1], used[2] = client, None, None
-            if to_leader and self._route is not None:
+            used.client, used.belief, used.counted = client, None, None
+            if not read and self._route is not None:
                 belief = self._route.find(home_index, client, self._client_for, self.config.read_timeout)
                 if belief.index is not None:
                     client = self._client_for(belief.index)
-                used[0], used[1] = client, belief
+                used.client, used.belief = client, belief
             self.count(kind or what)
-            used[2] = kind or what
+            used.counted = kind or what
             result = operation(client)
-            if self._route is not None:
-                self._observe_term(result)
+            self._observe_term(result)
             return result
 
         retrying = Retrying(
@@ -362,7 +359,7 @@ class EtcdConnection:
 
     def client(self) -> Any:
         """The raw ``etcd3`` client of the current endpoint (for watches), connecting if needed."""
-        return self._call(lambda client: client, what="connect", retry_timeout=None, kind=None, to_leader=False)
+        return self.call(lambda client: client, what="connect", read=True)
 
     def current_client(self) -> Any:
         """The raw client of the current endpoint, connecting if needed; no retry, not counted.
@@ -370,7 +367,7 @@ class EtcdConnection:
         Raises:
             grpc.RpcError, etcd3 errors: connecting (authenticating) failed.
         """
-        return self._current_client()
+        return self._home()[1]
 
     def fail_over_from(self, client: Any) -> None:
         """Move to the next endpoint if ``client`` is still the current one (a stream on it
@@ -388,8 +385,7 @@ class EtcdConnection:
 
     def check(self) -> None:
         """Fail fast (within ``retry_timeout``) if etcd cannot be reached or refuses us."""
-        self._call(lambda client: client.status(), what="a status request", retry_timeout=None, kind=None,
-                   to_leader=False)
+        self.call(lambda client: client.status(), what="a status request", read=True)
 
     def close(self) -> None:
         with self._lock:
@@ -434,13 +430,13 @@ class EtcdConnection:
 
         return is_transient
 
-    def _before_retry(self, what: str, used: list[Any]) -> Callable[[RetryCallState], None]:
+    def _before_retry(self, what: str, used: _Attempt) -> Callable[[RetryCallState], None]:
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            if exc is not None and used[2] is not None and _never_sent(exc):
-                self._uncount(used[2])
-            failed = self._endpoint_of(used[0])
-            self._after_failure(used[0], used[1], exc)
+            if exc is not None and used.counted is not None and _never_sent(exc):
+                self._uncount(used.counted)
+            failed = self._endpoint_of(used.client)
+            self._after_failure(used, exc)
             log.warning(
                 "%s to etcd failed on %s (%s); retry %d in %.2fs",
                 what,
@@ -452,20 +448,19 @@ class EtcdConnection:
 
         return before_sleep
 
-    def _after_failure(self, client: Any, belief: LeaderBelief | None, exc: BaseException | None) -> None:
+    def _after_failure(self, used: _Attempt, exc: BaseException | None) -> None:
         """Move away from what an attempt failed on: the leader belief it used (asked again next
         time) and, if it failed on the home member's client, the home member. No leader known
         moves nothing: the home member answered (an election), or another thread's lookup failed
         and that thread moves on."""
         if isinstance(exc, LeaderUnknownError):
             return
-        if belief is not None and self._route is not None:
-            self._route.forget(belief)
-            if belief.index is not None and self._is_side_client(belief.index, client):
-                if exc is not None and _grpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
-                    self._retire_side_client(belief.index, client)  # reconnect: authenticate again
+        if used.belief is not None and self._route is not None:
+            self._route.forget(used.belief)
+            if self._side_index(used.client) is not None:
+                self._renew_if_token_expired(used.client, exc)
                 return  # the home member's streams are fine
-        self._fail_over(client)
+        self._fail_over(used.client)
 
     def _uncount(self, kind: str) -> None:
         """Move one request of ``kind`` to :data:`NOT_SENT`: it never reached etcd."""
@@ -474,23 +469,26 @@ class EtcdConnection:
             self.request_counts[kind] -= 1
             self.request_counts[NOT_SENT] += 1
 
-    def _is_side_client(self, index: int, client: Any) -> bool:
+    def _side_index(self, client: Any) -> int | None:
+        """The endpoint index of side client ``client``; ``None`` for the home client."""
         with self._lock:
-            return self._side_clients.get(index) is client
+            return next((index for index, side in self._side_clients.items() if side is client), None)
 
-    def _retire_side_client(self, index: int, client: Any) -> None:
+    def _renew_if_token_expired(self, client: Any, exc: BaseException | None) -> None:
+        """Retire side client ``client`` if ``exc`` says its auth token expired: the next request
+        connects (authenticates) again."""
+        if exc is None or _grpc_code(exc) != grpc.StatusCode.UNAUTHENTICATED:
+            return
+        index = self._side_index(client)
         with self._lock:
-            if self._side_clients.get(index) is client:
+            if index is not None and self._side_clients.get(index) is client:
                 del self._side_clients[index]
                 self._retired.append((time.monotonic(), client))
         self._close_expired()
 
     def _endpoint_of(self, client: Any) -> Endpoint:
-        with self._lock:
-            for index, side in self._side_clients.items():
-                if side is client:
-                    return self.config.endpoints[index]
-        return self.endpoint
+        index = self._side_index(client)
+        return self.endpoint if index is None else self.config.endpoints[index]
 
     def _fail_over(self, failed_client: Any = None) -> None:
         now = time.monotonic()
@@ -517,9 +515,6 @@ class EtcdConnection:
                 old.close()
             except Exception as exc:  # closing a broken channel must not hide the real error
                 log.debug("closing etcd client failed: %s", exc)
-
-    def _current_client(self) -> Any:
-        return self._home()[1]
 
     def _home(self) -> tuple[int, Any]:
         """The home member's endpoint index and client, connecting if needed."""
@@ -550,8 +545,10 @@ class EtcdConnection:
     def _observe_term(self, response: Any) -> None:
         """Tell the leader route the raft term of a raw etcd response (every response header
         carries it; results of ``etcd3``'s own helpers carry none)."""
+        if self._route is None:
+            return
         term = getattr(getattr(response, "header", None), "raft_term", None)
-        if isinstance(term, int) and self._route is not None:
+        if isinstance(term, int):
             self._route.observe_term(term)
 
     def _member_status(self, client: Any, timeout: float) -> MemberStatus:
@@ -562,11 +559,7 @@ class EtcdConnection:
         except Exception as exc:
             if _never_sent(exc):
                 self._uncount("leader lookup")
-            if _grpc_code(exc) == grpc.StatusCode.UNAUTHENTICATED:
-                with self._lock:
-                    side = [i for i, c in self._side_clients.items() if c is client]
-                for index in side:
-                    self._retire_side_client(index, client)  # reconnect: authenticate again
+            self._renew_if_token_expired(client, exc)
             raise
 
     def _connect(self, endpoint: Endpoint) -> Any:

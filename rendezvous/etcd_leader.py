@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rendezvous._protobuf_compat import import_etcd3
+
 log = logging.getLogger(__name__)
 
 BELIEF_S = 30.0
@@ -79,8 +81,6 @@ def member_status(client: Any, timeout: float) -> MemberStatus:
     Raises:
         grpc.RpcError: the member did not answer.
     """
-    from rendezvous._protobuf_compat import import_etcd3
-
     request = import_etcd3().etcdrpc.StatusRequest()
     response = client.maintenancestub.Status(
         request, timeout, credentials=client.call_credentials, metadata=client.metadata)

@@ -16,14 +16,12 @@ The other faults here act on files: :class:`SmallDisk` (a tmpfs that can be fill
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +30,6 @@ from pathlib import Path
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.ops.processes import start_process
 from elastic_trainer.runtime.sample_log import read_records
-from rendezvous.etcd_server import EtcdServer
 from tests.support.agents import Agent, tails
 from tests.support.ci import IN_CI
 from tests.support.records import steps_recorded
@@ -379,18 +376,3 @@ def small_disk(mountpoint: Path, size_bytes: int) -> Iterator[SmallDisk]:
         disk.close()
 
 
-# -- etcd ------------------------------------------------------------------------------------------
-def etcd_status(endpoint: str) -> dict[str, str]:
-    """``member_id`` and ``leader`` of the member at ``endpoint`` (etcd's JSON gateway)."""
-    request = urllib.request.Request(f"http://{endpoint}/v3/maintenance/status", data=b"{}", method="POST")
-    with urllib.request.urlopen(request, timeout=5) as response:
-        status = json.loads(response.read())
-    return {"member_id": status["header"]["member_id"], "leader": status["leader"]}
-
-
-def leader_first(servers: Sequence[EtcdServer]) -> list[EtcdServer]:
-    """The members of a cluster with the current leader first (the one clients try first)."""
-    leader = etcd_status(servers[0].endpoint)["leader"]
-    ids = {etcd_status(s.endpoint)["member_id"]: s for s in servers}
-    first = ids[leader]
-    return [first, *[s for s in servers if s is not first]]

@@ -21,13 +21,13 @@ from tests.chaos.faults import (
     JobSpec,
     RunDirs,
     in_background,
-    leader_first,
     start_node,
     unique_run_id,
     wait_all,
 )
 from tests.chaos.invariants import check_run, describe
 from tests.support.agents import agents, tails
+from tests.support.etcd_members import leader_first
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 

@@ -25,7 +25,7 @@ from rendezvous.etcd_server import local_cluster
 from rendezvous.round_state import OPEN, RoundState, RunKeys
 from rendezvous.settings import DEFAULT_KEY_PREFIX
 from rendezvous.watch_hub import prefix_end
-from tests.chaos.faults import leader_first
+from tests.support.etcd_members import leader_first
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
 

@@ -15,7 +15,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 
 from rendezvous import EtcdV3Store, create_backend, create_handler
 from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
-from rendezvous.etcd_server import find_etcd_binary, free_port
+from rendezvous.etcd_server import find_etcd_binary, free_port, local_cluster
+from tests.support.etcd_members import leader_first
 
 pytestmark = pytest.mark.integration
 
@@ -199,29 +200,8 @@ def test_writes_go_to_the_leader_and_outlive_its_death_without_a_deadline(tmp_pa
     lost without a word and held for its 10 s deadline (etcd's own request timeout is 6 s); sent to
     the leader, it fails at once and is retried on the new leader within the election."""
     from rendezvous import etcd_ops
-    from rendezvous.etcd_leader import member_status
-    from rendezvous.etcd_server import local_cluster
-
-    def leader_of(servers: list[Any]) -> Any:
-        probe = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(servers[0].endpoint)),
-                               route_to_leader=False)
-        try:
-            leader_id = member_status(probe.client(), 2.0).leader_id
-            for server in servers:
-                member = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(server.endpoint)),
-                                        route_to_leader=False)
-                try:
-                    if member_status(member.client(), 2.0).member_id == leader_id:
-                        return server
-                finally:
-                    member.close()
-        finally:
-            probe.close()
-        raise AssertionError("no member is the leader")
-
     with local_cluster(tmp_path / "etcd", 3) as servers:
-        leader = leader_of(servers)
-        followers = [s for s in servers if s is not leader]
+        leader, *followers = leader_first(servers)
         home = followers[0]
         config = EtcdClientConfig(endpoints=parse_endpoints(",".join(s.endpoint for s in [home, *followers[1:], leader])),
                                   read_timeout=10.0, retry_timeout=20.0)
@@ -256,7 +236,7 @@ def test_writes_go_to_the_leader_and_outlive_its_death_without_a_deadline(tmp_pa
             stop.set()
             for thread in threads:
                 thread.join(timeout=30)
-            new_leader = leader_of(followers)
+            new_leader = leader_first(followers)[0]
             after = etcd_ops.put_key(connection, f"/test/{unique_id}/after", b"v", what="a write")
         finally:
             stop.set()

@@ -232,3 +232,28 @@ def test_a_response_from_a_later_term_has_the_leader_asked_again(cluster) -> Non
     assert conn.call(response, what="a write").name == "c:3"
     assert conn.call(response, what="a write").name == "c:3"
     assert fake.status_asked.count("a:1") == 2  # once at first, once after the new term
+
+
+def test_a_leader_client_with_an_expired_token_is_replaced(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The client kept for the leader authenticated once; when its token expires the retry
+    connects (authenticates) again instead of failing on the same client until the deadline."""
+    fake, conn, _ = cluster
+
+    class TokenExpired(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAUTHENTICATED
+
+        def details(self) -> str:
+            return "etcdserver: invalid auth token"
+
+    assert conn.call(where(fake), what="a write") == "b:2"
+    expired = [TokenExpired()]
+
+    def operation(client: SimpleNamespace) -> str:
+        if expired:
+            raise expired.pop()
+        return where(fake)(client)
+
+    assert conn.call(operation, what="a write") == "b:2"
+    assert fake.connected.count("b:2") == 2  # the expired client was replaced
+    assert str(conn.endpoint) == "a:1"  # the home member was not left
