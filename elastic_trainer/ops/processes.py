@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TypeVar
@@ -57,8 +60,9 @@ def children(pid: int) -> list[int]:
 
 
 def describe_tree(pid: int) -> str:
-    """``pid`` and every process under it, one line each: pid, state, kernel wait channel and
-    command line (which process of a hung node is still there, and where it waits)."""
+    """``pid`` and every process under it, one line each: pid, state, kernel wait channel, its
+    threads by name and wait channel, and command line (which process of a hung node is still
+    there, and where each of its threads waits)."""
     lines: list[str] = []
     pending = [(pid, 0)]
     while pending:
@@ -69,12 +73,36 @@ def describe_tree(pid: int) -> str:
             state = stat[stat.rindex(")") + 2:].split()[0]
             wchan = (proc / "wchan").read_text().strip() or "-"
             argv = " ".join((proc / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
-            threads = len(list((proc / "task").iterdir()))
+            threads = _threads(proc)
         except (OSError, ValueError, IndexError):  # it exited meanwhile
             continue
-        lines.append(f"{'  ' * depth}{current} {state} wchan={wchan} threads={threads} {argv[:160]}")
+        named = ", ".join(f"{name}@{where}" + (f" x{n}" if n > 1 else "") for (name, where), n in threads.items())
+        lines.append(f"{'  ' * depth}{current} {state} wchan={wchan} threads={threads.total()} [{named}] {argv[:160]}")
         pending += [(child, depth + 1) for child in reversed(children(current))]
     return "\n".join(lines)
+
+
+def _threads(proc: Path) -> Counter[tuple[str, str]]:
+    """A process's threads counted by (name, kernel wait channel); one that ended is skipped."""
+    found: Counter[tuple[str, str]] = Counter()
+    for task in (proc / "task").iterdir():
+        with contextlib.suppress(OSError):
+            found[((task / "comm").read_text().strip(), (task / "wchan").read_text().strip() or "-")] += 1
+    return found
+
+
+def python_stacks(pid: int, timeout: float = 15.0) -> str:
+    """Every thread's Python stack in process ``pid`` (``py-spy dump``; needs ptrace rights), or
+    a line saying why there are none: what a hung process was doing, for a timeout's error."""
+    beside = Path(sys.executable).with_name("py-spy")
+    tool = str(beside) if beside.exists() else shutil.which("py-spy")
+    if tool is None:
+        return "(no Python stacks: py-spy is not installed)"
+    try:
+        done = subprocess.run([tool, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(no Python stacks: {exc})"
+    return (done.stdout + done.stderr).strip()
 
 
 def worker_processes(launcher_pid: int) -> list[int]:
@@ -209,13 +237,15 @@ class NodeProcess:
 
         Raises:
             TimeoutError: still running after ``timeout`` seconds (the error ends with its log,
-                then the processes still running under it: :func:`describe_tree`).
+                then the processes still running under it, :func:`describe_tree`, then the node
+                process's Python stacks, :func:`python_stacks`).
         """
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"node {self.pid} still running after {timeout:g} s:\n{self.tail()}\n"
-                               f"processes still running:\n{describe_tree(self.pid)}") from None
+                               f"processes still running:\n{describe_tree(self.pid)}\n"
+                               f"its Python stacks:\n{python_stacks(self.pid)}") from None
 
     def output(self) -> str:
         """Everything in its log so far (its command line first)."""

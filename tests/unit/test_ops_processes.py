@@ -8,6 +8,7 @@ them running.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,9 +124,23 @@ def test_wait_on_a_running_node_fails_with_its_log(node: NodeProcess) -> None:
     wait_for(lambda: "node up" in node.output(), timeout=10, what="the node's line")
     with pytest.raises(TimeoutError, match=rf"node {node.pid} still running after 0.1 s:\n(.|\n)*node up with 2") as raised:
         node.wait(0.1)
-    tree = str(raised.value).split("processes still running:\n", 1)[1].splitlines()
+    tree = str(raised.value).split("processes still running:\n", 1)[1].split("\nits Python stacks:\n")[0].splitlines()
     assert tree[0].startswith(f"{node.pid} ") and " wchan=" in tree[0], tree  # the node, then its processes
     assert len(tree) == 1 + len(descendants(node.pid)) and all(line.startswith("  ") for line in tree[1:]), tree
+
+
+def test_wait_on_a_running_node_names_each_thread_and_shows_its_python_stacks(node: NodeProcess) -> None:
+    """What a hung node's threads wait on (kernel) and where (Python): the first CI hang of an
+    agent at exit gave only its main thread's wait channel."""
+    wait_for(lambda: "node up" in node.output(), timeout=10, what="the node's line")
+    with pytest.raises(TimeoutError) as raised:
+        node.wait(0.1)
+    tree, stacks = str(raised.value).split("processes still running:\n", 1)[1].split("\nits Python stacks:\n")
+    assert re.search(r" threads=1 \[[^@\]]+@[a-z_]+\] ", tree.splitlines()[0]), tree  # name@wait channel
+    if os.geteuid() == 0:  # py-spy needs ptrace rights on a process that is not its child (CI runs as root)
+        assert f"Process {node.pid}:" in stacks and '"MainThread"' in stacks and "<module>" in stacks, stacks
+    else:
+        assert stacks.strip(), "no Python stacks and no reason why"
 
 
 def test_stop_is_safe_twice_and_after_an_exit(tmp_path: Path) -> None:
