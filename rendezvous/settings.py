@@ -1,10 +1,10 @@
-"""The settings of the ``etcd-v3`` rendezvous: one ``--rdzv-conf`` key table, one parser.
+"""The settings of the ``etcd-v3`` rendezvous: one parser of the ``--rdzv-conf`` key table.
 
     torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=etcd:2379 --rdzv-id=job-42 \\
              --rdzv-conf=handler=lease,join_timeout=300,lease_ttl=10 --nnodes=1:4 train.py
 
-:data:`KEYS` is the only list of ``--rdzv-conf`` keys (name, parser, default, meaning, which part
-uses it); :func:`parse_settings` is the only reader of torchrun's ``RendezvousParameters``, and
+:data:`~rendezvous.conf_keys.KEYS` (in :mod:`rendezvous.conf_keys`) is the only list of
+``--rdzv-conf`` keys (name, parser, default, meaning, which part uses it); :func:`parse_settings` is the only reader of torchrun's ``RendezvousParameters``, and
 everything else (the backend, both handlers, ``elastic-trainer run`` and ``status``) takes the
 :class:`RendezvousSettings` it returns. Invariants:
 
@@ -17,12 +17,24 @@ everything else (the backend, both handlers, ``elastic-trainer run`` and ``statu
 
 from __future__ import annotations
 
-import difflib
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rendezvous.conf_keys import (  # noqa: F401 (re-exported)
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_TTL,
+    HANDLERS,
+    KEYS,
+    KEYS_BY_NAME,
+    ConfKey,
+    RendezvousConfigError,
+    conf_keys_table,
+    known_keys,
+    optional_text,
+    parse_conf_string,
+    unknown_key_message,
+)
 from rendezvous.etcd_client import (
     Endpoint,
     EtcdClientConfig,
@@ -34,121 +46,12 @@ from rendezvous.etcd_client import (
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-DEFAULT_KEY_PREFIX = "/elastic-trainer/rdzv"
-DEFAULT_TTL = 7200
-HANDLERS = ("lease", "dynamic")
-
-
-class RendezvousConfigError(ValueError):
-    """A bad ``--rdzv-conf`` key or value, endpoint or node count; the message is one line."""
-
-
-# -- value parsers: (key, raw value) -> typed value --------------------------------------------
-
-
-def _number(key: str, raw: object) -> float:
-    try:
-        value = float(str(raw).strip())
-    except ValueError:
-        raise RendezvousConfigError(f"rdzv-conf {key}: {raw!r} is not a number") from None
-    if not math.isfinite(value):
-        raise RendezvousConfigError(f"rdzv-conf {key}: {raw!r} is not a finite number")
-    return value
-
-
-def _integer(key: str, raw: object) -> int:
-    try:
-        return int(str(raw).strip())
-    except ValueError:
-        raise RendezvousConfigError(f"rdzv-conf {key}: {raw!r} is not an integer") from None
-
-
-def _text(key: str, raw: object) -> str:
-    return str(raw).strip()
-
-
-def _optional_text(key: str, raw: object) -> str | None:
-    return str(raw).strip() or None
-
-
-def _lower(key: str, raw: object) -> str:
-    return str(raw).strip().lower()
-
-
-def _secret(key: str, raw: object) -> str:
-    return str(raw)  # a password is taken as given, spaces included
-
-
-@dataclass(frozen=True, slots=True)
-class ConfKey:
-    """One ``--rdzv-conf`` key."""
-
-    name: str
-    """The key, as written after ``--rdzv-conf``."""
-    parse: Callable[[str, object], Any]
-    """Turns the raw value (a string from the command line) into the typed value."""
-    default: Any
-    """The value when the key is absent (``None``: unset)."""
-    doc: str
-    """What it means, for people."""
-    used_by: str
-    """``all`` (every node, whichever handler), ``lease`` or ``dynamic`` (that handler only; the
-    other accepts and ignores it), or ``torchrun`` (added by torchrun itself; ignored)."""
-
-
-KEYS: tuple[ConfKey, ...] = (
-    ConfKey("read_timeout", _number, 10.0, "gRPC deadline of one etcd request, seconds", "all"),
-    ConfKey("retry_timeout", _number, 20.0, "total time transient etcd faults are retried, seconds; "
-            "bounds an unreachable etcd", "all"),
-    ConfKey("protocol", _lower, "http", "``http`` or ``https``", "all"),
-    ConfKey("ca_cert", _optional_text, None, "CA certificate (PEM) of the etcd servers; needs https", "all"),
-    ConfKey("ssl_cert", _optional_text, None, "client certificate (PEM) for mutual TLS, with "
-            "``ssl_cert_key``", "all"),
-    ConfKey("ssl_cert_key", _optional_text, None, "private key (PEM) of ``ssl_cert``", "all"),
-    ConfKey("user", _optional_text, None, "etcd user, with ``password_file`` or ``password``", "all"),
-    ConfKey("password_file", _optional_text, None, "file holding the password (a mounted "
-            "Kubernetes Secret; one trailing newline is dropped)", "all"),
-    ConfKey("password", _secret, None, "the user's password; prefer ``password_file``", "all"),
-    ConfKey("key_prefix", _text, DEFAULT_KEY_PREFIX, "etcd prefix of all runs; a run lives under "
-            "PREFIX/RUN_ID/", "all"),
-    ConfKey("ttl", _integer, DEFAULT_TTL, "seconds an untouched rendezvous state lives (etcd lease)", "all"),
-    ConfKey("handler", _lower, "lease", "``lease`` (native lease/watch handler) or ``dynamic`` "
-            "(torch's dynamic rendezvous over this backend)", "all"),
-    ConfKey("join_timeout", _number, 600.0, "seconds a rendezvous may take", "all"),
-    ConfKey("last_call_timeout", _number, 30.0, "seconds to admit more nodes once the minimum is "
-            "in (lease: first round only)", "all"),
-    ConfKey("lease_ttl", _integer, 10, "seconds after which a node that died without a goodbye "
-            "loses its membership", "lease"),
-    ConfKey("close_timeout", _number, 30.0, "torch's close timeout, seconds", "dynamic"),
-    ConfKey("heartbeat_timeout", _number, 30.0, "seconds without a heartbeat before a node is "
-            "dead", "dynamic"),
-    ConfKey("keep_alive_interval", _integer, 5, "seconds between a node's heartbeats", "dynamic"),
-    ConfKey("keep_alive_max_attempt", _integer, 3, "missed heartbeats before a node is dead", "dynamic"),
-    ConfKey("timeout", _text, None, "set by torchrun (900 unless given); ignored: use "
-            "``join_timeout``", "torchrun"),
-    ConfKey("rank", _text, None, "set by torchrun for its static backend; ignored", "torchrun"),
-)
-KEYS_BY_NAME = {key.name: key for key in KEYS}
 # Keys that are fields of RendezvousSettings under the same name.
 _FIELD_KEYS = tuple(k for k in KEYS if k.used_by != "torchrun" and k.name != "password_file")
 
 
 def _default(name: str) -> Any:
     return KEYS_BY_NAME[name].default
-
-
-def known_keys() -> list[str]:
-    """The keys a user may write (the ones torchrun adds itself left out)."""
-    return [key.name for key in KEYS if key.used_by != "torchrun"]
-
-
-def conf_keys_table() -> str:
-    """The key table as reStructuredText (for docstrings and ``--help``)."""
-    lines = []
-    for key in KEYS:
-        default = "unset" if key.default is None else f"{key.default:g}" if isinstance(key.default, float) else key.default
-        lines.append(f"``{key.name}`` (default {default}; {key.used_by})\n    {key.doc}.")
-    return "\n".join(lines)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -253,14 +156,6 @@ class RendezvousSettings:
         )
 
 
-def unknown_key_message(key: str) -> str:
-    """``rdzv-conf: unknown key 'X' (did you mean 'Y'?); known keys: ...``."""
-    names = known_keys()
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"rdzv-conf: unknown key {key!r}{hint}; known keys: {', '.join(names)}"
-
-
 def parse_conf(conf: Mapping[str, object]) -> dict[str, Any]:
     """Check and type the ``--rdzv-conf`` keys of ``conf``: the :class:`RendezvousSettings`
     fields they set (``password_file`` read into ``password``).
@@ -276,7 +171,7 @@ def parse_conf(conf: Mapping[str, object]) -> dict[str, Any]:
         raw = conf.get(key.name)
         if raw is not None:
             values[key.name] = key.parse(key.name, raw)
-    password_file = _optional_text("password_file", conf.get("password_file") or "")
+    password_file = optional_text("password_file", conf.get("password_file") or "")
     if password_file:
         if values.get("password") is not None:
             raise RendezvousConfigError("rdzv-conf password: give password or password_file, not both")
@@ -305,25 +200,6 @@ def parse_settings(params: RendezvousParameters) -> RendezvousSettings:
         max_nodes=params.max_nodes,
         local_addr=params.local_addr,
     )
-
-
-def parse_conf_string(text: str) -> dict[str, str]:
-    """Split ``"k=v,k2=v2"`` (an ``--rdzv-conf`` string) into a dict; a later key wins.
-
-    Only the syntax is checked; :func:`settings_from_conf` checks keys and values too.
-
-    Raises:
-        RendezvousConfigError: an item is not ``KEY=VALUE`` with a non-empty key and value.
-    """
-    conf: dict[str, str] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise RendezvousConfigError(f"rdzv-conf: {item.strip()!r} is not KEY=VALUE")
-        conf[key.strip()] = value.strip()
-    return conf
 
 
 def settings_from_conf(

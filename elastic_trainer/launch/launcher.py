@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elastic_trainer.launch.options import RunOptions, UserError
+from elastic_trainer.launch.options import RunOptions, UserError, rendezvous_conf
 
 if TYPE_CHECKING:
     from elastic_trainer.heal.protocol import Epoch
@@ -90,17 +90,6 @@ def resolve_nproc(options: RunOptions, cuda_devices: int) -> int:
     return nproc
 
 
-def rdzv_conf(options: RunOptions) -> str:
-    """The ``--rdzv-conf`` string: our timeouts first, the user's keys last (they win)."""
-    ours = (
-        f"join_timeout={options.join_timeout},last_call_timeout={options.last_call_timeout},"
-        f"lease_ttl={options.lease_ttl},"
-        f"close_timeout={options.close_timeout},heartbeat_timeout={options.heartbeat_timeout},"
-        f"keep_alive_interval={options.keep_alive_interval}"
-    )
-    return ",".join(filter(None, (ours, options.rdzv_conf)))
-
-
 def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, target: Target,
                   worker_args: Sequence[str] | None = None, *, in_place_backend: bool = False) -> list[str]:
     """The torchrun command line this launch is equivalent to (``worker_args`` replaces the
@@ -115,7 +104,7 @@ def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, t
         f"--rdzv-backend={BACKEND_NAME if in_place_backend else 'etcd-v3'}",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
-        f"--rdzv-conf={rdzv_conf(options)}",
+        f"--rdzv-conf={rendezvous_conf(options)}",
         f"--max-restarts={options.max_restarts}",
         f"--monitor-interval={options.monitor_interval}",
     ]
@@ -133,7 +122,7 @@ def rendezvous_settings(options: RunOptions, run_id: str) -> RendezvousSettings:
     from rendezvous.settings import RendezvousConfigError, settings_from_conf
 
     try:
-        return settings_from_conf(rdzv_conf(options), endpoint=options.rdzv_endpoint or "", run_id=run_id or "check")
+        return settings_from_conf(rendezvous_conf(options), endpoint=options.rdzv_endpoint or "", run_id=run_id or "check")
     except RendezvousConfigError as exc:
         raise UserError(str(exc)) from exc
 
@@ -317,7 +306,7 @@ def _heal_in_place(options: RunOptions, endpoint: str, nproc: int, *, node: str 
 
     node = node or local_node_name()
     register_backend(node=node, on_heal=on_heal)
-    os.environ.update(worker_environment(endpoint=endpoint, rdzv_conf=rdzv_conf(options), node=node,
+    os.environ.update(worker_environment(endpoint=endpoint, rdzv_conf=rendezvous_conf(options), node=node,
                                          min_world=options.min_nodes * nproc, max_world=options.max_nodes * nproc))
 
 
@@ -362,7 +351,7 @@ def _start_progress_publisher(options: RunOptions, endpoint: str, run_id: str,
     from rendezvous.settings import RendezvousConfigError, settings_from_conf
 
     try:
-        settings = settings_from_conf(rdzv_conf(options), endpoint=endpoint, run_id=run_id)
+        settings = settings_from_conf(rendezvous_conf(options), endpoint=endpoint, run_id=run_id)
         publisher = ProgressPublisher.from_settings(settings, metrics)
     except (RendezvousConfigError, ValueError) as exc:
         raise UserError(str(exc)) from exc

@@ -18,6 +18,7 @@ from typing import Any
 import tomllib
 
 from elastic_trainer.runtime.failures import UserError
+from rendezvous.conf_keys import KEYS_BY_NAME, RendezvousConfigError
 
 ENV_PREFIX = "ELASTIC_TRAINER_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -107,7 +108,7 @@ def _rdzv_conf(text: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class OptionSpec:
-    """One option: its parser, default and help."""
+    """One option: its parser, default and help (read off a :class:`RunOptions` field)."""
 
     name: str
     parse: Callable[[Any], Any]
@@ -115,6 +116,9 @@ class OptionSpec:
     help: str
     aliases: tuple[str, ...] = ()
     """Other spellings on the command line (torchrun's)."""
+    rendezvous_key: bool = False
+    """The option is also an ``etcd-v3`` ``--rdzv-conf`` key of the same name (its parser and
+    meaning come from :data:`rendezvous.conf_keys.KEYS`), passed to torchrun's rendezvous."""
 
     @property
     def flag(self) -> str:
@@ -131,95 +135,75 @@ class OptionSpec:
         return ENV_PREFIX + self.name.upper()
 
 
-OPTIONS: tuple[OptionSpec, ...] = (
-    OptionSpec("nnodes", _nnodes, "1:2", "number of nodes, N or MIN:MAX"),
-    OptionSpec("nproc_per_node", _nproc, "auto", "workers per node ('auto': one per GPU, else 1)"),
-    OptionSpec("rdzv_endpoint", _text, None, "etcd endpoint(s) host:port[,host:port]; none: embedded etcd"),
-    OptionSpec("run_id", _text, None, "rendezvous id of the job (required with --rdzv-endpoint)",
-               aliases=("--rdzv-id", "--rdzv_id")),
-    OptionSpec("rdzv_conf", _rdzv_conf, "", "extra rendezvous settings KEY=VALUE[,KEY=VALUE] (TLS, auth, ...)"),
-    OptionSpec("max_restarts", _positive_int, 3, "worker group restarts before the job fails"),
-    OptionSpec("monitor_interval", _positive_float, 0.1, "seconds between worker health checks"),
-    OptionSpec("join_timeout", _positive_int, 600, "seconds to wait for the minimum number of nodes"),
-    OptionSpec("last_call_timeout", _positive_int, 5, "seconds to admit more nodes once the minimum is there"),
-    OptionSpec("lease_ttl", _positive_int, 10, "seconds after which a dead node's membership expires"),
-    OptionSpec("close_timeout", _positive_int, 30, "seconds for a round to close after a shutdown"),
-    OptionSpec("heartbeat_timeout", _positive_int, 30, "seconds without heartbeat before a node is dead"),
-    OptionSpec("keep_alive_interval", _positive_int, 5, "seconds between a node's heartbeats"),
-    OptionSpec("metrics_port", _port, 9400, "Prometheus endpoint port of this node (0: metrics off)"),
-    OptionSpec("metrics_addr", _text, "0.0.0.0", "bind address of the metrics endpoint"),
-    OptionSpec("device", _choice("auto", "cpu", "cuda"), "auto", "worker device: auto, cpu or cuda"),
-    OptionSpec("etcd_host", _text, "127.0.0.1", "listen address of the embedded etcd"),
-    OptionSpec("log_dir", _text, None, "directory for per-worker logs (default: inherit the console)"),
-    OptionSpec("warm_start", _choice("on", "off"), "on", "fork restarted workers from a process with torch imported"),
-    OptionSpec("warm_preload", _modules, "", "extra modules the warm server imports (comma-separated)"),
-    OptionSpec("frozen_timeout", _frozen_timeout, 10.0,
-               "seconds a live worker may make no progress before it is stopped as frozen "
-               "(5x the median step time if longer; 0: off)"),
-    OptionSpec("heal", _choice("in_place", "off"), "in_place",
-               "in_place: survivors of a fault keep their processes and state, only what died restarts; "
-               "off: every fault restarts every worker (plain torchrun)"),
-)
-OPTIONS_BY_NAME = {spec.name: spec for spec in OPTIONS}
+_SPEC = "option"  # the key of a RunOptions field's metadata that holds its OptionSpec parts
+
+
+def _option(default: Any, parse: Callable[[Any], Any], help: str, *, aliases: tuple[str, ...] = ()) -> Any:
+    """A :class:`RunOptions` field that is an option of ``elastic-trainer run``."""
+    return field(default=default, metadata={_SPEC: (parse, help, aliases, False)})
+
+
+def _rendezvous_option(name: str, *, launcher_default: Any = None) -> Any:
+    """A :class:`RunOptions` field that is the ``--rdzv-conf`` key ``name``: its parser, meaning and
+    default are the key's own (:data:`rendezvous.conf_keys.KEYS`), unless ``launcher_default``
+    replaces the default for this launcher (the reason is stated where it is used)."""
+    key = KEYS_BY_NAME[name]
+
+    def parse(raw: Any) -> Any:
+        try:
+            value = key.parse(name, raw)
+        except RendezvousConfigError as exc:  # "rdzv-conf KEY: 'x' is not a number" -> the problem
+            raise ValueError(str(exc).partition(": ")[2] or str(exc)) from exc
+        if not value > 0:
+            raise ValueError("must be > 0")
+        return value
+
+    default = key.default if launcher_default is None else launcher_default
+    return field(default=default, metadata={_SPEC: (parse, key.doc, (), True)})
 
 
 @dataclass(kw_only=True, slots=True)
 class RunOptions:
-    """The resolved options of one ``elastic-trainer run``."""
+    """The resolved options of one ``elastic-trainer run``: each field is one option, defined
+    once here (parser, default, help); :data:`OPTIONS` is read off these fields."""
 
-    nnodes: str
-    """``MIN:MAX`` nodes."""
-    nproc_per_node: str
-    """Workers per node, or ``auto``."""
-    rdzv_endpoint: str | None
-    """etcd endpoint(s); ``None`` starts an embedded etcd."""
-    run_id: str | None
-    """Rendezvous id; derived when ``None`` and etcd is embedded."""
-    rdzv_conf: str
-    """Extra ``KEY=VALUE`` rendezvous settings."""
-    max_restarts: int
-    """Worker group restarts before failing."""
-    monitor_interval: float
-    """Seconds between health checks."""
-    join_timeout: int
-    """Seconds to reach the minimum of nodes."""
-    last_call_timeout: int
-    """Seconds to admit extra nodes."""
-    lease_ttl: int
-    """Seconds before a dead node's etcd lease expires."""
-    close_timeout: int
-    """Seconds for a round to close."""
-    heartbeat_timeout: int
-    """Seconds before a silent node is dead."""
-    keep_alive_interval: int
-    """Seconds between heartbeats."""
-    metrics_port: int
-    """Metrics endpoint port; 0 disables metrics."""
-    metrics_addr: str
-    """Metrics endpoint bind address."""
-    device: str
-    """auto, cpu or cuda."""
-    etcd_host: str
-    """Embedded etcd listen address."""
-    log_dir: str | None
-    """Per-worker log directory, or ``None`` for the console."""
-    warm_start: str
-    """``on``: workers are forked from a warm server (:mod:`elastic_trainer.launch.warm_start`)."""
-    warm_preload: str
-    """Extra comma-separated modules the warm server imports."""
-    frozen_timeout: float
-    """Least silence, seconds, after which the watchdog stops a frozen worker; 0 turns it off
-    (:mod:`elastic_trainer.launch.watchdog`)."""
-    heal: str = "in_place"
-    """``in_place`` or ``off`` (:mod:`elastic_trainer.launch.in_place`)."""
+    nnodes: str = _option("1:2", _nnodes, "number of nodes, N or MIN:MAX")
+    nproc_per_node: str = _option("auto", _nproc, "workers per node ('auto': one per GPU, else 1)")
+    rdzv_endpoint: str | None = _option(None, _text, "etcd endpoint(s) host:port[,host:port]; none: embedded etcd")
+    run_id: str | None = _option(None, _text, "rendezvous id of the job (required with --rdzv-endpoint)",
+                                 aliases=("--rdzv-id", "--rdzv_id"))
+    rdzv_conf: str = _option("", _rdzv_conf, "extra rendezvous settings KEY=VALUE[,KEY=VALUE] (TLS, auth, ...)")
+    max_restarts: int = _option(3, _positive_int, "worker group restarts before the job fails")
+    monitor_interval: float = _option(0.1, _positive_float, "seconds between worker health checks")
+    join_timeout: float = _rendezvous_option("join_timeout")
+    # A launcher starts its nodes together: 5 s admits the rest of a starting job without making a
+    # one-node start wait torch's 30 s (plain torchrun keeps the key's own default).
+    last_call_timeout: float = _rendezvous_option("last_call_timeout", launcher_default=5.0)
+    lease_ttl: int = _rendezvous_option("lease_ttl")
+    close_timeout: float = _rendezvous_option("close_timeout")
+    heartbeat_timeout: float = _rendezvous_option("heartbeat_timeout")
+    keep_alive_interval: int = _rendezvous_option("keep_alive_interval")
+    metrics_port: int = _option(9400, _port, "Prometheus endpoint port of this node (0: metrics off)")
+    metrics_addr: str = _option("0.0.0.0", _text, "bind address of the metrics endpoint")
+    device: str = _option("auto", _choice("auto", "cpu", "cuda"), "worker device: auto, cpu or cuda")
+    etcd_host: str = _option("127.0.0.1", _text, "listen address of the embedded etcd")
+    log_dir: str | None = _option(None, _text, "directory for per-worker logs (default: inherit the console)")
+    warm_start: str = _option("on", _choice("on", "off"), "fork restarted workers from a process with torch imported")
+    warm_preload: str = _option("", _modules, "extra modules the warm server imports (comma-separated)")
+    frozen_timeout: float = _option(10.0, _frozen_timeout,
+                                    "seconds a live worker may make no progress before it is stopped as frozen "
+                                    "(5x the median step time if longer; 0: off)")
+    heal: str = _option("in_place", _choice("in_place", "off"),
+                        "in_place: survivors of a fault keep their processes and state, only what died restarts; "
+                        "off: every fault restarts every worker (plain torchrun)")
     sources: dict[str, str] = field(default_factory=dict)
     """Where each value came from (cli, env, file, default): shown by ``--dry-run``."""
 
     def __post_init__(self) -> None:
         if self.keep_alive_interval >= self.heartbeat_timeout:
             raise UserError(
-                f"keep_alive_interval ({self.keep_alive_interval}s) must be shorter than "
-                f"heartbeat_timeout ({self.heartbeat_timeout}s)"
+                f"keep_alive_interval ({self.keep_alive_interval:g}s) must be shorter than "
+                f"heartbeat_timeout ({self.heartbeat_timeout:g}s)"
             )
 
     @property
@@ -229,6 +213,27 @@ class RunOptions:
     @property
     def max_nodes(self) -> int:
         return int(self.nnodes.split(":")[-1])  # "N" (built in code) or "MIN:MAX" (parsed)
+
+
+def _specs() -> tuple[OptionSpec, ...]:
+    specs = []
+    for item in fields(RunOptions):
+        if _SPEC in item.metadata:
+            parse, text, aliases, rendezvous_key = item.metadata[_SPEC]
+            specs.append(OptionSpec(item.name, parse, item.default, text, aliases, rendezvous_key))
+    return tuple(specs)
+
+
+OPTIONS: tuple[OptionSpec, ...] = _specs()
+"""Every option of ``elastic-trainer run`` (and ``doctor``), in :class:`RunOptions` field order."""
+OPTIONS_BY_NAME = {spec.name: spec for spec in OPTIONS}
+
+
+def rendezvous_conf(options: RunOptions) -> str:
+    """The ``--rdzv-conf`` string of this launch: the rendezvous options first, the user's
+    ``--rdzv-conf`` keys last (they win)."""
+    ours = ",".join(f"{spec.name}={getattr(options, spec.name)}" for spec in OPTIONS if spec.rendezvous_key)
+    return ",".join(filter(None, (ours, options.rdzv_conf)))
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -297,10 +302,6 @@ def resolve_run_options(
             values[spec.name] = (defaults or {}).get(spec.name, spec.default)
             sources[spec.name] = "default"
     return RunOptions(**values, sources=sources)
-
-
-def option_names() -> list[str]:
-    return [f.name for f in fields(RunOptions) if f.name != "sources"]
 
 
 def existing_path(text: str) -> Path:

@@ -8,12 +8,18 @@ import pytest
 
 from elastic_trainer.launch.launcher import (
     Target,
-    rdzv_conf,
     resolve_nproc,
     split_target,
     torchrun_argv,
 )
-from elastic_trainer.launch.options import OPTIONS, UserError, resolve_run_options
+from elastic_trainer.launch.options import (
+    OPTIONS,
+    RunOptions,
+    UserError,
+    rendezvous_conf,
+    resolve_run_options,
+)
+from rendezvous.conf_keys import KEYS_BY_NAME
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -101,7 +107,7 @@ def test_torchrun_argv_user_rdzv_conf_wins_and_target_last() -> None:
     argv = torchrun_argv(options, "e:1", "job", 2, target)
     assert argv[-4:] == ["-m", "pkg.mod", "--lr", "0.1"]
     assert "--rdzv-backend=etcd-v3" in argv and "--rdzv-id=job" in argv
-    conf = rdzv_conf(options)
+    conf = rendezvous_conf(options)
     assert conf.index("last_call_timeout=5") < conf.index("last_call_timeout=1")  # later key wins
     assert conf.endswith("protocol=https")
 
@@ -120,3 +126,30 @@ def test_target_requires_something_to_run() -> None:
         split_target([], as_module=False)
     with pytest.raises(UserError, match="exactly one"):
         Target(None, None, ())
+
+
+def test_each_rendezvous_option_is_the_rdzv_conf_key_itself() -> None:
+    """One definition: a launcher option that is a ``--rdzv-conf`` key takes the key's meaning and
+    default (only the documented launcher default of last_call_timeout differs), and the conf
+    string of the defaults parses with the rendezvous's own parser to the same values."""
+    from rendezvous.settings import settings_from_conf
+
+    rendezvous = [spec for spec in OPTIONS if spec.rendezvous_key]
+    assert {spec.name for spec in rendezvous} == {"join_timeout", "last_call_timeout", "lease_ttl",
+                                                   "close_timeout", "heartbeat_timeout", "keep_alive_interval"}
+    for spec in rendezvous:
+        key = KEYS_BY_NAME[spec.name]
+        assert spec.help == key.doc
+        assert spec.default == key.default or spec.name == "last_call_timeout"
+    options = resolve_run_options({}, env={})
+    settings = settings_from_conf(rendezvous_conf(options))
+    for spec in rendezvous:
+        assert getattr(settings, spec.name) == getattr(options, spec.name)
+    with pytest.raises(UserError, match="--join-timeout: bad value 'soon' \\('soon' is not a number\\)"):
+        resolve_run_options({"join_timeout": "soon"}, env={})
+
+
+def test_every_run_options_field_is_an_option() -> None:
+    from dataclasses import fields
+
+    assert [f.name for f in fields(RunOptions) if f.name != "sources"] == [spec.name for spec in OPTIONS]
