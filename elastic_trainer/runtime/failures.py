@@ -23,6 +23,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
+# The error classes live in errors.py (settings raises them too); re-exported here.
+from elastic_trainer.runtime.errors import ConfigError as ConfigError
+from elastic_trainer.runtime.errors import DeterministicError as DeterministicError
+from elastic_trainer.runtime.errors import UserError as UserError
+from elastic_trainer.runtime.settings import ENV_ERROR_FILE, ENV_REPORTS_FAILURES
+
 EXIT_DETERMINISTIC = 2
 """Exit status of a worker that failed deterministically (the usage-error convention)."""
 EXIT_FAILED = 1
@@ -35,22 +41,6 @@ class FailureClass(str, enum.Enum):
     DETERMINISTIC = "deterministic"
     TRANSIENT = "transient"
     ERROR = "error"
-
-
-class DeterministicError(Exception):
-    """Base of errors no restart can fix (configuration, checkpoint directory, ...).
-
-    The runtime's own ones subclass it; user code may raise it (or a subclass) too.
-    """
-
-
-class ConfigError(DeterministicError, ValueError):
-    """A setting is invalid; the message names it. A restart cannot fix it."""
-
-
-class UserError(ConfigError):
-    """A mistake at a command line (``elastic-trainer``'s or the doctor's): one line on stderr, exit
-    status 2, no traceback."""
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -241,8 +231,6 @@ class ReportTarget:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ReportTarget:
         env = os.environ if environ is None else environ
-        from elastic_trainer.runtime.settings import ENV_ERROR_FILE, ENV_REPORTS_FAILURES
-
         raw = env.get("RANK", "")
         return cls(rank=int(raw) if raw.isdigit() else None, error_file=env.get(ENV_ERROR_FILE) or None,
                    launcher_reports=env.get(ENV_REPORTS_FAILURES, "").strip() == "1")

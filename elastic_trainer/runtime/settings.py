@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastic_trainer.runtime.failures import ConfigError
+from elastic_trainer.runtime.errors import ConfigError
 
 ENV_JIT_SAVE = "ELASTIC_TRAINER_JIT_SAVE"
 """``0`` turns off the just-in-time checkpoint of the last completed step on failures."""
