@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from elastic_trainer import __version__
 from elastic_trainer.launch.options import OPTIONS, UserError, resolve_run_options
@@ -153,7 +153,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     options = resolve_run_options(_launch_values(args), config_path=args.config)
     install_sigterm_as_exception()
     default_env_for_workers()
-    return launch(options, target, dry_run=args.dry_run)
+    code = launch(options, target, dry_run=args.dry_run)
+    if not args.dry_run:
+        _exit_without_teardown(code)
+    return code
+
+
+def _exit_without_teardown(code: int) -> NoReturn:
+    """End the launcher once everything it started is cleaned up, skipping the interpreter's
+    teardown: with torch imported, its garbage collection alone takes about a second, which the
+    launcher's exit after SIGTERM would add to its last child's (docs/design/launcher.md)."""
+    from elastic_trainer.runtime.process_exit import exit_process
+
+    exit_process(code)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -167,7 +179,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         _launch_values(args), config_path=args.config, defaults={"nnodes": "1", "max_restarts": 0}
     )
     install_sigterm_as_exception()
-    return launch(options, Target(None, "elastic_trainer.doctor", tuple(extra)))
+    _exit_without_teardown(launch(options, Target(None, "elastic_trainer.doctor", tuple(extra))))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -204,6 +205,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             on_silent=lambda peer: self._lost_nodes.put((peer, "heartbeat")))
         self._peer_addresses: dict[str, str] = {}
         self._peers_lock = threading.Lock()
+        self._left = False
         try:
             self._lease_id = int(connection.call(lambda client: client.lease(lease_ttl), what="a lease grant").id)
             revision = etcd_ops.put_key(connection, node_key(self._keys, node), self._record(), lease=self._lease_id,
@@ -374,7 +376,19 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         self._leave()
         return self._inner.shutdown()
 
+    def leave(self) -> None:
+        """Leave the run without closing it (a launcher stopped by a signal; torch does not call
+        :meth:`shutdown` then): peers see this node go at once, and nothing is left to do at
+        interpreter exit, when the embedded etcd is already stopped."""
+        self._leave()
+        inner_leave = getattr(self._inner, "leave", None)
+        if inner_leave is not None:
+            inner_leave()
+
     def _leave(self) -> None:
+        if self._left:
+            return
+        self._left = True
         self._lost_nodes.put(None)
         if self._heartbeats is not None:
             self._heartbeats.close()
@@ -386,6 +400,20 @@ class InPlaceRendezvousHandler(RendezvousHandler):
                                   retry_timeout=2.0)
         except Exception as exc:  # noqa: BLE001 - the lease expires on its own
             log.debug("in-place: revoking this node's lease failed: %s", exc)
+
+
+_HANDLERS: weakref.WeakSet[InPlaceRendezvousHandler] = weakref.WeakSet()
+"""The handlers :func:`register_backend`'s factory made in this process (for :func:`leave_all`)."""
+
+
+def leave_all() -> None:
+    """Every handler of this process leaves its run (see :meth:`InPlaceRendezvousHandler.leave`);
+    the launcher calls it before it stops its embedded etcd. Never raises."""
+    for handler in list(_HANDLERS):
+        try:
+            handler.leave()
+        except Exception as exc:  # noqa: BLE001 - the leases expire on their own
+            log.info("in-place: leaving the run failed: %s", exc)
 
 
 def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
@@ -404,8 +432,10 @@ def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
         # address of this host's route to etcd (the cluster's network).
         first = config.endpoints[0]
         host = params.local_addr or route_address(first.host, first.port)
-        return InPlaceRendezvousHandler(inner, connection, run_id=params.run_id, node=node, on_heal=on_heal,
-                                        heartbeat_host=host)
+        handler = InPlaceRendezvousHandler(inner, connection, run_id=params.run_id, node=node, on_heal=on_heal,
+                                           heartbeat_host=host)
+        _HANDLERS.add(handler)
+        return handler
 
     registry: Any = rendezvous_handler_registry
     if registry._registry.get(BACKEND_NAME) is None:

@@ -35,8 +35,14 @@ def _start_time(pid: int) -> str | None:
 
 
 def _alive(pid: int, started: str | None) -> bool:
-    now = _start_time(pid)
-    return now is not None and (started is None or now == started)
+    """Whether ``pid`` is the same process and has not ended (a zombie has ended: only its
+    parent's ``wait`` is missing, and no signal changes that)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[0] != "Z" and (started is None or fields[19] == started)
 
 
 def _matching_pids(paths: Iterable[str], markers: Iterable[str]) -> list[int]:

@@ -178,10 +178,7 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
 def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, janitor: Janitor | None, *,
             dry_run: bool) -> int:
     import torch
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
 
     from rendezvous.etcd_client import parse_endpoints
     from rendezvous.plugin import ensure_registered
@@ -248,6 +245,8 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             except (MetricsError, OSError) as exc:
                 raise UserError(f"metrics endpoint {options.metrics_addr}:{options.metrics_port}: {exc}") from exc
             cleanup.callback(metrics.close)
+            if janitor is not None and metrics.owns_directory:
+                janitor.remove_on_exit(metrics.multiproc_dir)  # the workers' files, after a SIGKILL too
             log.warning("node metrics on %s", metrics.url)
             publisher = _start_progress_publisher(options, endpoint, run_id, metrics)
             cleanup.callback(publisher.close)  # runs before metrics.close and before etcd stops
@@ -263,38 +262,59 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
         if options.heal == "in_place":
             _heal_in_place(options, endpoint, nproc, node=metrics.node if metrics is not None else None,
                            on_heal=_report_heals(warm, metrics, publisher))
+            from elastic_trainer.launch.in_place import leave_all
             from elastic_trainer.runtime.torch_compat import without_exit_barrier
 
+            cleanup.callback(leave_all)  # before etcd stops: a SIGTERM ends run() without a shutdown
             cleanup.callback(without_exit_barrier())
         args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args,
                                                           in_place_backend=options.heal == "in_place"))
+        code = 1
         try:
-            run(args)
-        except ChildFailedError as exc:
-            if not verdicts:
-                rank, failure = exc.get_first_failure()
-                log.error("job failed: worker rank %s exited with %s", rank, failure.exitcode)
-                if publisher is not None:
-                    publisher.publish_error(f"worker rank {rank} exited with {failure.exitcode}")
-                return 1
-            verdict = verdicts[-1]
-            if verdict.traceback:
-                sys.stderr.write(verdict.traceback)
-            log.error("job failed: %s", verdict.reason if not verdict.restart else
-                      f"{verdict.reason}; no restarts left (--max-restarts {options.max_restarts})")
-            return verdict.exit_code
-        except SignalException as exc:
-            log.warning("stopped by %s; workers were given their checkpoint grace", exc.sigval.name)
-            return 128 + int(exc.sigval)
-        except RendezvousClosedError:
-            # torch closes a run when any node's agent ends (the job finished, or a node gave up):
-            # a node that comes back later has nothing to join. Not a success: this node did no work.
-            log.error("run %r is closed (the job finished or a node gave up before this node could rejoin); "
-                      "nothing left to join", run_id)
+            code = _run_agent(args, options, run_id, verdicts, publisher)
+            return code
+        finally:
+            # The workers are gone: whatever hangs in the clean-up or at exit, the launcher ends.
+            from elastic_trainer.launch.exit_deadline import ExitDeadline
+
+            ExitDeadline().arm(code)
+
+
+def _run_agent(args: Any, options: RunOptions, run_id: str, verdicts: list[FailurePolicyVerdict],
+               publisher: ProgressPublisher | None) -> int:
+    """Run torchrun's agent until the job ends; the launcher's exit status, the outcome logged."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+    from torch.distributed.run import run
+
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        if not verdicts:
+            rank, failure = exc.get_first_failure()
+            log.error("job failed: worker rank %s exited with %s", rank, failure.exitcode)
+            if publisher is not None:
+                publisher.publish_error(f"worker rank {rank} exited with {failure.exitcode}")
             return 1
-        except RendezvousError as exc:  # join timeout, etcd gone for longer than retry_timeout
-            log.error("rendezvous of run %r failed: %s", run_id, exc)
-            return 1
+        verdict = verdicts[-1]
+        if verdict.traceback:
+            sys.stderr.write(verdict.traceback)
+        log.error("job failed: %s", verdict.reason if not verdict.restart else
+                  f"{verdict.reason}; no restarts left (--max-restarts {options.max_restarts})")
+        return verdict.exit_code
+    except SignalException as exc:
+        log.warning("stopped by %s; workers were given their checkpoint grace", exc.sigval.name)
+        return 128 + int(exc.sigval)
+    except RendezvousClosedError:
+        # torch closes a run when any node's agent ends (the job finished, or a node gave up):
+        # a node that comes back later has nothing to join. Not a success: this node did no work.
+        log.error("run %r is closed (the job finished or a node gave up before this node could rejoin); "
+                  "nothing left to join", run_id)
+        return 1
+    except RendezvousError as exc:  # join timeout, etcd gone for longer than retry_timeout
+        log.error("rendezvous of run %r failed: %s", run_id, exc)
+        return 1
     return 0
 
 

@@ -286,12 +286,15 @@ class LauncherMetrics:
         multiproc_dir: str,
         cleanup: list[Callable[[], None]],
         frozen_workers: FrozenWorkerMetrics,
+        owns_directory: bool = False,
     ) -> None:
         self.server = server
         self.agent_metrics = agent_metrics
         self.frozen_workers = frozen_workers
         """The frozen-worker watchdog's counter (served by :attr:`server`)."""
         self.multiproc_dir = multiproc_dir
+        self.owns_directory = owns_directory
+        """Whether :attr:`multiproc_dir` was made for this launcher (and goes with it)."""
         self._cleanup = cleanup
 
     @property
@@ -349,6 +352,7 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
     cleanup: list[Callable[[], None]] = []  # run in reverse by close()
     try:
         directory = config.multiproc_dir or os.environ.get(MULTIPROC_DIR_ENV) or None
+        owns_directory = directory is None
         if directory is None:
             directory = tempfile.mkdtemp(prefix="elastic-trainer-metrics-")
             cleanup.append(lambda: shutil.rmtree(directory, ignore_errors=True))
@@ -371,7 +375,7 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
         raise
     return LauncherMetrics(
         server=server, agent_metrics=agent_metrics, multiproc_dir=directory, cleanup=cleanup,
-        frozen_workers=frozen_workers,
+        frozen_workers=frozen_workers, owns_directory=owns_directory,
     )
 
 

@@ -621,7 +621,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.fork() > 0:  # detach: the server is not one of the launcher's worker processes
             os._exit(0)
         os.setsid()
-        return serve(options.dir, [m for m in options.preload.split(",") if m], options.parent_fd)
+        code = serve(options.dir, [m for m in options.preload.split(",") if m], options.parent_fd)
+        # Skip the interpreter's teardown: with torch (and torch._dynamo) preloaded, its garbage
+        # collection takes seconds, and the launcher's exit waits for this process to end.
+        from elastic_trainer.runtime.process_exit import exit_process
+
+        exit_process(code)
     if len(args) < 4 or args[0] != "--socket" or args[2] != "--":
         print("usage: python -m elastic_trainer.launch.warm_start --socket PATH -- (-m MODULE | SCRIPT) [ARGS...]",
               file=sys.stderr)

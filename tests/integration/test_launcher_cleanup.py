@@ -1,6 +1,7 @@
 """Nothing outlives `elastic-trainer run`: SIGKILL the launcher (no `finally` runs) and its
-embedded etcd, the etcd data directory, the warm-start server and every worker are gone within
-seconds. A normal exit leaves nothing either."""
+embedded etcd, the etcd data directory, the metrics directory, the warm-start server and every
+worker are gone within seconds. A SIGTERM exit leaves nothing either, and the launcher ends
+within a second of its last child."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.ops.processes import wait_for
+from elastic_trainer.ops.processes import children, wait_for, worker_processes
+from rendezvous.etcd_server import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -63,8 +65,8 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
     log = tmp_path / "launcher.log"
     with open(log, "wb") as out:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "elastic_trainer.cli", "run", "--nproc-per-node", "2", "--metrics-port", "0",
-             "--warm-start", warm, "-m", "elastic_trainer.examples.synthetic_cnn", "--epochs", "50",
+            [sys.executable, "-m", "elastic_trainer.cli", "run", "--nproc-per-node", "2",
+             "--metrics-port", str(free_port()), "--warm-start", warm, "-m", "elastic_trainer.examples.synthetic_cnn", "--epochs", "50",
              "--throttle-ms", "50", "--checkpoint-dir", str(tmp_path / "ckpt")],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     try:
@@ -77,6 +79,7 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
         assert marker, f"workers carry the launcher's marker: {workers}"
         janitors = _processes_mentioning("elastic_trainer.launch.janitor")
         assert janitors and all(_parent(pid) != launcher.pid for pid in janitors), "the janitor is no worker-like child"
+        assert [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-metrics-")], "metrics on"
         before = set(_processes_with_env(marker))
         assert len(before) >= 3, f"etcd, workers (and a warm server): {before}"
         launcher.kill()
@@ -92,6 +95,39 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_sigterm_exit_is_prompt_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """SIGTERM: the workers checkpoint and go, etcd stops, and the launcher follows its last
+    child within a second (it took 7 s: the warm server's and its own interpreter teardown, and a
+    lease revoke retried against the etcd it had already stopped)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    log = tmp_path / "launcher.log"
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "elastic_trainer.cli", "run", "--nproc-per-node", "2",
+             "--metrics-port", str(free_port()), "-m", "elastic_trainer.examples.synthetic_cnn", "--epochs", "50",
+             "--throttle-ms", "50", "--checkpoint-dir", str(tmp_path / "c")],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    try:
+        wait_for(lambda: "step 10 " in log.read_text(), timeout=90, what="training to run")
+        marker = _launcher_marker(worker_processes(launcher.pid)[0])
+        assert marker, "workers carry the launcher's marker"
+        launcher.send_signal(signal.SIGTERM)
+        last_child = time.monotonic()
+        while launcher.poll() is None:
+            # Its children (etcd, warm clients) and every process it started elsewhere (the warm
+            # server and its workers carry its marker); none may be waited for in vain.
+            if children(launcher.pid) or _processes_with_env(marker):
+                last_child = time.monotonic()
+            time.sleep(0.02)
+        exited = time.monotonic()
+        assert launcher.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+        print(f"launcher exited {exited - last_child:.2f} s after its last child")
+        assert exited - last_child < 1.0, log.read_text()[-3000:]
+        wait_for(lambda: not _processes_mentioning(str(tmp_path)), timeout=10, what="no process left")
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], list(tmp_path.iterdir())
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
 def test_a_normal_exit_leaves_nothing_behind(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     started = time.monotonic()
