@@ -127,23 +127,36 @@ def rendezvous_settings(options: RunOptions, run_id: str) -> RendezvousSettings:
         raise UserError(str(exc)) from exc
 
 
-def _check_external_etcd(settings: RendezvousSettings) -> None:
+def _check_etcd(settings: RendezvousSettings | None, endpoint: str) -> None:
+    """Reach etcd with one ``Status`` request (``settings`` None: the embedded etcd at ``endpoint``)
+    and warn in one line when its version is older than the one without known faults."""
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-    from rendezvous.etcd_client import EtcdConnection, quiet_retries
+    from rendezvous.etcd_client import (
+        EtcdClientConfig,
+        EtcdConnection,
+        parse_endpoints,
+        quiet_retries,
+    )
+    from rendezvous.etcd_version import status_version, version_warning
     from rendezvous.settings import RendezvousConfigError
 
     try:
-        connection = EtcdConnection(settings.client_config())
+        config = settings.client_config() if settings else EtcdClientConfig(endpoints=parse_endpoints(endpoint))
+        connection = EtcdConnection(config)
     except (RendezvousConfigError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     try:
         with quiet_retries():  # a user mistake is one line, not a line per retry
-            connection.check()
+            version = connection.call(lambda client: status_version(client, config.read_timeout),
+                                      what="a status request", read=True)  # fmt: skip
     except RendezvousConnectionError as exc:
         raise UserError(f"cannot use etcd: {exc}") from exc
     finally:
         connection.close()
+    warning = version_warning(version, endpoint, embedded=settings is None)
+    if warning:
+        log.warning("%s", warning)
 
 
 def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int:
@@ -225,9 +238,10 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             endpoint = server.endpoint
             run_id = options.run_id or f"local-{uuid.uuid4().hex[:12]}"
             log.warning("%s", join_banner(endpoint, run_id, options.etcd_host))
+            _check_etcd(None, endpoint)
         else:
             endpoint, run_id = options.rdzv_endpoint, options.run_id or ""
-            _check_external_etcd(settings)
+            _check_etcd(settings, endpoint)
 
         publisher = None
         metrics: LauncherMetrics | None = None

