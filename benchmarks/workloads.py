@@ -119,16 +119,17 @@ class Workload:
 
 
 def workload(name: str, *, width: int = 32, seq_len: int = 1024, layers: int = 12, dataset_size: int = 4096,
-             seed: int = 0, d_model: int = 768, heads: int = 12, vocab: int = 50304) -> Workload:  # fmt: skip
+             seed: int = 0, d_model: int = 768, vocab: int = 50304) -> Workload:  # fmt: skip
     """The named workload (``cnn``: the example's SmallCNN of ``width``; ``gpt``: the decoder with
-    ``layers`` blocks of ``d_model`` on ``seq_len``-token sequences; smaller ``d_model``, ``heads``
-    and ``vocab`` than GPT-2 small's only for wiring checks such as ``gpu_check --dry-run``)."""
+    ``layers`` blocks of ``d_model`` (a head per 64) on ``seq_len``-token sequences of a
+    ``vocab``-token vocabulary; GPT-2 small's by default, smaller for wiring checks such as
+    ``gpu_check --dry-run``)."""
     if name == "cnn":
         return Workload(name, lambda: SmallCNN(width), lambda: SyntheticImages(dataset_size, seed=seed),
                         nn.CrossEntropyLoss(), 0)  # fmt: skip
     if name == "gpt":
         return Workload(name, lambda: DecoderLM(vocab=vocab, seq_len=seq_len, d_model=d_model, layers=layers,
-                                                heads=heads),
+                                                heads=max(1, d_model // 64)),
                         lambda: RandomTokens(dataset_size, seq_len=seq_len, vocab=vocab, seed=seed),
                         lm_loss, seq_len)  # fmt: skip
     raise ValueError(f"workload: expected one of {MODELS}, got {name!r}")
@@ -137,7 +138,7 @@ def workload(name: str, *, width: int = 32, seq_len: int = 1024, layers: int = 1
 def workload_of(args: argparse.Namespace) -> Workload:
     """The workload that :func:`add_workload_arguments`' options name."""
     return workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers,
-                    dataset_size=args.dataset_size, seed=args.seed, d_model=args.d_model, heads=args.heads,
+                    dataset_size=args.dataset_size, seed=args.seed, d_model=args.d_model,
                     vocab=args.vocab)  # fmt: skip
 
 
@@ -196,8 +197,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, width: int = 16, 
     parser.add_argument("--width", type=int, default=width, help="cnn: channels of the first conv layer")
     parser.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence")
     parser.add_argument("--layers", type=int, default=12, help="gpt: decoder blocks")
-    parser.add_argument("--d-model", type=int, default=768, help="gpt: width (768: GPT-2 small)")
-    parser.add_argument("--heads", type=int, default=12, help="gpt: attention heads")
+    parser.add_argument("--d-model", type=int, default=768, help="gpt: width, a head per 64 (768: GPT-2 small)")
     parser.add_argument("--vocab", type=int, default=50304, help="gpt: vocabulary (50304: GPT-2's, padded)")
     parser.add_argument("--dataset-size", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)

@@ -22,7 +22,7 @@ BUDGET_S = 480.0  # the whole GPU run, set-up excluded: a rerun fits a 15-minute
 DRY_BUDGET_S = 480.0  # the CPU dry run: ~45 s of CPU, 50 s on 2 quiet cores; the limits catch hangs
 
 # The dry run's GPT: the GPU model's code path (DecoderLM, the LM loss) at a size a CPU steps fast.
-_TINY_GPT = ("--model", "gpt", "--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "256",
+_TINY_GPT = ("--model", "gpt", "--layers", "1", "--d-model", "32", "--vocab", "256",
              "--seq-len", "16", "--global-batch-size", "4", "--dataset-size", "64")  # fmt: skip
 _METRICS_GPU = ("-m", "benchmarks.metrics_overhead", "--device", "cuda", "--model", "gpt", "--cycles", "300",
                 "--warmup", "20", "--rebuild-every", "100", "--repeat", "1")  # fmt: skip
