@@ -49,7 +49,8 @@ Arguments after -- go to the doctor module (see python -m elastic_trainer.doctor
 CHECKPOINT_EXAMPLE = """example:
   elastic-trainer checkpoint list ./ckpt --json
   elastic-trainer checkpoint verify ./ckpt
-  elastic-trainer checkpoint inspect ./ckpt/ckpt-000000000200.pt"""
+  elastic-trainer checkpoint inspect ./ckpt/ckpt-000000000200.pt
+  elastic-trainer checkpoint export ./ckpt model.pt   # sharded or not: one plain file"""
 
 
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("demo_args", nargs=argparse.REMAINDER, metavar="OPTIONS",
                       help="--max-steps N, --throttle-ms MS, --dir DIR, --metrics-port PORT")
 
-    checkpoint = commands.add_parser("checkpoint", help="list, verify or inspect checkpoints", epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
+    checkpoint = commands.add_parser("checkpoint", help="list, verify, inspect or export checkpoints", epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
     actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=OneLineArgumentParser)
     for name, text in (("list", "checkpoints with path and step, newest last"),
                        ("verify", "check every checkpoint against its manifest's sha256"),
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         action = actions.add_parser(name, help=text, epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
         action.add_argument("path", metavar="DIR" if name != "inspect" else "DIR|FILE")
         action.add_argument("--json", action="store_true", help="print JSON")
+    export = actions.add_parser("export", help="write a checkpoint (sharded or not) as one plain .pt file",
+                                epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
+    export.add_argument("path", metavar="DIR|CHECKPOINT", help="a checkpoint directory (its newest good one) or one checkpoint")
+    export.add_argument("out", metavar="OUT.pt", help="torch.load(OUT.pt, weights_only=True)['model'] is a full state dict")
     return parser
 
 
@@ -215,6 +220,10 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
             for r in results:
                 print(f"{'OK ' if r['ok'] else 'BAD'} step {r['step']:>10}  {r['error'] or r['path']}")
         return 0 if all(r["ok"] for r in results) else 1
+    if args.action == "export":
+        done = checkpoint_cli.export_checkpoint(args.path, args.out)
+        print(f"exported step {done['step']} from {done['source']} to {done['out']} ({done['bytes']} B)")
+        return 0
     report = checkpoint_cli.inspect_checkpoint(args.path)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -4,10 +4,13 @@
                              gives {"model": <state_dict>, "optimizer": ..., "step": 100, ...}
     ckpt-000000000100.json   manifest: sha256 and size of the .pt, step, epoch, world size and
                              the job fingerprint
+    ckpt-000000000100.dcp/   or, for sharded (FSDP) state, a torch.distributed.checkpoint directory
+                             (every rank's shards and DCP's .metadata); its manifest lists the
+                             sha256 and size of every file in it (:mod:`.sharded`)
 
 Invariants: a crash or a full disk at any point leaves the complete new checkpoint or none, and
 never touches earlier ones; a checkpoint counts only when its manifest exists and the ``.pt``
-matches its sha256; loading is ``weights_only=True`` with no unsafe fallback; two processes never
+matches its sha256 (every file of a ``.dcp`` directory its own); loading is ``weights_only=True`` with no unsafe fallback; two processes never
 write the same step (``O_CREAT | O_EXCL`` claims). File work only: the
 :class:`~elastic_trainer.checkpoint.manager.CheckpointManager` decides who writes when. Design:
 ``docs/design/checkpointing.md``.
@@ -22,6 +25,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,8 +41,10 @@ from elastic_trainer.runtime.failures import DeterministicError
 log = logging.getLogger(__name__)
 
 FORMAT = "elastic-trainer/1"
-_NAME_RE = re.compile(r"^ckpt-(\d{12})\.(pt|json)$")
-_TMP_RE = re.compile(r"^\.ckpt-\d{12}\.(pt|json)\.tmp-\d+$")
+_NAME_RE = re.compile(r"^ckpt-(\d{12})\.(pt|json|dcp)$")
+_TMP_RE = re.compile(r"^\.ckpt-\d{12}\.(pt|json|dcp)\.tmp-\d+$")
+_COMPLETE = ({"pt", "json"}, {"dcp", "json"})
+"""The file kinds of a complete checkpoint: a single file or a sharded directory, and a manifest."""
 _CLAIM_RE = re.compile(r"^\.ckpt-\d{12}\.claim$")
 _CHUNK = 8 << 20
 
@@ -69,6 +75,18 @@ def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
     return Path(directory) / f"ckpt-{step:012d}.pt"
 
 
+def sharded_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """Path of the ``.dcp`` directory of ``step`` (a sharded checkpoint)."""
+    return Path(directory) / f"ckpt-{step:012d}.dcp"
+
+
+def data_path(directory: str | os.PathLike[str], step: int) -> Path:
+    """The data of ``step``'s checkpoint as found on disk: its ``.dcp`` directory if there is one,
+    else its ``.pt`` file (which may not exist)."""
+    sharded = sharded_path(directory, step)
+    return sharded if sharded.is_dir() else checkpoint_path(directory, step)
+
+
 def manifest_path(directory: str | os.PathLike[str], step: int) -> Path:
     """Path of the manifest of ``step``."""
     return Path(directory) / f"ckpt-{step:012d}.json"
@@ -90,6 +108,13 @@ class Manifest:
     created_unix: float
     jit: bool = False
     """Written just in time by a surviving rank after a failure (absent in older manifests)."""
+    files: dict[str, list[Any]] | None = None
+    """Sharded checkpoints: ``{name: [sha256, nbytes]}`` of every file of the ``.dcp`` directory
+    (``sha256``/``nbytes`` then cover this listing and the total); ``None`` for a single file."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.files is not None
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
@@ -234,7 +259,7 @@ def save_checkpoint(
             are untouched and nothing was pruned.
     """
     directory = Path(directory)
-    pt, js = checkpoint_path(directory, step), manifest_path(directory, step)
+    pt = checkpoint_path(directory, step)
 
     def ask_fence() -> None:
         refused = fence() if fence is not None else None
@@ -244,42 +269,49 @@ def save_checkpoint(
     try:
         directory.mkdir(parents=True, exist_ok=True)
         writer = _write_atomically(pt, lambda file: torch.save(dict(payload), file), before_replace=ask_fence)
-        fields = dict(fingerprint_fields)
-        manifest = Manifest(
-            format=FORMAT,
-            file=pt.name,
-            step=step,
-            epoch=epoch,
-            world_size=world_size,
-            sha256=writer.sha256.hexdigest(),
-            nbytes=writer.nbytes,
-            fingerprint=job_fingerprint(fields),
-            fingerprint_fields=fields,
-            created_unix=time.time(),
-            jit=jit,
-        )
-        text = json.dumps(asdict(manifest), indent=1, sort_keys=True).encode()
-        _write_atomically(js, lambda f: f.write(text))
-        fsync_directory(directory)
+        manifest = new_manifest(pt.name, step=step, epoch=epoch, world_size=world_size,
+                                sha256=writer.sha256.hexdigest(), nbytes=writer.nbytes,
+                                fingerprint_fields=fingerprint_fields, jit=jit)
+        write_manifest(directory, manifest)
     except CheckpointFencedError:
         raise
     except Exception as exc:
         # A half-renamed pair (.pt without manifest) is ignored by readers and pruned as leftovers.
-        if isinstance(exc, OSError):
-            reason = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or str(exc))
-            reason = f"{reason} (errno {exc.errno})"
-        else:
-            reason = f"{exc.__class__.__name__}: {exc}"
-        previous = latest_name(directory, before=step)
-        kept = f"the previous checkpoint {previous} is untouched" if previous else "no earlier checkpoint exists"
-        raise CheckpointWriteError(
-            f"could not write the checkpoint of step {step} to {directory}: {reason}; {kept}"
-        ) from exc
+        raise write_error(directory, step, exc) from exc
     if keep_last is not None:
         prune(directory, keep_last)
     log.info("%scheckpoint of step %d written to %s (%.1f MB)", "just-in-time " if jit else "", step, pt,
              manifest.nbytes / 1e6)
     return CheckpointInfo(path=pt, manifest=manifest)
+
+
+def new_manifest(file: str, *, step: int, epoch: int, world_size: int, sha256: str, nbytes: int,
+                 fingerprint_fields: Mapping[str, Any], jit: bool = False,
+                 files: dict[str, list[Any]] | None = None) -> Manifest:
+    """The manifest of a checkpoint whose data (``file``, in the same directory) is durable."""
+    fields = dict(fingerprint_fields)
+    return Manifest(format=FORMAT, file=file, step=step, epoch=epoch, world_size=world_size, sha256=sha256,
+                    nbytes=nbytes, fingerprint=job_fingerprint(fields), fingerprint_fields=fields,
+                    created_unix=time.time(), jit=jit, files=files)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Commit a checkpoint: write its manifest atomically and make it durable (the data first)."""
+    text = json.dumps(asdict(manifest), indent=1, sort_keys=True).encode()
+    _write_atomically(manifest_path(directory, manifest.step), lambda f: f.write(text))
+    fsync_directory(directory)
+
+
+def write_error(directory: Path, step: int, exc: BaseException) -> CheckpointWriteError:
+    """The one-line error for a failed write of ``step`` (errno kept, earlier checkpoints named)."""
+    if isinstance(exc, OSError):
+        reason = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or str(exc))
+        reason = f"{reason} (errno {exc.errno})"
+    else:
+        reason = f"{exc.__class__.__name__}: {exc}"
+    previous = latest_name(directory, before=step)
+    kept = f"the previous checkpoint {previous} is untouched" if previous else "no earlier checkpoint exists"
+    return CheckpointWriteError(f"could not write the checkpoint of step {step} to {directory}: {reason}; {kept}")
 
 
 def _steps(directory: Path) -> dict[int, set[str]]:
@@ -294,34 +326,42 @@ def _steps(directory: Path) -> dict[int, set[str]]:
 
 def latest_name(directory: Path, *, before: int | None = None) -> str | None:
     """Name of the newest complete-looking checkpoint (``.pt`` and manifest), unverified."""
-    complete = [s for s, kinds in _steps(directory).items() if kinds == {"pt", "json"}]
+    complete = [s for s, kinds in _steps(directory).items() if kinds in _COMPLETE]
     if before is not None:
         complete = [s for s in complete if s < before]
-    return checkpoint_path(directory, max(complete)).name if complete else None
+    return data_path(directory, max(complete)).name if complete else None
 
 
 def prune(directory: Path, keep_last: int) -> None:
     """Delete all but the ``keep_last`` newest complete checkpoints (manifest first, then the
     .pt), and incomplete leftovers older than the oldest one kept."""
     found = _steps(directory)
-    complete = sorted((s for s, kinds in found.items() if kinds == {"pt", "json"}), reverse=True)
+    complete = sorted((s for s, kinds in found.items() if kinds in _COMPLETE), reverse=True)
     if not complete:
         return
     kept = complete[:keep_last]
     for step in found:
-        if step < kept[-1] or (step not in kept and step < kept[0] and found[step] != {"pt", "json"}):
-            for path in (manifest_path(directory, step), checkpoint_path(directory, step)):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+        if step < kept[-1] or (step not in kept and step < kept[0] and found[step] not in _COMPLETE):
+            for path in (manifest_path(directory, step), checkpoint_path(directory, step),
+                         sharded_path(directory, step)):
+                _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a sharded checkpoint's directory; gone already is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def remove_stale_temp_files(directory: str | os.PathLike[str]) -> None:
-    """Delete temp files left by writers that were killed mid-write."""
+    """Delete temp files (and sharded temp directories) left by writers killed mid-write."""
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(directory):
             if _TMP_RE.match(entry.name):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+                _remove(Path(entry.path))
 
 
 # -- one writer per step ---------------------------------------------------------------------------
@@ -419,7 +459,7 @@ def verify(directory: Path, step: int) -> CheckpointInfo:
     Raises:
         CheckpointError: manifest missing or unreadable, file missing, size or sha256 mismatch.
     """
-    pt, js = checkpoint_path(directory, step), manifest_path(directory, step)
+    pt, js = data_path(directory, step), manifest_path(directory, step)
     try:
         manifest = Manifest.from_json(js.read_text())
     except FileNotFoundError:
@@ -428,6 +468,9 @@ def verify(directory: Path, step: int) -> CheckpointInfo:
         raise CheckpointError(f"checkpoint manifest {js} is corrupt ({exc})") from exc
     if manifest.step != step or manifest.file != pt.name:
         raise CheckpointError(f"checkpoint manifest {js} describes {manifest.file}, not {pt.name}")
+    if manifest.sharded:
+        verify_files(pt, manifest.files or {})
+        return CheckpointInfo(path=pt, manifest=manifest)
     try:
         digest, size = _sha256_of(pt)
     except FileNotFoundError:
@@ -437,6 +480,31 @@ def verify(directory: Path, step: int) -> CheckpointInfo:
     if digest != manifest.sha256:
         raise CheckpointError(f"checkpoint {pt} is corrupt: sha256 {digest[:16]}... does not match its manifest")
     return CheckpointInfo(path=pt, manifest=manifest)
+
+
+def verify_files(folder: Path, files: Mapping[str, list[Any]]) -> None:
+    """Check every file of a sharded checkpoint's directory against ``files`` (its manifest's
+    ``{name: [sha256, nbytes]}``); a file the listing lacks is damage too.
+
+    Raises:
+        CheckpointError: a file is missing, extra, truncated or corrupt (the message names it).
+    """
+    try:
+        present = {entry.name for entry in os.scandir(folder) if entry.is_file()}
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder} is missing (its manifest exists)") from None
+    for extra in sorted(present - set(files)):
+        raise CheckpointError(f"checkpoint {folder} holds {extra}, which its manifest does not list")
+    for name, (sha256, nbytes) in sorted(files.items()):
+        path = folder / name
+        try:
+            digest, size = _sha256_of(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {folder} lacks {name} (its manifest lists it)") from None
+        if size != nbytes:
+            raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {size} bytes, manifest says {nbytes}")
+        if digest != sha256:
+            raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 {digest[:16]}... does not match its manifest")
 
 
 def find_latest(directory: str | os.PathLike[str]) -> CheckpointInfo | None:
@@ -464,9 +532,11 @@ def quarantine_newer_than(directory: str | os.PathLike[str], step: int | None) -
     for newer in sorted(_steps(directory)):
         if step is not None and newer <= step:
             continue
-        for path in (checkpoint_path(directory, newer), manifest_path(directory, newer)):
+        for path in (checkpoint_path(directory, newer), sharded_path(directory, newer), manifest_path(directory, newer)):
+            corrupt = path.with_name(path.name + ".corrupt")
+            _remove(corrupt)  # an earlier quarantine of the same step (os.replace cannot replace a directory)
             with contextlib.suppress(FileNotFoundError):
-                os.replace(path, path.with_name(path.name + ".corrupt"))
+                os.replace(path, corrupt)
                 moved.append(path)
     if moved:
         log.warning("set aside damaged checkpoint files as *.corrupt: %s", ", ".join(p.name for p in moved))
@@ -546,17 +616,18 @@ class AsyncCheckpointWriter:
         """The last write ended with an error (:meth:`wait` raises it). Never waits."""
         return self._error is not None and not self.busy
 
-    def submit(self, save: Callable[[], CheckpointInfo]) -> None:
-        """Run ``save`` (usually :func:`save_checkpoint` over a CPU snapshot) in the background."""
+    def submit(self, save: Callable[[], CheckpointInfo | None]) -> None:
+        """Run ``save`` (usually :func:`save_checkpoint` over a CPU snapshot) in the background;
+        ``None``: a part written, the checkpoint committed elsewhere (a sharded save's rank > 0)."""
         self.wait()
         self._thread = threading.Thread(target=self._run, args=(save,), name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def _run(self, save: Callable[[], CheckpointInfo]) -> None:
+    def _run(self, save: Callable[[], CheckpointInfo | None]) -> None:
         started = time.monotonic()
         try:
             self._result = save()
-            if self.on_written is not None:
+            if self.on_written is not None and self._result is not None:
                 self.on_written(self._result, time.monotonic() - started)
         except CheckpointFencedError as exc:  # not a failure: the next checkpoint tries again
             log.warning("%s", exc)
@@ -585,5 +656,5 @@ class AsyncCheckpointWriter:
 
 
 def iter_checkpoints(directory: str | os.PathLike[str]) -> list[int]:
-    """Steps that have a ``.pt`` and a manifest, oldest first (unverified)."""
-    return sorted(s for s, kinds in _steps(Path(directory)).items() if kinds == {"pt", "json"})
+    """Steps that have a ``.pt`` (or ``.dcp``) and a manifest, oldest first (unverified)."""
+    return sorted(s for s, kinds in _steps(Path(directory)).items() if kinds in _COMPLETE)

@@ -26,6 +26,66 @@ class TorchCompatError(RuntimeError):
     """This torch lacks a private API the caller needs."""
 
 
+# -- torch.distributed.checkpoint (worker processes; the sharded checkpoint format) ----------------
+
+DCP_METADATA_CLASSES = frozenset({
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                 "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+"""What DCP's ``.metadata`` pickle may name (``FileSystemWriter.finish`` pickles a ``Metadata``;
+torch 2.13), besides torch dtypes: the allowlist of the restricted unpickler that reads it."""
+
+
+def dcp_host_state_dict(state: dict[str, Any], *, pin_memory: bool) -> dict[str, Any]:
+    """Host buffers shaped like ``state`` (DTensors keep mesh and placements around a host local
+    tensor): ``torch.distributed._state_dict_utils._create_cpu_state_dict`` (private)."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+    return _create_cpu_state_dict(state, pin_memory=pin_memory)
+
+
+def dcp_copy_state_dict(source: dict[str, Any], target: dict[str, Any], *, non_blocking: bool) -> dict[str, Any]:
+    """Copy every tensor of ``source`` into ``target``'s (same structure):
+    ``torch.distributed._state_dict_utils._copy_state_dict`` (private). Returns the copy."""
+    from torch.distributed._state_dict_utils import _copy_state_dict
+
+    return _copy_state_dict(source, target, non_blocking=non_blocking)
+
+
+def dcp_empty_state_dict_planner() -> type:
+    """``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner`` (private): the
+    load planner that rebuilds a whole state dict from a checkpoint's metadata (DCP's own
+    ``dcp_to_torch_save`` uses it)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    return _EmptyStateDictLoadPlanner
+
+
+def dcp_load_whole(state: dict[str, Any], *, storage_reader: Any, planner: Any) -> None:
+    """Fill the empty ``state`` with a whole checkpoint in this process, as DCP's own
+    ``format_utils.dcp_to_torch_save`` does: ``state_dict_loader._load_state_dict`` (private; the
+    public ``load`` fills a copy of the dict it is given, which stays empty here)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(state, storage_reader=storage_reader, planner=planner, no_dist=True)
+
+
+def dcp_set_element(root: Any, path: Any, value: Any) -> None:
+    """``torch.distributed.checkpoint._traverse.set_element`` (private): put ``value`` at
+    ``path`` inside a nested state dict, as ``DefaultLoadPlanner.load_bytes`` does."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
 # -- the elastic agent (launcher process) -------------------------------------------------------
 
 GroupFailureCallback = Callable[[dict[int, Any], int], bool]

@@ -1,0 +1,302 @@
+"""Sharded checkpoints: every rank writes its own shards with torch.distributed.checkpoint (DCP).
+
+    ckpt-000000000100.dcp/    DCP's directory: .metadata and each rank's __<rank>_<n>.distcp
+    ckpt-000000000100.json    the manifest of :mod:`.files`, with ``files`` = {name: [sha256, nbytes]}
+
+A save is collective (every rank at the same step):
+
+1. The previous write must have ended (its host buffers are reused): :meth:`ShardedCheckpointer.save`
+   waits for it and re-raises its error.
+2. Asynchronous (the default): the state is copied into reused host buffers
+   (:class:`~.dcp_io.HostStager`, pinned where CUDA exists) on the training thread; that copy is
+   all the training thread waits for. DCP writes the copy on a background thread over the
+   checkpoint's own gloo group, into the hidden ``.ckpt-<S>.dcp.tmp-<token>``.
+3. Rank 0, once DCP's save returned (every rank's shards and ``.metadata`` are durable), hashes the
+   files, asks the commit fence, renames the directory into place and writes the manifest. A
+   checkpoint counts only once its manifest is committed and every file matches it; a crash at
+   any point leaves the new checkpoint complete or absent and earlier ones untouched.
+
+Loading is collective too: DCP reads into the live state dict (DTensors of the current mesh), so a
+checkpoint written at N ranks loads at M: resharding is DCP's planner. Choosing which checkpoint,
+fallback past a damaged one, fingerprints, quarantine and pruning are those of :mod:`.files`, for
+both formats. Design: ``docs/design/sharded.md``.
+
+    elastic-trainer checkpoint export ./ckpt model.pt    # one plain file, weights_only=True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint.dcp_io import (
+    METADATA_FILE,
+    HostStager,
+    SafeEmptyLoadPlanner,
+    SafeLoadPlanner,
+    SafeReader,
+    checkpoint_group,
+    read_metadata,
+)
+from elastic_trainer.runtime import torch_compat
+from elastic_trainer.runtime.atomic_files import atomic_file, fsync_directory
+
+log = logging.getLogger(__name__)
+
+
+def temp_path(directory: str | os.PathLike[str], step: int, token: int) -> Path:
+    """The hidden directory DCP writes ``step``'s shards into before the commit; ``token`` is the
+    same on every rank of one group and differs between groups (a restart's count)."""
+    return Path(directory) / f".ckpt-{step:012d}.dcp.tmp-{token}"
+
+
+def _restart_token() -> int:
+    """torchrun's restart count: equal on the ranks of a group, new for each group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class ShardedCheckpointer:
+    """Writes (and loads) the sharded checkpoints of one job; every method is collective.
+
+    Args:
+        directory: the checkpoint directory every rank shares.
+        rank: this rank (rank 0 commits).
+        world_size: recorded in the manifest.
+        fingerprint_fields: what identifies the job (see :func:`.files.check_fingerprint`).
+        keep_last: checkpoints kept after a commit (``None``: prune nothing).
+        fence: asked right before a commit (see :func:`.files.save_checkpoint`).
+        group: the process group of the checkpoint's collectives; by default a new gloo group of
+            all ranks (collective: every rank constructs its checkpointer at the same point).
+        token: names the temporary directory; by default torchrun's restart count.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        rank: int,
+        world_size: int,
+        fingerprint_fields: Mapping[str, Any],
+        keep_last: int | None,
+        fence: ckpt.CommitFence | None = None,
+        group: Any = None,
+        token: int | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.rank = rank
+        self.world_size = world_size
+        self.fingerprint_fields = dict(fingerprint_fields)
+        self.keep_last = keep_last
+        self.fence = fence
+        self.group = group if group is not None else checkpoint_group()
+        self.token = _restart_token() if token is None else token
+        self.stager = HostStager()
+        self.writer = ckpt.AsyncCheckpointWriter()
+
+    @property
+    def busy(self) -> bool:
+        """A background write is in flight."""
+        return self.writer.busy
+
+    def save(self, state: dict[str, Any], *, step: int, epoch: int, sync: bool = False,
+             jit: bool = False) -> ckpt.CheckpointInfo | None:
+        """Write ``state`` (a DCP state dict: DTensors, tensors, plain data) as ``step``'s checkpoint.
+
+        ``sync=False`` returns once the state is staged; :meth:`wait` (or the next save) reports
+        the write. ``sync=True`` returns when it is committed: the checkpoint on rank 0, ``None``
+        elsewhere.
+
+        Raises:
+            CheckpointWriteError: this write (``sync``) or the previous background write failed.
+            CheckpointFencedError: (``sync``, rank 0) the fence refused the commit.
+        """
+        self.writer.wait()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = temp_path(self.directory, step, self.token)
+        if sync:
+            return self._write(state, tmp, step=step, epoch=epoch, jit=jit)
+        staged = self.stager.stage(state)
+        self.writer.submit(lambda: self._write(staged, tmp, step=step, epoch=epoch, jit=jit))
+        return None
+
+    def wait(self, timeout: float | None = None) -> ckpt.CheckpointInfo | None:
+        """Wait for the background write; re-raise its error (see ``AsyncCheckpointWriter.wait``)."""
+        return self.writer.wait(timeout)
+
+    def _write(self, state: dict[str, Any], tmp: Path, *, step: int, epoch: int,
+               jit: bool) -> ckpt.CheckpointInfo | None:
+        try:
+            metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=True),
+                                process_group=self.group)
+        except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+            raise ckpt.write_error(self.directory, step, exc) from exc
+        if self.rank != 0:
+            return None
+        return commit(self.directory, tmp, metadata, step=step, epoch=epoch, world_size=self.world_size,
+                      fingerprint_fields=self.fingerprint_fields, keep_last=self.keep_last, jit=jit,
+                      fence=self.fence)
+
+    def load(self, info: ckpt.CheckpointInfo, state: dict[str, Any]) -> None:
+        """Read ``info``'s checkpoint into ``state`` in place, resharded onto ``state``'s DTensors."""
+        load_into(info.path, state, group=self.group)
+
+
+def _listing(folder: Path, metadata: Metadata) -> dict[str, list[Any]]:
+    """``{name: [sha256, nbytes]}`` of the files DCP wrote (its metadata names them); anything
+    else in ``folder`` (an earlier attempt's) is deleted."""
+    wanted = {METADATA_FILE} | {str(getattr(info, "relative_path", "")) for info in (metadata.storage_data or {}).values()}
+    listing: dict[str, list[Any]] = {}
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name not in wanted:
+            os.unlink(entry.path)
+            continue
+        digest, size = hashlib.sha256(), 0
+        with open(entry.path, "rb") as file:
+            while chunk := file.read(8 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+        listing[entry.name] = [digest.hexdigest(), size]
+    missing = wanted - set(listing)
+    if missing:
+        raise FileNotFoundError(f"DCP reported files that are not in {folder}: {sorted(missing)}")
+    return listing
+
+
+def commit(directory: Path, tmp: Path, metadata: Metadata, *, step: int, epoch: int, world_size: int,
+           fingerprint_fields: Mapping[str, Any], keep_last: int | None, jit: bool = False,
+           fence: ckpt.CommitFence | None = None) -> ckpt.CheckpointInfo:
+    """(Rank 0) make the DCP directory ``tmp`` the committed checkpoint of ``step``.
+
+    Raises:
+        CheckpointFencedError: ``fence`` refused; ``tmp`` is removed, nothing else changed.
+        CheckpointWriteError: hashing, renaming or the manifest failed; earlier checkpoints stand.
+    """
+    final = ckpt.sharded_path(directory, step)
+    try:
+        listing = _listing(tmp, metadata)
+        refused = fence() if fence is not None else None
+        if refused is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ckpt.CheckpointFencedError(f"the checkpoint of step {step} was not committed: {refused}")
+        if ckpt.manifest_path(directory, step).exists():
+            # Committed already (a just-in-time writer got there first): keep that one.
+            shutil.rmtree(tmp, ignore_errors=True)
+            return ckpt.verify(directory, step)
+        if final.exists():
+            shutil.rmtree(final)  # a directory without a manifest is an interrupted commit
+        os.replace(tmp, final)
+        fsync_directory(directory)
+        text = json.dumps(listing, sort_keys=True).encode()
+        manifest = ckpt.new_manifest(final.name, step=step, epoch=epoch, world_size=world_size,
+                                     sha256=hashlib.sha256(text).hexdigest(),
+                                     nbytes=sum(size for _, size in listing.values()),
+                                     fingerprint_fields=fingerprint_fields, jit=jit, files=listing)
+        ckpt.write_manifest(directory, manifest)
+    except ckpt.CheckpointError:
+        raise
+    except Exception as exc:
+        raise ckpt.write_error(directory, step, exc) from exc
+    if keep_last is not None:
+        ckpt.prune(directory, keep_last)
+    log.info("%ssharded checkpoint of step %d written to %s (%d files, %.1f MB)", "just-in-time " if jit else "",
+             step, final, len(listing), manifest.nbytes / 1e6)
+    return ckpt.CheckpointInfo(path=final, manifest=manifest)
+
+
+def load_into(folder: Path, state: dict[str, Any], *, group: Any = None) -> None:
+    """Collective: read the DCP directory ``folder`` into ``state`` in place (resharded).
+
+    Raises:
+        CheckpointError: the checkpoint does not load (the message names it and says why).
+    """
+    try:
+        dcp.load(state, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(), process_group=group)
+    except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+        raise ckpt.CheckpointError(f"sharded checkpoint {folder} does not load: {_reason(exc)}") from exc
+
+
+def _reason(exc: BaseException) -> str:
+    """One line out of DCP's ``CheckpointException`` (which lists every rank's traceback)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, error = next(iter(sorted(failures.items(), key=lambda item: item[0])))
+        inner = error[0] if isinstance(error, tuple) else error
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def read_full(folder: Path) -> dict[str, Any]:
+    """The whole state of the DCP directory ``folder`` as plain tensors and data, in this process
+    (no process group; as much memory as the checkpoint).
+
+    Raises:
+        CheckpointError: it does not load (unsafe content included).
+    """
+    state: dict[str, Any] = {}
+    try:
+        torch_compat.dcp_load_whole(state, storage_reader=SafeReader(folder), planner=SafeEmptyLoadPlanner())
+    except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+        raise ckpt.CheckpointError(f"sharded checkpoint {folder} does not load: {_reason(exc)}") from exc
+    return state
+
+
+def describe(folder: Path) -> dict[str, dict[str, int]]:
+    """Tensors and bytes per top-level entry (``model``, ``optimizer``, ...) from the metadata
+    alone, without reading a shard.
+
+    Raises:
+        CheckpointError: the metadata is missing or unsafe.
+    """
+    try:
+        metadata = read_metadata(folder)
+    except (OSError, pickle.UnpicklingError) as exc:
+        raise ckpt.CheckpointError(f"sharded checkpoint {folder}: metadata unreadable ({exc})") from exc
+    entries: dict[str, dict[str, int]] = {}
+    planner_data = metadata.planner_data or {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        path = planner_data.get(fqn) or (fqn.split(".", 1)[0],)
+        entry = entries.setdefault(str(path[0]), {"tensors": 0, "bytes": 0, "elements": 0})
+        if not isinstance(item, TensorStorageMetadata):  # plain data, saved as bytes
+            continue
+        numel = 1
+        for dim in item.size:
+            numel *= int(dim)
+        entry["tensors"] += 1
+        entry["elements"] += numel
+        entry["bytes"] += numel * torch.empty((), dtype=item.properties.dtype).element_size()
+    return entries
+
+
+def export(info: ckpt.CheckpointInfo, out: Path) -> dict[str, Any]:
+    """Write ``info``'s checkpoint (either format) to ``out`` as one plain ``torch.save`` file that
+    ``torch.load(out, weights_only=True)`` opens, the same layout as a single-file checkpoint
+    (``["model"]`` is a full, unsharded state dict). Atomic: ``out`` appears complete or not at all.
+
+    Raises:
+        CheckpointError: the checkpoint does not load.
+        OSError: ``out`` cannot be written.
+    """
+    started = time.monotonic()
+    if info.manifest.sharded:
+        state = read_full(info.path)
+    else:
+        state = ckpt.load_checkpoint(info.path, torch.device("cpu"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out, durable=True) as file:
+        torch.save(state, file)
+    return {"source": str(info.path), "out": str(out), "step": info.step, "bytes": out.stat().st_size,
+            "seconds": round(time.monotonic() - started, 3)}
