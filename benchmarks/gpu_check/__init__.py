@@ -5,8 +5,9 @@
 
 The shell script installs what the GPU node lacks from carried wheels (``scripts/gpu-wheels.sh``;
 never torch: the node's CUDA build is used as it is) and runs ``python -m benchmarks.gpu_check``.
-That runs each step of :data:`~benchmarks.gpu_check.plan.STEPS` (the ``gpu``-marked tests and the
-benchmarks whose commands ``benchmarks/RESULTS.md`` records) under its own time limit, parses
+That checks the node (:mod:`.node`), runs each step of :data:`~benchmarks.gpu_check.plan.STEPS`
+(the ``gpu``-marked tests and the benchmarks whose commands ``benchmarks/RESULTS.md`` records)
+under its own time limit (:mod:`.runner`), parses
 each step's output (:mod:`.parsers`), and ends with one table: claim, CPU figure (from RESULTS.md),
 GPU figure, target, pass/fail (:mod:`.report`). ``OUT`` receives ``table.md``, ``results.json``
 and one raw log per step. The exit status is non-zero when a target is missed or a step fails;

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_check import __main__ as gpu_check
-from benchmarks.gpu_check import parsers, report
+from benchmarks.gpu_check import node, parsers, report, runner
 from benchmarks.gpu_check.plan import PLAN, Claim, Plan, Step, Target
 from benchmarks.gpu_check.runner import StepResult
 
@@ -187,7 +187,7 @@ def test_a_step_is_killed_at_its_limit_with_what_it_spawned(tmp_path: Path) -> N
             "time.sleep(60)\n")  # fmt: skip
     plan = Plan(steps=(_python_step("slow", code, limit_s=2),), claims=(), budget_s=60, dry_budget_s=60)
     started = time.monotonic()
-    results = gpu_check.run_plan(plan, out=tmp_path, dry_run=True, gpus=0, only=(), env=os.environ)
+    results = runner.run_plan(plan, out=tmp_path, dry_run=True, gpus=0, only=(), env=os.environ)
     elapsed = time.monotonic() - started
     result = results["slow"]
     assert result.status == "timed out" and result.reason == "killed at its 2 s limit", result
@@ -205,12 +205,12 @@ def test_no_step_starts_past_the_budget_and_too_few_gpus_skip_outside_a_dry_run(
                        _python_step("second", "print(1.0)"),
                        _python_step("two_gpus", "print(1.0)", min_gpus=2)),
                 claims=(), budget_s=60, dry_budget_s=60)  # fmt: skip
-    results = gpu_check.run_plan(plan, out=tmp_path, dry_run=False, gpus=1, only=(), env=os.environ,
+    results = runner.run_plan(plan, out=tmp_path, dry_run=False, gpus=1, only=(), env=os.environ,
                                  budget_s=12.5)  # fmt: skip
     assert results["first"].status == "timed out" and results["first"].limit_s <= 2.5
     assert results["second"].status == "timed out" and "budget is spent" in results["second"].reason
     assert results["two_gpus"].status == "skipped" and results["two_gpus"].reason == "needs 2 GPUs, 1 visible"
-    dry = gpu_check.run_plan(plan, out=tmp_path, dry_run=True, gpus=0, only=("two_gpus",), env=os.environ)
+    dry = runner.run_plan(plan, out=tmp_path, dry_run=True, gpus=0, only=("two_gpus",), env=os.environ)
     assert list(dry) == ["two_gpus"] and dry["two_gpus"].status == "ok"  # the dry run runs every step
 
 
@@ -221,7 +221,7 @@ def test_a_failed_exit_or_an_unreadable_output_is_a_failed_step(tmp_path: Path) 
     plan = Plan(steps=(_python_step("crash", "import sys; print('boom'); sys.exit(3)"),
                        _python_step("garbled", "print('x')", parse=never)),
                 claims=(), budget_s=60, dry_budget_s=60)  # fmt: skip
-    results = gpu_check.run_plan(plan, out=tmp_path, dry_run=True, gpus=0, only=(), env=os.environ)
+    results = runner.run_plan(plan, out=tmp_path, dry_run=True, gpus=0, only=(), env=os.environ)
     assert (results["crash"].status, results["crash"].reason) == ("failed", "exit 3: boom")
     assert (results["garbled"].status, results["garbled"].reason) == ("failed", "no '| defaults |' row in the output")
 
@@ -235,8 +235,8 @@ def test_main_writes_the_table_and_exits_1_on_a_missed_target_but_not_in_a_dry_r
                 budget_s=60, dry_budget_s=60)  # fmt: skip
     assert gpu_check.main(["--dry-run", str(tmp_path / "dry")], plan=plan) == 0
     assert "| half | n/a | 0.5 | >= 0.99 | fail |" in (tmp_path / "dry" / "table.md").read_text()
-    monkeypatch.setattr(gpu_check, "missing_on_node", lambda: [])
-    monkeypatch.setattr(gpu_check, "probe_gpus", lambda env: {"gpus": 1, "names": ["GPU"], "torch": "t", "cuda": "c"})
+    monkeypatch.setattr(node, "missing_on_node", lambda: [])
+    monkeypatch.setattr(node, "probe_gpus", lambda env: {"gpus": 1, "names": ["GPU"], "torch": "t", "cuda": "c"})
     assert gpu_check.main([str(tmp_path / "gpu")], plan=plan) == 1
     results = json.loads((tmp_path / "gpu" / "results.json").read_text())
     assert [r["verdict"] for r in results["rows"]] == ["fail", "not built yet"]
