@@ -123,9 +123,7 @@ def inspect_checkpoint(target: str) -> dict[str, Any]:
         "epoch": data.get("epoch"),
         "world_size": data.get("world_size"),
         "entries": entries,
-        "model_parameters": sum(
-            v.numel() for v in data["model"].values() if isinstance(v, torch.Tensor)
-        ),
+        "model_parameters": count_parameters(data["model"]),
     }
 
 
@@ -181,3 +179,19 @@ def export_checkpoint(target: str, out_text: str) -> dict[str, Any]:
         raise UserError(str(exc)) from exc
     except OSError as exc:
         raise UserError(f"export target {out_text}: {exc.strerror or exc}") from exc
+
+
+def count_parameters(model_state: dict[str, Any]) -> int:
+    """Elements of a model state's tensors, each tensor once: tied weights (one tensor under two
+    keys, e.g. an embedding and an output layer) share their storage in the checkpoint."""
+    seen: set[tuple[Any, ...]] = set()
+    total = 0
+    for value in model_state.values():
+        if not isinstance(value, torch.Tensor):
+            continue
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += value.numel()
+    return total

@@ -40,11 +40,16 @@ class StagingBuffers:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.allocations = 0
         """Buffers allocated so far (a reused layout allocates none)."""
+        self._seen: dict[tuple[Any, ...], torch.Tensor] = {}  # one stage's tensors by storage (aliases)
 
     def stage(self, payload: Any) -> StagedState:
-        """Copy every tensor of ``payload`` (nested dicts, lists, tuples) into its buffer."""
+        """Copy every tensor of ``payload`` (nested dicts, lists, tuples) into its buffer. A tensor
+        that appears under several keys (tied weights) is copied once and stays one tensor, as
+        ``torch.save`` of the live state would keep it."""
         nbytes = [0]
+        self._seen = {}
         copied = self._copy(payload, (), nbytes)
+        self._seen = {}
         event = None
         if self._pin:
             event = torch.cuda.Event()
@@ -54,6 +59,10 @@ class StagingBuffers:
     def _copy(self, obj: Any, path: tuple[Any, ...], nbytes: list[int]) -> Any:
         if isinstance(obj, torch.Tensor):
             source = obj.detach()
+            alias = (source.device, source.untyped_storage().data_ptr(), source.storage_offset(), source.shape,
+                     source.stride(), source.dtype)
+            if alias in self._seen:
+                return self._seen[alias]
             buffer = self._buffers.get(path)
             if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
                 buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
@@ -62,6 +71,7 @@ class StagingBuffers:
                 self.allocations += 1
             buffer.copy_(source, non_blocking=source.is_cuda)
             nbytes[0] += buffer.numel() * buffer.element_size()
+            self._seen[alias] = buffer
             return buffer
         if isinstance(obj, dict):
             return {key: self._copy(value, (*path, key), nbytes) for key, value in obj.items()}

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.heal.group import HealableGroup
-from elastic_trainer.heal.membership import HealTimeoutError, Membership
+from elastic_trainer.heal.membership import HealTimeoutError, Membership, RoundStopped
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRules
 from elastic_trainer.heal.state_transfer import share_state
 from elastic_trainer.runtime.abortable import ABORT_MARKER, WAITS
@@ -79,6 +79,10 @@ class HealError(RuntimeError):
     """The group could not be healed in place (the process exits; its launcher takes over)."""
 
 
+class HealStopped(HealError):
+    """This process was asked to stop (a signal) while it healed: it saves and exits instead."""
+
+
 class GroupAborted(RuntimeError):
     """Raised by the training thread at a step boundary when a round is open (a group of one
     rank has no connection whose end would tell it)."""
@@ -107,6 +111,18 @@ def is_group_failure(exc: BaseException) -> bool:
         text = str(exc)
         return any(marker in text for marker in _GROUP_FAILURE_MARKERS)
     return False
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line in plain words for a group failure, the reason a heal round carries: a transport
+    error (gloo's ``[.../pair.cc:537] Read error ...``) says that a peer is gone, not where in
+    gloo that was noticed; the node that knows the root cause reports it (``describe_heal``)."""
+    text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    if isinstance(exc, GroupAborted) or ABORT_MARKER in text:
+        return text
+    if is_group_failure(exc):
+        return "a collective failed: a peer's connection closed (its process or node died)"
+    return text
 
 
 class Healer:
@@ -144,6 +160,9 @@ class Healer:
         self._side_group: Any = None
         self._group_aborted = False
         self._training_thread: int | None = None  # native id, for the stop watch's CPU clock
+        self.stop_requested: Callable[[], bool] | None = None
+        """True once this process got a stop signal: a heal round in progress is left
+        (:class:`HealStopped`) so that it saves and exits within its grace (the trainer sets it)."""
         self.busy_probe: Callable[[], bool] | None = None
         """True while the training thread waits on work that is no hang (a checkpoint write):
         the stop watch does not count that as idle (the trainer sets it)."""
@@ -282,7 +301,9 @@ class Healer:
                 if not self.membership.round_open(number):
                     self.membership.open_round(number, reason)
                 self.membership.answer(number, Join(self.member, ready=True, step=step))
-                epoch = self.membership.settle(number, deadline=deadline, reason=reason)
+                epoch = self.membership.settle(number, deadline=deadline, reason=reason, stop=self.stop_requested)
+            except RoundStopped as exc:
+                raise HealStopped(str(exc)) from exc
             except HealTimeoutError as exc:
                 raise HealError(f"healing in place failed: {exc}") from exc
             rank = epoch.rank_of(self.member.id)
@@ -515,12 +536,13 @@ class Healer:
                           str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     # -- the end -------------------------------------------------------------------------------------
-    def finish(self, env: DistEnv) -> None:
-        """Training ended (rank 0 marks the run finished: spares and late joiners stop)."""
+    def finish(self, env: DistEnv, step: int | None = None) -> None:
+        """Training ended at ``step`` (rank 0 marks the run finished: spares and late joiners
+        stop, and ``status`` says so)."""
         self._set_phase("finished")  # a round opened now (a node leaving) is no reason to abort
         if env.rank == 0:
             try:
-                self.membership.finish()
+                self.membership.finish(step)
             except Exception as exc:  # noqa: BLE001 - the job is done; a stale record only delays spares
                 log.warning("heal: could not mark the run finished: %s", exc)
 

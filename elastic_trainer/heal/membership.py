@@ -48,6 +48,10 @@ class HealTimeoutError(TimeoutError):
     """A round did not close within its deadline."""
 
 
+class RoundStopped(RuntimeError):
+    """The waiting process was asked to stop (a signal) before the round closed."""
+
+
 @dataclass(frozen=True, slots=True)
 class HealKeys:
     """The etcd keys of one job's in-place healing."""
@@ -212,28 +216,33 @@ class Membership:
         etcd_ops.transaction(conn, [etcd_ops.absent(conn, key)], [etcd_ops.put(conn, key, join.encode())],
                              what="answering a heal round", deadline=2.0)
 
-    def finish(self) -> None:
-        """Mark the run finished (training ended): spares and late joiners stop waiting."""
+    def finish(self, step: int | None = None) -> None:
+        """Mark the run finished (training ended, at ``step`` if given: the finished epoch's
+        ``step`` is then the last one): spares and late joiners stop waiting."""
         while True:
             with self._lock:
                 current, revision = self._epoch, self._epoch_revision
             if current is None or current.finished:
                 return
-            done = Epoch(number=current.number, members=current.members, step=current.step, source=current.source,
+            done = Epoch(number=current.number, members=current.members,
+                         step=current.step if step is None else step, source=current.source,
                          started_unix=current.started_unix, reason=current.reason, finished=True)
             if self._swap_epoch(done, revision):
                 return
             self._resync()
 
-    def settle(self, number: int, *, deadline: float, reason: str) -> Epoch:
+    def settle(self, number: int, *, deadline: float, reason: str, stop: Callable[[], bool] | None = None) -> Epoch:
         """Wait until epoch ``number`` (or a later one) exists, closing round ``number`` ourselves
         when the rules allow. Returns the epoch.
 
         Raises:
             HealTimeoutError: not formed by ``deadline`` (``time.monotonic()``).
+            RoundStopped: ``stop()`` turned true first (checked at least every 50 ms).
         """
         last_note = 0.0
         while True:
+            if stop is not None and stop():
+                raise RoundStopped(f"stopped by a signal while round {number} was forming")
             with self._lock:
                 epoch = self._epoch
                 if epoch is not None and epoch.number >= number:

@@ -101,10 +101,16 @@ class AgentMetrics:
         with self._lock:
             self._restarts += 1
 
-    def healed(self) -> None:
-        """The job's workers healed in place (a new epoch, no restart; ``elastic_trainer.launch.in_place``)."""
+    def healed(self, nodes: int | None = None) -> None:
+        """The job's workers healed in place (a new epoch, no restart; ``elastic_trainer.launch.in_place``)
+        into ``nodes`` nodes: a node lost or joined changes the membership as a new round would."""
         with self._lock:
             self._heals += 1
+            if nodes is None:
+                return
+            if self._nodes is not None and nodes != self._nodes:
+                self._membership_changes += 1
+            self._nodes = nodes
 
     def set_remaining_restarts(self, remaining: int) -> None:
         with self._lock:

@@ -406,6 +406,12 @@ _HANDLERS: weakref.WeakSet[InPlaceRendezvousHandler] = weakref.WeakSet()
 """The handlers :func:`register_backend`'s factory made in this process (for :func:`leave_all`)."""
 
 
+def job_heals_now() -> bool:
+    """Whether a handler of this process sees its job healing in place (an epoch written by the
+    workers, not finished): a killed worker is then replaced, not its group restarted."""
+    return any(handler._heals and not handler._finished for handler in list(_HANDLERS))
+
+
 def leave_all() -> None:
     """Every handler of this process leaves its run (see :meth:`InPlaceRendezvousHandler.leave`);
     the launcher calls it before it stops its embedded etcd. Never raises."""

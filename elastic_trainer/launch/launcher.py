@@ -281,6 +281,7 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
 
             cleanup.callback(leave_all)  # before etcd stops: a SIGTERM ends run() without a shutdown
             cleanup.callback(without_exit_barrier())
+            _replace_killed_workers(cleanup, warm)
         args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args,
                                                           in_place_backend=options.heal == "in_place"))
         code = 1
@@ -330,6 +331,42 @@ def _run_agent(args: Any, options: RunOptions, run_id: str, verdicts: list[Failu
         log.error("rendezvous of run %r failed: %s", run_id, exc)
         return 1
     return 0
+
+
+def _replace_killed_workers(cleanup: contextlib.ExitStack, warm: WarmStartServer | None) -> None:
+    """A worker's process tree is one unit: when the agent's own child (a warm-start client, or a
+    cold worker) dies of a signal while the job heals in place, start a replacement that joins its
+    peers, as the client does when its worker dies, instead of letting the agent restart the
+    node's whole group (its live workers would lose their state). A signal the agent sends while
+    it stops its workers is marked (the warm server's stopping file), so it ends them for good."""
+    import collections
+
+    from elastic_trainer.launch.in_place import job_heals_now
+    from elastic_trainer.launch.warm_start import MAX_REPLACEMENTS, STOPPING_FILE_ENV, record_death
+    from elastic_trainer.runtime.settings import ENV_HEAL_JOIN
+    from elastic_trainer.runtime.torch_compat import around_worker_stops, replace_failed_workers
+
+    replaced: collections.Counter[int] = collections.Counter()
+
+    def decide(local_rank: int, pid: int, code: int) -> dict[str, str] | None:
+        if code >= 0 or replaced[local_rank] >= MAX_REPLACEMENTS or not job_heals_now():
+            return None
+        replaced[local_rank] += 1
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        death = f"local worker {local_rank} (pid {pid}) died of {name}"
+        log.warning("%s; starting a replacement that joins its peers in place", death)
+        if warm is not None:
+            record_death(warm.directory, death)
+        return {ENV_HEAL_JOIN: "1"}
+
+    cleanup.callback(replace_failed_workers(decide))
+    if warm is not None:
+        os.environ[STOPPING_FILE_ENV] = str(warm.stopping_file)
+        cleanup.callback(os.environ.pop, STOPPING_FILE_ENV, None)
+        cleanup.callback(around_worker_stops(warm.agent_stopping))
 
 
 def _heal_in_place(options: RunOptions, endpoint: str, nproc: int, *, node: str | None,
@@ -426,7 +463,7 @@ def _report_heals(warm: WarmStartServer | None, metrics: LauncherMetrics | None,
 
     def on_heal(epoch: Epoch, lost_nodes: Sequence[str]) -> None:
         if metrics is not None:
-            metrics.agent_metrics.healed()
+            metrics.agent_metrics.healed(nodes=len({member.slot.rsplit("/", 1)[0] for member in epoch.members}))
         causes = [*(take_deaths(warm.directory) if warm is not None else []), *lost_nodes]
         line = describe_heal(epoch, causes)
         log.warning("%s", line)

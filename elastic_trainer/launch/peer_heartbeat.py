@@ -126,7 +126,7 @@ class PeerHeartbeats:
         self._lingering: dict[str, tuple[tuple[Any, ...], float]] = {}  # former targets, until when
         self._heard: dict[str, float] = {}
         self._reported: set[str] = set()
-        self._watching_since: float | None = None
+        self._known_since: dict[str, float] = {}
         self._warned_blocked = False
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-heartbeats", daemon=True)
@@ -158,8 +158,8 @@ class PeerHeartbeats:
             self._heard = {name: (now if name in watch and name not in watched else at)
                            for name, at in self._heard.items() if name in parsed}
             self._reported &= set(parsed)
-            if parsed and self._watching_since is None:
-                self._watching_since = now
+            # When each peer became known: a newcomer has had no time to send yet.
+            self._known_since = {name: self._known_since.get(name, now) for name in parsed}
 
     def still_silent(self, node: str) -> bool:
         """Whether ``node`` has not been heard for ``silent_after_s`` (a report is still true)."""
@@ -238,8 +238,8 @@ class PeerHeartbeats:
                 if last is not None and now - last > self.silent_after_s and name not in self._reported:
                     self._reported.add(name)
                     silent.append(name)
-            never = (watch and not any(name in self._heard for name in watch) and self._watching_since is not None
-                     and now - self._watching_since > NEVER_HEARD_WARNING_S)
+            never = (watch and not any(name in self._heard for name in watch)
+                     and all(now - self._known_since.get(name, now) > NEVER_HEARD_WARNING_S for name in watch))
         if never and not self._warned_blocked:
             self._warned_blocked = True
             log.warning("heartbeats: nothing heard from nodes %s in %.0f s (UDP blocked between nodes?); a lost "

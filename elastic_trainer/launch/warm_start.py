@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -424,6 +424,22 @@ class WarmStartServer:
     def socket_path(self) -> Path:
         return self.directory / SOCKET_NAME
 
+    @property
+    def stopping_file(self) -> Path:
+        """Exists while the agent stops its workers (:meth:`agent_stopping`)."""
+        return self.directory / STOPPING_NAME
+
+    @contextlib.contextmanager
+    def agent_stopping(self) -> Iterator[None]:
+        """Mark the agent's stop of its workers: their signals are the launcher's, not a kill."""
+        with contextlib.suppress(OSError):
+            self.stopping_file.touch()
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                self.stopping_file.unlink()
+
     def client_args(self, target_args: Sequence[str]) -> list[str]:
         """torchrun's ``-m MODULE ARGS`` for a worker: the client, then the real target."""
         return ["-m", __name__, "--socket", str(self.socket_path), "--", *target_args]
@@ -513,9 +529,10 @@ HEAL_ENV, HEAL_JOIN_ENV, HEAL_MARKER_ENV = "ELASTIC_TRAINER_HEAL", "ELASTIC_TRAI
 """(``elastic_trainer.runtime.settings``'s names; this client imports nothing of the runtime.)"""
 HEALS_DIR = "heals"
 """Under the server's directory: a worker that heals in place creates ``heals/<client pid>``."""
-REPLACED_ON = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
-"""Deaths after which a worker that heals in place is replaced at once: it was killed or crashed,
-and its peers carry on without it (a stop signal, an exit status or an exception is the agent's)."""
+STOPPING_NAME = "agent-stopping"
+"""Under the server's directory: exists while the launcher's agent stops its workers."""
+STOPPING_FILE_ENV = "ELASTIC_TRAINER_STOPPING_FILE"
+"""(``elastic_trainer.runtime.signals.STOPPING_FILE_ENV``; this client imports nothing of the runtime.)"""
 MAX_REPLACEMENTS = 100
 """Replacements one client starts at most (a worker that dies at every start is the agent's)."""
 DEATHS_DIR = "deaths"
@@ -554,8 +571,10 @@ def _fork_worker(sock_path: Path, target_args: Sequence[str], env: dict[str, str
 def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
     """Have the warm server fork the worker, stand in for it, return (or die with) its status.
 
-    When the job heals in place, a worker killed by a signal (SIGKILL, a crash) is replaced by a
-    new one that joins its running peers; the agent sees nothing (it would restart every worker).
+    When the job heals in place, a worker that died of a signal (SIGKILL, a crash, a SIGTERM not
+    sent by the launcher) is replaced by a new one that joins its running peers; the agent sees
+    nothing (it would restart every worker). A signal the launcher's agent sends while it stops
+    its workers (:data:`STOPPING_NAME` exists) is passed on and ends the worker for good.
     Only a worker that said it heals in place (it created its marker file: the Trainer does; a
     script with its own loop does not) is replaced."""
     env = dict(os.environ)
@@ -567,9 +586,14 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
         _start_cold(target_args, str(exc) or type(exc).__name__)
     current = [worker_pid]
     stopping = [False]
+    stopping_file = env.get(STOPPING_FILE_ENV)
 
     def forward(signum: int, _frame: object) -> None:
-        stopping[0] = True
+        # The launcher's stop (its file exists) ends the worker for good; any other signal is a
+        # kill of this process tree: the worker, if it heals in place, ends like a crash and is
+        # replaced below (see elastic_trainer.runtime.signals.lone_signal).
+        if not stopping_file or os.path.exists(stopping_file):
+            stopping[0] = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(current[0], signum)
 
@@ -585,8 +609,7 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
             return 1
         sock.close()
         heals = env.get(HEAL_ENV, "").strip().lower() in ("in_place", "1") and marker.exists()
-        if (heals and returncode < 0 and -returncode in REPLACED_ON and not stopping[0]
-                and replacements < MAX_REPLACEMENTS):
+        if heals and returncode < 0 and not stopping[0] and replacements < MAX_REPLACEMENTS:
             replacements += 1
             death = f"local worker {env.get('LOCAL_RANK', '?')} (pid {current[0]}) died of {signal.Signals(-returncode).name}"
             print(f"elastic-trainer: {death}; starting a replacement that joins its peers in place",

@@ -181,6 +181,28 @@ def describe_progress(
     return progress, last_error
 
 
+def describe_heal_epoch(raw: bytes | None) -> dict[str, Any] | None:
+    """A JSON-ready view of a job's in-place membership (``elastic_trainer.heal``): after its
+    first rendezvous the members and their ranks are the workers' epochs, not the rendezvous
+    round's (which stays as torch left it). ``None``: no epoch, or an unreadable one."""
+    from elastic_trainer.heal.protocol import NO_STATE, Epoch, ProtocolError
+
+    if raw is None:
+        return None
+    try:
+        epoch = Epoch.decode(raw)
+    except ProtocolError:
+        return None
+    members = []
+    for rank, member in enumerate(epoch.members):
+        node, _, local_rank = member.slot.rpartition("/")
+        pid = member.id.split("/")[-1].split("-")[0]
+        members.append({"rank": rank, "node": node, "local_rank": int(local_rank) if local_rank.isdigit() else None,
+                        "pid": int(pid) if pid.isdigit() else None})
+    return {"epoch": epoch.number, "finished": epoch.finished, "step": None if epoch.step == NO_STATE else epoch.step,
+            "world_size": epoch.world_size, "reason": epoch.reason, "members": members}
+
+
 def _rounded(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -217,6 +239,7 @@ def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoin
             if lease_view is None:
                 found = EtcdV3RendezvousBackend(connection, run_id, key_prefix=keys.key_prefix).get_state()
             record, error = read_progress(connection, progress_keys)
+            heal = describe_heal_epoch(_read_heal_epoch(connection, run_id))
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     except (RendezvousConnectionError, RendezvousStateError) as exc:
@@ -233,16 +256,35 @@ def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoin
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
             raise UserError(f"the rendezvous state of {run_id!r} is unreadable: {exc}") from exc
         report.update(describe_state(state, datetime.now(timezone.utc)))
+    report["heal"] = heal
+    report["finished_at_step"] = heal["step"] if heal is not None and heal["finished"] else None
     report["progress"], report["last_error"] = describe_progress(record, error, time.time())
     if checkpoint_dir is not None:
         report["checkpoint"] = newest_checkpoint(checkpoint_dir)
     return report
 
 
+def _read_heal_epoch(connection: EtcdConnection, run_id: str) -> bytes | None:
+    from elastic_trainer.heal.membership import HealKeys
+    from rendezvous import etcd_ops
+
+    response = etcd_ops.get_range(connection, HealKeys.of(run_id).epoch, what="reading the heal epoch")
+    return bytes(response.kvs[0].value) if response.kvs else None
+
+
 def render_status(report: dict[str, Any]) -> str:
     """Human-readable lines of a status report."""
     lines = [f"run {report['run_id']} on etcd {report['endpoint']}"]
-    if not report["found"]:
+    heal = report.get("heal")
+    if heal is not None and heal["finished"]:
+        step = "?" if heal["step"] is None else heal["step"]
+        lines.append(f"  finished at step {step} (epoch {heal['epoch']}, {heal['world_size']} worker(s))")
+    elif heal is not None:
+        # Healing in place: the members are the workers' epoch; the rendezvous round is history.
+        lines.append(f"  epoch {heal['epoch']} (heals in place), {heal['world_size']} member(s)")
+        for m in heal["members"]:
+            lines.append(f"    rank {m['rank']:>3}  {m['node']:<24} local rank {m['local_rank']}  pid {m['pid']}")
+    elif not report["found"]:
         lines.append("  no rendezvous state (the run has not started, or its state expired)")
     else:
         flags = ("closed" if report["closed"] else "open") + (", complete" if report["complete"] else ", forming")
@@ -253,7 +295,8 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"  waiting: {', '.join(n['name'] for n in report['waiting']) or 'none'}")
         if report["redundant"]:
             lines.append(f"  redundant: {', '.join(n['name'] for n in report['redundant'])}")
-    lines.extend(render_progress(report.get("progress"), report.get("last_error")))
+    lines.extend(render_progress(report.get("progress"), report.get("last_error"),
+                                 finished_at=report.get("finished_at_step")))
     if "checkpoint" in report:
         ckpt = report["checkpoint"]
         lines.append(
@@ -263,10 +306,15 @@ def render_status(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_progress(progress: dict[str, Any] | None, last_error: dict[str, Any] | None) -> list[str]:
-    """The progress and last-error lines of ``status`` (see :func:`describe_progress`)."""
+def render_progress(progress: dict[str, Any] | None, last_error: dict[str, Any] | None, *,
+                    finished_at: int | None = None) -> list[str]:
+    """The progress and last-error lines of ``status`` (see :func:`describe_progress`);
+    ``finished_at``: the job finished at that step (the last progress published is older)."""
     lines = []
-    if progress is None:
+    if finished_at is not None:
+        total = progress["total_steps"] if progress is not None else None
+        lines.append(f"  progress: finished at step {finished_at}" + (f" / {total}" if total else ""))
+    elif progress is None:
         lines.append("  progress: none published (no training rank 0 right now, or metrics are off)")
     else:
         total = progress["total_steps"]

@@ -22,6 +22,23 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOPPING_FILE_ENV = "ELASTIC_TRAINER_STOPPING_FILE"
+"""A file that exists while this worker's launcher stops its workers (set by ``elastic-trainer
+run`` with warm start). A stop signal that arrives while it does not exist was not the launcher's:
+someone killed this one process (see :func:`lone_signal`)."""
+HEAL_MARKER_ENV = "ELASTIC_TRAINER_HEAL_MARKER"
+"""(``elastic_trainer.runtime.settings.ENV_HEAL_MARKER``; stdlib-only here.)"""
+
+
+def lone_signal(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    """Whether a stop signal this process got is a kill of this one process, not its launcher
+    stopping the node: the launcher marks :data:`STOPPING_FILE_ENV`'s file while it stops its
+    workers, and only a process that heals in place (its heal marker exists) asks. Such a process
+    ends like a crash, and a replacement joins its peers in place: a worker's process tree is one
+    unit, whatever signal hits it (``docs/design/heal-in-place.md``)."""
+    env = os.environ if environ is None else environ
+    stopping, marker = env.get(STOPPING_FILE_ENV), env.get(HEAL_MARKER_ENV)
+    return bool(stopping and marker) and os.path.exists(marker or "") and not os.path.exists(stopping or "")
 
 
 class GracefulStop:
@@ -64,6 +81,13 @@ class GracefulStop:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if lone_signal():
+            log.warning("received %s, not from this worker's launcher: ending this process as if killed, so "
+                        "that a replacement joins its peers in place", signal.Signals(signum).name)
+            logging.shutdown()
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.signum is not None:
             log.warning("received %s again; still stopping", signal.Signals(signum).name)
             return

@@ -11,6 +11,7 @@ imported inside the functions): the warm-start client and ``elastic-trainer stat
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -122,6 +123,88 @@ def on_group_failure(callback: GroupFailureCallback) -> Callable[[], None]:
             if not callback(dict(result.failures), remaining):
                 self._remaining_restarts = 0
         return result
+
+    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
+
+    def uninstall() -> None:
+        LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
+
+    return uninstall
+
+
+def around_worker_stops(scope: Callable[[], AbstractContextManager[object]]) -> Callable[[], None]:
+    """Run each stop of the agent's workers (``PContext.close``: a group restart, a signal to the
+    agent, the end) inside ``scope()``. Returns a function that removes the hook."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    original = PContext.close
+
+    def close(self: Any, *args: Any, **kwargs: Any) -> None:
+        with scope():
+            original(self, *args, **kwargs)
+
+    PContext.close = close  # type: ignore[method-assign]
+
+    def uninstall() -> None:
+        PContext.close = original  # type: ignore[method-assign]
+
+    return uninstall
+
+
+ReplacementDecision = Callable[[int, int, int], "Mapping[str, str] | None"]
+"""``(local rank, pid, exit code) -> environment changes to start a replacement with``, or
+``None`` to leave the failure to the agent."""
+
+
+def replace_failed_workers(decide: ReplacementDecision) -> Callable[[], None]:
+    """Before the agent looks at its workers, start a replacement for each one that ``decide``
+    says to replace: the agent then sees a running worker (with the new pid) instead of a failed
+    group, which it would stop and restart as a whole.
+
+    Relies on ``LocalElasticAgent._monitor_workers`` and ``_pcontext`` (a ``SubprocessContext``
+    with ``subprocess_handlers``, ``_running_local_ranks``, ``args``, ``envs``, ``stdouts``,
+    ``stderrs``, ``entrypoint``, ``_numa_options``), ``get_subprocess_handler``, and
+    ``Worker.id`` (the pid the agent compares with its context's). On a torch without them
+    nothing is installed (one warning): a failed worker restarts the group, as with torchrun.
+
+    Returns:
+        A function that removes the hook.
+    """
+    import logging
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+    original = getattr(LocalElasticAgent, "_monitor_workers", None)
+    needed = ("subprocess_handlers", "_running_local_ranks", "_numa_options")
+    if original is None:
+        logging.getLogger(__name__).warning("this torch's elastic agent has no _monitor_workers: a killed worker "
+                                            "restarts its whole group")
+        return lambda: None
+
+    def replace(context: Any, worker_group: Any) -> None:
+        for local_rank in sorted(context._running_local_ranks):
+            handler = context.subprocess_handlers[local_rank]
+            code = handler.proc.poll()
+            if code is None or code == 0:
+                continue
+            changes = decide(local_rank, handler.proc.pid, code)
+            if changes is None:
+                continue
+            env = {**context.envs[local_rank], **changes}
+            context.envs[local_rank] = env
+            context.subprocess_handlers[local_rank] = get_subprocess_handler(
+                entrypoint=context.entrypoint, args=context.args[local_rank], env=env,
+                stdout=context.stdouts[local_rank], stderr=context.stderrs[local_rank], local_rank_id=local_rank,
+                numa_options=context._numa_options)
+            worker_group.workers[local_rank].id = context.subprocess_handlers[local_rank].proc.pid
+
+    def _monitor_workers(self: Any, worker_group: Any) -> Any:
+        context = getattr(self, "_pcontext", None)
+        if isinstance(context, SubprocessContext) and all(hasattr(context, name) for name in needed):
+            replace(context, worker_group)
+        return original(self, worker_group)
 
     LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
 

@@ -36,7 +36,14 @@ import torch.distributed as dist
 from elastic_trainer.checkpoint.files import CommitFence
 from elastic_trainer.checkpoint.jit import SAVE_TIMEOUT_S
 from elastic_trainer.checkpoint.manager import CheckpointManager
-from elastic_trainer.heal.healer import Healer, HealError, RunFinished, is_group_failure
+from elastic_trainer.heal.healer import (
+    Healer,
+    HealError,
+    HealStopped,
+    RunFinished,
+    failure_reason,
+    is_group_failure,
+)
 from elastic_trainer.heal.protocol import NO_STATE
 from elastic_trainer.runtime import distributed, torch_compat
 from elastic_trainer.runtime.abortable import WAITS, abortable_allreduce_hook
@@ -44,7 +51,8 @@ from elastic_trainer.runtime.bucket_rider import RIDER
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
-from elastic_trainer.train.loop import ElasticLoop, TrainResult
+from elastic_trainer.runtime.signals import GracefulStop
+from elastic_trainer.train.loop import EXIT_STOPPED, ElasticLoop, TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -227,17 +235,38 @@ class Attempt:
         loop = group._loop
         if exc is None:
             if healer is not None and loop is not None and loop.result is not None and loop.result.finished:
-                healer.finish(self.env)
+                healer.finish(self.env, loop.result.step)
             return False
         if healer is None or not isinstance(exc, Exception) or not is_group_failure(exc):
             return False
         holds = loop is not None and loop.state_ready and loop.checkpoints.holds_consistent_state
         step = loop.step if holds and loop is not None else NO_STATE
-        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        reason = failure_reason(exc)
         self._detach_wrappers()
-        snapshot = loop.checkpoints.peer_payload if loop is not None else dict
+        snapshot: Callable[[], dict[str, Any]] = loop.checkpoints.peer_payload if loop is not None else dict
+        # A round that opens before the loop restored the state a peer just sent (a second fault
+        # right after a heal, or a member late for the last round): that state is still this
+        # process's to hand on, so the job goes on from its step, not from the last checkpoint.
+        unrestored = self.initial_state if self.initial_state is not None else (
+            getattr(loop, "_initial_state", None) if loop is not None and not loop.state_ready else None)
+        if not holds and isinstance(unrestored, dict) and isinstance(unrestored.get("step"), int):
+            step, snapshot = unrestored["step"], (lambda: unrestored)
+        # The loop's stop handler is gone: a stop signal during the heal is this one's, and one
+        # that came before it (the node is being stopped) means no heal at all.
+        signalled = loop is not None and loop.stop_requested
+        stop = GracefulStop(self.group.settings.sigterm_grace_s)
+        if not signalled:
+            stop.install()
+        healer.stop_requested = lambda: signalled or stop.requested
         try:
+            if signalled:
+                raise HealStopped("stopped by a signal as its group failed")
             outcome = healer.heal(self.env, step=step, snapshot=snapshot, reason=reason)
+        except HealStopped as stopped:
+            log.warning("%s: saving this process's step and exiting instead of healing", stopped)
+            if holds and loop is not None:
+                _hand_on(loop, NO_STATE, str(stopped))
+            raise SystemExit(EXIT_STOPPED) from exc
         except RunFinished:
             log.warning("the job finished while this process healed")
             group._finish_early(step=loop.step if loop is not None else 0,
@@ -248,6 +277,9 @@ class Attempt:
             if holds and loop is not None:
                 loop.checkpoints.after_failure(exc)
             raise exc from heal_exc
+        finally:
+            stop.uninstall()
+            healer.stop_requested = None
         group.env, group._state = outcome.env, outcome.state
         self.healed = True
         return True

@@ -181,7 +181,8 @@ class ElasticLoop:
         self._updated = False
         self._started_at = 0.0
         self._data_wait = 0.0
-        self._durations: dict[int, tuple[float, float, StepPlan]] = {}
+        self._durations: dict[int, tuple[float, float, StepPlan, float | None]] = {}
+        self._step_lr: float | None = None
         self._window = (time.monotonic(), 0)
         self.loss: float | None = None
         self.result: TrainResult | None = None
@@ -349,6 +350,7 @@ class ElasticLoop:
         if control is None:
             raise RuntimeError("no control allreduce for this step")
         self._channel_().wait_before_update(control)
+        self._step_lr = self._lr()  # the step's own: a scheduler stepped in the update sets the next one's
         with self.checkpoints.update(self.step + 1, buffers=control.buffers if control.complete else None):
             yield
             self.sampler.advance(plan)
@@ -365,7 +367,7 @@ class ElasticLoop:
         step = self.step
         if self._fault is not None:
             self._fault("after_update", step)
-        self._durations[step] = (time.monotonic() - self._started_at, self._data_wait, plan)
+        self._durations[step] = (time.monotonic() - self._started_at, self._data_wait, plan, self._step_lr)
         self.checkpoints.boundary()
         heartbeat.note_step(step)  # the launcher's frozen-worker watchdog learns the step times
         if self._sample_log is not None:
@@ -409,9 +411,8 @@ class ElasticLoop:
     def _report_step(self, step: int, loss: float | None) -> None:
         if loss is not None:
             self.loss = loss
-        duration, data_wait, plan = self._durations.pop(step, (0.0, 0.0, None))
+        duration, data_wait, plan, lr = self._durations.pop(step, (0.0, 0.0, None, None))
         samples = plan.samples if plan is not None else 0
-        lr = self._lr()
         self.observer.on_step(step=step, duration_s=duration, data_wait_s=data_wait, samples=samples,
                               tokens=samples * self.tokens_per_sample, loss=loss, lr=lr)
         start, window_samples = self._window

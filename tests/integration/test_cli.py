@@ -218,3 +218,25 @@ def test_a_node_that_comes_back_to_a_closed_run_says_so_in_one_line(etcd_server,
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert any(f"run '{unique_id}' is closed" in line for line in errors), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("copy", ["staged", "snapshot"])
+def test_checkpoint_inspect_counts_tied_weights_once(tmp_path: Path, copy: str) -> None:
+    """An embedding tied to the output layer (one tensor under two keys) saved the way the
+    checkpoint writers copy a state (staging buffers, or a CPU snapshot): ``inspect`` counts its
+    parameters once (it counted them twice: 109,184 against 105,664 in issue 31)."""
+    import torch
+
+    from elastic_trainer.checkpoint import files as ckpt
+    from elastic_trainer.checkpoint.staging import StagingBuffers
+
+    embedding, head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64, bias=False)
+    head.weight = embedding.weight  # tied
+    model = torch.nn.ModuleDict({"wte": embedding, "head": head, "norm": torch.nn.LayerNorm(16)})
+    state = model.state_dict()
+    assert len(state) == 4  # both names are in the state dict
+    copied = StagingBuffers(torch.device("cpu")).stage(state).payload if copy == "staged" else ckpt.snapshot_to_cpu(state)
+    ckpt.save_checkpoint(tmp_path, {"format": ckpt.FORMAT, "model": copied, "step": 3, "epoch": 0, "world_size": 1},
+                         step=3, epoch=0, world_size=1, fingerprint_fields={}, keep_last=None)
+    inspected = json.loads(cli("checkpoint", "inspect", str(tmp_path), "--json").stdout)
+    assert inspected["model_parameters"] == 64 * 16 + 2 * 16 == sum(p.numel() for p in model.parameters())

@@ -52,8 +52,9 @@ class FakeHealer:
         return HealOutcome(env=dataclasses.replace(env, rank=1, world_size=3), epoch=None,  # type: ignore[arg-type]
                            state={"from": "peer"}, took_s=0.1)
 
-    def finish(self, env: DistEnv) -> None:
+    def finish(self, env: DistEnv, step: int | None = None) -> None:
         self.finished.append(env)
+        self.finished_at = step
 
 
 class FakeCheckpoints:
@@ -76,7 +77,8 @@ def _env() -> DistEnv:
 def _group(healer: FakeHealer | None) -> tuple[ElasticGroup, SimpleNamespace]:
     group = ElasticGroup(WorkerSettings(), _env())
     group.healer = healer  # type: ignore[assignment]
-    loop = SimpleNamespace(state_ready=True, step=7, checkpoints=FakeCheckpoints(), sampler=SimpleNamespace(epoch=2),
+    loop = SimpleNamespace(state_ready=True, step=7, stop_requested=False, checkpoints=FakeCheckpoints(),
+                           sampler=SimpleNamespace(epoch=2),
                            result=TrainResult(step=9, epoch=2, loss=0.5, resumed_from=None, stopped_by_signal=False,
                                               checkpoint=None))
     group._loop = loop  # type: ignore[assignment]
@@ -93,9 +95,12 @@ def test_a_group_failure_is_healed_and_the_next_attempt_has_the_new_place_and_st
             if len(seen) == 1:
                 raise RuntimeError(GROUP_FAILURE + "\nmore lines")
     assert seen == [(0, 2, None), (1, 3, {"from": "peer"})]
-    assert healer.calls == [{"step": 7, "reason": GROUP_FAILURE, "snapshot": {"step": 7}}]
+    # The round's reason in plain words, not gloo's transport text (issue 31).
+    assert healer.calls == [{"step": 7, "reason": "a collective failed: a peer's connection closed (its process or "
+                             "node died)", "snapshot": {"step": 7}}]
     assert healer.offer is None, "withdrawn once the attempt is over (the model is written next)"
     assert [env.rank for env in healer.finished] == [1], "rank 1 of the healed epoch marks the end"
+    assert healer.finished_at == 9, "with the last step (status says 'finished at step 9')"
     assert group.result is loop.result
 
 

@@ -179,3 +179,28 @@ def test_a_former_target_keeps_getting_beats_for_one_silence(made: list[PeerHear
             except TimeoutError:
                 pass
         assert 0.15 < last - changed < 0.45, f"beats to the former target for one silence (0.25 s): {last - changed:.2f}"
+
+
+def test_a_newcomer_is_not_taken_for_blocked_udp(made: list[PeerHeartbeats], monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A node that joins after the others were watched for long gets its own time to send: the
+    'UDP blocked' warning named a newcomer at its first judgement (issue 31)."""
+    import logging
+
+    from elastic_trainer.launch import peer_heartbeat
+
+    monkeypatch.setattr(peer_heartbeat, "NEVER_HEARD_WARNING_S", 0.4)
+    reports = Reports()
+    a = _start(made, "a", reports)
+    b = _start(made, "b", Reports())
+    a.set_peers({"b": b.address})
+    b.set_peers({"a": a.address})
+    wait_for(lambda: "b" in a.heard(), timeout=2.0, what="a hears b")
+    time.sleep(0.5)  # watched for longer than the warning's bound
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as newcomer, caplog.at_level(logging.WARNING):
+        newcomer.bind(("127.0.0.1", 0))  # b left; c joined and has not sent yet
+        a.set_peers({"c": f"127.0.0.1:{newcomer.getsockname()[1]}"})
+        time.sleep(0.2)
+        assert not [r for r in caplog.records if "nothing heard" in r.getMessage()]
+        wait_for(lambda: [r for r in caplog.records if "nothing heard from nodes c" in r.getMessage()], timeout=2.0,
+                 what="the warning once c had its time")
