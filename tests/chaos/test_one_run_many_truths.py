@@ -33,6 +33,7 @@ import urllib.request
 import pytest
 
 from elastic_trainer.ops.processes import children, wait_for, worker_processes
+from elastic_trainer.ops.status import read_status
 from elastic_trainer.runtime.sample_log import read_records
 from rendezvous.etcd_server import free_port
 from tests.chaos.chaos_job import SLOW_MS_ENV, SLOW_WHILE_FILE_ENV
@@ -80,7 +81,7 @@ def _first_step_after(samples: os.PathLike[str], unix: float) -> float:
 
 def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server, run_dirs: RunDirs) -> None:
     run_id = unique_run_id("one-unit")
-    job = JobSpec(epochs=8)
+    job = JobSpec(epochs=12)
     hold = run_dirs.root / "slow-until-c-joined"
     hold.touch()
     held = {SLOW_WHILE_FILE_ENV: str(hold), SLOW_MS_ENV: "150"}
@@ -143,9 +144,9 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
         step_at_least(run_dirs.steps() + 5, "steps without node b")
         c = node("c")
         nodes.append(c)
-        wait_for(lambda: (h := _status(endpoint, run_id)[0]["heal"]) is not None and h["world_size"] == 4
-                 and faults.setdefault("node c joined", time.time()) > 0,
-                 timeout=180, what="node c in the epoch", interval=0.5, describe=lambda: tails(nodes))
+        wait_for(lambda: (h := read_status(endpoint, run_id, {"retry_timeout": "5"}, None)["heal"]) is not None
+                 and h["world_size"] == 4, timeout=180, what="node c in the epoch", interval=0.2,
+                 describe=lambda: tails(nodes))
         changes = _metric(ports["a"], "elastic_trainer_membership_changes_total")
         hold.unlink()
         for survivor in (a, c):
