@@ -521,6 +521,51 @@ def find_latest(directory: str | os.PathLike[str]) -> CheckpointInfo | None:
     return None
 
 
+def choose_resume(directory: str | os.PathLike[str], fingerprint_fields: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(Rank 0, at start-up) which checkpoint every rank loads, as ``(kind, value)`` to broadcast:
+    ``("load", path)``, ``("none", None)``, ``("mismatch", message)`` (another job's directory:
+    nothing touched) or ``("error", message)``. Clears what dead writers left (temporary files,
+    claims) and sets aside the damaged checkpoints newer than the one chosen."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        return ("error", f"checkpoint_dir {directory} exists and is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"{directory} is not writable")
+        remove_stale_temp_files(directory)
+        remove_stale_claims(directory)  # writers of the previous group are gone by now
+        info = find_latest(directory)
+    except OSError as exc:
+        return ("error", f"checkpoint_dir {directory} cannot be used: {exc.strerror or exc}")
+    if info is not None:
+        try:
+            check_fingerprint(info, fingerprint_fields)
+        except CheckpointMismatchError as exc:
+            return ("mismatch", str(exc))  # another job's directory: touch nothing
+    # With the job's own checkpoint chosen (or none usable), set the newer damaged ones aside.
+    quarantine_newer_than(directory, None if info is None else info.step)
+    return ("none", None) if info is None else ("load", str(info.path))
+
+
+def chosen_path(choice: tuple[str, str | None] | None) -> str | None:
+    """The path to load from a :func:`choose_resume` result as every rank received it
+    (``None``: start from scratch).
+
+    Raises:
+        CheckpointMismatchError: rank 0 found another job's checkpoint.
+        CheckpointError: rank 0 could not use the directory.
+    """
+    kind, value = choice or ("none", None)
+    if kind == "mismatch":
+        raise CheckpointMismatchError(value)
+    if kind == "error":
+        raise CheckpointError(value)
+    if kind == "load" and value is None:
+        raise RuntimeError("rank 0 chose to load a checkpoint but sent no path")
+    return value if kind == "load" else None
+
+
 def quarantine_newer_than(directory: str | os.PathLike[str], step: int | None) -> list[Path]:
     """Rename every checkpoint file newer than ``step`` (all if ``None``) to ``*.corrupt``.
 

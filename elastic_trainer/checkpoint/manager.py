@@ -175,14 +175,8 @@ class CheckpointManager:
             decision[0] = self._choose()
         if env.world_size > 1:
             dist.broadcast_object_list(decision, src=0)
-        kind, value = decision[0] or ("none", None)
-        if kind == "mismatch":
-            raise ckpt.CheckpointMismatchError(value)
-        if kind == "error":
-            raise ckpt.CheckpointError(value)
-        if kind == "load":
-            if value is None:
-                raise RuntimeError("rank 0 chose to load a checkpoint but sent no path")
+        value = ckpt.chosen_path(decision[0])
+        if value is not None:
             started = time.monotonic()
             state = ckpt.load_checkpoint(value, env.device)
             self._apply(state)
@@ -261,26 +255,7 @@ class CheckpointManager:
 
     def _choose(self) -> tuple[str, str | None]:
         """Rank 0: which checkpoint every rank loads, as ``(kind, value)`` for the broadcast."""
-        directory = Path(self.directory or ".")
-        if directory.exists() and not directory.is_dir():
-            return ("error", f"checkpoint_dir {directory} exists and is not a directory")
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            if not os.access(directory, os.W_OK | os.X_OK):
-                raise PermissionError(f"{directory} is not writable")
-            ckpt.remove_stale_temp_files(directory)
-            ckpt.remove_stale_claims(directory)  # writers of the previous group are gone by now
-            info = ckpt.find_latest(directory)
-        except OSError as exc:
-            return ("error", f"checkpoint_dir {directory} cannot be used: {exc.strerror or exc}")
-        if info is not None:
-            try:
-                ckpt.check_fingerprint(info, self.fingerprint_fields)
-            except ckpt.CheckpointMismatchError as exc:
-                return ("mismatch", str(exc))  # another job's directory: touch nothing
-        # With the job's own checkpoint chosen (or none usable), set the newer damaged ones aside.
-        ckpt.quarantine_newer_than(directory, None if info is None else info.step)
-        return ("none", None) if info is None else ("load", str(info.path))
+        return ckpt.choose_resume(self.directory or ".", self.fingerprint_fields)
 
     def _apply(self, state: dict[str, Any]) -> None:
         for name, obj in self.states.items():

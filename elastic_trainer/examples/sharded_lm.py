@@ -1,0 +1,192 @@
+"""A small transformer language model sharded with FSDP2 (``fully_shard``), elastic and exact.
+
+    torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=lm-1 --nnodes=1:2 \\
+        --nproc-per-node=2 --max-restarts=3 -m elastic_trainer.examples.sharded_lm --max-steps 200 \\
+        --checkpoint-dir ./ckpt
+    elastic-trainer run --nproc-per-node 2 -m elastic_trainer.examples.sharded_lm --max-steps 200 \\
+        --checkpoint-dir ./ckpt
+    elastic-trainer checkpoint export ./ckpt model.pt    # one plain file of the full model
+
+Every transformer block and the whole model are sharded with ``fully_shard`` over all ranks;
+each rank holds, saves and loads only its own shards (``ShardedState``:
+``get_state_dict``/``set_state_dict``; ``ShardedCheckpointManager``: sharded DCP checkpoints,
+asynchronous by default). A restart, at the same or another world size, resumes from the newest
+checkpoint resharded onto the new world: the model, AdamW's state, the sampler's cursor and the
+step. Dropout draws from generators reseeded per ``(seed, rank, step)``, so a run restarted after
+a fault ends bitwise equal to one without the fault that went through the same world sizes, and
+every sample of an epoch is trained exactly once (``--record-samples`` writes the audit log).
+A restart re-forms the group; a worker fault is not healed in place for sharded state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from elastic_trainer.checkpoint.config import CheckpointConfig
+from elastic_trainer.checkpoint.files import model_signature
+from elastic_trainer.checkpoint.sharded_manager import ShardedCheckpointManager
+from elastic_trainer.runtime import failures, rng
+from elastic_trainer.runtime.distributed import distributed_session, read_env
+from elastic_trainer.runtime.process_exit import exit_process
+from elastic_trainer.runtime.sample_log import SampleLog
+from elastic_trainer.runtime.sampler import ElasticSampler
+from elastic_trainer.state.sharded import ShardedState
+
+PROG = "sharded_lm"
+VOCAB, CONTEXT = 32, 16
+log = logging.getLogger("elastic_trainer.examples.sharded_lm")
+
+
+def corpus(seed: int, length: int) -> torch.Tensor:
+    """A seeded synthetic text with structure to learn: a random walk over the alphabet."""
+    generator = torch.Generator().manual_seed(seed + 7)
+    return torch.cumsum(torch.randint(-2, 3, (length,), generator=generator), 0).remainder(VOCAB)
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, pre-norm causal transformer blocks with dropout, and a head."""
+
+    def __init__(self, width: int = 32, depth: int = 2, heads: int = 4, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, width)
+        self.position = nn.Parameter(torch.zeros(CONTEXT, width))
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, dim_feedforward=2 * width, dropout=dropout, batch_first=True,
+                                       norm_first=True)
+            for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(CONTEXT), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens) + self.position[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x, src_mask=self.mask, is_causal=True)
+        return self.head(self.norm(x))
+
+
+def shard(model: TinyTransformer, world_size: int, device_type: str) -> None:
+    """FSDP2: each block is one unit (its parameters gathered for its forward only), then the rest."""
+    mesh = init_device_mesh(device_type, (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the dataset (default 3)")
+    parser.add_argument("--global-batch-size", type=int, default=24, help="samples per step over all ranks")
+    parser.add_argument("--dataset-size", type=int, default=2400, help="windows of the synthetic text")
+    parser.add_argument("--checkpoint-dir", default=None, help="directory every node shares")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the weights, the data order and every step")
+    parser.add_argument("--record-samples", metavar="DIR", default=None, help="audit: every step's indices")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--throttle-ms", type=float, default=0.0, help="sleep per step (to watch or inject faults)")
+    args = parser.parse_args(argv)
+    for name in ("epochs", "global_batch_size", "dataset_size", "checkpoint_every", "log_every"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')}: must be positive")
+    if args.max_steps is not None and args.max_steps <= 0:
+        parser.error("--max-steps: must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Train; the exit code (a failure: one line, or the traceback once, for the launcher)."""
+    try:
+        return train(parse_args(sys.argv[1:] if argv is None else argv))
+    except Exception as exc:  # noqa: BLE001 - translated for the launcher
+        return failures.exit_after(exc, prog=PROG)
+
+
+def train(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
+                                                   "%(levelname)s %(name)s: %(message)s")
+    env = read_env()
+    with distributed_session(env, pg_timeout_s=60):
+        torch.manual_seed(args.seed)  # identical initial weights on every rank, before sharding
+        model = TinyTransformer().to(env.device)
+        signature = model_signature(model.state_dict())
+        shard(model, env.world_size, env.device.type)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        text = corpus(args.seed, args.dataset_size * CONTEXT + 1)
+        sampler = ElasticSampler(args.dataset_size, args.global_batch_size, seed=args.seed)
+        checkpoints = ShardedCheckpointManager(
+            CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every), env=env,
+            state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
+            fingerprint={"model": signature, "dataset_size": args.dataset_size, "seed": args.seed})
+        step = checkpoints.load() or 0
+        samples = _sample_log(args, env.rank, env.world_size, step)
+        last_step = args.epochs * len(sampler) if args.max_steps is None else args.max_steps
+        try:
+            while step < last_step:
+                if sampler.epoch_done:
+                    if sampler.epoch + 1 >= args.epochs:
+                        break
+                    sampler.set_epoch(sampler.epoch + 1)
+                plan = sampler.plan(sampler.cursor, env.rank, env.world_size)
+                if samples is not None:
+                    samples.step(step=step + 1, epoch=plan.epoch, cursor=plan.cursor, world_size=env.world_size,
+                                 rank=env.rank, indices=plan.indices)
+                rng.seed_step(args.seed, env.rank, step, env.device)  # dropout: a function of (seed, rank, step)
+                batch = torch.tensor(plan.micro_batches[0].indices) * CONTEXT  # one micro-batch: no size cap
+                windows = text[batch.unsqueeze(1) + torch.arange(CONTEXT + 1)].to(env.device)
+                logits = model(windows[:, :-1])
+                per_sample = nn.functional.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none")
+                # FSDP averages gradients over ranks: scale so the update is the mean over the step's samples.
+                weight = env.world_size / plan.global_samples if plan.samples else 0.0
+                loss = per_sample.mean(dim=1).sum() * weight
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                sampler.advance(plan)
+                step += 1
+                if samples is not None:
+                    samples.done(step=step)
+                if env.is_rank0 and step % args.log_every == 0:
+                    log.info("step %d epoch %d loss %.4f (rank 0's samples)", step, plan.epoch,
+                             per_sample.mean().item())
+                if checkpoints.due(step):
+                    checkpoints.save(step, epoch=sampler.epoch)
+                if args.throttle_ms:
+                    time.sleep(args.throttle_ms / 1000)
+            checkpoints.save(step, epoch=sampler.epoch, final=True)
+            checkpoints.close()
+        finally:
+            if samples is not None:
+                samples.close()
+    if env.is_rank0:
+        log.info("final step %d checkpoint %s", step, args.checkpoint_dir)
+    return 0
+
+
+def _sample_log(args: argparse.Namespace, rank: int, world_size: int, step: int) -> SampleLog | None:
+    """The audit log of this generation (its id and start time are rank 0's)."""
+    if args.record_samples is None:
+        return None
+    generation = [(uuid.uuid4().hex, time.time())]
+    if world_size > 1:
+        dist.broadcast_object_list(generation, src=0)
+    samples = SampleLog(args.record_samples, rank=rank)
+    samples.start(generation=generation[0][0], started_unix=generation[0][1], resumed_step=step,
+                  world_size=world_size, rank=rank)
+    return samples
+
+
+if __name__ == "__main__":
+    exit_process(main())

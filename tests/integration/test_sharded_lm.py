@@ -1,0 +1,105 @@
+"""The FSDP2 example (``sharded_lm``) under real torchrun agents on the real ``etcd-v3``
+rendezvous: a job that goes through 2 -> 3 -> 1 workers, resuming each time from the sharded
+checkpoint resharded onto the new world, with rank 1 SIGKILLed mid-way through the first phase
+(torchrun restarts the group, every rank resumes from the newest checkpoint), ends bitwise equal
+(model and optimizer) to the same schedule without the fault, and every sample of every epoch is
+trained exactly once. Also: the example under ``elastic-trainer run``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint import sharded
+from elastic_trainer.ops.processes import wait_for
+from elastic_trainer.runtime.sample_log import committed_history, generations, read_records
+from tests.support.agents import FAST_RDZV_CONF, agents, kill_rank, start_agent, tails
+from tests.support.records import steps_recorded
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+REPO = Path(__file__).resolve().parents[2]
+TARGET = ["-m", "elastic_trainer.examples.sharded_lm"]
+DATASET, BATCH = 120, 12  # 10 steps per epoch
+PHASES = ((2, 14), (3, 22), (1, 26))  # (workers, run until step)
+
+
+def _job(tmp: Path, name: str, max_steps: int) -> list[str]:
+    return ["--max-steps", str(max_steps), "--epochs", "5", "--dataset-size", str(DATASET), "--global-batch-size",
+            str(BATCH), "--checkpoint-every", "4", "--checkpoint-dir", str(tmp / name / "ckpt"), "--seed", "5",
+            "--record-samples", str(tmp / name / "samples"), "--log-every", "100", "--throttle-ms", "80"]
+
+
+def _final(directory: Path) -> dict[str, torch.Tensor]:
+    info = ckpt.find_latest(directory)
+    assert info is not None and info.manifest.sharded
+    state = sharded.read_full(info.path)
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    for key, entry in state["optimizer"]["state"].items():
+        flat.update({f"optimizer.{key}.{name}": value for name, value in entry.items()})
+    return {"step": torch.tensor(state["step"]), **flat}
+
+
+def test_sigkill_and_2_3_1_resharding_end_bitwise_equal_and_exactly_once(
+        etcd_server, unique_id: str, tmp_path: Path) -> None:
+    for phase, (workers, until) in enumerate(PHASES):
+        with agents() as started:
+            reference = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-ref-{phase}",
+                                    log_path=tmp_path / "reference.log", nproc_per_node=workers, max_restarts=0,
+                                    target=TARGET, job_args=_job(tmp_path, "reference", until))
+            faulty = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-faulty-{phase}",
+                                 log_path=tmp_path / "faulty.log", nproc_per_node=workers, max_restarts=2,
+                                 target=TARGET, job_args=_job(tmp_path, "faulty", until))
+            started += [reference, faulty]
+            if phase == 0:
+                samples = tmp_path / "faulty" / "samples"
+                wait_for(lambda samples=samples: steps_recorded(samples) >= 6, timeout=150, what="step 6",
+                         describe=lambda started=started: tails(started))
+                print(f"SIGKILLed rank 1 (pid {kill_rank(faulty, samples, 1)})")
+            assert faulty.wait(240) == 0, faulty.tail()
+            assert reference.wait(240) == 0, reference.tail()
+
+    log = faulty.output()
+    assert "resumed from" in log and "now 3 ranks" in log and "now 1 ranks" in log, log[-3000:]
+    gens = generations(tmp_path / "faulty" / "samples")
+    assert [g.world_size for g in gens] == [2, 2, 3, 1], "one restart in phase 1, then 3 and 1 workers"
+    assert gens[1].resumed_step in (4, 8, 12), "the restart resumed from a periodic checkpoint"
+
+    expected, got = _final(tmp_path / "reference" / "ckpt"), _final(tmp_path / "faulty" / "ckpt")
+    assert int(got["step"]) == int(expected["step"]) == PHASES[-1][1]
+    assert got.keys() == expected.keys()
+    differing = [name for name in expected if not torch.equal(expected[name], got[name])]
+    assert not differing, f"differ from the run without the fault: {differing}"
+
+    history = committed_history(read_records(tmp_path / "faulty" / "samples"))
+    assert sorted(history) == list(range(1, PHASES[-1][1] + 1))
+    by_epoch: dict[int, list[int]] = {}
+    for records in history.values():
+        for record in records:
+            by_epoch.setdefault(record["epoch"], []).extend(record["indices"])
+    for epoch in (0, 1):  # steps 1-20, over 2 then 3 workers
+        assert sorted(by_epoch[epoch]) == list(range(DATASET)), f"epoch {epoch}: not every sample exactly once"
+    assert len(by_epoch[2]) == len(set(by_epoch[2])) == 6 * BATCH
+
+
+def test_under_elastic_trainer_run(etcd_server, unique_id: str, tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "elastic_trainer.cli", "run", "--rdzv-endpoint", etcd_server.endpoint,
+             "--run-id", unique_id, "--nnodes", "1", "--nproc-per-node", "2", "--metrics-port", "0",
+             "--rdzv-conf", FAST_RDZV_CONF, *TARGET, "--max-steps", "6", "--checkpoint-every", "3",
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--dataset-size", str(DATASET), "--global-batch-size",
+             str(BATCH)],
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+    assert done.returncode == 0, log.read_text()[-3000:]
+    assert ckpt.iter_checkpoints(tmp_path / "ckpt") == [3, 6]
+    info = ckpt.verify(tmp_path / "ckpt", 6)
+    assert info.manifest.sharded and info.manifest.world_size == 2
