@@ -1,0 +1,55 @@
+"""FSDP2 for a model: ``fully_shard`` on the blocks a :class:`~elastic_trainer.train.config.FSDPOptions`
+names, then on the whole model.
+
+    model = apply_fsdp(model, FSDPOptions(blocks=("blocks.*",), mixed_precision="bf16"), mesh)
+
+Units are sharded children first (FSDP2 requires it), over the mesh given (1-D: FSDP; 2-D
+``("replicate", "shard")``: HSDP). A name pattern that matches no module is a configuration error
+before anything is sharded, not a silently unsharded block. Design: ``docs/design/sharded.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from elastic_trainer.runtime.failures import ConfigError
+from elastic_trainer.train.config import FSDPOptions
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """``*`` stands for one whole segment of a dotted module name."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(w in ("*", p) for p, w in zip(parts, wanted, strict=True))
+
+
+def units(model: nn.Module, blocks: tuple[str, ...]) -> list[str]:
+    """Names of the modules ``blocks`` selects, in ``named_modules`` order.
+
+    Raises:
+        ConfigError: a pattern selects nothing (the message lists a few module names).
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    for pattern in blocks:
+        if not any(_matches(name, pattern) for name in names):
+            raise ConfigError(f"fsdp.blocks: {pattern!r} names no module of {type(model).__name__} "
+                              f"(its modules include {', '.join(names[:6])})")
+    return [name for name in names if any(_matches(name, pattern) for pattern in blocks)]
+
+
+def apply_fsdp(model: nn.Module, options: FSDPOptions, mesh: Any) -> nn.Module:
+    """Shard ``model`` in place as ``options`` says (see the module docstring); returns it."""
+    selected = units(model, options.blocks)
+    dtype = _DTYPES.get(options.mixed_precision)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
+    kwargs = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward, "mp_policy": policy}
+    modules = dict(model.named_modules())
+    for name in sorted(selected, key=lambda n: n.count("."), reverse=True):  # children first
+        fully_shard(modules[name], **kwargs)
+    fully_shard(model, **kwargs)
+    return model
