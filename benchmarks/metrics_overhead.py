@@ -143,10 +143,11 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     from benchmarks.workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
     from elastic_trainer.metrics.worker import worker_observer
     from elastic_trainer.runtime import torch_compat
-    from elastic_trainer.runtime.abortable import WAITS, abortable_allreduce_hook
+    from elastic_trainer.runtime.abortable import AbortableWaits
+    from elastic_trainer.runtime.comms import WorkerComms, abortable_allreduce_hook
     from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 
-    WAITS.enabled = args.in_place  # what the healer sets on gloo/CPU (heal/healer.py)
+    comms = WorkerComms(waits=AbortableWaits(enabled=args.in_place))  # what the healer sets on gloo/CPU
 
     if args.trace:  # before the first process group: the recorder reads its size once
         from elastic_trainer.metrics.collective_trace import trace_environment
@@ -181,9 +182,9 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
                 if args.hook:
                     observer.wrap_ddp(ddp)
             if args.in_place and not torch_compat.has_comm_hook(ddp):
-                # What Attempt.wrap registers when no timing hook is there: metrics off still
-                # pays a Python hook per bucket while healing in place on gloo.
-                ddp.register_comm_hook(None, abortable_allreduce_hook)
+                # What Attempt.wrap registered before issue 30 when no timing hook was there (now
+                # opt-in): metrics off still paid a Python hook per bucket while healing on gloo.
+                ddp.register_comm_hook(comms, abortable_allreduce_hook)
             observer.on_start(world_size=world, restart_count=0)
             fresh[arm] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
         return fresh

@@ -9,8 +9,9 @@ the same job through ``Trainer`` with everything at its default, as under ``elas
 the elastic sampler, per-step random streams, the per-step control, metrics through the real
 worker observer and its allreduce timing (``PROMETHEUS_MULTIPROC_DIR`` set, as the launcher does),
 the just-in-time save armed, asynchronous checkpoints every 100 steps (the default interval), a
-progress line every 10 steps, and on gloo the abortable waits of in-place healing (every bucket's
-future tracked). (Warm start changes restarts only.) Both run in the same two warm
+progress line every 10 steps (no healer in-process: its tracked control waits are left out, and
+since issue 30 no hook touches DDP's buckets either way; warm start changes restarts only).
+The claim is ``benchmarks/launcher_e2e.py``, through the real launchers; this explains it. Both run in the same two warm
 processes in alternating blocks, so that noise hits both alike. Reported: the median of the
 per-block throughput ratios, the CPU time per sample (both ranks, every thread: the cost of each
 loop whatever else runs on the machine), and percentiles of the step time (p50, p99, max) over
@@ -38,7 +39,6 @@ from benchmarks.workloads import (
     workload_of,
 )
 from elastic_trainer.checkpoint.config import CheckpointConfig
-from elastic_trainer.runtime.abortable import WAITS
 from elastic_trainer.runtime.distributed import read_env
 from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.trainer import Trainer, TrainingJob
@@ -97,13 +97,9 @@ def _defaults(args: argparse.Namespace, checkpoint_dir: str) -> list[tuple[float
         times.append(_now())
 
     env = read_env(cuda_devices=0) if args.device == "cpu" else None
-    # Healing in place (the default of `elastic-trainer run`) on gloo tracks every wait of the
-    # training thread on a collective, so that an abort ends it (runtime/abortable.py).
-    WAITS.enabled = args.device == "cpu" and args.abortable_waits
-    try:
-        Trainer(config, job, env=env, callbacks=[clock]).fit()
-    finally:
-        WAITS.enabled = False
+    # In-process there is no healer: the control's waits are plain (under `elastic-trainer run`
+    # they are tracked; DDP's buckets are not, either way: runtime/comms.py).
+    Trainer(config, job, env=env, callbacks=[clock]).fit()
     return times
 
 
@@ -142,8 +138,6 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6, help="rounds of (bare, defaults), order alternating")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per block (200: two checkpoints)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each block")
-    parser.add_argument("--abortable-waits", action=argparse.BooleanOptionalAction, default=True,
-                        help="track collective waits as in-place healing does on gloo (default on; off: A/B of their cost)")
     add_workload_arguments(parser)
     parser.add_argument("--tmp", default=None, help="directory for checkpoints and metrics (default: system temp)")
     args = parser.parse_args()

@@ -7,8 +7,10 @@ small's shape by default (12 layers, d_model 768, 12 heads, 50304-token vocabula
 embeddings, ~124M parameters; attention through ``scaled_dot_product_attention``, i.e. flash
 attention on a recent GPU) on random token sequences: 13 DDP buckets (a first one of 9 MB, eleven
 of 27 MB, and the 168 MB tied embedding), so a per-bucket cost in a communication hook shows 13
-times a step. The data are random, so the loss
-says nothing; the cost of a step is what is measured.
+times a step. ``mlp`` is a 4-layer MLP on random vectors (``Linear(1024, w)``, two ``Linear(w, w)``,
+``Linear(w, 10)``): one 12.6 MB gradient bucket at width 1024, two (42 MB) at 2048, so a cost per
+gradient byte shows (issue 30). The data are random, so the loss says nothing; the cost of a step
+is what is measured.
 """
 
 from __future__ import annotations
@@ -29,7 +31,29 @@ from torch.utils.data import Dataset, default_collate
 
 from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages
 
-MODELS = ("cnn", "gpt")
+MODELS = ("cnn", "gpt", "mlp")
+MLP_INPUTS = 1024
+
+
+def mlp(width: int) -> nn.Module:
+    """The ``mlp`` workload's model (see the module docstring)."""
+    return nn.Sequential(nn.Linear(MLP_INPUTS, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+class RandomVectors(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``size`` random ``MLP_INPUTS``-vectors with one of 10 labels each."""
+
+    def __init__(self, size: int, *, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(size, MLP_INPUTS, generator=generator)
+        self.labels = torch.randint(10, (size,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[index], self.labels[index]
 
 
 class CausalSelfAttention(nn.Module):
@@ -123,7 +147,10 @@ def workload(name: str, *, width: int = 32, seq_len: int = 1024, layers: int = 1
     """The named workload (``cnn``: the example's SmallCNN of ``width``; ``gpt``: the decoder with
     ``layers`` blocks of ``d_model`` (a head per 64) on ``seq_len``-token sequences of a
     ``vocab``-token vocabulary; GPT-2 small's by default, smaller for wiring checks such as
-    ``gpu_check --dry-run``)."""
+    ``gpu_check --dry-run``; ``mlp``: the MLP of ``width``)."""
+    if name == "mlp":
+        return Workload(name, lambda: mlp(width), lambda: RandomVectors(dataset_size, seed=seed),
+                        nn.CrossEntropyLoss(), 0)  # fmt: skip
     if name == "cnn":
         return Workload(name, lambda: SmallCNN(width), lambda: SyntheticImages(dataset_size, seed=seed),
                         nn.CrossEntropyLoss(), 0)  # fmt: skip
@@ -194,7 +221,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, width: int = 16, 
                         help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder (workloads.py)")
     parser.add_argument("--global-batch-size", type=int, default=None,
                         help=f"samples per step over all ranks (default: {cnn_batch} for cnn, 8 per rank for gpt)")
-    parser.add_argument("--width", type=int, default=width, help="cnn: channels of the first conv layer")
+    parser.add_argument("--width", type=int, default=width, help="cnn: channels of the first conv layer; mlp: hidden width")
     parser.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence")
     parser.add_argument("--layers", type=int, default=12, help="gpt: decoder blocks")
     parser.add_argument("--d-model", type=int, default=768, help="gpt: width, a head per 64 (768: GPT-2 small)")

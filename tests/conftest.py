@@ -67,13 +67,3 @@ def unique_id(request: pytest.FixtureRequest) -> str:
     name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:40]
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
-
-@pytest.fixture(autouse=True)
-def _plain_collective_waits() -> Iterator[None]:
-    """A test that builds a Healer in this process turns on the process-wide abortable waits
-    (runtime/abortable.py); whatever it leaves, the next test starts with them off."""
-    yield
-    from elastic_trainer.runtime.abortable import WAITS
-
-    WAITS.enabled = False
-    WAITS.reset()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastic_trainer.runtime.abortable import WAITS
+from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.torch_compat import forget_unfinished_default_group
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,13 @@ class HealableGroup:
         backend: ``gloo`` or ``nccl``.
         timeout_s: the collective timeout of every group it creates.
         keep_ports: TCP ports never shut down by :meth:`abort` (etcd's).
+        waits: the worker's abortable waits, failed and reset when a group is destroyed.
     """
 
-    def __init__(self, backend: str, timeout_s: float, *, keep_ports: frozenset[int] = frozenset()) -> None:
+    def __init__(self, backend: str, timeout_s: float, *, keep_ports: frozenset[int] = frozenset(),
+                 waits: AbortableWaits | None = None) -> None:
         self.backend = backend
+        self.waits = waits if waits is not None else AbortableWaits()
         self.timeout_s = timeout_s
         self.keep_ports = keep_ports
         self._lock = threading.Lock()
@@ -151,8 +154,8 @@ class HealableGroup:
         blocked until then, and the group's destructor would join that thread, on whichever
         thread let go of the group last (the training thread, in a garbage collection)."""
         self.abort()
-        WAITS.abort("the process group is destroyed")
-        interrupted = WAITS.reset()
+        self.waits.abort("the process group is destroyed")
+        interrupted = self.waits.reset()
         if dist.is_initialized():
             if interrupted:
                 kept = dist.distributed_c10d._get_default_group()

@@ -23,6 +23,7 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -39,7 +40,7 @@ from elastic_trainer.heal.group import HealableGroup
 from elastic_trainer.heal.membership import HealTimeoutError, Membership, RoundStopped
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRules
 from elastic_trainer.heal.state_transfer import share_state
-from elastic_trainer.runtime.abortable import ABORT_MARKER, WAITS
+from elastic_trainer.runtime.abortable import ABORT_MARKER, AbortableWaits
 from elastic_trainer.runtime.distributed import DistEnv, announce_group, configure_nccl_environment
 from elastic_trainer.runtime.settings import HealSettings
 from rendezvous import etcd_ops
@@ -60,7 +61,25 @@ STUCK_IDLE_S = 5.0
 """After a round opened, a training thread still in its step that used no CPU for this long is
 blocked where the abort does not reach (a wait for data longer than this is taken for one too:
 that process is replaced, at the cost of a restart)."""
-STOP_WATCH_INTERVAL_S = 0.5
+STOP_WATCH_INTERVAL_S = 0.25
+BUCKET_WAIT_IDLE_S = 0.5
+"""On gloo/CPU, a training thread inside the backward that used no CPU for this long after the
+abort is blocked in a gradient bucket's wait: at the defaults DDP waits on its buckets in C++,
+where no abort reaches (issue 30), and inside a CPU backward nothing else waits without computing
+(a bucket of the aborted group that is not blocked fails at once)."""
+
+
+def in_backward(ident: int) -> bool:
+    """Whether the Python thread ``ident`` is inside ``torch.autograd``'s backward (its innermost
+    Python frames; ``sys._current_frames``, documented CPython)."""
+    frame = sys._current_frames().get(ident)
+    depth = 0
+    while frame is not None and depth < 8:
+        code = frame.f_code
+        if code.co_name in ("_engine_run_backward", "backward") and "autograd" in code.co_filename:
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
 
 
 def thread_cpu_seconds(native_id: int) -> float | None:
@@ -146,11 +165,12 @@ class Healer:
         rules = RoundRules(min_world=world[0], max_world=world[1], settle_s=settings.settle_s)
         self.membership = Membership(self.connection, run_id, self.member, rules, on_round_open=self._round_opened)
         keep = frozenset(endpoint.port for endpoint in config.endpoints)
-        self.group = HealableGroup(backend, pg_timeout_s, keep_ports=keep)
         # gloo can leave a collective blocked after an abort (runtime/abortable.py); NCCL's abort
         # works. CPU tensors only: a tracked future is a CPU future, which would drop the CUDA
         # stream ordering of a gloo collective on device tensors.
-        WAITS.enabled = backend == "gloo" and device.type == "cpu"
+        self.waits = AbortableWaits(enabled=backend == "gloo" and device.type == "cpu")
+        """This worker's abortable waits (handed to its loop through ``runtime.comms.WorkerComms``)."""
+        self.group = HealableGroup(backend, pg_timeout_s, keep_ports=keep, waits=self.waits)
         self._phase = "starting"  # starting | training | healing | spare | closed
         self._phase_lock = threading.Lock()
         self._epoch: Epoch | None = None
@@ -163,6 +183,7 @@ class Healer:
         self.stop_requested: Callable[[], bool] | None = None
         """True once this process got a stop signal: a heal round in progress is left
         (:class:`HealStopped`) so that it saves and exits within its grace (the trainer sets it)."""
+        self._training_ident: int | None = None  # Python ident, for the stop watch's look at its frames
         self.busy_probe: Callable[[], bool] | None = None
         """True while the training thread waits on work that is no hang (a checkpoint write):
         the stop watch does not count that as idle (the trainer sets it)."""
@@ -238,6 +259,7 @@ class Healer:
         join a running job, the next epoch's. Returns the environment and, for a joiner, the
         state its peers hold (``None``: load the newest checkpoint)."""
         self._training_thread = threading.get_native_id()
+        self._training_ident = threading.get_ident()
         self.membership.start()
         if self.settings.marker is not None:  # tells the warm-start client to replace this process if it dies
             with contextlib.suppress(OSError):
@@ -392,7 +414,7 @@ class Healer:
                 if snapshot is None:
                     raise HealError("chosen as the state source without state")
                 payload = snapshot()
-            state = share_state(payload, src=source, device=self.device, group=self._side_group)
+            state = share_state(payload, src=source, device=self.device, group=self._side_group, waits=self.waits)
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(epoch.world_size)
         new_env = dataclasses.replace(env, rank=rank, world_size=epoch.world_size)
         announce_group(new_env, self.group.timeout_s)
@@ -434,11 +456,11 @@ class Healer:
                 for store in self._stores:
                     store.cancel()
                 self.group.abort()
-                WAITS.abort(f"round {number} opened while epoch {forming} was forming")
+                self.waits.abort(f"round {number} opened while epoch {forming} was forming")
             elif stopping:
                 self._group_aborted = True
                 self.group.abort()
-                WAITS.abort(f"round {number} opened: {reason or 'a fault'}")
+                self.waits.abort(f"round {number} opened: {reason or 'a fault'}")
         if phase == "spare":
             self.membership.answer(number, Join(self.member, ready=True, step=NO_STATE))
             return
@@ -474,7 +496,9 @@ class Healer:
         one waiting out the group's timeout, see ``runtime/abortable.py``), or has not left
         within ``ready_timeout_s`` whatever it does, end this process (:meth:`_fence_if_stuck`).
         A thread that computes keeps its CPU clock moving, and one that waits for a checkpoint
-        write (:attr:`busy_probe`) is not idle: both are given the full bound."""
+        write (:attr:`busy_probe`) is not idle: both are given the full bound. On gloo/CPU a
+        thread idle inside the backward is ended after :data:`BUCKET_WAIT_IDLE_S` instead: it
+        waits on a gradient bucket that the abort did not end."""
         started = idle_since = time.monotonic()
         last = thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
         while True:
@@ -486,10 +510,15 @@ class Healer:
             cpu = thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
             if cpu is None or cpu != last or self._busy():
                 last, idle_since = cpu, now
-            idle = cpu is not None and now - idle_since >= STUCK_IDLE_S
+            idle_s = now - idle_since if cpu is not None else 0.0
+            idle = idle_s >= STUCK_IDLE_S or (idle_s >= BUCKET_WAIT_IDLE_S and self._in_bucket_wait())
             if idle or now - started >= self.membership.rules.ready_timeout_s:
                 self._fence_if_stuck(epoch, number, waited_s=now - started, idle=idle, forming=forming)
                 return
+
+    def _in_bucket_wait(self) -> bool:
+        """The training thread is in a CPU backward (where only a bucket wait sits idle)."""
+        return self.waits.enabled and self._training_ident is not None and in_backward(self._training_ident)
 
     def _busy(self) -> bool:
         try:
@@ -553,5 +582,5 @@ class Healer:
             self.group.destroy()
             self.connection.close()
         finally:
-            WAITS.enabled = False  # this process's waits are plain again (set in __init__)
-            WAITS.reset()
+            self.waits.enabled = False  # plain again for whoever still holds them
+            self.waits.reset()

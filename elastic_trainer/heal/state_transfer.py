@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.runtime.abortable import WAITS
+from elastic_trainer.runtime.abortable import AbortableWaits
 
 log = logging.getLogger(__name__)
 
@@ -88,31 +88,33 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[str, list[int], int
     return layout, offset
 
 
-def _broadcast(tensor: torch.Tensor, *, src: int, group: Any) -> None:
+def _broadcast(tensor: torch.Tensor, *, src: int, group: Any, waits: AbortableWaits) -> None:
     """One broadcast, waited on so that an abort ends it (``runtime/abortable.py``)."""
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
     if work is not None:
-        WAITS.track(work.get_future()).wait()
+        waits.track(work.get_future()).wait()
 
 
-def _broadcast_bytes(data: bytes | None, *, src: int, group: Any) -> bytes:
+def _broadcast_bytes(data: bytes | None, *, src: int, group: Any, waits: AbortableWaits) -> bytes:
     size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64)
-    _broadcast(size, src=src, group=group)
+    _broadcast(size, src=src, group=group, waits=waits)
     buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
               else torch.empty(int(size[0]), dtype=torch.uint8))
-    _broadcast(buffer, src=src, group=group)
+    _broadcast(buffer, src=src, group=group, waits=waits)
     return buffer.numpy().tobytes()
 
 
-def share_state(payload: dict[str, Any] | None, *, src: int, device: torch.device, group: Any = None) -> dict[str, Any]:
+def share_state(payload: dict[str, Any] | None, *, src: int, device: torch.device, group: Any = None,
+                waits: AbortableWaits | None = None) -> dict[str, Any]:
     """Collective: rank ``src`` passes ``payload`` (host tensors), every rank returns a copy on
-    ``device``.
+    ``device``; its broadcasts are waited on through ``waits`` (the healer's: an abort ends them).
 
     Raises:
         RuntimeError: a peer failed during the transfer (the caller heals again), or what arrived
             is not a checkpoint payload.
     """
     started = time.monotonic()
+    waits = waits if waits is not None else AbortableWaits()
     rank = dist.get_rank()
     header = None
     tensors: list[torch.Tensor] = []
@@ -124,7 +126,7 @@ def share_state(payload: dict[str, Any] | None, *, src: int, device: torch.devic
         buffer = io.BytesIO()
         torch.save({"rest": rest, "layout": layout, "total": total}, buffer)
         header = buffer.getvalue()
-    meta = torch.load(io.BytesIO(_broadcast_bytes(header, src=src, group=group)), weights_only=True)
+    meta = torch.load(io.BytesIO(_broadcast_bytes(header, src=src, group=group, waits=waits)), weights_only=True)
     if not isinstance(meta, dict) or not {"rest", "layout", "total"} <= meta.keys():
         raise RuntimeError("the shared state is not a checkpoint payload")
     flat = torch.empty(int(meta["total"]), dtype=torch.uint8)
@@ -133,7 +135,7 @@ def share_state(payload: dict[str, Any] | None, *, src: int, device: torch.devic
             if nbytes:
                 flat[offset:offset + nbytes].copy_(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
     if flat.numel():
-        _broadcast(flat, src=src, group=group)
+        _broadcast(flat, src=src, group=group, waits=waits)
     received = []
     for dtype_name, shape, offset, nbytes in meta["layout"]:
         dtype = getattr(torch, dtype_name)

@@ -12,6 +12,7 @@ start, the frozen-worker watchdog and the janitor, and always cleans up. Design:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -159,6 +160,20 @@ def _check_etcd(settings: RendezvousSettings | None, endpoint: str) -> None:
         log.warning("%s", warning)
 
 
+EMBEDDED_LAST_CALL_S = 0.1
+"""The first round's last call on this node's own embedded etcd (unless ``--last-call-timeout`` is
+given): no other node can be there yet (it needs the endpoint this node prints once its etcd is
+up), so waiting for one only delays the first step (5 s, issue 30); a later node joins in place.
+The rendezvous settings want a positive value: 0.1 s."""
+
+
+def for_embedded_etcd(options: RunOptions) -> RunOptions:
+    """``options`` as a launch on its own embedded etcd runs them (see :data:`EMBEDDED_LAST_CALL_S`)."""
+    if options.rdzv_endpoint is not None or options.sources.get("last_call_timeout", "default") != "default":
+        return options
+    return dataclasses.replace(options, last_call_timeout=EMBEDDED_LAST_CALL_S)
+
+
 def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int:
     """Run the job; return the process exit code.
 
@@ -166,6 +181,7 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
         UserError: anything the user can fix, detected before workers start.
     """
     target.check()
+    options = for_embedded_etcd(options)
     with contextlib.ExitStack() as cleanup:
         janitor = None
         if not dry_run:

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.runtime.abortable import WAITS
-from elastic_trainer.runtime.bucket_rider import RIDER
+from elastic_trainer.runtime.comms import WorkerComms
 
 # Bounds the memory of records nobody drains (e.g. a loop that never calls on_step).
 DEFAULT_MAX_PENDING = 8192
@@ -176,6 +175,8 @@ class AllreduceTimer:
         use_cuda: time with CUDA events (gradients on GPU) instead of the monotonic clock.
         clock: monotonic clock, injectable for tests.
         max_pending: records kept at most before the oldest are dropped (and counted).
+        comms: the worker's runtime context: its abortable waits track every bucket's future and
+            the step's control rides on a bucket (``None``: plain futures, nothing rides).
     """
 
     def __init__(
@@ -185,11 +186,13 @@ class AllreduceTimer:
         use_cuda: bool = False,
         clock: Callable[[], float] = time.monotonic,
         max_pending: int = DEFAULT_MAX_PENDING,
+        comms: WorkerComms | None = None,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.process_group = process_group
         self.use_cuda = use_cuda
+        self.comms = comms
         self.clock = clock
         self.step_seq = 0
         """Synchronised backward passes whose last bucket was launched so far, which is also the
@@ -298,13 +301,14 @@ def timed_allreduce_hook(
         return fut.then(partial(records.cuda_done, pending))  # type: ignore[no-any-return]
 
     launched = state.clock()
-    fut = RIDER.allreduce(group, buffer, state._options)  # the step's control may ride on it
+    then = partial(records.cpu_done, step_seq, buffer.nbytes, launched)
+    comms = state.comms
+    if comms is None:
+        return group.allreduce([buffer], state._options).get_future().then(then)  # type: ignore[no-any-return]
+    fut = comms.rider.allreduce(group, buffer, state._options)  # the step's control may ride on it
     # Healing in place, the training thread waits on a tracked future an abort can end (gloo
     # may never end a collective whose connections were cut; see runtime/abortable.py).
-    return WAITS.track(fut, partial(records.cpu_done, step_seq, buffer.nbytes, launched))
-
-
-RIDER.hooks.add(timed_allreduce_hook)
+    return comms.waits.track(fut, then)
 
 
 def exposed_wait_s(timings: list[BucketTiming]) -> float:

@@ -37,6 +37,7 @@ from elastic_trainer.metrics.allreduce_hook import (
 )
 from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
 from elastic_trainer.metrics.collective_trace import trace_environment
+from elastic_trainer.metrics.ddp_stats import DEFAULT_SAMPLE_EVERY, DdpSample, SampledDdpTimer
 from elastic_trainer.metrics.node_name import worker_node_name
 from elastic_trainer.metrics.prometheus_compat import histogram_parts, multiprocess_values
 from elastic_trainer.runtime.failures import ConfigError
@@ -312,8 +313,11 @@ class PrometheusObserver:
         registry: where the metrics are registered (tests inject their own).
         wall_clock: unix time source for checkpoint timestamps (injectable for tests).
         time_allreduce: time the DDP model's bucket allreduces from :meth:`wrap_ddp` on.
-        trace_allreduce: time them through the flight recorder instead of the timing hook (CUDA
-            models; see ``ELASTIC_TRAINER_METRICS_ALLREDUCE``).
+        trace_allreduce: time them through the flight recorder instead (CUDA models; see
+            ``ELASTIC_TRAINER_METRICS_ALLREDUCE``).
+        sample_allreduce: time them from DDP's own sampled runtime statistics (no comm hook: the
+            default, :mod:`elastic_trainer.metrics.ddp_stats`); ``False``: the timing hook on
+            every bucket (``hook``).
         flush_interval_s: seconds between writes of the per-step values; 0 writes every step.
         clock: monotonic clock for the flush interval (injectable for tests).
 
@@ -329,6 +333,7 @@ class PrometheusObserver:
         wall_clock: Callable[[], float] = time.time,
         time_allreduce: bool = True,
         trace_allreduce: bool = False,
+        sample_allreduce: bool = True,
         ring_entries: int | None = None,
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -338,6 +343,7 @@ class PrometheusObserver:
         self.labels = labels
         self.time_allreduce = time_allreduce
         self.trace_allreduce = trace_allreduce
+        self.sample_allreduce = sample_allreduce
         self.ring_entries = ring_entries
         self.flush_interval_s = flush_interval_s
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -347,6 +353,7 @@ class PrometheusObserver:
         self._next_flush = -math.inf
         self._world_size = 1
         self._timer: AllreduceTimer | TracedBucketTimer | None = None  # set by wrap_ddp
+        self._sampler: SampledDdpTimer | None = None  # set by wrap_ddp instead of a timer (the default)
         # Steps not absorbed yet: (step, duration, data wait, samples, tokens, loss, the hook's
         # step number when the step was reported).
         self._steps: list[tuple[int, float, float, int, int, float | None, int]] = []
@@ -432,6 +439,15 @@ class PrometheusObserver:
             self._steps = []
         timer = self._timer
         cuda = timer is not None and timer.use_cuda
+        sampler = self._sampler
+        exposed: float | None = None
+        step_bytes = 0
+        if sampler is not None:
+            sample = sampler.poll()
+            if sample is not None:
+                self._absorb_sample(sample)
+            if sampler.latest is not None:
+                exposed, step_bytes = sampler.latest.exposed_s, sum(sampler.latest.bucket_bytes)
         if timer is not None:
             # Every bucket record first: the runtime may report a step after the next step's
             # backward, so its records may come out of the queue together with later steps'.
@@ -450,7 +466,11 @@ class PrometheusObserver:
             self._step = step
             if loss is not None and math.isfinite(loss):
                 self._loss = loss
-            if step_seq <= expect:
+            if exposed is not None:
+                # Sampled: the newest sample's exposed wait stands for this step's (an estimate).
+                compute.observe(duration_s - exposed if duration_s > exposed else 0.0)
+                self._allreduce_bytes += step_bytes
+            elif step_seq <= expect:
                 # No hook, or no synchronised backward since the last reported step (all
                 # no_sync; exact for a step reported before the next one's backward): no wait.
                 compute.observe(duration_s)
@@ -475,6 +495,15 @@ class PrometheusObserver:
         n = self._world_size
         if total_s > 0 and n > 1:
             self._busbw = 2.0 * (n - 1) / n * total_bytes / total_s
+
+    def _absorb_sample(self, sample: DdpSample) -> None:
+        """One backward DDP timed: its allreduce span (all buckets, first launch to last end)."""
+        self._allreduce_duration.observe(sample.comm_s)
+        for nbytes in sample.bucket_bytes:
+            self._allreduce_bucket_bytes.observe(nbytes)
+        n = self._world_size
+        if sample.comm_s > 0 and n > 1:
+            self._busbw = 2.0 * (n - 1) / n * sum(sample.bucket_bytes) / sample.comm_s
 
     def _absorb_cpu(self, records: list[CpuRecord]) -> None:
         expect = self._expect
@@ -577,9 +606,10 @@ class PrometheusObserver:
         self.flush()
 
     def wrap_ddp(self, ddp_model: Any) -> None:
-        """Time the model's bucket allreduces: register
-        :func:`~elastic_trainer.metrics.allreduce_hook.timed_allreduce_hook` on it, or with
-        ``trace_allreduce`` and a CUDA model a :class:`TracedBucketTimer` (no hook).
+        """Time the model's bucket allreduces: by default from DDP's sampled runtime statistics
+        (:class:`SampledDdpTimer`, no hook); with ``trace_allreduce`` and a CUDA model a
+        :class:`TracedBucketTimer` (no hook); with ``sample_allreduce=False`` by registering
+        :func:`~elastic_trainer.metrics.allreduce_hook.timed_allreduce_hook` on every bucket.
 
         Does nothing when the observer was built with ``time_allreduce=False``.
 
@@ -593,6 +623,9 @@ class PrometheusObserver:
         timer: AllreduceTimer | TracedBucketTimer
         if self.trace_allreduce and use_cuda:
             timer = TracedBucketTimer(ddp_model, ring_entries=self.ring_entries)
+        elif self.sample_allreduce:
+            self.attach_sampler(SampledDdpTimer(ddp_model, sample_every=None if use_cuda else DEFAULT_SAMPLE_EVERY))
+            return
         else:
             if self.trace_allreduce:
                 log.warning("%s=trace times NCCL collectives only; this model is on the CPU, so its "
@@ -601,18 +634,25 @@ class PrometheusObserver:
             ddp_model.register_comm_hook(timer, timed_allreduce_hook)
         self.attach_timer(timer)
 
-    def attach_timer(self, timer: AllreduceTimer | TracedBucketTimer) -> None:
+    def attach_timer(self, timer: AllreduceTimer | TracedBucketTimer | None) -> None:
         """Read bucket timings from ``timer`` from now on (:meth:`wrap_ddp` makes it; tests too)."""
         # A new model's timer numbers its backward passes from 0: what was reported for the
         # previous one is absorbed under the old numbers, its unpaired timings are dropped.
         self._absorb_steps()
         if isinstance(self._timer, TracedBucketTimer):
             self._timer.remove()
+        self._sampler = None
         self._expect = 0
         self._open.clear()
         self._step_durations.clear()
         self._pending.clear()
         self._timer = timer
+
+
+    def attach_sampler(self, sampler: SampledDdpTimer) -> None:
+        """Read DDP's sampled statistics through ``sampler`` from now on (instead of a timer)."""
+        self.attach_timer(None)
+        self._sampler = sampler
 
 
 def _params_on_cuda(model: Any) -> bool:
@@ -663,7 +703,7 @@ def worker_observer(settings: WorkerSettings | None = None, *, rank: int | None 
     local_rank = settings.local_rank if local_rank is None else local_rank
     labels = WorkerLabels.from_settings(settings, rank=rank, local_rank=local_rank)
     observer = PrometheusObserver(labels=labels, time_allreduce=mode != "off", trace_allreduce=mode == "trace",
-                                  ring_entries=settings.fr_buffer_entries)
+                                  sample_allreduce=mode != "hook", ring_entries=settings.fr_buffer_entries)
     _process_observer = (os.getpid(), observer)
     atexit.register(observer.flush)  # the last interval's steps (a SIGKILL still loses them)
     log.debug("worker metrics for rank %d write to %s", observer.labels.rank, directory)

@@ -7,15 +7,22 @@ unbound ones collectives use), so its gloo thread waits out the group's timeout,
 Found by the chaos suite: a survivor's training thread sat in DDP's ``finalize_backward`` on a
 gradient bucket whose ring allreduce had a large send queued when the group was aborted.
 
-So the training thread never waits on a gloo future directly while healing in place: each such
-future is passed through :data:`WAITS` (:meth:`AbortableWaits.track`), which returns a future of
-its own, completed from the original (one callback, on gloo's thread). :meth:`AbortableWaits.abort`
+So while healing in place the training thread waits on the runtime's own gloo futures (the step
+control, a state transfer; DDP's buckets only with the opt-in hooks of
+:mod:`elastic_trainer.runtime.comms`) through the healer's :class:`AbortableWaits`
+(:meth:`AbortableWaits.track`), which returns a future of its own, completed from the original
+(one callback, on gloo's thread). :meth:`AbortableWaits.abort`
 (the healer, when a heal round opens) fails every tracked future still pending, and every one
 tracked after it until :meth:`AbortableWaits.reset` (the backward pass goes on launching buckets
 after an abort), so the training thread raises and heals; a blocked gloo thread is left behind with its group, which is then kept
 alive rather than destructed (its destructor would join that thread; see
 ``heal/group.py``). Off (``enabled`` False, without in-place healing), :meth:`track` returns the
-future it is given and costs one attribute read.
+future it is given and costs one attribute read. A bucket wait that nothing tracks (the default:
+no Python on DDP's per-bucket path) is ended by the healer's stop watch instead
+(``docs/design/heal-in-place.md``).
+
+There is no process-wide instance: the healer owns one and hands it to whoever waits
+(:class:`elastic_trainer.runtime.comms.WorkerComms`).
 
 Invariant: a tracked future is completed exactly once, under one lock: by its collective, or by
 an abort, whichever comes first.
@@ -29,9 +36,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
-
-from elastic_trainer.runtime.bucket_rider import RIDER
 
 ABORT_MARKER = "heal: the process group was aborted"
 """In the message of every error :meth:`AbortableWaits.abort` sets (a group failure, not a bug)."""
@@ -40,8 +44,8 @@ ABORT_MARKER = "heal: the process group was aborted"
 class AbortableWaits:
     """The pending tracked futures of one process (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self.enabled = False
+    def __init__(self, *, enabled: bool = False) -> None:
+        self.enabled = enabled
         self._lock = threading.Lock()
         self._pending: set[torch.futures.Future[Any]] = set()
         self._aborted: str | None = None  # why, until reset
@@ -104,30 +108,3 @@ class AbortableWaits:
             self._aborted = None
         return interrupted
 
-
-WAITS = AbortableWaits()
-"""This process's tracked waits (a worker has one default group at a time)."""
-
-
-def _bucket_value(done: torch.futures.Future[Any]) -> torch.Tensor:
-    return done.value()[0]  # type: ignore[no-any-return]
-
-
-def abortable_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: torch's default allreduce (an average) with its future tracked by
-    :data:`WAITS`; for a model whose buckets no other hook (the metrics' timing) already tracks.
-    ``state``: the process group (``None``: the default group)."""
-    group = state if state is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    world = dist.get_world_size(group)
-    if world > 1:
-        buffer.div_(world)
-    future = RIDER.allreduce(group, buffer)  # the step's control may ride on it (runtime/bucket_rider.py)
-    return WAITS.track(future, _bucket_value)
-
-
-# DDP compares a hook's annotations with the real types; this module's are strings (PEP 563).
-abortable_allreduce_hook.__annotations__ = {
-    "state": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
-}
-RIDER.hooks.add(abortable_allreduce_hook)

@@ -1,5 +1,10 @@
 """The step's control, carried by the first gradient bucket's allreduce instead of a collective of
-its own (gloo, CPU tensors, a comm hook of this package).
+its own (gloo, CPU tensors, an opt-in comm hook of this package: ``runtime/comms.py``).
+
+Not used at the defaults: a Python comm hook on every bucket costs more than the collective it
+saves (issue 30, ``docs/design/steady-state.md``). Kept for the opt-in hooks (the metrics'
+``hook`` timing, ``ELASTIC_TRAINER_ABORTABLE_BUCKETS=1``), which reduce every bucket in Python
+anyway.
 
 A separate gloo collective per step costs its enqueue, gloo's thread and the wake-ups: on the
 example CNN's 6 ms CPU step about a tenth of the runtime's CPU (``benchmarks/RESULTS.md``).
@@ -20,22 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.runtime import torch_compat
-
 
 class BucketRider:
     """The payload waiting for the next bucket, and the future of the one a bucket took."""
 
     def __init__(self) -> None:
-        self.hooks: set[Any] = set()
-        """The comm hooks that offer their buckets to :meth:`allreduce` (they add themselves)."""
         self._aboard: torch.Tensor | None = None
         self._taken: tuple[torch.Tensor, torch.futures.Future[Any]] | None = None
         self._options = dist.AllreduceCoalescedOptions()  # a sum, as the CPU buckets' allreduce
-
-    def carries(self, ddp_model: Any) -> bool:
-        """Whether ``ddp_model``'s buckets are reduced by a hook that takes a payload aboard."""
-        return any(hook in self.hooks for hook in torch_compat.comm_hooks(ddp_model))
 
     def board(self, payload: torch.Tensor) -> None:
         """Carry ``payload`` (float32, CPU; summed over the ranks in place) on the next bucket."""
@@ -73,7 +70,3 @@ class BucketRider:
             return None
         return taken[1]
 
-
-RIDER = BucketRider()
-"""This process's rider: the comm hooks of ``metrics.allreduce_hook`` and ``runtime.abortable``
-offer every bucket to it."""

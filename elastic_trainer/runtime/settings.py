@@ -25,8 +25,9 @@ ENV_PG_TIMEOUT_S = "ELASTIC_TRAINER_PG_TIMEOUT_S"
 ENV_METRICS = "ELASTIC_TRAINER_METRICS"
 """``1``: report metrics to the node's endpoint (the launcher sets it)."""
 ENV_METRICS_ALLREDUCE = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
-"""How gradient allreduces are timed: ``hook`` (default), ``trace`` (CUDA: NCCL's timings from the
-flight recorder) or ``0`` (not at all). See ``docs/design/metrics.md``."""
+"""How gradient allreduces are timed: ``sampled`` (default: DDP's own C++ statistics, one backward
+in ten, no comm hook), ``hook`` (a Python comm hook on every bucket), ``trace`` (CUDA: NCCL's
+timings from the flight recorder) or ``0`` (not at all). See ``docs/design/metrics.md``."""
 ENV_NODE = "ELASTIC_TRAINER_NODE"
 """This node's name, ``{short host}-{launcher pid}`` (the launcher sets it)."""
 ENV_REPORTS_FAILURES = "ELASTIC_TRAINER_REPORTS_FAILURES"
@@ -65,8 +66,8 @@ once (its process exits and the agent restarts the group)."""
 DEFAULT_FR_BUFFER_ENTRIES = 2000
 """torch's default flight-recorder ring size."""
 
-ALLREDUCE_TIMING_MODES = {"1": "hook", "true": "hook", "yes": "hook", "hook": "hook", "trace": "trace",
-                          "0": "off", "false": "off", "no": "off"}  # fmt: skip
+ALLREDUCE_TIMING_MODES = {"1": "sampled", "true": "sampled", "yes": "sampled", "sampled": "sampled",
+                          "hook": "hook", "trace": "trace", "0": "off", "false": "off", "no": "off"}  # fmt: skip
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -106,14 +107,15 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
 
 
 def allreduce_timing_mode(raw: str | None) -> str:
-    """``hook``, ``trace`` or ``off`` from a :data:`ENV_METRICS_ALLREDUCE` value (unset: ``hook``).
+    """``sampled``, ``hook``, ``trace`` or ``off`` from a :data:`ENV_METRICS_ALLREDUCE` value
+    (unset: ``sampled``).
 
     Raises:
         ConfigError: anything else.
     """
-    mode = ALLREDUCE_TIMING_MODES.get((raw if raw is not None else "hook").strip().lower())
+    mode = ALLREDUCE_TIMING_MODES.get((raw if raw is not None else "sampled").strip().lower())
     if mode is None:
-        raise ConfigError(f"{ENV_METRICS_ALLREDUCE}={raw!r}: expected hook, trace or 0")
+        raise ConfigError(f"{ENV_METRICS_ALLREDUCE}={raw!r}: expected sampled, hook, trace or 0")
     return mode
 
 
@@ -182,8 +184,8 @@ class WorkerSettings:
     """Collective timeout (:data:`ENV_PG_TIMEOUT_S`)."""
     metrics: bool = False
     """Report to the node's metrics endpoint (:data:`ENV_METRICS`)."""
-    metrics_allreduce: str = "hook"
-    """``hook``, ``trace`` or ``off`` (:data:`ENV_METRICS_ALLREDUCE`)."""
+    metrics_allreduce: str = "sampled"
+    """``sampled``, ``hook``, ``trace`` or ``off`` (:data:`ENV_METRICS_ALLREDUCE`)."""
     metrics_dir: str | None = None
     """prometheus-client's multiprocess directory (:data:`ENV_MULTIPROC_DIR`)."""
     node: str | None = None

@@ -17,9 +17,11 @@ buffers of step S must reach every rank before any rank applies S's update
 waits for it. On CUDA they ride on a device allreduce and the host waits for it before queueing the
 update: the one wait on the GPU left in a step, only for such models (``docs/design/steady-state.md``).
 
-On gloo with a comm hook of this package (metrics timing, abortable waits), the control rides on
-the first gradient bucket's allreduce instead (:mod:`elastic_trainer.runtime.bucket_rider`): one
-collective per step fewer. Each rank's float64 share travels as two float32 halves
+At the defaults DDP reduces its buckets in C++ and the control is this collective of its own,
+started before the backward (it overlaps it). Under an opt-in comm hook of this package (the
+metrics' ``hook`` timing, :func:`~elastic_trainer.runtime.comms.abortable_allreduce_hook`) on
+gloo, the control rides on the first gradient bucket's allreduce instead
+(:mod:`elastic_trainer.runtime.bucket_rider`): one collective per step fewer. Each rank's float64 share travels as two float32 halves
 (``hi = float32(x)``, ``lo = float32(x - hi)``), exact for every float32/16 value and integer below
 2**48; a rank whose share does not split exactly says so in a flag slot, and then every rank sends
 the float64 control on its own collective for that step. Rank 0's buffers arrive bit for bit (the
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.runtime.abortable import WAITS
+from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.bucket_rider import BucketRider
 from elastic_trainer.runtime.distributed import DistEnv
 
@@ -87,10 +89,14 @@ class ControlChannel:
     Args:
         env: this worker's place in the job (its process group must exist; every rank constructs
             its channel at the same point: under NCCL that creates a gloo group).
+        rider: the bucket rider of a DDP whose hook takes the control aboard (``None``: the
+            control goes on its own collective, the default).
+        waits: where the control's waits go (the healer's abortable waits when healing in place).
     """
 
-    def __init__(self, env: DistEnv, *, rider: BucketRider | None = None) -> None:
+    def __init__(self, env: DistEnv, *, rider: BucketRider | None = None, waits: AbortableWaits | None = None) -> None:
         self.env = env
+        self._waits = waits if waits is not None else AbortableWaits()
         self._cuda = env.device.type == "cuda"
         self.group: Any = None
         if env.world_size > 1 and env.backend != "gloo":
@@ -161,7 +167,8 @@ class ControlChannel:
     def _allreduce(self, host: torch.Tensor) -> Any:
         work = dist.all_reduce(host, group=self.group, async_op=True)
         # Healing in place, wait on a future an abort can end (see runtime/abortable.py).
-        return WAITS.track(work.get_future()) if WAITS.enabled else work  # type: ignore[union-attr]
+        waits = self._waits
+        return waits.track(work.get_future()) if waits.enabled else work  # type: ignore[union-attr]
 
     def _land(self, pending: PendingControl) -> None:
         """A riding control, after the backward: its sum, into ``pending.host`` (float64)."""
@@ -170,7 +177,7 @@ class ControlChannel:
             return
         future = self._rider.collect(payload)
         if future is not None:
-            (WAITS.track(future) if WAITS.enabled else future).wait()  # done with the backward's buckets
+            (self._waits.track(future) if self._waits.enabled else future).wait()  # done with the backward's buckets
             if pending.halves[-1] == 0:
                 _join(pending.halves, pending.view)
                 pending.complete = True

@@ -366,6 +366,15 @@ def ddp_logging_data(ddp_model: Any) -> Mapping[str, Any]:
     return ddp_model._get_ddp_logging_data()  # type: ignore[no-any-return]
 
 
+def set_ddp_sample_rate(ddp_model: Any, every: int) -> None:
+    """Have DDP's reducer time one synchronised backward in ``every`` (besides its first ten):
+    ``DistributedDataParallel._set_ddp_runtime_logging_sample_rate`` (a prototype interface in
+    torch 2.13; torch's default is 100). A wrapper without it keeps its rate."""
+    setter = getattr(ddp_model, "_set_ddp_runtime_logging_sample_rate", None)
+    if setter is not None:
+        setter(every)
+
+
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for every ``i`` in one kernel launch (``torch._foreach_copy_``)."""
     import torch
@@ -396,6 +405,12 @@ def comm_hooks(ddp_model: Any) -> list[Any]:
     """The communication hook functions registered on ``ddp_model`` (DDP keeps ``(hook, state)``
     pairs in the private ``_comm_hooks`` list, torch 2.13)."""
     return [hook for hook, _ in getattr(ddp_model, "_comm_hooks", None) or []]
+
+
+def comm_hook_states(ddp_model: Any) -> list[Any]:
+    """The states of the communication hooks registered on ``ddp_model`` (``_comm_hooks``, as
+    :func:`comm_hooks`)."""
+    return [state for _, state in getattr(ddp_model, "_comm_hooks", None) or []]
 
 
 def has_comm_hook(ddp_model: Any) -> bool:

@@ -46,8 +46,7 @@ from elastic_trainer.heal.healer import (
 )
 from elastic_trainer.heal.protocol import NO_STATE
 from elastic_trainer.runtime import distributed, torch_compat
-from elastic_trainer.runtime.abortable import WAITS, abortable_allreduce_hook
-from elastic_trainer.runtime.bucket_rider import RIDER
+from elastic_trainer.runtime.comms import WorkerComms, rides
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
@@ -91,6 +90,8 @@ class ElasticGroup:
         self.env = env if env is not None else distributed.read_env()
         self.pg_timeout_s = pg_timeout_s if pg_timeout_s is not None else self.settings.pg_timeout_s
         self.healer: Healer | None = None
+        self.comms = WorkerComms()
+        """This worker's runtime context (the healer's abortable waits once it exists)."""
         self._owns = False
         self._state: dict[str, Any] | None = None
         self._loop: ElasticLoop | None = None
@@ -112,6 +113,8 @@ class ElasticGroup:
             return self
         self.healer = Healer.create(self.settings.heal, self.env, run_id=self.settings.run_id,
                                     node=self.settings.node, pg_timeout_s=self.pg_timeout_s)
+        if self.healer is not None:
+            self.comms = WorkerComms(waits=self.healer.waits)
         try:
             if self.healer is None:
                 distributed.init_process_group(self.env, pg_timeout_s=self.pg_timeout_s)
@@ -186,15 +189,13 @@ class Attempt:
     def wrap(self, ddp: torch.nn.parallel.DistributedDataParallel, observer: TrainingObserver | None = None, *,
              release: Callable[[], None] | None = None) -> torch.nn.parallel.DistributedDataParallel:
         """Take ``ddp`` (built on this attempt's group) into the attempt: the observer's allreduce
-        timing, abortable bucket waits where healing needs them, and, at a heal, its gradient
-        hooks removed. ``release``: called at a heal, before the state moves, to drop the caller's
-        references to ``ddp`` (its buckets are as large as the gradients). Returns ``ddp``."""
+        timing and, at a heal, its gradient hooks removed. At the defaults no comm hook is
+        registered: DDP reduces its buckets in C++ (``docs/design/steady-state.md``).
+        ``release``: called at a heal, before the state moves, to drop the caller's references to
+        ``ddp`` (its buckets are as large as the gradients). Returns ``ddp``."""
         if observer is not None:
             observer.wrap_ddp(ddp)
-        if WAITS.enabled and not torch_compat.has_comm_hook(ddp):
-            # Healing in place on gloo: the buckets' waits must be abortable (runtime/abortable.py).
-            ddp.register_comm_hook(None, abortable_allreduce_hook)
-        self._rides_buckets = RIDER.carries(ddp)  # the step's control can ride on its buckets
+        self._rides_buckets = rides(ddp, self.group.comms)  # an opt-in hook takes the control aboard
         self._wrappers.append(weakref.ref(ddp))
         if release is not None:
             self._releases.append(release)
@@ -207,7 +208,7 @@ class Attempt:
         loop = ElasticLoop(env=self.env, heals_in_place=healer is not None, initial_state=self.initial_state,
                            generation_part=healer.heals if healer is not None else 0,
                            heal_check=healer.check if healer is not None else None,
-                           control_rides_buckets=self._rides_buckets, **options)
+                           control_rides_buckets=self._rides_buckets, comms=self.group.comms, **options)
         self.initial_state = None
         if healer is not None:
             checkpoints: CheckpointManager = loop.checkpoints

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.runtime import failures, heartbeat, rng
-from elastic_trainer.runtime.bucket_rider import RIDER
+from elastic_trainer.runtime.comms import WorkerComms
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sample_log import SampleLog
@@ -119,9 +119,10 @@ class ElasticLoop:
         heal_check: called at the start of every step; raises to stop the step when the group
             is being healed (``Healer.check``).
         generation_part: how many times this process healed before (names its sample log).
-        control_rides_buckets: the model's DDP reduces its buckets through a hook that takes the
-            step's control aboard (``runtime.bucket_rider``); it rides when :meth:`start_control`
+        control_rides_buckets: the model's DDP reduces its buckets through an opt-in hook that
+            takes the step's control aboard (``comms.rider``); it rides when :meth:`start_control`
             is called before the backward, and goes on its own collective otherwise.
+        comms: the worker's runtime context (abortable waits, bucket rider); default a plain one.
     """
 
     def __init__(
@@ -147,6 +148,7 @@ class ElasticLoop:
         generation_part: int = 0,
         heal_check: Callable[[], None] | None = None,
         control_rides_buckets: bool = False,
+        comms: WorkerComms | None = None,
     ) -> None:
         self.env = env
         self.sampler = sampler
@@ -169,6 +171,7 @@ class ElasticLoop:
         self._heal_check = heal_check
         self._generation_part = generation_part
         self._rides_buckets = control_rides_buckets
+        self._comms = comms if comms is not None else WorkerComms()
         self.state_ready = False
         """The state is this run's (loaded or taken from a peer): this rank may serve it."""
         self.state_source = "checkpoint"
@@ -218,8 +221,10 @@ class ElasticLoop:
         self._stop.install()
         self._wakeup.install()
         try:
-            RIDER.clear()  # a payload a failed step left aboard must not ride on this group's buckets
-            self._channel = ControlChannel(self.env, rider=RIDER if self._rides_buckets else None)
+            comms = self._comms
+            comms.rider.clear()  # a payload a failed step left aboard must not ride on this group's buckets
+            self._channel = ControlChannel(self.env, rider=comms.rider if self._rides_buckets else None,
+                                           waits=comms.waits)
             if self.heals_in_place:
                 self.checkpoints.serve_peers()
             if self._initial_state is not None:

@@ -1,5 +1,6 @@
 """Aborting a gloo group mid-step ends the step at once, every time (two real processes, DDP of
-the example CNN, 25 aborts each, with the metrics' timing hook and with the plain tracked hook).
+the example CNN, 25 aborts each, with the opt-in hooks that track every bucket's wait: the
+metrics' timing hook given the worker's comms, and the plain tracked hook).
 
 Without the tracked waits of ``runtime/abortable.py`` one of these aborts in a few dozen left a
 rank in DDP's ``finalize_backward`` until gloo's own timeout: a bucket's send still queued when

@@ -70,7 +70,7 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], dict[str, str], str]]:
         (["run", "--config", str(unknown_key), *EXAMPLE], {}, "unknown key 'nnode'"),
         (["run", *EXAMPLE], {"ELASTIC_TRAINER_NNODES": "two"}, "environment ELASTIC_TRAINER_NNODES: bad value 'two'"),
         (["run", *EXAMPLE], {"ELASTIC_TRAINER_METRICS_ALLREDUCE": "traec"},
-         "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected hook, trace or 0"),
+         "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected sampled, hook, trace or 0"),
         (["run"], {}, "nothing to run"),
         (["checkpoint", "list", str(tmp_path / "nope")], {}, "no such directory"),
         (["checkpoint", "verify", str(not_a_dir)], {}, "not a directory"),

@@ -51,8 +51,7 @@ def _worker(mode: str, rank: int, work: Path) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from elastic_trainer.checkpoint.jit import AuthoritativeBuffers
-    from elastic_trainer.runtime.abortable import abortable_allreduce_hook
-    from elastic_trainer.runtime.bucket_rider import RIDER
+    from elastic_trainer.runtime.comms import WorkerComms, abortable_allreduce_hook, rides
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.runtime.step_control import ControlChannel
 
@@ -63,12 +62,13 @@ def _worker(mode: str, rank: int, work: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Counter(rank), SmallCNN(8)) if big else SmallCNN(8)
     ddp = DDP(model, forward_sync_buffers=(sync == "ddp"))
-    rides = sync == "fold" or (sync == "mixed" and rank == 0)  # "mixed": only rank 0 could ride
-    if rides:
-        ddp.register_comm_hook(None, abortable_allreduce_hook)
-        assert RIDER.carries(ddp)
+    riding = sync == "fold" or (sync == "mixed" and rank == 0)  # "mixed": only rank 0 could ride
+    comms = WorkerComms()
+    if riding:
+        ddp.register_comm_hook(comms, abortable_allreduce_hook)
+        assert rides(ddp, comms)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    channel = ControlChannel(env, rider=RIDER if rides else None)
+    channel = ControlChannel(env, rider=comms.rider if riding else None)
     separate = []  # the control's own collectives
     own_allreduce = channel._allreduce
     channel._allreduce = lambda host: (separate.append(1), own_allreduce(host))[1]  # type: ignore[method-assign]

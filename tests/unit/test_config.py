@@ -25,7 +25,7 @@ def test_defaults() -> None:
     assert cfg.pg_timeout(settings) == DEFAULT_PG_TIMEOUT_S == 1800
     assert cfg.sigterm_grace(settings) == DEFAULT_SIGTERM_GRACE_S == 30
     assert cfg.checkpoint.every == 100 and cfg.checkpoint.directory is None and cfg.mixed_precision == "no"
-    assert settings.jit_save and settings.metrics_allreduce == "hook" and not settings.metrics
+    assert settings.jit_save and settings.metrics_allreduce == "sampled" and not settings.metrics
     assert cfg.to_dict()["ddp"]["broadcast_buffers"] is True and cfg.to_dict()["checkpoint"]["every"] == 100
 
 

@@ -185,3 +185,31 @@ def test_the_loop_s_offer_to_hand_its_state_on_stands_through_the_heal() -> None
                 healer.offer_state("the loop's offer")  # what Attempt.loop() does
                 raise RuntimeError(GROUP_FAILURE)
     assert healer.offer_during_heal == "the loop's offer" and healer.offer is None
+
+
+def test_at_the_defaults_ddp_reduces_its_buckets_with_no_python_comm_hook(gloo_world: None) -> None:
+    """Issue 30: healing in place (the healer's abortable waits on, as on gloo/CPU) and the
+    default allreduce metrics leave DDP's buckets to its C++ allreduce. The hook mode of the
+    metrics is the counter-check: the same assertion sees its hook."""
+    from prometheus_client import CollectorRegistry
+
+    from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
+    from elastic_trainer.runtime import torch_compat
+    from elastic_trainer.runtime.abortable import AbortableWaits
+    from elastic_trainer.runtime.comms import WorkerComms
+
+    labels = WorkerLabels(run_id="job", node="n", rank=0, local_rank=0)
+    hooks: dict[str, list[Any]] = {}
+    for mode, observer in (("defaults", PrometheusObserver(labels=labels, registry=CollectorRegistry())),
+                           ("hook", PrometheusObserver(labels=labels, registry=CollectorRegistry(),
+                                                       sample_allreduce=False))):
+        group, _ = _group(FakeHealer())
+        group.comms = WorkerComms(waits=AbortableWaits(enabled=True))  # what ElasticGroup takes from a gloo/CPU healer
+        for attempt in group.attempts():
+            with attempt:
+                ddp = attempt.wrap(DDP(nn.Linear(4, 2)), observer)
+                ddp(torch.randn(3, 4)).sum().backward()
+                hooks[mode] = torch_compat.comm_hooks(ddp)
+                assert not attempt._rides_buckets, "nothing takes the step's control aboard a bucket"
+    assert hooks["defaults"] == [], f"a Python comm hook on DDP's buckets at the defaults: {hooks['defaults']}"
+    assert len(hooks["hook"]) == 1

@@ -15,6 +15,7 @@ from elastic_trainer.heal import healer as healer_module
 from elastic_trainer.heal.healer import Healer, thread_cpu_seconds
 from elastic_trainer.heal.membership import Membership, _Round
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member
+from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.train import elastic_group
 
 EPOCH = Epoch(number=3, members=(Member(id="a/0/1", slot="a/0"),), step=7, source=None, started_unix=1.0,
@@ -25,6 +26,8 @@ def healer_in(phase: str, epoch: Epoch, *, ready_timeout_s: float = 60.0) -> Hea
     healer = object.__new__(Healer)  # only the fence's state: no etcd, no group
     healer._phase, healer._phase_lock, healer._epoch = phase, threading.Lock(), epoch
     healer._training_thread = None
+    healer._training_ident = None
+    healer.waits = AbortableWaits(enabled=True)
     healer._forming = None
     healer._hand_on, healer._hand_on_lock = None, threading.Lock()
     healer.membership = SimpleNamespace(rules=SimpleNamespace(ready_timeout_s=ready_timeout_s))  # type: ignore[assignment]

@@ -32,7 +32,7 @@ def _model() -> torch.nn.Module:
 def test_hook_times_every_bucket_and_keeps_gradients(gloo_world: None) -> None:
     registry = CollectorRegistry()
     labels = WorkerLabels(run_id="j", node="n", rank=0, local_rank=0)
-    observer = PrometheusObserver(labels=labels, registry=registry)
+    observer = PrometheusObserver(labels=labels, registry=registry, sample_allreduce=False)  # the hook mode
     plain = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.05)
     hooked = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.05)
     observer.wrap_ddp(hooked)
@@ -192,10 +192,11 @@ LAST_OWNER_ON_GLOO_THREAD = """
 import threading, time, torch, torch.distributed as dist
 from datetime import timedelta
 from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
-from elastic_trainer.runtime import bucket_rider
+from elastic_trainer.runtime.comms import WorkerComms
 raw = []
-launch = bucket_rider.RIDER.allreduce
-bucket_rider.RIDER.allreduce = lambda *args: raw.append(launch(*args)) or raw[-1]
+comms = WorkerComms()
+launch = comms.rider.allreduce
+comms.rider.allreduce = lambda *args: raw.append(launch(*args)) or raw[-1]
 store, groups = dist.HashStore(), [None, None]
 def connect(rank):
     groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
@@ -207,7 +208,7 @@ groups.clear()
 class Bucket:
     def buffer(self): return torch.ones(4)
     def is_last(self): return True
-timer = AllreduceTimer(rank0)
+timer = AllreduceTimer(rank0, comms=comms)
 result = timed_allreduce_hook(timer, Bucket())
 # gloo's thread drops the timer's callback only after this one, long after the waiter went on
 raw.pop().add_done_callback(lambda done: time.sleep(0.5))
@@ -315,3 +316,36 @@ def test_cuda_events_are_reused_once_drained_and_not_before(monkeypatch: pytest.
     assert [t.step_seq for t in timer.drain()] == [1]
     reused = {id(timer.records.event()), id(timer.records.event())}
     assert reused == {id(first.start), id(first.end)} and len(created) == 4
+
+
+def test_the_default_times_allreduces_from_ddp_s_sampled_statistics_without_a_hook(gloo_world: None) -> None:
+    """Issue 30: the default puts nothing on DDP's per-bucket path; the allreduce metrics come from
+    DDP's own C++ timing of sampled backwards (its first ten, then one in ten)."""
+    from elastic_trainer.runtime import torch_compat
+
+    registry = CollectorRegistry()
+    labels = WorkerLabels(run_id="j", node="n", rank=0, local_rank=0)
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=0.0)
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.05)
+    observer.wrap_ddp(ddp)
+    assert torch_compat.comm_hooks(ddp) == [], "no Python comm hook at the default"
+    observer.on_start(world_size=1, restart_count=0)
+    x = torch.randn(16, 64)
+    rank = {"run_id": "j", "node": "n", "rank": "0", "local_rank": "0"}
+    steps = 3
+    for n in range(1, steps + 1):
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+        observer.on_step(step=n, duration_s=0.1, data_wait_s=0.0, samples=16, tokens=0, loss=None)
+    # DDP computes a backward's statistics at the next forward: the last one is not in yet.
+    samples = registry.get_sample_value("elastic_trainer_allreduce_duration_seconds_count", rank)
+    assert samples == steps - 1, "one sample per flush here (each of DDP's first ten backwards is timed)"
+    param_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters())
+    sizes = [int(s) for s in torch_compat.ddp_logging_data(ddp)["rebuilt_bucket_sizes"].split(",")]
+    assert len(sizes) >= 2 and sum(sizes) == param_bytes  # per parameter: a first bucket, then 0.05 MB caps
+    assert registry.get_sample_value("elastic_trainer_allreduce_bucket_bytes_sum", rank) == (steps - 1) * param_bytes
+    # Every step's bytes count, at the newest sample's sizes (none before the first sample).
+    assert registry.get_sample_value("elastic_trainer_allreduce_bytes_total", rank) == (steps - 1) * param_bytes
+    assert registry.get_sample_value("elastic_trainer_step_compute_seconds_count", rank) == steps
+    compute = registry.get_sample_value("elastic_trainer_step_compute_seconds_sum", rank)
+    assert compute is not None and 0 < compute <= steps * 0.1

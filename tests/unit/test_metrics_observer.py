@@ -36,7 +36,7 @@ def observer(registry: CollectorRegistry) -> PrometheusObserver:
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     # Writes every step, so that each test reads what it just reported (deferral: see below).
     return PrometheusObserver(
-        labels=labels, registry=registry, wall_clock=lambda: 1_700_000_000.0, flush_interval_s=0.0
+        sample_allreduce=False, labels=labels, registry=registry, wall_clock=lambda: 1_700_000_000.0, flush_interval_s=0.0
     )
 
 
@@ -116,7 +116,7 @@ def test_no_step_series_before_the_first_step(
 def test_learning_rate_and_time_of_the_last_step(registry: CollectorRegistry) -> None:
     wall, mono = [1_700_000_000.0], [50.0]
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=10.0,
+    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=10.0,
                                   wall_clock=lambda: wall[0], clock=lambda: mono[0])  # fmt: skip
     step(observer, 1, lr=0.1)  # the first step writes at once
     assert value(registry, "elastic_trainer_learning_rate", NODE) == 0.1
@@ -268,7 +268,7 @@ def test_no_checkpoint_series_before_the_first_checkpoint(
 def test_allreduce_timing_can_be_turned_off(registry: CollectorRegistry) -> None:
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     observer = PrometheusObserver(
-        labels=labels, registry=registry, time_allreduce=False, flush_interval_s=0.0
+        sample_allreduce=False, labels=labels, registry=registry, time_allreduce=False, flush_interval_s=0.0
     )
     ddp = FakeDDP()
     observer.wrap_ddp(ddp)
@@ -281,7 +281,7 @@ def test_per_step_values_are_written_once_per_flush_interval(registry: Collector
     now = [100.0]
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     observer = PrometheusObserver(
-        labels=labels, registry=registry, flush_interval_s=1.0, clock=lambda: now[0]
+        sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=1.0, clock=lambda: now[0]
     )
     step(observer, 1)  # the first step writes at once
     assert value(registry, "elastic_trainer_samples_total") == 32
@@ -309,13 +309,13 @@ def test_per_step_values_are_written_once_per_flush_interval(registry: Collector
     observer.flush()
     assert value(registry, "elastic_trainer_samples_total") == 6 * 32
     with pytest.raises(ValueError, match="flush_interval_s"):
-        PrometheusObserver(labels=labels, registry=CollectorRegistry(), flush_interval_s=-1.0)
+        PrometheusObserver(sample_allreduce=False, labels=labels, registry=CollectorRegistry(), flush_interval_s=-1.0)
 
 
 def test_deferred_histograms_export_exactly_what_observe_would(registry: CollectorRegistry) -> None:
     """The local histograms write prometheus-client's own storage: the same samples as observe()."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0)
+    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=3600.0)
     reference = CollectorRegistry()
     direct = metrics_mod._WorkerMetrics(reference, labels)
     durations = [0.0, 0.001, 0.0015, 0.2, 0.2000001, 7.0, 59.9, 60.0, 1e6, -0.5]
@@ -413,8 +413,8 @@ def test_deferred_steps_export_what_writing_every_step_exports() -> None:
     writing each step at once does: step k subtracts its own wait, no later step's."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     eager_registry, lazy_registry = CollectorRegistry(), CollectorRegistry()
-    eager = PrometheusObserver(labels=labels, registry=eager_registry, flush_interval_s=0.0)
-    lazy = PrometheusObserver(labels=labels, registry=lazy_registry, flush_interval_s=3600.0,
+    eager = PrometheusObserver(sample_allreduce=False, labels=labels, registry=eager_registry, flush_interval_s=0.0)
+    lazy = PrometheusObserver(sample_allreduce=False, labels=labels, registry=lazy_registry, flush_interval_s=3600.0,
                               clock=lambda: 0.0)  # fmt: skip
     steps = metrics_mod.MAX_DEFERRED_STEPS - 10
     eager_compute = _late_reporting_run(eager, steps)
@@ -438,7 +438,7 @@ def test_deferred_steps_export_what_writing_every_step_exports() -> None:
 
 
 def test_wrapping_a_new_model_keeps_the_old_hooks_timings(registry: CollectorRegistry) -> None:
-    observer = PrometheusObserver(labels=WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1),
+    observer = PrometheusObserver(sample_allreduce=False, labels=WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1),
                                   registry=registry, flush_interval_s=3600.0, clock=lambda: 0.0)  # fmt: skip
     old = FakeDDP()
     observer.wrap_ddp(old)
@@ -452,7 +452,7 @@ def test_wrapping_a_new_model_keeps_the_old_hooks_timings(registry: CollectorReg
 
 def test_a_long_interval_still_flushes_every_max_deferred_steps(registry: CollectorRegistry) -> None:
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0,
+    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=3600.0,
                                   clock=lambda: 0.0)  # fmt: skip
     limit = metrics_mod.MAX_DEFERRED_STEPS
     for n in range(1, limit + 1):  # the first step flushes at once, then `limit` - 1 queue
@@ -490,7 +490,7 @@ def test_priming_passes_are_timed_but_not_paired_with_a_step(registry: Collector
     """After a restart the runtime runs synchronised backward passes that belong to no step
     (bucket priming): the first real step must subtract its own wait, not a priming pass's."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=interval,
+    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=interval,
                                   clock=lambda: 0.0)  # fmt: skip
     ddp = FakeDDP()
     observer.wrap_ddp(ddp)
@@ -518,7 +518,7 @@ def test_a_new_ddp_model_restarts_the_step_numbering(registry: CollectorRegistry
     """Each DDP model gets its own hook, numbering backward passes from 0: after wrapping a
     second model, its first step is paired with its own first backward."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0,
+    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=3600.0,
                                   clock=lambda: 0.0)  # fmt: skip
     observer.on_start(world_size=2, restart_count=0)
     for wait, model_steps in ((0.1, 3), (0.02, 1)):

@@ -22,6 +22,7 @@ from torch.utils.data import TensorDataset
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.runtime import rng
+from elastic_trainer.runtime.comms import WorkerComms
 from elastic_trainer.train.trainer import (
     EXIT_STOPPED,
     Trainer,
@@ -396,7 +397,7 @@ def test_ddp_broadcasts_the_module_at_construction_only_without_a_peer_s_state(
     env = read_env(environ={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, cuda_devices=0)
     trainer = Trainer(trainer_config(global_batch_size=8), _job(), env=env, observer=NullObserver())
     trainer.model = trainer.job.model()
-    group = SimpleNamespace(healer=None)
+    group = SimpleNamespace(healer=None, comms=WorkerComms())
     attempt = Attempt(group, env, {"step": 3} if from_peer else None)  # type: ignore[arg-type]
     assert attempt.ddp_init_sync is not from_peer
     trainer._wrap_model(attempt)

@@ -1,0 +1,141 @@
+"""Fault tolerance as users run it: the same script under the real launchers, side by side.
+
+    python -m benchmarks.launcher_e2e --pairs 3                          # every workload, 4 variants
+    python -m benchmarks.launcher_e2e --workloads mlp1024 --pairs 3 --variants bare/torchrun trainer/elastic
+
+Variants (``API/LAUNCHER``): ``bare/torchrun`` is a plain DDP loop under ``torchrun --standalone``
+(the baseline); ``trainer/elastic`` is the same job through ``Trainer`` under ``elastic-trainer
+run`` at every default (embedded etcd, in-place healing, metrics, warm start, watchdog,
+checkpoints every 100 steps); the cross terms ``bare/elastic`` and ``trainer/torchrun`` split the
+cost between the launcher and the runtime. The user script is ``benchmarks/launcher_job.py``, two
+gloo workers on this machine. Each pair runs every variant once, in an order that alternates
+between pairs, so that the machine's drift hits all alike; ratios are taken against the baseline
+of the same pair and the median over pairs is reported.
+
+Reported per variant: steady-state steps/s of rank 0 (steps ``warmup..steps``), CPU per step
+(both workers' processes, every thread, over the same window: the robust figure on a shared
+machine), time from the launch to the end of the first step (rank 0), the CPU of the whole process
+tree per run (launcher, etcd, workers, start-up included), worker threads in steady state and the
+Python comm hooks on the DDP model (0 expected everywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "launcher_job.py"
+
+WORKLOADS: dict[str, list[str]] = {
+    "cnn": ["--model", "cnn", "--width", "16", "--global-batch-size", "64", "--steps", "400", "--warmup", "100"],
+    "mlp1024": ["--model", "mlp", "--width", "1024", "--global-batch-size", "64", "--steps", "300", "--warmup", "50"],
+    "mlp2048": ["--model", "mlp", "--width", "2048", "--global-batch-size", "64", "--steps", "200", "--warmup", "40"],
+    "gpt": ["--model", "gpt", "--seq-len", "64", "--layers", "4", "--d-model", "384", "--vocab", "8192",
+            "--global-batch-size", "4", "--steps", "60", "--warmup", "15"],
+}
+"""The example CNN; the 4-layer MLP with one gradient bucket (width 1024, 12.6 MB) and with two (width
+2048, 42 MB); a 4-block decoder (d_model 384, 10.3 M parameters) with several buckets."""
+VARIANTS = ("bare/torchrun", "trainer/elastic", "bare/elastic", "trainer/torchrun")
+BASELINE = "bare/torchrun"
+
+
+def command(variant: str, workload: str, out: str, nproc: int) -> list[str]:
+    """The launch line of one run (what a user types, with this venv's tools)."""
+    api, launcher = variant.split("/")
+    bin_dir = Path(sys.executable).parent
+    if launcher == "torchrun":
+        head = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(nproc)]
+    else:
+        head = [str(bin_dir / "elastic-trainer"), "run", "--nproc-per-node", str(nproc)]
+    return [*head, str(SCRIPT), "--api", api, *WORKLOADS[workload], "--out", out]
+
+
+def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float) -> dict[str, Any]:
+    """Launch one job, wait for it; its ranks' records and what the process tree cost."""
+    out = tmp / f"{workload}-{variant.replace('/', '-')}-{time.monotonic_ns()}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    launched = time.time()
+    done = subprocess.run(command(variant, workload, str(out), nproc), env=env, cwd=tmp, timeout=timeout,
+                          capture_output=True, text=True)
+    ended = time.time()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"{variant} {workload} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(nproc)]
+    steps = ranks[0]["steps"]
+    return {
+        "variant": variant, "workload": workload,
+        "steps_per_s": steps / ranks[0]["wall_s"],
+        "cpu_ms_per_step": 1e3 * sum(r["cpu_s"] for r in ranks) / steps,
+        "first_step_s": ranks[0]["first_step_unix"] - launched,
+        "script_start_s": ranks[0]["started_unix"] - launched,
+        "tree_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+        "run_s": ended - launched,
+        "threads": ranks[0]["threads"], "comm_hooks": max(r["comm_hooks"] for r in ranks),
+    }
+
+
+def summarize(results: list[dict[str, Any]], variants: tuple[str, ...]) -> str:
+    """The headline table: medians, and each variant's median ratio to the baseline of its pair."""
+    lines = ["| workload | variant | steps/s (median; min-max) | ratio | CPU ms/step | CPU ratio | first step s | "
+             "first step - baseline s | tree CPU s/run | threads | hooks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        rows = [r for r in results if r["workload"] == workload]
+        pairs = sorted({r["pair"] for r in rows})
+        base = {r["pair"]: r for r in rows if r["variant"] == BASELINE}
+        for variant in variants:
+            mine = [r for r in rows if r["variant"] == variant]
+            if not mine:
+                continue
+            rate = [r["steps_per_s"] for r in mine]
+            ratio = [r["steps_per_s"] / base[r["pair"]]["steps_per_s"] for r in mine if r["pair"] in base]
+            cpu_ratio = [r["cpu_ms_per_step"] / base[r["pair"]]["cpu_ms_per_step"] for r in mine if r["pair"] in base]
+            first_delta = [r["first_step_s"] - base[r["pair"]]["first_step_s"] for r in mine if r["pair"] in base]
+            lines.append(
+                f"| {workload} | {variant} | {statistics.median(rate):.2f} ({min(rate):.2f}-{max(rate):.2f}) | "
+                f"{statistics.median(ratio):.3f} | {statistics.median(r['cpu_ms_per_step'] for r in mine):.2f} | "
+                f"{statistics.median(cpu_ratio):.3f} | {statistics.median(r['first_step_s'] for r in mine):.2f} | "
+                f"{statistics.median(first_delta):+.2f} | {statistics.median(r['tree_cpu_s'] for r in mine):.1f} | "
+                f"{max(r['threads'] for r in mine)} | {max(r['comm_hooks'] for r in mine)} |")
+        lines.append(f"| {workload} | pairs | {len(pairs)} | | | | | | | | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--pairs", type=int, default=3, help="rounds of every variant, order alternating (>= 3)")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--json", default=None, help="append every run's record to this file (JSON lines)")
+    args = parser.parse_args()
+    variants = tuple(args.variants) if BASELINE in args.variants else (BASELINE, *args.variants)
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload in args.workloads:
+            for pair in range(args.pairs):
+                for variant in variants if pair % 2 == 0 else variants[::-1]:
+                    record = run_once(variant, workload, args.nproc, Path(tmp), args.timeout) | {"pair": pair}
+                    results.append(record)
+                    print(json.dumps(record), flush=True)
+                    if args.json:
+                        with open(args.json, "a") as file:
+                            file.write(json.dumps(record) + "\n")
+    print(summarize(results, variants))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The user script of ``benchmarks/launcher_e2e.py``: one job, as a bare DDP loop or through ``Trainer``.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/launcher_job.py --api bare --model mlp --width 1024 --out o
+    elastic-trainer run --nproc-per-node 2 benchmarks/launcher_job.py --api trainer --model mlp --width 1024 --out o
+
+``bare``: the DDP guides' loop (``init_process_group``, ``DistributedSampler``, ``DataLoader``,
+``DDP``, SGD). ``trainer``: the same model, data, loss and optimizer through ``Trainer`` with
+everything at its default (under ``elastic-trainer run``: in-place healing, metrics, checkpoints
+every 100 steps, the just-in-time save). Every rank writes ``OUT.RANK`` (JSON): the unix time of
+its first finished step, the wall and CPU time (this process, every thread) of steps
+``warmup..steps``, how many Python comm hooks its DDP has and how many threads it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STARTED_UNIX = time.time()  # before torch's import: the interpreter's start is the launcher's
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.workloads import Workload, workload  # noqa: E402
+
+
+def _job(args: argparse.Namespace) -> Workload:
+    return workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers, d_model=args.d_model,
+                    vocab=args.vocab, dataset_size=args.dataset_size)
+
+
+class Clock:
+    """Stamps each finished step: (wall, process CPU); the first one's unix time too."""
+
+    def __init__(self, total: int, warmup: int) -> None:
+        self.total = total
+        self.warmup = warmup
+        self.threads = 0
+        self.stamps: list[tuple[float, float]] = []
+        self.first_unix: float | None = None
+        self.hooks = -1
+
+    def step(self, ddp: Any) -> None:
+        if self.first_unix is None:
+            from elastic_trainer.runtime import torch_compat
+
+            self.first_unix = time.time()
+            self.hooks = len(torch_compat.comm_hooks(ddp))
+        self.stamps.append((time.perf_counter(), time.process_time()))
+        if len(self.stamps) == self.warmup:
+            self.threads = len(os.listdir("/proc/self/task"))  # in steady state
+
+
+def bare(args: argparse.Namespace, clock: Clock) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    job = _job(args)
+    model = DDP(job.model())
+    dataset = job.dataset()
+    sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=world, rank=rank, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    epoch = 0
+    while len(clock.stamps) < clock.total:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = job.loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            loss.item()  # what a loop that logs its loss does; Trainer reads it from the control
+            clock.step(model)
+            if len(clock.stamps) >= clock.total:
+                break
+        epoch += 1
+    dist.destroy_process_group()
+
+
+def trainer(args: argparse.Namespace, clock: Clock) -> None:
+    from elastic_trainer import Trainer, TrainerConfig, TrainingJob
+    from elastic_trainer.checkpoint.config import CheckpointConfig
+
+    spec = _job(args)
+    job = TrainingJob(model=spec.model, dataset=spec.dataset, loss=spec.loss, tokens_per_sample=spec.tokens_per_sample,
+                      optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9))
+    config = TrainerConfig(global_batch_size=args.global_batch_size, epochs=10_000, max_steps=clock.total,
+                           checkpoint=CheckpointConfig(directory=args.checkpoint_dir))
+    Trainer(config, job, callbacks=[lambda t, step: clock.step(t.ddp)]).fit()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--api", choices=("bare", "trainer"), required=True)
+    parser.add_argument("--model", choices=("cnn", "mlp", "gpt"), default="cnn")
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=384)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--dataset-size", type=int, default=4096)
+    parser.add_argument("--global-batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--checkpoint-dir", default=None, help="trainer: default a temporary directory")
+    parser.add_argument("--out", required=True, help="each rank writes OUT.RANK")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    clock = Clock(args.steps, args.warmup)
+    if args.api == "bare":
+        bare(args, clock)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.checkpoint_dir = args.checkpoint_dir or tmp
+            trainer(args, clock)
+    window = clock.stamps[args.warmup - 1 :]
+    rank = int(os.environ.get("RANK", "0"))
+    Path(f"{args.out}.{rank}").write_text(json.dumps({
+        "started_unix": STARTED_UNIX, "first_step_unix": clock.first_unix, "steps": len(window) - 1,
+        "wall_s": window[-1][0] - window[0][0], "cpu_s": window[-1][1] - window[0][1], "comm_hooks": clock.hooks,
+        "threads": clock.threads,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # torch 2.13's gloo can abort in interpreter teardown (runtime/process_exit.py)
