@@ -49,6 +49,10 @@ VARIANTS = ("bare/torchrun", "trainer/elastic", "bare/elastic", "trainer/torchru
 BASELINE = "bare/torchrun"
 
 
+class RunFailed(RuntimeError):
+    """A launch that did not exit 0."""
+
+
 def command(variant: str, workload: str, out: str, nproc: int) -> list[str]:
     """The launch line of one run (what a user types, with this venv's tools)."""
     api, launcher = variant.split("/")
@@ -71,7 +75,7 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float)
     ended = time.time()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
-        raise SystemExit(f"{variant} {workload} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        raise RunFailed(f"{variant} {workload} exited {done.returncode}:\n{done.stderr[-3000:]}")
     ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(nproc)]
     steps = ranks[0]["steps"]
     return {
@@ -128,7 +132,12 @@ def main() -> None:
         for workload in args.workloads:
             for pair in range(args.pairs):
                 for variant in variants if pair % 2 == 0 else variants[::-1]:
-                    record = run_once(variant, workload, args.nproc, Path(tmp), args.timeout) | {"pair": pair}
+                    try:
+                        record = run_once(variant, workload, args.nproc, Path(tmp), args.timeout)
+                    except RunFailed as exc:  # a shared machine: another job may hold the metrics port
+                        print(f"retrying once: {exc}", file=sys.stderr, flush=True)
+                        record = run_once(variant, workload, args.nproc, Path(tmp), args.timeout)
+                    record |= {"pair": pair}
                     results.append(record)
                     print(json.dumps(record), flush=True)
                     if args.json:
