@@ -149,11 +149,12 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
 
     comms = WorkerComms(waits=AbortableWaits(enabled=args.in_place))  # what the healer sets on gloo/CPU
 
+    from elastic_trainer.runtime.settings import ENV_METRICS_ALLREDUCE
+
+    os.environ[ENV_METRICS_ALLREDUCE] = "trace" if args.trace else "sampled" if args.sampled else "hook"
     if args.trace:  # before the first process group: the recorder reads its size once
         from elastic_trainer.metrics.collective_trace import trace_environment
-        from elastic_trainer.runtime.settings import ENV_METRICS_ALLREDUCE
 
-        os.environ[ENV_METRICS_ALLREDUCE] = "trace"
         trace_environment(os.environ)
     init_worker(rank, world, port, args)
     # With the recorder, "on" must read only its own buckets: every arm gets a group of its own.
@@ -372,6 +373,9 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="'on' times allreduces through the flight recorder (ELASTIC_TRAINER_METRICS_ALLREDUCE="
                              "trace; CUDA): the recorder is on for every arm, each arm on its own process group")
+    parser.add_argument("--sampled", action="store_true",
+                        help="'on' times allreduces from DDP's own sampled statistics (ELASTIC_TRAINER_METRICS_"
+                             "ALLREDUCE=sampled, the default since issue 30: no hook); without it or --trace: the hook")
     parser.add_argument("--end-to-end", action="store_true", help="also time whole torchrun jobs, off vs on")
     parser.add_argument("--rounds", type=int, default=3, help="end to end: off/on pairs (default 3)")
     parser.add_argument("--max-steps", type=int, default=800, help="end to end: steps per job")
@@ -382,8 +386,10 @@ def main() -> None:
     if args.rebuild_every <= REBUILD_SETTLE:
         parser.error(f"--rebuild-every must be more than the {REBUILD_SETTLE} settling cycles after a rebuild")
     resolve_workload_arguments(parser, args)
-    if args.trace and not args.hook:
-        parser.error("--trace and --no-hook exclude each other")
+    if (args.trace or args.sampled) and not args.hook:
+        parser.error("--trace/--sampled and --no-hook exclude each other")
+    if args.trace and args.sampled:
+        parser.error("--trace and --sampled exclude each other")
     if args.in_place and args.device == "cuda":
         parser.error("--in-place is the gloo (CPU) case: on NCCL healing in place adds no hook")
     cuda = args.device == "cuda"
@@ -401,7 +407,7 @@ def main() -> None:
     print(f"{what}, global batch {args.global_batch_size}{', bf16 autocast' if args.bf16 else ''}, "
           f"{args.nproc} {workers}, "
           f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing "
-          f"{'flight recorder' if args.trace else 'hook' if args.hook else 'off'}"
+          f"{'flight recorder' if args.trace else 'off' if not args.hook else 'sampled' if args.sampled else 'hook'}"
           f"{'; healing in place (tracked waits, the abortable hook on off/aa)' if args.in_place else ''}; "
           f"load average {os.getloadavg()[0]:.1f}")
     if cuda:

@@ -218,7 +218,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, width: int = 16, 
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo processes (2 unless --nproc); cuda: one NCCL process per GPU (default cpu)")
     parser.add_argument("--model", choices=MODELS, default="cnn",
-                        help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder (workloads.py)")
+                        help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder; mlp: the 4-layer MLP (workloads.py)")
     parser.add_argument("--global-batch-size", type=int, default=None,
                         help=f"samples per step over all ranks (default: {cnn_batch} for cnn, 8 per rank for gpt)")
     parser.add_argument("--width", type=int, default=width, help="cnn: channels of the first conv layer; mlp: hidden width")

@@ -55,6 +55,35 @@ def nccl_group(cuda: torch.device) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def test_the_default_allreduce_metrics_put_no_hook_on_nccl_buckets_and_read_ddp_s_timing(
+    cuda: torch.device, nccl_group: None
+) -> None:
+    """Issue 30 on a GPU: the observer's default (``sampled``) leaves DDP's NCCL buckets to C++
+    and reads DDP's own timing of its first backwards (CUDA events that DDP reads itself)."""
+    from prometheus_client import CollectorRegistry
+
+    from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
+    from elastic_trainer.runtime import torch_compat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4))).to(cuda)
+    ddp = DDP(model, device_ids=[cuda.index], bucket_cap_mb=4)
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(labels=WorkerLabels(run_id="j", node="n", rank=0, local_rank=0),
+                                  registry=registry, flush_interval_s=0.0)
+    observer.wrap_ddp(ddp)
+    assert torch_compat.comm_hooks(ddp) == []
+    observer.on_start(world_size=1, restart_count=0)
+    x = torch.randn(64, 1024, device=cuda)
+    for step in range(1, 5):
+        ddp(x).sum().backward()
+        observer.on_step(step=step, duration_s=0.01, data_wait_s=0.0, samples=64, tokens=0, loss=None)
+    labels = {"run_id": "j", "node": "n", "rank": "0", "local_rank": "0"}
+    timed = registry.get_sample_value("elastic_trainer_allreduce_duration_seconds_count", labels)
+    assert timed is not None and timed >= 2, "DDP's sampled backwards reach the histogram"
+    assert registry.get_sample_value("elastic_trainer_step_compute_seconds_count", labels) == 4
+
+
 def test_timing_hook_times_nccl_buckets_with_cuda_events_and_never_waits_for_the_gpu(
     cuda: torch.device, nccl_group: None
 ) -> None:
