@@ -74,7 +74,7 @@ def in_backward(ident: int) -> bool:
     Python frames; ``sys._current_frames``, documented CPython)."""
     frame = sys._current_frames().get(ident)
     depth = 0
-    while frame is not None and depth < 8:
+    while frame is not None and depth < 32:
         code = frame.f_code
         if code.co_name in ("_engine_run_backward", "backward") and "autograd" in code.co_filename:
             return True

@@ -29,6 +29,10 @@ Hooks (environment variables of one node, so one node can misbehave while the ot
     At that step, if this file exists, the rank deletes it and blocks for good using no CPU, as a
     survivor blocked in a collective that no abort reaches does (DDP's bucket rebuild in a new
     model's second forward): only the heal's stop watch ends it. Its replacement finds no file.
+``CHAOS_BLOCK_WHERE=backward``
+    Blocks inside the next step's backward instead (a global module backward hook, armed at that
+    step's control: the step's own graph was built without it), where DDP waits on a gradient
+    bucket that gloo left blocked after an abort (issue 30: no hook tracks the buckets).
 """
 
 from __future__ import annotations
@@ -46,6 +50,15 @@ EXIT_BEFORE_STEP_ENV = "CHAOS_EXIT_BEFORE_STEP"
 SLOW_WHILE_FILE_ENV = "CHAOS_SLOW_WHILE_FILE"
 BLOCK_AT_STEP_ENV = "CHAOS_BLOCK_AT_STEP"
 BLOCK_FILE_ENV = "CHAOS_BLOCK_FILE"
+BLOCK_WHERE_ENV = "CHAOS_BLOCK_WHERE"
+
+_block_in_backward = threading.Event()  # armed before a backward: its first module hook blocks
+
+
+def _blocking_backward_hook(module: object, grad_input: object, grad_output: object) -> None:
+    if _block_in_backward.is_set():
+        print("chaos: blocking inside the backward", flush=True)
+        threading.Event().wait()  # no CPU, no end, inside the autograd engine
 
 
 def chaos_hook(slow_s: float, slow_steps: int, exit_before: int | None,  # type: ignore[no-untyped-def]
@@ -58,6 +71,12 @@ def chaos_hook(slow_s: float, slow_steps: int, exit_before: int | None,  # type:
         if block is not None and step == block[0] and os.path.exists(block[1]):
             os.unlink(block[1])
             print(f"chaos: blocking at step {step}", flush=True)
+            if os.environ.get(BLOCK_WHERE_ENV) == "backward":
+                import torch
+
+                torch.nn.modules.module.register_module_full_backward_hook(_blocking_backward_hook)
+                _block_in_backward.set()
+                return
             threading.Event().wait()  # no CPU, no end
         slowed = os.path.exists(slow_while) if slow_while is not None else step <= slow_steps
         if slowed:

@@ -9,6 +9,7 @@ say ``source: peer``), not from a checkpoint.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -182,6 +183,42 @@ def test_a_survivor_blocked_where_no_abort_reaches_hands_its_state_on(etcd_serve
     assert not any(steps_lost(run_dirs.samples)), f"steps redone: {steps_lost(run_dirs.samples)}"
     assert "ending this process so that a replacement joins" in logs, logs[-6000:]  # a's stop watch
     assert "handing step 22 on through the disk before ending: written" in logs, logs[-6000:]
+
+
+def test_a_survivor_blocked_in_a_bucket_wait_is_ended_in_under_a_second_of_idle(etcd_server, no_fault,
+                                                                      run_dirs: RunDirs) -> None:
+    """Issue 30: at the defaults DDP waits on its gradient buckets in C++, where an abort does not
+    reach a send gloo left blocked. Node a's worker blocks inside step 24's backward (no CPU, as in
+    that wait), then node b's worker dies: a's stop watch sees it idle inside the backward and ends
+    it after 0.5 s, not the 5 s of a thread idle elsewhere, handing step 23 on first."""
+    from tests.chaos.chaos_job import BLOCK_AT_STEP_ENV, BLOCK_FILE_ENV, BLOCK_WHERE_ENV
+
+    run_id = unique_run_id("heal-bucket-wait")
+    block = run_dirs.root / "block-a"
+    block.touch()
+    with agents() as nodes:
+        nodes.append(start_node(name="a", run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
+                                nnodes="2", env={BLOCK_AT_STEP_ENV: "23", BLOCK_FILE_ENV: str(block),
+                                                 BLOCK_WHERE_ENV: "backward"}))
+        nodes.append(start_node(name="b", run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
+                                nnodes="2"))
+
+        def a_blocked(step: int) -> bool:
+            return "chaos: blocking inside the backward" in nodes[0].output()
+
+        faults = FaultInjector(run_dirs).when(a_blocked, "node b's worker SIGKILLed while a's waits in its backward",
+                                              lambda: nodes[1].kill_worker())
+        logs = _run_to_the_end(faults, nodes, timeout=240)
+
+    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
+    print(describe(summary))
+    assert not any(steps_lost(run_dirs.samples)), f"steps redone: {steps_lost(run_dirs.samples)}"
+    ended = re.search(r"the training thread is blocked \(no CPU used\) for (\d+) s after round", logs)
+    assert ended is not None, logs[-6000:]
+    # 0.5 s idle, checked every 0.25 s ("%.0f s": 1 s); 3 s leaves room for a loaded machine, and
+    # a thread idle outside the backward would get 5 s.
+    assert int(ended.group(1)) < 3, f"ended after {ended.group(1)} s: {logs[-6000:]}"
+    assert "handing step 23 on through the disk before ending: written" in logs, logs[-6000:]
 
 
 def test_node_sigkill_is_healed_without_waiting_for_its_lease(etcd_server, no_fault, run_dirs: RunDirs) -> None:
