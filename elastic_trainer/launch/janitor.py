@@ -87,6 +87,30 @@ def clean_up(pids: dict[int, str | None], paths: list[str], markers: Iterable[st
         shutil.rmtree(path, ignore_errors=True)
 
 
+STALE_PREFIXES = ("elastic-trainer-metrics-", "elastic-trainer-warm-")
+"""Temporary directories a launcher names ``<prefix><its pid>-<random>`` (see :func:`sweep_stale`)."""
+
+
+def sweep_stale(directory: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove the directories launchers that are gone left in ``directory`` (the temp dir by
+    default): those named ``<prefix><pid>-...`` (:data:`STALE_PREFIXES`) whose pid runs no
+    process. Normally a launcher's janitor removes them when it ends; this is for a launcher
+    killed together with its janitor. A reused pid keeps its directory until a later sweep.
+    Returns what was removed."""
+    import tempfile
+
+    base = Path(directory if directory is not None else tempfile.gettempdir())
+    removed = []
+    for prefix in STALE_PREFIXES:
+        for path in base.glob(prefix + "*"):
+            pid = path.name[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or not path.is_dir() or Path(f"/proc/{pid}").exists():
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def serve(commands: IO[str], *, launcher: int) -> int:
     """Read registrations until end-of-file, then clean up (never touching ``launcher``)."""
     pids: dict[int, str | None] = {}

@@ -185,10 +185,12 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
     with contextlib.ExitStack() as cleanup:
         janitor = None
         if not dry_run:
-            from elastic_trainer.launch.janitor import Janitor
+            from elastic_trainer.launch.janitor import Janitor, sweep_stale
 
             janitor = Janitor()  # first in, last out: cleans up even after a SIGKILL of this process
             cleanup.callback(janitor.close)
+            for path in sweep_stale():  # what launchers killed with their janitor left
+                log.info("removed %s (its launcher is gone)", path)
             # Workers (cold or warm-forked) inherit this marker: none outlives this launcher either.
             os.environ[LAUNCHER_ID_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
             janitor.stop_processes_with_env(LAUNCHER_ID_ENV, os.environ[LAUNCHER_ID_ENV])

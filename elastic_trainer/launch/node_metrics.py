@@ -354,7 +354,8 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
         directory = config.multiproc_dir or os.environ.get(MULTIPROC_DIR_ENV) or None
         owns_directory = directory is None
         if directory is None:
-            directory = tempfile.mkdtemp(prefix="elastic-trainer-metrics-")
+            # Named after this process: the next launcher's janitor sweep knows whose it was.
+            directory = tempfile.mkdtemp(prefix=f"elastic-trainer-metrics-{os.getpid()}-")
             cleanup.append(lambda: shutil.rmtree(directory, ignore_errors=True))
         else:
             _prepare_dir(directory)

@@ -126,6 +126,16 @@ class TopModel:
     def __init__(self, *, run_id: str | None = None, window_s: float = RATE_WINDOW_S) -> None:
         self.run_id = run_id
         self._window = RateWindow(span_s=window_s)
+        self._last_step: tuple[int, int | None] | None = None  # (step, target) of the last live frame
+
+    @property
+    def finished_at(self) -> int | None:
+        """The step the job finished at, if the last frame with a live endpoint had reached its
+        target (once every node has exited, the endpoints are gone: this is what is left)."""
+        if self._last_step is None:
+            return None
+        step, total = self._last_step
+        return step if total and step >= total else None
 
     def update(self, scrapes: list[Scrape], taken_at: float) -> ProgressView:
         merged: list[Sample] = []
@@ -134,7 +144,10 @@ class TopModel:
                 merged.extend(scrape.samples)
                 scrape.snapshot = Snapshot.from_samples(scrape.samples, taken_at=taken_at, run_id=self.run_id)
         snapshot = Snapshot.from_samples(merged, taken_at=taken_at, run_id=self.run_id)
-        return progress_view(snapshot, self._window.add(snapshot))
+        view = progress_view(snapshot, self._window.add(snapshot))
+        if view.step is not None:
+            self._last_step = (view.step, view.total_steps)
+        return view
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -147,9 +160,11 @@ def _bar(step: int, total: int, width: int = 30) -> str:
 
 
 def render(
-    view: ProgressView, scrapes: list[Scrape], *, now_unix: float, interval_s: float | None, live: bool
+    view: ProgressView, scrapes: list[Scrape], *, now_unix: float, interval_s: float | None, live: bool,
+    finished_at: int | None = None,
 ) -> list[str]:
-    """The lines of one frame (without terminal control sequences)."""
+    """The lines of one frame (without terminal control sequences). ``finished_at``: no endpoint
+    answers and the job had reached its target at that step (:attr:`TopModel.finished_at`)."""
     clock = datetime.fromtimestamp(now_unix).strftime("%H:%M:%S")
     run = view.run_id or (", ".join(view.run_ids) + "  (several runs: pass --run-id)" if view.run_ids else "-")
     head = f"elastic-trainer top   run {run}   {clock}"
@@ -157,7 +172,9 @@ def render(
         head += f"   every {interval_s:g}s   q quits"
     lines = [head, ""]
     step, total = view.step, view.total_steps
-    if step is None:
+    if step is None and finished_at is not None:
+        lines.append(f"step        finished at step {finished_at}   (every node has exited)")
+    elif step is None:
         lines.append("step        -   (no live worker reports a step)")
     elif total:
         lines.append(f"step        {step} / {total}   {100.0 * step / total:5.1f}%  {_bar(step, total)}")
@@ -298,7 +315,8 @@ def run_top(
             while True:
                 started = clock()
                 view, scrapes = frame()
-                lines = render(view, scrapes, now_unix=wall_clock(), interval_s=interval_s, live=True)
+                done = model.finished_at if not any(s.error is None for s in scrapes) else None
+                lines = render(view, scrapes, now_unix=wall_clock(), interval_s=interval_s, live=True, finished_at=done)
                 if terminal:
                     width = _terminal_width(out)
                     out.write(_HOME + "".join(line[:width] + _EOL + "\n" for line in lines) + _EOS)

@@ -12,8 +12,8 @@ session's etcd. Then, in order:
 
 Checked on that one run: every fault healed in place with no step redone and no group restart,
 the next step came soon, the root cause is logged in plain words (never gloo's transport text);
-``status`` showed the epoch's members and ranks while training and "finished at step N" at the
-end, its progress was fresh and its learning rate the reported step's own;
+``status`` and ``top`` showed the members and their ranks while training and "finished at step N"
+at the end, the progress was fresh and its learning rate the reported step's own;
 ``elastic_trainer_membership_changes_total`` counted the loss and the join; no "UDP blocked"
 warning about the newcomer.
 """
@@ -79,7 +79,8 @@ def _first_step_after(samples: os.PathLike[str], unix: float) -> float:
     return min(done) - unix
 
 
-def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server, run_dirs: RunDirs) -> None:
+def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server, run_dirs: RunDirs,
+                                                                     request: pytest.FixtureRequest) -> None:
     run_id = unique_run_id("one-unit")
     job = JobSpec(epochs=12)
     hold = run_dirs.root / "slow-until-c-joined"
@@ -148,12 +149,25 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
                  and h["world_size"] == 4, timeout=180, what="node c in the epoch", interval=0.2,
                  describe=lambda: tails(nodes))
         changes = _metric(ports["a"], "elastic_trainer_membership_changes_total")
+        # `top` on the two live nodes, until after the end (frames to a file; no terminal).
+        top_log = run_dirs.root / "top.log"
+        with open(top_log, "wb") as out:
+            top = subprocess.Popen([sys.executable, "-m", "elastic_trainer.cli", "top", "--url",
+                                    f"127.0.0.1:{ports['a']}", "--url", f"127.0.0.1:{ports['c']}", "--interval", "0.5"],
+                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        request.addfinalizer(lambda: top.poll() is not None or top.kill())
+        wait_for(lambda: top_log.read_text().count("ranks") >= 2, timeout=60, what="a frame of top")
         hold.unlink()
         for survivor in (a, c):
             wait_for(lambda s=survivor: s.poll() is not None, timeout=240, what="the job's end",
                      describe=lambda: tails(nodes))
         codes = wait_all([a, c], timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
+        try:
+            wait_for(lambda: "finished at step" in top_log.read_text(), timeout=20, what="top's last frame")
+        finally:
+            top.send_signal(signal.SIGINT)
+            top.wait(30)
         logs = {n.log_path.name: n.output() for n in nodes}
 
     every = "\n".join(logs.values())
@@ -176,6 +190,12 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
     for line in re.findall(r"step (\d+) epoch \d+ loss \S+ samples/s \S+ world \d+ lr ([0-9.e+-]+)", every):
         step, lr = int(line[0]), float(line[1])
         assert lr == pytest.approx(_cosine_lr(job.lr, step, job.steps), rel=6e-3), f"step {step}: lr {lr}"
+
+    frames = top_log.read_text()
+    assert f"finished at step {job.steps}   (every node has exited)" in frames, frames[-2000:]
+    # While it trained, a frame listed both live nodes with their ranks.
+    assert max(len(re.findall(r"up +\S+ +ranks \d,\d ", frame)) for frame in frames.split("elastic-trainer top")) == 2, \
+        frames[-3000:]
 
     report, text = _status(endpoint, run_id)
     assert report["finished_at_step"] == job.steps, report

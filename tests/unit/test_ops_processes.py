@@ -219,3 +219,20 @@ def test_wait_for_lets_other_errors_through_at_once() -> None:
     with pytest.raises(ValueError, match="bad answer"):
         wait_for(broken, timeout=30, what="never", retry_on=(OSError,))
     assert calls == [1]
+
+
+def test_the_janitor_sweep_removes_what_dead_launchers_left_and_nothing_else(tmp_path: Path) -> None:
+    """A launcher SIGKILLed together with its janitor leaves its metrics and warm-start
+    directories; the next launcher removes those whose pid runs nothing (issue 31)."""
+    from elastic_trainer.launch.janitor import sweep_stale
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = [tmp_path / f"elastic-trainer-metrics-{gone.pid}-abc", tmp_path / f"elastic-trainer-warm-{gone.pid}-def"]
+    alive = [tmp_path / f"elastic-trainer-metrics-{os.getpid()}-ghi", tmp_path / "elastic-trainer-metrics-xyz",
+             tmp_path / f"elastic-trainer-etcd-{gone.pid}-jkl"]
+    for path in [*dead, *alive]:
+        path.mkdir()
+        (path / "counter_1.db").write_bytes(b"x")
+    assert sorted(sweep_stale(tmp_path)) == sorted(dead)
+    assert [p for p in [*dead, *alive] if p.exists()] == alive
