@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -30,7 +30,7 @@ HEAL_MARKER_ENV = "ELASTIC_TRAINER_HEAL_MARKER"
 """(``elastic_trainer.runtime.settings.ENV_HEAL_MARKER``; stdlib-only here.)"""
 
 
-def lone_signal(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+def lone_signal(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a stop signal this process got is a kill of this one process, not its launcher
     stopping the node: the launcher marks :data:`STOPPING_FILE_ENV`'s file while it stops its
     workers, and only a process that heals in place (its heal marker exists) asks. Such a process
