@@ -274,8 +274,10 @@ def run_top(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
+    finished: Callable[[], int | None] | None = None,
 ) -> int:
     """Show the job behind ``urls`` until ``q`` or Ctrl-C (or one frame with ``once``).
+    ``finished``: asked, once no endpoint answers, for the step the job finished at (its etcd).
 
     Returns:
         The exit code: 0; with ``once``, 1 when no endpoint could be read.
@@ -315,7 +317,11 @@ def run_top(
             while True:
                 started = clock()
                 view, scrapes = frame()
-                done = model.finished_at if not any(s.error is None for s in scrapes) else None
+                done = None
+                if not any(s.error is None for s in scrapes):
+                    done = model.finished_at
+                    if done is None and finished is not None:
+                        done = finished()
                 lines = render(view, scrapes, now_unix=wall_clock(), interval_s=interval_s, live=True, finished_at=done)
                 if terminal:
                     width = _terminal_width(out)
@@ -351,8 +357,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
                         help=f"seconds between frames (default {DEFAULT_INTERVAL_S:g})")  # fmt: skip
     parser.add_argument("--run-id", default=None, help="show only this run (when endpoints serve several)")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="with --run-id: the job's etcd, asked whether the job finished once no endpoint "
+                             "answers (its nodes exit within a second of the end)")  # fmt: skip
     parser.add_argument("--once", action="store_true", help="print one frame and exit (reads twice, --interval apart)")
     parser.add_argument("--json", action="store_true", help="with --once: print the frame as JSON")
+
+
+def finished_step(endpoint: str, run_id: str) -> int | None:
+    """The step a job that heals in place finished at, from its etcd (``None``: running, unknown,
+    or etcd unreachable: top then shows what its endpoints show)."""
+    from elastic_trainer.launch.options import UserError
+    from elastic_trainer.ops.status import read_status
+
+    try:
+        step = read_status(endpoint, run_id, {"retry_timeout": "2"}, None).get("finished_at_step")
+    except UserError:
+        return None
+    return step if isinstance(step, int) else None
 
 
 def run_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
@@ -361,9 +383,13 @@ def run_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
     if args.json and not args.once:
         print(f"{prog}: error: --json needs --once", file=sys.stderr)
         return 2
+    if args.rdzv_endpoint is not None and args.run_id is None:
+        print(f"{prog}: error: --rdzv-endpoint needs --run-id", file=sys.stderr)
+        return 2
+    finished = None if args.rdzv_endpoint is None else lambda: finished_step(args.rdzv_endpoint, args.run_id)
     try:
         return run_top(args.url or [DEFAULT_URL], interval_s=args.interval, once=args.once,
-                       run_id=args.run_id, as_json=args.json)  # fmt: skip
+                       run_id=args.run_id, as_json=args.json, finished=finished)  # fmt: skip
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -153,7 +153,8 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
         top_log = run_dirs.root / "top.log"
         with open(top_log, "wb") as out:
             top = subprocess.Popen([sys.executable, "-m", "elastic_trainer.cli", "top", "--url",
-                                    f"127.0.0.1:{ports['a']}", "--url", f"127.0.0.1:{ports['c']}", "--interval", "0.5"],
+                                    f"127.0.0.1:{ports['a']}", "--url", f"127.0.0.1:{ports['c']}", "--interval", "0.5",
+                                    "--run-id", run_id, "--rdzv-endpoint", endpoint],
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         request.addfinalizer(lambda: top.poll() is not None or top.kill())
         wait_for(lambda: top_log.read_text().count("ranks") >= 2, timeout=60, what="a frame of top")
