@@ -87,7 +87,9 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
         wait_for(lambda: not _processes_with_env(marker), timeout=15, what="every process of the launcher to end")
         wait_for(lambda: not Path(data_dir).exists(), timeout=10, what="the etcd data directory to go")
         assert not _processes_mentioning(data_dir), "etcd is gone"
-        assert not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], list(tmp_path.iterdir())
+        # The janitor removes the directories one after another: the etcd one first.
+        wait_for(lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], timeout=10,
+                 what="every directory of the launcher to go", describe=lambda: str(list(tmp_path.iterdir())))
     finally:
         if launcher.poll() is None:
             launcher.kill()
