@@ -55,8 +55,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 def _micro(args: argparse.Namespace) -> None:
     import time
 
-    from elastic_trainer.checkpoint.jit import AuthoritativeBuffers, StateGuard
     from elastic_trainer.examples.synthetic_cnn import SmallCNN
+    from elastic_trainer.state.buffers import AuthoritativeBuffers
+    from elastic_trainer.state.guard import StateGuard
 
     torch.set_num_threads(1)
     model, guard = SmallCNN(args.width), StateGuard()

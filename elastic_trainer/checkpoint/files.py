@@ -620,28 +620,6 @@ def load_checkpoint(path: str | os.PathLike[str], device: torch.device) -> dict[
 
 
 # -- async writing -----------------------------------------------------------------------------------
-def snapshot_to_cpu(obj: Any, _seen: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
-    """Deep copy of nested dicts/lists/tuples with every tensor copied to CPU memory; a tensor
-    under several keys (tied weights) stays one tensor.
-
-    The training thread calls this so that the background writer never reads tensors the next
-    optimizer step is changing.
-    """
-    seen = {} if _seen is None else _seen
-    if isinstance(obj, torch.Tensor):
-        alias = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(), obj.dtype)
-        if alias not in seen:
-            seen[alias] = obj.detach().to("cpu", copy=True)
-        return seen[alias]
-    if isinstance(obj, dict):
-        return {key: snapshot_to_cpu(value, seen) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot_to_cpu(value, seen) for value in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot_to_cpu(value, seen) for value in obj)
-    return obj
-
-
 class AsyncCheckpointWriter:
     """Writes checkpoints on a background thread, at most one in flight.
 

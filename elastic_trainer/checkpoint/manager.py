@@ -1,23 +1,26 @@
-"""The checkpoint manager: everything about checkpoints that a training loop needs, in one object.
+"""The checkpoint manager: the training state to and from disk, and nothing else.
 
-    manager = CheckpointManager(CheckpointConfig(directory="/ckpt", every=100), env=env,
-                                states={"model": model, "optimizer": opt, "sampler": sampler},
+    state = TrainingState({"model": model, "optimizer": opt, "sampler": sampler}, env=env, seed=0)
+    manager = CheckpointManager(CheckpointConfig(directory="/ckpt", every=100), env=env, state=state,
                                 fingerprint={"model": model_signature(model.state_dict())})
     step = manager.load() or 0                 # collective: rank 0 chooses, every rank loads
     ...
-    with manager.update(step + 1):             # the optimizer step, scheduler, sampler advance
+    with state.update(step + 1):               # the optimizer step, scheduler, sampler advance
         optimizer.step()
     if manager.due(step + 1):
-        manager.save(epoch=sampler.epoch)      # collective
+        manager.save()                         # collective
+
+What is saved is the :class:`~elastic_trainer.state.training_state.TrainingState`'s; this object
+decides when (due), where (the directory, the file format, the claims and the commit fence) and
+which file a start resumes from (load, fallback), and it writes the just-in-time save.
 
 It owns the resume choice (rank 0 picks the newest good checkpoint of this job, broadcasts it,
 every rank loads it with a ``map_location`` onto its own device and ``weights_only=True``),
 periodic and final saves (atomic files, one writer per step through claims, optionally on a
-background thread), and the just-in-time save of :mod:`elastic_trainer.checkpoint.jit`: the update
-section held under a lock so that a snapshot never mixes step S and S+1, and a surviving rank
-saving the last completed step when the group fails. It reads its
-:class:`~elastic_trainer.checkpoint.config.CheckpointConfig` once and takes the states it saves as
-objects with ``state_dict``/``load_state_dict``. The files are those of
+background thread), and the just-in-time save of :mod:`elastic_trainer.checkpoint.jit`: a
+surviving rank saving the last completed step (a snapshot under the state's guard) when the group
+fails. It reads its :class:`~elastic_trainer.checkpoint.config.CheckpointConfig` once. The files
+are those of
 :mod:`elastic_trainer.checkpoint.files`: ``torch.load(path, weights_only=True)["model"]`` is a plain
 state_dict, and ``elastic-trainer checkpoint list|verify|inspect`` reads them.
 """
@@ -28,30 +31,21 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint.config import CheckpointConfig
-from elastic_trainer.checkpoint.jit import (
-    SAVE_TIMEOUT_S,
-    AuthoritativeBuffers,
-    ExitTimer,
-    JitCheckpointer,
-    JitOutcome,
-    StateGuard,
-    device_snapshot,
-)
+from elastic_trainer.checkpoint.jit import SAVE_TIMEOUT_S, ExitTimer, JitCheckpointer, JitOutcome
 from elastic_trainer.checkpoint.staging import StagingBuffers
-from elastic_trainer.runtime import rng
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.state.training_state import Stateful, TrainingState
 
 log = logging.getLogger(__name__)
 
@@ -60,26 +54,17 @@ TEARDOWN_S = 10.0
 TEARDOWN_S``; past that the process exits (code 1) instead of hanging."""
 
 
-class Stateful(Protocol):
-    """What the manager saves: anything with ``state_dict`` and ``load_state_dict``."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> Any: ...
-
-
 class CheckpointManager:
     """Checkpoints of one worker's training state; see the module docstring.
 
     Args:
         config: the checkpoint section.
         env: this worker's place in the job.
-        states: name -> object to save and restore (``None`` values are saved as ``None``).
-            ``"model"`` is the plain model (not the DDP wrapper); ``"sampler"`` the elastic sampler.
+        state: what is saved and restored.
+        states: instead of ``state``: name -> object (a :class:`TrainingState` of them is made).
         fingerprint: what identifies the job (model signature, dataset size, seed, ...): another
             job's checkpoint is refused, never loaded or overwritten.
-        model: the module whose buffers a just-in-time save must take from rank 0 (defaults to
-            ``states["model"]`` when it is a module).
+        model: with ``states``: the module whose buffers a snapshot takes from rank 0.
         settings: the worker's environment (``ELASTIC_TRAINER_JIT_SAVE``); parsed when omitted.
         observer: told of saves and loads (metrics).
         run_config: stored in every checkpoint as ``"config"`` (plain data).
@@ -93,7 +78,8 @@ class CheckpointManager:
         config: CheckpointConfig,
         *,
         env: DistEnv,
-        states: Mapping[str, Stateful | None],
+        state: TrainingState | None = None,
+        states: Mapping[str, Stateful | None] | None = None,
         fingerprint: Mapping[str, Any],
         model: nn.Module | None = None,
         settings: WorkerSettings | None = None,
@@ -104,20 +90,17 @@ class CheckpointManager:
     ) -> None:
         self.config = config
         self.env = env
-        self.states = dict(states)
+        if (state is None) == (states is None):
+            raise ValueError("CheckpointManager takes either state= or states=")
         self.fingerprint_fields = dict(fingerprint)
-        candidate = self.states.get("model")
-        self.model = model if model is not None else (candidate if isinstance(candidate, nn.Module) else None)
+        self.state = state if state is not None else TrainingState(
+            states or {}, env=env, model=model, seed=self.fingerprint_fields.get("seed"))
         self.settings = settings if settings is not None else WorkerSettings.from_environ()
         self.observer: TrainingObserver = observer if observer is not None else NullObserver()
         self.run_config = dict(run_config or {})
         self._stop_deadline = stop_deadline
         self._fence = fence
         self._sync_writing = False
-        self.step = 0
-        """Optimizer steps completed (the one resumed from, then each :meth:`update`)."""
-        self.epoch = 0
-        """The epoch of the checkpoint resumed from (:attr:`current_epoch` follows the sampler)."""
         self.resumed_from: int | None = None
         self.last_path: str | None = None
         self._committed_path: str | None = None  # the last path before a background write in flight
@@ -126,17 +109,21 @@ class CheckpointManager:
         self._writer.on_refused = self._background_write_refused
         self._staging = StagingBuffers(env.device)
         self._failure: ckpt.CheckpointError | None = None
-        self.guard = StateGuard()
-        self._jit = JitCheckpointer(guard=self.guard, directory=None, rank=env.rank, step=lambda: self.step,
+        self._jit = JitCheckpointer(guard=self.state.guard, directory=None, rank=env.rank, step=lambda: self.step,
                                     payload=dict, write=lambda step, payload: "", enabled=False)
-        self.buffers: AuthoritativeBuffers | None = None
-        """Rank 0's module buffers, when just-in-time saves need them (see ``checkpoint.jit``)."""
-        self._update_event: Any = None
         self._deadline: ExitTimer | None = None
-        self._peer_state = False  # keep rank 0's buffers for peers even without just-in-time saves
-        self._apply_buffers = False  # rank 0's buffers replace DDP's forward broadcast
 
     # -- properties ----------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (the state's)."""
+        return self.state.step
+
+    @property
+    def states(self) -> dict[str, Stateful | None]:
+        """The objects saved (the state's)."""
+        return self.state.objects
+
     @property
     def directory(self) -> str | None:
         return self.config.directory
@@ -148,11 +135,6 @@ class CheckpointManager:
     def use_stop_deadline(self, deadline: Callable[[], float | None]) -> None:
         """Where the graceful stop's deadline comes from (the loop that owns the stop signal)."""
         self._stop_deadline = deadline
-
-    @property
-    def current_epoch(self) -> int:
-        """The epoch the state is in: the sampler's, if one is saved."""
-        return int(getattr(self.states.get("sampler"), "epoch", self.epoch))
 
     def due(self, step: int) -> bool:
         """Whether a periodic checkpoint is due after ``step``."""
@@ -179,17 +161,15 @@ class CheckpointManager:
         if value is not None:
             started = time.monotonic()
             state = ckpt.load_checkpoint(value, env.device)
-            self._apply(state)
+            self.state.load_state_dict(state)
             self.observer.on_checkpoint_loaded(step=self.step, duration_s=time.monotonic() - started,
                                                nbytes=os.path.getsize(value))
             self.resumed_from = self._last_saved_step = self.step
             self.last_path = value
             if env.is_rank0:
-                log.info("resumed from %s%s (step %d, epoch %d, saved by %d ranks, now %d); exact resume: random "
-                         "streams derive from (seed, rank, step), so every step from here is bitwise the step of a "
-                         "fault-free run with the same world-size history",
-                         value, " (a just-in-time checkpoint)" if state.get("jit") else "", self.step, self.epoch,
-                         state["world_size"], env.world_size)
+                log.info("resumed from %s%s (step %d, epoch %d, saved by %d ranks, now %d); %s",
+                         value, " (a just-in-time checkpoint)" if state.get("jit") else "", self.step, self.state.epoch,
+                         state["world_size"], env.world_size, resume_claim(self.state))
         elif env.is_rank0 and self.directory is None:
             log.warning("no checkpoint_dir: this job is not fault tolerant; a restart starts again from step 0 "
                         "(give a checkpoint directory that every node shares, e.g. --checkpoint-dir)")
@@ -199,9 +179,9 @@ class CheckpointManager:
         return self.resumed_from
 
     def restore(self, state: dict[str, Any]) -> int:
-        """Continue from ``state``, a peer's payload (:meth:`peer_payload`, on this rank's device):
+        """Continue from ``state``, a peer's payload (``TrainingState.peer_snapshot``, on this rank's device):
         no file, no collective. Also arms the just-in-time save. Returns the step."""
-        self._apply(state)
+        self.state.load_state_dict(state)
         self.resumed_from = self.step
         self._last_saved_step = None
         self.last_path = None
@@ -213,29 +193,6 @@ class CheckpointManager:
         self._setup_jit(self._jit_wanted())
         return self.step
 
-    def serve_peers(self) -> None:
-        """This rank may be asked for its state (:meth:`peer_payload`) when the group heals in
-        place: keep rank 0's module buffers of every completed step, as just-in-time saves do."""
-        self._peer_state = True
-
-    def sync_buffers(self) -> None:
-        """The model's DDP does not broadcast buffers at each forward: rank 0's buffers ride on
-        every step's control allreduce and are written into every rank's module (call before
-        entering; see ``checkpoint.jit.replaces_buffer_broadcast``)."""
-        self._apply_buffers = True
-
-    @property
-    def holds_consistent_state(self) -> bool:
-        """No exception escaped an update section: the state is that of :attr:`step`."""
-        return self.guard.consistent
-
-    def peer_payload(self) -> dict[str, Any]:
-        """A host copy of the state after the last completed step, module buffers included as
-        they were then (an aborted forward may have moved them since): what peers take when the
-        group heals in place."""
-        with self.guard.hold(timeout=SAVE_TIMEOUT_S):
-            return self._jit_payload()
-
     def _jit_wanted(self) -> bool:
         """This rank's view of whether to save just in time (rank 0's view is the one used)."""
         wanted = self.config.jit_save if self.config.jit_save is not None else self.settings.jit_save
@@ -245,7 +202,7 @@ class CheckpointManager:
             return False
         if self.directory is None:
             return False
-        if any(hasattr(obj, "consolidate_state_dict") for obj in self.states.values()):
+        if any(hasattr(obj, "consolidate_state_dict") for obj in self.state.objects.values()):
             if self.env.is_rank0:
                 log.warning("just-in-time checkpoints are off with a sharded optimizer (ZeroRedundancyOptimizer): its "
                             "state is spread over the ranks and its step runs collectives, so no single surviving rank "
@@ -257,33 +214,9 @@ class CheckpointManager:
         """Rank 0: which checkpoint every rank loads, as ``(kind, value)`` for the broadcast."""
         return ckpt.choose_resume(self.directory or ".", self.fingerprint_fields)
 
-    def _apply(self, state: dict[str, Any]) -> None:
-        for name, obj in self.states.items():
-            if obj is not None and state.get(name) is not None:
-                obj.load_state_dict(state[name])
-        self.step = int(state["step"])
-        self.epoch = int(state.get("epoch", 0))
-
-    # -- the update section ------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def update(self, step: int, *, buffers: torch.Tensor | None = None) -> Iterator[None]:
-        """Around everything that turns "after step ``step - 1``" into "after step ``step``"
-        (optimizer, scheduler, scaler, sampler): a just-in-time snapshot sees one or the other.
-
-        ``buffers``: rank 0's buffers of this step as they arrived on the step's control
-        allreduce (``AuthoritativeBuffers.capture``); ``None`` keeps this rank's own.
-        """
-        with self.guard.update():
-            yield
-            self.step = step
-            if self.buffers is not None:
-                self.buffers.commit(buffers)
-            if self._update_event is not None:
-                self._update_event.record()
-
     def boundary(self) -> None:
         """A step ended (stall detection of the just-in-time save)."""
-        self.guard.boundary()
+        self.state.guard.boundary()
 
     # -- saving --------------------------------------------------------------------------------------
     def save(self, *, final: bool = False) -> str | None:
@@ -304,7 +237,7 @@ class CheckpointManager:
         if self.directory is None or self._last_saved_step == self.step:
             return self.last_path
         started = time.monotonic()
-        for obj in self.states.values():
+        for obj in self.state.objects.values():
             consolidate = getattr(obj, "consolidate_state_dict", None)
             if consolidate is not None:
                 consolidate(to=0)  # a sharded optimizer gathers its state on rank 0
@@ -366,21 +299,12 @@ class CheckpointManager:
         raise ckpt.CheckpointWriteError("rank 0 could not write a checkpoint (its log says why); earlier checkpoints "
                                         "stand")
 
-    def payload(self, model_state: dict[str, Any] | None = None) -> dict[str, Any]:
-        """What a checkpoint holds (live tensors; the caller copies or writes them at once)."""
+    def payload(self, state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What a checkpoint holds: ``state`` (default the live state's payload; the caller copies
+        or writes its tensors at once) with the file's format, the job's fingerprint and config."""
         data: dict[str, Any] = {"format": ckpt.FORMAT}
-        for name, obj in self.states.items():
-            data[name] = None if obj is None else obj.state_dict()
-        if model_state is not None:
-            data["model"] = model_state
-        data.update({
-            "rng": {"scheme": rng.STEP_SCHEME, "seed": self.fingerprint_fields.get("seed")},
-            "step": self.step,
-            "epoch": self.current_epoch,
-            "world_size": self.env.world_size,
-            "fingerprint": ckpt.job_fingerprint(self.fingerprint_fields),
-            "config": self.run_config,
-        })
+        data.update(self.state.state_dict() if state is None else state)
+        data.update({"fingerprint": ckpt.job_fingerprint(self.fingerprint_fields), "config": self.run_config})
         return data
 
     def _write(self, *, sync: bool, started: float) -> str | None:
@@ -390,7 +314,7 @@ class CheckpointManager:
         if directory is None:
             raise RuntimeError("checkpointing needs a directory")
         payload = self.payload()
-        step, epoch, world_size = self.step, self.current_epoch, self.env.world_size
+        step, epoch, world_size = self.step, self.state.current_epoch, self.env.world_size
         path = str(ckpt.checkpoint_path(directory, step))
         claim: ckpt.StepClaim | None = None
         if self._jit.enabled:
@@ -451,23 +375,16 @@ class CheckpointManager:
 
     # -- the just-in-time save -------------------------------------------------------------------------
     def _setup_jit(self, enabled: bool) -> None:
-        env = self.env
         self._jit = JitCheckpointer(
-            guard=self.guard, directory=self.directory, rank=env.rank, step=lambda: self.step,
+            guard=self.state.guard, directory=self.directory, rank=self.env.rank, step=lambda: self.step,
             payload=self._jit_payload, write=self._jit_write, drain=self._drain,
             stop_deadline=self._stop_deadline, enabled=enabled,
         )
-        self.buffers = None
-        if (enabled or self._peer_state or self._apply_buffers) and self.model is not None:
-            self.buffers = AuthoritativeBuffers(self.model, rank=env.rank, world_size=env.world_size,
-                                                apply=self._apply_buffers)
-            if env.device.type == "cuda":
-                self._update_event = torch.cuda.Event()
+        self.state.track_buffers(enabled)
 
     def arm(self) -> None:
         """Training starts: the state now is a completed step (every rank holds the same buffers)."""
-        if self.buffers is not None:
-            self.buffers.capture(identical=True)
+        self.state.arm()
         self._jit.arm()
 
     def busy(self) -> contextlib.AbstractContextManager[None]:
@@ -499,19 +416,7 @@ class CheckpointManager:
 
     def _jit_payload(self) -> dict[str, Any]:
         """(Holding the guard) a host copy of the state after the last completed step."""
-        env = self.env
-
-        def build() -> dict[str, Any]:
-            model_state = self.model.state_dict() if self.model is not None else None
-            source = "none"
-            if self.buffers is not None and model_state is not None:
-                buffers, source = self.buffers.snapshot()
-                model_state.update(buffers)
-            payload = self.payload(model_state)
-            payload["jit"] = {"writer_rank": env.rank, "buffers": source}
-            return payload
-
-        return device_snapshot(build, env.device, self._update_event)
+        return self.payload(self.state.snapshot())
 
     def _jit_write(self, step: int, payload: dict[str, Any]) -> str:
         if self.directory is None:
@@ -541,3 +446,14 @@ class CheckpointManager:
             self._jit.stand_down()
             if self._deadline is not None:
                 self._deadline.cancel()
+
+
+def resume_claim(state: TrainingState) -> str:
+    """What the resume line may claim: bitwise exactness only for the objects restored."""
+    missing = state.unrestored()
+    scheme = ("random streams derive from (seed, rank, step), so every step from here is bitwise the step of a "
+              "fault-free run with the same world-size history")
+    if not missing:
+        return f"exact resume: {scheme}"
+    return (f"NOT an exact resume: the checkpoint holds no {', '.join(repr(m) for m in missing)} (they start fresh); "
+            f"restored: {', '.join(state.restored or []) or 'nothing'}")

@@ -3,7 +3,7 @@
     healer = Healer.create(settings, env, pg_timeout_s=...)   # None when healing is off
     env, state = healer.start(env)        # torchrun's group (or: join a running job)
     ...                                   # train; on a failed collective:
-    outcome = healer.heal(step=step, snapshot=manager.peer_payload)
+    outcome = healer.heal(step=step, snapshot=lambda: state.peer_snapshot(timeout))
     env, state = outcome.env, outcome.state   # new group, and the state to continue from
 
 The protocol is :mod:`elastic_trainer.heal.protocol`, its etcd side
@@ -40,18 +40,13 @@ from elastic_trainer.heal.group import HealableGroup
 from elastic_trainer.heal.membership import HealTimeoutError, Membership, RoundStopped
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRules
 from elastic_trainer.heal.state_transfer import share_state
-from elastic_trainer.runtime.abortable import ABORT_MARKER, AbortableWaits
+from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.distributed import DistEnv, announce_group, configure_nccl_environment
+from elastic_trainer.runtime.failures import ABORT_MARKER, GroupAborted, is_collective_failure
 from elastic_trainer.runtime.settings import HealSettings
 from rendezvous import etcd_ops
 
 log = logging.getLogger(__name__)
-
-_GROUP_FAILURE_MARKERS = (
-    ABORT_MARKER, "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-    "NCCL communicator was aborted", "NCCL error", "ProcessGroupNCCL", "Socket Timeout",
-)
-
 
 FENCE_TIMEOUT_S = 5.0
 """How long a checkpoint commit waits for etcd to confirm that its writer still belongs to the job."""
@@ -102,11 +97,6 @@ class HealStopped(HealError):
     """This process was asked to stop (a signal) while it healed: it saves and exits instead."""
 
 
-class GroupAborted(RuntimeError):
-    """Raised by the training thread at a step boundary when a round is open (a group of one
-    rank has no connection whose end would tell it)."""
-
-
 class RunFinished(Exception):
     """The job finished while this process waited to join it."""
 
@@ -122,16 +112,6 @@ class HealOutcome:
     took_s: float
 
 
-def is_group_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective failing because a peer is gone (not a bug in the step)."""
-    if isinstance(exc, (GroupAborted, dist.DistBackendError, dist.DistNetworkError)):
-        return True
-    if isinstance(exc, RuntimeError):
-        text = str(exc)
-        return any(marker in text for marker in _GROUP_FAILURE_MARKERS)
-    return False
-
-
 def failure_reason(exc: BaseException) -> str:
     """One line in plain words for a group failure, the reason a heal round carries: a transport
     error (gloo's ``[.../pair.cc:537] Read error ...``) says that a peer is gone, not where in
@@ -139,7 +119,7 @@ def failure_reason(exc: BaseException) -> str:
     text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     if isinstance(exc, GroupAborted) or ABORT_MARKER in text:
         return text
-    if is_group_failure(exc):
+    if is_collective_failure(exc):
         return "a collective failed: a peer's connection closed (its process or node died)"
     return text
 
@@ -351,7 +331,7 @@ class Healer:
             try:
                 return self._enter(env, epoch, rank, step=step, snapshot=snapshot, started=started)
             except Exception as exc:  # a peer failed while the group formed or the state moved
-                if not is_group_failure(exc) and not isinstance(exc, dist.DistStoreError):
+                if not is_collective_failure(exc):
                     raise
                 log.warning("heal: epoch %d failed while forming (%s); healing again", epoch.number,
                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

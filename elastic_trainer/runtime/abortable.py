@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-ABORT_MARKER = "heal: the process group was aborted"
-"""In the message of every error :meth:`AbortableWaits.abort` sets (a group failure, not a bug)."""
+from elastic_trainer.runtime.failures import (
+    ABORT_MARKER,  # in every error an abort sets: a group failure
+)
 
 
 class AbortableWaits:

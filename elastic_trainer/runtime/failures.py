@@ -82,16 +82,28 @@ class FailureReport:
         )
 
 
-_COLLECTIVE_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo",
-                               "ProcessGroupNCCL", "NCCL error", "gloo/transport", "Broken pipe")
+ABORT_MARKER = "heal: the process group was aborted"
+"""Begins the error of a collective wait that a heal round ended (``runtime/abortable.py``)."""
+_COLLECTIVE_FAILURE_MARKERS = (ABORT_MARKER, "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                               "gloo/transport", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL error",
+                               "NCCL communicator was aborted", "Socket Timeout")
+
+
+class GroupAborted(RuntimeError):
+    """Raised by the training thread at a step boundary when a heal round is open (a group of one
+    rank has no connection whose end would tell it)."""
 
 
 def is_collective_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective that failed because a peer went away or timed out.
+    """Did a peer die? Whether ``exc`` is a collective that failed because a peer went away or
+    timed out, or that a heal round aborted. The one answer: the launcher's failure class, the
+    training loop and the healer all ask here.
 
     torch 2.13's gloo raises a plain ``RuntimeError`` ("... Connection closed by peer ...") from
     collectives and from DDP's backward, not a ``DistError``; both are recognised.
     """
+    if isinstance(exc, GroupAborted):
+        return True
     dist = sys.modules.get("torch.distributed")
     dist_error = getattr(dist, "DistError", None) if dist is not None else None
     if dist_error is not None and isinstance(exc, dist_error):

@@ -42,10 +42,9 @@ from elastic_trainer.heal.healer import (
     HealStopped,
     RunFinished,
     failure_reason,
-    is_group_failure,
 )
 from elastic_trainer.heal.protocol import NO_STATE
-from elastic_trainer.runtime import distributed, torch_compat
+from elastic_trainer.runtime import distributed, failures, torch_compat
 from elastic_trainer.runtime.comms import WorkerComms, rides
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import TrainingObserver
@@ -64,7 +63,7 @@ def _hand_on(loop: ElasticLoop, held: int, reason: str) -> None:
         log.warning("heal: the training loop had not restored its state yet; nothing to hand on")
         return
     checkpoints = loop.checkpoints
-    step = checkpoints.step
+    step = loop.state.step
     if held >= step:
         log.warning("heal: a live peer holds step %d (this process: %d); nothing to save before ending", held, step)
         return
@@ -238,13 +237,13 @@ class Attempt:
             if healer is not None and loop is not None and loop.result is not None and loop.result.finished:
                 healer.finish(self.env, loop.result.step)
             return False
-        if healer is None or not isinstance(exc, Exception) or not is_group_failure(exc):
+        if healer is None or not isinstance(exc, Exception) or not failures.is_collective_failure(exc):
             return False
-        holds = loop is not None and loop.state_ready and loop.checkpoints.holds_consistent_state
+        holds = loop is not None and loop.state_ready and loop.state.consistent
         step = loop.step if holds and loop is not None else NO_STATE
         reason = failure_reason(exc)
         self._detach_wrappers()
-        snapshot: Callable[[], dict[str, Any]] = loop.checkpoints.peer_payload if loop is not None else dict
+        snapshot: Callable[[], dict[str, Any]] = partial(loop.state.peer_snapshot, SAVE_TIMEOUT_S) if loop is not None else dict
         # A round that opens before the loop restored the state a peer just sent (a second fault
         # right after a heal, or a member late for the last round): that state is still this
         # process's to hand on, so the job goes on from its step, not from the last checkpoint.

@@ -54,13 +54,6 @@ log = logging.getLogger(__name__)
 EXIT_STOPPED = 128 + 15
 """Exit code after a graceful stop: non-zero so that torchrun restarts (or ends) the group."""
 
-def heal_signal(exc: BaseException) -> bool:
-    """A failed collective (a peer is gone): what in-place healing takes over."""
-    from elastic_trainer.heal.healer import is_group_failure
-
-    return is_group_failure(exc)
-
-
 FaultHook = Callable[[str, int], None]
 """Test seam: ``hook(point, step)`` at ``"before_control"`` and ``"after_update"`` of every step."""
 
@@ -153,6 +146,8 @@ class ElasticLoop:
         self.env = env
         self.sampler = sampler
         self.checkpoints = checkpoints
+        self.state = checkpoints.state
+        """What is saved, restored and handed to peers (the checkpoint manager's)."""
         self.max_steps = max_steps
         self.epochs = epochs
         self.seed = seed
@@ -195,7 +190,7 @@ class ElasticLoop:
     @property
     def step(self) -> int:
         """Optimizer steps completed."""
-        return self.checkpoints.step
+        return self.state.step
 
     @property
     def resumed_from(self) -> int | None:
@@ -226,7 +221,7 @@ class ElasticLoop:
             self._channel = ControlChannel(self.env, rider=comms.rider if self._rides_buckets else None,
                                            waits=comms.waits)
             if self.heals_in_place:
-                self.checkpoints.serve_peers()
+                self.state.serve_peers()
             if self._initial_state is not None:
                 self.checkpoints.restore(self._initial_state)
                 self._initial_state, self.state_source = None, "peer"
@@ -244,14 +239,14 @@ class ElasticLoop:
 
     def sampler_check(self) -> None:
         """The manager restored the sampler it saves: the loop must drive the same object."""
-        saved = self.checkpoints.states.get("sampler")
+        saved = self.state.objects.get("sampler")
         if saved is not None and saved is not self.sampler:
             raise ValueError("checkpoints must save the loop's sampler (states['sampler'] is another object)")
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
-            if isinstance(exc, Exception) and not (self.heals_in_place and heal_signal(exc)):
+            if isinstance(exc, Exception) and not (self.heals_in_place and failures.is_collective_failure(exc)):
                 failures.note_step(exc, self.step + 1)  # the launcher's repeat check compares steps
                 self.checkpoints.after_failure(exc)
         finally:
@@ -284,7 +279,7 @@ class ElasticLoop:
         self.checkpoints.arm()
         while not self.done():
             if self.sampler.epoch_done:
-                with self.checkpoints.guard.update():
+                with self.state.guard.update():
                     self.sampler.set_epoch(self.sampler.epoch + 1)
                 continue
             for plan in self.sampler.plans(env.rank, env.world_size):
@@ -333,7 +328,7 @@ class ElasticLoop:
             raise RuntimeError(f"step {self.step + 1}: the control allreduce was started twice")
         if self._fault is not None:
             self._fault("before_control", self.step + 1)
-        buffers = self.checkpoints.buffers.capture() if self.checkpoints.buffers is not None else None
+        buffers = self.state.buffers.capture() if self.state.buffers is not None else None
         self._control = self._channel_().start(self.step + 1, loss_sum, global_samples=plan.global_samples,
                                                stop=self._stop.requested, buffers=buffers,
                                                checkpoint_failed=self.checkpoints.write_failed)
@@ -356,7 +351,7 @@ class ElasticLoop:
             raise RuntimeError("no control allreduce for this step")
         self._channel_().wait_before_update(control)
         self._step_lr = self._lr()  # the step's own: a scheduler stepped in the update sets the next one's
-        with self.checkpoints.update(self.step + 1, buffers=control.buffers if control.complete else None):
+        with self.state.update(self.step + 1, buffers=control.buffers if control.complete else None):
             yield
             self.sampler.advance(plan)
         self._updated = True

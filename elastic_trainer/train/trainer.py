@@ -34,13 +34,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from elastic_trainer.checkpoint import files as ckpt
-from elastic_trainer.checkpoint.jit import replaces_buffer_broadcast
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.runtime import distributed, rng, torch_compat
 from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatchSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.state.buffers import replaces_buffer_broadcast
 from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
 from elastic_trainer.train.loop import EXIT_STOPPED, ElasticLoop, FaultHook, TrainResult
@@ -328,7 +328,7 @@ class Trainer:
             fence=attempt.fence,
         )
         if self._buffers_ride_control():
-            self.checkpoints.sync_buffers()
+            self.checkpoints.state.sync_buffers()
         self.loop = attempt.loop(
             sampler=self.sampler, checkpoints=self.checkpoints, max_steps=cfg.max_steps, epochs=cfg.epochs,
             seed=cfg.seed, observer=self.observer, settings=settings, sigterm_grace_s=cfg.sigterm_grace(settings),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_trainer.heal.healer import is_group_failure
 from elastic_trainer.runtime.abortable import ABORT_MARKER, AbortableWaits
+from elastic_trainer.runtime.failures import is_collective_failure as is_group_failure
 
 
 def test_off_it_hands_back_the_future_it_was_given() -> None:

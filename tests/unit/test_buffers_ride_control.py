@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer.checkpoint.jit import replaces_buffer_broadcast
 from elastic_trainer.examples.synthetic_cnn import SmallCNN
+from elastic_trainer.state.buffers import replaces_buffer_broadcast
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,10 +50,10 @@ def _worker(mode: str, rank: int, work: Path) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from elastic_trainer.checkpoint.jit import AuthoritativeBuffers
     from elastic_trainer.runtime.comms import WorkerComms, abortable_allreduce_hook, rides
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.runtime.step_control import ControlChannel
+    from elastic_trainer.state.buffers import AuthoritativeBuffers
 
     sync, big = mode.split("+")[0], mode.endswith("+big")
     torch.set_num_threads(1)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.state.host_copy import snapshot_to_cpu
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -216,7 +217,7 @@ def test_gpu_map_location_puts_tensors_on_own_device(tmp_path: Path, monkeypatch
 
 def test_snapshot_is_a_deep_cpu_copy() -> None:
     original = {"a": torch.ones(3), "b": [torch.zeros(2), (torch.ones(1), 5)], "c": "x"}
-    snap = ckpt.snapshot_to_cpu(original)
+    snap = snapshot_to_cpu(original)
     original["a"].add_(1)
     original["b"][0].add_(1)
     assert torch.equal(snap["a"], torch.ones(3)) and torch.equal(snap["b"][0], torch.zeros(2))

@@ -28,13 +28,13 @@ def test_a_refused_write_is_not_the_last_checkpoint(tmp_path: Path, async_write:
         states={"model": model}, fingerprint={"model": ckpt.model_signature(model.state_dict())},
         settings=WorkerSettings(), fence=lambda: "the job went on without this process" if refuse[0] else None)
     try:
-        manager.step = 1
+        manager.state.step = 1
         first = manager.save()
         manager._drain(10.0)  # the background write, if any
         assert first is not None and ckpt.iter_checkpoints(tmp_path) == [1]
 
         refuse[0] = True
-        manager.step = 2
+        manager.state.step = 2
         manager.save()
         manager._drain(10.0)  # the background write, if any
         assert ckpt.iter_checkpoints(tmp_path) == [1], "nothing committed"

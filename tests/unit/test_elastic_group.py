@@ -57,14 +57,17 @@ class FakeHealer:
         self.finished_at = step
 
 
-class FakeCheckpoints:
-    holds_consistent_state = True
+class FakeState:
+    consistent = True
+    step = 7
 
+    def peer_snapshot(self, timeout: float) -> dict[str, Any]:
+        return {"step": 7}
+
+
+class FakeCheckpoints:
     def __init__(self) -> None:
         self.failures: list[BaseException] = []
-
-    def peer_payload(self) -> dict[str, Any]:
-        return {"step": 7}
 
     def after_failure(self, exc: BaseException) -> None:
         self.failures.append(exc)
@@ -77,7 +80,8 @@ def _env() -> DistEnv:
 def _group(healer: FakeHealer | None) -> tuple[ElasticGroup, SimpleNamespace]:
     group = ElasticGroup(WorkerSettings(), _env())
     group.healer = healer  # type: ignore[assignment]
-    loop = SimpleNamespace(state_ready=True, step=7, stop_requested=False, checkpoints=FakeCheckpoints(),
+    loop = SimpleNamespace(state_ready=True, step=7, stop_requested=False, state=FakeState(),
+                           checkpoints=FakeCheckpoints(),
                            sampler=SimpleNamespace(epoch=2),
                            result=TrainResult(step=9, epoch=2, loss=0.5, resumed_from=None, stopped_by_signal=False,
                                               checkpoint=None))

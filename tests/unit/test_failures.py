@@ -154,3 +154,20 @@ def test_a_rank_the_agent_terminated_is_not_the_root_cause_of_a_killed_peer(tmp_
     assert verdict.root_cause.rank == 1 and verdict.reason == "rank 1 failed: killed by SIGKILL"
     alone = policy.judge({0: _failure(tmp_path, 0, None, exitcode=-15)})  # a SIGTERM on its own is still the cause
     assert alone.root_cause.rank == 0 and alone.reason == "rank 0 failed: killed by SIGTERM"
+
+
+@pytest.mark.parametrize("message", [
+    "heal: the process group was aborted (round 3 opened)",
+    "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234",
+    "ProcessGroupGloo::allreduce: Connection reset by peer",
+    "NCCL communicator was aborted on rank 1",
+    "Socket Timeout",
+])
+def test_did_a_peer_die_has_one_answer(message: str) -> None:
+    """The launcher's failure class and the healer ask the same function (one marker list)."""
+    from elastic_trainer.runtime import failures
+
+    assert failures.is_collective_failure(RuntimeError(message))
+    assert failures.classify(RuntimeError(message))[0] is failures.FailureClass.TRANSIENT
+    assert failures.is_collective_failure(failures.GroupAborted("a heal round after epoch 2 is open"))
+    assert not failures.is_collective_failure(ValueError(message)), "a bug in the step is not a dead peer"

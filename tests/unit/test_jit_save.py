@@ -20,14 +20,10 @@ import torch
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint import jit as jit_save
 from elastic_trainer.checkpoint.config import CheckpointConfig
-from elastic_trainer.checkpoint.jit import (
-    EXIT_AFTER_SIGNAL,
-    AuthoritativeBuffers,
-    ExitTimer,
-    JitCheckpointer,
-    StateGuard,
-)
+from elastic_trainer.checkpoint.jit import EXIT_AFTER_SIGNAL, ExitTimer, JitCheckpointer
 from elastic_trainer.runtime.settings import ENV_JIT_SAVE, WorkerSettings
+from elastic_trainer.state.buffers import AuthoritativeBuffers
+from elastic_trainer.state.guard import StateGuard
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -93,7 +93,7 @@ def _buffers_worker(rank: int, work: Path) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from elastic_trainer.checkpoint.jit import AuthoritativeBuffers
+    from elastic_trainer.state.buffers import AuthoritativeBuffers
 
     _init(rank, work)
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))

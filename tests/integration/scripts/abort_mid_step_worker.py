@@ -26,10 +26,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_trainer.examples.synthetic_cnn import SmallCNN
 from elastic_trainer.heal.group import HealableGroup
-from elastic_trainer.heal.healer import is_group_failure
 from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.comms import WorkerComms, abortable_allreduce_hook
+from elastic_trainer.runtime.failures import is_collective_failure as is_group_failure
 
 BOUND_S = 10.0
 """An abort that has not ended the step by then counts as blocked (gloo's own timeout: 600 s here)."""

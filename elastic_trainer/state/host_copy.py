@@ -1,0 +1,54 @@
+"""Host copies of the training state: what a checkpoint writer or a peer takes away.
+
+The copy is taken on the training thread (or holding the state's guard), so the next optimizer
+step can never change what is being written or sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def snapshot_to_cpu(obj: Any, _seen: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
+    """Deep copy of nested dicts/lists/tuples with every tensor copied to CPU memory; a tensor
+    under several keys (tied weights) stays one tensor.
+
+    The training thread calls this so that the background writer never reads tensors the next
+    optimizer step is changing.
+    """
+    seen = {} if _seen is None else _seen
+    if isinstance(obj, torch.Tensor):
+        alias = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(), obj.dtype)
+        if alias not in seen:
+            seen[alias] = obj.detach().to("cpu", copy=True)
+        return seen[alias]
+    if isinstance(obj, dict):
+        return {key: snapshot_to_cpu(value, seen) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot_to_cpu(value, seen) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(snapshot_to_cpu(value, seen) for value in obj)
+    return obj
+
+
+def device_snapshot(build: Callable[[], Any], device: torch.device, after: torch.cuda.Event | None) -> Any:
+    """CPU copy (:func:`snapshot_to_cpu`) of the payload that ``build`` returns.
+
+    On CUDA ``build`` and the copy run on a side stream that waits only for ``after`` (the end of
+    the last update), not for work queued since (a hung collective); device work that ``build``
+    queues (:meth:`AuthoritativeBuffers.snapshot`'s copies) is ordered after that update, and all
+    of it has finished when this returns (the caller still holds the guard, so the next update
+    cannot overwrite what was read).
+    """
+    if device.type != "cuda":
+        return snapshot_to_cpu(build())
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        copy = snapshot_to_cpu(build())
+        stream.synchronize()
+    return copy
