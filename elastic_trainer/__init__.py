@@ -3,10 +3,14 @@
 The public API, importable from here (lazily: ``import elastic_trainer`` loads no torch)::
 
     from elastic_trainer import Trainer, TrainingJob, TrainerConfig, CheckpointConfig   # the runtime's loop
-    from elastic_trainer import CheckpointManager, ElasticLoop, ElasticSampler           # your own loop
+    from elastic_trainer import Elastic                                                  # your own loop
 
-Packages, by the process that runs them: ``runtime``, ``train``, ``checkpoint`` and ``metrics``
-(worker processes), ``launch`` (the launcher of ``elastic-trainer run``), ``ops`` (operator tools:
+Below ``Elastic``, its parts are public too: ``ElasticGroup`` (the process group, healed in
+place), ``ElasticLoop`` (the steps), ``CheckpointManager`` (disk), ``TrainingState`` (what is
+saved, restored and handed to a peer), ``ElasticSampler`` (the data order).
+
+Packages, by the process that runs them: ``runtime``, ``state``, ``train``, ``heal``,
+``checkpoint`` and ``metrics`` (worker processes), ``launch`` (the launcher of ``elastic-trainer run``), ``ops`` (operator tools:
 status, top, demo), ``doctor``, ``examples``.
 """
 
@@ -24,6 +28,12 @@ _EXPORTS = {
     "TrainerConfig": "elastic_trainer.train.config",
     "DDPOptions": "elastic_trainer.train.config",
     "ElasticLoop": "elastic_trainer.train.loop",
+    "Elastic": "elastic_trainer.train.elastic",
+    "Step": "elastic_trainer.train.elastic",
+    "MicroBatch": "elastic_trainer.runtime.sampler",
+    "ElasticGroup": "elastic_trainer.train.elastic_group",
+    "TrainingState": "elastic_trainer.state.training_state",
+    "find_states": "elastic_trainer.state.training_state",
     "CheckpointConfig": "elastic_trainer.checkpoint.config",
     "CheckpointManager": "elastic_trainer.checkpoint.manager",
     "ElasticSampler": "elastic_trainer.runtime.sampler",

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic_trainer.runtime import rng
 from elastic_trainer.runtime.distributed import DistEnv
@@ -66,25 +67,31 @@ class ReplicaMismatchError(RuntimeError):
 
 def find_states(model: nn.Module, *, scaler: Any = None) -> dict[str, Stateful]:
     """The optimizers over ``model``'s parameters and their LR schedulers, found among the live
-    objects, named ``optimizer``, ``optimizer_1``, ... and ``scheduler``, ``scheduler_1``, ... in
-    the order they were created; ``scaler`` (a ``GradScaler``) as ``scaler``.
+    objects, named ``optimizer``, ``optimizer_1``, ... and ``scheduler``, ``scheduler_1``, ...;
+    ``scaler`` (a ``GradScaler``) as ``scaler``.
 
-    The order is that of ``gc.get_objects()`` (allocation order for objects alive since), the same
-    on every rank and in every restart of the same script, so the names are stable.
+    The names must be the same on every rank and in every restart of the script (a checkpoint is
+    loaded by name): optimizers are ordered by where their parameters are in
+    ``model.parameters()``, schedulers by their optimizer's place, then by class name.
     """
-    params = {id(p) for p in model.parameters()}
-    optimizers: list[torch.optim.Optimizer] = []
+    place = {id(p): i for i, p in enumerate(model.parameters())}
+    optimizers: list[tuple[tuple[int, ...], str, torch.optim.Optimizer]] = []
     schedulers: list[Any] = []
     for obj in gc.get_objects():
-        if isinstance(obj, torch.optim.Optimizer) and _over(obj, params):
-            optimizers.append(obj)
-        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        kind = type(obj)  # not isinstance: that may run a proxy's __class__ (and its warnings)
+        if issubclass(kind, torch.optim.Optimizer) and _over(obj, set(place)):
+            where = tuple(place.get(id(p), -1) for group in obj.param_groups for p in group["params"])
+            optimizers.append((where, kind.__name__, obj))
+        elif issubclass(kind, torch.optim.lr_scheduler.LRScheduler):
             schedulers.append(obj)
-    ours = {id(o) for o in optimizers}
+    optimizers.sort(key=lambda entry: (min((i for i in entry[0] if i >= 0), default=-1), entry[0], entry[1]))
+    rank_of = {id(entry[2]): i for i, entry in enumerate(optimizers)}
     found: dict[str, Stateful] = {}
-    for i, optimizer in enumerate(optimizers):
+    for i, (_, _, optimizer) in enumerate(optimizers):
         found["optimizer" if i == 0 else f"optimizer_{i}"] = optimizer
-    for i, scheduler in enumerate(s for s in schedulers if id(getattr(s, "optimizer", None)) in ours):
+    ours = sorted((s for s in schedulers if id(getattr(s, "optimizer", None)) in rank_of),
+                  key=lambda s: (rank_of[id(s.optimizer)], type(s).__name__))
+    for i, scheduler in enumerate(ours):
         found["scheduler" if i == 0 else f"scheduler_{i}"] = scheduler
     if scaler is not None:
         found["scaler"] = scaler
@@ -126,6 +133,14 @@ class TrainingState:
         self._update_event: Any = None
         self._serve_peers = False
         self._apply_buffers = False
+
+    def rebind(self, env: DistEnv) -> None:
+        """A new attempt (after an in-place heal): this rank's new place, a fresh guard, and no
+        buffers until the next load or restore; the objects and the step stay."""
+        self.env = env
+        self.guard = StateGuard()
+        self.buffers = None
+        self._update_event = None
 
     # -- what it holds ------------------------------------------------------------------------------
     @property
@@ -244,6 +259,10 @@ class TrainingState:
             return
         params = {id(p) for p in self.model.parameters()}
         saved = {id(obj) for obj in self.objects.values() if obj is not None}
+        for obj in self.objects.values():  # a wrapper's inner optimizer (ZeroRedundancyOptimizer's)
+            if isinstance(obj, torch.optim.Optimizer):
+                saved.update(id(inner) for inner in (getattr(obj, "optim", None), getattr(obj, "optimizer", None))
+                             if inner is not None)
         checked: set[int] = set()
 
         def pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -256,7 +275,7 @@ class TrainingState:
                     "between ranks; create it before the elastic loop, or pass it with states={...}")
             checked.add(id(optimizer))
 
-        handle = torch.optim.optimizer.register_optimizer_step_pre_hook(pre_step)
+        handle = register_optimizer_step_pre_hook(pre_step)
         try:
             yield
         finally:

@@ -85,6 +85,47 @@ class TrainResult:
         return EXIT_STOPPED if self.stopped_by_signal else 0
 
 
+def total_steps(steps_per_epoch: int, *, epochs: int | None, max_steps: int | None) -> int:
+    """Steps a job trains for: ``max_steps`` or ``epochs`` passes, whichever comes first."""
+    if epochs is None:
+        return max_steps if max_steps is not None else steps_per_epoch
+    total = epochs * steps_per_epoch
+    return total if max_steps is None else min(total, max_steps)
+
+
+_SAMPLER_PROTOCOL = ("plans", "advance", "set_epoch", "epoch_done", "state_dict", "load_state_dict")
+
+
+def check_sampler(sampler: object) -> None:
+    """Refuse, before the first step, a sampler that cannot re-split a step over a new world size.
+
+    Raises:
+        ConfigError: ``sampler`` lacks the elastic sampler's protocol (a ``DistributedSampler``).
+    """
+    missing = [name for name in _SAMPLER_PROTOCOL if not hasattr(sampler, name)]
+    if missing:
+        raise failures.ConfigError(
+            f"the sampler is a {type(sampler).__name__}, not an elastic one (it has no {missing[0]}()): use "
+            "elastic_trainer.ElasticSampler(len(dataset), global_batch_size, seed=...), which re-splits every step "
+            "over the ranks alive, so that each sample is trained once per epoch at any world size")
+
+
+def ensure_progress_logging(rank: int) -> None:
+    """Show the runtime's progress lines (INFO) when the program configured no logging at all.
+
+    A program that set up logging (any handler on the root logger or on ``elastic_trainer``) keeps
+    its own configuration.
+    """
+    package = logging.getLogger("elastic_trainer")
+    if logging.getLogger().handlers or package.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    package.addHandler(handler)
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)
+
+
 class ElasticLoop:
     """Drives one worker's training loop; see the module docstring.
 
@@ -93,7 +134,8 @@ class ElasticLoop:
         sampler: the elastic sampler (also saved and restored by ``checkpoints``).
         checkpoints: the checkpoint manager.
         max_steps: stop after this many steps in total; ``None``: all ``epochs``.
-        epochs: passes over the dataset.
+        epochs: passes over the dataset; ``None``: as many as ``max_steps`` takes (one without
+            ``max_steps``).
         seed: the job's seed (every step's random numbers derive from it).
         observer: metrics; default none.
         settings: the worker's environment settings; parsed when omitted.
@@ -125,7 +167,7 @@ class ElasticLoop:
         sampler: ElasticSampler,
         checkpoints: CheckpointManager,
         max_steps: int | None = None,
-        epochs: int = 1,
+        epochs: int | None = None,
         seed: int = 0,
         observer: TrainingObserver | None = None,
         settings: WorkerSettings | None = None,
@@ -144,12 +186,14 @@ class ElasticLoop:
         comms: WorkerComms | None = None,
     ) -> None:
         self.env = env
+        check_sampler(sampler)
         self.sampler = sampler
         self.checkpoints = checkpoints
         self.state = checkpoints.state
         """What is saved, restored and handed to peers (the checkpoint manager's)."""
         self.max_steps = max_steps
-        self.epochs = epochs
+        self.epochs = epochs if epochs is not None else (1 if max_steps is None else None)
+        """Passes over the dataset; ``None``: until ``max_steps``."""
         self.seed = seed
         self.observer: TrainingObserver = observer if observer is not None else NullObserver()
         settings = settings if settings is not None else WorkerSettings.from_environ()
@@ -167,6 +211,7 @@ class ElasticLoop:
         self._generation_part = generation_part
         self._rides_buckets = control_rides_buckets
         self._comms = comms if comms is not None else WorkerComms()
+        self._watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         self.state_ready = False
         """The state is this run's (loaded or taken from a peer): this rank may serve it."""
         self.state_source = "checkpoint"
@@ -200,8 +245,7 @@ class ElasticLoop:
     def total_steps(self) -> int:
         """Steps the job trains for in all: ``max_steps`` or ``epochs`` x steps per epoch
         (``ceil(dataset size / global batch)``), whichever comes first."""
-        total = self.epochs * len(self.sampler)
-        return total if self.max_steps is None else min(total, self.max_steps)
+        return total_steps(len(self.sampler), epochs=self.epochs, max_steps=self.max_steps)
 
     @property
     def stop_requested(self) -> bool:
@@ -209,12 +253,17 @@ class ElasticLoop:
         return self._stop.requested
 
     def done(self) -> bool:
-        return (self.max_steps is not None and self.step >= self.max_steps) or self.sampler.epoch >= self.epochs
+        if self.max_steps is not None and self.step >= self.max_steps:
+            return True
+        return self.epochs is not None and self.sampler.epoch >= self.epochs
 
     # -- the context --------------------------------------------------------------------------------
     def __enter__(self) -> ElasticLoop:
+        ensure_progress_logging(self.env.rank)
         self._stop.install()
         self._wakeup.install()
+        self._watch = self.state.watch()
+        self._watch.__enter__()
         try:
             comms = self._comms
             comms.rider.clear()  # a payload a failed step left aboard must not ride on this group's buckets
@@ -225,6 +274,9 @@ class ElasticLoop:
             if self._initial_state is not None:
                 self.checkpoints.restore(self._initial_state)
                 self._initial_state, self.state_source = None, "peer"
+                # Every member restored the same payload: one small allreduce proves they hold
+                # the same state (a load_state_dict that restores less than it saves would not).
+                self.state.verify_replicas()
             else:
                 self.checkpoints.load()
             self.state_ready = True
@@ -256,6 +308,7 @@ class ElasticLoop:
         try:
             self.checkpoints.close(self._stop.grace_s)
         finally:
+            self._watch.__exit__(None, None, None)
             self._wakeup.uninstall()
             self._stop.uninstall()
             if self._sample_log is not None:

@@ -43,7 +43,13 @@ from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.state.buffers import replaces_buffer_broadcast
 from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
-from elastic_trainer.train.loop import EXIT_STOPPED, ElasticLoop, FaultHook, TrainResult
+from elastic_trainer.train.loop import (
+    EXIT_STOPPED,
+    ElasticLoop,
+    FaultHook,
+    TrainResult,
+    ensure_progress_logging,
+)
 
 __all__ = ["EXIT_STOPPED", "Callback", "TrainResult", "Trainer", "TrainerSetupError", "TrainingJob",
            "build_observer", "ensure_progress_logging"]
@@ -509,22 +515,6 @@ def build_observer(settings: WorkerSettings | None = None) -> TrainingObserver:
         return worker_observer(settings)
     except MetricsError as exc:
         raise TrainerSetupError(str(exc)) from exc
-
-
-def ensure_progress_logging(rank: int) -> None:
-    """Show the runtime's progress lines (INFO) when the program configured no logging at all.
-
-    A program that set up logging (any handler on the root logger or on ``elastic_trainer``) keeps
-    its own configuration.
-    """
-    package = logging.getLogger("elastic_trainer")
-    if logging.getLogger().handlers or package.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
-    package.addHandler(handler)
-    if package.level == logging.NOTSET:
-        package.setLevel(logging.INFO)
 
 
 def samples_per_step(config: TrainerConfig, world_size: int) -> str:

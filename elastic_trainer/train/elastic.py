@@ -1,0 +1,399 @@
+"""Your own DDP loop, elastic: one object around it, the loop body stays yours.
+
+    from elastic_trainer import Elastic
+
+    elastic = Elastic(model, dataset, global_batch_size=64, micro_batch_size=16, max_steps=1000,
+                      checkpoint_dir="/shared/ckpt")          # finds the optimizers and schedulers
+    for step in elastic:                                      # resumed; this rank's share of each step
+        with step:                                            # a peer's failure in here heals in place
+            for x, y in step:                                 # micro-batches (no_sync but the last)
+                step.backward(loss_fn(elastic.ddp(x), y) * step.weight)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    sys.exit(elastic.result.exit_code)
+
+What it does around the body: forms the process group (instead of ``init_process_group``) and,
+under ``elastic-trainer run``, heals it in place when a peer dies (the survivors keep their
+objects; a replacement takes the state from a live peer); wraps the model in DDP over the current
+group (:attr:`Elastic.ddp`); resumes from the newest checkpoint; hands out each step's samples
+exactly once per epoch at any world size (:class:`~elastic_trainer.runtime.sampler.ElasticSampler`);
+reseeds every rank's random numbers at each step; saves periodic, final, SIGTERM and just-in-time
+checkpoints; reports progress lines and metrics. What it saves is a
+:class:`~elastic_trainer.state.training_state.TrainingState`: the model, the sampler, and what it
+finds (every optimizer over the model's parameters, their LR schedulers, the ``scaler`` given).
+
+The step's update section (a just-in-time save or a peer's snapshot never sees half of it) runs
+from the last micro-batch's :meth:`Step.backward` (or the first optimizer step) to the end of
+``with step:``; everything that changes the saved state goes there, once per step. Code after
+``with step:`` runs between steps (evaluation, logging): after a failure that the ``with`` took
+for healing, :attr:`Step.completed` is False. Design: ``docs/design/own-loop.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint.config import CheckpointConfig
+from elastic_trainer.checkpoint.manager import CheckpointManager
+from elastic_trainer.runtime import distributed, failures, rng
+from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.observer import TrainingObserver
+from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatch, MicroBatchSampler, StepPlan
+from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.state.training_state import (
+    ReplicaMismatchError,
+    Stateful,
+    TrainingState,
+    find_states,
+)
+from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
+from elastic_trainer.train.loop import (
+    ElasticLoop,
+    FaultHook,
+    TrainResult,
+    check_sampler,
+    ensure_progress_logging,
+)
+
+log = logging.getLogger(__name__)
+
+PROG = "elastic_trainer"
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """``batch`` (tensors in lists, tuples, dicts) on ``device`` (asynchronously from pinned memory)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: move_to(v, device) for k, v in batch.items()}
+    return batch
+
+
+class _Nothing:
+    """A no-op context (``contextlib.nullcontext`` without the allocation per micro-batch)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+NOTHING = _Nothing()
+
+
+class Elastic:
+    """An elastic run of your own loop; see the module docstring.
+
+    Args:
+        model: the plain model, on this rank's device (:attr:`device`), identical on every rank
+            (seed before building it). Not DDP-wrapped: :attr:`ddp` is.
+        dataset: a map-style dataset (``for batch in step`` loads each micro-batch with a
+            DataLoader), or its size (``for micro in step`` gives the indices to load yourself).
+        global_batch_size: samples per optimizer step over all ranks, whatever the world size.
+        micro_batch_size: at most this many samples per forward (gradient accumulation).
+        max_steps: stop after this many steps in total (``None``: all ``epochs``).
+        epochs: passes over the data (``None``: as many as ``max_steps`` takes; one without it).
+        seed: the data order and every step's random numbers derive from it.
+        shuffle: ``False`` keeps the dataset's order.
+        checkpoint_dir: a directory every node shares (``None``: no checkpoints, no resume).
+        checkpoint_every: steps between periodic checkpoints.
+        checkpoint: the full checkpoint section instead (overrides the two above).
+        scaler: a ``torch.amp.GradScaler``: saved, and :meth:`Step.backward` scales with it.
+        states: more objects to save (name -> anything with ``state_dict``/``load_state_dict``);
+            the model's optimizers and their schedulers are found without it.
+        collate_fn, num_workers: for the DataLoader of a map-style ``dataset``.
+        ddp_options: keyword arguments for ``DistributedDataParallel`` (``bucket_cap_mb``, ...).
+        log_every: rank 0 logs a progress line every this many steps.
+        tokens_per_sample: for the tokens/s metric.
+        record_samples_dir: audit: every rank records every step's indices there.
+        after_step: called with the step number after each step, between steps, on every rank.
+        settings, env, observer, fault_hook: the worker's environment, place, metrics and a test
+            seam; read from the environment when omitted.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataset: Dataset[Any] | int,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        max_steps: int | None = None,
+        epochs: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int = 100,
+        checkpoint: CheckpointConfig | None = None,
+        scaler: Any = None,
+        states: Mapping[str, Stateful | None] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        ddp_options: Mapping[str, Any] | None = None,
+        log_every: int = 10,
+        tokens_per_sample: int = 0,
+        record_samples_dir: str | None = None,
+        after_step: Sequence[Callable[[int], None]] = (),
+        settings: WorkerSettings | None = None,
+        env: DistEnv | None = None,
+        observer: TrainingObserver | None = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        if isinstance(model, (DDP, nn.DataParallel)):
+            raise failures.ConfigError("Elastic(model): pass the plain model; Elastic wraps it in DDP (elastic.ddp) "
+                                       "over the process group of the moment")
+        if isinstance(dataset, int):
+            self.dataset: Dataset[Any] | None = None
+            size = dataset
+        else:
+            self.dataset = dataset
+            try:
+                size = len(dataset)  # type: ignore[arg-type]
+            except TypeError:
+                raise failures.ConfigError(
+                    f"Elastic(dataset): a {type(dataset).__name__} has no length; pass a map-style dataset, or the "
+                    "number of samples and load each micro-batch's indices yourself") from None
+        self.model = model
+        self.settings = settings if settings is not None else WorkerSettings.from_environ()
+        self.env = env if env is not None else distributed.read_env()
+        self.sampler = ElasticSampler(size, global_batch_size, seed=seed, shuffle=shuffle,
+                                      micro_batch_size=micro_batch_size)
+        check_sampler(self.sampler)
+        self.max_steps, self.epochs, self.seed = max_steps, epochs, seed
+        self.checkpoint = checkpoint if checkpoint is not None else CheckpointConfig(
+            directory=checkpoint_dir, every=checkpoint_every)
+        self.scaler = scaler
+        objects: dict[str, Stateful | None] = {"model": model, **find_states(model, scaler=scaler)}
+        objects.update(states or {})
+        objects["sampler"] = self.sampler
+        self.state = TrainingState(objects, env=self.env, model=model, seed=seed)
+        """What is saved, restored and handed to a peer (found here; see :func:`find_states`)."""
+        self.fingerprint = {"model": ckpt.model_signature(model.state_dict()), "dataset_size": size, "seed": seed,
+                            "shuffle": shuffle}
+        self.collate_fn, self.num_workers = collate_fn, num_workers
+        self.ddp_options = dict(ddp_options or {})
+        self.log_every, self.tokens_per_sample = log_every, tokens_per_sample
+        self.record_samples_dir = record_samples_dir
+        self.after_step = list(after_step)
+        self._observer = observer
+        self._fault_hook = fault_hook
+        self.ddp: DDP | None = None
+        """The model in DDP over the current process group (a new one after each heal)."""
+        self.loop: ElasticLoop | None = None
+        self.result: TrainResult | None = None
+        """How the run ended (after the iteration): ``exit_code`` is what the process exits with."""
+        self._batches: Iterator[Any] | None = None
+        self._loader_epoch = -1
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device (build the model on it)."""
+        return self.env.device
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self.state.step
+
+    # -- the run ----------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Step]:
+        ensure_progress_logging(self.env.rank)
+        try:
+            yield from self._run()
+        except (failures.DeterministicError, ReplicaMismatchError) as exc:
+            # A mistake a restart cannot fix (a sampler without the elastic protocol, an unsaved
+            # optimizer), or replicas that differ after a heal: one line, and the exit status the
+            # launcher reads (2: no restart; 1: restart from the newest checkpoint).
+            raise SystemExit(failures.exit_after(exc, prog=PROG)) from exc
+
+    def _run(self) -> Iterator[Step]:
+        if self._observer is None:
+            from elastic_trainer.train.trainer import build_observer
+
+            self._observer = build_observer(self.settings)
+        with ElasticGroup(self.settings, self.env) as group:
+            for attempt in group.attempts():
+                with attempt:  # a peer's failure is healed here; the next attempt goes on
+                    self._start_attempt(attempt)
+                    loop = self._loop(attempt)
+                    with loop:
+                        for plan in loop:
+                            step = Step(self, loop, plan)
+                            yield step
+                            step.reraise()
+            self.result = group.result
+        if self.result is None:
+            raise RuntimeError("the elastic loop ended without a result")
+
+    def _start_attempt(self, attempt: Attempt) -> None:
+        self.env = attempt.env
+        self.state.rebind(attempt.env)
+        self.ddp = None  # the previous group's DDP goes first (its buckets are as large as the gradients)
+        # A failed step may have left partial gradients (a micro-batch's backward under no_sync):
+        # the step runs again from its start, so they go (gradients are no state).
+        self.model.zero_grad(set_to_none=True)
+        kwargs = dict(self.ddp_options)
+        if self.env.device.type == "cuda":
+            kwargs.setdefault("device_ids", [self.env.device.index])
+        self.ddp = attempt.wrap(DDP(self.model, init_sync=attempt.ddp_init_sync, **kwargs), self._observer,
+                                release=self._release_ddp)
+        self._batches, self._loader_epoch = None, -1
+
+    def _release_ddp(self) -> None:
+        self.ddp = None
+
+    def _loop(self, attempt: Attempt) -> ElasticLoop:
+        checkpoints = CheckpointManager(self.checkpoint, env=self.env, state=self.state, fingerprint=self.fingerprint,
+                                        settings=self.settings, observer=self._observer, fence=attempt.fence)
+        self.loop = attempt.loop(sampler=self.sampler, checkpoints=checkpoints, max_steps=self.max_steps,
+                                 epochs=self.epochs, seed=self.seed, observer=self._observer, settings=self.settings,
+                                 log_every=self.log_every, record_samples_dir=self.record_samples_dir,
+                                 tokens_per_sample=self.tokens_per_sample, lr=self._lr, after_step=self.after_step,
+                                 fault_hook=self._fault_hook)
+        return self.loop
+
+    def _lr(self) -> float | None:
+        optimizer = self.state.objects.get("optimizer")
+        groups = getattr(optimizer, "param_groups", None)
+        lr = groups[0].get("lr") if groups else None
+        return lr if isinstance(lr, float) else None  # a tensor lr would synchronise
+
+    def _next_batch(self, plan: StepPlan) -> Any:
+        """The next micro-batch of this rank, from a DataLoader over the sampler (one per epoch and
+        attempt, created at the current cursor with its own generator: the global RNG stays put)."""
+        if self.dataset is None:
+            raise RuntimeError("no dataset to load from")
+        if self._batches is None or self._loader_epoch != plan.epoch:
+            env = self.env
+            generator = torch.Generator().manual_seed(
+                rng.derive_seed(self.seed, plan.epoch, plan.cursor, env.rank, env.world_size))
+            loader = DataLoader(self.dataset, batch_sampler=MicroBatchSampler(self.sampler, env.rank, env.world_size),
+                                num_workers=self.num_workers, collate_fn=self.collate_fn,
+                                pin_memory=env.device.type == "cuda", generator=generator)
+            self._batches, self._loader_epoch = iter(loader), plan.epoch
+        return move_to(next(self._batches), self.env.device)
+
+
+class Step:
+    """One optimizer step of an :class:`Elastic` run; see the module docstring."""
+
+    def __init__(self, elastic: Elastic, loop: ElasticLoop, plan: StepPlan) -> None:
+        self._elastic = elastic
+        self._loop = loop
+        self.plan = plan
+        """This rank's share of the step (epoch, cursor, micro-batches with their indices)."""
+        self.number = loop.step + 1
+        """The step this is (1 for the first optimizer step of the job)."""
+        self.completed = False
+        """The step's update was applied (False after a failure that ``with step:`` took)."""
+        self._index: int | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._update: Any = None
+        self._failure: BaseException | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch
+
+    @property
+    def weight(self) -> float:
+        """The current micro-batch's loss weight: its samples x the world size / the step's
+        samples. DDP averages gradients over the ranks, so ``loss * weight`` gives the gradient of
+        the mean loss over the global batch at any world size, however unevenly it is split (a
+        padding micro-batch weighs 0)."""
+        micro = self.plan.micro_batches[self._current()]
+        return micro.samples * self._loop.env.world_size / self.plan.global_samples
+
+    def _current(self) -> int:
+        if self._index is None:
+            raise RuntimeError("no micro-batch in progress: call this inside `for batch in step`")
+        return self._index
+
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's micro-batches: loaded (a dataset was given) or as :class:`MicroBatch`
+        indices; all but the last under the DDP's ``no_sync``."""
+        elastic, loop = self._elastic, self._loop
+        ddp = elastic.ddp
+        if ddp is None:
+            raise RuntimeError("the model has no DDP in this attempt")
+        micro_batches = self.plan.micro_batches
+        last = len(micro_batches) - 1
+        for i, micro in enumerate(micro_batches):
+            self._index = i
+            item: Any = micro
+            if elastic.dataset is not None:
+                started = time.monotonic()
+                item = elastic._next_batch(self.plan)
+                loop.add_data_wait(time.monotonic() - started)
+            with ddp.no_sync() if i < last else NOTHING:
+                yield item
+        self._index = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` for the current micro-batch (scaled by the run's GradScaler, if
+        any). ``loss`` is the micro-batch's mean loss times :attr:`weight`. The last micro-batch
+        starts the step's control allreduce first (global loss, stop flag), so that it overlaps
+        the backward, and opens the update section after it."""
+        index = self._current()
+        plan, env = self.plan, self._loop.env
+        contribution = loss.detach().float() * (plan.global_samples / env.world_size)  # loss x samples
+        self._loss_sum = contribution if self._loss_sum is None else self._loss_sum + contribution
+        last = index == len(plan.micro_batches) - 1
+        if last:
+            self._loop.start_control(self._loss_sum)
+        scaler = self._elastic.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if last:
+            self._open_update()
+
+    def _open_update(self) -> None:
+        if self._update is None:
+            self._update = self._loop.update()
+            self._update.__enter__()
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        try:
+            if exc is None:
+                self._open_update()
+            if self._update is not None:
+                self._update.__exit__(exc_type, exc, tb)
+        except BaseException as raised:  # noqa: BLE001 - a failure of the update itself, healed alike
+            exc = raised
+        if exc is None:
+            self.completed = True
+            return False
+        if not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, SystemExit: as they are
+        # Handed to the run (its next iteration raises it where the loop and the heal see it):
+        # a peer's failure heals in place, anything else ends the run as it would have.
+        self._failure = exc
+        return True
+
+    def reraise(self) -> None:
+        """(The run, after the body) raise the failure ``with step:`` took, if any."""
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        if not self.completed:
+            raise RuntimeError(f"step {self.number}: the loop body must run inside `with step:`")
+
+
+__all__ = ["Elastic", "MicroBatch", "Step"]
