@@ -27,7 +27,7 @@ from rendezvous.settings import (
     settings_from_conf,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "rendezvous.md"
 
 
 def params(**conf: object) -> RendezvousParameters:
