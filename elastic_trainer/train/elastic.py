@@ -32,6 +32,7 @@ for healing, :attr:`Step.completed` is False. Design: ``docs/design/own-loop.md`
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -51,6 +52,7 @@ from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatch, MicroBatchSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.state.buffers import replaces_buffer_broadcast
 from elastic_trainer.state.training_state import (
     ReplicaMismatchError,
     Stateful,
@@ -115,12 +117,22 @@ class Elastic:
         scaler: a ``torch.amp.GradScaler``: saved, and :meth:`Step.backward` scales with it.
         states: more objects to save (name -> anything with ``state_dict``/``load_state_dict``);
             the model's optimizers and their schedulers are found without it.
+        find: find the optimizers and schedulers (``False``: ``states`` lists everything).
         collate_fn, num_workers: for the DataLoader of a map-style ``dataset``.
-        ddp_options: keyword arguments for ``DistributedDataParallel`` (``bucket_cap_mb``, ...).
+        ddp_options: keyword arguments for ``DistributedDataParallel`` (``bucket_cap_mb``, ...). On
+            the CPU with more than one rank, rank 0's module buffers ride on each step's control
+            allreduce instead of DDP's broadcast at every forward (one collective a step fewer),
+            unless ``broadcast_buffers=False`` turns buffer syncing off altogether.
         log_every: rank 0 logs a progress line every this many steps.
         tokens_per_sample: for the tokens/s metric.
         record_samples_dir: audit: every rank records every step's indices there.
         after_step: called with the step number after each step, between steps, on every rank.
+        group: an entered :class:`ElasticGroup` the caller owns (``Trainer``); errors then reach
+            the caller as exceptions. Without it the run forms its own group and, as the owner of
+            the process, ends a mistake no restart can fix with one line and exit status 2.
+        run_config: plain data stored in every checkpoint as ``"config"``.
+        sigterm_grace_s, pg_timeout_s: the stop's grace period and the collective timeout;
+            default the settings'.
         settings, env, observer, fault_hook: the worker's environment, place, metrics and a test
             seam; read from the environment when omitted.
     """
@@ -141,6 +153,7 @@ class Elastic:
         checkpoint: CheckpointConfig | None = None,
         scaler: Any = None,
         states: Mapping[str, Stateful | None] | None = None,
+        find: bool = True,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
         ddp_options: Mapping[str, Any] | None = None,
@@ -148,6 +161,10 @@ class Elastic:
         tokens_per_sample: int = 0,
         record_samples_dir: str | None = None,
         after_step: Sequence[Callable[[int], None]] = (),
+        group: ElasticGroup | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        sigterm_grace_s: float | None = None,
+        pg_timeout_s: float | None = None,
         settings: WorkerSettings | None = None,
         env: DistEnv | None = None,
         observer: TrainingObserver | None = None,
@@ -169,7 +186,7 @@ class Elastic:
                     "number of samples and load each micro-batch's indices yourself") from None
         self.model = model
         self.settings = settings if settings is not None else WorkerSettings.from_environ()
-        self.env = env if env is not None else distributed.read_env()
+        self.env = env if env is not None else (group.env if group is not None else distributed.read_env())
         self.sampler = ElasticSampler(size, global_batch_size, seed=seed, shuffle=shuffle,
                                       micro_batch_size=micro_batch_size)
         check_sampler(self.sampler)
@@ -177,7 +194,8 @@ class Elastic:
         self.checkpoint = checkpoint if checkpoint is not None else CheckpointConfig(
             directory=checkpoint_dir, every=checkpoint_every)
         self.scaler = scaler
-        objects: dict[str, Stateful | None] = {"model": model, **find_states(model, scaler=scaler)}
+        found = find_states(model, scaler=scaler) if find else ({"scaler": scaler} if scaler is not None else {})
+        objects: dict[str, Stateful | None] = {"model": model, **found}
         objects.update(states or {})
         objects["sampler"] = self.sampler
         self.state = TrainingState(objects, env=self.env, model=model, seed=seed)
@@ -189,6 +207,10 @@ class Elastic:
         self.log_every, self.tokens_per_sample = log_every, tokens_per_sample
         self.record_samples_dir = record_samples_dir
         self.after_step = list(after_step)
+        self._group = group
+        self.run_config = dict(run_config or {})
+        self.sigterm_grace_s, self.pg_timeout_s = sigterm_grace_s, pg_timeout_s
+        self._pending_batch: Any = None
         self._observer = observer
         self._fault_hook = fault_hook
         self.ddp: DDP | None = None
@@ -212,6 +234,9 @@ class Elastic:
     # -- the run ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
         ensure_progress_logging(self.env.rank)
+        if self._group is not None:
+            yield from self._run()
+            return
         try:
             yield from self._run()
         except (failures.DeterministicError, ReplicaMismatchError) as exc:
@@ -225,19 +250,25 @@ class Elastic:
             from elastic_trainer.train.trainer import build_observer
 
             self._observer = build_observer(self.settings)
-        with ElasticGroup(self.settings, self.env) as group:
-            for attempt in group.attempts():
-                with attempt:  # a peer's failure is healed here; the next attempt goes on
-                    self._start_attempt(attempt)
-                    loop = self._loop(attempt)
-                    with loop:
-                        for plan in loop:
-                            step = Step(self, loop, plan)
-                            yield step
-                            step.reraise()
-            self.result = group.result
+        if self._group is not None:
+            yield from self._attempts(self._group)
+        else:
+            with ElasticGroup(self.settings, self.env, pg_timeout_s=self.pg_timeout_s) as group:
+                yield from self._attempts(group)
         if self.result is None:
             raise RuntimeError("the elastic loop ended without a result")
+
+    def _attempts(self, group: ElasticGroup) -> Iterator[Step]:
+        for attempt in group.attempts():
+            with attempt:  # a peer's failure is healed here; the next attempt goes on
+                self._start_attempt(attempt)
+                loop = self._loop(attempt)
+                with loop:
+                    for plan in loop:
+                        step = Step(self, loop, plan)
+                        yield step
+                        step.reraise()
+        self.result = group.result
 
     def _start_attempt(self, attempt: Attempt) -> None:
         self.env = attempt.env
@@ -246,21 +277,40 @@ class Elastic:
         # A failed step may have left partial gradients (a micro-batch's backward under no_sync):
         # the step runs again from its start, so they go (gradients are no state).
         self.model.zero_grad(set_to_none=True)
-        kwargs = dict(self.ddp_options)
-        if self.env.device.type == "cuda":
-            kwargs.setdefault("device_ids", [self.env.device.index])
+        kwargs, ride = self.ddp_kwargs(self.env)
+        if ride:
+            self.state.sync_buffers()
         self.ddp = attempt.wrap(DDP(self.model, init_sync=attempt.ddp_init_sync, **kwargs), self._observer,
                                 release=self._release_ddp)
-        self._batches, self._loader_epoch = None, -1
+        self._batches, self._loader_epoch, self._pending_batch = None, -1, None
+
+    def ddp_kwargs(self, env: DistEnv) -> tuple[dict[str, Any], bool]:
+        """DDP's keyword arguments in ``env``, and whether rank 0's buffers ride on the step's
+        control allreduce instead of DDP's forward-time broadcast. They ride on the CPU only: on
+        CUDA the buffers' allreduce makes the host wait for the device before the update
+        (``docs/design/steady-state.md``), which DDP's broadcast does not."""
+        kwargs = dict(self.ddp_options)
+        broadcast = bool(kwargs.pop("broadcast_buffers", kwargs.pop("forward_sync_buffers", True)))
+        ride = broadcast and env.world_size > 1 and env.device.type == "cpu" and replaces_buffer_broadcast(self.model)
+        # torch >= 2.13 calls forward-time buffer broadcasting ``forward_sync_buffers`` (buffers are
+        # then always synced once at construction, which resume relies on anyway).
+        forward_sync = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+        kwargs["forward_sync_buffers" if forward_sync else "broadcast_buffers"] = broadcast and not ride
+        if env.device.type == "cuda":
+            kwargs.setdefault("device_ids", [env.device.index])
+            kwargs.setdefault("output_device", env.device.index)
+        return kwargs, ride
 
     def _release_ddp(self) -> None:
         self.ddp = None
 
     def _loop(self, attempt: Attempt) -> ElasticLoop:
         checkpoints = CheckpointManager(self.checkpoint, env=self.env, state=self.state, fingerprint=self.fingerprint,
-                                        settings=self.settings, observer=self._observer, fence=attempt.fence)
+                                        settings=self.settings, observer=self._observer, fence=attempt.fence,
+                                        run_config=self.run_config)
         self.loop = attempt.loop(sampler=self.sampler, checkpoints=checkpoints, max_steps=self.max_steps,
                                  epochs=self.epochs, seed=self.seed, observer=self._observer, settings=self.settings,
+                                 sigterm_grace_s=self.sigterm_grace_s,
                                  log_every=self.log_every, record_samples_dir=self.record_samples_dir,
                                  tokens_per_sample=self.tokens_per_sample, lr=self._lr, after_step=self.after_step,
                                  fault_hook=self._fault_hook)
@@ -275,6 +325,9 @@ class Elastic:
     def _next_batch(self, plan: StepPlan) -> Any:
         """The next micro-batch of this rank, from a DataLoader over the sampler (one per epoch and
         attempt, created at the current cursor with its own generator: the global RNG stays put)."""
+        if self._pending_batch is not None:
+            batch, self._pending_batch = self._pending_batch, None
+            return batch
         if self.dataset is None:
             raise RuntimeError("no dataset to load from")
         if self._batches is None or self._loader_epoch != plan.epoch:
@@ -286,6 +339,14 @@ class Elastic:
                                 pin_memory=env.device.type == "cuda", generator=generator)
             self._batches, self._loader_epoch = iter(loader), plan.epoch
         return move_to(next(self._batches), self.env.device)
+
+
+    def peek_batch(self, plan: StepPlan) -> Any:
+        """The step's next micro-batch, left to be loaded again by ``for batch in step`` (DDP's
+        bucket priming runs on it first)."""
+        batch = self._next_batch(plan)
+        self._pending_batch = batch
+        return batch
 
 
 class Step:
@@ -316,7 +377,7 @@ class Step:
         the mean loss over the global batch at any world size, however unevenly it is split (a
         padding micro-batch weighs 0)."""
         micro = self.plan.micro_batches[self._current()]
-        return micro.samples * self._loop.env.world_size / self.plan.global_samples
+        return micro.samples * (self._loop.env.world_size / self.plan.global_samples)
 
     def _current(self) -> int:
         if self._index is None:

@@ -105,6 +105,11 @@ class ElasticGroup:
             return self._result
         return self._loop.result if self._loop is not None else None
 
+    @property
+    def ended(self) -> bool:
+        """The job finished before (or while) this process could join it: no attempt comes."""
+        return self._ended
+
     # -- the group's life -------------------------------------------------------------------------
     def __enter__(self) -> ElasticGroup:
         self._owns = not dist.is_initialized()

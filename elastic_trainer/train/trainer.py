@@ -1,6 +1,5 @@
-"""The Trainer: a :class:`TrainingJob` under DDP, set up the way the DDP guides ask, on the public
-pieces (:class:`~elastic_trainer.train.loop.ElasticLoop`,
-:class:`~elastic_trainer.checkpoint.manager.CheckpointManager`, the elastic sampler, the observer).
+"""The Trainer: a :class:`TrainingJob` under DDP, set up the way the DDP guides ask, on the own-loop
+API (:class:`~elastic_trainer.train.elastic.Elastic`): its loop body is one user of it.
 
     torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=demo \\
         --nnodes=1:2 --nproc-per-node=2 -m elastic_trainer.examples.synthetic_cnn \\
@@ -23,26 +22,24 @@ import inspect
 import itertools
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.runtime import distributed, rng, torch_compat
 from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
-from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatchSampler, StepPlan
+from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.runtime.settings import WorkerSettings
-from elastic_trainer.state.buffers import replaces_buffer_broadcast
 from elastic_trainer.train.config import TrainerConfig
-from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
+from elastic_trainer.train.elastic import Elastic, Step
+from elastic_trainer.train.elastic_group import ElasticGroup
 from elastic_trainer.train.loop import (
     EXIT_STOPPED,
     ElasticLoop,
@@ -102,31 +99,6 @@ def _refuse_data_parallel(model: nn.Module) -> None:
             )
 
 
-def move_to(batch: Any, device: torch.device) -> Any:
-    """``batch`` (tensors in lists, tuples, dicts) on ``device`` (asynchronously from pinned memory)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: move_to(v, device) for k, v in batch.items()}
-    return batch
-
-
-@dataclass
-class _Parts:
-    """What :meth:`Trainer._setup` builds."""
-
-    model: nn.Module
-    ddp: DDP
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: Any
-    dataset: Any
-    sampler: ElasticSampler
-    fingerprint: dict[str, Any] = field(default_factory=dict)
-
-
 class Trainer:
     """Runs a :class:`TrainingJob` under DDP on the current worker; see the module docstring.
 
@@ -160,6 +132,9 @@ class Trainer:
         self.callbacks = list(callbacks)
         self._fault_hook = fault_hook
         self.loop: ElasticLoop | None = None
+        """The loop of the current attempt (a new one after each in-place heal)."""
+        self.checkpoints: CheckpointManager | None = None
+        self.elastic: Elastic | None = None
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -171,6 +146,19 @@ class Trainer:
     @observer.setter
     def observer(self, observer: TrainingObserver) -> None:
         self._observer = observer
+
+    @property
+    def ddp(self) -> DDP:
+        """The model in DDP over the current process group."""
+        if self.elastic is None or self.elastic.ddp is None:
+            raise RuntimeError("the trainer's DDP exists while fit() trains")
+        return self.elastic.ddp
+
+    @property
+    def sampler(self) -> ElasticSampler:
+        if self.elastic is None:
+            raise RuntimeError("the trainer's sampler is made when fit() starts")
+        return self.elastic.sampler
 
     @property
     def step(self) -> int:
@@ -210,17 +198,15 @@ class Trainer:
         ensure_progress_logging(env.rank)
         with ElasticGroup(settings, env, pg_timeout_s=self.config.pg_timeout(settings)) as group:
             self.env = group.env
-            prepared = False
-            for attempt in group.attempts():
-                with attempt:  # a peer's failure is healed in place here; the next attempt goes on
-                    self.env = attempt.env
-                    if not prepared:
-                        self._setup()
-                        prepared = True
-                    self._wrap_model(attempt)
-                    with self._make_loop(attempt) as loop:
-                        self._train(loop)
-            result = group.result
+            if group.ended:  # the job finished before this process could join it
+                result = group.result
+            else:
+                self._setup()
+                self.elastic = self._make_elastic(group)
+                for step in self.elastic:
+                    with step:  # a peer's failure is healed in place here; the next attempt goes on
+                        self._train_step(step)
+                result = self.elastic.result
         if result is None:
             raise RuntimeError("the training loop ended without a result")
         return result
@@ -275,102 +261,30 @@ class Trainer:
             ) from None
         if dataset_size == 0:
             raise TrainerSetupError("the dataset factory returned an empty dataset")
-        self.sampler = ElasticSampler(dataset_size, cfg.global_batch_size, seed=cfg.seed, shuffle=cfg.shuffle,
-                                      micro_batch_size=cfg.micro_batch_size)
-        self.fingerprint_fields = {
-            "model": ckpt.model_signature(model.state_dict()),
-            "dataset_size": dataset_size,
-            "seed": cfg.seed,
-            "shuffle": cfg.shuffle,
-        }
 
-    def _wrap_model(self, attempt: Attempt) -> None:
-        """DDP over the attempt's process group (again after every heal: the group is new; its
-        construction broadcasts nothing when every member restores a peer's state next)."""
-        self._drop_model_wrapper()
-        self.ddp = attempt.wrap(DDP(self.model, init_sync=attempt.ddp_init_sync, **self._ddp_kwargs(self._env().device)),
-                                self.observer, release=self._drop_model_wrapper)
-
-    def _buffers_ride_control(self) -> bool:
-        """Rank 0's buffers ride on each step's control allreduce instead of DDP's forward-time
-        broadcast: one collective per step fewer, and one an abort can end (``checkpoint.jit``).
-        On the CPU only: on CUDA the buffers' allreduce makes the host wait for the device before
-        the update (``docs/design/steady-state.md``), which DDP's broadcast does not."""
-        env = self._env()
-        return (env.world_size > 1 and env.device.type == "cpu" and self.config.ddp.broadcast_buffers
-                and replaces_buffer_broadcast(self.model))
-
-    def _drop_model_wrapper(self) -> None:
-        """Let go of the DDP of a broken group (the attempt collects it once every holder let go)."""
-        self.ddp = None  # type: ignore[assignment]
-
-    def _ddp_kwargs(self, device: torch.device) -> dict[str, Any]:
-        ddp = self.config.ddp
-        kwargs: dict[str, Any] = {
-            "bucket_cap_mb": ddp.bucket_cap_mb,
-            "find_unused_parameters": ddp.find_unused_parameters,
-            "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
-            "static_graph": ddp.static_graph,
-        }
-        # torch >= 2.13 renamed forward-time buffer broadcasting to ``forward_sync_buffers`` (buffers
-        # are then always synced once at construction, which resume relies on anyway).
-        forward_broadcast = ddp.broadcast_buffers and not self._buffers_ride_control()
-        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
-            kwargs["forward_sync_buffers"] = forward_broadcast
-        else:
-            kwargs["broadcast_buffers"] = forward_broadcast
-        if device.type == "cuda":
-            kwargs.update(device_ids=[device.index], output_device=device.index)
-        return kwargs
-
-    def _make_loop(self, attempt: Attempt) -> ElasticLoop:
-        cfg, env = self.config, self._env()
-        settings = self.settings if self.settings is not None else WorkerSettings()
-        self.checkpoints = CheckpointManager(
-            cfg.checkpoint, env=env, settings=settings, observer=self.observer, fingerprint=self.fingerprint_fields,
-            run_config=cfg.to_dict(),
-            states={"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
-                    "scaler": self.scaler, "sampler": self.sampler},
-            fence=attempt.fence,
-        )
-        if self._buffers_ride_control():
-            self.checkpoints.state.sync_buffers()
-        self.loop = attempt.loop(
-            sampler=self.sampler, checkpoints=self.checkpoints, max_steps=cfg.max_steps, epochs=cfg.epochs,
-            seed=cfg.seed, observer=self.observer, settings=settings, sigterm_grace_s=cfg.sigterm_grace(settings),
-            log_every=cfg.log_every, record_samples_dir=cfg.record_samples_dir,
-            tokens_per_sample=self.job.tokens_per_sample, lr=self._lr, after_step=[self._between_steps],
-            fault_hook=self._fault_hook,
-        )
-        return self.loop
+    def _make_elastic(self, group: ElasticGroup) -> Elastic:
+        """The run on the own-loop API, over ``group`` (the trainer's), saving what the job built."""
+        cfg, settings = self.config, self.settings if self.settings is not None else WorkerSettings()
+        ddp = cfg.ddp
+        return Elastic(
+            self.model, self.dataset, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
+            max_steps=cfg.max_steps, epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle, checkpoint=cfg.checkpoint,
+            scaler=self.scaler, find=False,
+            states={"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler},
+            num_workers=cfg.num_workers,
+            ddp_options={"bucket_cap_mb": ddp.bucket_cap_mb, "find_unused_parameters": ddp.find_unused_parameters,
+                         "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "static_graph": ddp.static_graph,
+                         "broadcast_buffers": ddp.broadcast_buffers},
+            log_every=cfg.log_every, tokens_per_sample=self.job.tokens_per_sample,
+            record_samples_dir=cfg.record_samples_dir, after_step=[self._between_steps], group=group,
+            run_config=cfg.to_dict(), sigterm_grace_s=cfg.sigterm_grace(settings), settings=settings,
+            env=self._env(), observer=self.observer, fault_hook=self._fault_hook)
 
     def _lr(self) -> float | None:
         lr = self.optimizer.param_groups[0]["lr"]
         return lr if isinstance(lr, float) else None  # a tensor lr would synchronise
 
     # -- the loop --------------------------------------------------------------------------------
-    def _train(self, loop: ElasticLoop) -> None:
-        cfg, env = self.config, self._env()
-        self.ddp.train()
-        priming_passes = self._priming_passes()
-        batches: Iterator[Any] | None = None
-        loader_at: tuple[int, int] | None = None
-        for plan in loop:
-            if batches is None or loader_at is None or loader_at[0] != plan.epoch:
-                # One DataLoader per epoch, from the current cursor. It gets its own generator:
-                # creating an iterator draws a seed from it, which must not advance the global RNG
-                # (a resumed run creates its iterator at another point).
-                loader_rng = torch.Generator().manual_seed(
-                    rng.derive_seed(cfg.seed, plan.epoch, plan.cursor, env.rank, env.world_size))
-                loader = DataLoader(self.dataset, batch_sampler=MicroBatchSampler(self.sampler, env.rank, env.world_size),
-                                    num_workers=cfg.num_workers, pin_memory=env.device.type == "cuda",
-                                    generator=loader_rng)
-                batches, loader_at = iter(loader), (plan.epoch, plan.cursor)
-            if priming_passes:
-                batches = self._prime_buckets(batches, passes=priming_passes)
-                priming_passes = 0
-            self._train_step(loop, plan, batches)
-
     def _forward_loss(self, inputs: Any, target: Any) -> torch.Tensor:
         """The DDP forward and the job's loss of one micro-batch (under autocast with mixed precision)."""
         device_type = self._env().device.type
@@ -378,46 +292,36 @@ class Trainer:
                             enabled=self.autocast_dtype is not None):
             return self.job.loss(self.ddp(inputs), target)
 
-    def _train_step(self, loop: ElasticLoop, plan: StepPlan, batches: Iterator[Any]) -> None:
-        env = self._env()
-        device = env.device
+    def _train_step(self, step: Step) -> None:
+        """One step, as the DDP guides write it, on the own-loop API: ``no_sync`` accumulation and
+        each micro-batch's loss weighted so that DDP's average is the mean over the global batch
+        whatever the number of ranks (``step.weight``); the control allreduce overlaps the last
+        backward (``step.backward``)."""
+        elastic = self.elastic
+        if elastic is None:
+            raise RuntimeError("a step outside fit()")
+        if elastic.loop is not self.loop:  # the first step of an attempt (a start, a resume, a heal)
+            self.loop = elastic.loop
+            self.checkpoints = elastic.loop.checkpoints if elastic.loop is not None else None
+            self.ddp.train()
+            passes = self._priming_passes()
+            if passes:
+                list(self._prime_buckets(iter([elastic.peek_batch(step.plan)]), passes=passes))
         self.optimizer.zero_grad(set_to_none=True)
-        # Each rank's loss is scaled by world_size / global_samples: DDP averages gradients over the
-        # ranks, so the result is the gradient of the mean loss over the global batch, whatever
-        # the number of ranks and however unevenly the samples are split.
-        scale = env.world_size / plan.global_samples
-        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-        last = len(plan.micro_batches) - 1
-        for i, micro in enumerate(plan.micro_batches):
-            wait_start = time.monotonic()
-            inputs, target = move_to(next(batches), device)
-            loop.add_data_wait(time.monotonic() - wait_start)
-            with self.ddp.no_sync() if i < last else _nothing():
-                loss = self._forward_loss(inputs, target)
-                loss_sum += loss.detach().float() * micro.samples
-                if i == last:
-                    # Loss and buffers (BatchNorm statistics change in the forward only) are final:
-                    # the control allreduce overlaps the backward, and precedes DDP's bucket
-                    # allreduces on every rank alike.
-                    loop.start_control(loss_sum)
-                scaled = loss.float() * (micro.samples * scale)
-                if self.scaler is not None:
-                    self.scaler.scale(scaled).backward()
-                else:
-                    scaled.backward()
-        with loop.update():
-            if self.scaler is not None:
-                if self.config.grad_clip_norm is not None:
-                    self.scaler.unscale_(self.optimizer)
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                if self.config.grad_clip_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
-                self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
+        for inputs, target in step:
+            step.backward(self._forward_loss(inputs, target).float() * step.weight)
+        if self.scaler is not None:
+            if self.config.grad_clip_norm is not None:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            if self.config.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def _between_steps(self, step: int) -> None:
         cfg = self.config
@@ -464,7 +368,7 @@ class Trainer:
         env = self._env()
         device = env.device
         first = next(batches)
-        inputs, target = move_to(first, device)
+        inputs, target = first
         generators = rng.capture(device)
         saved = [(module, name, buffer, buffer.detach().clone())
                  for module in self.model.modules() for name, buffer in torch_compat.own_buffers(module)]
@@ -482,16 +386,6 @@ class Trainer:
         rng.restore(generators, device)
         log.debug("primed DDP's buckets with %d pass(es) before step %d", passes, self.step + 1)
         return itertools.chain([first], batches)
-
-
-class _nothing:
-    """A no-op context (``contextlib.nullcontext`` without the allocation per micro-batch)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def build_observer(settings: WorkerSettings | None = None) -> TrainingObserver:

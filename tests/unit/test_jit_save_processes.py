@@ -193,7 +193,7 @@ def _stop_worker(rank: int, work: Path, jit: str) -> None:
     env = read_env(environ={"RANK": str(rank), "WORLD_SIZE": "2"}, cuda_devices=0, backend="gloo")
     trainer = Trainer(config, job, env=env)
     result = trainer.fit()
-    exchanged = trainer.checkpoints.buffers is not None and trainer.checkpoints.buffers.exchange
+    exchanged = trainer.checkpoints.state.buffers is not None and trainer.checkpoints.state.buffers.exchange
     (work / f"stop-{rank}.json").write_text(json.dumps({"step": result.step, "signal": result.stopped_by_signal,
                                                          "exchanged": exchanged}))
 

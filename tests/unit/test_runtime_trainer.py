@@ -365,14 +365,16 @@ def test_gpu_mixed_precision_syncbn_checkpoint_loads_on_cpu_and_resumes(tmp_path
 def test_ddp_broadcasts_buffers_only_where_the_control_does_not_carry_them(
         world: int, batchnorm: bool, broadcast: bool, forward_sync: bool, gpus: int) -> None:
     from elastic_trainer.runtime.distributed import read_env
-    from elastic_trainer.train.config import DDPOptions
 
     env = read_env(environ={"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}, cuda_devices=gpus)
     assert env.device.type == ("cuda" if gpus else "cpu")
-    trainer = Trainer(trainer_config(global_batch_size=8, ddp=DDPOptions(broadcast_buffers=broadcast)),
-                      _job(batchnorm=batchnorm), env=env)
-    trainer.model = trainer.job.model()
-    assert trainer._ddp_kwargs(torch.device("cpu"))["forward_sync_buffers"] is forward_sync
+    from elastic_trainer.train.elastic import Elastic
+
+    model = _job(batchnorm=batchnorm).model()
+    elastic = Elastic(model, _data(), global_batch_size=8, env=env, ddp_options={"broadcast_buffers": broadcast})
+    kwargs, rides = elastic.ddp_kwargs(env)
+    assert kwargs["forward_sync_buffers"] is forward_sync
+    assert rides is (broadcast and not forward_sync), "rank 0's buffers ride where DDP does not broadcast them"
 
 
 @pytest.mark.parametrize(("from_peer", "broadcasts"), [(False, 1), (True, 0)])
@@ -395,12 +397,13 @@ def test_ddp_broadcasts_the_module_at_construction_only_without_a_peer_s_state(
 
     monkeypatch.setattr(ddp_module, "_sync_module_states", counting)
     env = read_env(environ={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, cuda_devices=0)
-    trainer = Trainer(trainer_config(global_batch_size=8), _job(), env=env, observer=NullObserver())
-    trainer.model = trainer.job.model()
+    from elastic_trainer.train.elastic import Elastic
+
+    elastic = Elastic(_job().model(), _data(), global_batch_size=8, env=env, observer=NullObserver())
     group = SimpleNamespace(healer=None, comms=WorkerComms())
     attempt = Attempt(group, env, {"step": 3} if from_peer else None)  # type: ignore[arg-type]
     assert attempt.ddp_init_sync is not from_peer
-    trainer._wrap_model(attempt)
+    elastic._start_attempt(attempt)
     assert len(synced) == broadcasts
     attempt.initial_state = None  # what Attempt.loop() does: the answer must not change with it
     assert attempt.ddp_init_sync is not from_peer
