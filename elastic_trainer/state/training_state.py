@@ -295,7 +295,8 @@ class TrainingState:
         if self.env.world_size <= 1:
             return
         named = self.checksums()
-        values = torch.tensor([c for _, c in named] + [-c for _, c in named], dtype=torch.int64)
+        device = self.env.device if self.env.backend == "nccl" else torch.device("cpu")  # NCCL reduces on the GPU
+        values = torch.tensor([c for _, c in named] + [-c for _, c in named], dtype=torch.int64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         n = len(named)
         for i, (name, _) in enumerate(named):
