@@ -137,6 +137,11 @@ class HostStager:
         self.allocations = 0
         """Times a set of buffers was allocated (a reused layout allocates none)."""
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffers are pinned host memory (only where CUDA exists)."""
+        return self._pin
+
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """A host copy of ``state``, in the kept buffers (DTensors: the local shard only)."""
         layout = _layout(state)

@@ -33,13 +33,17 @@ SAVE_STEPS = (2, 4, 6)
 
 
 # -- worker side ---------------------------------------------------------------------------------------
+DEVICE = os.environ.get("SHARDED_TEST_DEVICE", "cpu")
+"""``cuda``: the workers run on NCCL, one GPU each (tests/gpu/test_sharded_nccl.py)."""
+
+
 def _model(world_size: int) -> tuple[Any, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
-    mesh = init_device_mesh("cpu", (world_size,))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4)).to(DEVICE)
+    mesh = init_device_mesh(DEVICE, (world_size,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -49,7 +53,7 @@ def _model(world_size: int) -> tuple[Any, Any]:
 
 def _full(obj: Any) -> Any:
     if hasattr(obj, "full_tensor"):
-        return obj.full_tensor()
+        return obj.full_tensor().cpu()
     if isinstance(obj, dict):
         return {key: _full(value) for key, value in obj.items()}
     if isinstance(obj, list):
@@ -61,15 +65,17 @@ def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    dist.init_process_group("gloo", init_method=f"file://{work / f'store-{role}'}", rank=rank,
-                            world_size=world_size)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{work / f'store-{role}'}",
+                            rank=rank, world_size=world_size)
     model, opt = _model(world_size)
     checkpointer = sharded.ShardedCheckpointer(work / "ckpt", rank=rank, world_size=world_size,
                                                fingerprint_fields=FINGERPRINT, keep_last=2)
     if role == "save":
         for step in range(1, SAVE_STEPS[-1] + 1):
             torch.manual_seed(100 + step)
-            model(torch.randn(8, 16)).square().mean().backward()
+            model(torch.randn(8, 16).to(DEVICE)).square().mean().backward()
             opt.step()
             opt.zero_grad()
             if step in SAVE_STEPS:
@@ -81,6 +87,7 @@ def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
                     torch.save(reference, work / f"ref-{step}.pt")
         checkpointer.wait()
         (work / f"allocations-{rank}").write_text(str(checkpointer.stager.allocations))
+        (work / f"pinned-{rank}").write_text(str(checkpointer.stager.pinned))
     else:
         msd, osd = get_state_dict(model, opt)
         state: dict[str, Any] = {"model": msd, "optimizer": osd, "step": 0, "extra": {"epoch": -1}}
@@ -102,8 +109,8 @@ def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
 
 
 # -- test side -----------------------------------------------------------------------------------------
-def _run(role: str, world_size: int, work: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def _run(role: str, world_size: int, work: Path, device: str = "cpu") -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SHARDED_TEST_DEVICE": device}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.test_sharded_checkpoint", role, str(rank),
                                str(world_size), str(work)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
              for rank in range(world_size)]
@@ -135,8 +142,9 @@ def test_two_ranks_write_their_own_shards_and_commit_a_manifest(saved: Path) -> 
     listed = info.manifest.files or {}
     assert METADATA_FILE in listed and sum(name.endswith(".distcp") for name in listed) == 2  # one per rank
     assert info.manifest.nbytes == sum(size for _, size in listed.values())
-    # The host buffers were allocated once and reused by the two later saves.
+    # The host buffers were allocated once and reused by the two later saves; not pinned without CUDA.
     assert [(saved / f"allocations-{rank}").read_text() for rank in (0, 1)] == ["1", "1"]
+    assert (saved / "pinned-0").read_text() == "False"
 
 
 @pytest.mark.parametrize("world_size", [3, 1])

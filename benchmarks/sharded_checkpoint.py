@@ -1,0 +1,196 @@
+"""Sharded (FSDP2) state, two gloo ranks on this machine: what checkpoints cost the training
+thread, and what the library's steady state costs next to a bare FSDP2 loop.
+
+* ``stall``: an MLP of ``--layers`` x Linear(dim, dim), each layer and the model under
+  ``fully_shard``, AdamW (state = 3x the parameters), a sharded checkpoint every ``--every``
+  steps into a directory on the real disk (every file fsynced). Per mode: the training thread's
+  time inside ``ShardedCheckpointManager.save`` (max over the ranks, median over the saves), and
+  the effective cost per save ((run time with checkpoints - without) / saves), which also counts
+  what the background writer takes from training. Modes run one after the other in one process
+  pair, in the order none, async, sync, repeated ``--repeats`` times.
+* ``steady``: the same loop with the library at its defaults (``ShardedState``,
+  ``ShardedCheckpointManager`` with a checkpoint every 100 steps, asynchronous; the sampler's
+  plan and the per-step reseeding of ``runtime/rng.py``) against a bare FSDP2 loop (no
+  checkpoints, seeded once), alternated ABAB; CPU time per step summed over the ranks, and wall
+  time.
+
+    python -m benchmarks.sharded_checkpoint stall --dim 2048 --layers 8 --steps 24 --every 8 --repeats 2
+    python -m benchmarks.sharded_checkpoint steady --dim 512 --layers 4 --steps 300 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+WORLD = 2
+
+
+def _model(dim: int, layers: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    model(batch).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _manager(directory: str, every: int, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: Any,
+             *, async_write: bool = True) -> Any:
+    from elastic_trainer.checkpoint.config import CheckpointConfig
+    from elastic_trainer.checkpoint.sharded_manager import ShardedCheckpointManager
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.state.sharded import ShardedState
+
+    env = read_env(environ={"RANK": str(dist.get_rank()), "WORLD_SIZE": str(WORLD)}, cuda_devices=0)
+    return ShardedCheckpointManager(CheckpointConfig(directory=directory, every=every, async_write=async_write,
+                                                     keep_last=2), env=env,
+                                    state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
+                                    fingerprint={"seed": 0})
+
+
+def _stall(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from elastic_trainer.runtime.sampler import ElasticSampler
+
+    model = _model(args.dim, args.layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
+    sampler = ElasticSampler(10_000, args.batch * WORLD)
+    managers = {mode: _manager(str(root / mode), args.every, model, optimizer,
+                               sampler, async_write=mode == "async") for mode in ("async", "sync")}
+    for _ in range(3):  # warm-up: allocator, FSDP's lazy init, AdamW's state
+        _step(model, optimizer, batch)
+    results: dict[str, dict[str, list[float]]] = {m: {"total": [], "stall": []} for m in ("none", "async", "sync")}
+    for _ in range(args.repeats):
+        for mode in ("none", "async", "sync"):
+            dist.barrier()
+            started = time.perf_counter()
+            for step in range(1, args.steps + 1):
+                _step(model, optimizer, batch)
+                if mode != "none" and step % args.every == 0:
+                    inside = time.perf_counter()
+                    managers[mode].save(step + 10_000 * len(results[mode]["total"]))
+                    results[mode]["stall"].append(time.perf_counter() - inside)
+            if mode != "none":
+                managers[mode].close()  # the last background write is part of this mode's cost
+            results[mode]["total"].append(time.perf_counter() - started)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # params + AdamW's two moments
+    return {"rank": rank, "results": results, "state_bytes_per_rank": nbytes // WORLD}
+
+
+def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from elastic_trainer.runtime import rng
+    from elastic_trainer.runtime.sampler import ElasticSampler
+
+    model = _model(args.dim, args.layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randn(4096, args.dim, generator=torch.Generator().manual_seed(0))
+    sampler = ElasticSampler(len(data), args.batch * WORLD, seed=0)
+    manager = _manager(str(root / "steady"), 100, model, optimizer, sampler)
+    for i in range(5):  # warm-up: allocator, FSDP's lazy init, AdamW's state
+        _step(model, optimizer, data[i * args.batch:][: args.batch])
+    cpu: dict[str, list[float]] = {"bare": [], "ours": []}
+    wall: dict[str, list[float]] = {"bare": [], "ours": []}
+    step = 0
+    for _ in range(args.repeats):
+        for mode in ("bare", "ours"):
+            dist.barrier()
+            started, started_cpu = time.perf_counter(), time.process_time()
+            for i in range(args.steps):
+                if mode == "bare":
+                    batch = data[(i * args.batch) % len(data):][: args.batch]
+                    _step(model, optimizer, batch)
+                    continue
+                if sampler.epoch_done:
+                    sampler.set_epoch(sampler.epoch + 1)
+                plan = sampler.plan(sampler.cursor, rank, WORLD)
+                rng.seed_step(0, rank, step, torch.device("cpu"))
+                _step(model, optimizer, data[list(plan.micro_batches[0].indices)])
+                sampler.advance(plan)
+                step += 1
+                if manager.due(step):
+                    manager.save(step, epoch=sampler.epoch)
+            if mode == "ours":
+                manager.close()
+            cpu[mode].append(time.process_time() - started_cpu)
+            wall[mode].append(time.perf_counter() - started)
+    return {"rank": rank, "cpu": cpu, "wall": wall}
+
+
+def _worker(rank: int, args: argparse.Namespace, root: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD)
+    result = (_stall if args.what == "stall" else _steady)(rank, args, Path(root))
+    Path(root, f"result-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _report_stall(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    modes = ("none", "async", "sync")
+    totals = {m: [max(r["results"][m]["total"][i] for r in results) for i in range(args.repeats)] for m in modes}
+    stalls = {m: [max(vals) for vals in zip(*(r["results"][m]["stall"] for r in results), strict=True)]
+              for m in ("async", "sync")}
+    saves = args.steps // args.every
+    print(f"state per rank: {results[0]['state_bytes_per_rank'] / 1e6:.0f} MB (params + AdamW), {WORLD} ranks, "
+          f"{saves} saves per run, {args.repeats} repeats")
+    for mode in ("async", "sync"):
+        later = stalls[mode][1:] if len(stalls[mode]) > 1 else stalls[mode]  # the first save allocates buffers
+        effective = statistics.median((t - n) / saves for t, n in zip(totals[mode], totals["none"], strict=True))
+        print(f"{mode:>5}: on-thread stall median {statistics.median(later) * 1e3:.1f} ms "
+              f"(first save {stalls[mode][0] * 1e3:.1f} ms), effective cost per save {effective * 1e3:.1f} ms")
+    ratio = statistics.median(stalls["async"][1:] or stalls["async"]) / statistics.median(stalls["sync"][1:] or stalls["sync"])
+    print(f"async stall / sync stall: {ratio * 100:.1f} % (target <= 5 %)")
+
+
+def _report_steady(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    cpu = {m: [sum(r["cpu"][m][i] for r in results) / args.steps for i in range(args.repeats)] for m in ("bare", "ours")}
+    wall = {m: [max(r["wall"][m][i] for r in results) / args.steps for i in range(args.repeats)] for m in ("bare", "ours")}
+    for mode in ("bare", "ours"):
+        print(f"{mode:>4}: CPU per step (both ranks) median {statistics.median(cpu[mode]) * 1e3:.2f} ms, wall per step "
+              f"median {statistics.median(wall[mode]) * 1e3:.2f} ms")
+    print(f"ours / bare: CPU {statistics.median(cpu['ours']) / statistics.median(cpu['bare']):.3f}x (target <= 1.03), "
+          f"throughput {statistics.median(wall['bare']) / statistics.median(wall['ours']):.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("stall", "steady"))
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16, help="samples per rank and step")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--every", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory here)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=os.path.abspath(args.dir or "."), prefix=".bench-sharded-") as root:
+        mp.spawn(_worker, args=(args, root), nprocs=WORLD, join=True)
+        results = [json.loads(Path(root, f"result-{rank}.json").read_text()) for rank in range(WORLD)]
+    (_report_stall if args.what == "stall" else _report_steady)(results, args)
+
+
+if __name__ == "__main__":
+    main()
