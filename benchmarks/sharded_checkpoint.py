@@ -184,9 +184,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory here)")
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: the system temporary directory)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=os.path.abspath(args.dir or "."), prefix=".bench-sharded-") as root:
+    with tempfile.TemporaryDirectory(dir=os.path.abspath(args.dir) if args.dir else None, prefix="bench-sharded-") as root:
         mp.spawn(_worker, args=(args, root), nprocs=WORLD, join=True)
         results = [json.loads(Path(root, f"result-{rank}.json").read_text()) for rank in range(WORLD)]
     (_report_stall if args.what == "stall" else _report_steady)(results, args)

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.files import model_signature
@@ -43,6 +42,7 @@ from elastic_trainer.runtime.process_exit import exit_process
 from elastic_trainer.runtime.sample_log import SampleLog
 from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.state.sharded import ShardedState
+from elastic_trainer.train.fsdp import FSDPOptions, apply_fsdp
 
 PROG = "sharded_lm"
 VOCAB, CONTEXT = 32, 16
@@ -78,11 +78,9 @@ class TinyTransformer(nn.Module):
 
 
 def shard(model: TinyTransformer, world_size: int, device_type: str) -> None:
-    """FSDP2: each block is one unit (its parameters gathered for its forward only), then the rest."""
-    mesh = init_device_mesh(device_type, (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    """FSDP2: each block is one unit (its parameters gathered for its forward only), then the rest
+    (``fully_shard`` on ``blocks.0``, ``blocks.1``, ..., then on the model)."""
+    apply_fsdp(model, FSDPOptions(blocks=("blocks.*",)), init_device_mesh(device_type, (world_size,)))
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """The :class:`~elastic_trainer.train.trainer.Trainer`'s configuration, as validated data.
 
-Sections: :class:`DDPOptions` (the DDP wrapper), :class:`FSDPOptions` (FSDP2 instead of DDP) and
+Sections: :class:`DDPOptions` (the DDP wrapper) and
 :class:`~elastic_trainer.checkpoint.config.CheckpointConfig` (read by the checkpoint manager).
 Fields that also have an environment variable default to ``None``: the value given here wins,
 else the variable (:mod:`elastic_trainer.runtime.settings`), else the default there.
@@ -20,8 +20,7 @@ from elastic_trainer.runtime.settings import (
     check_positive_int,
 )
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY", "CheckpointConfig", "DDPOptions", "FSDPOptions", "MixedPrecision",
-           "TrainerConfig"]
+__all__ = ["DEFAULT_CHECKPOINT_EVERY", "CheckpointConfig", "DDPOptions", "MixedPrecision", "TrainerConfig"]
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
 _MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -48,34 +47,6 @@ class DDPOptions:
         check_positive("ddp.bucket_cap_mb", self.bucket_cap_mb)
         for name in ("find_unused_parameters", "gradient_as_bucket_view", "broadcast_buffers", "static_graph"):
             check_bool(f"ddp.{name}", getattr(self, name))
-
-
-@dataclass(kw_only=True, slots=True)
-class FSDPOptions:
-    """FSDP2 (``fully_shard``) for the model instead of DDP: each rank holds a shard of the
-    parameters, gradients and optimizer state, and checkpoints are sharded
-    (``docs/design/sharded.md``). Applied by :func:`elastic_trainer.train.fsdp.apply_fsdp`."""
-
-    blocks: tuple[str, ...] = ()
-    """Module names sharded as their own units, in the order of ``named_modules``; ``*`` matches
-    one name segment (``"blocks.*"`` is every child of ``blocks``, not their children). Then the
-    whole model is one more unit. Each unit's parameters are gathered for its forward and backward
-    only: name the repeated blocks (transformer layers)."""
-    mixed_precision: MixedPrecision = "no"
-    """``bf16`` / ``fp16``: parameters are cast to it for forward and backward, gradients are
-    reduced in float32 (FSDP2's ``MixedPrecisionPolicy``); the sharded master copy stays float32."""
-    reshard_after_forward: bool = True
-    """Free each unit's gathered parameters after its forward (gathered again for the backward):
-    less memory, one more all-gather per unit and step. ``False`` keeps them until the backward."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.blocks, str) or not all(isinstance(b, str) and b.strip() for b in self.blocks):
-            raise ConfigError(f"fsdp.blocks: must be a sequence of module names, got {self.blocks!r}")
-        self.blocks = tuple(self.blocks)
-        if self.mixed_precision not in _MIXED_PRECISION:
-            raise ConfigError(
-                f"fsdp.mixed_precision: must be one of {', '.join(_MIXED_PRECISION)}, got {self.mixed_precision!r}")
-        check_bool("fsdp.reshard_after_forward", self.reshard_after_forward)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,9 +92,6 @@ class TrainerConfig:
     just-in-time save is then off: no single survivor holds the sharded state)."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
     """Options for the DDP wrapper."""
-    fsdp: FSDPOptions | None = None
-    """Shard the model with FSDP2 instead of DDP (``None``: DDP, unless the job's model is already
-    sharded with ``fully_shard``, which is then taken as it is)."""
     log_every: int = 10
     """Rank 0 logs a progress line every this many steps."""
     num_workers: int = 0
@@ -157,8 +125,6 @@ class TrainerConfig:
             raise ConfigError(f"checkpoint: must be a CheckpointConfig, got {type(self.checkpoint).__name__}")
         if not isinstance(self.ddp, DDPOptions):
             raise ConfigError(f"ddp: must be a DDPOptions, got {type(self.ddp).__name__}")
-        if self.fsdp is not None and not isinstance(self.fsdp, FSDPOptions):
-            raise ConfigError(f"fsdp: must be an FSDPOptions or unset, got {type(self.fsdp).__name__}")
 
     def sigterm_grace(self, settings: WorkerSettings) -> float:
         """The grace period in effect (this config's, else the environment's)."""

@@ -53,6 +53,7 @@ from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatch, MicroBatchSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.state.buffers import replaces_buffer_broadcast
+from elastic_trainer.state.sharded import is_sharded
 from elastic_trainer.state.training_state import (
     ReplicaMismatchError,
     Stateful,
@@ -173,6 +174,10 @@ class Elastic:
         if isinstance(model, (DDP, nn.DataParallel)):
             raise failures.ConfigError("Elastic(model): pass the plain model; Elastic wraps it in DDP (elastic.ddp) "
                                        "over the process group of the moment")
+        if is_sharded(model):
+            raise failures.ConfigError("Elastic(model): the model is sharded (fully_shard); Elastic runs DDP models. "
+                                       "Save a sharded model with ShardedCheckpointManager (see "
+                                       "elastic_trainer/examples/sharded_lm.py)")
         if isinstance(dataset, int):
             self.dataset: Dataset[Any] | None = None
             size = dataset

@@ -14,8 +14,7 @@ import pytest
 from torch import nn
 
 from elastic_trainer.runtime.failures import ConfigError
-from elastic_trainer.train.config import FSDPOptions, TrainerConfig
-from elastic_trainer.train.fsdp import units
+from elastic_trainer.train.fsdp import FSDPOptions, units
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,12 +53,8 @@ def test_bad_options_name_the_field(kwargs: dict[str, object], message: str) -> 
         FSDPOptions(**kwargs)  # type: ignore[arg-type]
 
 
-def test_trainer_config_takes_fsdp_options() -> None:
-    config = TrainerConfig(global_batch_size=8, fsdp=FSDPOptions(blocks=["blocks.*"]))  # type: ignore[arg-type]
-    assert config.fsdp is not None and config.fsdp.blocks == ("blocks.*",)
-    assert config.to_dict()["fsdp"]["blocks"] == ("blocks.*",)
-    with pytest.raises(ConfigError, match="fsdp: must be an FSDPOptions or unset, got dict"):
-        TrainerConfig(global_batch_size=8, fsdp={"blocks": ["x"]})  # type: ignore[arg-type]
+def test_blocks_given_as_a_list_become_a_tuple() -> None:
+    assert FSDPOptions(blocks=["blocks.*"]).blocks == ("blocks.*",)  # type: ignore[arg-type]
 
 
 def _worker(out: Path, mixed: str, reshard: bool) -> None:
@@ -82,10 +77,17 @@ def _worker(out: Path, mixed: str, reshard: bool) -> None:
     from torch.distributed.tensor import DTensor
     resharded = isinstance(model.blocks[0][0].weight, DTensor)  # between forward and backward
     output.float().sum().backward()
+    from elastic_trainer.train.elastic import Elastic
+
+    try:
+        Elastic(model, 64, global_batch_size=8)
+        refused = ""
+    except ConfigError as exc:
+        refused = str(exc)
     out.write_text(json.dumps({
         "units": [name for name, m in model.named_modules() if isinstance(m, FSDPModule)],
         "sharded": is_sharded(model), "dtype_inside": seen[0], "resharded_after_forward": resharded,
-        "grad_dtype": str(model.head.weight.grad.dtype), "param_dtype": str(model.head.weight.dtype),
+        "grad_dtype": str(model.head.weight.grad.dtype), "elastic_refused": refused, "param_dtype": str(model.head.weight.dtype),
     }))
     dist.destroy_process_group()
 
@@ -102,6 +104,9 @@ def test_apply_fsdp_shards_the_named_blocks_then_the_model(tmp_path: Path, mixed
     assert result["dtype_inside"] == ("torch.bfloat16" if mixed == "bf16" else "torch.float32")
     assert result["param_dtype"] == result["grad_dtype"] == "torch.float32"  # the sharded master copy
     assert result["resharded_after_forward"] is reshard
+    # The DDP own-loop API refuses a sharded model in one line instead of wrapping it in DDP.
+    assert result["elastic_refused"].startswith("Elastic(model): the model is sharded (fully_shard)")
+    assert "\n" not in result["elastic_refused"]
 
 
 if __name__ == "__main__":
