@@ -8,6 +8,7 @@ import pytest
 
 from elastic_trainer.launch.launcher import (
     Target,
+    for_embedded_etcd,
     resolve_nproc,
     split_target,
     torchrun_argv,
@@ -153,3 +154,16 @@ def test_every_run_options_field_is_an_option() -> None:
     from dataclasses import fields
 
     assert [f.name for f in fields(RunOptions) if f.name != "sources"] == [spec.name for spec in OPTIONS]
+
+
+def test_on_its_own_embedded_etcd_the_first_round_waits_no_last_call() -> None:
+    """Issue 30: a launch on its own embedded etcd is the only node that can be there (others need
+    the endpoint it prints), so its first round closes at once instead of after 5 s; an external
+    etcd, or a --last-call-timeout the user gave, keeps its value."""
+    assert for_embedded_etcd(resolve_run_options({}, env={})).last_call_timeout == 0.1
+    external = resolve_run_options({"rdzv_endpoint": "127.0.0.1:2379", "run_id": "j"}, env={})
+    assert for_embedded_etcd(external).last_call_timeout == 5
+    given = resolve_run_options({"last_call_timeout": "3"}, env={})
+    assert for_embedded_etcd(given).last_call_timeout == 3
+    from_env = resolve_run_options({}, env={"ELASTIC_TRAINER_LAST_CALL_TIMEOUT": "2"})
+    assert for_embedded_etcd(from_env).last_call_timeout == 2
