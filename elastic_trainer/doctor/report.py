@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_trainer.runtime.settings import ENV_PG_TIMEOUT_S
+
 PASS, SKIP, WARN, FAIL = "PASS", "SKIP", "WARN", "FAIL"
 STATUSES = (PASS, SKIP, WARN, FAIL)
 """Statuses from best to worst. SKIP: the check could not run because an earlier one failed
@@ -198,7 +200,7 @@ def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
             f"{_ranks_text(ranks)} share {device} on {host} (device must be cuda:LOCAL_RANK)"
             for (host, device), ranks in shared)))
 
-    timeout_vars = ("ELASTIC_TRAINER_PG_TIMEOUT_S", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    timeout_vars = (ENV_PG_TIMEOUT_S, "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                     "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
     timeouts = [p for var in timeout_vars
                 if (p := differs(var, [(rank, f.get("timeouts_env", {}).get(var)) for rank, f in facts]))]

@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.distributed import HashStore, PrefixStore
@@ -51,12 +51,7 @@ from elastic_trainer.heal.membership import HealKeys
 from elastic_trainer.heal.protocol import Epoch, ProtocolError
 from elastic_trainer.launch.peer_heartbeat import SILENT_AFTER_S, PeerHeartbeats, route_address
 from elastic_trainer.runtime.settings import (
-    ENV_HEAL,
-    ENV_HEAL_ENDPOINT,
     ENV_HEAL_JOIN,
-    ENV_HEAL_RDZV_CONF,
-    ENV_HEAL_WORLD,
-    ENV_NODE,
 )
 from rendezvous import etcd_ops
 from rendezvous.etcd_client import EtcdConnection
@@ -446,9 +441,3 @@ def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
     registry: Any = rendezvous_handler_registry
     if registry._registry.get(BACKEND_NAME) is None:
         registry.register(BACKEND_NAME, create)
-
-
-def worker_environment(*, endpoint: str, rdzv_conf: str, node: str, min_world: int, max_world: int) -> Mapping[str, str]:
-    """What the workers of a node that heals in place need to know."""
-    return {ENV_HEAL: "in_place", ENV_HEAL_ENDPOINT: endpoint, ENV_HEAL_RDZV_CONF: rdzv_conf, ENV_NODE: node,
-            ENV_HEAL_WORLD: f"{min_world}:{max_world}", ENV_HEAL_JOIN: "0"}

@@ -20,12 +20,13 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic_trainer.launch.options import RunOptions, UserError, rendezvous_conf
+from elastic_trainer.runtime.settings import ENV_LAUNCHER_ID, HealSettings, LaunchContract
 
 if TYPE_CHECKING:
     from elastic_trainer.heal.protocol import Epoch
@@ -192,8 +193,9 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
             for path in sweep_stale():  # what launchers killed with their janitor left
                 log.info("removed %s (its launcher is gone)", path)
             # Workers (cold or warm-forked) inherit this marker: none outlives this launcher either.
-            os.environ[LAUNCHER_ID_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            janitor.stop_processes_with_env(LAUNCHER_ID_ENV, os.environ[LAUNCHER_ID_ENV])
+            launcher_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            tell_workers(LaunchContract(launcher_id=launcher_id))
+            janitor.stop_processes_with_env(ENV_LAUNCHER_ID, launcher_id)
         warm = None
         if options.warm_start == "on" and not dry_run:
             # First of all: the server's imports then overlap the launcher's own and the
@@ -360,7 +362,7 @@ def _replace_killed_workers(cleanup: contextlib.ExitStack, warm: WarmStartServer
     import collections
 
     from elastic_trainer.launch.in_place import job_heals_now
-    from elastic_trainer.launch.warm_start import MAX_REPLACEMENTS, STOPPING_FILE_ENV, record_death
+    from elastic_trainer.launch.warm_start import MAX_REPLACEMENTS, record_death
     from elastic_trainer.runtime.settings import ENV_HEAL_JOIN
     from elastic_trainer.runtime.torch_compat import around_worker_stops, replace_failed_workers
 
@@ -382,21 +384,21 @@ def _replace_killed_workers(cleanup: contextlib.ExitStack, warm: WarmStartServer
 
     cleanup.callback(replace_failed_workers(decide))
     if warm is not None:
-        os.environ[STOPPING_FILE_ENV] = str(warm.stopping_file)
-        cleanup.callback(os.environ.pop, STOPPING_FILE_ENV, None)
+        cleanup.callback(tell_workers(LaunchContract(stopping_file=str(warm.stopping_file))))
         cleanup.callback(around_worker_stops(warm.agent_stopping))
 
 
 def _heal_in_place(options: RunOptions, endpoint: str, nproc: int, *, node: str | None,
                    on_heal: HealCallback | None = None) -> None:
     """Register the in-place rendezvous backend and tell the workers how to heal."""
-    from elastic_trainer.launch.in_place import register_backend, worker_environment
+    from elastic_trainer.launch.in_place import register_backend
     from elastic_trainer.metrics.node_name import local_node_name
 
     node = node or local_node_name()
     register_backend(node=node, on_heal=on_heal)
-    os.environ.update(worker_environment(endpoint=endpoint, rdzv_conf=rendezvous_conf(options), node=node,
-                                         min_world=options.min_nodes * nproc, max_world=options.max_nodes * nproc))
+    heal = HealSettings(enabled=True, join=False, endpoint=endpoint, rdzv_conf=rendezvous_conf(options),
+                        world=(options.min_nodes * nproc, options.max_nodes * nproc))
+    tell_workers(LaunchContract(node=node, heal=heal))
 
 
 def host_address() -> str | None:
@@ -426,8 +428,6 @@ def join_banner(endpoint: str, run_id: str, etcd_host: str, address: str | None 
             f"elastic-trainer run {join} ...{hint}")
 
 
-LAUNCHER_ID_ENV = "ELASTIC_TRAINER_LAUNCHER_ID"
-"""Marks this launcher's workers (inherited environment), for the janitor."""
 WORKER_ENTRY = ("-m", "elastic_trainer.train.worker_entry")
 """How torchrun starts a cold worker: the target under the worker entry point."""
 
@@ -456,7 +456,6 @@ def _watch_frozen_workers(cleanup: contextlib.ExitStack, options: RunOptions, ja
         return
     from elastic_trainer.launch.watchdog import FrozenWorkerWatchdog, WatchdogConfig
     from elastic_trainer.metrics.node_name import local_node_name
-    from elastic_trainer.runtime.heartbeat import ENV_HEARTBEAT_DIR
 
     directory = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="elastic-trainer-heartbeat-",
                                                                   ignore_cleanup_errors=True))
@@ -465,8 +464,7 @@ def _watch_frozen_workers(cleanup: contextlib.ExitStack, options: RunOptions, ja
     config = WatchdogConfig(directory=Path(directory), node=metrics.node if metrics else local_node_name(),
                             floor_s=options.frozen_timeout)
     watchdog = FrozenWorkerWatchdog(config, on_frozen=metrics.frozen_workers.stopped if metrics else None)
-    os.environ[ENV_HEARTBEAT_DIR] = directory  # inherited by every worker, cold or warm-forked
-    cleanup.callback(os.environ.pop, ENV_HEARTBEAT_DIR, None)
+    cleanup.callback(tell_workers(LaunchContract(heartbeat_dir=directory)))
     watchdog.start()
     cleanup.callback(watchdog.stop)
 
@@ -547,9 +545,20 @@ def split_target(words: Sequence[str], *, as_module: bool) -> Target:
     return Target(words[0], None, tuple(words[1:]))
 
 
+def tell_workers(contract: LaunchContract) -> Callable[[], None]:
+    """Write ``contract``'s set fields into this process's environment, which every worker (cold
+    or warm-forked) inherits; return what takes them back out."""
+    written = contract.to_environ()
+    os.environ.update(written)
+
+    def take_back() -> None:
+        for name in written:
+            os.environ.pop(name, None)
+
+    return take_back
+
+
 def default_env_for_workers() -> None:
     """Environment defaults the workers inherit (never overriding the user's)."""
-    from elastic_trainer.runtime.settings import ENV_REPORTS_FAILURES
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ[ENV_REPORTS_FAILURES] = "1"  # this launcher prints root causes: workers say one line
+    tell_workers(LaunchContract(reports_failures=True))  # this launcher prints root causes: workers say one line

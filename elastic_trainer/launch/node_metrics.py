@@ -43,7 +43,7 @@ from elastic_trainer.runtime.settings import (
     ENV_METRICS,
     ENV_METRICS_ALLREDUCE,
     ENV_MULTIPROC_DIR,
-    ENV_NODE,
+    LaunchContract,
 )
 from elastic_trainer.runtime.settings import allreduce_timing_mode as settings_mode
 
@@ -52,8 +52,6 @@ log = logging.getLogger(__name__)
 DEFAULT_METRICS_ADDR = "0.0.0.0"
 """All interfaces: Prometheus in the cluster scrapes the pod IP."""
 DEFAULT_METRICS_PORT = 9400
-MULTIPROC_DIR_ENV = ENV_MULTIPROC_DIR
-METRICS_SWITCH_ENV = ENV_METRICS
 
 ARCHIVE_PID = "archive"
 
@@ -351,7 +349,7 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
     allreduce_timing_mode()  # a typo fails here, once, not in every worker the agent starts
     cleanup: list[Callable[[], None]] = []  # run in reverse by close()
     try:
-        directory = config.multiproc_dir or os.environ.get(MULTIPROC_DIR_ENV) or None
+        directory = config.multiproc_dir or os.environ.get(ENV_MULTIPROC_DIR) or None
         owns_directory = directory is None
         if directory is None:
             # Named after this process: the next launcher's janitor sweep knows whose it was.
@@ -359,10 +357,9 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
             cleanup.append(lambda: shutil.rmtree(directory, ignore_errors=True))
         else:
             _prepare_dir(directory)
-        cleanup.append(_set_env(MULTIPROC_DIR_ENV, directory))
-        if METRICS_SWITCH_ENV not in os.environ:
-            cleanup.append(_set_env(METRICS_SWITCH_ENV, "1"))
-        cleanup.append(_set_env(ENV_NODE, config.node))
+        told = LaunchContract(metrics_dir=directory, node=config.node,
+                              metrics=ENV_METRICS not in os.environ)  # the user's ELASTIC_TRAINER_METRICS wins
+        cleanup.extend(_set_env(name, value) for name, value in told.to_environ().items())
         agent_metrics = AgentMetrics(run_id=config.run_id, node=config.node)
         frozen_workers = FrozenWorkerMetrics(run_id=config.run_id, node=config.node)
         cleanup.append(install_agent_hooks(agent_metrics))

@@ -32,6 +32,12 @@ from typing import Any, NoReturn
 
 from elastic_trainer.runtime import torch_compat
 from elastic_trainer.runtime.atomic_files import write_atomically
+from elastic_trainer.runtime.settings import (
+    ENV_HEAL,
+    ENV_HEAL_JOIN,
+    ENV_HEAL_MARKER,
+    ENV_STOPPING_FILE,
+)
 
 SOCKET_NAME = "server.sock"
 FAILED_NAME = "server.failed"
@@ -525,14 +531,10 @@ def _start_cold(target_args: Sequence[str], reason: str) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-u", "-m", "elastic_trainer.train.worker_entry", *target_args])
 
 
-HEAL_ENV, HEAL_JOIN_ENV, HEAL_MARKER_ENV = "ELASTIC_TRAINER_HEAL", "ELASTIC_TRAINER_HEAL_JOIN", "ELASTIC_TRAINER_HEAL_MARKER"
-"""(``elastic_trainer.runtime.settings``'s names; this client imports nothing of the runtime.)"""
 HEALS_DIR = "heals"
 """Under the server's directory: a worker that heals in place creates ``heals/<client pid>``."""
 STOPPING_NAME = "agent-stopping"
 """Under the server's directory: exists while the launcher's agent stops its workers."""
-STOPPING_FILE_ENV = "ELASTIC_TRAINER_STOPPING_FILE"
-"""(``elastic_trainer.runtime.signals.STOPPING_FILE_ENV``; this client imports nothing of the runtime.)"""
 MAX_REPLACEMENTS = 100
 """Replacements one client starts at most (a worker that dies at every start is the agent's)."""
 DEATHS_DIR = "deaths"
@@ -579,14 +581,14 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
     script with its own loop does not) is replaced."""
     env = dict(os.environ)
     marker = socket_path.parent / HEALS_DIR / str(os.getpid())
-    env[HEAL_MARKER_ENV] = str(marker)
+    env[ENV_HEAL_MARKER] = str(marker)
     try:
         sock, worker_pid = _fork_worker(socket_path, target_args, env)
     except (OSError, EOFError, ValueError, WarmStartError) as exc:
         _start_cold(target_args, str(exc) or type(exc).__name__)
     current = [worker_pid]
     stopping = [False]
-    stopping_file = env.get(STOPPING_FILE_ENV)
+    stopping_file = env.get(ENV_STOPPING_FILE)
 
     def forward(signum: int, _frame: object) -> None:
         # The launcher's stop (its file exists) ends the worker for good; any other signal is a
@@ -608,14 +610,14 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
             # The server vanished (its launcher died): the worker went with it.
             return 1
         sock.close()
-        heals = env.get(HEAL_ENV, "").strip().lower() in ("in_place", "1") and marker.exists()
+        heals = env.get(ENV_HEAL, "").strip().lower() in ("in_place", "1") and marker.exists()
         if heals and returncode < 0 and not stopping[0] and replacements < MAX_REPLACEMENTS:
             replacements += 1
             death = f"local worker {env.get('LOCAL_RANK', '?')} (pid {current[0]}) died of {signal.Signals(-returncode).name}"
             print(f"elastic-trainer: {death}; starting a replacement that joins its peers in place",
                   file=sys.stderr, flush=True)
             record_death(socket_path.parent, death)
-            env[HEAL_JOIN_ENV] = "1"
+            env[ENV_HEAL_JOIN] = "1"
             try:
                 sock, current[0] = _fork_worker(socket_path, target_args, env)
                 continue

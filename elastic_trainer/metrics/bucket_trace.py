@@ -23,12 +23,12 @@ import torch
 from elastic_trainer.metrics.allreduce_hook import BucketTiming
 from elastic_trainer.metrics.collective_trace import (
     DEFAULT_BUFFER_ENTRIES,
-    FR_BUFFER_SIZE_ENV,
     CollectiveTrace,
     TracedCollective,
     TraceFormatError,
 )
 from elastic_trainer.runtime import torch_compat
+from elastic_trainer.runtime.settings import ENV_FR_BUFFER_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class TracedBucketTimer:
             ring_entries = DEFAULT_BUFFER_ENTRIES
         if ring_entries <= 0:
             log.warning("%s=%d turns torch's flight recorder off: the allreduce metrics stay empty",
-                        FR_BUFFER_SIZE_ENV, ring_entries)  # fmt: skip
+                        ENV_FR_BUFFER_SIZE, ring_entries)  # fmt: skip
         self._half_ring = max(1, ring_entries // 2)
         self._per_step: float | None = None  # collectives of all groups per step; None: unknown
         self._read_step = 0  # step_seq at the last read

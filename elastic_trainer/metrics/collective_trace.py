@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_trainer.runtime import torch_compat
+from elastic_trainer.runtime.settings import ENV_FR_BUFFER_SIZE
 
-FR_BUFFER_SIZE_ENV = "TORCH_FR_BUFFER_SIZE"
 NCCL_ENABLE_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 DEFAULT_BUFFER_ENTRIES = 2000
 """torch's own default ring size: the recorder is on unless ``TORCH_FR_BUFFER_SIZE=0``."""
@@ -49,7 +49,7 @@ def trace_environment(
     """
     if entries < 1:
         raise ValueError(f"entries must be >= 1, got {entries}")
-    wanted = {FR_BUFFER_SIZE_ENV: str(entries), NCCL_ENABLE_TIMING_ENV: "1"}
+    wanted = {ENV_FR_BUFFER_SIZE: str(entries), NCCL_ENABLE_TIMING_ENV: "1"}
     applied = {name: value for name, value in wanted.items() if name not in environ}
     environ.update(applied)
     return applied

@@ -41,7 +41,11 @@ from elastic_trainer.metrics.ddp_stats import DEFAULT_SAMPLE_EVERY, DdpSample, S
 from elastic_trainer.metrics.node_name import worker_node_name
 from elastic_trainer.metrics.prometheus_compat import histogram_parts, multiprocess_values
 from elastic_trainer.runtime.failures import ConfigError
-from elastic_trainer.runtime.settings import ENV_MULTIPROC_DIR, WorkerSettings
+from elastic_trainer.runtime.settings import (
+    ENV_METRICS_ALLREDUCE,
+    ENV_MULTIPROC_DIR,
+    WorkerSettings,
+)
 
 __all__ = ["MetricsError", "PrometheusObserver", "WorkerLabels", "worker_observer"]
 
@@ -52,7 +56,6 @@ class MetricsError(ConfigError):
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_trainer_"
-MULTIPROC_DIR_ENV = ENV_MULTIPROC_DIR
 # Histogram buckets, in base units, roughly x2 apart (see docs/design/metrics.md).
 STEP_SECONDS_BUCKETS = (
     0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -629,7 +632,7 @@ class PrometheusObserver:
         else:
             if self.trace_allreduce:
                 log.warning("%s=trace times NCCL collectives only; this model is on the CPU, so its "
-                            "buckets are timed by the allreduce timing hook", "ELASTIC_TRAINER_METRICS_ALLREDUCE")  # fmt: skip
+                            "buckets are timed by the allreduce timing hook", ENV_METRICS_ALLREDUCE)  # fmt: skip
             timer = AllreduceTimer(getattr(ddp_model, "process_group", None), use_cuda=use_cuda)
             ddp_model.register_comm_hook(timer, timed_allreduce_hook)
         self.attach_timer(timer)
@@ -685,14 +688,14 @@ def worker_observer(settings: WorkerSettings | None = None, *, rank: int | None 
     directory = settings.metrics_dir or ""
     if not directory:
         raise MetricsError(
-            f"worker metrics need {MULTIPROC_DIR_ENV}: start the job with `elastic-trainer run` "
+            f"worker metrics need {ENV_MULTIPROC_DIR}: start the job with `elastic-trainer run` "
             "(its launcher creates the directory and serves it) or unset ELASTIC_TRAINER_METRICS"
         )
     if not os.path.isdir(directory):
-        raise MetricsError(f"{MULTIPROC_DIR_ENV}={directory} is not a directory")
+        raise MetricsError(f"{ENV_MULTIPROC_DIR}={directory} is not a directory")
     if not multiprocess_values():
         raise MetricsError(
-            f"prometheus_client was imported before {MULTIPROC_DIR_ENV} was set, so this "
+            f"prometheus_client was imported before {ENV_MULTIPROC_DIR} was set, so this "
             "process would keep its metrics in memory; set it in the environment before Python "
             "starts"
         )

@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_HEARTBEAT_DIR = "ELASTIC_TRAINER_HEARTBEAT_DIR"
-"""The per-node directory of the slot files (the launcher sets it; absent: no heartbeat)."""
+from elastic_trainer.runtime.settings import ENV_HEARTBEAT_DIR
+
 BEAT_INTERVAL_S = 0.5
 """Seconds between beats."""
 

@@ -57,6 +57,14 @@ ENV_HEAL_MARKER = "ELASTIC_TRAINER_HEAL_MARKER"
 """A file a worker that heals in place creates (the warm-start client then replaces it if it dies)."""
 ENV_HEAL_TIMEOUT_S = "ELASTIC_TRAINER_HEAL_TIMEOUT_S"
 """How long a round may wait for enough members before the process gives up (exits)."""
+ENV_HEARTBEAT_DIR = "ELASTIC_TRAINER_HEARTBEAT_DIR"
+"""Where each worker beats for the launcher's frozen-worker watchdog (the launcher sets it)."""
+ENV_STOPPING_FILE = "ELASTIC_TRAINER_STOPPING_FILE"
+"""A file that exists while the launcher stops its workers (warm start): a stop signal that
+arrives while it does not exist was not the launcher's (``runtime.signals.lone_signal``)."""
+ENV_LAUNCHER_ID = "ELASTIC_TRAINER_LAUNCHER_ID"
+"""``{launcher pid}-{random}``: marks every process of one launcher, so that its janitor finds them
+after the launcher is SIGKILLed."""
 
 DEFAULT_SIGTERM_GRACE_S = 30.0
 """torchrun's agent SIGKILLs workers 30 s after its SIGTERM: a larger grace buys nothing there."""
@@ -171,6 +179,76 @@ class HealSettings:
                    timeout_s=_seconds(env, ENV_HEAL_TIMEOUT_S, DEFAULT_HEAL_TIMEOUT_S),
                    marker=env.get(ENV_HEAL_MARKER) or None)
 
+    def to_environ(self) -> dict[str, str]:
+        """The variables :meth:`from_environ` reads back as this value (defaults left out)."""
+        env = {ENV_HEAL: "in_place" if self.enabled else "off", ENV_HEAL_JOIN: "1" if self.join else "0"}
+        if self.endpoint is not None:
+            env[ENV_HEAL_ENDPOINT] = self.endpoint
+        if self.rdzv_conf:
+            env[ENV_HEAL_RDZV_CONF] = self.rdzv_conf
+        if self.world is not None:
+            env[ENV_HEAL_WORLD] = f"{self.world[0]}:{self.world[1]}"
+        if self.settle_s != DEFAULT_HEAL_SETTLE_S:
+            env[ENV_HEAL_SETTLE_S] = repr(self.settle_s)
+        if self.timeout_s != DEFAULT_HEAL_TIMEOUT_S:
+            env[ENV_HEAL_TIMEOUT_S] = repr(self.timeout_s)
+        if self.marker is not None:
+            env[ENV_HEAL_MARKER] = self.marker
+        return env
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchContract:
+    """What ``elastic-trainer run`` tells each of its workers: the one definition of the
+    launcher-to-worker contract. The launcher writes it with :meth:`to_environ` (every worker,
+    cold or warm-forked, inherits the variables); a worker reads it with :meth:`from_environ`
+    (through :meth:`WorkerSettings.from_environ`). A field left at its default writes nothing,
+    so the launcher can write the parts it knows at each stage of its start."""
+
+    node: str | None = None
+    """This node's name (:data:`ENV_NODE`)."""
+    reports_failures: bool = False
+    """The launcher prints root causes, so a failing worker prints one line (:data:`ENV_REPORTS_FAILURES`)."""
+    metrics: bool = False
+    """Workers report to the node's metrics endpoint (:data:`ENV_METRICS`)."""
+    metrics_dir: str | None = None
+    """prometheus-client's multiprocess directory the endpoint serves (:data:`ENV_MULTIPROC_DIR`)."""
+    heal: HealSettings | None = None
+    """In-place healing (:data:`ENV_HEAL` and the variables beside it); ``None``: not written."""
+    heartbeat_dir: str | None = None
+    """The frozen-worker watchdog's directory (:data:`ENV_HEARTBEAT_DIR`)."""
+    stopping_file: str | None = None
+    """The warm server's agent-stopping file (:data:`ENV_STOPPING_FILE`)."""
+    launcher_id: str | None = None
+    """Marks the launcher's processes for its janitor (:data:`ENV_LAUNCHER_ID`)."""
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables of the fields that are set (see the class docstring)."""
+        env: dict[str, str] = {}
+        texts = ((ENV_NODE, self.node), (ENV_MULTIPROC_DIR, self.metrics_dir), (ENV_HEARTBEAT_DIR, self.heartbeat_dir),
+                 (ENV_STOPPING_FILE, self.stopping_file), (ENV_LAUNCHER_ID, self.launcher_id))  # fmt: skip
+        env.update((name, value) for name, value in texts if value is not None)
+        if self.reports_failures:
+            env[ENV_REPORTS_FAILURES] = "1"
+        if self.metrics:
+            env[ENV_METRICS] = "1"
+        if self.heal is not None:
+            env.update(self.heal.to_environ())
+        return env
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> LaunchContract:
+        """Read the contract back (absent variables: the defaults).
+
+        Raises:
+            ConfigError: a variable holds a value of the wrong kind; the message names it.
+        """
+        heal = HealSettings.from_environ(env) if ENV_HEAL in env else None
+        return cls(node=env.get(ENV_NODE) or None, reports_failures=env.get(ENV_REPORTS_FAILURES, "").strip() == "1",
+                   metrics=_bool(env, ENV_METRICS, False), metrics_dir=env.get(ENV_MULTIPROC_DIR) or None, heal=heal,
+                   heartbeat_dir=env.get(ENV_HEARTBEAT_DIR) or None, stopping_file=env.get(ENV_STOPPING_FILE) or None,
+                   launcher_id=env.get(ENV_LAUNCHER_ID) or None)  # fmt: skip
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerSettings:
@@ -214,21 +292,22 @@ class WorkerSettings:
         """
         env = os.environ if environ is None else environ
         ring = _int(env, ENV_FR_BUFFER_SIZE, DEFAULT_FR_BUFFER_ENTRIES)
+        launch = LaunchContract.from_environ(env)  # what the launcher said, read in one place
         return cls(
             jit_save=_bool(env, ENV_JIT_SAVE, True),
             sigterm_grace_s=_seconds(env, ENV_SIGTERM_GRACE_S, DEFAULT_SIGTERM_GRACE_S),
             pg_timeout_s=_seconds(env, ENV_PG_TIMEOUT_S, DEFAULT_PG_TIMEOUT_S),
-            metrics=_bool(env, ENV_METRICS, False),
+            metrics=launch.metrics,
             metrics_allreduce=allreduce_timing_mode(env.get(ENV_METRICS_ALLREDUCE)),
-            metrics_dir=env.get(ENV_MULTIPROC_DIR) or None,
-            node=env.get(ENV_NODE) or None,
+            metrics_dir=launch.metrics_dir,
+            node=launch.node,
             run_id=env.get(ENV_RUN_ID) or None,
             error_file=env.get(ENV_ERROR_FILE) or None,
-            launcher_reports_failures=env.get(ENV_REPORTS_FAILURES, "").strip() == "1",
+            launcher_reports_failures=launch.reports_failures,
             fr_buffer_entries=ring,
             rank=_int(env, "RANK", 0),
             local_rank=_int(env, "LOCAL_RANK", 0),
-            heal=HealSettings.from_environ(env),
+            heal=launch.heal if launch.heal is not None else HealSettings.from_environ(env),
         )
 
 

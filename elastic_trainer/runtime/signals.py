@@ -19,25 +19,21 @@ from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
+from elastic_trainer.runtime.settings import ENV_HEAL_MARKER, ENV_STOPPING_FILE
+
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-STOPPING_FILE_ENV = "ELASTIC_TRAINER_STOPPING_FILE"
-"""A file that exists while this worker's launcher stops its workers (set by ``elastic-trainer
-run`` with warm start). A stop signal that arrives while it does not exist was not the launcher's:
-someone killed this one process (see :func:`lone_signal`)."""
-HEAL_MARKER_ENV = "ELASTIC_TRAINER_HEAL_MARKER"
-"""(``elastic_trainer.runtime.settings.ENV_HEAL_MARKER``; stdlib-only here.)"""
 
 
 def lone_signal(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a stop signal this process got is a kill of this one process, not its launcher
-    stopping the node: the launcher marks :data:`STOPPING_FILE_ENV`'s file while it stops its
+    stopping the node: the launcher marks :data:`ENV_STOPPING_FILE`'s file while it stops its
     workers, and only a process that heals in place (its heal marker exists) asks. Such a process
     ends like a crash, and a replacement joins its peers in place: a worker's process tree is one
     unit, whatever signal hits it (``docs/design/heal-in-place.md``)."""
     env = os.environ if environ is None else environ
-    stopping, marker = env.get(STOPPING_FILE_ENV), env.get(HEAL_MARKER_ENV)
+    stopping, marker = env.get(ENV_STOPPING_FILE), env.get(ENV_HEAL_MARKER)
     return bool(stopping and marker) and os.path.exists(marker or "") and not os.path.exists(stopping or "")
 
 

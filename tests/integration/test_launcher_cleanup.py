@@ -74,7 +74,7 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
         (data_dir,) = [str(p) for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-etcd-")]
         etcd = _processes_mentioning(data_dir)
         assert etcd, "the embedded etcd runs with its data directory"
-        workers = [pid for pid in _processes_mentioning("synthetic_cnn") if pid != launcher.pid]
+        workers = [pid for pid in _processes_mentioning(str(tmp_path / "ckpt")) if pid != launcher.pid]  # this test's own
         marker = _launcher_marker(workers[0]) if workers else None
         assert marker, f"workers carry the launcher's marker: {workers}"
         janitors = _processes_mentioning("elastic_trainer.launch.janitor")

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from elastic_trainer.metrics.collective_trace import (
-    FR_BUFFER_SIZE_ENV,
     NCCL_ENABLE_TIMING_ENV,
     CollectiveTrace,
     TraceFormatError,
     entry_nbytes,
     trace_environment,
 )
+from elastic_trainer.runtime.settings import ENV_FR_BUFFER_SIZE
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,12 +149,12 @@ def test_an_unreadable_dump_is_a_clear_error() -> None:
 
 
 def test_trace_environment_keeps_what_the_user_set() -> None:
-    environ = {FR_BUFFER_SIZE_ENV: "0"}
+    environ = {ENV_FR_BUFFER_SIZE: "0"}
     assert trace_environment(environ, entries=64) == {NCCL_ENABLE_TIMING_ENV: "1"}
-    assert environ == {FR_BUFFER_SIZE_ENV: "0", NCCL_ENABLE_TIMING_ENV: "1"}
+    assert environ == {ENV_FR_BUFFER_SIZE: "0", NCCL_ENABLE_TIMING_ENV: "1"}
     environ = {}
     trace_environment(environ, entries=64)
-    assert environ[FR_BUFFER_SIZE_ENV] == "64"
+    assert environ[ENV_FR_BUFFER_SIZE] == "64"
     with pytest.raises(ValueError, match="entries"):
         trace_environment({}, entries=0)
 

@@ -20,7 +20,6 @@ import pytest
 from elastic_trainer.ops.processes import wait_for
 from elastic_trainer.runtime import heartbeat
 from elastic_trainer.runtime.heartbeat import (
-    ENV_HEARTBEAT_DIR,
     HEADER,
     MAGIC,
     SLOT_SIZE,
@@ -30,6 +29,7 @@ from elastic_trainer.runtime.heartbeat import (
     read_slot,
     slot_path,
 )
+from elastic_trainer.runtime.settings import ENV_HEARTBEAT_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 

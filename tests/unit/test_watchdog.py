@@ -29,7 +29,6 @@ from elastic_trainer.launch.watchdog import (
 )
 from elastic_trainer.ops.processes import wait_for
 from elastic_trainer.runtime.heartbeat import (
-    ENV_HEARTBEAT_DIR,
     HEADER,
     MAGIC,
     SLOT_SIZE,
@@ -39,6 +38,7 @@ from elastic_trainer.runtime.heartbeat import (
     read_slot,
     slot_path,
 )
+from elastic_trainer.runtime.settings import ENV_HEARTBEAT_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 
