@@ -107,7 +107,7 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.randn(4096, args.dim, generator=torch.Generator().manual_seed(0))
     sampler = ElasticSampler(len(data), args.batch * WORLD, seed=0)
-    manager = _manager(str(root / "steady"), 100, model, optimizer, sampler)
+    manager = _manager(str(root / "steady"), args.checkpoint_every, model, optimizer, sampler)
     for i in range(5):  # warm-up: allocator, FSDP's lazy init, AdamW's state
         _step(model, optimizer, data[i * args.batch:][: args.batch])
     cpu: dict[str, list[float]] = {"bare": [], "ours": []}
@@ -182,7 +182,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank and step")
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--every", type=int, default=8)
+    parser.add_argument("--every", type=int, default=8, help="stall: steps between checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=100,
+                        help="steady: the library's checkpoint interval (default 100, its default)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: the system temporary directory)")
     args = parser.parse_args()
