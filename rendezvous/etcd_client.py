@@ -25,6 +25,10 @@ keep-alive and watch streams; a benchmark's hundreds of simulated nodes). A fail
 to the next endpoint only if the client it used is still the current one, so that a hundred
 threads failing together on a dead member fail over once, not a hundred times. Every request is
 counted, by kind (:attr:`EtcdConnection.request_counts`), for benchmarks and tests.
+
+Where the cluster is and how to authenticate (:class:`EtcdClientConfig`, :func:`parse_endpoints`)
+is parsed in :mod:`rendezvous.etcd_config`, which imports neither gRPC nor torch; its names are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -35,8 +39,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -50,6 +53,14 @@ from tenacity import (
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from rendezvous._protobuf_compat import import_etcd3
+from rendezvous.etcd_config import (  # noqa: F401 (re-exported: the settings live there)
+    DEFAULT_PORT,
+    Endpoint,
+    EtcdClientConfig,
+    check_security,
+    parse_endpoints,
+    read_secret_file,
+)
 from rendezvous.etcd_leader import (
     LeaderBelief,
     LeaderRoute,
@@ -62,132 +73,6 @@ from rendezvous.jitter import wait_jitter
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-DEFAULT_PORT = 2379
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One etcd member's client address."""
-
-    host: str
-    port: int = DEFAULT_PORT
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
-    """Parse ``host[:port][,host[:port]...]`` (an optional ``http(s)://`` is ignored).
-
-    Raises:
-        ValueError: the text is empty or a host/port is malformed.
-    """
-    endpoints = []
-    for raw in (text or "").split(","):
-        item = raw.strip()
-        for scheme in ("http://", "https://"):
-            if item.startswith(scheme):
-                item = item[len(scheme) :]
-        item = item.rstrip("/")
-        if not item:
-            raise ValueError(f"rdzv endpoint: empty endpoint in {text!r}")
-        host, sep, port_text = item.rpartition(":")
-        if not sep:
-            host, port_text = item, str(DEFAULT_PORT)
-        host = host.strip("[]")
-        if not host or any(c.isspace() or c in "/@?#" for c in host):
-            raise ValueError(f"rdzv endpoint: malformed host in {raw.strip()!r}")
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise ValueError(f"rdzv endpoint: port {port_text!r} in {raw.strip()!r} is not a number") from None
-        if not 0 < port < 65536:
-            raise ValueError(f"rdzv endpoint: port {port} in {raw.strip()!r} is out of range")
-        endpoints.append(Endpoint(host, port))
-    return tuple(endpoints)
-
-
-@dataclass(kw_only=True, slots=True)
-class EtcdClientConfig:
-    """How to reach and authenticate to one etcd v3 cluster."""
-
-    endpoints: tuple[Endpoint, ...]
-    """Client addresses of the cluster's members; calls fail over between them."""
-    read_timeout: float = 10.0
-    """gRPC deadline, in seconds, of one request."""
-    retry_timeout: float = 20.0
-    """Total time, in seconds, within which transient faults are retried before giving up."""
-    protocol: str = "http"
-    """``http`` or ``https``."""
-    ca_cert: str | None = None
-    """Path of the CA certificate (PEM) that signed the server certificates."""
-    ssl_cert: str | None = None
-    """Path of the client certificate (PEM) for mutual TLS."""
-    ssl_cert_key: str | None = None
-    """Path of the client certificate's private key (PEM)."""
-    user: str | None = None
-    """etcd user name, when etcd auth is enabled."""
-    password: str | None = field(default=None, repr=False)
-    """That user's password (prefer ``password_file``)."""
-
-    def __post_init__(self) -> None:
-        if not self.endpoints:
-            raise ValueError("endpoints: at least one etcd endpoint is required")
-        if not self.read_timeout > 0:
-            raise ValueError(f"read_timeout: must be > 0 seconds, got {self.read_timeout}")
-        if not self.retry_timeout > 0:
-            raise ValueError(f"retry_timeout: must be > 0 seconds, got {self.retry_timeout}")
-        check_security(
-            protocol=self.protocol,
-            ca_cert=self.ca_cert,
-            ssl_cert=self.ssl_cert,
-            ssl_cert_key=self.ssl_cert_key,
-            user=self.user,
-            has_password=self.password is not None,
-        )
-
-
-def check_security(
-    *,
-    protocol: str,
-    ca_cert: str | None,
-    ssl_cert: str | None,
-    ssl_cert_key: str | None,
-    user: str | None,
-    has_password: bool,
-) -> None:
-    """Check the TLS and auth settings together; read the PEM files' headers.
-
-    Raises:
-        ValueError: ``"<setting>: <problem>"`` for the first inconsistent or unreadable setting.
-    """
-    if protocol not in ("http", "https"):
-        raise ValueError(f"protocol: must be 'http' or 'https', got {protocol!r}")
-    if protocol == "http" and (ca_cert or ssl_cert or ssl_cert_key):
-        raise ValueError("protocol: TLS files were given, so the protocol must be 'https'")
-    if bool(ssl_cert) != bool(ssl_cert_key):
-        raise ValueError("ssl_cert: ssl_cert and ssl_cert_key must be given together")
-    for name, path, marker in (
-        ("ca_cert", ca_cert, b"-----BEGIN CERTIFICATE-----"),
-        ("ssl_cert", ssl_cert, b"-----BEGIN CERTIFICATE-----"),
-        ("ssl_cert_key", ssl_cert_key, b"PRIVATE KEY-----"),
-    ):
-        if path:
-            _check_pem_file(name, path, marker)
-    if bool(user) != has_password:
-        raise ValueError("user: user and password (or password_file) must be given together")
-
-
-def _check_pem_file(name: str, path: str, marker: bytes) -> None:
-    """Reject a missing, unreadable or non-PEM TLS file before gRPC turns it into a retried hang."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{name}: cannot read {path}: {exc.strerror or exc}") from exc
-    if marker not in data:
-        raise ValueError(f"{name}: {path} is not a PEM file (no {marker.decode().strip('-')!r} block)")
-
 
 _RETIRE_AFTER_S = 60.0
 """A client replaced by a failover is closed this long after (at a later failover or close)."""
@@ -661,16 +546,3 @@ def _watcher_class(etcd3: Any) -> type:
 
     _WATCHER_CLASSES[id(etcd3)] = BackoffWatcher
     return BackoffWatcher
-
-
-def read_secret_file(path: str, *, key: str) -> str:
-    """Read a password from a file (a mounted Kubernetes Secret), stripping one trailing newline.
-
-    Raises:
-        ValueError: the file cannot be read (naming ``key``).
-    """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"{key}: cannot read {path}: {exc.strerror or exc}") from exc
-    return text[:-1] if text.endswith("\n") else text

@@ -35,7 +35,7 @@ from rendezvous.conf_keys import (  # noqa: F401 (re-exported)
     parse_conf_string,
     unknown_key_message,
 )
-from rendezvous.etcd_client import (
+from rendezvous.etcd_config import (
     Endpoint,
     EtcdClientConfig,
     check_security,

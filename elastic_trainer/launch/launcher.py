@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import importlib.util
 import logging
 import os
@@ -92,18 +93,31 @@ def resolve_nproc(options: RunOptions, cuda_devices: int) -> int:
     return nproc
 
 
+def visible_cuda_devices() -> int:
+    """The CUDA devices torch sees. On Linux without a GPU driver's device files (``/dev/nvidia*``,
+    ``/dev/kfd`` for ROCm) torch sees none, and that is answered without importing it."""
+    if sys.platform.startswith("linux") and not glob.glob("/dev/nvidia*") and not os.path.exists("/dev/kfd"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, target: Target,
                   worker_args: Sequence[str] | None = None, *, in_place_backend: bool = False) -> list[str]:
     """The torchrun command line this launch is equivalent to (``worker_args`` replaces the
     target's own arguments when workers go through the warm-start client). ``in_place_backend``:
     the launcher's own command line, whose backend is ``etcd-v3`` wrapped by
     :mod:`elastic_trainer.launch.in_place` (registered in this process only)."""
-    from elastic_trainer.launch.in_place import BACKEND_NAME
+    backend = "etcd-v3"
+    if in_place_backend:
+        from elastic_trainer.launch.in_place import BACKEND_NAME
 
+        backend = BACKEND_NAME
     argv = [
         f"--nnodes={options.nnodes}",
         f"--nproc-per-node={nproc}",
-        f"--rdzv-backend={BACKEND_NAME if in_place_backend else 'etcd-v3'}",
+        f"--rdzv-backend={backend}",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
         f"--rdzv-conf={rendezvous_conf(options)}",
@@ -210,14 +224,11 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
 
 def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, janitor: Janitor | None, *,
             dry_run: bool) -> int:
-    import torch
-    from torch.distributed.run import get_args_parser
+    # Up to the dry run's answer nothing imports torch (seconds on a cold start): a user's
+    # mistake or --dry-run is answered in a fraction of a second.
+    from rendezvous.etcd_config import parse_endpoints
 
-    from rendezvous.etcd_client import parse_endpoints
-    from rendezvous.plugin import ensure_registered
-
-    ensure_registered()
-    nproc = resolve_nproc(options, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    nproc = resolve_nproc(options, visible_cuda_devices())
     if options.rdzv_endpoint is not None:
         try:
             parse_endpoints(options.rdzv_endpoint)
@@ -229,17 +240,23 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             )
     settings = rendezvous_settings(options, options.run_id or "check")  # every key, before anything starts
     if options.metrics_port:
-        from elastic_trainer.launch.node_metrics import MetricsError, allreduce_timing_mode
+        from elastic_trainer.runtime.failures import ConfigError
+        from elastic_trainer.runtime.settings import ENV_METRICS_ALLREDUCE, allreduce_timing_mode
 
-        try:
-            allreduce_timing_mode()  # before etcd and the agent: a typo fails once, not per worker
-        except MetricsError as exc:
+        try:  # before etcd and the agent: a typo fails once, not per worker
+            allreduce_timing_mode(os.environ.get(ENV_METRICS_ALLREDUCE))
+        except ConfigError as exc:
             raise UserError(str(exc)) from exc
     if dry_run:
         endpoint = options.rdzv_endpoint or f"{options.etcd_host}:<free port>"
         print("torchrun " + " ".join(torchrun_argv(options, endpoint, options.run_id or "<derived>", nproc, target)))
         return 0
 
+    from torch.distributed.run import get_args_parser
+
+    from rendezvous.plugin import ensure_registered
+
+    ensure_registered()
     with contextlib.ExitStack() as cleanup:
         if options.rdzv_endpoint is None:
             from rendezvous.etcd_server import EtcdServer, EtcdServerError
