@@ -2,8 +2,8 @@
 is: a worker SIGKILLed under `elastic-trainer run` and the final weights bitwise equal to an
 undisturbed run, no sample lost or repeated, both healed in place (the default: the survivor keeps
 its process and its state, the replacement takes the state from it) and with `--heal off` (the
-group restarts from the just-in-time checkpoint); the same job under plain torchrun with the data
-read as a stream trains exactly the same steps; its checkpoints verify with `elastic-trainer checkpoint`."""
+group restarts from the just-in-time checkpoint); the same job under plain torchrun + etcd-v3 with
+the data read as a stream and rank 1 SIGKILLed mid-run trains exactly the same steps; its checkpoints verify with `elastic-trainer checkpoint`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.ops.processes import wait_for
 from elastic_trainer.runtime.sample_log import committed_history, generations, read_records
-from tests.support.agents import FAST_RDZV_CONF, agents, start_agent
+from tests.support.agents import FAST_RDZV_CONF, agents, kill_rank, start_agent
 from tests.support.records import final_model, steps_recorded
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -99,12 +99,18 @@ def test_a_sigkilled_worker_of_your_own_loop_resumes_bitwise_and_exactly_once(
 
 
 def test_plain_torchrun_and_a_stream_train_the_same_steps(etcd_server, unique_id: str, tmp_path: Path) -> None:
+    """Under plain torchrun + etcd-v3 rank 1 is SIGKILLed mid-run: torchrun restarts the group,
+    the stream is re-created at the saved cursor, and the weights end bitwise as undisturbed."""
     reference = _launch(tmp_path, "ref", f"{unique_id}-ref", etcd_server.endpoint)
     with agents() as started:
         stream = start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, log_path=tmp_path / "stream.log",
-                             target=OWN_LOOP, job_args=_job(tmp_path, "stream", "--stream"))
+                             target=OWN_LOOP, job_args=_job(tmp_path, "stream", "--stream", "--throttle-ms", "60"))
         started.append(stream)
+        samples = tmp_path / "stream" / "samples"
+        wait_for(lambda: steps_recorded(samples) >= 25, timeout=120, what="step 25", describe=stream.tail)
+        kill_rank(stream, samples, 1)
         assert stream.wait(180) == 0, stream.tail()
+    assert len(generations(samples)) == 2, "restarted once"
     assert reference.wait(180) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     _, streamed = final_model(tmp_path / "stream" / "ckpt")
     _, expected = final_model(tmp_path / "ref" / "ckpt")
