@@ -159,7 +159,37 @@ def classify(exc: BaseException) -> tuple[FailureClass, str]:
         return FailureClass.DETERMINISTIC, f"SyntaxError: {exc.msg}{where}"
     if isinstance(exc, (ImportError, DeterministicError)):
         return FailureClass.DETERMINISTIC, first_line(exc)
+    mistake = setup_mistake(exc)
+    if mistake is not None:
+        return FailureClass.DETERMINISTIC, mistake
     return FailureClass.ERROR, first_line(exc)
+
+
+_NO_GROUP = "Default process group has not been initialized"
+_BAD_CALL = re.compile(r"^(?P<name>\w+)\.__init__\(\) (?:missing \d+ required|got an unexpected keyword argument"
+                       r"|got multiple values for argument|takes \d+ positional)")
+
+
+def setup_mistake(exc: BaseException) -> str | None:
+    """One line for a setup mistake of the user's script that no restart can fix, else ``None``:
+
+    * torch.distributed used before the runtime formed the process group (``DistributedSampler``
+      is the usual one: the runtime's ``ElasticSampler`` hands out the data instead);
+    * a public class of this package called with a wrong argument (``Elastic(...)`` without
+      ``global_batch_size``).
+    """
+    line = message_line(exc)
+    if isinstance(exc, (ValueError, RuntimeError)) and _NO_GROUP in line:
+        return ("torch.distributed was used before elastic-trainer formed the process group (a "
+                "DistributedSampler?): the runtime's ElasticSampler hands out each rank's samples, so drop "
+                "the DistributedSampler; use torch.distributed only inside the elastic loop")
+    match = _BAD_CALL.match(line) if isinstance(exc, TypeError) else None
+    if match is not None:
+        import elastic_trainer  # the package root is lazy: this loads nothing else
+
+        if match["name"] in elastic_trainer.__all__:
+            return f"{line.replace('.__init__()', '(...)', 1)} (see docs/own-loop.md)"
+    return None
 
 
 def _signature(exc: BaseException, step: int | None) -> str:

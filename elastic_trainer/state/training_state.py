@@ -270,9 +270,9 @@ class TrainingState:
                 return
             if id(optimizer) not in saved and _over(optimizer, params):
                 raise UnsavedStateError(
-                    f"a {type(optimizer).__name__} over the model's parameters steps but is not part of the saved "
-                    f"state (saved: {', '.join(sorted(self.objects))}): after a heal or a resume it would differ "
-                    "between ranks; create it before the elastic loop, or pass it with states={...}")
+                    f"an optimizer ({type(optimizer).__name__}) over the model's parameters steps but is not part of "
+                    f"the saved state (saved: {', '.join(sorted(self.objects))}): after a heal or a resume it would "
+                    "differ between ranks; create it before Elastic(...) (or the loop), or pass it with states={...}")
             checked.add(id(optimizer))
 
         handle = register_optimizer_step_pre_hook(pre_step)

@@ -13,7 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from elastic_trainer.checkpoint.files import CheckpointMismatchError, CheckpointWriteError
 from elastic_trainer.launch.failure_policy import FailurePolicy
 from elastic_trainer.runtime import failures
-from elastic_trainer.runtime.failures import ConfigError, FailureClass
+from elastic_trainer.runtime.failures import ConfigError, FailureClass, classify
 from elastic_trainer.train.config import TrainerConfig
 
 
@@ -171,3 +171,24 @@ def test_did_a_peer_die_has_one_answer(message: str) -> None:
     assert failures.classify(RuntimeError(message))[0] is failures.FailureClass.TRANSIENT
     assert failures.is_collective_failure(failures.GroupAborted("a heal round after epoch 2 is open"))
     assert not failures.is_collective_failure(ValueError(message)), "a bug in the step is not a dead peer"
+
+
+def test_a_distributed_sampler_before_the_group_is_a_setup_mistake_naming_elastic_sampler() -> None:
+    """torch's own error for a DistributedSampler built before the runtime formed the group:
+    deterministic (exit 2, no restart spent), one line that names ElasticSampler."""
+    exc = ValueError("Default process group has not been initialized, please make sure to call init_process_group.")
+    failure_class, summary = classify(exc)
+    assert failure_class is FailureClass.DETERMINISTIC
+    assert "ElasticSampler" in summary and "DistributedSampler" in summary and "\n" not in summary
+
+
+def test_a_wrong_argument_to_a_public_class_is_a_setup_mistake() -> None:
+    from elastic_trainer import Elastic
+
+    with pytest.raises(TypeError) as caught:
+        Elastic(object(), [])  # type: ignore[call-arg]  # global_batch_size is required
+    failure_class, summary = classify(caught.value)
+    assert failure_class is FailureClass.DETERMINISTIC
+    assert summary.startswith("Elastic(...) missing 1 required keyword-only argument"), summary
+    # the same kind of TypeError from anybody else's class is the user's code: an ERROR, retried once
+    assert classify(TypeError("Foo.__init__() missing 1 required positional argument: 'x'"))[0] is FailureClass.ERROR

@@ -83,7 +83,7 @@ def test_an_optimizer_created_after_elastic_is_refused_at_the_first_step_with_ex
         _train(None, max_steps=3, late_optimizer=True)
     assert exited.value.code == failures.EXIT_DETERMINISTIC
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "SGD over the model's parameters steps but is not part of the saved state" in err[0], err
+    assert len(err) == 1 and "optimizer (SGD) over the model's parameters steps but is not part of the saved state" in err[0], err
 
 
 def test_a_distributed_sampler_is_refused_before_the_first_step_naming_elastic_sampler(gloo_world: None) -> None:
