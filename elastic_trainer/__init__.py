@@ -40,6 +40,10 @@ _EXPORTS = {
     "WorkerSettings": "elastic_trainer.runtime.settings",
     "build_observer": "elastic_trainer.train.trainer",
     "model_signature": "elastic_trainer.checkpoint.files",
+    "ShardedCheckpointManager": "elastic_trainer.checkpoint.sharded_manager",
+    "ShardedState": "elastic_trainer.state.sharded",
+    "FSDPOptions": "elastic_trainer.train.fsdp",
+    "apply_fsdp": "elastic_trainer.train.fsdp",
 }
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
