@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     parser.add_argument("--pairs", type=int, default=3, help="rounds of every variant, order alternating (>= 3)")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     parser.add_argument("--json", default=None, help="append every run's record to this file (JSON lines)")
     args = parser.parse_args()
     variants = tuple(args.variants) if BASELINE in args.variants else (BASELINE, *args.variants)

@@ -57,7 +57,13 @@ class Clock:
             self.threads = len(os.listdir("/proc/self/task"))  # in steady state
 
 
-def bare(args: argparse.Namespace, clock: Clock) -> None:
+_KEPT: list[object] = []
+
+
+def bare(args: argparse.Namespace, clock: Clock) -> object:
+    """The DDP guides' loop; returns the DDP model, which the caller keeps until ``os._exit``:
+    freeing it frees gloo's process group, whose destructor joins gloo's threads while holding the
+    GIL that one of them may be waiting for (a hang at exit, seen in one run of 24)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -83,7 +89,7 @@ def bare(args: argparse.Namespace, clock: Clock) -> None:
             if len(clock.stamps) >= clock.total:
                 break
         epoch += 1
-    dist.destroy_process_group()
+    return model
 
 
 def trainer(args: argparse.Namespace, clock: Clock) -> None:
@@ -117,7 +123,7 @@ def main() -> int:
     torch.set_num_threads(1)
     clock = Clock(args.steps, args.warmup)
     if args.api == "bare":
-        bare(args, clock)
+        _KEPT.append(bare(args, clock))  # see bare(): never freed; os._exit ends the process
     else:
         with tempfile.TemporaryDirectory() as tmp:
             args.checkpoint_dir = args.checkpoint_dir or tmp

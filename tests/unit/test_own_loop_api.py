@@ -36,14 +36,15 @@ def _data(n: int = 40) -> TensorDataset:
 
 
 def _train(directory: Path | None, *, max_steps: int | None, epochs: int | None = None,
-           late_optimizer: bool = False) -> tuple[Elastic, nn.Module]:
+           late_optimizer: bool = False, checkpoint_every: int = 4,
+           log_every: int = 1000) -> tuple[Elastic, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     elastic = Elastic(model, _data(), global_batch_size=8, micro_batch_size=2, max_steps=max_steps, epochs=epochs,
-                      checkpoint_dir=None if directory is None else str(directory), checkpoint_every=4,
-                      log_every=1000)
+                      checkpoint_dir=None if directory is None else str(directory),
+                      checkpoint_every=checkpoint_every, log_every=log_every)
     if late_optimizer:  # created after Elastic looked: not saved
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in elastic:
@@ -100,23 +101,9 @@ def test_a_distributed_sampler_is_refused_before_the_first_step_naming_elastic_s
 
 
 SCRIPT = """
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-from elastic_trainer import Elastic
-
-torch.manual_seed(0)
-model = nn.Linear(4, 2)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
-elastic = Elastic(model, data, global_batch_size=4, max_steps=6, checkpoint_dir={directory!r}, checkpoint_every=3,
-                  log_every=2)
-for step in elastic:
-    with step:
-        for x, y in step:
-            step.backward(nn.functional.cross_entropy(elastic.ddp(x), y) * step.weight)
-        optimizer.step()
-        optimizer.zero_grad()
+from pathlib import Path
+from tests.unit.test_own_loop_api import _train  # the same loop, in a fresh interpreter: no logging set up
+_train(Path({directory!r}), max_steps=6, checkpoint_every=3, log_every=2)
 """
 
 
