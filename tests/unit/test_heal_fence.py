@@ -115,9 +115,9 @@ def test_a_failing_offer_still_ends_the_process(kills: list[tuple[int, int]]) ->
 
 def test_the_loop_saves_its_step_unless_a_peer_holds_it() -> None:
     saved: list[str] = []
-    checkpoints = SimpleNamespace(step=22, save_just_in_time=lambda reason, deadline: (
+    checkpoints = SimpleNamespace(save_just_in_time=lambda reason, deadline: (
         saved.append(reason), SimpleNamespace(detail="written"))[1])
-    loop = SimpleNamespace(state_ready=True, checkpoints=checkpoints)
+    loop = SimpleNamespace(state_ready=True, checkpoints=checkpoints, state=SimpleNamespace(step=22))
     elastic_group._hand_on(loop, 22, "a peer holds it")  # type: ignore[arg-type]
     elastic_group._hand_on(loop, 23, "a peer holds newer")  # type: ignore[arg-type]
     assert saved == []
@@ -130,9 +130,10 @@ def test_a_loop_that_has_not_restored_its_state_saves_nothing() -> None:
     """Between ``Attempt.loop()`` and the loop's start the model holds the old attempt's values (or
     none): a save then would write a step the model does not hold."""
     saved: list[str] = []
-    checkpoints = SimpleNamespace(step=0, save_just_in_time=lambda reason, deadline: (
+    checkpoints = SimpleNamespace(save_just_in_time=lambda reason, deadline: (
         saved.append(reason), SimpleNamespace(detail="written"))[1])
-    elastic_group._hand_on(SimpleNamespace(state_ready=False, checkpoints=checkpoints),  # type: ignore[arg-type]
+    elastic_group._hand_on(SimpleNamespace(state_ready=False, checkpoints=checkpoints,  # type: ignore[arg-type]
+                                           state=SimpleNamespace(step=0)),
                            NO_STATE, "stuck before the restore")
     assert saved == []
 
