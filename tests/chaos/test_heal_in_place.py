@@ -154,65 +154,52 @@ def test_a_fault_during_a_heal(etcd_server, no_fault, run_dirs: RunDirs) -> None
         "no step lost" + (" (a stuck process had nothing to hand on)" if "nothing to hand on" in logs else ""))
 
 
+def _kill_b_while_a_is_blocked(etcd_server, no_fault, run_dirs: RunDirs, *, name: str, where: str | None,
+                               blocked_line: str) -> str:
+    """Node a's worker blocks at step 23 (``where``: the chaos job's place, default after the
+    forward) without using CPU; once its log shows ``blocked_line``, node b's worker is SIGKILLed.
+    The job must run to its end with no step lost; returns the nodes' logs."""
+    from tests.chaos.chaos_job import BLOCK_AT_STEP_ENV, BLOCK_FILE_ENV, BLOCK_WHERE_ENV
+
+    run_id = unique_run_id(name)
+    block = run_dirs.root / "block-a"
+    block.touch()
+    env = {BLOCK_AT_STEP_ENV: "23", BLOCK_FILE_ENV: str(block), **({BLOCK_WHERE_ENV: where} if where else {})}
+    with agents() as nodes:
+        nodes.append(start_node(name="a", run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
+                                nnodes="2", env=env))
+        nodes.append(start_node(name="b", run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
+                                nnodes="2"))
+        faults = FaultInjector(run_dirs).when(lambda step: blocked_line in nodes[0].output(),
+                                              f"node b's worker SIGKILLed while a's is blocked ({name})",
+                                              lambda: nodes[1].kill_worker())
+        logs = _run_to_the_end(faults, nodes, timeout=240)
+    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
+    print(describe(summary))
+    assert not any(steps_lost(run_dirs.samples)), f"steps redone: {steps_lost(run_dirs.samples)}"
+    return logs
+
+
 def test_a_survivor_blocked_where_no_abort_reaches_hands_its_state_on(etcd_server, no_fault,
                                                                      run_dirs: RunDirs) -> None:
     """Node a's worker blocks (no CPU) after step 23's forward, where no abort reaches it, as in
     DDP's bucket rebuild; then node b's worker dies. a's stop watch ends it, and since no other
     process holds step 22 (b's replacement holds nothing), it first saves step 22 just in time:
     the job goes on from that step, and none is lost (the newest periodic checkpoint is step 20)."""
-    from tests.chaos.chaos_job import BLOCK_AT_STEP_ENV, BLOCK_FILE_ENV
-
-    run_id = unique_run_id("heal-blocked")
-    block = run_dirs.root / "block-a"
-    block.touch()
-    with agents() as nodes:
-        nodes.append(start_node(name="a", run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
-                                nnodes="2", env={BLOCK_AT_STEP_ENV: "23", BLOCK_FILE_ENV: str(block)}))
-        nodes.append(start_node(name="b", run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
-                                nnodes="2"))
-
-        def a_blocked(step: int) -> bool:
-            return not block.exists() and "chaos: blocking at step 23" in nodes[0].output()
-
-        faults = FaultInjector(run_dirs).when(a_blocked, "node b's worker SIGKILLed while a's is blocked",
-                                              lambda: nodes[1].kill_worker())
-        logs = _run_to_the_end(faults, nodes, timeout=240)
-
-    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
-    print(describe(summary))
-    assert not any(steps_lost(run_dirs.samples)), f"steps redone: {steps_lost(run_dirs.samples)}"
+    logs = _kill_b_while_a_is_blocked(etcd_server, no_fault, run_dirs, name="heal-blocked", where=None,
+                                      blocked_line="chaos: blocking at step 23")
     assert "ending this process so that a replacement joins" in logs, logs[-6000:]  # a's stop watch
     assert "handing step 22 on through the disk before ending: written" in logs, logs[-6000:]
 
 
 def test_a_survivor_blocked_in_a_bucket_wait_is_ended_in_under_a_second_of_idle(etcd_server, no_fault,
                                                                       run_dirs: RunDirs) -> None:
-    """Issue 30: at the defaults DDP waits on its gradient buckets in C++, where an abort does not
-    reach a send gloo left blocked. Node a's worker blocks inside step 24's backward (no CPU, as in
-    that wait), then node b's worker dies: a's stop watch sees it idle inside the backward and ends
-    it after 0.5 s, not the 5 s of a thread idle elsewhere, handing step 23 on first."""
-    from tests.chaos.chaos_job import BLOCK_AT_STEP_ENV, BLOCK_FILE_ENV, BLOCK_WHERE_ENV
-
-    run_id = unique_run_id("heal-bucket-wait")
-    block = run_dirs.root / "block-a"
-    block.touch()
-    with agents() as nodes:
-        nodes.append(start_node(name="a", run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
-                                nnodes="2", env={BLOCK_AT_STEP_ENV: "23", BLOCK_FILE_ENV: str(block),
-                                                 BLOCK_WHERE_ENV: "backward"}))
-        nodes.append(start_node(name="b", run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
-                                nnodes="2"))
-
-        def a_blocked(step: int) -> bool:
-            return "chaos: blocking inside the backward" in nodes[0].output()
-
-        faults = FaultInjector(run_dirs).when(a_blocked, "node b's worker SIGKILLed while a's waits in its backward",
-                                              lambda: nodes[1].kill_worker())
-        logs = _run_to_the_end(faults, nodes, timeout=240)
-
-    summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
-    print(describe(summary))
-    assert not any(steps_lost(run_dirs.samples)), f"steps redone: {steps_lost(run_dirs.samples)}"
+    """At the defaults DDP waits on its gradient buckets in C++, where an abort does not reach a
+    send gloo left blocked. Node a's worker blocks inside step 24's backward (no CPU, as in that
+    wait), then node b's worker dies: a's stop watch sees it idle inside the backward and ends it
+    after 0.5 s, not the 5 s of a thread idle elsewhere, handing step 23 on first."""
+    logs = _kill_b_while_a_is_blocked(etcd_server, no_fault, run_dirs, name="heal-bucket-wait", where="backward",
+                                      blocked_line="chaos: blocking inside the backward")
     ended = re.search(r"the training thread is blocked \(no CPU used\) for (\d+) s after round", logs)
     assert ended is not None, logs[-6000:]
     # 0.5 s idle, checked every 0.25 s ("%.0f s": 1 s); 3 s leaves room for a loaded machine, and
