@@ -39,9 +39,13 @@ from elastic_trainer.examples.synthetic_cnn import SmallCNN, SyntheticImages
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", required=True, help="the one checkpoint file rank 0 writes")
-    parser.add_argument("--record-steps", required=True, help="directory for the per-step JSON lines")
+    parser.add_argument(
+        "--record-steps", required=True, help="directory for the per-step JSON lines"
+    )
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--global-batch-size", type=int, default=64)
@@ -75,8 +79,12 @@ def main(argv: list[str]) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
     dataset = SyntheticImages(args.dataset_size, seed=args.seed)
-    sampler: DistributedSampler[tuple[torch.Tensor, torch.Tensor]] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=max(1, args.global_batch_size // world), sampler=sampler, drop_last=True)
+    sampler: DistributedSampler[tuple[torch.Tensor, torch.Tensor]] = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    loader = DataLoader(
+        dataset, batch_size=max(1, args.global_batch_size // world), sampler=sampler, drop_last=True
+    )
 
     # -- the guides' load: resume at iter_no + 1 ---------------------------------------------------
     start_iter = 0
@@ -89,8 +97,14 @@ def main(argv: list[str]) -> int:
     generation = [uuid.uuid4().hex]
     dist.broadcast_object_list(generation, src=0)
     records = StepRecords(args.record_steps, rank)
-    records.write(event="start", generation=generation[0], started_unix=time.time(), resumed_step=start_iter,
-                  world_size=world, rank=rank)
+    records.write(
+        event="start",
+        generation=generation[0],
+        started_unix=time.time(),
+        resumed_step=start_iter,
+        world_size=world,
+        rank=rank,
+    )
     steps_per_epoch = len(loader)
     iter_no = start_iter
     while iter_no < args.max_steps:
@@ -102,12 +116,20 @@ def main(argv: list[str]) -> int:
             optimizer.zero_grad()
             loss_fn(model(images), labels).backward()
             optimizer.step()
-            records.write(event="step", step=iter_no + 1, world_size=world, rank=rank, t=time.time())
+            records.write(
+                event="step", step=iter_no + 1, world_size=world, rank=rank, t=time.time()
+            )
             # -- the guides' save: rank 0, in place, then a barrier ------------------------------
             if (iter_no + 1) % args.checkpoint_every == 0:
                 if rank == 0:
-                    torch.save({"iter_no": iter_no, "model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                               args.checkpoint)
+                    torch.save(
+                        {
+                            "iter_no": iter_no,
+                            "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                        },
+                        args.checkpoint,
+                    )
                 dist.barrier()
             iter_no += 1
             if args.throttle_ms:

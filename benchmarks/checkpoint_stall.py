@@ -52,7 +52,9 @@ class _Recorder(NullObserver):
         self.stalls.append((step, duration_s, nbytes))
 
 
-def run(mode: str, args: argparse.Namespace, directory: str) -> tuple[float, list[tuple[int, float, int]]]:
+def run(
+    mode: str, args: argparse.Namespace, directory: str
+) -> tuple[float, list[tuple[int, float, int]]]:
     recorder = _Recorder()
     job = TrainingJob(
         model=lambda: nn.Sequential(*[nn.Linear(args.dim, args.dim) for _ in range(args.layers)]),
@@ -65,8 +67,12 @@ def run(mode: str, args: argparse.Namespace, directory: str) -> tuple[float, lis
         max_steps=args.steps,
         epochs=10_000,
         # One more than the run: the final checkpoint (always synchronous) is not a periodic one.
-        checkpoint=CheckpointConfig(directory=None if mode == "none" else directory, every=args.every, keep_last=1,
-                                    async_write=mode == "async"),
+        checkpoint=CheckpointConfig(
+            directory=None if mode == "none" else directory,
+            every=args.every,
+            keep_last=1,
+            async_write=mode == "async",
+        ),
         log_every=10_000,
     )
     started = time.perf_counter()
@@ -79,14 +85,18 @@ def run(mode: str, args: argparse.Namespace, directory: str) -> tuple[float, lis
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--dir", default=None, help="checkpoint directory's parent (default: system temp)")
+    parser.add_argument(
+        "--dir", default=None, help="checkpoint directory's parent (default: system temp)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     mb = args.layers * (args.dim * args.dim + args.dim) * 4 / 1e6
@@ -101,20 +111,27 @@ def main() -> None:
             totals[mode].append(elapsed)
             if mode != "none":
                 stalls[mode] += [d for _, d, _ in periodic]
-            print(f"repeat {repeat} {mode:5s}: run {elapsed:7.2f} s, on-thread stalls "
-                  f"{', '.join(f'{d:.2f}' for _, d, _ in periodic) or '-'} s", flush=True)
+            print(
+                f"repeat {repeat} {mode:5s}: run {elapsed:7.2f} s, on-thread stalls "
+                f"{', '.join(f'{d:.2f}' for _, d, _ in periodic) or '-'} s",
+                flush=True,
+            )
 
     checkpoints = args.steps // args.every - (1 if args.steps % args.every == 0 else 0)
     base = statistics.median(totals["none"])
     print()
-    print("| mode | on-thread stall per checkpoint, s (median) | effective cost per checkpoint, s |")
+    print(
+        "| mode | on-thread stall per checkpoint, s (median) | effective cost per checkpoint, s |"
+    )
     print("|---|---:|---:|")
     effective = {}
     for mode in ("sync", "async"):
         effective[mode] = (statistics.median(totals[mode]) - base) / checkpoints
         print(f"| {mode} | {statistics.median(stalls[mode]):.3f} | {effective[mode]:.3f} |")
     print()
-    print(f"on-thread stall ratio async/sync: {statistics.median(stalls['async']) / statistics.median(stalls['sync']):.3f}")
+    print(
+        f"on-thread stall ratio async/sync: {statistics.median(stalls['async']) / statistics.median(stalls['sync']):.3f}"
+    )
     print(f"effective cost ratio async/sync: {effective['async'] / effective['sync']:.3f}")
 
 

@@ -33,7 +33,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    env = read_env(environ={"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}, cuda_devices=0)
+    env = read_env(
+        environ={"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)},
+        cuda_devices=0,
+    )
     channel = ControlChannel(env)
     buffers = torch.randn(args.buffers) if args.buffers else None
     loss = torch.tensor(2.5)
@@ -54,11 +57,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
             if pending is not None:
                 channel.finish(pending)
             costs[arm].append(time.process_time() - cpu)
-    both = [torch.tensor(costs["control"], dtype=torch.float64), torch.tensor(costs["empty"], dtype=torch.float64)]
+    both = [
+        torch.tensor(costs["control"], dtype=torch.float64),
+        torch.tensor(costs["empty"], dtype=torch.float64),
+    ]
     for tensor in both:
         dist.all_reduce(tensor)  # both ranks' CPU
     if rank == 0:
-        per_step = [(c - e) / args.steps * 1e6 for c, e in zip(both[0].tolist(), both[1].tolist(), strict=True)]
+        per_step = [
+            (c - e) / args.steps * 1e6
+            for c, e in zip(both[0].tolist(), both[1].tolist(), strict=True)
+        ]
         results.put(per_step)
     dist.destroy_process_group()
 
@@ -67,16 +76,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--buffers", type=int, default=98,
-                        help="values of rank 0's buffers on the control (the example CNN's at width 16: 98; 0: none)")
+    parser.add_argument(
+        "--buffers",
+        type=int,
+        default=98,
+        help="values of rank 0's buffers on the control (the example CNN's at width 16: 98; 0: none)",
+    )
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    mp.start_processes(_worker, args=(2, free_port(), args, results), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(2, free_port(), args, results), nprocs=2, start_method="spawn"
+    )
     per_step = results.get(timeout=60)
-    print(f"control on its own collective, {args.buffers} buffer values, 2 gloo ranks, load "
-          f"{os.getloadavg()[0]:.1f}: CPU per step (both ranks) median {statistics.median(per_step):.0f} us "
-          f"(blocks: {', '.join(f'{v:.0f}' for v in per_step)})")
+    print(
+        f"control on its own collective, {args.buffers} buffer values, 2 gloo ranks, load "
+        f"{os.getloadavg()[0]:.1f}: CPU per step (both ranks) median {statistics.median(per_step):.0f} us "
+        f"(blocks: {', '.join(f'{v:.0f}' for v in per_step)})"
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ PHASES = {"hook": ("off", "hook"), "trace": ("off", "trace")}
 SETTLE = 10  # cycles left out at the start (DDP rebuilds its buckets after the first)
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: str, results: Any) -> None:
+def worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, phase: str, results: Any
+) -> None:
     """One rank of a phase (torch.multiprocessing spawn target); rank 0 reports."""
     from elastic_trainer.metrics.collective_trace import trace_environment
 
@@ -64,7 +66,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     batches = rank_batches(job, args, rank, world, device)
     autocast = autocast_of(args)
     arms = PHASES[phase]
-    histogram = prometheus_client.Histogram("allreduce_seconds", "", registry=prometheus_client.CollectorRegistry())
+    histogram = prometheus_client.Histogram(
+        "allreduce_seconds", "", registry=prometheus_client.CollectorRegistry()
+    )
     setups: dict[str, tuple[Any, Any]] = {}
     timers: dict[str, AllreduceTimer | TracedBucketTimer] = {}
     for arm in arms:
@@ -111,7 +115,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
     dist.destroy_process_group()
 
 
-def run_phase(phase: str, args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, Any]]:
+def run_phase(
+    phase: str, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").Queue()
@@ -129,18 +135,30 @@ def run_phase(phase: str, args: argparse.Namespace) -> tuple[dict[str, list[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_workload_arguments(parser, width=32)
-    parser.add_argument("--cycles", type=int, default=400, help="measured cycles per phase (one step per arm)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of both phases, their order alternating")
-    parser.add_argument("--read-interval", type=float, default=1.0, help="seconds between reads/drains")
-    parser.add_argument("--ring", type=int, default=2000, help="flight recorder entries (trace phase)")
+    parser.add_argument(
+        "--cycles", type=int, default=400, help="measured cycles per phase (one step per arm)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of both phases, their order alternating"
+    )
+    parser.add_argument(
+        "--read-interval", type=float, default=1.0, help="seconds between reads/drains"
+    )
+    parser.add_argument(
+        "--ring", type=int, default=2000, help="flight recorder entries (trace phase)"
+    )
     args = parser.parse_args()
     resolve_workload_arguments(parser, args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"model {args.model}, {args.nproc} {'NCCL' if args.device == 'cuda' else 'gloo'} rank(s), "
           f"{args.cycles} cycles per phase, reads every {args.read_interval} s, ring {args.ring}")  # fmt: skip
-    print("| run | phase | off ms/step (median) | arm ms/step (median) | mean d, us | ratio off/(off+d) | notes |")
+    print(
+        "| run | phase | off ms/step (median) | arm ms/step (median) | mean d, us | ratio off/(off+d) | notes |"
+    )
     print("|---|---|---:|---:|---:|---:|---|")
     for run in range(args.repeat):
         offs: dict[str, float] = {}

@@ -43,10 +43,14 @@ ARMS = ("off", "aa", "torch-hook", "timing-hook")
 def _model_and_batch(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     if kind == "tiny":
-        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+        )
         return model, torch.randn(8, 16)
     if kind == "buckets":
-        return torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(20))), torch.randn(8, 2048)
+        return torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(20))), torch.randn(
+            8, 2048
+        )
     from elastic_trainer.examples.synthetic_cnn import SmallCNN
 
     return SmallCNN(32), torch.randn(64, 3, 16, 16)
@@ -91,15 +95,24 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
             cost[arm].append((clock() - started) / args.steps)
         models["timer"].drain()  # nobody reads the timings here: keep the queue short
     if rank == 0:
-        ranks = f"{args.nproc} NCCL rank(s) on {torch.cuda.get_device_name()}" if cuda else "2 gloo ranks"
-        print(f"model {args.model}, {ranks}, OMP_NUM_THREADS=1, {args.blocks} blocks x {args.steps} passes; "
-              f"load average {os.getloadavg()[0]:.1f}")
+        ranks = (
+            f"{args.nproc} NCCL rank(s) on {torch.cuda.get_device_name()}"
+            if cuda
+            else "2 gloo ranks"
+        )
+        print(
+            f"model {args.model}, {ranks}, OMP_NUM_THREADS=1, {args.blocks} blocks x {args.steps} passes; "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
         what = "wall" if cuda else "CPU"
         print(f"| arm | {what} us per pass (median) | extra vs off, us (median of blocks) |")
         print("|---|---:|---:|")
         for arm in ARMS:
             extra = statistics.median(a - b for a, b in zip(cost[arm], cost["off"], strict=True))
-            print(f"| {arm} | {statistics.median(cost[arm]) * 1e6:.1f} | {extra * 1e6:.1f} |", flush=True)
+            print(
+                f"| {arm} | {statistics.median(cost[arm]) * 1e6:.1f} | {extra * 1e6:.1f} |",
+                flush=True,
+            )
     dist.destroy_process_group()
     from elastic_trainer.runtime.process_exit import exit_process
 
@@ -107,11 +120,21 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: 2 gloo ranks; cuda: one NCCL rank per GPU")
-    parser.add_argument("--model", choices=("tiny", "example", "buckets"), default="tiny",
-                        help="buckets: 20 layers, one bucket each (host-bound on a GPU)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: 2 gloo ranks; cuda: one NCCL rank per GPU",
+    )
+    parser.add_argument(
+        "--model",
+        choices=("tiny", "example", "buckets"),
+        default="tiny",
+        help="buckets: 20 layers, one bucket each (host-bound on a GPU)",
+    )
     parser.add_argument("--blocks", type=int, default=30)
     parser.add_argument("--steps", type=int, default=400, help="passes per arm and block")
     args = parser.parse_args()

@@ -79,10 +79,18 @@ def _micro(args: argparse.Namespace) -> None:
         buffers = AuthoritativeBuffers(model, rank=rank, world_size=2)
         contribution = buffers.capture()
         assert contribution is not None
-        rows.append((f"buffer copy (rank {rank}, {contribution.numel()} values)", timed(buffers.capture)))
-    rows.append(("control tensor with buffers", timed(lambda: torch.cat([torch.stack([loss, stop]).double(),
-                                                                         contribution]))))
-    rows.append(("control tensor without (as with JIT off)", timed(lambda: torch.stack([loss, stop]))))
+        rows.append(
+            (f"buffer copy (rank {rank}, {contribution.numel()} values)", timed(buffers.capture))
+        )
+    rows.append(
+        (
+            "control tensor with buffers",
+            timed(lambda: torch.cat([torch.stack([loss, stop]).double(), contribution])),
+        )
+    )
+    rows.append(
+        ("control tensor without (as with JIT off)", timed(lambda: torch.stack([loss, stop])))
+    )
     rows.append(("update guard (uncontended lock)", timed(guarded)))
     rows.append(("step boundary (stall bookkeeping)", timed(guard.boundary)))
     print(f"SmallCNN width {args.width}, one thread")
@@ -95,21 +103,40 @@ def _micro(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=8, help="rounds of (jit-off, jit-on), order alternating")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=8, help="rounds of (jit-off, jit-on), order alternating"
+    )
     parser.add_argument("--steps", type=int, default=200, help="timed steps per block")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each block")
+    parser.add_argument(
+        "--warmup", type=int, default=20, help="untimed steps at the start of each block"
+    )
     add_workload_arguments(parser)
-    parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: system temp)")
-    parser.add_argument("--aa", action="store_true", help="A/A control: JIT off in both variants (the noise floor)")
-    parser.add_argument("--micro", action="store_true", help="time the per-step additions in one process")
+    parser.add_argument(
+        "--tmp", default=None, help="directory for checkpoints (default: system temp)"
+    )
+    parser.add_argument(
+        "--aa", action="store_true", help="A/A control: JIT off in both variants (the noise floor)"
+    )
+    parser.add_argument(
+        "--micro", action="store_true", help="time the per-step additions in one process"
+    )
     args = parser.parse_args()
     resolve_workload_arguments(parser, args)
     if args.micro:
         _micro(args)
         return
 
-    report_blocks(args, _worker, VARIANTS, baseline="jit-off", note="; A/A: JIT off in both" if args.aa else "")
+    report_blocks(
+        args,
+        _worker,
+        VARIANTS,
+        baseline="jit-off",
+        note="; A/A: JIT off in both" if args.aa else "",
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -40,15 +40,70 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "launcher_job.py"
 
 WORKLOADS: dict[str, list[str]] = {
-    "cnn": ["--model", "cnn", "--width", "16", "--global-batch-size", "64", "--steps", "400", "--warmup", "100"],
-    "mlp1024": ["--model", "mlp", "--width", "1024", "--global-batch-size", "64", "--steps", "300", "--warmup", "50"],
-    "mlp2048": ["--model", "mlp", "--width", "2048", "--global-batch-size", "64", "--steps", "200", "--warmup", "40"],
-    "gpt": ["--model", "gpt", "--seq-len", "64", "--layers", "4", "--d-model", "384", "--vocab", "8192",
-            "--global-batch-size", "4", "--steps", "60", "--warmup", "15"],
+    "cnn": [
+        "--model",
+        "cnn",
+        "--width",
+        "16",
+        "--global-batch-size",
+        "64",
+        "--steps",
+        "400",
+        "--warmup",
+        "100",
+    ],
+    "mlp1024": [
+        "--model",
+        "mlp",
+        "--width",
+        "1024",
+        "--global-batch-size",
+        "64",
+        "--steps",
+        "300",
+        "--warmup",
+        "50",
+    ],
+    "mlp2048": [
+        "--model",
+        "mlp",
+        "--width",
+        "2048",
+        "--global-batch-size",
+        "64",
+        "--steps",
+        "200",
+        "--warmup",
+        "40",
+    ],
+    "gpt": [
+        "--model",
+        "gpt",
+        "--seq-len",
+        "64",
+        "--layers",
+        "4",
+        "--d-model",
+        "384",
+        "--vocab",
+        "8192",
+        "--global-batch-size",
+        "4",
+        "--steps",
+        "60",
+        "--warmup",
+        "15",
+    ],
 }
 """The example CNN; the 4-layer MLP with one gradient bucket (width 1024, 12.6 MB) and with two (width
 2048, 42 MB); a 4-block decoder (d_model 384, 10.3 M parameters) with several buckets."""
-VARIANTS = ("bare/torchrun", "trainer/elastic", "bare/elastic", "trainer/torchrun", "trainer/elastic+hook")
+VARIANTS = (
+    "bare/torchrun",
+    "trainer/elastic",
+    "bare/elastic",
+    "trainer/torchrun",
+    "trainer/elastic+hook",
+)
 """``+hook``: the metrics' opt-in timing hook on every bucket (``ELASTIC_TRAINER_METRICS_ALLREDUCE=hook``),
 what a Python comm hook costs beside the default (not run unless named)."""
 DEFAULT_VARIANTS = VARIANTS[:4]
@@ -78,8 +133,14 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float)
         env["ELASTIC_TRAINER_METRICS_ALLREDUCE"] = "hook"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     launched = time.time()
-    done = subprocess.run(command(variant, workload, str(out), nproc), env=env, cwd=tmp, timeout=timeout,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        command(variant, workload, str(out), nproc),
+        env=env,
+        cwd=tmp,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
     ended = time.time()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
@@ -87,22 +148,26 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float)
     ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(nproc)]
     steps = ranks[0]["steps"]
     return {
-        "variant": variant, "workload": workload,
+        "variant": variant,
+        "workload": workload,
         "steps_per_s": steps / ranks[0]["wall_s"],
         "cpu_ms_per_step": 1e3 * sum(r["cpu_s"] for r in ranks) / steps,
         "first_step_s": ranks[0]["first_step_unix"] - launched,
         "script_start_s": ranks[0]["started_unix"] - launched,
         "tree_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
         "run_s": ended - launched,
-        "threads": ranks[0]["threads"], "comm_hooks": max(r["comm_hooks"] for r in ranks),
+        "threads": ranks[0]["threads"],
+        "comm_hooks": max(r["comm_hooks"] for r in ranks),
     }
 
 
 def summarize(results: list[dict[str, Any]], variants: tuple[str, ...]) -> str:
     """The headline table: medians, and each variant's median ratio to the baseline of its pair."""
-    lines = ["| workload | variant | steps/s (median; min-max) | ratio | CPU ms/step | CPU ratio | first step s | "
-             "first step - baseline s | script start s | threads | hooks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | variant | steps/s (median; min-max) | ratio | CPU ms/step | CPU ratio | first step s | "
+        "first step - baseline s | script start s | threads | hooks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for workload in dict.fromkeys(r["workload"] for r in results):
         rows = [r for r in results if r["workload"] == workload]
         pairs = sorted({r["pair"] for r in rows})
@@ -112,15 +177,26 @@ def summarize(results: list[dict[str, Any]], variants: tuple[str, ...]) -> str:
             if not mine:
                 continue
             rate = [r["steps_per_s"] for r in mine]
-            ratio = [r["steps_per_s"] / base[r["pair"]]["steps_per_s"] for r in mine if r["pair"] in base]
-            cpu_ratio = [r["cpu_ms_per_step"] / base[r["pair"]]["cpu_ms_per_step"] for r in mine if r["pair"] in base]
-            first_delta = [r["first_step_s"] - base[r["pair"]]["first_step_s"] for r in mine if r["pair"] in base]
+            ratio = [
+                r["steps_per_s"] / base[r["pair"]]["steps_per_s"] for r in mine if r["pair"] in base
+            ]
+            cpu_ratio = [
+                r["cpu_ms_per_step"] / base[r["pair"]]["cpu_ms_per_step"]
+                for r in mine
+                if r["pair"] in base
+            ]
+            first_delta = [
+                r["first_step_s"] - base[r["pair"]]["first_step_s"]
+                for r in mine
+                if r["pair"] in base
+            ]
             lines.append(
                 f"| {workload} | {variant} | {statistics.median(rate):.2f} ({min(rate):.2f}-{max(rate):.2f}) | "
                 f"{statistics.median(ratio):.3f} | {statistics.median(r['cpu_ms_per_step'] for r in mine):.2f} | "
                 f"{statistics.median(cpu_ratio):.3f} | {statistics.median(r['first_step_s'] for r in mine):.2f} | "
                 f"{statistics.median(first_delta):+.2f} | {statistics.median(r['script_start_s'] for r in mine):.1f} | "
-                f"{max(r['threads'] for r in mine)} | {max(r['comm_hooks'] for r in mine)} |")
+                f"{max(r['threads'] for r in mine)} | {max(r['comm_hooks'] for r in mine)} |"
+            )
         lines.append(f"| {workload} | pairs | {len(pairs)} | | | | | | | | |")
     return "\n".join(lines)
 
@@ -129,10 +205,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
-    parser.add_argument("--pairs", type=int, default=3, help="rounds of every variant, order alternating (>= 3)")
+    parser.add_argument(
+        "--pairs", type=int, default=3, help="rounds of every variant, order alternating (>= 3)"
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
-    parser.add_argument("--json", default=None, help="append every run's record to this file (JSON lines)")
+    parser.add_argument(
+        "--json", default=None, help="append every run's record to this file (JSON lines)"
+    )
     args = parser.parse_args()
     variants = tuple(args.variants) if BASELINE in args.variants else (BASELINE, *args.variants)
     results: list[dict[str, Any]] = []
@@ -142,7 +222,9 @@ def main() -> None:
                 for variant in variants if pair % 2 == 0 else variants[::-1]:
                     try:
                         record = run_once(variant, workload, args.nproc, Path(tmp), args.timeout)
-                    except RunFailed as exc:  # a shared machine: another job may hold the metrics port
+                    except (
+                        RunFailed
+                    ) as exc:  # a shared machine: another job may hold the metrics port
                         print(f"retrying once: {exc}", file=sys.stderr, flush=True)
                         record = run_once(variant, workload, args.nproc, Path(tmp), args.timeout)
                     record |= {"pair": pair}

@@ -31,8 +31,15 @@ from benchmarks.workloads import Workload, workload  # noqa: E402
 
 
 def _job(args: argparse.Namespace) -> Workload:
-    return workload(args.model, width=args.width, seq_len=args.seq_len, layers=args.layers, d_model=args.d_model,
-                    vocab=args.vocab, dataset_size=args.dataset_size)
+    return workload(
+        args.model,
+        width=args.width,
+        seq_len=args.seq_len,
+        layers=args.layers,
+        d_model=args.d_model,
+        vocab=args.vocab,
+        dataset_size=args.dataset_size,
+    )
 
 
 class Clock:
@@ -73,8 +80,12 @@ def bare(args: argparse.Namespace, clock: Clock) -> object:
     job = _job(args)
     model = DDP(job.model())
     dataset = job.dataset()
-    sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=world, rank=rank, drop_last=True)
-    loader = DataLoader(dataset, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, drop_last=True
+    )
+    loader = DataLoader(
+        dataset, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     epoch = 0
     while len(clock.stamps) < clock.total:
@@ -97,10 +108,19 @@ def trainer(args: argparse.Namespace, clock: Clock) -> None:
     from elastic_trainer.checkpoint.config import CheckpointConfig
 
     spec = _job(args)
-    job = TrainingJob(model=spec.model, dataset=spec.dataset, loss=spec.loss, tokens_per_sample=spec.tokens_per_sample,
-                      optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9))
-    config = TrainerConfig(global_batch_size=args.global_batch_size, epochs=10_000, max_steps=clock.total,
-                           checkpoint=CheckpointConfig(directory=args.checkpoint_dir))
+    job = TrainingJob(
+        model=spec.model,
+        dataset=spec.dataset,
+        loss=spec.loss,
+        tokens_per_sample=spec.tokens_per_sample,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    )
+    config = TrainerConfig(
+        global_batch_size=args.global_batch_size,
+        epochs=10_000,
+        max_steps=clock.total,
+        checkpoint=CheckpointConfig(directory=args.checkpoint_dir),
+    )
     Trainer(config, job, callbacks=[lambda t, step: clock.step(t.ddp)]).fit()
 
 
@@ -117,7 +137,9 @@ def main() -> int:
     parser.add_argument("--global-batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--checkpoint-dir", default=None, help="trainer: default a temporary directory")
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="trainer: default a temporary directory"
+    )
     parser.add_argument("--out", required=True, help="each rank writes OUT.RANK")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -130,11 +152,19 @@ def main() -> int:
             trainer(args, clock)
     window = clock.stamps[args.warmup - 1 :]
     rank = int(os.environ.get("RANK", "0"))
-    Path(f"{args.out}.{rank}").write_text(json.dumps({
-        "started_unix": STARTED_UNIX, "first_step_unix": clock.first_unix, "steps": len(window) - 1,
-        "wall_s": window[-1][0] - window[0][0], "cpu_s": window[-1][1] - window[0][1], "comm_hooks": clock.hooks,
-        "threads": clock.threads,
-    }))
+    Path(f"{args.out}.{rank}").write_text(
+        json.dumps(
+            {
+                "started_unix": STARTED_UNIX,
+                "first_step_unix": clock.first_unix,
+                "steps": len(window) - 1,
+                "wall_s": window[-1][0] - window[0][0],
+                "cpu_s": window[-1][1] - window[0][1],
+                "comm_hooks": clock.hooks,
+                "threads": clock.threads,
+            }
+        )
+    )
     return 0
 
 

@@ -124,7 +124,9 @@ ARMS = ("off", "aa", "on")
 REBUILD_SETTLE = 5  # cycles left out after the models are rebuilt (DDP rebuilds its buckets)
 
 
-def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
+def interleaved_worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, results: Any
+) -> None:
     """One worker of the interleaved measurement (torch.multiprocessing spawn target).
 
     Holds the example's model three times (same weights): "off" and "aa" plain DDP with no
@@ -147,11 +149,15 @@ def interleaved_worker(rank: int, world: int, port: int, args: argparse.Namespac
     from elastic_trainer.runtime.comms import WorkerComms, abortable_allreduce_hook
     from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 
-    comms = WorkerComms(waits=AbortableWaits(enabled=args.in_place))  # what the healer sets on gloo/CPU
+    comms = WorkerComms(
+        waits=AbortableWaits(enabled=args.in_place)
+    )  # what the healer sets on gloo/CPU
 
     from elastic_trainer.runtime.settings import ENV_METRICS_ALLREDUCE
 
-    os.environ[ENV_METRICS_ALLREDUCE] = "trace" if args.trace else "sampled" if args.sampled else "hook"
+    os.environ[ENV_METRICS_ALLREDUCE] = (
+        "trace" if args.trace else "sampled" if args.sampled else "hook"
+    )
     if args.trace:  # before the first process group: the recorder reads its size once
         from elastic_trainer.metrics.collective_trace import trace_environment
 
@@ -275,7 +281,10 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
     reports.sort()
     return {
         # Every rank recorded the same cycles (all leave out the same settling cycles).
-        "cpu": {arm: [sum(r[1][arm][i] for r in reports) for i in range(len(reports[0][1][arm]))] for arm in ARMS},
+        "cpu": {
+            arm: [sum(r[1][arm][i] for r in reports) for i in range(len(reports[0][1][arm]))]
+            for arm in ARMS
+        },
         "wall": {arm: reports[0][2][arm] for arm in ARMS},  # rank 0: ranks wait for each other
         # Per rank and step: median (the usual step) and mean (with the flushes).
         "observer_median_s": statistics.median(ns for r in reports for ns in r[3]) / 1e9,
@@ -355,36 +364,75 @@ def micro_costs() -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_workload_arguments(parser, width=32, cnn_batch=128)
-    parser.add_argument("--nproc", type=int, default=None, help="workers (default: 2 on CPU, one per GPU on cuda)")
-    parser.add_argument("--scrape-interval", type=float, default=15.0,
-                        help="seconds between scrapes (default 15, as docker/prometheus.yml)")
-    parser.add_argument("--cycles", type=int, default=1500, help="interleaved cycles per run (one step per arm)")
-    parser.add_argument("--warmup", type=int, default=50, help="cycles left out at the start of a run")
-    parser.add_argument("--rebuild-every", type=int, default=100,
-                        help="cycles between rebuilds of every arm's model (memory placement bias)")
-    parser.add_argument("--repeat", type=int, default=3, help="interleaved runs (fresh processes each)")
-    parser.add_argument("--no-hook", dest="hook", action="store_false",
-                        help="'on' without the allreduce timing hook (ELASTIC_TRAINER_METRICS_ALLREDUCE=0)")
-    parser.add_argument("--in-place", action="store_true",
-                        help="as `elastic-trainer run` trains on CPU (healing in place): every wait is tracked, and "
-                             "'off' and 'aa' carry the abortable allreduce hook the runtime registers without metrics")
-    parser.add_argument("--trace", action="store_true",
-                        help="'on' times allreduces through the flight recorder (ELASTIC_TRAINER_METRICS_ALLREDUCE="
-                             "trace; CUDA): the recorder is on for every arm, each arm on its own process group")
-    parser.add_argument("--sampled", action="store_true",
-                        help="'on' times allreduces from DDP's own sampled statistics (ELASTIC_TRAINER_METRICS_"
-                             "ALLREDUCE=sampled, the default since issue 30: no hook); without it or --trace: the hook")
-    parser.add_argument("--end-to-end", action="store_true", help="also time whole torchrun jobs, off vs on")
-    parser.add_argument("--rounds", type=int, default=3, help="end to end: off/on pairs (default 3)")
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="workers (default: 2 on CPU, one per GPU on cuda)"
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=15.0,
+        help="seconds between scrapes (default 15, as docker/prometheus.yml)",
+    )
+    parser.add_argument(
+        "--cycles", type=int, default=1500, help="interleaved cycles per run (one step per arm)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=50, help="cycles left out at the start of a run"
+    )
+    parser.add_argument(
+        "--rebuild-every",
+        type=int,
+        default=100,
+        help="cycles between rebuilds of every arm's model (memory placement bias)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="interleaved runs (fresh processes each)"
+    )
+    parser.add_argument(
+        "--no-hook",
+        dest="hook",
+        action="store_false",
+        help="'on' without the allreduce timing hook (ELASTIC_TRAINER_METRICS_ALLREDUCE=0)",
+    )
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="as `elastic-trainer run` trains on CPU (healing in place): every wait is tracked, and "
+        "'off' and 'aa' carry the abortable allreduce hook the runtime registers without metrics",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="'on' times allreduces through the flight recorder (ELASTIC_TRAINER_METRICS_ALLREDUCE="
+        "trace; CUDA): the recorder is on for every arm, each arm on its own process group",
+    )
+    parser.add_argument(
+        "--sampled",
+        action="store_true",
+        help="'on' times allreduces from DDP's own sampled statistics (ELASTIC_TRAINER_METRICS_"
+        "ALLREDUCE=sampled, the default since issue 30: no hook); without it or --trace: the hook",
+    )
+    parser.add_argument(
+        "--end-to-end", action="store_true", help="also time whole torchrun jobs, off vs on"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="end to end: off/on pairs (default 3)"
+    )
     parser.add_argument("--max-steps", type=int, default=800, help="end to end: steps per job")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--skip-micro", action="store_true", help="leave out the single-process CPU costs")
+    parser.add_argument(
+        "--skip-micro", action="store_true", help="leave out the single-process CPU costs"
+    )
     args = parser.parse_args()
     if args.rebuild_every <= REBUILD_SETTLE:
-        parser.error(f"--rebuild-every must be more than the {REBUILD_SETTLE} settling cycles after a rebuild")
+        parser.error(
+            f"--rebuild-every must be more than the {REBUILD_SETTLE} settling cycles after a rebuild"
+        )
     resolve_workload_arguments(parser, args)
     if (args.trace or args.sampled) and not args.hook:
         parser.error("--trace/--sampled and --no-hook exclude each other")
@@ -400,27 +448,41 @@ def main() -> None:
         workers = f"NCCL workers on {torch.cuda.get_device_name()}"
         args.skip_micro = True  # the micro costs are a CPU (gloo) measurement
         if args.end_to_end:
-            parser.error("--end-to-end times the CPU example job; it does not run with --device cuda")
+            parser.error(
+                "--end-to-end times the CPU example job; it does not run with --device cuda"
+            )
 
     what = (f"synthetic_cnn width {args.width}" if args.model == "cnn"
             else f"GPT-2-small-shaped decoder, {args.layers} layers, {args.seq_len} tokens per sample")  # fmt: skip
-    print(f"{what}, global batch {args.global_batch_size}{', bf16 autocast' if args.bf16 else ''}, "
-          f"{args.nproc} {workers}, "
-          f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing "
-          f"{'flight recorder' if args.trace else 'off' if not args.hook else 'sampled' if args.sampled else 'hook'}"
-          f"{'; healing in place (tracked waits, the abortable hook on off/aa)' if args.in_place else ''}; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{what}, global batch {args.global_batch_size}{', bf16 autocast' if args.bf16 else ''}, "
+        f"{args.nproc} {workers}, "
+        f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing "
+        f"{'flight recorder' if args.trace else 'off' if not args.hook else 'sampled' if args.sampled else 'hook'}"
+        f"{'; healing in place (tracked waits, the abortable hook on off/aa)' if args.in_place else ''}; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     if cuda:
-        print("on CUDA every step ends in loss.item(): the wall ratio is the throughput ratio (host CPU time "
-              "includes the spin while waiting for the GPU)")
+        print(
+            "on CUDA every step ends in loss.item(): the wall ratio is the throughput ratio (host CPU time "
+            "includes the spin while waiting for the GPU)"
+        )
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    print(f"\n== interleaved: {args.repeat} runs x {args.cycles} cycles (+{args.warmup} warm-up), one step "
-          f"per arm per cycle, rotated order, models rebuilt every {args.rebuild_every} cycles ==")
-    print("ratio = throughput on/off = off / (off + d), d = per-cycle extra cost of the arm; median d is")
-    print("robust to other tenants, mean d also counts rare costs (flushes, scrapes); +- 1 standard error")
-    header = (f"{'run':>3} {'load':>5} {'wall ms/step':>12} {'node CPU ms/step':>16} {'CPU on/off median':>17} {'CPU on/off mean':>21} "
-              f"{'A/A CPU mean':>19} {'wall on/off median':>18} {'A/A wall median':>15}")
+    print(
+        f"\n== interleaved: {args.repeat} runs x {args.cycles} cycles (+{args.warmup} warm-up), one step "
+        f"per arm per cycle, rotated order, models rebuilt every {args.rebuild_every} cycles =="
+    )
+    print(
+        "ratio = throughput on/off = off / (off + d), d = per-cycle extra cost of the arm; median d is"
+    )
+    print(
+        "robust to other tenants, mean d also counts rare costs (flushes, scrapes); +- 1 standard error"
+    )
+    header = (
+        f"{'run':>3} {'load':>5} {'wall ms/step':>12} {'node CPU ms/step':>16} {'CPU on/off median':>17} {'CPU on/off mean':>21} "
+        f"{'A/A CPU mean':>19} {'wall on/off median':>18} {'A/A wall median':>15}"
+    )
     print(header)
     cpu_medians, cpu_means, aa_means, wall_medians, extras = [], [], [], [], []
     for run in range(args.repeat):
@@ -439,9 +501,12 @@ def main() -> None:
                        endpoint_per_step, result["scrapes"], result["scrape_cpu"]))  # fmt: skip
         se = cpu["on_mean_se"] / (cpu["base"] + cpu["on_mean_d"])
         aa_se = cpu["aa_mean_se"] / (cpu["base"] + cpu["aa_mean_d"])
-        print(f"{run + 1:>3} {load:>5.1f} {wall['base'] * 1e3:>12.2f} {cpu['base'] * 1e3:>16.2f} {cpu['on_median_ratio']:>17.4f} "
-              f"{cpu['on_mean_ratio']:>13.4f} +- {se:.4f} {cpu['aa_mean_ratio']:>11.4f} +- {aa_se:.4f} "
-              f"{wall['on_median_ratio']:>18.4f} {wall['aa_median_ratio']:>15.4f}", flush=True)
+        print(
+            f"{run + 1:>3} {load:>5.1f} {wall['base'] * 1e3:>12.2f} {cpu['base'] * 1e3:>16.2f} {cpu['on_median_ratio']:>17.4f} "
+            f"{cpu['on_mean_ratio']:>13.4f} +- {se:.4f} {cpu['aa_mean_ratio']:>11.4f} +- {aa_se:.4f} "
+            f"{wall['on_median_ratio']:>18.4f} {wall['aa_median_ratio']:>15.4f}",
+            flush=True,
+        )
 
     def spread(values: list[float]) -> str:
         return f"{statistics.median(values):.4f} (runs {min(values):.4f}-{max(values):.4f})"
@@ -452,14 +517,18 @@ def main() -> None:
     med_d, mean_d, obs_med, obs_mean, endpoint, scrapes, scrape_cpu = (
         statistics.median(v) for v in zip(*extras, strict=True)
     )
-    print(f"per step and rank (medians over runs): extra CPU {med_d / args.nproc * 1e6:.0f} us (median d) / "
-          f"{mean_d / args.nproc * 1e6:.0f} us (mean d); time inside observer.on_step {obs_med * 1e6:.1f} us "
-          f"median, {obs_mean * 1e6:.1f} us mean (flushes included); endpoint {scrape_cpu * 1e3:.1f} ms CPU "
-          f"per scrape ({scrapes:.0f} per run) = {endpoint / args.nproc * 1e6:.1f} us per step and rank")
+    print(
+        f"per step and rank (medians over runs): extra CPU {med_d / args.nproc * 1e6:.0f} us (median d) / "
+        f"{mean_d / args.nproc * 1e6:.0f} us (mean d); time inside observer.on_step {obs_med * 1e6:.1f} us "
+        f"median, {obs_mean * 1e6:.1f} us mean (flushes included); endpoint {scrape_cpu * 1e3:.1f} ms CPU "
+        f"per scrape ({scrapes:.0f} per run) = {endpoint / args.nproc * 1e6:.1f} us per step and rank"
+    )
 
     if args.end_to_end:
         print(f"\n== end to end: example job under torchrun, {args.max_steps} steps per run ==")
-        print(f"{'round':>5} {'off samples/s':>14} {'on samples/s':>13} {'on/off':>7} {'scrapes':>8}")
+        print(
+            f"{'round':>5} {'off samples/s':>14} {'on samples/s':>13} {'on/off':>7} {'scrapes':>8}"
+        )
         offs, ons, ratios = [], [], []
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
@@ -469,15 +538,20 @@ def main() -> None:
                 offs.append(off)
                 ons.append(on)
                 ratios.append(on / off)
-                print(f"{r + 1:>5} {off:>14.1f} {on:>13.1f} {on / off:>7.3f} {outcome['on'][2]:>8}", flush=True)
+                print(
+                    f"{r + 1:>5} {off:>14.1f} {on:>13.1f} {on / off:>7.3f} {outcome['on'][2]:>8}",
+                    flush=True,
+                )
         print(f"median of per-round ratios: {spread(ratios)}")
 
     if not args.skip_micro:
         off_s, hook_s, observer_s = micro_costs()
         per_bucket = max(0.0, hook_s - off_s)
         print("\n== CPU cost, best of 9 (single process, world size 1, tiny model) ==")
-        print(f"timing hook {per_bucket * 1e6:.1f} us per bucket ({off_s * 1e6:.0f} -> {hook_s * 1e6:.0f} us "
-              f"per step); observer on_step {observer_s * 1e6:.1f} us per step (one bucket's record)")
+        print(
+            f"timing hook {per_bucket * 1e6:.1f} us per bucket ({off_s * 1e6:.0f} -> {hook_s * 1e6:.0f} us "
+            f"per step); observer on_step {observer_s * 1e6:.1f} us per step (one bucket's record)"
+        )
 
 
 if __name__ == "__main__":

@@ -73,7 +73,20 @@ class Network:
             _ip("-n", self.hub, "link", "set", "br0", "up")
             for node in self.nodes:
                 ns, hub_end = self.namespace(node), self._hub_link(node)
-                _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", hub_end, "netns", self.hub)
+                _ip(
+                    "link",
+                    "add",
+                    "eth0",
+                    "netns",
+                    ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    hub_end,
+                    "netns",
+                    self.hub,
+                )
                 _ip("-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 _ip("-n", self.hub, "link", "set", hub_end, "master", "br0")
@@ -94,19 +107,48 @@ class Network:
         data_dir.mkdir(parents=True, exist_ok=True)
         with open(data_dir.parent / "etcd-hub.log", "ab") as log:
             self._etcd = subprocess.Popen(
-                [*self.exec_prefix(None), find_etcd_binary(), "--name", "hub", "--data-dir", str(data_dir),
-                 "--listen-client-urls", url, "--advertise-client-urls", url, "--listen-peer-urls", peer,
-                 "--initial-advertise-peer-urls", peer, "--initial-cluster", f"hub={peer}",
-                 "--log-level", "warn"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        probe = ("import json,sys,urllib.request;"
-                 f"sys.exit(0 if json.load(urllib.request.urlopen('{url}/health',timeout=1))['health'] in ('true',True) else 1)")
+                [
+                    *self.exec_prefix(None),
+                    find_etcd_binary(),
+                    "--name",
+                    "hub",
+                    "--data-dir",
+                    str(data_dir),
+                    "--listen-client-urls",
+                    url,
+                    "--advertise-client-urls",
+                    url,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    f"hub={peer}",
+                    "--log-level",
+                    "warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        probe = (
+            "import json,sys,urllib.request;"
+            f"sys.exit(0 if json.load(urllib.request.urlopen('{url}/health',timeout=1))['health'] in ('true',True) else 1)"
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._etcd.poll() is not None:
-                raise RuntimeError(f"etcd in {self.hub} exited with {self._etcd.returncode}; see {data_dir.parent}")
-            if subprocess.run([*self.exec_prefix(None), sys.executable, "-c", probe], capture_output=True,
-                              timeout=10).returncode == 0:
+                raise RuntimeError(
+                    f"etcd in {self.hub} exited with {self._etcd.returncode}; see {data_dir.parent}"
+                )
+            if (
+                subprocess.run(
+                    [*self.exec_prefix(None), sys.executable, "-c", probe],
+                    capture_output=True,
+                    timeout=10,
+                ).returncode
+                == 0
+            ):
                 return self.etcd_endpoint
             time.sleep(0.1)
         raise RuntimeError(f"etcd in {self.hub} not healthy within {timeout:g} s")
@@ -126,7 +168,9 @@ class Network:
             self._etcd.wait(10)
             self._etcd = None
         for ns in reversed(self._created):
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
+            pids = subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30
+            ).stdout
             for pid in pids.split():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)

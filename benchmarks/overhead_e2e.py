@@ -56,10 +56,16 @@ def _bare(args: argparse.Namespace, rank: int, world: int) -> list[tuple[float, 
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     model = DDP(job.model().to(device), device_ids=[rank] if device.type == "cuda" else None)
     dataset = job.dataset()
-    sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=args.seed,
-                                                          drop_last=True)
-    loader = DataLoader(dataset, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True,
-                        pin_memory=device.type == "cuda")
+    sampler: DistributedSampler[int] = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, seed=args.seed, drop_last=True
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=args.global_batch_size // world,
+        sampler=sampler,
+        drop_last=True,
+        pin_memory=device.type == "cuda",
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     times: list[tuple[float, float]] = []
     total, epoch = args.warmup + args.steps, 0
@@ -83,11 +89,21 @@ def _bare(args: argparse.Namespace, rank: int, world: int) -> list[tuple[float, 
 
 def _defaults(args: argparse.Namespace, checkpoint_dir: str) -> list[tuple[float, float]]:
     spec = workload_of(args)
-    job = TrainingJob(model=spec.model, dataset=spec.dataset, loss=spec.loss, tokens_per_sample=spec.tokens_per_sample,
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-4))
-    config = TrainerConfig(global_batch_size=args.global_batch_size, seed=args.seed, epochs=10_000,
-                           max_steps=args.warmup + args.steps, checkpoint=CheckpointConfig(directory=checkpoint_dir),
-                           mixed_precision="bf16" if args.bf16 else "no")
+    job = TrainingJob(
+        model=spec.model,
+        dataset=spec.dataset,
+        loss=spec.loss,
+        tokens_per_sample=spec.tokens_per_sample,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-4),
+    )
+    config = TrainerConfig(
+        global_batch_size=args.global_batch_size,
+        seed=args.seed,
+        epochs=10_000,
+        max_steps=args.warmup + args.steps,
+        checkpoint=CheckpointConfig(directory=checkpoint_dir),
+        mixed_precision="bf16" if args.bf16 else "no",
+    )
     times: list[tuple[float, float]] = []
     total = args.warmup + args.steps
 
@@ -105,15 +121,23 @@ def _defaults(args: argparse.Namespace, checkpoint_dir: str) -> list[tuple[float
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     init_worker(rank, world, port, args)
-    os.environ.update(ELASTIC_TRAINER_METRICS="1", TORCHELASTIC_RUN_ID="overhead-e2e", RANK=str(rank),
-                      LOCAL_RANK=str(rank % max(1, torch.cuda.device_count() or 1)))
+    os.environ.update(
+        ELASTIC_TRAINER_METRICS="1",
+        TORCHELASTIC_RUN_ID="overhead-e2e",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank % max(1, torch.cuda.device_count() or 1)),
+    )
     lines = []
     try:
         with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
             for block in range(args.blocks):
                 order = VARIANTS if block % 2 == 0 else VARIANTS[::-1]
                 for variant in order:
-                    times = _bare(args, rank, world) if variant == "bare" else _defaults(args, f"{tmp}/ckpt-{block}")
+                    times = (
+                        _bare(args, rank, world)
+                        if variant == "bare"
+                        else _defaults(args, f"{tmp}/ckpt-{block}")
+                    )
                     lines.append(_line(args, block, variant, times))
     finally:
         dist.destroy_process_group()
@@ -121,7 +145,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         Path(out).write_text("\n".join(lines))
 
 
-def _line(args: argparse.Namespace, block: int, variant: str, times: list[tuple[float, float]]) -> str:
+def _line(
+    args: argparse.Namespace, block: int, variant: str, times: list[tuple[float, float]]
+) -> str:
     window = times[args.warmup - 1 :]
     samples = args.steps * args.global_batch_size
     wall = window[-1][0] - window[0][0]
@@ -134,16 +160,28 @@ def _line(args: argparse.Namespace, block: int, variant: str, times: list[tuple[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=6, help="rounds of (bare, defaults), order alternating")
-    parser.add_argument("--steps", type=int, default=200, help="timed steps per block (200: two checkpoints)")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each block")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=6, help="rounds of (bare, defaults), order alternating"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=200, help="timed steps per block (200: two checkpoints)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=20, help="untimed steps at the start of each block"
+    )
     add_workload_arguments(parser)
-    parser.add_argument("--tmp", default=None, help="directory for checkpoints and metrics (default: system temp)")
+    parser.add_argument(
+        "--tmp", default=None, help="directory for checkpoints and metrics (default: system temp)"
+    )
     args = parser.parse_args()
     resolve_workload_arguments(parser, args)
     with tempfile.TemporaryDirectory(dir=args.tmp) as metrics:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics  # before the workers import prometheus_client
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = (
+            metrics  # before the workers import prometheus_client
+        )
         report_blocks(args, _worker, VARIANTS, baseline="bare")
 
 

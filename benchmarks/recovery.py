@@ -107,8 +107,15 @@ class BenchConfig:
     startup_timeout: float = 180.0
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "nproc_per_node", "fault_step", "checkpoint_every", "global_batch_size",
-                     "dataset_size", "steps_after"):
+        for name in (
+            "nodes",
+            "nproc_per_node",
+            "fault_step",
+            "checkpoint_every",
+            "global_batch_size",
+            "dataset_size",
+            "steps_after",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.nodes < 2:
@@ -145,8 +152,15 @@ class Outcome:
 class Cluster:
     """The node processes of one run, always stopped at exit."""
 
-    def __init__(self, system: str, mode: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str,
-                 network: Network | None = None) -> None:
+    def __init__(
+        self,
+        system: str,
+        mode: str,
+        cfg: BenchConfig,
+        workdir: Path,
+        etcd_endpoint: str,
+        network: Network | None = None,
+    ) -> None:
         """``network``: run node ``i`` in the namespace of ``n{i}`` (etcd is then the hub's)."""
         self.system, self.mode, self.cfg, self.workdir = system, mode, cfg, workdir
         self.records = workdir / "steps"
@@ -167,26 +181,77 @@ class Cluster:
         cfg = self.cfg
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        common = ["--global-batch-size", str(cfg.global_batch_size), "--dataset-size", str(cfg.dataset_size),
-                  "--checkpoint-every", str(cfg.checkpoint_every), "--throttle-ms", str(cfg.throttle_ms),
-                  "--seed", "0"]
+        common = [
+            "--global-batch-size",
+            str(cfg.global_batch_size),
+            "--dataset-size",
+            str(cfg.dataset_size),
+            "--checkpoint-every",
+            str(cfg.checkpoint_every),
+            "--throttle-ms",
+            str(cfg.throttle_ms),
+            "--seed",
+            "0",
+        ]
         if self.system in ("etcd-v3", "etcd-v3-restart"):
             heal = "in_place" if self.system == "etcd-v3" else "off"
-            cmd = [sys.executable, "-m", "elastic_trainer.cli", "run", "--nnodes", self.nnodes, "--heal", heal,
-                   "--nproc-per-node", str(cfg.nproc_per_node), "--device", "cpu",
-                   "--rdzv-endpoint", self.etcd_endpoint, "--run-id", self.run_id, "--max-restarts", "10",
-                   "--metrics-port", "0", "-m", "elastic_trainer.examples.synthetic_cnn", *common,
-                   "--epochs", "1000", "--checkpoint-dir", str(self.workdir / "ckpt"),
-                   "--record-samples", str(self.records), "--log-every", "1000"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "elastic_trainer.cli",
+                "run",
+                "--nnodes",
+                self.nnodes,
+                "--heal",
+                heal,
+                "--nproc-per-node",
+                str(cfg.nproc_per_node),
+                "--device",
+                "cpu",
+                "--rdzv-endpoint",
+                self.etcd_endpoint,
+                "--run-id",
+                self.run_id,
+                "--max-restarts",
+                "10",
+                "--metrics-port",
+                "0",
+                "-m",
+                "elastic_trainer.examples.synthetic_cnn",
+                *common,
+                "--epochs",
+                "1000",
+                "--checkpoint-dir",
+                str(self.workdir / "ckpt"),
+                "--record-samples",
+                str(self.records),
+                "--log-every",
+                "1000",
+            ]
             return cmd, env
         if self.system == "c10d-unshared":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         host = "true" if index == 0 else "false"  # the first node hosts the store, as in a real job
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint={self.c10d_host}:{self.c10d_port}", f"--rdzv-id={self.run_id}",
-               f"--rdzv-conf=is_host={host}", f"--nnodes={self.nnodes}", f"--nproc-per-node={cfg.nproc_per_node}",
-               "--max-restarts=10", str(BASELINE), *common, "--max-steps", "1000000",
-               "--checkpoint", str(self.workdir / "model.checkpoint"), "--record-steps", str(self.records)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.c10d_host}:{self.c10d_port}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf=is_host={host}",
+            f"--nnodes={self.nnodes}",
+            f"--nproc-per-node={cfg.nproc_per_node}",
+            "--max-restarts=10",
+            str(BASELINE),
+            *common,
+            "--max-steps",
+            "1000000",
+            "--checkpoint",
+            str(self.workdir / "model.checkpoint"),
+            "--record-steps",
+            str(self.records),
+        ]
         return cmd, env
 
     def start_node(self) -> None:
@@ -194,7 +259,10 @@ class Cluster:
         cmd, env = self.command(index)
         if self.network is not None:
             name = f"n{index}"
-            cmd = [*self.network.exec_prefix(name), *cmd]  # `ip netns exec` execs: the pid is the node's
+            cmd = [
+                *self.network.exec_prefix(name),
+                *cmd,
+            ]  # `ip netns exec` execs: the pid is the node's
             env.update(PET_LOCAL_ADDR=self.network.address(name), GLOO_SOCKET_IFNAME="eth0")
         self.nodes.append(start_process(cmd, self.workdir / f"node-{index}.log", env, cwd=REPO))
 
@@ -247,7 +315,9 @@ def analyse(outcome: Outcome, processes: list[Process], fault_unix: float) -> Ou
     before = [p for p in processes if p.started_unix < fault_unix]
     after = [p for p in processes if p.started_unix >= fault_unix and p.steps]
     outcome.last_step_before = highest_step(before)
-    outcome.timeline = sorted((t - fault_unix, s, w) for p in processes if p.rank == 0 for t, s, w in p.steps)
+    outcome.timeline = sorted(
+        (t - fault_unix, s, w) for p in processes if p.rank == 0 for t, s, w in p.steps
+    )
     if after:
         first = min(after, key=lambda p: p.steps[0][0])
         outcome.recovered_s = min(p.steps[0][0] for p in after) - fault_unix
@@ -257,14 +327,18 @@ def analyse(outcome: Outcome, processes: list[Process], fault_unix: float) -> Ou
 
 
 # -- one run ---------------------------------------------------------------------------------------
-def run_one(scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str) -> Outcome:
+def run_one(
+    scenario: str, mode: str, system: str, cfg: BenchConfig, workdir: Path, etcd_endpoint: str
+) -> Outcome:
     """Start the job, inject the fault at ``fault_step``, measure, stop everything."""
     outcome = Outcome(scenario, mode, system)
     if scenario not in NEEDS_ROOT:
         return _run_cluster(outcome, Cluster(system, mode, cfg, workdir, etcd_endpoint))
     with Network([f"n{i}" for i in range(cfg.nodes)]) as network:
-        return _run_cluster(outcome, Cluster(system, mode, cfg, workdir, network.start_etcd(workdir / "etcd"),
-                                             network))
+        return _run_cluster(
+            outcome,
+            Cluster(system, mode, cfg, workdir, network.start_etcd(workdir / "etcd"), network),
+        )
 
 
 def _run_cluster(outcome: Outcome, cluster: Cluster) -> Outcome:
@@ -276,7 +350,9 @@ def _run_cluster(outcome: Outcome, cluster: Cluster) -> Outcome:
             wait_for(lambda: highest_step(read_processes(cluster.records)) >= cfg.fault_step,
                      timeout=cfg.startup_timeout, what=f"step {cfg.fault_step}")  # fmt: skip
         except TimeoutError:
-            outcome.error = f"did not reach step {cfg.fault_step} within {cfg.startup_timeout:.0f} s"
+            outcome.error = (
+                f"did not reach step {cfg.fault_step} within {cfg.startup_timeout:.0f} s"
+            )
             print(f"  {system}: {outcome.error}\n{cluster.tail()}", file=sys.stderr)
             return outcome
         victim = cluster.nodes[-1]
@@ -284,8 +360,11 @@ def _run_cluster(outcome: Outcome, cluster: Cluster) -> Outcome:
             cluster.start_node()  # beyond --nodes: waits as a spare (torchrun: in the next round)
             spare = cluster.nodes[-1]
             if system == "etcd-v3":
-                wait_for(lambda: "waiting as a spare" in spare.output(), timeout=cfg.startup_timeout,
-                         what="the spare node to wait")
+                wait_for(
+                    lambda: "waiting as a spare" in spare.output(),
+                    timeout=cfg.startup_timeout,
+                    what="the spare node to wait",
+                )
             else:
                 time.sleep(10.0)  # its agent has joined the waiting list by then
         fault_unix = time.time()
@@ -317,12 +396,17 @@ def _run_cluster(outcome: Outcome, cluster: Cluster) -> Outcome:
             raise ValueError(f"unknown scenario {scenario!r}")
 
         def recovered_enough() -> bool:
-            after = [p for p in read_processes(cluster.records) if p.started_unix >= fault_unix and p.steps]
+            after = [
+                p
+                for p in read_processes(cluster.records)
+                if p.started_unix >= fault_unix and p.steps
+            ]
             if not after:
                 return False
             first = min(t for p in after for t, _, _ in p.steps)
             return highest_step(after) >= min(p.steps[0][1] for p in after) + cfg.steps_after or (
-                time.time() - first > 10)
+                time.time() - first > 10
+            )
 
         with contextlib.suppress(TimeoutError):  # not recovered in time: analyse() reports it
             wait_for(recovered_enough, timeout=cfg.recovery_timeout, what="recovery")
@@ -350,8 +434,9 @@ def etcd_messages(client_url: str) -> dict[str, float]:
     return found
 
 
-def measure_etcd_load(system: str, cfg: BenchConfig, workdir: Path, etcd_url: str, etcd_endpoint: str,
-                      window_s: float) -> dict[str, object]:
+def measure_etcd_load(
+    system: str, cfg: BenchConfig, workdir: Path, etcd_url: str, etcd_endpoint: str, window_s: float
+) -> dict[str, object]:
     """Start ``cfg.nodes`` nodes (fixed size), let them train past ``fault_step``, then count what
     etcd receives over ``window_s`` seconds of healthy training; per node and minute."""
     cluster = Cluster(system, "fixed", cfg, workdir, etcd_endpoint)
@@ -361,29 +446,48 @@ def measure_etcd_load(system: str, cfg: BenchConfig, workdir: Path, etcd_url: st
         wait_for(lambda: highest_step(read_processes(cluster.records)) >= cfg.fault_step,
                  timeout=cfg.startup_timeout, what=f"step {cfg.fault_step}",
                  describe=cluster.tail)  # fmt: skip
-        before, step_before, started = etcd_messages(etcd_url), highest_step(read_processes(cluster.records)), time.monotonic()
+        before, step_before, started = (
+            etcd_messages(etcd_url),
+            highest_step(read_processes(cluster.records)),
+            time.monotonic(),
+        )
         time.sleep(window_s)
         after, elapsed = etcd_messages(etcd_url), time.monotonic() - started
         steps = highest_step(read_processes(cluster.records)) - step_before
     finally:
         cluster.stop()
     scale = 60.0 / elapsed / cfg.nodes
-    by_method = {m: round((after.get(m, 0.0) - before.get(m, 0.0)) * scale, 1) for m in sorted(after)}
+    by_method = {
+        m: round((after.get(m, 0.0) - before.get(m, 0.0)) * scale, 1) for m in sorted(after)
+    }
     by_method = {m: v for m, v in by_method.items() if v > 0}
-    return {"system": system, "nodes": cfg.nodes, "workers_per_node": cfg.nproc_per_node, "window_s": round(elapsed, 1),
-            "steps": steps, "per_node_per_minute": round(sum(by_method.values()), 1), "by_method": by_method}
+    return {
+        "system": system,
+        "nodes": cfg.nodes,
+        "workers_per_node": cfg.nproc_per_node,
+        "window_s": round(elapsed, 1),
+        "steps": steps,
+        "per_node_per_minute": round(sum(by_method.values()), 1),
+        "by_method": by_method,
+    }
 
 
 def etcd_load_table(loads: Sequence[dict[str, object]]) -> str:
     methods = sorted({m for load in loads for m in load["by_method"]})  # type: ignore[attr-defined]
-    lines = ["| system | steps in window | etcd messages per node per minute | "
-             + " | ".join(methods) + " | at 1,000 nodes (messages/s) |",
-             "|---|---:|---:|" + "---:|" * len(methods) + "---:|"]
+    lines = [
+        "| system | steps in window | etcd messages per node per minute | "
+        + " | ".join(methods)
+        + " | at 1,000 nodes (messages/s) |",
+        "|---|---:|---:|" + "---:|" * len(methods) + "---:|",
+    ]
     for load in loads:
         per_node = float(load["per_node_per_minute"])  # type: ignore[arg-type]
         cells = [str(load["by_method"].get(m, 0)) for m in methods]  # type: ignore[attr-defined]
-        lines.append(f"| {load['system']} | {load['steps']} | {per_node:.1f} | " + " | ".join(cells)
-                     + f" | {per_node * 1000 / 60:.0f} |")
+        lines.append(
+            f"| {load['system']} | {load['steps']} | {per_node:.1f} | "
+            + " | ".join(cells)
+            + f" | {per_node * 1000 / 60:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -407,7 +511,9 @@ def summarise(outcomes: list[Outcome], systems: Sequence[str], timeout: float) -
         cells = [scenario, mode]
         medians: dict[str, float | None] = {}
         for system in systems:
-            runs = [o for o in outcomes if (o.scenario, o.mode, o.system) == (scenario, mode, system)]
+            runs = [
+                o for o in outcomes if (o.scenario, o.mode, o.system) == (scenario, mode, system)
+            ]
             times = [o.recovered_s for o in runs]
             lost = [o.steps_lost for o in runs if o.steps_lost is not None]
             if not runs:
@@ -416,7 +522,11 @@ def summarise(outcomes: list[Outcome], systems: Sequence[str], timeout: float) -
                 continue
             ok = [t for t in times if t is not None]
             medians[system] = statistics.median(ok) if len(ok) == len(times) else None
-            shown = fmt_time(medians[system], timeout) if medians[system] is None else f"{medians[system]:.2f}"
+            shown = (
+                fmt_time(medians[system], timeout)
+                if medians[system] is None
+                else f"{medians[system]:.2f}"
+            )
             if 0 < len(ok) < len(times):
                 shown = f"{len(times) - len(ok)}/{len(times)} runs did not recover within {timeout:.0f} s"
             errors = [o.error for o in runs if o.error]
@@ -438,8 +548,14 @@ def summarise(outcomes: list[Outcome], systems: Sequence[str], timeout: float) -
 NO_MATPLOTLIB = "no chart: matplotlib is not installed (pip install -e '.[bench]')"
 
 
-def report(outcomes: list[Outcome], systems: Sequence[str], timeout: float, *, chart_path: Path,
-           json_path: Path | None = None) -> None:
+def report(
+    outcomes: list[Outcome],
+    systems: Sequence[str],
+    timeout: float,
+    *,
+    chart_path: Path,
+    json_path: Path | None = None,
+) -> None:
     """Print the table and write the JSON, then draw the chart: the table and the results never
     depend on the plot library, which only chart() imports."""
     print(summarise(outcomes, systems, timeout), flush=True)
@@ -467,27 +583,46 @@ def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         missing = exc.name == "matplotlib"
-        print(NO_MATPLOTLIB if missing else f"no chart: cannot import matplotlib ({exc})", file=sys.stderr)
+        print(
+            NO_MATPLOTLIB if missing else f"no chart: cannot import matplotlib ({exc})",
+            file=sys.stderr,
+        )
         return False
 
     keys = list(dict.fromkeys((o.scenario, o.mode) for o in outcomes))
     columns = 2
     rows = math.ceil(len(keys) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(12, 3.4 * rows), squeeze=False)
-    colors = {"etcd-v3": "tab:blue", "etcd-v3-restart": "tab:green", "c10d": "tab:red", "c10d-unshared": "tab:orange"}
+    colors = {
+        "etcd-v3": "tab:blue",
+        "etcd-v3-restart": "tab:green",
+        "c10d": "tab:red",
+        "c10d-unshared": "tab:orange",
+    }
     window = 3.0  # seconds shown before the fault
     for ax, (scenario, mode) in zip(axes.flat, keys, strict=False):
         right, low = 5.0, None
         for system in systems:
-            runs = [o for o in outcomes if (o.scenario, o.mode, o.system) == (scenario, mode, system)]
+            runs = [
+                o for o in outcomes if (o.scenario, o.mode, o.system) == (scenario, mode, system)
+            ]
             if not runs or not runs[0].timeline:
                 continue
             run = runs[0]
             shown = [(t, s) for t, s, _ in run.timeline if t >= -window]
-            label = f"{system}: " + (f"{run.recovered_s:.1f} s, {run.steps_lost} steps lost"
-                                     if run.recovered_s is not None else f"no recovery within {timeout:.0f} s")
-            ax.plot([t for t, _ in shown], [s for _, s in shown], ".", markersize=3, color=colors.get(system),
-                    label=label)
+            label = f"{system}: " + (
+                f"{run.recovered_s:.1f} s, {run.steps_lost} steps lost"
+                if run.recovered_s is not None
+                else f"no recovery within {timeout:.0f} s"
+            )
+            ax.plot(
+                [t for t, _ in shown],
+                [s for _, s in shown],
+                ".",
+                markersize=3,
+                color=colors.get(system),
+                label=label,
+            )
             low = min([s for _, s in shown] + ([low] if low is not None else []))
             if run.recovered_s is not None:
                 ax.axvline(run.recovered_s, color=colors.get(system), linestyle=":", linewidth=1)
@@ -496,13 +631,18 @@ def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path:
         ax.set_xlim(-window, right)
         if low is not None:
             ax.set_ylim(bottom=low - 2)
-        ax.set_title(f"{scenario}, {mode} size ({'--nnodes N' if mode == 'fixed' else '--nnodes 1:N'})", fontsize=10)
+        ax.set_title(
+            f"{scenario}, {mode} size ({'--nnodes N' if mode == 'fixed' else '--nnodes 1:N'})",
+            fontsize=10,
+        )
         ax.set_xlabel("seconds since the fault")
         ax.set_ylabel("step completed (rank 0)")
         ax.legend(fontsize=8, loc="lower right")
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
-    fig.suptitle("Recovery: steps completed around the fault (solid line); dotted: first step after it")
+    fig.suptitle(
+        "Recovery: steps completed around the fault (solid line); dotted: first step after it"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -511,48 +651,89 @@ def chart(outcomes: list[Outcome], systems: Sequence[str], timeout: float, path:
 
 def replot(json_path: Path, chart_path: Path, timeout: float) -> None:
     """Redraw the chart from a ``--json`` file (no new measurement)."""
-    outcomes = [Outcome(**{**o, "timeline": [tuple(x) for x in o["timeline"]]}) for o in json.loads(json_path.read_text())]
+    outcomes = [
+        Outcome(**{**o, "timeline": [tuple(x) for x in o["timeline"]]})
+        for o in json.loads(json_path.read_text())
+    ]
     systems = list(dict.fromkeys(o.system for o in outcomes))
     report(outcomes, systems, timeout, chart_path=chart_path)
 
 
 # -- main ------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenarios", nargs="+", choices=tuple(SCENARIOS),
-                        default=[s for s in SCENARIOS if s not in NEEDS_ROOT or os.geteuid() == 0])
-    parser.add_argument("--modes", nargs="+", choices=("fixed", "elastic"), default=["fixed", "elastic"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=tuple(SCENARIOS),
+        default=[s for s in SCENARIOS if s not in NEEDS_ROOT or os.geteuid() == 0],
+    )
+    parser.add_argument(
+        "--modes", nargs="+", choices=("fixed", "elastic"), default=["fixed", "elastic"]
+    )
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=1)
     defaults = BenchConfig()
-    for name in ("nodes", "nproc_per_node", "fault_step", "checkpoint_every", "throttle_ms",
-                 "recovery_timeout", "steps_after"):
+    for name in (
+        "nodes",
+        "nproc_per_node",
+        "fault_step",
+        "checkpoint_every",
+        "throttle_ms",
+        "recovery_timeout",
+        "steps_after",
+    ):
         value = getattr(defaults, name)
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
-    parser.add_argument("--chart", type=Path, default=HERE / "recovery_timeline.png", help="timeline PNG")
+    parser.add_argument(
+        "--chart", type=Path, default=HERE / "recovery_timeline.png", help="timeline PNG"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write every outcome as JSON")
-    parser.add_argument("--keep", type=Path, default=None, help="keep the runs' logs and records in this directory")
-    parser.add_argument("--etcd-load", type=float, default=0.0, metavar="SECONDS",
-                        help="instead of faults: count what etcd receives per node and minute over this many "
-                             "seconds of healthy training (the etcd-v3 systems among --systems)")
-    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
-                        help="only redraw the chart and table from an earlier --json file")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="keep the runs' logs and records in this directory"
+    )
+    parser.add_argument(
+        "--etcd-load",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="instead of faults: count what etcd receives per node and minute over this many "
+        "seconds of healthy training (the etcd-v3 systems among --systems)",
+    )
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only redraw the chart and table from an earlier --json file",
+    )
     return parser.parse_args(list(argv))
 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     try:
-        cfg = BenchConfig(nodes=args.nodes, nproc_per_node=args.nproc_per_node, fault_step=args.fault_step,
-                          checkpoint_every=args.checkpoint_every, throttle_ms=args.throttle_ms,
-                          recovery_timeout=args.recovery_timeout, steps_after=args.steps_after)
+        cfg = BenchConfig(
+            nodes=args.nodes,
+            nproc_per_node=args.nproc_per_node,
+            fault_step=args.fault_step,
+            checkpoint_every=args.checkpoint_every,
+            throttle_ms=args.throttle_ms,
+            recovery_timeout=args.recovery_timeout,
+            steps_after=args.steps_after,
+        )
         if args.repeats <= 0:
             raise ValueError(f"repeats: must be positive, got {args.repeats}")
     except ValueError as exc:
         print(f"recovery.py: error: {exc}", file=sys.stderr)
         return 2
     if os.geteuid() != 0 and (needs := [s for s in args.scenarios if s in NEEDS_ROOT]):
-        print(f"recovery.py: error: scenario {needs[0]} needs `ip netns`, which needs root", file=sys.stderr)
+        print(
+            f"recovery.py: error: scenario {needs[0]} needs `ip netns`, which needs root",
+            file=sys.stderr,
+        )
         return 2
     if args.replot is not None:
         replot(args.replot, args.chart, cfg.recovery_timeout)
@@ -568,17 +749,32 @@ def main(argv: Sequence[str]) -> int:
                 tmp = str(args.keep)
             else:
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-bench-"))
-            etcd = stack.enter_context(EtcdServer.single(Path(tmp) / f"etcd-{uuid.uuid4().hex[:6]}"))
+            etcd = stack.enter_context(
+                EtcdServer.single(Path(tmp) / f"etcd-{uuid.uuid4().hex[:6]}")
+            )
             if args.etcd_load > 0:
                 loads = []
                 for system in [s for s in args.systems if s.startswith("etcd-v3")]:
                     workdir = Path(tmp) / f"etcd-load-{system}"
                     workdir.mkdir(exist_ok=args.keep is not None)
-                    loads.append(measure_etcd_load(system, cfg, workdir, etcd.member.client_url, etcd.endpoint,
-                                                   args.etcd_load))
-                    print(f"{system}: {loads[-1]['per_node_per_minute']} etcd messages per node per minute", flush=True)
-                print(f"\n{cfg.nodes} nodes x {cfg.nproc_per_node} workers, healthy training, "
-                      f"{args.etcd_load:g} s window\n\n{etcd_load_table(loads)}")
+                    loads.append(
+                        measure_etcd_load(
+                            system,
+                            cfg,
+                            workdir,
+                            etcd.member.client_url,
+                            etcd.endpoint,
+                            args.etcd_load,
+                        )
+                    )
+                    print(
+                        f"{system}: {loads[-1]['per_node_per_minute']} etcd messages per node per minute",
+                        flush=True,
+                    )
+                print(
+                    f"\n{cfg.nodes} nodes x {cfg.nproc_per_node} workers, healthy training, "
+                    f"{args.etcd_load:g} s window\n\n{etcd_load_table(loads)}"
+                )
                 if args.json is not None:
                     args.json.write_text(json.dumps(loads, indent=1))
                 return 0
@@ -590,19 +786,23 @@ def main(argv: Sequence[str]) -> int:
                             workdir.mkdir(exist_ok=args.keep is not None)
                             outcome = run_one(scenario, mode, system, cfg, workdir, etcd.endpoint)
                             outcomes.append(outcome)
-                            print(f"{scenario:>14} {mode:>7} {system:>13} #{repeat}: recovery "
-                                  f"{fmt_time(outcome.recovered_s, cfg.recovery_timeout)}, steps lost "
-                                  f"{outcome.steps_lost} (last {outcome.last_step_before}, resumed "
-                                  f"{outcome.resumed_from})"
-                                  f"{'' if outcome.ready_s is None or outcome.recovered_s is None else f', launcher ready after {outcome.ready_s:.2f} s, joined {outcome.recovered_s - outcome.ready_s:.2f} s later'}"
-                                  f"{' ' + outcome.error if outcome.error else ''}",
-                                  flush=True)
+                            print(
+                                f"{scenario:>14} {mode:>7} {system:>13} #{repeat}: recovery "
+                                f"{fmt_time(outcome.recovered_s, cfg.recovery_timeout)}, steps lost "
+                                f"{outcome.steps_lost} (last {outcome.last_step_before}, resumed "
+                                f"{outcome.resumed_from})"
+                                f"{'' if outcome.ready_s is None or outcome.recovered_s is None else f', launcher ready after {outcome.ready_s:.2f} s, joined {outcome.recovered_s - outcome.ready_s:.2f} s later'}"
+                                f"{' ' + outcome.error if outcome.error else ''}",
+                                flush=True,
+                            )
     except KeyboardInterrupt:
         interrupted = True
         print(f"\ninterrupted: the table of the {len(outcomes)} run(s) finished", file=sys.stderr)
     print()
-    print(f"{cfg.nodes} nodes x {cfg.nproc_per_node} workers, gloo, fault at step {cfg.fault_step}, checkpoint "
-          f"every {cfg.checkpoint_every} steps, {cfg.throttle_ms:g} ms sleep per step; median of {args.repeats}")
+    print(
+        f"{cfg.nodes} nodes x {cfg.nproc_per_node} workers, gloo, fault at step {cfg.fault_step}, checkpoint "
+        f"every {cfg.checkpoint_every} steps, {cfg.throttle_ms:g} ms sleep per step; median of {args.repeats}"
+    )
     report(outcomes, args.systems, cfg.recovery_timeout, chart_path=args.chart, json_path=args.json)
     return 130 if interrupted else 0
 

@@ -75,7 +75,9 @@ def bench_etcd(endpoint: str, nodes: int, kind: str) -> tuple[float, float]:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
 
     def make(_: int) -> Any:
-        params = RendezvousParameters("etcd-v3", endpoint, run_id, nodes, nodes, handler=kind, **CONF)
+        params = RendezvousParameters(
+            "etcd-v3", endpoint, run_id, nodes, nodes, handler=kind, **CONF
+        )
         return etcd_v3_handler(params)
 
     handlers = [make(i) for i in range(nodes)]
@@ -123,13 +125,17 @@ def main() -> None:
                 c10d.append(bench_c10d(n))
             m = statistics.median
             rows.append((n, m(lease), m(dynamic), m(c10d), m(lease_req), m(dyn_req)))
-    header = (f"{'nodes':>5} | {'lease s':>8} | {'dynamic s':>9} | {'c10d s':>7} | {'lease/c10d':>10} | "
-              f"{'dynamic/c10d':>12} | {'req/node lease':>14} | {'req/node dynamic':>16}")
+    header = (
+        f"{'nodes':>5} | {'lease s':>8} | {'dynamic s':>9} | {'c10d s':>7} | {'lease/c10d':>10} | "
+        f"{'dynamic/c10d':>12} | {'req/node lease':>14} | {'req/node dynamic':>16}"
+    )
     print(header)
     print("-" * len(header))
     for n, lease_s, dyn_s, c10d_s, lreq, dreq in rows:
-        print(f"{n:>5} | {lease_s:>8.3f} | {dyn_s:>9.3f} | {c10d_s:>7.3f} | {lease_s / c10d_s:>10.2f} | "
-              f"{dyn_s / c10d_s:>12.2f} | {lreq:>14.1f} | {dreq:>16.1f}")
+        print(
+            f"{n:>5} | {lease_s:>8.3f} | {dyn_s:>9.3f} | {c10d_s:>7.3f} | {lease_s / c10d_s:>10.2f} | "
+            f"{dyn_s / c10d_s:>12.2f} | {lreq:>14.1f} | {dreq:>16.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -56,12 +56,30 @@ sys.path.insert(0, str(HERE))  # scale_agents next to this file
 
 from scale_agents import AgentRef, Fleet, cpu_seconds  # noqa: E402
 
-SCENARIOS = ("lose-1", "lose-coordinator", "join-1", "leave-10pct", "etcd-follower-killed", "etcd-leader-killed",
-             "restart-round")
+SCENARIOS = (
+    "lose-1",
+    "lose-coordinator",
+    "join-1",
+    "leave-10pct",
+    "etcd-follower-killed",
+    "etcd-leader-killed",
+    "restart-round",
+)
 WRITE_KINDS = {
-    "a lease grant", "a node registration", "a rendezvous join", "a rendezvous state change",
-    "a coordinator claim", "a round close", "a new round", "a progress count", "a store address",
-    "a lease revocation", "a state write", "a store set", "a store multi_set", "a store atomic update",
+    "a lease grant",
+    "a node registration",
+    "a rendezvous join",
+    "a rendezvous state change",
+    "a coordinator claim",
+    "a round close",
+    "a new round",
+    "a progress count",
+    "a store address",
+    "a lease revocation",
+    "a state write",
+    "a store set",
+    "a store multi_set",
+    "a store atomic update",
 }
 NO_MATPLOTLIB = "no chart: matplotlib is not installed (pip install -e '.[bench]')"
 
@@ -69,11 +87,19 @@ NO_MATPLOTLIB = "no chart: matplotlib is not installed (pip install -e '.[bench]
 # -- measuring ---------------------------------------------------------------------------------------
 
 
-_SUMMED = ("etcd_network_client_grpc_received_bytes_total", "etcd_network_client_grpc_sent_bytes_total",
-           "grpc_server_msg_received_total", "grpc_server_msg_sent_total", "etcd_debugging_mvcc_watcher_total",
-           "etcd_network_peer_sent_bytes_total")
-_MAXED = ("etcd_mvcc_db_total_size_in_bytes", "etcd_mvcc_db_total_size_in_use_in_bytes",
-          "etcd_debugging_mvcc_keys_total")
+_SUMMED = (
+    "etcd_network_client_grpc_received_bytes_total",
+    "etcd_network_client_grpc_sent_bytes_total",
+    "grpc_server_msg_received_total",
+    "grpc_server_msg_sent_total",
+    "etcd_debugging_mvcc_watcher_total",
+    "etcd_network_peer_sent_bytes_total",
+)
+_MAXED = (
+    "etcd_mvcc_db_total_size_in_bytes",
+    "etcd_mvcc_db_total_size_in_use_in_bytes",
+    "etcd_debugging_mvcc_keys_total",
+)
 _METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
@@ -158,21 +184,34 @@ class Cluster:
         must not measure on such a cluster; the Helm chart deploys 3.5.25."""
         deadline, disagreed = time.monotonic() + timeout, None
         while True:
-            readings = {server.member.name: self._gauges(server) for server in self.servers if server.is_running()}
+            readings = {
+                server.member.name: self._gauges(server)
+                for server in self.servers
+                if server.is_running()
+            }
             applied = {g.get("etcd_server_proposals_applied_total") for g in readings.values()}
-            revisions = {name: g.get("etcd_debugging_mvcc_current_revision") for name, g in readings.items()}
+            revisions = {
+                name: g.get("etcd_debugging_mvcc_current_revision") for name, g in readings.items()
+            }
             if len(applied) == 1 and None not in applied:
                 if len(set(revisions.values())) == 1:
                     return
-                if disagreed != (applied, revisions):  # the same disagreement twice, 1 s apart, before saying so
+                if disagreed != (
+                    applied,
+                    revisions,
+                ):  # the same disagreement twice, 1 s apart, before saying so
                     disagreed = (applied, revisions)
                     time.sleep(1.0)
                     continue
-                raise ClusterDisagrees(f"the etcd members disagree after a member was revived: store revisions {revisions} "
-                                   f"at the same applied index {applied.pop():.0f} (etcd 3.5.0-3.5.2 lose writes on a "
-                                   "member killed under load, etcd-io/etcd#13766)")
+                raise ClusterDisagrees(
+                    f"the etcd members disagree after a member was revived: store revisions {revisions} "
+                    f"at the same applied index {applied.pop():.0f} (etcd 3.5.0-3.5.2 lose writes on a "
+                    "member killed under load, etcd-io/etcd#13766)"
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the revived etcd member did not catch up within {timeout:g} s: {readings}")
+                raise RuntimeError(
+                    f"the revived etcd member did not catch up within {timeout:g} s: {readings}"
+                )
             time.sleep(0.2)
 
     def leader(self) -> Any:
@@ -184,10 +223,14 @@ class StoreServer:
     """torch's TCPStore (libuv) in its own process, as the c10d backend's host agent runs it."""
 
     def __init__(self) -> None:
-        code = ("import sys, time, torch.distributed as d\n"
-                "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
-                "print(s.port, flush=True)\ntime.sleep(1e9)\n")
-        self.process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        code = (
+            "import sys, time, torch.distributed as d\n"
+            "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+            "print(s.port, flush=True)\ntime.sleep(1e9)\n"
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+        )
         assert self.process.stdout is not None
         self.address = f"127.0.0.1:{int(self.process.stdout.readline())}"
 
@@ -212,15 +255,24 @@ class Sample:
     watch_events: float = 0.0
 
     @classmethod
-    def take(cls, fleet: Fleet, env: Cluster | StoreServer, reports: list[dict[str, Any]] | None = None) -> Sample:
+    def take(
+        cls, fleet: Fleet, env: Cluster | StoreServer, reports: list[dict[str, Any]] | None = None
+    ) -> Sample:
         reports = reports if reports is not None else fleet.reports()
         kinds: dict[str, float] = {}
         for report in reports:
             for kind, count in report["request_counts"].items():
                 kinds[kind] = kinds.get(kind, 0) + count
         server = env.metrics() if isinstance(env, Cluster) else {}
-        return cls(time.monotonic(), sum(r["requests"] for r in reports), kinds, server, env.cpu(),
-                   sum(r["cpu_s"] for r in reports), sum(r.get("watch_events", 0) for r in reports))
+        return cls(
+            time.monotonic(),
+            sum(r["requests"] for r in reports),
+            kinds,
+            server,
+            env.cpu(),
+            sum(r["cpu_s"] for r in reports),
+            sum(r.get("watch_events", 0) for r in reports),
+        )
 
 
 def per_agent(before: Sample, after: Sample, agents: int) -> dict[str, Any]:
@@ -234,7 +286,10 @@ def per_agent(before: Sample, after: Sample, agents: int) -> dict[str, Any]:
             return None
         return (after.server[name] - before.server.get(name, 0.0)) / agents
 
-    received, sent = server("etcd_network_client_grpc_received_bytes_total"), server("etcd_network_client_grpc_sent_bytes_total")
+    received, sent = (
+        server("etcd_network_client_grpc_received_bytes_total"),
+        server("etcd_network_client_grpc_sent_bytes_total"),
+    )
     return {
         "seconds": after.at - before.at,
         "requests": (after.requests - before.requests) / agents,
@@ -245,11 +300,14 @@ def per_agent(before: Sample, after: Sample, agents: int) -> dict[str, Any]:
         "watch_events": (after.watch_events - before.watch_events) / agents,
         "server_cpu_s": after.server_cpu - before.server_cpu,
         "sim_cpu_s": after.sim_cpu - before.sim_cpu,
-        "per_minute": {"requests": (after.requests - before.requests) / agents / minutes,
-                       "server_messages": None if server("grpc_server_msg_received_total") is None
-                       else server("grpc_server_msg_received_total") / minutes,  # type: ignore[operator]
-                       "bytes": None if received is None or sent is None else (received + sent) / minutes,
-                       "server_cpu_s": (after.server_cpu - before.server_cpu) / minutes},
+        "per_minute": {
+            "requests": (after.requests - before.requests) / agents / minutes,
+            "server_messages": None
+            if server("grpc_server_msg_received_total") is None
+            else server("grpc_server_msg_received_total") / minutes,  # type: ignore[operator]
+            "bytes": None if received is None or sent is None else (received + sent) / minutes,
+            "server_cpu_s": (after.server_cpu - before.server_cpu) / minutes,
+        },
     }
 
 
@@ -259,7 +317,11 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def release_stats(releases: Sequence[float]) -> dict[str, float]:
-    return {"p50": percentile(releases, 0.50), "p99": percentile(releases, 0.99), "last": max(releases)}
+    return {
+        "p50": percentile(releases, 0.50),
+        "p99": percentile(releases, 0.99),
+        "last": max(releases),
+    }
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.25) -> bool:
@@ -284,7 +346,9 @@ class Probe:
         if isinstance(env, Cluster):
             from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
 
-            self._connection = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(env.endpoints)))
+            self._connection = EtcdConnection(
+                EtcdClientConfig(endpoints=parse_endpoints(env.endpoints))
+            )
         if backend == "dynamic":
             from rendezvous.etcd_backend import EtcdV3RendezvousBackend
 
@@ -318,7 +382,9 @@ class Probe:
         if state.status != OPEN:
             return 0
         prefix = keys.round_prefix(state.round).encode()
-        request = conn.etcd3.etcdrpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True)
+        request = conn.etcd3.etcdrpc.RangeRequest(
+            key=prefix, range_end=prefix_end(prefix), count_only=True
+        )
         return int(conn.call(lambda c: c.kvstub.Range(request, c.timeout), what="a probe").count)
 
     def close(self) -> None:
@@ -347,7 +413,9 @@ class Result:
 
 @contextlib.contextmanager
 def environment(backend: str, workdir: Path) -> Iterator[Cluster | StoreServer]:
-    env: Cluster | StoreServer = Cluster(workdir / f"etcd-{uuid.uuid4().hex[:6]}") if backend != "c10d" else StoreServer()
+    env: Cluster | StoreServer = (
+        Cluster(workdir / f"etcd-{uuid.uuid4().hex[:6]}") if backend != "c10d" else StoreServer()
+    )
     try:
         yield env
     finally:
@@ -355,17 +423,38 @@ def environment(backend: str, workdir: Path) -> Iterator[Cluster | StoreServer]:
 
 
 def conf_for(backend: str, args: argparse.Namespace, last_call: float = 1.0) -> str:
-    conf = {"join_timeout": args.limit * 3, "last_call_timeout": last_call, "retry_timeout": 20,
-            "lease_ttl": args.lease_ttl, "handler": "lease" if backend == "lease" else "dynamic"}
+    conf = {
+        "join_timeout": args.limit * 3,
+        "last_call_timeout": last_call,
+        "retry_timeout": 20,
+        "lease_ttl": args.lease_ttl,
+        "handler": "lease" if backend == "lease" else "dynamic",
+    }
     return ",".join(f"{k}={v}" for k, v in conf.items())
 
 
-def fleet_for(backend: str, n: int, env: Cluster | StoreServer, args: argparse.Namespace, workdir: Path,
-              min_nodes: int | None = None, max_nodes: int | None = None, last_call: float = 1.0) -> Fleet:
-    return Fleet(backend=backend, agents=n, min_nodes=min_nodes or n, max_nodes=max_nodes or n,
-                 endpoints=env.endpoints if isinstance(env, Cluster) else "",
-                 store=env.address if isinstance(env, StoreServer) else "", conf=conf_for(backend, args, last_call),
-                 per_process=args.per_process, log_dir=workdir / "logs", quiet=not args.agent_warnings)
+def fleet_for(
+    backend: str,
+    n: int,
+    env: Cluster | StoreServer,
+    args: argparse.Namespace,
+    workdir: Path,
+    min_nodes: int | None = None,
+    max_nodes: int | None = None,
+    last_call: float = 1.0,
+) -> Fleet:
+    return Fleet(
+        backend=backend,
+        agents=n,
+        min_nodes=min_nodes or n,
+        max_nodes=max_nodes or n,
+        endpoints=env.endpoints if isinstance(env, Cluster) else "",
+        store=env.address if isinstance(env, StoreServer) else "",
+        conf=conf_for(backend, args, last_call),
+        per_process=args.per_process,
+        log_dir=workdir / "logs",
+        quiet=not args.agent_warnings,
+    )
 
 
 def measure_idle(args: argparse.Namespace, workdir: Path) -> Result:
@@ -375,7 +464,9 @@ def measure_idle(args: argparse.Namespace, workdir: Path) -> Result:
         cpu, started = env.cpu(), time.monotonic()
         time.sleep(args.idle_s)
         minutes = (time.monotonic() - started) / 60
-        return Result("etcd", 0, "idle", load={"per_minute": {"server_cpu_s": (env.cpu() - cpu) / minutes}})
+        return Result(
+            "etcd", 0, "idle", load={"per_minute": {"server_cpu_s": (env.cpu() - cpu) / minutes}}
+        )
 
 
 def measure_backend(backend: str, n: int, args: argparse.Namespace, workdir: Path) -> list[Result]:
@@ -396,8 +487,16 @@ def measure_backend(backend: str, n: int, args: argparse.Namespace, workdir: Pat
                 wait_until(lambda end=end: probe.joined() >= end, deadline - time.monotonic())
             if not wait_until(lambda: probe.joined() >= n - 1, deadline - time.monotonic()):
                 stuck = Sample.take(fleet, env)
-                return [Result(backend, n, "first", ok=False, note=f"{probe.joined()} of {n - 1} joined within {args.limit:g}s",
-                               load=per_agent(base, stuck, n))]
+                return [
+                    Result(
+                        backend,
+                        n,
+                        "first",
+                        ok=False,
+                        note=f"{probe.joined()} of {n - 1} joined within {args.limit:g}s",
+                        load=per_agent(base, stuck, n),
+                    )
+                ]
             time.sleep(args.settle)
             before = Sample.take(fleet, env)
             started = time.monotonic()
@@ -408,9 +507,14 @@ def measure_backend(backend: str, n: int, args: argparse.Namespace, workdir: Pat
                 return [Result(backend, n, "first", ok=False, note=str(exc))]
             reports = fleet.reports()
             after = Sample.take(fleet, env, reports)
-            first = Result(backend, n, "first", release=release_stats(fleet.releases(reports, fleet.refs, started)),
-                           load=per_agent(base, after, n),
-                           extra={"after_last_join": per_agent(before, after, n)})
+            first = Result(
+                backend,
+                n,
+                "first",
+                release=release_stats(fleet.releases(reports, fleet.refs, started)),
+                load=per_agent(base, after, n),
+                extra={"after_last_join": per_agent(before, after, n)},
+            )
             results.append(first)
             print(f"[{backend} N={n}] first round: {first.release}", file=sys.stderr, flush=True)
 
@@ -423,9 +527,20 @@ def measure_backend(backend: str, n: int, args: argparse.Namespace, workdir: Pat
                 reports = fleet.reports()
                 after = Sample.take(fleet, env, reports)
                 releases = fleet.releases(reports, fleet.refs, started)
-                results.append(Result(backend, n, "restart", release=release_stats(releases),
-                                      load=per_agent(before, after, n)))
-                print(f"[{backend} N={n}] restart round: {results[-1].release}", file=sys.stderr, flush=True)
+                results.append(
+                    Result(
+                        backend,
+                        n,
+                        "restart",
+                        release=release_stats(releases),
+                        load=per_agent(before, after, n),
+                    )
+                )
+                print(
+                    f"[{backend} N={n}] restart round: {results[-1].release}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             except (TimeoutError, RuntimeError) as exc:
                 results.append(Result(backend, n, "restart", ok=False, note=str(exc)))
 
@@ -434,11 +549,22 @@ def measure_backend(backend: str, n: int, args: argparse.Namespace, workdir: Pat
                 before = Sample.take(fleet, env)
                 time.sleep(args.steady_s)
                 after = Sample.take(fleet, env)
-                results.append(Result(backend, n, "steady", load=per_agent(before, after, n),
-                                      db_bytes=after.server.get("etcd_mvcc_db_total_size_in_bytes"),
-                                      keys=after.server.get("etcd_debugging_mvcc_keys_total"),
-                                      extra={"db_in_use_bytes": after.server.get("etcd_mvcc_db_total_size_in_use_in_bytes"),
-                                             "watchers": after.server.get("etcd_debugging_mvcc_watcher_total")}))
+                results.append(
+                    Result(
+                        backend,
+                        n,
+                        "steady",
+                        load=per_agent(before, after, n),
+                        db_bytes=after.server.get("etcd_mvcc_db_total_size_in_bytes"),
+                        keys=after.server.get("etcd_debugging_mvcc_keys_total"),
+                        extra={
+                            "db_in_use_bytes": after.server.get(
+                                "etcd_mvcc_db_total_size_in_use_in_bytes"
+                            ),
+                            "watchers": after.server.get("etcd_debugging_mvcc_watcher_total"),
+                        },
+                    )
+                )
         finally:
             probe.close()
     return results
@@ -450,7 +576,9 @@ def measure_backend(backend: str, n: int, args: argparse.Namespace, workdir: Pat
 class ScenarioRun:
     """One lease job of ``n/2 : n+1`` agents that goes through the scenarios one after another."""
 
-    def __init__(self, n: int, fleet: Fleet, env: Cluster, probe: Probe, args: argparse.Namespace) -> None:
+    def __init__(
+        self, n: int, fleet: Fleet, env: Cluster, probe: Probe, args: argparse.Namespace
+    ) -> None:
         self.n, self.fleet, self.env, self.probe, self.args = n, fleet, env, probe, args
         self.alive = list(fleet.refs)
         self.results: list[Result] = []
@@ -467,7 +595,9 @@ class ScenarioRun:
         spread = [r for r in self.alive if r != boss]
         return spread[:: max(1, len(spread) // count)][:count]
 
-    def measure(self, name: str, act: Callable[[], float], group: Callable[[], list[AgentRef]]) -> None:
+    def measure(
+        self, name: str, act: Callable[[], float], group: Callable[[], list[AgentRef]]
+    ) -> None:
         """Run ``act`` (it returns the moment of the event) and time every agent of ``group``."""
         fleet, env = self.fleet, self.env
         time.sleep(self.args.settle)
@@ -482,14 +612,28 @@ class ScenarioRun:
         reports = fleet.reports()
         after = Sample.take(fleet, env, reports)
         wanted = {(r.process, r.index) for r in waiting}
-        entered = [rec["entered"] - started for p, report in enumerate(reports) for a in report["agents"]
-                   if (p, a["index"]) in wanted for rec in a["records"] if rec["released"] > started]
-        result = Result("lease", self.n, name, release=release_stats(fleet.releases(reports, waiting, started)),
-                        load=per_agent(before, after, len(waiting)),
-                        extra={"first_rejoin_s": min(entered) if entered else None, "agents": len(waiting)})
+        entered = [
+            rec["entered"] - started
+            for p, report in enumerate(reports)
+            for a in report["agents"]
+            if (p, a["index"]) in wanted
+            for rec in a["records"]
+            if rec["released"] > started
+        ]
+        result = Result(
+            "lease",
+            self.n,
+            name,
+            release=release_stats(fleet.releases(reports, waiting, started)),
+            load=per_agent(before, after, len(waiting)),
+            extra={"first_rejoin_s": min(entered) if entered else None, "agents": len(waiting)},
+        )
         self.results.append(result)
-        print(f"[lease N={self.n}] {name}: {result.release} first rejoin {result.extra['first_rejoin_s']}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[lease N={self.n}] {name}: {result.release} first rejoin {result.extra['first_rejoin_s']}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def restart(self) -> float:
         started = time.monotonic()
@@ -498,8 +642,11 @@ class ScenarioRun:
 
     def run(self, scenario: str) -> None:
         if scenario in ("lose-1", "lose-coordinator", "leave-10pct"):
-            gone = [self.coordinator()] if scenario == "lose-coordinator" else self.victims(
-                1 if scenario == "lose-1" else max(1, self.n // 10))
+            gone = (
+                [self.coordinator()]
+                if scenario == "lose-coordinator"
+                else self.victims(1 if scenario == "lose-1" else max(1, self.n // 10))
+            )
             how = "leave" if scenario == "leave-10pct" else "kill"
 
             def drop() -> float:
@@ -509,7 +656,9 @@ class ScenarioRun:
 
             self.alive = [r for r in self.alive if r not in gone]
             self.measure(scenario, drop, lambda: self.alive)
-        elif scenario == "restart-round":  # a restart round without a fault, at this point of the chain
+        elif (
+            scenario == "restart-round"
+        ):  # a restart round without a fault, at this point of the chain
             self.measure(scenario, self.restart, lambda: self.alive)
         elif scenario == "join-1":
             newcomer: list[AgentRef] = []
@@ -527,22 +676,36 @@ class ScenarioRun:
 
             def fault() -> float:
                 leader = self.env.leader()
-                victim = leader if scenario == "etcd-leader-killed" else next(s for s in self.env.servers if s is not leader)
+                victim = (
+                    leader
+                    if scenario == "etcd-leader-killed"
+                    else next(s for s in self.env.servers if s is not leader)
+                )
                 victims.append(victim)
                 started = self.restart()
-                wait_until(lambda: self.probe.joined() >= len(self.alive) // 2, self.args.limit, poll=0.02)
+                wait_until(
+                    lambda: self.probe.joined() >= len(self.alive) // 2, self.args.limit, poll=0.02
+                )
                 self.env.kill(victim)
                 return started
 
             self.measure(scenario, fault, lambda: self.alive)
             for victim in victims:
-                self.env.revive(victim)  # raises on a cluster whose members disagree (see check_consistent)
+                self.env.revive(
+                    victim
+                )  # raises on a cluster whose members disagree (see check_consistent)
 
 
-def measure_scenarios(n: int, scenarios: Sequence[str], args: argparse.Namespace, workdir: Path) -> list[Result]:
+def measure_scenarios(
+    n: int, scenarios: Sequence[str], args: argparse.Namespace, workdir: Path
+) -> list[Result]:
     """Each scenario on a job of ``n/2 : n+1`` agents, beside a restart round without fault."""
-    with environment("lease", workdir) as env, fleet_for("lease", n, env, args, workdir, min_nodes=max(1, n // 2),
-                                                          max_nodes=n + 1, last_call=3.0) as fleet:
+    with (
+        environment("lease", workdir) as env,
+        fleet_for(
+            "lease", n, env, args, workdir, min_nodes=max(1, n // 2), max_nodes=n + 1, last_call=3.0
+        ) as fleet,
+    ):
         assert isinstance(env, Cluster)
         probe = Probe("lease", fleet.run_id, env)
         try:
@@ -554,8 +717,12 @@ def measure_scenarios(n: int, scenarios: Sequence[str], args: argparse.Namespace
             for scenario in scenarios:
                 try:
                     run.run(scenario)
-                except ClusterDisagrees as exc:  # etcd itself broke (a revived member lost writes): stop the chain
-                    run.results.append(Result("lease", n, f"{scenario}: chain stopped", ok=False, note=str(exc)))
+                except (
+                    ClusterDisagrees
+                ) as exc:  # etcd itself broke (a revived member lost writes): stop the chain
+                    run.results.append(
+                        Result("lease", n, f"{scenario}: chain stopped", ok=False, note=str(exc))
+                    )
                     print(f"[lease N={n}] chain stopped: {exc}", file=sys.stderr, flush=True)
                     break
             return run.results
@@ -580,14 +747,22 @@ def kb(value: float | None) -> str:
 
 def tables(results: Sequence[Result]) -> str:
     """Markdown tables: rounds and steady state by backend and N, then the scenarios."""
-    lines = ["### Rounds: after the last join (first round), and a restart round (every agent rejoins)", "",
-             "| backend | N | first: p50 s | first: p99 s | first: last s | req/agent (first, incl. registration) | "
-             "writes/agent | etcd KB/agent | etcd CPU s after last join | restart: p99 s | restart: last s | "
-             "restart req/agent | restart writes/agent | restart etcd CPU s | sim CPU s (restart) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "### Rounds: after the last join (first round), and a restart round (every agent rejoins)",
+        "",
+        "| backend | N | first: p50 s | first: p99 s | first: last s | req/agent (first, incl. registration) | "
+        "writes/agent | etcd KB/agent | etcd CPU s after last join | restart: p99 s | restart: last s | "
+        "restart req/agent | restart writes/agent | restart etcd CPU s | sim CPU s (restart) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     by_key = {(r.backend, r.nodes, r.phase): r for r in results}
-    keys = sorted({(r.backend, r.nodes) for r in results if r.phase in ("first", "restart", "steady")},
-                  key=lambda k: (("lease", "dynamic", "c10d").index(k[0]) if k[0] in ("lease", "dynamic", "c10d") else 9, k[1]))
+    keys = sorted(
+        {(r.backend, r.nodes) for r in results if r.phase in ("first", "restart", "steady")},
+        key=lambda k: (
+            ("lease", "dynamic", "c10d").index(k[0]) if k[0] in ("lease", "dynamic", "c10d") else 9,
+            k[1],
+        ),
+    )
     for backend, n in keys:
         first, restart = by_key.get((backend, n, "first")), by_key.get((backend, n, "restart"))
         if first is None:
@@ -597,19 +772,37 @@ def tables(results: Sequence[Result]) -> str:
             continue
         after = first.extra.get("after_last_join", {})
         etcd = backend != "c10d"  # c10d: no etcd, its requests are not counted
-        row = [backend, f"{n:,}", fmt(first.release["p50"], 3), fmt(first.release["p99"], 3), fmt(first.release["last"], 3),
-               fmt(first.load["requests"], 1) if etcd else "–", fmt(first.load["writes"], 1) if etcd else "–",
-               kb(first.load.get("bytes")), fmt(after.get("server_cpu_s"), 2)]
+        row = [
+            backend,
+            f"{n:,}",
+            fmt(first.release["p50"], 3),
+            fmt(first.release["p99"], 3),
+            fmt(first.release["last"], 3),
+            fmt(first.load["requests"], 1) if etcd else "–",
+            fmt(first.load["writes"], 1) if etcd else "–",
+            kb(first.load.get("bytes")),
+            fmt(after.get("server_cpu_s"), 2),
+        ]
         if restart is not None and restart.ok:
-            row += [fmt(restart.release["p99"], 3), fmt(restart.release["last"], 3),
-                    fmt(restart.load["requests"], 2) if etcd else "–", fmt(restart.load["writes"], 2) if etcd else "–",
-                    fmt(restart.load["server_cpu_s"], 2), fmt(restart.load["sim_cpu_s"], 1)]
+            row += [
+                fmt(restart.release["p99"], 3),
+                fmt(restart.release["last"], 3),
+                fmt(restart.load["requests"], 2) if etcd else "–",
+                fmt(restart.load["writes"], 2) if etcd else "–",
+                fmt(restart.load["server_cpu_s"], 2),
+                fmt(restart.load["sim_cpu_s"], 1),
+            ]
         else:
             row += [restart.note if restart is not None else "–", "", "", "", "", ""]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "### Steady state (nothing happening), per agent per minute", "",
-              "| backend | N | requests | etcd messages received | etcd KB | etcd CPU s/min (all members) | "
-              "DB MB (in use) | keys | watchers |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "### Steady state (nothing happening), per agent per minute",
+        "",
+        "| backend | N | requests | etcd messages received | etcd KB | etcd CPU s/min (all members) | "
+        "DB MB (in use) | keys | watchers |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for backend, n in keys:
         steady = by_key.get((backend, n, "steady"))
         if steady is None or not steady.ok:
@@ -618,15 +811,20 @@ def tables(results: Sequence[Result]) -> str:
         db = steady.db_bytes
         in_use = steady.extra.get("db_in_use_bytes")
         requests = fmt(per_min["requests"], 1) if backend != "c10d" else "–"
-        lines.append(f"| {backend} | {n:,} | {requests} | {fmt(per_min['server_messages'], 1)} | "
-                     f"{kb(per_min['bytes'])} | {fmt(per_min['server_cpu_s'], 2)} | "
-                     f"{'–' if db is None else f'{db / 2**20:.1f}'} ({'–' if in_use is None else f'{in_use / 2**20:.1f}'}) | "
-                     f"{fmt(steady.keys, 0)} | {fmt(steady.extra.get('watchers'), 0)} |")
+        lines.append(
+            f"| {backend} | {n:,} | {requests} | {fmt(per_min['server_messages'], 1)} | "
+            f"{kb(per_min['bytes'])} | {fmt(per_min['server_cpu_s'], 2)} | "
+            f"{'–' if db is None else f'{db / 2**20:.1f}'} ({'–' if in_use is None else f'{in_use / 2**20:.1f}'}) | "
+            f"{fmt(steady.keys, 0)} | {fmt(steady.extra.get('watchers'), 0)} |"
+        )
     idle = by_key.get(("etcd", 0, "idle"))
     if idle is not None:
-        lines += ["", f"An idle 3-member cluster (no client) uses {fmt(idle.load['per_minute']['server_cpu_s'], 2)} CPU s/min "
-                      "(raft heartbeats every 50 ms); the etcd CPU columns include it. For c10d the CPU column is "
-                      "the TCPStore server process's."]
+        lines += [
+            "",
+            f"An idle 3-member cluster (no client) uses {fmt(idle.load['per_minute']['server_cpu_s'], 2)} CPU s/min "
+            "(raft heartbeats every 50 ms); the etcd CPU columns include it. For c10d the CPU column is "
+            "the TCPStore server process's.",
+        ]
     ratios = []
     for n in sorted({k[1] for k in keys}):
         lease = by_key.get(("lease", n, "first"))
@@ -635,22 +833,31 @@ def tables(results: Sequence[Result]) -> str:
         for other in ("dynamic", "c10d"):
             result = by_key.get((other, n, "first"))
             if result is not None and result.ok:
-                ratios.append(f"N={n:,}: {other}/lease p99 {result.release['p99'] / lease.release['p99']:.1f}x")
+                ratios.append(
+                    f"N={n:,}: {other}/lease p99 {result.release['p99'] / lease.release['p99']:.1f}x"
+                )
     if ratios:
         lines += ["", "Ratios (first round, p99 after the last join): " + "; ".join(ratios) + "."]
     scenario_rows = [r for r in results if r.phase not in ("first", "restart", "steady", "idle")]
     if scenario_rows:
-        lines += ["", "### Membership changes and etcd faults (lease), from the event to each agent's release", "",
-                  "| N | scenario | agents | first rejoin s | p50 s | p99 s | last s | req/agent | writes/agent | "
-                  "etcd CPU s | sim CPU s |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "### Membership changes and etcd faults (lease), from the event to each agent's release",
+            "",
+            "| N | scenario | agents | first rejoin s | p50 s | p99 s | last s | req/agent | writes/agent | "
+            "etcd CPU s | sim CPU s |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in scenario_rows:
             if not r.ok:
                 lines.append(f"| {r.nodes:,} | {r.phase} | {r.note} | | | | | | | | |")
                 continue
-            lines.append(f"| {r.nodes:,} | {r.phase} | {r.extra.get('agents', '')} | {fmt(r.extra.get('first_rejoin_s'), 2)} | "
-                         f"{fmt(r.release['p50'], 2)} | {fmt(r.release['p99'], 2)} | {fmt(r.release['last'], 2)} | "
-                         f"{fmt(r.load['requests'], 2)} | {fmt(r.load['writes'], 2)} | {fmt(r.load['server_cpu_s'], 2)} | "
-                         f"{fmt(r.load['sim_cpu_s'], 1)} |")
+            lines.append(
+                f"| {r.nodes:,} | {r.phase} | {r.extra.get('agents', '')} | {fmt(r.extra.get('first_rejoin_s'), 2)} | "
+                f"{fmt(r.release['p50'], 2)} | {fmt(r.release['p99'], 2)} | {fmt(r.release['last'], 2)} | "
+                f"{fmt(r.load['requests'], 2)} | {fmt(r.load['writes'], 2)} | {fmt(r.load['server_cpu_s'], 2)} | "
+                f"{fmt(r.load['sim_cpu_s'], 1)} |"
+            )
     return "\n".join(lines)
 
 
@@ -662,18 +869,35 @@ def chart(results: Sequence[Result], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        print(NO_MATPLOTLIB if exc.name == "matplotlib" else f"no chart: cannot import matplotlib ({exc})", file=sys.stderr)
+        print(
+            NO_MATPLOTLIB
+            if exc.name == "matplotlib"
+            else f"no chart: cannot import matplotlib ({exc})",
+            file=sys.stderr,
+        )
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"lease": ("etcd-v3 (lease)", "tab:blue"), "dynamic": ("etcd-v3 handler=dynamic", "tab:orange"),
-              "c10d": ("c10d (TCPStore)", "tab:green")}
+    styles = {
+        "lease": ("etcd-v3 (lease)", "tab:blue"),
+        "dynamic": ("etcd-v3 handler=dynamic", "tab:orange"),
+        "c10d": ("c10d (TCPStore)", "tab:green"),
+    }
     for backend, (label, color) in styles.items():
         for phase, marker, line in (("first", "o", "-"), ("restart", "s", "--")):
-            points = sorted((r.nodes, r.release["p99"]) for r in results
-                            if r.backend == backend and r.phase == phase and r.ok and r.release)
+            points = sorted(
+                (r.nodes, r.release["p99"])
+                for r in results
+                if r.backend == backend and r.phase == phase and r.ok and r.release
+            )
             if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, linestyle=line, color=color,
-                        label=f"{label}, {'after last join' if phase == 'first' else 'restart round'}")
+                ax.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    marker=marker,
+                    linestyle=line,
+                    color=color,
+                    label=f"{label}, {'after last join' if phase == 'first' else 'restart round'}",
+                )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("agents (N)")
@@ -704,30 +928,73 @@ def load_results(path: Path) -> list[Result]:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[128, 1024, 4096, 10000])
-    parser.add_argument("--backends", nargs="+", default=["lease", "dynamic", "c10d"], choices=["lease", "dynamic", "c10d"])
-    parser.add_argument("--scenarios", nargs="*", default=[], help=f"'all' or some of {', '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=["lease", "dynamic", "c10d"],
+        choices=["lease", "dynamic", "c10d"],
+    )
+    parser.add_argument(
+        "--scenarios", nargs="*", default=[], help=f"'all' or some of {', '.join(SCENARIOS)}"
+    )
     parser.add_argument("--scenario-nodes", type=int, default=1024)
-    parser.add_argument("--per-process", type=int, default=500, help="agents per simulation process")
-    parser.add_argument("--ramp", type=int, default=1000, help="agents that start joining at once in the first round")
-    parser.add_argument("--limit", type=float, default=300.0, help="seconds a phase may take before the backend is given up at that N")
-    parser.add_argument("--steady-s", type=float, default=60.0, help="seconds of steady state measured (0: skip)")
-    parser.add_argument("--settle", type=float, default=2.0, help="seconds of quiet before each measurement")
-    parser.add_argument("--idle-s", type=float, default=20.0, help="seconds an idle cluster's CPU is measured (0: skip)")
+    parser.add_argument(
+        "--per-process", type=int, default=500, help="agents per simulation process"
+    )
+    parser.add_argument(
+        "--ramp",
+        type=int,
+        default=1000,
+        help="agents that start joining at once in the first round",
+    )
+    parser.add_argument(
+        "--limit",
+        type=float,
+        default=300.0,
+        help="seconds a phase may take before the backend is given up at that N",
+    )
+    parser.add_argument(
+        "--steady-s", type=float, default=60.0, help="seconds of steady state measured (0: skip)"
+    )
+    parser.add_argument(
+        "--settle", type=float, default=2.0, help="seconds of quiet before each measurement"
+    )
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=20.0,
+        help="seconds an idle cluster's CPU is measured (0: skip)",
+    )
     parser.add_argument("--lease-ttl", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--chart", type=Path, default=HERE / "rendezvous_scale.png")
     parser.add_argument("--no-chart", action="store_true")
-    parser.add_argument("--replot", type=Path, default=None, help="only print the tables and draw the chart of a --json file")
-    parser.add_argument("--workdir", type=Path, default=None, help="etcd data and logs (default: a temporary folder)")
-    parser.add_argument("--agent-warnings", action="store_true",
-                        help="agents log warnings, not only errors, and the coordinator its decisions "
-                             "(into the workdir's logs/)")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="only print the tables and draw the chart of a --json file",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="etcd data and logs (default: a temporary folder)",
+    )
+    parser.add_argument(
+        "--agent-warnings",
+        action="store_true",
+        help="agents log warnings, not only errors, and the coordinator its decisions "
+        "(into the workdir's logs/)",
+    )
     args = parser.parse_args(argv)
     if args.scenarios == ["all"]:
         args.scenarios = list(SCENARIOS)
     unknown = sorted(set(args.scenarios) - set(SCENARIOS))
     if unknown:
-        parser.error(f"--scenarios: unknown {', '.join(unknown)} (known: all, {', '.join(SCENARIOS)})")
+        parser.error(
+            f"--scenarios: unknown {', '.join(unknown)} (known: all, {', '.join(SCENARIOS)})"
+        )
     if any(n < 2 for n in args.nodes):
         parser.error("--nodes: every N must be >= 2")
     return args
@@ -741,7 +1008,9 @@ def main(argv: Sequence[str]) -> int:
         return 0
     results: list[Result] = []
     with contextlib.ExitStack() as stack:
-        workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rdzv-scale-")))
+        workdir = args.workdir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="rdzv-scale-"))
+        )
         try:
             if args.idle_s > 0 and set(args.backends) & {"lease", "dynamic"}:
                 results.append(measure_idle(args, workdir))
@@ -750,7 +1019,11 @@ def main(argv: Sequence[str]) -> int:
                     measured = measure_backend(backend, n, args, workdir)
                     results += measured
                     if any(not r.ok for r in measured if r.phase == "first"):
-                        print(f"[{backend}] stops at N={n}: {measured[0].note}", file=sys.stderr, flush=True)
+                        print(
+                            f"[{backend}] stops at N={n}: {measured[0].note}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         break
             if args.scenarios:
                 results += measure_scenarios(args.scenario_nodes, args.scenarios, args, workdir)

@@ -88,7 +88,10 @@ def make_state(state_mb: float, tensor_mb: float) -> dict[str, Any]:
     numel, chunk = int(state_mb * 1e6 / 4), max(1, int(tensor_mb * 1e6 / 4))
     sizes = [min(chunk, numel - start) for start in range(0, numel, chunk)]
     model = {f"layer{i}.weight": torch.rand(n) for i, n in enumerate(sizes)}
-    moments = {k: {"exp_avg": torch.rand(n), "exp_avg_sq": torch.rand(n)} for k, n in zip(model, sizes, strict=True)}
+    moments = {
+        k: {"exp_avg": torch.rand(n), "exp_avg_sq": torch.rand(n)}
+        for k, n in zip(model, sizes, strict=True)
+    }
     return {"model": model, "optimizer": {"state": moments, "step": 1000}, "step": 1000}
 
 
@@ -134,7 +137,9 @@ def _peer(rank: int, port: int, args: argparse.Namespace, path: str, out: str) -
     store = dist.PrefixStore("peers", dist.TCPStore(HOST, port, None, False, timeout=STORE_TIMEOUT))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=STORE_TIMEOUT)
     try:
-        buffers = torch.load(path, weights_only=True)  # rank 1: only the shapes matter (overwritten)
+        buffers = torch.load(
+            path, weights_only=True
+        )  # rank 1: only the shapes matter (overwritten)
         payload = buffers if rank == 0 else None
         times: list[list[float]] = []
         for _ in range(args.repeats):
@@ -159,7 +164,9 @@ def peer_transfer(args: argparse.Namespace, port: int, path: str, tmp: str) -> l
     """Per repeat: share_state's receiver wall, CPU of both ranks, then the same for the raw
     broadcast; from two spawned ranks, bounded by --timeout."""
     out = os.path.join(tmp, "peer")
-    context = mp.start_processes(_peer, args=(port, args, path, out), nprocs=2, start_method="spawn", join=False)
+    context = mp.start_processes(
+        _peer, args=(port, args, path, out), nprocs=2, start_method="spawn", join=False
+    )
     deadline = time.monotonic() + args.timeout
     try:
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):
@@ -171,7 +178,10 @@ def peer_transfer(args: argparse.Namespace, port: int, path: str, tmp: str) -> l
                 process.kill()
                 process.join(5)
     source, receiver = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
-    return [[rx[0], rx[1] + tx[1], rx[2], rx[3] + tx[3]] for tx, rx in zip(source, receiver, strict=True)]
+    return [
+        [rx[0], rx[1] + tx[1], rx[2], rx[3] + tx[3]]
+        for tx, rx in zip(source, receiver, strict=True)
+    ]
 
 
 def _median(values: list[float]) -> float:
@@ -183,14 +193,27 @@ def _cell(value: float | None) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--state-mb", type=float, default=200.0, help="float32 parameters, MB (checkpoint: 3x)")
-    parser.add_argument("--tensor-mb", type=float, default=16.0, help="size of each parameter tensor, MB")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--state-mb", type=float, default=200.0, help="float32 parameters, MB (checkpoint: 3x)"
+    )
+    parser.add_argument(
+        "--tensor-mb", type=float, default=16.0, help="size of each parameter tensor, MB"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: gloo on cpu, nccl on cuda")
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: gloo on cpu, nccl on cuda",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="bound on each child run, s")
-    parser.add_argument("--tmp", default=None, help="directory for the checkpoint file (default: system temp)")
+    parser.add_argument(
+        "--tmp", default=None, help="directory for the checkpoint file (default: system temp)"
+    )
     args = parser.parse_args()
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     if args.repeats < 1 or args.state_mb <= 0 or args.tensor_mb <= 0 or args.timeout <= 0:
@@ -201,8 +224,7 @@ def main() -> int:
         parser.error("--backend nccl needs --device cuda")
     try:
         report(args)
-    except (RuntimeError, OSError, mp.ProcessRaisedException,
-            mp.ProcessExitedException) as exc:
+    except (RuntimeError, OSError, mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
         print(f"restart_cost.py: error: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
         return 1
     return 0
@@ -230,8 +252,11 @@ def report(args: argparse.Namespace) -> None:
                 restarts.append(restart_once(args, store.port, f"restart-{repeat}", path))
                 rebuilds.append(rebuild_once(args, store, f"parent-{repeat + 1}"))
                 r = restarts[-1]
-                print(f"repeat {repeat}: restart child {r['process_s']:.2f} s (import {r['import_s']:.2f}, group "
-                      f"{r['group_s']:.3f}, load {r['load_s']:.3f}); in-place group {rebuilds[-1][0]:.3f} s", flush=True)
+                print(
+                    f"repeat {repeat}: restart child {r['process_s']:.2f} s (import {r['import_s']:.2f}, group "
+                    f"{r['group_s']:.3f}, load {r['load_s']:.3f}); in-place group {rebuilds[-1][0]:.3f} s",
+                    flush=True,
+                )
             if device.type == "cuda":
                 on_device = [t.to(device) for t in _tensors(state)]
                 for _ in range(args.repeats):
@@ -246,8 +271,11 @@ def report(args: argparse.Namespace) -> None:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        print(f"peer state transfer (receiver): share_state {', '.join(f'{p[0]:.2f}' for p in peers)} s; "
-              f"raw broadcast {', '.join(f'{p[2]:.2f}' for p in peers)} s", flush=True)
+        print(
+            f"peer state transfer (receiver): share_state {', '.join(f'{p[0]:.2f}' for p in peers)} s; "
+            f"raw broadcast {', '.join(f'{p[2]:.2f}' for p in peers)} s",
+            flush=True,
+        )
 
     def med(key: str) -> float:
         return _median([r[key] for r in restarts])
@@ -255,42 +283,73 @@ def report(args: argparse.Namespace) -> None:
     cuda = device.type == "cuda"
     rows: list[tuple[str, float | None, float, float | None, float]] = [
         ("1. interpreter start + `import torch`", med("import_s"), 0.0, med("import_cpu_s"), 0.0),
-        ("2. device context", med("context_s") if cuda else None, 0.0,
-         med("context_cpu_s") if cuda else None, 0.0),
-        (f"3. process group ({args.backend})",
-         med("group_s"), _median([w for w, _ in rebuilds]), med("group_cpu_s"), _median([c for _, c in rebuilds])),
-        ("4. training state",
-         med("load_s"), _median([p[0] for p in peers]), med("load_cpu_s"), _median([p[1] for p in peers])),
+        (
+            "2. device context",
+            med("context_s") if cuda else None,
+            0.0,
+            med("context_cpu_s") if cuda else None,
+            0.0,
+        ),
+        (
+            f"3. process group ({args.backend})",
+            med("group_s"),
+            _median([w for w, _ in rebuilds]),
+            med("group_cpu_s"),
+            _median([c for _, c in rebuilds]),
+        ),
+        (
+            "4. training state",
+            med("load_s"),
+            _median([p[0] for p in peers]),
+            med("load_cpu_s"),
+            _median([p[1] for p in peers]),
+        ),
     ]
     where = torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)"
     print()
-    print(f"{where}, backend {args.backend}, torch {torch.__version__}; state {args.state_mb:.0f} MB parameters + "
-          f"2x AdamW moments = {on_disk:.0f} MB checkpoint; median of {args.repeats}; "
-          f"load average {os.getloadavg()[0]:.2f}")
-    print("| phase | restart (s) | in place (s) | restart / in place | restart CPU (s) | in place CPU (s) |")
+    print(
+        f"{where}, backend {args.backend}, torch {torch.__version__}; state {args.state_mb:.0f} MB parameters + "
+        f"2x AdamW moments = {on_disk:.0f} MB checkpoint; median of {args.repeats}; "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        "| phase | restart (s) | in place (s) | restart / in place | restart CPU (s) | in place CPU (s) |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for name, restart, in_place, restart_cpu, in_place_cpu in rows:
         ratio = f"{restart / in_place:.1f}x" if restart is not None and in_place > 0 else "-"
         kept = "0 (kept)" if in_place == 0 else f"{in_place:.3f}"
         kept_cpu = "0 (kept)" if in_place_cpu == 0 else f"{in_place_cpu:.3f}"
-        print(f"| {name} | {_cell(restart)} | {kept} | {ratio} | {_cell(restart_cpu)} | {kept_cpu} |")
+        print(
+            f"| {name} | {_cell(restart)} | {kept} | {ratio} | {_cell(restart_cpu)} | {kept_cpu} |"
+        )
     total = sum(r[1] or 0.0 for r in rows)
     total_in_place = sum(r[2] for r in rows)
     total_cpu, total_in_place_cpu = sum(r[3] or 0.0 for r in rows), sum(r[4] for r in rows)
-    print(f"| **total** | {total:.3f} | {total_in_place:.3f} | {total / total_in_place:.1f}x | {total_cpu:.3f} | "
-          f"{total_in_place_cpu:.3f} |")
+    print(
+        f"| **total** | {total:.3f} | {total_in_place:.3f} | {total / total_in_place:.1f}x | {total_cpu:.3f} | "
+        f"{total_in_place_cpu:.3f} |"
+    )
     print()
-    print("2: CUDA init + first allocation + synchronize (n/a on cpu). 3: restart = connect to the store + "
-          "init_process_group + first allreduce; in place = destroy_process_group + the same. 4: restart = "
-          "torch.load of the page-cached checkpoint file; in place = share_state from a live peer (gloo, 2 ranks; "
-          "CPU of both ranks).")
-    print(f"restart child as the parent saw it (spawn to exit, teardown included): {med('process_s'):.3f} s; "
-          f"interpreter start alone {med('start_s'):.3f} s, `import torch` alone {med('import_only_s'):.3f} s")
-    print(f"4, transport alone (lower bound: raw gloo broadcast of the tensors into preallocated ones, host "
-          f"memory): {_median([p[2] for p in peers]):.3f} s wall, {_median([p[3] for p in peers]):.3f} s CPU")
+    print(
+        "2: CUDA init + first allocation + synchronize (n/a on cpu). 3: restart = connect to the store + "
+        "init_process_group + first allreduce; in place = destroy_process_group + the same. 4: restart = "
+        "torch.load of the page-cached checkpoint file; in place = share_state from a live peer (gloo, 2 ranks; "
+        "CPU of both ranks)."
+    )
+    print(
+        f"restart child as the parent saw it (spawn to exit, teardown included): {med('process_s'):.3f} s; "
+        f"interpreter start alone {med('start_s'):.3f} s, `import torch` alone {med('import_only_s'):.3f} s"
+    )
+    print(
+        f"4, transport alone (lower bound: raw gloo broadcast of the tensors into preallocated ones, host "
+        f"memory): {_median([p[2] for p in peers]):.3f} s wall, {_median([p[3] for p in peers]):.3f} s CPU"
+    )
     if cuda:
-        print(f"lower bound for a GPU peer copy (device-to-device clone of the state on one GPU; two ranks cannot "
-              f"share a GPU under NCCL): {_median(clones):.3f} s")
+        print(
+            f"lower bound for a GPU peer copy (device-to-device clone of the state on one GPU; two ranks cannot "
+            f"share a GPU under NCCL): {_median(clones):.3f} s"
+        )
 
 
 def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:

@@ -71,7 +71,9 @@ def _bare(args: argparse.Namespace, rank: int, world: int) -> list[tuple[float, 
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     model = DDP(job.model().to(device), device_ids=[rank] if device.type == "cuda" else None)
     dataset = job.dataset()
-    sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=args.seed, drop_last=True)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, seed=args.seed, drop_last=True
+    )
     loader = DataLoader(dataset, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
@@ -111,7 +113,9 @@ def _runtime(args: argparse.Namespace, checkpoint_dir: str | None) -> list[tuple
                            max_steps=args.warmup + args.steps, checkpoint=CheckpointConfig(directory=checkpoint_dir),
                            log_every=10_000,
                            mixed_precision="bf16" if args.bf16 else "no")  # fmt: skip
-    env = read_env(cuda_devices=0) if args.device == "cpu" else None  # CPU even where a GPU is visible
+    env = (
+        read_env(cuda_devices=0) if args.device == "cpu" else None
+    )  # CPU even where a GPU is visible
     Trainer(config, job, observer=clock, env=env).fit()
     return clock.times
 
@@ -129,7 +133,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                     if variant == "bare":
                         times = _bare(args, rank, world)
                     else:
-                        ckpt = os.path.join(tmp, f"ckpt-{block}") if variant == "runtime+ckpt" else None
+                        ckpt = (
+                            os.path.join(tmp, f"ckpt-{block}")
+                            if variant == "runtime+ckpt"
+                            else None
+                        )
                         times = _runtime(args, ckpt)
                     lines.append(block_line(args, block, variant, times))
     finally:
@@ -138,7 +146,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         Path(out).write_text("\n".join(lines))
 
 
-def block_line(args: argparse.Namespace, block: int, variant: str, times: list[tuple[float, float]]) -> str:
+def block_line(
+    args: argparse.Namespace, block: int, variant: str, times: list[tuple[float, float]]
+) -> str:
     """``block variant samples/s CPU-us/sample`` of one block's timed window (a collective: every
     rank calls it; the CPU seconds are summed over the ranks)."""
     window = times[args.warmup - 1 :]
@@ -155,12 +165,20 @@ VARIANTS = ("bare", "runtime", "runtime+ckpt")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=6, help="rounds of (bare, runtime, runtime+ckpt)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=6, help="rounds of (bare, runtime, runtime+ckpt)"
+    )
     parser.add_argument("--steps", type=int, default=200, help="timed steps per block")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each block")
+    parser.add_argument(
+        "--warmup", type=int, default=20, help="untimed steps at the start of each block"
+    )
     add_workload_arguments(parser)
-    parser.add_argument("--tmp", default=None, help="directory for checkpoints (default: system temp)")
+    parser.add_argument(
+        "--tmp", default=None, help="directory for checkpoints (default: system temp)"
+    )
     args = parser.parse_args()
     resolve_workload_arguments(parser, args)
 
@@ -183,21 +201,34 @@ def report_blocks(args: argparse.Namespace, worker: Any, variants: Sequence[str]
         block, variant, rate, cpu, *steps = line.split()
         times = [float(s) for s in steps[0].split(",")] if steps else []
         per_block.setdefault(int(block), {})[variant] = (float(rate), float(cpu), times)
-        print(f"block {block}: {variant:{width}s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample", flush=True)
+        print(
+            f"block {block}: {variant:{width}s} {float(rate):9.1f} samples/s  {float(cpu):7.1f} CPU-us/sample",
+            flush=True,
+        )
     print()
-    where = f"{args.nproc} x {torch.cuda.get_device_name()}, NCCL" if args.device == "cuda" else f"{args.nproc} gloo ranks"
+    where = (
+        f"{args.nproc} x {torch.cuda.get_device_name()}, NCCL"
+        if args.device == "cuda"
+        else f"{args.nproc} gloo ranks"
+    )
     what = f"{args.model}{', bf16 autocast' if args.bf16 else ''}, global batch {args.global_batch_size}"
-    print(f"{what}; {where}; load average at the end: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores){note}")
+    print(
+        f"{what}; {where}; load average at the end: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores){note}"
+    )
     timed = all(times for b in per_block.values() for _, _, times in b.values())
-    print(f"| variant | samples/s (median) | ratio vs {baseline} | CPU-us per sample, both ranks (median) | "
-          f"CPU ratio vs {baseline} |" + (" step ms p50 | p99 | max |" if timed else ""))
+    print(
+        f"| variant | samples/s (median) | ratio vs {baseline} | CPU-us per sample, both ranks (median) | "
+        f"CPU ratio vs {baseline} |" + (" step ms p50 | p99 | max |" if timed else "")
+    )
     print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if timed else ""))
     for variant in variants:
         median_rate = statistics.median(b[variant][0] for b in per_block.values())
         ratio = statistics.median(b[variant][0] / b[baseline][0] for b in per_block.values())
         median_cpu = statistics.median(b[variant][1] for b in per_block.values())
         cpu_ratio = statistics.median(b[variant][1] / b[baseline][1] for b in per_block.values())
-        row = f"| {variant} | {median_rate:.1f} | {ratio:.3f} | {median_cpu:.1f} | {cpu_ratio:.3f} |"
+        row = (
+            f"| {variant} | {median_rate:.1f} | {ratio:.3f} | {median_cpu:.1f} | {cpu_ratio:.3f} |"
+        )
         if timed:
             step_ms = sorted(t for b in per_block.values() for t in b[variant][2])
             row += f" {_percentile(step_ms, 0.5):.2f} | {_percentile(step_ms, 0.99):.2f} | {step_ms[-1]:.2f} |"

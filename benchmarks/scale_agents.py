@@ -95,17 +95,27 @@ class Simulation:
 
             endpoints = parse_endpoints(args.endpoints)
             shift = args.process_index % len(endpoints)  # spread the processes over the members
-            self.connection = EtcdConnection(EtcdClientConfig(
-                endpoints=endpoints[shift:] + endpoints[:shift], read_timeout=10, retry_timeout=args.retry_timeout))
+            self.connection = EtcdConnection(
+                EtcdClientConfig(
+                    endpoints=endpoints[shift:] + endpoints[:shift],
+                    read_timeout=10,
+                    retry_timeout=args.retry_timeout,
+                )
+            )
         self.spawn(args.agents)
         threading.Thread(target=self._monitor, name="monitor", daemon=True).start()
 
     def _settings(self) -> Any:
         from rendezvous.settings import settings_from_conf
 
-        return settings_from_conf(self.args.conf, endpoint=self.args.endpoints, run_id=self.args.run_id,
-                                  min_nodes=self.args.min_nodes, max_nodes=self.args.max_nodes,
-                                  local_addr="127.0.0.1")
+        return settings_from_conf(
+            self.args.conf,
+            endpoint=self.args.endpoints,
+            run_id=self.args.run_id,
+            min_nodes=self.args.min_nodes,
+            max_nodes=self.args.max_nodes,
+            local_addr="127.0.0.1",
+        )
 
     def _make_handler(self) -> Any:
         settings = self._settings()
@@ -116,19 +126,33 @@ class Simulation:
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
         timeout = RendezvousTimeout(
-            timedelta(seconds=settings.join_timeout), timedelta(seconds=settings.last_call_timeout),
-            timedelta(seconds=settings.close_timeout), timedelta(seconds=settings.heartbeat_timeout))
+            timedelta(seconds=settings.join_timeout),
+            timedelta(seconds=settings.last_call_timeout),
+            timedelta(seconds=settings.close_timeout),
+            timedelta(seconds=settings.heartbeat_timeout),
+        )
         if self.args.backend == "dynamic":
             from rendezvous.etcd_backend import EtcdV3RendezvousBackend
             from rendezvous.etcd_store import EtcdV3Store
             from rendezvous.handler import EtcdV3RendezvousHandler
 
-            backend = EtcdV3RendezvousBackend(self.connection, settings.run_id, key_prefix=settings.key_prefix,
-                                              ttl=settings.ttl)
-            store: Any = EtcdV3Store(self.connection, f"{settings.run_prefix}/store", ttl=settings.ttl)
+            backend = EtcdV3RendezvousBackend(
+                self.connection, settings.run_id, key_prefix=settings.key_prefix, ttl=settings.ttl
+            )
+            store: Any = EtcdV3Store(
+                self.connection, f"{settings.run_prefix}/store", ttl=settings.ttl
+            )
             return EtcdV3RendezvousHandler.from_backend(
-                settings.run_id, store, backend, settings.min_nodes, settings.max_nodes, "127.0.0.1", timeout,
-                keep_alive_interval=settings.keep_alive_interval, keep_alive_max_attempt=settings.keep_alive_max_attempt)
+                settings.run_id,
+                store,
+                backend,
+                settings.min_nodes,
+                settings.max_nodes,
+                "127.0.0.1",
+                timeout,
+                keep_alive_interval=settings.keep_alive_interval,
+                keep_alive_max_attempt=settings.keep_alive_max_attempt,
+            )
         import torch.distributed as dist
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
             C10dRendezvousBackend,
@@ -136,11 +160,21 @@ class Simulation:
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
         host, _, port = self.args.store.rpartition(":")
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=settings.join_timeout))
+        client = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=settings.join_timeout)
+        )
         backend_c10d = C10dRendezvousBackend(client, settings.run_id)
         return DynamicRendezvousHandler.from_backend(
-            settings.run_id, client, backend_c10d, settings.min_nodes, settings.max_nodes, "127.0.0.1", timeout,
-            keep_alive_interval=settings.keep_alive_interval, keep_alive_max_attempt=settings.keep_alive_max_attempt)
+            settings.run_id,
+            client,
+            backend_c10d,
+            settings.min_nodes,
+            settings.max_nodes,
+            "127.0.0.1",
+            timeout,
+            keep_alive_interval=settings.keep_alive_interval,
+            keep_alive_max_attempt=settings.keep_alive_max_attempt,
+        )
 
     def spawn(self, count: int) -> list[int]:
         added = []
@@ -148,7 +182,9 @@ class Simulation:
             agent = Agent(len(self.agents), self._make_handler())
             with self._lock:
                 self.agents.append(agent)
-            threading.Thread(target=self._drive, args=(agent,), name=f"agent-{agent.index}", daemon=True).start()
+            threading.Thread(
+                target=self._drive, args=(agent,), name=f"agent-{agent.index}", daemon=True
+            ).start()
             added.append(agent.index)
         return added
 
@@ -167,8 +203,15 @@ class Simulation:
                 agent.joining = False
                 return
             released = time.monotonic()
-            agent.records.append({"entered": entered, "released": released, "rank": info.rank,
-                                  "world_size": info.world_size, "round": getattr(agent.handler, "_round", None)})
+            agent.records.append(
+                {
+                    "entered": entered,
+                    "released": released,
+                    "rank": info.rank,
+                    "world_size": info.world_size,
+                    "round": getattr(agent.handler, "_round", None),
+                }
+            )
             agent.want_join.clear()
             agent.joining = False
 
@@ -180,7 +223,12 @@ class Simulation:
             with self._lock:
                 agents = list(self.agents)
             for agent in agents:
-                if agent.alive and agent.records and not agent.joining and not agent.want_join.is_set():
+                if (
+                    agent.alive
+                    and agent.records
+                    and not agent.joining
+                    and not agent.want_join.is_set()
+                ):
                     try:
                         if agent.handler.num_nodes_waiting() > 0:
                             agent.want_join.set()
@@ -242,14 +290,30 @@ class Simulation:
             from rendezvous.lease_keeper import LeaseKeeper
             from rendezvous.watch_hub import WatchHub
 
-            extra = {"watch_events": WatchHub.of(self.connection).events,
-                     "leases_kept": LeaseKeeper.of(self.connection).kept(),
-                     "coordinators": [a.index for a in self.agents if a.handler._coordinator is not None]}
+            extra = {
+                "watch_events": WatchHub.of(self.connection).events,
+                "leases_kept": LeaseKeeper.of(self.connection).kept(),
+                "coordinators": [
+                    a.index for a in self.agents if a.handler._coordinator is not None
+                ],
+            }
         return {
-            "ok": True, "pid": os.getpid(), "cpu_s": cpu_seconds(os.getpid()), "requests": requests,
-            "request_counts": counts, **extra,
-            "agents": [{"index": a.index, "alive": a.alive, "records": a.records, "error": a.error,
-                        "node": getattr(a.handler, "node_id", None)} for a in self.agents],
+            "ok": True,
+            "pid": os.getpid(),
+            "cpu_s": cpu_seconds(os.getpid()),
+            "requests": requests,
+            "request_counts": counts,
+            **extra,
+            "agents": [
+                {
+                    "index": a.index,
+                    "alive": a.alive,
+                    "records": a.records,
+                    "error": a.error,
+                    "node": getattr(a.handler, "node_id", None),
+                }
+                for a in self.agents
+            ],
         }
 
 
@@ -265,12 +329,19 @@ def _dump_state(signum: int, frame: Any) -> None:
 def serve(argv: Sequence[str]) -> None:
     args = parse_args(argv)
     threading.stack_size(512 * 1024)  # a thousand agent threads: keep their stacks small
-    logging.basicConfig(level=logging.ERROR if args.quiet else logging.WARNING,
-                        format=f"[sim {args.process_index}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.ERROR if args.quiet else logging.WARNING,
+        format=f"[sim {args.process_index}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if not args.quiet:  # one coordinator per run: its decisions too (a line per round or loss)
-        for name in ("rendezvous.coordinator", "rendezvous.watch_hub"):  # and each stream that failed over
+        for name in (
+            "rendezvous.coordinator",
+            "rendezvous.watch_hub",
+        ):  # and each stream that failed over
             logging.getLogger(name).setLevel(logging.INFO)
-    signal.signal(signal.SIGUSR1, _dump_state)  # a stalled round: stacks and watch streams into the log
+    signal.signal(
+        signal.SIGUSR1, _dump_state
+    )  # a stalled round: stacks and watch streams into the log
     simulation = Simulation(args)
     print(json.dumps({"ok": True, "ready": len(simulation.agents), "pid": os.getpid()}), flush=True)
     for line in sys.stdin:
@@ -313,8 +384,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--conf", default="", help="--rdzv-conf of every agent")
     parser.add_argument("--retry-timeout", type=float, default=20.0)
     parser.add_argument("--monitor-interval", type=float, default=0.1)
-    parser.add_argument("--quiet", action="store_true",
-                        help="log errors only (else warnings, and the coordinator's decisions)")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="log errors only (else warnings, and the coordinator's decisions)",
+    )
     return parser.parse_args(argv)
 
 
@@ -328,8 +402,14 @@ class AgentProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 -- lives as long as the process
         self.process = subprocess.Popen(
-            [sys.executable, str(SCRIPT), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, env={**os.environ, **(env or {})}, text=True, bufsize=1)
+            [sys.executable, str(SCRIPT), *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, **(env or {})},
+            text=True,
+            bufsize=1,
+        )
         self._reply_lock = threading.Lock()
         self.ready: dict[str, Any] | None = None
 
@@ -340,12 +420,16 @@ class AgentProcess:
     def _read(self, timeout: float) -> dict[str, Any]:
         assert self.process.stdout is not None
         result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.process.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader = threading.Thread(
+            target=lambda: result.append(self.process.stdout.readline()), daemon=True
+        )  # type: ignore[union-attr]
         reader.start()
         reader.join(timeout)
         if not result or not result[0]:
-            raise TimeoutError(f"simulation process {self.process.pid} gave no answer within {timeout:g}s "
-                               f"(exit {self.process.poll()}); see {self.log_path}")
+            raise TimeoutError(
+                f"simulation process {self.process.pid} gave no answer within {timeout:g}s "
+                f"(exit {self.process.poll()}); see {self.log_path}"
+            )
         return json.loads(result[0])  # type: ignore[no-any-return]
 
     def ask(self, command: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
@@ -384,24 +468,61 @@ class Fleet:
         endpoints: etcd endpoints (``lease``, ``dynamic``); ``store``: the TCPStore (``c10d``).
     """
 
-    def __init__(self, *, backend: str, agents: int, min_nodes: int, max_nodes: int, run_id: str | None = None,
-                 endpoints: str = "", store: str = "", conf: str = "", per_process: int = 1250,
-                 log_dir: Path, retry_timeout: float = 20.0, quiet: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        backend: str,
+        agents: int,
+        min_nodes: int,
+        max_nodes: int,
+        run_id: str | None = None,
+        endpoints: str = "",
+        store: str = "",
+        conf: str = "",
+        per_process: int = 1250,
+        log_dir: Path,
+        retry_timeout: float = 20.0,
+        quiet: bool = True,
+    ) -> None:
         self.backend, self.run_id = backend, run_id or f"scale-{uuid.uuid4().hex[:8]}"
         self.endpoints, self.conf = endpoints, conf
         processes = max(1, math.ceil(agents / per_process))
-        sizes = [agents // processes + (1 if i < agents % processes else 0) for i in range(processes)]
+        sizes = [
+            agents // processes + (1 if i < agents % processes else 0) for i in range(processes)
+        ]
         self.processes: list[AgentProcess] = []
         self.refs: list[AgentRef] = []
         log_dir.mkdir(parents=True, exist_ok=True)
         for i, size in enumerate(sizes):
-            argv = ["--backend", backend, "--endpoints", endpoints, "--store", store, "--run-id", self.run_id,
-                    "--agents", str(size), "--process-index", str(i), "--min-nodes", str(min_nodes),
-                    "--max-nodes", str(max_nodes), "--conf", conf, "--retry-timeout", str(retry_timeout)]
+            argv = [
+                "--backend",
+                backend,
+                "--endpoints",
+                endpoints,
+                "--store",
+                store,
+                "--run-id",
+                self.run_id,
+                "--agents",
+                str(size),
+                "--process-index",
+                str(i),
+                "--min-nodes",
+                str(min_nodes),
+                "--max-nodes",
+                str(max_nodes),
+                "--conf",
+                conf,
+                "--retry-timeout",
+                str(retry_timeout),
+            ]
             if quiet:
                 argv.append("--quiet")
-            self.processes.append(AgentProcess(argv, log_dir / f"{backend}-{self.run_id}-{i}.log",
-                                               env={"OMP_NUM_THREADS": "1"}))
+            self.processes.append(
+                AgentProcess(
+                    argv, log_dir / f"{backend}-{self.run_id}-{i}.log", env={"OMP_NUM_THREADS": "1"}
+                )
+            )
             self.refs += [AgentRef(i, j) for j in range(size)]
 
     def __enter__(self) -> Fleet:
@@ -432,7 +553,10 @@ class Fleet:
 
     def command(self, name: str, refs: Sequence[AgentRef]) -> None:
         """Send ``join``/``restart``/``kill``/``leave`` to the processes of ``refs`` (in parallel)."""
-        threads = [threading.Thread(target=p.ask, args=({"cmd": name, "agents": idx},)) for p, idx in self._by_process(refs)]
+        threads = [
+            threading.Thread(target=p.ask, args=({"cmd": name, "agents": idx},))
+            for p, idx in self._by_process(refs)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -457,7 +581,9 @@ class Fleet:
             t.join(300)
         return results
 
-    def wait_released(self, refs: Sequence[AgentRef], since: float, timeout: float, poll: float = 0.2) -> None:
+    def wait_released(
+        self, refs: Sequence[AgentRef], since: float, timeout: float, poll: float = 0.2
+    ) -> None:
         """Wait until every agent of ``refs`` has completed a round after ``since`` (monotonic).
 
         Raises:
@@ -478,14 +604,21 @@ class Fleet:
             if errors:
                 raise RuntimeError(f"agent(s) failed: {errors[0]}")
             if time.monotonic() > deadline:
-                for process, _ in groups:  # every thread's stack into the process's log, for the post-mortem
+                for (
+                    process,
+                    _,
+                ) in groups:  # every thread's stack into the process's log, for the post-mortem
                     with contextlib.suppress(OSError):
                         process.process.send_signal(signal.SIGUSR1)
-                raise TimeoutError(f"{done} of {len(refs)} agents completed a round within {timeout:g}s "
-                                   f"(by process: {', '.join(by_process)}; stacks in the logs)")
+                raise TimeoutError(
+                    f"{done} of {len(refs)} agents completed a round within {timeout:g}s "
+                    f"(by process: {', '.join(by_process)}; stacks in the logs)"
+                )
             time.sleep(poll)
 
-    def releases(self, reports: list[dict[str, Any]], refs: Sequence[AgentRef], since: float) -> list[float]:
+    def releases(
+        self, reports: list[dict[str, Any]], refs: Sequence[AgentRef], since: float
+    ) -> list[float]:
         """Seconds from ``since`` to each agent's first release after it (from :meth:`reports`)."""
         wanted = {(r.process, r.index) for r in refs}
         out = []

@@ -56,18 +56,27 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tenso
     optimizer.zero_grad(set_to_none=True)
 
 
-def _manager(directory: str, every: int, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: Any,
-             *, async_write: bool = True) -> Any:
+def _manager(
+    directory: str,
+    every: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: Any,
+    *,
+    async_write: bool = True,
+) -> Any:
     from elastic_trainer.checkpoint.config import CheckpointConfig
     from elastic_trainer.checkpoint.sharded_manager import ShardedCheckpointManager
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.state.sharded import ShardedState
 
     env = read_env(environ={"RANK": str(dist.get_rank()), "WORLD_SIZE": str(WORLD)}, cuda_devices=0)
-    return ShardedCheckpointManager(CheckpointConfig(directory=directory, every=every, async_write=async_write,
-                                                     keep_last=2), env=env,
-                                    state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
-                                    fingerprint={"seed": 0})
+    return ShardedCheckpointManager(
+        CheckpointConfig(directory=directory, every=every, async_write=async_write, keep_last=2),
+        env=env,
+        state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
+        fingerprint={"seed": 0},
+    )
 
 
 def _stall(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -77,11 +86,17 @@ def _stall(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
     sampler = ElasticSampler(10_000, args.batch * WORLD)
-    managers = {mode: _manager(str(root / mode), args.every, model, optimizer,
-                               sampler, async_write=mode == "async") for mode in ("async", "sync")}
+    managers = {
+        mode: _manager(
+            str(root / mode), args.every, model, optimizer, sampler, async_write=mode == "async"
+        )
+        for mode in ("async", "sync")
+    }
     for _ in range(3):  # warm-up: allocator, FSDP's lazy init, AdamW's state
         _step(model, optimizer, batch)
-    results: dict[str, dict[str, list[float]]] = {m: {"total": [], "stall": []} for m in ("none", "async", "sync")}
+    results: dict[str, dict[str, list[float]]] = {
+        m: {"total": [], "stall": []} for m in ("none", "async", "sync")
+    }
     for _ in range(args.repeats):
         for mode in ("none", "async", "sync"):
             dist.barrier()
@@ -95,7 +110,9 @@ def _stall(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             if mode != "none":
                 managers[mode].close()  # the last background write is part of this mode's cost
             results[mode]["total"].append(time.perf_counter() - started)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # params + AdamW's two moments
+    nbytes = (
+        sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    )  # params + AdamW's two moments
     return {"rank": rank, "results": results, "state_bytes_per_rank": nbytes // WORLD}
 
 
@@ -109,7 +126,7 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     sampler = ElasticSampler(len(data), args.batch * WORLD, seed=0)
     manager = _manager(str(root / "steady"), args.checkpoint_every, model, optimizer, sampler)
     for i in range(5):  # warm-up: allocator, FSDP's lazy init, AdamW's state
-        _step(model, optimizer, data[i * args.batch:][: args.batch])
+        _step(model, optimizer, data[i * args.batch :][: args.batch])
     cpu: dict[str, list[float]] = {"bare": [], "ours": []}
     wall: dict[str, list[float]] = {"bare": [], "ours": []}
     step = 0
@@ -119,7 +136,7 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             started, started_cpu = time.perf_counter(), time.process_time()
             for i in range(args.steps):
                 if mode == "bare":
-                    batch = data[(i * args.batch) % len(data):][: args.batch]
+                    batch = data[(i * args.batch) % len(data) :][: args.batch]
                     _step(model, optimizer, batch)
                     continue
                 if sampler.epoch_done:
@@ -150,29 +167,54 @@ def _worker(rank: int, args: argparse.Namespace, root: str) -> None:
 
 def _report_stall(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     modes = ("none", "async", "sync")
-    totals = {m: [max(r["results"][m]["total"][i] for r in results) for i in range(args.repeats)] for m in modes}
-    stalls = {m: [max(vals) for vals in zip(*(r["results"][m]["stall"] for r in results), strict=True)]
-              for m in ("async", "sync")}
+    totals = {
+        m: [max(r["results"][m]["total"][i] for r in results) for i in range(args.repeats)]
+        for m in modes
+    }
+    stalls = {
+        m: [max(vals) for vals in zip(*(r["results"][m]["stall"] for r in results), strict=True)]
+        for m in ("async", "sync")
+    }
     saves = args.steps // args.every
-    print(f"state per rank: {results[0]['state_bytes_per_rank'] / 1e6:.0f} MB (params + AdamW), {WORLD} ranks, "
-          f"{saves} saves per run, {args.repeats} repeats")
+    print(
+        f"state per rank: {results[0]['state_bytes_per_rank'] / 1e6:.0f} MB (params + AdamW), {WORLD} ranks, "
+        f"{saves} saves per run, {args.repeats} repeats"
+    )
     for mode in ("async", "sync"):
-        later = stalls[mode][1:] if len(stalls[mode]) > 1 else stalls[mode]  # the first save allocates buffers
-        effective = statistics.median((t - n) / saves for t, n in zip(totals[mode], totals["none"], strict=True))
-        print(f"{mode:>5}: on-thread stall median {statistics.median(later) * 1e3:.1f} ms "
-              f"(first save {stalls[mode][0] * 1e3:.1f} ms), effective cost per save {effective * 1e3:.1f} ms")
-    ratio = statistics.median(stalls["async"][1:] or stalls["async"]) / statistics.median(stalls["sync"][1:] or stalls["sync"])
+        later = (
+            stalls[mode][1:] if len(stalls[mode]) > 1 else stalls[mode]
+        )  # the first save allocates buffers
+        effective = statistics.median(
+            (t - n) / saves for t, n in zip(totals[mode], totals["none"], strict=True)
+        )
+        print(
+            f"{mode:>5}: on-thread stall median {statistics.median(later) * 1e3:.1f} ms "
+            f"(first save {stalls[mode][0] * 1e3:.1f} ms), effective cost per save {effective * 1e3:.1f} ms"
+        )
+    ratio = statistics.median(stalls["async"][1:] or stalls["async"]) / statistics.median(
+        stalls["sync"][1:] or stalls["sync"]
+    )
     print(f"async stall / sync stall: {ratio * 100:.1f} % (target <= 5 %)")
 
 
 def _report_steady(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    cpu = {m: [sum(r["cpu"][m][i] for r in results) / args.steps for i in range(args.repeats)] for m in ("bare", "ours")}
-    wall = {m: [max(r["wall"][m][i] for r in results) / args.steps for i in range(args.repeats)] for m in ("bare", "ours")}
+    cpu = {
+        m: [sum(r["cpu"][m][i] for r in results) / args.steps for i in range(args.repeats)]
+        for m in ("bare", "ours")
+    }
+    wall = {
+        m: [max(r["wall"][m][i] for r in results) / args.steps for i in range(args.repeats)]
+        for m in ("bare", "ours")
+    }
     for mode in ("bare", "ours"):
-        print(f"{mode:>4}: CPU per step (both ranks) median {statistics.median(cpu[mode]) * 1e3:.2f} ms, wall per step "
-              f"median {statistics.median(wall[mode]) * 1e3:.2f} ms")
-    print(f"ours / bare: CPU {statistics.median(cpu['ours']) / statistics.median(cpu['bare']):.3f}x (target <= 1.03), "
-          f"throughput {statistics.median(wall['bare']) / statistics.median(wall['ours']):.3f}")
+        print(
+            f"{mode:>4}: CPU per step (both ranks) median {statistics.median(cpu[mode]) * 1e3:.2f} ms, wall per step "
+            f"median {statistics.median(wall[mode]) * 1e3:.2f} ms"
+        )
+    print(
+        f"ours / bare: CPU {statistics.median(cpu['ours']) / statistics.median(cpu['bare']):.3f}x (target <= 1.03), "
+        f"throughput {statistics.median(wall['bare']) / statistics.median(wall['ours']):.3f}"
+    )
 
 
 def main() -> None:
@@ -183,14 +225,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="samples per rank and step")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--every", type=int, default=8, help="stall: steps between checkpoints")
-    parser.add_argument("--checkpoint-every", type=int, default=100,
-                        help="steady: the library's checkpoint interval (default 100, its default)")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100,
+        help="steady: the library's checkpoint interval (default 100, its default)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dir", default=None, help="where checkpoints go (default: the system temporary directory)")
+    parser.add_argument(
+        "--dir", default=None, help="where checkpoints go (default: the system temporary directory)"
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=os.path.abspath(args.dir) if args.dir else None, prefix="bench-sharded-") as root:
+    with tempfile.TemporaryDirectory(
+        dir=os.path.abspath(args.dir) if args.dir else None, prefix="bench-sharded-"
+    ) as root:
         mp.spawn(_worker, args=(args, root), nprocs=WORLD, join=True)
-        results = [json.loads(Path(root, f"result-{rank}.json").read_text()) for rank in range(WORLD)]
+        results = [
+            json.loads(Path(root, f"result-{rank}.json").read_text()) for rank in range(WORLD)
+        ]
     (_report_stall if args.what == "stall" else _report_steady)(results, args)
 
 

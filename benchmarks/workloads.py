@@ -37,8 +37,15 @@ MLP_INPUTS = 1024
 
 def mlp(width: int) -> nn.Module:
     """The ``mlp`` workload's model (see the module docstring)."""
-    return nn.Sequential(nn.Linear(MLP_INPUTS, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    return nn.Sequential(
+        nn.Linear(MLP_INPUTS, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, 10),
+    )
 
 
 class RandomVectors(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -66,7 +73,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
         q, k, v = self.qkv(x).split(d_model, dim=2)
-        q, k, v = (t.view(batch, seq, self.heads, d_model // self.heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (
+            t.view(batch, seq, self.heads, d_model // self.heads).transpose(1, 2) for t in (q, k, v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, d_model))
 
@@ -77,7 +86,9 @@ class DecoderBlock(nn.Module):
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, heads)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -101,7 +112,11 @@ class DecoderLM(nn.Module):
         self.head.weight = self.tokens.weight
         for name, param in self.named_parameters():
             if name.endswith("weight") and param.dim() == 2:
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * layers)
+                    if name.endswith(("proj.weight", "mlp.2.weight"))
+                    else 0.02
+                )
                 nn.init.normal_(param, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -204,28 +219,59 @@ def train_step(job: Workload, ddp: nn.Module, optimizer: torch.optim.Optimizer, 
 
 def init_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     """Environment, device and process group of one benchmark rank (gloo on CPU, NCCL on CUDA)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world
+    )
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser, *, width: int = 16, cnn_batch: int = 64) -> None:
+def add_workload_arguments(
+    parser: argparse.ArgumentParser, *, width: int = 16, cnn_batch: int = 64
+) -> None:
     """The workload options every benchmark here takes (see :func:`resolve_workload_arguments`)."""
     parser.set_defaults(cnn_batch=cnn_batch)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo processes (2 unless --nproc); cuda: one NCCL process per GPU (default cpu)")
-    parser.add_argument("--model", choices=MODELS, default="cnn",
-                        help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder; mlp: the 4-layer MLP (workloads.py)")
-    parser.add_argument("--global-batch-size", type=int, default=None,
-                        help=f"samples per step over all ranks (default: {cnn_batch} for cnn, 8 per rank for gpt)")
-    parser.add_argument("--width", type=int, default=width, help="cnn: channels of the first conv layer; mlp: hidden width")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo processes (2 unless --nproc); cuda: one NCCL process per GPU (default cpu)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="cnn",
+        help="cnn: the example's SmallCNN; gpt: a GPT-2-small-shaped decoder; mlp: the 4-layer MLP (workloads.py)",
+    )
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help=f"samples per step over all ranks (default: {cnn_batch} for cnn, 8 per rank for gpt)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=width,
+        help="cnn: channels of the first conv layer; mlp: hidden width",
+    )
     parser.add_argument("--seq-len", type=int, default=1024, help="gpt: tokens per sequence")
     parser.add_argument("--layers", type=int, default=12, help="gpt: decoder blocks")
-    parser.add_argument("--d-model", type=int, default=768, help="gpt: width, a head per 64 (768: GPT-2 small)")
-    parser.add_argument("--vocab", type=int, default=50304, help="gpt: vocabulary (50304: GPT-2's, padded)")
+    parser.add_argument(
+        "--d-model", type=int, default=768, help="gpt: width, a head per 64 (768: GPT-2 small)"
+    )
+    parser.add_argument(
+        "--vocab", type=int, default=50304, help="gpt: vocabulary (50304: GPT-2's, padded)"
+    )
     parser.add_argument("--dataset-size", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -239,11 +285,15 @@ def resolve_workload_arguments(parser: argparse.ArgumentParser, args: argparse.N
             parser.error("--device cuda: no CUDA device is visible")
         args.nproc = requested or torch.cuda.device_count()
         if args.nproc > torch.cuda.device_count():
-            parser.error(f"--nproc {args.nproc}: NCCL needs one GPU per process, {torch.cuda.device_count()} visible")
+            parser.error(
+                f"--nproc {args.nproc}: NCCL needs one GPU per process, {torch.cuda.device_count()} visible"
+            )
     else:
         args.nproc = requested or 2
     if args.global_batch_size is None:
         args.global_batch_size = args.cnn_batch if args.model == "cnn" else 8 * args.nproc
     if args.global_batch_size < args.nproc:
-        parser.error(f"--global-batch-size {args.global_batch_size}: fewer samples than the {args.nproc} processes")
+        parser.error(
+            f"--global-batch-size {args.global_batch_size}: fewer samples than the {args.nproc} processes"
+        )
     args.bf16 = args.device == "cuda" and args.model == "gpt"

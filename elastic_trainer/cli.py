@@ -57,65 +57,147 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     for spec in OPTIONS:
         default_text = "none" if spec.default is None else spec.default
         parser.add_argument(
-            *spec.flags, dest=spec.name, default=None, metavar=spec.name.split("_")[-1].upper(),
+            *spec.flags,
+            dest=spec.name,
+            default=None,
+            metavar=spec.name.split("_")[-1].upper(),
             help=f"{spec.help} (default: {default_text}; env {spec.env})",
         )
-    parser.add_argument("--config", default=None, help="TOML file with a [run] table of these options")
+    parser.add_argument(
+        "--config", default=None, help="TOML file with a [run] table of these options"
+    )
     # torchrun habits: the same job line should work with both commands.
-    parser.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None,
-                        help="accepted for torchrun compatibility; must be etcd-v3")
-    parser.add_argument("--standalone", action="store_true",
-                        help="accepted for torchrun compatibility: one node on an embedded etcd (the default)")
+    parser.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        default=None,
+        help="accepted for torchrun compatibility; must be etcd-v3",
+    )
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="accepted for torchrun compatibility: one node on an embedded etcd (the default)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = OneLineArgumentParser(prog=PROG, description="Fault-tolerant, elastic PyTorch DDP training.", formatter_class=formatter)
+    parser = OneLineArgumentParser(
+        prog=PROG,
+        description="Fault-tolerant, elastic PyTorch DDP training.",
+        formatter_class=formatter,
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=OneLineArgumentParser
+    )
 
-    run = commands.add_parser("run", help="launch a training job elastically", epilog=RUN_EXAMPLE, formatter_class=formatter)
+    run = commands.add_parser(
+        "run",
+        help="launch a training job elastically",
+        epilog=RUN_EXAMPLE,
+        formatter_class=formatter,
+    )
     _add_launch_options(run)
-    run.add_argument("-m", "--module", action="store_true", help="treat the target as a module (python -m MODULE)")
+    run.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="treat the target as a module (python -m MODULE)",
+    )
     run.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
-    run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT|ARGS", help="script and its arguments")
+    run.add_argument(
+        "target", nargs=argparse.REMAINDER, metavar="SCRIPT|ARGS", help="script and its arguments"
+    )
 
-    status = commands.add_parser("status", help="show a run's rendezvous from etcd", epilog=STATUS_EXAMPLE, formatter_class=formatter)
-    status.add_argument("--rdzv-endpoint", required=True, help="etcd endpoint(s) host:port[,host:port]")
+    status = commands.add_parser(
+        "status",
+        help="show a run's rendezvous from etcd",
+        epilog=STATUS_EXAMPLE,
+        formatter_class=formatter,
+    )
+    status.add_argument(
+        "--rdzv-endpoint", required=True, help="etcd endpoint(s) host:port[,host:port]"
+    )
     status.add_argument("--run-id", required=True, help="the run's rendezvous id")
-    status.add_argument("--rdzv-conf", default="", help="KEY=VALUE[,...] etcd settings (TLS, auth, timeouts)")
-    status.add_argument("--checkpoint-dir", default=None, help="also show the newest checkpoint here")
+    status.add_argument(
+        "--rdzv-conf", default="", help="KEY=VALUE[,...] etcd settings (TLS, auth, timeouts)"
+    )
+    status.add_argument(
+        "--checkpoint-dir", default=None, help="also show the newest checkpoint here"
+    )
     status.add_argument("--json", action="store_true", help="print JSON")
 
     from elastic_trainer.ops import top as top_view
 
-    top = commands.add_parser("top", help="live view of a job from its nodes' metrics endpoints",
-                              epilog=top_view.EXAMPLES, formatter_class=formatter)
+    top = commands.add_parser(
+        "top",
+        help="live view of a job from its nodes' metrics endpoints",
+        epilog=top_view.EXAMPLES,
+        formatter_class=formatter,
+    )
     top_view.add_arguments(top)
 
-    doctor = commands.add_parser("doctor", help="check the distributed setup on every rank", epilog=DOCTOR_EXAMPLE, formatter_class=formatter)
+    doctor = commands.add_parser(
+        "doctor",
+        help="check the distributed setup on every rank",
+        epilog=DOCTOR_EXAMPLE,
+        formatter_class=formatter,
+    )
     _add_launch_options(doctor)
     doctor.add_argument("doctor_args", nargs=argparse.REMAINDER, metavar="-- DOCTOR-ARGS")
 
-    demo = commands.add_parser("demo", help="watch a two-node job heal from real faults (about 90 s)",
-                               description="Starts an etcd and two nodes on this machine, then: a node joins, a "
-                               "worker is SIGKILLed, a node leaves with SIGTERM; ends with each fault's recovery "
-                               "time and the steps lost.", formatter_class=formatter)
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER, metavar="OPTIONS",
-                      help="--max-steps N, --throttle-ms MS, --dir DIR, --metrics-port PORT")
+    demo = commands.add_parser(
+        "demo",
+        help="watch a two-node job heal from real faults (about 90 s)",
+        description="Starts an etcd and two nodes on this machine, then: a node joins, a "
+        "worker is SIGKILLed, a node leaves with SIGTERM; ends with each fault's recovery "
+        "time and the steps lost.",
+        formatter_class=formatter,
+    )
+    demo.add_argument(
+        "demo_args",
+        nargs=argparse.REMAINDER,
+        metavar="OPTIONS",
+        help="--max-steps N, --throttle-ms MS, --dir DIR, --metrics-port PORT",
+    )
 
-    checkpoint = commands.add_parser("checkpoint", help="list, verify, inspect or export checkpoints", epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
-    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=OneLineArgumentParser)
-    for name, text in (("list", "checkpoints with path and step, newest last"),
-                       ("verify", "check every checkpoint against its manifest's sha256"),
-                       ("inspect", "what a checkpoint holds (no GPU needed)")):
-        action = actions.add_parser(name, help=text, epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
+    checkpoint = commands.add_parser(
+        "checkpoint",
+        help="list, verify, inspect or export checkpoints",
+        epilog=CHECKPOINT_EXAMPLE,
+        formatter_class=formatter,
+    )
+    actions = checkpoint.add_subparsers(
+        dest="action", required=True, parser_class=OneLineArgumentParser
+    )
+    for name, text in (
+        ("list", "checkpoints with path and step, newest last"),
+        ("verify", "check every checkpoint against its manifest's sha256"),
+        ("inspect", "what a checkpoint holds (no GPU needed)"),
+    ):
+        action = actions.add_parser(
+            name, help=text, epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter
+        )
         action.add_argument("path", metavar="DIR" if name != "inspect" else "DIR|FILE")
         action.add_argument("--json", action="store_true", help="print JSON")
-    export = actions.add_parser("export", help="write a checkpoint (sharded or not) as one plain .pt file",
-                                epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter)
-    export.add_argument("path", metavar="DIR|CHECKPOINT", help="a checkpoint directory (its newest good one) or one checkpoint")
-    export.add_argument("out", metavar="OUT.pt", help="torch.load(OUT.pt, weights_only=True)['model'] is a full state dict")
+    export = actions.add_parser(
+        "export",
+        help="write a checkpoint (sharded or not) as one plain .pt file",
+        epilog=CHECKPOINT_EXAMPLE,
+        formatter_class=formatter,
+    )
+    export.add_argument(
+        "path",
+        metavar="DIR|CHECKPOINT",
+        help="a checkpoint directory (its newest good one) or one checkpoint",
+    )
+    export.add_argument(
+        "out",
+        metavar="OUT.pt",
+        help="torch.load(OUT.pt, weights_only=True)['model'] is a full state dict",
+    )
     return parser
 
 
@@ -125,10 +207,14 @@ def _launch_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_torchrun_habits(args: argparse.Namespace) -> None:
     if args.rdzv_backend is not None and args.rdzv_backend != "etcd-v3":
-        raise UserError(f"--rdzv-backend {args.rdzv_backend}: elastic-trainer run always uses etcd-v3 (drop the "
-                        "option, or use plain torchrun for other backends)")
+        raise UserError(
+            f"--rdzv-backend {args.rdzv_backend}: elastic-trainer run always uses etcd-v3 (drop the "
+            "option, or use plain torchrun for other backends)"
+        )
     if args.standalone and (args.rdzv_endpoint or "").strip():
-        raise UserError("--standalone starts an embedded etcd: drop --rdzv-endpoint, or drop --standalone")
+        raise UserError(
+            "--standalone starts an embedded etcd: drop --rdzv-endpoint, or drop --standalone"
+        )
 
 
 def _warn_launcher_flags_after_target(words: Sequence[str]) -> None:
@@ -137,8 +223,11 @@ def _warn_launcher_flags_after_target(words: Sequence[str]) -> None:
     for word in words[1:]:
         name = word.split("=", 1)[0]
         if name in flags:
-            print(f"{PROG}: warning: {name} comes after the script, so the script gets it; if it is meant for "
-                  f"{PROG} run, put it before the script", file=sys.stderr)
+            print(
+                f"{PROG}: warning: {name} comes after the script, so the script gets it; if it is meant for "
+                f"{PROG} run, put it before the script",
+                file=sys.stderr,
+            )
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -210,7 +299,9 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=2))
         else:
             for row in rows:
-                print(f"step {row['step']:>10}  epoch {row['epoch']}  world {row['world_size']}  {row['bytes']} B  {row['path']}")
+                print(
+                    f"step {row['step']:>10}  epoch {row['epoch']}  world {row['world_size']}  {row['bytes']} B  {row['path']}"
+                )
         return 0
     if args.action == "verify":
         results = checkpoint_cli.verify_checkpoints(args.path)
@@ -218,18 +309,24 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
             print(json.dumps(results, indent=2))
         else:
             for r in results:
-                print(f"{'OK ' if r['ok'] else 'BAD'} step {r['step']:>10}  {r['error'] or r['path']}")
+                print(
+                    f"{'OK ' if r['ok'] else 'BAD'} step {r['step']:>10}  {r['error'] or r['path']}"
+                )
         return 0 if all(r["ok"] for r in results) else 1
     if args.action == "export":
         done = checkpoint_cli.export_checkpoint(args.path, args.out)
-        print(f"exported step {done['step']} from {done['source']} to {done['out']} ({done['bytes']} B)")
+        print(
+            f"exported step {done['step']} from {done['source']} to {done['out']} ({done['bytes']} B)"
+        )
         return 0
     report = checkpoint_cli.inspect_checkpoint(args.path)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{report['path']}: step {report['step']}, epoch {report['epoch']}, world size {report['world_size']}, "
-              f"{report['model_parameters']} model parameters")
+        print(
+            f"{report['path']}: step {report['step']}, epoch {report['epoch']}, world size {report['world_size']}, "
+            f"{report['model_parameters']} model parameters"
+        )
         for key, entry in report["entries"].items():
             print(f"  {key:<16} {entry['tensors']:>6} tensors  {entry['bytes']:>14} B")
     return 0
@@ -247,8 +344,14 @@ def _cmd_top(args: argparse.Namespace) -> int:
     return run_args(args, prog=f"{PROG} top")
 
 
-COMMANDS = {"run": _cmd_run, "status": _cmd_status, "top": _cmd_top, "doctor": _cmd_doctor, "checkpoint": _cmd_checkpoint,
-            "demo": _cmd_demo}
+COMMANDS = {
+    "run": _cmd_run,
+    "status": _cmd_status,
+    "top": _cmd_top,
+    "doctor": _cmd_doctor,
+    "checkpoint": _cmd_checkpoint,
+    "demo": _cmd_demo,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

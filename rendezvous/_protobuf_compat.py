@@ -87,7 +87,9 @@ def import_etcd3() -> types.ModuleType:
             return already
         spec = importlib.util.find_spec("etcd3")
         if spec is None or not spec.submodule_search_locations:
-            raise Etcd3ImportError("the 'etcd3' package is not installed: pip install etcd3==0.12.0")
+            raise Etcd3ImportError(
+                "the 'etcd3' package is not installed: pip install etcd3==0.12.0"
+            )
         try:
             from google.protobuf.internal import builder  # noqa: F401  (protobuf >= 3.20)
         except ImportError as exc:

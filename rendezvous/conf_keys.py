@@ -79,34 +79,96 @@ class ConfKey:
 
 KEYS: tuple[ConfKey, ...] = (
     ConfKey("read_timeout", _number, 10.0, "gRPC deadline of one etcd request, seconds", "all"),
-    ConfKey("retry_timeout", _number, 20.0, "total time transient etcd faults are retried, seconds; "
-            "bounds an unreachable etcd", "all"),
+    ConfKey(
+        "retry_timeout",
+        _number,
+        20.0,
+        "total time transient etcd faults are retried, seconds; bounds an unreachable etcd",
+        "all",
+    ),
     ConfKey("protocol", _lower, "http", "``http`` or ``https``", "all"),
-    ConfKey("ca_cert", optional_text, None, "CA certificate (PEM) of the etcd servers; needs https", "all"),
-    ConfKey("ssl_cert", optional_text, None, "client certificate (PEM) for mutual TLS, with "
-            "``ssl_cert_key``", "all"),
+    ConfKey(
+        "ca_cert",
+        optional_text,
+        None,
+        "CA certificate (PEM) of the etcd servers; needs https",
+        "all",
+    ),
+    ConfKey(
+        "ssl_cert",
+        optional_text,
+        None,
+        "client certificate (PEM) for mutual TLS, with ``ssl_cert_key``",
+        "all",
+    ),
     ConfKey("ssl_cert_key", optional_text, None, "private key (PEM) of ``ssl_cert``", "all"),
-    ConfKey("user", optional_text, None, "etcd user, with ``password_file`` or ``password``", "all"),
-    ConfKey("password_file", optional_text, None, "file holding the password (a mounted "
-            "Kubernetes Secret; one trailing newline is dropped)", "all"),
+    ConfKey(
+        "user", optional_text, None, "etcd user, with ``password_file`` or ``password``", "all"
+    ),
+    ConfKey(
+        "password_file",
+        optional_text,
+        None,
+        "file holding the password (a mounted Kubernetes Secret; one trailing newline is dropped)",
+        "all",
+    ),
     ConfKey("password", _secret, None, "the user's password; prefer ``password_file``", "all"),
-    ConfKey("key_prefix", _text, DEFAULT_KEY_PREFIX, "etcd prefix of all runs; a run lives under "
-            "PREFIX/RUN_ID/", "all"),
-    ConfKey("ttl", _integer, DEFAULT_TTL, "seconds an untouched rendezvous state lives (etcd lease)", "all"),
-    ConfKey("handler", _lower, "lease", "``lease`` (native lease/watch handler) or ``dynamic`` "
-            "(torch's dynamic rendezvous over this backend)", "all"),
+    ConfKey(
+        "key_prefix",
+        _text,
+        DEFAULT_KEY_PREFIX,
+        "etcd prefix of all runs; a run lives under PREFIX/RUN_ID/",
+        "all",
+    ),
+    ConfKey(
+        "ttl",
+        _integer,
+        DEFAULT_TTL,
+        "seconds an untouched rendezvous state lives (etcd lease)",
+        "all",
+    ),
+    ConfKey(
+        "handler",
+        _lower,
+        "lease",
+        "``lease`` (native lease/watch handler) or ``dynamic`` "
+        "(torch's dynamic rendezvous over this backend)",
+        "all",
+    ),
     ConfKey("join_timeout", _number, 600.0, "seconds a rendezvous may take", "all"),
-    ConfKey("last_call_timeout", _number, 30.0, "seconds to admit more nodes once the minimum is "
-            "in (lease: first round only)", "all"),
-    ConfKey("lease_ttl", _integer, 10, "seconds after which a node that died without a goodbye "
-            "loses its membership", "lease"),
+    ConfKey(
+        "last_call_timeout",
+        _number,
+        30.0,
+        "seconds to admit more nodes once the minimum is in (lease: first round only)",
+        "all",
+    ),
+    ConfKey(
+        "lease_ttl",
+        _integer,
+        10,
+        "seconds after which a node that died without a goodbye loses its membership",
+        "lease",
+    ),
     ConfKey("close_timeout", _number, 30.0, "torch's close timeout, seconds", "dynamic"),
-    ConfKey("heartbeat_timeout", _number, 30.0, "seconds without a heartbeat before a node is "
-            "dead", "dynamic"),
+    ConfKey(
+        "heartbeat_timeout",
+        _number,
+        30.0,
+        "seconds without a heartbeat before a node is dead",
+        "dynamic",
+    ),
     ConfKey("keep_alive_interval", _integer, 5, "seconds between a node's heartbeats", "dynamic"),
-    ConfKey("keep_alive_max_attempt", _integer, 3, "missed heartbeats before a node is dead", "dynamic"),
-    ConfKey("timeout", _text, None, "set by torchrun (900 unless given); ignored: use "
-            "``join_timeout``", "torchrun"),
+    ConfKey(
+        "keep_alive_max_attempt", _integer, 3, "missed heartbeats before a node is dead", "dynamic"
+    ),
+    ConfKey(
+        "timeout",
+        _text,
+        None,
+        "set by torchrun (900 unless given); ignored: use ``join_timeout``",
+        "torchrun",
+    ),
     ConfKey("rank", _text, None, "set by torchrun for its static backend; ignored", "torchrun"),
 )
 KEYS_BY_NAME = {key.name: key for key in KEYS}
@@ -121,7 +183,13 @@ def conf_keys_table() -> str:
     """The key table as reStructuredText (for docstrings and ``--help``)."""
     lines = []
     for key in KEYS:
-        default = "unset" if key.default is None else f"{key.default:g}" if isinstance(key.default, float) else key.default
+        default = (
+            "unset"
+            if key.default is None
+            else f"{key.default:g}"
+            if isinstance(key.default, float)
+            else key.default
+        )
         lines.append(f"``{key.name}`` (default {default}; {key.used_by})\n    {key.doc}.")
     return "\n".join(lines)
 

@@ -100,7 +100,9 @@ class RoundCoordinator:
         self._members: list[str] = []  # participants of round _members_round
         self._member_set: frozenset[str] = frozenset()
         self._members_round: int | None = None
-        self._closing: int | None = None  # the round this coordinator's close transaction is writing
+        self._closing: int | None = (
+            None  # the round this coordinator's close transaction is writing
+        )
         self._lost: list[str] = []  # members gone from a complete round, not acted on yet
         self._previous: list[str] | None = None  # the open round's previous participants
         self._missing: set[str] = set()  # live previous participants not rejoined yet
@@ -124,7 +126,12 @@ class RoundCoordinator:
             self._cond.notify_all()
         thread = self._thread
         # is_alive: a node may leave while another thread is about to start its coordinator
-        if wait > 0 and thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        if (
+            wait > 0
+            and thread is not None
+            and thread.is_alive()
+            and thread is not threading.current_thread()
+        ):
             thread.join(wait)
 
     @property
@@ -160,23 +167,36 @@ class RoundCoordinator:
                     self._step()
                     backoff = 0.1
                 except _Deposed:
-                    log.info("etcd-v3: node %s no longer coordinates run %s", self.node_id, self._settings.run_id)
+                    log.info(
+                        "etcd-v3: node %s no longer coordinates run %s",
+                        self.node_id,
+                        self._settings.run_id,
+                    )
                     released = True
                     return
                 except (RendezvousError, OSError, ValueError) as exc:  # etcd unreachable, bad state
-                    log.warning("etcd-v3: the coordinator of run %s failed (%s); retrying in %.1f s",
-                                self._settings.run_id, exc, backoff)
+                    log.warning(
+                        "etcd-v3: the coordinator of run %s failed (%s); retrying in %.1f s",
+                        self._settings.run_id,
+                        exc,
+                        backoff,
+                    )
                     self._backoff(backoff)
                     backoff = min(backoff * 2, 5.0)
                 except Exception:  # a bug: say so, and decide again from a fresh read
-                    log.exception("etcd-v3: the coordinator of run %s failed; retrying in %.1f s",
-                                  self._settings.run_id, backoff)
+                    log.exception(
+                        "etcd-v3: the coordinator of run %s failed; retrying in %.1f s",
+                        self._settings.run_id,
+                        backoff,
+                    )
                     self._backoff(backoff)
                     backoff = min(backoff * 2, 5.0)
         finally:
             for watch in self._watches:
                 watch.cancel()
-            if not released and not self._stopping:  # the thread ended unexpectedly: let another node decide
+            if (
+                not released and not self._stopping
+            ):  # the thread ended unexpectedly: let another node decide
                 self._release()
             self._on_stop()
 
@@ -188,9 +208,16 @@ class RoundCoordinator:
     def _release(self) -> None:
         try:
             etcd_ops.transaction(
-                self._connection, [etcd_ops.value_is(self._connection, self._keys.coordinator, self.node_id.encode())],
-                [etcd_ops.delete(self._connection, self._keys.coordinator)], what="a coordinator release",
-                retry_timeout=2.0)
+                self._connection,
+                [
+                    etcd_ops.value_is(
+                        self._connection, self._keys.coordinator, self.node_id.encode()
+                    )
+                ],
+                [etcd_ops.delete(self._connection, self._keys.coordinator)],
+                what="a coordinator release",
+                retry_timeout=2.0,
+            )
         except Exception as exc:  # the key goes with this node's lease anyway
             log.info("etcd-v3: could not release the coordinator key: %s", exc)
 
@@ -226,13 +253,35 @@ class RoundCoordinator:
         start = snapshot.revision + 1
         hub, keys = self._hub, self._keys
         self._watches = [
-            hub.watch(keys.state, prefix=True, start_revision=start, on_events=self._on_state_events, on_lost=self._on_lost),
-            hub.watch(keys.nodes, prefix=True, start_revision=start, on_events=self._on_node_events, on_lost=self._on_lost),
-            hub.watch(keys.rounds, prefix=True, start_revision=start, on_events=self._on_join_events, on_lost=self._on_lost),
+            hub.watch(
+                keys.state,
+                prefix=True,
+                start_revision=start,
+                on_events=self._on_state_events,
+                on_lost=self._on_lost,
+            ),
+            hub.watch(
+                keys.nodes,
+                prefix=True,
+                start_revision=start,
+                on_events=self._on_node_events,
+                on_lost=self._on_lost,
+            ),
+            hub.watch(
+                keys.rounds,
+                prefix=True,
+                start_revision=start,
+                on_events=self._on_join_events,
+                on_lost=self._on_lost,
+            ),
         ]
 
     def _set_members(self, round_: int, members: list[str]) -> None:
-        self._members, self._member_set, self._members_round = list(members), frozenset(members), round_
+        self._members, self._member_set, self._members_round = (
+            list(members),
+            frozenset(members),
+            round_,
+        )
 
     def _apply_state(self, state: RoundState, revision: int) -> None:
         """Take ``state`` (written at ``revision``) into the view (lock held)."""
@@ -253,7 +302,11 @@ class RoundCoordinator:
                 self._missing = {n for n in self._members if n in self._live and n not in joined}
             else:  # the previous round was decided by another coordinator
                 self._needs_resync = True
-        elif state.status == COMPLETE and self._members_round != state.round and self._closing != state.round:
+        elif (
+            state.status == COMPLETE
+            and self._members_round != state.round
+            and self._closing != state.round
+        ):
             # Closed by another coordinator: read its ranks. (Not our own close, whose event can
             # arrive on the watch before _close records the members: that read and the re-armed
             # watches were pure waste, once a round.)
@@ -261,7 +314,11 @@ class RoundCoordinator:
         self._dirty = True
 
     def _on_lost(self, reason: str) -> None:
-        log.info("etcd-v3: a coordinator watch of run %s was lost (%s); reading again", self._settings.run_id, reason)
+        log.info(
+            "etcd-v3: a coordinator watch of run %s was lost (%s); reading again",
+            self._settings.run_id,
+            reason,
+        )
         with self._cond:
             self._needs_resync = True
             self._cond.notify_all()
@@ -272,7 +329,10 @@ class RoundCoordinator:
             for event in events:
                 key = event.key.decode()
                 if key == self._keys.coordinator:
-                    if isinstance(event, delete_event) or bytes(event.value) != self.node_id.encode():
+                    if (
+                        isinstance(event, delete_event)
+                        or bytes(event.value) != self.node_id.encode()
+                    ):
                         self._stopping = True  # deposed: another node decides from now on
                 elif key == self._keys.state and not isinstance(event, delete_event):
                     try:
@@ -298,7 +358,11 @@ class RoundCoordinator:
                     state = self._state
                     if state is not None and state.status == CLOSED:
                         log.info("etcd-v3: node %s left the closed run", node)
-                    elif state is not None and state.status == COMPLETE and state.round == self._members_round:
+                    elif (
+                        state is not None
+                        and state.status == COMPLETE
+                        and state.round == self._members_round
+                    ):
                         self._lost.append(node)
             self._dirty = True
             self._cond.notify_all()
@@ -354,8 +418,13 @@ class RoundCoordinator:
             if count >= settings.min_nodes and self._min_reached_at is None:
                 self._min_reached_at = now
             waited = 0.0 if self._min_reached_at is None else now - self._min_reached_at
-            ready = close_ready(joined=count, first_round=first_round, missing_previous=len(self._missing),
-                                waited=waited, settings=settings)
+            ready = close_ready(
+                joined=count,
+                first_round=first_round,
+                missing_previous=len(self._missing),
+                waited=waited,
+                settings=settings,
+            )
             participants: list[str] = []
             if ready:
                 ordered = sorted(joined, key=joined.__getitem__)
@@ -367,10 +436,17 @@ class RoundCoordinator:
                     ordered = [self.node_id, *(n for n in ordered if n != self.node_id)]
                 participants = ordered[: settings.max_nodes]
                 ready = len(live_joined) == count or close_ready(
-                    joined=len(live_joined), first_round=first_round, missing_previous=len(self._missing),
-                    waited=waited, settings=settings)
-            publish = (not ready and (count < settings.min_nodes or (first_round and count < settings.max_nodes))
-                       and count != self._published[0])
+                    joined=len(live_joined),
+                    first_round=first_round,
+                    missing_previous=len(self._missing),
+                    waited=waited,
+                    settings=settings,
+                )
+            publish = (
+                not ready
+                and (count < settings.min_nodes or (first_round and count < settings.max_nodes))
+                and count != self._published[0]
+            )
             if publish and now - self._published[1] < self._progress_interval / 2:
                 self._wake(self._published[1] + self._progress_interval / 2)
                 publish = False
@@ -389,16 +465,26 @@ class RoundCoordinator:
         failure branch reads the state and the coordinator key."""
         conn, keys = self._connection, self._keys
         return etcd_ops.transaction(
-            conn, [*compare, etcd_ops.value_is(conn, keys.coordinator, self.node_id.encode())], success,
-            [etcd_ops.get(conn, keys.state), etcd_ops.get(conn, keys.coordinator)], what=what, deadline=self._deadline)
+            conn,
+            [*compare, etcd_ops.value_is(conn, keys.coordinator, self.node_id.encode())],
+            success,
+            [etcd_ops.get(conn, keys.state), etcd_ops.get(conn, keys.coordinator)],
+            what=what,
+            deadline=self._deadline,
+        )
 
-    def _write_state(self, new: RoundState, revision: int, extra: list[Any], what: str) -> int | None:
+    def _write_state(
+        self, new: RoundState, revision: int, extra: list[Any], what: str
+    ) -> int | None:
         """CAS the state from ``revision`` to ``new`` (plus ``extra`` ops); the new revision, or
         ``None`` if the state had changed (the view then takes the current one)."""
         conn, keys = self._connection, self._keys
         value = new.encode()
-        result = self._guarded([etcd_ops.mod_is(conn, keys.state, revision)],
-                               [etcd_ops.put(conn, keys.state, value), *extra], what)
+        result = self._guarded(
+            [etcd_ops.mod_is(conn, keys.state, revision)],
+            [etcd_ops.put(conn, keys.state, value), *extra],
+            what,
+        )
         if result.succeeded:
             return result.revision
         current, current_rev = etcd_ops.first_value(result.responses[0])
@@ -419,11 +505,19 @@ class RoundCoordinator:
         for rank, node in enumerate(participants):
             ranks[shard_of(node, shards)][node] = rank
         master = self._make_master(state.round) if participants[0] == self.node_id else None
-        closed = RoundState(state.round, COMPLETE, world_size=len(participants), shards=shards,
-                            master=f"{master.addr}:{master.port}" if master else None)
+        closed = RoundState(
+            state.round,
+            COMPLETE,
+            world_size=len(participants),
+            shards=shards,
+            master=f"{master.addr}:{master.port}" if master else None,
+        )
         with self._cond:
             stale = sorted(r for r in self._joined if r < state.round)[:_MAX_STALE_DELETES]
-        ops = [etcd_ops.put(conn, keys.shard(k), encode_shard(state.round, shard)) for k, shard in enumerate(ranks)]
+        ops = [
+            etcd_ops.put(conn, keys.shard(k), encode_shard(state.round, shard))
+            for k, shard in enumerate(ranks)
+        ]
         ops += [etcd_ops.delete_prefix(conn, keys.round_prefix(r)) for r in stale]
         with self._cond:
             self._closing = state.round
@@ -433,9 +527,16 @@ class RoundCoordinator:
         finally:
             with self._cond:
                 self._closing = None
-                if (self._state is not None and self._state.status == COMPLETE and self._state.round == state.round
-                        and self._members_round != state.round and new_revision is None):
-                    self._needs_resync = True  # another coordinator closed it meanwhile: read its ranks
+                if (
+                    self._state is not None
+                    and self._state.status == COMPLETE
+                    and self._state.round == state.round
+                    and self._members_round != state.round
+                    and new_revision is None
+                ):
+                    self._needs_resync = (
+                        True  # another coordinator closed it meanwhile: read its ranks
+                    )
         if new_revision is None:
             return
         with self._cond:
@@ -444,7 +545,12 @@ class RoundCoordinator:
             closed.participants = list(participants)
             self._apply_state(closed, new_revision)
         self.closes += 1
-        log.info("etcd-v3: round %d of run %s closed with %d node(s)", state.round, settings.run_id, len(participants))
+        log.info(
+            "etcd-v3: round %d of run %s closed with %d node(s)",
+            state.round,
+            settings.run_id,
+            len(participants),
+        )
 
     def _open_next(self, state: RoundState, revision: int, lost: list[str]) -> None:
         opened = RoundState(state.round + 1, OPEN, previous_round=state.round)
@@ -457,8 +563,13 @@ class RoundCoordinator:
                     self._lost = []
             return
         more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
-        log.warning("etcd-v3: node %s%s of round %d is gone (lease expired or revoked); opening round %d",
-                    lost[0], more, state.round, opened.round)
+        log.warning(
+            "etcd-v3: node %s%s of round %d is gone (lease expired or revoked); opening round %d",
+            lost[0],
+            more,
+            state.round,
+            opened.round,
+        )
         with self._cond:
             self._apply_state(opened, new_revision)
 

@@ -95,7 +95,9 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         """See base class."""
-        value, meta = self._connection.call(lambda c: c.get(self._key), what="a state read", read=True)
+        value, meta = self._connection.call(
+            lambda c: c.get(self._key), what="a state read", read=True
+        )
         if value is None:
             return None
         return unframe_state(value, key=self._key), meta.mod_revision
@@ -118,9 +120,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         framed = frame_state(state)
         txn = self._connection.etcd3.transactions
         key = self._key
-        compare = (
-            [txn.Mod(key) == revision] if revision else [txn.Create(key) == 0]
-        )
+        compare = [txn.Mod(key) == revision] if revision else [txn.Create(key) == 0]
 
         def attempt(client: Any) -> tuple[bool, Any]:
             return client.transaction(  # type: ignore[no-any-return]
@@ -164,26 +164,30 @@ def key_prefix_from_params(params: RendezvousParameters) -> str:
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, Store]:
     """Create a new :py:class:`EtcdV3RendezvousBackend` and its store from ``params``.
 
-    The endpoint is ``host:port`` or a comma-separated list of the members of one etcd cluster
-    (``--rdzv-endpoint=etcd-0:2379,etcd-1:2379,etcd-2:2379``); requests fail over between them.
-    The ``--rdzv-conf`` keys (:data:`rendezvous.settings.KEYS`; the backend reads the connection
-    keys, ``key_prefix`` and ``ttl``, the handlers the rest)::
+        The endpoint is ``host:port`` or a comma-separated list of the members of one etcd cluster
+        (``--rdzv-endpoint=etcd-0:2379,etcd-1:2379,etcd-2:2379``); requests fail over between them.
+        The ``--rdzv-conf`` keys (:data:`rendezvous.settings.KEYS`; the backend reads the connection
+        keys, ``key_prefix`` and ``ttl``, the handlers the rest)::
 
-%(keys)s
+    %(keys)s
 
-    Raises:
-        RendezvousConfigError: a parameter is malformed (the message names it).
-        RendezvousConnectionError: etcd cannot be reached within ``retry_timeout`` seconds or
-            refuses the credentials.
+        Raises:
+            RendezvousConfigError: a parameter is malformed (the message names it).
+            RendezvousConnectionError: etcd cannot be reached within ``retry_timeout`` seconds or
+                refuses the credentials.
     """
     return create_backend_from_settings(parse_settings(params))
 
 
 if create_backend.__doc__:  # the key table, generated from the one in rendezvous.settings
-    create_backend.__doc__ %= {"keys": "\n".join("        " + line for line in conf_keys_table().splitlines())}
+    create_backend.__doc__ %= {
+        "keys": "\n".join("        " + line for line in conf_keys_table().splitlines())
+    }
 
 
-def create_backend_from_settings(settings: RendezvousSettings) -> tuple[EtcdV3RendezvousBackend, Store]:
+def create_backend_from_settings(
+    settings: RendezvousSettings,
+) -> tuple[EtcdV3RendezvousBackend, Store]:
     """:func:`create_backend` for parsed settings."""
     connection = EtcdConnection(settings.client_config())
     try:
@@ -191,6 +195,8 @@ def create_backend_from_settings(settings: RendezvousSettings) -> tuple[EtcdV3Re
     except BaseException:
         connection.close()
         raise
-    backend = EtcdV3RendezvousBackend(connection, settings.run_id, key_prefix=settings.key_prefix, ttl=settings.ttl)
+    backend = EtcdV3RendezvousBackend(
+        connection, settings.run_id, key_prefix=settings.key_prefix, ttl=settings.ttl
+    )
     store = EtcdV3Store(connection, f"{settings.run_prefix}/store", ttl=settings.ttl)
     return backend, store

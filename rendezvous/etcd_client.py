@@ -134,8 +134,13 @@ class EtcdConnection:
             home member, as streams.
     """
 
-    def __init__(self, config: EtcdClientConfig, *, sleep: Callable[[float], None] = time.sleep,
-                 route_to_leader: bool = True):
+    def __init__(
+        self,
+        config: EtcdClientConfig,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        route_to_leader: bool = True,
+    ):
         self._etcd3 = import_etcd3()
         self.config = config
         self._sleep = sleep
@@ -153,8 +158,11 @@ class EtcdConnection:
         self._close_hooks: list[Callable[[], None]] = []
         self._retired: list[tuple[float, Any]] = []  # (when, client) replaced by a failover
         self._route: LeaderRoute | None = (
-            LeaderRoute(len(config.endpoints), self._member_status) if route_to_leader else None)
-        self._side_clients: dict[int, Any] = {}  # endpoint index -> client, for the leader's requests
+            LeaderRoute(len(config.endpoints), self._member_status) if route_to_leader else None
+        )
+        self._side_clients: dict[
+            int, Any
+        ] = {}  # endpoint index -> client, for the leader's requests
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -167,7 +175,9 @@ class EtcdConnection:
     def leader_endpoint(self) -> Endpoint | None:
         """The endpoint requests go to now, if a leader was found among the configured ones."""
         belief = self._route.belief if self._route is not None else None
-        return None if belief is None or belief.index is None else self.config.endpoints[belief.index]
+        return (
+            None if belief is None or belief.index is None else self.config.endpoints[belief.index]
+        )
 
     @property
     def etcd3(self) -> Any:
@@ -203,7 +213,9 @@ class EtcdConnection:
             home_index, client = self._home()
             used.client, used.belief, used.counted = client, None, None
             if not read and self._route is not None:
-                belief = self._route.find(home_index, client, self._client_for, self.config.read_timeout)
+                belief = self._route.find(
+                    home_index, client, self._client_for, self.config.read_timeout
+                )
                 if belief.index is not None:
                     client = self._client_for(belief.index)
                 used.client, used.belief = client, belief
@@ -357,7 +369,9 @@ class EtcdConnection:
     def _side_index(self, client: Any) -> int | None:
         """The endpoint index of side client ``client``; ``None`` for the home client."""
         with self._lock:
-            return next((index for index, side in self._side_clients.items() if side is client), None)
+            return next(
+                (index for index, side in self._side_clients.items() if side is client), None
+            )
 
     def _renew_if_token_expired(self, client: Any, exc: BaseException | None) -> None:
         """Retire side client ``client`` if ``exc`` says its auth token expired: the next request
@@ -378,7 +392,11 @@ class EtcdConnection:
     def _fail_over(self, failed_client: Any = None) -> None:
         now = time.monotonic()
         with self._lock:
-            if failed_client is not None and self._client is not None and self._client is not failed_client:
+            if (
+                failed_client is not None
+                and self._client is not None
+                and self._client is not failed_client
+            ):
                 return  # another thread has already moved on from the client that failed
             client, self._client = self._client, None
             self._index = (self._index + 1) % len(self.config.endpoints)

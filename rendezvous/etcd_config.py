@@ -52,7 +52,9 @@ def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
         try:
             port = int(port_text)
         except ValueError:
-            raise ValueError(f"rdzv endpoint: port {port_text!r} in {raw.strip()!r} is not a number") from None
+            raise ValueError(
+                f"rdzv endpoint: port {port_text!r} in {raw.strip()!r} is not a number"
+            ) from None
         if not 0 < port < 65536:
             raise ValueError(f"rdzv endpoint: port {port} in {raw.strip()!r} is out of range")
         endpoints.append(Endpoint(host, port))
@@ -137,7 +139,9 @@ def _check_pem_file(name: str, path: str, marker: bytes) -> None:
     except OSError as exc:
         raise ValueError(f"{name}: cannot read {path}: {exc.strerror or exc}") from exc
     if marker not in data:
-        raise ValueError(f"{name}: {path} is not a PEM file (no {marker.decode().strip('-')!r} block)")
+        raise ValueError(
+            f"{name}: {path} is not a PEM file (no {marker.decode().strip('-')!r} block)"
+        )
 
 
 def read_secret_file(path: str, *, key: str) -> str:

@@ -83,8 +83,11 @@ def member_status(client: Any, timeout: float) -> MemberStatus:
     """
     request = import_etcd3().etcdrpc.StatusRequest()
     response = client.maintenancestub.Status(
-        request, timeout, credentials=client.call_credentials, metadata=client.metadata)
-    return MemberStatus(int(response.header.member_id), int(response.leader), int(response.header.raft_term))
+        request, timeout, credentials=client.call_credentials, metadata=client.metadata
+    )
+    return MemberStatus(
+        int(response.header.member_id), int(response.leader), int(response.header.raft_term)
+    )
 
 
 class LeaderRoute:
@@ -96,8 +99,12 @@ class LeaderRoute:
         clock: for the belief's age.
     """
 
-    def __init__(self, endpoint_count: int, status: Callable[[Any, float], MemberStatus] = member_status,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        endpoint_count: int,
+        status: Callable[[Any, float], MemberStatus] = member_status,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._count = endpoint_count
         self._status = status
         self._clock = clock
@@ -111,7 +118,9 @@ class LeaderRoute:
     def belief(self) -> LeaderBelief | None:
         return self._belief
 
-    def find(self, home_index: int, home: Any, client_for: Callable[[int], Any], timeout: float) -> LeaderBelief:
+    def find(
+        self, home_index: int, home: Any, client_for: Callable[[int], Any], timeout: float
+    ) -> LeaderBelief:
         """The belief, asking the home member (and, for an unknown leader id or none, every other
         endpoint) when there is none or it is older than :data:`BELIEF_S`.
 
@@ -137,7 +146,9 @@ class LeaderRoute:
                 raise
             return self._belief
 
-    def _look_up(self, home_index: int, home: Any, client_for: Callable[[int], Any], timeout: float) -> LeaderBelief:
+    def _look_up(
+        self, home_index: int, home: Any, client_for: Callable[[int], Any], timeout: float
+    ) -> LeaderBelief:
         status = self._status(home, min(timeout, LOOKUP_TIMEOUT_S))
         self._member_ids[home_index] = status.member_id
         leader_id, raft_term = status.leader_id, status.raft_term
@@ -146,15 +157,20 @@ class LeaderRoute:
             if leader_id == 0:
                 knowing = [other for other in others if other.leader_id]
                 if not knowing:
-                    raise NoLeaderError(f"etcd member {status.member_id:x} and the others that answered know no "
-                                        "leader (an election is under way)")
+                    raise NoLeaderError(
+                        f"etcd member {status.member_id:x} and the others that answered know no "
+                        "leader (an election is under way)"
+                    )
                 latest = max(knowing, key=lambda other: other.raft_term)
                 leader_id, raft_term = latest.leader_id, latest.raft_term
         index = self._index_of(leader_id)
         if index is None and leader_id not in self._unknown_reported:
             self._unknown_reported.add(leader_id)
-            log.info("etcd's leader %x is not among the configured endpoints: requests go through "
-                     "the member each connection uses", leader_id)
+            log.info(
+                "etcd's leader %x is not among the configured endpoints: requests go through "
+                "the member each connection uses",
+                leader_id,
+            )
         return LeaderBelief(index, leader_id, self._clock(), raft_term)
 
     def forget(self, belief: LeaderBelief) -> None:
@@ -176,7 +192,9 @@ class LeaderRoute:
                 return index
         return None
 
-    def _probe(self, home_index: int, client_for: Callable[[int], Any], timeout: float) -> list[MemberStatus]:
+    def _probe(
+        self, home_index: int, client_for: Callable[[int], Any], timeout: float
+    ) -> list[MemberStatus]:
         """Ask every other endpoint for its member id (ids change when a member is replaced) and
         its leader; an endpoint that does not answer is left out (its id unknown this time)."""
         answers = []

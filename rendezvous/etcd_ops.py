@@ -106,15 +106,31 @@ def transaction(
     patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return patience.send(client, lambda timeout: client.kvstub.Txn(
-            request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
+        return patience.send(
+            client,
+            lambda timeout: client.kvstub.Txn(
+                request,
+                timeout,
+                credentials=client.call_credentials,
+                metadata=request_metadata(client),
+            ),
+        )
 
     response = connection.call(send, what=what, kind=kind, retry_timeout=retry_timeout)
-    return TxnResult(bool(response.succeeded), int(response.header.revision), list(response.responses))
+    return TxnResult(
+        bool(response.succeeded), int(response.header.revision), list(response.responses)
+    )
 
 
-def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, what: str,
-              deadline: float | None = None, retry_timeout: float | None = None) -> Any:
+def get_range(
+    connection: EtcdConnection,
+    key: str,
+    *,
+    prefix: bool = False,
+    what: str,
+    deadline: float | None = None,
+    retry_timeout: float | None = None,
+) -> Any:
     """One range read (the ``RangeResponse``: its ``kvs`` and header revision); ``deadline``: of
     the first attempt; ``retry_timeout``: of all of them (the connection's own by default).
 
@@ -129,21 +145,42 @@ def get_range(connection: EtcdConnection, key: str, *, prefix: bool = False, wha
     patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return patience.send(client, lambda timeout: client.kvstub.Range(
-            request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
+        return patience.send(
+            client,
+            lambda timeout: client.kvstub.Range(
+                request,
+                timeout,
+                credentials=client.call_credentials,
+                metadata=request_metadata(client),
+            ),
+        )
 
     return connection.call(send, what=what, retry_timeout=retry_timeout, read=True)
 
 
-def put_key(connection: EtcdConnection, key: str, value: bytes, lease: int = 0, *, what: str,
-            deadline: float | None = None) -> int:
+def put_key(
+    connection: EtcdConnection,
+    key: str,
+    value: bytes,
+    lease: int = 0,
+    *,
+    what: str,
+    deadline: float | None = None,
+) -> int:
     """Put one key; the revision of the write."""
     request = connection.etcd3.etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
     patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
-        return patience.send(client, lambda timeout: client.kvstub.Put(
-            request, timeout, credentials=client.call_credentials, metadata=request_metadata(client)))
+        return patience.send(
+            client,
+            lambda timeout: client.kvstub.Put(
+                request,
+                timeout,
+                credentials=client.call_credentials,
+                metadata=request_metadata(client),
+            ),
+        )
 
     return int(connection.call(send, what=what).header.revision)
 
@@ -165,7 +202,9 @@ def get(connection: EtcdConnection, key: str, *, prefix: bool = False) -> Any:
 def delete_prefix(connection: EtcdConnection, prefix: str) -> Any:
     rpc = connection.etcd3.etcdrpc
     raw = prefix.encode()
-    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=raw, range_end=prefix_end(raw)))
+    return rpc.RequestOp(
+        request_delete_range=rpc.DeleteRangeRequest(key=raw, range_end=prefix_end(raw))
+    )
 
 
 def delete(connection: EtcdConnection, key: str) -> Any:
@@ -175,8 +214,12 @@ def delete(connection: EtcdConnection, key: str) -> Any:
 
 def _compare(connection: EtcdConnection, key: str, target: str, result: str, **value: Any) -> Any:
     rpc = connection.etcd3.etcdrpc
-    return rpc.Compare(key=key.encode(), target=getattr(rpc.Compare, target),
-                       result=getattr(rpc.Compare, result), **value)
+    return rpc.Compare(
+        key=key.encode(),
+        target=getattr(rpc.Compare, target),
+        result=getattr(rpc.Compare, result),
+        **value,
+    )
 
 
 def mod_is(connection: EtcdConnection, key: str, revision: int) -> Any:

@@ -183,7 +183,9 @@ class EtcdServer:
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 last_error = str(exc)
             time.sleep(0.05)
-        raise EtcdServerError(f"etcd at {self.endpoint} not ready within {timeout:g}s ({last_error})")
+        raise EtcdServerError(
+            f"etcd at {self.endpoint} not ready within {timeout:g}s ({last_error})"
+        )
 
     def stop(self, kill: bool = False, timeout: float = 10.0) -> None:
         """Stop the process (SIGTERM, or SIGKILL with ``kill``); the data directory stays."""
@@ -216,7 +218,9 @@ class EtcdServer:
 
 
 @contextlib.contextmanager
-def local_cluster(base_dir: Path, size: int = 3, host: str = "127.0.0.1") -> Iterator[list[EtcdServer]]:
+def local_cluster(
+    base_dir: Path, size: int = 3, host: str = "127.0.0.1"
+) -> Iterator[list[EtcdServer]]:
     """Start a ``size``-member etcd cluster on free ports; stop every member on exit."""
     members = [MemberSpec(f"etcd{i}", free_port(host), free_port(host), host) for i in range(size)]
     servers = [EtcdServer(m, Path(base_dir) / m.name, cluster=members) for m in members]

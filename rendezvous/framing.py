@@ -28,7 +28,9 @@ def unframe_state(value: bytes, *, key: str) -> bytes:
     """
     header = len(_MAGIC) + _DIGEST_SIZE
     if len(value) < header or not value.startswith(_MAGIC):
-        raise RendezvousStateError(f"the rendezvous state at {key} is not an etcd-v3 state (corrupt or foreign)")
+        raise RendezvousStateError(
+            f"the rendezvous state at {key} is not an etcd-v3 state (corrupt or foreign)"
+        )
     digest, state = value[len(_MAGIC) : header], value[header:]
     if hashlib.sha256(state).digest() != digest:
         raise RendezvousStateError(f"the rendezvous state at {key} is corrupt (checksum mismatch)")

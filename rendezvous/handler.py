@@ -81,8 +81,13 @@ def create_dynamic_handler(settings: RendezvousSettings) -> EtcdV3RendezvousHand
     identity = current_job_identity()
     if identity is not None:  # the job record lives as long as the run's state (same lease)
         try:
-            claim_run(backend.connection, f"{settings.run_prefix}/job", identity, run_id=settings.run_id,
-                      lease=backend.lease_id())
+            claim_run(
+                backend.connection,
+                f"{settings.run_prefix}/job",
+                identity,
+                run_id=settings.run_id,
+                lease=backend.lease_id(),
+            )
         except BaseException:
             backend.connection.close()
             raise

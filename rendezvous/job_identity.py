@@ -85,8 +85,13 @@ class JobIdentity:
     @property
     def fingerprint(self) -> str:
         """A stable hash of the identity (the same on every node and every restart)."""
-        data = {"v": 1, "target": self.target, "module": self.module, "args": list(self.args),
-                "nnodes": [self.min_nodes, self.max_nodes]}
+        data = {
+            "v": 1,
+            "target": self.target,
+            "module": self.module,
+            "args": list(self.args),
+            "nnodes": [self.min_nodes, self.max_nodes],
+        }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:32]
 
     @property
@@ -97,8 +102,13 @@ class JobIdentity:
 
     def encode(self) -> bytes:
         """The value stored under the run's ``job`` key."""
-        return json.dumps({"fingerprint": self.fingerprint, "job": self.description,
-                           "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}).encode()
+        return json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "job": self.description,
+                "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+        ).encode()
 
 
 _identity: JobIdentity | None = None
@@ -119,7 +129,9 @@ def current_job_identity() -> JobIdentity | None:
 
 def _is_torchrun(argv0: str) -> bool:
     path = os.path.normpath(argv0)
-    return os.path.basename(path) == "torchrun" or path.endswith(os.path.join("torch", "distributed", "run.py"))
+    return os.path.basename(path) == "torchrun" or path.endswith(
+        os.path.join("torch", "distributed", "run.py")
+    )
 
 
 def identity_from_torchrun_argv(argv: Sequence[str]) -> JobIdentity | None:
@@ -132,10 +144,18 @@ def identity_from_torchrun_argv(argv: Sequence[str]) -> JobIdentity | None:
     try:
         args = get_args_parser().parse_args(list(argv[1:]))
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
-        return JobIdentity(args.training_script, bool(args.module), tuple(args.training_script_args),
-                           int(min_nodes), int(max_nodes))
+        return JobIdentity(
+            args.training_script,
+            bool(args.module),
+            tuple(args.training_script_args),
+            int(min_nodes),
+            int(max_nodes),
+        )
     except (SystemExit, ValueError, RuntimeError) as exc:  # torchrun parsed it; we cannot: no check
-        log.info("etcd-v3: cannot read the job from torchrun's command line (%s); run isolation is off", exc)
+        log.info(
+            "etcd-v3: cannot read the job from torchrun's command line (%s); run isolation is off",
+            exc,
+        )
         return None
 
 
@@ -147,8 +167,14 @@ def _stored(value: bytes, key: str) -> tuple[str, str]:
         raise RendezvousStateError(f"the job record at {key} is malformed: {exc}") from exc
 
 
-def claim_run(connection: EtcdConnection, key: str, identity: JobIdentity, *, run_id: str,
-              lease: int | None = None) -> None:
+def claim_run(
+    connection: EtcdConnection,
+    key: str,
+    identity: JobIdentity,
+    *,
+    run_id: str,
+    lease: int | None = None,
+) -> None:
     """Record ``identity`` as the job of ``run_id`` at ``key``, or check that it is the one there.
 
     One transaction (create if absent, else read), so concurrent first nodes agree and a retried

@@ -86,9 +86,21 @@ from rendezvous.settings import RendezvousSettings
 from rendezvous.watch_hub import HubWatch, WatchHub
 
 __all__ = [
-    "CLOSED", "COMPLETE", "OPEN", "LeaseRendezvousHandler", "MasterInfo", "NodeInfo", "RoundState",
-    "RunKeys", "Snapshot", "close_ready", "create_lease_handler", "decide_close", "order_participants",
-    "read_snapshot", "waiting_summary",
+    "CLOSED",
+    "COMPLETE",
+    "OPEN",
+    "LeaseRendezvousHandler",
+    "MasterInfo",
+    "NodeInfo",
+    "RoundState",
+    "RunKeys",
+    "Snapshot",
+    "close_ready",
+    "create_lease_handler",
+    "decide_close",
+    "order_participants",
+    "read_snapshot",
+    "waiting_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -141,7 +153,8 @@ class _NodeLease:
                 lease = self._connection.call(lambda c: c.lease(self._ttl), what="a lease grant")
                 lease_id = int(lease.id)
                 self._connection.call(
-                    lambda c: c.put(self._key, self._value, lease=lease_id), what="a node registration"
+                    lambda c: c.put(self._key, self._value, lease=lease_id),
+                    what="a node registration",
                 )
                 self._lease_id = lease_id
                 self._keeper.keep(lease_id, self._ttl, self._expired)
@@ -193,7 +206,9 @@ class _NodeLease:
             # Short, quiet budget: this also runs at interpreter exit, where etcd may be gone
             # (the lease then simply expires).
             with quiet_retries():
-                self._connection.call(lambda c: c.revoke_lease(lease_id), what="a lease revocation", retry_timeout=2.0)
+                self._connection.call(
+                    lambda c: c.revoke_lease(lease_id), what="a lease revocation", retry_timeout=2.0
+                )
         except Exception as exc:  # peers will see the lease expire instead
             log.info("etcd-v3: could not revoke this node's lease (it will expire): %s", exc)
 
@@ -202,7 +217,9 @@ class _RoundWatch:
     """This node's watches: ``rdzv/state*`` and its rank shard. Bumps a version and wakes waiters
     on every event; reports itself broken when etcd can no longer resume it (compaction)."""
 
-    def __init__(self, hub: WatchHub, prefix: str, shard_key: str, on_event: Callable[[Any], None]) -> None:
+    def __init__(
+        self, hub: WatchHub, prefix: str, shard_key: str, on_event: Callable[[Any], None]
+    ) -> None:
         self._hub, self._prefix, self._shard_key = hub, prefix, shard_key
         self._on_event = on_event  # looked up per event: tests wrap it
         self._cond = threading.Condition()
@@ -217,10 +234,19 @@ class _RoundWatch:
         for watch in self._watches:
             watch.cancel()
         self._watches = [
-            self._hub.watch(self._prefix, prefix=True, start_revision=start_revision,
-                            on_events=self._deliver, on_lost=self._lost),
-            self._hub.watch(self._shard_key, start_revision=start_revision, on_events=self._deliver,
-                            on_lost=self._lost),
+            self._hub.watch(
+                self._prefix,
+                prefix=True,
+                start_revision=start_revision,
+                on_events=self._deliver,
+                on_lost=self._lost,
+            ),
+            self._hub.watch(
+                self._shard_key,
+                start_revision=start_revision,
+                on_events=self._deliver,
+                on_lost=self._lost,
+            ),
         ]
         self._broken = False
 
@@ -269,7 +295,9 @@ class _CoordinatorSlot:
             coordinator.stop(wait=2.0)
 
 
-def _leave(lease: _NodeLease, watch: _RoundWatch, slot: _CoordinatorSlot, owned: EtcdConnection | None) -> None:
+def _leave(
+    lease: _NodeLease, watch: _RoundWatch, slot: _CoordinatorSlot, owned: EtcdConnection | None
+) -> None:
     slot.stop()
     lease.revoke()  # first: a joining thread woken by the cancel must find the node gone
     watch.cancel()
@@ -286,24 +314,35 @@ class LeaseRendezvousHandler(RendezvousHandler):
     also closes the connection, so no thread of it outlives the handler.
     """
 
-    _SAFETY_RECHECK_S = 300.0  # no event for this long while waiting: read the state (a stalled stream?)
+    _SAFETY_RECHECK_S = (
+        300.0  # no event for this long while waiting: read the state (a stalled stream?)
+    )
     _PROGRESS_LOG_S = 5.0  # while waiting for nodes: a line this often
 
-    def __init__(self, connection: EtcdConnection, settings: RendezvousSettings, *,
-                 owns_connection: bool = False) -> None:
+    def __init__(
+        self,
+        connection: EtcdConnection,
+        settings: RendezvousSettings,
+        *,
+        owns_connection: bool = False,
+    ) -> None:
         self._connection = connection
         self._settings = settings
         self._keys = RunKeys.from_settings(settings)
         self._addr = settings.local_addr or socket.getfqdn()
         self.node_id = f"{self._addr}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         node_info = NodeInfo(self._addr, os.getpid()).encode()
-        self._lease = _NodeLease(connection, self._keys.node(self.node_id), node_info, settings.lease_ttl)
+        self._lease = _NodeLease(
+            connection, self._keys.node(self.node_id), node_info, settings.lease_ttl
+        )
         self._store = EtcdV3Store(connection, self._keys.store, ttl=settings.ttl)
         self._scheduler = Scheduler.of(connection)
         self._deadline = round_deadline(settings)
         self._shards = shard_count(settings.max_nodes)
         self._shard_key = self._keys.shard(shard_of(self.node_id, self._shards))
-        self._watch = _RoundWatch(WatchHub.of(connection), self._keys.state, self._shard_key, self._on_event)
+        self._watch = _RoundWatch(
+            WatchHub.of(connection), self._keys.state, self._shard_key, self._on_event
+        )
         # The cache the watch keeps (written on the watch thread, read anywhere).
         self._state: tuple[RoundState | None, int] = (None, 0)  # the state and its mod revision
         self._coordinator_id: str | None = None
@@ -320,8 +359,14 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._wait_marks: dict[tuple[int, str], float] = {}
         # A node whose launcher exits (SIGTERM on scale-down, an error) leaves at once instead
         # of after its lease expires: weakref.finalize also runs at interpreter exit.
-        self._finalizer = weakref.finalize(self, _leave, self._lease, self._watch, self._slot,
-                                           connection if owns_connection else None)
+        self._finalizer = weakref.finalize(
+            self,
+            _leave,
+            self._lease,
+            self._watch,
+            self._slot,
+            connection if owns_connection else None,
+        )
 
     # -- RendezvousHandler ------------------------------------------------------------------------
 
@@ -348,8 +393,14 @@ class LeaseRendezvousHandler(RendezvousHandler):
         # A fresh TCPStore for the workers every round (see handler.py for why it must be fresh),
         # hosted by rank 0, whose address came with the round.
         bootstrap = RendezvousStoreInfo(master.addr, master.port)
-        log.info("etcd-v3: node %s is rank %d of %d in round %d of run %s",
-                 self.node_id, rank, world_size, round_, self._settings.run_id)
+        log.info(
+            "etcd-v3: node %s is rank %d of %d in round %d of run %s",
+            self.node_id,
+            rank,
+            world_size,
+            round_,
+            self._settings.run_id,
+        )
         return RendezvousInfo(store, rank, world_size, bootstrap)
 
     def is_closed(self) -> bool:
@@ -365,10 +416,18 @@ class LeaseRendezvousHandler(RendezvousHandler):
             state = state or RoundState(0, OPEN)
             if state.status == CLOSED:
                 return
-            closed = RoundState(state.round, CLOSED, world_size=state.world_size, shards=state.shards)
-            compare = etcd_ops.mod_is(conn, key, revision) if revision else etcd_ops.absent(conn, key)
-            result = etcd_ops.transaction(conn, [compare], [etcd_ops.put(conn, key, closed.encode())],
-                                          what="a rendezvous state change")
+            closed = RoundState(
+                state.round, CLOSED, world_size=state.world_size, shards=state.shards
+            )
+            compare = (
+                etcd_ops.mod_is(conn, key, revision) if revision else etcd_ops.absent(conn, key)
+            )
+            result = etcd_ops.transaction(
+                conn,
+                [compare],
+                [etcd_ops.put(conn, key, closed.encode())],
+                what="a rendezvous state change",
+            )
             if result.succeeded:
                 return
 
@@ -445,11 +504,18 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def _sync(self) -> None:
         """Read the ``state*`` keys and this node's shard at one revision; watch from the next."""
         conn = self._connection
-        response = etcd_ops.get_range(conn, self._keys.state, prefix=True, what="a rendezvous state read",
-                                      deadline=self._deadline)
+        response = etcd_ops.get_range(
+            conn,
+            self._keys.state,
+            prefix=True,
+            what="a rendezvous state read",
+            deadline=self._deadline,
+        )
         # The shard is read after the state: the watches start at the state's revision, so a
         # shard written in between arrives once more through them (harmless).
-        shard_response = etcd_ops.get_range(conn, self._shard_key, what="a rank read", deadline=self._deadline)
+        shard_response = etcd_ops.get_range(
+            conn, self._shard_key, what="a rank read", deadline=self._deadline
+        )
         coordinator = master = None
         state: tuple[RoundState, int] | None = None
         for kv in response.kvs:
@@ -478,8 +544,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
             self._sync()
 
     def _read_state(self) -> tuple[RoundState | None, int]:
-        value, meta = self._connection.call(lambda c: c.get(self._keys.state), what="a rendezvous state read",
-                                           read=True)
+        value, meta = self._connection.call(
+            lambda c: c.get(self._keys.state), what="a rendezvous state read", read=True
+        )
         if value is None:
             return None, 0
         return RoundState.decode(value, self._keys.state), int(meta.mod_revision)
@@ -506,27 +573,44 @@ class LeaseRendezvousHandler(RendezvousHandler):
         try:
             lease = self._lease.lease_id()
             result = etcd_ops.transaction(
-                conn, [etcd_ops.absent(conn, key)], [etcd_ops.put(conn, key, self.node_id.encode(), lease)],
-                [etcd_ops.get(conn, key)], what="a coordinator claim", retry_timeout=min(self._settings.retry_timeout, 5.0),
-                deadline=self._deadline)
+                conn,
+                [etcd_ops.absent(conn, key)],
+                [etcd_ops.put(conn, key, self.node_id.encode(), lease)],
+                [etcd_ops.get(conn, key)],
+                what="a coordinator claim",
+                retry_timeout=min(self._settings.retry_timeout, 5.0),
+                deadline=self._deadline,
+            )
         except Exception as exc:
             log.info("etcd-v3: claiming the coordinator role failed (%s); trying again", exc)
             if not self._slot.left:
                 self._claim_pending = True
                 self._scheduler.call_later(1.0, self._try_claim)
             return
-        holder = self.node_id if result.succeeded else (etcd_ops.first_value(result.responses[0])[0] or b"").decode()
+        holder = (
+            self.node_id
+            if result.succeeded
+            else (etcd_ops.first_value(result.responses[0])[0] or b"").decode()
+        )
         if holder == self.node_id:
             self._start_coordinator()
 
     def _start_coordinator(self) -> None:
         with self._slot.lock:
-            if self._slot.left or (self._slot.coordinator is not None and self._slot.coordinator.running):
+            if self._slot.left or (
+                self._slot.coordinator is not None and self._slot.coordinator.running
+            ):
                 return
             coordinator = RoundCoordinator(
-                self._connection, self._keys, self._settings, self.node_id,
-                make_master=self._serve_round, on_stop=self._coordinator_stopped,
-                progress_interval=self._PROGRESS_LOG_S, deadline=self._deadline)
+                self._connection,
+                self._keys,
+                self._settings,
+                self.node_id,
+                make_master=self._serve_round,
+                on_stop=self._coordinator_stopped,
+                progress_interval=self._PROGRESS_LOG_S,
+                deadline=self._deadline,
+            )
             self._slot.coordinator = coordinator
         log.info("etcd-v3: node %s coordinates run %s", self.node_id, self._settings.run_id)
         coordinator.start()
@@ -549,7 +633,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         """Start (once per round) the store rank 0 serves to the workers; its address."""
         with self._tcp_lock:
             if self._tcp_store is None or self._tcp_store_round != round_:
-                self._tcp_store = dist.TCPStore(host_name=self._addr, port=0, is_master=True, multi_tenant=True)
+                self._tcp_store = dist.TCPStore(
+                    host_name=self._addr, port=0, is_master=True, multi_tenant=True
+                )
                 self._tcp_store_round = round_
             return MasterInfo(round_, self._addr, self._tcp_store.port)
 
@@ -565,8 +651,13 @@ class LeaseRendezvousHandler(RendezvousHandler):
         if rank != 0:
             return None
         master = self._serve_round(state.round)
-        etcd_ops.put_key(self._connection, self._keys.master, master.encode(), what="a store address",
-                         deadline=self._deadline)
+        etcd_ops.put_key(
+            self._connection,
+            self._keys.master,
+            master.encode(),
+            what="a store address",
+            deadline=self._deadline,
+        )
         self._master = master
         return master
 
@@ -629,7 +720,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 elif self._round == state.round or state.world_size < settings.max_nodes:
                     # A restart (this node ran the round) or room for a newcomer: open the next
                     # round; the running members see it and rejoin.
-                    self._write_state(RoundState(state.round + 1, OPEN, previous_round=state.round), revision)
+                    self._write_state(
+                        RoundState(state.round + 1, OPEN, previous_round=state.round), revision
+                    )
                     continue
                 # else: the job is full: wait as a spare until a round opens.
             elif joined is None or joined[0] != state.round or joined[1] != self._lease.current():
@@ -642,11 +735,15 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 if count >= settings.min_nodes and min_seen_at is None:
                     min_seen_at = now
                 first_round = state.previous_round is None
-                in_last_call = min_seen_at is not None and first_round and count < settings.max_nodes
+                in_last_call = (
+                    min_seen_at is not None and first_round and count < settings.max_nodes
+                )
                 waited = 0.0 if min_seen_at is None else now - min_seen_at
                 if min_seen_at is None or in_last_call:  # waiting for nodes: say so now and then
                     if now >= next_progress_at:
-                        self._log_progress(count, deadline - now, settings.last_call_timeout - waited)
+                        self._log_progress(
+                            count, deadline - now, settings.last_call_timeout - waited
+                        )
                         next_progress_at = now + self._PROGRESS_LOG_S
                     timeout = min(timeout, next_progress_at - now)
             self._watch.wait(seen, min(timeout, deadline - now))
@@ -694,7 +791,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         return None if value is None else decode_shard(value, key)
 
     def _sync_master(self) -> None:
-        value, _ = self._connection.call(lambda c: c.get(self._keys.master), what="a store address read", read=True)
+        value, _ = self._connection.call(
+            lambda c: c.get(self._keys.master), what="a store address read", read=True
+        )
         if value is not None:
             self._master = MasterInfo.decode(value)
 
@@ -704,7 +803,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         lease = self._lease.lease_id()
         key = self._keys.joined(round_, self.node_id)
         try:
-            etcd_ops.put_key(self._connection, key, b"", lease, what="a rendezvous join", deadline=self._deadline)
+            etcd_ops.put_key(
+                self._connection, key, b"", lease, what="a rendezvous join", deadline=self._deadline
+            )
         except RendezvousConnectionError as exc:
             if not _lease_not_found(exc):
                 raise
@@ -720,10 +821,16 @@ class LeaseRendezvousHandler(RendezvousHandler):
         conn, keys = self._connection, self._keys
         lease = self._lease.lease_id()
         result = etcd_ops.transaction(
-            conn, [etcd_ops.absent(conn, keys.state)],
-            [etcd_ops.put(conn, keys.state, RoundState(0, OPEN).encode()),
-             etcd_ops.put(conn, keys.coordinator, self.node_id.encode(), lease)],
-            [etcd_ops.get(conn, keys.state, prefix=True)], what="a rendezvous state change", deadline=self._deadline)
+            conn,
+            [etcd_ops.absent(conn, keys.state)],
+            [
+                etcd_ops.put(conn, keys.state, RoundState(0, OPEN).encode()),
+                etcd_ops.put(conn, keys.coordinator, self.node_id.encode(), lease),
+            ],
+            [etcd_ops.get(conn, keys.state, prefix=True)],
+            what="a rendezvous state change",
+            deadline=self._deadline,
+        )
         if result.succeeded:
             self._take_state(RoundState(0, OPEN), result.revision)
             self._coordinator_id = self.node_id
@@ -741,9 +848,14 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def _write_state(self, new: RoundState, revision: int) -> None:
         """CAS the state from ``revision`` to ``new``; on a conflict take the current state."""
         conn, key = self._connection, self._keys.state
-        result = etcd_ops.transaction(conn, [etcd_ops.mod_is(conn, key, revision)],
-                                      [etcd_ops.put(conn, key, new.encode())], [etcd_ops.get(conn, key)],
-                                      what="a rendezvous state change", deadline=self._deadline)
+        result = etcd_ops.transaction(
+            conn,
+            [etcd_ops.mod_is(conn, key, revision)],
+            [etcd_ops.put(conn, key, new.encode())],
+            [etcd_ops.get(conn, key)],
+            what="a rendezvous state change",
+            deadline=self._deadline,
+        )
         if result.succeeded:
             self._take_state(new, result.revision)
             return
@@ -761,12 +873,23 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def _log_progress(self, joined: int, left: float, last_call_left: float) -> None:
         settings = self._settings
         if joined < settings.min_nodes:
-            log.warning("etcd-v3: run %s: waiting for nodes: %d of min %d joined, %.0f s left",
-                        settings.run_id, joined, settings.min_nodes, max(left, 0.0))
+            log.warning(
+                "etcd-v3: run %s: waiting for nodes: %d of min %d joined, %.0f s left",
+                settings.run_id,
+                joined,
+                settings.min_nodes,
+                max(left, 0.0),
+            )
         else:
-            log.warning("etcd-v3: run %s: waiting for more nodes: %d joined (min %d, max %d), "
-                        "last call ends in %.0f s", settings.run_id, joined, settings.min_nodes,
-                        settings.max_nodes, max(last_call_left, 0.0))
+            log.warning(
+                "etcd-v3: run %s: waiting for more nodes: %d joined (min %d, max %d), "
+                "last call ends in %.0f s",
+                settings.run_id,
+                joined,
+                settings.min_nodes,
+                settings.max_nodes,
+                max(last_call_left, 0.0),
+            )
 
 
 def create_lease_handler(settings: RendezvousSettings) -> LeaseRendezvousHandler:
@@ -782,7 +905,9 @@ def create_lease_handler(settings: RendezvousSettings) -> LeaseRendezvousHandler
         connection.check()
         identity = current_job_identity()
         if identity is not None:  # no lease: the record lives as long as the round state
-            claim_run(connection, RunKeys.from_settings(settings).job, identity, run_id=settings.run_id)
+            claim_run(
+                connection, RunKeys.from_settings(settings).job, identity, run_id=settings.run_id
+            )
         return LeaseRendezvousHandler(connection, settings, owns_connection=True)
     except BaseException:
         connection.close()

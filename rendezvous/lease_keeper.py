@@ -82,7 +82,9 @@ class LeaseKeeper:
             self._leases[lease_id] = _Kept(ttl, on_expired)
             self._schedule(lease_id, time.monotonic() + self.interval(ttl))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="etcd-v3-keepalive", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="etcd-v3-keepalive", daemon=True
+                )
                 self._thread.start()
             self._cond.notify_all()
 
@@ -148,7 +150,9 @@ class LeaseKeeper:
             try:
                 client = self._connection.current_client()
                 call = client.leasestub.LeaseKeepAlive(
-                    self._requests(stream_ended), credentials=client.call_credentials, metadata=client.metadata
+                    self._requests(stream_ended),
+                    credentials=client.call_credentials,
+                    metadata=client.metadata,
                 )
                 with self._cond:
                     self._call = call
@@ -189,4 +193,3 @@ class LeaseKeeper:
                 kept.on_expired(lease_id)
             except Exception:
                 log.exception("etcd-v3: handling the expiry of lease %x failed", lease_id)
-

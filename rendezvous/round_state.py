@@ -97,17 +97,24 @@ class RoundState:
             data = json.loads(unframe_state(raw, key=key))
             previous_round = data.get("previous_round")
             state = cls(
-                int(data["round"]), str(data["status"]),
-                world_size=int(data.get("world_size", 0)), shards=int(data.get("shards", 0)),
+                int(data["round"]),
+                str(data["status"]),
+                world_size=int(data.get("world_size", 0)),
+                shards=int(data.get("shards", 0)),
                 previous_round=None if previous_round is None else int(previous_round),
-                joined=int(data.get("joined", 0)), master=data.get("master"),
+                joined=int(data.get("joined", 0)),
+                master=data.get("master"),
             )
         except RendezvousStateError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise RendezvousStateError(f"the rendezvous state at {key} is malformed: {exc}") from exc
+            raise RendezvousStateError(
+                f"the rendezvous state at {key} is malformed: {exc}"
+            ) from exc
         if state.status not in (OPEN, COMPLETE, CLOSED):
-            raise RendezvousStateError(f"the rendezvous state at {key} has unknown status {state.status!r}")
+            raise RendezvousStateError(
+                f"the rendezvous state at {key} has unknown status {state.status!r}"
+            )
         return state
 
 
@@ -174,9 +181,13 @@ class Snapshot:
     live: set[str]
     joined: dict[int, list[str]]  # round -> nodes in join (create revision) order
     leases: dict[str, int] = field(default_factory=dict)  # live node -> its lease id
-    node_values: dict[str, bytes] = field(default_factory=dict)  # live node -> its key's value (NodeInfo)
+    node_values: dict[str, bytes] = field(
+        default_factory=dict
+    )  # live node -> its key's value (NodeInfo)
     coordinator: str | None = None
-    join_revisions: dict[int, dict[str, int]] = field(default_factory=dict)  # round -> node -> create revision
+    join_revisions: dict[int, dict[str, int]] = field(
+        default_factory=dict
+    )  # round -> node -> create revision
     master: MasterInfo | None = None
 
 
@@ -251,8 +262,9 @@ class RunKeys:
 def read_snapshot(connection: EtcdConnection, keys: RunKeys) -> Snapshot:
     """Everything under ``rdzv/`` in one request: its size grows with the job, so only
     ``elastic-trainer status``, a new coordinator and a join-timeout message read it."""
-    response = connection.call(lambda client: client.get_prefix_response(keys.rdzv), what="a rendezvous read",
-                               read=True)
+    response = connection.call(
+        lambda client: client.get_prefix_response(keys.rdzv), what="a rendezvous read", read=True
+    )
     state, state_revision, live, leases, values = None, 0, set(), {}, {}
     coordinator, master = None, None
     join_revisions: dict[int, dict[str, int]] = {}
@@ -266,12 +278,12 @@ def read_snapshot(connection: EtcdConnection, keys: RunKeys) -> Snapshot:
         elif key == keys.master:
             master = MasterInfo.decode(kv.value)
         elif key.startswith(keys.nodes):
-            node = key[len(keys.nodes):]
+            node = key[len(keys.nodes) :]
             live.add(node)
             leases[node] = int(kv.lease)
             values[node] = bytes(kv.value)
         elif key.startswith(keys.rounds):
-            round_text, _, node = key[len(keys.rounds):].partition("/")
+            round_text, _, node = key[len(keys.rounds) :].partition("/")
             join_revisions.setdefault(int(round_text), {})[node] = kv.create_revision
         elif key.startswith(keys.ranks):
             round_, ranks = decode_shard(kv.value, key)
@@ -282,16 +294,32 @@ def read_snapshot(connection: EtcdConnection, keys: RunKeys) -> Snapshot:
         elif state.previous_round is not None:
             state.previous = _by_rank(shards.get(state.previous_round, {}))
     joined = {r: sorted(nodes, key=nodes.__getitem__) for r, nodes in join_revisions.items()}
-    return Snapshot(response.header.revision, state, state_revision, live, joined, leases, values,
-                    coordinator, join_revisions, master)
+    return Snapshot(
+        response.header.revision,
+        state,
+        state_revision,
+        live,
+        joined,
+        leases,
+        values,
+        coordinator,
+        join_revisions,
+        master,
+    )
 
 
 def _by_rank(ranks: dict[str, int]) -> list[str]:
     return sorted(ranks, key=ranks.__getitem__)
 
 
-def close_ready(*, joined: int, first_round: bool, missing_previous: int, waited: float,
-                settings: RendezvousSettings) -> bool:
+def close_ready(
+    *,
+    joined: int,
+    first_round: bool,
+    missing_previous: int,
+    waited: float,
+    settings: RendezvousSettings,
+) -> bool:
     """Whether an open round may close, from counts alone (the coordinator asks on every event).
 
     Args:
@@ -324,8 +352,13 @@ def decide_close(
     joined = [n for n in snapshot.joined.get(state.round, []) if n in snapshot.live]
     in_round = set(joined)
     missing = [n for n in state.previous or [] if n in snapshot.live and n not in in_round]
-    if not close_ready(joined=len(joined), first_round=state.previous is None, missing_previous=len(missing),
-                       waited=min_reached_for, settings=settings):
+    if not close_ready(
+        joined=len(joined),
+        first_round=state.previous is None,
+        missing_previous=len(missing),
+        waited=min_reached_for,
+        settings=settings,
+    ):
         return None
     return order_participants(joined, state.previous)[: settings.max_nodes]
 
@@ -345,8 +378,10 @@ def waiting_summary(snapshot: Snapshot, settings: RendezvousSettings, node_id: s
         return "no round was open"
     if state.status == COMPLETE:
         live = [n for n in state.participants if n in snapshot.live]
-        return (f"the job is full ({len(live)} of max {settings.max_nodes} nodes run it); "
-                "this node waited as a spare")
+        return (
+            f"the job is full ({len(live)} of max {settings.max_nodes} nodes run it); "
+            "this node waited as a spare"
+        )
     if state.status != OPEN:
         return f"the rendezvous is {state.status}"
     joined = [n for n in snapshot.joined.get(state.round, []) if n in snapshot.live]
@@ -355,9 +390,13 @@ def waiting_summary(snapshot: Snapshot, settings: RendezvousSettings, node_id: s
     in_round = set(joined)
     missing = [n for n in state.previous or [] if n in snapshot.live and n not in in_round]
     if missing:
-        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-        return (f"{len(joined)} nodes had joined round {state.round}; {len(missing)} live member(s) "
-                f"of the previous round had not rejoined: {shown}")
+        shown = ", ".join(missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
+        return (
+            f"{len(joined)} nodes had joined round {state.round}; {len(missing)} live member(s) "
+            f"of the previous round had not rejoined: {shown}"
+        )
     return f"{len(joined)} nodes had joined round {state.round} (min {settings.min_nodes}), still in the last call"
 
 

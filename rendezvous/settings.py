@@ -109,24 +109,44 @@ class RendezvousSettings:
         if not self.run_id:
             raise RendezvousConfigError("run id: must not be empty")
         if not 1 <= self.min_nodes <= self.max_nodes:
-            raise RendezvousConfigError(f"nnodes: need 1 <= min ({self.min_nodes}) <= max ({self.max_nodes})")
-        for name in ("read_timeout", "retry_timeout", "join_timeout", "last_call_timeout", "close_timeout",
-                     "heartbeat_timeout", "ttl", "keep_alive_interval", "keep_alive_max_attempt"):
+            raise RendezvousConfigError(
+                f"nnodes: need 1 <= min ({self.min_nodes}) <= max ({self.max_nodes})"
+            )
+        for name in (
+            "read_timeout",
+            "retry_timeout",
+            "join_timeout",
+            "last_call_timeout",
+            "close_timeout",
+            "heartbeat_timeout",
+            "ttl",
+            "keep_alive_interval",
+            "keep_alive_max_attempt",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise RendezvousConfigError(f"rdzv-conf {name}: must be > 0, got {value:g}")
         if self.lease_ttl < 2:
-            raise RendezvousConfigError(f"rdzv-conf lease_ttl: must be >= 2 seconds, got {self.lease_ttl}")
+            raise RendezvousConfigError(
+                f"rdzv-conf lease_ttl: must be >= 2 seconds, got {self.lease_ttl}"
+            )
         if self.handler not in HANDLERS:
-            raise RendezvousConfigError(f"rdzv-conf handler: must be one of {', '.join(HANDLERS)}, got {self.handler!r}")
+            raise RendezvousConfigError(
+                f"rdzv-conf handler: must be one of {', '.join(HANDLERS)}, got {self.handler!r}"
+            )
         if not self.key_prefix.startswith("/") or " " in self.key_prefix:
             raise RendezvousConfigError(
                 f"rdzv-conf key_prefix: must be an absolute path like /a/b, got {self.key_prefix!r}"
             )
         try:
-            check_security(protocol=self.protocol, ca_cert=self.ca_cert, ssl_cert=self.ssl_cert,
-                           ssl_cert_key=self.ssl_cert_key, user=self.user,
-                           has_password=self.password is not None)
+            check_security(
+                protocol=self.protocol,
+                ca_cert=self.ca_cert,
+                ssl_cert=self.ssl_cert,
+                ssl_cert_key=self.ssl_cert_key,
+                user=self.user,
+                has_password=self.password is not None,
+            )
         except ValueError as exc:
             raise RendezvousConfigError(f"rdzv-conf {exc}") from exc
 
@@ -142,7 +162,9 @@ class RendezvousSettings:
             RendezvousConfigError: no endpoint was given.
         """
         if not self.endpoints:
-            raise RendezvousConfigError("rdzv endpoint: none given (--rdzv-endpoint HOST:PORT[,HOST:PORT])")
+            raise RendezvousConfigError(
+                "rdzv endpoint: none given (--rdzv-endpoint HOST:PORT[,HOST:PORT])"
+            )
         return EtcdClientConfig(
             endpoints=self.endpoints,
             read_timeout=self.read_timeout,
@@ -174,7 +196,9 @@ def parse_conf(conf: Mapping[str, object]) -> dict[str, Any]:
     password_file = optional_text("password_file", conf.get("password_file") or "")
     if password_file:
         if values.get("password") is not None:
-            raise RendezvousConfigError("rdzv-conf password: give password or password_file, not both")
+            raise RendezvousConfigError(
+                "rdzv-conf password: give password or password_file, not both"
+            )
         try:
             values["password"] = read_secret_file(password_file, key="rdzv-conf password_file")
         except ValueError as exc:
@@ -221,6 +245,11 @@ def settings_from_conf(
         endpoints = parse_endpoints(endpoint) if endpoint.strip() else ()
     except ValueError as exc:
         raise RendezvousConfigError(str(exc)) from exc
-    return RendezvousSettings(run_id=run_id, endpoints=endpoints, min_nodes=min_nodes, max_nodes=max_nodes,
-                              local_addr=local_addr, **values)
-
+    return RendezvousSettings(
+        run_id=run_id,
+        endpoints=endpoints,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        local_addr=local_addr,
+        **values,
+    )

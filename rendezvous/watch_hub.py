@@ -128,7 +128,9 @@ class WatchHub:
         if start_revision <= 0:
             raise ValueError(f"start_revision: must be > 0, got {start_revision}")
         raw = key.encode() if isinstance(key, str) else bytes(key)
-        watch = HubWatch(self, raw, prefix_end(raw) if prefix else None, start_revision, on_events, on_lost)
+        watch = HubWatch(
+            self, raw, prefix_end(raw) if prefix else None, start_revision, on_events, on_lost
+        )
         with self._lock:
             if self._closed:
                 raise RuntimeError("the etcd connection of this watch is closed")
@@ -144,11 +146,19 @@ class WatchHub:
         """One line on the hub's state, for a diagnostic dump: its watches (active, awaiting
         creation, created), the events delivered, the stream, and its last failure."""
         with self._lock:
-            stream = "none" if self._call is None else "active" if self._call.is_active() else "ended"
-            failure = "never" if self.last_failure is None else f"{time.monotonic() - self.last_failure:.1f} s ago"
-            return (f"endpoint {self._connection.endpoint}, {len(self._active)} active, {len(self._pending)} awaiting "
-                    f"creation, {len(self._by_id)} created, {self.events} events delivered, stream {stream}, "
-                    f"last failure {failure}")
+            stream = (
+                "none" if self._call is None else "active" if self._call.is_active() else "ended"
+            )
+            failure = (
+                "never"
+                if self.last_failure is None
+                else f"{time.monotonic() - self.last_failure:.1f} s ago"
+            )
+            return (
+                f"endpoint {self._connection.endpoint}, {len(self._active)} active, {len(self._pending)} awaiting "
+                f"creation, {len(self._by_id)} created, {self.events} events delivered, stream {stream}, "
+                f"last failure {failure}"
+            )
 
     def close(self) -> None:
         """End every watch and the stream."""
@@ -169,9 +179,15 @@ class WatchHub:
                 return
             watch.cancelled = True
             self._active.discard(watch)
-            if watch.watch_id is not None and self._by_id.pop(watch.watch_id, None) is watch and self._outbox is not None:
+            if (
+                watch.watch_id is not None
+                and self._by_id.pop(watch.watch_id, None) is watch
+                and self._outbox is not None
+            ):
                 rpc = self._etcd3.etcdrpc
-                self._outbox.put(rpc.WatchRequest(cancel_request=rpc.WatchCancelRequest(watch_id=watch.watch_id)))
+                self._outbox.put(
+                    rpc.WatchRequest(cancel_request=rpc.WatchCancelRequest(watch_id=watch.watch_id))
+                )
                 self._connection.count("a watch cancel")
 
     def _send_create(self, watch: HubWatch) -> None:
@@ -209,7 +225,11 @@ class WatchHub:
             try:
                 client = self._connection.current_client()
                 stub = self._etcd3.etcdrpc.WatchStub(client.channel)
-                call = stub.Watch(self._requests(outbox), credentials=client.call_credentials, metadata=client.metadata)
+                call = stub.Watch(
+                    self._requests(outbox),
+                    credentials=client.call_credentials,
+                    metadata=client.metadata,
+                )
                 with self._lock:
                     self._call = call
                 for response in call:
@@ -244,17 +264,28 @@ class WatchHub:
                     watch.watch_id = int(response.watch_id)
                     if watch.cancelled and self._outbox is not None:
                         rpc = self._etcd3.etcdrpc
-                        self._outbox.put(rpc.WatchRequest(cancel_request=rpc.WatchCancelRequest(watch_id=watch.watch_id)))
+                        self._outbox.put(
+                            rpc.WatchRequest(
+                                cancel_request=rpc.WatchCancelRequest(watch_id=watch.watch_id)
+                            )
+                        )
                         self._connection.count("a watch cancel")
                     elif not watch.cancelled:
                         self._by_id[watch.watch_id] = watch
             elif response.canceled:
                 watch = self._by_id.pop(int(response.watch_id), None)
                 if watch is not None and not watch.cancelled:
-                    reason = (f"revision {watch.next_revision} was compacted (now {response.compact_revision})"
-                              if response.compact_revision else response.cancel_reason or "cancelled by etcd")
+                    reason = (
+                        f"revision {watch.next_revision} was compacted (now {response.compact_revision})"
+                        if response.compact_revision
+                        else response.cancel_reason or "cancelled by etcd"
+                    )
                     lost = (watch, reason)
-            watch = None if response.created or response.canceled else self._by_id.get(int(response.watch_id))
+            watch = (
+                None
+                if response.created or response.canceled
+                else self._by_id.get(int(response.watch_id))
+            )
         if lost is not None:
             lost_watch, reason = lost
             with self._lock:

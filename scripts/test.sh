@@ -72,6 +72,7 @@ export OMP_NUM_THREADS=1
 if [ $# -eq 0 ]; then
     # The whole suite: lint and types first (cheap, and they catch what tests miss).
     "$venv/bin/python" -m ruff check .
+    "$venv/bin/python" -m ruff format --check .   # the layout is the formatter's (100 columns)
     "$venv/bin/python" -m mypy
     "$venv/bin/lint-imports"
     # The unit tier on both cores (pytest-xdist): its tests are CPU-bound and share nothing but

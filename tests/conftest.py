@@ -66,4 +66,3 @@ def unique_id(request: pytest.FixtureRequest) -> str:
 
     name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:40]
     return f"{name}-{uuid.uuid4().hex[:8]}"
-

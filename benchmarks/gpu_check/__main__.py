@@ -22,11 +22,20 @@ COMMAND = "bash scripts/gpu-check.sh OUT"
 def parse_args(argv: Sequence[str] | None, plan: Plan) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("out", type=Path, help="folder for table.md, results.json and each step's log")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="on CPU with tiny sizes: checks that every step runs and the table is complete")
-    parser.add_argument("--only", default="", metavar="STEP,...",
-                        help=f"run only these steps (rerun one that failed): {', '.join(plan.by_name)}")
+    parser.add_argument(
+        "out", type=Path, help="folder for table.md, results.json and each step's log"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="on CPU with tiny sizes: checks that every step runs and the table is complete",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        metavar="STEP,...",
+        help=f"run only these steps (rerun one that failed): {', '.join(plan.by_name)}",
+    )
     args = parser.parse_args(argv)
     args.only = [name for name in args.only.split(",") if name]
     unknown = [name for name in args.only if name not in plan.by_name]
@@ -42,11 +51,16 @@ def main(argv: Sequence[str] | None = None, plan: Plan = PLAN) -> int:
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(runner.ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(runner.ROOT), env.get("PYTHONPATH", "")) if p
+    )
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is the CPU path, even on a GPU node
-        gpus, where = 0, "dry run on CPU, tiny sizes: it checks the wiring; its figures are no measurement"
+        gpus, where = (
+            0,
+            "dry run on CPU, tiny sizes: it checks the wiring; its figures are no measurement",
+        )
         info: dict[str, object] = {}
     else:
         try:
@@ -67,7 +81,9 @@ def main(argv: Sequence[str] | None = None, plan: Plan = PLAN) -> int:
         names = list(map(str, info["names"])) if isinstance(info["names"], list) else []
         where = f"{gpus} x {names[0] if names else '?'}, torch {info['torch']}, CUDA {info['cuda']}"
     print(f"gpu-check: {where}; output in {out}", flush=True)
-    results = runner.run_plan(plan, out=out, dry_run=args.dry_run, gpus=gpus, only=args.only, env=env)
+    results = runner.run_plan(
+        plan, out=out, dry_run=args.dry_run, gpus=gpus, only=args.only, env=env
+    )
     rows, notes = report.rows_of(plan.claims, results)
     command = COMMAND.replace("gpu-check.sh", "gpu-check.sh --dry-run") if args.dry_run else COMMAND
     heading = f"GPU check, {started}, tree {node.git_tree()}: {where}. Command: `{command}`"

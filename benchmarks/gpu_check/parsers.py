@@ -67,7 +67,7 @@ def metrics_overhead(output: str, out_dir: Path) -> Figures:
     its runs."""
     wall = float(_search(rf"^wall on/off, median d: {_NUMBER}", output, "'wall on/off' line")[1])
     cpu = float(_search(rf"^CPU on/off, median d: {_NUMBER}", output, "'CPU on/off' line")[1])
-    step = re.search(r"^\s*1\s+\S+\s+(\S+)", output[output.find("wall ms/step"):], re.MULTILINE)
+    step = re.search(r"^\s*1\s+\S+\s+(\S+)", output[output.find("wall ms/step") :], re.MULTILINE)
     shown = f", {step[1]} ms step" if step else ""
     return {
         "wall_ratio": Figure(wall, f"{wall:.4f}{shown}"),
@@ -77,7 +77,9 @@ def metrics_overhead(output: str, out_dir: Path) -> Figures:
 
 def checkpoint_stall(output: str, out_dir: Path) -> Figures:
     """``benchmarks.checkpoint_stall``: the on-thread stall ratio async/sync and both medians."""
-    ratio = float(_search(rf"^on-thread stall ratio async/sync: {_NUMBER}", output, "stall ratio line")[1])
+    ratio = float(
+        _search(rf"^on-thread stall ratio async/sync: {_NUMBER}", output, "stall ratio line")[1]
+    )
     sync = _search(rf"^\| sync \| {_NUMBER} \|", output, "'| sync |' row")[1]
     done = _search(rf"^\| async \| {_NUMBER} \|", output, "'| async |' row")[1]
     return {"stall_ratio": Figure(ratio, f"{ratio:.3f} ({done} s vs {sync} s)")}

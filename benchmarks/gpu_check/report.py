@@ -42,9 +42,18 @@ def row_of(claim: Claim, result: StepResult | None, note: int | None = None) -> 
         return Row(claim.claim, claim.cpu, f"skipped: {result.reason}", target, "skipped", note)
     figure = result.figures.get(claim.figure)
     if result.status != "ok" or figure is None or claim.target is None:
-        why = result.reason if result.status != "ok" else f"no figure {claim.figure!r} in the output"
+        why = (
+            result.reason if result.status != "ok" else f"no figure {claim.figure!r} in the output"
+        )
         return Row(claim.claim, claim.cpu, f"{result.status}: {why}", target, "error", note)
-    return Row(claim.claim, claim.cpu, figure.text, target, "pass" if claim.target.met(figure.value) else "fail", note)
+    return Row(
+        claim.claim,
+        claim.cpu,
+        figure.text,
+        target,
+        "pass" if claim.target.met(figure.value) else "fail",
+        note,
+    )
 
 
 def rows_of(claims: Sequence[Claim], results: dict[str, StepResult]) -> tuple[list[Row], list[str]]:
@@ -72,20 +81,36 @@ def _cell(text: str) -> str:
 
 def table(rows: Sequence[Row], notes: Sequence[str], *, heading: str, dry_run: bool) -> str:
     """The Markdown table with its heading line and the CPU figures' sources below it."""
-    lines = [heading, "", "| claim | CPU figure | GPU figure | target | pass/fail |", "|---|---|---|---|---|"]
+    lines = [
+        heading,
+        "",
+        "| claim | CPU figure | GPU figure | target | pass/fail |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         cpu = f"{r.cpu} [{r.note}]" if r.note else r.cpu
-        lines.append(f"| {_cell(r.claim)} | {_cell(cpu)} | {_cell(r.gpu)} | {_cell(r.target)} | {r.verdict} |")
+        lines.append(
+            f"| {_cell(r.claim)} | {_cell(cpu)} | {_cell(r.gpu)} | {_cell(r.target)} | {r.verdict} |"
+        )
     if dry_run:
         lines += ["", "Dry run: the GPU column holds tiny CPU runs; pass/fail is computed but only an error "
                   "(a step that failed, timed out or printed no figure) fails the check."]  # fmt: skip
     if notes:
-        lines += ["", "Where the CPU figures come from (benchmarks/RESULTS.md; 2-core CPU machine, gloo):"]
+        lines += [
+            "",
+            "Where the CPU figures come from (benchmarks/RESULTS.md; 2-core CPU machine, gloo):",
+        ]
         lines += [f"[{i}] {n}" for i, n in enumerate(notes, start=1)]
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, text: str, rows: Sequence[Row], results: dict[str, StepResult], header: dict[str, object]) -> None:
+def write(
+    out: Path,
+    text: str,
+    rows: Sequence[Row],
+    results: dict[str, StepResult],
+    header: dict[str, object],
+) -> None:
     """``table.md`` and ``results.json`` (header, every row, every step's command, time and figures)."""
     (out / "table.md").write_text(text)
     document = {

@@ -88,7 +88,9 @@ def _stop_group(process: subprocess.Popen[bytes]) -> None:
         return
 
 
-def run_step(step: Step, *, out: Path, dry_run: bool, limit_s: float, env: Mapping[str, str]) -> StepResult:
+def run_step(
+    step: Step, *, out: Path, dry_run: bool, limit_s: float, env: Mapping[str, str]
+) -> StepResult:
     """Run one step under ``limit_s`` and read its figures."""
     argv = [sys.executable, *step.argv(dry_run=dry_run, out=out)]
     for name in step.artifacts:
@@ -120,7 +122,9 @@ def run_plan(plan: Plan, *, out: Path, dry_run: bool, gpus: int, only: Sequence[
     for index, step in enumerate(selected, start=1):
         label = f"[{index}/{len(selected)}] {step.name}"
         if not dry_run and gpus < step.min_gpus:
-            reason = f"needs {step.min_gpus} GPUs, {gpus} visible" + (f" ({step.gpus_why})" if step.gpus_why else "")
+            reason = f"needs {step.min_gpus} GPUs, {gpus} visible" + (
+                f" ({step.gpus_why})" if step.gpus_why else ""
+            )
             results[step.name] = StepResult(step.name, "skipped", reason)
             print(f"{label}: skipped ({reason})", flush=True)
             continue
@@ -132,7 +136,9 @@ def run_plan(plan: Plan, *, out: Path, dry_run: bool, gpus: int, only: Sequence[
             continue
         limit = min(step.dry_limit_s if dry_run else step.limit_s, remaining)
         print(f"{label}: running (limit {limit:.0f} s, log {step.name}.log)", flush=True)
-        result = results[step.name] = run_step(step, out=out, dry_run=dry_run, limit_s=limit, env=env)
+        result = results[step.name] = run_step(
+            step, out=out, dry_run=dry_run, limit_s=limit, env=env
+        )
         print(f"{label}: {result.status} in {result.duration_s:.1f} s{': ' + result.reason if result.reason else ''}",
               flush=True)  # fmt: skip
     return results

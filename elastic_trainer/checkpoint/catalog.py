@@ -56,14 +56,16 @@ def list_checkpoints(directory_text: str) -> list[dict[str, Any]]:
             manifest = json.loads(manifest_path(directory, step).read_text())
         except (OSError, ValueError):
             manifest = {}
-        rows.append({
-            "path": str(data_path(directory, step)),
-            "step": step,
-            "epoch": manifest.get("epoch"),
-            "world_size": manifest.get("world_size"),
-            "bytes": manifest.get("nbytes"),
-            "format": "sharded" if manifest.get("files") is not None else "single",
-        })
+        rows.append(
+            {
+                "path": str(data_path(directory, step)),
+                "step": step,
+                "epoch": manifest.get("epoch"),
+                "world_size": manifest.get("world_size"),
+                "bytes": manifest.get("nbytes"),
+                "format": "sharded" if manifest.get("files") is not None else "single",
+            }
+        )
     return rows
 
 
@@ -76,7 +78,14 @@ def verify_checkpoints(directory_text: str) -> list[dict[str, Any]]:
             info = verify(directory, step)
             results.append({"step": step, "path": str(info.path), "ok": True, "error": None})
         except CheckpointError as exc:
-            results.append({"step": step, "path": str(data_path(directory, step)), "ok": False, "error": str(exc)})
+            results.append(
+                {
+                    "step": step,
+                    "path": str(data_path(directory, step)),
+                    "ok": False,
+                    "error": str(exc),
+                }
+            )
     return results
 
 
@@ -84,7 +93,9 @@ def _tensor_summary(obj: Any) -> tuple[int, int]:
     """(tensor count, bytes) inside a nested structure."""
     if isinstance(obj, torch.Tensor):
         return 1, obj.numel() * obj.element_size()
-    children: Any = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    children: Any = (
+        obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    )
     count = size = 0
     for child in children:
         c, s = _tensor_summary(child)
@@ -109,7 +120,9 @@ def inspect_checkpoint(target: str) -> dict[str, Any]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # any unpickling/zip error means: not a loadable checkpoint
-        raise UserError(f"checkpoint {path}: not a loadable checkpoint ({type(exc).__name__}: {exc})") from exc
+        raise UserError(
+            f"checkpoint {path}: not a loadable checkpoint ({type(exc).__name__}: {exc})"
+        ) from exc
     if not isinstance(data, dict) or "model" not in data:
         raise UserError(f"checkpoint {path}: not an elastic-trainer checkpoint (no 'model' entry)")
     entries = {}
@@ -143,7 +156,9 @@ def _inspect_sharded(path: Path) -> dict[str, Any]:
         "step": manifest.get("step"),
         "epoch": manifest.get("epoch"),
         "world_size": manifest.get("world_size"),
-        "entries": {key: {"tensors": e["tensors"], "bytes": e["bytes"]} for key, e in entries.items()},
+        "entries": {
+            key: {"tensors": e["tensors"], "bytes": e["bytes"]} for key, e in entries.items()
+        },
         "model_parameters": entries.get("model", {}).get("elements", 0),
     }
 
@@ -162,7 +177,9 @@ def _chosen(target: str) -> CheckpointInfo:
     _steps_or_fail(directory)
     info = find_latest(directory)
     if info is None:
-        raise UserError(f"checkpoint directory {target}: no checkpoint verifies (see elastic-trainer checkpoint verify)")
+        raise UserError(
+            f"checkpoint directory {target}: no checkpoint verifies (see elastic-trainer checkpoint verify)"
+        )
     return info
 
 
@@ -171,7 +188,9 @@ def export_checkpoint(target: str, out_text: str) -> dict[str, Any]:
     file that ``torch.load(out, weights_only=True)`` opens; ``["model"]`` is a full state dict."""
     out = Path(out_text)
     if out.is_dir():
-        raise UserError(f"export target {out_text}: is a directory (give a file name, e.g. model.pt)")
+        raise UserError(
+            f"export target {out_text}: is a directory (give a file name, e.g. model.pt)"
+        )
     info = _chosen(target)
     try:
         return sharded.export(info, out)
@@ -189,7 +208,12 @@ def count_parameters(model_state: dict[str, Any]) -> int:
     for value in model_state.values():
         if not isinstance(value, torch.Tensor):
             continue
-        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride())
+        key = (
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            tuple(value.shape),
+            value.stride(),
+        )
         if key in seen:
             continue
         seen.add(key)

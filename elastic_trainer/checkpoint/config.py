@@ -33,7 +33,9 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.directory is not None and not str(self.directory).strip():
-            raise ConfigError("checkpoint.directory: must be a directory path or unset, got an empty string")
+            raise ConfigError(
+                "checkpoint.directory: must be a directory path or unset, got an empty string"
+            )
         check_positive_int("checkpoint.every", self.every)
         check_positive_int("checkpoint.keep_last", self.keep_last)
         check_bool("checkpoint.async_write", self.async_write)

@@ -91,7 +91,9 @@ class _WeightsOnlyBytes:
         """See base class."""
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            torch_compat.dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            torch_compat.dcp_set_element(
+                self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj
+            )
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
@@ -100,8 +102,11 @@ class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
     """Loads into a given state dict (DCP reshards onto its DTensors' current placement)."""
 
 
-SafeEmptyLoadPlanner: type = type("SafeEmptyLoadPlanner", (_WeightsOnlyBytes, torch_compat.dcp_empty_state_dict_planner()),
-                                  {"__doc__": "Rebuilds the whole state dict from the metadata (export)."})
+SafeEmptyLoadPlanner: type = type(
+    "SafeEmptyLoadPlanner",
+    (_WeightsOnlyBytes, torch_compat.dcp_empty_state_dict_planner()),
+    {"__doc__": "Rebuilds the whole state dict from the metadata (export)."},
+)
 
 
 def checkpoint_group() -> Any:

@@ -187,7 +187,9 @@ def _first_model_difference(saved: list[list[Any]], here: list[list[Any]]) -> st
         if name not in saved_by_name:
             return f"model tensor {name!r} is not in the checkpoint"
         if saved_by_name[name] != spec:
-            return f"model tensor {name!r} is {spec} here but {saved_by_name[name]} in the checkpoint"
+            return (
+                f"model tensor {name!r} is {spec} here but {saved_by_name[name]} in the checkpoint"
+            )
     for name in saved_by_name:
         if name not in here_by_name:
             return f"the checkpoint has model tensor {name!r} that this model lacks"
@@ -218,8 +220,9 @@ class _HashingWriter:
         self._file.flush()
 
 
-def _write_atomically(target: Path, write: Callable[[Any], None],
-                      before_replace: Callable[[], None] | None = None) -> _HashingWriter:
+def _write_atomically(
+    target: Path, write: Callable[[Any], None], before_replace: Callable[[], None] | None = None
+) -> _HashingWriter:
     """Write ``target`` through an fsynced temporary file (:func:`atomic_file`), hashing what
     passes; a write error keeps its errno (``torch.save`` would wrap it in a RuntimeError)."""
     writer: _HashingWriter | None = None
@@ -264,14 +267,25 @@ def save_checkpoint(
     def ask_fence() -> None:
         refused = fence() if fence is not None else None
         if refused is not None:
-            raise CheckpointFencedError(f"the checkpoint of step {step} was not committed: {refused}")
+            raise CheckpointFencedError(
+                f"the checkpoint of step {step} was not committed: {refused}"
+            )
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        writer = _write_atomically(pt, lambda file: torch.save(dict(payload), file), before_replace=ask_fence)
-        manifest = new_manifest(pt.name, step=step, epoch=epoch, world_size=world_size,
-                                sha256=writer.sha256.hexdigest(), nbytes=writer.nbytes,
-                                fingerprint_fields=fingerprint_fields, jit=jit)
+        writer = _write_atomically(
+            pt, lambda file: torch.save(dict(payload), file), before_replace=ask_fence
+        )
+        manifest = new_manifest(
+            pt.name,
+            step=step,
+            epoch=epoch,
+            world_size=world_size,
+            sha256=writer.sha256.hexdigest(),
+            nbytes=writer.nbytes,
+            fingerprint_fields=fingerprint_fields,
+            jit=jit,
+        )
         write_manifest(directory, manifest)
     except CheckpointFencedError:
         raise
@@ -280,19 +294,44 @@ def save_checkpoint(
         raise write_error(directory, step, exc) from exc
     if keep_last is not None:
         prune(directory, keep_last)
-    log.info("%scheckpoint of step %d written to %s (%.1f MB)", "just-in-time " if jit else "", step, pt,
-             manifest.nbytes / 1e6)
+    log.info(
+        "%scheckpoint of step %d written to %s (%.1f MB)",
+        "just-in-time " if jit else "",
+        step,
+        pt,
+        manifest.nbytes / 1e6,
+    )
     return CheckpointInfo(path=pt, manifest=manifest)
 
 
-def new_manifest(file: str, *, step: int, epoch: int, world_size: int, sha256: str, nbytes: int,
-                 fingerprint_fields: Mapping[str, Any], jit: bool = False,
-                 files: dict[str, list[Any]] | None = None) -> Manifest:
+def new_manifest(
+    file: str,
+    *,
+    step: int,
+    epoch: int,
+    world_size: int,
+    sha256: str,
+    nbytes: int,
+    fingerprint_fields: Mapping[str, Any],
+    jit: bool = False,
+    files: dict[str, list[Any]] | None = None,
+) -> Manifest:
     """The manifest of a checkpoint whose data (``file``, in the same directory) is durable."""
     fields = dict(fingerprint_fields)
-    return Manifest(format=FORMAT, file=file, step=step, epoch=epoch, world_size=world_size, sha256=sha256,
-                    nbytes=nbytes, fingerprint=job_fingerprint(fields), fingerprint_fields=fields,
-                    created_unix=time.time(), jit=jit, files=files)
+    return Manifest(
+        format=FORMAT,
+        file=file,
+        step=step,
+        epoch=epoch,
+        world_size=world_size,
+        sha256=sha256,
+        nbytes=nbytes,
+        fingerprint=job_fingerprint(fields),
+        fingerprint_fields=fields,
+        created_unix=time.time(),
+        jit=jit,
+        files=files,
+    )
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
@@ -305,13 +344,23 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
 def write_error(directory: Path, step: int, exc: BaseException) -> CheckpointWriteError:
     """The one-line error for a failed write of ``step`` (errno kept, earlier checkpoints named)."""
     if isinstance(exc, OSError):
-        reason = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or str(exc))
+        reason = (
+            "the disk is full"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            else (exc.strerror or str(exc))
+        )
         reason = f"{reason} (errno {exc.errno})"
     else:
         reason = f"{exc.__class__.__name__}: {exc}"
     previous = latest_name(directory, before=step)
-    kept = f"the previous checkpoint {previous} is untouched" if previous else "no earlier checkpoint exists"
-    return CheckpointWriteError(f"could not write the checkpoint of step {step} to {directory}: {reason}; {kept}")
+    kept = (
+        f"the previous checkpoint {previous} is untouched"
+        if previous
+        else "no earlier checkpoint exists"
+    )
+    return CheckpointWriteError(
+        f"could not write the checkpoint of step {step} to {directory}: {reason}; {kept}"
+    )
 
 
 def _steps(directory: Path) -> dict[int, set[str]]:
@@ -341,9 +390,14 @@ def prune(directory: Path, keep_last: int) -> None:
         return
     kept = complete[:keep_last]
     for step in found:
-        if step < kept[-1] or (step not in kept and step < kept[0] and found[step] not in _COMPLETE):
-            for path in (manifest_path(directory, step), checkpoint_path(directory, step),
-                         sharded_path(directory, step)):
+        if step < kept[-1] or (
+            step not in kept and step < kept[0] and found[step] not in _COMPLETE
+        ):
+            for path in (
+                manifest_path(directory, step),
+                checkpoint_path(directory, step),
+                sharded_path(directory, step),
+            ):
                 _remove(path)
 
 
@@ -420,7 +474,11 @@ def read_claim(directory: str | os.PathLike[str], step: int) -> dict[str, Any] |
 
 
 def held_by_this_process(holder: Mapping[str, Any] | None) -> bool:
-    return holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == os.uname().nodename
+    return (
+        holder is not None
+        and holder.get("pid") == os.getpid()
+        and holder.get("host") == os.uname().nodename
+    )
 
 
 def remove_stale_claims(directory: str | os.PathLike[str]) -> list[Path]:
@@ -433,7 +491,10 @@ def remove_stale_claims(directory: str | os.PathLike[str]) -> list[Path]:
                     os.unlink(entry.path)
                     removed.append(Path(entry.path))
     if removed:
-        log.info("removed claims left by interrupted checkpoint writers: %s", ", ".join(p.name for p in removed))
+        log.info(
+            "removed claims left by interrupted checkpoint writers: %s",
+            ", ".join(p.name for p in removed),
+        )
     return removed
 
 
@@ -463,7 +524,9 @@ def verify(directory: Path, step: int) -> CheckpointInfo:
     try:
         manifest = Manifest.from_json(js.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {pt} has no manifest {js.name} (write interrupted)") from None
+        raise CheckpointError(
+            f"checkpoint {pt} has no manifest {js.name} (write interrupted)"
+        ) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise CheckpointError(f"checkpoint manifest {js} is corrupt ({exc})") from exc
     if manifest.step != step or manifest.file != pt.name:
@@ -474,11 +537,17 @@ def verify(directory: Path, step: int) -> CheckpointInfo:
     try:
         digest, size = _sha256_of(pt)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {pt} is missing (its manifest {js.name} exists)") from None
+        raise CheckpointError(
+            f"checkpoint {pt} is missing (its manifest {js.name} exists)"
+        ) from None
     if size != manifest.nbytes:
-        raise CheckpointError(f"checkpoint {pt} is truncated or corrupt: {size} bytes, manifest says {manifest.nbytes}")
+        raise CheckpointError(
+            f"checkpoint {pt} is truncated or corrupt: {size} bytes, manifest says {manifest.nbytes}"
+        )
     if digest != manifest.sha256:
-        raise CheckpointError(f"checkpoint {pt} is corrupt: sha256 {digest[:16]}... does not match its manifest")
+        raise CheckpointError(
+            f"checkpoint {pt} is corrupt: sha256 {digest[:16]}... does not match its manifest"
+        )
     return CheckpointInfo(path=pt, manifest=manifest)
 
 
@@ -494,17 +563,25 @@ def verify_files(folder: Path, files: Mapping[str, list[Any]]) -> None:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {folder} is missing (its manifest exists)") from None
     for extra in sorted(present - set(files)):
-        raise CheckpointError(f"checkpoint {folder} holds {extra}, which its manifest does not list")
+        raise CheckpointError(
+            f"checkpoint {folder} holds {extra}, which its manifest does not list"
+        )
     for name, (sha256, nbytes) in sorted(files.items()):
         path = folder / name
         try:
             digest, size = _sha256_of(path)
         except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {folder} lacks {name} (its manifest lists it)") from None
+            raise CheckpointError(
+                f"checkpoint {folder} lacks {name} (its manifest lists it)"
+            ) from None
         if size != nbytes:
-            raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {size} bytes, manifest says {nbytes}")
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or corrupt: {size} bytes, manifest says {nbytes}"
+            )
         if digest != sha256:
-            raise CheckpointError(f"checkpoint file {path} is corrupt: sha256 {digest[:16]}... does not match its manifest")
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupt: sha256 {digest[:16]}... does not match its manifest"
+            )
 
 
 def find_latest(directory: str | os.PathLike[str]) -> CheckpointInfo | None:
@@ -521,7 +598,9 @@ def find_latest(directory: str | os.PathLike[str]) -> CheckpointInfo | None:
     return None
 
 
-def choose_resume(directory: str | os.PathLike[str], fingerprint_fields: Mapping[str, Any]) -> tuple[str, str | None]:
+def choose_resume(
+    directory: str | os.PathLike[str], fingerprint_fields: Mapping[str, Any]
+) -> tuple[str, str | None]:
     """(Rank 0, at start-up) which checkpoint every rank loads, as ``(kind, value)`` to broadcast:
     ``("load", path)``, ``("none", None)``, ``("mismatch", message)`` (another job's directory:
     nothing touched) or ``("error", message)``. Clears what dead writers left (temporary files,
@@ -577,14 +656,22 @@ def quarantine_newer_than(directory: str | os.PathLike[str], step: int | None) -
     for newer in sorted(_steps(directory)):
         if step is not None and newer <= step:
             continue
-        for path in (checkpoint_path(directory, newer), sharded_path(directory, newer), manifest_path(directory, newer)):
+        for path in (
+            checkpoint_path(directory, newer),
+            sharded_path(directory, newer),
+            manifest_path(directory, newer),
+        ):
             corrupt = path.with_name(path.name + ".corrupt")
-            _remove(corrupt)  # an earlier quarantine of the same step (os.replace cannot replace a directory)
+            _remove(
+                corrupt
+            )  # an earlier quarantine of the same step (os.replace cannot replace a directory)
             with contextlib.suppress(FileNotFoundError):
                 os.replace(path, corrupt)
                 moved.append(path)
     if moved:
-        log.warning("set aside damaged checkpoint files as *.corrupt: %s", ", ".join(p.name for p in moved))
+        log.warning(
+            "set aside damaged checkpoint files as *.corrupt: %s", ", ".join(p.name for p in moved)
+        )
     return moved
 
 
@@ -598,7 +685,9 @@ def map_location_for(device: torch.device) -> Callable[[Any, str], Any]:
 
     def _map(storage: Any, location: str) -> Any:
         if location.startswith("cuda"):
-            return torch.serialization.default_restore_location(storage, target if device.type == "cuda" else "cpu")
+            return torch.serialization.default_restore_location(
+                storage, target if device.type == "cuda" else "cpu"
+            )
         return storage
 
     return _map
@@ -613,7 +702,9 @@ def load_checkpoint(path: str | os.PathLike[str], device: torch.device) -> dict[
     try:
         state = torch.load(path, map_location=map_location_for(device), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - translated at the boundary, never retried unsafely
-        raise CheckpointError(f"checkpoint {path} does not load with weights_only=True: {exc}") from exc
+        raise CheckpointError(
+            f"checkpoint {path} does not load with weights_only=True: {exc}"
+        ) from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
         raise CheckpointError(f"{path} is not an {FORMAT} checkpoint")
     return state
@@ -648,7 +739,9 @@ class AsyncCheckpointWriter:
         """Run ``save`` (usually :func:`save_checkpoint` over a CPU snapshot) in the background;
         ``None``: a part written, the checkpoint committed elsewhere (a sharded save's rank > 0)."""
         self.wait()
-        self._thread = threading.Thread(target=self._run, args=(save,), name="checkpoint-writer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(save,), name="checkpoint-writer", daemon=True
+        )
         self._thread.start()
 
     def _run(self, save: Callable[[], CheckpointInfo | None]) -> None:
@@ -673,13 +766,17 @@ class AsyncCheckpointWriter:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                raise CheckpointError(f"the background checkpoint write did not finish within {timeout:.0f} s")
+                raise CheckpointError(
+                    f"the background checkpoint write did not finish within {timeout:.0f} s"
+                )
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
             if isinstance(error, CheckpointError):
                 raise error
-            raise CheckpointWriteError(f"the background checkpoint write failed: {error}") from error
+            raise CheckpointWriteError(
+                f"the background checkpoint write failed: {error}"
+            ) from error
         return self._result
 
 

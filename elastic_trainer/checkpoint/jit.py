@@ -67,7 +67,9 @@ class JitOutcome:
 class ExitTimer:
     """Ends the process with ``code`` unless cancelled within ``seconds`` (a save must never hang)."""
 
-    def __init__(self, seconds: float, code: int, why: str, exit_fn: Callable[[int], Any] = os._exit) -> None:
+    def __init__(
+        self, seconds: float, code: int, why: str, exit_fn: Callable[[int], Any] = os._exit
+    ) -> None:
         self._cancelled = threading.Event()
         self._seconds, self._code, self._why, self._exit = seconds, code, why, exit_fn
         self._thread = threading.Thread(target=self._run, name="jit-deadline", daemon=True)
@@ -168,7 +170,9 @@ class JitCheckpointer:
         if isinstance(exc, ckpt.CheckpointError):
             log.info("no just-in-time save after a checkpoint error (%s)", log_line(exc))
             return None
-        log.warning("training failed (%s); saving the last completed step just in time", log_line(exc))
+        log.warning(
+            "training failed (%s); saving the last completed step just in time", log_line(exc)
+        )
         return self.save(f"after {log_line(exc)}", deadline=time.monotonic() + SAVE_TIMEOUT_S)
 
     # -- signal side (wakeup thread) ------------------------------------------------------------------
@@ -179,7 +183,9 @@ class JitCheckpointer:
             return
         self._signal_at = time.monotonic()
         self.guard.progress.clear()
-        self._monitor = threading.Thread(target=self._watch, args=(signum,), name="jit-stall-monitor", daemon=True)
+        self._monitor = threading.Thread(
+            target=self._watch, args=(signum,), name="jit-stall-monitor", daemon=True
+        )
         self._monitor.start()
 
     def stall_timeout(self) -> float:
@@ -196,8 +202,12 @@ class JitCheckpointer:
                 return
             if self._busy or not self._armed:
                 continue
-            log.warning("%s received and no step boundary for %.1f s (blocked in a collective?): saving the last "
-                        "completed step just in time, then exiting", name, timeout)
+            log.warning(
+                "%s received and no step boundary for %.1f s (blocked in a collective?): saving the last "
+                "completed step just in time, then exiting",
+                name,
+                timeout,
+            )
             deadline = self._signal_deadline()
             self.save(f"{name}, main thread stalled {timeout:.1f} s", deadline=deadline)
             self._drain(max(0.0, deadline - time.monotonic()))
@@ -209,7 +219,9 @@ class JitCheckpointer:
         now = time.monotonic()
         if self._signal_at is None:
             raise RuntimeError("signal deadline asked for before any signal arrived")
-        deadline = min(now + SAVE_TIMEOUT_S, self._signal_at + TORCHRUN_STOP_WINDOW_S - EXIT_MARGIN_S)
+        deadline = min(
+            now + SAVE_TIMEOUT_S, self._signal_at + TORCHRUN_STOP_WINDOW_S - EXIT_MARGIN_S
+        )
         stop = self._stop_deadline()
         if stop is not None:
             deadline = min(deadline, stop - EXIT_MARGIN_S)
@@ -222,12 +234,18 @@ class JitCheckpointer:
         Ends the process (exit code 1) if the save is still running at ``deadline``.
         """
         if not self.enabled:
-            return JitOutcome(saved=False, step=None, path=None, detail="just-in-time saving is off")
-        timer = ExitTimer(deadline + BACKSTOP_S - time.monotonic(), 1, "the just-in-time checkpoint", self._exit)
+            return JitOutcome(
+                saved=False, step=None, path=None, detail="just-in-time saving is off"
+            )
+        timer = ExitTimer(
+            deadline + BACKSTOP_S - time.monotonic(), 1, "the just-in-time checkpoint", self._exit
+        )
         try:
             acquired = self._save_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
             if not acquired:
-                return JitOutcome(saved=False, step=None, path=None, detail="another save is still running")
+                return JitOutcome(
+                    saved=False, step=None, path=None, detail="another save is still running"
+                )
             try:
                 if self._outcome is None:
                     self._outcome = self._save(reason, deadline)
@@ -248,7 +266,10 @@ class JitCheckpointer:
                 if not self._armed:
                     return self._skip(None, "training had not started")
                 if not self.guard.consistent:
-                    return self._skip(None, "the failure happened inside an optimizer update; the state is inconsistent")
+                    return self._skip(
+                        None,
+                        "the failure happened inside an optimizer update; the state is inconsistent",
+                    )
                 step = self._step()
                 if (newest := ckpt.newest_step(self.directory)) is not None and newest >= step:
                     return self._skip(step, f"a checkpoint of step {newest} exists")
@@ -257,7 +278,9 @@ class JitCheckpointer:
                     holder = ckpt.read_claim(self.directory, step)
                     if ckpt.held_by_this_process(holder):
                         self._drain(max(0.0, deadline - time.monotonic()))
-                    return self._skip(step, f"step {step} is being written by {holder or 'another writer'}")
+                    return self._skip(
+                        step, f"step {step} is being written by {holder or 'another writer'}"
+                    )
                 # Re-check with the claim held: a writer may have finished this step and
                 # released its claim between the check above and ours.
                 if (newest := ckpt.newest_step(self.directory)) is not None and newest >= step:
@@ -271,8 +294,16 @@ class JitCheckpointer:
             if claim is not None:
                 claim.release()
         took = time.monotonic() - started
-        log.warning("just-in-time checkpoint of step %d written to %s in %.2f s (%s)", step, path, took, reason)
-        return JitOutcome(saved=True, step=step, path=path, detail=f"written in {took:.2f} s ({reason})")
+        log.warning(
+            "just-in-time checkpoint of step %d written to %s in %.2f s (%s)",
+            step,
+            path,
+            took,
+            reason,
+        )
+        return JitOutcome(
+            saved=True, step=step, path=path, detail=f"written in {took:.2f} s ({reason})"
+        )
 
     @staticmethod
     def _skip(step: int | None, why: str) -> JitOutcome:

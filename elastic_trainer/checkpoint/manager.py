@@ -93,8 +93,13 @@ class CheckpointManager:
         if (state is None) == (states is None):
             raise ValueError("CheckpointManager takes either state= or states=")
         self.fingerprint_fields = dict(fingerprint)
-        self.state = state if state is not None else TrainingState(
-            states or {}, env=env, model=model, seed=self.fingerprint_fields.get("seed"))
+        self.state = (
+            state
+            if state is not None
+            else TrainingState(
+                states or {}, env=env, model=model, seed=self.fingerprint_fields.get("seed")
+            )
+        )
         self.settings = settings if settings is not None else WorkerSettings.from_environ()
         self.observer: TrainingObserver = observer if observer is not None else NullObserver()
         self.run_config = dict(run_config or {})
@@ -109,8 +114,15 @@ class CheckpointManager:
         self._writer.on_refused = self._background_write_refused
         self._staging = StagingBuffers(env.device)
         self._failure: ckpt.CheckpointError | None = None
-        self._jit = JitCheckpointer(guard=self.state.guard, directory=None, rank=env.rank, step=lambda: self.step,
-                                    payload=dict, write=lambda step, payload: "", enabled=False)
+        self._jit = JitCheckpointer(
+            guard=self.state.guard,
+            directory=None,
+            rank=env.rank,
+            step=lambda: self.step,
+            payload=dict,
+            write=lambda step, payload: "",
+            enabled=False,
+        )
         self._deadline: ExitTimer | None = None
 
     # -- properties ----------------------------------------------------------------------------------
@@ -162,17 +174,27 @@ class CheckpointManager:
             started = time.monotonic()
             state = ckpt.load_checkpoint(value, env.device)
             self.state.load_state_dict(state)
-            self.observer.on_checkpoint_loaded(step=self.step, duration_s=time.monotonic() - started,
-                                               nbytes=os.path.getsize(value))
+            self.observer.on_checkpoint_loaded(
+                step=self.step, duration_s=time.monotonic() - started, nbytes=os.path.getsize(value)
+            )
             self.resumed_from = self._last_saved_step = self.step
             self.last_path = value
             if env.is_rank0:
-                log.info("resumed from %s%s (step %d, epoch %d, saved by %d ranks, now %d); %s",
-                         value, " (a just-in-time checkpoint)" if state.get("jit") else "", self.step, self.state.epoch,
-                         state["world_size"], env.world_size, resume_claim(self.state))
+                log.info(
+                    "resumed from %s%s (step %d, epoch %d, saved by %d ranks, now %d); %s",
+                    value,
+                    " (a just-in-time checkpoint)" if state.get("jit") else "",
+                    self.step,
+                    self.state.epoch,
+                    state["world_size"],
+                    env.world_size,
+                    resume_claim(self.state),
+                )
         elif env.is_rank0 and self.directory is None:
-            log.warning("no checkpoint_dir: this job is not fault tolerant; a restart starts again from step 0 "
-                        "(give a checkpoint directory that every node shares, e.g. --checkpoint-dir)")
+            log.warning(
+                "no checkpoint_dir: this job is not fault tolerant; a restart starts again from step 0 "
+                "(give a checkpoint directory that every node shares, e.g. --checkpoint-dir)"
+            )
         elif env.is_rank0:
             log.info("starting from scratch (no checkpoint in %s)", self.directory)
         self._setup_jit(bool(decision[1]))
@@ -195,18 +217,24 @@ class CheckpointManager:
 
     def _jit_wanted(self) -> bool:
         """This rank's view of whether to save just in time (rank 0's view is the one used)."""
-        wanted = self.config.jit_save if self.config.jit_save is not None else self.settings.jit_save
+        wanted = (
+            self.config.jit_save if self.config.jit_save is not None else self.settings.jit_save
+        )
         if not wanted:
             if self.env.is_rank0:
-                log.info("just-in-time checkpoints are off (jit_save=False or ELASTIC_TRAINER_JIT_SAVE=0)")
+                log.info(
+                    "just-in-time checkpoints are off (jit_save=False or ELASTIC_TRAINER_JIT_SAVE=0)"
+                )
             return False
         if self.directory is None:
             return False
         if any(hasattr(obj, "consolidate_state_dict") for obj in self.state.objects.values()):
             if self.env.is_rank0:
-                log.warning("just-in-time checkpoints are off with a sharded optimizer (ZeroRedundancyOptimizer): its "
-                            "state is spread over the ranks and its step runs collectives, so no single surviving rank "
-                            "holds it; a failure resumes from the last periodic checkpoint")
+                log.warning(
+                    "just-in-time checkpoints are off with a sharded optimizer (ZeroRedundancyOptimizer): its "
+                    "state is spread over the ranks and its step runs collectives, so no single surviving rank "
+                    "holds it; a failure resumes from the last periodic checkpoint"
+                )
             return False
         return True
 
@@ -247,7 +275,9 @@ class CheckpointManager:
                 try:
                     with self._jit.busy():
                         self._committed_path = self.last_path
-                        self.last_path = self._write(sync=not self.config.async_write, started=started)
+                        self.last_path = self._write(
+                            sync=not self.config.async_write, started=started
+                        )
                 except ckpt.CheckpointError as exc:
                     self._failure = exc  # every rank raises it at the next step's control
             return self.last_path
@@ -296,15 +326,21 @@ class CheckpointManager:
         """
         if self._failure is not None:
             raise ckpt.CheckpointWriteError(str(self._failure)) from self._failure
-        raise ckpt.CheckpointWriteError("rank 0 could not write a checkpoint (its log says why); earlier checkpoints "
-                                        "stand")
+        raise ckpt.CheckpointWriteError(
+            "rank 0 could not write a checkpoint (its log says why); earlier checkpoints stand"
+        )
 
     def payload(self, state: dict[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint holds: ``state`` (default the live state's payload; the caller copies
         or writes its tensors at once) with the file's format, the job's fingerprint and config."""
         data: dict[str, Any] = {"format": ckpt.FORMAT}
         data.update(self.state.state_dict() if state is None else state)
-        data.update({"fingerprint": ckpt.job_fingerprint(self.fingerprint_fields), "config": self.run_config})
+        data.update(
+            {
+                "fingerprint": ckpt.job_fingerprint(self.fingerprint_fields),
+                "config": self.run_config,
+            }
+        )
         return data
 
     def _write(self, *, sync: bool, started: float) -> str | None:
@@ -324,17 +360,28 @@ class CheckpointManager:
                 claim = ckpt.try_claim(directory, step, rank=self.env.rank, kind="periodic")
             except OSError as exc:
                 raise ckpt.CheckpointWriteError(
-                    f"could not write the checkpoint of step {step} to {directory}: {exc.strerror or exc}") from exc
+                    f"could not write the checkpoint of step {step} to {directory}: {exc.strerror or exc}"
+                ) from exc
             if claim is None:
-                log.warning("step %d is being checkpointed by %s; not writing it again", step,
-                            ckpt.read_claim(directory, step) or "another writer")
+                log.warning(
+                    "step %d is being checkpointed by %s; not writing it again",
+                    step,
+                    ckpt.read_claim(directory, step) or "another writer",
+                )
                 return path
 
         def save(data: dict[str, Any]) -> ckpt.CheckpointInfo:
             try:
-                return ckpt.save_checkpoint(directory, data, step=step, epoch=epoch, world_size=world_size,
-                                            fingerprint_fields=self.fingerprint_fields, keep_last=self.config.keep_last,
-                                            fence=self._fence)
+                return ckpt.save_checkpoint(
+                    directory,
+                    data,
+                    step=step,
+                    epoch=epoch,
+                    world_size=world_size,
+                    fingerprint_fields=self.fingerprint_fields,
+                    keep_last=self.config.keep_last,
+                    fence=self._fence,
+                )
             finally:
                 if claim is not None:
                     claim.release()
@@ -366,7 +413,9 @@ class CheckpointManager:
             if claim is not None:
                 claim.release()
             raise
-        self.observer.on_checkpoint_saved(step=step, duration_s=time.monotonic() - started, nbytes=nbytes)
+        self.observer.on_checkpoint_saved(
+            step=step, duration_s=time.monotonic() - started, nbytes=nbytes
+        )
         return path
 
     def _remaining_s(self) -> float | None:
@@ -376,9 +425,15 @@ class CheckpointManager:
     # -- the just-in-time save -------------------------------------------------------------------------
     def _setup_jit(self, enabled: bool) -> None:
         self._jit = JitCheckpointer(
-            guard=self.state.guard, directory=self.directory, rank=self.env.rank, step=lambda: self.step,
-            payload=self._jit_payload, write=self._jit_write, drain=self._drain,
-            stop_deadline=self._stop_deadline, enabled=enabled,
+            guard=self.state.guard,
+            directory=self.directory,
+            rank=self.env.rank,
+            step=lambda: self.step,
+            payload=self._jit_payload,
+            write=self._jit_write,
+            drain=self._drain,
+            stop_deadline=self._stop_deadline,
+            enabled=enabled,
         )
         self.state.track_buffers(enabled)
 
@@ -406,7 +461,9 @@ class CheckpointManager:
             return
         # Save, then let the exception end the process quickly: torchrun restarts the group
         # once all its local workers are gone. Never hang on the way.
-        self._deadline = ExitTimer(SAVE_TIMEOUT_S + TEARDOWN_S, 1, "saving and stopping after a failure")
+        self._deadline = ExitTimer(
+            SAVE_TIMEOUT_S + TEARDOWN_S, 1, "saving and stopping after a failure"
+        )
         self._jit.after_failure(exc)
 
     def save_just_in_time(self, reason: str, *, deadline: float) -> JitOutcome:
@@ -421,9 +478,17 @@ class CheckpointManager:
     def _jit_write(self, step: int, payload: dict[str, Any]) -> str:
         if self.directory is None:
             raise RuntimeError("just-in-time checkpointing needs a directory")
-        info = ckpt.save_checkpoint(self.directory, payload, step=step, epoch=int(payload["epoch"]),
-                                    world_size=self.env.world_size, fingerprint_fields=self.fingerprint_fields,
-                                    keep_last=None, jit=True, fence=self._fence)
+        info = ckpt.save_checkpoint(
+            self.directory,
+            payload,
+            step=step,
+            epoch=int(payload["epoch"]),
+            world_size=self.env.world_size,
+            fingerprint_fields=self.fingerprint_fields,
+            keep_last=None,
+            jit=True,
+            fence=self._fence,
+        )
         return str(info.path)
 
     def _drain(self, timeout: float) -> None:
@@ -451,9 +516,13 @@ class CheckpointManager:
 def resume_claim(state: TrainingState) -> str:
     """What the resume line may claim: bitwise exactness only for the objects restored."""
     missing = state.unrestored()
-    scheme = ("random streams derive from (seed, rank, step), so every step from here is bitwise the step of a "
-              "fault-free run with the same world-size history")
+    scheme = (
+        "random streams derive from (seed, rank, step), so every step from here is bitwise the step of a "
+        "fault-free run with the same world-size history"
+    )
     if not missing:
         return f"exact resume: {scheme}"
-    return (f"NOT an exact resume: the checkpoint holds no {', '.join(repr(m) for m in missing)} (they start fresh); "
-            f"restored: {', '.join(state.restored or []) or 'nothing'}")
+    return (
+        f"NOT an exact resume: the checkpoint holds no {', '.join(repr(m) for m in missing)} (they start fresh); "
+        f"restored: {', '.join(state.restored or []) or 'nothing'}"
+    )

@@ -112,8 +112,9 @@ class ShardedCheckpointer:
         """A background write is in flight."""
         return self.writer.busy
 
-    def save(self, state: dict[str, Any], *, step: int, epoch: int, sync: bool = False,
-             jit: bool = False) -> ckpt.CheckpointInfo | None:
+    def save(
+        self, state: dict[str, Any], *, step: int, epoch: int, sync: bool = False, jit: bool = False
+    ) -> ckpt.CheckpointInfo | None:
         """Write ``state`` (a DCP state dict: DTensors, tensors, plain data) as ``step``'s checkpoint.
 
         ``sync=False`` returns once the state is staged; :meth:`wait` (or the next save) reports
@@ -137,18 +138,31 @@ class ShardedCheckpointer:
         """Wait for the background write; re-raise its error (see ``AsyncCheckpointWriter.wait``)."""
         return self.writer.wait(timeout)
 
-    def _write(self, state: dict[str, Any], tmp: Path, *, step: int, epoch: int,
-               jit: bool) -> ckpt.CheckpointInfo | None:
+    def _write(
+        self, state: dict[str, Any], tmp: Path, *, step: int, epoch: int, jit: bool
+    ) -> ckpt.CheckpointInfo | None:
         try:
-            metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=True),
-                                process_group=self.group)
+            metadata = dcp.save(
+                state,
+                storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=True),
+                process_group=self.group,
+            )
         except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
             raise ckpt.write_error(self.directory, step, exc) from exc
         if self.rank != 0:
             return None
-        return commit(self.directory, tmp, metadata, step=step, epoch=epoch, world_size=self.world_size,
-                      fingerprint_fields=self.fingerprint_fields, keep_last=self.keep_last, jit=jit,
-                      fence=self.fence)
+        return commit(
+            self.directory,
+            tmp,
+            metadata,
+            step=step,
+            epoch=epoch,
+            world_size=self.world_size,
+            fingerprint_fields=self.fingerprint_fields,
+            keep_last=self.keep_last,
+            jit=jit,
+            fence=self.fence,
+        )
 
     def load(self, info: ckpt.CheckpointInfo, state: dict[str, Any]) -> None:
         """Read ``info``'s checkpoint into ``state`` in place, resharded onto ``state``'s DTensors."""
@@ -158,7 +172,9 @@ class ShardedCheckpointer:
 def _listing(folder: Path, metadata: Metadata) -> dict[str, list[Any]]:
     """``{name: [sha256, nbytes]}`` of the files DCP wrote (its metadata names them); anything
     else in ``folder`` (an earlier attempt's) is deleted."""
-    wanted = {METADATA_FILE} | {str(getattr(info, "relative_path", "")) for info in (metadata.storage_data or {}).values()}
+    wanted = {METADATA_FILE} | {
+        str(getattr(info, "relative_path", "")) for info in (metadata.storage_data or {}).values()
+    }
     listing: dict[str, list[Any]] = {}
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if entry.name not in wanted:
@@ -176,9 +192,19 @@ def _listing(folder: Path, metadata: Metadata) -> dict[str, list[Any]]:
     return listing
 
 
-def commit(directory: Path, tmp: Path, metadata: Metadata, *, step: int, epoch: int, world_size: int,
-           fingerprint_fields: Mapping[str, Any], keep_last: int | None, jit: bool = False,
-           fence: ckpt.CommitFence | None = None) -> ckpt.CheckpointInfo:
+def commit(
+    directory: Path,
+    tmp: Path,
+    metadata: Metadata,
+    *,
+    step: int,
+    epoch: int,
+    world_size: int,
+    fingerprint_fields: Mapping[str, Any],
+    keep_last: int | None,
+    jit: bool = False,
+    fence: ckpt.CommitFence | None = None,
+) -> ckpt.CheckpointInfo:
     """(Rank 0) make the DCP directory ``tmp`` the committed checkpoint of ``step``.
 
     Raises:
@@ -191,7 +217,9 @@ def commit(directory: Path, tmp: Path, metadata: Metadata, *, step: int, epoch: 
         refused = fence() if fence is not None else None
         if refused is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ckpt.CheckpointFencedError(f"the checkpoint of step {step} was not committed: {refused}")
+            raise ckpt.CheckpointFencedError(
+                f"the checkpoint of step {step} was not committed: {refused}"
+            )
         if ckpt.manifest_path(directory, step).exists():
             # Committed already (a just-in-time writer got there first): keep that one.
             shutil.rmtree(tmp, ignore_errors=True)
@@ -201,10 +229,17 @@ def commit(directory: Path, tmp: Path, metadata: Metadata, *, step: int, epoch: 
         os.replace(tmp, final)
         fsync_directory(directory)
         text = json.dumps(listing, sort_keys=True).encode()
-        manifest = ckpt.new_manifest(final.name, step=step, epoch=epoch, world_size=world_size,
-                                     sha256=hashlib.sha256(text).hexdigest(),
-                                     nbytes=sum(size for _, size in listing.values()),
-                                     fingerprint_fields=fingerprint_fields, jit=jit, files=listing)
+        manifest = ckpt.new_manifest(
+            final.name,
+            step=step,
+            epoch=epoch,
+            world_size=world_size,
+            sha256=hashlib.sha256(text).hexdigest(),
+            nbytes=sum(size for _, size in listing.values()),
+            fingerprint_fields=fingerprint_fields,
+            jit=jit,
+            files=listing,
+        )
         ckpt.write_manifest(directory, manifest)
     except ckpt.CheckpointError:
         raise
@@ -212,8 +247,14 @@ def commit(directory: Path, tmp: Path, metadata: Metadata, *, step: int, epoch: 
         raise ckpt.write_error(directory, step, exc) from exc
     if keep_last is not None:
         ckpt.prune(directory, keep_last)
-    log.info("%ssharded checkpoint of step %d written to %s (%d files, %.1f MB)", "just-in-time " if jit else "",
-             step, final, len(listing), manifest.nbytes / 1e6)
+    log.info(
+        "%ssharded checkpoint of step %d written to %s (%d files, %.1f MB)",
+        "just-in-time " if jit else "",
+        step,
+        final,
+        len(listing),
+        manifest.nbytes / 1e6,
+    )
     return ckpt.CheckpointInfo(path=final, manifest=manifest)
 
 
@@ -224,9 +265,13 @@ def load_into(folder: Path, state: dict[str, Any], *, group: Any = None) -> None
         CheckpointError: the checkpoint does not load (the message names it and says why).
     """
     try:
-        dcp.load(state, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(), process_group=group)
+        dcp.load(
+            state, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(), process_group=group
+        )
     except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
-        raise ckpt.CheckpointError(f"sharded checkpoint {folder} does not load: {_reason(exc)}") from exc
+        raise ckpt.CheckpointError(
+            f"sharded checkpoint {folder} does not load: {_reason(exc)}"
+        ) from exc
 
 
 def _reason(exc: BaseException) -> str:
@@ -248,9 +293,13 @@ def read_full(folder: Path) -> dict[str, Any]:
     """
     state: dict[str, Any] = {}
     try:
-        torch_compat.dcp_load_whole(state, storage_reader=SafeReader(folder), planner=SafeEmptyLoadPlanner())
+        torch_compat.dcp_load_whole(
+            state, storage_reader=SafeReader(folder), planner=SafeEmptyLoadPlanner()
+        )
     except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
-        raise ckpt.CheckpointError(f"sharded checkpoint {folder} does not load: {_reason(exc)}") from exc
+        raise ckpt.CheckpointError(
+            f"sharded checkpoint {folder} does not load: {_reason(exc)}"
+        ) from exc
     return state
 
 
@@ -264,7 +313,9 @@ def describe(folder: Path) -> dict[str, dict[str, int]]:
     try:
         metadata = read_metadata(folder)
     except (OSError, pickle.UnpicklingError) as exc:
-        raise ckpt.CheckpointError(f"sharded checkpoint {folder}: metadata unreadable ({exc})") from exc
+        raise ckpt.CheckpointError(
+            f"sharded checkpoint {folder}: metadata unreadable ({exc})"
+        ) from exc
     entries: dict[str, dict[str, int]] = {}
     planner_data = metadata.planner_data or {}
     for fqn, item in metadata.state_dict_metadata.items():
@@ -298,5 +349,10 @@ def export(info: ckpt.CheckpointInfo, out: Path) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(out, durable=True) as file:
         torch.save(state, file)
-    return {"source": str(info.path), "out": str(out), "step": info.step, "bytes": out.stat().st_size,
-            "seconds": round(time.monotonic() - started, 3)}
+    return {
+        "source": str(info.path),
+        "out": str(out),
+        "step": info.step,
+        "bytes": out.stat().st_size,
+        "seconds": round(time.monotonic() - started, 3),
+    }

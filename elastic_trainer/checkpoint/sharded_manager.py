@@ -48,8 +48,15 @@ class ShardedCheckpointManager:
         fence: asked right before every commit (see :func:`.files.save_checkpoint`).
     """
 
-    def __init__(self, config: CheckpointConfig, *, env: DistEnv, state: ShardedState,
-                 fingerprint: Mapping[str, Any], fence: ckpt.CommitFence | None = None) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        env: DistEnv,
+        state: ShardedState,
+        fingerprint: Mapping[str, Any],
+        fence: ckpt.CommitFence | None = None,
+    ) -> None:
         self.config = config
         self.env = env
         self.state = state
@@ -59,9 +66,18 @@ class ShardedCheckpointManager:
         self.epoch = 0
         self.resumed_from: int | None = None
         self._last_saved: int | None = None
-        self.checkpointer = None if config.directory is None else sharded.ShardedCheckpointer(
-            config.directory, rank=env.rank, world_size=env.world_size, fingerprint_fields=self.fingerprint_fields,
-            keep_last=config.keep_last, fence=fence)
+        self.checkpointer = (
+            None
+            if config.directory is None
+            else sharded.ShardedCheckpointer(
+                config.directory,
+                rank=env.rank,
+                world_size=env.world_size,
+                fingerprint_fields=self.fingerprint_fields,
+                keep_last=config.keep_last,
+                fence=fence,
+            )
+        )
 
     @property
     def directory(self) -> str | None:
@@ -73,8 +89,14 @@ class ShardedCheckpointManager:
 
     def _payload(self, step: int, epoch: int) -> dict[str, Any]:
         payload = self.state.state_dict()
-        payload.update({"format": ckpt.FORMAT, "step": step, "epoch": epoch,
-                        "rng": {"scheme": rng.STEP_SCHEME, "seed": self.fingerprint_fields.get("seed")}})
+        payload.update(
+            {
+                "format": ckpt.FORMAT,
+                "step": step,
+                "epoch": epoch,
+                "rng": {"scheme": rng.STEP_SCHEME, "seed": self.fingerprint_fields.get("seed")},
+            }
+        )
         return payload
 
     def load(self) -> int | None:
@@ -102,8 +124,14 @@ class ShardedCheckpointManager:
         self.step = self.resumed_from = self._last_saved = int(payload["step"])
         self.epoch = int(payload["epoch"])
         if self.env.is_rank0:
-            log.info("resumed from %s (step %d, epoch %d, now %d ranks) in %.2f s; resharded by DCP", value,
-                     self.step, self.epoch, self.env.world_size, time.monotonic() - started)
+            log.info(
+                "resumed from %s (step %d, epoch %d, now %d ranks) in %.2f s; resharded by DCP",
+                value,
+                self.step,
+                self.epoch,
+                self.env.world_size,
+                time.monotonic() - started,
+            )
         return self.step
 
     def save(self, step: int, *, epoch: int = 0, final: bool = False) -> None:

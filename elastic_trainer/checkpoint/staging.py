@@ -40,7 +40,9 @@ class StagingBuffers:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.allocations = 0
         """Buffers allocated so far (a reused layout allocates none)."""
-        self._seen: dict[tuple[Any, ...], torch.Tensor] = {}  # one stage's tensors by storage (aliases)
+        self._seen: dict[
+            tuple[Any, ...], torch.Tensor
+        ] = {}  # one stage's tensors by storage (aliases)
 
     def stage(self, payload: Any) -> StagedState:
         """Copy every tensor of ``payload`` (nested dicts, lists, tuples) into its buffer. A tensor
@@ -59,14 +61,24 @@ class StagingBuffers:
     def _copy(self, obj: Any, path: tuple[Any, ...], nbytes: list[int]) -> Any:
         if isinstance(obj, torch.Tensor):
             source = obj.detach()
-            alias = (source.device, source.untyped_storage().data_ptr(), source.storage_offset(), source.shape,
-                     source.stride(), source.dtype)
+            alias = (
+                source.device,
+                source.untyped_storage().data_ptr(),
+                source.storage_offset(),
+                source.shape,
+                source.stride(),
+                source.dtype,
+            )
             if alias in self._seen:
                 return self._seen[alias]
             buffer = self._buffers.get(path)
             if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-                buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
-                                     pin_memory=self._pin and source.is_cuda)
+                buffer = torch.empty(
+                    source.shape,
+                    dtype=source.dtype,
+                    device="cpu",
+                    pin_memory=self._pin and source.is_cuda,
+                )
                 self._buffers[path] = buffer
                 self.allocations += 1
             buffer.copy_(source, non_blocking=source.is_cuda)

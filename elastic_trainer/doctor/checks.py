@@ -49,14 +49,30 @@ FAULTS = {
 }
 """Self-test faults, injected on the last rank only."""
 
-TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+TORCHRUN_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 """What torchrun sets for every worker and the doctor checks."""
 _INT_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")
-TIMEOUT_ENV = (ENV_PG_TIMEOUT_S, distributed.NCCL_ASYNC_ERROR_HANDLING, distributed.NCCL_BLOCKING_WAIT,
-               distributed.NCCL_ENABLE_MONITORING, distributed.NCCL_HEARTBEAT_TIMEOUT_SEC,
-               "NCCL_ASYNC_ERROR_HANDLING", "NCCL_BLOCKING_WAIT", "NCCL_TIMEOUT",
-               "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+TIMEOUT_ENV = (
+    ENV_PG_TIMEOUT_S,
+    distributed.NCCL_ASYNC_ERROR_HANDLING,
+    distributed.NCCL_BLOCKING_WAIT,
+    distributed.NCCL_ENABLE_MONITORING,
+    distributed.NCCL_HEARTBEAT_TIMEOUT_SEC,
+    "NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_BLOCKING_WAIT",
+    "NCCL_TIMEOUT",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+)
 """What the timeouts check reads (and compares across ranks)."""
 
 ALLREDUCE_ELEMENTS = 1 << 18
@@ -80,8 +96,6 @@ def parse_faults(text: str) -> frozenset[str]:
     return names
 
 
-
-
 # --- local checks ----------------------------------------------------------------------------
 
 
@@ -90,9 +104,15 @@ def check_env(environ: Mapping[str, str]) -> CheckResult:
     values = {name: environ.get(name) or None for name in TORCHRUN_ENV}
     data = {"env": values}
     if values["RANK"] is None and values["WORLD_SIZE"] is None:
-        return CheckResult(name="env", status=FAIL, data=data, detail=(
-            "not started by torchrun (RANK and WORLD_SIZE unset): run `elastic-trainer doctor` or "
-            "`torchrun --nproc-per-node=N -m elastic_trainer.doctor`; checking this process alone"))
+        return CheckResult(
+            name="env",
+            status=FAIL,
+            data=data,
+            detail=(
+                "not started by torchrun (RANK and WORLD_SIZE unset): run `elastic-trainer doctor` or "
+                "`torchrun --nproc-per-node=N -m elastic_trainer.doctor`; checking this process alone"
+            ),
+        )
     problems = []
     missing = [name for name, value in values.items() if value is None]
     if missing:
@@ -114,8 +134,12 @@ def check_env(environ: Mapping[str, str]) -> CheckResult:
         problems.append(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
     if local_world is not None and local_world < 1:
         problems.append(f"LOCAL_WORLD_SIZE={local_world} must be >= 1")
-    if local_rank is not None and (local_rank < 0 or (local_world is not None and local_rank >= local_world)):
-        problems.append(f"LOCAL_RANK={local_rank} is not in 0..LOCAL_WORLD_SIZE-1 (LOCAL_WORLD_SIZE={local_world})")
+    if local_rank is not None and (
+        local_rank < 0 or (local_world is not None and local_rank >= local_world)
+    ):
+        problems.append(
+            f"LOCAL_RANK={local_rank} is not in 0..LOCAL_WORLD_SIZE-1 (LOCAL_WORLD_SIZE={local_world})"
+        )
     if local_world is not None and world is not None and local_world > world:
         problems.append(f"LOCAL_WORLD_SIZE={local_world} exceeds WORLD_SIZE={world}")
     if nums.get("GROUP_RANK", 0) < 0:
@@ -125,9 +149,15 @@ def check_env(environ: Mapping[str, str]) -> CheckResult:
         problems.append(f"MASTER_PORT={port} is not a TCP port")
     if problems:
         return CheckResult(name="env", status=FAIL, detail="; ".join(problems), data=data)
-    return CheckResult(name="env", status=PASS, data=data, detail=(
-        f"WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}, every RANK/LOCAL_RANK in range, "
-        f"MASTER {values['MASTER_ADDR']}:{port}, run id {values['TORCHELASTIC_RUN_ID']}"))
+    return CheckResult(
+        name="env",
+        status=PASS,
+        data=data,
+        detail=(
+            f"WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}, every RANK/LOCAL_RANK in range, "
+            f"MASTER {values['MASTER_ADDR']}:{port}, run id {values['TORCHELASTIC_RUN_ID']}"
+        ),
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,33 +184,76 @@ def probe_backend() -> BackendProbe:
             version = ".".join(map(str, raw)) if isinstance(raw, tuple) else str(raw)
         except Exception as exc:  # noqa: BLE001 - reported as the check's result
             error = first_line(exc)
-    return BackendProbe(distributed=available, gloo=available and dist.is_gloo_available(), nccl=nccl,
-                        cuda=cuda, nccl_version=version, nccl_error=error)
+    return BackendProbe(
+        distributed=available,
+        gloo=available and dist.is_gloo_available(),
+        nccl=nccl,
+        cuda=cuda,
+        nccl_version=version,
+        nccl_error=error,
+    )
 
 
 def check_backend(probe: BackendProbe) -> CheckResult:
     """The backend this node needs exists: NCCL (and its version) with CUDA, gloo without."""
-    data = {"gloo": probe.gloo, "nccl": probe.nccl, "cuda": probe.cuda, "nccl_version": probe.nccl_version}
+    data = {
+        "gloo": probe.gloo,
+        "nccl": probe.nccl,
+        "cuda": probe.cuda,
+        "nccl_version": probe.nccl_version,
+    }
     if not probe.distributed:
-        return CheckResult(name="backend", status=FAIL, data=data,
-                           detail="torch.distributed is not available in this torch build")
+        return CheckResult(
+            name="backend",
+            status=FAIL,
+            data=data,
+            detail="torch.distributed is not available in this torch build",
+        )
     if probe.cuda:
         if not probe.nccl:
-            return CheckResult(name="backend", status=FAIL, data=data, detail=(
-                "CUDA is present but this torch build has no NCCL: install a CUDA build of torch"))
+            return CheckResult(
+                name="backend",
+                status=FAIL,
+                data=data,
+                detail=(
+                    "CUDA is present but this torch build has no NCCL: install a CUDA build of torch"
+                ),
+            )
         if probe.nccl_version is None:
-            return CheckResult(name="backend", status=FAIL, data=data,
-                               detail=f"torch.cuda.nccl.version() failed: {probe.nccl_error}")
+            return CheckResult(
+                name="backend",
+                status=FAIL,
+                data=data,
+                detail=f"torch.cuda.nccl.version() failed: {probe.nccl_error}",
+            )
         if not probe.gloo:
-            return CheckResult(name="backend", status=WARN, data=data, detail=(
-                f"NCCL {probe.nccl_version} (used); gloo missing: CPU tensors cannot be communicated"))
-        return CheckResult(name="backend", status=PASS, data=data,
-                           detail=f"NCCL {probe.nccl_version} (used with CUDA), gloo available")
+            return CheckResult(
+                name="backend",
+                status=WARN,
+                data=data,
+                detail=(
+                    f"NCCL {probe.nccl_version} (used); gloo missing: CPU tensors cannot be communicated"
+                ),
+            )
+        return CheckResult(
+            name="backend",
+            status=PASS,
+            data=data,
+            detail=f"NCCL {probe.nccl_version} (used with CUDA), gloo available",
+        )
     if not probe.gloo:
-        return CheckResult(name="backend", status=FAIL, data=data,
-                           detail="no CUDA and no gloo in this torch build: no backend can run here")
-    return CheckResult(name="backend", status=PASS, data=data,
-                       detail="gloo (used: no CUDA on this node, so NCCL is not needed)")
+        return CheckResult(
+            name="backend",
+            status=FAIL,
+            data=data,
+            detail="no CUDA and no gloo in this torch build: no backend can run here",
+        )
+    return CheckResult(
+        name="backend",
+        status=PASS,
+        data=data,
+        detail="gloo (used: no CUDA on this node, so NCCL is not needed)",
+    )
 
 
 def usable_cpus() -> int:
@@ -190,32 +263,74 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def check_devices(*, cuda_devices: int, local_world_size: int | None, local_rank: int | None,
-                  cpu_count: int, cuda_visible: str | None) -> CheckResult:
+def check_devices(
+    *,
+    cuda_devices: int,
+    local_world_size: int | None,
+    local_rank: int | None,
+    cpu_count: int,
+    cuda_visible: str | None,
+) -> CheckResult:
     """As many GPUs as local ranks (with CUDA); no CPU oversubscription (without)."""
-    data = {"cuda_devices": cuda_devices, "local_world_size": local_world_size, "cpus": cpu_count,
-            "CUDA_VISIBLE_DEVICES": cuda_visible}
+    data = {
+        "cuda_devices": cuda_devices,
+        "local_world_size": local_world_size,
+        "cpus": cpu_count,
+        "CUDA_VISIBLE_DEVICES": cuda_visible,
+    }
     if local_world_size is None or local_rank is None:
-        return CheckResult(name="devices", status=SKIP, data=data,
-                           detail="LOCAL_WORLD_SIZE/LOCAL_RANK unusable (see env)")
+        return CheckResult(
+            name="devices",
+            status=SKIP,
+            data=data,
+            detail="LOCAL_WORLD_SIZE/LOCAL_RANK unusable (see env)",
+        )
     if cuda_devices > 0:
         visible = f" (CUDA_VISIBLE_DEVICES={cuda_visible})" if cuda_visible is not None else ""
         if cuda_devices < local_world_size or local_rank >= cuda_devices:
-            return CheckResult(name="devices", status=FAIL, data=data, detail=(
-                f"LOCAL_WORLD_SIZE={local_world_size} but {cuda_devices} GPU(s) visible{visible}: start at most "
-                f"{cuda_devices} workers per node (--nproc-per-node) or fix CUDA_VISIBLE_DEVICES"))
+            return CheckResult(
+                name="devices",
+                status=FAIL,
+                data=data,
+                detail=(
+                    f"LOCAL_WORLD_SIZE={local_world_size} but {cuda_devices} GPU(s) visible{visible}: start at most "
+                    f"{cuda_devices} workers per node (--nproc-per-node) or fix CUDA_VISIBLE_DEVICES"
+                ),
+            )
         if cuda_devices > local_world_size:
-            return CheckResult(name="devices", status=WARN, data=data, detail=(
-                f"{cuda_devices} GPUs visible{visible} but LOCAL_WORLD_SIZE={local_world_size}: "
-                f"{cuda_devices - local_world_size} idle (--nproc-per-node={cuda_devices} uses them all)"))
-        return CheckResult(name="devices", status=PASS, data=data, detail=(
-            f"{cuda_devices} GPU(s) for {local_world_size} local rank(s), this rank on cuda:{local_rank}"))
+            return CheckResult(
+                name="devices",
+                status=WARN,
+                data=data,
+                detail=(
+                    f"{cuda_devices} GPUs visible{visible} but LOCAL_WORLD_SIZE={local_world_size}: "
+                    f"{cuda_devices - local_world_size} idle (--nproc-per-node={cuda_devices} uses them all)"
+                ),
+            )
+        return CheckResult(
+            name="devices",
+            status=PASS,
+            data=data,
+            detail=(
+                f"{cuda_devices} GPU(s) for {local_world_size} local rank(s), this rank on cuda:{local_rank}"
+            ),
+        )
     if local_world_size > cpu_count:
-        return CheckResult(name="devices", status=WARN, data=data, detail=(
-            f"no CUDA: {local_world_size} local ranks share {cpu_count} CPU core(s): oversubscribed, "
-            "timings will be poor"))
-    return CheckResult(name="devices", status=PASS, data=data, detail=(
-        f"no CUDA: {local_world_size} local rank(s) on {cpu_count} CPU core(s), gloo"))
+        return CheckResult(
+            name="devices",
+            status=WARN,
+            data=data,
+            detail=(
+                f"no CUDA: {local_world_size} local ranks share {cpu_count} CPU core(s): oversubscribed, "
+                "timings will be poor"
+            ),
+        )
+    return CheckResult(
+        name="devices",
+        status=PASS,
+        data=data,
+        detail=(f"no CUDA: {local_world_size} local rank(s) on {cpu_count} CPU core(s), gloo"),
+    )
 
 
 def interface_matches(spec: str, interfaces: Sequence[str]) -> list[str]:
@@ -256,58 +371,87 @@ def check_timeouts(environ: Mapping[str, str], *, interfaces: Sequence[str] | No
         except ValueError:
             pg_timeout = math.nan
         if not math.isfinite(pg_timeout) or pg_timeout <= 0:
-            return CheckResult(name="timeouts", status=FAIL, data=data, detail=(
-                f"{ENV_PG_TIMEOUT_S}={raw!r} is not a positive number of seconds: training refuses to start"))
+            return CheckResult(
+                name="timeouts",
+                status=FAIL,
+                data=data,
+                detail=(
+                    f"{ENV_PG_TIMEOUT_S}={raw!r} is not a positive number of seconds: training refuses to start"
+                ),
+            )
         source = ENV_PG_TIMEOUT_S
     else:
         pg_timeout, source = DEFAULT_PG_TIMEOUT_S, "default"
     effective = dict(environ)
     with _quiet(distributed.log):  # the problems it logs are reported below, once, by rank 0
         distributed.configure_nccl_environment(pg_timeout, environ=effective)
-    data.update({"pg_timeout_s": pg_timeout, "effective": {n: effective.get(n) for n in TIMEOUT_ENV}})
+    data.update(
+        {"pg_timeout_s": pg_timeout, "effective": {n: effective.get(n) for n in TIMEOUT_ENV}}
+    )
     warnings: list[str] = []
     async_mode = effective.get(distributed.NCCL_ASYNC_ERROR_HANDLING, "1").strip()
     blocking = effective.get(distributed.NCCL_BLOCKING_WAIT, "0").strip()
     if async_mode not in ("0", "1", "2", "3"):
-        warnings.append(f"{distributed.NCCL_ASYNC_ERROR_HANDLING}={async_mode!r} is not one of 0..3")
+        warnings.append(
+            f"{distributed.NCCL_ASYNC_ERROR_HANDLING}={async_mode!r} is not one of 0..3"
+        )
     elif async_mode == "0" and blocking != "1":
-        warnings.append(f"{distributed.NCCL_ASYNC_ERROR_HANDLING}=0 without {distributed.NCCL_BLOCKING_WAIT}=1: "
-                        "a failed or timed-out NCCL collective hangs the rank instead of ending it, so torchrun "
-                        "never restarts the group (use 1, the runtime's default)")
+        warnings.append(
+            f"{distributed.NCCL_ASYNC_ERROR_HANDLING}=0 without {distributed.NCCL_BLOCKING_WAIT}=1: "
+            "a failed or timed-out NCCL collective hangs the rank instead of ending it, so torchrun "
+            "never restarts the group (use 1, the runtime's default)"
+        )
     if blocking == "1":
-        warnings.append(f"{distributed.NCCL_BLOCKING_WAIT}=1: the CPU waits for every collective (no overlap of "
-                        f"communication with compute); the runtime relies on {distributed.NCCL_ASYNC_ERROR_HANDLING}=1")
+        warnings.append(
+            f"{distributed.NCCL_BLOCKING_WAIT}=1: the CPU waits for every collective (no overlap of "
+            f"communication with compute); the runtime relies on {distributed.NCCL_ASYNC_ERROR_HANDLING}=1"
+        )
     monitoring = effective.get(distributed.NCCL_ENABLE_MONITORING, "1").strip()
     heartbeat_raw = effective.get(distributed.NCCL_HEARTBEAT_TIMEOUT_SEC, "").strip()
     heartbeat: int | None = None
     try:
         heartbeat = int(heartbeat_raw)
     except ValueError:
-        warnings.append(f"{distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={heartbeat_raw!r} is not a whole number of seconds")
+        warnings.append(
+            f"{distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={heartbeat_raw!r} is not a whole number of seconds"
+        )
     if heartbeat is not None and monitoring != "0" and heartbeat < pg_timeout:
-        warnings.append(f"{distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={heartbeat} is below the collective timeout "
-                        f"{pg_timeout:g} s ({source}): the heartbeat monitor may abort a rank before a slow "
-                        "collective would have timed out; keep it >= the timeout")
+        warnings.append(
+            f"{distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={heartbeat} is below the collective timeout "
+            f"{pg_timeout:g} s ({source}): the heartbeat monitor may abort a rank before a slow "
+            "collective would have timed out; keep it >= the timeout"
+        )
     for legacy in ("NCCL_ASYNC_ERROR_HANDLING", "NCCL_BLOCKING_WAIT"):
         if legacy in environ:
             modern = "TORCH_" + legacy
-            clash = f" and disagrees with {modern}={environ[modern]!r}, which wins" if (
-                modern in environ and environ[modern] != environ[legacy]) else ""
+            clash = (
+                f" and disagrees with {modern}={environ[modern]!r}, which wins"
+                if (modern in environ and environ[modern] != environ[legacy])
+                else ""
+            )
             warnings.append(f"{legacy} is the deprecated name of {modern}{clash}")
     if "NCCL_TIMEOUT" in environ:
-        warnings.append(f"NCCL_TIMEOUT is read by neither NCCL nor PyTorch: the collective timeout is "
-                        f"{ENV_PG_TIMEOUT_S}")
+        warnings.append(
+            f"NCCL_TIMEOUT is read by neither NCCL nor PyTorch: the collective timeout is "
+            f"{ENV_PG_TIMEOUT_S}"
+        )
     for variable, exact in (("NCCL_SOCKET_IFNAME", False), ("GLOO_SOCKET_IFNAME", True)):
         spec = environ.get(variable, "").strip()
         if spec and interfaces is not None:
-            chosen = interface_matches(("=" + spec) if exact and not spec.startswith("=") else spec, interfaces)
+            chosen = interface_matches(
+                ("=" + spec) if exact and not spec.startswith("=") else spec, interfaces
+            )
             if not chosen:
-                warnings.append(f"{variable}={spec!r} matches no interface of this host "
-                                f"({', '.join(interfaces) or 'none'}): its backend cannot connect")
+                warnings.append(
+                    f"{variable}={spec!r} matches no interface of this host "
+                    f"({', '.join(interfaces) or 'none'}): its backend cannot connect"
+                )
     if warnings:
         return CheckResult(name="timeouts", status=WARN, detail="; ".join(warnings), data=data)
-    detail = (f"collective timeout {pg_timeout:g} s ({source}); "
-              f"{distributed.NCCL_ASYNC_ERROR_HANDLING}={async_mode}")
+    detail = (
+        f"collective timeout {pg_timeout:g} s ({source}); "
+        f"{distributed.NCCL_ASYNC_ERROR_HANDLING}={async_mode}"
+    )
     if heartbeat is not None and monitoring != "0":
         detail += f", {distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={heartbeat} >= timeout"
     for variable in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
@@ -333,9 +477,15 @@ class DoctorCNN(nn.Module):
     def __init__(self, classes: int = 10, width: int = 16) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+            nn.Conv2d(3, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
         self.classifier = nn.Linear(2 * width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -353,7 +503,9 @@ class TestModel:
     classes: int = 10
     image_side: int = 16
 
-    def batch(self, size: int, *, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, size: int, *, seed: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
         images = torch.randn(size, 3, self.image_side, self.image_side, generator=generator)
         labels = torch.randint(0, self.classes, (size,), generator=generator)
@@ -365,31 +517,63 @@ def doctor_model() -> TestModel:
     return TestModel(build=DoctorCNN, source="the doctor's CNN (conv-BN-ReLU x2, pool, linear)")
 
 
-def check_placement(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor,
-                    device: torch.device) -> CheckResult:
+def check_placement(
+    model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, device: torch.device
+) -> CheckResult:
     """Every parameter, buffer, the batch, the output and the loss are on this rank's device
     (``cuda:LOCAL_RANK`` or ``cpu``), and so is the current CUDA device."""
-    wrong = [f"parameter {name} on {p.device}" for name, p in model.named_parameters() if p.device != device]
-    wrong += [f"buffer {name} on {b.device}" for name, b in model.named_buffers() if b.device != device]
-    wrong += [f"{label} on {t.device}" for label, t in (("batch", inputs), ("target", target)) if t.device != device]
+    wrong = [
+        f"parameter {name} on {p.device}"
+        for name, p in model.named_parameters()
+        if p.device != device
+    ]
+    wrong += [
+        f"buffer {name} on {b.device}" for name, b in model.named_buffers() if b.device != device
+    ]
+    wrong += [
+        f"{label} on {t.device}"
+        for label, t in (("batch", inputs), ("target", target))
+        if t.device != device
+    ]
     if device.type == "cuda" and torch.cuda.current_device() != device.index:
-        wrong.append(f"current CUDA device is cuda:{torch.cuda.current_device()} "
-                     "(call torch.cuda.set_device(LOCAL_RANK) before creating tensors)")
+        wrong.append(
+            f"current CUDA device is cuda:{torch.cuda.current_device()} "
+            "(call torch.cuda.set_device(LOCAL_RANK) before creating tensors)"
+        )
     data = {"device": str(device), "misplaced": wrong}
     if wrong:
         shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
-        return CheckResult(name="placement", status=FAIL, data=data, detail=f"expected {device}: {shown}")
+        return CheckResult(
+            name="placement", status=FAIL, data=data, detail=f"expected {device}: {shown}"
+        )
     try:
         output = model(inputs)
         loss = nn.functional.cross_entropy(output, target)
     except RuntimeError as exc:
-        return CheckResult(name="placement", status=FAIL, data=data, detail=f"forward failed: {first_line(exc)}")
-    wrong = [f"{label} on {t.device}" for label, t in (("output", output), ("loss", loss)) if t.device != device]
+        return CheckResult(
+            name="placement", status=FAIL, data=data, detail=f"forward failed: {first_line(exc)}"
+        )
+    wrong = [
+        f"{label} on {t.device}"
+        for label, t in (("output", output), ("loss", loss))
+        if t.device != device
+    ]
     if wrong:
-        return CheckResult(name="placement", status=FAIL, data=data, detail=f"expected {device}: {'; '.join(wrong)}")
-    return CheckResult(name="placement", status=PASS, data=data, detail=(
-        f"{sum(1 for _ in model.parameters())} parameters, {sum(1 for _ in model.buffers())} buffers, "
-        f"batch {tuple(inputs.shape)}, output and loss all on {device}"))
+        return CheckResult(
+            name="placement",
+            status=FAIL,
+            data=data,
+            detail=f"expected {device}: {'; '.join(wrong)}",
+        )
+    return CheckResult(
+        name="placement",
+        status=PASS,
+        data=data,
+        detail=(
+            f"{sum(1 for _ in model.parameters())} parameters, {sum(1 for _ in model.buffers())} buffers, "
+            f"batch {tuple(inputs.shape)}, output and loss all on {device}"
+        ),
+    )
 
 
 # --- collective checks (every rank, same order) ----------------------------------------------
@@ -409,14 +593,17 @@ def hang_forever() -> None:
         time.sleep(3600)
 
 
-def check_allreduce(*, rank: int, world_size: int, device: torch.device, corrupt: bool = False,
-                    hang: bool = False) -> CheckResult:
+def check_allreduce(
+    *, rank: int, world_size: int, device: torch.device, corrupt: bool = False, hang: bool = False
+) -> CheckResult:
     """Each rank contributes its rank: the sum must be n(n-1)/2 everywhere, for an int64 scalar
     and for every element of a 1 MiB float32 tensor."""
     contribution = rank + (1 if corrupt else 0)
     expected = world_size * (world_size - 1) // 2
     scalar = torch.tensor([contribution], dtype=torch.int64, device=device)
-    vector = torch.full((ALLREDUCE_ELEMENTS,), float(contribution), dtype=torch.float32, device=device)
+    vector = torch.full(
+        (ALLREDUCE_ELEMENTS,), float(contribution), dtype=torch.float32, device=device
+    )
     if hang:
         hang_forever()
     dist.all_reduce(scalar)
@@ -426,23 +613,48 @@ def check_allreduce(*, rank: int, world_size: int, device: torch.device, corrupt
     data = {"expected": expected, "int64": got, "float32_min": low, "float32_max": high}
     if got != expected or low != expected or high != expected:
         shown = f"{low:g}" if low == high else f"{low:g}..{high:g}"
-        return CheckResult(name="allreduce", status=FAIL, data=data, detail=(
-            f"sum of ranks is {got} (int64) and {shown} (float32), expected n(n-1)/2 = {expected} for n={world_size}"))
-    return CheckResult(name="allreduce", status=PASS, data=data, detail=(
-        f"sum of ranks = {expected} = n(n-1)/2 for n={world_size} (int64 and {ALLREDUCE_ELEMENTS} float32 elements)"))
+        return CheckResult(
+            name="allreduce",
+            status=FAIL,
+            data=data,
+            detail=(
+                f"sum of ranks is {got} (int64) and {shown} (float32), expected n(n-1)/2 = {expected} for n={world_size}"
+            ),
+        )
+    return CheckResult(
+        name="allreduce",
+        status=PASS,
+        data=data,
+        detail=(
+            f"sum of ranks = {expected} = n(n-1)/2 for n={world_size} (int64 and {ALLREDUCE_ELEMENTS} float32 elements)"
+        ),
+    )
 
 
 def _flat_grads(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
-                      for p in module.parameters()])
+    return torch.cat(
+        [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
+            for p in module.parameters()
+        ]
+    )
 
 
-def check_grad_sync(*, rank: int, world_size: int, device: torch.device, model: TestModel, batch_size: int,
-                    corrupt: bool = False) -> CheckResult:
+def check_grad_sync(
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    model: TestModel,
+    batch_size: int,
+    corrupt: bool = False,
+) -> CheckResult:
     """One DDP forward/backward with rank-dependent weights and inputs: after construction the
     weights must be rank 0's on every rank; after backward the gradients must be identical on
     every rank and equal to the mean of the ranks' local (non-DDP) gradients."""
-    torch.manual_seed(10_000 + rank)  # different initial weights per rank: DDP must broadcast rank 0's
+    torch.manual_seed(
+        10_000 + rank
+    )  # different initial weights per rank: DDP must broadcast rank 0's
     module = model.build().to(device).train()
     ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
     params_spread = _spread(torch.cat([p.detach().reshape(-1) for p in module.parameters()]))
@@ -463,45 +675,90 @@ def check_grad_sync(*, rank: int, world_size: int, device: torch.device, model: 
     local_spread = _spread(local)
     grads_spread = _spread(synced)
     error = float((synced - expected).abs().max().item()) / scale
-    data = {"params_spread": params_spread, "grads_spread": grads_spread, "local_grads_spread": local_spread,
-            "max_rel_error_vs_mean": error, "parameters": int(synced.numel())}
+    data = {
+        "params_spread": params_spread,
+        "grads_spread": grads_spread,
+        "local_grads_spread": local_spread,
+        "max_rel_error_vs_mean": error,
+        "parameters": int(synced.numel()),
+    }
     problems = []
     if params_spread > 0:
-        problems.append(f"weights differ between ranks by up to {params_spread:.3g} after DDP construction "
-                        "(rank 0's weights were not broadcast)")
+        problems.append(
+            f"weights differ between ranks by up to {params_spread:.3g} after DDP construction "
+            "(rank 0's weights were not broadcast)"
+        )
     if grads_spread > SPREAD_RTOL * scale:
-        problems.append(f"gradients differ between ranks by up to {grads_spread:.3g} after backward")
+        problems.append(
+            f"gradients differ between ranks by up to {grads_spread:.3g} after backward"
+        )
     if error > GRAD_RTOL:
-        problems.append(f"gradients differ from the mean of the ranks' local gradients "
-                        f"(max relative error {error:.3g} > {GRAD_RTOL:g})")
+        problems.append(
+            f"gradients differ from the mean of the ranks' local gradients "
+            f"(max relative error {error:.3g} > {GRAD_RTOL:g})"
+        )
     if problems:
         return CheckResult(name="grad_sync", status=FAIL, detail="; ".join(problems), data=data)
     if world_size > 1 and local_spread == 0:
-        return CheckResult(name="grad_sync", status=WARN, data=data, detail=(
-            "gradients agree, but the ranks' local gradients were identical too, so synchronisation went unproven"))
-    return CheckResult(name="grad_sync", status=PASS, data=data, detail=(
-        f"weights broadcast from rank 0; {synced.numel()} gradients identical on every rank and equal to "
-        f"the mean of the local ones (max relative error {error:.1g}; local gradients differed by up to "
-        f"{local_spread:.3g})"))
+        return CheckResult(
+            name="grad_sync",
+            status=WARN,
+            data=data,
+            detail=(
+                "gradients agree, but the ranks' local gradients were identical too, so synchronisation went unproven"
+            ),
+        )
+    return CheckResult(
+        name="grad_sync",
+        status=PASS,
+        data=data,
+        detail=(
+            f"weights broadcast from rank 0; {synced.numel()} gradients identical on every rank and equal to "
+            f"the mean of the local ones (max relative error {error:.1g}; local gradients differed by up to "
+            f"{local_spread:.3g})"
+        ),
+    )
 
 
-def check_bandwidth(*, sizes: list[int], iters: int, warmup: int, device: torch.device,
-                    world_size: int) -> CheckResult:
+def check_bandwidth(
+    *, sizes: list[int], iters: int, warmup: int, device: torch.device, world_size: int
+) -> CheckResult:
     """Allreduce time, algbw and busbw for every size (see :mod:`elastic_trainer.doctor.perf`)."""
-    rows = measure_bandwidth(sizes, iters=iters, warmup=warmup, device=device, world_size=world_size)
+    rows = measure_bandwidth(
+        sizes, iters=iters, warmup=warmup, device=device, world_size=world_size
+    )
     small, large = rows[0], rows[-1]
-    detail = (f"{len(rows)} size{'s' if len(rows) > 1 else ''}: latency {small.time_us:.1f} us at {format_size(small.size_bytes)}, "
-              f"{large.time_us:.1f} us at {format_size(large.size_bytes)}")
+    detail = (
+        f"{len(rows)} size{'s' if len(rows) > 1 else ''}: latency {small.time_us:.1f} us at {format_size(small.size_bytes)}, "
+        f"{large.time_us:.1f} us at {format_size(large.size_bytes)}"
+    )
     if world_size > 1:
         detail += f" (busbw {large.busbw_gbps:.3f} GB/s)"
     else:
         detail += " (one rank: nothing crosses a link, busbw is 0)"
-    return CheckResult(name="bandwidth", status=PASS, detail=detail, data={
-        "rows": [row.to_dict() for row in rows], "iters": iters, "warmup": warmup, "world_size": world_size})
+    return CheckResult(
+        name="bandwidth",
+        status=PASS,
+        detail=detail,
+        data={
+            "rows": [row.to_dict() for row in rows],
+            "iters": iters,
+            "warmup": warmup,
+            "world_size": world_size,
+        },
+    )
 
 
-def check_compute_comm(*, model: TestModel, batch_size: int, iters: int, warmup: int, device: torch.device,
-                       world_size: int, rank: int) -> CheckResult:
+def check_compute_comm(
+    *,
+    model: TestModel,
+    batch_size: int,
+    iters: int,
+    warmup: int,
+    device: torch.device,
+    world_size: int,
+    rank: int,
+) -> CheckResult:
     """Forward+backward time of the example model without DDP (slowest rank) against the time of
     one allreduce of its gradients: how much of a step DDP must hide behind the backward pass."""
     torch.manual_seed(0)
@@ -518,17 +775,38 @@ def check_compute_comm(*, model: TestModel, batch_size: int, iters: int, warmup:
     message = max(ELEMENT_BYTES, -(-grad_bytes // ELEMENT_BYTES) * ELEMENT_BYTES)
     comm = time_allreduce(message, iters=iters, warmup=warmup, device=device)
     ratio = compute_comm_ratio(compute, comm)
-    data = {"model": model.source, "batch_per_rank": batch_size, "gradient_bytes": grad_bytes,
-            "compute_ms": compute * 1e3, "comm_ms": comm * 1e3, "ratio": ratio}
-    detail = (f"{model.source}, batch {batch_size}/rank, {format_size(grad_bytes)} of gradients: forward+backward "
-              f"{compute * 1e3:.2f} ms, their allreduce {comm * 1e3:.3f} ms -> compute/comm {ratio:.1f}")
+    data = {
+        "model": model.source,
+        "batch_per_rank": batch_size,
+        "gradient_bytes": grad_bytes,
+        "compute_ms": compute * 1e3,
+        "comm_ms": comm * 1e3,
+        "ratio": ratio,
+    }
+    detail = (
+        f"{model.source}, batch {batch_size}/rank, {format_size(grad_bytes)} of gradients: forward+backward "
+        f"{compute * 1e3:.2f} ms, their allreduce {comm * 1e3:.3f} ms -> compute/comm {ratio:.1f}"
+    )
     if world_size == 1:
-        return CheckResult(name="compute_comm", status=PASS, data=data,
-                           detail=detail + " (one rank: no communication across ranks)")
+        return CheckResult(
+            name="compute_comm",
+            status=PASS,
+            data=data,
+            detail=detail + " (one rank: no communication across ranks)",
+        )
     if ratio < RATIO_WARN_BELOW:
-        return CheckResult(name="compute_comm", status=WARN, data=data, detail=detail + (
-            ": communication-bound, DDP cannot hide the allreduce (larger per-rank batches, gradient "
-            "accumulation with no_sync, or fewer ranks)"))
+        return CheckResult(
+            name="compute_comm",
+            status=WARN,
+            data=data,
+            detail=detail
+            + (
+                ": communication-bound, DDP cannot hide the allreduce (larger per-rank batches, gradient "
+                "accumulation with no_sync, or fewer ranks)"
+            ),
+        )
     if ratio < RATIO_ADVISED:
-        detail += f" (below the {RATIO_ADVISED:g}:1 the DDP guide aims for: scaling will be sublinear)"
+        detail += (
+            f" (below the {RATIO_ADVISED:g}:1 the DDP guide aims for: scaling will be sublinear)"
+        )
     return CheckResult(name="compute_comm", status=PASS, data=data, detail=detail)

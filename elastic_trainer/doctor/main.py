@@ -133,9 +133,13 @@ class DoctorOptions:
         if not 1 <= self.batch_size <= 65_536:
             raise ValueError(f"batch_size: must be in 1..65536, got {self.batch_size}")
         if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s: must be a positive number of seconds, got {self.timeout_s}")
+            raise ValueError(
+                f"timeout_s: must be a positive number of seconds, got {self.timeout_s}"
+            )
         if not self.deadline_s > self.timeout_s:
-            raise ValueError(f"deadline_s: must exceed the timeout ({self.timeout_s:g} s), got {self.deadline_s:g}")
+            raise ValueError(
+                f"deadline_s: must exceed the timeout ({self.timeout_s:g} s), got {self.deadline_s:g}"
+            )
 
 
 def _sizes(text: str) -> list[int]:
@@ -156,29 +160,72 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _RaisingParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _RaisingParser(
+        prog=PROG,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--json", action="store_true", help="print a machine-readable JSON report")
-    parser.add_argument("--sizes", type=_sizes, default=None, metavar="MIN..MAX[:F] | S1,S2,...",
-                        help=f"allreduce message sizes: a range that multiplies by F (default 2) or a list; "
-                             f"units K, M, G (binary) (default {DEFAULT_SIZES})")
-    parser.add_argument("--iters", type=int, default=DEFAULT_ITERS, metavar="N",
-                        help=f"timed iterations per measurement (default {DEFAULT_ITERS})")
-    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, metavar="N",
-                        help=f"untimed iterations before each measurement (default {DEFAULT_WARMUP})")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
-                        help=f"per-rank batch of the example model (default {DEFAULT_BATCH_SIZE})")
-    parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                        help=f"collective timeout of the doctor's process group (default {DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--deadline", type=_positive_float, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
-                        help=f"hard limit on the whole run (default {DEFAULT_DEADLINE_S:g})")
-    parser.add_argument("--verbose", action="store_true",
-                        help="log debug messages, with the traceback behind a check that crashed")
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=None,
+        metavar="MIN..MAX[:F] | S1,S2,...",
+        help=f"allreduce message sizes: a range that multiplies by F (default 2) or a list; "
+        f"units K, M, G (binary) (default {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=DEFAULT_ITERS,
+        metavar="N",
+        help=f"timed iterations per measurement (default {DEFAULT_ITERS})",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=DEFAULT_WARMUP,
+        metavar="N",
+        help=f"untimed iterations before each measurement (default {DEFAULT_WARMUP})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"per-rank batch of the example model (default {DEFAULT_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"collective timeout of the doctor's process group (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=_positive_float,
+        default=DEFAULT_DEADLINE_S,
+        metavar="SECONDS",
+        help=f"hard limit on the whole run (default {DEFAULT_DEADLINE_S:g})",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="log debug messages, with the traceback behind a check that crashed",
+    )
     return parser
 
 
-_FLAGS = {"sizes": "--sizes", "iters": "--iters", "warmup": "--warmup", "batch_size": "--batch-size",
-          "timeout_s": "--timeout", "deadline_s": "--deadline"}
+_FLAGS = {
+    "sizes": "--sizes",
+    "iters": "--iters",
+    "warmup": "--warmup",
+    "batch_size": "--batch-size",
+    "timeout_s": "--timeout",
+    "deadline_s": "--deadline",
+}
 """The flag behind each :class:`DoctorOptions` field, for error messages."""
 
 
@@ -191,9 +238,16 @@ def parse_args(argv: Sequence[str]) -> DoctorOptions:
     """
     args = build_parser().parse_args(list(argv))
     try:
-        return DoctorOptions(json=args.json, sizes=args.sizes or parse_sizes(DEFAULT_SIZES), iters=args.iters,
-                             warmup=args.warmup, batch_size=args.batch_size, timeout_s=args.timeout,
-                             deadline_s=args.deadline, verbose=args.verbose)
+        return DoctorOptions(
+            json=args.json,
+            sizes=args.sizes or parse_sizes(DEFAULT_SIZES),
+            iters=args.iters,
+            warmup=args.warmup,
+            batch_size=args.batch_size,
+            timeout_s=args.timeout,
+            deadline_s=args.deadline,
+            verbose=args.verbose,
+        )
     except ValueError as exc:
         name, _, message = str(exc).partition(": ")
         raise UserError(f"{_FLAGS.get(name, name)}: {message}") from None
@@ -234,7 +288,9 @@ class Watchdog:
 class Doctor:
     """Runs every check on this rank, in order, keeping the ranks in step for collectives."""
 
-    def __init__(self, options: DoctorOptions, environ: Mapping[str, str], faults: frozenset[str]) -> None:
+    def __init__(
+        self, options: DoctorOptions, environ: Mapping[str, str], faults: frozenset[str]
+    ) -> None:
         self.options = options
         self.environ = dict(environ)  # the user's environment, before we touch os.environ
         self.faults = faults
@@ -270,13 +326,17 @@ class Doctor:
             self.record(fn())
         except Exception as exc:  # noqa: BLE001 - a check's crash is that check's FAIL
             log.debug("check %s crashed", name, exc_info=True)
-            self.record(CheckResult(name=name, status=FAIL, detail=f"the check crashed: {first_line(exc)}"))
+            self.record(
+                CheckResult(name=name, status=FAIL, detail=f"the check crashed: {first_line(exc)}")
+            )
 
     def collective(self, name: str, fn: Callable[[], CheckResult]) -> None:
         """Run a check that communicates; after a failure, skip the rest (they could only hang)."""
         self.current = name
         if not self.group_ready:
-            self.record(CheckResult(name=name, status=SKIP, detail=f"not run: {self.group_problem}"))
+            self.record(
+                CheckResult(name=name, status=SKIP, detail=f"not run: {self.group_problem}")
+            )
             return
         try:
             self.record(fn())
@@ -304,32 +364,73 @@ class Doctor:
         }
         self.local("env", lambda: check_env(self.environ))
         self.local("backend", lambda: check_backend(probe))
-        self.local("devices", lambda: check_devices(
-            cuda_devices=cuda_devices, local_world_size=_int_or_none(self.environ, "LOCAL_WORLD_SIZE"),
-            local_rank=_int_or_none(self.environ, "LOCAL_RANK"), cpu_count=usable_cpus(),
-            cuda_visible=self.environ.get("CUDA_VISIBLE_DEVICES")))
+        self.local(
+            "devices",
+            lambda: check_devices(
+                cuda_devices=cuda_devices,
+                local_world_size=_int_or_none(self.environ, "LOCAL_WORLD_SIZE"),
+                local_rank=_int_or_none(self.environ, "LOCAL_RANK"),
+                cpu_count=usable_cpus(),
+                cuda_visible=self.environ.get("CUDA_VISIBLE_DEVICES"),
+            ),
+        )
         self.local("timeouts", lambda: check_timeouts(self.environ, interfaces=host_interfaces()))
         self.current = "process_group"
         self.init_group()
         model = doctor_model()
         if self.device is None:
-            self.record(CheckResult(name="placement", status=SKIP, detail="not run: no device (see env/devices)"))
+            self.record(
+                CheckResult(
+                    name="placement", status=SKIP, detail="not run: no device (see env/devices)"
+                )
+            )
         else:
             self.local("placement", lambda: self.placement(model))
         rank = self.env.rank if self.env else 0
         device = self.device or torch.device("cpu")
-        self.collective("allreduce", lambda: check_allreduce(
-            rank=rank, world_size=self.world_size, device=device,
-            corrupt=self.faulty("allreduce"), hang=self.faulty("hang")))
-        self.collective("grad_sync", lambda: check_grad_sync(
-            rank=rank, world_size=self.world_size, device=device, model=model,
-            batch_size=self.options.batch_size, corrupt=self.faulty("grad_sync")))
-        self.collective("bandwidth", lambda: check_bandwidth(
-            sizes=self.options.sizes, iters=self.options.iters, warmup=self.options.warmup,
-            device=device, world_size=self.world_size))
-        self.collective("compute_comm", lambda: check_compute_comm(
-            model=model, batch_size=self.options.batch_size, iters=self.options.iters,
-            warmup=self.options.warmup, device=device, world_size=self.world_size, rank=rank))
+        self.collective(
+            "allreduce",
+            lambda: check_allreduce(
+                rank=rank,
+                world_size=self.world_size,
+                device=device,
+                corrupt=self.faulty("allreduce"),
+                hang=self.faulty("hang"),
+            ),
+        )
+        self.collective(
+            "grad_sync",
+            lambda: check_grad_sync(
+                rank=rank,
+                world_size=self.world_size,
+                device=device,
+                model=model,
+                batch_size=self.options.batch_size,
+                corrupt=self.faulty("grad_sync"),
+            ),
+        )
+        self.collective(
+            "bandwidth",
+            lambda: check_bandwidth(
+                sizes=self.options.sizes,
+                iters=self.options.iters,
+                warmup=self.options.warmup,
+                device=device,
+                world_size=self.world_size,
+            ),
+        )
+        self.collective(
+            "compute_comm",
+            lambda: check_compute_comm(
+                model=model,
+                batch_size=self.options.batch_size,
+                iters=self.options.iters,
+                warmup=self.options.warmup,
+                device=device,
+                world_size=self.world_size,
+                rank=rank,
+            ),
+        )
         self.current = "gather"
 
     def init_group(self) -> None:
@@ -354,14 +455,33 @@ class Doctor:
                 barrier(env.device)  # every rank is in: the group works, not only this end of it
         except Exception as exc:  # noqa: BLE001 - reported as this check's FAIL
             self.group_problem = "the process group could not be created"
-            self.record(CheckResult(name="process_group", status=FAIL, detail=(
-                f"{env.backend} with timeout {self.options.timeout_s:g} s: {first_line(exc)}")))
+            self.record(
+                CheckResult(
+                    name="process_group",
+                    status=FAIL,
+                    detail=(
+                        f"{env.backend} with timeout {self.options.timeout_s:g} s: {first_line(exc)}"
+                    ),
+                )
+            )
             return
         self.group_ready = True
-        how = "torchrun's store" if env.launched else "a single in-process store (not launched by torchrun)"
-        self.record(CheckResult(name="process_group", status=PASS, data={"backend": env.backend}, detail=(
-            f"{env.backend}, {env.world_size} rank(s) via {how}, collective timeout {self.options.timeout_s:g} s, "
-            f"ready in {time.monotonic() - began:.2f} s")))
+        how = (
+            "torchrun's store"
+            if env.launched
+            else "a single in-process store (not launched by torchrun)"
+        )
+        self.record(
+            CheckResult(
+                name="process_group",
+                status=PASS,
+                data={"backend": env.backend},
+                detail=(
+                    f"{env.backend}, {env.world_size} rank(s) via {how}, collective timeout {self.options.timeout_s:g} s, "
+                    f"ready in {time.monotonic() - began:.2f} s"
+                ),
+            )
+        )
 
     def placement(self, model: TestModel) -> CheckResult:
         if self.env is None:
@@ -377,8 +497,15 @@ class Doctor:
         with self.lock:
             results = list(self.results)
         if pending:
-            results.append(CheckResult(name=pending, status=FAIL, detail=(
-                f"did not finish within --deadline={self.options.deadline_s:g}s (the doctor was stopped)")))
+            results.append(
+                CheckResult(
+                    name=pending,
+                    status=FAIL,
+                    detail=(
+                        f"did not finish within --deadline={self.options.deadline_s:g}s (the doctor was stopped)"
+                    ),
+                )
+            )
         return RankReport(
             rank=self.env.rank if self.env else (self.rank if self.rank is not None else -1),
             host=socket.gethostname(),
@@ -425,8 +552,12 @@ def _emit(doctor: Doctor, report: MergedReport, *, as_json: bool) -> None:
     elif report.partial:
         for result in report.results:
             if result.status == FAIL:
-                print(f"doctor: rank {doctor.env.rank if doctor.env else doctor.rank}: FAIL {result.name}: "
-                      f"{result.detail}", file=sys.stderr, flush=True)
+                print(
+                    f"doctor: rank {doctor.env.rank if doctor.env else doctor.rank}: FAIL {result.name}: "
+                    f"{result.detail}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -446,8 +577,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
-    logging.basicConfig(level=logging.DEBUG if options.verbose else logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s [rank {environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if options.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format=f"%(asctime)s [rank {environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s",
+    )
 
     doctor = Doctor(options, environ, faults)
 
@@ -456,10 +590,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if doctor.printed:
                 return
             doctor.printed = True
-        print(f"{PROG}: rank {doctor.rank}: deadline of {options.deadline_s:g} s exceeded in the "
-              f"{doctor.current} check; exiting", file=sys.stderr, flush=True)
-        report = merge([doctor.rank_report(pending=doctor.current)], world_size=doctor.world_size,
-                       partial=f"stopped after --deadline={options.deadline_s:g}s in the {doctor.current} check")
+        print(
+            f"{PROG}: rank {doctor.rank}: deadline of {options.deadline_s:g} s exceeded in the "
+            f"{doctor.current} check; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        report = merge(
+            [doctor.rank_report(pending=doctor.current)],
+            world_size=doctor.world_size,
+            partial=f"stopped after --deadline={options.deadline_s:g}s in the {doctor.current} check",
+        )
         _emit(doctor, report, as_json=options.json)
 
     watchdog = Watchdog(options.deadline_s, on_expiry)

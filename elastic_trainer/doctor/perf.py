@@ -79,7 +79,9 @@ def parse_sizes(text: str) -> list[int]:
         raise ValueError(f"{text!r} gives more than {MAX_SIZES} sizes")
     for size in sizes:
         if size < MIN_MESSAGE_BYTES or size % ELEMENT_BYTES:
-            raise ValueError(f"size {size} B: must be a positive multiple of {ELEMENT_BYTES} bytes (float32)")
+            raise ValueError(
+                f"size {size} B: must be a positive multiple of {ELEMENT_BYTES} bytes (float32)"
+            )
         if size > MAX_MESSAGE_BYTES:
             raise ValueError(f"size {size} B: above the 1 GiB limit")
     return sorted(set(sizes))
@@ -192,10 +194,13 @@ def time_allreduce(size_bytes: int, *, iters: int, warmup: int, device: torch.de
     return slowest(seconds, device)
 
 
-def measure_bandwidth(sizes: list[int], *, iters: int, warmup: int, device: torch.device,
-                      world_size: int) -> list[BandwidthRow]:
+def measure_bandwidth(
+    sizes: list[int], *, iters: int, warmup: int, device: torch.device, world_size: int
+) -> list[BandwidthRow]:
     """The bandwidth table for ``sizes`` (every rank must call it with the same arguments)."""
     return [
-        BandwidthRow.from_time(size, time_allreduce(size, iters=iters, warmup=warmup, device=device), world_size)
+        BandwidthRow.from_time(
+            size, time_allreduce(size, iters=iters, warmup=warmup, device=device), world_size
+        )
         for size in sizes
     ]

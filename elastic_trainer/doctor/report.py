@@ -129,8 +129,11 @@ def _merge_one(name: str, per_rank: list[tuple[int, CheckResult]]) -> CheckResul
     else:
         detail = "; ".join(f"{_ranks_text(ranks)}: {text}" for text, ranks in by_detail.items())
     data = dict(first.data)
-    data["ranks"] = {s: sorted(rank for rank, r in per_rank if r.status == s) for s in STATUSES
-                     if any(r.status == s for _, r in per_rank)}
+    data["ranks"] = {
+        s: sorted(rank for rank, r in per_rank if r.status == s)
+        for s in STATUSES
+        if any(r.status == s for _, r in per_rank)
+    }
     return CheckResult(name=name, status=status, detail=detail, data=data)
 
 
@@ -172,45 +175,84 @@ def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
     groups = ints("GROUP_RANK")
     locals_ = dict(ints("LOCAL_RANK"))
     pairs = Counter((g, locals_.get(rank)) for rank, g in groups)
-    clashes = sorted(f"{g}/{lr}" for (g, lr), count in pairs.items() if count > 1 and lr is not None)
+    clashes = sorted(
+        f"{g}/{lr}" for (g, lr), count in pairs.items() if count > 1 and lr is not None
+    )
     if clashes:
-        env_problems.append(f"GROUP_RANK/LOCAL_RANK {', '.join(clashes)} used by more than one process")
+        env_problems.append(
+            f"GROUP_RANK/LOCAL_RANK {', '.join(clashes)} used by more than one process"
+        )
     lws = dict(ints("LOCAL_WORLD_SIZE"))
     per_group = Counter(g for _, g in groups)
     for group, count in sorted(per_group.items()):
         declared = {lws[rank] for rank, g in groups if g == group and rank in lws}
         if len(declared) == 1 and (expected := declared.pop()) != count:
-            env_problems.append(f"node GROUP_RANK={group} has {count} ranks but LOCAL_WORLD_SIZE={expected}")
+            env_problems.append(
+                f"node GROUP_RANK={group} has {count} ranks but LOCAL_WORLD_SIZE={expected}"
+            )
     if env_problems:
         findings.append(CheckResult(name="env", status=FAIL, detail="; ".join(env_problems)))
 
-    versions = [problem for problem in (
-        differs("torch version", [(rank, f.get("torch_version")) for rank, f in facts]),
-        differs("NCCL version", [(rank, f.get("nccl_version")) for rank, f in facts]),
-    ) if problem]
+    versions = [
+        problem
+        for problem in (
+            differs("torch version", [(rank, f.get("torch_version")) for rank, f in facts]),
+            differs("NCCL version", [(rank, f.get("nccl_version")) for rank, f in facts]),
+        )
+        if problem
+    ]
     if versions:
-        findings.append(CheckResult(name="backend", status=WARN,
-                                    detail="; ".join(versions) + ": install the same build on every node"))
+        findings.append(
+            CheckResult(
+                name="backend",
+                status=WARN,
+                detail="; ".join(versions) + ": install the same build on every node",
+            )
+        )
 
     cuda = [(r.rank, (r.host, r.device)) for r in reports if r.device.startswith("cuda")]
-    shared = [(key, [rank for rank, k in cuda if k == key]) for key, count in Counter(k for _, k in cuda).items()
-              if count > 1]
+    shared = [
+        (key, [rank for rank, k in cuda if k == key])
+        for key, count in Counter(k for _, k in cuda).items()
+        if count > 1
+    ]
     if shared:
-        findings.append(CheckResult(name="devices", status=FAIL, detail="; ".join(
-            f"{_ranks_text(ranks)} share {device} on {host} (device must be cuda:LOCAL_RANK)"
-            for (host, device), ranks in shared)))
+        findings.append(
+            CheckResult(
+                name="devices",
+                status=FAIL,
+                detail="; ".join(
+                    f"{_ranks_text(ranks)} share {device} on {host} (device must be cuda:LOCAL_RANK)"
+                    for (host, device), ranks in shared
+                ),
+            )
+        )
 
-    timeout_vars = (ENV_PG_TIMEOUT_S, "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                    "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
-    timeouts = [p for var in timeout_vars
-                if (p := differs(var, [(rank, f.get("timeouts_env", {}).get(var)) for rank, f in facts]))]
+    timeout_vars = (
+        ENV_PG_TIMEOUT_S,
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "TORCH_NCCL_BLOCKING_WAIT",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+    )
+    timeouts = [
+        p
+        for var in timeout_vars
+        if (p := differs(var, [(rank, f.get("timeouts_env", {}).get(var)) for rank, f in facts]))
+    ]
     if timeouts:
-        findings.append(CheckResult(name="timeouts", status=WARN,
-                                    detail="; ".join(timeouts) + ": set the same values on every node"))
+        findings.append(
+            CheckResult(
+                name="timeouts",
+                status=WARN,
+                detail="; ".join(timeouts) + ": set the same values on every node",
+            )
+        )
     return findings
 
 
-def merge(reports: Sequence[RankReport], *, partial: str | None = None, world_size: int | None = None) -> MergedReport:
+def merge(
+    reports: Sequence[RankReport], *, partial: str | None = None, world_size: int | None = None
+) -> MergedReport:
     """Fold every rank's results into one result per check (worst status wins).
 
     Args:
@@ -228,7 +270,11 @@ def merge(reports: Sequence[RankReport], *, partial: str | None = None, world_si
         result = _merge_one(name, per_rank)
         for finding in (f for f in findings if f.name == name):
             status = worst([result.status, finding.status])
-            detail = finding.detail if result.status in (PASS, SKIP) else f"{result.detail}; {finding.detail}"
+            detail = (
+                finding.detail
+                if result.status in (PASS, SKIP)
+                else f"{result.detail}; {finding.detail}"
+            )
             result = CheckResult(name=name, status=status, detail=detail, data=result.data)
         merged.append(result)
     first = reports[0].facts if reports else {}
@@ -259,8 +305,10 @@ def bandwidth_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The nccl-tests style table: size, elements, time per allreduce, algbw, busbw."""
     lines = [f"{'size':>10} {'count':>10} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"]
     for row in rows:
-        lines.append(f"{format_size(int(row['size_bytes'])):>10} {int(row['count']):>10} "
-                     f"{row['time_us']:>12.1f} {row['algbw_gbps']:>12.3f} {row['busbw_gbps']:>12.3f}")
+        lines.append(
+            f"{format_size(int(row['size_bytes'])):>10} {int(row['count']):>10} "
+            f"{row['time_us']:>12.1f} {row['algbw_gbps']:>12.3f} {row['busbw_gbps']:>12.3f}"
+        )
     return lines
 
 
@@ -270,22 +318,30 @@ def render_text(report: MergedReport) -> str:
         who = f"{report.ranks} of {report.world_size} rank(s)"
     else:
         who = f"{report.ranks} rank(s) on {report.nodes} node(s)"
-    lines = [f"elastic-trainer doctor: {who}, backend {report.backend}, torch {report.torch_version}"]
+    lines = [
+        f"elastic-trainer doctor: {who}, backend {report.backend}, torch {report.torch_version}"
+    ]
     if report.faults:
-        lines.append(f"SELF-TEST: faults injected on the last rank: {', '.join(report.faults)} "
-                     "(ELASTIC_TRAINER_DOCTOR_FAULT); their checks must FAIL")
+        lines.append(
+            f"SELF-TEST: faults injected on the last rank: {', '.join(report.faults)} "
+            "(ELASTIC_TRAINER_DOCTOR_FAULT); their checks must FAIL"
+        )
     if report.partial:
         lines.append(f"PARTIAL REPORT: {report.partial}")
     width = max(len(name) for name in CHECKS)
     for result in report.results:
-        lines.append(f"{result.status:<4}  {result.name:<{width}}  {CHECKS[result.name]}: {result.detail}")
+        lines.append(
+            f"{result.status:<4}  {result.name:<{width}}  {CHECKS[result.name]}: {result.detail}"
+        )
     for result in report.results:
         rows = result.data.get("rows") if result.name == "bandwidth" else None
         if rows:
             lines.append("")
-            lines.append(f"allreduce bus bandwidth ({report.backend}, {report.ranks} rank(s), "
-                         f"{result.data.get('iters')} iterations after {result.data.get('warmup')} warmup, "
-                         "slowest rank; busbw = algbw * 2(n-1)/n):")
+            lines.append(
+                f"allreduce bus bandwidth ({report.backend}, {report.ranks} rank(s), "
+                f"{result.data.get('iters')} iterations after {result.data.get('warmup')} warmup, "
+                "slowest rank; busbw = algbw * 2(n-1)/n):"
+            )
             lines.extend("  " + line for line in bandwidth_table(rows))
     counts = Counter(r.status for r in report.results)
     summary = ", ".join(f"{counts[s]} {s}" for s in (FAIL, WARN, SKIP, PASS) if counts[s])
@@ -307,7 +363,13 @@ def render_json(report: MergedReport) -> str:
         "partial": report.partial,
         "faults": report.faults,
         "checks": [
-            {"name": r.name, "title": CHECKS[r.name], "status": r.status, "detail": r.detail, "data": r.data}
+            {
+                "name": r.name,
+                "title": CHECKS[r.name],
+                "status": r.status,
+                "detail": r.detail,
+                "data": r.data,
+            }
             for r in report.results
         ],
     }

@@ -44,7 +44,9 @@ PROG = "own_loop"
 VOCAB = 32
 log = logging.getLogger("elastic_trainer.examples.own_loop")
 
-TOKENS = Counter("own_loop_tokens_total", "Tokens this rank trained on (a metric of the user's own)")
+TOKENS = Counter(
+    "own_loop_tokens_total", "Tokens this rank trained on (a metric of the user's own)"
+)
 """In a worker under ``elastic-trainer run`` prometheus-client writes to the launcher's directory:
 your own metrics appear on the node's endpoint beside the runtime's."""
 
@@ -67,7 +69,9 @@ class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.context
-        return self.text[start : start + self.context], self.text[start + 1 : start + self.context + 1]
+        return self.text[start : start + self.context], self.text[
+            start + 1 : start + self.context + 1
+        ]
 
 
 class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -103,35 +107,61 @@ class CharLM(nn.Module):
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the positions ``mask`` selects (a loss with an extra input)."""
-    losses = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
+    losses = nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="none"
+    )
     weights = mask.reshape(-1).float()
     return (losses * weights).sum() / weights.sum().clamp(min=1.0)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"python -m elastic_trainer.examples.{PROG}", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m elastic_trainer.examples.{PROG}",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many optimizer steps"
+    )
     parser.add_argument("--epochs", type=int, default=3, help="passes over the dataset (default 3)")
-    parser.add_argument("--global-batch-size", type=int, default=32, help="samples per step over all ranks")
-    parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward (accumulation)")
+    parser.add_argument(
+        "--global-batch-size", type=int, default=32, help="samples per step over all ranks"
+    )
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=8, help="samples per forward (accumulation)"
+    )
     parser.add_argument("--checkpoint-dir", default=None, help="directory every node shares")
-    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the weights, the data order and every step")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the weights, the data order and every step"
+    )
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate every this many steps")
     parser.add_argument("--stream", action="store_true", help="read the data as an iterable stream")
-    parser.add_argument("--record-samples", metavar="DIR", default=None, help="audit: every step's indices")
+    parser.add_argument(
+        "--record-samples", metavar="DIR", default=None, help="audit: every step's indices"
+    )
     parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--throttle-ms", type=float, default=0.0,
-                        help="sleep after every step: long enough to watch, kill or scale by hand (demos, tests)")
+    parser.add_argument(
+        "--throttle-ms",
+        type=float,
+        default=0.0,
+        help="sleep after every step: long enough to watch, kill or scale by hand (demos, tests)",
+    )
     return parser.parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
-                                                   "%(levelname)s %(name)s: %(message)s")
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
+        "%(levelname)s %(name)s: %(message)s",
+    )
+    device = torch.device(
+        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    )
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = CharLM(width=32, dropout=0.1).to(device)
     body = [p for name, p in model.named_parameters() if not name.startswith("embedding")]
@@ -140,14 +170,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     windows = Windows(corpus(args.seed, 40_000), context=32)
     held_out = Windows(corpus(args.seed + 1, 4_000), context=32)
     per_epoch = -(-len(windows) // args.global_batch_size)
-    total = args.epochs * per_epoch if args.max_steps is None else min(args.max_steps, args.epochs * per_epoch)
+    total = (
+        args.epochs * per_epoch
+        if args.max_steps is None
+        else min(args.max_steps, args.epochs * per_epoch)
+    )
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
     scaler = torch.amp.GradScaler(device.type, enabled=device.type == "cuda")
     elastic = Elastic(  # elastic: the group, DDP, resume, healing; it finds both optimizers and the scheduler
-        model, len(windows) if args.stream else windows, global_batch_size=args.global_batch_size,
-        micro_batch_size=args.micro_batch_size, max_steps=args.max_steps, epochs=args.epochs, seed=args.seed,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, scaler=scaler,
-        log_every=args.log_every, record_samples_dir=args.record_samples, tokens_per_sample=32)
+        model,
+        len(windows) if args.stream else windows,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        max_steps=args.max_steps,
+        epochs=args.epochs,
+        seed=args.seed,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        scaler=scaler,
+        log_every=args.log_every,
+        record_samples_dir=args.record_samples,
+        tokens_per_sample=32,
+    )
     stream = StreamReader(windows, elastic) if args.stream else None
     for step in elastic:  # elastic: this rank's share of each step, exactly once per epoch
         with step:  # elastic: a peer's failure in here is healed in place, and the loop goes on
@@ -155,9 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tokens, targets = stream.read(step, batch) if stream is not None else batch
                 mask = torch.ones_like(targets, dtype=torch.bool)
                 mask[:, :4] = False  # score only positions with some context
-                with torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda"):
-                    loss = masked_loss(elastic.ddp(tokens), targets, mask)  # elastic: the DDP of the moment
-                step.backward(loss * step.weight)  # elastic: the global batch's mean at any world size
+                with torch.autocast(
+                    device.type, dtype=torch.float16, enabled=device.type == "cuda"
+                ):
+                    loss = masked_loss(
+                        elastic.ddp(tokens), targets, mask
+                    )  # elastic: the DDP of the moment
+                step.backward(
+                    loss * step.weight
+                )  # elastic: the global batch's mean at any world size
                 TOKENS.inc(tokens.shape[0] * tokens.shape[1])
             scaler.unscale_(optimizer)
             scaler.unscale_(embedding_optimizer)
@@ -175,7 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = elastic.result
     if result is not None and result.finished and elastic.env.is_rank0:
         log.info("final step %d loss %s checkpoint %s", result.step, result.loss, result.checkpoint)
-    return result.exit_code if result is not None else 1  # elastic: not finished: exit 143, torchrun decides
+    return (
+        result.exit_code if result is not None else 1
+    )  # elastic: not finished: exit 143, torchrun decides
 
 
 class StreamReader:
@@ -195,18 +247,24 @@ class StreamReader:
             order = self.elastic.sampler.order(plan.epoch)
             if self._stream is None or self._next != (plan.epoch, plan.cursor):
                 self._stream = Stream(self.windows, order).from_position(plan.cursor)
-            self._samples = {order[plan.cursor + k]: next(self._stream) for k in range(plan.global_samples)}
+            self._samples = {
+                order[plan.cursor + k]: next(self._stream) for k in range(plan.global_samples)
+            }
             self._at, self._next = (plan.epoch, plan.cursor), (plan.epoch, plan.next_cursor)
         device = self.elastic.device
-        return (torch.stack([self._samples[i][0] for i in micro.indices]).to(device),
-                torch.stack([self._samples[i][1] for i in micro.indices]).to(device))
+        return (
+            torch.stack([self._samples[i][0] for i in micro.indices]).to(device),
+            torch.stack([self._samples[i][1] for i in micro.indices]).to(device),
+        )
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, held_out: Windows, step: int, *, is_rank0: bool) -> None:
     model.eval()
     try:
-        tokens = torch.stack([held_out[i][0] for i in range(64)]).to(next(model.parameters()).device)
+        tokens = torch.stack([held_out[i][0] for i in range(64)]).to(
+            next(model.parameters()).device
+        )
         targets = torch.stack([held_out[i][1] for i in range(64)]).to(tokens.device)
         loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
         if is_rank0:

@@ -58,17 +58,28 @@ def corpus(seed: int, length: int) -> torch.Tensor:
 class TinyTransformer(nn.Module):
     """Embedding, pre-norm causal transformer blocks with dropout, and a head."""
 
-    def __init__(self, width: int = 32, depth: int = 2, heads: int = 4, dropout: float = 0.1) -> None:
+    def __init__(
+        self, width: int = 32, depth: int = 2, heads: int = 4, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, width)
         self.position = nn.Parameter(torch.zeros(CONTEXT, width))
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, heads, dim_feedforward=2 * width, dropout=dropout, batch_first=True,
-                                       norm_first=True)
-            for _ in range(depth))
+            nn.TransformerEncoderLayer(
+                width,
+                heads,
+                dim_feedforward=2 * width,
+                dropout=dropout,
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(depth)
+        )
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, VOCAB)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(CONTEXT), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(CONTEXT), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens) + self.position[: tokens.shape[1]]
@@ -80,21 +91,37 @@ class TinyTransformer(nn.Module):
 def shard(model: TinyTransformer, world_size: int, device_type: str) -> None:
     """FSDP2: each block is one unit (its parameters gathered for its forward only), then the rest
     (``fully_shard`` on ``blocks.0``, ``blocks.1``, ..., then on the model)."""
-    apply_fsdp(model, FSDPOptions(blocks=("blocks.*",)), init_device_mesh(device_type, (world_size,)))
+    apply_fsdp(
+        model, FSDPOptions(blocks=("blocks.*",)), init_device_mesh(device_type, (world_size,))
+    )
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many optimizer steps"
+    )
     parser.add_argument("--epochs", type=int, default=3, help="passes over the dataset (default 3)")
-    parser.add_argument("--global-batch-size", type=int, default=24, help="samples per step over all ranks")
-    parser.add_argument("--dataset-size", type=int, default=2400, help="windows of the synthetic text")
+    parser.add_argument(
+        "--global-batch-size", type=int, default=24, help="samples per step over all ranks"
+    )
+    parser.add_argument(
+        "--dataset-size", type=int, default=2400, help="windows of the synthetic text"
+    )
     parser.add_argument("--checkpoint-dir", default=None, help="directory every node shares")
-    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the weights, the data order and every step")
-    parser.add_argument("--record-samples", metavar="DIR", default=None, help="audit: every step's indices")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the weights, the data order and every step"
+    )
+    parser.add_argument(
+        "--record-samples", metavar="DIR", default=None, help="audit: every step's indices"
+    )
     parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--throttle-ms", type=float, default=0.0, help="sleep per step (to watch or inject faults)")
+    parser.add_argument(
+        "--throttle-ms", type=float, default=0.0, help="sleep per step (to watch or inject faults)"
+    )
     args = parser.parse_args(argv)
     for name in ("epochs", "global_batch_size", "dataset_size", "checkpoint_every", "log_every"):
         if getattr(args, name) <= 0:
@@ -113,8 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
-                                                   "%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
+        "%(levelname)s %(name)s: %(message)s",
+    )
     env = read_env()
     with distributed_session(env, pg_timeout_s=60):
         torch.manual_seed(args.seed)  # identical initial weights on every rank, before sharding
@@ -125,9 +155,11 @@ def train(args: argparse.Namespace) -> int:
         text = corpus(args.seed, args.dataset_size * CONTEXT + 1)
         sampler = ElasticSampler(args.dataset_size, args.global_batch_size, seed=args.seed)
         checkpoints = ShardedCheckpointManager(
-            CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every), env=env,
+            CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every),
+            env=env,
             state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
-            fingerprint={"model": signature, "dataset_size": args.dataset_size, "seed": args.seed})
+            fingerprint={"model": signature, "dataset_size": args.dataset_size, "seed": args.seed},
+        )
         step = checkpoints.load() or 0
         samples = _sample_log(args, env.rank, env.world_size, step)
         last_step = args.epochs * len(sampler) if args.max_steps is None else args.max_steps
@@ -139,13 +171,25 @@ def train(args: argparse.Namespace) -> int:
                     sampler.set_epoch(sampler.epoch + 1)
                 plan = sampler.plan(sampler.cursor, env.rank, env.world_size)
                 if samples is not None:
-                    samples.step(step=step + 1, epoch=plan.epoch, cursor=plan.cursor, world_size=env.world_size,
-                                 rank=env.rank, indices=plan.indices)
-                rng.seed_step(args.seed, env.rank, step, env.device)  # dropout: a function of (seed, rank, step)
-                batch = torch.tensor(plan.micro_batches[0].indices) * CONTEXT  # one micro-batch: no size cap
+                    samples.step(
+                        step=step + 1,
+                        epoch=plan.epoch,
+                        cursor=plan.cursor,
+                        world_size=env.world_size,
+                        rank=env.rank,
+                        indices=plan.indices,
+                    )
+                rng.seed_step(
+                    args.seed, env.rank, step, env.device
+                )  # dropout: a function of (seed, rank, step)
+                batch = (
+                    torch.tensor(plan.micro_batches[0].indices) * CONTEXT
+                )  # one micro-batch: no size cap
                 windows = text[batch.unsqueeze(1) + torch.arange(CONTEXT + 1)].to(env.device)
                 logits = model(windows[:, :-1])
-                per_sample = nn.functional.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none")
+                per_sample = nn.functional.cross_entropy(
+                    logits.transpose(1, 2), windows[:, 1:], reduction="none"
+                )
                 # FSDP averages gradients over ranks: scale so the update is the mean over the step's samples.
                 weight = env.world_size / plan.global_samples if plan.samples else 0.0
                 loss = per_sample.mean(dim=1).sum() * weight
@@ -157,8 +201,12 @@ def train(args: argparse.Namespace) -> int:
                 if samples is not None:
                     samples.done(step=step)
                 if env.is_rank0 and step % args.log_every == 0:
-                    log.info("step %d epoch %d loss %.4f (rank 0's samples)", step, plan.epoch,
-                             per_sample.mean().item())
+                    log.info(
+                        "step %d epoch %d loss %.4f (rank 0's samples)",
+                        step,
+                        plan.epoch,
+                        per_sample.mean().item(),
+                    )
                 if checkpoints.due(step):
                     checkpoints.save(step, epoch=sampler.epoch)
                 if args.throttle_ms:
@@ -173,7 +221,9 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sample_log(args: argparse.Namespace, rank: int, world_size: int, step: int) -> SampleLog | None:
+def _sample_log(
+    args: argparse.Namespace, rank: int, world_size: int, step: int
+) -> SampleLog | None:
     """The audit log of this generation (its id and start time are rank 0's)."""
     if args.record_samples is None:
         return None
@@ -181,8 +231,13 @@ def _sample_log(args: argparse.Namespace, rank: int, world_size: int, step: int)
     if world_size > 1:
         dist.broadcast_object_list(generation, src=0)
     samples = SampleLog(args.record_samples, rank=rank)
-    samples.start(generation=generation[0][0], started_unix=generation[0][1], resumed_step=step,
-                  world_size=world_size, rank=rank)
+    samples.start(
+        generation=generation[0][0],
+        started_unix=generation[0][1],
+        resumed_step=step,
+        world_size=world_size,
+        rank=rank,
+    )
     return samples
 
 

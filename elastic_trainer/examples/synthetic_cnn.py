@@ -130,57 +130,109 @@ def make_job(args: argparse.Namespace) -> TrainingJob:
     return TrainingJob(
         model=lambda: SmallCNN(args.width, batchnorm=not args.no_batchnorm, dropout=args.dropout),
         dataset=lambda: SyntheticImages(args.dataset_size, seed=args.seed),
-        optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4),
-        evaluate=lambda model, step: {"eval_loss": evaluate(model, SyntheticImages(512, seed=args.seed),
-                                                            next(model.parameters()).device)},
-        scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(args.max_steps or 1000, 1)),
+        optimizer=lambda params: torch.optim.SGD(
+            params, lr=args.lr, momentum=0.9, weight_decay=1e-4
+        ),
+        evaluate=lambda model, step: {
+            "eval_loss": evaluate(
+                model, SyntheticImages(512, seed=args.seed), next(model.parameters()).device
+            )
+        },
+        scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(
+            opt, T_max=max(args.max_steps or 1000, 1)
+        ),
         loss=nn.CrossEntropyLoss(),
     )
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m elastic_trainer.examples.synthetic_cnn", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    parser = argparse.ArgumentParser(
+        prog="python -m elastic_trainer.examples.synthetic_cnn",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many optimizer steps"
+    )
     parser.add_argument("--epochs", type=int, default=1, help="passes over the dataset (default 1)")
-    parser.add_argument("--global-batch-size", type=int, default=64, help="samples per step over all ranks")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="cap per forward; the rest accumulates")
-    parser.add_argument("--checkpoint-dir", default=None, help="shared directory for rank-0 checkpoints")
-    parser.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY,
-                        help=f"steps between checkpoints (default {DEFAULT_CHECKPOINT_EVERY})")
+    parser.add_argument(
+        "--global-batch-size", type=int, default=64, help="samples per step over all ranks"
+    )
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=None, help="cap per forward; the rest accumulates"
+    )
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="shared directory for rank-0 checkpoints"
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=DEFAULT_CHECKPOINT_EVERY,
+        help=f"steps between checkpoints (default {DEFAULT_CHECKPOINT_EVERY})",
+    )
     parser.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (default 3)")
-    parser.add_argument("--async-checkpoint", action="store_true", help="write checkpoints on a background thread")
-    parser.add_argument("--jit-save", action=argparse.BooleanOptionalAction, default=None,
-                        help="when a worker dies, a survivor checkpoints the last completed step (default: on, "
-                             "or ELASTIC_TRAINER_JIT_SAVE)")
+    parser.add_argument(
+        "--async-checkpoint", action="store_true", help="write checkpoints on a background thread"
+    )
+    parser.add_argument(
+        "--jit-save",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="when a worker dies, a survivor checkpoints the last completed step (default: on, "
+        "or ELASTIC_TRAINER_JIT_SAVE)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds weights, data and data order")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--dataset-size", type=int, default=2048)
     parser.add_argument("--width", type=int, default=16, help="channels of the first conv layer")
-    parser.add_argument("--no-batchnorm", action="store_true",
-                        help="identities instead of BatchNorm (makes steps exactly world-size invariant on CPU)")
-    parser.add_argument("--dropout", type=float, default=0.0,
-                        help="dropout before the classifier (random numbers in every step; resume stays bitwise)")
-    parser.add_argument("--grad-clip-norm", type=float, default=None, help="clip gradients to this 2-norm")
-    parser.add_argument("--eval-every", type=int, default=None,
-                        help="full-loss evaluation on 512 samples every this many steps (rank 0 logs it)")
+    parser.add_argument(
+        "--no-batchnorm",
+        action="store_true",
+        help="identities instead of BatchNorm (makes steps exactly world-size invariant on CPU)",
+    )
+    parser.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="dropout before the classifier (random numbers in every step; resume stays bitwise)",
+    )
+    parser.add_argument(
+        "--grad-clip-norm", type=float, default=None, help="clip gradients to this 2-norm"
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="full-loss evaluation on 512 samples every this many steps (rank 0 logs it)",
+    )
     parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")
     parser.add_argument("--sync-batchnorm", action="store_true", help="SyncBatchNorm (CUDA only)")
     parser.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
     parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--record-samples", metavar="DIR", default=None,
-                        help="append every step's dataset indices to DIR/samples-rank*-pid*.jsonl (audit)")
-    parser.add_argument("--throttle-ms", type=float, default=0.0,
-                        help="sleep this long after every step: makes the tiny job last long enough to scale, "
-                             "kill or preempt it by hand (demos, tests)")
+    parser.add_argument(
+        "--record-samples",
+        metavar="DIR",
+        default=None,
+        help="append every step's dataset indices to DIR/samples-rank*-pid*.jsonl (audit)",
+    )
+    parser.add_argument(
+        "--throttle-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long after every step: makes the tiny job last long enough to scale, "
+        "kill or preempt it by hand (demos, tests)",
+    )
     return parser.parse_args(list(argv))
 
 
 def _configure_logging() -> None:
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def main(argv: Sequence[str] | None = None, *, fault_hook: FaultHook | None = None) -> int:
@@ -203,9 +255,13 @@ def main(argv: Sequence[str] | None = None, *, fault_hook: FaultHook | None = No
             seed=args.seed,
             epochs=args.epochs,
             max_steps=args.max_steps,
-            checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every,
-                                        keep_last=args.keep_last, async_write=args.async_checkpoint,
-                                        jit_save=args.jit_save),
+            checkpoint=CheckpointConfig(
+                directory=args.checkpoint_dir,
+                every=args.checkpoint_every,
+                keep_last=args.keep_last,
+                async_write=args.async_checkpoint,
+                jit_save=args.jit_save,
+            ),
             grad_clip_norm=args.grad_clip_norm,
             eval_every=args.eval_every,
             mixed_precision=args.mixed_precision,
@@ -221,20 +277,33 @@ def main(argv: Sequence[str] | None = None, *, fault_hook: FaultHook | None = No
         observer = build_observer(settings)
         if args.throttle_ms > 0:
             observer = Throttled(observer, args.throttle_ms / 1000)
-        trainer = Trainer(config, make_job(args), observer=observer, env=env, settings=settings,
-                          fault_hook=fault_hook)
+        trainer = Trainer(
+            config,
+            make_job(args),
+            observer=observer,
+            env=env,
+            settings=settings,
+            fault_hook=fault_hook,
+        )
         result = trainer.fit()
     except Exception as exc:  # noqa: BLE001 - classified, recorded for the launcher, reported once
         return failures.exit_after(exc, prog=PROG)
     if env.is_rank0:
         dataset = trainer.dataset
         if not isinstance(dataset, SyntheticImages):
-            raise TypeError(f"the example's dataset is {type(dataset).__name__}, not SyntheticImages")
+            raise TypeError(
+                f"the example's dataset is {type(dataset).__name__}, not SyntheticImages"
+            )
         trainer.model.eval()
         with torch.no_grad():
-            eval_loss = None if result.stopped_by_signal else evaluate(trainer.model, dataset, env.device)
-        print(f"final step {result.step} epoch {result.epoch} loss {result.loss} eval_loss {eval_loss} "
-              f"checkpoint {result.checkpoint} stopped_by_signal {result.stopped_by_signal}", flush=True)
+            eval_loss = (
+                None if result.stopped_by_signal else evaluate(trainer.model, dataset, env.device)
+            )
+        print(
+            f"final step {result.step} epoch {result.epoch} loss {result.loss} eval_loss {eval_loss} "
+            f"checkpoint {result.checkpoint} stopped_by_signal {result.stopped_by_signal}",
+            flush=True,
+        )
     return result.exit_code
 
 

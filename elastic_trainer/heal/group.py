@@ -50,7 +50,9 @@ def socket_inodes() -> dict[int, int]:
     return found
 
 
-def shutdown_connections(sockets: dict[int, int], *, keep_ports: frozenset[int] = frozenset()) -> int:
+def shutdown_connections(
+    sockets: dict[int, int], *, keep_ports: frozenset[int] = frozenset()
+) -> int:
     """``shutdown(SHUT_RDWR)`` every connected TCP socket of ``sockets`` still open under the same
     inode (not listening, not to a port in ``keep_ports``); returns how many."""
     done = 0
@@ -62,7 +64,10 @@ def shutdown_connections(sockets: dict[int, int], *, keep_ports: frozenset[int] 
         except OSError:
             continue
         try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            if (
+                sock.family not in (socket.AF_INET, socket.AF_INET6)
+                or sock.type != socket.SOCK_STREAM
+            ):
                 continue
             if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 continue
@@ -91,8 +96,14 @@ class HealableGroup:
         waits: the worker's abortable waits, failed and reset when a group is destroyed.
     """
 
-    def __init__(self, backend: str, timeout_s: float, *, keep_ports: frozenset[int] = frozenset(),
-                 waits: AbortableWaits | None = None) -> None:
+    def __init__(
+        self,
+        backend: str,
+        timeout_s: float,
+        *,
+        keep_ports: frozenset[int] = frozenset(),
+        waits: AbortableWaits | None = None,
+    ) -> None:
         self.backend = backend
         self.waits = waits if waits is not None else AbortableWaits()
         self.timeout_s = timeout_s
@@ -110,8 +121,12 @@ class HealableGroup:
     def create(self, *, rank: int, world_size: int, store: Any | None = None) -> None:
         """Create the default group (``store=None``: from torchrun's environment)."""
         before = socket_inodes()
-        kwargs: dict[str, Any] = {"backend": self.backend, "timeout": timedelta(seconds=self.timeout_s),
-                                  "rank": rank, "world_size": world_size}
+        kwargs: dict[str, Any] = {
+            "backend": self.backend,
+            "timeout": timedelta(seconds=self.timeout_s),
+            "rank": rank,
+            "world_size": world_size,
+        }
         if store is not None:
             kwargs["store"] = store
         try:
@@ -128,7 +143,9 @@ class HealableGroup:
         """Sockets opened since ``before`` belong to the group (a side group created later, too)."""
         after = socket_inodes()
         with self._lock:
-            self._sockets.update({fd: inode for fd, inode in after.items() if before.get(fd) != inode})
+            self._sockets.update(
+                {fd: inode for fd, inode in after.items() if before.get(fd) != inode}
+            )
 
     def abort(self) -> None:
         """Make every pending and later collective of the current group fail now (any thread)."""
@@ -160,11 +177,18 @@ class HealableGroup:
             if interrupted:
                 kept = dist.distributed_c10d._get_default_group()
                 self._kept.append(kept)
-                release = threading.Timer(self.timeout_s + KEEP_MARGIN_S, self._release, args=(kept,))
+                release = threading.Timer(
+                    self.timeout_s + KEEP_MARGIN_S, self._release, args=(kept,)
+                )
                 release.daemon = True
                 release.start()
-                log.info("heal: %d collective(s) of the aborted group were interrupted; it is kept %.0f s, not "
-                         "destructed now (%d kept)", interrupted, self.timeout_s + KEEP_MARGIN_S, len(self._kept))
+                log.info(
+                    "heal: %d collective(s) of the aborted group were interrupted; it is kept %.0f s, not "
+                    "destructed now (%d kept)",
+                    interrupted,
+                    self.timeout_s + KEEP_MARGIN_S,
+                    len(self._kept),
+                )
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # noqa: BLE001 - the group is broken anyway

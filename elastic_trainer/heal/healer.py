@@ -83,8 +83,10 @@ def thread_cpu_seconds(native_id: int) -> float | None:
     try:
         with open(f"/proc/self/task/{native_id}/stat", "rb") as stat_file:
             raw = stat_file.read()
-        fields = raw[raw.rindex(b")") + 2:].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+        fields = raw[raw.rindex(b")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf(
+            "SC_CLK_TCK"
+        )  # utime, stime: fields 14 and 15
     except (OSError, ValueError, IndexError):
         return None
 
@@ -127,8 +129,18 @@ def failure_reason(exc: BaseException) -> str:
 class Healer:
     """See the module docstring. Use :meth:`create`."""
 
-    def __init__(self, settings: HealSettings, *, run_id: str, node: str, local_rank: int, backend: str,
-                 device: torch.device, pg_timeout_s: float, world: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        settings: HealSettings,
+        *,
+        run_id: str,
+        node: str,
+        local_rank: int,
+        backend: str,
+        device: torch.device,
+        pg_timeout_s: float,
+        world: tuple[int, int],
+    ) -> None:
         from rendezvous.etcd_client import EtcdConnection
         from rendezvous.settings import RendezvousConfigError, settings_from_conf
 
@@ -136,14 +148,21 @@ class Healer:
         self.run_id = run_id
         self.device = device
         try:
-            rdzv = settings_from_conf(settings.rdzv_conf, endpoint=settings.endpoint or "", run_id=run_id)
+            rdzv = settings_from_conf(
+                settings.rdzv_conf, endpoint=settings.endpoint or "", run_id=run_id
+            )
             config = rdzv.client_config()
         except (RendezvousConfigError, ValueError) as exc:
             raise HealError(f"in-place healing: {exc}") from exc
         self.connection = EtcdConnection(config)
-        self.member = Member(id=f"{node}/{local_rank}/{os.getpid()}-{uuid.uuid4().hex[:6]}", slot=f"{node}/{local_rank}")
+        self.member = Member(
+            id=f"{node}/{local_rank}/{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            slot=f"{node}/{local_rank}",
+        )
         rules = RoundRules(min_world=world[0], max_world=world[1], settle_s=settings.settle_s)
-        self.membership = Membership(self.connection, run_id, self.member, rules, on_round_open=self._round_opened)
+        self.membership = Membership(
+            self.connection, run_id, self.member, rules, on_round_open=self._round_opened
+        )
         keep = frozenset(endpoint.port for endpoint in config.endpoints)
         # gloo can leave a collective blocked after an abort (runtime/abortable.py); NCCL's abort
         # works. CPU tensors only: a tracked future is a CPU future, which would drop the CUDA
@@ -154,7 +173,9 @@ class Healer:
         self._phase = "starting"  # starting | training | healing | spare | closed
         self._phase_lock = threading.Lock()
         self._epoch: Epoch | None = None
-        self._stores: list[Any] = []  # EtcdV3Stores of live groups (the C++ wrapper needs the Python half)
+        self._stores: list[
+            Any
+        ] = []  # EtcdV3Stores of live groups (the C++ wrapper needs the Python half)
         self._forming: int | None = None  # the epoch whose group this process is building
         self._abandoned = False  # a later round opened while it was being built
         self._side_group: Any = None
@@ -163,17 +184,28 @@ class Healer:
         self.stop_requested: Callable[[], bool] | None = None
         """True once this process got a stop signal: a heal round in progress is left
         (:class:`HealStopped`) so that it saves and exits within its grace (the trainer sets it)."""
-        self._training_ident: int | None = None  # Python ident, for the stop watch's look at its frames
+        self._training_ident: int | None = (
+            None  # Python ident, for the stop watch's look at its frames
+        )
         self.busy_probe: Callable[[], bool] | None = None
         """True while the training thread waits on work that is no hang (a checkpoint write):
         the stop watch does not count that as idle (the trainer sets it)."""
         self._hand_on: Callable[[int, str], object] | None = None
-        self._hand_on_lock = threading.Lock()  # held while handing on: the state does not move meanwhile
+        self._hand_on_lock = (
+            threading.Lock()
+        )  # held while handing on: the state does not move meanwhile
         self.heals = 0
 
     @classmethod
-    def create(cls, settings: HealSettings, env: DistEnv, *, run_id: str | None, node: str | None,
-               pg_timeout_s: float) -> Healer | None:
+    def create(
+        cls,
+        settings: HealSettings,
+        env: DistEnv,
+        *,
+        run_id: str | None,
+        node: str | None,
+        pg_timeout_s: float,
+    ) -> Healer | None:
         """The healer of this worker, or ``None`` when healing is off or impossible here.
 
         Raises:
@@ -182,11 +214,21 @@ class Healer:
         if not settings.enabled or not env.launched:
             return None
         if run_id is None or node is None:
-            raise HealError("in-place healing needs TORCHELASTIC_RUN_ID and ELASTIC_TRAINER_NODE "
-                            "(start the job with elastic-trainer run)")
+            raise HealError(
+                "in-place healing needs TORCHELASTIC_RUN_ID and ELASTIC_TRAINER_NODE "
+                "(start the job with elastic-trainer run)"
+            )
         world = settings.world or (env.world_size, env.world_size)
-        return cls(settings, run_id=run_id, node=node, local_rank=env.local_rank, backend=env.backend,
-                   device=env.device, pg_timeout_s=pg_timeout_s, world=world)
+        return cls(
+            settings,
+            run_id=run_id,
+            node=node,
+            local_rank=env.local_rank,
+            backend=env.backend,
+            device=env.device,
+            pg_timeout_s=pg_timeout_s,
+            world=world,
+        )
 
     # -- state -------------------------------------------------------------------------------------
     @property
@@ -197,7 +239,9 @@ class Healer:
         """(Training thread, every step) raise :class:`GroupAborted` if a round opened since this
         epoch began. One attribute read."""
         if self._group_aborted:
-            raise GroupAborted(f"a heal round after epoch {self._epoch.number if self._epoch else '?'} is open")
+            raise GroupAborted(
+                f"a heal round after epoch {self._epoch.number if self._epoch else '?'} is open"
+            )
 
     def offer_state(self, hand_on: Callable[[int, str], object] | None) -> None:
         """(Training thread) ``hand_on(held, reason)`` saves this process's last completed step
@@ -215,12 +259,19 @@ class Healer:
         not. A process cut off by a partition cannot get that answer, and one the others went on
         without is not a member: neither commits a checkpoint the job does not know about."""
         try:
-            response = etcd_ops.get_range(self.connection, self.membership.keys.epoch, what="confirming membership",
-                                          deadline=1.0, retry_timeout=FENCE_TIMEOUT_S)
+            response = etcd_ops.get_range(
+                self.connection,
+                self.membership.keys.epoch,
+                what="confirming membership",
+                deadline=1.0,
+                retry_timeout=FENCE_TIMEOUT_S,
+            )
             current = Epoch.decode(bytes(response.kvs[0].value)) if response.kvs else None
         except Exception as exc:  # noqa: BLE001 - any failure to confirm is a refusal
-            return (f"etcd did not confirm within {FENCE_TIMEOUT_S:g} s that this process still belongs to the job "
-                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+            return (
+                f"etcd did not confirm within {FENCE_TIMEOUT_S:g} s that this process still belongs to the job "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            )
         if current is None:
             return "the job's membership record is gone"
         if current.rank_of(self.member.id) is None:
@@ -241,7 +292,9 @@ class Healer:
         self._training_thread = threading.get_native_id()
         self._training_ident = threading.get_ident()
         self.membership.start()
-        if self.settings.marker is not None:  # tells the warm-start client to replace this process if it dies
+        if (
+            self.settings.marker is not None
+        ):  # tells the warm-start client to replace this process if it dies
             with contextlib.suppress(OSError):
                 Path(self.settings.marker).touch()
         if self.settings.join:
@@ -257,9 +310,13 @@ class Healer:
         dist.all_gather_object(members, self.member)
         number = [0]
         if env.rank == 0:
-            number[0] = self.membership.form(list(members), step=NO_STATE, reason="rendezvous").number
+            number[0] = self.membership.form(
+                list(members), step=NO_STATE, reason="rendezvous"
+            ).number
         dist.broadcast_object_list(number, src=0)
-        if not self.membership.wait(lambda: (e := self.membership.epoch) is not None and e.number >= number[0], 30.0):
+        if not self.membership.wait(
+            lambda: (e := self.membership.epoch) is not None and e.number >= number[0], 30.0
+        ):
             raise HealError(f"epoch {number[0]} written by rank 0 never arrived")
         self._epoch = self.membership.epoch
         self._set_phase("training")
@@ -269,12 +326,16 @@ class Healer:
         """A process without state: join the next round (or wait as a spare for one)."""
         self._set_phase("healing")
         started = time.monotonic()
-        if not self.membership.wait(lambda: self.membership.epoch is not None, self.settings.timeout_s):
+        if not self.membership.wait(
+            lambda: self.membership.epoch is not None, self.settings.timeout_s
+        ):
             raise HealError(f"no running job to join in place within {self.settings.timeout_s:g} s")
         return self._round(env, step=NO_STATE, snapshot=None, reason=reason, started=started)
 
     # -- heal --------------------------------------------------------------------------------------
-    def heal(self, env: DistEnv, *, step: int, snapshot: Callable[[], dict[str, Any]], reason: str) -> HealOutcome:
+    def heal(
+        self, env: DistEnv, *, step: int, snapshot: Callable[[], dict[str, Any]], reason: str
+    ) -> HealOutcome:
         """After a failed collective: abort the group, form the next epoch, take the newest state.
 
         ``step``: the last step this process applied; ``snapshot()``: its state (called only if
@@ -289,8 +350,15 @@ class Healer:
         self.group.destroy()
         return self._round(env, step=step, snapshot=snapshot, reason=reason, started=started)
 
-    def _round(self, env: DistEnv, *, step: int, snapshot: Callable[[], dict[str, Any]] | None, reason: str,
-               started: float) -> HealOutcome:
+    def _round(
+        self,
+        env: DistEnv,
+        *,
+        step: int,
+        snapshot: Callable[[], dict[str, Any]] | None,
+        reason: str,
+        started: float,
+    ) -> HealOutcome:
         deadline = started + self.settings.timeout_s
         while True:
             current = self.membership.epoch
@@ -303,7 +371,9 @@ class Healer:
                 if not self.membership.round_open(number):
                     self.membership.open_round(number, reason)
                 self.membership.answer(number, Join(self.member, ready=True, step=step))
-                epoch = self.membership.settle(number, deadline=deadline, reason=reason, stop=self.stop_requested)
+                epoch = self.membership.settle(
+                    number, deadline=deadline, reason=reason, stop=self.stop_requested
+                )
             except RoundStopped as exc:
                 raise HealStopped(str(exc)) from exc
             except HealTimeoutError as exc:
@@ -316,15 +386,22 @@ class Healer:
                     # The epoch closed with this slot's previous process before this one answered:
                     # that process has ended (its launcher started this one), so the epoch cannot
                     # form. The next round replaces it; its members, still forming, abandon it.
-                    log.warning("heal: epoch %d formed with the process this one replaces; opening the next round",
-                                epoch.number)
+                    log.warning(
+                        "heal: epoch %d formed with the process this one replaces; opening the next round",
+                        epoch.number,
+                    )
                     if time.monotonic() > deadline:
-                        raise HealError("healing in place failed: every epoch named this slot's previous process")
+                        raise HealError(
+                            "healing in place failed: every epoch named this slot's previous process"
+                        )
                     continue
                 if step == NO_STATE and epoch.world_size >= self.membership.rules.max_world:
                     self._wait_as_spare(epoch, deadline=None)
                     continue
-                log.warning("heal: epoch %d formed without this process (late); joining the next one", epoch.number)
+                log.warning(
+                    "heal: epoch %d formed without this process (late); joining the next one",
+                    epoch.number,
+                )
                 if time.monotonic() > deadline:
                     raise HealError("healing in place failed: left out of every epoch")
                 continue
@@ -333,26 +410,45 @@ class Healer:
             except Exception as exc:  # a peer failed while the group formed or the state moved
                 if not is_collective_failure(exc):
                     raise
-                log.warning("heal: epoch %d failed while forming (%s); healing again", epoch.number,
-                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                log.warning(
+                    "heal: epoch %d failed while forming (%s); healing again",
+                    epoch.number,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
                 self.group.destroy()
                 if time.monotonic() > deadline:
-                    raise HealError("healing in place failed: every epoch broke while forming") from exc
+                    raise HealError(
+                        "healing in place failed: every epoch broke while forming"
+                    ) from exc
 
     def _wait_as_spare(self, epoch: Epoch, *, deadline: float | None) -> None:
         """Beyond the job's maximum size: wait (answering every round) until a round opens."""
         self._set_phase("spare")
-        log.warning("heal: the job is at its maximum size (%d); waiting as a spare", epoch.world_size)
+        log.warning(
+            "heal: the job is at its maximum size (%d); waiting as a spare", epoch.world_size
+        )
         number = epoch.number + 1
         while not self.membership.wait(
-                lambda: self.membership.round_open(number) or ((e := self.membership.epoch) is not None
-                                                               and (e.finished or e.number >= number)), 60.0):
+            lambda: (
+                self.membership.round_open(number)
+                or ((e := self.membership.epoch) is not None and (e.finished or e.number >= number))
+            ),
+            60.0,
+        ):
             if deadline is not None and time.monotonic() > deadline:
                 raise HealError("no place in the job freed up")
         self._set_phase("healing")
 
-    def _enter(self, env: DistEnv, epoch: Epoch, rank: int, *, step: int,
-               snapshot: Callable[[], dict[str, Any]] | None, started: float) -> HealOutcome:
+    def _enter(
+        self,
+        env: DistEnv,
+        epoch: Epoch,
+        rank: int,
+        *,
+        step: int,
+        snapshot: Callable[[], dict[str, Any]] | None,
+        started: float,
+    ) -> HealOutcome:
         """Build ``epoch``'s group and move the state; abandoned (``DistStoreError``) when the next
         round opens meanwhile: a member died before it wrote its address or sent the state, and
         waiting for it would hold this process out of the round that replaces it."""
@@ -360,22 +456,37 @@ class Healer:
             self._forming, self._abandoned = epoch.number, False
         try:
             if self.membership.round_open(epoch.number + 1):
-                raise dist.DistStoreError(f"round {epoch.number + 1} opened before epoch {epoch.number} formed")
+                raise dist.DistStoreError(
+                    f"round {epoch.number + 1} opened before epoch {epoch.number} formed"
+                )
             return self._form(env, epoch, rank, step=step, snapshot=snapshot, started=started)
         except Exception as exc:
             if self._abandoned and not isinstance(exc, dist.DistStoreError):
-                raise dist.DistStoreError(f"epoch {epoch.number} abandoned while forming: {exc}") from exc
+                raise dist.DistStoreError(
+                    f"epoch {epoch.number} abandoned while forming: {exc}"
+                ) from exc
             raise
         finally:
             with self._phase_lock:
                 self._forming = None
 
-    def _form(self, env: DistEnv, epoch: Epoch, rank: int, *, step: int,
-              snapshot: Callable[[], dict[str, Any]] | None, started: float) -> HealOutcome:
+    def _form(
+        self,
+        env: DistEnv,
+        epoch: Epoch,
+        rank: int,
+        *,
+        step: int,
+        snapshot: Callable[[], dict[str, Any]] | None,
+        started: float,
+    ) -> HealOutcome:
         from rendezvous.etcd_store import EtcdV3Store
 
-        store = EtcdV3Store(self.connection, f"{self.membership.keys.prefix}store/{epoch.number}",
-                            timeout=timedelta(seconds=60))
+        store = EtcdV3Store(
+            self.connection,
+            f"{self.membership.keys.prefix}store/{epoch.number}",
+            timeout=timedelta(seconds=60),
+        )
         self._stores = [store]
         if self._abandoned:  # the next round opened before this store existed
             store.cancel()
@@ -394,7 +505,9 @@ class Healer:
                 if snapshot is None:
                     raise HealError("chosen as the state source without state")
                 payload = snapshot()
-            state = share_state(payload, src=source, device=self.device, group=self._side_group, waits=self.waits)
+            state = share_state(
+                payload, src=source, device=self.device, group=self._side_group, waits=self.waits
+            )
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(epoch.world_size)
         new_env = dataclasses.replace(env, rank=rank, world_size=epoch.world_size)
         announce_group(new_env, self.group.timeout_s)
@@ -403,9 +516,15 @@ class Healer:
         took = time.monotonic() - started
         self._set_phase("training")
         if rank == 0:
-            log.warning("heal: epoch %d formed in %.2f s (%s): %d member(s), continuing from step %s%s", epoch.number,
-                        took, epoch.reason, epoch.world_size, epoch.step if epoch.step != NO_STATE else "of the newest checkpoint",
-                        "" if step == NO_STATE and rank != 0 else "")
+            log.warning(
+                "heal: epoch %d formed in %.2f s (%s): %d member(s), continuing from step %s%s",
+                epoch.number,
+                took,
+                epoch.reason,
+                epoch.world_size,
+                epoch.step if epoch.step != NO_STATE else "of the newest checkpoint",
+                "" if step == NO_STATE and rank != 0 else "",
+            )
         return HealOutcome(env=new_env, epoch=epoch, state=state, took_s=took)
 
     def _create_side_group(self) -> None:
@@ -430,7 +549,12 @@ class Healer:
         with self._phase_lock:
             phase, forming, epoch = self._phase, self._forming, self._epoch
             abandoning = forming is not None and number == forming + 1
-            stopping = not abandoning and phase == "training" and epoch is not None and number == epoch.number + 1
+            stopping = (
+                not abandoning
+                and phase == "training"
+                and epoch is not None
+                and number == epoch.number + 1
+            )
             if abandoning:
                 self._abandoned = True
                 for store in self._stores:
@@ -445,8 +569,12 @@ class Healer:
             self.membership.answer(number, Join(self.member, ready=True, step=NO_STATE))
             return
         if abandoning:
-            log.warning("heal: round %d opened while epoch %d was forming (%s); starting over", number, forming,
-                        reason or "a fault")
+            log.warning(
+                "heal: round %d opened while epoch %d was forming (%s); starting over",
+                number,
+                forming,
+                reason or "a fault",
+            )
             self.membership.announce(number, Join(self.member, ready=False))
             # Building a group can block where no abort reaches (gloo connecting to a peer that
             # died after it published its address): the same watch as a step's.
@@ -458,9 +586,16 @@ class Healer:
         self.membership.announce(number, Join(self.member, ready=False))
         self._start_stop_watch(epoch, number)
 
-    def _start_stop_watch(self, epoch: Epoch | None, number: int, *, forming: int | None = None) -> None:
-        threading.Thread(target=self._watch_stop, args=(epoch, number), kwargs={"forming": forming},
-                         name="heal-stop-watch", daemon=True).start()
+    def _start_stop_watch(
+        self, epoch: Epoch | None, number: int, *, forming: int | None = None
+    ) -> None:
+        threading.Thread(
+            target=self._watch_stop,
+            args=(epoch, number),
+            kwargs={"forming": forming},
+            name="heal-stop-watch",
+            daemon=True,
+        ).start()
 
     def _still_in(self, epoch: Epoch | None, forming: int | None) -> bool:
         """(Under the phase lock) the training thread is still training in ``epoch``, or (with
@@ -480,25 +615,39 @@ class Healer:
         thread idle inside the backward is ended after :data:`BUCKET_WAIT_IDLE_S` instead: it
         waits on a gradient bucket that the abort did not end."""
         started = idle_since = time.monotonic()
-        last = thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
+        last = (
+            thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
+        )
         while True:
             time.sleep(STOP_WATCH_INTERVAL_S)
             with self._phase_lock:
                 if not self._still_in(epoch, forming):
                     return
             now = time.monotonic()
-            cpu = thread_cpu_seconds(self._training_thread) if self._training_thread is not None else None
+            cpu = (
+                thread_cpu_seconds(self._training_thread)
+                if self._training_thread is not None
+                else None
+            )
             if cpu is None or cpu != last or self._busy():
                 last, idle_since = cpu, now
             idle_s = now - idle_since if cpu is not None else 0.0
-            idle = idle_s >= STUCK_IDLE_S or (idle_s >= BUCKET_WAIT_IDLE_S and self._in_bucket_wait())
+            idle = idle_s >= STUCK_IDLE_S or (
+                idle_s >= BUCKET_WAIT_IDLE_S and self._in_bucket_wait()
+            )
             if idle or now - started >= self.membership.rules.ready_timeout_s:
-                self._fence_if_stuck(epoch, number, waited_s=now - started, idle=idle, forming=forming)
+                self._fence_if_stuck(
+                    epoch, number, waited_s=now - started, idle=idle, forming=forming
+                )
                 return
 
     def _in_bucket_wait(self) -> bool:
         """The training thread is in a CPU backward (where only a bucket wait sits idle)."""
-        return self.waits.enabled and self._training_ident is not None and in_backward(self._training_ident)
+        return (
+            self.waits.enabled
+            and self._training_ident is not None
+            and in_backward(self._training_ident)
+        )
 
     def _busy(self) -> bool:
         try:
@@ -506,8 +655,15 @@ class Healer:
         except Exception:  # noqa: BLE001 - a probe that fails tells nothing
             return False
 
-    def _fence_if_stuck(self, epoch: Epoch | None, number: int, *, waited_s: float, idle: bool,
-                        forming: int | None = None) -> None:
+    def _fence_if_stuck(
+        self,
+        epoch: Epoch | None,
+        number: int,
+        *,
+        waited_s: float,
+        idle: bool,
+        forming: int | None = None,
+    ) -> None:
         """Its training thread has not left epoch ``epoch`` to answer round ``number`` (see
         :meth:`_watch_stop`): the round cannot count on it. End the process like a crash, so that
         its launcher starts a replacement, which answers the round for the same slot (the round
@@ -518,8 +674,14 @@ class Healer:
             return
         how = "blocked (no CPU used) for" if idle else "still in its step after"
         where = "" if forming is None else f" building epoch {forming}'s group"
-        log.error("heal: the training thread is %s %.0f s%s after round %d opened; ending this process so that a "
-                  "replacement joins (thread stacks follow)", how, waited_s, where, number)
+        log.error(
+            "heal: the training thread is %s %.0f s%s after round %d opened; ending this process so that a "
+            "replacement joins (thread stacks follow)",
+            how,
+            waited_s,
+            where,
+            number,
+        )
         self._hand_on_state(epoch, number)
         faulthandler.dump_traceback(all_threads=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -533,16 +695,24 @@ class Healer:
         refuses it once the job went on without this process."""
         with self._hand_on_lock:
             if self._hand_on is None:
-                log.warning("heal: no training loop holds a completed step here (its state was moving); "
-                            "nothing to hand on")
+                log.warning(
+                    "heal: no training loop holds a completed step here (its state was moving); "
+                    "nothing to hand on"
+                )
                 return
             among = epoch if epoch is not None else self.membership.epoch
-            held = self.membership.newest_ready_step(number, among=among) if among is not None else NO_STATE
+            held = (
+                self.membership.newest_ready_step(number, among=among)
+                if among is not None
+                else NO_STATE
+            )
             try:
                 self._hand_on(held, f"stuck after round {number} opened")
             except Exception as exc:  # noqa: BLE001 - the process ends either way; its replacement reads the disk
-                log.error("heal: could not hand this process's state on: %s",
-                          str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                log.error(
+                    "heal: could not hand this process's state on: %s",
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
 
     # -- the end -------------------------------------------------------------------------------------
     def finish(self, env: DistEnv, step: int | None = None) -> None:

@@ -83,7 +83,7 @@ class HealKeys:
         """``(round, rest)`` of a key under :attr:`rounds`."""
         if not key.startswith(self.rounds):
             return None
-        number, _, rest = key[len(self.rounds):].partition("/")
+        number, _, rest = key[len(self.rounds) :].partition("/")
         try:
             return int(number), rest
         except ValueError:
@@ -111,8 +111,15 @@ class Membership:
             that concerns this process (the next one after the current epoch).
     """
 
-    def __init__(self, connection: EtcdConnection, run_id: str, member: Member, rules: RoundRules,
-                 *, on_round_open: Callable[[int, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        connection: EtcdConnection,
+        run_id: str,
+        member: Member,
+        rules: RoundRules,
+        *,
+        on_round_open: Callable[[int, str], None] | None = None,
+    ) -> None:
         self.connection = connection
         self.keys = HealKeys.of(run_id)
         self.member = member
@@ -133,8 +140,12 @@ class Membership:
         """Read the job's keys and watch them from there on."""
         revision = self._resync()
         self._watch = WatchHub.of(self.connection).watch(
-            self.keys.prefix, start_revision=revision + 1, on_events=self._on_events, on_lost=self._on_lost,
-            prefix=True)
+            self.keys.prefix,
+            start_revision=revision + 1,
+            on_events=self._on_events,
+            on_lost=self._on_lost,
+            prefix=True,
+        )
         self._responder = threading.Thread(target=self._respond, name="heal-responder", daemon=True)
         self._responder.start()
 
@@ -191,8 +202,14 @@ class Membership:
             with self._lock:
                 current, revision = self._epoch, self._epoch_revision
             number = (current.number if current is not None else 0) + 1
-            epoch = Epoch(number=number, members=tuple(members), step=step, source=None, started_unix=time.time(),
-                          reason=reason)
+            epoch = Epoch(
+                number=number,
+                members=tuple(members),
+                step=step,
+                source=None,
+                started_unix=time.time(),
+                reason=reason,
+            )
             if self._swap_epoch(epoch, revision):
                 return epoch
             self._resync()
@@ -201,20 +218,35 @@ class Membership:
         """Open round ``number`` unless someone already has."""
         conn, key = self.connection, self.keys.open(number)
         value = f"{self.member.id} {reason}".encode()
-        etcd_ops.transaction(conn, [etcd_ops.absent(conn, key)], [etcd_ops.put(conn, key, value)],
-                             what="opening a heal round", deadline=2.0)
+        etcd_ops.transaction(
+            conn,
+            [etcd_ops.absent(conn, key)],
+            [etcd_ops.put(conn, key, value)],
+            what="opening a heal round",
+            deadline=2.0,
+        )
 
     def answer(self, number: int, join: Join) -> None:
         """Write this process's answer to round ``number``."""
-        etcd_ops.put_key(self.connection, self.keys.join(number, join.member.id), join.encode(),
-                         what="answering a heal round", deadline=2.0)
+        etcd_ops.put_key(
+            self.connection,
+            self.keys.join(number, join.member.id),
+            join.encode(),
+            what="answering a heal round",
+            deadline=2.0,
+        )
 
     def announce(self, number: int, join: Join) -> None:
         """Write a provisional answer unless this process already answered (never overwrites a
         ready one: the training thread may answer between the watch event and this write)."""
         conn, key = self.connection, self.keys.join(number, join.member.id)
-        etcd_ops.transaction(conn, [etcd_ops.absent(conn, key)], [etcd_ops.put(conn, key, join.encode())],
-                             what="answering a heal round", deadline=2.0)
+        etcd_ops.transaction(
+            conn,
+            [etcd_ops.absent(conn, key)],
+            [etcd_ops.put(conn, key, join.encode())],
+            what="answering a heal round",
+            deadline=2.0,
+        )
 
     def finish(self, step: int | None = None) -> None:
         """Mark the run finished (training ended, at ``step`` if given: the finished epoch's
@@ -224,14 +256,22 @@ class Membership:
                 current, revision = self._epoch, self._epoch_revision
             if current is None or current.finished:
                 return
-            done = Epoch(number=current.number, members=current.members,
-                         step=current.step if step is None else step, source=current.source,
-                         started_unix=current.started_unix, reason=current.reason, finished=True)
+            done = Epoch(
+                number=current.number,
+                members=current.members,
+                step=current.step if step is None else step,
+                source=current.source,
+                started_unix=current.started_unix,
+                reason=current.reason,
+                finished=True,
+            )
             if self._swap_epoch(done, revision):
                 return
             self._resync()
 
-    def settle(self, number: int, *, deadline: float, reason: str, stop: Callable[[], bool] | None = None) -> Epoch:
+    def settle(
+        self, number: int, *, deadline: float, reason: str, stop: Callable[[], bool] | None = None
+    ) -> Epoch:
         """Wait until epoch ``number`` (or a later one) exists, closing round ``number`` ourselves
         when the rules allow. Returns the epoch.
 
@@ -251,18 +291,30 @@ class Membership:
             if decision is not None and decision.epoch is not None:
                 if self._swap_epoch(decision.epoch, revision, drop_rounds_before=number):
                     if decision.spares:
-                        log.info("heal: epoch %d is full; %d process(es) stay spares", number, len(decision.spares))
+                        log.info(
+                            "heal: epoch %d is full; %d process(es) stay spares",
+                            number,
+                            len(decision.spares),
+                        )
                     continue
                 self._resync()
                 continue
             now = time.monotonic()
             if now >= deadline:
-                raise HealTimeoutError(f"round {number} did not close: waiting for "
-                                       f"{decision.waiting_for if decision is not None else 'the round to open'}")
-            if decision is not None and now - last_note > 10.0 and now - (self._opened_at(number) or now) > 5.0:
+                raise HealTimeoutError(
+                    f"round {number} did not close: waiting for "
+                    f"{decision.waiting_for if decision is not None else 'the round to open'}"
+                )
+            if (
+                decision is not None
+                and now - last_note > 10.0
+                and now - (self._opened_at(number) or now) > 5.0
+            ):
                 log.warning("heal: round %d still waiting for %s", number, decision.waiting_for)
                 last_note = now
-            self.wait(functools.partial(self._changed_since, number, revision), min(0.05, deadline - now))
+            self.wait(
+                functools.partial(self._changed_since, number, revision), min(0.05, deadline - now)
+            )
 
     # -- internals ---------------------------------------------------------------------------------
     def _opened_at(self, number: int) -> float | None:
@@ -271,7 +323,9 @@ class Membership:
             return None if found is None else found.opened_at
 
     def _changed_since(self, number: int, revision: int) -> bool:
-        return self._epoch_revision != revision or (self._epoch is not None and self._epoch.number >= number)
+        return self._epoch_revision != revision or (
+            self._epoch is not None and self._epoch.number >= number
+        )
 
     def _decide(self, number: int, reason: str) -> Decision | None:
         """(Holding the lock) the decision on round ``number`` as this process sees it."""
@@ -283,18 +337,35 @@ class Membership:
         mine = found.joins.get(self.member.id)
         if mine is None or not mine.ready:
             return None  # only a process that answered ready closes a round
-        return decide(epoch, joins, waited_s=time.monotonic() - found.opened_at, rules=self.rules,
-                      now_unix=time.time(), reason=found.reason or reason, arrival=found.arrival)
+        return decide(
+            epoch,
+            joins,
+            waited_s=time.monotonic() - found.opened_at,
+            rules=self.rules,
+            now_unix=time.time(),
+            reason=found.reason or reason,
+            arrival=found.arrival,
+        )
 
-    def _swap_epoch(self, epoch: Epoch, revision: int, *, drop_rounds_before: int | None = None) -> bool:
+    def _swap_epoch(
+        self, epoch: Epoch, revision: int, *, drop_rounds_before: int | None = None
+    ) -> bool:
         conn, key = self.connection, self.keys.epoch
         compare = etcd_ops.mod_is(conn, key, revision) if revision else etcd_ops.absent(conn, key)
         ops = [etcd_ops.put(conn, key, epoch.encode())]
         if drop_rounds_before is not None:
             rpc = conn.etcd3.etcdrpc
-            ops.append(rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(
-                key=self.keys.rounds.encode(), range_end=self.keys.round(drop_rounds_before).encode())))
-        result = etcd_ops.transaction(conn, [compare], ops, what="writing a heal epoch", deadline=2.0)
+            ops.append(
+                rpc.RequestOp(
+                    request_delete_range=rpc.DeleteRangeRequest(
+                        key=self.keys.rounds.encode(),
+                        range_end=self.keys.round(drop_rounds_before).encode(),
+                    )
+                )
+            )
+        result = etcd_ops.transaction(
+            conn, [compare], ops, what="writing a heal epoch", deadline=2.0
+        )
         if result.succeeded:
             with self._lock:
                 if result.revision > self._epoch_revision:
@@ -304,13 +375,20 @@ class Membership:
 
     def _resync(self) -> int:
         """Read every key of the job; returns the revision read at."""
-        response = etcd_ops.get_range(self.connection, self.keys.prefix, prefix=True, what="reading the heal state")
+        response = etcd_ops.get_range(
+            self.connection, self.keys.prefix, prefix=True, what="reading the heal state"
+        )
         with self._lock:
             self._rounds.clear()
             self._epoch, self._epoch_revision = None, 0
             for kv in response.kvs:
-                self._apply(kv.key.decode(), bytes(kv.value), int(kv.mod_revision), deleted=False,
-                            created=int(kv.create_revision))
+                self._apply(
+                    kv.key.decode(),
+                    bytes(kv.value),
+                    int(kv.mod_revision),
+                    deleted=False,
+                    created=int(kv.create_revision),
+                )
             self._lost = None
             self._lock.notify_all()
         return int(response.header.revision)
@@ -322,8 +400,12 @@ class Membership:
             log.warning("heal: cannot re-read the heal state: %s", exc)
             return
         self._watch = WatchHub.of(self.connection).watch(
-            self.keys.prefix, start_revision=revision + 1, on_events=self._on_events, on_lost=self._on_lost,
-            prefix=True)
+            self.keys.prefix,
+            start_revision=revision + 1,
+            on_events=self._on_events,
+            on_lost=self._on_lost,
+            prefix=True,
+        )
 
     def _on_lost(self, reason: str) -> None:
         with self._lock:
@@ -338,15 +420,22 @@ class Membership:
                 key = event.key.decode() if isinstance(event.key, bytes) else str(event.key)
                 deleted = isinstance(event, deleted_type)
                 value = b"" if deleted else bytes(event.value)
-                found = self._apply(key, value, int(event.mod_revision), deleted=deleted,
-                                    created=int(getattr(event, "create_revision", 0) or event.mod_revision))
+                found = self._apply(
+                    key,
+                    value,
+                    int(event.mod_revision),
+                    deleted=deleted,
+                    created=int(getattr(event, "create_revision", 0) or event.mod_revision),
+                )
                 if found is not None:
                     opened.append(found)
             self._lock.notify_all()
         for item in opened:
             self._events.put(item)
 
-    def _apply(self, key: str, value: bytes, revision: int, *, deleted: bool, created: int) -> tuple[int, str] | None:
+    def _apply(
+        self, key: str, value: bytes, revision: int, *, deleted: bool, created: int
+    ) -> tuple[int, str] | None:
         """(Holding the lock) apply one key change; returns ``(round, reason)`` if it opened a round."""
         if key == self.keys.epoch:
             if deleted:
@@ -380,7 +469,9 @@ class Membership:
                 log.warning("heal: ignoring %s", exc)
                 return None
             found.joins[join.member.id] = join
-            found.arrival.setdefault(join.member.id, created)  # etcd's order: the same for every process
+            found.arrival.setdefault(
+                join.member.id, created
+            )  # etcd's order: the same for every process
         return None
 
     def _respond(self) -> None:

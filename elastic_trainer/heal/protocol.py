@@ -83,20 +83,32 @@ class Epoch:
         return None
 
     def encode(self) -> bytes:
-        return json.dumps({
-            "number": self.number, "members": [m.to_json() for m in self.members], "step": self.step,
-            "source": self.source, "started_unix": self.started_unix, "reason": self.reason,
-            "finished": self.finished,
-        }, separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "number": self.number,
+                "members": [m.to_json() for m in self.members],
+                "step": self.step,
+                "source": self.source,
+                "started_unix": self.started_unix,
+                "reason": self.reason,
+                "finished": self.finished,
+            },
+            separators=(",", ":"),
+        ).encode()
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Epoch:
         try:
             data = json.loads(raw)
-            return cls(number=int(data["number"]), members=tuple(Member.from_json(m) for m in data["members"]),
-                       step=int(data["step"]), source=None if data["source"] is None else str(data["source"]),
-                       started_unix=float(data["started_unix"]), reason=str(data["reason"]),
-                       finished=bool(data.get("finished", False)))
+            return cls(
+                number=int(data["number"]),
+                members=tuple(Member.from_json(m) for m in data["members"]),
+                step=int(data["step"]),
+                source=None if data["source"] is None else str(data["source"]),
+                started_unix=float(data["started_unix"]),
+                reason=str(data["reason"]),
+                finished=bool(data.get("finished", False)),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad epoch record: {exc}") from exc
 
@@ -116,14 +128,20 @@ class Join:
         return self.step != NO_STATE
 
     def encode(self) -> bytes:
-        return json.dumps({"member": self.member.to_json(), "ready": self.ready, "step": self.step},
-                          separators=(",", ":")).encode()
+        return json.dumps(
+            {"member": self.member.to_json(), "ready": self.ready, "step": self.step},
+            separators=(",", ":"),
+        ).encode()
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Join:
         try:
             data = json.loads(raw)
-            return cls(member=Member.from_json(data["member"]), ready=bool(data["ready"]), step=int(data["step"]))
+            return cls(
+                member=Member.from_json(data["member"]),
+                ready=bool(data["ready"]),
+                step=int(data["step"]),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad join record: {exc}") from exc
 
@@ -144,7 +162,9 @@ class RoundRules:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_world <= self.max_world:
-            raise ValueError(f"world sizes: need 1 <= min ({self.min_world}) <= max ({self.max_world})")
+            raise ValueError(
+                f"world sizes: need 1 <= min ({self.min_world}) <= max ({self.max_world})"
+            )
         if not (self.settle_s >= 0 and self.ready_timeout_s >= self.settle_s):
             raise ValueError("timeouts: need 0 <= settle_s <= ready_timeout_s")
 
@@ -182,14 +202,23 @@ def _order(previous: Epoch, ready: Iterable[Join], arrival: Mapping[str, int]) -
 
 def _newer(join: Join, other: Join, arrival: Mapping[str, int]) -> bool:
     """Whether ``join`` supersedes ``other`` for their slot (see :func:`_order`)."""
+
     def rank(j: Join) -> tuple[int, int, str]:
         return (arrival.get(j.member.id, 0), j.step, j.member.id)
 
     return rank(join) > rank(other)
 
 
-def decide(previous: Epoch, joins: Sequence[Join], *, waited_s: float, rules: RoundRules, now_unix: float,
-           reason: str, arrival: Mapping[str, int] | None = None) -> Decision:
+def decide(
+    previous: Epoch,
+    joins: Sequence[Join],
+    *,
+    waited_s: float,
+    rules: RoundRules,
+    now_unix: float,
+    reason: str,
+    arrival: Mapping[str, int] | None = None,
+) -> Decision:
     """Whether round ``previous.number + 1`` can close after ``waited_s`` seconds, given its joins.
 
     The state goes on from the member of ``previous`` with the newest step (a process that was
@@ -206,7 +235,11 @@ def decide(previous: Epoch, joins: Sequence[Join], *, waited_s: float, rules: Ro
     ready = [j for j in joins if j.ready]
     ready_ids = {j.member.id for j in ready}
     answered = {j.member.slot for j in ready}
-    provisional = [j for j in joins if not j.ready and j.member.id not in ready_ids and j.member.slot not in answered]
+    provisional = [
+        j
+        for j in joins
+        if not j.ready and j.member.id not in ready_ids and j.member.slot not in answered
+    ]
     missing = [m for m in previous.members if m.slot not in answered]
     if missing or provisional:
         if waited_s < rules.settle_s:
@@ -216,7 +249,7 @@ def decide(previous: Epoch, joins: Sequence[Join], *, waited_s: float, rules: Ro
     ordered = _order(previous, ready, arrival)
     if len(ordered) < rules.min_world:
         return Decision(None, f"at least {rules.min_world} members (have {len(ordered)})")
-    chosen, spares = ordered[: rules.max_world], ordered[rules.max_world:]
+    chosen, spares = ordered[: rules.max_world], ordered[rules.max_world :]
     # Only the epoch being replaced can hand on its state: a process that missed it (late for the
     # round that formed it, its etcd unreachable) holds an older line of training, which the
     # epoch's members may have moved past or diverged from, however high its step.
@@ -224,6 +257,12 @@ def decide(previous: Epoch, joins: Sequence[Join], *, waited_s: float, rules: Ro
     holders = [j for j in chosen if j.has_state and j.member.id in members]
     step = max((j.step for j in holders), default=NO_STATE)
     source = next((j.member.id for j in holders if j.step == step), None)
-    epoch = Epoch(number=previous.number + 1, members=tuple(j.member for j in chosen), step=step, source=source,
-                  started_unix=now_unix, reason=reason)
+    epoch = Epoch(
+        number=previous.number + 1,
+        members=tuple(j.member for j in chosen),
+        step=step,
+        source=source,
+        started_unix=now_unix,
+        reason=reason,
+    )
     return Decision(epoch, spares=tuple(j.member for j in spares))

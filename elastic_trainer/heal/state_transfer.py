@@ -83,7 +83,9 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[tuple[str, list[int], int
     layout, offset = [], 0
     for tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        layout.append((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
+        layout.append(
+            (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes)
+        )
         offset += -(-nbytes // _ALIGN) * _ALIGN
     return layout, offset
 
@@ -98,14 +100,23 @@ def _broadcast(tensor: torch.Tensor, *, src: int, group: Any, waits: AbortableWa
 def _broadcast_bytes(data: bytes | None, *, src: int, group: Any, waits: AbortableWaits) -> bytes:
     size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64)
     _broadcast(size, src=src, group=group, waits=waits)
-    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
-              else torch.empty(int(size[0]), dtype=torch.uint8))
+    buffer = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(int(size[0]), dtype=torch.uint8)
+    )
     _broadcast(buffer, src=src, group=group, waits=waits)
     return buffer.numpy().tobytes()
 
 
-def share_state(payload: dict[str, Any] | None, *, src: int, device: torch.device, group: Any = None,
-                waits: AbortableWaits | None = None) -> dict[str, Any]:
+def share_state(
+    payload: dict[str, Any] | None,
+    *,
+    src: int,
+    device: torch.device,
+    group: Any = None,
+    waits: AbortableWaits | None = None,
+) -> dict[str, Any]:
     """Collective: rank ``src`` passes ``payload`` (host tensors), every rank returns a copy on
     ``device``; its broadcasts are waited on through ``waits`` (the healer's: an abort ends them).
 
@@ -126,14 +137,18 @@ def share_state(payload: dict[str, Any] | None, *, src: int, device: torch.devic
         buffer = io.BytesIO()
         torch.save({"rest": rest, "layout": layout, "total": total}, buffer)
         header = buffer.getvalue()
-    meta = torch.load(io.BytesIO(_broadcast_bytes(header, src=src, group=group, waits=waits)), weights_only=True)
+    meta = torch.load(
+        io.BytesIO(_broadcast_bytes(header, src=src, group=group, waits=waits)), weights_only=True
+    )
     if not isinstance(meta, dict) or not {"rest", "layout", "total"} <= meta.keys():
         raise RuntimeError("the shared state is not a checkpoint payload")
     flat = torch.empty(int(meta["total"]), dtype=torch.uint8)
     if rank == src:
         for tensor, (_, _, offset, nbytes) in zip(tensors, meta["layout"], strict=True):
             if nbytes:
-                flat[offset:offset + nbytes].copy_(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+                flat[offset : offset + nbytes].copy_(
+                    tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                )
     if flat.numel():
         _broadcast(flat, src=src, group=group, waits=waits)
     received = []
@@ -141,11 +156,16 @@ def share_state(payload: dict[str, Any] | None, *, src: int, device: torch.devic
         dtype = getattr(torch, dtype_name)
         if not isinstance(dtype, torch.dtype):
             raise RuntimeError(f"the shared state names an unknown dtype {dtype_name!r}")
-        view = flat[offset:offset + nbytes].view(dtype).reshape(shape)
+        view = flat[offset : offset + nbytes].view(dtype).reshape(shape)
         received.append(view.clone() if device.type == "cpu" else view.to(device))
     state = _join(meta["rest"], received)
     if not isinstance(state, dict):
         raise RuntimeError("the shared state is not a checkpoint payload")
-    log.info("heal: state of step %s from rank %d: %.1f MB in %.3f s", state.get("step"), src,
-             int(meta["total"]) / 1e6, time.monotonic() - started)
+    log.info(
+        "heal: state of step %s from rank %d: %.1f MB in %.3f s",
+        state.get("step"),
+        src,
+        int(meta["total"]) / 1e6,
+        time.monotonic() - started,
+    )
     return state

@@ -77,7 +77,9 @@ class AgentMetrics:
         registry: registered there when given (tests inject their own).
     """
 
-    def __init__(self, *, run_id: str, node: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, *, run_id: str, node: str, registry: CollectorRegistry | None = None
+    ) -> None:
         if not run_id:
             raise ValueError("run_id must not be empty")
         if not node:

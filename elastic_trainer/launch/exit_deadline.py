@@ -49,7 +49,9 @@ class ExitDeadline:
         process ends with if the bound passes."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._watch, args=(code,), name="exit-deadline", daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, args=(code,), name="exit-deadline", daemon=True
+        )
         self._thread.start()
 
     def disarm(self) -> None:
@@ -58,8 +60,12 @@ class ExitDeadline:
     def _watch(self, code: int) -> None:
         if self._disarmed.wait(self.bound_s):
             return
-        log.error("the launcher is still running %.0f s after its workers ended; exiting now with status %d "
-                  "(thread stacks follow)", self.bound_s, code)
+        log.error(
+            "the launcher is still running %.0f s after its workers ended; exiting now with status %d "
+            "(thread stacks follow)",
+            self.bound_s,
+            code,
+        )
         try:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()

@@ -36,8 +36,14 @@ class RankFailure:
     def from_process_failure(cls, rank: int, failure: Any) -> RankFailure:
         """From torch's ``ProcessFailure`` (``exitcode``, ``error_file_data``, ``timestamp``)."""
         report = read_report(getattr(failure, "error_file_data", None))
-        return cls(rank=rank, exitcode=int(failure.exitcode), report=report,
-                   timestamp=report.time if report is not None else float(getattr(failure, "timestamp", 0)))
+        return cls(
+            rank=rank,
+            exitcode=int(failure.exitcode),
+            report=report,
+            timestamp=report.time
+            if report is not None
+            else float(getattr(failure, "timestamp", 0)),
+        )
 
     @property
     def is_consequence(self) -> bool:
@@ -107,20 +113,34 @@ class FailurePolicy:
         # what the agent sends the rest of the group once it saw a failure, and it can reach a rank
         # before that rank recorded its own consequence (CI, on a loaded machine: "rank 0 failed:
         # killed by SIGTERM" where rank 1 had been SIGKILLed).
-        ranks = sorted((RankFailure.from_process_failure(rank, failure) for rank, failure in failures.items()),
-                       key=lambda f: (f.is_consequence, f.exitcode == -signal.SIGTERM, f.timestamp, f.rank))
+        ranks = sorted(
+            (RankFailure.from_process_failure(rank, failure) for rank, failure in failures.items()),
+            key=lambda f: (f.is_consequence, f.exitcode == -signal.SIGTERM, f.timestamp, f.rank),
+        )
         if not ranks:
             raise ValueError("a failed worker group with no failed worker")
         deterministic = [f for f in ranks if f.failure_class is FailureClass.DETERMINISTIC]
         if deterministic:
             cause = deterministic[0]
-            return Verdict(False, cause, f"rank {cause.rank} failed: {cause.summary}; a restart cannot fix this")
-        errors = [f for f in ranks if f.failure_class is FailureClass.ERROR and f.report is not None]
-        repeated = [f for f in errors if f.report is not None and f.report.signature in self._seen_errors]
+            return Verdict(
+                False,
+                cause,
+                f"rank {cause.rank} failed: {cause.summary}; a restart cannot fix this",
+            )
+        errors = [
+            f for f in ranks if f.failure_class is FailureClass.ERROR and f.report is not None
+        ]
+        repeated = [
+            f for f in errors if f.report is not None and f.report.signature in self._seen_errors
+        ]
         if repeated:
             cause = repeated[0]
-            return Verdict(False, cause, f"rank {cause.rank} failed: {cause.summary}, again after a restart; "
-                                         "stopping instead of retrying")
+            return Verdict(
+                False,
+                cause,
+                f"rank {cause.rank} failed: {cause.summary}, again after a restart; "
+                "stopping instead of retrying",
+            )
         self._seen_errors.update(f.report.signature for f in errors if f.report is not None)
         cause = errors[0] if errors else ranks[0]
         return Verdict(True, cause, f"rank {cause.rank} failed: {cause.summary}")

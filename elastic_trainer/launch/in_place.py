@@ -114,8 +114,12 @@ def describe_heal(epoch: Epoch, causes: Sequence[str]) -> str:
     """One line for ``status``: what happened (``causes``, if this node knows them) and how the
     job went on."""
     start = f"step {epoch.step}" if epoch.step >= 0 else "the newest checkpoint"
-    outcome = f"healed in place: epoch {epoch.number}, {epoch.world_size} worker(s) go on from {start}"
-    return f"{'; '.join(causes)}; {outcome}" if causes else f"{epoch.reason or 'a fault'}; {outcome}"
+    outcome = (
+        f"healed in place: epoch {epoch.number}, {epoch.world_size} worker(s) go on from {start}"
+    )
+    return (
+        f"{'; '.join(causes)}; {outcome}" if causes else f"{epoch.reason or 'a fault'}; {outcome}"
+    )
 
 
 def node_key(keys: HealKeys, node: str) -> str:
@@ -139,7 +143,9 @@ def heartbeat_address(value: bytes) -> str | None:
 def running_epoch(connection: EtcdConnection, keys: HealKeys, *, own_node: str) -> Epoch | None:
     """The job's current epoch if the job is running: not finished, and at least one of its
     members' nodes (not this one) holds its key."""
-    response = etcd_ops.get_range(connection, keys.prefix, prefix=True, what="reading the heal state")
+    response = etcd_ops.get_range(
+        connection, keys.prefix, prefix=True, what="reading the heal state"
+    )
     epoch, nodes = None, set()
     node_prefix = node_key(keys, "")
     for kv in response.kvs:
@@ -150,19 +156,27 @@ def running_epoch(connection: EtcdConnection, keys: HealKeys, *, own_node: str) 
             except ProtocolError as exc:
                 log.warning("in-place: ignoring %s", exc)
         elif key.startswith(node_prefix):
-            nodes.add(key[len(node_prefix):])
+            nodes.add(key[len(node_prefix) :])
     if epoch is None or epoch.finished:
         return None
     member_nodes = {member.slot.rsplit("/", 1)[0] for member in epoch.members}
     return epoch if (member_nodes & nodes) - {own_node} else None
 
 
-def open_round_for_lost_node(connection: EtcdConnection, keys: HealKeys, node: str, *, why: str,
-                             retry_timeout: float | None = None) -> bool:
+def open_round_for_lost_node(
+    connection: EtcdConnection,
+    keys: HealKeys,
+    node: str,
+    *,
+    why: str,
+    retry_timeout: float | None = None,
+) -> bool:
     """If ``node`` is a member of the job's current epoch, open the next round; True if opened
     (by this call or already). ``why``: how it was found lost, for the log; ``retry_timeout``: of
     each etcd request (the connection's by default)."""
-    response = etcd_ops.get_range(connection, keys.epoch, what="reading the heal epoch", retry_timeout=retry_timeout)
+    response = etcd_ops.get_range(
+        connection, keys.epoch, what="reading the heal epoch", retry_timeout=retry_timeout
+    )
     if not response.kvs:
         return False
     try:
@@ -173,19 +187,34 @@ def open_round_for_lost_node(connection: EtcdConnection, keys: HealKeys, node: s
         return False
     number = epoch.number + 1
     key = keys.open(number)
-    etcd_ops.transaction(connection, [etcd_ops.absent(connection, key)],
-                         [etcd_ops.put(connection, key, f"launcher node {node} lost".encode())],
-                         what="opening a heal round", deadline=2.0, retry_timeout=retry_timeout)
-    log.warning("in-place: node %s is gone (%s); its peers heal without it (round %d)", node, why, number)
+    etcd_ops.transaction(
+        connection,
+        [etcd_ops.absent(connection, key)],
+        [etcd_ops.put(connection, key, f"launcher node {node} lost".encode())],
+        what="opening a heal round",
+        deadline=2.0,
+        retry_timeout=retry_timeout,
+    )
+    log.warning(
+        "in-place: node %s is gone (%s); its peers heal without it (round %d)", node, why, number
+    )
     return True
 
 
 class InPlaceRendezvousHandler(RendezvousHandler):
     """Wraps the ``etcd-v3`` handler; see the module docstring."""
 
-    def __init__(self, inner: RendezvousHandler, connection: EtcdConnection, *, run_id: str, node: str,
-                 lease_ttl: int = NODE_LEASE_TTL_S, on_heal: HealCallback | None = None,
-                 heartbeat_host: str | None = None) -> None:
+    def __init__(
+        self,
+        inner: RendezvousHandler,
+        connection: EtcdConnection,
+        *,
+        run_id: str,
+        node: str,
+        lease_ttl: int = NODE_LEASE_TTL_S,
+        on_heal: HealCallback | None = None,
+        heartbeat_host: str | None = None,
+    ) -> None:
         """``heartbeat_host``: the address peers send this node's heartbeats to (``None``: no
         heartbeats; a lost node is noticed by its lease)."""
         self._inner = inner
@@ -195,24 +224,44 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         self._node = node
         self._formed_once = False
         self._lost_nodes: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
-        self._heartbeats = None if heartbeat_host is None else PeerHeartbeats(
-            run_id=run_id, node=node, advertise_host=heartbeat_host,
-            on_silent=lambda peer: self._lost_nodes.put((peer, "heartbeat")))
+        self._heartbeats = (
+            None
+            if heartbeat_host is None
+            else PeerHeartbeats(
+                run_id=run_id,
+                node=node,
+                advertise_host=heartbeat_host,
+                on_silent=lambda peer: self._lost_nodes.put((peer, "heartbeat")),
+            )
+        )
         self._peer_addresses: dict[str, str] = {}
         self._peers_lock = threading.Lock()
         self._left = False
         try:
-            self._lease_id = int(connection.call(lambda client: client.lease(lease_ttl), what="a lease grant").id)
-            revision = etcd_ops.put_key(connection, node_key(self._keys, node), self._record(), lease=self._lease_id,
-                                        what="registering this node")
+            self._lease_id = int(
+                connection.call(lambda client: client.lease(lease_ttl), what="a lease grant").id
+            )
+            revision = etcd_ops.put_key(
+                connection,
+                node_key(self._keys, node),
+                self._record(),
+                lease=self._lease_id,
+                what="registering this node",
+            )
         except BaseException:
             if self._heartbeats is not None:
                 self._heartbeats.close()
             raise
-        LeaseKeeper.of(connection).keep(self._lease_id, lease_ttl, lambda _lease: self._register_again(lease_ttl))
-        self._watch = WatchHub.of(connection).watch(node_key(self._keys, ""), start_revision=revision + 1,
-                                                    on_events=self._on_node_events, on_lost=self._on_watch_lost,
-                                                    prefix=True)
+        LeaseKeeper.of(connection).keep(
+            self._lease_id, lease_ttl, lambda _lease: self._register_again(lease_ttl)
+        )
+        self._watch = WatchHub.of(connection).watch(
+            node_key(self._keys, ""),
+            start_revision=revision + 1,
+            on_events=self._on_node_events,
+            on_lost=self._on_watch_lost,
+            prefix=True,
+        )
         self._read_peers()
         threading.Thread(target=self._report_lost_nodes, name="in-place-nodes", daemon=True).start()
         # Whether the job's workers heal in place at all: they say so by writing an epoch (the
@@ -221,9 +270,12 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         # Training ended (rank 0 marked the epoch finished): the workers are leaving with success;
         # a node lost now (its rendezvous lease expiring) is no reason to restart them.
         self._finished = False
-        self._epoch_watch = WatchHub.of(connection).watch(self._keys.epoch, start_revision=revision + 1,
-                                                          on_events=self._on_epoch_events,
-                                                          on_lost=self._on_watch_lost)
+        self._epoch_watch = WatchHub.of(connection).watch(
+            self._keys.epoch,
+            start_revision=revision + 1,
+            on_events=self._on_epoch_events,
+            on_lost=self._on_watch_lost,
+        )
 
     def _on_epoch_events(self, events: list[Any]) -> None:
         deleted = self._connection.etcd3.events.DeleteEvent
@@ -245,12 +297,14 @@ class InPlaceRendezvousHandler(RendezvousHandler):
     def _read_peers(self) -> None:
         """The nodes registered before this one's watch started, and their heartbeat addresses."""
         prefix = node_key(self._keys, "")
-        response = etcd_ops.get_range(self._connection, prefix, prefix=True, what="reading the job's nodes")
+        response = etcd_ops.get_range(
+            self._connection, prefix, prefix=True, what="reading the job's nodes"
+        )
         with self._peers_lock:
             for kv in response.kvs:
                 address = heartbeat_address(bytes(kv.value))
                 if address is not None:
-                    self._peer_addresses.setdefault(kv.key.decode()[len(prefix):], address)
+                    self._peer_addresses.setdefault(kv.key.decode()[len(prefix) :], address)
         self._update_heartbeats()
 
     def _update_heartbeats(self) -> None:
@@ -263,7 +317,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         prefix = node_key(self._keys, "")
         for event in events:
             key = event.key.decode() if isinstance(event.key, bytes) else str(event.key)
-            node = key[len(prefix):]
+            node = key[len(prefix) :]
             with self._peers_lock:
                 if isinstance(event, deleted):
                     self._peer_addresses.pop(node, None)
@@ -274,8 +328,11 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         self._update_heartbeats()
 
     def _on_watch_lost(self, reason: str) -> None:
-        log.warning("in-place: the watch of the job's nodes is lost (%s); lost nodes are noticed by their "
-                    "collectives only", reason)
+        log.warning(
+            "in-place: the watch of the job's nodes is lost (%s); lost nodes are noticed by their "
+            "collectives only",
+            reason,
+        )
 
     def _report_lost_nodes(self) -> None:
         """Open a heal round for each member node whose key expired or whose heartbeats stopped
@@ -287,15 +344,29 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             node, found_by = item
             try:
                 if found_by == "lease" and not self._still_lost(node):
-                    log.warning("in-place: node %s registered again after an etcd outage; not lost", node)
+                    log.warning(
+                        "in-place: node %s registered again after an etcd outage; not lost", node
+                    )
                     continue
                 by_heartbeat = found_by == "heartbeat"
-                if by_heartbeat and self._heartbeats is not None and not self._heartbeats.still_silent(node):
+                if (
+                    by_heartbeat
+                    and self._heartbeats is not None
+                    and not self._heartbeats.still_silent(node)
+                ):
                     continue  # heard again meanwhile
-                why = f"no heartbeat for {SILENT_AFTER_S:g} s" if by_heartbeat else \
-                    f"its {NODE_LEASE_TTL_S} s liveness lease expired"
-                if open_round_for_lost_node(self._connection, self._keys, node, why=why,
-                                            retry_timeout=HEARTBEAT_REPORT_RETRY_S if by_heartbeat else None):
+                why = (
+                    f"no heartbeat for {SILENT_AFTER_S:g} s"
+                    if by_heartbeat
+                    else f"its {NODE_LEASE_TTL_S} s liveness lease expired"
+                )
+                if open_round_for_lost_node(
+                    self._connection,
+                    self._keys,
+                    node,
+                    why=why,
+                    retry_timeout=HEARTBEAT_REPORT_RETRY_S if by_heartbeat else None,
+                ):
                     self._reports.note_cause(f"node {node} lost ({why})")
             except Exception as exc:  # noqa: BLE001 - the workers' collectives still notice, later
                 log.warning("in-place: could not report node %s lost: %s", node, exc)
@@ -316,13 +387,24 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         return True
 
     def _register_again(self, lease_ttl: int) -> None:
-        log.warning("in-place: this node's lease expired (etcd unreachable for %d s); registering again", lease_ttl)
+        log.warning(
+            "in-place: this node's lease expired (etcd unreachable for %d s); registering again",
+            lease_ttl,
+        )
         try:
-            self._lease_id = int(self._connection.call(lambda c: c.lease(lease_ttl), what="a lease grant").id)
-            etcd_ops.put_key(self._connection, node_key(self._keys, self._node), self._record(),
-                             lease=self._lease_id, what="registering this node")
-            LeaseKeeper.of(self._connection).keep(self._lease_id, lease_ttl,
-                                                  lambda _lease: self._register_again(lease_ttl))
+            self._lease_id = int(
+                self._connection.call(lambda c: c.lease(lease_ttl), what="a lease grant").id
+            )
+            etcd_ops.put_key(
+                self._connection,
+                node_key(self._keys, self._node),
+                self._record(),
+                lease=self._lease_id,
+                what="registering this node",
+            )
+            LeaseKeeper.of(self._connection).keep(
+                self._lease_id, lease_ttl, lambda _lease: self._register_again(lease_ttl)
+            )
         except Exception as exc:  # noqa: BLE001 - retried at the next expiry; joins still work
             log.warning("in-place: registering again failed: %s", exc)
 
@@ -338,21 +420,33 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         return self._inner.get_run_id()
 
     def next_rendezvous(self) -> RendezvousInfo:
-        running = None if self._formed_once else running_epoch(self._connection, self._keys, own_node=self._node)
+        running = (
+            None
+            if self._formed_once
+            else running_epoch(self._connection, self._keys, own_node=self._node)
+        )
         if (self._formed_once and self._heals) or running is not None:
             os.environ[ENV_HEAL_JOIN] = "1"
             if running is not None:
-                log.warning("in-place: job %s is running (epoch %d, %d workers); this node's workers join it in place",
-                            self.get_run_id(), running.number, running.world_size)
+                log.warning(
+                    "in-place: job %s is running (epoch %d, %d workers); this node's workers join it in place",
+                    self.get_run_id(),
+                    running.number,
+                    running.world_size,
+                )
             else:
-                log.warning("in-place: this node's workers restart and join the running job in place")
+                log.warning(
+                    "in-place: this node's workers restart and join the running job in place"
+                )
             self._formed_once = True
             # torchrun needs a rank and a store for its own bookkeeping; the workers ignore both.
             store = PrefixStore("in-place-placeholder", HashStore())
             return RendezvousInfo(store, 0, 1, RendezvousStoreInfo("127.0.0.1", 0))
         os.environ[ENV_HEAL_JOIN] = "0"
         if self._formed_once:
-            log.warning("in-place: this job's workers do not heal in place (no epoch written); torchrun restarts them")
+            log.warning(
+                "in-place: this job's workers do not heal in place (no epoch written); torchrun restarts them"
+            )
         info = self._inner.next_rendezvous()
         self._formed_once = True
         return info
@@ -391,8 +485,11 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         self._epoch_watch.cancel()
         LeaseKeeper.of(self._connection).forget(self._lease_id)
         try:
-            self._connection.call(lambda client: client.revoke_lease(self._lease_id), what="a lease revoke",
-                                  retry_timeout=2.0)
+            self._connection.call(
+                lambda client: client.revoke_lease(self._lease_id),
+                what="a lease revoke",
+                retry_timeout=2.0,
+            )
         except Exception as exc:  # noqa: BLE001 - the lease expires on its own
             log.debug("in-place: revoking this node's lease failed: %s", exc)
 
@@ -433,8 +530,9 @@ def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
         # address of this host's route to etcd (the cluster's network).
         first = config.endpoints[0]
         host = params.local_addr or route_address(first.host, first.port)
-        handler = InPlaceRendezvousHandler(inner, connection, run_id=params.run_id, node=node, on_heal=on_heal,
-                                           heartbeat_host=host)
+        handler = InPlaceRendezvousHandler(
+            inner, connection, run_id=params.run_id, node=node, on_heal=on_heal, heartbeat_host=host
+        )
         _HANDLERS.add(handler)
         return handler
 

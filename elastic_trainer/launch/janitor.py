@@ -64,8 +64,14 @@ def _matching_pids(paths: Iterable[str], markers: Iterable[str]) -> list[int]:
     return found
 
 
-def clean_up(pids: dict[int, str | None], paths: list[str], markers: Iterable[str] = (), *,
-             grace_s: float = GRACE_S, spare: Iterable[int] = ()) -> None:
+def clean_up(
+    pids: dict[int, str | None],
+    paths: list[str],
+    markers: Iterable[str] = (),
+    *,
+    grace_s: float = GRACE_S,
+    spare: Iterable[int] = (),
+) -> None:
     """Stop ``pids`` (pid -> start time), any process naming ``paths`` and any process whose
     environment holds one of ``markers`` (never those in ``spare``); then remove ``paths``."""
     targets = {pid: started for pid, started in pids.items() if _alive(pid, started)}
@@ -103,7 +109,7 @@ def sweep_stale(directory: str | os.PathLike[str] | None = None) -> list[Path]:
     removed = []
     for prefix in STALE_PREFIXES:
         for path in base.glob(prefix + "*"):
-            pid = path.name[len(prefix):].split("-", 1)[0]
+            pid = path.name[len(prefix) :].split("-", 1)[0]
             if not pid.isdigit() or not path.is_dir() or Path(f"/proc/{pid}").exists():
                 continue
             shutil.rmtree(path, ignore_errors=True)
@@ -138,8 +144,11 @@ class Janitor:
 
     def __init__(self) -> None:
         starter = subprocess.Popen(
-            [sys.executable, "-m", "elastic_trainer.launch.janitor", str(os.getpid())], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, start_new_session=True,
+            [sys.executable, "-m", "elastic_trainer.launch.janitor", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         starter.wait()  # it forks the janitor and exits: the janitor is no child of ours
         self._proc = starter
@@ -180,7 +189,9 @@ class Janitor:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     launcher = int(args[0]) if args and args[0].isdigit() else os.getppid()
-    if os.fork() > 0:  # detach: the starter exits, the janitor is re-parented away from the launcher
+    if (
+        os.fork() > 0
+    ):  # detach: the starter exits, the janitor is re-parented away from the launcher
         os._exit(0)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)

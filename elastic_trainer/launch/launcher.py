@@ -96,15 +96,27 @@ def resolve_nproc(options: RunOptions, cuda_devices: int) -> int:
 def visible_cuda_devices() -> int:
     """The CUDA devices torch sees. On Linux without a GPU driver's device files (``/dev/nvidia*``,
     ``/dev/kfd`` for ROCm) torch sees none, and that is answered without importing it."""
-    if sys.platform.startswith("linux") and not glob.glob("/dev/nvidia*") and not os.path.exists("/dev/kfd"):
+    if (
+        sys.platform.startswith("linux")
+        and not glob.glob("/dev/nvidia*")
+        and not os.path.exists("/dev/kfd")
+    ):
         return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def torchrun_argv(options: RunOptions, endpoint: str, run_id: str, nproc: int, target: Target,
-                  worker_args: Sequence[str] | None = None, *, in_place_backend: bool = False) -> list[str]:
+def torchrun_argv(
+    options: RunOptions,
+    endpoint: str,
+    run_id: str,
+    nproc: int,
+    target: Target,
+    worker_args: Sequence[str] | None = None,
+    *,
+    in_place_backend: bool = False,
+) -> list[str]:
     """The torchrun command line this launch is equivalent to (``worker_args`` replaces the
     target's own arguments when workers go through the warm-start client). ``in_place_backend``:
     the launcher's own command line, whose backend is ``etcd-v3`` wrapped by
@@ -138,7 +150,9 @@ def rendezvous_settings(options: RunOptions, run_id: str) -> RendezvousSettings:
     from rendezvous.settings import RendezvousConfigError, settings_from_conf
 
     try:
-        return settings_from_conf(rendezvous_conf(options), endpoint=options.rdzv_endpoint or "", run_id=run_id or "check")
+        return settings_from_conf(
+            rendezvous_conf(options), endpoint=options.rdzv_endpoint or "", run_id=run_id or "check"
+        )
     except RendezvousConfigError as exc:
         raise UserError(str(exc)) from exc
 
@@ -158,7 +172,11 @@ def _check_etcd(settings: RendezvousSettings | None, endpoint: str) -> None:
     from rendezvous.settings import RendezvousConfigError
 
     try:
-        config = settings.client_config() if settings else EtcdClientConfig(endpoints=parse_endpoints(endpoint))
+        config = (
+            settings.client_config()
+            if settings
+            else EtcdClientConfig(endpoints=parse_endpoints(endpoint))
+        )
         connection = EtcdConnection(config)
     except (RendezvousConfigError, ValueError) as exc:
         raise UserError(str(exc)) from exc
@@ -184,7 +202,10 @@ The rendezvous settings want a positive value: 0.1 s."""
 
 def for_embedded_etcd(options: RunOptions) -> RunOptions:
     """``options`` as a launch on its own embedded etcd runs them (see :data:`EMBEDDED_LAST_CALL_S`)."""
-    if options.rdzv_endpoint is not None or options.sources.get("last_call_timeout", "default") != "default":
+    if (
+        options.rdzv_endpoint is not None
+        or options.sources.get("last_call_timeout", "default") != "default"
+    ):
         return options
     return dataclasses.replace(options, last_call_timeout=EMBEDDED_LAST_CALL_S)
 
@@ -202,7 +223,9 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
         if not dry_run:
             from elastic_trainer.launch.janitor import Janitor, sweep_stale
 
-            janitor = Janitor()  # first in, last out: cleans up even after a SIGKILL of this process
+            janitor = (
+                Janitor()
+            )  # first in, last out: cleans up even after a SIGKILL of this process
             cleanup.callback(janitor.close)
             for path in sweep_stale():  # what launchers killed with their janitor left
                 log.info("removed %s (its launcher is gone)", path)
@@ -222,8 +245,14 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
         return _launch(options, target, warm, janitor, dry_run=dry_run)
 
 
-def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, janitor: Janitor | None, *,
-            dry_run: bool) -> int:
+def _launch(
+    options: RunOptions,
+    target: Target,
+    warm: WarmStartServer | None,
+    janitor: Janitor | None,
+    *,
+    dry_run: bool,
+) -> int:
     # Up to the dry run's answer nothing imports torch (seconds on a cold start): a user's
     # mistake or --dry-run is answered in a fraction of a second.
     from rendezvous.etcd_config import parse_endpoints
@@ -238,7 +267,9 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             raise UserError(
                 "--run-id is required with --rdzv-endpoint: jobs sharing an etcd must not share an id"
             )
-    settings = rendezvous_settings(options, options.run_id or "check")  # every key, before anything starts
+    settings = rendezvous_settings(
+        options, options.run_id or "check"
+    )  # every key, before anything starts
     if options.metrics_port:
         from elastic_trainer.runtime.failures import ConfigError
         from elastic_trainer.runtime.settings import ENV_METRICS_ALLREDUCE, allreduce_timing_mode
@@ -249,7 +280,12 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             raise UserError(str(exc)) from exc
     if dry_run:
         endpoint = options.rdzv_endpoint or f"{options.etcd_host}:<free port>"
-        print("torchrun " + " ".join(torchrun_argv(options, endpoint, options.run_id or "<derived>", nproc, target)))
+        print(
+            "torchrun "
+            + " ".join(
+                torchrun_argv(options, endpoint, options.run_id or "<derived>", nproc, target)
+            )
+        )
         return 0
 
     from torch.distributed.run import get_args_parser
@@ -261,7 +297,9 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
         if options.rdzv_endpoint is None:
             from rendezvous.etcd_server import EtcdServer, EtcdServerError
 
-            data_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="elastic-trainer-etcd-"))
+            data_dir = cleanup.enter_context(
+                tempfile.TemporaryDirectory(prefix="elastic-trainer-etcd-")
+            )
             if janitor is not None:
                 janitor.remove_on_exit(data_dir)  # and stops the etcd whose --data-dir is in it
             server = EtcdServer.single(Path(data_dir) / "data", host=options.etcd_host)
@@ -291,13 +329,19 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
 
             try:
                 metrics = start_launcher_metrics(
-                    LauncherMetricsConfig(addr=options.metrics_addr, port=options.metrics_port, run_id=run_id)
+                    LauncherMetricsConfig(
+                        addr=options.metrics_addr, port=options.metrics_port, run_id=run_id
+                    )
                 )
             except (MetricsError, OSError) as exc:
-                raise UserError(f"metrics endpoint {options.metrics_addr}:{options.metrics_port}: {exc}") from exc
+                raise UserError(
+                    f"metrics endpoint {options.metrics_addr}:{options.metrics_port}: {exc}"
+                ) from exc
             cleanup.callback(metrics.close)
             if janitor is not None and metrics.owns_directory:
-                janitor.remove_on_exit(metrics.multiproc_dir)  # the workers' files, after a SIGKILL too
+                janitor.remove_on_exit(
+                    metrics.multiproc_dir
+                )  # the workers' files, after a SIGKILL too
             log.warning("node metrics on %s", metrics.url)
             publisher = _start_progress_publisher(options, endpoint, run_id, metrics)
             cleanup.callback(publisher.close)  # runs before metrics.close and before etcd stops
@@ -306,21 +350,39 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
         # Workers run the target through worker_entry, which records failures for the policy.
         worker_args = [*WORKER_ENTRY, *target.torchrun_args()]
         if warm is not None:
-            worker_args = warm.client_args(target.torchrun_args())  # falls back to worker_entry, cold
+            worker_args = warm.client_args(
+                target.torchrun_args()
+            )  # falls back to worker_entry, cold
             warm.wait_ready()  # join only once our workers can start at once (see wait_ready)
         verdicts = _watch_failures(cleanup, publisher)
         _claim_job_identity(cleanup, options, target)
         if options.heal == "in_place":
-            _heal_in_place(options, endpoint, nproc, node=metrics.node if metrics is not None else None,
-                           on_heal=_report_heals(warm, metrics, publisher))
+            _heal_in_place(
+                options,
+                endpoint,
+                nproc,
+                node=metrics.node if metrics is not None else None,
+                on_heal=_report_heals(warm, metrics, publisher),
+            )
             from elastic_trainer.launch.in_place import leave_all
             from elastic_trainer.runtime.torch_compat import without_exit_barrier
 
-            cleanup.callback(leave_all)  # before etcd stops: a SIGTERM ends run() without a shutdown
+            cleanup.callback(
+                leave_all
+            )  # before etcd stops: a SIGTERM ends run() without a shutdown
             cleanup.callback(without_exit_barrier())
             _replace_killed_workers(cleanup, warm)
-        args = get_args_parser().parse_args(torchrun_argv(options, endpoint, run_id, nproc, target, worker_args,
-                                                          in_place_backend=options.heal == "in_place"))
+        args = get_args_parser().parse_args(
+            torchrun_argv(
+                options,
+                endpoint,
+                run_id,
+                nproc,
+                target,
+                worker_args,
+                in_place_backend=options.heal == "in_place",
+            )
+        )
         code = 1
         try:
             code = _run_agent(args, options, run_id, verdicts, publisher)
@@ -332,8 +394,13 @@ def _launch(options: RunOptions, target: Target, warm: WarmStartServer | None, j
             ExitDeadline().arm(code)
 
 
-def _run_agent(args: Any, options: RunOptions, run_id: str, verdicts: list[FailurePolicyVerdict],
-               publisher: ProgressPublisher | None) -> int:
+def _run_agent(
+    args: Any,
+    options: RunOptions,
+    run_id: str,
+    verdicts: list[FailurePolicyVerdict],
+    publisher: ProgressPublisher | None,
+) -> int:
     """Run torchrun's agent until the job ends; the launcher's exit status, the outcome logged."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -352,8 +419,12 @@ def _run_agent(args: Any, options: RunOptions, run_id: str, verdicts: list[Failu
         verdict = verdicts[-1]
         if verdict.traceback:
             sys.stderr.write(verdict.traceback)
-        log.error("job failed: %s", verdict.reason if not verdict.restart else
-                  f"{verdict.reason}; no restarts left (--max-restarts {options.max_restarts})")
+        log.error(
+            "job failed: %s",
+            verdict.reason
+            if not verdict.restart
+            else f"{verdict.reason}; no restarts left (--max-restarts {options.max_restarts})",
+        )
         return verdict.exit_code
     except SignalException as exc:
         log.warning("stopped by %s; workers were given their checkpoint grace", exc.sigval.name)
@@ -361,8 +432,11 @@ def _run_agent(args: Any, options: RunOptions, run_id: str, verdicts: list[Failu
     except RendezvousClosedError:
         # torch closes a run when any node's agent ends (the job finished, or a node gave up):
         # a node that comes back later has nothing to join. Not a success: this node did no work.
-        log.error("run %r is closed (the job finished or a node gave up before this node could rejoin); "
-                  "nothing left to join", run_id)
+        log.error(
+            "run %r is closed (the job finished or a node gave up before this node could rejoin); "
+            "nothing left to join",
+            run_id,
+        )
         return 1
     except RendezvousError as exc:  # join timeout, etcd gone for longer than retry_timeout
         log.error("rendezvous of run %r failed: %s", run_id, exc)
@@ -405,16 +479,27 @@ def _replace_killed_workers(cleanup: contextlib.ExitStack, warm: WarmStartServer
         cleanup.callback(around_worker_stops(warm.agent_stopping))
 
 
-def _heal_in_place(options: RunOptions, endpoint: str, nproc: int, *, node: str | None,
-                   on_heal: HealCallback | None = None) -> None:
+def _heal_in_place(
+    options: RunOptions,
+    endpoint: str,
+    nproc: int,
+    *,
+    node: str | None,
+    on_heal: HealCallback | None = None,
+) -> None:
     """Register the in-place rendezvous backend and tell the workers how to heal."""
     from elastic_trainer.launch.in_place import register_backend
     from elastic_trainer.metrics.node_name import local_node_name
 
     node = node or local_node_name()
     register_backend(node=node, on_heal=on_heal)
-    heal = HealSettings(enabled=True, join=False, endpoint=endpoint, rdzv_conf=rendezvous_conf(options),
-                        world=(options.min_nodes * nproc, options.max_nodes * nproc))
+    heal = HealSettings(
+        enabled=True,
+        join=False,
+        endpoint=endpoint,
+        rdzv_conf=rendezvous_conf(options),
+        world=(options.min_nodes * nproc, options.max_nodes * nproc),
+    )
     tell_workers(LaunchContract(node=node, heal=heal))
 
 
@@ -439,18 +524,24 @@ def join_banner(endpoint: str, run_id: str, etcd_host: str, address: str | None 
     if not (etcd_host.startswith("127.") or etcd_host in ("localhost", "::1")):
         return f"embedded etcd on {endpoint} (run id {run_id}); other nodes join with: elastic-trainer run {join} ..."
     address = address if address is not None else host_address()
-    hint = (f"; for other hosts, start this node with --etcd-host {address} and join {address}:PORT"
-            if address else "; for other hosts, start this node with --etcd-host <an address they reach>")
-    return (f"embedded etcd on {endpoint} (run id {run_id}), loopback only: nodes on this host join with "
-            f"elastic-trainer run {join} ...{hint}")
+    hint = (
+        f"; for other hosts, start this node with --etcd-host {address} and join {address}:PORT"
+        if address
+        else "; for other hosts, start this node with --etcd-host <an address they reach>"
+    )
+    return (
+        f"embedded etcd on {endpoint} (run id {run_id}), loopback only: nodes on this host join with "
+        f"elastic-trainer run {join} ...{hint}"
+    )
 
 
 WORKER_ENTRY = ("-m", "elastic_trainer.train.worker_entry")
 """How torchrun starts a cold worker: the target under the worker entry point."""
 
 
-def _start_progress_publisher(options: RunOptions, endpoint: str, run_id: str,
-                              metrics: LauncherMetrics) -> ProgressPublisher:
+def _start_progress_publisher(
+    options: RunOptions, endpoint: str, run_id: str, metrics: LauncherMetrics
+) -> ProgressPublisher:
     """Publish the job's progress to etcd for ``elastic-trainer status`` (while this node hosts
     global rank 0; see elastic_trainer.launch.progress_publisher)."""
     from elastic_trainer.launch.progress_publisher import ProgressPublisher
@@ -465,8 +556,12 @@ def _start_progress_publisher(options: RunOptions, endpoint: str, run_id: str,
     return publisher
 
 
-def _watch_frozen_workers(cleanup: contextlib.ExitStack, options: RunOptions, janitor: Janitor | None,
-                          metrics: LauncherMetrics | None) -> None:
+def _watch_frozen_workers(
+    cleanup: contextlib.ExitStack,
+    options: RunOptions,
+    janitor: Janitor | None,
+    metrics: LauncherMetrics | None,
+) -> None:
     """Give the workers a heartbeat directory and stop any that freezes (``--frozen-timeout``, 0:
     off; see elastic_trainer.launch.watchdog). Stops before the directory goes."""
     if not options.frozen_timeout:
@@ -474,20 +569,29 @@ def _watch_frozen_workers(cleanup: contextlib.ExitStack, options: RunOptions, ja
     from elastic_trainer.launch.watchdog import FrozenWorkerWatchdog, WatchdogConfig
     from elastic_trainer.metrics.node_name import local_node_name
 
-    directory = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="elastic-trainer-heartbeat-",
-                                                                  ignore_cleanup_errors=True))
+    directory = cleanup.enter_context(
+        tempfile.TemporaryDirectory(prefix="elastic-trainer-heartbeat-", ignore_cleanup_errors=True)
+    )
     if janitor is not None:
         janitor.remove_on_exit(directory)
-    config = WatchdogConfig(directory=Path(directory), node=metrics.node if metrics else local_node_name(),
-                            floor_s=options.frozen_timeout)
-    watchdog = FrozenWorkerWatchdog(config, on_frozen=metrics.frozen_workers.stopped if metrics else None)
+    config = WatchdogConfig(
+        directory=Path(directory),
+        node=metrics.node if metrics else local_node_name(),
+        floor_s=options.frozen_timeout,
+    )
+    watchdog = FrozenWorkerWatchdog(
+        config, on_frozen=metrics.frozen_workers.stopped if metrics else None
+    )
     cleanup.callback(tell_workers(LaunchContract(heartbeat_dir=directory)))
     watchdog.start()
     cleanup.callback(watchdog.stop)
 
 
-def _report_heals(warm: WarmStartServer | None, metrics: LauncherMetrics | None,
-                  publisher: ProgressPublisher | None) -> HealCallback:
+def _report_heals(
+    warm: WarmStartServer | None,
+    metrics: LauncherMetrics | None,
+    publisher: ProgressPublisher | None,
+) -> HealCallback:
     """What the launcher does when its job healed in place: count it (``elastic_trainer_heals_total``)
     and, if this node knows the root cause (a worker of its own that died, a member node it saw
     lost), log it and report it as the run's last error (``status``)."""
@@ -496,7 +600,9 @@ def _report_heals(warm: WarmStartServer | None, metrics: LauncherMetrics | None,
 
     def on_heal(epoch: Epoch, lost_nodes: Sequence[str]) -> None:
         if metrics is not None:
-            metrics.agent_metrics.healed(nodes=len({member.slot.rsplit("/", 1)[0] for member in epoch.members}))
+            metrics.agent_metrics.healed(
+                nodes=len({member.slot.rsplit("/", 1)[0] for member in epoch.members})
+            )
         causes = [*(take_deaths(warm.directory) if warm is not None else []), *lost_nodes]
         line = describe_heal(epoch, causes)
         log.warning("%s", line)
@@ -506,7 +612,9 @@ def _report_heals(warm: WarmStartServer | None, metrics: LauncherMetrics | None,
     return on_heal
 
 
-def _watch_failures(cleanup: contextlib.ExitStack, publisher: ProgressPublisher | None = None) -> list[FailurePolicyVerdict]:
+def _watch_failures(
+    cleanup: contextlib.ExitStack, publisher: ProgressPublisher | None = None
+) -> list[FailurePolicyVerdict]:
     """Install the failure policy on torchrun's agent; returns the list its verdicts go to."""
     from elastic_trainer.launch.failure_policy import FailurePolicy
     from elastic_trainer.runtime.torch_compat import on_group_failure
@@ -522,7 +630,11 @@ def _watch_failures(cleanup: contextlib.ExitStack, publisher: ProgressPublisher 
         if publisher is not None:
             publisher.publish_error(verdict.reason)  # one line: status shows it as the last error
         if verdict.restart and remaining > 0:
-            log.warning("%s; restarting the worker group (%d restart(s) left)", verdict.reason, remaining - 1)
+            log.warning(
+                "%s; restarting the worker group (%d restart(s) left)",
+                verdict.reason,
+                remaining - 1,
+            )
         return verdict.restart
 
     cleanup.callback(on_group_failure(decide))
@@ -535,8 +647,11 @@ def _claim_job_identity(cleanup: contextlib.ExitStack, options: RunOptions, targ
     from rendezvous.job_identity import JobIdentity, set_job_identity
 
     entry = target.module if target.module is not None else target.script
-    set_job_identity(JobIdentity.create(entry or "", target.args, module=target.module is not None,
-                                        nnodes=options.nnodes))
+    set_job_identity(
+        JobIdentity.create(
+            entry or "", target.args, module=target.module is not None, nnodes=options.nnodes
+        )
+    )
     cleanup.callback(set_job_identity, None)
 
 
@@ -578,4 +693,6 @@ def tell_workers(contract: LaunchContract) -> Callable[[], None]:
 def default_env_for_workers() -> None:
     """Environment defaults the workers inherit (never overriding the user's)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    tell_workers(LaunchContract(reports_failures=True))  # this launcher prints root causes: workers say one line
+    tell_workers(
+        LaunchContract(reports_failures=True)
+    )  # this launcher prints root causes: workers say one line

@@ -123,7 +123,9 @@ class LiveMultiProcessCollector(Collector):
         files = [archive, dead_file] if os.path.exists(archive) else [dead_file]
         for path in files:
             for key, value, timestamp in prometheus_compat.read_values(path):
-                merged[key] = merge(merged[key], (value, timestamp)) if key in merged else (value, timestamp)
+                merged[key] = (
+                    merge(merged[key], (value, timestamp)) if key in merged else (value, timestamp)
+                )
         # Written aside and renamed: a scrape never sees a half-written archive (it globs *.db).
         staging = archive + ".tmp"
         if os.path.exists(staging):
@@ -151,7 +153,9 @@ class FrozenWorkerMetrics(Collector):
 
     NAME = "elastic_trainer_frozen_workers"
 
-    def __init__(self, *, run_id: str, node: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, *, run_id: str, node: str, registry: CollectorRegistry | None = None
+    ) -> None:
         self._labels = [run_id, node]
         self._count = 0
         self._lock = threading.Lock()
@@ -357,8 +361,9 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
             cleanup.append(lambda: shutil.rmtree(directory, ignore_errors=True))
         else:
             _prepare_dir(directory)
-        told = LaunchContract(metrics_dir=directory, node=config.node,
-                              metrics=ENV_METRICS not in os.environ)  # the user's ELASTIC_TRAINER_METRICS wins
+        told = LaunchContract(
+            metrics_dir=directory, node=config.node, metrics=ENV_METRICS not in os.environ
+        )  # the user's ELASTIC_TRAINER_METRICS wins
         cleanup.extend(_set_env(name, value) for name, value in told.to_environ().items())
         agent_metrics = AgentMetrics(run_id=config.run_id, node=config.node)
         frozen_workers = FrozenWorkerMetrics(run_id=config.run_id, node=config.node)
@@ -372,8 +377,12 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
             cleanup.pop()()
         raise
     return LauncherMetrics(
-        server=server, agent_metrics=agent_metrics, multiproc_dir=directory, cleanup=cleanup,
-        frozen_workers=frozen_workers, owns_directory=owns_directory,
+        server=server,
+        agent_metrics=agent_metrics,
+        multiproc_dir=directory,
+        cleanup=cleanup,
+        frozen_workers=frozen_workers,
+        owns_directory=owns_directory,
     )
 
 

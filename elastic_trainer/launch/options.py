@@ -128,7 +128,11 @@ class OptionSpec:
     def flags(self) -> tuple[str, ...]:
         """The flag, its underscore spelling (torchrun accepts both), and the aliases."""
         underscore = "--" + self.name
-        return tuple(dict.fromkeys((self.flag, *((underscore,) if underscore != self.flag else ()), *self.aliases)))
+        return tuple(
+            dict.fromkeys(
+                (self.flag, *((underscore,) if underscore != self.flag else ()), *self.aliases)
+            )
+        )
 
     @property
     def env(self) -> str:
@@ -138,7 +142,9 @@ class OptionSpec:
 _SPEC = "option"  # the key of a RunOptions field's metadata that holds its OptionSpec parts
 
 
-def _option(default: Any, parse: Callable[[Any], Any], help: str, *, aliases: tuple[str, ...] = ()) -> Any:
+def _option(
+    default: Any, parse: Callable[[Any], Any], help: str, *, aliases: tuple[str, ...] = ()
+) -> Any:
     """A :class:`RunOptions` field that is an option of ``elastic-trainer run``."""
     return field(default=default, metadata={_SPEC: (parse, help, aliases, False)})
 
@@ -169,10 +175,18 @@ class RunOptions:
 
     nnodes: str = _option("1:2", _nnodes, "number of nodes, N or MIN:MAX")
     nproc_per_node: str = _option("auto", _nproc, "workers per node ('auto': one per GPU, else 1)")
-    rdzv_endpoint: str | None = _option(None, _text, "etcd endpoint(s) host:port[,host:port]; none: embedded etcd")
-    run_id: str | None = _option(None, _text, "rendezvous id of the job (required with --rdzv-endpoint)",
-                                 aliases=("--rdzv-id", "--rdzv_id"))
-    rdzv_conf: str = _option("", _rdzv_conf, "extra rendezvous settings KEY=VALUE[,KEY=VALUE] (TLS, auth, ...)")
+    rdzv_endpoint: str | None = _option(
+        None, _text, "etcd endpoint(s) host:port[,host:port]; none: embedded etcd"
+    )
+    run_id: str | None = _option(
+        None,
+        _text,
+        "rendezvous id of the job (required with --rdzv-endpoint)",
+        aliases=("--rdzv-id", "--rdzv_id"),
+    )
+    rdzv_conf: str = _option(
+        "", _rdzv_conf, "extra rendezvous settings KEY=VALUE[,KEY=VALUE] (TLS, auth, ...)"
+    )
     max_restarts: int = _option(3, _positive_int, "worker group restarts before the job fails")
     monitor_interval: float = _option(0.1, _positive_float, "seconds between worker health checks")
     join_timeout: float = _rendezvous_option("join_timeout")
@@ -183,19 +197,35 @@ class RunOptions:
     close_timeout: float = _rendezvous_option("close_timeout")
     heartbeat_timeout: float = _rendezvous_option("heartbeat_timeout")
     keep_alive_interval: int = _rendezvous_option("keep_alive_interval")
-    metrics_port: int = _option(9400, _port, "Prometheus endpoint port of this node (0: metrics off)")
+    metrics_port: int = _option(
+        9400, _port, "Prometheus endpoint port of this node (0: metrics off)"
+    )
     metrics_addr: str = _option("0.0.0.0", _text, "bind address of the metrics endpoint")
-    device: str = _option("auto", _choice("auto", "cpu", "cuda"), "worker device: auto, cpu or cuda")
+    device: str = _option(
+        "auto", _choice("auto", "cpu", "cuda"), "worker device: auto, cpu or cuda"
+    )
     etcd_host: str = _option("127.0.0.1", _text, "listen address of the embedded etcd")
-    log_dir: str | None = _option(None, _text, "directory for per-worker logs (default: inherit the console)")
-    warm_start: str = _option("on", _choice("on", "off"), "fork restarted workers from a process with torch imported")
-    warm_preload: str = _option("", _modules, "extra modules the warm server imports (comma-separated)")
-    frozen_timeout: float = _option(10.0, _frozen_timeout,
-                                    "seconds a live worker may make no progress before it is stopped as frozen "
-                                    "(5x the median step time if longer; 0: off)")
-    heal: str = _option("in_place", _choice("in_place", "off"),
-                        "in_place: survivors of a fault keep their processes and state, only what died restarts; "
-                        "off: every fault restarts every worker (plain torchrun)")
+    log_dir: str | None = _option(
+        None, _text, "directory for per-worker logs (default: inherit the console)"
+    )
+    warm_start: str = _option(
+        "on", _choice("on", "off"), "fork restarted workers from a process with torch imported"
+    )
+    warm_preload: str = _option(
+        "", _modules, "extra modules the warm server imports (comma-separated)"
+    )
+    frozen_timeout: float = _option(
+        10.0,
+        _frozen_timeout,
+        "seconds a live worker may make no progress before it is stopped as frozen "
+        "(5x the median step time if longer; 0: off)",
+    )
+    heal: str = _option(
+        "in_place",
+        _choice("in_place", "off"),
+        "in_place: survivors of a fault keep their processes and state, only what died restarts; "
+        "off: every fault restarts every worker (plain torchrun)",
+    )
     sources: dict[str, str] = field(default_factory=dict)
     """Where each value came from (cli, env, file, default): shown by ``--dry-run``."""
 
@@ -232,7 +262,9 @@ OPTIONS_BY_NAME = {spec.name: spec for spec in OPTIONS}
 def rendezvous_conf(options: RunOptions) -> str:
     """The ``--rdzv-conf`` string of this launch: the rendezvous options first, the user's
     ``--rdzv-conf`` keys last (they win)."""
-    ours = ",".join(f"{spec.name}={getattr(options, spec.name)}" for spec in OPTIONS if spec.rendezvous_key)
+    ours = ",".join(
+        f"{spec.name}={getattr(options, spec.name)}" for spec in OPTIONS if spec.rendezvous_key
+    )
     return ",".join(filter(None, (ours, options.rdzv_conf)))
 
 
@@ -251,7 +283,9 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise UserError(f"config file {path}: invalid TOML ({exc})") from exc
     unknown_tables = set(data) - {"run"}
     if unknown_tables:
-        raise UserError(f"config file {path}: unknown table or key {sorted(unknown_tables)[0]!r} (expected [run])")
+        raise UserError(
+            f"config file {path}: unknown table or key {sorted(unknown_tables)[0]!r} (expected [run])"
+        )
     table = data.get("run", {})
     if not isinstance(table, dict):
         raise UserError(f"config file {path}: 'run' must be a table")
@@ -294,7 +328,9 @@ def resolve_run_options(
                 try:
                     values[spec.name] = spec.parse(raw)
                 except (TypeError, ValueError) as exc:
-                    reason = str(exc) if not str(exc).startswith("invalid literal") else "not a number"
+                    reason = (
+                        str(exc) if not str(exc).startswith("invalid literal") else "not a number"
+                    )
                     raise UserError(f"{source}: bad value {raw!r} ({reason})") from None
                 sources[spec.name] = source.split(" ")[0]
                 break

@@ -82,8 +82,12 @@ def route_address(host: str, port: int) -> str:
             probe.connect((host, port))
             return str(probe.getsockname()[0])
         except OSError as exc:
-            log.warning("heartbeats: no route to %s:%d (%s); advertising 127.0.0.1 (pass --local-addr)", host, port,
-                        exc)
+            log.warning(
+                "heartbeats: no route to %s:%d (%s); advertising 127.0.0.1 (pass --local-addr)",
+                host,
+                port,
+                exc,
+            )
             return "127.0.0.1"
 
 
@@ -102,11 +106,22 @@ class PeerHeartbeats:
         on_silent: ``on_silent(node)``, called from this object's thread (must not block).
     """
 
-    def __init__(self, *, run_id: str, node: str, advertise_host: str, on_silent: Callable[[str], None],
-                 interval_s: float = INTERVAL_S, silent_after_s: float = SILENT_AFTER_S, fanout: int = FANOUT,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        node: str,
+        advertise_host: str,
+        on_silent: Callable[[str], None],
+        interval_s: float = INTERVAL_S,
+        silent_after_s: float = SILENT_AFTER_S,
+        fanout: int = FANOUT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0 < interval_s < silent_after_s:
-            raise ValueError(f"heartbeats: need 0 < interval_s ({interval_s}) < silent_after_s ({silent_after_s})")
+            raise ValueError(
+                f"heartbeats: need 0 < interval_s ({interval_s}) < silent_after_s ({silent_after_s})"
+            )
         if fanout < 1:
             raise ValueError(f"heartbeats: fanout must be at least 1, not {fanout}")
         self.node = node
@@ -120,7 +135,11 @@ class PeerHeartbeats:
         self._socket.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
         self._socket.setblocking(False)
         port = self._socket.getsockname()[1]
-        self.address = f"[{advertise_host}]:{port}" if family == socket.AF_INET6 else f"{advertise_host}:{port}"
+        self.address = (
+            f"[{advertise_host}]:{port}"
+            if family == socket.AF_INET6
+            else f"{advertise_host}:{port}"
+        )
         self._lock = threading.Lock()
         self._peers: dict[str, tuple[Any, ...]] = {}
         self._lingering: dict[str, tuple[tuple[Any, ...], float]] = {}  # former targets, until when
@@ -155,8 +174,11 @@ class PeerHeartbeats:
             _, watch = ring_neighbours(list(parsed), self.node, self.fanout)
             # A node watched from now on may not have sent here until its own view changed too:
             # its silence counts from now (a node never heard stays never heard).
-            self._heard = {name: (now if name in watch and name not in watched else at)
-                           for name, at in self._heard.items() if name in parsed}
+            self._heard = {
+                name: (now if name in watch and name not in watched else at)
+                for name, at in self._heard.items()
+                if name in parsed
+            }
             self._reported &= set(parsed)
             # When each peer became known: a newcomer has had no time to send yet.
             self._known_since = {name: self._known_since.get(name, now) for name in parsed}
@@ -182,7 +204,9 @@ class PeerHeartbeats:
         next_beat = self._clock()
         while not self._closed.is_set():
             try:
-                readable, _, _ = select.select([self._socket], [], [], max(0.0, next_beat - self._clock()))
+                readable, _, _ = select.select(
+                    [self._socket], [], [], max(0.0, next_beat - self._clock())
+                )
                 if readable:
                     self._receive()
                 now = self._clock()
@@ -209,7 +233,7 @@ class PeerHeartbeats:
                 return
             if not data.startswith(self._run_prefix):
                 continue
-            sender = data[len(self._run_prefix):].decode(errors="replace")
+            sender = data[len(self._run_prefix) :].decode(errors="replace")
             with self._lock:
                 if sender in self._peers:
                     self._heard[sender] = now
@@ -220,13 +244,18 @@ class PeerHeartbeats:
         with self._lock:
             send_to, _ = ring_neighbours(list(self._peers), self.node, self.fanout)
             targets = [self._peers[name] for name in send_to]
-            self._lingering = {name: (address, until) for name, (address, until) in self._lingering.items()
-                               if until > now and name not in send_to}
+            self._lingering = {
+                name: (address, until)
+                for name, (address, until) in self._lingering.items()
+                if until > now and name not in send_to
+            }
             targets += [address for address, _ in self._lingering.values()]
         for target in targets:
             try:
                 self._socket.sendto(self._payload, target)
-            except OSError as exc:  # unreachable now (a partition): the peer will notice the silence
+            except (
+                OSError
+            ) as exc:  # unreachable now (a partition): the peer will notice the silence
                 log.debug("heartbeats: sending to %s failed: %s", target, exc)
 
     def _judge(self, now: float) -> None:
@@ -235,15 +264,28 @@ class PeerHeartbeats:
             _, watch = ring_neighbours(list(self._peers), self.node, self.fanout)
             for name in watch:
                 last = self._heard.get(name)
-                if last is not None and now - last > self.silent_after_s and name not in self._reported:
+                if (
+                    last is not None
+                    and now - last > self.silent_after_s
+                    and name not in self._reported
+                ):
                     self._reported.add(name)
                     silent.append(name)
-            never = (watch and not any(name in self._heard for name in watch)
-                     and all(now - self._known_since.get(name, now) > NEVER_HEARD_WARNING_S for name in watch))
+            never = (
+                watch
+                and not any(name in self._heard for name in watch)
+                and all(
+                    now - self._known_since.get(name, now) > NEVER_HEARD_WARNING_S for name in watch
+                )
+            )
         if never and not self._warned_blocked:
             self._warned_blocked = True
-            log.warning("heartbeats: nothing heard from nodes %s in %.0f s (UDP blocked between nodes?); a lost "
-                        "node is noticed by its liveness lease instead", ", ".join(watch), NEVER_HEARD_WARNING_S)
+            log.warning(
+                "heartbeats: nothing heard from nodes %s in %.0f s (UDP blocked between nodes?); a lost "
+                "node is noticed by its liveness lease instead",
+                ", ".join(watch),
+                NEVER_HEARD_WARNING_S,
+            )
         for name in silent:
             log.warning("heartbeats: node %s silent for %.1f s", name, self.silent_after_s)
             try:

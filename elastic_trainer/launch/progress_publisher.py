@@ -116,11 +116,15 @@ class ProgressRecord:
         values: dict[str, Any] = {"node": data["node"], "published_unix": published}
         for f in fields(cls):
             if f.name not in values:
-                values[f.name] = (_integer if f.name in _INTEGER_FIELDS else _number)(data.get(f.name))
+                values[f.name] = (_integer if f.name in _INTEGER_FIELDS else _number)(
+                    data.get(f.name)
+                )
         return cls(**values)
 
 
-_INTEGER_FIELDS = frozenset({"step", "total_steps", "world_size", "last_checkpoint_step", "restarts", "heals"})
+_INTEGER_FIELDS = frozenset(
+    {"step", "total_steps", "world_size", "last_checkpoint_step", "restarts", "heals"}
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -232,7 +236,11 @@ class ProgressPublisher:
 
     @classmethod
     def from_settings(
-        cls, settings: RendezvousSettings, metrics: LauncherMetrics, *, interval_s: float = DEFAULT_INTERVAL_S
+        cls,
+        settings: RendezvousSettings,
+        metrics: LauncherMetrics,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
     ) -> ProgressPublisher:
         """A publisher for the settings' run (endpoints, TLS, auth, key prefix; ``ttl`` for
         errors) over its own etcd connection, reading ``metrics``' registry.
@@ -247,7 +255,11 @@ class ProgressPublisher:
 
     @classmethod
     def from_params(
-        cls, params: RendezvousParameters, metrics: LauncherMetrics, *, interval_s: float = DEFAULT_INTERVAL_S
+        cls,
+        params: RendezvousParameters,
+        metrics: LauncherMetrics,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
     ) -> ProgressPublisher:
         """:meth:`from_settings` for torchrun's parameters (``--rdzv-endpoint``, ``--rdzv-conf``).
 
@@ -269,7 +281,9 @@ class ProgressPublisher:
     def publish_error(self, text: str) -> None:
         """Report an error of the run (its first line is kept): written at once by the
         publisher's thread, never blocking the caller. The latest error wins."""
-        record = ErrorRecord(node=self.node, text=one_line(text) or "unknown error", unix=self._wall_clock())
+        record = ErrorRecord(
+            node=self.node, text=one_line(text) or "unknown error", unix=self._wall_clock()
+        )
         with self._lock:
             self._pending_error = record
         self._wake.set()
@@ -283,7 +297,10 @@ class ProgressPublisher:
         if thread is not None:
             thread.join(timeout=timeout_s)
             if thread.is_alive():
-                log.warning("progress publisher: etcd did not answer within %.0fs; stopped anyway", timeout_s)
+                log.warning(
+                    "progress publisher: etcd did not answer within %.0fs; stopped anyway",
+                    timeout_s,
+                )
         elif self._pending_error is not None:
             self._write_error(retry_timeout=timeout_s)  # never started: write it here
         logging.getLogger("rendezvous.etcd_client").removeFilter(self._quiet)
@@ -301,7 +318,9 @@ class ProgressPublisher:
         Raises:
             RendezvousConnectionError: etcd did not take the write.
         """
-        snapshot = Snapshot.from_samples(samples_of(self._registry.collect()), taken_at=self._clock())
+        snapshot = Snapshot.from_samples(
+            samples_of(self._registry.collect()), taken_at=self._clock()
+        )
         baseline = self._window.add(snapshot)
         if not any(rank == 0 for _, rank in snapshot.live_ranks):
             return None
@@ -354,7 +373,9 @@ class ProgressPublisher:
         next_at = self._clock()
         while not self._stop.is_set():
             if self._pending_error is not None:
-                self._write_error(retry_timeout=min(self.interval_s, self._connection.config.retry_timeout))
+                self._write_error(
+                    retry_timeout=min(self.interval_s, self._connection.config.retry_timeout)
+                )
             now = self._clock()
             if now >= next_at:
                 next_at = now + self.interval_s
@@ -362,7 +383,9 @@ class ProgressPublisher:
                     self.publish_once()
                 except Exception as exc:  # etcd away, a registry read failed: try next interval
                     if not self._failing:
-                        log.warning("progress publisher: %s (retrying every %.0fs)", exc, self.interval_s)
+                        log.warning(
+                            "progress publisher: %s (retrying every %.0fs)", exc, self.interval_s
+                        )
                     self._failing = True
                 else:
                     if self._failing:
@@ -374,13 +397,17 @@ class ProgressPublisher:
             self._write_error(retry_timeout=self._final_budget)
 
 
-def read_progress(connection: EtcdConnection, keys: ProgressKeys) -> tuple[ProgressRecord | None, ErrorRecord | None]:
+def read_progress(
+    connection: EtcdConnection, keys: ProgressKeys
+) -> tuple[ProgressRecord | None, ErrorRecord | None]:
     """The run's published progress and last error (one request; either may be ``None``).
 
     Raises:
         RendezvousConnectionError: etcd cannot be read.
     """
-    response = connection.call(lambda c: c.get_prefix_response(keys.prefix), what="a progress read", read=True)
+    response = connection.call(
+        lambda c: c.get_prefix_response(keys.prefix), what="a progress read", read=True
+    )
     progress = error = None
     for kv in response.kvs:
         key = kv.key.decode()

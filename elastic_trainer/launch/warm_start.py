@@ -65,7 +65,14 @@ the launcher has created the workers' directory."""
 CONNECT_WAIT_S = 120.0
 """How long a client waits for a server that is still importing before it starts cold."""
 
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
 """Signals a client passes on to its worker's process group."""
 
 _HEADER = struct.Struct("!I")
@@ -119,7 +126,9 @@ CUDA_ERROR_NOT_INITIALIZED = 3
 """What every CUDA driver call but ``cuInit`` returns in a process that never initialised the driver."""
 
 
-def cuda_driver_initialized(maps: str | None = None, *, load: Callable[..., Any] | None = None) -> bool:
+def cuda_driver_initialized(
+    maps: str | None = None, *, load: Callable[..., Any] | None = None
+) -> bool:
     """Whether this process initialised the CUDA driver (``cuInit``), after which a ``fork`` is unsafe.
 
     A mapped ``libcuda`` is not enough to refuse (torch's CUDA builds map it at import). Each
@@ -145,7 +154,10 @@ def cuda_driver_initialized(maps: str | None = None, *, load: Callable[..., Any]
 
     load = load or ctypes.CDLL
     asked = False
-    for name in ("libcuda.so.1", *sorted(paths)):  # the soname finds the copy the loader knows by it
+    for name in (
+        "libcuda.so.1",
+        *sorted(paths),
+    ):  # the soname finds the copy the loader knows by it
         try:
             driver = load(name, mode=os.RTLD_NOLOAD)
             context = ctypes.c_void_p()
@@ -218,7 +230,9 @@ class _Server:
         self.by_pid[pid] = worker
         self.by_conn[conn.fileno()] = worker
         with contextlib.suppress(OSError):
-            write_atomically(self.directory / WORKERS_DIR / str(client_pid), str(pid).encode(), durable=False)
+            write_atomically(
+                self.directory / WORKERS_DIR / str(client_pid), str(pid).encode(), durable=False
+            )
         try:
             _send_message(conn, {"pid": pid})
         except OSError:
@@ -272,19 +286,33 @@ class _Server:
             self._kill(worker)
 
 
-def _become_worker(server: _Server, conn: socket.socket, request: dict[str, object], fds: list[int]) -> None:
+def _become_worker(
+    server: _Server, conn: socket.socket, request: dict[str, object], fds: list[int]
+) -> None:
     """In the forked child: turn into the worker the client asked for; never returns."""
     code = 1
     try:
         os.setsid()  # like torchrun's start_new_session=True: the worker leads its own group
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        for sig in (
+            signal.SIGCHLD,
+            signal.SIGTERM,
+            signal.SIGHUP,
+            signal.SIGQUIT,
+            signal.SIGUSR1,
+            signal.SIGUSR2,
+        ):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         with contextlib.suppress(OSError):
             server.selector.close()
-        for fd in (server.listener.fileno(), server.parent_pipe, server.wakeup_read, conn.fileno(),
-                   *(w.conn.fileno() for w in server.by_pid.values())):
+        for fd in (
+            server.listener.fileno(),
+            server.parent_pipe,
+            server.wakeup_read,
+            conn.fileno(),
+            *(w.conn.fileno() for w in server.by_pid.values()),
+        ):
             with contextlib.suppress(OSError):
                 os.close(fd)
         for target_fd, fd in enumerate(fds):
@@ -320,10 +348,16 @@ def _reopen_stdio() -> None:
 
     encoding = os.environ.get("PYTHONIOENCODING", "").split(":")[0] or None
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=encoding)
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding,
-                                  line_buffering=True, write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=encoding,
-                                  errors="backslashreplace", line_buffering=True, write_through=True)
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding=encoding, line_buffering=True, write_through=True
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False),
+        encoding=encoding,
+        errors="backslashreplace",
+        line_buffering=True,
+        write_through=True,
+    )
 
 
 def _reseed_inherited_rngs() -> None:
@@ -339,7 +373,12 @@ def _apply_thread_settings() -> None:
     """OpenMP read ``OMP_NUM_THREADS`` when the server loaded torch; honour the worker's value."""
     torch = sys.modules.get("torch")
     wanted = os.environ.get("OMP_NUM_THREADS", "")
-    if torch is not None and wanted.isdigit() and int(wanted) > 0 and torch.get_num_threads() != int(wanted):
+    if (
+        torch is not None
+        and wanted.isdigit()
+        and int(wanted) > 0
+        and torch.get_num_threads() != int(wanted)
+    ):
         torch.set_num_threads(int(wanted))
 
 
@@ -354,17 +393,25 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
         for name in preload:
             importlib.import_module(name)
         if cuda_driver_initialized():
-            raise WarmStartError("the CUDA driver got initialised while preloading; forking would be unsafe")
+            raise WarmStartError(
+                "the CUDA driver got initialised while preloading; forking would be unsafe"
+            )
         if "prometheus_client" in sys.modules:
-            raise WarmStartError("the preload imported prometheus_client, whose metrics mode is fixed at import "
-                                 "(before the workers' PROMETHEUS_MULTIPROC_DIR exists)")
+            raise WarmStartError(
+                "the preload imported prometheus_client, whose metrics mode is fixed at import "
+                "(before the workers' PROMETHEUS_MULTIPROC_DIR exists)"
+            )
     except BaseException as exc:  # noqa: BLE001 - any failure: tell clients to start cold, say why once
         if not directory.exists():
             return 0  # the launcher already stopped (e.g. a user error): nobody to tell
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
         with contextlib.suppress(OSError):
             write_atomically(directory / FAILED_NAME, reason.encode(), durable=False)
-        print(f"elastic-trainer: warm start unavailable ({reason}); workers start cold", file=sys.stderr, flush=True)
+        print(
+            f"elastic-trainer: warm start unavailable ({reason}); workers start cold",
+            file=sys.stderr,
+            flush=True,
+        )
         _wait_for_eof(parent_pipe)  # keep the reason readable for clients while the launcher runs
         _remove(directory)
         return 1
@@ -393,7 +440,11 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
         reason = f"cannot listen on {scratch}: {exc.strerror or exc}"
         with contextlib.suppress(OSError):
             write_atomically(directory / FAILED_NAME, reason.encode(), durable=False)
-        print(f"elastic-trainer: warm start unavailable ({reason}); workers start cold", file=sys.stderr, flush=True)
+        print(
+            f"elastic-trainer: warm start unavailable ({reason}); workers start cold",
+            file=sys.stderr,
+            flush=True,
+        )
         _wait_for_eof(parent_pipe)
         _remove(directory)
         return 1
@@ -483,8 +534,19 @@ def start_server(preload: Sequence[str]) -> WarmStartServer:
         directory = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir="/tmp"))
     read_end, write_end = os.pipe()
     os.set_inheritable(read_end, True)
-    cmd = [sys.executable, "-u", "-m", __name__, "serve", "--dir", str(directory),
-           "--parent-fd", str(read_end), "--preload", ",".join(preload)]
+    cmd = [
+        sys.executable,
+        "-u",
+        "-m",
+        __name__,
+        "serve",
+        "--dir",
+        str(directory),
+        "--parent-fd",
+        str(read_end),
+        "--preload",
+        ",".join(preload),
+    ]
     starter = subprocess.Popen(cmd, pass_fds=(read_end,), stdin=subprocess.DEVNULL, close_fds=True)
     os.close(read_end)
     starter.wait()  # the starter forks the server and exits at once
@@ -494,7 +556,9 @@ def start_server(preload: Sequence[str]) -> WarmStartServer:
 def worker_pids(launcher_pid: int, child_pids: Sequence[int]) -> list[int]:
     """The processes running the target among a launcher's children: a warm client is replaced by
     the worker forked for it (when it has one yet); other children are returned as they are."""
-    registries = sorted(Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}{launcher_pid}-*/{WORKERS_DIR}"))
+    registries = sorted(
+        Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}{launcher_pid}-*/{WORKERS_DIR}")
+    )
     found: list[int] = []
     for pid in child_pids:
         worker = None
@@ -521,14 +585,22 @@ def _connect(socket_path: Path, deadline: float) -> socket.socket:
             if not socket_path.parent.exists():
                 raise WarmStartError("the warm server's directory is gone") from exc
             if time.monotonic() >= deadline:
-                raise WarmStartError(f"no warm server on {socket_path} after {CONNECT_WAIT_S:g} s") from exc
+                raise WarmStartError(
+                    f"no warm server on {socket_path} after {CONNECT_WAIT_S:g} s"
+                ) from exc
             time.sleep(0.02)
 
 
 def _start_cold(target_args: Sequence[str], reason: str) -> NoReturn:
-    print(f"elastic-trainer: warm start unavailable ({reason}); starting this worker cold",
-          file=sys.stderr, flush=True)
-    os.execv(sys.executable, [sys.executable, "-u", "-m", "elastic_trainer.train.worker_entry", *target_args])
+    print(
+        f"elastic-trainer: warm start unavailable ({reason}); starting this worker cold",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.execv(
+        sys.executable,
+        [sys.executable, "-u", "-m", "elastic_trainer.train.worker_entry", *target_args],
+    )
 
 
 HEALS_DIR = "heals"
@@ -545,7 +617,9 @@ launcher to report when the heal it caused is done (:func:`take_deaths`)."""
 def record_death(directory: Path, text: str) -> None:
     """Leave ``text`` (one line) for the launcher; never raises (the report is best effort)."""
     with contextlib.suppress(OSError):
-        write_atomically(directory / DEATHS_DIR / f"{time.time_ns()}-{os.getpid()}", text.encode(), durable=False)
+        write_atomically(
+            directory / DEATHS_DIR / f"{time.time_ns()}-{os.getpid()}", text.encode(), durable=False
+        )
 
 
 def take_deaths(directory: Path) -> list[str]:
@@ -559,10 +633,15 @@ def take_deaths(directory: Path) -> list[str]:
     return [text for text in found if text]
 
 
-def _fork_worker(sock_path: Path, target_args: Sequence[str], env: dict[str, str]) -> tuple[socket.socket, int]:
+def _fork_worker(
+    sock_path: Path, target_args: Sequence[str], env: dict[str, str]
+) -> tuple[socket.socket, int]:
     sock = _connect(sock_path, time.monotonic() + CONNECT_WAIT_S)
-    _send_message(sock, {"argv": list(target_args), "env": env, "cwd": os.getcwd(), "client_pid": os.getpid()},
-                  fds=(0, 1, 2))
+    _send_message(
+        sock,
+        {"argv": list(target_args), "env": env, "cwd": os.getcwd(), "client_pid": os.getpid()},
+        fds=(0, 1, 2),
+    )
     reply, _ = _recv_message(sock)
     if "pid" not in reply:
         sock.close()
@@ -614,15 +693,22 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
         if heals and returncode < 0 and not stopping[0] and replacements < MAX_REPLACEMENTS:
             replacements += 1
             death = f"local worker {env.get('LOCAL_RANK', '?')} (pid {current[0]}) died of {signal.Signals(-returncode).name}"
-            print(f"elastic-trainer: {death}; starting a replacement that joins its peers in place",
-                  file=sys.stderr, flush=True)
+            print(
+                f"elastic-trainer: {death}; starting a replacement that joins its peers in place",
+                file=sys.stderr,
+                flush=True,
+            )
             record_death(socket_path.parent, death)
             env[ENV_HEAL_JOIN] = "1"
             try:
                 sock, current[0] = _fork_worker(socket_path, target_args, env)
                 continue
             except (OSError, EOFError, ValueError, WarmStartError) as exc:
-                print(f"elastic-trainer: no replacement ({exc}); leaving it to the agent", file=sys.stderr, flush=True)
+                print(
+                    f"elastic-trainer: no replacement ({exc}); leaving it to the agent",
+                    file=sys.stderr,
+                    flush=True,
+                )
         break
     if returncode < 0:  # killed by a signal: die the same way so torchrun sees the same status
         if -returncode not in (signal.SIGKILL, signal.SIGSTOP):
@@ -653,8 +739,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         exit_process(code)
     if len(args) < 4 or args[0] != "--socket" or args[2] != "--":
-        print("usage: python -m elastic_trainer.launch.warm_start --socket PATH -- (-m MODULE | SCRIPT) [ARGS...]",
-              file=sys.stderr)
+        print(
+            "usage: python -m elastic_trainer.launch.warm_start --socket PATH -- (-m MODULE | SCRIPT) [ARGS...]",
+            file=sys.stderr,
+        )
         return 2
     return run_client(Path(args[1]), args[3:])
 

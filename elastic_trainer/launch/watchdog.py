@@ -82,12 +82,16 @@ class WatchdogConfig:
         if self.step_window < 1:
             raise ValueError(f"step_window: must be >= 1, got {self.step_window}")
         if self.max_gap_s < self.interval_s:
-            raise ValueError(f"max_gap_s ({self.max_gap_s}) must be at least interval_s ({self.interval_s})")
+            raise ValueError(
+                f"max_gap_s ({self.max_gap_s}) must be at least interval_s ({self.interval_s})"
+            )
         if not self.node:
             raise ValueError("node: must not be empty")
 
 
-def threshold_s(step_durations: Iterable[float], *, floor_s: float, factor: float = STEP_FACTOR) -> float:
+def threshold_s(
+    step_durations: Iterable[float], *, floor_s: float, factor: float = STEP_FACTOR
+) -> float:
     """Silence that makes a worker frozen: ``max(floor_s, factor x median step duration)``."""
     durations = list(step_durations)
     return max(floor_s, factor * statistics.median(durations)) if durations else floor_s
@@ -139,13 +143,19 @@ class StallTracker:
         return list(self._durations)
 
     def threshold_s(self) -> float:
-        return threshold_s(self._durations, floor_s=self.config.floor_s, factor=self.config.step_factor)
+        return threshold_s(
+            self._durations, floor_s=self.config.floor_s, factor=self.config.step_factor
+        )
 
     def observe(self, readings: Iterable[SlotReading], now: float) -> list[FrozenWorker]:
         """Take one poll's readings (``now``: the watchdog's ``time.monotonic()``); return the
         workers newly found frozen. Each worker is returned once; workers missing from
         ``readings`` are forgotten."""
-        gap = 0.0 if self._last_poll is None else min(max(0.0, now - self._last_poll), self.config.max_gap_s)
+        gap = (
+            0.0
+            if self._last_poll is None
+            else min(max(0.0, now - self._last_poll), self.config.max_gap_s)
+        )
         self._last_poll = now
         seen: set[tuple[int, int]] = set()
         for reading in readings:
@@ -153,8 +163,13 @@ class StallTracker:
             seen.add(key)
             slot = self._slots.get(key)
             if slot is None:
-                self._slots[key] = _Slot(rank=reading.rank, local_rank=reading.local_rank, beats=reading.beats,
-                                         step=reading.step, step_ns=reading.step_ns)
+                self._slots[key] = _Slot(
+                    rank=reading.rank,
+                    local_rank=reading.local_rank,
+                    beats=reading.beats,
+                    step=reading.step,
+                    step_ns=reading.step_ns,
+                )
                 continue
             if reading.beats != slot.beats:
                 slot.beats, slot.silent_s = reading.beats, 0.0
@@ -168,16 +183,26 @@ class StallTracker:
         for (pid, start_ticks), slot in self._slots.items():
             if slot.silent_s > threshold and not slot.reported:
                 slot.reported = True
-                frozen.append(FrozenWorker(pid=pid, rank=slot.rank, local_rank=slot.local_rank,
-                                           start_ticks=start_ticks, silent_s=slot.silent_s,
-                                           threshold_s=threshold, last_step=slot.step))
+                frozen.append(
+                    FrozenWorker(
+                        pid=pid,
+                        rank=slot.rank,
+                        local_rank=slot.local_rank,
+                        start_ticks=start_ticks,
+                        silent_s=slot.silent_s,
+                        threshold_s=threshold,
+                        last_step=slot.step,
+                    )
+                )
         return frozen
 
     def _note_step(self, slot: _Slot, reading: SlotReading) -> None:
         if reading.step is None:
             return
         if slot.step is not None and reading.step > slot.step and reading.step_ns > slot.step_ns:
-            self._durations.append((reading.step_ns - slot.step_ns) / 1e9 / (reading.step - slot.step))
+            self._durations.append(
+                (reading.step_ns - slot.step_ns) / 1e9 / (reading.step - slot.step)
+            )
         slot.step, slot.step_ns = reading.step, reading.step_ns  # a rollback re-baselines
 
 
@@ -248,7 +273,9 @@ class FrozenWorkerWatchdog:
     def start(self) -> None:
         """Start polling on a daemon thread (once)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="elastic-trainer-watchdog", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="elastic-trainer-watchdog", daemon=True
+            )
             self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -266,8 +293,12 @@ class FrozenWorkerWatchdog:
                 message = f"{type(exc).__name__}: {exc}"
                 if message != self._last_error:
                     self._last_error = message
-                    log.error("frozen-worker watchdog: a poll of %s failed (%s); retrying every %g s",
-                              self.config.directory, message, self.config.interval_s)
+                    log.error(
+                        "frozen-worker watchdog: a poll of %s failed (%s); retrying every %g s",
+                        self.config.directory,
+                        message,
+                        self.config.interval_s,
+                    )
             else:
                 self._last_error = None
 
@@ -291,11 +322,21 @@ class FrozenWorkerWatchdog:
         stopped = []
         for worker in frozen:
             if not self._stop_worker(worker):
-                log.info("worker rank %d (pid %d) exited after %.1f s without a beat, before it was stopped",
-                         worker.rank, worker.pid, worker.silent_s)
+                log.info(
+                    "worker rank %d (pid %d) exited after %.1f s without a beat, before it was stopped",
+                    worker.rank,
+                    worker.pid,
+                    worker.silent_s,
+                )
                 continue
-            log.warning("worker rank %d (pid %d) on node %s made no progress for %.1f s (frozen); "
-                        "stopping it so the job heals", worker.rank, worker.pid, self.config.node, worker.silent_s)
+            log.warning(
+                "worker rank %d (pid %d) on node %s made no progress for %.1f s (frozen); "
+                "stopping it so the job heals",
+                worker.rank,
+                worker.pid,
+                self.config.node,
+                worker.silent_s,
+            )
             stopped.append(worker)
             if self._on_frozen is not None:
                 self._on_frozen(worker)

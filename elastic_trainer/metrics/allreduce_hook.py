@@ -249,8 +249,13 @@ class AllreduceTimer:
     def drain(self) -> list[BucketTiming]:
         """Return and forget every finished timing, oldest first. Never blocks on the GPU."""
         timings = [
-            BucketTiming(step_seq=seq, nbytes=nbytes, duration_s=max(0.0, done - launched),
-                         launched_s=launched, done_s=done)  # fmt: skip
+            BucketTiming(
+                step_seq=seq,
+                nbytes=nbytes,
+                duration_s=max(0.0, done - launched),
+                launched_s=launched,
+                done_s=done,
+            )  # fmt: skip
             for seq, nbytes, launched, done in self.drain_cpu()
         ]
         records = self.records
@@ -262,7 +267,9 @@ class AllreduceTimer:
             if pending.end is None or not pending.end.query():
                 break
             popped = cuda.popleft()
-            if popped is not pending:  # a full deque dropped the one queried while the hook appended
+            if (
+                popped is not pending
+            ):  # a full deque dropped the one queried while the hook appended
                 if popped.end is None or not popped.end.query():
                     records.dropped += 1  # never wait: drop this one too
                     continue

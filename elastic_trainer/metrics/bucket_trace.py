@@ -126,7 +126,9 @@ class TracedBucketTimer:
             return []
         steps = self.step_seq - self._read_step
         if trace.lost > self._lost_at_read:
-            self._per_step = None  # the ring wrapped between two reads: read every flush, learn again
+            self._per_step = (
+                None  # the ring wrapped between two reads: read every flush, learn again
+            )
         elif steps > 0 and self._read_record >= 0:
             self._per_step = (trace.newest_record - self._read_record) / steps
         self._read_step, self._read_s = self.step_seq, self._clock()
@@ -163,6 +165,8 @@ class TracedBucketTimer:
                 timings.append(BucketTiming(step_seq=step, nbytes=c.nbytes, duration_s=c.duration_s,
                                             launched_s=None, done_s=None))  # fmt: skip
             elif not rebuilt and step > self.step_seq - HOLD_STEPS:
-                self._held.append((step, c))  # perhaps a rebuilt bucket whose size DDP has not logged
+                self._held.append(
+                    (step, c)
+                )  # perhaps a rebuilt bucket whose size DDP has not logged
             # else: not one of DDP's buckets (the runtime's control allreduce, ...)
         return timings

@@ -77,8 +77,11 @@ class SampledDdpTimer:
             return None
         self._last_end = end
         sizes = _sizes(data.get("rebuilt_bucket_sizes")) or _sizes(data.get("bucket_sizes"))
-        sample = DdpSample(iteration=int(data.get("iteration", 0) or 0), comm_s=max(0, end - start) / 1e9,
-                           exposed_s=max(0, end - compute_end) / 1e9 if compute_end > 0 else 0.0,
-                           bucket_bytes=sizes)
+        sample = DdpSample(
+            iteration=int(data.get("iteration", 0) or 0),
+            comm_s=max(0, end - start) / 1e9,
+            exposed_s=max(0, end - compute_end) / 1e9 if compute_end > 0 else 0.0,
+            bucket_bytes=sizes,
+        )
         self.latest = sample
         return sample

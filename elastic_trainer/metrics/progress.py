@@ -110,7 +110,9 @@ class Snapshot:
         return {(node, rank) for node, stats in self.nodes.items() for rank in stats.ranks}
 
     @classmethod
-    def from_samples(cls, samples: Iterable[Sample], *, taken_at: float, run_id: str | None = None) -> Snapshot:
+    def from_samples(
+        cls, samples: Iterable[Sample], *, taken_at: float, run_id: str | None = None
+    ) -> Snapshot:
         """Read the values from ``samples``; with ``run_id``, only that run's series."""
         snap = cls(taken_at=taken_at)
         runs: set[str] = set()
@@ -222,11 +224,16 @@ class RateWindow:
         another run starts the window again."""
         if self._snapshots:
             last = self._snapshots[-1]
-            went_back = snapshot.step is not None and (last.step is None or snapshot.step < last.step)
+            went_back = snapshot.step is not None and (
+                last.step is None or snapshot.step < last.step
+            )
             if went_back or snapshot.samples < last.samples or snapshot.run_ids != last.run_ids:
                 self._snapshots.clear()
         # Keep one snapshot at or beyond the span, so the baseline covers the whole window.
-        while len(self._snapshots) >= 2 and snapshot.taken_at - self._snapshots[1].taken_at >= self.span_s:
+        while (
+            len(self._snapshots) >= 2
+            and snapshot.taken_at - self._snapshots[1].taken_at >= self.span_s
+        ):
             self._snapshots.popleft()
         baseline = self._snapshots[0] if self._snapshots else None
         self._snapshots.append(snapshot)
@@ -334,7 +341,9 @@ def progress_view(current: Snapshot, baseline: Snapshot | None) -> ProgressView:
     )
 
 
-def eta_seconds(step: int | None, total_steps: int | None, steps_per_s: float | None) -> float | None:
+def eta_seconds(
+    step: int | None, total_steps: int | None, steps_per_s: float | None
+) -> float | None:
     """Seconds until ``total_steps`` at ``steps_per_s``: (total - step) / rate; ``None`` when
     any is unknown or the job makes no progress."""
     if step is None or total_steps is None or steps_per_s is None or not steps_per_s > 0:
@@ -364,7 +373,9 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     return lower
 
 
-def slowest_rank(compute: dict[RankId, tuple[float, float]], *, only: set[RankId] | None = None) -> Straggler | None:
+def slowest_rank(
+    compute: dict[RankId, tuple[float, float]], *, only: set[RankId] | None = None
+) -> Straggler | None:
     """The rank with the largest mean compute time per step, against the median of all ranks'
     means; ``None`` with fewer than two ranks (nothing to compare with)."""
     means = {r: s / n for r, (s, n) in compute.items() if n > 0 and (only is None or r in only)}
@@ -372,7 +383,9 @@ def slowest_rank(compute: dict[RankId, tuple[float, float]], *, only: set[RankId
         return None
     median = statistics.median(means.values())
     (node, rank), worst = max(means.items(), key=lambda item: (item[1], item[0]))
-    return Straggler(node=node, rank=rank, compute_s=worst, vs_median=worst / median if median > 0 else math.inf)
+    return Straggler(
+        node=node, rank=rank, compute_s=worst, vs_median=worst / median if median > 0 else math.inf
+    )
 
 
 def format_duration(seconds: float | None) -> str:

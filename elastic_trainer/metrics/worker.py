@@ -53,6 +53,7 @@ __all__ = ["MetricsError", "PrometheusObserver", "WorkerLabels", "worker_observe
 class MetricsError(ConfigError):
     """Metrics cannot be set up as asked; the message says why (one line, no restart fixes it)."""
 
+
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_trainer_"
@@ -69,7 +70,21 @@ ALLREDUCE_SECONDS_BUCKETS = (
     1.0, 2.0, 5.0, 10.0,
 )  # fmt: skip
 BUCKET_BYTES_BUCKETS = tuple(float(1024 * 4**i) for i in range(11))  # 1 KiB .. 1 GiB
-CHECKPOINT_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+CHECKPOINT_SECONDS_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 DEFAULT_FLUSH_INTERVAL_S = 1.0
 """Seconds between writes of the per-step values to the multiprocess files (see
@@ -115,8 +130,12 @@ class WorkerLabels:
     def from_settings(cls, settings: WorkerSettings, *, rank: int, local_rank: int) -> WorkerLabels:
         """The labels torchrun and the launcher give every worker (defaults for a plain single
         process; the node name from the launcher, else the short host name)."""
-        return cls(run_id=settings.run_id or "none", node=worker_node_name(settings.node), rank=rank,
-                   local_rank=local_rank)
+        return cls(
+            run_id=settings.run_id or "none",
+            node=worker_node_name(settings.node),
+            rank=rank,
+            local_rank=local_rank,
+        )
 
 
 class _LazyChild:
@@ -148,14 +167,18 @@ class _WorkerMetrics:
 
         def histogram(name: str, doc: str, values: Sequence[str], buckets: Sequence[float]) -> Any:
             names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
-            return Histogram(
-                PREFIX + name, doc, names, registry=registry, buckets=buckets
-            ).labels(*values)
+            return Histogram(PREFIX + name, doc, names, registry=registry, buckets=buckets).labels(
+                *values
+            )
 
         def gauge(name: str, doc: str, values: Sequence[str], mode: str, lazy: bool = False) -> Any:
             names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
             parent = Gauge(
-                PREFIX + name, doc, names, registry=registry, multiprocess_mode=mode  # type: ignore[arg-type]
+                PREFIX + name,
+                doc,
+                names,
+                registry=registry,
+                multiprocess_mode=mode,  # type: ignore[arg-type]
             )
             return _LazyChild(parent, values) if lazy else parent.labels(*values)
 
@@ -179,7 +202,9 @@ class _WorkerMetrics:
         )
         # Lazy: no series before the first value (a 0 would read as "done", "1970" or, after a
         # resume, as a step backwards).
-        self.step = gauge("step", "Last optimizer step this rank finished.", rank, "livemostrecent", lazy=True)
+        self.step = gauge(
+            "step", "Last optimizer step this rank finished.", rank, "livemostrecent", lazy=True
+        )
         self.target_steps = gauge(
             "target_steps",
             "Optimizer steps the job trains for in all (max_steps, or epochs x steps per epoch).",
@@ -223,9 +248,7 @@ class _WorkerMetrics:
             rank,
             "livemostrecent",
         )
-        self.world_size = gauge(
-            "world_size", "Ranks in the current world.", node, "livemostrecent"
-        )
+        self.world_size = gauge("world_size", "Ranks in the current world.", node, "livemostrecent")
         self.checkpoint_save_duration = histogram(
             "checkpoint_save_duration_seconds",
             "Training stall to write one checkpoint.",
@@ -356,7 +379,9 @@ class PrometheusObserver:
         self._next_flush = -math.inf
         self._world_size = 1
         self._timer: AllreduceTimer | TracedBucketTimer | None = None  # set by wrap_ddp
-        self._sampler: SampledDdpTimer | None = None  # set by wrap_ddp instead of a timer (the default)
+        self._sampler: SampledDdpTimer | None = (
+            None  # set by wrap_ddp instead of a timer (the default)
+        )
         # Steps not absorbed yet: (step, duration, data wait, samples, tokens, loss, the hook's
         # step number when the step was reported).
         self._steps: list[tuple[int, float, float, int, int, float | None, int]] = []
@@ -385,7 +410,9 @@ class PrometheusObserver:
         self._last_step_at: float | None = None  # monotonic time of the last reported step
         self._busbw: float | None = None
 
-    def on_start(self, *, world_size: int, restart_count: int, total_steps: int | None = None) -> None:
+    def on_start(
+        self, *, world_size: int, restart_count: int, total_steps: int | None = None
+    ) -> None:
         """See :class:`~elastic_trainer.runtime.observer.TrainingObserver`.
 
         ``restart_count`` is not exported: the agent counts restarts
@@ -627,7 +654,9 @@ class PrometheusObserver:
         if self.trace_allreduce and use_cuda:
             timer = TracedBucketTimer(ddp_model, ring_entries=self.ring_entries)
         elif self.sample_allreduce:
-            self.attach_sampler(SampledDdpTimer(ddp_model, sample_every=None if use_cuda else DEFAULT_SAMPLE_EVERY))
+            self.attach_sampler(
+                SampledDdpTimer(ddp_model, sample_every=None if use_cuda else DEFAULT_SAMPLE_EVERY)
+            )
             return
         else:
             if self.trace_allreduce:
@@ -651,7 +680,6 @@ class PrometheusObserver:
         self._pending.clear()
         self._timer = timer
 
-
     def attach_sampler(self, sampler: SampledDdpTimer) -> None:
         """Read DDP's sampled statistics through ``sampler`` from now on (instead of a timer)."""
         self.attach_timer(None)
@@ -667,8 +695,12 @@ def _params_on_cuda(model: Any) -> bool:
 _process_observer: tuple[int, PrometheusObserver] | None = None
 
 
-def worker_observer(settings: WorkerSettings | None = None, *, rank: int | None = None,
-                    local_rank: int | None = None) -> PrometheusObserver:
+def worker_observer(
+    settings: WorkerSettings | None = None,
+    *,
+    rank: int | None = None,
+    local_rank: int | None = None,
+) -> PrometheusObserver:
     """The metrics observer of this worker process, created on first use.
 
     One per process: two observers writing the same multiprocess file would overwrite each
@@ -705,8 +737,13 @@ def worker_observer(settings: WorkerSettings | None = None, *, rank: int | None 
     rank = settings.rank if rank is None else rank
     local_rank = settings.local_rank if local_rank is None else local_rank
     labels = WorkerLabels.from_settings(settings, rank=rank, local_rank=local_rank)
-    observer = PrometheusObserver(labels=labels, time_allreduce=mode != "off", trace_allreduce=mode == "trace",
-                                  sample_allreduce=mode != "hook", ring_entries=settings.fr_buffer_entries)
+    observer = PrometheusObserver(
+        labels=labels,
+        time_allreduce=mode != "off",
+        trace_allreduce=mode == "trace",
+        sample_allreduce=mode != "hook",
+        ring_entries=settings.fr_buffer_entries,
+    )
     _process_observer = (os.getpid(), observer)
     atexit.register(observer.flush)  # the last interval's steps (a SIGKILL still loses them)
     log.debug("worker metrics for rank %d write to %s", observer.labels.rank, directory)

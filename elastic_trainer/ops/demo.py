@@ -36,8 +36,17 @@ from elastic_trainer.runtime.sample_log import (
 )
 
 PROG = "elastic-trainer demo"
-SHOWN = ("INFO elastic_trainer.train.loop: step ", "restarting the worker group", "resumed from", "received SIGTERM",
-         "job failed", "training finished", "error:", "node metrics on", "waiting for nodes")
+SHOWN = (
+    "INFO elastic_trainer.train.loop: step ",
+    "restarting the worker group",
+    "resumed from",
+    "received SIGTERM",
+    "job failed",
+    "training finished",
+    "error:",
+    "node metrics on",
+    "waiting for nodes",
+)
 """Node output lines echoed to the console (everything goes to the node's log file)."""
 STOP_GRACE_S = 40.0
 """How long a node may take to stop after SIGTERM at the end before it is killed."""
@@ -58,7 +67,9 @@ class DemoSettings:
 
     def __post_init__(self) -> None:
         if self.max_steps < 100:
-            raise ValueError(f"--max-steps: at least 100 (the faults need room), got {self.max_steps}")
+            raise ValueError(
+                f"--max-steps: at least 100 (the faults need room), got {self.max_steps}"
+            )
         if self.throttle_ms < 0:
             raise ValueError(f"--throttle-ms: must be >= 0, got {self.throttle_ms}")
         if not 0 <= self.metrics_port <= 65534:
@@ -159,13 +170,46 @@ class Demo:
     def start_node(self, name: str, endpoint: str, run_id: str, port: int) -> Node:
         s = self.settings
         cmd = [
-            sys.executable, "-m", "elastic_trainer.cli", "run", "--nnodes", "1:2", "--nproc-per-node", "2",
-            "--device", "cpu", "--rdzv-endpoint", endpoint, "--run-id", run_id, "--metrics-port", str(port),
-            "--metrics-addr", "127.0.0.1", "--max-restarts", "5",
-            "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", str(s.max_steps), "--epochs", "1000",
-            "--global-batch-size", "64", "--checkpoint-dir", str(self.checkpoints), "--checkpoint-every", "100",
-            "--seed", "0", "--throttle-ms", str(s.throttle_ms), "--record-samples", str(self.samples),
-            "--log-every", "50",
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "2",
+            "--device",
+            "cpu",
+            "--rdzv-endpoint",
+            endpoint,
+            "--run-id",
+            run_id,
+            "--metrics-port",
+            str(port),
+            "--metrics-addr",
+            "127.0.0.1",
+            "--max-restarts",
+            "5",
+            "-m",
+            "elastic_trainer.examples.synthetic_cnn",
+            "--max-steps",
+            str(s.max_steps),
+            "--epochs",
+            "1000",
+            "--global-batch-size",
+            "64",
+            "--checkpoint-dir",
+            str(self.checkpoints),
+            "--checkpoint-every",
+            "100",
+            "--seed",
+            "0",
+            "--throttle-ms",
+            str(s.throttle_ms),
+            "--record-samples",
+            str(self.samples),
+            "--log-every",
+            "50",
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         node = Node(name, start_process(cmd, self.logs / f"node-{name}.log", env), self.say)
@@ -204,8 +248,10 @@ class Demo:
             for node in self.nodes.values():
                 code = node.process.poll()
                 if code not in (None, 0) and not node.stopping:
-                    raise RuntimeError(f"node {node.name} exited with {code} while waiting for {what}; "
-                                       f"see {self.logs}")
+                    raise RuntimeError(
+                        f"node {node.name} exited with {code} while waiting for {what}; "
+                        f"see {self.logs}"
+                    )
             return False
 
         try:
@@ -218,20 +264,26 @@ class Demo:
 
         def recovered() -> Generation | None:
             for gen in self.generations()[before:]:
-                if gen.started_unix >= fault.at_unix - 1 and any(t > fault.at_unix for t in gen.done_times.values()):
+                if gen.started_unix >= fault.at_unix - 1 and any(
+                    t > fault.at_unix for t in gen.done_times.values()
+                ):
                     return gen
             return None
 
         self.wait_until(lambda: recovered() is not None, f"recovery from: {fault.name}")
         gen = recovered()
         if gen is None:  # wait_until saw it; a generation does not disappear from the logs
-            raise RuntimeError(f"recovery from {fault.name} was seen, then not found in the sample logs")
+            raise RuntimeError(
+                f"recovery from {fault.name} was seen, then not found in the sample logs"
+            )
         first = min(t for t in gen.done_times.values() if t > fault.at_unix)
         fault.recovered_s = first - fault.at_unix
         previous = self.generations()[before - 1] if before > 0 else None
         fault.steps_lost = max(0, previous.last_step - gen.resumed_step) if previous else 0
-        self.say(f"[demo]   recovered: step {gen.resumed_step + 1} done {fault.recovered_s:.1f} s after the fault, "
-                 f"world of {gen.world_size} workers, {fault.steps_lost} step(s) lost")
+        self.say(
+            f"[demo]   recovered: step {gen.resumed_step + 1} done {fault.recovered_s:.1f} s after the fault, "
+            f"world of {gen.world_size} workers, {fault.steps_lost} step(s) lost"
+        )
 
     # -- the scenario -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -245,16 +297,22 @@ class Demo:
                 shutil.rmtree(sub)
             sub.mkdir(parents=True)
         ports = _ports(s.metrics_port)
-        self.say(f"{PROG}: 2 nodes x 2 workers on this machine, a real etcd, real faults; "
-                 f"{s.max_steps} steps (--max-steps shortens it)")
+        self.say(
+            f"{PROG}: 2 nodes x 2 workers on this machine, a real etcd, real faults; "
+            f"{s.max_steps} steps (--max-steps shortens it)"
+        )
         etcd = EtcdServer.single(self.dir / "etcd")
         etcd.start()
         run_id = f"demo-{os.getpid()}"
         try:
-            self.say(f"[demo] etcd on {etcd.endpoint}; run id {run_id}; checkpoints in {self.checkpoints}")
+            self.say(
+                f"[demo] etcd on {etcd.endpoint}; run id {run_id}; checkpoints in {self.checkpoints}"
+            )
             if ports[0]:
-                self.say(f"[demo] live view: elastic-trainer top --url http://127.0.0.1:{ports[0]}/metrics "
-                         f"--url http://127.0.0.1:{ports[1]}/metrics   (in another terminal)")
+                self.say(
+                    f"[demo] live view: elastic-trainer top --url http://127.0.0.1:{ports[0]}/metrics "
+                    f"--url http://127.0.0.1:{ports[1]}/metrics   (in another terminal)"
+                )
             self.say("[demo] node a starts (elastic: 1 to 2 nodes, 2 workers each)")
             self.start_node("a", etcd.endpoint, run_id, ports[0])
             join_at, kill_at, leave_at = (int(s.max_steps * f) for f in (0.15, 0.45, 0.70))
@@ -273,7 +331,9 @@ class Demo:
             rank = 1 if 1 in newest.pids else min(newest.pids)
             kill = FaultRecord(f"worker SIGKILL (rank {rank}, node a)", time.time(), self.step())
             self.faults.append(kill)
-            self.say(f"[demo] SIGKILL worker rank {rank} (pid {newest.pids[rank]}) at step {kill.at_step}")
+            self.say(
+                f"[demo] SIGKILL worker rank {rank} (pid {newest.pids[rank]}) at step {kill.at_step}"
+            )
             with contextlib.suppress(ProcessLookupError):
                 os.kill(newest.pids[rank], signal.SIGKILL)
             self.measure(kill, before)
@@ -287,7 +347,11 @@ class Demo:
             self.nodes["b"].process.terminate()
             self.measure(leave, before)
 
-            self.wait_until(lambda: self.nodes["a"].process.poll() is not None, "the end of training", timeout=600)
+            self.wait_until(
+                lambda: self.nodes["a"].process.poll() is not None,
+                "the end of training",
+                timeout=600,
+            )
             code = self.nodes["a"].process.wait(10)
             self.nodes["a"].finish_echo()
             self.summary(code, ports)
@@ -315,14 +379,18 @@ class Demo:
             recovered = "-" if fault.recovered_s is None else f"{fault.recovered_s:.1f} s"
             lost = "-" if fault.steps_lost is None else str(fault.steps_lost)
             self.say(f"  {fault.name:<38} {recovered:>12}  {lost:>10}")
-        self.say(f"  training: {'finished' if code == 0 else f'FAILED (exit {code})'}, {len(history)} steps "
-                 f"committed ({'each once' if steps_once else 'NOT each once'}), "
-                 f"{sum(len(v) for v in by_epoch.values())} samples, {repeated} seen twice within an epoch")
+        self.say(
+            f"  training: {'finished' if code == 0 else f'FAILED (exit {code})'}, {len(history)} steps "
+            f"committed ({'each once' if steps_once else 'NOT each once'}), "
+            f"{sum(len(v) for v in by_epoch.values())} samples, {repeated} seen twice within an epoch"
+        )
         if newest:
             self.say(f"  checkpoints: {self.checkpoints} (newest {newest[-1].name})")
         if ports[0]:
-            self.say(f"  metrics were served at http://127.0.0.1:{ports[0]}/metrics (node a) and "
-                     f"http://127.0.0.1:{ports[1]}/metrics (node b)")
+            self.say(
+                f"  metrics were served at http://127.0.0.1:{ports[0]}/metrics (node a) and "
+                f"http://127.0.0.1:{ports[1]}/metrics (node b)"
+            )
         self.say(f"  node logs: {self.logs}")
 
 
@@ -350,24 +418,43 @@ def _port_free(port: int) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     defaults = DemoSettings()
-    parser.add_argument("--max-steps", type=int, default=int(os.environ.get("MAX_STEPS", defaults.max_steps)),
-                        help=f"steps in all (default {defaults.max_steps}, or $MAX_STEPS)")
-    parser.add_argument("--throttle-ms", type=float, default=defaults.throttle_ms, help="sleep after every step")
-    parser.add_argument("--dir", type=Path, default=Path(os.environ.get("DEMO_DIR", str(defaults.directory))),
-                        help=f"where checkpoints and logs go (default {defaults.directory}, or $DEMO_DIR)")
-    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", defaults.metrics_port)),
-                        help="node a's metrics port, node b's is the next (0: off; default 9400 or $METRICS_PORT)")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=int(os.environ.get("MAX_STEPS", defaults.max_steps)),
+        help=f"steps in all (default {defaults.max_steps}, or $MAX_STEPS)",
+    )
+    parser.add_argument(
+        "--throttle-ms", type=float, default=defaults.throttle_ms, help="sleep after every step"
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(os.environ.get("DEMO_DIR", str(defaults.directory))),
+        help=f"where checkpoints and logs go (default {defaults.directory}, or $DEMO_DIR)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("METRICS_PORT", defaults.metrics_port)),
+        help="node a's metrics port, node b's is the next (0: off; default 9400 or $METRICS_PORT)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        settings = DemoSettings(max_steps=args.max_steps, throttle_ms=args.throttle_ms, directory=args.dir,
-                                metrics_port=args.metrics_port)
+        settings = DemoSettings(
+            max_steps=args.max_steps,
+            throttle_ms=args.throttle_ms,
+            directory=args.dir,
+            metrics_port=args.metrics_port,
+        )
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

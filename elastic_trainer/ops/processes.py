@@ -70,14 +70,20 @@ def describe_tree(pid: int) -> str:
         proc = Path(f"/proc/{current}")
         try:
             stat = (proc / "stat").read_text()
-            state = stat[stat.rindex(")") + 2:].split()[0]
+            state = stat[stat.rindex(")") + 2 :].split()[0]
             wchan = (proc / "wchan").read_text().strip() or "-"
-            argv = " ".join((proc / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+            argv = " ".join(
+                (proc / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
+            )
             threads = _threads(proc)
         except (OSError, ValueError, IndexError):  # it exited meanwhile
             continue
-        named = ", ".join(f"{name}@{where}" + (f" x{n}" if n > 1 else "") for (name, where), n in threads.items())
-        lines.append(f"{'  ' * depth}{current} {state} wchan={wchan} threads={threads.total()} [{named}] {argv[:160]}")
+        named = ", ".join(
+            f"{name}@{where}" + (f" x{n}" if n > 1 else "") for (name, where), n in threads.items()
+        )
+        lines.append(
+            f"{'  ' * depth}{current} {state} wchan={wchan} threads={threads.total()} [{named}] {argv[:160]}"
+        )
         pending += [(child, depth + 1) for child in reversed(children(current))]
     return "\n".join(lines)
 
@@ -87,7 +93,9 @@ def _threads(proc: Path) -> Counter[tuple[str, str]]:
     found: Counter[tuple[str, str]] = Counter()
     for task in (proc / "task").iterdir():
         with contextlib.suppress(OSError):
-            found[((task / "comm").read_text().strip(), (task / "wchan").read_text().strip() or "-")] += 1
+            found[
+                ((task / "comm").read_text().strip(), (task / "wchan").read_text().strip() or "-")
+            ] += 1
     return found
 
 
@@ -99,7 +107,9 @@ def python_stacks(pid: int, timeout: float = 15.0) -> str:
     if tool is None:
         return "(no Python stacks: py-spy is not installed)"
     try:
-        done = subprocess.run([tool, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [tool, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"(no Python stacks: {exc})"
     return (done.stdout + done.stderr).strip()
@@ -243,9 +253,11 @@ class NodeProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise TimeoutError(f"node {self.pid} still running after {timeout:g} s:\n{self.tail()}\n"
-                               f"processes still running:\n{describe_tree(self.pid)}\n"
-                               f"its Python stacks:\n{python_stacks(self.pid)}") from None
+            raise TimeoutError(
+                f"node {self.pid} still running after {timeout:g} s:\n{self.tail()}\n"
+                f"processes still running:\n{describe_tree(self.pid)}\n"
+                f"its Python stacks:\n{python_stacks(self.pid)}"
+            ) from None
 
     def output(self) -> str:
         """Everything in its log so far (its command line first)."""
@@ -282,8 +294,14 @@ def start_process(
     try:
         log_file.write(("$ " + " ".join(cmd) + "\n").encode())
         log_file.flush()
-        proc = subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT,
-                                env=None if env is None else dict(env), cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            list(cmd),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else dict(env),
+            cwd=cwd,
+            start_new_session=True,
+        )
     except BaseException:
         log_file.close()
         raise

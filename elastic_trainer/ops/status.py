@@ -31,9 +31,14 @@ if TYPE_CHECKING:  # imported where used: they pull in torch and etcd3
     from rendezvous.etcd_client import EtcdConnection
     from rendezvous.lease_handler import RunKeys, Snapshot
 
+
 def _node(node: DynamicNode) -> dict[str, Any]:
-    return {"node": f"{node.addr}_{node.pid}_{node.local_id}", "name": node_name(node.addr, node.pid),
-            "addr": node.addr, "pid": node.pid}
+    return {
+        "node": f"{node.addr}_{node.pid}_{node.local_id}",
+        "name": node_name(node.addr, node.pid),
+        "addr": node.addr,
+        "pid": node.pid,
+    }
 
 
 def describe_state(state: DynamicState, now: datetime) -> dict[str, Any]:
@@ -45,8 +50,11 @@ def describe_state(state: DynamicState, now: datetime) -> dict[str, Any]:
         if beat is not None and beat.tzinfo is None:  # older torch wrote naive UTC times
             beat = beat.replace(tzinfo=timezone.utc)
         participants.append(
-            {**_node(node), "rank": rank,
-             "heartbeat_age_s": None if beat is None else round((now - beat).total_seconds(), 1)}
+            {
+                **_node(node),
+                "rank": rank,
+                "heartbeat_age_s": None if beat is None else round((now - beat).total_seconds(), 1),
+            }
         )
     return {
         "handler": "dynamic",
@@ -69,7 +77,12 @@ def _lease_node(node: str, value: bytes | None) -> dict[str, Any]:
 
     info = NodeInfo.decode(value)
     if info is not None:
-        return {"node": node, "name": node_name(info.addr, info.pid), "addr": info.addr, "pid": info.pid}
+        return {
+            "node": node,
+            "name": node_name(info.addr, info.pid),
+            "addr": info.addr,
+            "pid": info.pid,
+        }
     parts = node.rsplit("_", 2)
     addr = parts[0] if len(parts) == 3 else node
     pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
@@ -83,8 +96,12 @@ def describe_lease_state(snapshot: Snapshot, lease_ages: dict[str, float | None]
         raise ValueError("snapshot: the run has no lease rendezvous state")
     values = snapshot.node_values
     participants = [
-        {**_lease_node(node, values.get(node)), "rank": rank, "alive": node in snapshot.live,
-         "heartbeat_age_s": lease_ages.get(node)}
+        {
+            **_lease_node(node, values.get(node)),
+            "rank": rank,
+            "alive": node in snapshot.live,
+            "heartbeat_age_s": lease_ages.get(node),
+        }
         for rank, node in enumerate(state.participants)
     ]
     in_round = set(state.participants)
@@ -152,6 +169,7 @@ def describe_progress(
     and the ETA, (target - step) / steps per second."""
     progress = None
     if record is not None:
+
         def age(unix: float | None) -> float | None:
             return None if unix is None else round(max(0.0, now_unix - unix), 1)
 
@@ -177,7 +195,11 @@ def describe_progress(
         }
     last_error = None
     if error is not None:
-        last_error = {"text": error.text, "node": error.node, "age_s": round(max(0.0, now_unix - error.unix), 1)}
+        last_error = {
+            "text": error.text,
+            "node": error.node,
+            "age_s": round(max(0.0, now_unix - error.unix), 1),
+        }
     return progress, last_error
 
 
@@ -197,17 +219,31 @@ def describe_heal_epoch(raw: bytes | None) -> dict[str, Any] | None:
     for rank, member in enumerate(epoch.members):
         node, _, local_rank = member.slot.rpartition("/")
         pid = member.id.split("/")[-1].split("-")[0]
-        members.append({"rank": rank, "node": node, "local_rank": int(local_rank) if local_rank.isdigit() else None,
-                        "pid": int(pid) if pid.isdigit() else None})
-    return {"epoch": epoch.number, "finished": epoch.finished, "step": None if epoch.step == NO_STATE else epoch.step,
-            "world_size": epoch.world_size, "reason": epoch.reason, "members": members}
+        members.append(
+            {
+                "rank": rank,
+                "node": node,
+                "local_rank": int(local_rank) if local_rank.isdigit() else None,
+                "pid": int(pid) if pid.isdigit() else None,
+            }
+        )
+    return {
+        "epoch": epoch.number,
+        "finished": epoch.finished,
+        "step": None if epoch.step == NO_STATE else epoch.step,
+        "world_size": epoch.world_size,
+        "reason": epoch.reason,
+        "members": members,
+    }
 
 
 def _rounded(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoint_dir: str | None) -> dict[str, Any]:
+def read_status(
+    endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoint_dir: str | None
+) -> dict[str, Any]:
     """Everything ``status`` shows, as a dict.
 
     Raises:
@@ -237,7 +273,9 @@ def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoin
             lease_view = _read_lease_status(connection, keys)
             found = None
             if lease_view is None:
-                found = EtcdV3RendezvousBackend(connection, run_id, key_prefix=keys.key_prefix).get_state()
+                found = EtcdV3RendezvousBackend(
+                    connection, run_id, key_prefix=keys.key_prefix
+                ).get_state()
             record, error = read_progress(connection, progress_keys)
             heal = describe_heal_epoch(_read_heal_epoch(connection, run_id))
     except ValueError as exc:
@@ -246,8 +284,11 @@ def read_status(endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoin
         raise UserError(f"cannot read the rendezvous of {run_id!r}: {exc}") from exc
     finally:
         connection.close()
-    report: dict[str, Any] = {"run_id": run_id, "endpoint": endpoint,
-                              "found": found is not None or lease_view is not None}
+    report: dict[str, Any] = {
+        "run_id": run_id,
+        "endpoint": endpoint,
+        "found": found is not None or lease_view is not None,
+    }
     if lease_view is not None:
         report.update(lease_view)
     elif found is not None:
@@ -268,7 +309,9 @@ def _read_heal_epoch(connection: EtcdConnection, run_id: str) -> bytes | None:
     from elastic_trainer.heal.membership import HealKeys
     from rendezvous import etcd_ops
 
-    response = etcd_ops.get_range(connection, HealKeys.of(run_id).epoch, what="reading the heal epoch")
+    response = etcd_ops.get_range(
+        connection, HealKeys.of(run_id).epoch, what="reading the heal epoch"
+    )
     return bytes(response.kvs[0].value) if response.kvs else None
 
 
@@ -278,48 +321,76 @@ def render_status(report: dict[str, Any]) -> str:
     heal = report.get("heal")
     if heal is not None and heal["finished"]:
         step = "?" if heal["step"] is None else heal["step"]
-        lines.append(f"  finished at step {step} (epoch {heal['epoch']}, {heal['world_size']} worker(s))")
+        lines.append(
+            f"  finished at step {step} (epoch {heal['epoch']}, {heal['world_size']} worker(s))"
+        )
     elif heal is not None:
         # Healing in place: the members are the workers' epoch; the rendezvous round is history.
         lines.append(f"  epoch {heal['epoch']} (heals in place), {heal['world_size']} member(s)")
         for m in heal["members"]:
-            lines.append(f"    rank {m['rank']:>3}  {m['node']:<24} local rank {m['local_rank']}  pid {m['pid']}")
+            lines.append(
+                f"    rank {m['rank']:>3}  {m['node']:<24} local rank {m['local_rank']}  pid {m['pid']}"
+            )
     elif not report["found"]:
         lines.append("  no rendezvous state (the run has not started, or its state expired)")
     else:
-        flags = ("closed" if report["closed"] else "open") + (", complete" if report["complete"] else ", forming")
-        lines.append(f"  round {report['round']} ({flags}), {len(report['participants'])} participant(s)")
+        flags = ("closed" if report["closed"] else "open") + (
+            ", complete" if report["complete"] else ", forming"
+        )
+        lines.append(
+            f"  round {report['round']} ({flags}), {len(report['participants'])} participant(s)"
+        )
         for p in report["participants"]:
             age = "?" if p["heartbeat_age_s"] is None else f"{p['heartbeat_age_s']}s"
-            lines.append(f"    rank {p['rank']:>3}  {p['name']:<24} heartbeat {age:>6} ago  ({p['node']})")
+            lines.append(
+                f"    rank {p['rank']:>3}  {p['name']:<24} heartbeat {age:>6} ago  ({p['node']})"
+            )
         lines.append(f"  waiting: {', '.join(n['name'] for n in report['waiting']) or 'none'}")
         if report["redundant"]:
             lines.append(f"  redundant: {', '.join(n['name'] for n in report['redundant'])}")
-    lines.extend(render_progress(report.get("progress"), report.get("last_error"),
-                                 finished_at=report.get("finished_at_step")))
+    lines.extend(
+        render_progress(
+            report.get("progress"),
+            report.get("last_error"),
+            finished_at=report.get("finished_at_step"),
+        )
+    )
     if "checkpoint" in report:
         ckpt = report["checkpoint"]
         lines.append(
-            "  newest checkpoint: none" if ckpt is None
+            "  newest checkpoint: none"
+            if ckpt is None
             else f"  newest checkpoint: step {ckpt['step']} (epoch {ckpt['epoch']}), {ckpt['age_s']}s old, {ckpt['path']}"
         )
     return "\n".join(lines)
 
 
-def render_progress(progress: dict[str, Any] | None, last_error: dict[str, Any] | None, *,
-                    finished_at: int | None = None) -> list[str]:
+def render_progress(
+    progress: dict[str, Any] | None,
+    last_error: dict[str, Any] | None,
+    *,
+    finished_at: int | None = None,
+) -> list[str]:
     """The progress and last-error lines of ``status`` (see :func:`describe_progress`);
     ``finished_at``: the job finished at that step (the last progress published is older)."""
     lines = []
     if finished_at is not None:
         total = progress["total_steps"] if progress is not None else None
-        lines.append(f"  progress: finished at step {finished_at}" + (f" / {total}" if total else ""))
+        lines.append(
+            f"  progress: finished at step {finished_at}" + (f" / {total}" if total else "")
+        )
     elif progress is None:
-        lines.append("  progress: none published (no training rank 0 right now, or metrics are off)")
+        lines.append(
+            "  progress: none published (no training rank 0 right now, or metrics are off)"
+        )
     else:
         total = progress["total_steps"]
         step = "?" if progress["step"] is None else str(progress["step"])
-        of = f"step {step} / {total} ({progress['percent']}%)" if total else f"step {step} (no target)"
+        of = (
+            f"step {step} / {total} ({progress['percent']}%)"
+            if total
+            else f"step {step} (no target)"
+        )
         rate = progress["samples_per_s"]
         lines.append(
             f"  progress: {of}, ETA {format_duration(progress['eta_s'])}, "
@@ -336,6 +407,8 @@ def render_progress(progress: dict[str, Any] | None, last_error: dict[str, Any] 
     if last_error is None:
         lines.append("  last error: none")
     else:
-        lines.append(f"  last error: {last_error['text']} ({last_error['node']}, "
-                     f"{format_duration(last_error['age_s'])} ago)")
+        lines.append(
+            f"  last error: {last_error['text']} ({last_error['node']}, "
+            f"{format_duration(last_error['age_s'])} ago)"
+        )
     return lines

@@ -61,7 +61,13 @@ EXAMPLES = """examples:
 q or Ctrl-C quits."""
 
 # Alternate screen on/off, cursor hidden/shown, cursor home, erase to line end / screen end.
-_ENTER, _LEAVE, _HOME, _EOL, _EOS = "\x1b[?1049h\x1b[?25l", "\x1b[?25h\x1b[?1049l", "\x1b[H", "\x1b[K", "\x1b[J"
+_ENTER, _LEAVE, _HOME, _EOL, _EOS = (
+    "\x1b[?1049h\x1b[?25l",
+    "\x1b[?25h\x1b[?1049l",
+    "\x1b[H",
+    "\x1b[K",
+    "\x1b[J",
+)
 
 
 def normalize_url(text: str) -> str:
@@ -114,7 +120,9 @@ def fetch(url: str, timeout_s: float) -> Scrape:
     return Scrape(url, samples=samples)
 
 
-def scrape_all(urls: Sequence[str], timeout_s: float, *, read: Callable[[str, float], Scrape] = fetch) -> list[Scrape]:
+def scrape_all(
+    urls: Sequence[str], timeout_s: float, *, read: Callable[[str, float], Scrape] = fetch
+) -> list[Scrape]:
     """Read every endpoint in parallel (each within ``timeout_s``), in ``urls`` order."""
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(urls)))) as pool:
         return list(pool.map(lambda url: read(url, timeout_s), urls))
@@ -126,7 +134,9 @@ class TopModel:
     def __init__(self, *, run_id: str | None = None, window_s: float = RATE_WINDOW_S) -> None:
         self.run_id = run_id
         self._window = RateWindow(span_s=window_s)
-        self._last_step: tuple[int, int | None] | None = None  # (step, target) of the last live frame
+        self._last_step: tuple[int, int | None] | None = (
+            None  # (step, target) of the last live frame
+        )
 
     @property
     def finished_at(self) -> int | None:
@@ -142,7 +152,9 @@ class TopModel:
         for scrape in scrapes:
             if scrape.samples is not None:
                 merged.extend(scrape.samples)
-                scrape.snapshot = Snapshot.from_samples(scrape.samples, taken_at=taken_at, run_id=self.run_id)
+                scrape.snapshot = Snapshot.from_samples(
+                    scrape.samples, taken_at=taken_at, run_id=self.run_id
+                )
         snapshot = Snapshot.from_samples(merged, taken_at=taken_at, run_id=self.run_id)
         view = progress_view(snapshot, self._window.add(snapshot))
         if view.step is not None:
@@ -160,13 +172,20 @@ def _bar(step: int, total: int, width: int = 30) -> str:
 
 
 def render(
-    view: ProgressView, scrapes: list[Scrape], *, now_unix: float, interval_s: float | None, live: bool,
+    view: ProgressView,
+    scrapes: list[Scrape],
+    *,
+    now_unix: float,
+    interval_s: float | None,
+    live: bool,
     finished_at: int | None = None,
 ) -> list[str]:
     """The lines of one frame (without terminal control sequences). ``finished_at``: no endpoint
     answers and the job had reached its target at that step (:attr:`TopModel.finished_at`)."""
     clock = datetime.fromtimestamp(now_unix).strftime("%H:%M:%S")
-    run = view.run_id or (", ".join(view.run_ids) + "  (several runs: pass --run-id)" if view.run_ids else "-")
+    run = view.run_id or (
+        ", ".join(view.run_ids) + "  (several runs: pass --run-id)" if view.run_ids else "-"
+    )
     head = f"elastic-trainer top   run {run}   {clock}"
     if live and interval_s is not None:
         head += f"   every {interval_s:g}s   q quits"
@@ -177,10 +196,14 @@ def render(
     elif step is None:
         lines.append("step        -   (no live worker reports a step)")
     elif total:
-        lines.append(f"step        {step} / {total}   {100.0 * step / total:5.1f}%  {_bar(step, total)}")
+        lines.append(
+            f"step        {step} / {total}   {100.0 * step / total:5.1f}%  {_bar(step, total)}"
+        )
     else:
         lines.append(f"step        {step} / ?   (the job reports no target)")
-    lines.append(f"ETA         {format_duration(view.eta_s):<14}  {_num(view.steps_per_s, '.2f')} steps/s")
+    lines.append(
+        f"ETA         {format_duration(view.eta_s):<14}  {_num(view.steps_per_s, '.2f')} steps/s"
+    )
     rate = _num(view.samples_per_s, ".1f") + (" (est.)" if view.samples_estimated else "")
     p50 = None if view.step_time_p50_s is None else view.step_time_p50_s * 1000.0
     lines.append(f"throughput  {rate} samples/s   step time p50 {_num(p50, '.1f')} ms")
@@ -191,9 +214,13 @@ def render(
     last_step = None if view.last_step_unix is None else now_unix - view.last_step_unix
     ckpt = "none"
     if view.last_checkpoint_step is not None:
-        ckpt_age = None if view.last_checkpoint_unix is None else now_unix - view.last_checkpoint_unix
+        ckpt_age = (
+            None if view.last_checkpoint_unix is None else now_unix - view.last_checkpoint_unix
+        )
         ckpt = f"step {view.last_checkpoint_step}, {format_duration(ckpt_age)} ago"
-    lines.append(f"last step   {'-' if last_step is None else format_duration(last_step) + ' ago'}   checkpoint {ckpt}")
+    lines.append(
+        f"last step   {'-' if last_step is None else format_duration(last_step) + ' ago'}   checkpoint {ckpt}"
+    )
     lines.append(f"loss        {_num(view.loss, '.4g'):<14}  lr {_num(view.lr, '.4g')}")
     slow = view.slowest
     if slow is None:
@@ -213,16 +240,22 @@ def render(
         for name, stats in nodes.items():
             ranks = ",".join(map(str, stats.ranks)) or "none live"
             restarts_text = "-" if stats.restarts is None else str(int(stats.restarts))
-            lines.append(f"  up    {name:<24} ranks {ranks:<12} restarts {restarts_text:<4} {scrape.url}")
+            lines.append(
+                f"  up    {name:<24} ranks {ranks:<12} restarts {restarts_text:<4} {scrape.url}"
+            )
     return lines
 
 
 def frame_json(view: ProgressView, scrapes: list[Scrape], now_unix: float) -> dict[str, Any]:
     """``--once --json``: the view plus each endpoint's state."""
     out = view.to_dict()
-    out["last_step_age_s"] = None if view.last_step_unix is None else round(now_unix - view.last_step_unix, 3)
+    out["last_step_age_s"] = (
+        None if view.last_step_unix is None else round(now_unix - view.last_step_unix, 3)
+    )
     out["last_checkpoint_age_s"] = (
-        None if view.last_checkpoint_unix is None else round(now_unix - view.last_checkpoint_unix, 3)
+        None
+        if view.last_checkpoint_unix is None
+        else round(now_unix - view.last_checkpoint_unix, 3)
     )
     out["endpoints"] = [{"url": s.url, "up": s.error is None, "error": s.error} for s in scrapes]
     return out
@@ -305,7 +338,10 @@ def run_top(
         if as_json:
             out.write(json.dumps(frame_json(view, scrapes, wall_clock()), indent=2) + "\n")
         else:
-            out.write("\n".join(render(view, scrapes, now_unix=wall_clock(), interval_s=None, live=False)) + "\n")
+            out.write(
+                "\n".join(render(view, scrapes, now_unix=wall_clock(), interval_s=None, live=False))
+                + "\n"
+            )
         out.flush()
         return 0 if any(s.error is None for s in scrapes) else 1
 
@@ -322,7 +358,14 @@ def run_top(
                     done = model.finished_at
                     if done is None and finished is not None:
                         done = finished()
-                lines = render(view, scrapes, now_unix=wall_clock(), interval_s=interval_s, live=True, finished_at=done)
+                lines = render(
+                    view,
+                    scrapes,
+                    now_unix=wall_clock(),
+                    interval_s=interval_s,
+                    live=True,
+                    finished_at=done,
+                )
                 if terminal:
                     width = _terminal_width(out)
                     out.write(_HOME + "".join(line[:width] + _EOL + "\n" for line in lines) + _EOS)
@@ -356,11 +399,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_URL})")  # fmt: skip
     parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, metavar="SECONDS",
                         help=f"seconds between frames (default {DEFAULT_INTERVAL_S:g})")  # fmt: skip
-    parser.add_argument("--run-id", default=None, help="show only this run (when endpoints serve several)")
+    parser.add_argument(
+        "--run-id", default=None, help="show only this run (when endpoints serve several)"
+    )
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="with --run-id: the job's etcd, asked whether the job finished once no endpoint "
                              "answers (its nodes exit within a second of the end)")  # fmt: skip
-    parser.add_argument("--once", action="store_true", help="print one frame and exit (reads twice, --interval apart)")
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame and exit (reads twice, --interval apart)",
+    )
     parser.add_argument("--json", action="store_true", help="with --once: print the frame as JSON")
 
 
@@ -386,7 +435,11 @@ def run_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
     if args.rdzv_endpoint is not None and args.run_id is None:
         print(f"{prog}: error: --rdzv-endpoint needs --run-id", file=sys.stderr)
         return 2
-    finished = None if args.rdzv_endpoint is None else lambda: finished_step(args.rdzv_endpoint, args.run_id)
+    finished = (
+        None
+        if args.rdzv_endpoint is None
+        else lambda: finished_step(args.rdzv_endpoint, args.run_id)
+    )
     try:
         return run_top(args.url or [DEFAULT_URL], interval_s=args.interval, once=args.once,
                        run_id=args.run_id, as_json=args.json, finished=finished)  # fmt: skip

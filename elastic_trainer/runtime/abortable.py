@@ -53,8 +53,11 @@ class AbortableWaits:
         self.interrupted = 0
         """Waits ended by an abort since :meth:`reset` (their collectives may still be blocked)."""
 
-    def track(self, future: torch.futures.Future[Any],
-              then: Callable[[torch.futures.Future[Any]], Any] | None = None) -> torch.futures.Future[Any]:
+    def track(
+        self,
+        future: torch.futures.Future[Any],
+        then: Callable[[torch.futures.Future[Any]], Any] | None = None,
+    ) -> torch.futures.Future[Any]:
         """A future completed as ``future`` is (with ``then(future)``'s value, as
         ``future.then(then)`` would be), or failed by :meth:`abort`, whichever comes first. One
         Python callback per tracked future, ``then`` included (a comm hook's per-bucket cost)."""
@@ -73,8 +76,12 @@ class AbortableWaits:
         future.add_done_callback(partial(self._complete, mine, then))
         return mine
 
-    def _complete(self, mine: torch.futures.Future[Any], then: Callable[[torch.futures.Future[Any]], Any] | None,
-                  done: torch.futures.Future[Any]) -> None:
+    def _complete(
+        self,
+        mine: torch.futures.Future[Any],
+        then: Callable[[torch.futures.Future[Any]], Any] | None,
+        done: torch.futures.Future[Any],
+    ) -> None:
         """(gloo's thread) the collective finished: pass its value (through ``then``) or error on,
         unless aborted. Whoever takes ``mine`` out of the pending set under the lock completes it,
         outside the lock (a future runs its callbacks inline)."""
@@ -108,4 +115,3 @@ class AbortableWaits:
             self._pending.clear()
             self._aborted = None
         return interrupted
-

@@ -16,8 +16,9 @@ from typing import BinaryIO
 
 
 @contextlib.contextmanager
-def atomic_file(target: Path, *, durable: bool = True,
-                before_replace: Callable[[], None] | None = None) -> Iterator[BinaryIO]:
+def atomic_file(
+    target: Path, *, durable: bool = True, before_replace: Callable[[], None] | None = None
+) -> Iterator[BinaryIO]:
     """A binary file to write; it replaces ``target`` when the block ends without an error.
     ``before_replace`` runs once the data is durable, right before the rename; if it raises,
     ``target`` is left as it was."""

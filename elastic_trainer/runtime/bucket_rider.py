@@ -44,13 +44,20 @@ class BucketRider:
         """Forget any payload (a new group: one left by a failed step must not ride on its buckets)."""
         self._aboard, self._taken = None, None
 
-    def allreduce(self, group: Any, buffer: torch.Tensor, options: Any = None) -> torch.futures.Future[Any]:
+    def allreduce(
+        self, group: Any, buffer: torch.Tensor, options: Any = None
+    ) -> torch.futures.Future[Any]:
         """(comm hook) Start ``buffer``'s sum over ``group``, with the payload aboard if any: one
         collective either way. The future's value is a list whose first tensor is ``buffer``."""
         payload, world = self._aboard, dist.group.WORLD
         group = world if group is None else group
-        if (payload is None or buffer.device.type != "cpu" or buffer.dtype != payload.dtype
-                or group is not world or world is None):  # the control's group only
+        if (
+            payload is None
+            or buffer.device.type != "cpu"
+            or buffer.dtype != payload.dtype
+            or group is not world
+            or world is None
+        ):  # the control's group only
             if options is None:
                 return dist.all_reduce(buffer, group=group, async_op=True).get_future()  # type: ignore[union-attr]
             return group.allreduce([buffer], options).get_future()  # type: ignore[no-any-return]
@@ -69,4 +76,3 @@ class BucketRider:
         if taken is None or taken[0] is not payload:
             return None
         return taken[1]
-

@@ -54,7 +54,9 @@ def _bucket_value(done: torch.futures.Future[Any]) -> torch.Tensor:
     return done.value()[0]  # type: ignore[no-any-return]
 
 
-def abortable_allreduce_hook(state: WorkerComms, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def abortable_allreduce_hook(
+    state: WorkerComms, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """(Opt-in) DDP comm hook: torch's default allreduce (an average over the default group) with
     its future tracked by ``state.waits`` and the step's control riding on it. Register with
     ``ddp.register_comm_hook(comms, abortable_allreduce_hook)``; costs a Python call, a division
@@ -64,11 +66,15 @@ def abortable_allreduce_hook(state: WorkerComms, bucket: dist.GradBucket) -> tor
     world = dist.get_world_size(group)
     if world > 1:
         buffer.div_(world)
-    future = state.rider.allreduce(group, buffer)  # the step's control may ride on it (runtime/bucket_rider.py)
+    future = state.rider.allreduce(
+        group, buffer
+    )  # the step's control may ride on it (runtime/bucket_rider.py)
     return state.waits.track(future, _bucket_value)
 
 
 # DDP compares a hook's annotations with the real types; this module's are strings (PEP 563).
 abortable_allreduce_hook.__annotations__ = {
-    "state": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
+    "state": Any,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
 }

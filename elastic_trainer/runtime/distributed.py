@@ -101,7 +101,11 @@ def read_env(
     rank, world_size = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
     local_rank = _env_int(environ, "LOCAL_RANK")
     if local_rank is not None and local_rank_arg is not None and local_rank != local_rank_arg:
-        log.warning("LOCAL_RANK=%d and --local-rank=%d disagree; using LOCAL_RANK", local_rank, local_rank_arg)
+        log.warning(
+            "LOCAL_RANK=%d and --local-rank=%d disagree; using LOCAL_RANK",
+            local_rank,
+            local_rank_arg,
+        )
     if local_rank is None:
         local_rank = local_rank_arg
     launched = rank is not None or world_size is not None
@@ -130,7 +134,9 @@ def read_env(
         device = torch.device("cuda", local_rank)
     else:
         if backend == "nccl":
-            raise ConfigError("backend: 'nccl' needs CUDA devices; none are visible (use gloo on CPU)")
+            raise ConfigError(
+                "backend: 'nccl' needs CUDA devices; none are visible (use gloo on CPU)"
+            )
         device = torch.device("cpu")
     return DistEnv(
         rank=rank,
@@ -144,7 +150,9 @@ def read_env(
     )
 
 
-def configure_nccl_environment(pg_timeout_s: float, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+def configure_nccl_environment(
+    pg_timeout_s: float, environ: MutableMapping[str, str] | None = None
+) -> dict[str, str]:
     """Set NCCL watchdog / error-handling variables consistent with ``pg_timeout_s``.
 
     Only fills in what the user left unset; warns about user settings that defeat the goal
@@ -161,10 +169,15 @@ def configure_nccl_environment(pg_timeout_s: float, environ: MutableMapping[str,
         if name not in environ:
             environ[name] = value
             applied[name] = value
-    if environ.get(NCCL_ASYNC_ERROR_HANDLING) == "0" and environ.get(NCCL_BLOCKING_WAIT, "0") == "0":
+    if (
+        environ.get(NCCL_ASYNC_ERROR_HANDLING) == "0"
+        and environ.get(NCCL_BLOCKING_WAIT, "0") == "0"
+    ):
         log.warning(
             "%s=0 without %s: a failed or timed-out NCCL collective leaves the process hanging "
-            "instead of exiting, so torchrun cannot restart the job", NCCL_ASYNC_ERROR_HANDLING, NCCL_BLOCKING_WAIT,
+            "instead of exiting, so torchrun cannot restart the job",
+            NCCL_ASYNC_ERROR_HANDLING,
+            NCCL_BLOCKING_WAIT,
         )
     return applied
 
@@ -176,10 +189,14 @@ def init_process_group(env: DistEnv, *, pg_timeout_s: float) -> None:
         torch.cuda.set_device(env.device)
     timeout = timedelta(seconds=pg_timeout_s)
     if env.launched:
-        dist.init_process_group(backend=env.backend, timeout=timeout, rank=env.rank, world_size=env.world_size)
+        dist.init_process_group(
+            backend=env.backend, timeout=timeout, rank=env.rank, world_size=env.world_size
+        )
     else:
         # One process started by hand: no launcher, no MASTER_ADDR; an in-process store suffices.
-        dist.init_process_group(backend=env.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            backend=env.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1
+        )
     announce_group(env, pg_timeout_s)
 
 
@@ -187,7 +204,12 @@ def announce_group(env: DistEnv, pg_timeout_s: float) -> None:
     """The log line that says where this worker sits (whoever created its group)."""
     log.info(
         "rank %d/%d (local %d) on %s, backend %s, collective timeout %.0f s",
-        env.rank, env.world_size, env.local_rank, env.device, env.backend, pg_timeout_s,
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.device,
+        env.backend,
+        pg_timeout_s,
     )
 
 

@@ -84,9 +84,18 @@ class FailureReport:
 
 ABORT_MARKER = "heal: the process group was aborted"
 """Begins the error of a collective wait that a heal round ended (``runtime/abortable.py``)."""
-_COLLECTIVE_FAILURE_MARKERS = (ABORT_MARKER, "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                               "gloo/transport", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL error",
-                               "NCCL communicator was aborted", "Socket Timeout")
+_COLLECTIVE_FAILURE_MARKERS = (
+    ABORT_MARKER,
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "gloo/transport",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "NCCL error",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+)
 
 
 class GroupAborted(RuntimeError):
@@ -108,13 +117,17 @@ def is_collective_failure(exc: BaseException) -> bool:
     dist_error = getattr(dist, "DistError", None) if dist is not None else None
     if dist_error is not None and isinstance(exc, dist_error):
         return True
-    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _COLLECTIVE_FAILURE_MARKERS)
+    return isinstance(exc, RuntimeError) and any(
+        marker in str(exc) for marker in _COLLECTIVE_FAILURE_MARKERS
+    )
 
 
 def note_step(exc: BaseException, step: int) -> None:
     """Record on ``exc`` the step it was raised in (the training loop calls this)."""
     if getattr(exc, _STEP_ATTR, None) is None:
-        with contextlib.suppress(AttributeError):  # a type with __slots__: no step, still classified
+        with contextlib.suppress(
+            AttributeError
+        ):  # a type with __slots__: no step, still classified
             setattr(exc, _STEP_ATTR, step)
 
 
@@ -166,8 +179,10 @@ def classify(exc: BaseException) -> tuple[FailureClass, str]:
 
 
 _NO_GROUP = "Default process group has not been initialized"
-_BAD_CALL = re.compile(r"^(?P<name>\w+)\.__init__\(\) (?:missing \d+ required|got an unexpected keyword argument"
-                       r"|got multiple values for argument|takes \d+ positional)")
+_BAD_CALL = re.compile(
+    r"^(?P<name>\w+)\.__init__\(\) (?:missing \d+ required|got an unexpected keyword argument"
+    r"|got multiple values for argument|takes \d+ positional)"
+)
 
 
 def setup_mistake(exc: BaseException) -> str | None:
@@ -180,9 +195,11 @@ def setup_mistake(exc: BaseException) -> str | None:
     """
     line = message_line(exc)
     if isinstance(exc, (ValueError, RuntimeError)) and _NO_GROUP in line:
-        return ("torch.distributed was used before elastic-trainer formed the process group (a "
-                "DistributedSampler?): the runtime's ElasticSampler hands out each rank's samples, so drop "
-                "the DistributedSampler; use torch.distributed only inside the elastic loop")
+        return (
+            "torch.distributed was used before elastic-trainer formed the process group (a "
+            "DistributedSampler?): the runtime's ElasticSampler hands out each rank's samples, so drop "
+            "the DistributedSampler; use torch.distributed only inside the elastic loop"
+        )
     match = _BAD_CALL.match(line) if isinstance(exc, TypeError) else None
     if match is not None:
         import elastic_trainer  # the package root is lazy: this loads nothing else
@@ -252,7 +269,9 @@ def record(report: FailureReport, *, error_file: str | None) -> bool:
 
 def read_report(error_file_data: Any) -> FailureReport | None:
     """The report inside an error file's JSON, or ``None`` (not ours, or malformed)."""
-    if not isinstance(error_file_data, dict) or not isinstance(error_file_data.get("elastic_trainer"), dict):
+    if not isinstance(error_file_data, dict) or not isinstance(
+        error_file_data.get("elastic_trainer"), dict
+    ):
         return None
     try:
         return FailureReport.from_json(error_file_data["elastic_trainer"])
@@ -274,8 +293,11 @@ class ReportTarget:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> ReportTarget:
         env = os.environ if environ is None else environ
         raw = env.get("RANK", "")
-        return cls(rank=int(raw) if raw.isdigit() else None, error_file=env.get(ENV_ERROR_FILE) or None,
-                   launcher_reports=env.get(ENV_REPORTS_FAILURES, "").strip() == "1")
+        return cls(
+            rank=int(raw) if raw.isdigit() else None,
+            error_file=env.get(ENV_ERROR_FILE) or None,
+            launcher_reports=env.get(ENV_REPORTS_FAILURES, "").strip() == "1",
+        )
 
 
 def exit_after(exc: BaseException, *, prog: str, target: ReportTarget | None = None) -> int:

@@ -111,8 +111,16 @@ def read_slot(path: Path) -> SlotReading | None:
     beats, beat_ns = _BEAT.unpack_from(data, _BEAT_OFFSET)
     leading, step_ns, trailing = _STEP.unpack_from(data, _STEP_OFFSET)
     step = leading if leading == trailing and leading != NO_STEP else None
-    return SlotReading(pid=pid, rank=rank, local_rank=local_rank, start_ticks=start_ticks, beats=beats,
-                       beat_ns=beat_ns, step=step, step_ns=step_ns if step is not None else 0)
+    return SlotReading(
+        pid=pid,
+        rank=rank,
+        local_rank=local_rank,
+        start_ticks=start_ticks,
+        beats=beats,
+        beat_ns=beat_ns,
+        step=step,
+        step_ns=step_ns if step is not None else 0,
+    )
 
 
 class Heartbeat:
@@ -128,7 +136,9 @@ class Heartbeat:
         OSError: the slot cannot be created.
     """
 
-    def __init__(self, directory: Path, *, rank: int, local_rank: int, interval_s: float = BEAT_INTERVAL_S) -> None:
+    def __init__(
+        self, directory: Path, *, rank: int, local_rank: int, interval_s: float = BEAT_INTERVAL_S
+    ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s: must be > 0, got {interval_s}")
         self.pid = os.getpid()
@@ -138,8 +148,18 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         image = bytearray(SLOT_SIZE)
-        HEADER.pack_into(image, 0, MAGIC, VERSION, 0, self.pid, rank, local_rank, 0,
-                         process_start_ticks(self.pid) or 0)
+        HEADER.pack_into(
+            image,
+            0,
+            MAGIC,
+            VERSION,
+            0,
+            self.pid,
+            rank,
+            local_rank,
+            0,
+            process_start_ticks(self.pid) or 0,
+        )
         _BEAT.pack_into(image, _BEAT_OFFSET, 0, time.monotonic_ns())
         _STEP.pack_into(image, _STEP_OFFSET, NO_STEP, 0, NO_STEP)
         staging = self.path.with_name(self.path.name + ".tmp")
@@ -170,7 +190,9 @@ class Heartbeat:
     def start(self) -> None:
         """Start the beat thread (once)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="elastic-trainer-heartbeat", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="elastic-trainer-heartbeat", daemon=True
+            )
             self._thread.start()
 
     def _run(self) -> None:
@@ -206,12 +228,18 @@ def start_from_environ(environ: dict[str, str] | None = None) -> Heartbeat | Non
         if _current is not None or not directory:
             return _current
         try:
-            heartbeat = Heartbeat(Path(directory), rank=_int(env.get("RANK"), -1),
-                                  local_rank=_int(env.get("LOCAL_RANK"), -1))
+            heartbeat = Heartbeat(
+                Path(directory),
+                rank=_int(env.get("RANK"), -1),
+                local_rank=_int(env.get("LOCAL_RANK"), -1),
+            )
         except (OSError, ValueError) as exc:
-            print(f"elastic-trainer: no heartbeat for this worker ({ENV_HEARTBEAT_DIR}={directory}: "
-                  f"{getattr(exc, 'strerror', None) or exc}); the frozen-worker watchdog cannot see it",
-                  file=sys.stderr, flush=True)
+            print(
+                f"elastic-trainer: no heartbeat for this worker ({ENV_HEARTBEAT_DIR}={directory}: "
+                f"{getattr(exc, 'strerror', None) or exc}); the frozen-worker watchdog cannot see it",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
         heartbeat.start()
         atexit.register(stop)

@@ -12,7 +12,9 @@ from typing import Any, Protocol
 class TrainingObserver(Protocol):
     """Receives the runtime's events. Every method must be cheap and must not synchronise."""
 
-    def on_start(self, *, world_size: int, restart_count: int, total_steps: int | None = None) -> None:
+    def on_start(
+        self, *, world_size: int, restart_count: int, total_steps: int | None = None
+    ) -> None:
         """Workers (re)started in a world of ``world_size`` ranks, after ``restart_count`` restarts.
 
         ``total_steps``: the optimizer steps the job trains for in all (``max_steps``, or
@@ -52,7 +54,9 @@ class TrainingObserver(Protocol):
 class NullObserver:
     """A :class:`TrainingObserver` that records nothing."""
 
-    def on_start(self, *, world_size: int, restart_count: int, total_steps: int | None = None) -> None:
+    def on_start(
+        self, *, world_size: int, restart_count: int, total_steps: int | None = None
+    ) -> None:
         pass
 
     def on_step(

@@ -67,7 +67,13 @@ def capture(device: torch.device) -> dict[str, Any]:
     }
     if _np is not None:
         kind, keys, pos, has_gauss, cached = _np.random.get_state(legacy=True)
-        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+        state["numpy"] = (
+            kind,
+            torch.from_numpy(keys.astype("int64")),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
     return state
 
 

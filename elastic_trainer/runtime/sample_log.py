@@ -23,24 +23,56 @@ from typing import Any, TextIO
 class SampleLog:
     """Appends records for one worker process, flushed line by line."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, rank: int, pid: int | None = None, part: int = 0) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, rank: int, pid: int | None = None, part: int = 0
+    ) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         suffix = f"-{part}" if part else ""
-        self.path = path / f"samples-rank{rank:04d}-pid{os.getpid() if pid is None else pid}{suffix}.jsonl"
+        self.path = (
+            path / f"samples-rank{rank:04d}-pid{os.getpid() if pid is None else pid}{suffix}.jsonl"
+        )
         self._file: TextIO = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
-    def start(self, *, generation: str, started_unix: float, resumed_step: int, world_size: int, rank: int,
-              source: str = "checkpoint") -> None:
+    def start(
+        self,
+        *,
+        generation: str,
+        started_unix: float,
+        resumed_step: int,
+        world_size: int,
+        rank: int,
+        source: str = "checkpoint",
+    ) -> None:
         """``generation`` and ``started_unix`` are rank 0's, shared by the whole worker group.
         ``source``: where the state came from (``checkpoint``, or ``peer`` after an in-place heal)."""
-        self._write({"event": "start", "generation": generation, "started_unix": started_unix,
-                     "resumed_step": resumed_step, "world_size": world_size, "rank": rank, "source": source})
+        self._write(
+            {
+                "event": "start",
+                "generation": generation,
+                "started_unix": started_unix,
+                "resumed_step": resumed_step,
+                "world_size": world_size,
+                "rank": rank,
+                "source": source,
+            }
+        )
 
-    def step(self, *, step: int, epoch: int, cursor: int, world_size: int, rank: int, indices: list[int]) -> None:
+    def step(
+        self, *, step: int, epoch: int, cursor: int, world_size: int, rank: int, indices: list[int]
+    ) -> None:
         """``step`` is the number of optimizer steps done after this one."""
-        self._write({"event": "step", "step": step, "epoch": epoch, "cursor": cursor, "world_size": world_size,
-                     "rank": rank, "indices": indices})
+        self._write(
+            {
+                "event": "step",
+                "step": step,
+                "epoch": epoch,
+                "cursor": cursor,
+                "world_size": world_size,
+                "rank": rank,
+                "indices": indices,
+            }
+        )
 
     def done(self, *, step: int) -> None:
         """This process applied the update of ``step`` (at unix time ``t``)."""
@@ -119,15 +151,24 @@ def generations(directory: str | os.PathLike[str]) -> list[Generation]:
         if not records:
             continue
         start = records[0]
-        gen = found.setdefault(start["generation"], Generation(
-            id=start["generation"], started_unix=start["started_unix"], resumed_step=start["resumed_step"],
-            world_size=start["world_size"], last_step=start["resumed_step"]))
+        gen = found.setdefault(
+            start["generation"],
+            Generation(
+                id=start["generation"],
+                started_unix=start["started_unix"],
+                resumed_step=start["resumed_step"],
+                world_size=start["world_size"],
+                last_step=start["resumed_step"],
+            ),
+        )
         gen.pids[start["rank"]] = pid_of(path)
         for record in records[1:]:
             if record["event"] == "done":
                 gen.last_step = max(gen.last_step, record["step"])
                 if "t" in record:
-                    gen.done_times[record["step"]] = min(gen.done_times.get(record["step"], record["t"]), record["t"])
+                    gen.done_times[record["step"]] = min(
+                        gen.done_times.get(record["step"], record["t"]), record["t"]
+                    )
     return sorted(found.values(), key=lambda g: g.started_unix)
 
 

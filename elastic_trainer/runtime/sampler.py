@@ -131,8 +131,10 @@ class ElasticSampler:
     def advance(self, plan: StepPlan) -> None:
         """Mark ``plan``'s samples consumed (call after the optimizer step)."""
         if plan.epoch != self.epoch or plan.cursor != self.cursor:
-            raise RuntimeError(f"step plan at epoch {plan.epoch} cursor {plan.cursor} is not the next step "
-                               f"(sampler at epoch {self.epoch} cursor {self.cursor})")
+            raise RuntimeError(
+                f"step plan at epoch {plan.epoch} cursor {plan.cursor} is not the next step "
+                f"(sampler at epoch {self.epoch} cursor {self.cursor})"
+            )
         self.cursor = plan.next_cursor
 
     # -- the order and the plans -----------------------------------------------------------------
@@ -176,7 +178,12 @@ class ElasticSampler:
                 # Padding keeps the backward count equal on every rank; its loss weight is zero.
                 micro.append(MicroBatch(indices=(order[cursor],), samples=0))
             offset += size
-        return StepPlan(epoch=self.epoch, cursor=cursor, global_samples=global_samples, micro_batches=tuple(micro))
+        return StepPlan(
+            epoch=self.epoch,
+            cursor=cursor,
+            global_samples=global_samples,
+            micro_batches=tuple(micro),
+        )
 
     def plans(self, rank: int, world_size: int) -> Iterator[StepPlan]:
         """This rank's remaining steps of the current epoch, from the current cursor.

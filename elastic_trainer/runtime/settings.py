@@ -173,15 +173,23 @@ class HealSettings:
         endpoint = env.get(ENV_HEAL_ENDPOINT, "").strip() or None
         if enabled and endpoint is None:
             raise ConfigError(f"{ENV_HEAL}=in_place needs {ENV_HEAL_ENDPOINT} (the job's etcd)")
-        return cls(enabled=enabled, join=_bool(env, ENV_HEAL_JOIN, False), endpoint=endpoint,
-                   rdzv_conf=env.get(ENV_HEAL_RDZV_CONF, ""), world=_world(env, ENV_HEAL_WORLD),
-                   settle_s=_seconds(env, ENV_HEAL_SETTLE_S, DEFAULT_HEAL_SETTLE_S),
-                   timeout_s=_seconds(env, ENV_HEAL_TIMEOUT_S, DEFAULT_HEAL_TIMEOUT_S),
-                   marker=env.get(ENV_HEAL_MARKER) or None)
+        return cls(
+            enabled=enabled,
+            join=_bool(env, ENV_HEAL_JOIN, False),
+            endpoint=endpoint,
+            rdzv_conf=env.get(ENV_HEAL_RDZV_CONF, ""),
+            world=_world(env, ENV_HEAL_WORLD),
+            settle_s=_seconds(env, ENV_HEAL_SETTLE_S, DEFAULT_HEAL_SETTLE_S),
+            timeout_s=_seconds(env, ENV_HEAL_TIMEOUT_S, DEFAULT_HEAL_TIMEOUT_S),
+            marker=env.get(ENV_HEAL_MARKER) or None,
+        )
 
     def to_environ(self) -> dict[str, str]:
         """The variables :meth:`from_environ` reads back as this value (defaults left out)."""
-        env = {ENV_HEAL: "in_place" if self.enabled else "off", ENV_HEAL_JOIN: "1" if self.join else "0"}
+        env = {
+            ENV_HEAL: "in_place" if self.enabled else "off",
+            ENV_HEAL_JOIN: "1" if self.join else "0",
+        }
         if self.endpoint is not None:
             env[ENV_HEAL_ENDPOINT] = self.endpoint
         if self.rdzv_conf:

@@ -34,7 +34,11 @@ def lone_signal(environ: Mapping[str, str] | None = None) -> bool:
     unit, whatever signal hits it (``docs/design/heal-in-place.md``)."""
     env = os.environ if environ is None else environ
     stopping, marker = env.get(ENV_STOPPING_FILE), env.get(ENV_HEAL_MARKER)
-    return bool(stopping and marker) and os.path.exists(marker or "") and not os.path.exists(stopping or "")
+    return (
+        bool(stopping and marker)
+        and os.path.exists(marker or "")
+        and not os.path.exists(stopping or "")
+    )
 
 
 class GracefulStop:
@@ -78,8 +82,11 @@ class GracefulStop:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if lone_signal():
-            log.warning("received %s, not from this worker's launcher: ending this process as if killed, so "
-                        "that a replacement joins its peers in place", signal.Signals(signum).name)
+            log.warning(
+                "received %s, not from this worker's launcher: ending this process as if killed, so "
+                "that a replacement joins its peers in place",
+                signal.Signals(signum).name,
+            )
             logging.shutdown()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -91,7 +98,8 @@ class GracefulStop:
         self.deadline = time.monotonic() + self.grace_s
         log.warning(
             "received %s: finishing the current step, checkpointing, exiting within %.0f s",
-            signal.Signals(signum).name, self.grace_s,
+            signal.Signals(signum).name,
+            self.grace_s,
         )
         threading.Thread(target=self._watchdog, name="sigterm-grace", daemon=True).start()
 
@@ -120,7 +128,9 @@ class SignalWakeup:
     _fork_hook_registered = False
     _active: SignalWakeup | None = None
 
-    def __init__(self, callback: Callable[[int], None], signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+    def __init__(
+        self, callback: Callable[[int], None], signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+    ) -> None:
         self._callback = callback
         self._signals = {int(s) for s in signals}
         self._read_fd: int | None = None
@@ -136,14 +146,20 @@ class SignalWakeup:
     def install(self) -> SignalWakeup:
         """Route signal bytes to the reader thread (main thread only; elsewhere a warning)."""
         if threading.current_thread() is not threading.main_thread():
-            log.warning("not on the main thread: a signal during a blocked collective will not be noticed early")
+            log.warning(
+                "not on the main thread: a signal during a blocked collective will not be noticed early"
+            )
             return self
         read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)  # required by set_wakeup_fd: a full pipe must not block a handler
+        os.set_blocking(
+            write_fd, False
+        )  # required by set_wakeup_fd: a full pipe must not block a handler
         self._read_fd, self._write_fd = read_fd, write_fd
         self._previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         if self._previous_fd != -1:
-            log.info("chaining the wakeup descriptor %d that was installed before", self._previous_fd)
+            log.info(
+                "chaining the wakeup descriptor %d that was installed before", self._previous_fd
+            )
         SignalWakeup._active = self
         if not SignalWakeup._fork_hook_registered:
             # A forked child (DataLoader worker) inherits the descriptor: its own signals would
@@ -160,7 +176,10 @@ class SignalWakeup:
             return
         current = signal.set_wakeup_fd(self._previous_fd)
         if current != self._write_fd:
-            log.warning("the signal wakeup descriptor was replaced by someone else (%d); restored anyway", current)
+            log.warning(
+                "the signal wakeup descriptor was replaced by someone else (%d); restored anyway",
+                current,
+            )
         SignalWakeup._active = None
         self._closing = True
         with contextlib.suppress(OSError):
@@ -196,4 +215,6 @@ class SignalWakeup:
                     try:
                         self._callback(signum)
                     except Exception:  # noqa: BLE001 - a failing callback must not kill the reader silently
-                        log.exception("signal wakeup callback failed for %s", signal.Signals(signum).name)
+                        log.exception(
+                            "signal wakeup callback failed for %s", signal.Signals(signum).name
+                        )

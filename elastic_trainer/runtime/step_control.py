@@ -94,7 +94,9 @@ class ControlChannel:
         waits: where the control's waits go (the healer's abortable waits when healing in place).
     """
 
-    def __init__(self, env: DistEnv, *, rider: BucketRider | None = None, waits: AbortableWaits | None = None) -> None:
+    def __init__(
+        self, env: DistEnv, *, rider: BucketRider | None = None, waits: AbortableWaits | None = None
+    ) -> None:
         self.env = env
         self._waits = waits if waits is not None else AbortableWaits()
         self._cuda = env.device.type == "cuda"
@@ -103,12 +105,18 @@ class ControlChannel:
             self.group = dist.new_group(backend="gloo")  # host-side: a CPU tensor, no device stream
         # Riding needs the buckets on the CPU and on the group the control would use (the default),
         # and every rank riding: their buckets' collectives must match.
-        possible = env.world_size > 1 and self.group is None and not self._cuda  # alike on every rank
+        possible = (
+            env.world_size > 1 and self.group is None and not self._cuda
+        )  # alike on every rank
         self._rider = rider if possible and _everyone(rider is not None) else None
         self._size_hosts(_HEADER)
-        self._loss_slots = [torch.zeros((), dtype=torch.float64, pin_memory=self._cuda) for _ in range(2)]
+        self._loss_slots = [
+            torch.zeros((), dtype=torch.float64, pin_memory=self._cuda) for _ in range(2)
+        ]
         self._loss_views = [s.numpy() for s in self._loss_slots]
-        self._loss_events: list[Any] = [torch.cuda.Event() if self._cuda else None for _ in range(2)]
+        self._loss_events: list[Any] = [
+            torch.cuda.Event() if self._cuda else None for _ in range(2)
+        ]
         self._loss_step: int | None = None
         self._loss_samples = 0
         self._turn = 0
@@ -120,13 +128,27 @@ class ControlChannel:
         self._payloads = [torch.zeros(2 * size + 1, dtype=torch.float32) for _ in range(2)]
         self._payload_views = [p.numpy() for p in self._payloads]
 
-    def start(self, step: int, loss_sum: torch.Tensor | None, *, global_samples: int, stop: bool,
-              buffers: torch.Tensor | None = None, checkpoint_failed: bool = False) -> PendingControl:
+    def start(
+        self,
+        step: int,
+        loss_sum: torch.Tensor | None,
+        *,
+        global_samples: int,
+        stop: bool,
+        buffers: torch.Tensor | None = None,
+        checkpoint_failed: bool = False,
+    ) -> PendingControl:
         """Start step ``step``'s control: this rank's stop flag, the previous step's loss sum, and
         ``buffers`` (this rank's contribution of rank 0's buffers, or ``None``). ``loss_sum`` (this
         rank's loss summed over its samples of ``step``) is staged for the next control."""
-        if buffers is not None and not self._cuda and self._hosts[0].numel() != _HEADER + buffers.numel():
-            self._size_hosts(_HEADER + buffers.numel())  # the first step with buffers, or a new layout
+        if (
+            buffers is not None
+            and not self._cuda
+            and self._hosts[0].numel() != _HEADER + buffers.numel()
+        ):
+            self._size_hosts(
+                _HEADER + buffers.numel()
+            )  # the first step with buffers, or a new layout
         turn = self._turn
         self._turn ^= 1
         host, view = self._hosts[turn], self._views[turn]
@@ -138,8 +160,14 @@ class ControlChannel:
             event = self._loss_events[slot]
             if event is None or event.query():
                 view[_LOSS], view[_PRESENT] = float(self._loss_views[slot]), 1.0
-        pending = PendingControl(step=step, host=host, view=view, work=None, loss_of=previous,
-                                 loss_samples=self._loss_samples)
+        pending = PendingControl(
+            step=step,
+            host=host,
+            view=view,
+            work=None,
+            loss_of=previous,
+            loss_samples=self._loss_samples,
+        )
         if buffers is not None and not self._cuda:
             host[_HEADER:].copy_(buffers)
             pending.buffers = host[_HEADER:]
@@ -152,7 +180,9 @@ class ControlChannel:
             pending.work = self._allreduce(host)
         if buffers is not None and self._cuda:
             pending.buffers = buffers.clone()
-            pending.buffer_work = dist.all_reduce(pending.buffers, async_op=True) if self.env.world_size > 1 else None
+            pending.buffer_work = (
+                dist.all_reduce(pending.buffers, async_op=True) if self.env.world_size > 1 else None
+            )
         # Stage this step's loss for the next control (into the slot this one did not read).
         if loss_sum is not None:
             self._loss_slots[turn].copy_(loss_sum.detach().reshape(()), non_blocking=self._cuda)
@@ -177,7 +207,9 @@ class ControlChannel:
             return
         future = self._rider.collect(payload)
         if future is not None:
-            (self._waits.track(future) if self._waits.enabled else future).wait()  # done with the backward's buckets
+            (
+                self._waits.track(future) if self._waits.enabled else future
+            ).wait()  # done with the backward's buckets
             if pending.halves[-1] == 0:
                 _join(pending.halves, pending.view)
                 pending.complete = True
@@ -219,11 +251,19 @@ class ControlChannel:
             pending.work = None
         view = pending.view
         loss = None
-        if pending.loss_of is not None and view[_PRESENT] == self.env.world_size and pending.loss_samples:
+        if (
+            pending.loss_of is not None
+            and view[_PRESENT] == self.env.world_size
+            and pending.loss_samples
+        ):
             loss = float(view[_LOSS]) / pending.loss_samples
-        return ControlResult(step=pending.step, stop=bool(view[_STOP] > 0), loss_step=pending.loss_of,
-                             loss=None if loss is not None and math.isnan(loss) else loss,
-                             checkpoint_failed=bool(view[_CHECKPOINT_FAILED] > 0))
+        return ControlResult(
+            step=pending.step,
+            stop=bool(view[_STOP] > 0),
+            loss_step=pending.loss_of,
+            loss=None if loss is not None and math.isnan(loss) else loss,
+            checkpoint_failed=bool(view[_CHECKPOINT_FAILED] > 0),
+        )
 
 
 def _everyone(flag: bool) -> bool:

@@ -29,18 +29,29 @@ class TorchCompatError(RuntimeError):
 
 # -- torch.distributed.checkpoint (worker processes; the sharded checkpoint format) ----------------
 
-DCP_METADATA_CLASSES = frozenset({
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-                 "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-})
+DCP_METADATA_CLASSES = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+)
 """What DCP's ``.metadata`` pickle may name (``FileSystemWriter.finish`` pickles a ``Metadata``;
 torch 2.13), besides torch dtypes: the allowlist of the restricted unpickler that reads it."""
 
@@ -53,7 +64,9 @@ def dcp_host_state_dict(state: dict[str, Any], *, pin_memory: bool) -> dict[str,
     return _create_cpu_state_dict(state, pin_memory=pin_memory)
 
 
-def dcp_copy_state_dict(source: dict[str, Any], target: dict[str, Any], *, non_blocking: bool) -> dict[str, Any]:
+def dcp_copy_state_dict(
+    source: dict[str, Any], target: dict[str, Any], *, non_blocking: bool
+) -> dict[str, Any]:
     """Copy every tensor of ``source`` into ``target``'s (same structure):
     ``torch.distributed._state_dict_utils._copy_state_dict`` (private). Returns the copy."""
     from torch.distributed._state_dict_utils import _copy_state_dict
@@ -112,8 +125,10 @@ def on_group_failure(callback: GroupFailureCallback) -> Callable[[], None]:
 
     original = getattr(LocalElasticAgent, "_monitor_workers", None)
     if original is None or not hasattr(LocalElasticAgent, "_restart_workers"):
-        logging.getLogger(__name__).warning("this torch's elastic agent has no _monitor_workers: every failure is retried up to "
-                    "--max-restarts times")
+        logging.getLogger(__name__).warning(
+            "this torch's elastic agent has no _monitor_workers: every failure is retried up to "
+            "--max-restarts times"
+        )
         return lambda: None
 
     def _monitor_workers(self: Any, worker_group: Any) -> Any:
@@ -179,8 +194,10 @@ def replace_failed_workers(decide: ReplacementDecision) -> Callable[[], None]:
     original = getattr(LocalElasticAgent, "_monitor_workers", None)
     needed = ("subprocess_handlers", "_running_local_ranks", "_numa_options")
     if original is None:
-        logging.getLogger(__name__).warning("this torch's elastic agent has no _monitor_workers: a killed worker "
-                                            "restarts its whole group")
+        logging.getLogger(__name__).warning(
+            "this torch's elastic agent has no _monitor_workers: a killed worker "
+            "restarts its whole group"
+        )
         return lambda: None
 
     def replace(context: Any, worker_group: Any) -> None:
@@ -195,14 +212,21 @@ def replace_failed_workers(decide: ReplacementDecision) -> Callable[[], None]:
             env = {**context.envs[local_rank], **changes}
             context.envs[local_rank] = env
             context.subprocess_handlers[local_rank] = get_subprocess_handler(
-                entrypoint=context.entrypoint, args=context.args[local_rank], env=env,
-                stdout=context.stdouts[local_rank], stderr=context.stderrs[local_rank], local_rank_id=local_rank,
-                numa_options=context._numa_options)
+                entrypoint=context.entrypoint,
+                args=context.args[local_rank],
+                env=env,
+                stdout=context.stdouts[local_rank],
+                stderr=context.stderrs[local_rank],
+                local_rank_id=local_rank,
+                numa_options=context._numa_options,
+            )
             worker_group.workers[local_rank].id = context.subprocess_handlers[local_rank].proc.pid
 
     def _monitor_workers(self: Any, worker_group: Any) -> Any:
         context = getattr(self, "_pcontext", None)
-        if isinstance(context, SubprocessContext) and all(hasattr(context, name) for name in needed):
+        if isinstance(context, SubprocessContext) and all(
+            hasattr(context, name) for name in needed
+        ):
             replace(context, worker_group)
         return original(self, worker_group)
 
@@ -311,7 +335,9 @@ def decode_dynamic_state(raw: bytes) -> DynamicState:
     class StateUnpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
             if (module, name) not in _STATE_CLASSES:
-                raise pickle.UnpicklingError(f"unexpected class {module}.{name} in rendezvous state")
+                raise pickle.UnpicklingError(
+                    f"unexpected class {module}.{name} in rendezvous state"
+                )
             return super().find_class(module, name)
 
     state = StateUnpickler(io.BytesIO(raw)).load()
@@ -329,6 +355,7 @@ def decode_dynamic_state(raw: bytes) -> DynamicState:
 
 
 # -- collectives and DDP (worker processes) -----------------------------------------------------
+
 
 def forget_unfinished_default_group() -> None:
     """After ``init_process_group`` failed half way (a peer never came), let the next call name its

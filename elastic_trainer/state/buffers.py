@@ -29,8 +29,18 @@ def _persistent_buffer_slots(model: nn.Module) -> list[tuple[nn.Module, str, str
     return slots
 
 
-_EXCHANGEABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                 torch.int16, torch.int8, torch.uint8, torch.bool)
+_EXCHANGEABLE = (
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 """Buffer dtypes that round-trip exactly through float64 (int64 up to 2**53: step counters)."""
 
 
@@ -73,14 +83,22 @@ class AuthoritativeBuffers:
     and the buffers travel on a collective that an abort can end (``runtime/abortable.py``).
     """
 
-    def __init__(self, model: nn.Module, *, rank: int, world_size: int, apply: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, *, rank: int, world_size: int, apply: bool = False
+    ) -> None:
         self._slots = _persistent_buffer_slots(model)
         self._rank = rank
         self._world_size = world_size
-        self._apply = apply and rank != 0 and world_size > 1  # rank 0's own values come back unchanged
-        self._applied_views: dict[int, list[torch.Tensor]] = {}  # reduced tensor's data_ptr -> its views
+        self._apply = (
+            apply and rank != 0 and world_size > 1
+        )  # rank 0's own values come back unchanged
+        self._applied_views: dict[
+            int, list[torch.Tensor]
+        ] = {}  # reduced tensor's data_ptr -> its views
         self._layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
-        self._own: torch.Tensor | None = None  # this rank's buffers of the step in progress, float64
+        self._own: torch.Tensor | None = (
+            None  # this rank's buffers of the step in progress, float64
+        )
         self._views: list[torch.Tensor] = []  # _own cut into the buffers' shapes
         self._live: list[torch.Tensor] = []  # the buffer tensors _views were laid out for
         self._negative_zeros = torch.empty(0, dtype=torch.float64)
@@ -88,11 +106,16 @@ class AuthoritativeBuffers:
         self._committed: torch.Tensor | None = None  # the buffers of the last completed step
         self._committed_layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
         self._source = "none"
-        unsupported = sorted({str(getattr(m, a).dtype) for m, a, _ in self._slots} - {str(d) for d in _EXCHANGEABLE})
+        unsupported = sorted(
+            {str(getattr(m, a).dtype) for m, a, _ in self._slots} - {str(d) for d in _EXCHANGEABLE}
+        )
         self.exchange = world_size > 1 and not unsupported
         if world_size > 1 and unsupported:
-            log.warning("buffers of dtype %s cannot ride on the control allreduce: a just-in-time checkpoint "
-                        "written by a rank other than 0 holds that rank's own buffers", ", ".join(unsupported))
+            log.warning(
+                "buffers of dtype %s cannot ride on the control allreduce: a just-in-time checkpoint "
+                "written by a rank other than 0 holds that rank's own buffers",
+                ", ".join(unsupported),
+            )
 
     @property
     def enabled(self) -> bool:
@@ -108,7 +131,9 @@ class AuthoritativeBuffers:
         if not self.enabled:
             return None
         live = [getattr(module, attr) for module, attr, _ in self._slots]
-        if len(live) != len(self._live) or any(a is not b for a, b in zip(live, self._live, strict=False)):
+        if len(live) != len(self._live) or any(
+            a is not b for a, b in zip(live, self._live, strict=False)
+        ):
             self._relayout(live)  # first step, or a module replaced a buffer
         # One kernel launch for all buffers (dtype conversion included); the copy is reused
         # from step to step: the control allreduce gets a copy of it (torch.cat), never the
@@ -161,14 +186,23 @@ class AuthoritativeBuffers:
         if self._own is None or self._own_committed is None:
             raise RuntimeError("buffers committed before any were captured")
         self._own_committed.copy_(self._own)
-        self._committed, self._committed_layout, self._source = self._own_committed, self._layout, source
+        self._committed, self._committed_layout, self._source = (
+            self._own_committed,
+            self._layout,
+            source,
+        )
 
     def _relayout(self, live: list[torch.Tensor]) -> None:
         self._live = live
         self._applied_views = {}
-        self._layout = [(key, t.dtype, t.shape, t.numel()) for (_, _, key), t in zip(self._slots, live, strict=True)]
+        self._layout = [
+            (key, t.dtype, t.shape, t.numel())
+            for (_, _, key), t in zip(self._slots, live, strict=True)
+        ]
         layout = self._layout
-        self._own = torch.empty(sum(n for *_, n in layout), dtype=torch.float64, device=live[0].device)
+        self._own = torch.empty(
+            sum(n for *_, n in layout), dtype=torch.float64, device=live[0].device
+        )
         self._views, offset = [], 0
         for _, _, shape, numel in layout:
             self._views.append(self._own[offset : offset + numel].view(shape))

@@ -51,7 +51,9 @@ class StateGuard:
             GuardTimeoutError: not acquired within ``timeout`` seconds (``None``: wait as long as needed).
         """
         if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-            raise GuardTimeoutError(f"the training thread stayed inside an optimizer update for {timeout:.1f} s")
+            raise GuardTimeoutError(
+                f"the training thread stayed inside an optimizer update for {timeout:.1f} s"
+            )
         try:
             yield
         finally:

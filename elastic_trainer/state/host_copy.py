@@ -21,7 +21,14 @@ def snapshot_to_cpu(obj: Any, _seen: dict[tuple[Any, ...], torch.Tensor] | None 
     """
     seen = {} if _seen is None else _seen
     if isinstance(obj, torch.Tensor):
-        alias = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(), obj.dtype)
+        alias = (
+            obj.device,
+            obj.untyped_storage().data_ptr(),
+            obj.storage_offset(),
+            obj.shape,
+            obj.stride(),
+            obj.dtype,
+        )
         if alias not in seen:
             seen[alias] = obj.detach().to("cpu", copy=True)
         return seen[alias]
@@ -34,7 +41,9 @@ def snapshot_to_cpu(obj: Any, _seen: dict[tuple[Any, ...], torch.Tensor] | None 
     return obj
 
 
-def device_snapshot(build: Callable[[], Any], device: torch.device, after: torch.cuda.Event | None) -> Any:
+def device_snapshot(
+    build: Callable[[], Any], device: torch.device, after: torch.cuda.Event | None
+) -> Any:
     """CPU copy (:func:`snapshot_to_cpu`) of the payload that ``build`` returns.
 
     On CUDA ``build`` and the copy run on a side stream that waits only for ``after`` (the end of

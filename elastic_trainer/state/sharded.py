@@ -48,14 +48,22 @@ class ShardedState:
             ``state_dict``; names ``model`` and ``optimizer`` are taken.
     """
 
-    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                 objects: Mapping[str, Stateful | None] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        objects: Mapping[str, Stateful | None] | None = None,
+    ) -> None:
         if not is_sharded(model):
-            raise ValueError("model: no DTensor parameters; apply fully_shard first (a DDP model takes the "
-                             "single-file checkpoints)")
+            raise ValueError(
+                "model: no DTensor parameters; apply fully_shard first (a DDP model takes the "
+                "single-file checkpoints)"
+            )
         taken = {MODEL, OPTIMIZER} & set(objects or {})
         if taken:
-            raise ValueError(f"objects: {sorted(taken)} are the names of the model and its optimizers")
+            raise ValueError(
+                f"objects: {sorted(taken)} are the names of the model and its optimizers"
+            )
         self.model = model
         self.optimizers = list(optimizers)
         self.objects: dict[str, Stateful | None] = dict(objects or {})
@@ -63,7 +71,9 @@ class ShardedState:
 
     def state_dict(self) -> dict[str, Any]:
         """Live DTensors of this rank's shards and the plain objects' states (copy before training on)."""
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizers, options=self._options)
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizers, options=self._options
+        )
         payload: dict[str, Any] = {MODEL: model_state, OPTIMIZER: optimizer_state}
         for name, obj in self.objects.items():
             payload[name] = None if obj is None else obj.state_dict()
@@ -71,8 +81,13 @@ class ShardedState:
 
     def load_state_dict(self, payload: Mapping[str, Any]) -> None:
         """Restore from ``payload`` (a :meth:`state_dict` that DCP loaded into)."""
-        set_state_dict(self.model, self.optimizers, model_state_dict=payload[MODEL],
-                       optim_state_dict=payload[OPTIMIZER], options=self._options)
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=payload[MODEL],
+            optim_state_dict=payload[OPTIMIZER],
+            options=self._options,
+        )
         for name, obj in self.objects.items():
             if obj is not None and payload.get(name) is not None:
                 obj.load_state_dict(payload[name])

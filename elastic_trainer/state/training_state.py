@@ -80,17 +80,23 @@ def find_states(model: nn.Module, *, scaler: Any = None) -> dict[str, Stateful]:
     for obj in gc.get_objects():
         kind = type(obj)  # not isinstance: that may run a proxy's __class__ (and its warnings)
         if issubclass(kind, torch.optim.Optimizer) and _over(obj, set(place)):
-            where = tuple(place.get(id(p), -1) for group in obj.param_groups for p in group["params"])
+            where = tuple(
+                place.get(id(p), -1) for group in obj.param_groups for p in group["params"]
+            )
             optimizers.append((where, kind.__name__, obj))
         elif issubclass(kind, torch.optim.lr_scheduler.LRScheduler):
             schedulers.append(obj)
-    optimizers.sort(key=lambda entry: (min((i for i in entry[0] if i >= 0), default=-1), entry[0], entry[1]))
+    optimizers.sort(
+        key=lambda entry: (min((i for i in entry[0] if i >= 0), default=-1), entry[0], entry[1])
+    )
     rank_of = {id(entry[2]): i for i, entry in enumerate(optimizers)}
     found: dict[str, Stateful] = {}
     for i, (_, _, optimizer) in enumerate(optimizers):
         found["optimizer" if i == 0 else f"optimizer_{i}"] = optimizer
-    ours = sorted((s for s in schedulers if id(getattr(s, "optimizer", None)) in rank_of),
-                  key=lambda s: (rank_of[id(s.optimizer)], type(s).__name__))
+    ours = sorted(
+        (s for s in schedulers if id(getattr(s, "optimizer", None)) in rank_of),
+        key=lambda s: (rank_of[id(s.optimizer)], type(s).__name__),
+    )
     for i, scheduler in enumerate(ours):
         found["scheduler" if i == 0 else f"scheduler_{i}"] = scheduler
     if scaler is not None:
@@ -114,11 +120,21 @@ class TrainingState:
         seed: the job's seed (recorded with the random-number scheme).
     """
 
-    def __init__(self, objects: Mapping[str, Stateful | None], *, env: DistEnv, model: nn.Module | None = None,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self,
+        objects: Mapping[str, Stateful | None],
+        *,
+        env: DistEnv,
+        model: nn.Module | None = None,
+        seed: int | None = None,
+    ) -> None:
         self.objects: dict[str, Stateful | None] = dict(objects)
         candidate = self.objects.get("model")
-        self.model = model if model is not None else (candidate if isinstance(candidate, nn.Module) else None)
+        self.model = (
+            model
+            if model is not None
+            else (candidate if isinstance(candidate, nn.Module) else None)
+        )
         self.env = env
         self.seed = seed
         self.step = 0
@@ -156,11 +172,19 @@ class TrainingState:
     def state_dict(self, model_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """The state's payload (live tensors; the caller copies or writes them at once).
         ``model_state`` replaces the model's own state dict (rank 0's buffers)."""
-        data: dict[str, Any] = {name: None if obj is None else obj.state_dict() for name, obj in self.objects.items()}
+        data: dict[str, Any] = {
+            name: None if obj is None else obj.state_dict() for name, obj in self.objects.items()
+        }
         if model_state is not None:
             data["model"] = model_state
-        data.update({"rng": {"scheme": rng.STEP_SCHEME, "seed": self.seed}, "step": self.step,
-                     "epoch": self.current_epoch, "world_size": self.env.world_size})
+        data.update(
+            {
+                "rng": {"scheme": rng.STEP_SCHEME, "seed": self.seed},
+                "step": self.step,
+                "epoch": self.current_epoch,
+                "world_size": self.env.world_size,
+            }
+        )
         return data
 
     def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:
@@ -179,7 +203,9 @@ class TrainingState:
     def unrestored(self) -> list[str]:
         """Objects of this state that the last load did not restore."""
         restored = set(self.restored or ())
-        return [name for name, obj in self.objects.items() if obj is not None and name not in restored]
+        return [
+            name for name, obj in self.objects.items() if obj is not None and name not in restored
+        ]
 
     # -- changes --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -215,8 +241,9 @@ class TrainingState:
         env = self.env
         self.buffers = None
         if (needed or self._serve_peers or self._apply_buffers) and self.model is not None:
-            self.buffers = AuthoritativeBuffers(self.model, rank=env.rank, world_size=env.world_size,
-                                                apply=self._apply_buffers)
+            self.buffers = AuthoritativeBuffers(
+                self.model, rank=env.rank, world_size=env.world_size, apply=self._apply_buffers
+            )
             if env.device.type == "cuda":
                 self._update_event = torch.cuda.Event()
 
@@ -261,8 +288,11 @@ class TrainingState:
         saved = {id(obj) for obj in self.objects.values() if obj is not None}
         for obj in self.objects.values():  # a wrapper's inner optimizer (ZeroRedundancyOptimizer's)
             if isinstance(obj, torch.optim.Optimizer):
-                saved.update(id(inner) for inner in (getattr(obj, "optim", None), getattr(obj, "optimizer", None))
-                             if inner is not None)
+                saved.update(
+                    id(inner)
+                    for inner in (getattr(obj, "optim", None), getattr(obj, "optimizer", None))
+                    if inner is not None
+                )
         checked: set[int] = set()
 
         def pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -272,7 +302,8 @@ class TrainingState:
                 raise UnsavedStateError(
                     f"an optimizer ({type(optimizer).__name__}) over the model's parameters steps but is not part of "
                     f"the saved state (saved: {', '.join(sorted(self.objects))}): after a heal or a resume it would "
-                    "differ between ranks; create it before Elastic(...) (or the loop), or pass it with states={...}")
+                    "differ between ranks; create it before Elastic(...) (or the loop), or pass it with states={...}"
+                )
             checked.add(id(optimizer))
 
         handle = register_optimizer_step_pre_hook(pre_step)
@@ -283,8 +314,11 @@ class TrainingState:
 
     def checksums(self) -> list[tuple[str, int]]:
         """One exact checksum per saved object (of its ``state_dict()`` tensors' bytes)."""
-        return [(name, _checksum(obj.state_dict())) for name, obj in self.objects.items()
-                if obj is not None and name != "sampler"] + [("step", self.step)]
+        return [
+            (name, _checksum(obj.state_dict()))
+            for name, obj in self.objects.items()
+            if obj is not None and name != "sampler"
+        ] + [("step", self.step)]
 
     def verify_replicas(self, group: Any = None) -> None:
         """Collective (one allreduce of two integers per object): every rank holds the same state.
@@ -295,8 +329,12 @@ class TrainingState:
         if self.env.world_size <= 1:
             return
         named = self.checksums()
-        device = self.env.device if self.env.backend == "nccl" else torch.device("cpu")  # NCCL reduces on the GPU
-        values = torch.tensor([c for _, c in named] + [-c for _, c in named], dtype=torch.int64, device=device)
+        device = (
+            self.env.device if self.env.backend == "nccl" else torch.device("cpu")
+        )  # NCCL reduces on the GPU
+        values = torch.tensor(
+            [c for _, c in named] + [-c for _, c in named], dtype=torch.int64, device=device
+        )
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         n = len(named)
         for i, (name, _) in enumerate(named):
@@ -304,7 +342,8 @@ class TrainingState:
                 self.guard.consistent = False  # nothing of it may be saved
                 raise ReplicaMismatchError(
                     f"after the heal the ranks hold different {name!r} states (its load_state_dict does not restore "
-                    "everything its state_dict saves); falling back to the newest checkpoint")
+                    "everything its state_dict saves); falling back to the newest checkpoint"
+                )
         log.debug("heal: %d states equal on every rank", len(named))
 
 
@@ -321,7 +360,9 @@ def _checksum(value: Any) -> int:
             words = data.view(torch.int64)
         else:
             words = data.to(torch.int64)
-        weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device) % 1021 + 1
+        weights = (
+            torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device) % 1021 + 1
+        )
         return (int((words * weights).sum()) + words.numel()) & _MASK
     if isinstance(value, Mapping):
         for i, (key, item) in enumerate(value.items()):

@@ -20,7 +20,13 @@ from elastic_trainer.runtime.settings import (
     check_positive_int,
 )
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY", "CheckpointConfig", "DDPOptions", "MixedPrecision", "TrainerConfig"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_EVERY",
+    "CheckpointConfig",
+    "DDPOptions",
+    "MixedPrecision",
+    "TrainerConfig",
+]
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
 _MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -45,7 +51,12 @@ class DDPOptions:
 
     def __post_init__(self) -> None:
         check_positive("ddp.bucket_cap_mb", self.bucket_cap_mb)
-        for name in ("find_unused_parameters", "gradient_as_bucket_view", "broadcast_buffers", "static_graph"):
+        for name in (
+            "find_unused_parameters",
+            "gradient_as_bucket_view",
+            "broadcast_buffers",
+            "static_graph",
+        ):
             check_bool(f"ddp.{name}", getattr(self, name))
 
 
@@ -111,8 +122,14 @@ class TrainerConfig:
         check_positive("sigterm_grace_s", self.sigterm_grace_s, allow_none=True)
         check_positive("pg_timeout_s", self.pg_timeout_s, allow_none=True)
         check_positive_int("log_every", self.log_every)
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ConfigError(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
+        if (
+            isinstance(self.num_workers, bool)
+            or not isinstance(self.num_workers, int)
+            or self.num_workers < 0
+        ):
+            raise ConfigError(
+                f"num_workers: must be a non-negative integer, got {self.num_workers!r}"
+            )
         if self.backend not in (None, "nccl", "gloo"):
             raise ConfigError(f"backend: must be 'nccl', 'gloo' or unset, got {self.backend!r}")
         if self.mixed_precision not in _MIXED_PRECISION:
@@ -122,13 +139,17 @@ class TrainerConfig:
         for name in ("shuffle", "sync_batchnorm", "zero_redundancy"):
             check_bool(name, getattr(self, name))
         if not isinstance(self.checkpoint, CheckpointConfig):
-            raise ConfigError(f"checkpoint: must be a CheckpointConfig, got {type(self.checkpoint).__name__}")
+            raise ConfigError(
+                f"checkpoint: must be a CheckpointConfig, got {type(self.checkpoint).__name__}"
+            )
         if not isinstance(self.ddp, DDPOptions):
             raise ConfigError(f"ddp: must be a DDPOptions, got {type(self.ddp).__name__}")
 
     def sigterm_grace(self, settings: WorkerSettings) -> float:
         """The grace period in effect (this config's, else the environment's)."""
-        return self.sigterm_grace_s if self.sigterm_grace_s is not None else settings.sigterm_grace_s
+        return (
+            self.sigterm_grace_s if self.sigterm_grace_s is not None else settings.sigterm_grace_s
+        )
 
     def pg_timeout(self, settings: WorkerSettings) -> float:
         """The collective timeout in effect (this config's, else the environment's)."""

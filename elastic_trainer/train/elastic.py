@@ -172,12 +172,16 @@ class Elastic:
         fault_hook: FaultHook | None = None,
     ) -> None:
         if isinstance(model, (DDP, nn.DataParallel)):
-            raise failures.ConfigError("Elastic(model): pass the plain model; Elastic wraps it in DDP (elastic.ddp) "
-                                       "over the process group of the moment")
+            raise failures.ConfigError(
+                "Elastic(model): pass the plain model; Elastic wraps it in DDP (elastic.ddp) "
+                "over the process group of the moment"
+            )
         if is_sharded(model):
-            raise failures.ConfigError("Elastic(model): the model is sharded (fully_shard); Elastic runs DDP models. "
-                                       "Save a sharded model with ShardedCheckpointManager (see "
-                                       "elastic_trainer/examples/sharded_lm.py)")
+            raise failures.ConfigError(
+                "Elastic(model): the model is sharded (fully_shard); Elastic runs DDP models. "
+                "Save a sharded model with ShardedCheckpointManager (see "
+                "elastic_trainer/examples/sharded_lm.py)"
+            )
         if isinstance(dataset, int):
             self.dataset: Dataset[Any] | None = None
             size = dataset
@@ -188,25 +192,40 @@ class Elastic:
             except TypeError:
                 raise failures.ConfigError(
                     f"Elastic(dataset): a {type(dataset).__name__} has no length; pass a map-style dataset, or the "
-                    "number of samples and load each micro-batch's indices yourself") from None
+                    "number of samples and load each micro-batch's indices yourself"
+                ) from None
         self.model = model
         self.settings = settings if settings is not None else WorkerSettings.from_environ()
-        self.env = env if env is not None else (group.env if group is not None else distributed.read_env())
-        self.sampler = ElasticSampler(size, global_batch_size, seed=seed, shuffle=shuffle,
-                                      micro_batch_size=micro_batch_size)
+        self.env = (
+            env if env is not None else (group.env if group is not None else distributed.read_env())
+        )
+        self.sampler = ElasticSampler(
+            size, global_batch_size, seed=seed, shuffle=shuffle, micro_batch_size=micro_batch_size
+        )
         check_sampler(self.sampler)
         self.max_steps, self.epochs, self.seed = max_steps, epochs, seed
-        self.checkpoint = checkpoint if checkpoint is not None else CheckpointConfig(
-            directory=checkpoint_dir, every=checkpoint_every)
+        self.checkpoint = (
+            checkpoint
+            if checkpoint is not None
+            else CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every)
+        )
         self.scaler = scaler
-        found = find_states(model, scaler=scaler) if find else ({"scaler": scaler} if scaler is not None else {})
+        found = (
+            find_states(model, scaler=scaler)
+            if find
+            else ({"scaler": scaler} if scaler is not None else {})
+        )
         objects: dict[str, Stateful | None] = {"model": model, **found}
         objects.update(states or {})
         objects["sampler"] = self.sampler
         self.state = TrainingState(objects, env=self.env, model=model, seed=seed)
         """What is saved, restored and handed to a peer (found here; see :func:`find_states`)."""
-        self.fingerprint = {"model": ckpt.model_signature(model.state_dict()), "dataset_size": size, "seed": seed,
-                            "shuffle": shuffle}
+        self.fingerprint = {
+            "model": ckpt.model_signature(model.state_dict()),
+            "dataset_size": size,
+            "seed": seed,
+            "shuffle": shuffle,
+        }
         self.collate_fn, self.num_workers = collate_fn, num_workers
         self.ddp_options = dict(ddp_options or {})
         self.log_every, self.tokens_per_sample = log_every, tokens_per_sample
@@ -278,15 +297,20 @@ class Elastic:
     def _start_attempt(self, attempt: Attempt) -> None:
         self.env = attempt.env
         self.state.rebind(attempt.env)
-        self.ddp = None  # the previous group's DDP goes first (its buckets are as large as the gradients)
+        self.ddp = (
+            None  # the previous group's DDP goes first (its buckets are as large as the gradients)
+        )
         # A failed step may have left partial gradients (a micro-batch's backward under no_sync):
         # the step runs again from its start, so they go (gradients are no state).
         self.model.zero_grad(set_to_none=True)
         kwargs, ride = self.ddp_kwargs(self.env)
         if ride:
             self.state.sync_buffers()
-        self.ddp = attempt.wrap(DDP(self.model, init_sync=attempt.ddp_init_sync, **kwargs), self._observer,
-                                release=self._release_ddp)
+        self.ddp = attempt.wrap(
+            DDP(self.model, init_sync=attempt.ddp_init_sync, **kwargs),
+            self._observer,
+            release=self._release_ddp,
+        )
         self._batches, self._loader_epoch, self._pending_batch = None, -1, None
 
     def ddp_kwargs(self, env: DistEnv) -> tuple[dict[str, Any], bool]:
@@ -296,11 +320,18 @@ class Elastic:
         (``docs/design/steady-state.md``), which DDP's broadcast does not."""
         kwargs = dict(self.ddp_options)
         broadcast = bool(kwargs.pop("broadcast_buffers", kwargs.pop("forward_sync_buffers", True)))
-        ride = broadcast and env.world_size > 1 and env.device.type == "cpu" and replaces_buffer_broadcast(self.model)
+        ride = (
+            broadcast
+            and env.world_size > 1
+            and env.device.type == "cpu"
+            and replaces_buffer_broadcast(self.model)
+        )
         # torch >= 2.13 calls forward-time buffer broadcasting ``forward_sync_buffers`` (buffers are
         # then always synced once at construction, which resume relies on anyway).
         forward_sync = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-        kwargs["forward_sync_buffers" if forward_sync else "broadcast_buffers"] = broadcast and not ride
+        kwargs["forward_sync_buffers" if forward_sync else "broadcast_buffers"] = (
+            broadcast and not ride
+        )
         if env.device.type == "cuda":
             kwargs.setdefault("device_ids", [env.device.index])
             kwargs.setdefault("output_device", env.device.index)
@@ -310,15 +341,32 @@ class Elastic:
         self.ddp = None
 
     def _loop(self, attempt: Attempt) -> ElasticLoop:
-        checkpoints = CheckpointManager(self.checkpoint, env=self.env, state=self.state, fingerprint=self.fingerprint,
-                                        settings=self.settings, observer=self._observer, fence=attempt.fence,
-                                        run_config=self.run_config)
-        self.loop = attempt.loop(sampler=self.sampler, checkpoints=checkpoints, max_steps=self.max_steps,
-                                 epochs=self.epochs, seed=self.seed, observer=self._observer, settings=self.settings,
-                                 sigterm_grace_s=self.sigterm_grace_s,
-                                 log_every=self.log_every, record_samples_dir=self.record_samples_dir,
-                                 tokens_per_sample=self.tokens_per_sample, lr=self._lr, after_step=self.after_step,
-                                 fault_hook=self._fault_hook)
+        checkpoints = CheckpointManager(
+            self.checkpoint,
+            env=self.env,
+            state=self.state,
+            fingerprint=self.fingerprint,
+            settings=self.settings,
+            observer=self._observer,
+            fence=attempt.fence,
+            run_config=self.run_config,
+        )
+        self.loop = attempt.loop(
+            sampler=self.sampler,
+            checkpoints=checkpoints,
+            max_steps=self.max_steps,
+            epochs=self.epochs,
+            seed=self.seed,
+            observer=self._observer,
+            settings=self.settings,
+            sigterm_grace_s=self.sigterm_grace_s,
+            log_every=self.log_every,
+            record_samples_dir=self.record_samples_dir,
+            tokens_per_sample=self.tokens_per_sample,
+            lr=self._lr,
+            after_step=self.after_step,
+            fault_hook=self._fault_hook,
+        )
         return self.loop
 
     def _lr(self) -> float | None:
@@ -338,13 +386,18 @@ class Elastic:
         if self._batches is None or self._loader_epoch != plan.epoch:
             env = self.env
             generator = torch.Generator().manual_seed(
-                rng.derive_seed(self.seed, plan.epoch, plan.cursor, env.rank, env.world_size))
-            loader = DataLoader(self.dataset, batch_sampler=MicroBatchSampler(self.sampler, env.rank, env.world_size),
-                                num_workers=self.num_workers, collate_fn=self.collate_fn,
-                                pin_memory=env.device.type == "cuda", generator=generator)
+                rng.derive_seed(self.seed, plan.epoch, plan.cursor, env.rank, env.world_size)
+            )
+            loader = DataLoader(
+                self.dataset,
+                batch_sampler=MicroBatchSampler(self.sampler, env.rank, env.world_size),
+                num_workers=self.num_workers,
+                collate_fn=self.collate_fn,
+                pin_memory=env.device.type == "cuda",
+                generator=generator,
+            )
             self._batches, self._loader_epoch = iter(loader), plan.epoch
         return move_to(next(self._batches), self.env.device)
-
 
     def peek_batch(self, plan: StepPlan) -> Any:
         """The step's next micro-batch, left to be loaded again by ``for batch in step`` (DDP's
@@ -416,7 +469,9 @@ class Step:
         the backward, and opens the update section after it."""
         index = self._current()
         plan, env = self.plan, self._loop.env
-        contribution = loss.detach().float() * (plan.global_samples / env.world_size)  # loss x samples
+        contribution = loss.detach().float() * (
+            plan.global_samples / env.world_size
+        )  # loss x samples
         self._loss_sum = contribution if self._loss_sum is None else self._loss_sum + contribution
         last = index == len(plan.micro_batches) - 1
         if last:
@@ -434,8 +489,12 @@ class Step:
     def __enter__(self) -> Step:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         try:
             if exc is None:
                 self._open_update()

@@ -65,7 +65,11 @@ def _hand_on(loop: ElasticLoop, held: int, reason: str) -> None:
     checkpoints = loop.checkpoints
     step = loop.state.step
     if held >= step:
-        log.warning("heal: a live peer holds step %d (this process: %d); nothing to save before ending", held, step)
+        log.warning(
+            "heal: a live peer holds step %d (this process: %d); nothing to save before ending",
+            held,
+            step,
+        )
         return
     outcome = checkpoints.save_just_in_time(reason, deadline=time.monotonic() + SAVE_TIMEOUT_S)
     log.warning("heal: handing step %d on through the disk before ending: %s", step, outcome.detail)
@@ -83,8 +87,13 @@ class ElasticGroup:
     it is: no healing, and it is not destroyed at the end.
     """
 
-    def __init__(self, settings: WorkerSettings | None = None, env: DistEnv | None = None, *,
-                 pg_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings | None = None,
+        env: DistEnv | None = None,
+        *,
+        pg_timeout_s: float | None = None,
+    ) -> None:
         self.settings = settings if settings is not None else WorkerSettings.from_environ()
         self.env = env if env is not None else distributed.read_env()
         self.pg_timeout_s = pg_timeout_s if pg_timeout_s is not None else self.settings.pg_timeout_s
@@ -115,8 +124,13 @@ class ElasticGroup:
         self._owns = not dist.is_initialized()
         if not self._owns:
             return self
-        self.healer = Healer.create(self.settings.heal, self.env, run_id=self.settings.run_id,
-                                    node=self.settings.node, pg_timeout_s=self.pg_timeout_s)
+        self.healer = Healer.create(
+            self.settings.heal,
+            self.env,
+            run_id=self.settings.run_id,
+            node=self.settings.node,
+            pg_timeout_s=self.pg_timeout_s,
+        )
         if self.healer is not None:
             self.comms = WorkerComms(waits=self.healer.waits)
         try:
@@ -133,8 +147,12 @@ class ElasticGroup:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self._close()
 
     def _close(self) -> None:
@@ -155,8 +173,14 @@ class ElasticGroup:
 
     def _finish_early(self, *, step: int, epoch: int) -> None:
         self._ended = True
-        self._result = TrainResult(step=step, epoch=epoch, loss=None, resumed_from=None, stopped_by_signal=False,
-                                   checkpoint=None)
+        self._result = TrainResult(
+            step=step,
+            epoch=epoch,
+            loss=None,
+            resumed_from=None,
+            stopped_by_signal=False,
+            checkpoint=None,
+        )
 
 
 class Attempt:
@@ -190,8 +214,13 @@ class Attempt:
         without never commits a checkpoint. ``None`` without in-place healing."""
         return self.group.healer.commit_fence if self.group.healer is not None else None
 
-    def wrap(self, ddp: torch.nn.parallel.DistributedDataParallel, observer: TrainingObserver | None = None, *,
-             release: Callable[[], None] | None = None) -> torch.nn.parallel.DistributedDataParallel:
+    def wrap(
+        self,
+        ddp: torch.nn.parallel.DistributedDataParallel,
+        observer: TrainingObserver | None = None,
+        *,
+        release: Callable[[], None] | None = None,
+    ) -> torch.nn.parallel.DistributedDataParallel:
         """Take ``ddp`` (built on this attempt's group) into the attempt: the observer's allreduce
         timing and, at a heal, its gradient hooks removed. At the defaults no comm hook is
         registered: DDP reduces its buckets in C++ (``docs/design/steady-state.md``).
@@ -199,7 +228,9 @@ class Attempt:
         ``ddp`` (its buckets are as large as the gradients). Returns ``ddp``."""
         if observer is not None:
             observer.wrap_ddp(ddp)
-        self._rides_buckets = rides(ddp, self.group.comms)  # an opt-in hook takes the control aboard
+        self._rides_buckets = rides(
+            ddp, self.group.comms
+        )  # an opt-in hook takes the control aboard
         self._wrappers.append(weakref.ref(ddp))
         if release is not None:
             self._releases.append(release)
@@ -209,10 +240,16 @@ class Attempt:
         """An :class:`ElasticLoop` for this attempt (``options``: the loop's, less ``env`` and the
         healing ones, which the attempt supplies)."""
         healer = self.group.healer
-        loop = ElasticLoop(env=self.env, heals_in_place=healer is not None, initial_state=self.initial_state,
-                           generation_part=healer.heals if healer is not None else 0,
-                           heal_check=healer.check if healer is not None else None,
-                           control_rides_buckets=self._rides_buckets, comms=self.group.comms, **options)
+        loop = ElasticLoop(
+            env=self.env,
+            heals_in_place=healer is not None,
+            initial_state=self.initial_state,
+            generation_part=healer.heals if healer is not None else 0,
+            heal_check=healer.check if healer is not None else None,
+            control_rides_buckets=self._rides_buckets,
+            comms=self.group.comms,
+            **options,
+        )
         self.initial_state = None
         if healer is not None:
             checkpoints: CheckpointManager = loop.checkpoints
@@ -224,14 +261,20 @@ class Attempt:
     def __enter__(self) -> Attempt:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         healer = self.group.healer
         try:
             return self._end(exc)
         finally:
             if healer is not None:
-                healer.offer_state(None)  # what writes the model next (DDP's broadcast, a load) comes after
+                healer.offer_state(
+                    None
+                )  # what writes the model next (DDP's broadcast, a load) comes after
 
     def _end(self, exc: BaseException | None) -> bool:
         """:meth:`__exit__`: heal after a group failure (the loop's offer to hand its state on
@@ -239,21 +282,39 @@ class Attempt:
         group, healer = self.group, self.group.healer
         loop = group._loop
         if exc is None:
-            if healer is not None and loop is not None and loop.result is not None and loop.result.finished:
+            if (
+                healer is not None
+                and loop is not None
+                and loop.result is not None
+                and loop.result.finished
+            ):
                 healer.finish(self.env, loop.result.step)
             return False
-        if healer is None or not isinstance(exc, Exception) or not failures.is_collective_failure(exc):
+        if (
+            healer is None
+            or not isinstance(exc, Exception)
+            or not failures.is_collective_failure(exc)
+        ):
             return False
         holds = loop is not None and loop.state_ready and loop.state.consistent
         step = loop.step if holds and loop is not None else NO_STATE
         reason = failure_reason(exc)
         self._detach_wrappers()
-        snapshot: Callable[[], dict[str, Any]] = partial(loop.state.peer_snapshot, SAVE_TIMEOUT_S) if loop is not None else dict
+        snapshot: Callable[[], dict[str, Any]] = (
+            partial(loop.state.peer_snapshot, SAVE_TIMEOUT_S) if loop is not None else dict
+        )
         # A round that opens before the loop restored the state a peer just sent (a second fault
         # right after a heal, or a member late for the last round): that state is still this
         # process's to hand on, so the job goes on from its step, not from the last checkpoint.
-        unrestored = self.initial_state if self.initial_state is not None else (
-            getattr(loop, "_initial_state", None) if loop is not None and not loop.state_ready else None)
+        unrestored = (
+            self.initial_state
+            if self.initial_state is not None
+            else (
+                getattr(loop, "_initial_state", None)
+                if loop is not None and not loop.state_ready
+                else None
+            )
+        )
         if not holds and isinstance(unrestored, dict) and isinstance(unrestored.get("step"), int):
             step, snapshot = unrestored["step"], (lambda: unrestored)
         # The loop's stop handler is gone: a stop signal during the heal is this one's, and one
@@ -274,8 +335,10 @@ class Attempt:
             raise SystemExit(EXIT_STOPPED) from exc
         except RunFinished:
             log.warning("the job finished while this process healed")
-            group._finish_early(step=loop.step if loop is not None else 0,
-                                epoch=loop.sampler.epoch if loop is not None else 0)
+            group._finish_early(
+                step=loop.step if loop is not None else 0,
+                epoch=loop.sampler.epoch if loop is not None else 0,
+            )
             return True
         except HealError as heal_exc:
             log.error("%s; falling back to a restart", heal_exc)

@@ -43,19 +43,27 @@ class FSDPOptions:
     less memory, one more all-gather per unit and step. ``False`` keeps them until the backward."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.blocks, str) or not all(isinstance(b, str) and b.strip() for b in self.blocks):
-            raise ConfigError(f"fsdp.blocks: must be a sequence of module names, got {self.blocks!r}")
+        if isinstance(self.blocks, str) or not all(
+            isinstance(b, str) and b.strip() for b in self.blocks
+        ):
+            raise ConfigError(
+                f"fsdp.blocks: must be a sequence of module names, got {self.blocks!r}"
+            )
         self.blocks = tuple(self.blocks)
         if self.mixed_precision not in get_args(MixedPrecision):
-            raise ConfigError(f"fsdp.mixed_precision: must be one of {', '.join(get_args(MixedPrecision))}, "
-                              f"got {self.mixed_precision!r}")
+            raise ConfigError(
+                f"fsdp.mixed_precision: must be one of {', '.join(get_args(MixedPrecision))}, "
+                f"got {self.mixed_precision!r}"
+            )
         check_bool("fsdp.reshard_after_forward", self.reshard_after_forward)
 
 
 def _matches(name: str, pattern: str) -> bool:
     """``*`` stands for one whole segment of a dotted module name."""
     parts, wanted = name.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(w in ("*", p) for p, w in zip(parts, wanted, strict=True))
+    return len(parts) == len(wanted) and all(
+        w in ("*", p) for p, w in zip(parts, wanted, strict=True)
+    )
 
 
 def units(model: nn.Module, blocks: tuple[str, ...]) -> list[str]:
@@ -67,8 +75,10 @@ def units(model: nn.Module, blocks: tuple[str, ...]) -> list[str]:
     names = [name for name, _ in model.named_modules() if name]
     for pattern in blocks:
         if not any(_matches(name, pattern) for name in names):
-            raise ConfigError(f"fsdp.blocks: {pattern!r} names no module of {type(model).__name__} "
-                              f"(its modules include {', '.join(names[:6])})")
+            raise ConfigError(
+                f"fsdp.blocks: {pattern!r} names no module of {type(model).__name__} "
+                f"(its modules include {', '.join(names[:6])})"
+            )
     return [name for name in names if any(_matches(name, pattern) for pattern in blocks)]
 
 
@@ -76,8 +86,14 @@ def apply_fsdp(model: nn.Module, options: FSDPOptions, mesh: Any) -> nn.Module:
     """Shard ``model`` in place as ``options`` says (see the module docstring); returns it."""
     selected = units(model, options.blocks)
     dtype = _DTYPES.get(options.mixed_precision)
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
-    kwargs = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward, "mp_policy": policy}
+    policy = MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None
+    )
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": options.reshard_after_forward,
+        "mp_policy": policy,
+    }
     modules = dict(model.named_modules())
     for name in sorted(selected, key=lambda n: n.count("."), reverse=True):  # children first
         fully_shard(modules[name], **kwargs)

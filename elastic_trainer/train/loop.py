@@ -107,7 +107,8 @@ def check_sampler(sampler: object) -> None:
         raise failures.ConfigError(
             f"the sampler is a {type(sampler).__name__}, not an elastic one (it has no {missing[0]}()): use "
             "elastic_trainer.ElasticSampler(len(dataset), global_batch_size, seed=...), which re-splits every step "
-            "over the ranks alive, so that each sample is trained once per epoch at any world size")
+            "over the ranks alive, so that each sample is trained once per epoch at any world size"
+        )
 
 
 def ensure_progress_logging(rank: int) -> None:
@@ -120,7 +121,9 @@ def ensure_progress_logging(rank: int) -> None:
     if logging.getLogger().handlers or package.handlers:
         return
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    )
     package.addHandler(handler)
     if package.level == logging.NOTSET:
         package.setLevel(logging.INFO)
@@ -197,7 +200,9 @@ class ElasticLoop:
         self.seed = seed
         self.observer: TrainingObserver = observer if observer is not None else NullObserver()
         settings = settings if settings is not None else WorkerSettings.from_environ()
-        self._stop = GracefulStop(sigterm_grace_s if sigterm_grace_s is not None else settings.sigterm_grace_s)
+        self._stop = GracefulStop(
+            sigterm_grace_s if sigterm_grace_s is not None else settings.sigterm_grace_s
+        )
         self._wakeup = SignalWakeup(checkpoints.on_signal)
         self.log_every = log_every
         self.record_samples_dir = record_samples_dir
@@ -267,8 +272,9 @@ class ElasticLoop:
         try:
             comms = self._comms
             comms.rider.clear()  # a payload a failed step left aboard must not ride on this group's buckets
-            self._channel = ControlChannel(self.env, rider=comms.rider if self._rides_buckets else None,
-                                           waits=comms.waits)
+            self._channel = ControlChannel(
+                self.env, rider=comms.rider if self._rides_buckets else None, waits=comms.waits
+            )
             if self.heals_in_place:
                 self.state.serve_peers()
             if self._initial_state is not None:
@@ -282,8 +288,11 @@ class ElasticLoop:
             self.state_ready = True
             self.sampler_check()
             self._open_sample_log()
-            self.observer.on_start(world_size=self.env.world_size, restart_count=self.env.restart_count,
-                                   total_steps=self.total_steps)
+            self.observer.on_start(
+                world_size=self.env.world_size,
+                restart_count=self.env.restart_count,
+                total_steps=self.total_steps,
+            )
         except BaseException:
             self._teardown()
             raise
@@ -293,12 +302,20 @@ class ElasticLoop:
         """The manager restored the sampler it saves: the loop must drive the same object."""
         saved = self.state.objects.get("sampler")
         if saved is not None and saved is not self.sampler:
-            raise ValueError("checkpoints must save the loop's sampler (states['sampler'] is another object)")
+            raise ValueError(
+                "checkpoints must save the loop's sampler (states['sampler'] is another object)"
+            )
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         try:
-            if isinstance(exc, Exception) and not (self.heals_in_place and failures.is_collective_failure(exc)):
+            if isinstance(exc, Exception) and not (
+                self.heals_in_place and failures.is_collective_failure(exc)
+            ):
                 failures.note_step(exc, self.step + 1)  # the launcher's repeat check compares steps
                 self.checkpoints.after_failure(exc)
         finally:
@@ -320,10 +337,17 @@ class ElasticLoop:
         generation = [(uuid.uuid4().hex, time.time())]
         if self.env.world_size > 1:
             dist.broadcast_object_list(generation, src=0)
-        self._sample_log = SampleLog(self.record_samples_dir, rank=self.env.rank, part=self._generation_part)
-        self._sample_log.start(generation=generation[0][0], started_unix=generation[0][1],
-                               resumed_step=self.step, world_size=self.env.world_size, rank=self.env.rank,
-                               source=self.state_source)
+        self._sample_log = SampleLog(
+            self.record_samples_dir, rank=self.env.rank, part=self._generation_part
+        )
+        self._sample_log.start(
+            generation=generation[0][0],
+            started_unix=generation[0][1],
+            resumed_step=self.step,
+            world_size=self.env.world_size,
+            rank=self.env.rank,
+            source=self.state_source,
+        )
 
     # -- the steps ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[StepPlan]:
@@ -341,8 +365,10 @@ class ElasticLoop:
                 self._begin(plan)
                 yield plan
                 if not self._updated:
-                    raise RuntimeError(f"step {self.step + 1}: the loop body must apply its update inside "
-                                       "`with loop.update(...)`")
+                    raise RuntimeError(
+                        f"step {self.step + 1}: the loop body must apply its update inside "
+                        "`with loop.update(...)`"
+                    )
                 if self._after_update(plan):
                     return
         self._end()
@@ -360,8 +386,14 @@ class ElasticLoop:
         if self._sample_log is not None:
             # Written before the step can commit anywhere (no rank can finish its update before this
             # rank joined the step's collectives), so a committed step always has every rank's record.
-            self._sample_log.step(step=self.step + 1, epoch=plan.epoch, cursor=plan.cursor,
-                                  world_size=env.world_size, rank=env.rank, indices=plan.indices)
+            self._sample_log.step(
+                step=self.step + 1,
+                epoch=plan.epoch,
+                cursor=plan.cursor,
+                world_size=env.world_size,
+                rank=env.rank,
+                indices=plan.indices,
+            )
 
     def add_data_wait(self, seconds: float) -> None:
         """Time the body spent waiting for its data in this step (reported to the observer)."""
@@ -382,9 +414,14 @@ class ElasticLoop:
         if self._fault is not None:
             self._fault("before_control", self.step + 1)
         buffers = self.state.buffers.capture() if self.state.buffers is not None else None
-        self._control = self._channel_().start(self.step + 1, loss_sum, global_samples=plan.global_samples,
-                                               stop=self._stop.requested, buffers=buffers,
-                                               checkpoint_failed=self.checkpoints.write_failed)
+        self._control = self._channel_().start(
+            self.step + 1,
+            loss_sum,
+            global_samples=plan.global_samples,
+            stop=self._stop.requested,
+            buffers=buffers,
+            checkpoint_failed=self.checkpoints.write_failed,
+        )
 
     @contextlib.contextmanager
     def update(self, loss: torch.Tensor | None = None) -> Iterator[None]:
@@ -403,8 +440,12 @@ class ElasticLoop:
         if control is None:
             raise RuntimeError("no control allreduce for this step")
         self._channel_().wait_before_update(control)
-        self._step_lr = self._lr()  # the step's own: a scheduler stepped in the update sets the next one's
-        with self.state.update(self.step + 1, buffers=control.buffers if control.complete else None):
+        self._step_lr = (
+            self._lr()
+        )  # the step's own: a scheduler stepped in the update sets the next one's
+        with self.state.update(
+            self.step + 1, buffers=control.buffers if control.complete else None
+        ):
             yield
             self.sampler.advance(plan)
         self._updated = True
@@ -420,7 +461,12 @@ class ElasticLoop:
         step = self.step
         if self._fault is not None:
             self._fault("after_update", step)
-        self._durations[step] = (time.monotonic() - self._started_at, self._data_wait, plan, self._step_lr)
+        self._durations[step] = (
+            time.monotonic() - self._started_at,
+            self._data_wait,
+            plan,
+            self._step_lr,
+        )
         self.checkpoints.boundary()
         heartbeat.note_step(step)  # the launcher's frozen-worker watchdog learns the step times
         if self._sample_log is not None:
@@ -439,11 +485,20 @@ class ElasticLoop:
         if stop:
             self.checkpoints.stand_down()  # every rank agreed to stop: the graceful path owns the exit
             self._flush()
-            log.warning("stopping after step %d (signal on %s)", step,
-                        "this rank" if self._stop.requested else "another rank")
+            log.warning(
+                "stopping after step %d (signal on %s)",
+                step,
+                "this rank" if self._stop.requested else "another rank",
+            )
             path = self.checkpoints.save(final=True)
-            self.result = TrainResult(step=step, epoch=self.sampler.epoch, loss=self.loss,
-                                      resumed_from=self.resumed_from, stopped_by_signal=True, checkpoint=path)
+            self.result = TrainResult(
+                step=step,
+                epoch=self.sampler.epoch,
+                loss=self.loss,
+                resumed_from=self.resumed_from,
+                stopped_by_signal=True,
+                checkpoint=path,
+            )
             return True
         if self.checkpoints.due(step):
             self.checkpoints.save(final=False)
@@ -466,15 +521,28 @@ class ElasticLoop:
             self.loss = loss
         duration, data_wait, plan, lr = self._durations.pop(step, (0.0, 0.0, None, None))
         samples = plan.samples if plan is not None else 0
-        self.observer.on_step(step=step, duration_s=duration, data_wait_s=data_wait, samples=samples,
-                              tokens=samples * self.tokens_per_sample, loss=loss, lr=lr)
+        self.observer.on_step(
+            step=step,
+            duration_s=duration,
+            data_wait_s=data_wait,
+            samples=samples,
+            tokens=samples * self.tokens_per_sample,
+            loss=loss,
+            lr=lr,
+        )
         start, window_samples = self._window
         window_samples += plan.global_samples if plan is not None else 0
         if self.env.is_rank0 and step % self.log_every == 0:
             now = time.monotonic()
-            log.info("step %d epoch %d loss %s samples/s %.1f world %d lr %s", step, self.sampler.epoch,
-                     "n/a" if loss is None else f"{loss:.4f}", window_samples / max(now - start, 1e-9),
-                     self.env.world_size, "n/a" if lr is None else f"{lr:.3g}")
+            log.info(
+                "step %d epoch %d loss %s samples/s %.1f world %d lr %s",
+                step,
+                self.sampler.epoch,
+                "n/a" if loss is None else f"{loss:.4f}",
+                window_samples / max(now - start, 1e-9),
+                self.env.world_size,
+                "n/a" if lr is None else f"{lr:.3g}",
+            )
             start, window_samples = now, 0
         self._window = (start, window_samples)
 
@@ -492,7 +560,17 @@ class ElasticLoop:
         self._flush()
         path = self.checkpoints.save(final=True)
         if self.env.is_rank0:
-            log.info("training finished at step %d (epoch %d), loss %s", self.step, self.sampler.epoch,
-                     "n/a" if self.loss is None or math.isnan(self.loss) else f"{self.loss:.6f}")
-        self.result = TrainResult(step=self.step, epoch=self.sampler.epoch, loss=self.loss,
-                                  resumed_from=self.resumed_from, stopped_by_signal=False, checkpoint=path)
+            log.info(
+                "training finished at step %d (epoch %d), loss %s",
+                self.step,
+                self.sampler.epoch,
+                "n/a" if self.loss is None or math.isnan(self.loss) else f"{self.loss:.6f}",
+            )
+        self.result = TrainResult(
+            step=self.step,
+            epoch=self.sampler.epoch,
+            loss=self.loss,
+            resumed_from=self.resumed_from,
+            stopped_by_signal=False,
+            checkpoint=path,
+        )

@@ -48,8 +48,16 @@ from elastic_trainer.train.loop import (
     ensure_progress_logging,
 )
 
-__all__ = ["EXIT_STOPPED", "Callback", "TrainResult", "Trainer", "TrainerSetupError", "TrainingJob",
-           "build_observer", "ensure_progress_logging"]
+__all__ = [
+    "EXIT_STOPPED",
+    "Callback",
+    "TrainResult",
+    "Trainer",
+    "TrainerSetupError",
+    "TrainingJob",
+    "build_observer",
+    "ensure_progress_logging",
+]
 
 log = logging.getLogger(__name__)
 
@@ -221,13 +229,19 @@ class Trainer:
         cfg, env = self.config, self._env()
         device = env.device
         if cfg.sync_batchnorm and device.type != "cuda":
-            raise TrainerSetupError("sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; this worker is on CPU")
+            raise TrainerSetupError(
+                "sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; this worker is on CPU"
+            )
         if cfg.mixed_precision == "fp16" and device.type != "cuda":
-            raise TrainerSetupError("mixed_precision: fp16 (with a GradScaler) needs CUDA; use bf16 on CPU")
+            raise TrainerSetupError(
+                "mixed_precision: fp16 (with a GradScaler) needs CUDA; use bf16 on CPU"
+            )
         rng.seed_all(cfg.seed)  # identical initial weights on every rank
         model = self.job.model()
         if not isinstance(model, nn.Module):
-            raise TrainerSetupError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+            raise TrainerSetupError(
+                f"the model factory returned {type(model).__name__}, not an nn.Module"
+            )
         _refuse_data_parallel(model)
         if cfg.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -239,16 +253,22 @@ class Trainer:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             if len(optimizer.param_groups) != 1:
-                raise TrainerSetupError("zero_redundancy: the optimizer factory must build a single parameter group")
+                raise TrainerSetupError(
+                    "zero_redundancy: the optimizer factory must build a single parameter group"
+                )
             # Rebuild the same optimizer sharded: its hyper-parameters are its ``defaults``, less
             # those its constructor does not take (AdamW keeps ``decoupled_weight_decay`` there).
             accepted = inspect.signature(type(optimizer).__init__).parameters
             defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(optimizer), **defaults)
+            optimizer = ZeroRedundancyOptimizer(
+                model.parameters(), optimizer_class=type(optimizer), **defaults
+            )
         self.optimizer = optimizer
         self.scheduler = self.job.scheduler(optimizer) if self.job.scheduler is not None else None
         self.scaler = torch.amp.GradScaler("cuda") if cfg.mixed_precision == "fp16" else None
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+            cfg.mixed_precision
+        )
 
         self.dataset = self.job.dataset()
         try:
@@ -264,21 +284,48 @@ class Trainer:
 
     def _make_elastic(self, group: ElasticGroup) -> Elastic:
         """The run on the own-loop API, over ``group`` (the trainer's), saving what the job built."""
-        cfg, settings = self.config, self.settings if self.settings is not None else WorkerSettings()
+        cfg, settings = (
+            self.config,
+            self.settings if self.settings is not None else WorkerSettings(),
+        )
         ddp = cfg.ddp
         return Elastic(
-            self.model, self.dataset, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
-            max_steps=cfg.max_steps, epochs=cfg.epochs, seed=cfg.seed, shuffle=cfg.shuffle, checkpoint=cfg.checkpoint,
-            scaler=self.scaler, find=False,
-            states={"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler},
+            self.model,
+            self.dataset,
+            global_batch_size=cfg.global_batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            max_steps=cfg.max_steps,
+            epochs=cfg.epochs,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+            checkpoint=cfg.checkpoint,
+            scaler=self.scaler,
+            find=False,
+            states={
+                "optimizer": self.optimizer,
+                "scheduler": self.scheduler,
+                "scaler": self.scaler,
+            },
             num_workers=cfg.num_workers,
-            ddp_options={"bucket_cap_mb": ddp.bucket_cap_mb, "find_unused_parameters": ddp.find_unused_parameters,
-                         "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "static_graph": ddp.static_graph,
-                         "broadcast_buffers": ddp.broadcast_buffers},
-            log_every=cfg.log_every, tokens_per_sample=self.job.tokens_per_sample,
-            record_samples_dir=cfg.record_samples_dir, after_step=[self._between_steps], group=group,
-            run_config=cfg.to_dict(), sigterm_grace_s=cfg.sigterm_grace(settings), settings=settings,
-            env=self._env(), observer=self.observer, fault_hook=self._fault_hook)
+            ddp_options={
+                "bucket_cap_mb": ddp.bucket_cap_mb,
+                "find_unused_parameters": ddp.find_unused_parameters,
+                "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+                "static_graph": ddp.static_graph,
+                "broadcast_buffers": ddp.broadcast_buffers,
+            },
+            log_every=cfg.log_every,
+            tokens_per_sample=self.job.tokens_per_sample,
+            record_samples_dir=cfg.record_samples_dir,
+            after_step=[self._between_steps],
+            group=group,
+            run_config=cfg.to_dict(),
+            sigterm_grace_s=cfg.sigterm_grace(settings),
+            settings=settings,
+            env=self._env(),
+            observer=self.observer,
+            fault_hook=self._fault_hook,
+        )
 
     def _lr(self) -> float | None:
         lr = self.optimizer.param_groups[0]["lr"]
@@ -288,8 +335,11 @@ class Trainer:
     def _forward_loss(self, inputs: Any, target: Any) -> torch.Tensor:
         """The DDP forward and the job's loss of one micro-batch (under autocast with mixed precision)."""
         device_type = self._env().device.type
-        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
+        with torch.autocast(
+            device_type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        ):
             return self.job.loss(self.ddp(inputs), target)
 
     def _train_step(self, step: Step) -> None:
@@ -300,7 +350,9 @@ class Trainer:
         elastic = self.elastic
         if elastic is None:
             raise RuntimeError("a step outside fit()")
-        if elastic.loop is not self.loop:  # the first step of an attempt (a start, a resume, a heal)
+        if (
+            elastic.loop is not self.loop
+        ):  # the first step of an attempt (a start, a resume, a heal)
             self.loop = elastic.loop
             self.checkpoints = elastic.loop.checkpoints if elastic.loop is not None else None
             self.ddp.train()
@@ -325,7 +377,11 @@ class Trainer:
 
     def _between_steps(self, step: int) -> None:
         cfg = self.config
-        if cfg.eval_every is not None and self.job.evaluate is not None and step % cfg.eval_every == 0:
+        if (
+            cfg.eval_every is not None
+            and self.job.evaluate is not None
+            and step % cfg.eval_every == 0
+        ):
             self.ddp.eval()
             try:
                 with torch.no_grad():
@@ -333,7 +389,11 @@ class Trainer:
             finally:
                 self.ddp.train()
             if metrics and self._env().is_rank0:
-                log.info("eval at step %d: %s", step, " ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
+                log.info(
+                    "eval at step %d: %s",
+                    step,
+                    " ".join(f"{k} {v:.6g}" for k, v in metrics.items()),
+                )
         for callback in self.callbacks:
             callback(self, step)
 
@@ -370,8 +430,11 @@ class Trainer:
         first = next(batches)
         inputs, target = first
         generators = rng.capture(device)
-        saved = [(module, name, buffer, buffer.detach().clone())
-                 for module in self.model.modules() for name, buffer in torch_compat.own_buffers(module)]
+        saved = [
+            (module, name, buffer, buffer.detach().clone())
+            for module in self.model.modules()
+            for name, buffer in torch_compat.own_buffers(module)
+        ]
         for _ in range(passes):
             (self._forward_loss(inputs, target).float() * 0.0).backward()
         # No step reports these allreduces. Observers written before on_priming existed lack it.

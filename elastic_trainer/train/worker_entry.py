@@ -35,7 +35,9 @@ def run_target(argv: Sequence[str]) -> int:
         module = argv[1]
         sys.argv = [module, *argv[2:]]
         sys.path[0] = os.getcwd()
-        sys.modules.pop(module, None)  # run fresh as __main__, as python -m does; its imports stay warm
+        sys.modules.pop(
+            module, None
+        )  # run fresh as __main__, as python -m does; its imports stay warm
         runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]  # what python -m runs
     else:
         script = argv[0]
@@ -66,7 +68,9 @@ def run(argv: Sequence[str]) -> int:
         if code not in (0, 128 + 15):  # 143: a graceful stop after SIGTERM, not a failure
             from elastic_trainer.runtime import failures
 
-            failures.record(failures.report_of(exc), error_file=failures.ReportTarget.from_environ().error_file)
+            failures.record(
+                failures.report_of(exc), error_file=failures.ReportTarget.from_environ().error_file
+            )
         return code
     except BaseException as exc:  # noqa: BLE001 - the worker's own uncaught error
         from elastic_trainer.runtime import failures

@@ -61,8 +61,13 @@ def _blocking_backward_hook(module: object, grad_input: object, grad_output: obj
         threading.Event().wait()  # no CPU, no end, inside the autograd engine
 
 
-def chaos_hook(slow_s: float, slow_steps: int, exit_before: int | None,  # type: ignore[no-untyped-def]
-               slow_while: str | None = None, block: tuple[int, str] | None = None):
+def chaos_hook(
+    slow_s: float,
+    slow_steps: int,
+    exit_before: int | None,  # type: ignore[no-untyped-def]
+    slow_while: str | None = None,
+    block: tuple[int, str] | None = None,
+):
     """The fault hook of the module docstring."""
 
     def hook(point: str, step: int) -> None:
@@ -93,9 +98,13 @@ def main() -> int:
     slow_ms = float(os.environ.get(SLOW_MS_ENV, "0") or 0)
     exit_before = os.environ.get(EXIT_BEFORE_STEP_ENV)
     block_at, block_file = os.environ.get(BLOCK_AT_STEP_ENV), os.environ.get(BLOCK_FILE_ENV)
-    hook = chaos_hook(slow_ms / 1000, int(os.environ.get(SLOW_STEPS_ENV, "1000000000")) if slow_ms > 0 else 0,
-                      int(exit_before) if exit_before else None, os.environ.get(SLOW_WHILE_FILE_ENV) or None,
-                      (int(block_at), block_file) if block_at and block_file else None)
+    hook = chaos_hook(
+        slow_ms / 1000,
+        int(os.environ.get(SLOW_STEPS_ENV, "1000000000")) if slow_ms > 0 else 0,
+        int(exit_before) if exit_before else None,
+        os.environ.get(SLOW_WHILE_FILE_ENV) or None,
+        (int(block_at), block_file) if block_at and block_file else None,
+    )
     return example.main(fault_hook=hook)
 
 

@@ -21,9 +21,18 @@ CHAOS_LONG_ENV = "CHAOS_LONG"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("chaos", "chaos suite (tests/chaos/README.md)")
-    group.addoption("--chaos-seed", type=int, default=None, help=f"random fault schedule seed (env {CHAOS_SEED_ENV})")
-    group.addoption("--chaos-faults", type=int, default=None,
-                    help=f"faults in the long random schedule (env {CHAOS_FAULTS_ENV}, default 20)")
+    group.addoption(
+        "--chaos-seed",
+        type=int,
+        default=None,
+        help=f"random fault schedule seed (env {CHAOS_SEED_ENV})",
+    )
+    group.addoption(
+        "--chaos-faults",
+        type=int,
+        default=None,
+        help=f"faults in the long random schedule (env {CHAOS_FAULTS_ENV}, default 20)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -40,8 +40,20 @@ CHAOS_JOB = Path(__file__).with_name("chaos_job.py")
 # Fast rounds and a short liveness bound: torch's 30 s defaults would dominate every scenario.
 # Keys a handler does not know are ignored, so this works with the lease and dynamic handlers.
 FAST_RDZV_CONF = "lease_ttl=4,heartbeat_timeout=6,keep_alive_interval=1,retry_timeout=20"
-FAST_LAUNCH_OPTIONS = ("--join-timeout", "120", "--last-call-timeout", "1", "--close-timeout", "10",
-                       "--heartbeat-timeout", "6", "--keep-alive-interval", "1", "--monitor-interval", "0.2")
+FAST_LAUNCH_OPTIONS = (
+    "--join-timeout",
+    "120",
+    "--last-call-timeout",
+    "1",
+    "--close-timeout",
+    "10",
+    "--heartbeat-timeout",
+    "6",
+    "--keep-alive-interval",
+    "1",
+    "--monitor-interval",
+    "0.2",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,7 +72,13 @@ class JobSpec:
     """Large: every checkpoint stays, so the suite can prove that none was lost or skipped."""
 
     def __post_init__(self) -> None:
-        for name in ("dataset_size", "global_batch_size", "epochs", "checkpoint_every", "keep_last"):
+        for name in (
+            "dataset_size",
+            "global_batch_size",
+            "epochs",
+            "checkpoint_every",
+            "keep_last",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
 
@@ -76,14 +94,37 @@ class JobSpec:
         """The arguments that decide the weights (the same for a scenario and its reference)."""
         # --max-steps is the end of the run anyway; it also makes the cosine schedule reach 0 there,
         # so the final weights settle instead of ending on a noisy step.
-        return ["--dataset-size", str(self.dataset_size), "--global-batch-size", str(self.global_batch_size),
-                "--epochs", str(self.epochs), "--max-steps", str(self.steps), "--seed", str(self.seed),
-                "--lr", str(self.lr)]
+        return [
+            "--dataset-size",
+            str(self.dataset_size),
+            "--global-batch-size",
+            str(self.global_batch_size),
+            "--epochs",
+            str(self.epochs),
+            "--max-steps",
+            str(self.steps),
+            "--seed",
+            str(self.seed),
+            "--lr",
+            str(self.lr),
+        ]
 
     def args(self, run: RunDirs) -> list[str]:
-        return [*self.math_args(), "--checkpoint-dir", str(run.checkpoints), "--checkpoint-every",
-                str(self.checkpoint_every), "--keep-last", str(self.keep_last), "--record-samples",
-                str(run.samples), "--throttle-ms", str(self.throttle_ms), "--log-every", "4"]
+        return [
+            *self.math_args(),
+            "--checkpoint-dir",
+            str(run.checkpoints),
+            "--checkpoint-every",
+            str(self.checkpoint_every),
+            "--keep-last",
+            str(self.keep_last),
+            "--record-samples",
+            str(run.samples),
+            "--throttle-ms",
+            str(self.throttle_ms),
+            "--log-every",
+            "4",
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +154,12 @@ class RunDirs:
         """Steps rank 0 has completed so far, redone ones included (grows even after a rollback)."""
         if not self.samples.exists():
             return 0
-        return sum(1 for records in read_records(self.samples) for r in records
-                   if r["event"] == "done" and records[0]["rank"] == 0)
+        return sum(
+            1
+            for records in read_records(self.samples)
+            for r in records
+            if r["event"] == "done" and records[0]["rank"] == 0
+        )
 
 
 def start_node(
@@ -140,17 +185,40 @@ def start_node(
         local_addr: the address other nodes reach this one at (torchrun's ``--local-addr``,
             passed as ``PET_LOCAL_ADDR``); needed when the hostname does not resolve to it.
     """
-    node_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                    ELASTIC_TRAINER_SIGTERM_GRACE_S="20", **(env or {}))
+    node_env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        ELASTIC_TRAINER_SIGTERM_GRACE_S="20",
+        **(env or {}),
+    )
     node_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     if local_addr is not None:
         node_env["PET_LOCAL_ADDR"] = local_addr
     cmd = [
-        sys.executable, "-m", "elastic_trainer.cli", "run",
-        "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node), "--device", "cpu",
-        "--rdzv-endpoint", endpoint, "--run-id", run_id, "--rdzv-conf", rdzv_conf,
-        "--max-restarts", str(max_restarts), "--metrics-port", str(metrics_port),
-        *FAST_LAUNCH_OPTIONS, str(CHAOS_JOB), *job.args(run),
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--device",
+        "cpu",
+        "--rdzv-endpoint",
+        endpoint,
+        "--run-id",
+        run_id,
+        "--rdzv-conf",
+        rdzv_conf,
+        "--max-restarts",
+        str(max_restarts),
+        "--metrics-port",
+        str(metrics_port),
+        *FAST_LAUNCH_OPTIONS,
+        str(CHAOS_JOB),
+        *job.args(run),
     ]
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]
@@ -195,14 +263,18 @@ class FaultInjector:
         """Fire ``action`` once any rank has recorded ``step`` (and the faults before it fired)."""
         return self.when(lambda current: current >= step, name, action)
 
-    def when(self, trigger: Callable[[int], bool], name: str, action: Callable[[], object]) -> FaultInjector:
+    def when(
+        self, trigger: Callable[[int], bool], name: str, action: Callable[[], object]
+    ) -> FaultInjector:
         self.faults.append(Fault(name, trigger, action))
         return self
 
     def pending(self) -> list[Fault]:
         return [f for f in self.faults if f.fired_at is None]
 
-    def run_until(self, done: Callable[[], bool], *, timeout: float, agents: Sequence[Agent] = ()) -> list[Fault]:
+    def run_until(
+        self, done: Callable[[], bool], *, timeout: float, agents: Sequence[Agent] = ()
+    ) -> list[Fault]:
         """Fire the faults as their triggers come, until ``done()``; fail after ``timeout`` seconds.
 
         Raises:
@@ -220,14 +292,20 @@ class FaultInjector:
             if done():
                 unfired = [f.name for f in self.pending()]
                 if unfired:
-                    raise AssertionError(f"the job ended before these faults fired: {unfired}\n{tails(agents)}")
+                    raise AssertionError(
+                        f"the job ended before these faults fired: {unfired}\n{tails(agents)}"
+                    )
                 return self.faults
             time.sleep(self.poll_s)
-        raise AssertionError(f"not done after {timeout:.0f} s (step {self.run.steps()}; fired "
-                             f"{[(f.name, f.fired_at_step) for f in self.faults if f.fired_at]})\n{tails(agents)}")
+        raise AssertionError(
+            f"not done after {timeout:.0f} s (step {self.run.steps()}; fired "
+            f"{[(f.name, f.fired_at_step) for f in self.faults if f.fired_at]})\n{tails(agents)}"
+        )
 
 
-def in_background(action: Callable[[], object], threads: list[threading.Thread]) -> Callable[[], None]:
+def in_background(
+    action: Callable[[], object], threads: list[threading.Thread]
+) -> Callable[[], None]:
     """An action that runs ``action`` on a new thread (appended to ``threads`` for joining)."""
 
     def start() -> None:
@@ -288,7 +366,11 @@ class DamageWindow:
 def damage_newest_checkpoint(directory: Path) -> DamageWindow:
     """:func:`corrupt_newest_checkpoint`, and when the damaged checkpoint had been valid."""
     steps = list(ckpt.iter_checkpoints(directory))
-    created = ckpt.Manifest.from_json(ckpt.manifest_path(directory, steps[-1]).read_text()).created_unix if steps else 0.0
+    created = (
+        ckpt.Manifest.from_json(ckpt.manifest_path(directory, steps[-1]).read_text()).created_unix
+        if steps
+        else 0.0
+    )
     step = corrupt_newest_checkpoint(directory)
     return DamageWindow(step=step, created_unix=created, damaged_unix=time.time())
 
@@ -321,10 +403,24 @@ class SmallDisk:
 
     def __enter__(self) -> SmallDisk:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size_bytes},mode=0755", "tmpfs",
-                               str(self.mountpoint)], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                f"size={self.size_bytes},mode=0755",
+                "tmpfs",
+                str(self.mountpoint),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if done.returncode != 0:
-            raise PermissionError(f"cannot mount a tmpfs at {self.mountpoint} (needs root): {done.stderr.strip()}")
+            raise PermissionError(
+                f"cannot mount a tmpfs at {self.mountpoint} (needs root): {done.stderr.strip()}"
+            )
         self._mounted = True
         return self
 
@@ -351,7 +447,9 @@ class SmallDisk:
 
     def close(self) -> None:
         if self._mounted:
-            subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True, timeout=30, check=False)
+            subprocess.run(
+                ["umount", "-l", str(self.mountpoint)], capture_output=True, timeout=30, check=False
+            )
             self._mounted = False
 
     def __exit__(self, *exc: object) -> None:
@@ -374,5 +472,3 @@ def small_disk(mountpoint: Path, size_bytes: int) -> Iterator[SmallDisk]:
         yield disk
     finally:
         disk.close()
-
-

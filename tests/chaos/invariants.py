@@ -93,8 +93,15 @@ def generations(samples: Path) -> list[Generation]:
     found: dict[str, Generation] = {}
     for records in read_records(samples):
         start = records[0]
-        found.setdefault(start["generation"], Generation(start["started_unix"], start["resumed_step"], start["world_size"],
-                                                         start.get("source", "checkpoint")))
+        found.setdefault(
+            start["generation"],
+            Generation(
+                start["started_unix"],
+                start["resumed_step"],
+                start["world_size"],
+                start.get("source", "checkpoint"),
+            ),
+        )
     return sorted(found.values(), key=lambda g: g.started_unix)
 
 
@@ -107,7 +114,9 @@ def steps_lost(samples: Path) -> list[int]:
         last[generation] = max([last.get(generation, 0), *steps])
     gens = {records[0]["generation"]: records[0] for records in read_records(samples)}
     order = sorted(gens, key=lambda g: gens[g]["started_unix"])
-    return [max(0, last[prev] - gens[nxt]["resumed_step"]) for prev, nxt in itertools.pairwise(order)]
+    return [
+        max(0, last[prev] - gens[nxt]["resumed_step"]) for prev, nxt in itertools.pairwise(order)
+    ]
 
 
 def check_exactly_once(run: RunDirs, job: JobSpec) -> list[int]:
@@ -115,22 +124,38 @@ def check_exactly_once(run: RunDirs, job: JobSpec) -> list[int]:
     history = committed_history(read_records(run.samples))
     assert sorted(history) == list(range(1, job.steps + 1)), (
         f"committed steps are not 1..{job.steps}: missing {sorted(set(range(1, job.steps + 1)) - set(history))}, "
-        f"extra {sorted(set(history) - set(range(1, job.steps + 1)))}")
+        f"extra {sorted(set(history) - set(range(1, job.steps + 1)))}"
+    )
     for step, records in history.items():
         world = records[0]["world_size"]
         ranks = sorted(r["rank"] for r in records)
-        assert ranks == list(range(world)), f"step {step}: ranks {ranks} recorded it in a world of {world}"
+        assert ranks == list(range(world)), (
+            f"step {step}: ranks {ranks} recorded it in a world of {world}"
+        )
     for epoch in range(job.epochs):
-        indices = [i for records in history.values() for r in records if r["epoch"] == epoch for i in r["indices"]]
+        indices = [
+            i
+            for records in history.values()
+            for r in records
+            if r["epoch"] == epoch
+            for i in r["indices"]
+        ]
         duplicates = len(indices) - len(set(indices))
         assert sorted(indices) == list(range(job.dataset_size)), (
             f"epoch {epoch}: {len(indices)} samples consumed, {duplicates} twice, "
-            f"{job.dataset_size - len(set(indices))} never")
+            f"{job.dataset_size - len(set(indices))} never"
+        )
     return [history[s][0]["world_size"] for s in sorted(history)]
 
 
-def check_checkpoints(run: RunDirs, job: JobSpec, gens: list[Generation], *, damaged: Set[int] = frozenset(),
-                      damage_windows: Sequence[DamageWindow] = ()) -> list[int]:
+def check_checkpoints(
+    run: RunDirs,
+    job: JobSpec,
+    gens: list[Generation],
+    *,
+    damaged: Set[int] = frozenset(),
+    damage_windows: Sequence[DamageWindow] = (),
+) -> list[int]:
     """Assert that no checkpoint was lost; returns the steps of the valid checkpoints.
 
     Args:
@@ -149,21 +174,27 @@ def check_checkpoints(run: RunDirs, job: JobSpec, gens: list[Generation], *, dam
             if step not in damaged:
                 raise
     steps = sorted(manifests)
-    assert steps and steps[-1] == job.steps, f"the last checkpoint is step {steps[-1] if steps else None}, not {job.steps}"
+    assert steps and steps[-1] == job.steps, (
+        f"the last checkpoint is step {steps[-1] if steps else None}, not {job.steps}"
+    )
     leftovers = [p.name for p in run.checkpoints.iterdir() if p.name.startswith(".")]
     assert not leftovers, f"temporary files left behind: {leftovers}"
     for gen in gens[1:]:
         before = [s for s, m in manifests.items() if m.created_unix < gen.started_unix]
-        before += [w.step for w in damage_windows if w.created_unix < gen.started_unix < w.damaged_unix]
+        before += [
+            w.step for w in damage_windows if w.created_unix < gen.started_unix < w.damaged_unix
+        ]
         expected = max(before, default=0)
         if gen.source == "peer":  # healed in place: from the newest state a survivor held
             assert gen.resumed_step >= expected, (
                 f"a heal at {gen.started_unix:.2f} went on from step {gen.resumed_step}, older than the newest "
-                f"valid checkpoint then (step {expected})")
+                f"valid checkpoint then (step {expected})"
+            )
             continue
         assert gen.resumed_step == expected, (
             f"a restart at {gen.started_unix:.2f} resumed from step {gen.resumed_step}, but the newest valid "
-            f"checkpoint then was step {expected}")
+            f"checkpoint then was step {expected}"
+        )
     return steps
 
 
@@ -190,7 +221,9 @@ def weight_tolerance(fixed: dict[int, dict[str, torch.Tensor]]) -> float:
     differences compound with every step), so a fixed bound would fail long schedules for no
     error of the runtime.
     """
-    spread = max((relative_distance(a, b) for a, b in itertools.combinations(fixed.values(), 2)), default=0.0)
+    spread = max(
+        (relative_distance(a, b) for a, b in itertools.combinations(fixed.values(), 2)), default=0.0
+    )
     return max(WEIGHT_TOLERANCE, SPREAD_FACTOR * spread)
 
 
@@ -211,7 +244,9 @@ def world_phases(worlds: list[int]) -> list[tuple[int, int]]:
     return phases
 
 
-def assert_bitwise_equal(model: dict[str, torch.Tensor], other: dict[str, torch.Tensor], what: str) -> None:
+def assert_bitwise_equal(
+    model: dict[str, torch.Tensor], other: dict[str, torch.Tensor], what: str
+) -> None:
     assert model.keys() == other.keys()
     different = [name for name in model if not torch.equal(model[name], other[name])]
     assert not different, f"final weights differ from {what} in {different}"
@@ -251,26 +286,45 @@ class NoFaultRuns:
             first_world, first_last = phases[0]
             source = self.fixed(job, first_world).checkpoints
             run.checkpoints.mkdir()
-            for path in (ckpt.checkpoint_path(source, first_last), ckpt.manifest_path(source, first_last)):
+            for path in (
+                ckpt.checkpoint_path(source, first_last),
+                ckpt.manifest_path(source, first_last),
+            ):
                 shutil.copy2(path, run.checkpoints / path.name)
             phases = phases[1:]
         for world, last in phases:
             env = {} if last == job.steps else {EXIT_BEFORE_STEP_ENV: str(last + 1)}
-            node = start_node(name=f"to-{last}-w{world}", run=run, job=fast, endpoint=self._endpoint,
-                              run_id=unique_run_id("no-fault"), nnodes="1", nproc_per_node=world,
-                              max_restarts=0, env=env)
+            node = start_node(
+                name=f"to-{last}-w{world}",
+                run=run,
+                job=fast,
+                endpoint=self._endpoint,
+                run_id=unique_run_id("no-fault"),
+                nnodes="1",
+                nproc_per_node=world,
+                max_restarts=0,
+                env=env,
+            )
             try:
                 wait_all([node], timeout=180)
             finally:
                 node.stop()
             assert list(ckpt.iter_checkpoints(run.checkpoints))[-1:] == [last], (
-                f"the no-fault run did not end with a checkpoint of step {last}:\n{node.tail()}")
+                f"the no-fault run did not end with a checkpoint of step {last}:\n{node.tail()}"
+            )
         self._done[key] = run
         return run
 
 
-def check_run(run: RunDirs, job: JobSpec, no_fault: NoFaultRuns, *, reference_world: int,
-              damaged: Set[int] = frozenset(), damage_windows: Sequence[DamageWindow] = ()) -> RunSummary:
+def check_run(
+    run: RunDirs,
+    job: JobSpec,
+    no_fault: NoFaultRuns,
+    *,
+    reference_world: int,
+    damaged: Set[int] = frozenset(),
+    damage_windows: Sequence[DamageWindow] = (),
+) -> RunSummary:
     """Every invariant of the module docstring."""
     worlds = check_exactly_once(run, job)
     gens = generations(run.samples)
@@ -283,22 +337,33 @@ def check_run(run: RunDirs, job: JobSpec, no_fault: NoFaultRuns, *, reference_wo
     else:
         phases = world_phases(worlds)
         _, replay_model = final_model(no_fault.replay(job, phases))
-        assert_bitwise_equal(model, replay_model, f"the no-fault replay's of the world sizes {phases}")
+        assert_bitwise_equal(
+            model, replay_model, f"the no-fault replay's of the world sizes {phases}"
+        )
         # A run through several world sizes must land near the uninterrupted runs of those sizes.
         fixed = {w: final_model(no_fault.fixed(job, w))[1] for w in sorted(set(worlds))}
         distances = {w: relative_distance(model, m) for w, m in fixed.items()}
         tolerance = weight_tolerance(fixed)
         losses = {w: full_dataset_loss(m, job) for w, m in fixed.items()}
         loss = full_dataset_loss(model, job)
-        print(f"world sizes {summary_phases(worlds)}: relative L2 distance to the fixed-size runs {distances} "
-              f"(tolerance {tolerance:.3f}); loss {loss:.4f}, theirs {losses} (tolerance {LOSS_TOLERANCE})")
+        print(
+            f"world sizes {summary_phases(worlds)}: relative L2 distance to the fixed-size runs {distances} "
+            f"(tolerance {tolerance:.3f}); loss {loss:.4f}, theirs {losses} (tolerance {LOSS_TOLERANCE})"
+        )
         assert min(distances.values()) <= tolerance, (
-            f"final weights far from every fixed-size run: {distances} (tolerance {tolerance:.3f})")
-        assert min(losses.values()) - LOSS_TOLERANCE <= loss <= max(losses.values()) + LOSS_TOLERANCE, (
-            f"full-dataset loss {loss:.4f} outside the fixed-size runs' {losses} +- {LOSS_TOLERANCE}")
-    return RunSummary(generations=gens, worlds=worlds, final_step=step, checkpoints=steps, model=model)
+            f"final weights far from every fixed-size run: {distances} (tolerance {tolerance:.3f})"
+        )
+        assert (
+            min(losses.values()) - LOSS_TOLERANCE <= loss <= max(losses.values()) + LOSS_TOLERANCE
+        ), f"full-dataset loss {loss:.4f} outside the fixed-size runs' {losses} +- {LOSS_TOLERANCE}"
+    return RunSummary(
+        generations=gens, worlds=worlds, final_step=step, checkpoints=steps, model=model
+    )
 
 
 def describe(summary: RunSummary) -> dict[str, Any]:
-    return {"generations": [(g.resumed_step, g.world_size) for g in summary.generations],
-            "world_phases": summary.world_phases, "checkpoints": len(summary.checkpoints)}
+    return {
+        "generations": [(g.resumed_step, g.world_size) for g in summary.generations],
+        "world_phases": summary.world_phases,
+        "checkpoints": len(summary.checkpoints),
+    }

@@ -42,11 +42,22 @@ def test_disk_full_during_a_checkpoint(etcd_server, no_fault, tmp_path: Path) ->
         run = RunDirs.under(tmp_path / "run", checkpoints=disk.mountpoint / "ckpt")
         first_id = unique_run_id("disk-full")
         for name in ("a", "b"):
-            nodes.append(start_node(name=name, run=run, job=JOB, endpoint=etcd_server.endpoint, run_id=first_id,
-                                    nnodes="2"))
-        faults = FaultInjector(run).at_step(12, "disk filled to less than a checkpoint",
-                                            lambda: disk.fill(CHECKPOINT_BYTES // 3))
-        faults.run_until(lambda: all(node.proc.poll() is not None for node in nodes), timeout=150, agents=nodes)
+            nodes.append(
+                start_node(
+                    name=name,
+                    run=run,
+                    job=JOB,
+                    endpoint=etcd_server.endpoint,
+                    run_id=first_id,
+                    nnodes="2",
+                )
+            )
+        faults = FaultInjector(run).at_step(
+            12, "disk filled to less than a checkpoint", lambda: disk.fill(CHECKPOINT_BYTES // 3)
+        )
+        faults.run_until(
+            lambda: all(node.proc.poll() is not None for node in nodes), timeout=150, agents=nodes
+        )
         codes = wait_all(nodes, timeout=30)
         logs = "\n".join(node.output() for node in nodes)
         assert codes[nodes[0].log_path.name] == 2, f"exit codes {codes}\n{tails(nodes)}"
@@ -59,14 +70,25 @@ def test_disk_full_during_a_checkpoint(etcd_server, no_fault, tmp_path: Path) ->
 
         disk.free()  # the operator's part, then the same job again
         second_id = unique_run_id("disk-freed")
-        restarted = [start_node(name=f"{name}2", run=run, job=JOB, endpoint=etcd_server.endpoint,
-                                run_id=second_id, nnodes="2") for name in ("a", "b")]
+        restarted = [
+            start_node(
+                name=f"{name}2",
+                run=run,
+                job=JOB,
+                endpoint=etcd_server.endpoint,
+                run_id=second_id,
+                nnodes="2",
+            )
+            for name in ("a", "b")
+        ]
         nodes.extend(restarted)
         codes = wait_all(restarted, timeout=150)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(restarted)}"
         summary = check_run(run, JOB, no_fault, reference_world=2)
     print(describe(summary))
-    assert len(summary.generations) == 2, "one generation before the full disk, one after the operator's restart"
+    assert len(summary.generations) == 2, (
+        "one generation before the full disk, one after the operator's restart"
+    )
 
 
 def test_newest_checkpoint_corrupted(etcd_server, no_fault, run_dirs: RunDirs) -> None:
@@ -77,8 +99,16 @@ def test_newest_checkpoint_corrupted(etcd_server, no_fault, run_dirs: RunDirs) -
     damaged: set[int] = set()
     with agents() as nodes:
         for name in ("a", "b"):
-            nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
-                                    nnodes="2"))
+            nodes.append(
+                start_node(
+                    name=name,
+                    run=run_dirs,
+                    job=JOB,
+                    endpoint=etcd_server.endpoint,
+                    run_id=run_id,
+                    nnodes="2",
+                )
+            )
         node_a, node_b = nodes
 
         def corrupt_then_kill_all() -> None:
@@ -88,8 +118,9 @@ def test_newest_checkpoint_corrupted(etcd_server, no_fault, run_dirs: RunDirs) -
             finally:
                 kill(frozen)
 
-        faults = FaultInjector(run_dirs).at_step(22, "newest checkpoint corrupted, then every worker SIGKILLed",
-                                                 corrupt_then_kill_all)
+        faults = FaultInjector(run_dirs).at_step(
+            22, "newest checkpoint corrupted, then every worker SIGKILLed", corrupt_then_kill_all
+        )
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
@@ -99,5 +130,7 @@ def test_newest_checkpoint_corrupted(etcd_server, no_fault, run_dirs: RunDirs) -
     print(describe(summary), "damaged", damaged)
     (step,) = damaged
     assert summary.generations[1].resumed_step == step - JOB.checkpoint_every
-    assert (run_dirs.checkpoints / f"ckpt-{step:012d}.pt.corrupt").exists(), "the damaged file was set aside"
+    assert (run_dirs.checkpoints / f"ckpt-{step:012d}.pt.corrupt").exists(), (
+        "the damaged file was set aside"
+    )
     assert f"ckpt-{step:012d}.pt is corrupt" in logs, "the skipped checkpoint is named in the log"

@@ -42,14 +42,27 @@ def test_etcd_restart_5s_outage(own_etcd_server, no_fault, run_dirs: RunDirs) ->
     outage: list[threading.Thread] = []
     with agents() as nodes:
         for name in ("a", "b"):
-            nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=own_etcd_server.endpoint,
-                                    run_id=run_id, nnodes="2", rdzv_conf=RDZV_CONF))
+            nodes.append(
+                start_node(
+                    name=name,
+                    run=run_dirs,
+                    job=JOB,
+                    endpoint=own_etcd_server.endpoint,
+                    run_id=run_id,
+                    nnodes="2",
+                    rdzv_conf=RDZV_CONF,
+                )
+            )
         node_a, node_b = nodes
         restarted = in_background(lambda: own_etcd_server.restart(down_for=5.0), outage)
-        faults = (FaultInjector(run_dirs)
-                  .at_step(12, "etcd down for 5 s", restarted)
-                  .when(lambda step: not outage[0].is_alive(), "etcd back", lambda: None)
-                  .when(lambda step: True, "worker SIGKILL after the outage", lambda: node_b.kill_worker()))
+        faults = (
+            FaultInjector(run_dirs)
+            .at_step(12, "etcd down for 5 s", restarted)
+            .when(lambda step: not outage[0].is_alive(), "etcd back", lambda: None)
+            .when(
+                lambda step: True, "worker SIGKILL after the outage", lambda: node_b.kill_worker()
+            )
+        )
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         outage[0].join(30)
         codes = wait_all(nodes, timeout=30)
@@ -60,7 +73,9 @@ def test_etcd_restart_5s_outage(own_etcd_server, no_fault, run_dirs: RunDirs) ->
 
     summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
     print(describe(summary))
-    assert len(summary.generations) == 2, "only the worker SIGKILL restarted the group, not the outage"
+    assert len(summary.generations) == 2, (
+        "only the worker SIGKILL restarted the group, not the outage"
+    )
 
 
 def test_etcd_member_lost(tmp_path: Path, no_fault, run_dirs: RunDirs) -> None:
@@ -71,12 +86,25 @@ def test_etcd_member_lost(tmp_path: Path, no_fault, run_dirs: RunDirs) -> None:
         endpoint = ",".join(s.endpoint for s in members)
         run_id = unique_run_id("etcd-member")
         for name in ("a", "b"):
-            nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=endpoint, run_id=run_id,
-                                    nnodes="2", rdzv_conf=RDZV_CONF))
+            nodes.append(
+                start_node(
+                    name=name,
+                    run=run_dirs,
+                    job=JOB,
+                    endpoint=endpoint,
+                    run_id=run_id,
+                    nnodes="2",
+                    rdzv_conf=RDZV_CONF,
+                )
+            )
         node_a, node_b = nodes
-        faults = (FaultInjector(run_dirs)
-                  .at_step(12, "etcd leader SIGKILLed", lambda: members[0].stop(kill=True))
-                  .at_step(24, "worker SIGKILL (a new round on two members)", lambda: node_a.kill_worker()))
+        faults = (
+            FaultInjector(run_dirs)
+            .at_step(12, "etcd leader SIGKILLed", lambda: members[0].stop(kill=True))
+            .at_step(
+                24, "worker SIGKILL (a new round on two members)", lambda: node_a.kill_worker()
+            )
+        )
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"

@@ -51,7 +51,16 @@ leaves room for a loaded 2-core CI machine)."""
 
 
 def _status(endpoint: str, run_id: str) -> tuple[dict, str]:
-    cli = [sys.executable, "-m", "elastic_trainer.cli", "status", "--rdzv-endpoint", endpoint, "--run-id", run_id]
+    cli = [
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "status",
+        "--rdzv-endpoint",
+        endpoint,
+        "--run-id",
+        run_id,
+    ]
     as_json = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60)
     assert as_json.returncode == 0, as_json.stderr
     text = subprocess.run(cli, capture_output=True, text=True, timeout=60)
@@ -61,7 +70,9 @@ def _status(endpoint: str, run_id: str) -> tuple[dict, str]:
 
 def _metric(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    values = [
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+    ]
     assert values, f"{name} not on :{port}"
     return sum(values)
 
@@ -73,14 +84,20 @@ def _cosine_lr(base: float, step: int, total: int) -> float:
 
 def _first_step_after(samples: os.PathLike[str], unix: float) -> float:
     """Seconds from ``unix`` to the first step of a generation (an epoch) that started after it."""
-    done = [r["t"] for records in read_records(samples) if records[0]["started_unix"] > unix
-            for r in records if r["event"] == "done"]
+    done = [
+        r["t"]
+        for records in read_records(samples)
+        if records[0]["started_unix"] > unix
+        for r in records
+        if r["event"] == "done"
+    ]
     assert done, "no step after the fault"
     return min(done) - unix
 
 
-def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server, run_dirs: RunDirs,
-                                                                     request: pytest.FixtureRequest) -> None:
+def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(
+    etcd_server, run_dirs: RunDirs, request: pytest.FixtureRequest
+) -> None:
     run_id = unique_run_id("one-unit")
     job = JobSpec(epochs=12)
     hold = run_dirs.root / "slow-until-c-joined"
@@ -90,8 +107,17 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
     endpoint = etcd_server.endpoint
 
     def node(name: str):  # type: ignore[no-untyped-def]
-        return start_node(name=name, run=run_dirs, job=job, endpoint=endpoint, run_id=run_id, nnodes="1:3",
-                          nproc_per_node=2, metrics_port=ports[name], env=held)
+        return start_node(
+            name=name,
+            run=run_dirs,
+            job=job,
+            endpoint=endpoint,
+            run_id=run_id,
+            nnodes="1:3",
+            nproc_per_node=2,
+            metrics_port=ports[name],
+            env=held,
+        )
 
     faults: dict[str, float] = {}
     with agents() as nodes:
@@ -102,9 +128,11 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
             def reached() -> bool:
                 assert a.poll() is None, tails(nodes)
                 return run_dirs.steps() >= step
+
             wait_for(reached, timeout=180, what=what, describe=lambda: tails(nodes))
 
         step_at_least(8, "both nodes training")
+
         # -- status while training: the epoch's members and ranks, fresh progress, the step's LR
         def training_view() -> tuple[dict, str] | None:
             report, text = _status(endpoint, run_id)
@@ -113,29 +141,45 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
                 return None
             return report, text
 
-        report, text = wait_for(training_view, timeout=60, what="status with the epoch and progress", interval=0.5)
+        report, text = wait_for(
+            training_view, timeout=60, what="status with the epoch and progress", interval=0.5
+        )
         heal = report["heal"]
         assert not heal["finished"] and [m["rank"] for m in heal["members"]] == [0, 1, 2, 3], heal
-        assert len({m["node"] for m in heal["members"]}) == 2 and {m["local_rank"] for m in heal["members"]} == {0, 1}
+        assert len({m["node"] for m in heal["members"]}) == 2 and {
+            m["local_rank"] for m in heal["members"]
+        } == {0, 1}
         assert "0 participant(s)" not in text and "forming" not in text, text
         assert re.search(r"rank +3 +\S+ +local rank 1 +pid \d+", text), text
         progress = report["progress"]
         assert progress["published_age_s"] <= PUBLISH_INTERVAL_S + 1.0, progress
         assert progress["last_step_age_s"] <= PUBLISH_INTERVAL_S + 2.0, progress
-        assert progress["lr"] == pytest.approx(_cosine_lr(job.lr, progress["step"], job.steps), rel=1e-6), progress
+        assert progress["lr"] == pytest.approx(
+            _cosine_lr(job.lr, progress["step"], job.steps), rel=1e-6
+        ), progress
 
         # -- 1. node b's warm-start client of one worker SIGKILLed
         client = sorted(children(b.pid))[-1]
         faults["client SIGKILL"] = time.time()
         os.kill(client, signal.SIGKILL)
-        wait_for(lambda: "died of SIGKILL" in b.output(), timeout=30, what="b names the death", describe=b.tail)
+        wait_for(
+            lambda: "died of SIGKILL" in b.output(),
+            timeout=30,
+            what="b names the death",
+            describe=b.tail,
+        )
         step_at_least(run_dirs.steps() + 5, "steps after the client's death")
 
         # -- 2. a SIGTERM to one worker of node a, not from its launcher
         worker = sorted(worker_processes(a.pid))[0]
         faults["worker SIGTERM"] = time.time()
         os.kill(worker, signal.SIGTERM)
-        wait_for(lambda: "died of SIGTERM" in a.output(), timeout=30, what="a names the death", describe=a.tail)
+        wait_for(
+            lambda: "died of SIGTERM" in a.output(),
+            timeout=30,
+            what="a names the death",
+            describe=a.tail,
+        )
         step_at_least(run_dirs.steps() + 5, "steps after the worker's SIGTERM")
         changes_before = _metric(ports["a"], "elastic_trainer_membership_changes_total")
 
@@ -145,27 +189,60 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
         step_at_least(run_dirs.steps() + 5, "steps without node b")
         c = node("c")
         nodes.append(c)
-        wait_for(lambda: (h := read_status(endpoint, run_id, {"retry_timeout": "5"}, None)["heal"]) is not None
-                 and h["world_size"] == 4, timeout=180, what="node c in the epoch", interval=0.2,
-                 describe=lambda: tails(nodes))
+        wait_for(
+            lambda: (
+                (h := read_status(endpoint, run_id, {"retry_timeout": "5"}, None)["heal"])
+                is not None
+                and h["world_size"] == 4
+            ),
+            timeout=180,
+            what="node c in the epoch",
+            interval=0.2,
+            describe=lambda: tails(nodes),
+        )
         changes = _metric(ports["a"], "elastic_trainer_membership_changes_total")
         # `top` on the two live nodes, until after the end (frames to a file; no terminal).
         top_log = run_dirs.root / "top.log"
         with open(top_log, "wb") as out:
-            top = subprocess.Popen([sys.executable, "-m", "elastic_trainer.cli", "top", "--url",
-                                    f"127.0.0.1:{ports['a']}", "--url", f"127.0.0.1:{ports['c']}", "--interval", "0.5",
-                                    "--run-id", run_id, "--rdzv-endpoint", endpoint],
-                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            top = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "elastic_trainer.cli",
+                    "top",
+                    "--url",
+                    f"127.0.0.1:{ports['a']}",
+                    "--url",
+                    f"127.0.0.1:{ports['c']}",
+                    "--interval",
+                    "0.5",
+                    "--run-id",
+                    run_id,
+                    "--rdzv-endpoint",
+                    endpoint,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         request.addfinalizer(lambda: top.poll() is not None or top.kill())
         wait_for(lambda: top_log.read_text().count("ranks") >= 2, timeout=60, what="a frame of top")
         hold.unlink()
         for survivor in (a, c):
-            wait_for(lambda s=survivor: s.poll() is not None, timeout=240, what="the job's end",
-                     describe=lambda: tails(nodes))
+            wait_for(
+                lambda s=survivor: s.poll() is not None,
+                timeout=240,
+                what="the job's end",
+                describe=lambda: tails(nodes),
+            )
         codes = wait_all([a, c], timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
         try:
-            wait_for(lambda: "finished at step" in top_log.read_text(), timeout=20, what="top's last frame")
+            wait_for(
+                lambda: "finished at step" in top_log.read_text(),
+                timeout=20,
+                what="top's last frame",
+            )
         finally:
             top.send_signal(signal.SIGINT)
             top.wait(30)
@@ -175,28 +252,43 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
     lost = steps_lost(run_dirs.samples)
     print(f"steps redone per generation: {lost}")
     assert not any(lost), "healing in place redoes no step"
-    assert "restarting the worker group" not in every and "Sending process" not in every, "no group restart"
+    assert "restarting the worker group" not in every and "Sending process" not in every, (
+        "no group restart"
+    )
     for name, unix in faults.items():
         if name.startswith(("client", "worker")):
             took = _first_step_after(run_dirs.samples, unix)
             print(f"{name} -> first step of the healed group: {took:.2f} s")
             assert took < NEXT_STEP_BOUND_S, name
     heal_lines = [line for line in every.splitlines() if "healed in place" in line]
-    assert heal_lines and not [line for line in heal_lines if "gloo" in line or "pair.cc" in line], heal_lines
+    assert heal_lines and not [
+        line for line in heal_lines if "gloo" in line or "pair.cc" in line
+    ], heal_lines
     assert re.search(r"local worker \d \(pid \d+\) died of SIGKILL", logs["node-b.log"])
     assert re.search(r"local worker \d \(pid \d+\) died of SIGTERM", logs["node-a.log"])
     assert "nothing heard from nodes" not in logs["node-a.log"], "no UDP warning about the newcomer"
-    print(f"membership changes on node a: {changes_before:g} before the loss, {changes:g} after the join")
+    print(
+        f"membership changes on node a: {changes_before:g} before the loss, {changes:g} after the join"
+    )
     assert changes - changes_before >= 2, "the loss and the join are counted"
-    for line in re.findall(r"step (\d+) epoch \d+ loss \S+ samples/s \S+ world \d+ lr ([0-9.e+-]+)", every):
+    for line in re.findall(
+        r"step (\d+) epoch \d+ loss \S+ samples/s \S+ world \d+ lr ([0-9.e+-]+)", every
+    ):
         step, lr = int(line[0]), float(line[1])
-        assert lr == pytest.approx(_cosine_lr(job.lr, step, job.steps), rel=6e-3), f"step {step}: lr {lr}"
+        assert lr == pytest.approx(_cosine_lr(job.lr, step, job.steps), rel=6e-3), (
+            f"step {step}: lr {lr}"
+        )
 
     frames = top_log.read_text()
     assert f"finished at step {job.steps}   (every node has exited)" in frames, frames[-2000:]
     # While it trained, a frame listed both live nodes with their ranks.
-    assert max(len(re.findall(r"up +\S+ +ranks \d,\d ", frame)) for frame in frames.split("elastic-trainer top")) == 2, \
-        frames[-3000:]
+    assert (
+        max(
+            len(re.findall(r"up +\S+ +ranks \d,\d ", frame))
+            for frame in frames.split("elastic-trainer top")
+        )
+        == 2
+    ), frames[-3000:]
 
     report, text = _status(endpoint, run_id)
     assert report["finished_at_step"] == job.steps, report
@@ -204,7 +296,8 @@ def test_any_process_of_a_worker_heals_in_place_and_the_tools_agree(etcd_server,
 
 
 def test_a_survivor_stopped_while_it_waits_in_a_heal_round_saves_and_exits_within_its_grace(
-        etcd_server, run_dirs: RunDirs) -> None:
+    etcd_server, run_dirs: RunDirs
+) -> None:
     """A job of exactly two nodes loses node b: node a's worker waits in the heal round for a
     second member. Node a is then stopped (SIGTERM, a scale-down): its worker leaves the round,
     saves its step and exits within the grace period; it used to wait in the round until
@@ -212,13 +305,31 @@ def test_a_survivor_stopped_while_it_waits_in_a_heal_round_saves_and_exits_withi
     run_id = unique_run_id("stop-in-heal")
     job = JobSpec(epochs=20, checkpoint_every=1000)  # no periodic checkpoint after the start
     with agents() as nodes:
-        a, b = (start_node(name=name, run=run_dirs, job=job, endpoint=etcd_server.endpoint, run_id=run_id, nnodes="2")
-                for name in "ab")
+        a, b = (
+            start_node(
+                name=name,
+                run=run_dirs,
+                job=job,
+                endpoint=etcd_server.endpoint,
+                run_id=run_id,
+                nnodes="2",
+            )
+            for name in "ab"
+        )
         nodes += [a, b]
-        wait_for(lambda: run_dirs.steps() >= 10, timeout=180, what="training", describe=lambda: tails(nodes))
+        wait_for(
+            lambda: run_dirs.steps() >= 10,
+            timeout=180,
+            what="training",
+            describe=lambda: tails(nodes),
+        )
         b.kill_node()
-        wait_for(lambda: "still waiting for at least 2 members" in a.output(), timeout=60,
-                 what="node a's worker waiting in the round", describe=a.tail)
+        wait_for(
+            lambda: "still waiting for at least 2 members" in a.output(),
+            timeout=60,
+            what="node a's worker waiting in the round",
+            describe=a.tail,
+        )
         stopped = time.monotonic()
         a.terminate()
         code = a.wait(60)
@@ -226,5 +337,7 @@ def test_a_survivor_stopped_while_it_waits_in_a_heal_round_saves_and_exits_withi
         log = a.output()
     print(f"node a exited {took:.1f} s after SIGTERM with status {code}")
     assert "exiting instead of healing" in log, log[-4000:]
-    assert re.search(r"handing step \d+ on through the disk before ending: written", log), log[-4000:]
+    assert re.search(r"handing step \d+ on through the disk before ending: written", log), log[
+        -4000:
+    ]
     assert "Unable to shutdown process" not in log and took < 15.0, log[-4000:]

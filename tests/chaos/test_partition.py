@@ -35,7 +35,9 @@ COLLECTIVE_TIMEOUT_S = 8
 
 
 @pytest.mark.parametrize("cut", ["the other node", "the writer's node"])
-def test_node_partitioned_then_healed(cut: str, no_fault, tmp_path: Path, run_dirs: RunDirs) -> None:
+def test_node_partitioned_then_healed(
+    cut: str, no_fault, tmp_path: Path, run_dirs: RunDirs
+) -> None:
     """``the writer's node``: the node of rank 0, which writes the checkpoints; cut off, it must
     commit none that the others do not know about (the commit fence), and the other node's
     worker becomes rank 0."""
@@ -44,10 +46,22 @@ def test_node_partitioned_then_healed(cut: str, no_fault, tmp_path: Path, run_di
         endpoint = net.start_etcd(tmp_path / "etcd" / "data")
         run_id = unique_run_id("partition")
         for name in names:
-            nodes.append(start_node(
-                name=name, run=run_dirs, job=JOB, endpoint=endpoint, run_id=run_id, nnodes="1:2",
-                netns=net.namespace(name), local_addr=net.address(name),
-                env={"GLOO_SOCKET_IFNAME": "eth0", "ELASTIC_TRAINER_PG_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}))
+            nodes.append(
+                start_node(
+                    name=name,
+                    run=run_dirs,
+                    job=JOB,
+                    endpoint=endpoint,
+                    run_id=run_id,
+                    nnodes="1:2",
+                    netns=net.namespace(name),
+                    local_addr=net.address(name),
+                    env={
+                        "GLOO_SOCKET_IFNAME": "eth0",
+                        "ELASTIC_TRAINER_PG_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S),
+                    },
+                )
+            )
         cut_off: list[int] = []
 
         def partition() -> None:
@@ -56,18 +70,29 @@ def test_node_partitioned_then_healed(cut: str, no_fault, tmp_path: Path, run_di
             cut_off.append(writer if cut == "the writer's node" else 1 - writer)
             net.partition(names[cut_off[0]])
 
-        faults = (FaultInjector(run_dirs)
-                  .at_step(20, f"{cut} partitioned", partition)
-                  # Heal once the other node trains alone: the cut-off node's agent must rejoin
-                  # under a new lease, its workers as newcomers.
-                  .when(lambda step: run_dirs.steps(world_size=1) >= 30, "partition healed",
-                        lambda: net.heal(names[cut_off[0]])))
-        faults.run_until(lambda: all(n.proc.poll() is not None for n in nodes), timeout=240, agents=nodes)
+        faults = (
+            FaultInjector(run_dirs)
+            .at_step(20, f"{cut} partitioned", partition)
+            # Heal once the other node trains alone: the cut-off node's agent must rejoin
+            # under a new lease, its workers as newcomers.
+            .when(
+                lambda step: run_dirs.steps(world_size=1) >= 30,
+                "partition healed",
+                lambda: net.heal(names[cut_off[0]]),
+            )
+        )
+        faults.run_until(
+            lambda: all(n.proc.poll() is not None for n in nodes), timeout=240, agents=nodes
+        )
         codes = wait_all(nodes, timeout=60)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
         survivor_log = nodes[1 - cut_off[0]].output()
 
     summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
     print(describe(summary))
-    assert summary.world_phases == [2, 1, 2], "one node went on alone during the partition, then the other rejoined"
-    assert "is gone (no heartbeat for" in survivor_log, "the partition was noticed by heartbeats, not a lease"
+    assert summary.world_phases == [2, 1, 2], (
+        "one node went on alone during the partition, then the other rejoined"
+    )
+    assert "is gone (no heartbeat for" in survivor_log, (
+        "the partition was noticed by heartbeats, not a lease"
+    )

@@ -42,10 +42,20 @@ def worker_sigkill_run(etcd_server, tmp_path_factory: pytest.TempPathFactory) ->
     run_id = unique_run_id("worker-kill")
     with agents() as nodes:
         for name in ("a", "b"):
-            nodes.append(start_node(name=name, run=run, job=JOB, endpoint=etcd_server.endpoint,
-                                    run_id=run_id, nnodes="2"))
+            nodes.append(
+                start_node(
+                    name=name,
+                    run=run,
+                    job=JOB,
+                    endpoint=etcd_server.endpoint,
+                    run_id=run_id,
+                    nnodes="2",
+                )
+            )
         node_a, node_b = nodes
-        faults = FaultInjector(run).at_step(20, "worker SIGKILL on node b", lambda: node_b.kill_worker())
+        faults = FaultInjector(run).at_step(
+            20, "worker SIGKILL on node b", lambda: node_b.kill_worker()
+        )
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
@@ -55,22 +65,43 @@ def worker_sigkill_run(etcd_server, tmp_path_factory: pytest.TempPathFactory) ->
 def test_worker_sigkill(worker_sigkill_run: FinishedRun, no_fault) -> None:
     summary = check_run(worker_sigkill_run.run, JOB, no_fault, reference_world=2)
     print(describe(summary))
-    aborts = [line for line in worker_sigkill_run.logs.splitlines() if "terminate called" in line or "exitcode: -6" in line]
-    assert len(summary.generations) == 2, f"the worker group restarted exactly once; worker aborts: {aborts[:4]}"
+    aborts = [
+        line
+        for line in worker_sigkill_run.logs.splitlines()
+        if "terminate called" in line or "exitcode: -6" in line
+    ]
+    assert len(summary.generations) == 2, (
+        f"the worker group restarted exactly once; worker aborts: {aborts[:4]}"
+    )
 
 
 def test_worker_sigkill_survivors_report_it_in_one_line(worker_sigkill_run: FinishedRun) -> None:
     """The surviving worker's collective fails when its peer dies; it must say so in one line
     (the example's "a collective failed ..."), not with a traceback, wherever the failure hits it."""
-    tracebacks = [line for line in worker_sigkill_run.logs.splitlines() if "Traceback" in line or "Error:" in line]
-    assert not tracebacks, "a worker died with a traceback instead of one line:\n" + "\n".join(tracebacks[:6])
+    tracebacks = [
+        line
+        for line in worker_sigkill_run.logs.splitlines()
+        if "Traceback" in line or "Error:" in line
+    ]
+    assert not tracebacks, "a worker died with a traceback instead of one line:\n" + "\n".join(
+        tracebacks[:6]
+    )
 
 
-def _two_elastic_nodes(etcd_server, run_dirs: RunDirs, run_id: str, nodes: list, names=("a", "b"),
-                       job: JobSpec = JOB) -> None:
+def _two_elastic_nodes(
+    etcd_server, run_dirs: RunDirs, run_id: str, nodes: list, names=("a", "b"), job: JobSpec = JOB
+) -> None:
     for name in names:
-        nodes.append(start_node(name=name, run=run_dirs, job=job, endpoint=etcd_server.endpoint,
-                                run_id=run_id, nnodes="1:2"))
+        nodes.append(
+            start_node(
+                name=name,
+                run=run_dirs,
+                job=job,
+                endpoint=etcd_server.endpoint,
+                run_id=run_id,
+                nnodes="1:2",
+            )
+        )
 
 
 def test_node_sigkill(etcd_server, no_fault, run_dirs: RunDirs) -> None:
@@ -116,7 +147,10 @@ def test_node_join_scale_up(etcd_server, no_fault, run_dirs: RunDirs) -> None:
         _two_elastic_nodes(etcd_server, run_dirs, run_id, nodes, names=("a",), job=job)
         node_a = nodes[0]
         faults = FaultInjector(run_dirs).at_step(
-            10, "node b joins", lambda: _two_elastic_nodes(etcd_server, run_dirs, run_id, nodes, names=("b",), job=job))
+            10,
+            "node b joins",
+            lambda: _two_elastic_nodes(etcd_server, run_dirs, run_id, nodes, names=("b",), job=job),
+        )
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
@@ -137,9 +171,19 @@ def test_worker_sigkill_three_nodes_bitwise(etcd_server, no_fault, run_dirs: Run
     run_id = unique_run_id("worker-kill-3")
     with agents() as nodes:
         for name in ("a", "b", "c"):
-            nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=etcd_server.endpoint,
-                                    run_id=run_id, nnodes="3"))
-        faults = FaultInjector(run_dirs).at_step(20, "worker SIGKILL on node c", lambda: nodes[2].kill_worker())
+            nodes.append(
+                start_node(
+                    name=name,
+                    run=run_dirs,
+                    job=JOB,
+                    endpoint=etcd_server.endpoint,
+                    run_id=run_id,
+                    nnodes="3",
+                )
+            )
+        faults = FaultInjector(run_dirs).at_step(
+            20, "worker SIGKILL on node c", lambda: nodes[2].kill_worker()
+        )
         faults.run_until(lambda: nodes[0].proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"

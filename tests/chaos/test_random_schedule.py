@@ -41,10 +41,19 @@ from tests.chaos.faults import (
 from tests.chaos.invariants import check_run, describe
 from tests.support.agents import Agent, agents, tails
 
-KINDS = ("worker_sigkill", "node_sigkill", "node_sigterm", "node_join", "etcd_restart", "corrupt_newest")
+KINDS = (
+    "worker_sigkill",
+    "node_sigkill",
+    "node_sigterm",
+    "node_join",
+    "etcd_restart",
+    "corrupt_newest",
+)
 MIN_NODES, MAX_NODES = 1, 3
 CLOSED_RUN = "is closed (the job finished or a node gave up before this node could rejoin)"  # launcher's line
-WORKERS_TIMEOUT_S = 120.0  # a restart round (rendezvous, worker start, checkpoint load) takes seconds
+WORKERS_TIMEOUT_S = (
+    120.0  # a restart round (rendezvous, worker start, checkpoint load) takes seconds
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +101,15 @@ class Cluster:
     threads: list[threading.Thread] = field(default_factory=list)
 
     def add_node(self) -> None:
-        node = start_node(name=f"n{self.names}", run=self.run, job=self.job, endpoint=self.endpoint,
-                          run_id=self.run_id, nnodes=f"{MIN_NODES}:{MAX_NODES}", max_restarts=100)
+        node = start_node(
+            name=f"n{self.names}",
+            run=self.run,
+            job=self.job,
+            endpoint=self.endpoint,
+            run_id=self.run_id,
+            nnodes=f"{MIN_NODES}:{MAX_NODES}",
+            max_restarts=100,
+        )
         self.names += 1
         self.started.append(node)
         self.live.append(node)
@@ -116,7 +132,9 @@ class Cluster:
                     rng.choice(candidates).kill_worker(rng.randint(0, 1))
                     return
             if time.monotonic() >= deadline:
-                raise AssertionError(f"no live node had a worker to kill for {timeout:.0f} s\n{tails(self.started)}")
+                raise AssertionError(
+                    f"no live node had a worker to kill for {timeout:.0f} s\n{tails(self.started)}"
+                )
             time.sleep(0.1)
 
     def done(self) -> bool:
@@ -130,8 +148,13 @@ def run_schedule(seed: int, count: int, etcd, no_fault, tmp_path: Path) -> None:
     rng = random.Random(seed + 1)  # picks the victims
     run = RunDirs.under(tmp_path / "run")
     with agents() as started:
-        cluster = Cluster(run=run, job=job, endpoint=etcd.endpoint, run_id=unique_run_id(f"random-{seed}"),
-                          started=started)
+        cluster = Cluster(
+            run=run,
+            job=job,
+            endpoint=etcd.endpoint,
+            run_id=unique_run_id(f"random-{seed}"),
+            started=started,
+        )
         cluster.add_node()
         cluster.add_node()
 
@@ -164,7 +187,9 @@ def run_schedule(seed: int, count: int, etcd, no_fault, tmp_path: Path) -> None:
         }
         injector = FaultInjector(run)
         for fault in faults:
-            injector.when(_trained_since_previous(injector, fault.gap), fault.kind, actions[fault.kind])
+            injector.when(
+                _trained_since_previous(injector, fault.gap), fault.kind, actions[fault.kind]
+            )
         injector.run_until(cluster.done, timeout=240 + 30 * count, agents=started)
         for thread in cluster.threads:
             thread.join(30)
@@ -172,14 +197,29 @@ def run_schedule(seed: int, count: int, etcd, no_fault, tmp_path: Path) -> None:
         # A node still restarting when the others finished (slowed by a fault) finds the run closed
         # and exits 1 with one line saying so: torch's semantics, and the job is done. Any other
         # non-zero exit, or nobody finishing, is a failure.
-        late = {n.log_path.name for n in cluster.live if codes[n.log_path.name] == 1 and CLOSED_RUN in n.output()}
-        finished = [n.log_path.name for n in started if n.proc.poll() == 0 and "training finished" in n.output()]
+        late = {
+            n.log_path.name
+            for n in cluster.live
+            if codes[n.log_path.name] == 1 and CLOSED_RUN in n.output()
+        }
+        finished = [
+            n.log_path.name
+            for n in started
+            if n.proc.poll() == 0 and "training finished" in n.output()
+        ]
         assert finished and all(code == 0 or name in late for name, code in codes.items()), (
-            f"exit codes of the nodes left {codes}, finished: {finished}\n{tails(started)}")
+            f"exit codes of the nodes left {codes}, finished: {finished}\n{tails(started)}"
+        )
         print("fired at steps:", [(f.name, f.fired_at_step) for f in injector.faults])
 
-    summary = check_run(run, job, no_fault, reference_world=2, damaged=cluster.damaged,
-                        damage_windows=cluster.damage_windows)
+    summary = check_run(
+        run,
+        job,
+        no_fault,
+        reference_world=2,
+        damaged=cluster.damaged,
+        damage_windows=cluster.damage_windows,
+    )
     print(describe(summary))
 
 
@@ -203,5 +243,7 @@ def test_random_schedule_short(own_etcd_server, no_fault, tmp_path: Path, chaos_
 @pytest.mark.chaos
 @pytest.mark.chaos_long
 @pytest.mark.timeout(3600)
-def test_random_schedule_long(own_etcd_server, no_fault, tmp_path: Path, chaos_seed: int, chaos_faults: int) -> None:
+def test_random_schedule_long(
+    own_etcd_server, no_fault, tmp_path: Path, chaos_seed: int, chaos_faults: int
+) -> None:
     run_schedule(chaos_seed, chaos_faults, own_etcd_server, no_fault, tmp_path)

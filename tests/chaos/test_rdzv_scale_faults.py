@@ -35,7 +35,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def load_simulator() -> types.ModuleType:
     """benchmarks/scale_agents.py as a module (benchmarks/ is a folder of scripts)."""
-    spec = importlib.util.spec_from_file_location("bench_scale_agents", REPO / "benchmarks" / "scale_agents.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_scale_agents", REPO / "benchmarks" / "scale_agents.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
@@ -50,23 +52,45 @@ def joined_the_open_round(connection: EtcdConnection, keys: RunKeys) -> int:
     if state is None or state.status != OPEN:
         return 0
     prefix = keys.round_prefix(state.round).encode()
-    request = connection.etcd3.etcdrpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True)
-    return int(connection.call(lambda c: c.kvstub.Range(request, c.timeout), what="a test count").count)
+    request = connection.etcd3.etcdrpc.RangeRequest(
+        key=prefix, range_end=prefix_end(prefix), count_only=True
+    )
+    return int(
+        connection.call(lambda c: c.kvstub.Range(request, c.timeout), what="a test count").count
+    )
 
 
 def released_records(reports: list[dict], since: float) -> list[dict]:
-    return [rec for report in reports for agent in report["agents"] for rec in agent["records"] if rec["released"] > since]
+    return [
+        rec
+        for report in reports
+        for agent in report["agents"]
+        for rec in agent["records"]
+        if rec["released"] > since
+    ]
 
 
 @pytest.mark.parametrize("member", ["follower", "leader"])
-def test_a_round_of_256_agents_completes_when_an_etcd_member_dies_mid_round(tmp_path: Path, member: str) -> None:
+def test_a_round_of_256_agents_completes_when_an_etcd_member_dies_mid_round(
+    tmp_path: Path, member: str
+) -> None:
     simulator = load_simulator()
     with local_cluster(tmp_path / "etcd", 3) as servers:
         endpoints = ",".join(s.endpoint for s in servers)
-        connection = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(endpoints), retry_timeout=20))
-        fleet = simulator.Fleet(backend="lease", agents=AGENTS, min_nodes=AGENTS, max_nodes=AGENTS,
-                                endpoints=endpoints, conf="join_timeout=120,retry_timeout=20", per_process=128,
-                                log_dir=tmp_path / "logs", quiet=False)
+        connection = EtcdConnection(
+            EtcdClientConfig(endpoints=parse_endpoints(endpoints), retry_timeout=20)
+        )
+        fleet = simulator.Fleet(
+            backend="lease",
+            agents=AGENTS,
+            min_nodes=AGENTS,
+            max_nodes=AGENTS,
+            endpoints=endpoints,
+            conf="join_timeout=120,retry_timeout=20",
+            per_process=128,
+            log_dir=tmp_path / "logs",
+            quiet=False,
+        )
         try:
             with fleet:
                 keys = RunKeys(DEFAULT_KEY_PREFIX, fleet.run_id)
@@ -99,12 +123,27 @@ def test_a_round_of_256_agents_completes_when_an_etcd_member_dies_mid_round(tmp_
     assert {r["round"] for r in records} == {1}
     assert {r["world_size"] for r in records} == {AGENTS}
     assert sorted(r["rank"] for r in records) == list(range(AGENTS))
-    first_ranks = {(p, a["index"]): a["records"][0]["rank"] for p, rep in enumerate(before) for a in rep["agents"]}
-    again = {(p, a["index"]): a["records"][-1]["rank"] for p, rep in enumerate(after) for a in rep["agents"]}
+    first_ranks = {
+        (p, a["index"]): a["records"][0]["rank"]
+        for p, rep in enumerate(before)
+        for a in rep["agents"]
+    }
+    again = {
+        (p, a["index"]): a["records"][-1]["rank"]
+        for p, rep in enumerate(after)
+        for a in rep["agents"]
+    }
     assert again == first_ranks, "ranks are stable across rounds"
     # A constant number of writes per agent for the round, whatever the failover cost in retries.
-    writes = {"a rendezvous join", "a rendezvous state change", "a coordinator claim", "a round close",
-              "a new round", "a progress count", "a store address"}
+    writes = {
+        "a rendezvous join",
+        "a rendezvous state change",
+        "a coordinator claim",
+        "a round close",
+        "a new round",
+        "a progress count",
+        "a store address",
+    }
     counted = [{k: v for k, v in rep["request_counts"].items() if k in writes} for rep in after]
     earlier = [{k: v for k, v in rep["request_counts"].items() if k in writes} for rep in before]
     spent = sum(sum(c.values()) for c in counted) - sum(sum(c.values()) for c in earlier)

@@ -59,22 +59,40 @@ def rank_of(node: Agent) -> int:
     return int(match.group(1))
 
 
-def test_straggler_keeps_training_and_shows_in_the_metric(etcd_server, no_fault, run_dirs: RunDirs) -> None:
+def test_straggler_keeps_training_and_shows_in_the_metric(
+    etcd_server, no_fault, run_dirs: RunDirs
+) -> None:
     run_id = unique_run_id("straggler")
     ports = {"a": free_port(), "b": free_port()}
     scraped: dict[int, float] = {}
     with agents() as nodes:
         for name in ("a", "b"):
-            env = {"CHAOS_SLOW_MS": str(SLOW_MS), "CHAOS_SLOW_STEPS": str(SLOW_STEPS)} if name == "b" else {}
-            nodes.append(start_node(name=name, run=run_dirs, job=JOB, endpoint=etcd_server.endpoint, run_id=run_id,
-                                    nnodes="2", metrics_port=ports[name], env=env))
+            env = (
+                {"CHAOS_SLOW_MS": str(SLOW_MS), "CHAOS_SLOW_STEPS": str(SLOW_STEPS)}
+                if name == "b"
+                else {}
+            )
+            nodes.append(
+                start_node(
+                    name=name,
+                    run=run_dirs,
+                    job=JOB,
+                    endpoint=etcd_server.endpoint,
+                    run_id=run_id,
+                    nnodes="2",
+                    metrics_port=ports[name],
+                    env=env,
+                )
+            )
         node_a = nodes[0]
 
         def scrape() -> None:
             for port in ports.values():
                 scraped.update(mean_compute_by_rank(port))
 
-        faults = FaultInjector(run_dirs).at_step(SLOW_STEPS - 10, "scrape both nodes' metrics", scrape)
+        faults = FaultInjector(run_dirs).at_step(
+            SLOW_STEPS - 10, "scrape both nodes' metrics", scrape
+        )
         faults.run_until(lambda: node_a.proc.poll() is not None, timeout=150, agents=nodes)
         codes = wait_all(nodes, timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
@@ -84,8 +102,12 @@ def test_straggler_keeps_training_and_shows_in_the_metric(etcd_server, no_fault,
     assert len(scraped) == 2, f"the metric for both ranks: {scraped}"
     slow = max(scraped, key=scraped.__getitem__)
     fast = 1 - slow
-    assert slow == slow_rank, f"the metric points at rank {slow}, but node b's rank {slow_rank} was slow"
-    assert scraped[slow] >= 3 * scraped[fast], f"the straggler metric does not single out rank {slow}: {scraped}"
+    assert slow == slow_rank, (
+        f"the metric points at rank {slow}, but node b's rank {slow_rank} was slow"
+    )
+    assert scraped[slow] >= 3 * scraped[fast], (
+        f"the straggler metric does not single out rank {slow}: {scraped}"
+    )
     assert scraped[slow] >= SLOW_MS / 1000 * 0.9
 
     summary = check_run(run_dirs, JOB, no_fault, reference_world=2)

@@ -304,7 +304,9 @@ def test_every_nccl_default_is_explained_next_to_it() -> None:
 
 
 def test_heartbeat_is_consistent_with_the_runtime_pg_timeout() -> None:
-    config = import_or_missing("elastic_trainer.runtime.settings", "elastic-trainer (pip install -e .)")
+    config = import_or_missing(
+        "elastic_trainer.runtime.settings", "elastic-trainer (pip install -e .)"
+    )
     env = dockerfile_env()
     assert int(env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) >= config.DEFAULT_PG_TIMEOUT_S
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] != "0", "a failed collective must end the process"

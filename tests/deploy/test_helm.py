@@ -683,7 +683,9 @@ def test_nccl_environment_comes_from_values(chart: Any, render: Any, values_file
 
 
 def test_chart_pg_timeout_default_is_the_runtime_default(chart: Any) -> None:
-    config = import_or_missing("elastic_trainer.runtime.settings", "elastic-trainer (pip install -e .)")
+    config = import_or_missing(
+        "elastic_trainer.runtime.settings", "elastic-trainer (pip install -e .)"
+    )
     assert merged(chart, {})["workers"]["processGroupTimeoutSeconds"] == config.DEFAULT_PG_TIMEOUT_S
     assert merged(chart, {})["workers"]["sigtermGraceSeconds"] == config.DEFAULT_SIGTERM_GRACE_S
 

@@ -69,15 +69,20 @@ def test_the_default_allreduce_metrics_put_no_hook_on_nccl_buckets_and_read_ddp_
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4))).to(cuda)
     ddp = DDP(model, device_ids=[cuda.index], bucket_cap_mb=4)
     registry = CollectorRegistry()
-    observer = PrometheusObserver(labels=WorkerLabels(run_id="j", node="n", rank=0, local_rank=0),
-                                  registry=registry, flush_interval_s=0.0)
+    observer = PrometheusObserver(
+        labels=WorkerLabels(run_id="j", node="n", rank=0, local_rank=0),
+        registry=registry,
+        flush_interval_s=0.0,
+    )
     observer.wrap_ddp(ddp)
     assert torch_compat.comm_hooks(ddp) == []
     observer.on_start(world_size=1, restart_count=0)
     x = torch.randn(64, 1024, device=cuda)
     for step in range(1, 5):
         ddp(x).sum().backward()
-        observer.on_step(step=step, duration_s=0.01, data_wait_s=0.0, samples=64, tokens=0, loss=None)
+        observer.on_step(
+            step=step, duration_s=0.01, data_wait_s=0.0, samples=64, tokens=0, loss=None
+        )
     labels = {"run_id": "j", "node": "n", "rank": "0", "local_rank": "0"}
     timed = registry.get_sample_value("elastic_trainer_allreduce_duration_seconds_count", labels)
     assert timed is not None and timed >= 2, "DDP's sampled backwards reach the histogram"
@@ -112,12 +117,18 @@ def test_timing_hook_times_nccl_buckets_with_cuda_events_and_never_waits_for_the
     timings = timer.drain()
 
     assert gpu_s > 0.3, f"the queued sleep took only {gpu_s:.3f} s: the test proves nothing"
-    assert host_s < gpu_s / 3, f"the backward and drain() waited for the GPU ({host_s:.3f} of {gpu_s:.3f} s)"
+    assert host_s < gpu_s / 3, (
+        f"the backward and drain() waited for the GPU ({host_s:.3f} of {gpu_s:.3f} s)"
+    )
     assert pending == [], "drain() reported buckets the GPU had not run yet"
     assert len(timings) >= 2 and {t.step_seq for t in timings} == {2}
-    assert sum(t.nbytes for t in timings) == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(t.nbytes for t in timings) == sum(
+        p.numel() * p.element_size() for p in model.parameters()
+    )
     assert all(t.duration_s > 0 and t.launched_s is None for t in timings)
-    assert timer._options.reduceOp == dist.ReduceOp.AVG and not timer._divide  # NCCL averages in the kernel
+    assert (
+        timer._options.reduceOp == dist.ReduceOp.AVG and not timer._divide
+    )  # NCCL averages in the kernel
     reference(x).sum().backward()  # one rank: the hook's average is the local gradient
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad)
@@ -142,8 +153,9 @@ def _total(samples: dict[str, float], name: str) -> float:
 KILL_AT_JOB = REPO / "tests" / "integration" / "scripts" / "kill_at_job.py"
 
 
-def _run_with_a_kill(tmp_path: Path, *, heal: str, gpus: int, steps: int, batch: int,
-                     counter: str) -> tuple[str, dict[str, float]]:
+def _run_with_a_kill(
+    tmp_path: Path, *, heal: str, gpus: int, steps: int, batch: int, counter: str
+) -> tuple[str, dict[str, float]]:
     """`elastic-trainer run` on NCCL, the worker of rank 0 SIGKILLed once its update of step 23 is
     applied; the node's endpoint is scraped while the next generation trains. Returns the output
     and the last scrape."""
@@ -168,7 +180,10 @@ def _run_with_a_kill(tmp_path: Path, *, heal: str, gpus: int, steps: int, batch:
                     seen = _scrape(port)
                 except OSError:
                     seen = {}
-                if _total(seen, counter) >= 1 and _total(seen, "elastic_trainer_allreduce_duration_seconds_count") > 0:
+                if (
+                    _total(seen, counter) >= 1
+                    and _total(seen, "elastic_trainer_allreduce_duration_seconds_count") > 0
+                ):
                     break
             time.sleep(0.2)
         output, _ = launcher.communicate(timeout=240)
@@ -194,8 +209,14 @@ def test_elastic_trainer_run_on_nccl_restarts_a_killed_worker_and_resumes_on_the
     """``--heal off``: the worker group restarts and resumes from a checkpoint, onto the GPU."""
     gpus = torch.cuda.device_count()
     steps, batch = 80, 16 * gpus
-    output, _ = _run_with_a_kill(tmp_path, heal="off", gpus=gpus, steps=steps, batch=batch,
-                                 counter="elastic_trainer_restarts_total")
+    output, _ = _run_with_a_kill(
+        tmp_path,
+        heal="off",
+        gpus=gpus,
+        steps=steps,
+        batch=batch,
+        counter="elastic_trainer_restarts_total",
+    )
     assert output.count("on cuda:0, backend nccl") >= 2, output[-4000:]  # both generations
     assert "warm start unavailable" not in output, output[-4000:]
     gens = generations(tmp_path / "samples")
@@ -209,10 +230,14 @@ def test_elastic_trainer_run_on_nccl_restarts_a_killed_worker_and_resumes_on_the
     assert {t.device for t in on_gpu["model"].values()} == {torch.device("cuda", gpus - 1)}
     on_cpu = ckpt.load_checkpoint(newest, torch.device("cpu"))
     assert {t.device.type for t in on_cpu["model"].values()} == {"cpu"}
-    assert any("running_mean" in name for name in on_cpu["model"]), "SyncBatchNorm statistics were not saved"
+    assert any("running_mean" in name for name in on_cpu["model"]), (
+        "SyncBatchNorm statistics were not saved"
+    )
 
 
-def test_elastic_trainer_run_on_nccl_heals_a_killed_worker_in_place(cuda: torch.device, tmp_path: Path) -> None:
+def test_elastic_trainer_run_on_nccl_heals_a_killed_worker_in_place(
+    cuda: torch.device, tmp_path: Path
+) -> None:
     """The default, ``--heal in_place``, on NCCL: the survivors keep their processes (and their
     CUDA contexts), abort the NCCL communicator, form the next group and go on from the state they
     hold; the replacement takes it from them. Needs two GPUs (one NCCL rank per GPU)."""
@@ -220,21 +245,35 @@ def test_elastic_trainer_run_on_nccl_heals_a_killed_worker_in_place(cuda: torch.
     if gpus < 2:
         pytest.skip(f"needs 2 GPUs for two NCCL ranks, found {gpus}")
     steps, batch = 80, 16 * gpus
-    output, _ = _run_with_a_kill(tmp_path, heal="in_place", gpus=gpus, steps=steps, batch=batch,
-                                 counter="elastic_trainer_heals_total")
+    output, _ = _run_with_a_kill(
+        tmp_path,
+        heal="in_place",
+        gpus=gpus,
+        steps=steps,
+        batch=batch,
+        counter="elastic_trainer_heals_total",
+    )
     assert "starting a replacement that joins its peers in place" in output, output[-4000:]
     assert "restarting the worker group" not in output, output[-4000:]
     gens = generations(tmp_path / "samples")
     assert len(gens) == 2, gens
     killed = gens[0].pids[0]
     assert killed not in gens[1].pids.values()
-    assert set(gens[0].pids.values()) - {killed} <= set(gens[1].pids.values()), "the survivors kept their processes"
+    assert set(gens[0].pids.values()) - {killed} <= set(gens[1].pids.values()), (
+        "the survivors kept their processes"
+    )
     assert gens[1].resumed_step == gens[0].last_step == 23, "no step lost"
-    starts = [records[0] for records in read_records(tmp_path / "samples") if records[0]["generation"] == gens[1].id]
+    starts = [
+        records[0]
+        for records in read_records(tmp_path / "samples")
+        if records[0]["generation"] == gens[1].id
+    ]
     assert {r["source"] for r in starts} == {"peer"}, starts
 
 
-def test_importing_torch_maps_the_driver_without_initialising_it_and_cuda_init_does(cuda: torch.device) -> None:
+def test_importing_torch_maps_the_driver_without_initialising_it_and_cuda_init_does(
+    cuda: torch.device,
+) -> None:
     """What the warm server relies on to fork workers on a GPU node (a fresh process: this one has CUDA up)."""
     probe = (
         "import torch\n"
@@ -244,7 +283,9 @@ def test_importing_torch_maps_the_driver_without_initialising_it_and_cuda_init_d
         "torch.cuda.init()\n"
         "print(mapped, before, initialised())\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     # Mapped by the import (the case the old check refused), yet not initialised until init().
     assert done.stdout.split() == ["True", "False", "True"], done.stdout

@@ -74,8 +74,21 @@ def _run(tmp_path: Path, *, leak: bool) -> subprocess.CompletedProcess[str]:
     metrics = tmp_path / f"metrics-{int(leak)}"
     metrics.mkdir()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
-    return subprocess.run([sys.executable, "-c", WORKER, str(tmp_path / f"ckpt-{int(leak)}"), str(int(leak)),
-                           str(free_port())], cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WORKER,
+            str(tmp_path / f"ckpt-{int(leak)}"),
+            str(int(leak)),
+            str(free_port()),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
 
 
 def test_steady_state_steps_never_synchronise_with_the_gpu(tmp_path: Path) -> None:
@@ -85,4 +98,6 @@ def test_steady_state_steps_never_synchronise_with_the_gpu(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr[-4000:]
     assert "steady state without a device wait" in done.stdout
     control = _run(tmp_path, leak=True)
-    assert control.returncode != 0 and "synchroniz" in control.stderr.lower(), control.stderr[-3000:]
+    assert control.returncode != 0 and "synchroniz" in control.stderr.lower(), control.stderr[
+        -3000:
+    ]

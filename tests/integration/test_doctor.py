@@ -25,19 +25,47 @@ TIMING_CHECKS = {"compute_comm"}
 """Checks whose status depends on measured times (WARN on a loaded machine is legitimate)."""
 
 
-def doctor(*args: str, env: dict[str, str] | None = None, torchrun: bool = True,
-           timeout: float = 150) -> tuple[subprocess.CompletedProcess[str], float]:
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("TORCH_NCCL_", "NCCL_", "ELASTIC_TRAINER_", "TORCHELASTIC_"))
-             and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                           "MASTER_ADDR", "MASTER_PORT")}
+def doctor(
+    *args: str, env: dict[str, str] | None = None, torchrun: bool = True, timeout: float = 150
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCH_NCCL_", "NCCL_", "ELASTIC_TRAINER_", "TORCHELASTIC_"))
+        and k
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    }
     clean["OMP_NUM_THREADS"] = "1"
     clean.update(env or {})
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                "--max-restarts=0", "--monitor-interval=0.2"] if torchrun else [sys.executable]
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            "--monitor-interval=0.2",
+        ]
+        if torchrun
+        else [sys.executable]
+    )
     began = time.monotonic()
-    done = subprocess.run([*launcher, "-m", "elastic_trainer.doctor", *args], capture_output=True, text=True,
-                          env=clean, timeout=timeout)
+    done = subprocess.run(
+        [*launcher, "-m", "elastic_trainer.doctor", *args],
+        capture_output=True,
+        text=True,
+        env=clean,
+        timeout=timeout,
+    )
     return done, time.monotonic() - began
 
 
@@ -75,7 +103,11 @@ def test_healthy_two_rank_run_passes_every_check() -> None:
     assert done.stdout.count("elastic-trainer doctor:") == 1  # one report, from rank 0
     header = next(line for line in done.stdout.splitlines() if "busbw(GB/s)" in line)
     assert header.split() == ["size", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)"]
-    rows = [line.split() for line in done.stdout.splitlines() if line.strip().startswith(("1 KiB", "64 KiB"))]
+    rows = [
+        line.split()
+        for line in done.stdout.splitlines()
+        if line.strip().startswith(("1 KiB", "64 KiB"))
+    ]
     assert [row[:3] for row in rows] == [["1", "KiB", "256"], ["64", "KiB", "16384"]]
     assert done.stdout.rstrip().splitlines()[-1].startswith("RESULT: ")
 
@@ -88,9 +120,16 @@ def test_json_report_is_complete_and_parseable() -> None:
     assert report["ok"] is True and report["ranks"] == 2 and report["backend"] == "gloo"
     checks = {c["name"]: c for c in report["checks"]}
     assert list(checks) == list(CHECKS)
-    assert checks["allreduce"]["data"] == {"expected": 1, "int64": 1, "float32_min": 1.0, "float32_max": 1.0}
+    assert checks["allreduce"]["data"] == {
+        "expected": 1,
+        "int64": 1,
+        "float32_min": 1.0,
+        "float32_max": 1.0,
+    }
     assert checks["grad_sync"]["data"]["params_spread"] == 0.0
-    assert checks["grad_sync"]["data"]["local_grads_spread"] > 0  # the ranks' inputs really differed
+    assert (
+        checks["grad_sync"]["data"]["local_grads_spread"] > 0
+    )  # the ranks' inputs really differed
     rows = checks["bandwidth"]["data"]["rows"]
     assert [r["size_bytes"] for r in rows] == [1024, 65536]
     for row in rows:  # two ranks: busbw = algbw * 2(n-1)/n = algbw
@@ -109,7 +148,10 @@ def test_allreduce_fault_fails_the_allreduce_check_on_every_rank() -> None:
     assert statuses["allreduce"] == "FAIL", done.stdout
     assert {s for n, s in statuses.items() if n not in {"allreduce", *may_warn_here()}} == {"PASS"}
     line = next(line for line in done.stdout.splitlines() if line.startswith("FAIL  allreduce"))
-    assert "ranks 0,1: sum of ranks is 2 (int64) and 2 (float32), expected n(n-1)/2 = 1 for n=2" in line
+    assert (
+        "ranks 0,1: sum of ranks is 2 (int64) and 2 (float32), expected n(n-1)/2 = 1 for n=2"
+        in line
+    )
     assert "SELF-TEST" in done.stdout
 
 
@@ -121,19 +163,36 @@ def test_grad_sync_and_placement_faults_fail_their_checks() -> None:
     assert statuses["grad_sync"] == "FAIL" and statuses["placement"] == "FAIL", done.stdout
     assert statuses["allreduce"] == "PASS"
     lines = done.stdout.splitlines()
-    assert any(line.startswith("FAIL  placement") and "rank 1: expected cpu: batch on meta" in line for line in lines)
-    assert any(line.startswith("FAIL  grad_sync") and "gradients differ between ranks" in line for line in lines)
+    assert any(
+        line.startswith("FAIL  placement") and "rank 1: expected cpu: batch on meta" in line
+        for line in lines
+    )
+    assert any(
+        line.startswith("FAIL  grad_sync") and "gradients differ between ranks" in line
+        for line in lines
+    )
 
 
 @pytest.mark.timeout(120)
 def test_a_peer_that_never_joins_is_reported_after_the_timeout_not_waited_for() -> None:
-    done, elapsed = doctor("--sizes", "1K", "--iters", "2", "--timeout", "3", "--deadline", "40",
-                           env={"ELASTIC_TRAINER_DOCTOR_FAULT": "hang"})
+    done, elapsed = doctor(
+        "--sizes",
+        "1K",
+        "--iters",
+        "2",
+        "--timeout",
+        "3",
+        "--deadline",
+        "40",
+        env={"ELASTIC_TRAINER_DOCTOR_FAULT": "hang"},
+    )
     assert done.returncode != 0
     assert elapsed < 40, f"took {elapsed:.0f} s"
     lines = done.stdout.splitlines()
-    assert any(line.startswith("FAIL  allreduce") and "Timed out" in line and "--timeout=3s" in line
-               for line in lines), explain(done)
+    assert any(
+        line.startswith("FAIL  allreduce") and "Timed out" in line and "--timeout=3s" in line
+        for line in lines
+    ), explain(done)
     statuses = status_lines(done.stdout)
     assert statuses["grad_sync"] == statuses["bandwidth"] == "SKIP"  # not run into the broken group
     assert "PARTIAL REPORT" in done.stdout
@@ -162,21 +221,39 @@ def test_inconsistent_environment_by_hand_fails_the_env_check_quickly() -> None:
 def test_bad_flag_under_torchrun_is_one_line_from_rank_0() -> None:
     done, _ = doctor("--sizes", "3", "--deadline", "30")
     assert done.returncode != 0
-    errors = [line for line in done.stderr.splitlines() if line.startswith("elastic-trainer doctor: error:")]
-    assert errors == ["elastic-trainer doctor: error: argument --sizes: size 3 B: must be a positive multiple "
-                      "of 4 bytes (float32)"]
+    errors = [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith("elastic-trainer doctor: error:")
+    ]
+    assert errors == [
+        "elastic-trainer doctor: error: argument --sizes: size 3 B: must be a positive multiple "
+        "of 4 bytes (float32)"
+    ]
     assert done.stdout == ""
 
 
 @pytest.mark.timeout(60)
 def test_the_deadline_ends_a_rank_stuck_for_good_with_a_report() -> None:
     """One process, hung on purpose inside a check: the watchdog prints what it has and exits."""
-    done, elapsed = doctor("--sizes", "1K", "--iters", "2", "--timeout", "1", "--deadline", "4",
-                           torchrun=False, env={"ELASTIC_TRAINER_DOCTOR_FAULT": "hang"})
+    done, elapsed = doctor(
+        "--sizes",
+        "1K",
+        "--iters",
+        "2",
+        "--timeout",
+        "1",
+        "--deadline",
+        "4",
+        torchrun=False,
+        env={"ELASTIC_TRAINER_DOCTOR_FAULT": "hang"},
+    )
     assert done.returncode == 1
     assert elapsed < 30
     lines = done.stdout.splitlines()
-    assert any(line.startswith("FAIL  allreduce") and "did not finish within --deadline=4s" in line
-               for line in lines), explain(done)
+    assert any(
+        line.startswith("FAIL  allreduce") and "did not finish within --deadline=4s" in line
+        for line in lines
+    ), explain(done)
     assert "PARTIAL REPORT: stopped after --deadline=4s in the allreduce check" in done.stdout
     assert "deadline of 4 s exceeded in the allreduce check" in done.stderr

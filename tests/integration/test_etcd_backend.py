@@ -27,7 +27,9 @@ class TestEtcdV3Backend(BackendContract):
 
 
 def test_state_key_is_namespaced_and_leased(etcd_server, unique_id: str) -> None:
-    backend, _ = create_backend(params(etcd_server.endpoint, unique_id, key_prefix="/custom/p", ttl=600))
+    backend, _ = create_backend(
+        params(etcd_server.endpoint, unique_id, key_prefix="/custom/p", ttl=600)
+    )
     backend.set_state(b"s")
     assert backend.key == f"/custom/p/{unique_id}/state"
     _, meta = backend._connection.call(lambda c: c.get(backend.key), what="read")

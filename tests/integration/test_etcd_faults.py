@@ -21,7 +21,9 @@ from tests.support.etcd_members import leader_first
 pytestmark = pytest.mark.integration
 
 
-def params(endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 2, **conf: Any) -> RendezvousParameters:
+def params(
+    endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 2, **conf: Any
+) -> RendezvousParameters:
     return RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, max_nodes, **conf)
 
 
@@ -35,7 +37,9 @@ def test_unreachable_endpoint_fails_within_retry_timeout(unique_id: str) -> None
 
 def test_failover_to_the_next_endpoint(etcd_server, unique_id: str) -> None:
     dead = f"127.0.0.1:{free_port()}"
-    backend, _ = create_backend(params(f"{dead},{etcd_server.endpoint}", unique_id, retry_timeout=10, read_timeout=2))
+    backend, _ = create_backend(
+        params(f"{dead},{etcd_server.endpoint}", unique_id, retry_timeout=10, read_timeout=2)
+    )
     assert backend.set_state(b"via-second-member")[2] is True
     assert backend._connection.endpoint == parse_endpoints(etcd_server.endpoint)[0]
 
@@ -43,10 +47,16 @@ def test_failover_to_the_next_endpoint(etcd_server, unique_id: str) -> None:
 @pytest.mark.parametrize(
     ("conf", "message"),
     [
-        ({"protocol": "https", "ca_cert": "/nonexistent/ca.pem"}, "ca_cert: cannot read /nonexistent/ca.pem"),
+        (
+            {"protocol": "https", "ca_cert": "/nonexistent/ca.pem"},
+            "ca_cert: cannot read /nonexistent/ca.pem",
+        ),
         ({"protocol": "https", "ca_cert": "GARBAGE"}, "ca_cert: .* is not a PEM file"),
         ({"ca_cert": "PEM"}, "protocol: TLS files were given"),
-        ({"protocol": "https", "ssl_cert": "PEM"}, "ssl_cert and ssl_cert_key must be given together"),
+        (
+            {"protocol": "https", "ssl_cert": "PEM"},
+            "ssl_cert and ssl_cert_key must be given together",
+        ),
         ({"protocol": "gopher"}, "protocol: must be 'http' or 'https'"),
     ],
 )
@@ -76,14 +86,22 @@ def etcd_with_auth(own_etcd_server, tmp_path: Path):  # type: ignore[no-untyped-
 def test_wrong_password_fails_fast(etcd_with_auth, unique_id: str) -> None:
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match="refused .*authentication failed"):
-        create_backend(params(etcd_with_auth.endpoint, unique_id, user="root", password="wrong", retry_timeout=10))
+        create_backend(
+            params(
+                etcd_with_auth.endpoint, unique_id, user="root", password="wrong", retry_timeout=10
+            )
+        )
     assert time.monotonic() - started < 5  # not retried for retry_timeout
 
 
 def test_password_file_authenticates(etcd_with_auth, tmp_path: Path, unique_id: str) -> None:
     secret = tmp_path / "password"
-    secret.write_text("s3cret\n")  # a trailing newline, as `kubectl create secret --from-file` keeps
-    backend, store = create_backend(params(etcd_with_auth.endpoint, unique_id, user="root", password_file=str(secret)))
+    secret.write_text(
+        "s3cret\n"
+    )  # a trailing newline, as `kubectl create secret --from-file` keeps
+    backend, store = create_backend(
+        params(etcd_with_auth.endpoint, unique_id, user="root", password_file=str(secret))
+    )
     assert backend.set_state(b"authenticated")[2] is True
     store.set("k", b"v")
     assert store.get("k") == b"v"
@@ -91,7 +109,9 @@ def test_password_file_authenticates(etcd_with_auth, tmp_path: Path, unique_id: 
 
 def test_missing_password_file_names_the_key(tmp_path: Path, unique_id: str) -> None:
     with pytest.raises(ValueError, match="rdzv-conf password_file: cannot read"):
-        create_backend(params("127.0.0.1:2379", unique_id, user="root", password_file=str(tmp_path / "none")))
+        create_backend(
+            params("127.0.0.1:2379", unique_id, user="root", password_file=str(tmp_path / "none"))
+        )
 
 
 def test_backend_rides_out_an_etcd_restart(own_etcd_server, unique_id: str) -> None:
@@ -178,33 +198,50 @@ def test_a_member_without_a_leader_refuses_at_once(tmp_path: Path, unique_id: st
 
     with local_cluster(tmp_path / "etcd", 3) as servers:
         survivor, *doomed = servers
-        connection = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(survivor.endpoint), retry_timeout=2.0))
+        connection = EtcdConnection(
+            EtcdClientConfig(endpoints=parse_endpoints(survivor.endpoint), retry_timeout=2.0)
+        )
         try:
             etcd_ops.put_key(connection, f"/test/{unique_id}/k", b"v", what="a write with a quorum")
             for server in doomed:
                 server.stop(kill=True)
-            time.sleep(1.5)  # election timeout 0.5 s: the survivor has noticed that it has no leader
+            time.sleep(
+                1.5
+            )  # election timeout 0.5 s: the survivor has noticed that it has no leader
             started = time.monotonic()
             with pytest.raises(RendezvousConnectionError, match="no leader"):
-                etcd_ops.put_key(connection, f"/test/{unique_id}/k", b"w", what="a write without a quorum",
-                                 deadline=5.0)
+                etcd_ops.put_key(
+                    connection,
+                    f"/test/{unique_id}/k",
+                    b"w",
+                    what="a write without a quorum",
+                    deadline=5.0,
+                )
             took = time.monotonic() - started
         finally:
             connection.close()
-    assert took < 4.0, f"the attempts were held {took:.1f} s, not refused (a 5 s deadline, a 2 s retry budget)"
+    assert took < 4.0, (
+        f"the attempts were held {took:.1f} s, not refused (a 5 s deadline, a 2 s retry budget)"
+    )
 
 
-def test_writes_go_to_the_leader_and_outlive_its_death_without_a_deadline(tmp_path: Path, unique_id: str) -> None:
+def test_writes_go_to_the_leader_and_outlive_its_death_without_a_deadline(
+    tmp_path: Path, unique_id: str
+) -> None:
     """Requests go to the leader, not through the connection's home member (a follower). The
     leader is SIGKILLed while four threads write: a write a follower had forwarded to it would be
     lost without a word and held for its 10 s deadline (etcd's own request timeout is 6 s); sent to
     the leader, it fails at once and is retried on the new leader within the election."""
     from rendezvous import etcd_ops
+
     with local_cluster(tmp_path / "etcd", 3) as servers:
         leader, *followers = leader_first(servers)
         home = followers[0]
-        config = EtcdClientConfig(endpoints=parse_endpoints(",".join(s.endpoint for s in [home, *followers[1:], leader])),
-                                  read_timeout=10.0, retry_timeout=20.0)
+        config = EtcdClientConfig(
+            endpoints=parse_endpoints(",".join(s.endpoint for s in [home, *followers[1:], leader])),
+            read_timeout=10.0,
+            retry_timeout=20.0,
+        )
         connection = EtcdConnection(config)
         stop = threading.Event()
         writes: list[tuple[float, float]] = []
@@ -215,7 +252,9 @@ def test_writes_go_to_the_leader_and_outlive_its_death_without_a_deadline(tmp_pa
             while not stop.is_set():
                 started = time.monotonic()
                 try:
-                    etcd_ops.put_key(connection, f"/test/{unique_id}/w{n}", str(i).encode(), what="a write")
+                    etcd_ops.put_key(
+                        connection, f"/test/{unique_id}/w{n}", str(i).encode(), what="a write"
+                    )
                 except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
                     errors.append(exc)
                     return
@@ -244,7 +283,11 @@ def test_writes_go_to_the_leader_and_outlive_its_death_without_a_deadline(tmp_pa
     assert not errors, errors
     across = [end - start for start, end in writes if start <= killed_at <= end]
     assert across, "no write was in flight when the leader died"
-    assert max(across) < 4.5, f"a write in flight at the leader's death took {max(across):.1f} s (held, not refused)"
-    assert any(start > killed_at for start, _ in writes), "no write succeeded after the leader's death"
+    assert max(across) < 4.5, (
+        f"a write in flight at the leader's death took {max(across):.1f} s (held, not refused)"
+    )
+    assert any(start > killed_at for start, _ in writes), (
+        "no write succeeded after the leader's death"
+    )
     assert after > 0 and str(connection.endpoint) == home.endpoint
     assert str(connection.leader_endpoint) == new_leader.endpoint

@@ -269,7 +269,10 @@ def test_multi_set_refuses_mismatched_lengths_and_writes_nothing(store: EtcdV3St
 
 def test_add_is_atomic_across_threads(store: EtcdV3Store) -> None:
     assert store.add("counter", 5) == 5
-    threads = [threading.Thread(target=lambda: [store.add("counter", 1) for _ in range(10)]) for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: [store.add("counter", 1) for _ in range(10)])
+        for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -295,8 +298,9 @@ def test_blocked_get_is_woken_by_the_watch(store: EtcdV3Store) -> None:
     assert woke and woke[0] - written < 2.5
 
 
-def test_cancel_ends_every_wait_at_once_through_prefix_stores_and_clones(store: EtcdV3Store,
-                                                                         prefixed: dist.PrefixStore) -> None:
+def test_cancel_ends_every_wait_at_once_through_prefix_stores_and_clones(
+    store: EtcdV3Store, prefixed: dist.PrefixStore
+) -> None:
     """A healing process abandons a group whose member died before writing its address: cancel()
     ends a wait blocked behind C++ (PrefixStore) and in a clone, and later reads fail too."""
     clone = store.clone()

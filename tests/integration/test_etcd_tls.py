@@ -83,7 +83,9 @@ def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsEtcd]:
     ]  # fmt: skip
     log_path = base / "etcd.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         _wait_healthy(process, f"http://127.0.0.1:{metrics}/health", log_path)
         yield TlsEtcd(f"127.0.0.1:{client}", pki, foreign)
@@ -110,7 +112,9 @@ def params(tls_etcd: TlsEtcd, run_id: str, **conf: Any) -> RendezvousParameters:
     return RendezvousParameters("etcd-v3", tls_etcd.endpoint, run_id, 1, 1, **conf)
 
 
-def test_connection_with_client_certificate_writes_and_reads(tls_etcd: TlsEtcd, unique_id: str) -> None:
+def test_connection_with_client_certificate_writes_and_reads(
+    tls_etcd: TlsEtcd, unique_id: str
+) -> None:
     pki = tls_etcd.pki
     connection = EtcdConnection(
         EtcdClientConfig(
@@ -170,7 +174,9 @@ def test_refused_tls_fails_in_one_line_within_retry_timeout(
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError) as raised:
         create_handler(
-            params(tls_etcd, unique_id, retry_timeout=2, read_timeout=1, **tls_etcd.conf(**overrides))
+            params(
+                tls_etcd, unique_id, retry_timeout=2, read_timeout=1, **tls_etcd.conf(**overrides)
+            )
         )
     elapsed = time.monotonic() - started
     message = str(raised.value)
@@ -188,10 +194,26 @@ def test_cli_run_trains_over_mutual_tls(tls_etcd: TlsEtcd, tmp_path: Path) -> No
     conf = ",".join(f"{k}={v}" for k, v in tls_etcd.conf(retry_timeout="10").items())
     done = subprocess.run(
         [
-            sys.executable, "-m", "elastic_trainer.cli", "run",
-            "--rdzv-endpoint", tls_etcd.endpoint, "--run-id", run_id, "--rdzv-conf", conf,
-            "--nnodes", "1", "--nproc-per-node", "1", "--metrics-port", "0",
-            "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", "2",
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "run",
+            "--rdzv-endpoint",
+            tls_etcd.endpoint,
+            "--run-id",
+            run_id,
+            "--rdzv-conf",
+            conf,
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--metrics-port",
+            "0",
+            "-m",
+            "elastic_trainer.examples.synthetic_cnn",
+            "--max-steps",
+            "2",
         ],  # fmt: skip
         capture_output=True,
         text=True,

@@ -21,10 +21,32 @@ from tests.support.ci import IN_CI
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCH = [sys.executable, "-m", "elastic_trainer.cli", "run", "--nproc-per-node", "2", "--nnodes", "1",
-          "--max-restarts", "3", "--metrics-port", "0", "--device", "cpu"]
-EXAMPLE = ["-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", "6", "--dataset-size", "96",
-           "--global-batch-size", "8"]
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "elastic_trainer.cli",
+    "run",
+    "--nproc-per-node",
+    "2",
+    "--nnodes",
+    "1",
+    "--max-restarts",
+    "3",
+    "--metrics-port",
+    "0",
+    "--device",
+    "cpu",
+]
+EXAMPLE = [
+    "-m",
+    "elastic_trainer.examples.synthetic_cnn",
+    "--max-steps",
+    "6",
+    "--dataset-size",
+    "96",
+    "--global-batch-size",
+    "8",
+]
 
 POISONED_SAMPLE_IN_STEP_3 = """
 import torch
@@ -57,10 +79,20 @@ def _run(*target: str, warm: str = "off", timeout: float = 150) -> subprocess.Co
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("ELASTIC_TRAINER_METRICS", None)
     try:
-        return subprocess.run([*LAUNCH, "--warm-start", warm, *target], capture_output=True, text=True,
-                              timeout=timeout, cwd=REPO, env=env)
+        return subprocess.run(
+            [*LAUNCH, "--warm-start", warm, *target],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+            env=env,
+        )
     except subprocess.TimeoutExpired as exc:
-        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        stderr = (
+            exc.stderr.decode(errors="replace")
+            if isinstance(exc.stderr, bytes)
+            else (exc.stderr or "")
+        )
         pytest.fail(f"the job did not end within {timeout} s; its stderr ends:\n{stderr[-6000:]}")
 
 
@@ -86,7 +118,11 @@ def test_syntax_error_stops_at_once_with_one_line(tmp_path: Path, warm: str) -> 
     done = _run(script, warm=warm)
     assert done.returncode == 2, done.stderr[-3000:]
     line = _job_failed_line(done)
-    assert "SyntaxError" in line and "broken.py, line 2" in line and "a restart cannot fix this" in line
+    assert (
+        "SyntaxError" in line
+        and "broken.py, line 2" in line
+        and "a restart cannot fix this" in line
+    )
     assert _restarts(done) == 0, "no restart spent"
     assert "Traceback" not in done.stderr, "no tracebacks from the ranks"
 
@@ -101,8 +137,12 @@ def test_import_error_and_exit_2_stop_at_once(tmp_path: Path) -> None:
     assert "exited with status 2 (a usage error)" in _job_failed_line(usage)
 
 
-def test_user_exception_repeating_at_the_same_step_gets_one_restart_and_one_traceback(tmp_path: Path) -> None:
-    script = _script(tmp_path, "poisoned.py", f"CKPT = {str(tmp_path / 'ckpt')!r}\n" + POISONED_SAMPLE_IN_STEP_3)
+def test_user_exception_repeating_at_the_same_step_gets_one_restart_and_one_traceback(
+    tmp_path: Path,
+) -> None:
+    script = _script(
+        tmp_path, "poisoned.py", f"CKPT = {str(tmp_path / 'ckpt')!r}\n" + POISONED_SAMPLE_IN_STEP_3
+    )
     done = _run(script)
     assert done.returncode == 1, done.stderr[-4000:]
     assert _restarts(done) == 1, done.stderr[-4000:]
@@ -132,8 +172,11 @@ def test_read_only_checkpoint_directory_stops_at_once(tmp_path: Path) -> None:
     """A read-only file system (root ignores directory permissions, so a real read-only mount)."""
     mountpoint = tmp_path / "ro"
     mountpoint.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mountpoint)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mountpoint)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
         if IN_CI:
             pytest.fail(f"CI must be able to mount a read-only tmpfs: {mounted.stderr.strip()}")

@@ -40,13 +40,19 @@ def test_the_dry_run_runs_every_step_within_its_limit_and_prints_every_row(tmp_p
     for step in PLAN.steps:
         result = results["steps"][step.name]
         assert result["status"] == "ok", result
-        assert result["duration_s"] <= min(step.dry_limit_s, result["limit_s"]) + 2 * GRACE_S, result
+        assert result["duration_s"] <= min(step.dry_limit_s, result["limit_s"]) + 2 * GRACE_S, (
+            result
+        )
         assert result["figures"], result
         assert (out / f"{step.name}.log").stat().st_size > 0
 
     table = (out / "table.md").read_text()
     assert table in done.stdout  # printed as written
-    lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| claim |")]
+    lines = [
+        line
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| claim |")
+    ]
     assert len(lines) == len(PLAN.claims)
     for claim, line in zip(PLAN.claims, lines, strict=True):
         assert line.startswith(f"| {claim.claim} |"), line
@@ -55,4 +61,6 @@ def test_the_dry_run_runs_every_step_within_its_limit_and_prints_every_row(tmp_p
         assert verdict in (("pass", "fail") if claim.step else ("not built yet",)), line
     # The GPU tests ran under pytest and all skipped here: no CUDA (the dry run hides any GPU).
     gpu_tests = [r for r in results["rows"] if "tests/gpu/" in r["claim"]]
-    assert len(gpu_tests) == 2 and all("0 passed, 0 failed" in r["gpu"] for r in gpu_tests), gpu_tests
+    assert len(gpu_tests) == 2 and all("0 passed, 0 failed" in r["gpu"] for r in gpu_tests), (
+        gpu_tests
+    )

@@ -22,8 +22,16 @@ pytestmark = pytest.mark.timeout(120)
 
 def _healer(endpoint: str, run_id: str) -> Healer:
     settings = HealSettings(enabled=True, endpoint=endpoint, rdzv_conf="retry_timeout=2")
-    return Healer(settings, run_id=run_id, node="a", local_rank=0, backend="gloo", device=torch.device("cpu"),
-                  pg_timeout_s=60, world=(1, 2))
+    return Healer(
+        settings,
+        run_id=run_id,
+        node="a",
+        local_rank=0,
+        backend="gloo",
+        device=torch.device("cpu"),
+        pg_timeout_s=60,
+        world=(1, 2),
+    )
 
 
 @pytest.fixture
@@ -36,9 +44,20 @@ def healer(etcd_server) -> Iterator[Healer]:
 
 
 def _write_epoch(healer: Healer, number: int, members: tuple[Member, ...]) -> None:
-    epoch = Epoch(number=number, members=members, step=NO_STATE, source=None, started_unix=time.time(),
-                  reason="test")
-    etcd_ops.put_key(healer.connection, HealKeys.of(healer.run_id).epoch, epoch.encode(), what="writing a test epoch")
+    epoch = Epoch(
+        number=number,
+        members=members,
+        step=NO_STATE,
+        source=None,
+        started_unix=time.time(),
+        reason="test",
+    )
+    etcd_ops.put_key(
+        healer.connection,
+        HealKeys.of(healer.run_id).epoch,
+        epoch.encode(),
+        what="writing a test epoch",
+    )
 
 
 def test_a_member_of_the_current_epoch_may_commit(healer: Healer) -> None:
@@ -53,7 +72,9 @@ def test_a_member_of_the_current_epoch_may_commit(healer: Healer) -> None:
 
 
 def test_a_process_that_cannot_reach_etcd_may_not_commit() -> None:
-    cut_off = _healer(f"127.0.0.1:{free_port()}", f"fence-{uuid.uuid4().hex[:8]}")  # nothing listens there
+    cut_off = _healer(
+        f"127.0.0.1:{free_port()}", f"fence-{uuid.uuid4().hex[:8]}"
+    )  # nothing listens there
     try:
         started = time.monotonic()
         refused = cut_off.commit_fence()
@@ -61,5 +82,6 @@ def test_a_process_that_cannot_reach_etcd_may_not_commit() -> None:
     finally:
         cut_off.connection.close()
     assert refused is not None and refused.startswith(
-        f"etcd did not confirm within {FENCE_TIMEOUT_S:g} s that this process still belongs to the job")
+        f"etcd did not confirm within {FENCE_TIMEOUT_S:g} s that this process still belongs to the job"
+    )
     assert took < FENCE_TIMEOUT_S + 10, "bounded"

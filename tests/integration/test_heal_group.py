@@ -19,8 +19,19 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_abort_unblocks_a_collective_waiting_on_a_frozen_peer(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(rank), str(tmp_path / "store"),
-                               str(tmp_path / f"out{rank}.json")], env=env) for rank in range(3)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRIPT),
+                str(rank),
+                str(tmp_path / "store"),
+                str(tmp_path / f"out{rank}.json"),
+            ],
+            env=env,
+        )
+        for rank in range(3)
+    ]
     try:
         for proc in procs[:2]:
             assert proc.wait(timeout=150) == 0

@@ -19,13 +19,23 @@ def _members(n: int) -> list[Member]:
     return [Member(id=f"n{i}/0/{1000 + i}", slot=f"n{i}/0") for i in range(n)]
 
 
-def test_a_round_forms_the_next_epoch_once_and_every_member_sees_it(connection: EtcdConnection) -> None:
+def test_a_round_forms_the_next_epoch_once_and_every_member_sees_it(
+    connection: EtcdConnection,
+) -> None:
     run_id = f"membership-{uuid.uuid4().hex[:8]}"
     rules = RoundRules(min_world=1, max_world=3, settle_s=0.3)
     members = _members(3)
     opened: list[tuple[str, int, str]] = []
-    views = [Membership(connection, run_id, m, rules,
-                        on_round_open=lambda n, why, who=m.id: opened.append((who, n, why))) for m in members]
+    views = [
+        Membership(
+            connection,
+            run_id,
+            m,
+            rules,
+            on_round_open=lambda n, why, who=m.id: opened.append((who, n, why)),
+        )
+        for m in members
+    ]
     try:
         for view in views:
             view.start()
@@ -39,8 +49,14 @@ def test_a_round_forms_the_next_epoch_once_and_every_member_sees_it(connection: 
         views[0].answer(2, Join(members[0], ready=True, step=41))
         views[1].answer(2, Join(members[1], ready=True, step=42))
         results: list[object] = []
-        threads = [threading.Thread(target=lambda v=v: results.append(
-            v.settle(2, deadline=time.monotonic() + 20, reason="peer lost"))) for v in views[:2]]
+        threads = [
+            threading.Thread(
+                target=lambda v=v: results.append(
+                    v.settle(2, deadline=time.monotonic() + 20, reason="peer lost")
+                )
+            )
+            for v in views[:2]
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -50,7 +66,9 @@ def test_a_round_forms_the_next_epoch_once_and_every_member_sees_it(connection: 
         assert second is not None and second.number == 2
         assert second.members == (members[0], members[1])  # 2 did not answer within settle_s
         assert second.step == 42 and second.source == members[1].id
-        assert {n for _, n, _ in opened} == {2} and {who for who, _, _ in opened} == {m.id for m in members}
+        assert {n for _, n, _ in opened} == {2} and {who for who, _, _ in opened} == {
+            m.id for m in members
+        }
         assert views[2].wait(lambda: views[2].epoch == second, 10.0)  # the absent one sees it too
 
         views[0].finish()
@@ -63,7 +81,9 @@ def test_a_round_forms_the_next_epoch_once_and_every_member_sees_it(connection: 
 def test_a_round_without_enough_members_times_out(connection: EtcdConnection) -> None:
     run_id = f"membership-{uuid.uuid4().hex[:8]}"
     members = _members(2)
-    view = Membership(connection, run_id, members[0], RoundRules(min_world=2, max_world=2, settle_s=0.1))
+    view = Membership(
+        connection, run_id, members[0], RoundRules(min_world=2, max_world=2, settle_s=0.1)
+    )
     try:
         view.start()
         view.form(members, step=NO_STATE, reason="rendezvous")

@@ -22,18 +22,23 @@ from rendezvous.plugin import create_rdzv_handler
 pytestmark = pytest.mark.timeout(120)
 
 
-
-
 @pytest.fixture
 def launchers(etcd_server) -> Iterator[Callable[..., InPlaceRendezvousHandler]]:
     """Start one node's in-place handler (the real ``etcd-v3`` one inside); all shut down at exit."""
     made: list[tuple[InPlaceRendezvousHandler, EtcdConnection]] = []
 
     def start(run_id: str, node: str, *, heartbeats: bool = True) -> InPlaceRendezvousHandler:
-        inner = create_rdzv_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3))
+        inner = create_rdzv_handler(
+            RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3)
+        )
         conn = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(etcd_server.endpoint)))
-        handler = InPlaceRendezvousHandler(inner, conn, run_id=run_id, node=node,
-                                           heartbeat_host="127.0.0.1" if heartbeats else None)
+        handler = InPlaceRendezvousHandler(
+            inner,
+            conn,
+            run_id=run_id,
+            node=node,
+            heartbeat_host="127.0.0.1" if heartbeats else None,
+        )
         made.append((handler, conn))
         return handler
 
@@ -45,11 +50,22 @@ def launchers(etcd_server) -> Iterator[Callable[..., InPlaceRendezvousHandler]]:
             conn.close()
 
 
-def _write_epoch(connection: EtcdConnection, run_id: str, nodes: list[str], *, finished: bool = False) -> None:
+def _write_epoch(
+    connection: EtcdConnection, run_id: str, nodes: list[str], *, finished: bool = False
+) -> None:
     members = tuple(Member(id=f"{n}/0/{1000 + i}", slot=f"{n}/0") for i, n in enumerate(nodes))
-    epoch = Epoch(number=1, members=members, step=NO_STATE, source=None, started_unix=time.time(),
-                  reason="rendezvous", finished=finished)
-    etcd_ops.put_key(connection, HealKeys.of(run_id).epoch, epoch.encode(), what="writing a test epoch")
+    epoch = Epoch(
+        number=1,
+        members=members,
+        step=NO_STATE,
+        source=None,
+        started_unix=time.time(),
+        reason="rendezvous",
+        finished=finished,
+    )
+    etcd_ops.put_key(
+        connection, HealKeys.of(run_id).epoch, epoch.encode(), what="writing a test epoch"
+    )
 
 
 def _exists(connection: EtcdConnection, key: str) -> bool:
@@ -57,27 +73,35 @@ def _exists(connection: EtcdConnection, key: str) -> bool:
 
 
 def test_a_silent_node_is_reported_by_heartbeats_while_its_lease_still_lives(
-        connection: EtcdConnection, launchers, caplog: pytest.LogCaptureFixture) -> None:
+    connection: EtcdConnection, launchers, caplog: pytest.LogCaptureFixture
+) -> None:
     run_id = f"beats-{uuid.uuid4().hex[:8]}"
     keys = HealKeys.of(run_id)
     a, b = launchers(run_id, "a"), launchers(run_id, "b")
     _write_epoch(connection, run_id, ["a", "b"])
     assert a._heartbeats is not None and b._heartbeats is not None
-    wait_for(lambda: "b" in a._heartbeats.heard() and "a" in b._heartbeats.heard(), timeout=10.0,
-             what="each launcher hears the other (addresses from the nodes' etcd keys)")
+    wait_for(
+        lambda: "b" in a._heartbeats.heard() and "a" in b._heartbeats.heard(),
+        timeout=10.0,
+        what="each launcher hears the other (addresses from the nodes' etcd keys)",
+    )
     time.sleep(1.5)
     assert not _exists(connection, keys.open(2)), "two live nodes: no round"
 
     caplog.set_level(logging.WARNING, logger="elastic_trainer.launch.in_place")
     b._heartbeats.close()  # node b's network goes silent; its etcd lease is still renewed
     wait_for(lambda: _exists(connection, keys.open(2)), timeout=10.0, what="a opened a heal round")
-    assert _exists(connection, node_key(keys, "b")), "b's lease had not expired: the heartbeats found it"
+    assert _exists(connection, node_key(keys, "b")), (
+        "b's lease had not expired: the heartbeats found it"
+    )
     opened = etcd_ops.get_range(connection, keys.open(2), what="reading the round").kvs[0].value
     assert b"node b lost" in bytes(opened)
     assert "node b is gone (no heartbeat for 0.8 s)" in caplog.text
 
 
-def test_without_heartbeats_the_lease_finds_the_lost_node(connection: EtcdConnection, launchers) -> None:
+def test_without_heartbeats_the_lease_finds_the_lost_node(
+    connection: EtcdConnection, launchers
+) -> None:
     run_id = f"lease-{uuid.uuid4().hex[:8]}"
     keys = HealKeys.of(run_id)
     a = launchers(run_id, "a", heartbeats=False)
@@ -91,7 +115,9 @@ def test_without_heartbeats_the_lease_finds_the_lost_node(connection: EtcdConnec
     assert b"node b lost" in bytes(opened) and a._heartbeats is None
 
 
-def test_a_finished_job_opens_no_round_for_a_lost_node(connection: EtcdConnection, launchers) -> None:
+def test_a_finished_job_opens_no_round_for_a_lost_node(
+    connection: EtcdConnection, launchers
+) -> None:
     run_id = f"finished-{uuid.uuid4().hex[:8]}"
     keys = HealKeys.of(run_id)
     a = launchers(run_id, "a")

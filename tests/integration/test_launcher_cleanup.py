@@ -65,31 +65,71 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
     log = tmp_path / "launcher.log"
     with open(log, "wb") as out:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "elastic_trainer.cli", "run", "--nproc-per-node", "2",
-             "--metrics-port", str(free_port()), "--warm-start", warm, "-m", "elastic_trainer.examples.synthetic_cnn", "--epochs", "50",
-             "--throttle-ms", "50", "--checkpoint-dir", str(tmp_path / "ckpt")],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "elastic_trainer.cli",
+                "run",
+                "--nproc-per-node",
+                "2",
+                "--metrics-port",
+                str(free_port()),
+                "--warm-start",
+                warm,
+                "-m",
+                "elastic_trainer.examples.synthetic_cnn",
+                "--epochs",
+                "50",
+                "--throttle-ms",
+                "50",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: "step 10 " in log.read_text(), timeout=90, what="training to run")
-        (data_dir,) = [str(p) for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-etcd-")]
+        (data_dir,) = [
+            str(p) for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-etcd-")
+        ]
         etcd = _processes_mentioning(data_dir)
         assert etcd, "the embedded etcd runs with its data directory"
-        workers = [pid for pid in _processes_mentioning(str(tmp_path / "ckpt")) if pid != launcher.pid]  # this test's own
+        workers = [
+            pid for pid in _processes_mentioning(str(tmp_path / "ckpt")) if pid != launcher.pid
+        ]  # this test's own
         marker = _launcher_marker(workers[0]) if workers else None
         assert marker, f"workers carry the launcher's marker: {workers}"
         janitors = _processes_mentioning("elastic_trainer.launch.janitor")
-        assert janitors and all(_parent(pid) != launcher.pid for pid in janitors), "the janitor is no worker-like child"
-        assert [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-metrics-")], "metrics on"
+        assert janitors and all(_parent(pid) != launcher.pid for pid in janitors), (
+            "the janitor is no worker-like child"
+        )
+        assert [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-metrics-")], (
+            "metrics on"
+        )
         before = set(_processes_with_env(marker))
         assert len(before) >= 3, f"etcd, workers (and a warm server): {before}"
         launcher.kill()
         launcher.wait(10)
-        wait_for(lambda: not _processes_with_env(marker), timeout=15, what="every process of the launcher to end")
-        wait_for(lambda: not Path(data_dir).exists(), timeout=10, what="the etcd data directory to go")
+        wait_for(
+            lambda: not _processes_with_env(marker),
+            timeout=15,
+            what="every process of the launcher to end",
+        )
+        wait_for(
+            lambda: not Path(data_dir).exists(), timeout=10, what="the etcd data directory to go"
+        )
         assert not _processes_mentioning(data_dir), "etcd is gone"
         # The janitor removes the directories one after another: the etcd one first.
-        wait_for(lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], timeout=10,
-                 what="every directory of the launcher to go", describe=lambda: str(list(tmp_path.iterdir())))
+        wait_for(
+            lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")],
+            timeout=10,
+            what="every directory of the launcher to go",
+            describe=lambda: str(list(tmp_path.iterdir())),
+        )
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -105,10 +145,30 @@ def test_a_sigterm_exit_is_prompt_and_leaves_nothing_behind(tmp_path: Path) -> N
     log = tmp_path / "launcher.log"
     with open(log, "wb") as out:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "elastic_trainer.cli", "run", "--nproc-per-node", "2",
-             "--metrics-port", str(free_port()), "-m", "elastic_trainer.examples.synthetic_cnn", "--epochs", "50",
-             "--throttle-ms", "50", "--checkpoint-dir", str(tmp_path / "c")],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "elastic_trainer.cli",
+                "run",
+                "--nproc-per-node",
+                "2",
+                "--metrics-port",
+                str(free_port()),
+                "-m",
+                "elastic_trainer.examples.synthetic_cnn",
+                "--epochs",
+                "50",
+                "--throttle-ms",
+                "50",
+                "--checkpoint-dir",
+                str(tmp_path / "c"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: "step 10 " in log.read_text(), timeout=90, what="training to run")
         marker = _launcher_marker(worker_processes(launcher.pid)[0])
@@ -125,19 +185,46 @@ def test_a_sigterm_exit_is_prompt_and_leaves_nothing_behind(tmp_path: Path) -> N
         assert launcher.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
         print(f"launcher exited {exited - last_child:.2f} s after its last child")
         assert exited - last_child < 1.0, log.read_text()[-3000:]
-        wait_for(lambda: not _processes_mentioning(str(tmp_path)), timeout=10, what="no process left")
-        assert not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], list(tmp_path.iterdir())
+        wait_for(
+            lambda: not _processes_mentioning(str(tmp_path)), timeout=10, what="no process left"
+        )
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], list(
+            tmp_path.iterdir()
+        )
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
 def test_a_normal_exit_leaves_nothing_behind(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_trainer.cli", "run", "--nproc-per-node", "2", "--metrics-port", "0",
-         "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", "5", "--checkpoint-dir", str(tmp_path / "c")],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=90)
+        [
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--metrics-port",
+            "0",
+            "-m",
+            "elastic_trainer.examples.synthetic_cnn",
+            "--max-steps",
+            "5",
+            "--checkpoint-dir",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=90,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     print(f"run took {time.monotonic() - started:.1f} s")
     wait_for(lambda: not _processes_mentioning(str(tmp_path)), timeout=10, what="no process left")
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], list(tmp_path.iterdir())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], list(
+        tmp_path.iterdir()
+    )

@@ -29,7 +29,10 @@ class Node:
     def __init__(self, endpoint: str, run_id: str, nnodes: tuple[int, int], conf: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, NODE, endpoint, run_id, str(nnodes[0]), str(nnodes[1]), conf],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         self.node_id = self._read(60)["node"]
 
@@ -95,7 +98,9 @@ def test_fast_close_after_a_restart(etcd_server, unique_id, nodes) -> None:  # t
     assert all(r["seconds"] < 3 for r in again), again
     assert [r["round"] for r in again] == [1, 1]
     # ranks are stable across rounds
-    assert {n.node_id: r["rank"] for n, r in zip(nodes, again, strict=True)} == {k: v["rank"] for k, v in first.items()}
+    assert {n.node_id: r["rank"] for n, r in zip(nodes, again, strict=True)} == {
+        k: v["rank"] for k, v in first.items()
+    }
 
 
 def test_lease_expiry_lets_survivors_go_on(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
@@ -111,7 +116,9 @@ def test_lease_expiry_lets_survivors_go_on(etcd_server, unique_id, nodes) -> Non
 
 
 def test_graceful_leave_is_seen_at_once(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
-    survivor, leaver = (Node(etcd_server.endpoint, unique_id, (1, 2), conf(lease_ttl=30)) for _ in range(2))
+    survivor, leaver = (
+        Node(etcd_server.endpoint, unique_id, (1, 2), conf(lease_ttl=30)) for _ in range(2)
+    )
     nodes += [survivor, leaver]
     join_all(survivor, leaver)
     leaver.leave()  # normal exit revokes its lease
@@ -122,7 +129,9 @@ def test_graceful_leave_is_seen_at_once(etcd_server, unique_id, nodes) -> None: 
 def test_sigterm_leaves_at_once(etcd_server, unique_id, nodes) -> None:  # type: ignore[no-untyped-def]
     """Scale-down: SIGTERM makes the launcher exit (torchrun turns it into an exception), its
     lease is revoked on the way out, and the survivor does not wait for it to expire."""
-    survivor, leaver = (Node(etcd_server.endpoint, unique_id, (1, 2), conf(lease_ttl=30)) for _ in range(2))
+    survivor, leaver = (
+        Node(etcd_server.endpoint, unique_id, (1, 2), conf(lease_ttl=30)) for _ in range(2)
+    )
     nodes += [survivor, leaver]
     join_all(survivor, leaver)
     leaver.process.send_signal(signal.SIGTERM)
@@ -167,7 +176,9 @@ def test_a_full_job_keeps_running_while_a_spare_waits(etcd_server, unique_id, no
 
 
 def test_steady_state_costs_only_lease_keep_alives(etcd_server, unique_id) -> None:  # type: ignore[no-untyped-def]
-    handler = create_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1, lease_ttl=3))
+    handler = create_handler(
+        RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1, lease_ttl=3)
+    )
     try:
         handler.next_rendezvous()
         connection = handler._connection  # type: ignore[attr-defined]
@@ -176,7 +187,11 @@ def test_steady_state_costs_only_lease_keep_alives(etcd_server, unique_id) -> No
             assert handler.num_nodes_waiting() == 0
             time.sleep(0.05)
         elapsed = time.monotonic() - started
-        spent = {k: v - before.get(k, 0) for k, v in connection.request_counts.items() if v != before.get(k, 0)}
+        spent = {
+            k: v - before.get(k, 0)
+            for k, v in connection.request_counts.items()
+            if v != before.get(k, 0)
+        }
         keep_alives = spent.pop("a lease keep-alive", 0)
         assert spent == {}, f"requests besides keep-alives: {spent}"
         assert keep_alives <= elapsed / 1.0 + 1, keep_alives  # one every ttl/3 = 1 s
@@ -258,7 +273,13 @@ class InProcess:
     """Two or more handlers of one run in this process; joins run in threads (they block)."""
 
     def __init__(self, endpoint: str, run_id: str, count: int, **conf: Any) -> None:
-        settings = {"last_call_timeout": 30, "lease_ttl": 3, "join_timeout": 60, "retry_timeout": 10, **conf}
+        settings = {
+            "last_call_timeout": 30,
+            "lease_ttl": 3,
+            "join_timeout": 60,
+            "retry_timeout": 10,
+            **conf,
+        }
         params = RendezvousParameters("etcd-v3", endpoint, run_id, count, count, **settings)
         self.handlers = [create_handler(params) for _ in range(count)]
 
@@ -310,7 +331,9 @@ def watch_caught_up(handler: Any, timeout: float = 15.0) -> None:
     watch._on_event = recording
     try:
         handler._connection.call(lambda c: c.put(marker, b""), what="a test marker")
-        assert processed.wait(timeout), f"the watch did not deliver a marker written under its prefix within {timeout}s"
+        assert processed.wait(timeout), (
+            f"the watch did not deliver a marker written under its prefix within {timeout}s"
+        )
     finally:
         watch._on_event = original
         handler._connection.call(lambda c: c.delete(marker), what="a test marker")
@@ -331,7 +354,9 @@ def test_a_restart_round_leaves_nothing_waiting(pair) -> None:  # type: ignore[n
     pair.join(a, b)
     assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
     joined: list[Any] = []
-    rejoin = threading.Thread(target=lambda: joined.append(b.next_rendezvous()))  # b's agent restarts
+    rejoin = threading.Thread(
+        target=lambda: joined.append(b.next_rendezvous())
+    )  # b's agent restarts
     rejoin.start()
     deadline = time.monotonic() + 10
     while a.num_nodes_waiting() == 0:  # a's monitor loop notices the round b opened
@@ -357,9 +382,15 @@ def wait_until_the_departure_was_seen(survivor: Any, node_id: str, timeout: floa
     deadline = time.monotonic() + timeout
     while True:
         coordinator = survivor._coordinator
-        if coordinator is not None and coordinator.running and node_id not in coordinator.live_nodes():
+        if (
+            coordinator is not None
+            and coordinator.running
+            and node_id not in coordinator.live_nodes()
+        ):
             return
-        assert time.monotonic() < deadline, f"the survivor's coordinator never saw {node_id} leave within {timeout}s"
+        assert time.monotonic() < deadline, (
+            f"the survivor's coordinator never saw {node_id} leave within {timeout}s"
+        )
         time.sleep(0.02)
 
 
@@ -391,13 +422,20 @@ def test_a_finished_node_leaving_is_logged_as_news_not_as_a_loss(pair, caplog) -
     wait_until_the_departure_was_seen(b, a.node_id)
 
     def records_about_a() -> list[logging.LogRecord]:
-        return [r for r in caplog.records if r.name.startswith("rendezvous.") and a.node_id in r.getMessage()]
+        return [
+            r
+            for r in caplog.records
+            if r.name.startswith("rendezvous.") and a.node_id in r.getMessage()
+        ]
 
     # A survivor that just claimed the coordinator role can see the departure (its first read) a
     # moment before it logs it (CI, on a loaded machine): wait for its word, at whatever level.
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline and not [
-            r for r in records_about_a() if r.levelno >= logging.WARNING or "left the closed run" in r.getMessage()]:
+        r
+        for r in records_about_a()
+        if r.levelno >= logging.WARNING or "left the closed run" in r.getMessage()
+    ]:
         time.sleep(0.02)
     about_a = records_about_a()
     assert [r.getMessage() for r in about_a if r.levelno >= logging.WARNING] == []
@@ -417,7 +455,9 @@ def test_a_member_that_leaves_a_running_job_is_noticed(pair) -> None:  # type: i
         time.sleep(0.05)
 
 
-def test_status_reads_the_stored_node_values_over_one_connection(etcd_server, unique_id, pair, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_status_reads_the_stored_node_values_over_one_connection(
+    etcd_server, unique_id, pair, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     """``elastic-trainer status`` on a live run: addresses and pids come from the values the
     nodes stored with their keys (not from their ids), read over a single etcd connection."""
     import os
@@ -432,7 +472,9 @@ def test_status_reads_the_stored_node_values_over_one_connection(etcd_server, un
     connection = a._connection
     lease = connection.call(lambda c: c.lease(30), what="a test lease")
     spare_value = NodeInfo("10.9.8.7", 4321).encode()
-    connection.call(lambda c: c.put(a._keys.node("spare"), spare_value, lease=lease), what="a test put")
+    connection.call(
+        lambda c: c.put(a._keys.node("spare"), spare_value, lease=lease), what="a test put"
+    )
     opened: list[EtcdConnection] = []
     real_init = EtcdConnection.__init__
 
@@ -445,8 +487,12 @@ def test_status_reads_the_stored_node_values_over_one_connection(etcd_server, un
     assert len(opened) == 1
     assert report["handler"] == "lease" and report["found"] and report["complete"]
     assert {(p["node"], p["addr"], p["pid"]) for p in report["participants"]} == {
-        (a.node_id, a._addr, os.getpid()), (b.node_id, b._addr, os.getpid())}
-    waiting = [{k: w[k] for k in ("node", "addr", "pid")} for w in report["waiting"]]  # other fields may come
+        (a.node_id, a._addr, os.getpid()),
+        (b.node_id, b._addr, os.getpid()),
+    }
+    waiting = [
+        {k: w[k] for k in ("node", "addr", "pid")} for w in report["waiting"]
+    ]  # other fields may come
     assert waiting == [{"node": "spare", "addr": "10.9.8.7", "pid": 4321}]
 
 
@@ -474,7 +520,10 @@ def test_a_node_that_leaves_while_joining_never_registers_again(etcd_server, uni
         node_key = stayer._keys.node(leaver.node_id)
 
         def registered() -> bool:
-            return stayer._connection.call(lambda c: c.get(node_key), what="a test read")[0] is not None
+            return (
+                stayer._connection.call(lambda c: c.get(node_key), what="a test read")[0]
+                is not None
+            )
 
         deadline = time.monotonic() + 15
         while leaver._lease.current() is None or not registered():

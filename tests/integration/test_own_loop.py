@@ -29,19 +29,56 @@ OWN_LOOP = ["-m", "elastic_trainer.examples.own_loop"]
 
 
 def _job(tmp: Path, name: str, *extra: str) -> list[str]:
-    return ["--max-steps", str(STEPS), "--checkpoint-dir", str(tmp / name / "ckpt"), "--checkpoint-every", "1000",
-            "--record-samples", str(tmp / name / "samples"), "--eval-every", "1000", "--log-every", "20", *extra]
+    return [
+        "--max-steps",
+        str(STEPS),
+        "--checkpoint-dir",
+        str(tmp / name / "ckpt"),
+        "--checkpoint-every",
+        "1000",
+        "--record-samples",
+        str(tmp / name / "samples"),
+        "--eval-every",
+        "1000",
+        "--log-every",
+        "20",
+        *extra,
+    ]
 
 
-def _launch(tmp: Path, name: str, run_id: str, endpoint: str, *extra: str, heal: str = "in_place"
-            ) -> subprocess.Popen[bytes]:
+def _launch(
+    tmp: Path, name: str, run_id: str, endpoint: str, *extra: str, heal: str = "in_place"
+) -> subprocess.Popen[bytes]:
     log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed by the process's end
     return subprocess.Popen(
-        [sys.executable, "-m", "elastic_trainer.cli", "run", "--rdzv-endpoint", endpoint, "--run-id", run_id,
-         "--nnodes", "1", "--nproc-per-node", "2", "--metrics-port", "0", "--rdzv-conf", FAST_RDZV_CONF,
-         "--heal", heal, *OWN_LOOP, *_job(tmp, name, *extra)],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "run",
+            "--rdzv-endpoint",
+            endpoint,
+            "--run-id",
+            run_id,
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--metrics-port",
+            "0",
+            "--rdzv-conf",
+            FAST_RDZV_CONF,
+            "--heal",
+            heal,
+            *OWN_LOOP,
+            *_job(tmp, name, *extra),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
 
 
 def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -52,9 +89,12 @@ def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> N
 
 @pytest.mark.parametrize("heal", ["in_place", "off"])
 def test_a_sigkilled_worker_of_your_own_loop_resumes_bitwise_and_exactly_once(
-        etcd_server, unique_id: str, tmp_path: Path, heal: str) -> None:
+    etcd_server, unique_id: str, tmp_path: Path, heal: str
+) -> None:
     reference = _launch(tmp_path, "ref", f"{unique_id}-ref", etcd_server.endpoint, heal=heal)
-    faulty = _launch(tmp_path, "faulty", unique_id, etcd_server.endpoint, "--throttle-ms", "60", heal=heal)
+    faulty = _launch(
+        tmp_path, "faulty", unique_id, etcd_server.endpoint, "--throttle-ms", "60", heal=heal
+    )
     try:
         samples = tmp_path / "faulty" / "samples"
         wait_for(lambda: steps_recorded(samples) >= 25, timeout=120, what="step 25")
@@ -72,13 +112,19 @@ def test_a_sigkilled_worker_of_your_own_loop_resumes_bitwise_and_exactly_once(
     if heal == "in_place":
         assert gens[0].pids[1] in gens[1].pids.values(), f"the survivor kept its process: {gens}"
         assert newest.pids[0] not in gens[1].pids.values()
-        starts = sorted((records[0] for records in read_records(samples)), key=lambda r: r["started_unix"])
+        starts = sorted(
+            (records[0] for records in read_records(samples)), key=lambda r: r["started_unix"]
+        )
         assert {r["source"] for r in starts if r["generation"] == gens[1].id} == {"peer"}, starts
         assert gens[1].resumed_step == gens[0].last_step, "healing in place loses no step"
         assert "restarting the worker group" not in log
     else:
-        assert not set(gens[0].pids.values()) & set(gens[1].pids.values()), "the whole group restarted"
-        assert ckpt.verify(tmp_path / "faulty" / "ckpt", gens[1].resumed_step).manifest.jit, "resumed just in time"
+        assert not set(gens[0].pids.values()) & set(gens[1].pids.values()), (
+            "the whole group restarted"
+        )
+        assert ckpt.verify(tmp_path / "faulty" / "ckpt", gens[1].resumed_step).manifest.jit, (
+            "resumed just in time"
+        )
     step, model = final_model(tmp_path / "faulty" / "ckpt")
     ref_step, expected = final_model(tmp_path / "ref" / "ckpt")
     assert step == ref_step == STEPS
@@ -91,23 +137,50 @@ def test_a_sigkilled_worker_of_your_own_loop_resumes_bitwise_and_exactly_once(
             by_epoch.setdefault(record["epoch"], []).extend(record["indices"])
     assert sorted(by_epoch[0]) == list(range(1249)), "epoch 0 (40 steps): every window exactly once"
     assert len(by_epoch[1]) == len(set(by_epoch[1])) == 20 * 32, "epoch 1 so far: none twice"
-    verify = subprocess.run([sys.executable, "-m", "elastic_trainer.cli", "checkpoint", "verify",
-                             str(tmp_path / "faulty" / "ckpt")], capture_output=True, text=True, cwd=REPO)
+    verify = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "checkpoint",
+            "verify",
+            str(tmp_path / "faulty" / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert verify.returncode == 0 and "OK " in verify.stdout, verify.stdout + verify.stderr
     state = torch.load(ckpt.checkpoint_path(tmp_path / "faulty" / "ckpt", STEPS), weights_only=True)
-    assert {"model", "optimizer", "optimizer_1", "scheduler", "scaler", "sampler"} <= state.keys(), "found, not listed"
+    assert {
+        "model",
+        "optimizer",
+        "optimizer_1",
+        "scheduler",
+        "scaler",
+        "sampler",
+    } <= state.keys(), "found, not listed"
 
 
-def test_plain_torchrun_and_a_stream_train_the_same_steps(etcd_server, unique_id: str, tmp_path: Path) -> None:
+def test_plain_torchrun_and_a_stream_train_the_same_steps(
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
     """Under plain torchrun + etcd-v3 rank 1 is SIGKILLed mid-run: torchrun restarts the group,
     the stream is re-created at the saved cursor, and the weights end bitwise as undisturbed."""
     reference = _launch(tmp_path, "ref", f"{unique_id}-ref", etcd_server.endpoint)
     with agents() as started:
-        stream = start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, log_path=tmp_path / "stream.log",
-                             target=OWN_LOOP, job_args=_job(tmp_path, "stream", "--stream", "--throttle-ms", "60"))
+        stream = start_agent(
+            endpoint=etcd_server.endpoint,
+            run_id=unique_id,
+            log_path=tmp_path / "stream.log",
+            target=OWN_LOOP,
+            job_args=_job(tmp_path, "stream", "--stream", "--throttle-ms", "60"),
+        )
         started.append(stream)
         samples = tmp_path / "stream" / "samples"
-        wait_for(lambda: steps_recorded(samples) >= 25, timeout=120, what="step 25", describe=stream.tail)
+        wait_for(
+            lambda: steps_recorded(samples) >= 25, timeout=120, what="step 25", describe=stream.tail
+        )
         kill_rank(stream, samples, 1)
         assert stream.wait(180) == 0, stream.tail()
     assert len(generations(samples)) == 2, "restarted once"

@@ -126,14 +126,14 @@ def launcher(tmp_path: Path, etcd: EtcdServer, run_id: str, port: int) -> Iterat
     ]
     cmd = [sys.executable, "-c", LAUNCHER, str(port), run_id, str(tmp_path / "multiproc"),
            *torchrun_args, *JOB_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
-    with start_process(cmd, tmp_path / "launcher.log", {**os.environ, "OMP_NUM_THREADS": "1"}) as node:
+    with start_process(
+        cmd, tmp_path / "launcher.log", {**os.environ, "OMP_NUM_THREADS": "1"}
+    ) as node:
         yield node
 
 
 def finite_points(result: list[dict]) -> int:
-    return sum(
-        1 for series in result for _, v in series["values"] if math.isfinite(float(v))
-    )
+    return sum(1 for series in result for _, v in series["values"] if math.isfinite(float(v)))
 
 
 def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
@@ -153,13 +153,23 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
         def progressed(min_ckpt_step: float) -> str | None:
             assert proc.poll() is None, f"the launcher exited with {proc.poll()}:\n{proc.tail()}"
             text = scrape(url)
-            ranks = {ls["rank"] for n, ls, v in samples(text) if n == "elastic_trainer_samples_total" and v > 0}
+            ranks = {
+                ls["rank"]
+                for n, ls, v in samples(text)
+                if n == "elastic_trainer_samples_total" and v > 0
+            }
             ckpt = values(text, "elastic_trainer_last_checkpoint_step")
             return text if ranks == {"0", "1"} and ckpt and ckpt[0] >= min_ckpt_step else None
 
         before_text = wait_for(lambda: progressed(50), timeout=120, what="both ranks training and a checkpoint",
                                retry_on=(OSError,), interval=0.2)  # fmt: skip
-        wait_for(prom.scrapes_ok, timeout=30, what="Prometheus scraping the node", retry_on=(OSError,), interval=0.2)
+        wait_for(
+            prom.scrapes_ok,
+            timeout=30,
+            what="Prometheus scraping the node",
+            retry_on=(OSError,),
+            interval=0.2,
+        )
 
         # promtool check metrics: a live scrape of a running job passes every lint, silently.
         lint = subprocess.run([promtool, "check", "metrics"], input=before_text, capture_output=True,
@@ -188,18 +198,24 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
             after_text = wait_for(restarted, timeout=120, what="training to resume after the restart",
                                   retry_on=(OSError,), interval=0.2)  # fmt: skip
             # The dead worker's live gauges went with it: one loss per rank, no stale pid.
-            assert sorted(ls["rank"] for n, ls, _ in samples(after_text) if n == "elastic_trainer_loss") == ["0", "1"]
+            assert sorted(
+                ls["rank"] for n, ls, _ in samples(after_text) if n == "elastic_trainer_loss"
+            ) == ["0", "1"]
             assert not list((tmp_path / "multiproc").glob(f"gauge_live*_{victim}.db"))
             assert total(after_text, "elastic_trainer_checkpoint_loaded_bytes_total") > 0
             assert total(after_text, "elastic_trainer_rendezvous_duration_seconds_count") >= 2
             # One restart count: nothing else counts restarts.
-            restart_counts = {n for n, _, _ in samples(after_text) if "restarts" in n and "remaining" not in n}
+            restart_counts = {
+                n for n, _, _ in samples(after_text) if "restarts" in n and "remaining" not in n
+            }
             assert restart_counts == {"elastic_trainer_restarts_total"}
 
             # The node's name is the same in the metrics and in `status` (from the rendezvous).
             status = read_status(etcd_server.endpoint, unique_id, {}, None)
             assert {p["name"] for p in status["participants"]} == {node}
-            assert {ls["node"] for n, ls, _ in samples(after_text) if n.startswith("elastic_trainer_")} == {node}
+            assert {
+                ls["node"] for n, ls, _ in samples(after_text) if n.startswith("elastic_trainer_")
+            } == {node}
         finally:
             poller.stop()
             thread.join(timeout=10)
@@ -223,7 +239,9 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
         empty = []
         for where, expr in dashboard_expressions(dashboard):
             expr = expr.replace('run_id=~".*"', f'run_id=~"{unique_id}"')
-            points = finite_points(prom.query_range(expr, started, ended, step=1.0))  # raises if invalid
+            points = finite_points(
+                prom.query_range(expr, started, ended, step=1.0)
+            )  # raises if invalid
             if points == 0 and where not in ONLY_WITH_A_HEAL:
                 empty.append(where)
         assert empty == [], f"dashboard queries without data: {empty}"
@@ -233,4 +251,3 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
             assert found, f"variable {name} has no values"
         assert unique_id in prom.label_values("run_id", "elastic_trainer_samples_total")
         assert prom.label_values("node", "elastic_trainer_samples_total") == [node]
-

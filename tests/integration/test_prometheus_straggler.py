@@ -41,7 +41,11 @@ def _worker(rank: int, world: int, port: int, results: Any) -> None:
         models = []
         for _ in range(2):
             torch.manual_seed(0)
-            models.append(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)))
+            models.append(
+                torch.nn.Sequential(
+                    torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)
+                )
+            )
         plain = torch.nn.parallel.DistributedDataParallel(models[0])
         ddp = torch.nn.parallel.DistributedDataParallel(models[1])
         observer.wrap_ddp(ddp)
@@ -88,7 +92,9 @@ def test_compute_time_singles_out_the_slow_rank_while_step_times_agree() -> None
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     mp.start_processes(_worker, args=(2, free_port(), results), nprocs=2, start_method="spawn")
-    by_rank = dict((r, (step, compute)) for r, step, compute in (results.get(timeout=30) for _ in range(2)))
+    by_rank = dict(
+        (r, (step, compute)) for r, step, compute in (results.get(timeout=30) for _ in range(2))
+    )
     (step_fast, compute_fast), (step_slow, compute_slow) = by_rank[0], by_rank[SLOW_RANK]
     # The fast rank spent the delay waiting in the allreduce: both step times include it.
     assert step_fast > DELAY_S and step_slow > DELAY_S

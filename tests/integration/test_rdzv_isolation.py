@@ -44,7 +44,9 @@ def run_keys(endpoint: str, run_id: str) -> dict[str, int]:
     """Every key of the run with its mod revision: any write by anyone changes this."""
     connection = connect(endpoint)
     try:
-        items = connection.call(lambda c: list(c.get_prefix(f"{DEFAULT_KEY_PREFIX}/{run_id}/")), what="a test read")
+        items = connection.call(
+            lambda c: list(c.get_prefix(f"{DEFAULT_KEY_PREFIX}/{run_id}/")), what="a test read"
+        )
     finally:
         connection.close()
     return {meta.key.decode(): meta.mod_revision for _, meta in items}
@@ -64,8 +66,16 @@ def test_another_job_is_refused_without_a_write_and_the_same_job_passes(
     etcd_server, unique_id: str, identity: Any, kind: str
 ) -> None:
     def params() -> RendezvousParameters:
-        return RendezvousParameters("etcd-v3", etcd_server.endpoint, unique_id, 1, 1, handler=kind,
-                                    retry_timeout="10", last_call_timeout="1")
+        return RendezvousParameters(
+            "etcd-v3",
+            etcd_server.endpoint,
+            unique_id,
+            1,
+            1,
+            handler=kind,
+            retry_timeout="10",
+            last_call_timeout="1",
+        )
 
     identity(JOB_A)
     running = create_handler(params())
@@ -79,10 +89,12 @@ def test_another_job_is_refused_without_a_write_and_the_same_job_passes(
             create_handler(params())
         message = str(raised.value)
         assert "\n" not in message
-        assert message == (f"run id {unique_id!r} is in use by another job: it runs "
-                           f"'train.py --lr 0.1' with --nnodes 1:1, this node runs "
-                           f"'train.py --lr 0.2' with --nnodes 1:1; give this job its own run id "
-                           f"(--rdzv-id / --run-id)")
+        assert message == (
+            f"run id {unique_id!r} is in use by another job: it runs "
+            f"'train.py --lr 0.1' with --nnodes 1:1, this node runs "
+            f"'train.py --lr 0.2' with --nnodes 1:1; give this job its own run id "
+            f"(--rdzv-id / --run-id)"
+        )
         assert run_keys(etcd_server.endpoint, unique_id) == before  # the refused node wrote nothing
         assert not running.is_closed()
 
@@ -102,9 +114,16 @@ def test_no_declared_identity_means_no_check(etcd_server, unique_id: str, identi
 
 
 def torchrun(endpoint: str, run_id: str, nnodes: str = "1:2") -> list[str]:
-    return ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-            f"--nnodes={nnodes}", "--nproc-per-node=2", "--max-restarts=3", "--monitor-interval=0.2",
-            "--rdzv-conf=last_call_timeout=1,join_timeout=60,retry_timeout=10"]
+    return [
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=2",
+        "--max-restarts=3",
+        "--monitor-interval=0.2",
+        "--rdzv-conf=last_call_timeout=1,join_timeout=60,retry_timeout=10",
+    ]
 
 
 def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_finishes_undisturbed(
@@ -112,29 +131,51 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_finishes_und
 ) -> None:
     """The incident: a copy-pasted ``--rdzv-id`` let another script into a running job."""
     stop = tmp_path / "stop"  # job A trains until the refusals are checked (at most 800 steps)
-    env = {"OUT_DIR": str(tmp_path), "STEPS": "800", "STEP_SLEEP_S": "0.05", "OMP_NUM_THREADS": "1",
-           "STOP_FILE": str(stop)}
+    env = {
+        "OUT_DIR": str(tmp_path),
+        "STEPS": "800",
+        "STEP_SLEEP_S": "0.05",
+        "OMP_NUM_THREADS": "1",
+        "STOP_FILE": str(stop),
+    }
     others = {
         "other arguments": [*torchrun(etcd_server.endpoint, unique_id), SCRIPT, "--eval"],
-        "another module": [*torchrun(etcd_server.endpoint, unique_id), "-m", "elastic_trainer.examples.synthetic_cnn"],
+        "another module": [
+            *torchrun(etcd_server.endpoint, unique_id),
+            "-m",
+            "elastic_trainer.examples.synthetic_cnn",
+        ],
         "other nnodes": [*torchrun(etcd_server.endpoint, unique_id, nnodes="1:3"), SCRIPT],
     }
     with agents_cleanup() as agents:
-        job_a = start_torchrun(torchrun(etcd_server.endpoint, unique_id), [SCRIPT], tmp_path / "a.log", env)
+        job_a = start_torchrun(
+            torchrun(etcd_server.endpoint, unique_id), [SCRIPT], tmp_path / "a.log", env
+        )
         agents.append(job_a)
         wait_for(lambda: (tmp_path / "progress-0").exists(), timeout=120, what="job A to train")
         state_key = f"{DEFAULT_KEY_PREFIX}/{unique_id}/rdzv/state"
         state_before = read_key(etcd_server.endpoint, state_key)
         for case, argv in others.items():
-            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], capture_output=True,
-                                  text=True, timeout=120, env={**os.environ, **env})
+            done = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", *argv],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**os.environ, **env},
+            )
             lines = [line for line in done.stderr.splitlines() if line.strip()]
             assert done.returncode == 2, f"{case}: {done.stderr[-3000:]}"
-            assert len(lines) == 1 and "Traceback" not in done.stderr, f"{case}: {done.stderr[-3000:]}"
-            assert lines[0].startswith(f"etcd-v3: error: run id {unique_id!r} is in use by another job: "
-                                       f"it runs '{SCRIPT}' with --nnodes 1:2, this node runs "), lines[0]
+            assert len(lines) == 1 and "Traceback" not in done.stderr, (
+                f"{case}: {done.stderr[-3000:]}"
+            )
+            assert lines[0].startswith(
+                f"etcd-v3: error: run id {unique_id!r} is in use by another job: "
+                f"it runs '{SCRIPT}' with --nnodes 1:2, this node runs "
+            ), lines[0]
             assert job_a.poll() is None, f"job A ended while job B ({case}) was refused"
-        assert read_key(etcd_server.endpoint, state_key) == state_before  # no round opened, nothing closed
+        assert (
+            read_key(etcd_server.endpoint, state_key) == state_before
+        )  # no round opened, nothing closed
         assert job_a.poll() is None, "job A ended before the refusals were checked"
         stop.touch()
         code = job_a.wait(180)
@@ -143,4 +184,3 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_finishes_und
     assert len(starts) == 2, job_a.output()[-3000:]  # its two workers started once: never restarted
     (result,) = [json.loads(p.read_text()) for p in tmp_path.glob(f"done-{unique_id}-*.json")]
     assert (result["attempt"], result["world_size"]) == (0, 2)
-

@@ -36,14 +36,21 @@ def test_first_command_shows_faults_healing_with_metrics(tmp_path: Path) -> None
     """The demo, shortened: a node joins, a worker is SIGKILLed, a node leaves; the summary gives
     each recovery time (real, measured) and zero steps lost, and the node served metrics meanwhile."""
     port = free_port()
-    env = {**os.environ, "METRICS_PORT": str(port), "DEMO_DIR": str(tmp_path / "demo"), "MAX_STEPS": "300"}
+    env = {
+        **os.environ,
+        "METRICS_PORT": str(port),
+        "DEMO_DIR": str(tmp_path / "demo"),
+        "MAX_STEPS": "300",
+    }
     scraped: list[str] = []
 
     def scrape() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not scraped:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/metrics", timeout=2
+                ) as response:
                     text = response.read().decode()
                 if "elastic_trainer_samples_total" in text:
                     scraped.append(text)
@@ -53,12 +60,18 @@ def test_first_command_shows_faults_healing_with_metrics(tmp_path: Path) -> None
 
     scraper = threading.Thread(target=scrape, daemon=True)
     scraper.start()
-    done = subprocess.run(readme_commands()[0].split(), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        readme_commands()[0].split(), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     scraper.join(5)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = done.stdout.split("elastic-trainer demo: summary", 1)[1].splitlines()
-    rows = {name: re.search(r"(\d+\.\d) s\s+(\d+)$", line) for line in summary
-            for name in ("node b joins", "worker SIGKILL", "node b leaves") if line.strip().startswith(name)}
+    rows = {
+        name: re.search(r"(\d+\.\d) s\s+(\d+)$", line)
+        for line in summary
+        for name in ("node b joins", "worker SIGKILL", "node b leaves")
+        if line.strip().startswith(name)
+    }
     assert set(rows) == {"node b joins", "worker SIGKILL", "node b leaves"}, summary
     for name, match in rows.items():
         assert match, f"{name}: no recovery figures in {summary}"

@@ -25,7 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _etcd_blocks() -> list[str]:
     text = (REPO / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if b.lstrip().startswith("etcd --name")]
+    blocks = [
+        b
+        for b in re.findall(r"```bash\n(.*?)```", text, re.S)
+        if b.lstrip().startswith("etcd --name")
+    ]
     assert len(blocks) == 2, "the README shows one etcd node and a three-member cluster"
     return [b.replace("\\\n", " ") for b in blocks]
 
@@ -35,7 +39,11 @@ def _argv(block: str, values: dict[str, str], client: int, peer: int, data: Path
     for name, value in values.items():
         line = line.replace(f"${name}", value)
     # On one machine every member listens on its own loopback address and free ports.
-    line = line.replace("0.0.0.0", values["HOST_IP"]).replace(":2379", f":{client}").replace(":2380", f":{peer}")
+    line = (
+        line.replace("0.0.0.0", values["HOST_IP"])
+        .replace(":2379", f":{client}")
+        .replace(":2380", f":{peer}")
+    )
     line = re.sub(r"/var/lib/\S+", str(data), line)
     argv = shlex.split(line)
     assert argv[0] == "etcd" and "$" not in line, line
@@ -43,7 +51,9 @@ def _argv(block: str, values: dict[str, str], client: int, peer: int, data: Path
 
 
 def _healthy(endpoints: str, timeout: float = 30.0) -> None:
-    connection = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(endpoints), retry_timeout=timeout))
+    connection = EtcdConnection(
+        EtcdClientConfig(endpoints=parse_endpoints(endpoints), retry_timeout=timeout)
+    )
     try:
         connection.check()
         connection.call(lambda c: c.put("/readme/check", b"ok"), what="a put")
@@ -79,17 +89,49 @@ def test_three_member_cluster_trains_a_job(tmp_path: Path) -> None:
     _, cluster = _etcd_blocks()
     ips = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
     client, peer = free_port(), free_port()
-    argvs = [_argv(cluster, {"NAME": f"etcd-{i}", "HOST_IP": ip, "IP0": ips[0], "IP1": ips[1], "IP2": ips[2]},
-                   client, peer, tmp_path / f"data-{i}") for i, ip in enumerate(ips)]
+    argvs = [
+        _argv(
+            cluster,
+            {"NAME": f"etcd-{i}", "HOST_IP": ip, "IP0": ips[0], "IP1": ips[1], "IP2": ips[2]},
+            client,
+            peer,
+            tmp_path / f"data-{i}",
+        )
+        for i, ip in enumerate(ips)
+    ]
     endpoints = ",".join(f"{ip}:{client}" for ip in ips)
     with _started(argvs, tmp_path) as procs:
         _healthy(endpoints)
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "elastic_trainer.cli", "run", "--rdzv-endpoint", endpoints, "--run-id", "job-42",
-             "--nnodes", "1:2", "--nproc-per-node", "2", "--metrics-port", "0",
-             "-m", "elastic_trainer.examples.synthetic_cnn", "--max-steps", "5", "--checkpoint-dir", str(tmp_path / "c")],
-            capture_output=True, text=True, cwd=REPO, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            [
+                sys.executable,
+                "-m",
+                "elastic_trainer.cli",
+                "run",
+                "--rdzv-endpoint",
+                endpoints,
+                "--run-id",
+                "job-42",
+                "--nnodes",
+                "1:2",
+                "--nproc-per-node",
+                "2",
+                "--metrics-port",
+                "0",
+                "-m",
+                "elastic_trainer.examples.synthetic_cnn",
+                "--max-steps",
+                "5",
+                "--checkpoint-dir",
+                str(tmp_path / "c"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert "training finished at step 5" in done.stderr
         print(f"trained against the 3-member cluster in {time.monotonic() - started:.1f} s")

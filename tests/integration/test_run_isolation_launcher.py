@@ -20,25 +20,71 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _launch(endpoint: str, run_id: str, *job: str) -> list[str]:
-    return [sys.executable, "-m", "elastic_trainer.cli", "run", "--rdzv-endpoint", endpoint, "--run-id", run_id,
-            "--nnodes", "1:2", "--nproc-per-node", "2", "--metrics-port", "0",
-            "-m", "elastic_trainer.examples.synthetic_cnn", *job]
+    return [
+        sys.executable,
+        "-m",
+        "elastic_trainer.cli",
+        "run",
+        "--rdzv-endpoint",
+        endpoint,
+        "--run-id",
+        run_id,
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--metrics-port",
+        "0",
+        "-m",
+        "elastic_trainer.examples.synthetic_cnn",
+        *job,
+    ]
 
 
 def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_is_untouched(
-        etcd_server, unique_id: str, tmp_path: Path) -> None:
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "first.log"
     with open(log, "wb") as out:
-        first = subprocess.Popen(_launch(etcd_server.endpoint, unique_id, "--max-steps", "150", "--epochs", "10", "--throttle-ms", "40",
-                                         "--checkpoint-dir", str(tmp_path / "a")),
-                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        first = subprocess.Popen(
+            _launch(
+                etcd_server.endpoint,
+                unique_id,
+                "--max-steps",
+                "150",
+                "--epochs",
+                "10",
+                "--throttle-ms",
+                "40",
+                "--checkpoint-dir",
+                str(tmp_path / "a"),
+            ),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+        )
     try:
         wait_for(lambda: "step 20 " in log.read_text(), timeout=90, what="the first job to train")
         started = time.monotonic()
-        second = subprocess.run(_launch(etcd_server.endpoint, unique_id, "--max-steps", "150", "--width", "8",
-                                        "--checkpoint-dir", str(tmp_path / "b")),
-                                capture_output=True, text=True, env=env, cwd=REPO, timeout=90)
+        second = subprocess.run(
+            _launch(
+                etcd_server.endpoint,
+                unique_id,
+                "--max-steps",
+                "150",
+                "--width",
+                "8",
+                "--checkpoint-dir",
+                str(tmp_path / "b"),
+            ),
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=90,
+        )
         took = time.monotonic() - started
         assert second.returncode == 2, second.stderr[-3000:]
         lines = [line for line in second.stderr.splitlines() if "in use by another job" in line]
@@ -51,5 +97,7 @@ def test_a_second_job_with_the_same_run_id_is_refused_and_the_first_is_untouched
         if first.poll() is None:
             first.kill()
     output = log.read_text()
-    assert "restarting the worker group" not in output and "received SIGTERM" not in output, "not disturbed"
+    assert "restarting the worker group" not in output and "received SIGTERM" not in output, (
+        "not disturbed"
+    )
     assert "training finished at step 150" in output

@@ -30,33 +30,80 @@ TOLERANCE = 0.2
 
 
 def _job(tmp: Path, name: str, *extra: str) -> list[str]:
-    return ["--dataset-size", str(DATASET), "--global-batch-size", str(BATCH), "--epochs", str(EPOCHS),
-            "--seed", "3", "--lr", "0.2", "--checkpoint-dir", str(tmp / name / "ckpt"), "--checkpoint-every", "5",
-            "--record-samples", str(tmp / name / "samples"), "--log-every", "10", *extra]
+    return [
+        "--dataset-size",
+        str(DATASET),
+        "--global-batch-size",
+        str(BATCH),
+        "--epochs",
+        str(EPOCHS),
+        "--seed",
+        "3",
+        "--lr",
+        "0.2",
+        "--checkpoint-dir",
+        str(tmp / name / "ckpt"),
+        "--checkpoint-every",
+        "5",
+        "--record-samples",
+        str(tmp / name / "samples"),
+        "--log-every",
+        "10",
+        *extra,
+    ]
 
 
-def test_two_nodes_to_one_to_two_consume_every_sample_once_per_epoch(etcd_server, unique_id: str, tmp_path: Path) -> None:
+def test_two_nodes_to_one_to_two_consume_every_sample_once_per_epoch(
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
     samples = tmp_path / "elastic" / "samples"
     elastic_args = _job(tmp_path, "elastic", "--throttle-ms", "200")
     with agents() as started:
-        reference = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-ref", nproc_per_node=4,
-                                log_path=tmp_path / "reference.log", job_args=_job(tmp_path, "reference"))
+        reference = start_agent(
+            endpoint=etcd_server.endpoint,
+            run_id=f"{unique_id}-ref",
+            nproc_per_node=4,
+            log_path=tmp_path / "reference.log",
+            job_args=_job(tmp_path, "reference"),
+        )
         started.append(reference)
         node_a, node_b = (
-            start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, nnodes="1:2", max_restarts=5,
-                        log_path=tmp_path / f"node-{name}.log", job_args=elastic_args)
+            start_agent(
+                endpoint=etcd_server.endpoint,
+                run_id=unique_id,
+                nnodes="1:2",
+                max_restarts=5,
+                log_path=tmp_path / f"node-{name}.log",
+                job_args=elastic_args,
+            )
             for name in ("a", "b")
         )
         started += [node_a, node_b]
-        wait_for(lambda: steps_recorded(samples, world_size=4) >= 6, timeout=120, what="6 steps on 2 nodes",
-                 describe=lambda: tails(started))
+        wait_for(
+            lambda: steps_recorded(samples, world_size=4) >= 6,
+            timeout=120,
+            what="6 steps on 2 nodes",
+            describe=lambda: tails(started),
+        )
         node_b.terminate()  # preempted: finishes the step, rank 0 checkpoints it, node B leaves
         node_b.wait(60)
-        assert "received SIGTERM" in node_b.output() and "stopping after step" in node_b.output(), node_b.tail()
-        wait_for(lambda: steps_recorded(samples, world_size=2), timeout=120, what="training on 1 node",
-                 describe=lambda: tails(started))
-        node_c = start_agent(endpoint=etcd_server.endpoint, run_id=unique_id, nnodes="1:2", max_restarts=5,
-                             log_path=tmp_path / "node-c.log", job_args=elastic_args)
+        assert "received SIGTERM" in node_b.output() and "stopping after step" in node_b.output(), (
+            node_b.tail()
+        )
+        wait_for(
+            lambda: steps_recorded(samples, world_size=2),
+            timeout=120,
+            what="training on 1 node",
+            describe=lambda: tails(started),
+        )
+        node_c = start_agent(
+            endpoint=etcd_server.endpoint,
+            run_id=unique_id,
+            nnodes="1:2",
+            max_restarts=5,
+            log_path=tmp_path / "node-c.log",
+            job_args=elastic_args,
+        )
         started.append(node_c)
         assert node_a.wait(240) == 0, node_a.tail()
         assert node_c.wait(60) == 0, node_c.tail()
@@ -70,12 +117,22 @@ def test_two_nodes_to_one_to_two_consume_every_sample_once_per_epoch(etcd_server
     for step, records in history.items():
         assert len(records) == records[0]["world_size"], f"step {step}: not every rank recorded"
     for epoch in range(EPOCHS):
-        indices = [i for recs in history.values() for r in recs if r["epoch"] == epoch for i in r["indices"]]
+        indices = [
+            i
+            for recs in history.values()
+            for r in recs
+            if r["epoch"] == epoch
+            for i in r["indices"]
+        ]
         assert len(indices) == DATASET and sorted(indices) == list(range(DATASET)), f"epoch {epoch}"
 
     step, _ = final_model(tmp_path / "elastic" / "ckpt")
     assert step == STEPS
     elastic_loss, reference_loss = final_eval_loss(node_a), final_eval_loss(reference)
-    print(f"final full-dataset loss: elastic {elastic_loss:.4f}, uninterrupted {reference_loss:.4f}")
-    assert reference_loss < 2.0, "the reference run did not learn; the comparison would be meaningless"
+    print(
+        f"final full-dataset loss: elastic {elastic_loss:.4f}, uninterrupted {reference_loss:.4f}"
+    )
+    assert reference_loss < 2.0, (
+        "the reference run did not learn; the comparison would be meaningless"
+    )
     assert abs(elastic_loss - reference_loss) <= TOLERANCE

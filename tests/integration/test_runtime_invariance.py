@@ -16,17 +16,45 @@ from tests.support.records import final_model
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
-def test_one_rank_and_three_ranks_train_the_same_model(etcd_server, unique_id: str, tmp_path: Path) -> None:
+def test_one_rank_and_three_ranks_train_the_same_model(
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
     # 110 samples, 20 per step: 5 full steps (3 ranks: 7 + 7 + 6) and a tail of 10 (4 + 3 + 3);
     # with micro-batches of at most 2, every rank runs 4 forwards per full step, padding included.
-    common = ["--dataset-size", "110", "--global-batch-size", "20", "--epochs", "2", "--seed", "21",
-              "--no-batchnorm", "--lr", "0.1"]
+    common = [
+        "--dataset-size",
+        "110",
+        "--global-batch-size",
+        "20",
+        "--epochs",
+        "2",
+        "--seed",
+        "21",
+        "--no-batchnorm",
+        "--lr",
+        "0.1",
+    ]
     with agents() as started:
-        one = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-1", nproc_per_node=1,
-                          log_path=tmp_path / "one.log", job_args=[*common, "--checkpoint-dir", str(tmp_path / "one")])
-        three = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-3", nproc_per_node=3,
-                            log_path=tmp_path / "three.log",
-                            job_args=[*common, "--micro-batch-size", "2", "--checkpoint-dir", str(tmp_path / "three")])
+        one = start_agent(
+            endpoint=etcd_server.endpoint,
+            run_id=f"{unique_id}-1",
+            nproc_per_node=1,
+            log_path=tmp_path / "one.log",
+            job_args=[*common, "--checkpoint-dir", str(tmp_path / "one")],
+        )
+        three = start_agent(
+            endpoint=etcd_server.endpoint,
+            run_id=f"{unique_id}-3",
+            nproc_per_node=3,
+            log_path=tmp_path / "three.log",
+            job_args=[
+                *common,
+                "--micro-batch-size",
+                "2",
+                "--checkpoint-dir",
+                str(tmp_path / "three"),
+            ],
+        )
         started += [one, three]
         assert one.wait(150) == 0, one.tail()
         assert three.wait(150) == 0, three.tail()
@@ -39,4 +67,6 @@ def test_one_rank_and_three_ranks_train_the_same_model(etcd_server, unique_id: s
         moved = (value - initial[name]).abs().max().item()
         differs = (model_three[name] - value).abs().max().item()
         assert moved > 1e-3, f"{name} hardly trained; the comparison would prove nothing"
-        assert differs < 1e-6 + 1e-4 * moved, f"{name}: 1 vs 3 ranks differ by {differs}, training moved it {moved}"
+        assert differs < 1e-6 + 1e-4 * moved, (
+            f"{name}: 1 vs 3 ranks differ by {differs}, training moved it {moved}"
+        )

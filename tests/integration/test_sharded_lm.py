@@ -32,9 +32,28 @@ PHASES = ((2, 14), (3, 22), (1, 26))  # (workers, run until step)
 
 
 def _job(tmp: Path, name: str, max_steps: int) -> list[str]:
-    return ["--max-steps", str(max_steps), "--epochs", "5", "--dataset-size", str(DATASET), "--global-batch-size",
-            str(BATCH), "--checkpoint-every", "4", "--checkpoint-dir", str(tmp / name / "ckpt"), "--seed", "5",
-            "--record-samples", str(tmp / name / "samples"), "--log-every", "100", "--throttle-ms", "80"]
+    return [
+        "--max-steps",
+        str(max_steps),
+        "--epochs",
+        "5",
+        "--dataset-size",
+        str(DATASET),
+        "--global-batch-size",
+        str(BATCH),
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-dir",
+        str(tmp / name / "ckpt"),
+        "--seed",
+        "5",
+        "--record-samples",
+        str(tmp / name / "samples"),
+        "--log-every",
+        "100",
+        "--throttle-ms",
+        "80",
+    ]
 
 
 def _final(directory: Path) -> dict[str, torch.Tensor]:
@@ -48,20 +67,37 @@ def _final(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def test_sigkill_and_2_3_1_resharding_end_bitwise_equal_and_exactly_once(
-        etcd_server, unique_id: str, tmp_path: Path) -> None:
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
     for phase, (workers, until) in enumerate(PHASES):
         with agents() as started:
-            reference = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-ref-{phase}",
-                                    log_path=tmp_path / "reference.log", nproc_per_node=workers, max_restarts=0,
-                                    target=TARGET, job_args=_job(tmp_path, "reference", until))
-            faulty = start_agent(endpoint=etcd_server.endpoint, run_id=f"{unique_id}-faulty-{phase}",
-                                 log_path=tmp_path / "faulty.log", nproc_per_node=workers, max_restarts=2,
-                                 target=TARGET, job_args=_job(tmp_path, "faulty", until))
+            reference = start_agent(
+                endpoint=etcd_server.endpoint,
+                run_id=f"{unique_id}-ref-{phase}",
+                log_path=tmp_path / "reference.log",
+                nproc_per_node=workers,
+                max_restarts=0,
+                target=TARGET,
+                job_args=_job(tmp_path, "reference", until),
+            )
+            faulty = start_agent(
+                endpoint=etcd_server.endpoint,
+                run_id=f"{unique_id}-faulty-{phase}",
+                log_path=tmp_path / "faulty.log",
+                nproc_per_node=workers,
+                max_restarts=2,
+                target=TARGET,
+                job_args=_job(tmp_path, "faulty", until),
+            )
             started += [reference, faulty]
             if phase == 0:
                 samples = tmp_path / "faulty" / "samples"
-                wait_for(lambda samples=samples: steps_recorded(samples) >= 6, timeout=150, what="step 6",
-                         describe=lambda started=started: tails(started))
+                wait_for(
+                    lambda samples=samples: steps_recorded(samples) >= 6,
+                    timeout=150,
+                    what="step 6",
+                    describe=lambda started=started: tails(started),
+                )
                 print(f"SIGKILLed rank 1 (pid {kill_rank(faulty, samples, 1)})")
             assert faulty.wait(240) == 0, faulty.tail()
             assert reference.wait(240) == 0, reference.tail()
@@ -69,7 +105,9 @@ def test_sigkill_and_2_3_1_resharding_end_bitwise_equal_and_exactly_once(
     log = faulty.output()
     assert "resumed from" in log and "now 3 ranks" in log and "now 1 ranks" in log, log[-3000:]
     gens = generations(tmp_path / "faulty" / "samples")
-    assert [g.world_size for g in gens] == [2, 2, 3, 1], "one restart in phase 1, then 3 and 1 workers"
+    assert [g.world_size for g in gens] == [2, 2, 3, 1], (
+        "one restart in phase 1, then 3 and 1 workers"
+    )
     assert gens[1].resumed_step in (4, 8, 12), "the restart resumed from a periodic checkpoint"
 
     expected, got = _final(tmp_path / "reference" / "ckpt"), _final(tmp_path / "faulty" / "ckpt")
@@ -85,7 +123,9 @@ def test_sigkill_and_2_3_1_resharding_end_bitwise_equal_and_exactly_once(
         for record in records:
             by_epoch.setdefault(record["epoch"], []).extend(record["indices"])
     for epoch in (0, 1):  # steps 1-20, over 2 then 3 workers
-        assert sorted(by_epoch[epoch]) == list(range(DATASET)), f"epoch {epoch}: not every sample exactly once"
+        assert sorted(by_epoch[epoch]) == list(range(DATASET)), (
+            f"epoch {epoch}: not every sample exactly once"
+        )
     assert len(by_epoch[2]) == len(set(by_epoch[2])) == 6 * BATCH
 
 
@@ -93,12 +133,41 @@ def test_under_elastic_trainer_run(etcd_server, unique_id: str, tmp_path: Path) 
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
         done = subprocess.run(
-            [sys.executable, "-m", "elastic_trainer.cli", "run", "--rdzv-endpoint", etcd_server.endpoint,
-             "--run-id", unique_id, "--nnodes", "1", "--nproc-per-node", "2", "--metrics-port", "0",
-             "--rdzv-conf", FAST_RDZV_CONF, *TARGET, "--max-steps", "6", "--checkpoint-every", "3",
-             "--checkpoint-dir", str(tmp_path / "ckpt"), "--dataset-size", str(DATASET), "--global-batch-size",
-             str(BATCH)],
-            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+            [
+                sys.executable,
+                "-m",
+                "elastic_trainer.cli",
+                "run",
+                "--rdzv-endpoint",
+                etcd_server.endpoint,
+                "--run-id",
+                unique_id,
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "2",
+                "--metrics-port",
+                "0",
+                "--rdzv-conf",
+                FAST_RDZV_CONF,
+                *TARGET,
+                "--max-steps",
+                "6",
+                "--checkpoint-every",
+                "3",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                "--dataset-size",
+                str(DATASET),
+                "--global-batch-size",
+                str(BATCH),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=240,
+        )
     assert done.returncode == 0, log.read_text()[-3000:]
     assert ckpt.iter_checkpoints(tmp_path / "ckpt") == [3, 6]
     info = ckpt.verify(tmp_path / "ckpt", 6)

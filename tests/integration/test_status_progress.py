@@ -60,9 +60,17 @@ def launcher_metrics(tmp_path: Path, run_id: str) -> Iterator[LauncherMetrics]:
 
 @contextlib.contextmanager
 def worker(rank: int, run_id: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID=run_id, OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        TORCHELASTIC_RUN_ID=run_id,
+        OMP_NUM_THREADS="1",
+    )
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
         try:
             yield proc
         finally:
@@ -96,13 +104,19 @@ def test_status_shows_the_progress_rank_0_publishes_and_the_last_error(
             assert progress["total_steps"] == 100000 and progress["world_size"] == 2
             assert progress["published_by"] == "host-a-101" and progress["lr"] == 0.01
             assert 0 < progress["step"] < 100000 and progress["steps_per_s"] > 0
-            assert progress["eta_s"] == pytest.approx((100000 - progress["step"]) / progress["steps_per_s"], rel=0.01)
+            assert progress["eta_s"] == pytest.approx(
+                (100000 - progress["step"]) / progress["steps_per_s"], rel=0.01
+            )
             # One of the two ranks is seen: the job's throughput is scaled from it.
-            assert progress["samples_per_s"] == pytest.approx(2 * 32 * progress["steps_per_s"], rel=0.01)
+            assert progress["samples_per_s"] == pytest.approx(
+                2 * 32 * progress["steps_per_s"], rel=0.01
+            )
             assert progress["last_step_age_s"] is not None and progress["restarts"] == 0
 
             # Any node may report an error: one line, read back by status.
-            publisher.publish_error("worker rank 1 (pid 77) exited with signal 9 (SIGKILL)\nTraceback ...")
+            publisher.publish_error(
+                "worker rank 1 (pid 77) exited with signal 9 (SIGKILL)\nTraceback ..."
+            )
             error = wait_for(lambda: status(etcd_server, unique_id)["last_error"], timeout=30, what="the error in etcd",
                              interval=0.2)  # fmt: skip
             assert error["text"] == "worker rank 1 (pid 77) exited with signal 9 (SIGKILL)"
@@ -112,13 +126,18 @@ def test_status_shows_the_progress_rank_0_publishes_and_the_last_error(
             assert report["found"] is False  # no rendezvous in this test: progress stands alone
             text = render_status(report)
             assert f"progress: step {report['progress']['step']} / 100000" in text
-            assert "last error: worker rank 1 (pid 77) exited with signal 9 (SIGKILL) (host-a-101, " in text
+            assert (
+                "last error: worker rank 1 (pid 77) exited with signal 9 (SIGKILL) (host-a-101, "
+                in text
+            )
 
             # A node without global rank 0 reads its registry but writes nothing.
             other = CollectorRegistry()
             observer = PrometheusObserver(labels=WorkerLabels(run_id=unique_id, node="host-b-202", rank=1, local_rank=0),
                                           registry=other, flush_interval_s=0.0)  # fmt: skip
-            observer.on_step(step=10**6, duration_s=0.1, data_wait_s=0.0, samples=32, tokens=0, loss=None)
+            observer.on_step(
+                step=10**6, duration_s=0.1, data_wait_s=0.0, samples=32, tokens=0, loss=None
+            )
             quiet = ProgressPublisher(EtcdConnection(client_config_from_params(params)), ProgressKeys.from_params(params),
                                       other, node="host-b-202", interval_s=1.0, owns_connection=True)  # fmt: skip
             try:
@@ -141,13 +160,21 @@ def test_an_unreachable_etcd_never_blocks_the_launcher(
     """Writes fail within the interval's budget; the thread logs once and keeps trying; close() returns."""
     params = RendezvousParameters("etcd-v3", f"127.0.0.1:{free_port()}", unique_id, 1, 1,
                                   retry_timeout="1", read_timeout="1")  # fmt: skip
-    with launcher_metrics(tmp_path, unique_id) as metrics, worker(0, unique_id, tmp_path / "worker.log"):
+    with (
+        launcher_metrics(tmp_path, unique_id) as metrics,
+        worker(0, unique_id, tmp_path / "worker.log"),
+    ):
         publisher = ProgressPublisher.from_params(params, metrics, interval_s=0.5)
         try:
+
             def has_step() -> bool:
-                return metrics.registry.get_sample_value(
-                    "elastic_trainer_step", {"run_id": unique_id, "node": "host-a-101", "rank": "0", "local_rank": "0"}
-                ) is not None
+                return (
+                    metrics.registry.get_sample_value(
+                        "elastic_trainer_step",
+                        {"run_id": unique_id, "node": "host-a-101", "rank": "0", "local_rank": "0"},
+                    )
+                    is not None
+                )
 
             wait_for(has_step, timeout=90, what="the worker's first step", interval=0.2)
             with pytest.raises(RendezvousConnectionError):
@@ -159,10 +186,20 @@ def test_an_unreachable_etcd_never_blocks_the_launcher(
                          what="a warning", interval=0.2)  # fmt: skip
         finally:
             publisher.close(timeout_s=5.0)
-    messages = [r.getMessage() for r in caplog.records if r.name == "elastic_trainer.launch.progress_publisher"]
-    assert sum("retrying every" in m for m in messages) == 1, messages  # once per outage, not per attempt
+    messages = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "elastic_trainer.launch.progress_publisher"
+    ]
+    assert sum("retrying every" in m for m in messages) == 1, (
+        messages
+    )  # once per outage, not per attempt
     # The etcd client's per-retry warnings from the publisher's thread are left out too.
-    assert not [r for r in caplog.records if r.name == "rendezvous.etcd_client" and r.threadName == "progress-publisher"]
+    assert not [
+        r
+        for r in caplog.records
+        if r.name == "rendezvous.etcd_client" and r.threadName == "progress-publisher"
+    ]
 
 
 @pytest.mark.parametrize("heal", ["in_place", "off"])
@@ -197,13 +234,23 @@ def test_a_real_run_publishes_progress_and_its_last_error(
                 p = report.get("progress")
                 return report if p and p["steps_per_s"] and report["found"] else None
 
-            report = wait_for(with_rate, timeout=150, what="progress with a rate in status", interval=0.2)
+            report = wait_for(
+                with_rate, timeout=150, what="progress with a rate in status", interval=0.2
+            )
             progress = report["progress"]
             assert progress["total_steps"] == 100000 and progress["world_size"] == 2
-            assert progress["eta_s"] > 0 and progress["samples_per_s"] > 0 and progress["lr"] is not None
+            assert (
+                progress["eta_s"] > 0
+                and progress["samples_per_s"] > 0
+                and progress["lr"] is not None
+            )
             (participant,) = report["participants"]
             assert participant["pid"] == job.pid and progress["published_by"] == participant["name"]
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+                .read()
+                .decode()
+            )
             assert f'node="{participant["name"]}"' in text
 
             os.kill(worker_processes(job.pid)[-1], signal.SIGKILL)
@@ -215,7 +262,9 @@ def test_a_real_run_publishes_progress_and_its_last_error(
                 assert "healed in place" in error["text"], error
             progress = wait_for(lambda: (p := status_json()["progress"]) is not None and (p[counted] or 0) >= 1 and p,
                                 timeout=150, what=f"the {counted} in the progress", interval=0.2)  # fmt: skip
-            assert progress["restarts" if heal == "in_place" else "heals"] == 0, progress  # one kind, not both
+            assert progress["restarts" if heal == "in_place" else "heals"] == 0, (
+                progress
+            )  # one kind, not both
         finally:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGTERM)

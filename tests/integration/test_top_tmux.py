@@ -75,11 +75,15 @@ def workers(run_id: str, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes
 
 
 def screen(tmux: list[str]) -> str:
-    done = subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True, timeout=30
+    )
     return done.stdout if done.returncode == 0 else ""
 
 
-def test_top_shows_the_job_live_and_q_quits(tmp_path: Path, tmux: list[str], unique_id: str) -> None:
+def test_top_shows_the_job_live_and_q_quits(
+    tmp_path: Path, tmux: list[str], unique_id: str
+) -> None:
     config = LauncherMetricsConfig(addr="127.0.0.1", port=0, run_id=unique_id, node="host-a-101",
                                    multiproc_dir=str(tmp_path / "multiproc"))  # fmt: skip
     with start_launcher_metrics(config) as metrics, workers(unique_id, tmp_path):
@@ -100,9 +104,15 @@ def test_top_shows_the_job_live_and_q_quits(tmp_path: Path, tmux: list[str], uni
 
         def with_rates() -> str | None:
             text = screen(tmux)
-            return text if "slowest     rank 1 on host-a-101" in text and "ETA         -" not in text else None
+            return (
+                text
+                if "slowest     rank 1 on host-a-101" in text and "ETA         -" not in text
+                else None
+            )
 
-        text = wait_for(with_rates, timeout=60, what="the rates, the ETA and the slower rank 1", interval=0.2)
+        text = wait_for(
+            with_rates, timeout=60, what="the rates, the ETA and the slower rank 1", interval=0.2
+        )
         assert text.count("elastic-trainer top") == 1 and f"run {unique_id}" in text
         assert "world size  2" in text and "lr 0.05" in text and "q quits" in text
         assert re.search(r"up\s+host-a-101\s+ranks 0,1", text)
@@ -112,7 +122,11 @@ def test_top_shows_the_job_live_and_q_quits(tmp_path: Path, tmux: list[str], uni
         subprocess.run([*tmux, "send-keys", "-t", "top", "q"], check=True, timeout=30)
 
         def ended() -> bool:
-            alive = subprocess.run([*tmux, "has-session", "-t", "top"], capture_output=True, timeout=30)
+            alive = subprocess.run(
+                [*tmux, "has-session", "-t", "top"], capture_output=True, timeout=30
+            )
             return alive.returncode != 0
 
-        wait_for(ended, timeout=30, what="q to end top (its tmux session closes with it)", interval=0.2)
+        wait_for(
+            ended, timeout=30, what="q to end top (its tmux session closes with it)", interval=0.2
+        )

@@ -16,7 +16,9 @@ from tests.support.agents import agents as agents_cleanup
 pytestmark = pytest.mark.integration
 
 SCRIPT = str(Path(__file__).with_name("scripts") / "ddp_steps.py")
-FAST_RDZV = "last_call_timeout=1,join_timeout=60,heartbeat_timeout=5,keep_alive_interval=1,retry_timeout=10"
+FAST_RDZV = (
+    "last_call_timeout=1,join_timeout=60,heartbeat_timeout=5,keep_alive_interval=1,retry_timeout=10"
+)
 
 
 def torchrun_args(endpoint: str, run_id: str, nnodes: str = "1:2", nproc: int = 2) -> list[str]:
@@ -36,8 +38,18 @@ def results(out: Path, run_id: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out.glob(f"done-{run_id}-*.json"))]
 
 
-def start(agents: list[Agent], tmp_path: Path, endpoint: str, run_id: str, name: str, env: dict[str, str], **kw) -> Agent:  # type: ignore[no-untyped-def]
-    agent = start_torchrun(torchrun_args(endpoint, run_id, **kw), [SCRIPT], tmp_path / f"{name}.log", env)
+def start(
+    agents: list[Agent],
+    tmp_path: Path,
+    endpoint: str,
+    run_id: str,
+    name: str,
+    env: dict[str, str],
+    **kw,
+) -> Agent:  # type: ignore[no-untyped-def]
+    agent = start_torchrun(
+        torchrun_args(endpoint, run_id, **kw), [SCRIPT], tmp_path / f"{name}.log", env
+    )
     agents.append(agent)
     return agent
 
@@ -49,7 +61,9 @@ def test_entry_point_resolves_to_the_handler_factory() -> None:
     assert entry.load()() is create_rdzv_handler
 
 
-@pytest.mark.parametrize("first_import", ["rendezvous.handler", "rendezvous", "torch.distributed.run"])
+@pytest.mark.parametrize(
+    "first_import", ["rendezvous.handler", "rendezvous", "torch.distributed.run"]
+)
 def test_torch_registers_etcd_v3_whatever_is_imported_first(first_import: str) -> None:
     """A fresh interpreter: torch only *warns* when a plugin fails, so check stderr too."""
     import subprocess
@@ -90,12 +104,16 @@ def test_worker_sigkill_restarts_the_group(etcd_server, tmp_path: Path, unique_i
     # finished (a finished worker that aborts in interpreter teardown would add a round; see
     # scripts/ddp_steps.py).
     starts = len((tmp_path / "starts").read_text().split())
-    assert starts == 8, f"{starts} worker starts\n" + agents[0].output()[-3000:] + agents[1].output()[-3000:]
+    assert starts == 8, (
+        f"{starts} worker starts\n" + agents[0].output()[-3000:] + agents[1].output()[-3000:]
+    )
     (result,) = results(tmp_path, unique_id)
     assert result["world_size"] == 4
 
 
-def test_lost_agent_the_survivor_re_rendezvouses(etcd_server, tmp_path: Path, unique_id: str) -> None:
+def test_lost_agent_the_survivor_re_rendezvouses(
+    etcd_server, tmp_path: Path, unique_id: str
+) -> None:
     env = {"OUT_DIR": str(tmp_path), "STEPS": "150", "STEP_SLEEP_S": "0.1"}
     with agents_cleanup() as agents:
         survivor = start(agents, tmp_path, etcd_server.endpoint, unique_id, "a", env)
@@ -108,13 +126,19 @@ def test_lost_agent_the_survivor_re_rendezvouses(etcd_server, tmp_path: Path, un
     assert final["world_size"] == 2, final
 
 
-def test_late_joiner_gets_a_fresh_store_address(etcd_server, tmp_path: Path, unique_id: str) -> None:
+def test_late_joiner_gets_a_fresh_store_address(
+    etcd_server, tmp_path: Path, unique_id: str
+) -> None:
     """Regression for torch 2.13's cached shared TCPStore (shared/notes quirk 1): the first agent
     trains alone, the second arrives seconds later; both must re-rendezvous and finish."""
     env = {"OUT_DIR": str(tmp_path), "STEPS": "80", "STEP_SLEEP_S": "0.1"}
     with agents_cleanup() as agents:
         first = start(agents, tmp_path, etcd_server.endpoint, unique_id, "a", env)
-        wait_for(lambda: (tmp_path / "progress-0").exists(), timeout=90, what="the first agent to train alone")
+        wait_for(
+            lambda: (tmp_path / "progress-0").exists(),
+            timeout=90,
+            what="the first agent to train alone",
+        )
         time.sleep(2)
         second = start(agents, tmp_path, etcd_server.endpoint, unique_id, "b", env)
         codes = [first.wait(150), second.wait(150)]
@@ -122,14 +146,24 @@ def test_late_joiner_gets_a_fresh_store_address(etcd_server, tmp_path: Path, uni
     assert results(tmp_path, unique_id)[-1]["world_size"] == 4
 
 
-def test_two_run_ids_on_one_etcd_do_not_interfere(etcd_server, tmp_path: Path, unique_id: str) -> None:
+def test_two_run_ids_on_one_etcd_do_not_interfere(
+    etcd_server, tmp_path: Path, unique_id: str
+) -> None:
     env = {"OUT_DIR": str(tmp_path), "STEPS": "10"}
     with agents_cleanup() as agents:
         for run in ("x", "y"):
             for name in ("a", "b"):
                 # fixed size: one round per run, so any cross-talk shows up as a wrong world size
-                start(agents, tmp_path, etcd_server.endpoint, f"{unique_id}-{run}", f"{run}{name}", env,
-                      nnodes="2", nproc=1)
+                start(
+                    agents,
+                    tmp_path,
+                    etcd_server.endpoint,
+                    f"{unique_id}-{run}",
+                    f"{run}{name}",
+                    env,
+                    nnodes="2",
+                    nproc=1,
+                )
         codes = [a.wait(150) for a in agents]
     assert codes == [0, 0, 0, 0]
     for run in ("x", "y"):
@@ -140,12 +174,21 @@ def test_two_run_ids_on_one_etcd_do_not_interfere(etcd_server, tmp_path: Path, u
 @pytest.mark.parametrize(
     ("conf", "line"),
     [
-        ("read_timout=5", "etcd-v3: error: rdzv-conf: unknown key 'read_timout' (did you mean 'read_timeout'?); "
-                          "known keys: read_timeout, retry_timeout, "),
-        ("handlr=lease", "etcd-v3: error: rdzv-conf: unknown key 'handlr' (did you mean 'handler'?); known keys: "),
+        (
+            "read_timout=5",
+            "etcd-v3: error: rdzv-conf: unknown key 'read_timout' (did you mean 'read_timeout'?); "
+            "known keys: read_timeout, retry_timeout, ",
+        ),
+        (
+            "handlr=lease",
+            "etcd-v3: error: rdzv-conf: unknown key 'handlr' (did you mean 'handler'?); known keys: ",
+        ),
         ("bogus=1", "etcd-v3: error: rdzv-conf: unknown key 'bogus'; known keys: "),
         ("read_timeout=abc", "etcd-v3: error: rdzv-conf read_timeout: 'abc' is not a number"),
-        ("handler=dynamic,keep_alive_interval=0", "etcd-v3: error: rdzv-conf keep_alive_interval: must be > 0, got 0"),
+        (
+            "handler=dynamic,keep_alive_interval=0",
+            "etcd-v3: error: rdzv-conf keep_alive_interval: must be > 0, got 0",
+        ),
     ],
 )
 def test_a_bad_rdzv_conf_under_plain_torchrun_is_one_line_and_exit_2(
@@ -156,10 +199,20 @@ def test_a_bad_rdzv_conf_under_plain_torchrun_is_one_line_and_exit_2(
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=etcd-v3",
-         f"--rdzv-endpoint={etcd_server.endpoint}", f"--rdzv-id={unique_id}", "--nnodes=1",
-         f"--rdzv-conf={conf}", SCRIPT],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--rdzv-backend=etcd-v3",
+            f"--rdzv-endpoint={etcd_server.endpoint}",
+            f"--rdzv-id={unique_id}",
+            "--nnodes=1",
+            f"--rdzv-conf={conf}",
+            SCRIPT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "OUT_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"},
     )
     lines = [text for text in done.stderr.splitlines() if text.strip()]

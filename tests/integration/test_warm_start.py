@@ -67,12 +67,24 @@ def server() -> Iterator[WarmStartServer]:
         warm.close()
 
 
-def client(warm: WarmStartServer, tmp_path: Path, *target: str, env: dict[str, str] | None = None,
-           stdout: int | None = None, stderr: int | None = None) -> subprocess.Popen[bytes]:
+def client(
+    warm: WarmStartServer,
+    tmp_path: Path,
+    *target: str,
+    env: dict[str, str] | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
+) -> subprocess.Popen[bytes]:
     """Start a client the way torchrun starts a worker."""
     cmd = [sys.executable, "-u", *warm.client_args(list(target))]
-    return subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-                            stdout=stdout, stderr=stderr, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+    )
 
 
 def looping_worker(warm: WarmStartServer, tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
@@ -114,13 +126,24 @@ def test_wait_ready_returns_once_the_server_serves(server: WarmStartServer) -> N
     assert server.socket_path.is_socket()
 
 
-def test_the_worker_runs_the_script_as_a_cold_process_would(server: WarmStartServer, tmp_path: Path) -> None:
+def test_the_worker_runs_the_script_as_a_cold_process_would(
+    server: WarmStartServer, tmp_path: Path
+) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out.json"
     with open(tmp_path / "stdout", "wb") as so, open(tmp_path / "stderr", "wb") as se:
-        proc = client(server, tmp_path, str(script), str(out), "exit", "7",
-                      env={"WARM_TEST_VALUE": "from-the-client"}, stdout=so.fileno(), stderr=se.fileno())
+        proc = client(
+            server,
+            tmp_path,
+            str(script),
+            str(out),
+            "exit",
+            "7",
+            env={"WARM_TEST_VALUE": "from-the-client"},
+            stdout=so.fileno(),
+            stderr=se.fileno(),
+        )
         assert proc.wait(30) == 7
     seen = read_json(out)
     assert seen["argv"] == [str(script), str(out), "exit", "7"]
@@ -128,12 +151,16 @@ def test_the_worker_runs_the_script_as_a_cold_process_would(server: WarmStartSer
     assert seen["env"] == "from-the-client"
     assert seen["name"] == "__main__"
     assert seen["warm"] is True  # forked from the server that preloaded it
-    assert seen["pid"] != proc.pid and seen["sid"] == seen["pid"]  # its own session, like torchrun's workers
+    assert (
+        seen["pid"] != proc.pid and seen["sid"] == seen["pid"]
+    )  # its own session, like torchrun's workers
     assert (tmp_path / "stdout").read_text() == "hello from the worker\n"
     assert (tmp_path / "stderr").read_text() == "and its stderr\n"
 
 
-def test_a_module_target_runs_as_main_with_its_arguments(server: WarmStartServer, tmp_path: Path) -> None:
+def test_a_module_target_runs_as_main_with_its_arguments(
+    server: WarmStartServer, tmp_path: Path
+) -> None:
     package = tmp_path / "warmpkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -146,16 +173,22 @@ def test_a_module_target_runs_as_main_with_its_arguments(server: WarmStartServer
     assert seen["argv"] == [str(package / "job.py"), str(out), "exit", "0"]
 
 
-def test_an_uncaught_exception_is_printed_and_exits_1(server: WarmStartServer, tmp_path: Path) -> None:
+def test_an_uncaught_exception_is_printed_and_exits_1(
+    server: WarmStartServer, tmp_path: Path
+) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    proc = client(server, tmp_path, str(script), str(tmp_path / "out.json"), "raise", stderr=subprocess.PIPE)
+    proc = client(
+        server, tmp_path, str(script), str(tmp_path / "out.json"), "raise", stderr=subprocess.PIPE
+    )
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert "RuntimeError: boom in the worker" in err.decode()
 
 
-def test_sigterm_to_the_client_group_reaches_the_worker(server: WarmStartServer, tmp_path: Path) -> None:
+def test_sigterm_to_the_client_group_reaches_the_worker(
+    server: WarmStartServer, tmp_path: Path
+) -> None:
     """torchrun stops workers with killpg(SIGTERM): the worker's handler runs, its status comes back."""
     proc, _ = looping_worker(server, tmp_path)
     os.killpg(proc.pid, signal.SIGTERM)
@@ -163,7 +196,9 @@ def test_sigterm_to_the_client_group_reaches_the_worker(server: WarmStartServer,
     assert (tmp_path / "out.json.term").read_text() == str(int(signal.SIGTERM))
 
 
-def test_a_worker_killed_by_a_signal_is_reported_as_killed_by_it(server: WarmStartServer, tmp_path: Path) -> None:
+def test_a_worker_killed_by_a_signal_is_reported_as_killed_by_it(
+    server: WarmStartServer, tmp_path: Path
+) -> None:
     proc, worker = looping_worker(server, tmp_path)
     assert worker_pids(os.getpid(), [proc.pid]) == [worker]  # the registry maps client -> worker
     os.kill(worker, signal.SIGKILL)
@@ -182,10 +217,16 @@ def test_when_the_launcher_goes_away_the_server_kills_its_workers(tmp_path: Path
     warm = start_server([PRELOAD])
     proc, worker = looping_worker(warm, tmp_path)
     try:
-        os.close(warm._pipe_write)  # what the launcher's exit, even by SIGKILL, does: the pipe closes
+        os.close(
+            warm._pipe_write
+        )  # what the launcher's exit, even by SIGKILL, does: the pipe closes
         wait_dead(worker, f"worker {worker} to end with the server")
         assert proc.wait(30) != 0
-        wait_for(lambda: not warm.directory.exists(), timeout=10, what="the server to remove its directory")
+        wait_for(
+            lambda: not warm.directory.exists(),
+            timeout=10,
+            what="the server to remove its directory",
+        )
     finally:
         warm.close()
         with contextlib.suppress(ProcessLookupError):
@@ -220,8 +261,13 @@ def test_a_preload_that_imports_prometheus_client_is_refused(tmp_path: Path) -> 
 
 
 def test_the_client_alone_is_usage_error() -> None:
-    done = subprocess.run([sys.executable, "-m", "elastic_trainer.launch.warm_start"], capture_output=True, text=True,
-                          cwd=REPO, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.launch.warm_start"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,
+    )
     assert done.returncode == 2 and done.stderr.startswith("usage:")
 
 
@@ -234,13 +280,32 @@ PROBE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
-def test_elastic_trainer_run_forks_workers_warm_unless_turned_off(tmp_path: Path, mode: str) -> None:
+def test_elastic_trainer_run_forks_workers_warm_unless_turned_off(
+    tmp_path: Path, mode: str
+) -> None:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "elastic_trainer.cli", "run", "--nnodes", "1", "--nproc-per-node", "2",
-         "--metrics-port", "0", "--warm-start", mode, str(script), str(tmp_path)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--metrics-port",
+            "0",
+            "--warm-start",
+            mode,
+            str(script),
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         output, _ = launcher.communicate(timeout=180)
@@ -253,7 +318,8 @@ def test_elastic_trainer_run_forks_workers_warm_unless_turned_off(tmp_path: Path
     assert "warm start unavailable" not in output.decode()
     if mode == "on":  # forked by the node's warm server, not started by the agent
         assert all(r["ppid"] != launcher.pid for r in ranks)
-        assert not list(Path(tempfile.gettempdir()).glob(f"elastic-trainer-warm-{launcher.pid}-*")), \
-            "server directory left behind"
+        assert not list(
+            Path(tempfile.gettempdir()).glob(f"elastic-trainer-warm-{launcher.pid}-*")
+        ), "server directory left behind"
     else:  # started cold by the agent itself, as plain torchrun does
         assert all(r["ppid"] == launcher.pid for r in ranks)

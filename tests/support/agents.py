@@ -34,15 +34,21 @@ FAST_RDZV_CONF = "last_call_timeout=1,join_timeout=120,heartbeat_timeout=6,keep_
 EXAMPLE = "elastic_trainer.examples.synthetic_cnn"
 
 
-def start_torchrun(torchrun_args: Sequence[str], target: Sequence[str], log_path: Path,
-                   extra_env: dict[str, str] | None = None) -> Agent:
+def start_torchrun(
+    torchrun_args: Sequence[str],
+    target: Sequence[str],
+    log_path: Path,
+    extra_env: dict[str, str] | None = None,
+) -> Agent:
     """Start ``python -m torch.distributed.run TORCHRUN_ARGS TARGET``, its output appended to
     ``log_path``, in this environment plus ``extra_env`` (``ELASTIC_TRAINER_METRICS`` of the
     caller's shell left out: a test that wants metrics asks for them)."""
     env = {**os.environ, **(extra_env or {})}
     if "ELASTIC_TRAINER_METRICS" not in (extra_env or {}):
         env.pop("ELASTIC_TRAINER_METRICS", None)
-    return start_process([sys.executable, "-m", "torch.distributed.run", *torchrun_args, *target], log_path, env)
+    return start_process(
+        [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *target], log_path, env
+    )
 
 
 def start_agent(
@@ -83,7 +89,9 @@ def agents() -> Iterator[list[Agent]]:
 
 def tails(agents: Sequence[Agent], lines: int = 40) -> str:
     """The last ``lines`` lines of each agent's log, headed by its log's name and pid."""
-    return "\n\n".join(f"--- node {a.log_path.name} (pid {a.pid}) ---\n{a.tail(lines)}" for a in agents)
+    return "\n\n".join(
+        f"--- node {a.log_path.name} (pid {a.pid}) ---\n{a.tail(lines)}" for a in agents
+    )
 
 
 def kill_rank(agent: Agent, samples: Path, rank: int) -> int:
@@ -91,6 +99,8 @@ def kill_rank(agent: Agent, samples: Path, rank: int) -> int:
     newest = generations(samples)[-1]
     pid = newest.pids[rank]
     if pid not in agent.worker_pids():
-        raise AssertionError(f"rank {rank} (pid {pid}) is not a worker of agent {agent.pid}: {agent.worker_pids()}")
+        raise AssertionError(
+            f"rank {rank} (pid {pid}) is not a worker of agent {agent.pid}: {agent.worker_pids()}"
+        )
     os.kill(pid, signal.SIGKILL)
     return pid

@@ -64,7 +64,9 @@ class BackendContract:
         second.set_state(b"b-state")
         assert first.get_state()[0] == b"a-state"
 
-    def test_racing_writers_exactly_one_wins(self, make_backend: MakeBackend, unique_id: str) -> None:
+    def test_racing_writers_exactly_one_wins(
+        self, make_backend: MakeBackend, unique_id: str
+    ) -> None:
         backend = make_backend(unique_id)
         _, token, _ = backend.set_state(b"base")
         writers = 8

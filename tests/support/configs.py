@@ -7,8 +7,13 @@ from typing import Any
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.train.config import TrainerConfig
 
-_CHECKPOINT_KEYS = {"checkpoint_dir": "directory", "checkpoint_every": "every", "keep_last": "keep_last",
-                    "async_checkpoint": "async_write", "jit_save": "jit_save"}
+_CHECKPOINT_KEYS = {
+    "checkpoint_dir": "directory",
+    "checkpoint_every": "every",
+    "keep_last": "keep_last",
+    "async_checkpoint": "async_write",
+    "jit_save": "jit_save",
+}
 
 
 def trainer_config(**values: Any) -> TrainerConfig:

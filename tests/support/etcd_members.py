@@ -12,7 +12,9 @@ from rendezvous.etcd_server import EtcdServer
 
 def etcd_status(endpoint: str) -> dict[str, str]:
     """``member_id`` and ``leader`` of the member at ``endpoint`` (etcd's JSON gateway)."""
-    request = urllib.request.Request(f"http://{endpoint}/v3/maintenance/status", data=b"{}", method="POST")
+    request = urllib.request.Request(
+        f"http://{endpoint}/v3/maintenance/status", data=b"{}", method="POST"
+    )
     with urllib.request.urlopen(request, timeout=5) as response:
         status = json.loads(response.read())
     return {"member_id": status["header"]["member_id"], "leader": status["leader"]}

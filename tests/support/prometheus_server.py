@@ -50,9 +50,7 @@ class PrometheusError(RuntimeError):
 class PrometheusServer:
     """One Prometheus process scraping ``targets`` every ``scrape_interval``."""
 
-    def __init__(
-        self, *, work_dir: Path, targets: list[str], scrape_interval: str = "1s"
-    ) -> None:
+    def __init__(self, *, work_dir: Path, targets: list[str], scrape_interval: str = "1s") -> None:
         self.binary = require_binary("prometheus", "PROMETHEUS_BIN")
         self.work_dir = work_dir
         self.targets = targets
@@ -102,8 +100,14 @@ class PrometheusServer:
                 cwd=self.work_dir,
             )
         try:
-            wait_for(self._ready, timeout=timeout_s, what="Prometheus to be ready", retry_on=(OSError,),
-                     describe=self.log_tail, interval=0.2)
+            wait_for(
+                self._ready,
+                timeout=timeout_s,
+                what="Prometheus to be ready",
+                retry_on=(OSError,),
+                describe=self.log_tail,
+                interval=0.2,
+            )
         except BaseException:
             self.stop()
             raise

@@ -24,7 +24,9 @@ def steps_recorded(directory: Path, *, world_size: int | None = None) -> int:
         return 0
     for records in read_records(directory):
         for record in records:
-            if record["event"] == "done" and (world_size is None or world_of(records) == world_size):
+            if record["event"] == "done" and (
+                world_size is None or world_of(records) == world_size
+            ):
                 best = max(best, record["step"])
     return best
 

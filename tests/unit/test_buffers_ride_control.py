@@ -57,8 +57,12 @@ def _worker(mode: str, rank: int, work: Path) -> None:
 
     sync, big = mode.split("+")[0], mode.endswith("+big")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=WORLD)
-    env = read_env(environ={"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0"}, cuda_devices=0)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=WORLD
+    )
+    env = read_env(
+        environ={"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0"}, cuda_devices=0
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Counter(rank), SmallCNN(8)) if big else SmallCNN(8)
     ddp = DDP(model, forward_sync_buffers=(sync == "ddp"))
@@ -72,10 +76,16 @@ def _worker(mode: str, rank: int, work: Path) -> None:
     separate = []  # the control's own collectives
     own_allreduce = channel._allreduce
     channel._allreduce = lambda host: (separate.append(1), own_allreduce(host))[1]  # type: ignore[method-assign]
-    buffers = AuthoritativeBuffers(model, rank=rank, world_size=WORLD, apply=sync in ("ride", "fold", "mixed"))
+    buffers = AuthoritativeBuffers(
+        model, rank=rank, world_size=WORLD, apply=sync in ("ride", "fold", "mixed")
+    )
     buffers.capture(identical=True)
-    seen: list[torch.Tensor] = []  # the buffers each forward starts from (after DDP's broadcast, if any)
-    model.register_forward_pre_hook(lambda *_: seen.append(torch.cat([b.double().flatten() for b in model.buffers()])))
+    seen: list[
+        torch.Tensor
+    ] = []  # the buffers each forward starts from (after DDP's broadcast, if any)
+    model.register_forward_pre_hook(
+        lambda *_: seen.append(torch.cat([b.double().flatten() for b in model.buffers()]))
+    )
     data = torch.Generator().manual_seed(100 + rank)  # each rank sees different batches
     results = []
     for step in range(1, STEPS + 1):
@@ -88,8 +98,13 @@ def _worker(mode: str, rank: int, work: Path) -> None:
             with ddp.no_sync() if not last else torch.enable_grad():
                 loss = torch.nn.functional.cross_entropy(ddp(x), y)
                 if last:
-                    pending = channel.start(step, loss.detach() * 4, global_samples=WORLD * 4,
-                                            stop=rank == 2 and step == 4, buffers=buffers.capture())
+                    pending = channel.start(
+                        step,
+                        loss.detach() * 4,
+                        global_samples=WORLD * 4,
+                        stop=rank == 2 and step == 4,
+                        buffers=buffers.capture(),
+                    )
                 loss.backward()
         assert pending is not None
         channel.wait_before_update(pending)
@@ -98,8 +113,10 @@ def _worker(mode: str, rank: int, work: Path) -> None:
         result = channel.finish(pending)
         results.append([result.stop, result.loss_step, result.loss])
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.save({"state": state, "seen": torch.stack(seen), "results": results, "separate": len(separate)},
-               work / f"{mode}-{rank}.pt")
+    torch.save(
+        {"state": state, "seen": torch.stack(seen), "results": results, "separate": len(separate)},
+        work / f"{mode}-{rank}.pt",
+    )
     dist.barrier()
 
 
@@ -107,9 +124,23 @@ def _worker(mode: str, rank: int, work: Path) -> None:
 def _run(mode: str, work: Path) -> list[dict[str, torch.Tensor]]:
     """Per rank: ``state`` (the final state_dict) and ``seen`` (one row of buffers per forward)."""
     work.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.test_buffers_ride_control", mode, str(rank), str(work)],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(WORLD)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.unit.test_buffers_ride_control",
+                mode,
+                str(rank),
+                str(work),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(WORLD)
+    ]
     try:
         outputs = [p.communicate(timeout=90)[0] for p in procs]
     finally:
@@ -133,39 +164,60 @@ def test_buffers_on_the_control_equal_ddps_broadcast_bit_for_bit(tmp_path: Path)
     for rank in range(WORLD):
         # Every forward of every rank starts from the same buffers, bit for bit (as float64 rows:
         # float32 statistics and the int64 counter both round-trip exactly).
-        assert torch.equal(_bits(ride[rank]["seen"]), _bits(ddp[rank]["seen"])), f"rank {rank}: buffers differ"
+        assert torch.equal(_bits(ride[rank]["seen"]), _bits(ddp[rank]["seen"])), (
+            f"rank {rank}: buffers differ"
+        )
         for key, value in ddp[rank]["state"].items():
             if key in dict(SmallCNN(8).named_parameters()):
-                assert torch.equal(_bits(ride[rank]["state"][key]), _bits(value)), f"rank {rank}: {key} differs"
+                assert torch.equal(_bits(ride[rank]["state"][key]), _bits(value)), (
+                    f"rank {rank}: {key} differs"
+                )
     # Rank 0's final buffers (what it checkpoints) are the same; the other ranks hold rank 0's too.
     for key, value in ddp[0]["state"].items():
-        assert all(torch.equal(_bits(ride[rank]["state"][key]), _bits(value)) for rank in range(WORLD)), key
+        assert all(
+            torch.equal(_bits(ride[rank]["state"][key]), _bits(value)) for rank in range(WORLD)
+        ), key
     # Each step's first forward starts from rank 0's buffers (the later micro-batches from the
     # rank's own, as DDP does). The comparison can fail: with neither, every forward starts from
     # the rank's own statistics.
     firsts = slice(None, None, MICRO)
-    assert all(torch.equal(ddp[rank]["seen"][firsts], ddp[0]["seen"][firsts]) for rank in range(WORLD))
+    assert all(
+        torch.equal(ddp[rank]["seen"][firsts], ddp[0]["seen"][firsts]) for rank in range(WORLD)
+    )
     assert not torch.equal(ddp[1]["seen"][1::MICRO], ddp[0]["seen"][1::MICRO])
     assert not torch.equal(drift[1]["seen"][firsts], drift[0]["seen"][firsts])
 
 
-def test_the_control_riding_on_a_gradient_bucket_is_exact_and_needs_no_collective(tmp_path: Path) -> None:
+def test_the_control_riding_on_a_gradient_bucket_is_exact_and_needs_no_collective(
+    tmp_path: Path,
+) -> None:
     ride = _run("ride", tmp_path / "ride")
     fold = _run("fold", tmp_path / "fold")
     big = _run("fold+big", tmp_path / "big")
     firsts = slice(None, None, MICRO)
     for rank in range(WORLD):
-        assert ride[rank]["separate"] == STEPS and fold[rank]["separate"] == 0, "the control still had a collective"
+        assert ride[rank]["separate"] == STEPS and fold[rank]["separate"] == 0, (
+            "the control still had a collective"
+        )
         # The buffers arrive exactly: each step's first forward starts from rank 0's, bit for bit.
         assert torch.equal(_bits(fold[rank]["seen"][firsts]), _bits(fold[0]["seen"][firsts])), rank
         # Stop flag and loss as on the control's own collective (the loss is summed in float32).
         assert [r[:2] for r in fold[rank]["results"]] == [r[:2] for r in ride[rank]["results"]]
         assert [r[0] for r in fold[rank]["results"]] == [step == 4 for step in range(1, STEPS + 1)]
-        losses = [(a, b) for (_, _, a), (_, _, b) in zip(fold[rank]["results"], ride[rank]["results"], strict=True)]
-        assert losses[0] == (None, None) and all(a is not None and b is not None for a, b in losses[1:])
+        losses = [
+            (a, b)
+            for (_, _, a), (_, _, b) in zip(
+                fold[rank]["results"], ride[rank]["results"], strict=True
+            )
+        ]
+        assert losses[0] == (None, None) and all(
+            a is not None and b is not None for a, b in losses[1:]
+        )
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in losses[1:]), losses
         for key, value in ride[rank]["state"].items():  # the same training (up to the sums' order)
-            assert torch.allclose(fold[rank]["state"][key].double(), value.double(), rtol=1e-5, atol=1e-6), key
+            assert torch.allclose(
+                fold[rank]["state"][key].double(), value.double(), rtol=1e-5, atol=1e-6
+            ), key
         # A value that does not split into float32 halves sends that step's control on its own
         # collective, and rank 0's counter still arrives exactly (it moves by 1 a forward there).
         assert big[rank]["separate"] == STEPS
@@ -182,10 +234,14 @@ def test_ranks_ride_only_when_all_can(tmp_path: Path) -> None:
     firsts = slice(None, None, MICRO)
     for rank in range(WORLD):
         assert mixed[rank]["separate"] == STEPS
-        assert torch.equal(_bits(mixed[rank]["seen"][firsts]), _bits(mixed[0]["seen"][firsts])), rank
+        assert torch.equal(_bits(mixed[rank]["seen"][firsts]), _bits(mixed[0]["seen"][firsts])), (
+            rank
+        )
         assert [r[:2] for r in mixed[rank]["results"]] == [r[:2] for r in ride[rank]["results"]]
         for key, value in ride[rank]["state"].items():
-            assert torch.allclose(mixed[rank]["state"][key].double(), value.double(), rtol=1e-5, atol=1e-6), key
+            assert torch.allclose(
+                mixed[rank]["state"][key].double(), value.double(), rtol=1e-5, atol=1e-6
+            ), key
 
 
 def test_float64_control_splits_into_exact_float32_halves() -> None:
@@ -193,13 +249,26 @@ def test_float64_control_splits_into_exact_float32_halves() -> None:
 
     from elastic_trainer.runtime.step_control import _join, _split
 
-    exact = np.array([0.0, -0.0, 1.5, -(2.0**47) - 3, 2.0**48 - 1, float(np.float32(0.1)), float(np.float32(3e-45)), float("nan")])
+    exact = np.array(
+        [
+            0.0,
+            -0.0,
+            1.5,
+            -(2.0**47) - 3,
+            2.0**48 - 1,
+            float(np.float32(0.1)),
+            float(np.float32(3e-45)),
+            float("nan"),
+        ]
+    )
     halves = np.zeros(2 * len(exact) + 1, dtype=np.float32)
     _split(exact, halves)
     assert halves[-1] == 0
     joined = np.zeros_like(exact)
     _join(halves, joined)
-    assert joined.tobytes() == np.where(np.isnan(exact), joined, exact).tobytes() and np.isnan(joined[-1])
+    assert joined.tobytes() == np.where(np.isnan(exact), joined, exact).tobytes() and np.isnan(
+        joined[-1]
+    )
     assert np.signbit(joined[1]) and not np.signbit(joined[0])
     for inexact in (0.1, float(BIG), float("inf"), 1e300):
         _split(np.array([1.0, inexact]), halves[:5])
@@ -208,9 +277,13 @@ def test_float64_control_splits_into_exact_float32_halves() -> None:
 
 def test_only_models_whose_every_buffer_rides_exactly_replace_the_broadcast() -> None:
     assert replaces_buffer_broadcast(SmallCNN(4))
-    assert not replaces_buffer_broadcast(SmallCNN(4, batchnorm=False))  # no buffer: nothing to replace
+    assert not replaces_buffer_broadcast(
+        SmallCNN(4, batchnorm=False)
+    )  # no buffer: nothing to replace
     with_scratch = SmallCNN(4)
-    with_scratch.register_buffer("scratch", torch.zeros(2), persistent=False)  # DDP broadcasts it; it does not ride
+    with_scratch.register_buffer(
+        "scratch", torch.zeros(2), persistent=False
+    )  # DDP broadcasts it; it does not ride
     assert not replaces_buffer_broadcast(with_scratch)
     with_complex = SmallCNN(4)
     with_complex.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))

@@ -31,11 +31,24 @@ def _fields(model: nn.Module, **extra: object) -> dict:
     return {"model": ckpt.model_signature(model.state_dict()), "seed": 0, **extra}
 
 
-def _save(directory: Path, step: int, model: nn.Module | None = None, keep_last: int = 5) -> ckpt.CheckpointInfo:
+def _save(
+    directory: Path, step: int, model: nn.Module | None = None, keep_last: int = 5
+) -> ckpt.CheckpointInfo:
     model = model or _model()
-    payload = {"format": ckpt.FORMAT, "model": model.state_dict(), "step": step, "extra": [1, 2.5, None, "x"]}
+    payload = {
+        "format": ckpt.FORMAT,
+        "model": model.state_dict(),
+        "step": step,
+        "extra": [1, 2.5, None, "x"],
+    }
     return ckpt.save_checkpoint(
-        directory, payload, step=step, epoch=0, world_size=2, fingerprint_fields=_fields(model), keep_last=keep_last
+        directory,
+        payload,
+        step=step,
+        epoch=0,
+        world_size=2,
+        fingerprint_fields=_fields(model),
+        keep_last=keep_last,
     )
 
 
@@ -67,7 +80,10 @@ def test_keeps_only_the_last_n(tmp_path: Path) -> None:
         _save(tmp_path, step, keep_last=2)
     assert list(ckpt.iter_checkpoints(tmp_path)) == [30, 40]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt-000000000030.json", "ckpt-000000000030.pt", "ckpt-000000000040.json", "ckpt-000000000040.pt"
+        "ckpt-000000000030.json",
+        "ckpt-000000000030.pt",
+        "ckpt-000000000040.json",
+        "ckpt-000000000040.pt",
     ]
 
 
@@ -107,9 +123,14 @@ def test_no_checkpoint_is_none(tmp_path: Path) -> None:
 def test_foreign_checkpoint_is_a_clear_error_naming_the_difference(tmp_path: Path) -> None:
     info = _save(tmp_path, 5)
     other = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
-    with pytest.raises(ckpt.CheckpointMismatchError, match=r"different job \(model tensor '0.weight' is float32\[16, 4\] here but float32\[8, 4\]"):
+    with pytest.raises(
+        ckpt.CheckpointMismatchError,
+        match=r"different job \(model tensor '0.weight' is float32\[16, 4\] here but float32\[8, 4\]",
+    ):
         ckpt.check_fingerprint(info, _fields(other))
-    with pytest.raises(ckpt.CheckpointMismatchError, match="seed is 1 here but 0 in the checkpoint"):
+    with pytest.raises(
+        ckpt.CheckpointMismatchError, match="seed is 1 here but 0 in the checkpoint"
+    ):
         ckpt.check_fingerprint(info, {**_fields(_model()), "seed": 1})
     ckpt.check_fingerprint(info, _fields(_model()))  # same job: no error
 
@@ -136,7 +157,9 @@ def test_write_failure_is_clear_and_keeps_the_previous_checkpoint(tmp_path: Path
     before = previous.path.read_bytes()
     result = subprocess.run(
         [sys.executable, "-c", _FULL_DISK_SCRIPT, str(tmp_path), str(64 * 1024)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 3, result.stderr
     message = result.stdout.strip()
@@ -187,22 +210,32 @@ def test_written_on_cuda_loaded_on_cpu(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_map_location_keeps_cpu_tensors_on_cpu(tmp_path: Path) -> None:
     path = tmp_path / "cpu.pt"
-    torch.save({"format": ckpt.FORMAT, "model": {"w": torch.ones(2)}, "rng": torch.get_rng_state()}, path)
+    torch.save(
+        {"format": ckpt.FORMAT, "model": {"w": torch.ones(2)}, "rng": torch.get_rng_state()}, path
+    )
     state = ckpt.load_checkpoint(path, torch.device("cpu"))
     assert state["rng"].device.type == "cpu" and state["model"]["w"].device.type == "cpu"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("saved_on", ["cuda:0", "cuda:1", "cpu"])
-def test_gpu_map_location_puts_tensors_on_own_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved_on: str) -> None:
+def test_gpu_map_location_puts_tensors_on_own_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved_on: str
+) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (gpu marker)")
     own = torch.device(f"cuda:{torch.cuda.device_count() - 1}")
     weights = {"w": torch.arange(6.0).reshape(2, 3)}
     path = tmp_path / "ckpt.pt"
     if saved_on == "cuda:0":
-        torch.save({"format": ckpt.FORMAT, "model": {k: v.to("cuda:0") for k, v in weights.items()},
-                    "rng": torch.get_rng_state()}, path)
+        torch.save(
+            {
+                "format": ckpt.FORMAT,
+                "model": {k: v.to("cuda:0") for k, v in weights.items()},
+                "rng": torch.get_rng_state(),
+            },
+            path,
+        )
     else:  # a tag of a device this machine may not have (rank 1 of a 2-GPU node), or CPU
         monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: saved_on)
         torch.save({"format": ckpt.FORMAT, "model": weights, "rng": torch.get_rng_state()}, path)
@@ -291,7 +324,9 @@ def test_a_refused_commit_leaves_the_directory_as_it_was(tmp_path: Path) -> None
     asked: list[bool] = []
 
     def fence() -> str | None:
-        asked.append(any(".tmp-" in p.name for p in tmp_path.iterdir()))  # the data is written by now
+        asked.append(
+            any(".tmp-" in p.name for p in tmp_path.iterdir())
+        )  # the data is written by now
         return "etcd did not confirm that this process still belongs to the job"
 
     other = _model()
@@ -299,25 +334,47 @@ def test_a_refused_commit_leaves_the_directory_as_it_was(tmp_path: Path) -> None
         other[0].weight.add_(1.0)
     payload = {"format": ckpt.FORMAT, "model": other.state_dict(), "step": 5}
     for step in (5, 6):
-        with pytest.raises(ckpt.CheckpointFencedError, match=f"step {step} was not committed: etcd did not confirm"):
-            ckpt.save_checkpoint(tmp_path, payload, step=step, epoch=0, world_size=2, fingerprint_fields=_fields(other),
-                                 keep_last=5, fence=fence)
+        with pytest.raises(
+            ckpt.CheckpointFencedError, match=f"step {step} was not committed: etcd did not confirm"
+        ):
+            ckpt.save_checkpoint(
+                tmp_path,
+                payload,
+                step=step,
+                epoch=0,
+                world_size=2,
+                fingerprint_fields=_fields(other),
+                keep_last=5,
+                fence=fence,
+            )
     assert asked == [True, True]
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     assert ckpt.verify(tmp_path, 5).manifest.sha256 == kept.manifest.sha256
 
-    info = ckpt.save_checkpoint(tmp_path, payload, step=6, epoch=0, world_size=2, fingerprint_fields=_fields(other),
-                                keep_last=5, fence=lambda: None)
+    info = ckpt.save_checkpoint(
+        tmp_path,
+        payload,
+        step=6,
+        epoch=0,
+        world_size=2,
+        fingerprint_fields=_fields(other),
+        keep_last=5,
+        fence=lambda: None,
+    )
     assert ckpt.iter_checkpoints(tmp_path) == [5, 6] and info.manifest.step == 6
 
 
-def test_a_fenced_background_write_is_skipped_not_failed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_fenced_background_write_is_skipped_not_failed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     writer = ckpt.AsyncCheckpointWriter()
     writer.submit(lambda: _save(tmp_path, 1))
     assert writer.wait(10) is not None
 
     def fenced() -> ckpt.CheckpointInfo:
-        raise ckpt.CheckpointFencedError("the checkpoint of step 2 was not committed: the job went on without it")
+        raise ckpt.CheckpointFencedError(
+            "the checkpoint of step 2 was not committed: the job went on without it"
+        )
 
     caplog.set_level(logging.WARNING, logger="elastic_trainer.checkpoint.files")
     writer.submit(fenced)

@@ -15,8 +15,16 @@ from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.settings import WorkerSettings
 
-ENV = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, launched=False,
-              device=torch.device("cpu"), backend="gloo")
+ENV = DistEnv(
+    rank=0,
+    local_rank=0,
+    world_size=1,
+    local_world_size=1,
+    restart_count=0,
+    launched=False,
+    device=torch.device("cpu"),
+    backend="gloo",
+)
 
 
 @pytest.mark.parametrize("async_write", [True, False])
@@ -24,9 +32,13 @@ def test_a_refused_write_is_not_the_last_checkpoint(tmp_path: Path, async_write:
     refuse = [False]
     model = nn.Linear(3, 2)
     manager = CheckpointManager(
-        CheckpointConfig(directory=str(tmp_path), every=1, async_write=async_write), env=ENV,
-        states={"model": model}, fingerprint={"model": ckpt.model_signature(model.state_dict())},
-        settings=WorkerSettings(), fence=lambda: "the job went on without this process" if refuse[0] else None)
+        CheckpointConfig(directory=str(tmp_path), every=1, async_write=async_write),
+        env=ENV,
+        states={"model": model},
+        fingerprint={"model": ckpt.model_signature(model.state_dict())},
+        settings=WorkerSettings(),
+        fence=lambda: "the job went on without this process" if refuse[0] else None,
+    )
     try:
         manager.state.step = 1
         first = manager.save()
@@ -44,6 +56,10 @@ def test_a_refused_write_is_not_the_last_checkpoint(tmp_path: Path, async_write:
         refuse[0] = False  # etcd confirms again: the same step is saved, not skipped
         again = manager.save()
         manager._drain(10.0)  # the background write, if any
-        assert ckpt.iter_checkpoints(tmp_path) == [1, 2] and again is not None and again.endswith("000000000002.pt")
+        assert (
+            ckpt.iter_checkpoints(tmp_path) == [1, 2]
+            and again is not None
+            and again.endswith("000000000002.pt")
+        )
     finally:
         manager.close(5.0)

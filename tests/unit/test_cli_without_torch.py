@@ -27,8 +27,13 @@ print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue(), "t
 
 
 def run_cli(*args: str) -> dict[str, object]:
-    done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_TRAINER_")})
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_TRAINER_")},
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -41,19 +46,37 @@ def script(tmp_path: Path) -> str:
 
 
 def test_dry_run_imports_neither_torch_nor_grpc(script: str) -> None:
-    result = run_cli("run", "--dry-run", "--nproc-per-node", "2", "--rdzv-endpoint", "etcd-0:2379,etcd-1:2379",
-                     "--run-id", "job-1", "--rdzv-conf", "read_timeout=5", "--metrics-port", "9400", script)
+    result = run_cli(
+        "run",
+        "--dry-run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-endpoint",
+        "etcd-0:2379,etcd-1:2379",
+        "--run-id",
+        "job-1",
+        "--rdzv-conf",
+        "read_timeout=5",
+        "--metrics-port",
+        "9400",
+        script,
+    )
     assert result["code"] == 0, result["err"]
-    assert "--rdzv-backend=etcd-v3" in str(result["out"]) and "--nproc-per-node=2" in str(result["out"])
+    assert "--rdzv-backend=etcd-v3" in str(result["out"]) and "--nproc-per-node=2" in str(
+        result["out"]
+    )
     assert result["torch"] is False and result["grpc"] is False
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--rdzv-conf", "read_timout=5"], "unknown key 'read_timout'"),
-    (["--rdzv-endpoint", "etcd:notaport", "--run-id", "j"], "port 'notaport'"),
-    (["--rdzv-endpoint", "127.0.0.1:2379"], "--run-id is required"),
-    (["--device", "cuda"], "--device cuda: no CUDA device is visible"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rdzv-conf", "read_timout=5"], "unknown key 'read_timout'"),
+        (["--rdzv-endpoint", "etcd:notaport", "--run-id", "j"], "port 'notaport'"),
+        (["--rdzv-endpoint", "127.0.0.1:2379"], "--run-id is required"),
+        (["--device", "cuda"], "--device cuda: no CUDA device is visible"),
+    ],
+)
 def test_a_mistake_is_answered_without_torch(script: str, args: list[str], message: str) -> None:
     if "--device" in args:
         from elastic_trainer.launch.launcher import visible_cuda_devices

@@ -40,8 +40,16 @@ CPU = torch.device("cpu")
 
 
 def torchrun_env(**overrides: str) -> dict[str, str]:
-    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
-           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job-1"}
+    env = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "job-1",
+    }
     env.update(overrides)
     return {k: v for k, v in env.items() if v != "<unset>"}
 
@@ -52,25 +60,41 @@ def torchrun_env(**overrides: str) -> dict[str, str]:
 def test_env_complete_and_consistent_passes() -> None:
     result = check_env(torchrun_env())
     assert result.status == PASS
-    assert "WORLD_SIZE 4" in result.detail and "10.0.0.1:29500" in result.detail and "job-1" in result.detail
+    assert (
+        "WORLD_SIZE 4" in result.detail
+        and "10.0.0.1:29500" in result.detail
+        and "job-1" in result.detail
+    )
 
 
 def test_env_without_torchrun_fails_with_the_way_out() -> None:
     result = check_env({})
-    assert result.status == FAIL and "not started by torchrun" in result.detail and "torchrun" in result.detail
+    assert (
+        result.status == FAIL
+        and "not started by torchrun" in result.detail
+        and "torchrun" in result.detail
+    )
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"RANK": "4"}, "RANK=4 is not in 0..WORLD_SIZE-1 (WORLD_SIZE=4)"),
-    ({"RANK": "-1"}, "RANK=-1 is not in"),
-    ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 is not in 0..LOCAL_WORLD_SIZE-1"),
-    ({"LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8 exceeds WORLD_SIZE=4"),
-    ({"WORLD_SIZE": "four"}, "WORLD_SIZE='four' is not an integer"),
-    ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
-    ({"MASTER_ADDR": "<unset>", "TORCHELASTIC_RUN_ID": "<unset>"}, "unset: MASTER_ADDR, TORCHELASTIC_RUN_ID"),
-    ({"GROUP_RANK": "-2"}, "GROUP_RANK=-2"),
-])
-def test_env_inconsistencies_fail_naming_the_variable(overrides: dict[str, str], message: str) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"RANK": "4"}, "RANK=4 is not in 0..WORLD_SIZE-1 (WORLD_SIZE=4)"),
+        ({"RANK": "-1"}, "RANK=-1 is not in"),
+        ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 is not in 0..LOCAL_WORLD_SIZE-1"),
+        ({"LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8 exceeds WORLD_SIZE=4"),
+        ({"WORLD_SIZE": "four"}, "WORLD_SIZE='four' is not an integer"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+        (
+            {"MASTER_ADDR": "<unset>", "TORCHELASTIC_RUN_ID": "<unset>"},
+            "unset: MASTER_ADDR, TORCHELASTIC_RUN_ID",
+        ),
+        ({"GROUP_RANK": "-2"}, "GROUP_RANK=-2"),
+    ],
+)
+def test_env_inconsistencies_fail_naming_the_variable(
+    overrides: dict[str, str], message: str
+) -> None:
     result = check_env(torchrun_env(**overrides))
     assert result.status == FAIL
     assert message in result.detail
@@ -80,7 +104,13 @@ def test_env_inconsistencies_fail_naming_the_variable(overrides: dict[str, str],
 
 
 def probe(**kw: object) -> BackendProbe:
-    values: dict = {"distributed": True, "gloo": True, "nccl": False, "cuda": False, "nccl_version": None}
+    values: dict = {
+        "distributed": True,
+        "gloo": True,
+        "nccl": False,
+        "cuda": False,
+        "nccl_version": None,
+    }
     values.update(kw)
     return BackendProbe(**values)
 
@@ -94,13 +124,20 @@ def test_backend_cuda_reports_the_nccl_version() -> None:
     assert result.status == PASS and "NCCL 2.21.5" in result.detail
 
 
-@pytest.mark.parametrize(("kw", "status", "message"), [
-    ({"distributed": False}, FAIL, "torch.distributed is not available"),
-    ({"cuda": True, "nccl": False}, FAIL, "no NCCL"),
-    ({"cuda": True, "nccl": True, "nccl_version": None, "nccl_error": "boom"}, FAIL, "boom"),
-    ({"cuda": True, "nccl": True, "nccl_version": "2.21.5", "gloo": False}, WARN, "gloo missing"),
-    ({"gloo": False}, FAIL, "no CUDA and no gloo"),
-])
+@pytest.mark.parametrize(
+    ("kw", "status", "message"),
+    [
+        ({"distributed": False}, FAIL, "torch.distributed is not available"),
+        ({"cuda": True, "nccl": False}, FAIL, "no NCCL"),
+        ({"cuda": True, "nccl": True, "nccl_version": None, "nccl_error": "boom"}, FAIL, "boom"),
+        (
+            {"cuda": True, "nccl": True, "nccl_version": "2.21.5", "gloo": False},
+            WARN,
+            "gloo missing",
+        ),
+        ({"gloo": False}, FAIL, "no CUDA and no gloo"),
+    ],
+)
 def test_backend_problems(kw: dict, status: str, message: str) -> None:
     result = check_backend(probe(**kw))
     assert result.status == status and message in result.detail
@@ -110,7 +147,13 @@ def test_backend_problems(kw: dict, status: str, message: str) -> None:
 
 
 def devices(**kw: object) -> str:
-    values: dict = {"cuda_devices": 0, "local_world_size": 2, "local_rank": 0, "cpu_count": 8, "cuda_visible": None}
+    values: dict = {
+        "cuda_devices": 0,
+        "local_world_size": 2,
+        "local_rank": 0,
+        "cpu_count": 8,
+        "cuda_visible": None,
+    }
     values.update(kw)
     result = check_devices(**values)
     return f"{result.status} {result.detail}"
@@ -119,14 +162,17 @@ def devices(**kw: object) -> str:
 def test_devices_gpu_count_vs_local_world_size() -> None:
     assert devices(cuda_devices=2).startswith("PASS 2 GPU(s) for 2 local rank(s)")
     assert devices(cuda_devices=1, cuda_visible="3").startswith(
-        "FAIL LOCAL_WORLD_SIZE=2 but 1 GPU(s) visible (CUDA_VISIBLE_DEVICES=3)")
+        "FAIL LOCAL_WORLD_SIZE=2 but 1 GPU(s) visible (CUDA_VISIBLE_DEVICES=3)"
+    )
     assert devices(cuda_devices=8).startswith("WARN 8 GPUs visible but LOCAL_WORLD_SIZE=2: 6 idle")
     assert devices(cuda_devices=2, local_rank=2, local_world_size=2).startswith("FAIL")
 
 
 def test_devices_on_cpu() -> None:
     assert devices().startswith("PASS no CUDA: 2 local rank(s) on 8 CPU core(s)")
-    assert devices(local_world_size=16).startswith("WARN no CUDA: 16 local ranks share 8 CPU core(s)")
+    assert devices(local_world_size=16).startswith(
+        "WARN no CUDA: 16 local ranks share 8 CPU core(s)"
+    )
     assert devices(local_world_size=None).startswith(SKIP)
 
 
@@ -134,7 +180,9 @@ def test_devices_on_cpu() -> None:
 
 
 def timeouts(env: dict[str, str], interfaces: list[str] | None = None):  # type: ignore[no-untyped-def]
-    return check_timeouts(env, interfaces=["lo", "eth0", "ib0"] if interfaces is None else interfaces)
+    return check_timeouts(
+        env, interfaces=["lo", "eth0", "ib0"] if interfaces is None else interfaces
+    )
 
 
 def test_timeouts_defaults_are_consistent() -> None:
@@ -145,25 +193,49 @@ def test_timeouts_defaults_are_consistent() -> None:
 
 
 def test_timeouts_user_values_that_agree_pass() -> None:
-    result = timeouts({"ELASTIC_TRAINER_PG_TIMEOUT_S": "600", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900",
-                       "NCCL_SOCKET_IFNAME": "eth", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    result = timeouts(
+        {
+            "ELASTIC_TRAINER_PG_TIMEOUT_S": "600",
+            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900",
+            "NCCL_SOCKET_IFNAME": "eth",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        }
+    )
     assert result.status == PASS, result.detail
-    assert "600 s (ELASTIC_TRAINER_PG_TIMEOUT_S)" in result.detail and "NCCL_SOCKET_IFNAME=eth" in result.detail
+    assert (
+        "600 s (ELASTIC_TRAINER_PG_TIMEOUT_S)" in result.detail
+        and "NCCL_SOCKET_IFNAME=eth" in result.detail
+    )
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60"}, "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=60 is below the collective timeout 1800"),
-    ({"ELASTIC_TRAINER_PG_TIMEOUT_S": "3600", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1800"}, "below the collective timeout 3600"),
-    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, "hangs the rank instead of ending it"),
-    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "yes"}, "is not one of 0..3"),
-    ({"TORCH_NCCL_BLOCKING_WAIT": "1"}, "the CPU waits for every collective"),
-    ({"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "soon"}, "is not a whole number"),
-    ({"NCCL_ASYNC_ERROR_HANDLING": "1"}, "deprecated name of TORCH_NCCL_ASYNC_ERROR_HANDLING"),
-    ({"NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_BLOCKING_WAIT": "0"}, "disagrees with TORCH_NCCL_BLOCKING_WAIT='0'"),
-    ({"NCCL_TIMEOUT": "1800"}, "NCCL_TIMEOUT is read by neither NCCL nor PyTorch"),
-    ({"NCCL_SOCKET_IFNAME": "enp"}, "NCCL_SOCKET_IFNAME='enp' matches no interface of this host (lo, eth0, ib0)"),
-    ({"GLOO_SOCKET_IFNAME": "eth"}, "GLOO_SOCKET_IFNAME='eth' matches no interface"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60"},
+            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=60 is below the collective timeout 1800",
+        ),
+        (
+            {"ELASTIC_TRAINER_PG_TIMEOUT_S": "3600", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1800"},
+            "below the collective timeout 3600",
+        ),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, "hangs the rank instead of ending it"),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "yes"}, "is not one of 0..3"),
+        ({"TORCH_NCCL_BLOCKING_WAIT": "1"}, "the CPU waits for every collective"),
+        ({"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "soon"}, "is not a whole number"),
+        ({"NCCL_ASYNC_ERROR_HANDLING": "1"}, "deprecated name of TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+        (
+            {"NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_BLOCKING_WAIT": "0"},
+            "disagrees with TORCH_NCCL_BLOCKING_WAIT='0'",
+        ),
+        ({"NCCL_TIMEOUT": "1800"}, "NCCL_TIMEOUT is read by neither NCCL nor PyTorch"),
+        (
+            {"NCCL_SOCKET_IFNAME": "enp"},
+            "NCCL_SOCKET_IFNAME='enp' matches no interface of this host (lo, eth0, ib0)",
+        ),
+        ({"GLOO_SOCKET_IFNAME": "eth"}, "GLOO_SOCKET_IFNAME='eth' matches no interface"),
+    ],
+)
 def test_timeouts_inconsistencies_warn(env: dict[str, str], message: str) -> None:
     result = timeouts(env)
     assert result.status == WARN
@@ -171,7 +243,9 @@ def test_timeouts_inconsistencies_warn(env: dict[str, str], message: str) -> Non
 
 
 def test_heartbeat_below_timeout_is_fine_when_monitoring_is_off() -> None:
-    result = timeouts({"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60", "TORCH_NCCL_ENABLE_MONITORING": "0"})
+    result = timeouts(
+        {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "60", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    )
     assert result.status == PASS
 
 
@@ -186,14 +260,17 @@ def test_timeouts_leave_the_given_environment_alone() -> None:
     assert env == {}
 
 
-@pytest.mark.parametrize(("spec", "chosen"), [
-    ("eth", ["eth0", "eth1"]),
-    ("=eth0", ["eth0"]),
-    ("^lo,docker", ["eth0", "eth1", "ib0"]),
-    ("^=eth0", ["lo", "docker0", "eth1", "ib0"]),
-    ("ib,eth1", ["eth1", "ib0"]),
-    ("wlan", []),
-])
+@pytest.mark.parametrize(
+    ("spec", "chosen"),
+    [
+        ("eth", ["eth0", "eth1"]),
+        ("=eth0", ["eth0"]),
+        ("^lo,docker", ["eth0", "eth1", "ib0"]),
+        ("^=eth0", ["lo", "docker0", "eth1", "ib0"]),
+        ("ib,eth1", ["eth1", "ib0"]),
+        ("wlan", []),
+    ],
+)
 def test_interface_matches_follows_nccl_syntax(spec: str, chosen: list[str]) -> None:
     assert interface_matches(spec, ["lo", "docker0", "eth0", "eth1", "ib0"]) == chosen
 
@@ -209,7 +286,9 @@ def test_parse_faults() -> None:
 
 
 def test_first_line_drops_the_cpp_location() -> None:
-    exc = RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms\nmore")
+    exc = RuntimeError(
+        "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms\nmore"
+    )
     assert first_line(exc) == "RuntimeError: Timed out waiting 5000ms"
     assert first_line(ValueError()) == "ValueError"
 
@@ -238,7 +317,9 @@ def test_placement_names_misplaced_batch_and_parameters() -> None:
     inputs, target = model.batch(4, seed=0, device=CPU)
     result = check_placement(module, inputs.to("meta"), target, CPU)
     assert result.status == FAIL
-    assert "parameter classifier.weight on meta" in result.detail and "batch on meta" in result.detail
+    assert (
+        "parameter classifier.weight on meta" in result.detail and "batch on meta" in result.detail
+    )
 
 
 def test_placement_reports_a_failing_forward() -> None:
@@ -257,7 +338,9 @@ def test_placement_reports_a_failing_forward() -> None:
 @pytest.fixture
 def one_rank_group() -> Iterator[None]:
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
     try:
         yield
     finally:
@@ -276,7 +359,9 @@ def test_grad_sync_check(one_rank_group: None) -> None:
     result = check_grad_sync(rank=0, world_size=1, device=CPU, model=model, batch_size=8)
     assert result.status == PASS, result.detail
     assert result.data["max_rel_error_vs_mean"] <= 1e-3
-    corrupted = check_grad_sync(rank=0, world_size=1, device=CPU, model=model, batch_size=8, corrupt=True)
+    corrupted = check_grad_sync(
+        rank=0, world_size=1, device=CPU, model=model, batch_size=8, corrupt=True
+    )
     assert corrupted.status == FAIL and "differ from the mean" in corrupted.detail
 
 
@@ -289,10 +374,12 @@ def test_bandwidth_check_measures_every_size(one_rank_group: None) -> None:
 
 
 def test_compute_comm_check(one_rank_group: None) -> None:
-    model = TestModel(build=lambda: nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 10)), source="linear")
-    result = check_compute_comm(model=model, batch_size=4, iters=2, warmup=1, device=CPU, world_size=1, rank=0)
+    model = TestModel(
+        build=lambda: nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 10)), source="linear"
+    )
+    result = check_compute_comm(
+        model=model, batch_size=4, iters=2, warmup=1, device=CPU, world_size=1, rank=0
+    )
     assert result.status == PASS
     assert result.data["gradient_bytes"] == (3 * 16 * 16 * 10 + 10) * 4
     assert result.data["ratio"] > 0 and "compute/comm" in result.detail
-
-

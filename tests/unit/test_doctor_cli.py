@@ -19,31 +19,61 @@ def test_defaults() -> None:
 
 
 def test_flags() -> None:
-    options = parse_args(["--json", "--sizes", "1K,64K", "--iters", "3", "--warmup", "0", "--batch-size", "8",
-                          "--timeout", "5", "--deadline", "30"])
-    assert options == DoctorOptions(json=True, sizes=[1024, 65536], iters=3, warmup=0, batch_size=8,
-                                    timeout_s=5.0, deadline_s=30.0)
+    options = parse_args(
+        [
+            "--json",
+            "--sizes",
+            "1K,64K",
+            "--iters",
+            "3",
+            "--warmup",
+            "0",
+            "--batch-size",
+            "8",
+            "--timeout",
+            "5",
+            "--deadline",
+            "30",
+        ]
+    )
+    assert options == DoctorOptions(
+        json=True,
+        sizes=[1024, 65536],
+        iters=3,
+        warmup=0,
+        batch_size=8,
+        timeout_s=5.0,
+        deadline_s=30.0,
+    )
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--sizes", "6"], "multiple of 4"),
-    (["--sizes", "1K..64M:1"], "factor"),
-    (["--iters", "0"], "--iters: must be in 1..10000, got 0"),
-    (["--iters", "many"], "invalid int value: 'many'"),
-    (["--warmup", "-1"], "--warmup: must be in 0..10000"),
-    (["--batch-size", "0"], "--batch-size: must be in 1..65536"),
-    (["--timeout", "0"], "must be a positive number of seconds"),
-    (["--timeout", "inf"], "must be a positive number of seconds"),
-    (["--timeout", "60", "--deadline", "30"], "--deadline: must exceed the timeout (60 s), got 30"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--sizes", "6"], "multiple of 4"),
+        (["--sizes", "1K..64M:1"], "factor"),
+        (["--iters", "0"], "--iters: must be in 1..10000, got 0"),
+        (["--iters", "many"], "invalid int value: 'many'"),
+        (["--warmup", "-1"], "--warmup: must be in 0..10000"),
+        (["--batch-size", "0"], "--batch-size: must be in 1..65536"),
+        (["--timeout", "0"], "must be a positive number of seconds"),
+        (["--timeout", "inf"], "must be a positive number of seconds"),
+        (
+            ["--timeout", "60", "--deadline", "30"],
+            "--deadline: must exceed the timeout (60 s), got 30",
+        ),
+    ],
+)
 def test_bad_flags_raise_usage_error(argv: list[str], message: str) -> None:
     with pytest.raises(UserError) as caught:
         parse_args(argv)
     assert message in str(caught.value)
 
 
-def test_main_bad_flag_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_bad_flag_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("RANK", raising=False)
     assert doctor.main(["--iters", "0"]) == 2
     out, err = capsys.readouterr()
@@ -51,15 +81,17 @@ def test_main_bad_flag_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]
     assert err == "elastic-trainer doctor: error: --iters: must be in 1..10000, got 0\n"
 
 
-def test_main_bad_flag_is_reported_by_rank_0_only(capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_bad_flag_is_reported_by_rank_0_only(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RANK", "3")
     assert doctor.main(["--bogus"]) == 2
     assert capsys.readouterr().err == ""
 
 
-def test_main_unknown_fault_is_a_usage_error(capsys: pytest.CaptureFixture[str],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_unknown_fault_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("ELASTIC_TRAINER_DOCTOR_FAULT", "disk")
     assert doctor.main([]) == 2

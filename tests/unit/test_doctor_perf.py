@@ -21,10 +21,21 @@ pytestmark = pytest.mark.timeout(30)
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("4", 4), ("4096", 4096), ("1K", KIB), ("1k", KIB), ("64KB", 64 * KIB), ("64KiB", 64 * KIB),
-    ("16M", 16 * MIB), (" 2 MiB ", 2 * MIB), ("1G", GIB), ("8B", 8),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4", 4),
+        ("4096", 4096),
+        ("1K", KIB),
+        ("1k", KIB),
+        ("64KB", 64 * KIB),
+        ("64KiB", 64 * KIB),
+        ("16M", 16 * MIB),
+        (" 2 MiB ", 2 * MIB),
+        ("1G", GIB),
+        ("8B", 8),
+    ],
+)
 def test_parse_size_binary_units(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
@@ -54,18 +65,21 @@ def test_list_is_sorted_and_deduplicated() -> None:
     assert parse_sizes("64K,1K,64K") == [KIB, 64 * KIB]
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("", "no sizes"),
-    ("6", "multiple of 4"),
-    ("0", "multiple of 4"),
-    ("2G", "1 GiB"),
-    ("64M..1K", "larger than the last"),
-    ("1K..64M:1", "factor"),
-    ("1K..64M:x", "factor"),
-    ("4..1G:1", "factor"),
-    (",".join(str(4 * i) for i in range(1, 70)), "more than 64"),
-    ("1K..", "is not a size"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no sizes"),
+        ("6", "multiple of 4"),
+        ("0", "multiple of 4"),
+        ("2G", "1 GiB"),
+        ("64M..1K", "larger than the last"),
+        ("1K..64M:1", "factor"),
+        ("1K..64M:x", "factor"),
+        ("4..1G:1", "factor"),
+        (",".join(str(4 * i) for i in range(1, 70)), "more than 64"),
+        ("1K..", "is not a size"),
+    ],
+)
 def test_parse_sizes_rejects(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_sizes(text)

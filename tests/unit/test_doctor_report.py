@@ -26,18 +26,44 @@ from elastic_trainer.doctor.report import (
 pytestmark = pytest.mark.timeout(30)
 
 
-def env(rank: int, *, world: int = 2, local: int | None = None, lws: int = 2, group: int = 0, **extra: str) -> dict:
-    values = {"RANK": str(rank), "LOCAL_RANK": str(rank if local is None else local), "WORLD_SIZE": str(world),
-              "LOCAL_WORLD_SIZE": str(lws), "GROUP_RANK": str(group), "MASTER_ADDR": "10.0.0.1",
-              "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job"}
+def env(
+    rank: int,
+    *,
+    world: int = 2,
+    local: int | None = None,
+    lws: int = 2,
+    group: int = 0,
+    **extra: str,
+) -> dict:
+    values = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank if local is None else local),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(lws),
+        "GROUP_RANK": str(group),
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "job",
+    }
     values.update(extra)
     return values
 
 
-def report(rank: int, *results: CheckResult, host: str = "node0", device: str = "cpu", facts: dict | None = None,
-           **env_kw) -> RankReport:  # type: ignore[no-untyped-def]
-    base = {"env": env(rank, **env_kw), "torch_version": "2.13.0", "nccl_version": None, "backend": "gloo",
-            "timeouts_env": {}}
+def report(
+    rank: int,
+    *results: CheckResult,
+    host: str = "node0",
+    device: str = "cpu",
+    facts: dict | None = None,
+    **env_kw,
+) -> RankReport:  # type: ignore[no-untyped-def]
+    base = {
+        "env": env(rank, **env_kw),
+        "torch_version": "2.13.0",
+        "nccl_version": None,
+        "backend": "gloo",
+        "timeouts_env": {},
+    }
     base.update(facts or {})
     return RankReport(rank=rank, host=host, device=device, facts=base, results=list(results))
 
@@ -131,19 +157,28 @@ def test_two_ranks_on_one_gpu_of_one_host_fail_devices() -> None:
 
 
 def test_same_gpu_index_on_different_hosts_is_fine() -> None:
-    reports = [report(0, device="cuda:0", host="a", local=0, group=0, lws=1),
-               report(1, device="cuda:0", host="b", local=0, group=1, lws=1)]
+    reports = [
+        report(0, device="cuda:0", host="a", local=0, group=0, lws=1),
+        report(1, device="cuda:0", host="b", local=0, group=1, lws=1),
+    ]
     assert cross_rank_findings(reports) == []
 
 
 def test_different_torch_versions_warn_on_backend() -> None:
     reports = [report(0), report(1, facts={"torch_version": "2.12.0"})]
     (finding,) = cross_rank_findings(reports)
-    assert finding.name == "backend" and finding.status == WARN and "torch version differs" in finding.detail
+    assert (
+        finding.name == "backend"
+        and finding.status == WARN
+        and "torch version differs" in finding.detail
+    )
 
 
 def test_different_timeout_settings_warn() -> None:
-    reports = [report(0, facts={"timeouts_env": {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600"}}), report(1)]
+    reports = [
+        report(0, facts={"timeouts_env": {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600"}}),
+        report(1),
+    ]
     (finding,) = cross_rank_findings(reports)
     assert finding.name == "timeouts" and finding.status == WARN
 
@@ -155,11 +190,25 @@ def test_cross_rank_finding_turns_a_passing_check_into_a_failure() -> None:
 
 
 def test_format_size() -> None:
-    assert [format_size(s) for s in (6, 1024, 64 << 20, 1 << 30, 1536)] == ["6 B", "1 KiB", "64 MiB", "1 GiB", "1536 B"]
+    assert [format_size(s) for s in (6, 1024, 64 << 20, 1 << 30, 1536)] == [
+        "6 B",
+        "1 KiB",
+        "64 MiB",
+        "1 GiB",
+        "1536 B",
+    ]
 
 
-ROWS = [{"size_bytes": 1024, "count": 256, "time_us": 25.0, "algbw_gbps": 0.041, "busbw_gbps": 0.041},
-        {"size_bytes": 64 << 20, "count": 16 << 20, "time_us": 9000.0, "algbw_gbps": 7.46, "busbw_gbps": 7.46}]
+ROWS = [
+    {"size_bytes": 1024, "count": 256, "time_us": 25.0, "algbw_gbps": 0.041, "busbw_gbps": 0.041},
+    {
+        "size_bytes": 64 << 20,
+        "count": 16 << 20,
+        "time_us": 9000.0,
+        "algbw_gbps": 7.46,
+        "busbw_gbps": 7.46,
+    },
+]
 
 
 def test_bandwidth_table_has_the_nccl_tests_columns() -> None:
@@ -170,8 +219,12 @@ def test_bandwidth_table_has_the_nccl_tests_columns() -> None:
 
 
 def test_render_text_lists_checks_table_and_verdict() -> None:
-    bandwidth = CheckResult(name="bandwidth", status=PASS, detail="2 sizes",
-                            data={"rows": ROWS, "iters": 3, "warmup": 1})
+    bandwidth = CheckResult(
+        name="bandwidth",
+        status=PASS,
+        detail="2 sizes",
+        data={"rows": ROWS, "iters": 3, "warmup": 1},
+    )
     bad = CheckResult(name="allreduce", status=FAIL, detail="sum is 2")
     text = render_text(merge([report(0, ok("env"), bad, bandwidth)], world_size=1))
     lines = text.splitlines()
@@ -190,7 +243,9 @@ def test_render_text_marks_a_partial_report() -> None:
 
 def test_render_json_is_machine_readable() -> None:
     warn = CheckResult(name="compute_comm", status=WARN, detail="comm-bound", data={"ratio": 0.5})
-    document = json.loads(render_json(merge([report(0, ok("env"), warn), report(1, ok("env"), warn)])))
+    document = json.loads(
+        render_json(merge([report(0, ok("env"), warn), report(1, ok("env"), warn)]))
+    )
     assert document["ok"] is True and document["status"] == WARN and document["ranks"] == 2
     assert [c["name"] for c in document["checks"]] == ["env", "compute_comm"]
     assert document["checks"][1]["data"]["ratio"] == 0.5

@@ -49,8 +49,12 @@ class FakeHealer:
         if self.fails_with is not None:
             raise self.fails_with
         self.heals += 1
-        return HealOutcome(env=dataclasses.replace(env, rank=1, world_size=3), epoch=None,  # type: ignore[arg-type]
-                           state={"from": "peer"}, took_s=0.1)
+        return HealOutcome(
+            env=dataclasses.replace(env, rank=1, world_size=3),
+            epoch=None,  # type: ignore[arg-type]
+            state={"from": "peer"},
+            took_s=0.1,
+        )
 
     def finish(self, env: DistEnv, step: int | None = None) -> None:
         self.finished.append(env)
@@ -80,11 +84,17 @@ def _env() -> DistEnv:
 def _group(healer: FakeHealer | None) -> tuple[ElasticGroup, SimpleNamespace]:
     group = ElasticGroup(WorkerSettings(), _env())
     group.healer = healer  # type: ignore[assignment]
-    loop = SimpleNamespace(state_ready=True, step=7, stop_requested=False, state=FakeState(),
-                           checkpoints=FakeCheckpoints(),
-                           sampler=SimpleNamespace(epoch=2),
-                           result=TrainResult(step=9, epoch=2, loss=0.5, resumed_from=None, stopped_by_signal=False,
-                                              checkpoint=None))
+    loop = SimpleNamespace(
+        state_ready=True,
+        step=7,
+        stop_requested=False,
+        state=FakeState(),
+        checkpoints=FakeCheckpoints(),
+        sampler=SimpleNamespace(epoch=2),
+        result=TrainResult(
+            step=9, epoch=2, loss=0.5, resumed_from=None, stopped_by_signal=False, checkpoint=None
+        ),
+    )
     group._loop = loop  # type: ignore[assignment]
     return group, loop
 
@@ -100,8 +110,13 @@ def test_a_group_failure_is_healed_and_the_next_attempt_has_the_new_place_and_st
                 raise RuntimeError(GROUP_FAILURE + "\nmore lines")
     assert seen == [(0, 2, None), (1, 3, {"from": "peer"})]
     # The round's reason in plain words, not gloo's transport text (issue 31).
-    assert healer.calls == [{"step": 7, "reason": "a collective failed: a peer's connection closed (its process or "
-                             "node died)", "snapshot": {"step": 7}}]
+    assert healer.calls == [
+        {
+            "step": 7,
+            "reason": "a collective failed: a peer's connection closed (its process or node died)",
+            "snapshot": {"step": 7},
+        }
+    ]
     assert healer.offer is None, "withdrawn once the attempt is over (the model is written next)"
     assert [env.rank for env in healer.finished] == [1], "rank 1 of the healed epoch marks the end"
     assert healer.finished_at == 9, "with the last step (status says 'finished at step 9')"
@@ -158,7 +173,9 @@ def test_the_broken_group_s_ddp_reduces_no_more_gradients(gloo_world: None) -> N
     reduced: list[int] = []
     released: list[int] = []
 
-    def counting_hook(state, bucket):  # unannotated: DDP checks annotations, and these are strings here
+    def counting_hook(
+        state, bucket
+    ):  # unannotated: DDP checks annotations, and these are strings here
         reduced.append(1)
         return allreduce_hook(None, bucket)
 
@@ -168,7 +185,9 @@ def test_the_broken_group_s_ddp_reduces_no_more_gradients(gloo_world: None) -> N
             if old is not None:
                 break  # the second attempt: healed
             old = DDP(model)
-            old.register_comm_hook(None, counting_hook)  # first: wrap adds no hook to a DDP that has one
+            old.register_comm_hook(
+                None, counting_hook
+            )  # first: wrap adds no hook to a DDP that has one
             attempt.wrap(old, release=lambda: released.append(len(healer.calls)))
             old(torch.randn(3, 4)).sum().backward()
             assert reduced == [1]
@@ -204,16 +223,26 @@ def test_at_the_defaults_ddp_reduces_its_buckets_with_no_python_comm_hook(gloo_w
 
     labels = WorkerLabels(run_id="job", node="n", rank=0, local_rank=0)
     hooks: dict[str, list[Any]] = {}
-    for mode, observer in (("defaults", PrometheusObserver(labels=labels, registry=CollectorRegistry())),
-                           ("hook", PrometheusObserver(labels=labels, registry=CollectorRegistry(),
-                                                       sample_allreduce=False))):
+    for mode, observer in (
+        ("defaults", PrometheusObserver(labels=labels, registry=CollectorRegistry())),
+        (
+            "hook",
+            PrometheusObserver(labels=labels, registry=CollectorRegistry(), sample_allreduce=False),
+        ),
+    ):
         group, _ = _group(FakeHealer())
-        group.comms = WorkerComms(waits=AbortableWaits(enabled=True))  # what ElasticGroup takes from a gloo/CPU healer
+        group.comms = WorkerComms(
+            waits=AbortableWaits(enabled=True)
+        )  # what ElasticGroup takes from a gloo/CPU healer
         for attempt in group.attempts():
             with attempt:
                 ddp = attempt.wrap(DDP(nn.Linear(4, 2)), observer)
                 ddp(torch.randn(3, 4)).sum().backward()
                 hooks[mode] = torch_compat.comm_hooks(ddp)
-                assert not attempt._rides_buckets, "nothing takes the step's control aboard a bucket"
-    assert hooks["defaults"] == [], f"a Python comm hook on DDP's buckets at the defaults: {hooks['defaults']}"
+                assert not attempt._rides_buckets, (
+                    "nothing takes the step's control aboard a bucket"
+                )
+    assert hooks["defaults"] == [], (
+        f"a Python comm hook on DDP's buckets at the defaults: {hooks['defaults']}"
+    )
     assert len(hooks["hook"]) == 1

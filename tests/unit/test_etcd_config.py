@@ -59,7 +59,10 @@ def test_parse_endpoints_rejects(text: str, message: str) -> None:
         ({"user": "root"}, "rdzv-conf user: user and password"),
         ({"password": "x", "password_file": "/f"}, "give password or password_file, not both"),
         ({"ssl_cert": "/c.pem"}, "rdzv-conf protocol: TLS files were given"),
-        ({"protocol": "https", "ca_cert": "/no/such.pem"}, "rdzv-conf ca_cert: cannot read /no/such.pem"),
+        (
+            {"protocol": "https", "ca_cert": "/no/such.pem"},
+            "rdzv-conf ca_cert: cannot read /no/such.pem",
+        ),
     ],
 )
 def test_bad_conf_values_name_the_key(conf: dict[str, str], message: str) -> None:
@@ -99,4 +102,4 @@ def test_framing_round_trip_and_tamper_detection() -> None:
     with pytest.raises(RendezvousStateError, match="checksum"):
         unframe_state(tampered, key="k")
     with pytest.raises(RendezvousStateError, match="not an etcd-v3 state"):
-        unframe_state(b"{\"v2\": 1}", key="k")
+        unframe_state(b'{"v2": 1}', key="k")

@@ -51,8 +51,10 @@ class FakeCluster:
 def cluster(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCluster, EtcdConnection, list[float]]:
     fake = FakeCluster()
     sleeps: list[float] = []
-    conn = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints("a:1,b:2,c:3"), retry_timeout=1000),
-                          sleep=sleeps.append)
+    conn = EtcdConnection(
+        EtcdClientConfig(endpoints=parse_endpoints("a:1,b:2,c:3"), retry_timeout=1000),
+        sleep=sleeps.append,
+    )
     monkeypatch.setattr(conn, "_connect", fake.connect)
     monkeypatch.setattr("rendezvous.etcd_client.member_status", fake.status)
     return fake, conn, sleeps
@@ -63,6 +65,7 @@ def where(fake: FakeCluster) -> Any:
         if client.name in fake.dead:
             raise Unavailable()
         return str(client.name)
+
     return operation
 
 
@@ -70,7 +73,11 @@ def test_requests_go_to_the_leader_and_the_lookup_is_kept(cluster) -> None:  # t
     fake, conn, _ = cluster
     assert conn.call(where(fake), what="a write") == "b:2"
     assert conn.call(where(fake), what="a write") == "b:2"
-    assert fake.status_asked == ["a:1", "b:2", "c:3"]  # the home's leader id, then the others' ids, once
+    assert fake.status_asked == [
+        "a:1",
+        "b:2",
+        "c:3",
+    ]  # the home's leader id, then the others' ids, once
     assert str(conn.leader_endpoint) == "b:2" and str(conn.endpoint) == "a:1"
     assert conn.request_counts["leader lookup"] == 3 and conn.request_counts["a write"] == 2
 
@@ -100,11 +107,15 @@ def test_no_leader_is_retried_from_the_same_home_and_named_when_it_lasts(cluster
     with pytest.raises(RendezvousConnectionError, match="no leader"):
         conn.call(where(fake), what="a write")
     assert len(sleeps) >= 2  # retried
-    assert str(conn.endpoint) == "a:1" and fake.connected.count("a:1") == 1  # the home answered: kept
+    assert (
+        str(conn.endpoint) == "a:1" and fake.connected.count("a:1") == 1
+    )  # the home answered: kept
     assert conn.request_counts["a write"] == 0  # nothing was sent without a leader
 
 
-def test_a_home_member_cut_off_from_the_leader_is_not_trusted_alone(cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_home_member_cut_off_from_the_leader_is_not_trusted_alone(
+    cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     fake, conn, _ = cluster
     real_status = fake.status
 
@@ -156,7 +167,9 @@ def test_threads_that_waited_for_a_failed_lookup_fail_at_once() -> None:
     assert sum(isinstance(e, LeaderUnknownError) for e in errors) == 5
 
 
-def test_a_lookup_refused_before_it_was_sent_is_not_counted(cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_lookup_refused_before_it_was_sent_is_not_counted(
+    cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     from rendezvous.etcd_client import NOT_SENT
 
     fake, conn, _ = cluster
@@ -176,7 +189,9 @@ def test_a_lookup_refused_before_it_was_sent_is_not_counted(cluster, monkeypatch
     monkeypatch.setattr("rendezvous.etcd_client.member_status", status)
     assert conn.call(where(fake), what="a write") == "b:2"
     assert conn.request_counts["a write"] == 1 and conn.request_counts[NOT_SENT] == 1
-    assert conn.request_counts["leader lookup"] == 1  # the new home b:2 names itself: nothing to probe
+    assert (
+        conn.request_counts["leader lookup"] == 1
+    )  # the new home b:2 names itself: nothing to probe
 
 
 def test_a_leader_outside_the_endpoints_leaves_requests_on_the_home_member(cluster, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -192,7 +207,9 @@ def test_a_home_member_that_does_not_answer_the_lookup_is_left(cluster) -> None:
     fake, conn, _ = cluster
     fake.dead.add("a:1")
     assert conn.call(where(fake), what="a write") == "b:2"
-    assert str(conn.endpoint) == "b:2"  # the home moved on; b is also the leader: one client serves both
+    assert (
+        str(conn.endpoint) == "b:2"
+    )  # the home moved on; b is also the leader: one client serves both
 
 
 def test_an_old_belief_is_checked_again(cluster, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

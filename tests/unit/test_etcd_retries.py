@@ -30,6 +30,7 @@ def failing_then_ok(failures: list[BaseException]) -> Any:
         if failures:
             raise failures.pop(0)
         return "ok"
+
     return operation
 
 
@@ -37,7 +38,9 @@ def failing_then_ok(failures: list[BaseException]) -> Any:
 def connection(monkeypatch: pytest.MonkeyPatch) -> tuple[EtcdConnection, list[float], list[str]]:
     sleeps: list[float] = []
     config = EtcdClientConfig(endpoints=parse_endpoints("a:1,b:2,c:3"), retry_timeout=1000)
-    conn = EtcdConnection(config, sleep=sleeps.append, route_to_leader=False)  # the home member's failover
+    conn = EtcdConnection(
+        config, sleep=sleeps.append, route_to_leader=False
+    )  # the home member's failover
     connected: list[str] = []
 
     def fake_connect(endpoint: Any) -> object:
@@ -50,7 +53,10 @@ def connection(monkeypatch: pytest.MonkeyPatch) -> tuple[EtcdConnection, list[fl
 
 def test_transient_errors_are_retried_on_the_next_endpoint(connection, caplog) -> None:  # type: ignore[no-untyped-def]
     conn, sleeps, connected = connection
-    failures = [conn.etcd3.exceptions.ConnectionFailedError(), FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED)]
+    failures = [
+        conn.etcd3.exceptions.ConnectionFailedError(),
+        FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED),
+    ]
 
     with caplog.at_level(logging.WARNING, logger="rendezvous.etcd_client"):
         assert conn.call(failing_then_ok(failures), what="a test op") == "ok"
@@ -62,7 +68,12 @@ def test_transient_errors_are_retried_on_the_next_endpoint(connection, caplog) -
 
 
 @pytest.mark.parametrize(
-    "code", [grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED]
+    "code",
+    [
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+    ],
 )
 def test_permanent_errors_fail_fast(connection, code: grpc.StatusCode) -> None:  # type: ignore[no-untyped-def]
     conn, sleeps, _ = connection
@@ -133,9 +144,16 @@ def test_an_attempt_that_never_connected_is_not_counted_as_an_etcd_request(conne
     from rendezvous.etcd_client import NOT_SENT
 
     conn, _, _ = connection
-    failures = [FakeRpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: "
-                             "UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused"),
-                FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (recvmsg:Connection reset by peer)")]
+    failures = [
+        FakeRpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: "
+            "UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused",
+        ),
+        FakeRpcError(
+            grpc.StatusCode.UNAVAILABLE, "Stream removed (recvmsg:Connection reset by peer)"
+        ),
+    ]
 
     assert conn.call(failing_then_ok(failures), what="a test op") == "ok"
     assert conn.requests == 2  # the reset one reached a member, the refused one did not

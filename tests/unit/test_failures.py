@@ -24,18 +24,31 @@ def _raised(exc: BaseException) -> BaseException:
         return caught
 
 
-@pytest.mark.parametrize(("exc", "expected"), [
-    (SyntaxError("invalid syntax", ("train.py", 3, 1, "x = (")), FailureClass.DETERMINISTIC),
-    (ModuleNotFoundError("No module named 'missing'"), FailureClass.DETERMINISTIC),
-    (CheckpointMismatchError("checkpoint x belongs to a different job"), FailureClass.DETERMINISTIC),
-    (CheckpointWriteError("could not write: the disk is full (errno 28)"), FailureClass.DETERMINISTIC),
-    (SystemExit(2), FailureClass.DETERMINISTIC),
-    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
-     FailureClass.TRANSIENT),
-    (dist.DistNetworkError("peer gone"), FailureClass.TRANSIENT),
-    (ZeroDivisionError("division by zero"), FailureClass.ERROR),
-    (SystemExit(3), FailureClass.ERROR),
-])
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (SyntaxError("invalid syntax", ("train.py", 3, 1, "x = (")), FailureClass.DETERMINISTIC),
+        (ModuleNotFoundError("No module named 'missing'"), FailureClass.DETERMINISTIC),
+        (
+            CheckpointMismatchError("checkpoint x belongs to a different job"),
+            FailureClass.DETERMINISTIC,
+        ),
+        (
+            CheckpointWriteError("could not write: the disk is full (errno 28)"),
+            FailureClass.DETERMINISTIC,
+        ),
+        (SystemExit(2), FailureClass.DETERMINISTIC),
+        (
+            RuntimeError(
+                "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+            ),
+            FailureClass.TRANSIENT,
+        ),
+        (dist.DistNetworkError("peer gone"), FailureClass.TRANSIENT),
+        (ZeroDivisionError("division by zero"), FailureClass.ERROR),
+        (SystemExit(3), FailureClass.ERROR),
+    ],
+)
 def test_classification(exc: BaseException, expected: FailureClass) -> None:
     assert failures.classify(_raised(exc))[0] is expected
 
@@ -44,11 +57,15 @@ def test_an_invalid_trainer_config_is_deterministic() -> None:
     with pytest.raises(ConfigError) as info:
         TrainerConfig(global_batch_size=0)
     assert isinstance(info.value, ValueError)
-    assert failures.classify(info.value) == (FailureClass.DETERMINISTIC, "global_batch_size: must be a positive "
-                                                                         "integer, got 0")
+    assert failures.classify(info.value) == (
+        FailureClass.DETERMINISTIC,
+        "global_batch_size: must be a positive integer, got 0",
+    )
 
 
-def test_the_record_is_torchs_error_file_and_torch_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_record_is_torchs_error_file_and_torch_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(failures, "_recorded", False)
     error_file = tmp_path / "error.json"
     exc = _raised(ZeroDivisionError("division by zero"))
@@ -66,23 +83,36 @@ def test_the_record_is_torchs_error_file_and_torch_reads_it(tmp_path: Path, monk
     assert failures.read_report(json.loads(error_file.read_text())) == report
 
 
-def test_exit_after_prints_one_line_under_the_launcher(capsys: pytest.CaptureFixture[str],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exit_after_prints_one_line_under_the_launcher(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ELASTIC_TRAINER_REPORTS_FAILURES", "1")
     monkeypatch.setenv("RANK", "2")
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
-    assert failures.exit_after(_raised(ZeroDivisionError("division by zero")), prog="job") == failures.EXIT_FAILED
+    assert (
+        failures.exit_after(_raised(ZeroDivisionError("division by zero")), prog="job")
+        == failures.EXIT_FAILED
+    )
     assert capsys.readouterr().err == "job: error: ZeroDivisionError: division by zero (rank 2)\n"
     assert failures.exit_after(_raised(ConfigError("--width: must be positive")), prog="job") == 2
     assert capsys.readouterr().err == "job: error: --width: must be positive (rank 2)\n"
     monkeypatch.delenv("ELASTIC_TRAINER_REPORTS_FAILURES")
     failures.exit_after(_raised(ZeroDivisionError("division by zero")), prog="job")
-    assert capsys.readouterr().err.startswith("Traceback (most recent call last)"), "no launcher: the traceback"
+    assert capsys.readouterr().err.startswith("Traceback (most recent call last)"), (
+        "no launcher: the traceback"
+    )
 
 
 # -- the policy, on torch's own ProcessFailure read from real error files ---------------------------------
-def _failure(tmp_path: Path, rank: int, exc: BaseException | None, *, exitcode: int = 1, step: int | None = None,
-             at: float = 0.0) -> ProcessFailure:
+def _failure(
+    tmp_path: Path,
+    rank: int,
+    exc: BaseException | None,
+    *,
+    exitcode: int = 1,
+    step: int | None = None,
+    at: float = 0.0,
+) -> ProcessFailure:
     path = tmp_path / f"error-{rank}-{at}.json"
     if exc is not None:
         raised = _raised(exc)
@@ -97,18 +127,28 @@ def _failure(tmp_path: Path, rank: int, exc: BaseException | None, *, exitcode: 
 
 def test_a_deterministic_failure_stops_at_once_and_names_the_earliest(tmp_path: Path) -> None:
     policy = FailurePolicy()
-    verdict = policy.judge({
-        1: _failure(tmp_path, 1, RuntimeError("Connection closed by peer"), at=2),
-        0: _failure(tmp_path, 0, CheckpointWriteError("could not write the checkpoint: the disk is full"), exitcode=2,
-                    at=1),
-    })
+    verdict = policy.judge(
+        {
+            1: _failure(tmp_path, 1, RuntimeError("Connection closed by peer"), at=2),
+            0: _failure(
+                tmp_path,
+                0,
+                CheckpointWriteError("could not write the checkpoint: the disk is full"),
+                exitcode=2,
+                at=1,
+            ),
+        }
+    )
     assert not verdict.restart and verdict.root_cause.rank == 0 and verdict.exit_code == 2
-    assert verdict.reason == ("rank 0 failed: could not write the checkpoint: the disk is full; a restart "
-                              "cannot fix this")
+    assert verdict.reason == (
+        "rank 0 failed: could not write the checkpoint: the disk is full; a restart cannot fix this"
+    )
     assert verdict.traceback is None
 
 
-def test_an_error_gets_one_restart_and_stops_when_it_repeats_at_the_same_step(tmp_path: Path) -> None:
+def test_an_error_gets_one_restart_and_stops_when_it_repeats_at_the_same_step(
+    tmp_path: Path,
+) -> None:
     policy = FailurePolicy()
 
     def step3() -> ZeroDivisionError:
@@ -137,46 +177,69 @@ def test_signals_and_unexplained_exits_are_transient_and_exit_2_is_not(tmp_path:
     assert not usage.restart and "status 2" in usage.reason
 
 
-def test_a_killed_rank_is_the_root_cause_rather_than_the_ranks_whose_collectives_failed(tmp_path: Path) -> None:
+def test_a_killed_rank_is_the_root_cause_rather_than_the_ranks_whose_collectives_failed(
+    tmp_path: Path,
+) -> None:
     policy = FailurePolicy()
-    verdict = policy.judge({
-        1: _failure(tmp_path, 1, RuntimeError("Connection closed by peer"), at=0),  # recorded before the agent saw 0
-        0: _failure(tmp_path, 0, None, exitcode=-9),
-    })
-    assert verdict.restart and verdict.root_cause.rank == 0 and verdict.reason == "rank 0 failed: killed by SIGKILL"
+    verdict = policy.judge(
+        {
+            1: _failure(
+                tmp_path, 1, RuntimeError("Connection closed by peer"), at=0
+            ),  # recorded before the agent saw 0
+            0: _failure(tmp_path, 0, None, exitcode=-9),
+        }
+    )
+    assert (
+        verdict.restart
+        and verdict.root_cause.rank == 0
+        and verdict.reason == "rank 0 failed: killed by SIGKILL"
+    )
 
 
 def test_a_rank_the_agent_terminated_is_not_the_root_cause_of_a_killed_peer(tmp_path: Path) -> None:
     """rank 1 SIGKILLed; the agent SIGTERMs rank 0 before rank 0 recorded its failed collective.
     Both failures have no record and the same (whole-second) timestamp: the SIGKILL is the cause."""
     policy = FailurePolicy()
-    verdict = policy.judge({0: _failure(tmp_path, 0, None, exitcode=-15), 1: _failure(tmp_path, 1, None, exitcode=-9)})
+    verdict = policy.judge(
+        {0: _failure(tmp_path, 0, None, exitcode=-15), 1: _failure(tmp_path, 1, None, exitcode=-9)}
+    )
     assert verdict.root_cause.rank == 1 and verdict.reason == "rank 1 failed: killed by SIGKILL"
-    alone = policy.judge({0: _failure(tmp_path, 0, None, exitcode=-15)})  # a SIGTERM on its own is still the cause
+    alone = policy.judge(
+        {0: _failure(tmp_path, 0, None, exitcode=-15)}
+    )  # a SIGTERM on its own is still the cause
     assert alone.root_cause.rank == 0 and alone.reason == "rank 0 failed: killed by SIGTERM"
 
 
-@pytest.mark.parametrize("message", [
-    "heal: the process group was aborted (round 3 opened)",
-    "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234",
-    "ProcessGroupGloo::allreduce: Connection reset by peer",
-    "NCCL communicator was aborted on rank 1",
-    "Socket Timeout",
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "heal: the process group was aborted (round 3 opened)",
+        "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234",
+        "ProcessGroupGloo::allreduce: Connection reset by peer",
+        "NCCL communicator was aborted on rank 1",
+        "Socket Timeout",
+    ],
+)
 def test_did_a_peer_die_has_one_answer(message: str) -> None:
     """The launcher's failure class and the healer ask the same function (one marker list)."""
     from elastic_trainer.runtime import failures
 
     assert failures.is_collective_failure(RuntimeError(message))
     assert failures.classify(RuntimeError(message))[0] is failures.FailureClass.TRANSIENT
-    assert failures.is_collective_failure(failures.GroupAborted("a heal round after epoch 2 is open"))
-    assert not failures.is_collective_failure(ValueError(message)), "a bug in the step is not a dead peer"
+    assert failures.is_collective_failure(
+        failures.GroupAborted("a heal round after epoch 2 is open")
+    )
+    assert not failures.is_collective_failure(ValueError(message)), (
+        "a bug in the step is not a dead peer"
+    )
 
 
 def test_a_distributed_sampler_before_the_group_is_a_setup_mistake_naming_elastic_sampler() -> None:
     """torch's own error for a DistributedSampler built before the runtime formed the group:
     deterministic (exit 2, no restart spent), one line that names ElasticSampler."""
-    exc = ValueError("Default process group has not been initialized, please make sure to call init_process_group.")
+    exc = ValueError(
+        "Default process group has not been initialized, please make sure to call init_process_group."
+    )
     failure_class, summary = classify(exc)
     assert failure_class is FailureClass.DETERMINISTIC
     assert "ElasticSampler" in summary and "DistributedSampler" in summary and "\n" not in summary
@@ -191,4 +254,7 @@ def test_a_wrong_argument_to_a_public_class_is_a_setup_mistake() -> None:
     assert failure_class is FailureClass.DETERMINISTIC
     assert summary.startswith("Elastic(...) missing 1 required keyword-only argument"), summary
     # the same kind of TypeError from anybody else's class is the user's code: an ERROR, retried once
-    assert classify(TypeError("Foo.__init__() missing 1 required positional argument: 'x'"))[0] is FailureClass.ERROR
+    assert (
+        classify(TypeError("Foo.__init__() missing 1 required positional argument: 'x'"))[0]
+        is FailureClass.ERROR
+    )

@@ -34,20 +34,31 @@ class Net(nn.Module):
 
 def test_a_star_is_one_name_segment() -> None:
     assert units(Net(), ("blocks.*",)) == ["blocks.0", "blocks.1", "blocks.2"]
-    assert units(Net(), ("blocks.*.0", "head")) == ["blocks.0.0", "blocks.1.0", "blocks.2.0", "head"]
+    assert units(Net(), ("blocks.*.0", "head")) == [
+        "blocks.0.0",
+        "blocks.1.0",
+        "blocks.2.0",
+        "head",
+    ]
 
 
 def test_a_pattern_that_names_nothing_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"fsdp.blocks: 'layers\.\*' names no module of Net \(its modules include blocks"):
+    with pytest.raises(
+        ConfigError,
+        match=r"fsdp.blocks: 'layers\.\*' names no module of Net \(its modules include blocks",
+    ):
         units(Net(), ("layers.*",))
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"blocks": "blocks.*"}, "fsdp.blocks: must be a sequence of module names"),
-    ({"blocks": ("",)}, "fsdp.blocks: must be a sequence"),
-    ({"mixed_precision": "fp8"}, "fsdp.mixed_precision: must be one of no, bf16, fp16"),
-    ({"reshard_after_forward": "yes"}, "fsdp.reshard_after_forward"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"blocks": "blocks.*"}, "fsdp.blocks: must be a sequence of module names"),
+        ({"blocks": ("",)}, "fsdp.blocks: must be a sequence"),
+        ({"mixed_precision": "fp8"}, "fsdp.mixed_precision: must be one of no, bf16, fp16"),
+        ({"reshard_after_forward": "yes"}, "fsdp.reshard_after_forward"),
+    ],
+)
 def test_bad_options_name_the_field(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         FSDPOptions(**kwargs)  # type: ignore[arg-type]
@@ -69,12 +80,16 @@ def _worker(out: Path, mixed: str, reshard: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}.store", rank=0, world_size=1)
     model = Net()
     assert not is_sharded(model)
-    apply_fsdp(model, FSDPOptions(blocks=("blocks.*",), mixed_precision=mixed, reshard_after_forward=reshard),  # type: ignore[arg-type]
-               init_device_mesh("cpu", (1,)))
+    apply_fsdp(
+        model,
+        FSDPOptions(blocks=("blocks.*",), mixed_precision=mixed, reshard_after_forward=reshard),  # type: ignore[arg-type]
+        init_device_mesh("cpu", (1,)),
+    )
     seen: list[str] = []
     model.blocks[1][0].register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
     output = model(torch.randn(4, 8))
     from torch.distributed.tensor import DTensor
+
     resharded = isinstance(model.blocks[0][0].weight, DTensor)  # between forward and backward
     output.float().sum().backward()
     from elastic_trainer.train.elastic import Elastic
@@ -84,28 +99,47 @@ def _worker(out: Path, mixed: str, reshard: bool) -> None:
         refused = ""
     except ConfigError as exc:
         refused = str(exc)
-    out.write_text(json.dumps({
-        "units": [name for name, m in model.named_modules() if isinstance(m, FSDPModule)],
-        "sharded": is_sharded(model), "dtype_inside": seen[0], "resharded_after_forward": resharded,
-        "grad_dtype": str(model.head.weight.grad.dtype), "elastic_refused": refused, "param_dtype": str(model.head.weight.dtype),
-    }))
+    out.write_text(
+        json.dumps(
+            {
+                "units": [name for name, m in model.named_modules() if isinstance(m, FSDPModule)],
+                "sharded": is_sharded(model),
+                "dtype_inside": seen[0],
+                "resharded_after_forward": resharded,
+                "grad_dtype": str(model.head.weight.grad.dtype),
+                "elastic_refused": refused,
+                "param_dtype": str(model.head.weight.dtype),
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(("mixed", "reshard"), [("bf16", False), ("no", True)])
-def test_apply_fsdp_shards_the_named_blocks_then_the_model(tmp_path: Path, mixed: str, reshard: bool) -> None:
+def test_apply_fsdp_shards_the_named_blocks_then_the_model(
+    tmp_path: Path, mixed: str, reshard: bool
+) -> None:
     out = tmp_path / "result.json"
-    done = subprocess.run([sys.executable, "-m", "tests.unit.test_fsdp_options", str(out), mixed, str(int(reshard))],
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=80)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.unit.test_fsdp_options", str(out), mixed, str(int(reshard))],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["units"] == ["", "blocks.0", "blocks.1", "blocks.2"] and result["sharded"]
     assert result["dtype_inside"] == ("torch.bfloat16" if mixed == "bf16" else "torch.float32")
-    assert result["param_dtype"] == result["grad_dtype"] == "torch.float32"  # the sharded master copy
+    assert (
+        result["param_dtype"] == result["grad_dtype"] == "torch.float32"
+    )  # the sharded master copy
     assert result["resharded_after_forward"] is reshard
     # The DDP own-loop API refuses a sharded model in one line instead of wrapping it in DDP.
-    assert result["elastic_refused"].startswith("Elastic(model): the model is sharded (fully_shard)")
+    assert result["elastic_refused"].startswith(
+        "Elastic(model): the model is sharded (fully_shard)"
+    )
     assert "\n" not in result["elastic_refused"]
 
 

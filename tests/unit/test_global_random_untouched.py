@@ -42,8 +42,13 @@ def test_library_modules_do_not_draw_from_the_global_generator() -> None:
 
 def test_the_scan_finds_a_global_draw(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
-    sample.write_text("import random\nfrom random import shuffle\nx = random.uniform(0, 1)\ny = random.Random()\n")
-    assert _global_random_calls(sample) == ["sample.py:2 from random import ...", "sample.py:3 random.uniform"]
+    sample.write_text(
+        "import random\nfrom random import shuffle\nx = random.uniform(0, 1)\ny = random.Random()\n"
+    )
+    assert _global_random_calls(sample) == [
+        "sample.py:2 from random import ...",
+        "sample.py:3 random.uniform",
+    ]
 
 
 def test_jitter_draws_from_its_own_generator() -> None:

@@ -69,7 +69,10 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 def test_overhead_e2e_reads_the_defaults_row_not_the_bare_one() -> None:
     figures = parsers.overhead_e2e(OVERHEAD_E2E, Path("."))
     assert figures["wall_ratio"].value == 0.799 and figures["cpu_ratio"].value == 1.587
-    assert "988.7 samples/s" in figures["wall_ratio"].text and "p99 7.69 ms" in figures["wall_ratio"].text
+    assert (
+        "988.7 samples/s" in figures["wall_ratio"].text
+        and "p99 7.69 ms" in figures["wall_ratio"].text
+    )
 
 
 def test_metrics_overhead_reads_the_wall_and_cpu_medians_and_the_step_time() -> None:
@@ -95,15 +98,21 @@ def test_restart_cost_divides_the_restart_total_by_the_in_place_total() -> None:
     (parsers.restart_cost, RESTART_COST.replace("**total**", "total")),
     (parsers.restart_cost, RESTART_COST.replace("| 1.087 |", "| 0 |")),
 ])  # fmt: skip
-def test_a_changed_output_format_is_an_error_not_a_figure(parse: parsers.Parser, output: str) -> None:
+def test_a_changed_output_format_is_an_error_not_a_figure(
+    parse: parsers.Parser, output: str
+) -> None:
     with pytest.raises(parsers.OutputError):
         parse(output, Path("."))
 
 
-def test_gpu_tests_count_per_file_what_did_not_pass_and_allow_the_two_gpu_skip(tmp_path: Path) -> None:
+def test_gpu_tests_count_per_file_what_did_not_pass_and_allow_the_two_gpu_skip(
+    tmp_path: Path,
+) -> None:
     (tmp_path / parsers.GPU_TESTS_XML).write_text(JUNIT)
     figures = parsers.gpu_tests("", tmp_path)
-    assert figures["test_cuda_nccl"] == parsers.Figure(0, "1 passed, 0 failed, 1 skipped (1 needs 2 GPUs)")
+    assert figures["test_cuda_nccl"] == parsers.Figure(
+        0, "1 passed, 0 failed, 1 skipped (1 needs 2 GPUs)"
+    )
     # A failure and a skip for want of CUDA both count as not passed.
     assert figures["test_no_device_wait_cuda"].value == 2
 
@@ -127,7 +136,9 @@ def test_the_plan_names_every_claims_step_and_figure_and_fits_the_budget() -> No
     assert sum(s.limit_s for s in PLAN.steps) <= PLAN.budget_s == 480
     assert all(s.dry_limit_s <= PLAN.dry_budget_s for s in PLAN.steps)  # the budget caps their sum
     assert [c.claim for c in PLAN.claims if c.step is None] == [
-        "sharded model (FSDP): runtime at its defaults vs bare", "sharded model: async checkpoint stall / sync"]
+        "sharded model (FSDP): runtime at its defaults vs bare",
+        "sharded model: async checkpoint stall / sync",
+    ]
     with pytest.raises(ValueError, match="no step named"):
         Plan(steps=(), claims=(Claim(claim="x", step="nope", figure="f", target=Target(">", 0)),), budget_s=1,
              dry_budget_s=1)  # fmt: skip
@@ -155,14 +166,18 @@ def test_row_verdicts(result: StepResult | None, verdict: str) -> None:
 
 def test_a_claim_not_built_yet_is_a_row_that_never_fails() -> None:
     row = report.row_of(Claim(claim="sharded", step=None), None)
-    assert (row.gpu, row.verdict) == ("not built yet", "not built yet") and not report.failed([row], dry_run=False)
+    assert (row.gpu, row.verdict) == ("not built yet", "not built yet") and not report.failed(
+        [row], dry_run=False
+    )
 
 
 def test_the_table_has_every_row_and_the_cpu_figures_sources_as_footnotes() -> None:
     claims = [Claim(claim="a", step="s", figure="f", cpu="1.1", cpu_source="session 1", target=Target(">", 1)),
               Claim(claim="b | c", step="s", figure="f", cpu="0.9", cpu_source="session 1", target=Target(">", 1)),
               Claim(claim="d", step=None)]  # fmt: skip
-    rows, notes = report.rows_of(claims, {"s": StepResult("s", "ok", figures={"f": parsers.Figure(2, "2.0")})})
+    rows, notes = report.rows_of(
+        claims, {"s": StepResult("s", "ok", figures={"f": parsers.Figure(2, "2.0")})}
+    )
     text = report.table(rows, notes, heading="H", dry_run=False)
     assert notes == ["session 1"]
     assert "| a | 1.1 [1] | 2.0 | > 1 | pass |" in text and "| b \\| c | 0.9 [1] |" in text
@@ -185,7 +200,9 @@ def test_a_step_is_killed_at_its_limit_with_what_it_spawned(tmp_path: Path) -> N
             f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
             "print('started', flush=True)\n"
             "time.sleep(60)\n")  # fmt: skip
-    plan = Plan(steps=(_python_step("slow", code, limit_s=2),), claims=(), budget_s=60, dry_budget_s=60)
+    plan = Plan(
+        steps=(_python_step("slow", code, limit_s=2),), claims=(), budget_s=60, dry_budget_s=60
+    )
     started = time.monotonic()
     results = runner.run_plan(plan, out=tmp_path, dry_run=True, gpus=0, only=(), env=os.environ)
     elapsed = time.monotonic() - started
@@ -197,10 +214,15 @@ def test_a_step_is_killed_at_its_limit_with_what_it_spawned(tmp_path: Path) -> N
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and Path(f"/proc/{grandchild}").exists():
         time.sleep(0.1)  # killed; its parent (init, after the step's exit) reaps it
-    assert not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+    assert (
+        not Path(f"/proc/{grandchild}").exists()
+        or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+    )
 
 
-def test_no_step_starts_past_the_budget_and_too_few_gpus_skip_outside_a_dry_run(tmp_path: Path) -> None:
+def test_no_step_starts_past_the_budget_and_too_few_gpus_skip_outside_a_dry_run(
+    tmp_path: Path,
+) -> None:
     plan = Plan(steps=(_python_step("first", "import time; time.sleep(60)", limit_s=60),
                        _python_step("second", "print(1.0)"),
                        _python_step("two_gpus", "print(1.0)", min_gpus=2)),
@@ -209,9 +231,16 @@ def test_no_step_starts_past_the_budget_and_too_few_gpus_skip_outside_a_dry_run(
                                  budget_s=12.5)  # fmt: skip
     assert results["first"].status == "timed out" and results["first"].limit_s <= 2.5
     assert results["second"].status == "timed out" and "budget is spent" in results["second"].reason
-    assert results["two_gpus"].status == "skipped" and results["two_gpus"].reason == "needs 2 GPUs, 1 visible"
-    dry = runner.run_plan(plan, out=tmp_path, dry_run=True, gpus=0, only=("two_gpus",), env=os.environ)
-    assert list(dry) == ["two_gpus"] and dry["two_gpus"].status == "ok"  # the dry run runs every step
+    assert (
+        results["two_gpus"].status == "skipped"
+        and results["two_gpus"].reason == "needs 2 GPUs, 1 visible"
+    )
+    dry = runner.run_plan(
+        plan, out=tmp_path, dry_run=True, gpus=0, only=("two_gpus",), env=os.environ
+    )
+    assert (
+        list(dry) == ["two_gpus"] and dry["two_gpus"].status == "ok"
+    )  # the dry run runs every step
 
 
 def test_a_failed_exit_or_an_unreadable_output_is_a_failed_step(tmp_path: Path) -> None:
@@ -223,7 +252,10 @@ def test_a_failed_exit_or_an_unreadable_output_is_a_failed_step(tmp_path: Path) 
                 claims=(), budget_s=60, dry_budget_s=60)  # fmt: skip
     results = runner.run_plan(plan, out=tmp_path, dry_run=True, gpus=0, only=(), env=os.environ)
     assert (results["crash"].status, results["crash"].reason) == ("failed", "exit 3: boom")
-    assert (results["garbled"].status, results["garbled"].reason) == ("failed", "no '| defaults |' row in the output")
+    assert (results["garbled"].status, results["garbled"].reason) == (
+        "failed",
+        "no '| defaults |' row in the output",
+    )
 
 
 def test_main_writes_the_table_and_exits_1_on_a_missed_target_but_not_in_a_dry_run(
@@ -236,11 +268,15 @@ def test_main_writes_the_table_and_exits_1_on_a_missed_target_but_not_in_a_dry_r
     assert gpu_check.main(["--dry-run", str(tmp_path / "dry")], plan=plan) == 0
     assert "| half | n/a | 0.5 | >= 0.99 | fail |" in (tmp_path / "dry" / "table.md").read_text()
     monkeypatch.setattr(node, "missing_on_node", lambda: [])
-    monkeypatch.setattr(node, "probe_gpus", lambda env: {"gpus": 1, "names": ["GPU"], "torch": "t", "cuda": "c"})
+    monkeypatch.setattr(
+        node, "probe_gpus", lambda env: {"gpus": 1, "names": ["GPU"], "torch": "t", "cuda": "c"}
+    )
     assert gpu_check.main([str(tmp_path / "gpu")], plan=plan) == 1
     results = json.loads((tmp_path / "gpu" / "results.json").read_text())
     assert [r["verdict"] for r in results["rows"]] == ["fail", "not built yet"]
-    assert results["steps"]["s"]["figures"]["f"]["value"] == 0.5 and results["where"].startswith("1 x GPU")
+    assert results["steps"]["s"]["figures"]["f"]["value"] == 0.5 and results["where"].startswith(
+        "1 x GPU"
+    )
     assert "1 row(s) failed: half (fail)" in capsys.readouterr().err
 
 
@@ -256,7 +292,9 @@ def test_on_a_machine_without_cuda_the_real_run_says_so_in_one_line(
     assert len(err) == 1 and "sees no CUDA device" in err[0] and "--dry-run" in err[0], err
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
         gpu_check.main(["--only", "e2e_gpt,nope", str(tmp_path)])
     assert exc.value.code == 2 and "--only: no step nope" in capsys.readouterr().err

@@ -38,7 +38,9 @@ def membership_with(joins: list[Join]) -> Membership:
     """The membership view of a process of :data:`EPOCH` that saw round 4 open with ``joins``."""
     view = object.__new__(Membership)  # only the round view: no etcd
     view.member, view._lock, view._rounds = EPOCH.members[0], threading.Condition(), {}
-    view._rounds[4] = _Round(opened_by="b/0/2", opened_at=0.0, joins={j.member.id: j for j in joins})
+    view._rounds[4] = _Round(
+        opened_by="b/0/2", opened_at=0.0, joins={j.member.id: j for j in joins}
+    )
     return view
 
 
@@ -50,7 +52,9 @@ def kills(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return found
 
 
-def test_a_training_thread_stuck_in_its_epoch_ends_the_process(kills: list[tuple[int, int]]) -> None:
+def test_a_training_thread_stuck_in_its_epoch_ends_the_process(
+    kills: list[tuple[int, int]],
+) -> None:
     healer_in("training", EPOCH)._fence_if_stuck(EPOCH, 4, waited_s=60.0, idle=False)
     assert kills == [(healer_module.os.getpid(), signal.SIGKILL)]
 
@@ -67,8 +71,9 @@ PAIR = Epoch(number=3, members=(Member(id="a/0/1", slot="a/0"), Member(id="b/0/1
     ([Join(Member(id="b/0/1", slot="b/0"), ready=True, step=9),
       Join(Member(id="a/0/1", slot="a/0"), ready=False)], 9),  # b holds step 9; a's own answer does not count
 ])  # fmt: skip
-def test_a_stuck_process_offers_its_state_before_it_ends(kills: list[tuple[int, int]], joins: list[Join],
-                                                         held: int) -> None:
+def test_a_stuck_process_offers_its_state_before_it_ends(
+    kills: list[tuple[int, int]], joins: list[Join], held: int
+) -> None:
     """Before the stop watch ends a stuck process, the loop's offer is called with the newest step a
     ready member of the epoch holds (the loop saves its own step unless that covers it), then the
     process ends; once the loop withdrew its offer (its state may move) nothing is saved."""
@@ -88,7 +93,9 @@ def test_a_stuck_process_offers_its_state_before_it_ends(kills: list[tuple[int, 
     assert len(offered) == 1 and len(kills) == 2
 
 
-def test_a_process_stuck_building_the_next_group_offers_its_state_too(kills: list[tuple[int, int]]) -> None:
+def test_a_process_stuck_building_the_next_group_offers_its_state_too(
+    kills: list[tuple[int, int]],
+) -> None:
     """Stuck building epoch 3's group when round 4 opens: the state it held has not moved (a heal
     only reads the model), so it is offered, against what the members of epoch 3 answered."""
     healer = healer_in("healing", PAIR)
@@ -115,9 +122,15 @@ def test_a_failing_offer_still_ends_the_process(kills: list[tuple[int, int]]) ->
 
 def test_the_loop_saves_its_step_unless_a_peer_holds_it() -> None:
     saved: list[str] = []
-    checkpoints = SimpleNamespace(save_just_in_time=lambda reason, deadline: (
-        saved.append(reason), SimpleNamespace(detail="written"))[1])
-    loop = SimpleNamespace(state_ready=True, checkpoints=checkpoints, state=SimpleNamespace(step=22))
+    checkpoints = SimpleNamespace(
+        save_just_in_time=lambda reason, deadline: (
+            saved.append(reason),
+            SimpleNamespace(detail="written"),
+        )[1]
+    )
+    loop = SimpleNamespace(
+        state_ready=True, checkpoints=checkpoints, state=SimpleNamespace(step=22)
+    )
     elastic_group._hand_on(loop, 22, "a peer holds it")  # type: ignore[arg-type]
     elastic_group._hand_on(loop, 23, "a peer holds newer")  # type: ignore[arg-type]
     assert saved == []
@@ -130,17 +143,29 @@ def test_a_loop_that_has_not_restored_its_state_saves_nothing() -> None:
     """Between ``Attempt.loop()`` and the loop's start the model holds the old attempt's values (or
     none): a save then would write a step the model does not hold."""
     saved: list[str] = []
-    checkpoints = SimpleNamespace(save_just_in_time=lambda reason, deadline: (
-        saved.append(reason), SimpleNamespace(detail="written"))[1])
-    elastic_group._hand_on(SimpleNamespace(state_ready=False, checkpoints=checkpoints,  # type: ignore[arg-type]
-                                           state=SimpleNamespace(step=0)),
-                           NO_STATE, "stuck before the restore")
+    checkpoints = SimpleNamespace(
+        save_just_in_time=lambda reason, deadline: (
+            saved.append(reason),
+            SimpleNamespace(detail="written"),
+        )[1]
+    )
+    elastic_group._hand_on(
+        SimpleNamespace(
+            state_ready=False,
+            checkpoints=checkpoints,  # type: ignore[arg-type]
+            state=SimpleNamespace(step=0),
+        ),
+        NO_STATE,
+        "stuck before the restore",
+    )
     assert saved == []
 
 
 def test_a_process_that_healed_or_is_healing_is_left_alone(kills: list[tuple[int, int]]) -> None:
     healer_in("healing", EPOCH)._fence_if_stuck(EPOCH, 4, waited_s=60.0, idle=False)
-    later = Epoch(number=4, members=EPOCH.members, step=8, source=None, started_unix=2.0, reason="r")
+    later = Epoch(
+        number=4, members=EPOCH.members, step=8, source=None, started_unix=2.0, reason="r"
+    )
     healer_in("training", later)._fence_if_stuck(EPOCH, 4, waited_s=60.0, idle=False)
     assert kills == []
 
@@ -179,7 +204,8 @@ def test_a_thread_cpu_clock_moves_only_while_it_computes() -> None:
 
 @pytest.mark.parametrize("work", ["blocked", "busy"])
 def test_the_stop_watch_ends_a_blocked_thread_soon_and_a_computing_one_at_the_bound(
-        work: str, kills: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    work: str, kills: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(healer_module, "STUCK_IDLE_S", 0.6)
     monkeypatch.setattr(healer_module, "STOP_WATCH_INTERVAL_S", 0.05)
     healer = healer_in("training", EPOCH, ready_timeout_s=3.0)
@@ -194,13 +220,16 @@ def test_the_stop_watch_ends_a_blocked_thread_soon_and_a_computing_one_at_the_bo
     took = time.monotonic() - started
     assert kills == [(healer_module.os.getpid(), signal.SIGKILL)]
     if work == "blocked":
-        assert took < 2.0, f"a blocked thread is ended after its idle time, not the bound ({took:.2f} s)"
+        assert took < 2.0, (
+            f"a blocked thread is ended after its idle time, not the bound ({took:.2f} s)"
+        )
     else:
         assert took >= 3.0, f"a computing thread gets the full bound ({took:.2f} s)"
 
 
-def test_the_stop_watch_lets_go_once_the_thread_left_its_epoch(kills: list[tuple[int, int]],
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_stop_watch_lets_go_once_the_thread_left_its_epoch(
+    kills: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(healer_module, "STOP_WATCH_INTERVAL_S", 0.05)
     healer = healer_in("training", EPOCH)
     threading.Timer(0.2, lambda: setattr(healer, "_phase", "healing")).start()
@@ -208,8 +237,9 @@ def test_the_stop_watch_lets_go_once_the_thread_left_its_epoch(kills: list[tuple
     assert kills == []
 
 
-def test_a_thread_blocked_building_an_abandoned_epoch_ends_the_process(kills: list[tuple[int, int]],
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_thread_blocked_building_an_abandoned_epoch_ends_the_process(
+    kills: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A round that opens while an epoch's group is being built abandons it; a thread that stays
     blocked in that build (gloo connecting to a peer that died, where no abort reaches) is ended
     like a stuck step (CI saw such a thread hold a node out of the job until the round's timeout)."""
@@ -229,8 +259,9 @@ def test_a_thread_blocked_building_an_abandoned_epoch_ends_the_process(kills: li
     assert time.monotonic() - started < 2.0
 
 
-def test_the_forming_watch_lets_go_once_the_build_ended(kills: list[tuple[int, int]],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_forming_watch_lets_go_once_the_build_ended(
+    kills: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(healer_module, "STOP_WATCH_INTERVAL_S", 0.05)
     healer = healer_in("healing", EPOCH)
     healer._forming = 4
@@ -241,7 +272,9 @@ def test_the_forming_watch_lets_go_once_the_build_ended(kills: list[tuple[int, i
     assert kills == []
 
 
-def test_a_round_that_abandons_a_build_starts_the_watch_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_round_that_abandons_a_build_starts_the_watch_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     healer = healer_in("healing", EPOCH)
     healer._forming, healer._abandoned, healer._stores = 4, False, []
     healer.member = EPOCH.members[0]

@@ -28,7 +28,9 @@ group.destroy()
 
 
 def test_a_group_that_never_formed_does_not_shift_the_next_group_name() -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=100)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=100
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("failed:"), done.stdout

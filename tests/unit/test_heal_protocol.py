@@ -22,7 +22,9 @@ def member(node: str, local: int, pid: int) -> Member:
 
 
 A0, A1, B0, B1 = member("a", 0, 10), member("a", 1, 11), member("b", 0, 20), member("b", 1, 21)
-EPOCH = Epoch(number=3, members=(A0, A1, B0, B1), step=100, source=None, started_unix=1.0, reason="x")
+EPOCH = Epoch(
+    number=3, members=(A0, A1, B0, B1), step=100, source=None, started_unix=1.0, reason="x"
+)
 
 
 def ready(m: Member, step: int = 120) -> Join:
@@ -44,7 +46,9 @@ def test_closes_at_once_when_every_slot_answered_and_keeps_the_ranks() -> None:
     decision = decide(EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r")
     assert decision.epoch is not None
     assert decision.epoch.members == (A0, A1, B0, B1)
-    assert decision.epoch.number == 4 and decision.epoch.step == 120 and decision.epoch.source == A0.id
+    assert (
+        decision.epoch.number == 4 and decision.epoch.step == 120 and decision.epoch.source == A0.id
+    )
 
 
 def test_a_replacement_takes_the_dead_process_slot_and_rank() -> None:
@@ -70,14 +74,18 @@ def test_a_live_member_still_stopping_its_step_is_waited_for() -> None:
     assert decision.epoch is None and "live member" in decision.waiting_for
     timed_out = decide(EPOCH, joins, waited_s=11.0, rules=RULES, now_unix=5.0, reason="r")
     assert timed_out.epoch is not None and B1 not in timed_out.epoch.members
-    answered = decide(EPOCH, [*joins, ready(B1)], waited_s=5.0, rules=RULES, now_unix=5.0, reason="r")
+    answered = decide(
+        EPOCH, [*joins, ready(B1)], waited_s=5.0, rules=RULES, now_unix=5.0, reason="r"
+    )
     assert answered.epoch is not None and answered.epoch.members == (A0, A1, B0, B1)
 
 
 def test_the_newest_state_wins_whoever_holds_it() -> None:
     joins = [ready(A0, 119), ready(A1, 120), ready(B0, 119), ready(B1, 119)]
     decision = decide(EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r")
-    assert decision.epoch is not None and decision.epoch.step == 120 and decision.epoch.source == A1.id
+    assert (
+        decision.epoch is not None and decision.epoch.step == 120 and decision.epoch.source == A1.id
+    )
 
 
 def test_a_process_that_missed_the_epoch_never_hands_on_its_state() -> None:
@@ -91,28 +99,49 @@ def test_a_process_that_missed_the_epoch_never_hands_on_its_state() -> None:
     assert (decision.epoch.step, decision.epoch.source) == (101, B0.id)
     only_late = decide(EPOCH, [ready(late, 120), *(ready(m, NO_STATE) for m in (A0, A1, B0, B1))], waited_s=0.0,
                        rules=rules, now_unix=5.0, reason="join")  # fmt: skip
-    assert only_late.epoch is not None and (only_late.epoch.step, only_late.epoch.source) == (NO_STATE, None)
+    assert only_late.epoch is not None and (only_late.epoch.step, only_late.epoch.source) == (
+        NO_STATE,
+        None,
+    )
 
 
 def test_nobody_holding_state_means_the_checkpoint() -> None:
     joins = [ready(m, NO_STATE) for m in (A0, A1, B0, B1)]
     decision = decide(EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r")
-    assert decision.epoch is not None and decision.epoch.source is None and decision.epoch.step == NO_STATE
+    assert (
+        decision.epoch is not None
+        and decision.epoch.source is None
+        and decision.epoch.step == NO_STATE
+    )
 
 
 def test_newcomers_follow_in_arrival_order_and_extra_ones_stay_spares() -> None:
     rules = RoundRules(min_world=1, max_world=5)
     c0, d0 = member("c", 0, 30), member("d", 0, 40)
     joins = [ready(A0), ready(A1), ready(B0), ready(B1), ready(d0, NO_STATE), ready(c0, NO_STATE)]
-    decision = decide(EPOCH, joins, waited_s=0.0, rules=rules, now_unix=5.0, reason="join",
-                      arrival={d0.id: 7, c0.id: 9})
+    decision = decide(
+        EPOCH,
+        joins,
+        waited_s=0.0,
+        rules=rules,
+        now_unix=5.0,
+        reason="join",
+        arrival={d0.id: 7, c0.id: 9},
+    )
     assert decision.epoch is not None and decision.epoch.members == (A0, A1, B0, B1, d0)
     assert decision.spares == (c0,)
 
 
 def test_below_the_minimum_the_round_waits() -> None:
     rules = RoundRules(min_world=4, max_world=4, settle_s=0.5)
-    decision = decide(EPOCH, [ready(A0), ready(A1), ready(B0)], waited_s=3.0, rules=rules, now_unix=5.0, reason="r")
+    decision = decide(
+        EPOCH,
+        [ready(A0), ready(A1), ready(B0)],
+        waited_s=3.0,
+        rules=rules,
+        now_unix=5.0,
+        reason="r",
+    )
     assert decision.epoch is None and "at least 4" in decision.waiting_for
 
 
@@ -127,7 +156,13 @@ def test_a_stuck_process_whose_replacement_answered_is_not_waited_for() -> None:
     """B1 said it lives, then was stuck and ended itself; its launcher's replacement answers for
     the same slot: the round closes at once, with the replacement in B1's rank."""
     replacement = Member(id="b/1/999", slot=B1.slot)
-    joins = [ready(A0), ready(A1), ready(B0), Join(B1, ready=False), ready(replacement, step=NO_STATE)]
+    joins = [
+        ready(A0),
+        ready(A1),
+        ready(B0),
+        Join(B1, ready=False),
+        ready(replacement, step=NO_STATE),
+    ]
     decision = decide(EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r")
     assert decision.epoch is not None
     assert decision.epoch.members == (A0, A1, B0, replacement)
@@ -140,7 +175,9 @@ def test_a_slot_s_newest_process_replaces_an_older_one_that_answered_with_state(
     replacement = member("a", 1, 99)
     joins = [ready(A1, 121), ready(A0), ready(B0), ready(B1), ready(replacement, NO_STATE)]
     arrival = {A1.id: 1, A0.id: 2, B0.id: 3, B1.id: 4, replacement.id: 5}
-    decision = decide(EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r", arrival=arrival)
+    decision = decide(
+        EPOCH, joins, waited_s=0.0, rules=RULES, now_unix=5.0, reason="r", arrival=arrival
+    )
     assert decision.epoch is not None
     assert decision.epoch.members == (A0, replacement, B0, B1)
     assert (decision.epoch.step, decision.epoch.source) == (120, A0.id)

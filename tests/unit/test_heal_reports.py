@@ -12,7 +12,9 @@ from elastic_trainer.launch.warm_start import DEATHS_DIR, record_death, take_dea
 MEMBERS = (Member(id="a/0/10", slot="a/0"), Member(id="a/1/12", slot="a/1"))
 
 
-def epoch(number: int, reason: str = "gloo: connection reset", *, step: int = 120, finished: bool = False) -> Epoch:
+def epoch(
+    number: int, reason: str = "gloo: connection reset", *, step: int = 120, finished: bool = False
+) -> Epoch:
     return Epoch(number=number, members=MEMBERS, step=step, source="a/0/10", started_unix=1.0, reason=reason,
                  finished=finished)  # fmt: skip
 
@@ -47,7 +49,9 @@ def test_one_line_names_the_cause_and_how_the_job_went_on() -> None:
     text = describe_heal(epoch(5), ["local worker 1 (pid 42) died of SIGKILL"])
     assert text == ("local worker 1 (pid 42) died of SIGKILL; healed in place: epoch 5, 2 worker(s) go on "
                     "from step 120")  # fmt: skip
-    assert describe_heal(epoch(6, step=-1), []).startswith("gloo: connection reset; healed in place: epoch 6")
+    assert describe_heal(epoch(6, step=-1), []).startswith(
+        "gloo: connection reset; healed in place: epoch 6"
+    )
     assert describe_heal(epoch(6, step=-1), []).endswith("from the newest checkpoint")
 
 
@@ -55,7 +59,10 @@ def test_deaths_are_taken_once_oldest_first(tmp_path: Path) -> None:
     (tmp_path / DEATHS_DIR).mkdir()
     record_death(tmp_path, "local worker 0 (pid 1) died of SIGKILL")
     record_death(tmp_path, "local worker 1 (pid 2) died of SIGSEGV")
-    assert take_deaths(tmp_path) == ["local worker 0 (pid 1) died of SIGKILL", "local worker 1 (pid 2) died of SIGSEGV"]
+    assert take_deaths(tmp_path) == [
+        "local worker 0 (pid 1) died of SIGKILL",
+        "local worker 1 (pid 2) died of SIGSEGV",
+    ]
     assert take_deaths(tmp_path) == []
     assert take_deaths(tmp_path / "missing") == []  # no warm server directory: nothing, no error
     record_death(tmp_path / "missing", "lost")  # best effort: never raises

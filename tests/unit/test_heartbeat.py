@@ -49,7 +49,10 @@ def test_slot_round_trip(tmp_path: Path) -> None:
         first = read_slot(beat.path)
         assert first is not None
         assert (first.pid, first.rank, first.local_rank) == (os.getpid(), 3, 1)
-        assert first.start_ticks == heartbeat.process_start_ticks(os.getpid()) and first.start_ticks > 0
+        assert (
+            first.start_ticks == heartbeat.process_start_ticks(os.getpid())
+            and first.start_ticks > 0
+        )
         assert (first.beats, first.step) == (0, None)
         before = time.monotonic_ns()
         beat.beat()
@@ -79,7 +82,7 @@ def test_a_torn_step_pair_reads_as_no_step(tmp_path: Path) -> None:
     try:
         beat.note_step(5)
         data = bytearray(beat.path.read_bytes())
-        data[SLOT_SIZE - 8:] = (6).to_bytes(8, sys.byteorder)  # a write of step 6 caught half-way
+        data[SLOT_SIZE - 8 :] = (6).to_bytes(8, sys.byteorder)  # a write of step 6 caught half-way
         torn = tmp_path / "torn.slot"
         torn.write_bytes(bytes(data))
         reading = read_slot(torn)
@@ -108,6 +111,7 @@ def test_start_from_environ_is_idempotent_and_beats(tmp_path: Path) -> None:
     env = {ENV_HEARTBEAT_DIR: str(tmp_path), "RANK": "5", "LOCAL_RANK": "1"}
     started = heartbeat.start_from_environ(env)
     assert started is not None and heartbeat.start_from_environ(env) is started
+
     def two_beats() -> SlotReading | None:
         found = read_slot(started.path)
         return found if found is not None and found.beats >= 2 else None
@@ -121,7 +125,9 @@ def test_start_from_environ_is_idempotent_and_beats(tmp_path: Path) -> None:
     assert heartbeat.current() is None and not started.path.exists()
 
 
-def test_an_unusable_directory_is_one_line_and_no_heartbeat(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unusable_directory_is_one_line_and_no_heartbeat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert heartbeat.start_from_environ({ENV_HEARTBEAT_DIR: str(tmp_path / "missing")}) is None
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no heartbeat for this worker" in err and "missing" in err
@@ -157,16 +163,21 @@ def start_beating(directory: Path, blocker: str) -> tuple[subprocess.Popen[bytes
     """A process that starts its heartbeat, waits for the returned trigger file to exist, then
     blocks as ``BLOCKERS[blocker]`` does."""
     trigger = directory.parent / f"block-{blocker}"
-    code = ("from elastic_trainer.runtime import heartbeat; heartbeat.start_from_environ(); import os, time\n"
-            f"while not os.path.exists({str(trigger)!r}): time.sleep(0.02)\n" + BLOCKERS[blocker])
+    code = (
+        "from elastic_trainer.runtime import heartbeat; heartbeat.start_from_environ(); import os, time\n"
+        f"while not os.path.exists({str(trigger)!r}): time.sleep(0.02)\n" + BLOCKERS[blocker]
+    )
     env = dict(os.environ, **{ENV_HEARTBEAT_DIR: str(directory), "RANK": "1", "LOCAL_RANK": "0"})
     return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO), trigger
 
 
 def block(directory: Path, proc: subprocess.Popen[bytes], trigger: Path) -> None:
     """Wait until the process beats, then make it block."""
-    wait_for(lambda: slot_appeared(directory, proc) and beats(directory, proc.pid) >= 1, timeout=30,
-             what="the slot and a first beat")
+    wait_for(
+        lambda: slot_appeared(directory, proc) and beats(directory, proc.pid) >= 1,
+        timeout=30,
+        what="the slot and a first beat",
+    )
     trigger.touch()
     time.sleep(0.5)  # it polls for the trigger every 20 ms
 
@@ -184,14 +195,20 @@ def slot_appeared(directory: Path, proc: subprocess.Popen[bytes]) -> bool:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("blocker", ["c_call", "python_sleep"])
-def test_a_process_blocked_with_the_gil_released_keeps_beating(tmp_path: Path, blocker: str) -> None:
+def test_a_process_blocked_with_the_gil_released_keeps_beating(
+    tmp_path: Path, blocker: str
+) -> None:
     slots = tmp_path / "hb"
     slots.mkdir()
     proc, trigger = start_beating(slots, blocker)
     try:
         block(slots, proc, trigger)
         first = beats(slots, proc.pid)
-        wait_for(lambda: beats(slots, proc.pid) >= first + 2, timeout=10, what="two more beats while blocked")
+        wait_for(
+            lambda: beats(slots, proc.pid) >= first + 2,
+            timeout=10,
+            what="two more beats while blocked",
+        )
         assert proc.poll() is None
     finally:
         proc.kill()
@@ -220,14 +237,22 @@ def test_a_stopped_or_gil_holding_process_stops_beating(tmp_path: Path, how: str
 def test_the_worker_entry_point_starts_the_heartbeat(tmp_path: Path) -> None:
     """Cold and warm-forked workers both run the target through worker_entry.run."""
     script = tmp_path / "job.py"
-    script.write_text("from elastic_trainer.runtime import heartbeat\n"
-                      "import sys\n"
-                      "beat = heartbeat.current()\n"
-                      "sys.exit(0 if beat is not None and beat.path.exists() else 3)\n")
+    script.write_text(
+        "from elastic_trainer.runtime import heartbeat\n"
+        "import sys\n"
+        "beat = heartbeat.current()\n"
+        "sys.exit(0 if beat is not None and beat.path.exists() else 3)\n"
+    )
     hb_dir = tmp_path / "hb"
     hb_dir.mkdir()
     env = dict(os.environ, **{ENV_HEARTBEAT_DIR: str(hb_dir)})
-    done = subprocess.run([sys.executable, "-m", "elastic_trainer.train.worker_entry", str(script)], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.train.worker_entry", str(script)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert list(hb_dir.iterdir()) == [], "a worker that exits removes its slot"

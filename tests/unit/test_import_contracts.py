@@ -10,7 +10,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
+LINT = [
+    sys.executable,
+    "-c",
+    "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())",
+]
 
 
 def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
@@ -31,7 +35,9 @@ def test_a_worker_module_importing_the_launcher_breaks_them(tmp_path: Path) -> N
         shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
     sampler = tree / "elastic_trainer" / "runtime" / "sampler.py"
-    sampler.write_text(sampler.read_text() + "\nfrom elastic_trainer.launch import launcher  # noqa: E402,F401\n")
+    sampler.write_text(
+        sampler.read_text() + "\nfrom elastic_trainer.launch import launcher  # noqa: E402,F401\n"
+    )
     done = _lint(tree)
     assert done.returncode != 0, done.stdout[-2000:]
     assert "elastic_trainer.runtime.sampler -> elastic_trainer.launch.launcher" in done.stdout

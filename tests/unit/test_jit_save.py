@@ -40,12 +40,21 @@ class FakeTraining:
         self.exits: list[int] = []
         self.exited = threading.Event()
         self.drained: list[float] = []
-        self.jit = JitCheckpointer(guard=self.guard, directory=str(directory), rank=rank, step=lambda: self.step,
-                                   payload=self.payload, write=self.write, drain=self.drained.append,
-                                   exit_fn=self.exit)
+        self.jit = JitCheckpointer(
+            guard=self.guard,
+            directory=str(directory),
+            rank=rank,
+            step=lambda: self.step,
+            payload=self.payload,
+            write=self.write,
+            drain=self.drained.append,
+            exit_fn=self.exit,
+        )
         self.jit.arm()
 
-    def update(self, *, pause: threading.Event | None = None, entered: threading.Event | None = None) -> None:
+    def update(
+        self, *, pause: threading.Event | None = None, entered: threading.Event | None = None
+    ) -> None:
         with self.guard.update():
             self.weights += 1  # first half of the update
             if entered is not None:
@@ -61,8 +70,16 @@ class FakeTraining:
     def write(self, step: int, payload: dict[str, Any]) -> str:
         directory = self.jit.directory
         assert directory is not None
-        info = ckpt.save_checkpoint(directory, payload, step=step, epoch=0, world_size=1, fingerprint_fields=FIELDS,
-                                    keep_last=None, jit=True)
+        info = ckpt.save_checkpoint(
+            directory,
+            payload,
+            step=step,
+            epoch=0,
+            world_size=1,
+            fingerprint_fields=FIELDS,
+            keep_last=None,
+            jit=True,
+        )
         return str(info.path)
 
     def exit(self, code: int) -> None:
@@ -88,7 +105,9 @@ def test_a_save_requested_during_an_update_waits_for_its_end(tmp_path: Path) -> 
     updater.start()
     assert entered.wait(10)
     result: list[jit_save.JitOutcome] = []
-    saver = threading.Thread(target=lambda: result.append(training.jit.save("test", deadline=_deadline())))
+    saver = threading.Thread(
+        target=lambda: result.append(training.jit.save("test", deadline=_deadline()))
+    )
     saver.start()
     saver.join(0.3)
     assert saver.is_alive() and not result, "the save must wait while the update is half done"
@@ -98,15 +117,21 @@ def test_a_save_requested_during_an_update_waits_for_its_end(tmp_path: Path) -> 
     outcome = result[0]
     assert outcome.saved and outcome.step == 2
     state = _saved(outcome.path)
-    assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((2,), 2.0)), "exactly after step 2"
+    assert state["step"] == 2 and torch.equal(state["model"]["w"], torch.full((2,), 2.0)), (
+        "exactly after step 2"
+    )
     assert ckpt.verify(tmp_path, 2).manifest.jit
 
 
-def test_a_save_while_the_main_thread_is_blocked_outside_an_update_is_immediate(tmp_path: Path) -> None:
+def test_a_save_while_the_main_thread_is_blocked_outside_an_update_is_immediate(
+    tmp_path: Path,
+) -> None:
     training = FakeTraining(tmp_path)
     training.update()
     read_fd, write_fd = os.pipe()
-    blocked = threading.Thread(target=os.read, args=(read_fd, 1))  # a blocking C call, as a collective is
+    blocked = threading.Thread(
+        target=os.read, args=(read_fd, 1)
+    )  # a blocking C call, as a collective is
     blocked.start()
     try:
         started = time.monotonic()
@@ -157,8 +182,14 @@ def test_a_save_is_done_once_whoever_asks(tmp_path: Path) -> None:
 
 def test_nothing_is_saved_before_training_started(tmp_path: Path) -> None:
     guard = StateGuard()
-    jit = JitCheckpointer(guard=guard, directory=str(tmp_path), rank=0, step=lambda: 0, payload=dict,
-                          write=lambda s, p: "")
+    jit = JitCheckpointer(
+        guard=guard,
+        directory=str(tmp_path),
+        rank=0,
+        step=lambda: 0,
+        payload=dict,
+        write=lambda s, p: "",
+    )
     outcome = jit.save("test", deadline=_deadline())
     assert not outcome.saved and "had not started" in outcome.detail
 
@@ -197,14 +228,20 @@ def test_exactly_one_process_claims_a_step(tmp_path: Path) -> None:
     assert holder is not None and holder["rank"] == winners[0]
 
 
-def test_a_step_claimed_by_another_writer_is_left_to_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_step_claimed_by_another_writer_is_left_to_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     training = FakeTraining(tmp_path)
     training.update()
     # Written by another process (not this pid): it is writing; do not write the step again.
     ckpt.claim_path(tmp_path, 1).write_text('{"host": "other-node", "pid": 1, "rank": 3}')
     with caplog.at_level(logging.INFO, logger="elastic_trainer.checkpoint.jit"):
         outcome = training.jit.save("test", deadline=_deadline())
-    assert not outcome.saved and "being written by" in outcome.detail and "other-node" in outcome.detail
+    assert (
+        not outcome.saved
+        and "being written by" in outcome.detail
+        and "other-node" in outcome.detail
+    )
     assert ckpt.iter_checkpoints(tmp_path) == [] and not training.drained
     assert ckpt.claim_path(tmp_path, 1).exists(), "someone else's claim is not ours to remove"
 
@@ -222,7 +259,9 @@ def test_an_existing_or_newer_checkpoint_is_not_written_again(tmp_path: Path) ->
     training = FakeTraining(tmp_path)
     training.update()
     training.update()
-    training.write(3, {"format": ckpt.FORMAT, "model": {}, "step": 3})  # written by a faster survivor
+    training.write(
+        3, {"format": ckpt.FORMAT, "model": {}, "step": 3}
+    )  # written by a faster survivor
     outcome = training.jit.save("test", deadline=_deadline())
     assert not outcome.saved and "a checkpoint of step 3 exists" in outcome.detail
     assert ckpt.iter_checkpoints(tmp_path) == [3]
@@ -240,18 +279,40 @@ def test_claims_are_released_after_writing_and_stale_ones_removed_at_start(tmp_p
 
 def test_jit_writes_do_not_prune_and_manifest_says_jit(tmp_path: Path) -> None:
     for step in (1, 2, 3):
-        ckpt.save_checkpoint(tmp_path, {"format": ckpt.FORMAT, "model": {}}, step=step, epoch=0, world_size=1,
-                             fingerprint_fields=FIELDS, keep_last=1)
+        ckpt.save_checkpoint(
+            tmp_path,
+            {"format": ckpt.FORMAT, "model": {}},
+            step=step,
+            epoch=0,
+            world_size=1,
+            fingerprint_fields=FIELDS,
+            keep_last=1,
+        )
     assert ckpt.iter_checkpoints(tmp_path) == [3]
-    ckpt.save_checkpoint(tmp_path, {"format": ckpt.FORMAT, "model": {}}, step=4, epoch=0, world_size=1,
-                         fingerprint_fields=FIELDS, keep_last=None, jit=True)
+    ckpt.save_checkpoint(
+        tmp_path,
+        {"format": ckpt.FORMAT, "model": {}},
+        step=4,
+        epoch=0,
+        world_size=1,
+        fingerprint_fields=FIELDS,
+        keep_last=None,
+        jit=True,
+    )
     assert ckpt.iter_checkpoints(tmp_path) == [3, 4]
     assert ckpt.verify(tmp_path, 4).manifest.jit and not ckpt.verify(tmp_path, 3).manifest.jit
 
 
 def test_manifest_without_jit_field_still_loads(tmp_path: Path) -> None:
-    ckpt.save_checkpoint(tmp_path, {"format": ckpt.FORMAT, "model": {}}, step=1, epoch=0, world_size=1,
-                         fingerprint_fields=FIELDS, keep_last=3)
+    ckpt.save_checkpoint(
+        tmp_path,
+        {"format": ckpt.FORMAT, "model": {}},
+        step=1,
+        epoch=0,
+        world_size=1,
+        fingerprint_fields=FIELDS,
+        keep_last=3,
+    )
     path = ckpt.manifest_path(tmp_path, 1)
     path.write_text(path.read_text().replace('"jit": false,', ""))
     assert "jit" not in path.read_text()
@@ -278,7 +339,9 @@ def test_signal_and_no_step_boundary_saves_and_exits(tmp_path: Path, fast_stall:
     assert training.drained, "own background writes are waited for before exiting"
 
 
-def test_signal_with_steps_still_completing_leaves_the_graceful_path_alone(tmp_path: Path, fast_stall: float) -> None:
+def test_signal_with_steps_still_completing_leaves_the_graceful_path_alone(
+    tmp_path: Path, fast_stall: float
+) -> None:
     training = FakeTraining(tmp_path)
     training.jit.on_signal(signal.SIGTERM)
     deadline = time.monotonic() + 4 * fast_stall
@@ -310,7 +373,12 @@ def test_stall_timeout_follows_the_step_time_within_bounds(tmp_path: Path) -> No
 
 
 def test_worst_case_fits_torchruns_stop_window() -> None:
-    worst = jit_save.STALL_MAX_S + jit_save.SAVE_TIMEOUT_S + jit_save.BACKSTOP_S + jit_save.EXIT_MARGIN_S
+    worst = (
+        jit_save.STALL_MAX_S
+        + jit_save.SAVE_TIMEOUT_S
+        + jit_save.BACKSTOP_S
+        + jit_save.EXIT_MARGIN_S
+    )
     assert worst < jit_save.TORCHRUN_STOP_WINDOW_S
 
 
@@ -325,8 +393,9 @@ def test_a_save_that_hangs_ends_the_process_at_its_deadline(tmp_path: Path) -> N
         return ""
 
     training.jit._write = stuck_write
-    saver = threading.Thread(target=training.jit.save, args=("test",), kwargs={"deadline": _deadline(0.5)},
-                             daemon=True)
+    saver = threading.Thread(
+        target=training.jit.save, args=("test",), kwargs={"deadline": _deadline(0.5)}, daemon=True
+    )
     started = time.monotonic()
     saver.start()
     try:
@@ -379,7 +448,11 @@ def test_a_snapshot_never_sees_a_later_steps_buffers_and_commits_reuse_one_buffe
     _step(buffers, model, 2.0)
     # The next update overwrote the committed buffer in place; the snapshot is a copy.
     assert buffers._committed is committed, "no new tensor per step"
-    assert first["mean"].tolist() == [1.0] * 3 and first["var"].tolist() == [1.0] * 2 and int(first["count"]) == 1
+    assert (
+        first["mean"].tolist() == [1.0] * 3
+        and first["var"].tolist() == [1.0] * 2
+        and int(first["count"]) == 1
+    )
     # A snapshot between a step's capture and its commit holds the last completed step's buffers.
     with torch.no_grad():
         model.mean.fill_(3.0)
@@ -403,7 +476,9 @@ def test_a_snapshot_never_sees_a_later_steps_buffers_and_commits_reuse_one_buffe
 def test_jit_save_is_on_by_default_and_env_turns_it_off() -> None:
     assert WorkerSettings.from_environ({}).jit_save is True
     assert WorkerSettings.from_environ({ENV_JIT_SAVE: "0"}).jit_save is False
-    assert CheckpointConfig(jit_save=True).jit_save is True, "the config's value beats the environment's"
+    assert CheckpointConfig(jit_save=True).jit_save is True, (
+        "the config's value beats the environment's"
+    )
     with pytest.raises(ValueError, match="ELASTIC_TRAINER_JIT_SAVE: 'sometimes' is not a boolean"):
         WorkerSettings.from_environ({ENV_JIT_SAVE: "sometimes"})
     with pytest.raises(ValueError, match="checkpoint.jit_save: must be true or false"):

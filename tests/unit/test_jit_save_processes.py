@@ -54,16 +54,34 @@ def _blocked_worker(rank: int, work: Path, mode: str) -> None:
 
     def payload() -> dict[str, Any]:
         # Whether the Python-level handler had run when the snapshot was taken.
-        return {"format": ckpt.FORMAT, "model": {"w": state["w"].clone()}, "step": state["step"],
-                "python_handler_ran": stop.requested}
+        return {
+            "format": ckpt.FORMAT,
+            "model": {"w": state["w"].clone()},
+            "step": state["step"],
+            "python_handler_ran": stop.requested,
+        }
 
     def write(step: int, data: dict[str, Any]) -> str:
-        info = ckpt.save_checkpoint(work / "ckpt", data, step=step, epoch=0, world_size=2,
-                                    fingerprint_fields={"seed": 0}, keep_last=None, jit=True)
+        info = ckpt.save_checkpoint(
+            work / "ckpt",
+            data,
+            step=step,
+            epoch=0,
+            world_size=2,
+            fingerprint_fields={"seed": 0},
+            keep_last=None,
+            jit=True,
+        )
         return str(info.path)
 
-    jit = JitCheckpointer(guard=guard, directory=str(work / "ckpt"), rank=0, step=lambda: state["step"],
-                          payload=payload, write=write)
+    jit = JitCheckpointer(
+        guard=guard,
+        directory=str(work / "ckpt"),
+        rank=0,
+        step=lambda: state["step"],
+        payload=payload,
+        write=write,
+    )
     if mode == "wakeup":
         SignalWakeup(jit.on_signal).install()
     if mode == "direct":
@@ -85,7 +103,9 @@ def _save_once_blocked(jit: Any, work: Path) -> None:
     started = time.monotonic()
     outcome = jit.save("direct", deadline=time.monotonic() + 10)
     took = time.monotonic() - started
-    (work / "direct.json").write_text(json.dumps({"took": took, "saved": outcome.saved, "step": outcome.step}))
+    (work / "direct.json").write_text(
+        json.dumps({"took": took, "saved": outcome.saved, "step": outcome.step})
+    )
     os._exit(0)
 
 
@@ -99,14 +119,18 @@ def _buffers_worker(rank: int, work: Path) -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     model.register_buffer("low", torch.zeros(2, dtype=torch.bfloat16))
     model.register_buffer("big", torch.tensor(0, dtype=torch.int64))
-    model.register_buffer("scratch", torch.zeros(1), persistent=False)  # not in a state_dict: not saved
+    model.register_buffer(
+        "scratch", torch.zeros(1), persistent=False
+    )  # not in a state_dict: not saved
     bn = model[1]
     buffers = AuthoritativeBuffers(model, rank=rank, world_size=2)
 
     def forward(values: float) -> tuple[torch.Tensor, Any]:
         """A step's forward changed this rank's statistics; its control allreduce starts."""
         with torch.no_grad():
-            bn.running_mean.copy_(torch.tensor([-0.0, 0.0, values]) if rank == 0 else torch.full((3,), values))
+            bn.running_mean.copy_(
+                torch.tensor([-0.0, 0.0, values]) if rank == 0 else torch.full((3,), values)
+            )
             bn.num_batches_tracked.fill_(10 + rank)
             model.low.fill_(values / 3)
             model.big.fill_(2**40 + 1 + rank)
@@ -127,9 +151,15 @@ def _buffers_worker(rank: int, work: Path) -> None:
             return {"source": source}  # nothing committed
         assert "scratch" not in state
         mean = state["1.running_mean"]
-        return {"mean": mean.tolist(), "negative_zero": torch.signbit(mean).tolist(),
-                "count": int(state["1.num_batches_tracked"]), "half": state["low"].float().tolist(),
-                "half_dtype": str(state["low"].dtype), "big": int(state["big"]), "source": source}
+        return {
+            "mean": mean.tolist(),
+            "negative_zero": torch.signbit(mean).tolist(),
+            "count": int(state["1.num_batches_tracked"]),
+            "half": state["low"].float().tolist(),
+            "half_dtype": str(state["low"].dtype),
+            "big": int(state["big"]),
+            "source": source,
+        }
 
     results: dict[str, Any] = {}
     with torch.no_grad():
@@ -183,19 +213,37 @@ def _stop_worker(rank: int, work: Path, jit: str) -> None:
         x = torch.randn(64, 6, generator=torch.Generator().manual_seed(3))
         return TensorDataset(x, (x.sum(1) > 0).long())
 
-    job = TrainingJob(model=lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), SignalAt(), nn.Linear(8, 2)),
-                      dataset=data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=nn.CrossEntropyLoss())
+    job = TrainingJob(
+        model=lambda: nn.Sequential(
+            nn.Linear(6, 8), nn.BatchNorm1d(8), SignalAt(), nn.Linear(8, 2)
+        ),
+        dataset=data,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss=nn.CrossEntropyLoss(),
+    )
     from elastic_trainer.train.config import DDPOptions
 
-    config = trainer_config(global_batch_size=8, max_steps=20, epochs=5, log_every=1000, checkpoint_every=1000,
-                            checkpoint_dir=str(work / "ckpt"), jit_save=jit == "on",
-                            ddp=DDPOptions(broadcast_buffers=jit != "off-unsynced"))
+    config = trainer_config(
+        global_batch_size=8,
+        max_steps=20,
+        epochs=5,
+        log_every=1000,
+        checkpoint_every=1000,
+        checkpoint_dir=str(work / "ckpt"),
+        jit_save=jit == "on",
+        ddp=DDPOptions(broadcast_buffers=jit != "off-unsynced"),
+    )
     env = read_env(environ={"RANK": str(rank), "WORLD_SIZE": "2"}, cuda_devices=0, backend="gloo")
     trainer = Trainer(config, job, env=env)
     result = trainer.fit()
-    exchanged = trainer.checkpoints.state.buffers is not None and trainer.checkpoints.state.buffers.exchange
-    (work / f"stop-{rank}.json").write_text(json.dumps({"step": result.step, "signal": result.stopped_by_signal,
-                                                         "exchanged": exchanged}))
+    exchanged = (
+        trainer.checkpoints.state.buffers is not None and trainer.checkpoints.state.buffers.exchange
+    )
+    (work / f"stop-{rank}.json").write_text(
+        json.dumps(
+            {"step": result.step, "signal": result.stopped_by_signal, "exchanged": exchanged}
+        )
+    )
 
 
 def _main(argv: list[str]) -> None:
@@ -212,11 +260,19 @@ def _main(argv: list[str]) -> None:
 
 
 # -- test side ---------------------------------------------------------------------------------------------
-def _spawn(role: str, rank: str, *args: str, work: Path, stdin: int | None = None) -> subprocess.Popen[bytes]:
+def _spawn(
+    role: str, rank: str, *args: str, work: Path, stdin: int | None = None
+) -> subprocess.Popen[bytes]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     log = open(work / f"log-{role}-{rank}.txt", "wb")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, "-m", "tests.unit.test_jit_save_processes", role, rank, str(work), *args],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=stdin)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.unit.test_jit_save_processes", role, rank, str(work), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=stdin,
+    )
 
 
 def _run_pair(role: str, *args: str, work: Path) -> tuple[list[dict[str, Any]], list[str]]:
@@ -250,7 +306,9 @@ def _wait_blocked(pid: int, polls: int = 5) -> None:
         time.sleep(0.02)
 
 
-def _run_blocked(work: Path, mode: str) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], float]:
+def _run_blocked(
+    work: Path, mode: str
+) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], float]:
     peer = _spawn("blocked", "1", mode, work=work, stdin=subprocess.PIPE)
     main = _spawn("blocked", "0", mode, work=work)
     _wait_for(work / "ready-0", 60, [main, peer])
@@ -277,12 +335,22 @@ def test_sigterm_during_a_blocked_collective_triggers_the_save(tmp_path: Path) -
         _stop(main, peer)
     log = (tmp_path / "log-blocked-0.txt").read_text()
     assert code == 128 + signal.SIGTERM, log
-    assert not (tmp_path / "returned").exists(), "the allreduce never returned: the main thread stayed blocked"
+    assert not (tmp_path / "returned").exists(), (
+        "the allreduce never returned: the main thread stayed blocked"
+    )
     info = ckpt.verify(tmp_path / "ckpt", 3)
     state = torch.load(info.path, weights_only=True)
-    assert info.manifest.jit and state["step"] == 3 and torch.equal(state["model"]["w"], torch.full((3,), 3.0))
-    assert state["python_handler_ran"] is False, "saved while the Python-level handler could not run"
-    assert 1.0 <= took < 8.0, f"saved and exited {took:.1f} s after SIGTERM (stall detection is 1 s)"
+    assert (
+        info.manifest.jit
+        and state["step"] == 3
+        and torch.equal(state["model"]["w"], torch.full((3,), 3.0))
+    )
+    assert state["python_handler_ran"] is False, (
+        "saved while the Python-level handler could not run"
+    )
+    assert 1.0 <= took < 8.0, (
+        f"saved and exited {took:.1f} s after SIGTERM (stall detection is 1 s)"
+    )
 
 
 def test_without_the_wakeup_a_flag_only_handler_never_runs_while_blocked(tmp_path: Path) -> None:
@@ -296,7 +364,9 @@ def test_without_the_wakeup_a_flag_only_handler_never_runs_while_blocked(tmp_pat
     assert "received SIGTERM" not in (tmp_path / "log-blocked-0.txt").read_text()
 
 
-def test_a_save_while_the_main_thread_is_blocked_in_a_collective_is_immediate(tmp_path: Path) -> None:
+def test_a_save_while_the_main_thread_is_blocked_in_a_collective_is_immediate(
+    tmp_path: Path,
+) -> None:
     peer = _spawn("blocked", "1", "direct", work=tmp_path, stdin=subprocess.PIPE)
     main = _spawn("blocked", "0", "direct", work=tmp_path)
     try:
@@ -307,27 +377,44 @@ def test_a_save_while_the_main_thread_is_blocked_in_a_collective_is_immediate(tm
     result = json.loads((tmp_path / "direct.json").read_text())
     assert not (tmp_path / "returned").exists(), "the allreduce was still blocked"
     assert result["saved"] and result["step"] == 3
-    assert result["took"] < 1.0, f"the save took {result['took']:.2f} s: it must not wait for the collective"
+    assert result["took"] < 1.0, (
+        f"the save took {result['took']:.2f} s: it must not wait for the collective"
+    )
 
 
 def test_every_rank_saves_rank0s_buffers_of_the_last_step(tmp_path: Path) -> None:
     (rank0, rank1), _ = _run_pair("buffers", work=tmp_path)
     # Round 1: rank 1's own statistics were different and the live ones -5.0 when it saved.
-    expected = {"mean": [0.0, 0.0, 1.0], "negative_zero": [True, False, False], "count": 10,
-                "half": [torch.tensor(1 / 3, dtype=torch.bfloat16).item()] * 2, "half_dtype": "torch.bfloat16",
-                "big": 2**40 + 1, "source": "rank0"}
+    expected = {
+        "mean": [0.0, 0.0, 1.0],
+        "negative_zero": [True, False, False],
+        "count": 10,
+        "half": [torch.tensor(1 / 3, dtype=torch.bfloat16).item()] * 2,
+        "half_dtype": "torch.bfloat16",
+        "big": 2**40 + 1,
+        "source": "rank0",
+    }
     assert rank0["round1"] == rank1["round1"] == expected
     # Round 2: rank 0's copy never arrived, so rank 1 never updated: it saves round 1's buffers.
     assert rank1["round2"] == expected
     # Round 0 (the start, before any exchange): rank 1 holds what rank 0 holds, as rank 0's. Rank 0
     # would read "rank0" whatever the identical-start commit did; rank 1 shows that it worked.
-    start = {"mean": [0.5] * 3, "negative_zero": [False] * 3, "count": 0, "half": [0.0] * 2,
-             "half_dtype": "torch.bfloat16", "big": 0, "source": "rank0"}
+    start = {
+        "mean": [0.5] * 3,
+        "negative_zero": [False] * 3,
+        "count": 0,
+        "half": [0.0] * 2,
+        "half_dtype": "torch.bfloat16",
+        "big": 0,
+        "source": "rank0",
+    }
     assert rank1["round0"] == start and rank0["round0"] == start
 
 
-@pytest.mark.parametrize(("jit", "stopped_after"),
-                         [("on", SIGNAL_STEP), ("off", SIGNAL_STEP), ("off-unsynced", SIGNAL_STEP + 1)])
+@pytest.mark.parametrize(
+    ("jit", "stopped_after"),
+    [("on", SIGNAL_STEP), ("off", SIGNAL_STEP), ("off-unsynced", SIGNAL_STEP + 1)],
+)
 def test_a_stop_signal_ends_the_run_after_the_step_in_progress_when_buffers_ride_on_the_control(
     tmp_path: Path, jit: str, stopped_after: int
 ) -> None:

@@ -58,7 +58,12 @@ def test_config_file_from_env_variable(tmp_path: Path) -> None:
     [
         ({"nnodes": "0"}, {}, None, "command line --nnodes: bad value '0'"),
         ({"nnodes": "a:b"}, {}, None, "--nnodes: bad value 'a:b' \\(not a number\\)"),
-        ({}, {"ELASTIC_TRAINER_MAX_RESTARTS": "-1"}, None, "environment ELASTIC_TRAINER_MAX_RESTARTS: bad value '-1'"),
+        (
+            {},
+            {"ELASTIC_TRAINER_MAX_RESTARTS": "-1"},
+            None,
+            "environment ELASTIC_TRAINER_MAX_RESTARTS: bad value '-1'",
+        ),
         ({}, {}, "[run]\nmetrics_port = 99999\n", "key metrics_port: bad value 99999"),
         ({}, {}, "[run]\nnodes = 2\n", "unknown key 'nodes' in \\[run\\]"),
         ({}, {}, "[launch]\nnnodes = 2\n", "unknown table or key 'launch'"),
@@ -66,8 +71,18 @@ def test_config_file_from_env_variable(tmp_path: Path) -> None:
         ({"device": "tpu"}, {}, None, "must be one of auto, cpu, cuda"),
         ({"rdzv_conf": "novalue"}, {}, None, "'novalue' is not KEY=VALUE"),
         ({"keep_alive_interval": "40"}, {}, None, "keep_alive_interval \\(40s\\) must be shorter"),
-        ({"warm_start": "yes"}, {}, None, "--warm-start: bad value 'yes' \\(must be one of on, off\\)"),
-        ({}, {"ELASTIC_TRAINER_WARM_PRELOAD": "ok.mod,bad-name"}, None, "'bad-name' is not a module name"),
+        (
+            {"warm_start": "yes"},
+            {},
+            None,
+            "--warm-start: bad value 'yes' \\(must be one of on, off\\)",
+        ),
+        (
+            {},
+            {"ELASTIC_TRAINER_WARM_PRELOAD": "ok.mod,bad-name"},
+            None,
+            "'bad-name' is not a module name",
+        ),
     ],
 )
 def test_bad_values_name_option_and_source(
@@ -94,7 +109,11 @@ def test_resolve_nproc(nproc: str, device: str, gpus: int, expected: int) -> Non
 
 @pytest.mark.parametrize(
     ("nproc", "device", "gpus", "message"),
-    [("8", "cuda", 4, "--nproc-per-node 8: only 4 GPU"), ("8", "auto", 2, "only 2 GPU"), ("1", "cuda", 0, "no CUDA device")],
+    [
+        ("8", "cuda", 4, "--nproc-per-node 8: only 4 GPU"),
+        ("8", "auto", 2, "only 2 GPU"),
+        ("1", "cuda", 0, "no CUDA device"),
+    ],
 )
 def test_resolve_nproc_rejects(nproc: str, device: str, gpus: int, message: str) -> None:
     options = resolve_run_options({"nproc_per_node": nproc, "device": device}, env={})
@@ -117,9 +136,16 @@ def test_warm_start_is_on_by_default_and_workers_go_through_the_client() -> None
     options = resolve_run_options({"warm_preload": " mymodel , mymodel.layers "}, env={})
     assert options.warm_start == "on" and options.warm_preload == "mymodel,mymodel.layers"
     target = split_target(["pkg.mod", "--lr", "0.1"], as_module=True)
-    client = ["-m", "elastic_trainer.launch.warm_start", "--socket", "/s", "--", *target.torchrun_args()]
+    client = [
+        "-m",
+        "elastic_trainer.launch.warm_start",
+        "--socket",
+        "/s",
+        "--",
+        *target.torchrun_args(),
+    ]
     argv = torchrun_argv(options, "e:1", "job", 2, target, client)
-    assert argv[-len(client):] == client
+    assert argv[-len(client) :] == client
 
 
 def test_target_requires_something_to_run() -> None:
@@ -136,8 +162,14 @@ def test_each_rendezvous_option_is_the_rdzv_conf_key_itself() -> None:
     from rendezvous.settings import settings_from_conf
 
     rendezvous = [spec for spec in OPTIONS if spec.rendezvous_key]
-    assert {spec.name for spec in rendezvous} == {"join_timeout", "last_call_timeout", "lease_ttl",
-                                                   "close_timeout", "heartbeat_timeout", "keep_alive_interval"}
+    assert {spec.name for spec in rendezvous} == {
+        "join_timeout",
+        "last_call_timeout",
+        "lease_ttl",
+        "close_timeout",
+        "heartbeat_timeout",
+        "keep_alive_interval",
+    }
     for spec in rendezvous:
         key = KEYS_BY_NAME[spec.name]
         assert spec.help == key.doc
@@ -146,14 +178,18 @@ def test_each_rendezvous_option_is_the_rdzv_conf_key_itself() -> None:
     settings = settings_from_conf(rendezvous_conf(options))
     for spec in rendezvous:
         assert getattr(settings, spec.name) == getattr(options, spec.name)
-    with pytest.raises(UserError, match="--join-timeout: bad value 'soon' \\('soon' is not a number\\)"):
+    with pytest.raises(
+        UserError, match="--join-timeout: bad value 'soon' \\('soon' is not a number\\)"
+    ):
         resolve_run_options({"join_timeout": "soon"}, env={})
 
 
 def test_every_run_options_field_is_an_option() -> None:
     from dataclasses import fields
 
-    assert [f.name for f in fields(RunOptions) if f.name != "sources"] == [spec.name for spec in OPTIONS]
+    assert [f.name for f in fields(RunOptions) if f.name != "sources"] == [
+        spec.name for spec in OPTIONS
+    ]
 
 
 def test_on_its_own_embedded_etcd_the_first_round_waits_no_last_call() -> None:

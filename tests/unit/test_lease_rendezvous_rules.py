@@ -50,12 +50,19 @@ def test_ranks_stay_stable_and_newcomers_follow() -> None:
 
 def test_at_most_max_nodes() -> None:
     settings = RendezvousSettings(run_id="r", min_nodes=1, max_nodes=2)
-    assert decide_close(snapshot(["a", "b", "c"], {"a", "b", "c"}, ["a", "b"]), settings, 0) == ["a", "b"]
+    assert decide_close(snapshot(["a", "b", "c"], {"a", "b", "c"}, ["a", "b"]), settings, 0) == [
+        "a",
+        "b",
+    ]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"min_nodes": 3, "max_nodes": 2}, "nnodes"), ({"lease_ttl": 1}, "lease_ttl"), ({"join_timeout": 0}, "join_timeout")],
+    [
+        ({"min_nodes": 3, "max_nodes": 2}, "nnodes"),
+        ({"lease_ttl": 1}, "lease_ttl"),
+        ({"join_timeout": 0}, "join_timeout"),
+    ],
 )
 def test_settings_validation(kwargs, message) -> None:  # type: ignore[no-untyped-def]
     base = {"run_id": "r", "min_nodes": 1, "max_nodes": 2}
@@ -68,10 +75,20 @@ def test_settings_validation(kwargs, message) -> None:  # type: ignore[no-untype
     [
         (Snapshot(1, None, 0, set(), {}), "no round was open"),
         (snapshot(["a"], {"a"}, None), "1 of min 2 nodes had joined round 3"),
-        (snapshot(["a", "b"], {"a", "b"}, None), "2 nodes had joined round 3 (min 2), still in the last call"),
-        (snapshot(["a", "b"], {"a", "b", "c"}, ["a", "b", "c"]), "1 live member(s) of the previous round had not rejoined: c"),
-        (Snapshot(1, RoundState(2, COMPLETE, ["p", "q", "r", "s"]), 1, {"p", "q", "r", "s", "me"}, {}),
-         "the job is full (4 of max 4 nodes run it); this node waited as a spare"),
+        (
+            snapshot(["a", "b"], {"a", "b"}, None),
+            "2 nodes had joined round 3 (min 2), still in the last call",
+        ),
+        (
+            snapshot(["a", "b"], {"a", "b", "c"}, ["a", "b", "c"]),
+            "1 live member(s) of the previous round had not rejoined: c",
+        ),
+        (
+            Snapshot(
+                1, RoundState(2, COMPLETE, ["p", "q", "r", "s"]), 1, {"p", "q", "r", "s", "me"}, {}
+            ),
+            "the job is full (4 of max 4 nodes run it); this node waited as a spare",
+        ),
     ],
 )
 def test_the_join_timeout_says_what_was_missing(snap: Snapshot, expected: str) -> None:

@@ -41,7 +41,9 @@ def agent_event(state: str, *, group_world_size: int, duration_ms: float | None 
     """An event shaped exactly like torch 2.13's SimpleElasticAgent._construct_event."""
     md = {"group_world_size": group_world_size, "entry_point": "python"}
     if state == "START":
-        md.update(local_rank=[0], role_rank=[0], role_world_size=[2], exit_code=[None], worker_pid=[None])
+        md.update(
+            local_rank=[0], role_rank=[0], role_world_size=[2], exit_code=[None], worker_pid=[None]
+        )
     metadata = {
         "run_id": "job",
         "global_rank": 0 if state == "START" else None,
@@ -84,7 +86,9 @@ def test_one_restart_count(agent: AgentMetrics, registry: CollectorRegistry) -> 
     torch_metrics.put_metric("workers.default.remaining_restarts", 3)
     torch_metrics.put_metric("SimpleElasticAgent._restart_workers.duration.ms", 900)  # a failure
     torch_metrics.put_metric("workers.default.remaining_restarts", 2)
-    torch_metrics.put_metric("SimpleElasticAgent._restart_workers.duration.ms", 700)  # a node joined
+    torch_metrics.put_metric(
+        "SimpleElasticAgent._restart_workers.duration.ms", 700
+    )  # a node joined
     assert value(registry, "elastic_trainer_restarts_total") == 2
     counts = [m.name for m in registry.collect() if "restarts" in m.name and m.type == "counter"]
     assert counts == ["elastic_trainer_restarts"]
@@ -95,7 +99,9 @@ def test_rendezvous_rounds_and_membership_from_events(
 ) -> None:
     # Round 1: 2 nodes, 2 workers started here. Round 2: same size. Round 3: shrunk to 1 node.
     for duration_ms, nodes in ((1500.0, 2), (800.0, 2), (31000.0, 1)):
-        torch_events.record(agent_event("RENDEZVOUS", group_world_size=nodes, duration_ms=duration_ms))
+        torch_events.record(
+            agent_event("RENDEZVOUS", group_world_size=nodes, duration_ms=duration_ms)
+        )
         for _ in range(2):
             torch_events.record(agent_event("START", group_world_size=nodes))
     assert value(registry, "elastic_trainer_rendezvous_duration_seconds_count") == 3
@@ -143,7 +149,9 @@ def test_labels_must_be_given() -> None:
         AgentMetrics(run_id="r", node="")
 
 
-def test_heals_are_counted_apart_from_restarts(agent: AgentMetrics, registry: CollectorRegistry) -> None:
+def test_heals_are_counted_apart_from_restarts(
+    agent: AgentMetrics, registry: CollectorRegistry
+) -> None:
     assert value(registry, "elastic_trainer_heals_total") == 0
     agent.healed()
     agent.healed()

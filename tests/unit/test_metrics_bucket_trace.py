@@ -86,7 +86,9 @@ def test_buckets_belong_to_the_synchronising_forward_before_them(
 
     monkeypatch.setattr(metrics_bucket_trace, "MAX_REMEMBERED_STEPS", 2)
     trace.queued = [launched(360, small)]
-    assert [t.step_seq for t in timer.drain()] == [2]  # a drain forgets all but the newest 2 forwards
+    assert [t.step_seq for t in timer.drain()] == [
+        2
+    ]  # a drain forgets all but the newest 2 forwards
     trace.queued = [launched(150, small), launched(360, small)]
     assert [t.step_seq for t in timer.drain()] == [2]
     assert timer.dropped == 2

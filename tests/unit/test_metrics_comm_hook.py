@@ -32,7 +32,9 @@ def _model() -> torch.nn.Module:
 def test_hook_times_every_bucket_and_keeps_gradients(gloo_world: None) -> None:
     registry = CollectorRegistry()
     labels = WorkerLabels(run_id="j", node="n", rank=0, local_rank=0)
-    observer = PrometheusObserver(labels=labels, registry=registry, sample_allreduce=False)  # the hook mode
+    observer = PrometheusObserver(
+        labels=labels, registry=registry, sample_allreduce=False
+    )  # the hook mode
     plain = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.05)
     hooked = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.05)
     observer.wrap_ddp(hooked)
@@ -82,7 +84,9 @@ def _gloo_pair() -> tuple[dist.ProcessGroupGloo, dist.ProcessGroupGloo]:
 def test_the_average_is_a_division_on_gloo_and_in_the_collective_on_nccl(gloo_world: None) -> None:
     one = AllreduceTimer()
     one._resolve_group()
-    assert not one._divide and one._options.reduceOp == dist.ReduceOp.SUM  # one rank: nothing to divide
+    assert (
+        not one._divide and one._options.reduceOp == dist.ReduceOp.SUM
+    )  # one rank: nothing to divide
 
     class Group:  # what the timer reads of a group (real ones: below, and NCCL in tests/gpu)
         def __init__(self, backend: str) -> None:
@@ -139,13 +143,22 @@ exit_process(0)  # not through gloo's C++ teardown, which can abort (see process
 
 
 @pytest.mark.parametrize("average", ["divide", "collective"])
-def test_the_hook_averages_gradients_over_two_real_gloo_processes(average: str, tmp_path: Path) -> None:
+def test_the_hook_averages_gradients_over_two_real_gloo_processes(
+    average: str, tmp_path: Path
+) -> None:
     """Real DDP at world size 2 (where dividing, averaging and summing differ): each rank's hooked
     gradients are the mean of both ranks' local gradients."""
     command = [sys.executable, "-c", AVERAGING_RANK]
-    procs = [subprocess.Popen([*command, str(rank), str(tmp_path / "store"), average], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-             for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [*command, str(rank), str(tmp_path / "store"), average],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
     try:
         outputs = [p.communicate(timeout=60) for p in procs]
     finally:
@@ -239,7 +252,10 @@ def test_exposed_wait_is_last_done_minus_last_launch() -> None:
 
     assert exposed_wait_s([]) == 0.0
     assert exposed_wait_s([t(1.0, 1.5), t(1.2, 1.3)]) == pytest.approx(0.3)
-    cuda = [BucketTiming(step_seq=0, nbytes=1, duration_s=d, launched_s=None, done_s=None) for d in (0.5, 0.2)]
+    cuda = [
+        BucketTiming(step_seq=0, nbytes=1, duration_s=d, launched_s=None, done_s=None)
+        for d in (0.5, 0.2)
+    ]
     assert exposed_wait_s(cuda) == 0.2
 
 
@@ -282,7 +298,9 @@ def test_cuda_drain_never_waits_for_unfinished_events() -> None:
     assert [t.nbytes for t in timer.drain()] == [20, 30]
 
 
-def test_cuda_events_are_reused_once_drained_and_not_before(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_events_are_reused_once_drained_and_not_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     created: list[FakeEvent] = []
 
     def new_event(enable_timing: bool = False) -> FakeEvent:
@@ -318,7 +336,9 @@ def test_cuda_events_are_reused_once_drained_and_not_before(monkeypatch: pytest.
     assert reused == {id(first.start), id(first.end)} and len(created) == 4
 
 
-def test_the_default_times_allreduces_from_ddp_s_sampled_statistics_without_a_hook(gloo_world: None) -> None:
+def test_the_default_times_allreduces_from_ddp_s_sampled_statistics_without_a_hook(
+    gloo_world: None,
+) -> None:
     """Issue 30: the default puts nothing on DDP's per-bucket path; the allreduce metrics come from
     DDP's own C++ timing of sampled backwards (its first ten, then one in ten)."""
     from elastic_trainer.runtime import torch_compat
@@ -339,13 +359,23 @@ def test_the_default_times_allreduces_from_ddp_s_sampled_statistics_without_a_ho
         observer.on_step(step=n, duration_s=0.1, data_wait_s=0.0, samples=16, tokens=0, loss=None)
     # DDP computes a backward's statistics at the next forward: the last one is not in yet.
     samples = registry.get_sample_value("elastic_trainer_allreduce_duration_seconds_count", rank)
-    assert samples == steps - 1, "one sample per flush here (each of DDP's first ten backwards is timed)"
+    assert samples == steps - 1, (
+        "one sample per flush here (each of DDP's first ten backwards is timed)"
+    )
     param_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters())
     sizes = [int(s) for s in torch_compat.ddp_logging_data(ddp)["rebuilt_bucket_sizes"].split(",")]
-    assert len(sizes) >= 2 and sum(sizes) == param_bytes  # per parameter: a first bucket, then 0.05 MB caps
-    assert registry.get_sample_value("elastic_trainer_allreduce_bucket_bytes_sum", rank) == (steps - 1) * param_bytes
+    assert (
+        len(sizes) >= 2 and sum(sizes) == param_bytes
+    )  # per parameter: a first bucket, then 0.05 MB caps
+    assert (
+        registry.get_sample_value("elastic_trainer_allreduce_bucket_bytes_sum", rank)
+        == (steps - 1) * param_bytes
+    )
     # Every step's bytes count, at the newest sample's sizes (none before the first sample).
-    assert registry.get_sample_value("elastic_trainer_allreduce_bytes_total", rank) == (steps - 1) * param_bytes
+    assert (
+        registry.get_sample_value("elastic_trainer_allreduce_bytes_total", rank)
+        == (steps - 1) * param_bytes
+    )
     assert registry.get_sample_value("elastic_trainer_step_compute_seconds_count", rank) == steps
     compute = registry.get_sample_value("elastic_trainer_step_compute_seconds_sum", rank)
     assert compute is not None and 0 < compute <= steps * 0.1

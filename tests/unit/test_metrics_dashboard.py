@@ -18,7 +18,9 @@ from tests.support.prometheus_server import require_binary
 
 pytestmark = pytest.mark.timeout(60)
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "helm/elastic-trainer/dashboards/elastic-trainer.json"
+DASHBOARD = (
+    Path(__file__).resolve().parents[2] / "helm/elastic-trainer/dashboards/elastic-trainer.json"
+)
 
 # What Grafana substitutes before a query reaches Prometheus (the test run's values).
 GRAFANA_VARIABLES = {"$__rate_interval": "10s", "$run_id": ".*", "$node": ".*"}

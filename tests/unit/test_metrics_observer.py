@@ -36,7 +36,11 @@ def observer(registry: CollectorRegistry) -> PrometheusObserver:
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     # Writes every step, so that each test reads what it just reported (deferral: see below).
     return PrometheusObserver(
-        sample_allreduce=False, labels=labels, registry=registry, wall_clock=lambda: 1_700_000_000.0, flush_interval_s=0.0
+        sample_allreduce=False,
+        labels=labels,
+        registry=registry,
+        wall_clock=lambda: 1_700_000_000.0,
+        flush_interval_s=0.0,
     )
 
 
@@ -196,11 +200,17 @@ def test_worker_labels_validate_and_read_env() -> None:
         WorkerLabels(run_id="j", node="n", rank=-1, local_rank=0)
     with pytest.raises(ValueError, match="run_id"):
         WorkerLabels(run_id="", node="n", rank=0, local_rank=0)
-    settings = WorkerSettings.from_environ({"RANK": "5", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "j1"})
-    labels = WorkerLabels.from_settings(settings, rank=settings.rank, local_rank=settings.local_rank)
+    settings = WorkerSettings.from_environ(
+        {"RANK": "5", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "j1"}
+    )
+    labels = WorkerLabels.from_settings(
+        settings, rank=settings.rank, local_rank=settings.local_rank
+    )
     assert (labels.run_id, labels.rank, labels.local_rank) == ("j1", 5, 1)
     assert labels.node == socket.gethostname().split(".")[0]  # no launcher: the short host name
-    settings = WorkerSettings.from_environ({"RANK": "0", "ELASTIC_TRAINER_NODE": "node-7-4242"})  # the launcher's
+    settings = WorkerSettings.from_environ(
+        {"RANK": "0", "ELASTIC_TRAINER_NODE": "node-7-4242"}
+    )  # the launcher's
     assert WorkerLabels.from_settings(settings, rank=0, local_rank=0).node == "node-7-4242"
     with pytest.raises(ValueError, match="RANK"):
         WorkerSettings.from_environ({"RANK": "x"})
@@ -268,7 +278,11 @@ def test_no_checkpoint_series_before_the_first_checkpoint(
 def test_allreduce_timing_can_be_turned_off(registry: CollectorRegistry) -> None:
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     observer = PrometheusObserver(
-        sample_allreduce=False, labels=labels, registry=registry, time_allreduce=False, flush_interval_s=0.0
+        sample_allreduce=False,
+        labels=labels,
+        registry=registry,
+        time_allreduce=False,
+        flush_interval_s=0.0,
     )
     ddp = FakeDDP()
     observer.wrap_ddp(ddp)
@@ -281,7 +295,11 @@ def test_per_step_values_are_written_once_per_flush_interval(registry: Collector
     now = [100.0]
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     observer = PrometheusObserver(
-        sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=1.0, clock=lambda: now[0]
+        sample_allreduce=False,
+        labels=labels,
+        registry=registry,
+        flush_interval_s=1.0,
+        clock=lambda: now[0],
     )
     step(observer, 1)  # the first step writes at once
     assert value(registry, "elastic_trainer_samples_total") == 32
@@ -309,13 +327,20 @@ def test_per_step_values_are_written_once_per_flush_interval(registry: Collector
     observer.flush()
     assert value(registry, "elastic_trainer_samples_total") == 6 * 32
     with pytest.raises(ValueError, match="flush_interval_s"):
-        PrometheusObserver(sample_allreduce=False, labels=labels, registry=CollectorRegistry(), flush_interval_s=-1.0)
+        PrometheusObserver(
+            sample_allreduce=False,
+            labels=labels,
+            registry=CollectorRegistry(),
+            flush_interval_s=-1.0,
+        )
 
 
 def test_deferred_histograms_export_exactly_what_observe_would(registry: CollectorRegistry) -> None:
     """The local histograms write prometheus-client's own storage: the same samples as observe()."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=3600.0)
+    observer = PrometheusObserver(
+        sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=3600.0
+    )
     reference = CollectorRegistry()
     direct = metrics_mod._WorkerMetrics(reference, labels)
     durations = [0.0, 0.001, 0.0015, 0.2, 0.2000001, 7.0, 59.9, 60.0, 1e6, -0.5]
@@ -370,7 +395,9 @@ def test_compute_time_pairs_each_step_with_its_own_buckets_when_reported_late(
     step(observer, 2, duration_s=0.5)
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3)
     step(observer, 3, duration_s=0.5)  # the last step: reported after its own backward
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3 + 0.47)
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(
+        0.49 + 0.3 + 0.47
+    )
     assert value(registry, "elastic_trainer_step_compute_seconds_count") == 3
     assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 3
 
@@ -413,7 +440,9 @@ def test_deferred_steps_export_what_writing_every_step_exports() -> None:
     writing each step at once does: step k subtracts its own wait, no later step's."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     eager_registry, lazy_registry = CollectorRegistry(), CollectorRegistry()
-    eager = PrometheusObserver(sample_allreduce=False, labels=labels, registry=eager_registry, flush_interval_s=0.0)
+    eager = PrometheusObserver(
+        sample_allreduce=False, labels=labels, registry=eager_registry, flush_interval_s=0.0
+    )
     lazy = PrometheusObserver(sample_allreduce=False, labels=labels, registry=lazy_registry, flush_interval_s=3600.0,
                               clock=lambda: 0.0)  # fmt: skip
     steps = metrics_mod.MAX_DEFERRED_STEPS - 10
@@ -450,7 +479,9 @@ def test_wrapping_a_new_model_keeps_the_old_hooks_timings(registry: CollectorReg
     assert value(registry, "elastic_trainer_allreduce_bytes_total") == 1000
 
 
-def test_a_long_interval_still_flushes_every_max_deferred_steps(registry: CollectorRegistry) -> None:
+def test_a_long_interval_still_flushes_every_max_deferred_steps(
+    registry: CollectorRegistry,
+) -> None:
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=3600.0,
                                   clock=lambda: 0.0)  # fmt: skip
@@ -481,12 +512,16 @@ def test_cuda_step_without_synchronised_backward_keeps_the_pairing(
     timer.next_step()
     step(observer, 4, duration_s=0.4)
     # Step 1: 0.5 - 10 ms; step 2: 0.3; step 3: 0.4 - its own 30 ms (not step 1's 10 ms).
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3 + 0.37)
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(
+        0.49 + 0.3 + 0.37
+    )
     assert value(registry, "elastic_trainer_step_compute_seconds_count") == 3
 
 
 @pytest.mark.parametrize("interval", [0.0, 3600.0])
-def test_priming_passes_are_timed_but_not_paired_with_a_step(registry: CollectorRegistry, interval: float) -> None:
+def test_priming_passes_are_timed_but_not_paired_with_a_step(
+    registry: CollectorRegistry, interval: float
+) -> None:
     """After a restart the runtime runs synchronised backward passes that belong to no step
     (bucket priming): the first real step must subtract its own wait, not a priming pass's."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
@@ -503,13 +538,17 @@ def test_priming_passes_are_timed_but_not_paired_with_a_step(registry: Collector
     observer.on_priming(backward_passes=2)
     timer.record_cpu(2, 1000, launched_s=5.0, done_s=5.01)  # step 1 waited 10 ms
     timer.next_step()
-    timer.record_cpu(3, 1000, launched_s=6.0, done_s=6.02)  # step 2's backward ran before step 1's report
+    timer.record_cpu(
+        3, 1000, launched_s=6.0, done_s=6.02
+    )  # step 2's backward ran before step 1's report
     timer.next_step()
     step(observer, 1, duration_s=0.5)
     step(observer, 2, duration_s=0.5)
     observer.flush()
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.48)
-    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 4  # priming counts
+    assert (
+        value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 4
+    )  # priming counts
     with pytest.raises(ValueError, match="backward_passes"):
         observer.on_priming(backward_passes=-1)
 
@@ -531,4 +570,6 @@ def test_a_new_ddp_model_restarts_the_step_numbering(registry: CollectorRegistry
             timer.next_step()
             step(observer, seq + 1, duration_s=0.5)
     observer.flush()
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(3 * 0.4 + 0.48)
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(
+        3 * 0.4 + 0.48
+    )

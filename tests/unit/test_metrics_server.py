@@ -37,7 +37,9 @@ obs.on_step(step=1, duration_s=0.1, data_wait_s=0.0, samples=8, tokens=0, loss=0
 NODE_NAME = "host-w-4242"  # what the launcher exports as ELASTIC_TRAINER_NODE
 
 
-def run_worker(directory: Path, *, rank: int, restart_count: int = 0, node: str | None = NODE_NAME) -> int:
+def run_worker(
+    directory: Path, *, rank: int, restart_count: int = 0, node: str | None = NODE_NAME
+) -> int:
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(directory), RANK=str(rank),
                LOCAL_RANK=str(rank), TORCHELASTIC_RUN_ID="job")  # fmt: skip
     if node == "":  # a worker without a launcher
@@ -62,9 +64,7 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def find(samples: dict, name: str, **labels: str) -> list[float]:
-    return [
-        v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()
-    ]
+    return [v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()]
 
 
 def test_dead_workers_counters_stay_and_live_gauges_go(tmp_path: Path) -> None:
@@ -177,7 +177,12 @@ def test_a_worker_without_a_launcher_uses_the_short_host_name(tmp_path: Path) ->
     run_worker(tmp_path, rank=0, node="")
     registry = CollectorRegistry()
     registry.register(LiveMultiProcessCollector(str(tmp_path)))
-    labels = {"run_id": "job", "node": socket.gethostname().split(".")[0], "rank": "0", "local_rank": "0"}
+    labels = {
+        "run_id": "job",
+        "node": socket.gethostname().split(".")[0],
+        "rank": "0",
+        "local_rank": "0",
+    }
     assert registry.get_sample_value("elastic_trainer_samples_total", labels) == 8
 
 
@@ -215,9 +220,13 @@ def test_start_launcher_metrics_sets_up_and_undoes_everything(
         assert find(samples, "elastic_trainer_samples_total", node="host-a-77") == [8.0]
         assert find(samples, "elastic_trainer_restarts_total", node="host-a-77") == [1.0]
         # The registry in-process is what the endpoint serves.
-        assert handle.registry.get_sample_value(
-            "elastic_trainer_samples_total", {"run_id": "job", "node": "host-a-77", "rank": "0", "local_rank": "0"}
-        ) == 8.0
+        assert (
+            handle.registry.get_sample_value(
+                "elastic_trainer_samples_total",
+                {"run_id": "job", "node": "host-a-77", "rank": "0", "local_rank": "0"},
+            )
+            == 8.0
+        )
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
     assert "ELASTIC_TRAINER_METRICS" not in os.environ
     assert "ELASTIC_TRAINER_NODE" not in os.environ
@@ -265,8 +274,12 @@ def test_worker_observer_honours_allreduce_switch(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "expected"),
-    [("sampled", "True False True 0 unset"), ("hook", "True False False 0 unset"),
-     ("TRACE", "True True True 2000 1"), ("no", "False False True 0 unset")],
+    [
+        ("sampled", "True False True 0 unset"),
+        ("hook", "True False False 0 unset"),
+        ("TRACE", "True True True 2000 1"),
+        ("no", "False False True 0 unset"),
+    ],
 )
 def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: str) -> None:
     """``trace`` turns the flight recorder and NCCL's timing on in the worker's environment (before
@@ -278,10 +291,14 @@ def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: st
         "print(o.time_allreduce, o.trace_allreduce, o.sample_allreduce, os.environ.get('TORCH_FR_BUFFER_SIZE', '0'),\n"
         "      os.environ.get('TORCH_NCCL_ENABLE_TIMING', 'unset'))\n"
     )
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), ELASTIC_TRAINER_METRICS_ALLREDUCE=mode)
+    env = dict(
+        os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), ELASTIC_TRAINER_METRICS_ALLREDUCE=mode
+    )
     env.pop("TORCH_FR_BUFFER_SIZE", None)
     env.pop("TORCH_NCCL_ENABLE_TIMING", None)
-    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == expected.split()
 
@@ -295,14 +312,28 @@ def test_a_worker_refuses_an_unknown_allreduce_mode(tmp_path: Path) -> None:
         "except ConfigError as exc:\n"
         "    print(exc)\n"
     )
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), ELASTIC_TRAINER_METRICS_ALLREDUCE="traec")
-    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True)
-    assert done.stdout.strip() == "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected sampled, hook, trace or 0", done
+    env = dict(
+        os.environ,
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
+        ELASTIC_TRAINER_METRICS_ALLREDUCE="traec",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True
+    )
+    assert (
+        done.stdout.strip()
+        == "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected sampled, hook, trace or 0"
+    ), done
 
 
-def test_launcher_rejects_an_unknown_allreduce_mode_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launcher_rejects_an_unknown_allreduce_mode_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("ELASTIC_TRAINER_METRICS_ALLREDUCE", "hooks")
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    with pytest.raises(MetricsError, match="ELASTIC_TRAINER_METRICS_ALLREDUCE='hooks': expected sampled, hook, trace or 0"):
+    with pytest.raises(
+        MetricsError,
+        match="ELASTIC_TRAINER_METRICS_ALLREDUCE='hooks': expected sampled, hook, trace or 0",
+    ):
         start_launcher_metrics(LauncherMetricsConfig(addr="127.0.0.1", port=0))
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ

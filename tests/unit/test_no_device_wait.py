@@ -119,18 +119,32 @@ def _run(tmp_path: Path, *, leak: bool) -> list[dict]:
     metrics = out / "metrics"
     metrics.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PROMETHEUS_MULTIPROC_DIR": str(metrics)}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(out), str(out / "store"), str(int(leak))],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(rank), str(out), str(out / "store"), str(int(leak))],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outputs = [p.communicate(timeout=150)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    wait_for(lambda: all((out / f"counts-{r}.json").exists() for r in range(2)), timeout=5, what="the counts")
+    wait_for(
+        lambda: all((out / f"counts-{r}.json").exists() for r in range(2)),
+        timeout=5,
+        what="the counts",
+    )
     return [json.loads((out / f"counts-{r}.json").read_text()) for r in range(2)]
 
 
 def test_a_steady_state_step_never_waits_for_the_device(tmp_path: Path) -> None:
     for rank, result in enumerate(_run(tmp_path, leak=False)):
-        assert result["counts"] == {}, f"rank {rank}: calls that would wait for a GPU: {result['where']}"
+        assert result["counts"] == {}, (
+            f"rank {rank}: calls that would wait for a GPU: {result['where']}"
+        )
 
 
 def test_the_counter_sees_a_read_back_loss(tmp_path: Path) -> None:

@@ -96,7 +96,9 @@ def test_kill_worker_kills_one_worker_by_index(node: NodeProcess) -> None:
 
 
 def test_kill_worker_without_workers_names_the_node(tmp_path: Path) -> None:
-    with start_process([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "lone.log") as lone:
+    with start_process(
+        [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "lone.log"
+    ) as lone:
         match = f"node {lone.pid} has no worker to kill"
         with pytest.raises(ProcessLookupError, match=match):
             lone.kill_worker()
@@ -122,23 +124,44 @@ def test_terminate_sends_sigterm_and_wait_returns_the_status(node: NodeProcess) 
 
 def test_wait_on_a_running_node_fails_with_its_log(node: NodeProcess) -> None:
     wait_for(lambda: "node up" in node.output(), timeout=10, what="the node's line")
-    with pytest.raises(TimeoutError, match=rf"node {node.pid} still running after 0.1 s:\n(.|\n)*node up with 2") as raised:
+    with pytest.raises(
+        TimeoutError, match=rf"node {node.pid} still running after 0.1 s:\n(.|\n)*node up with 2"
+    ) as raised:
         node.wait(0.1)
-    tree = str(raised.value).split("processes still running:\n", 1)[1].split("\nits Python stacks:\n")[0].splitlines()
-    assert tree[0].startswith(f"{node.pid} ") and " wchan=" in tree[0], tree  # the node, then its processes
-    assert len(tree) == 1 + len(descendants(node.pid)) and all(line.startswith("  ") for line in tree[1:]), tree
+    tree = (
+        str(raised.value)
+        .split("processes still running:\n", 1)[1]
+        .split("\nits Python stacks:\n")[0]
+        .splitlines()
+    )
+    assert tree[0].startswith(f"{node.pid} ") and " wchan=" in tree[0], (
+        tree
+    )  # the node, then its processes
+    assert len(tree) == 1 + len(descendants(node.pid)) and all(
+        line.startswith("  ") for line in tree[1:]
+    ), tree
 
 
-def test_wait_on_a_running_node_names_each_thread_and_shows_its_python_stacks(node: NodeProcess) -> None:
+def test_wait_on_a_running_node_names_each_thread_and_shows_its_python_stacks(
+    node: NodeProcess,
+) -> None:
     """What a hung node's threads wait on (kernel) and where (Python): the first CI hang of an
     agent at exit gave only its main thread's wait channel."""
     wait_for(lambda: "node up" in node.output(), timeout=10, what="the node's line")
     with pytest.raises(TimeoutError) as raised:
         node.wait(0.1)
-    tree, stacks = str(raised.value).split("processes still running:\n", 1)[1].split("\nits Python stacks:\n")
-    assert re.search(r" threads=1 \[[^@\]]+@[a-z_]+\] ", tree.splitlines()[0]), tree  # name@wait channel
-    if os.geteuid() == 0:  # py-spy needs ptrace rights on a process that is not its child (CI runs as root)
-        assert f"Process {node.pid}:" in stacks and '"MainThread"' in stacks and "<module>" in stacks, stacks
+    tree, stacks = (
+        str(raised.value).split("processes still running:\n", 1)[1].split("\nits Python stacks:\n")
+    )
+    assert re.search(r" threads=1 \[[^@\]]+@[a-z_]+\] ", tree.splitlines()[0]), (
+        tree
+    )  # name@wait channel
+    if (
+        os.geteuid() == 0
+    ):  # py-spy needs ptrace rights on a process that is not its child (CI runs as root)
+        assert (
+            f"Process {node.pid}:" in stacks and '"MainThread"' in stacks and "<module>" in stacks
+        ), stacks
     else:
         assert stacks.strip(), "no Python stacks and no reason why"
 
@@ -183,7 +206,9 @@ def test_wait_for_times_out_with_what_and_the_description() -> None:
     with pytest.raises(TimeoutError) as raised:
         wait_for(lambda: calls.append(1), timeout=0.05, what="step 7", describe=lambda: "--- node a ---\nlast line",
                  interval=0.01)  # fmt: skip
-    assert str(raised.value) == "timed out after 0.05 s waiting for step 7\n--- node a ---\nlast line"
+    assert (
+        str(raised.value) == "timed out after 0.05 s waiting for step 7\n--- node a ---\nlast line"
+    )
     assert len(calls) >= 2  # tried at the start and at the deadline
 
 
@@ -200,12 +225,18 @@ def test_wait_for_retries_the_errors_named_and_reports_the_last() -> None:
             raise answer
         return answer
 
-    assert wait_for(probe, timeout=10, what="the server", retry_on=(OSError, KeyError), interval=0.001) == "up"
+    assert (
+        wait_for(probe, timeout=10, what="the server", retry_on=(OSError, KeyError), interval=0.001)
+        == "up"
+    )
 
     def refused() -> bool:
         raise ConnectionRefusedError("refused")
 
-    with pytest.raises(TimeoutError, match=r"waiting for the server \(last error: ConnectionRefusedError: refused\)$"):
+    with pytest.raises(
+        TimeoutError,
+        match=r"waiting for the server \(last error: ConnectionRefusedError: refused\)$",
+    ):
         wait_for(refused, timeout=0.02, what="the server", retry_on=(OSError,), interval=0.005)
 
 
@@ -221,16 +252,24 @@ def test_wait_for_lets_other_errors_through_at_once() -> None:
     assert calls == [1]
 
 
-def test_the_janitor_sweep_removes_what_dead_launchers_left_and_nothing_else(tmp_path: Path) -> None:
+def test_the_janitor_sweep_removes_what_dead_launchers_left_and_nothing_else(
+    tmp_path: Path,
+) -> None:
     """A launcher SIGKILLed together with its janitor leaves its metrics and warm-start
     directories; the next launcher removes those whose pid runs nothing (issue 31)."""
     from elastic_trainer.launch.janitor import sweep_stale
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = [tmp_path / f"elastic-trainer-metrics-{gone.pid}-abc", tmp_path / f"elastic-trainer-warm-{gone.pid}-def"]
-    alive = [tmp_path / f"elastic-trainer-metrics-{os.getpid()}-ghi", tmp_path / "elastic-trainer-metrics-xyz",
-             tmp_path / f"elastic-trainer-etcd-{gone.pid}-jkl"]
+    dead = [
+        tmp_path / f"elastic-trainer-metrics-{gone.pid}-abc",
+        tmp_path / f"elastic-trainer-warm-{gone.pid}-def",
+    ]
+    alive = [
+        tmp_path / f"elastic-trainer-metrics-{os.getpid()}-ghi",
+        tmp_path / "elastic-trainer-metrics-xyz",
+        tmp_path / f"elastic-trainer-etcd-{gone.pid}-jkl",
+    ]
     for path in [*dead, *alive]:
         path.mkdir()
         (path / "counter_1.db").write_bytes(b"x")

@@ -35,16 +35,30 @@ def _data(n: int = 40) -> TensorDataset:
     return TensorDataset(x, (x.sum(1) > 0).long())
 
 
-def _train(directory: Path | None, *, max_steps: int | None, epochs: int | None = None,
-           late_optimizer: bool = False, checkpoint_every: int = 4,
-           log_every: int = 1000) -> tuple[Elastic, nn.Module]:
+def _train(
+    directory: Path | None,
+    *,
+    max_steps: int | None,
+    epochs: int | None = None,
+    late_optimizer: bool = False,
+    checkpoint_every: int = 4,
+    log_every: int = 1000,
+) -> tuple[Elastic, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-    elastic = Elastic(model, _data(), global_batch_size=8, micro_batch_size=2, max_steps=max_steps, epochs=epochs,
-                      checkpoint_dir=None if directory is None else str(directory),
-                      checkpoint_every=checkpoint_every, log_every=log_every)
+    elastic = Elastic(
+        model,
+        _data(),
+        global_batch_size=8,
+        micro_batch_size=2,
+        max_steps=max_steps,
+        epochs=epochs,
+        checkpoint_dir=None if directory is None else str(directory),
+        checkpoint_every=checkpoint_every,
+        log_every=log_every,
+    )
     if late_optimizer:  # created after Elastic looked: not saved
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in elastic:
@@ -59,17 +73,26 @@ def _train(directory: Path | None, *, max_steps: int | None, epochs: int | None 
 
 def test_max_steps_alone_runs_past_the_first_epoch_and_resume_is_bitwise(tmp_path: Path) -> None:
     elastic, model = _train(tmp_path / "a", max_steps=12)  # 5 steps an epoch
-    assert elastic.result is not None and elastic.result.step == 12 and elastic.result.exit_code == 0
-    assert set(elastic.state.objects) == {"model", "optimizer", "scheduler", "sampler"}, "found, not listed"
+    assert (
+        elastic.result is not None and elastic.result.step == 12 and elastic.result.exit_code == 0
+    )
+    assert set(elastic.state.objects) == {"model", "optimizer", "scheduler", "sampler"}, (
+        "found, not listed"
+    )
     assert ckpt.iter_checkpoints(tmp_path / "a") == [4, 8, 12]
 
     resumed = tmp_path / "b"
     resumed.mkdir()
-    for name in (ckpt.checkpoint_path(tmp_path / "a", 8).name, ckpt.manifest_path(tmp_path / "a", 8).name):
+    for name in (
+        ckpt.checkpoint_path(tmp_path / "a", 8).name,
+        ckpt.manifest_path(tmp_path / "a", 8).name,
+    ):
         shutil.copy(tmp_path / "a" / name, resumed / name)
     again, model_again = _train(resumed, max_steps=12)
     assert again.result is not None and again.result.resumed_from == 8 and again.result.step == 12
-    for (name, a), (_, b) in zip(model.state_dict().items(), model_again.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), model_again.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 
@@ -79,25 +102,47 @@ def test_epochs_bound_the_run_when_both_are_given() -> None:
 
 
 def test_an_optimizer_created_after_elastic_is_refused_at_the_first_step_with_exit_2(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as exited:
         _train(None, max_steps=3, late_optimizer=True)
     assert exited.value.code == failures.EXIT_DETERMINISTIC
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "optimizer (SGD) over the model's parameters steps but is not part of the saved state" in err[0], err
+    assert (
+        len(err) == 1
+        and "optimizer (SGD) over the model's parameters steps but is not part of the saved state"
+        in err[0]
+    ), err
 
 
-def test_a_distributed_sampler_is_refused_before_the_first_step_naming_elastic_sampler(gloo_world: None) -> None:
+def test_a_distributed_sampler_is_refused_before_the_first_step_naming_elastic_sampler(
+    gloo_world: None,
+) -> None:
     model = nn.Linear(2, 2)
-    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, launched=False,
-                  device=torch.device("cpu"), backend="gloo")
+    env = DistEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        restart_count=0,
+        launched=False,
+        device=torch.device("cpu"),
+        backend="gloo",
+    )
     sampler: Any = DistributedSampler(_data(), num_replicas=1, rank=0)
-    manager = CheckpointManager(CheckpointConfig(), env=env, state=TrainingState({"model": model}, env=env),
-                                fingerprint={})
-    with pytest.raises(failures.ConfigError, match="DistributedSampler, not an elastic one") as refused:
+    manager = CheckpointManager(
+        CheckpointConfig(), env=env, state=TrainingState({"model": model}, env=env), fingerprint={}
+    )
+    with pytest.raises(
+        failures.ConfigError, match="DistributedSampler, not an elastic one"
+    ) as refused:
         ElasticLoop(env=env, sampler=sampler, checkpoints=manager, max_steps=3)
-    assert "ElasticSampler(len(dataset), global_batch_size" in str(refused.value) and "\n" not in str(refused.value)
-    assert failures.classify(refused.value)[0] is failures.FailureClass.DETERMINISTIC, "exit 2: no restart spent"
+    assert "ElasticSampler(len(dataset), global_batch_size" in str(
+        refused.value
+    ) and "\n" not in str(refused.value)
+    assert failures.classify(refused.value)[0] is failures.FailureClass.DETERMINISTIC, (
+        "exit 2: no restart spent"
+    )
 
 
 SCRIPT = """
@@ -107,10 +152,21 @@ _train(Path({directory!r}), max_steps=6, checkpoint_every=3, log_every=2)
 """
 
 
-def test_progress_checkpoint_and_finished_lines_appear_with_no_logging_configured(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT.format(directory=str(tmp_path / "ckpt"))], cwd=REPO,
-                          capture_output=True, text=True, timeout=100)
+def test_progress_checkpoint_and_finished_lines_appear_with_no_logging_configured(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(directory=str(tmp_path / "ckpt"))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 0, done.stderr
-    for line in ("starting from scratch", "step 2 epoch 0 loss", "checkpoint of step 3 written",
-                 "training finished at step 6"):
+    for line in (
+        "starting from scratch",
+        "step 2 epoch 0 loss",
+        "checkpoint of step 3 written",
+        "training finished at step 6",
+    ):
         assert line in done.stderr, f"{line!r} missing:\n{done.stderr}"

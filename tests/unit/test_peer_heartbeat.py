@@ -15,8 +15,6 @@ from elastic_trainer.ops.processes import wait_for
 FAST = {"interval_s": 0.02, "silent_after_s": 0.25}
 
 
-
-
 class Reports:
     def __init__(self) -> None:
         self.nodes: list[str] = []
@@ -37,9 +35,16 @@ def made() -> Iterator[list[PeerHeartbeats]]:
             b.close()
 
 
-def _start(made: list[PeerHeartbeats], node: str, reports: Reports, run_id: str = "job", **kwargs: object) -> PeerHeartbeats:
-    beats = PeerHeartbeats(run_id=run_id, node=node, advertise_host="127.0.0.1", on_silent=reports,
-                           **{**FAST, **kwargs})  # type: ignore[arg-type]
+def _start(
+    made: list[PeerHeartbeats], node: str, reports: Reports, run_id: str = "job", **kwargs: object
+) -> PeerHeartbeats:
+    beats = PeerHeartbeats(
+        run_id=run_id,
+        node=node,
+        advertise_host="127.0.0.1",
+        on_silent=reports,
+        **{**FAST, **kwargs},
+    )  # type: ignore[arg-type]
     made.append(beats)
     return beats
 
@@ -70,16 +75,26 @@ def test_parse_address() -> None:
 
 def test_bad_timing_is_refused() -> None:
     with pytest.raises(ValueError, match="interval_s"):
-        PeerHeartbeats(run_id="j", node="a", advertise_host="127.0.0.1", on_silent=print, interval_s=1.0,
-                       silent_after_s=0.5)
+        PeerHeartbeats(
+            run_id="j",
+            node="a",
+            advertise_host="127.0.0.1",
+            on_silent=print,
+            interval_s=1.0,
+            silent_after_s=0.5,
+        )
 
 
-def test_a_node_that_stops_is_reported_once_and_again_after_it_came_back(made: list[PeerHeartbeats]) -> None:
+def test_a_node_that_stops_is_reported_once_and_again_after_it_came_back(
+    made: list[PeerHeartbeats],
+) -> None:
     reports_a, reports_b = Reports(), Reports()
     a, b = _start(made, "a", reports_a), _start(made, "b", reports_b)
     a.set_peers({"b": b.address})
     b.set_peers({"a": a.address})
-    wait_for(lambda: "b" in a.heard() and "a" in b.heard(), timeout=2.0, what="each hears the other")
+    wait_for(
+        lambda: "b" in a.heard() and "a" in b.heard(), timeout=2.0, what="each hears the other"
+    )
     time.sleep(0.5)  # both alive: two silent_after_s without a report
     assert reports_a.nodes == [] and reports_b.nodes == []
     assert not a.still_silent("b")
@@ -87,8 +102,12 @@ def test_a_node_that_stops_is_reported_once_and_again_after_it_came_back(made: l
     port = parse_address(b.address)[1]
     b.close()
     stopped = time.monotonic()
-    wait_for(lambda: reports_a.nodes == ["b"], timeout=2.0, what="b reported silent",
-             describe=lambda: str(reports_a.nodes))
+    wait_for(
+        lambda: reports_a.nodes == ["b"],
+        timeout=2.0,
+        what="b reported silent",
+        describe=lambda: str(reports_a.nodes),
+    )
     assert time.monotonic() - stopped >= 0.2  # not before silent_after_s (less a tick)
     assert a.still_silent("b")
     time.sleep(0.5)
@@ -101,10 +120,18 @@ def test_a_node_that_stops_is_reported_once_and_again_after_it_came_back(made: l
     if parse_address(b2.address)[1] != port:
         a.set_peers({"b": b2.address})
     b2.set_peers({"a": a.address})
-    wait_for(lambda: "a" in b2.heard() and a.heard().get("b", 0) > stopped, timeout=2.0, what="b heard again")
+    wait_for(
+        lambda: "a" in b2.heard() and a.heard().get("b", 0) > stopped,
+        timeout=2.0,
+        what="b heard again",
+    )
     b2.close()
-    wait_for(lambda: reports_a.nodes == ["b", "b"], timeout=2.0, what="b reported silent again",
-             describe=lambda: str(reports_a.nodes))
+    wait_for(
+        lambda: reports_a.nodes == ["b", "b"],
+        timeout=2.0,
+        what="b reported silent again",
+        describe=lambda: str(reports_a.nodes),
+    )
 
 
 def test_a_node_never_heard_is_never_reported(made: list[PeerHeartbeats]) -> None:
@@ -130,7 +157,9 @@ def test_datagrams_of_another_job_do_not_count(made: list[PeerHeartbeats]) -> No
     assert "b" not in a.heard() and reports.nodes == []
 
 
-def test_a_node_watched_only_from_now_gets_a_full_silence_before_a_report(made: list[PeerHeartbeats]) -> None:
+def test_a_node_watched_only_from_now_gets_a_full_silence_before_a_report(
+    made: list[PeerHeartbeats],
+) -> None:
     """Ring changes reach nodes at different times: a node newly watched may not send here yet."""
     reports = Reports()
     a = _start(made, "a", reports, fanout=1)
@@ -178,11 +207,14 @@ def test_a_former_target_keeps_getting_beats_for_one_silence(made: list[PeerHear
                 last = time.monotonic()
             except TimeoutError:
                 pass
-        assert 0.15 < last - changed < 0.45, f"beats to the former target for one silence (0.25 s): {last - changed:.2f}"
+        assert 0.15 < last - changed < 0.45, (
+            f"beats to the former target for one silence (0.25 s): {last - changed:.2f}"
+        )
 
 
-def test_a_newcomer_is_not_taken_for_blocked_udp(made: list[PeerHeartbeats], monkeypatch: pytest.MonkeyPatch,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_a_newcomer_is_not_taken_for_blocked_udp(
+    made: list[PeerHeartbeats], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A node that joins after the others were watched for long gets its own time to send: the
     'UDP blocked' warning named a newcomer at its first judgement (issue 31)."""
     import logging
@@ -197,10 +229,16 @@ def test_a_newcomer_is_not_taken_for_blocked_udp(made: list[PeerHeartbeats], mon
     b.set_peers({"a": a.address})
     wait_for(lambda: "b" in a.heard(), timeout=2.0, what="a hears b")
     time.sleep(0.5)  # watched for longer than the warning's bound
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as newcomer, caplog.at_level(logging.WARNING):
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as newcomer,
+        caplog.at_level(logging.WARNING),
+    ):
         newcomer.bind(("127.0.0.1", 0))  # b left; c joined and has not sent yet
         a.set_peers({"c": f"127.0.0.1:{newcomer.getsockname()[1]}"})
         time.sleep(0.2)
         assert not [r for r in caplog.records if "nothing heard" in r.getMessage()]
-        wait_for(lambda: [r for r in caplog.records if "nothing heard from nodes c" in r.getMessage()], timeout=2.0,
-                 what="the warning once c had its time")
+        wait_for(
+            lambda: [r for r in caplog.records if "nothing heard from nodes c" in r.getMessage()],
+            timeout=2.0,
+            what="the warning once c had its time",
+        )

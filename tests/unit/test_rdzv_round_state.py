@@ -43,9 +43,23 @@ def test_the_state_round_trips_without_its_participants(state: RoundState) -> No
     state.participants = ["a", "b"]  # filled from the shards on reading, never stored
     decoded = RoundState.decode(state.encode(), "k")
     assert decoded.participants == []
-    assert (decoded.round, decoded.status, decoded.world_size, decoded.shards, decoded.previous_round,
-            decoded.joined, decoded.master) == (state.round, state.status, state.world_size, state.shards,
-                                                state.previous_round, state.joined, state.master)
+    assert (
+        decoded.round,
+        decoded.status,
+        decoded.world_size,
+        decoded.shards,
+        decoded.previous_round,
+        decoded.joined,
+        decoded.master,
+    ) == (
+        state.round,
+        state.status,
+        state.world_size,
+        state.shards,
+        state.previous_round,
+        state.joined,
+        state.master,
+    )
 
 
 def test_the_stored_state_does_not_grow_with_the_job() -> None:
@@ -96,9 +110,19 @@ def test_a_shard_round_trips() -> None:
         (3, False, 0, 0.0, True),  # later rounds: no last call
     ],
 )
-def test_close_ready_from_counts(joined: int, first_round: bool, missing: int, waited: float, expected: bool) -> None:
-    assert close_ready(joined=joined, first_round=first_round, missing_previous=missing, waited=waited,
-                       settings=SETTINGS) is expected
+def test_close_ready_from_counts(
+    joined: int, first_round: bool, missing: int, waited: float, expected: bool
+) -> None:
+    assert (
+        close_ready(
+            joined=joined,
+            first_round=first_round,
+            missing_previous=missing,
+            waited=waited,
+            settings=SETTINGS,
+        )
+        is expected
+    )
 
 
 def test_ordering_ten_thousand_nodes_is_linear() -> None:
@@ -109,7 +133,9 @@ def test_ordering_ten_thousand_nodes_is_linear() -> None:
 
 
 def test_the_master_address_comes_from_the_state_or_its_key() -> None:
-    assert MasterInfo.of_state(RoundState(3, COMPLETE, master="h:29500")) == MasterInfo(3, "h", 29500)
+    assert MasterInfo.of_state(RoundState(3, COMPLETE, master="h:29500")) == MasterInfo(
+        3, "h", 29500
+    )
     assert MasterInfo.of_state(RoundState(3, COMPLETE)) is None
     assert MasterInfo.decode(MasterInfo(2, "h", 1).encode()) == MasterInfo(2, "h", 1)
     assert MasterInfo.decode(b"{}") is None and MasterInfo.decode(None) is None
@@ -123,6 +149,7 @@ def _deadlines_given(first: float | None, tooks: tuple[float | None, ...]) -> li
     patience = _Patience(first, clock=lambda: now[0])
     given: list[float] = []
     for took in tooks:
+
         def rpc(timeout: float, took: float | None = took) -> str:
             given.append(timeout)
             if took is None:
@@ -142,7 +169,15 @@ def test_retry_deadlines_double_after_a_timeout_only_up_to_the_read_timeout() ->
     and etcd held it for its own 5 s request timeout)."""
     # refused, refused, timed out, refused, timed out, timed out at the cap, timed out, answered
     assert _deadlines_given(2.5, (0.01, 0.01, 2.5, 0.0, 5.0, 10.0, 10.0, None)) == [
-        2.5, 2.5, 2.5, 5.0, 5.0, 10.0, 10.0, 10.0]
+        2.5,
+        2.5,
+        2.5,
+        5.0,
+        5.0,
+        10.0,
+        10.0,
+        10.0,
+    ]
     assert _deadlines_given(None, (None,)) == [10.0]
 
 
@@ -150,11 +185,19 @@ def test_every_request_requires_a_leader_and_keeps_the_client_s_token() -> None:
     from rendezvous.etcd_ops import REQUIRE_LEADER, request_metadata
 
     assert request_metadata(types.SimpleNamespace(metadata=None)) == (REQUIRE_LEADER,)
-    assert request_metadata(types.SimpleNamespace(metadata=(("token", "t"),))) == (("token", "t"), REQUIRE_LEADER)
-    assert REQUIRE_LEADER == ("hasleader", "true")  # etcd's rpctypes.MetadataRequireLeaderKey / MetadataHasLeader
+    assert request_metadata(types.SimpleNamespace(metadata=(("token", "t"),))) == (
+        ("token", "t"),
+        REQUIRE_LEADER,
+    )
+    assert REQUIRE_LEADER == (
+        "hasleader",
+        "true",
+    )  # etcd's rpctypes.MetadataRequireLeaderKey / MetadataHasLeader
 
 
-def test_a_round_request_first_waits_a_quarter_of_the_lease_ttl_bounded_by_two_seconds_and_the_read_timeout() -> None:
+def test_a_round_request_first_waits_a_quarter_of_the_lease_ttl_bounded_by_two_seconds_and_the_read_timeout() -> (
+    None
+):
     """A write held by a dead leader moves to a live member within 2.5 s at the default
     ``lease_ttl=10``; never above ``read_timeout``, never below 2 s."""
     from dataclasses import replace

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def scale() -> Iterator[types.ModuleType]:
     path = list(sys.path)
-    spec = importlib.util.spec_from_file_location("bench_rendezvous_scale", REPO / "benchmarks" / "rendezvous_scale.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_rendezvous_scale", REPO / "benchmarks" / "rendezvous_scale.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
@@ -31,8 +33,20 @@ def scale() -> Iterator[types.ModuleType]:
 
 
 def results(scale: types.ModuleType) -> list:
-    load = {"requests": 8.0, "writes": 3.0, "bytes": 5000.0, "server_cpu_s": 0.5, "sim_cpu_s": 2.0, "kinds": {},
-            "per_minute": {"requests": 18.0, "server_messages": 18.0, "bytes": 900.0, "server_cpu_s": 4.0}}
+    load = {
+        "requests": 8.0,
+        "writes": 3.0,
+        "bytes": 5000.0,
+        "server_cpu_s": 0.5,
+        "sim_cpu_s": 2.0,
+        "kinds": {},
+        "per_minute": {
+            "requests": 18.0,
+            "server_messages": 18.0,
+            "bytes": 900.0,
+            "server_cpu_s": 4.0,
+        },
+    }
     release = {"p50": 0.2, "p99": 0.4, "last": 0.45}
     r = scale.Result
     return [
@@ -42,11 +56,20 @@ def results(scale: types.ModuleType) -> list:
         r("lease", 1024, "steady", load=load, db_bytes=2**20, keys=2050, extra={"watchers": 2051}),
         r("dynamic", 1024, "first", release={"p50": 8.0, "p99": 12.0, "last": 12.5}, load=load),
         r("c10d", 4096, "first", ok=False, note="1000 of 4095 joined within 240s"),
-        r("lease", 1024, "etcd-leader-killed", release=release, load=load, extra={"first_rejoin_s": 0.0, "agents": 1024}),
+        r(
+            "lease",
+            1024,
+            "etcd-leader-killed",
+            release=release,
+            load=load,
+            extra={"first_rejoin_s": 0.0, "agents": 1024},
+        ),
     ]
 
 
-def test_the_tables_come_first_and_survive_a_missing_matplotlib(scale, tmp_path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_tables_come_first_and_survive_a_missing_matplotlib(
+    scale, tmp_path, capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     json_path, chart_path = tmp_path / "r.json", tmp_path / "r.png"
     scale.report(results(scale), chart_path=chart_path, json_path=json_path)
@@ -69,8 +92,13 @@ def test_replot_reads_the_json_back(scale, tmp_path, capsys, monkeypatch) -> Non
     assert capsys.readouterr().out.strip() == first.strip()
 
 
-@pytest.mark.parametrize(("argv", "message"), [(["--nodes", "1"], "every N must be >= 2"),
-                                               (["--scenarios", "lose-everything"], "unknown lose-everything")])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nodes", "1"], "every N must be >= 2"),
+        (["--scenarios", "lose-everything"], "unknown lose-everything"),
+    ],
+)
 def test_bad_arguments_are_one_line(scale, argv, message, capsys) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(SystemExit) as raised:
         scale.parse_args(argv)
@@ -87,8 +115,11 @@ class _Member:
         return self.running
 
 
-def _cluster(scale: types.ModuleType, readings: list[dict[str, dict[str, float]]],
-             monkeypatch: pytest.MonkeyPatch) -> tuple[object, list[float]]:
+def _cluster(
+    scale: types.ModuleType,
+    readings: list[dict[str, dict[str, float]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[object, list[float]]:
     """A Cluster whose members' gauges come from ``readings``, one dict per check round (the last
     repeats); sleeps are recorded, not slept."""
     cluster = object.__new__(scale.Cluster)
@@ -109,32 +140,55 @@ def _cluster(scale: types.ModuleType, readings: list[dict[str, dict[str, float]]
 
 
 def _g(applied: float, revision: float) -> dict[str, float]:
-    return {"etcd_server_proposals_applied_total": applied, "etcd_debugging_mvcc_current_revision": revision}
+    return {
+        "etcd_server_proposals_applied_total": applied,
+        "etcd_debugging_mvcc_current_revision": revision,
+    }
 
 
-def test_members_that_caught_up_and_agree_pass(scale: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    cluster, slept = _cluster(scale, [{"m0": _g(90, 40), "m1": _g(88, 39)},  # m1 still catching up
-                                      {"m0": _g(90, 40), "m1": _g(90, 40)}], monkeypatch)
+def test_members_that_caught_up_and_agree_pass(
+    scale: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster, slept = _cluster(
+        scale,
+        [
+            {"m0": _g(90, 40), "m1": _g(88, 39)},  # m1 still catching up
+            {"m0": _g(90, 40), "m1": _g(90, 40)},
+        ],
+        monkeypatch,
+    )
     cluster.check_consistent()
-    assert slept == [0.2], "one wait for the revived member to catch up; the stopped member is not asked"
+    assert slept == [0.2], (
+        "one wait for the revived member to catch up; the stopped member is not asked"
+    )
 
 
-def test_a_member_that_lost_a_write_is_named_after_a_second_look(scale: types.ModuleType,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_member_that_lost_a_write_is_named_after_a_second_look(
+    scale: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cluster, slept = _cluster(scale, [{"m0": _g(90, 40), "m1": _g(90, 39)}], monkeypatch)
     with pytest.raises(scale.ClusterDisagrees, match=r"'m1': 39.*same applied index 90.*13766"):
         cluster.check_consistent()
     assert slept == [1.0], "the same disagreement is confirmed 1 s later before the chain stops"
 
 
-def test_a_disagreement_that_resolves_is_not_reported(scale: types.ModuleType,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    cluster, _ = _cluster(scale, [{"m0": _g(90, 40), "m1": _g(90, 39)},  # a revision in flight
-                                  {"m0": _g(91, 41), "m1": _g(91, 41)}], monkeypatch)
+def test_a_disagreement_that_resolves_is_not_reported(
+    scale: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster, _ = _cluster(
+        scale,
+        [
+            {"m0": _g(90, 40), "m1": _g(90, 39)},  # a revision in flight
+            {"m0": _g(91, 41), "m1": _g(91, 41)},
+        ],
+        monkeypatch,
+    )
     cluster.check_consistent()
 
 
-def test_a_member_that_never_catches_up_times_out(scale: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_member_that_never_catches_up_times_out(
+    scale: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cluster, _ = _cluster(scale, [{"m0": _g(90, 40), "m1": _g(80, 30)}], monkeypatch)
     with pytest.raises(RuntimeError, match="did not catch up within 0 s") as raised:
         cluster.check_consistent(timeout=0.0)

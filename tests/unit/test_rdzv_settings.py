@@ -45,9 +45,11 @@ def test_every_settings_field_is_a_key_or_comes_from_torchrun_itself() -> None:
 
 def test_every_key_of_the_readme_table_is_known() -> None:
     text = README.read_text()
-    table = text[text.index("`--rdzv-conf` keys:"):]
+    table = text[text.index("`--rdzv-conf` keys:") :]
     table = table[: table.index("\n\n", table.index("| key |"))]
-    documented = {name for row in table.splitlines()[3:] for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    documented = {
+        name for row in table.splitlines()[3:] for name in re.findall(r"`(\w+)`", row.split("|")[1])
+    }
     assert len(documented) >= 19, documented
     assert documented <= set(known_keys())
 
@@ -57,25 +59,43 @@ def test_the_keys_torchrun_adds_itself_are_accepted() -> None:
     from torch.distributed.launcher.api import LaunchConfig
     from torch.distributed.run import config_from_args, get_args_parser
 
-    config, _, _ = config_from_args(get_args_parser().parse_args(
-        ["--rdzv-backend=static", "--nnodes=1:2", "--rdzv-conf=join_timeout=5", "x.py"]))
+    config, _, _ = config_from_args(
+        get_args_parser().parse_args(
+            ["--rdzv-backend=static", "--nnodes=1:2", "--rdzv-conf=join_timeout=5", "x.py"]
+        )
+    )
     assert {"timeout", "rank"} <= set(config.rdzv_configs)
-    launch = LaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=1, rdzv_configs=dict(config.rdzv_configs))
-    settings = parse_settings(RendezvousParameters("etcd-v3", "h:1", "run", 1, 2, **launch.rdzv_configs))
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=2, nproc_per_node=1, rdzv_configs=dict(config.rdzv_configs)
+    )
+    settings = parse_settings(
+        RendezvousParameters("etcd-v3", "h:1", "run", 1, 2, **launch.rdzv_configs)
+    )
     assert settings.join_timeout == 5.0
 
 
 def test_the_other_handlers_keys_are_accepted() -> None:
     settings = parse_settings(params(handler="lease", close_timeout="3", keep_alive_interval="1"))
-    assert (settings.handler, settings.close_timeout, settings.keep_alive_interval) == ("lease", 3.0, 1)
+    assert (settings.handler, settings.close_timeout, settings.keep_alive_interval) == (
+        "lease",
+        3.0,
+        1,
+    )
     assert parse_settings(params(handler="Dynamic", lease_ttl="4")).handler == "dynamic"
 
 
 @pytest.mark.parametrize(
     ("key", "suggestion"),
-    [("read_timout", "read_timeout"), ("handlr", "handler"), ("lease-ttl", "lease_ttl"), ("bogus", None)],
+    [
+        ("read_timout", "read_timeout"),
+        ("handlr", "handler"),
+        ("lease-ttl", "lease_ttl"),
+        ("bogus", None),
+    ],
 )
-def test_an_unknown_key_is_named_with_its_closest_match_and_the_known_keys(key: str, suggestion: str | None) -> None:
+def test_an_unknown_key_is_named_with_its_closest_match_and_the_known_keys(
+    key: str, suggestion: str | None
+) -> None:
     with pytest.raises(RendezvousConfigError) as raised:
         parse_settings(params(**{key: "5"}))
     message = str(raised.value)
@@ -96,7 +116,10 @@ def test_an_unknown_key_is_named_with_its_closest_match_and_the_known_keys(key: 
         ({"lease_ttl": "1"}, "rdzv-conf lease_ttl: must be >= 2 seconds"),
         ({"keep_alive_max_attempt": "0"}, "rdzv-conf keep_alive_max_attempt: must be > 0"),
         ({"handler": "etcd"}, "rdzv-conf handler: must be one of lease, dynamic, got 'etcd'"),
-        ({"key_prefix": "runs"}, "rdzv-conf key_prefix: must be an absolute path like /a/b, got 'runs'"),
+        (
+            {"key_prefix": "runs"},
+            "rdzv-conf key_prefix: must be an absolute path like /a/b, got 'runs'",
+        ),
         ({"key_prefix": ""}, "rdzv-conf key_prefix: must be an absolute path"),
     ],
 )
@@ -150,7 +173,10 @@ def no_declared_identity() -> Iterator[None]:
 def test_the_fingerprint_covers_target_args_and_nnodes_only() -> None:
     base = JobIdentity("train.py", False, ("--lr", "0.1"), 1, 2)
     assert base.fingerprint == JobIdentity("./train.py", False, ["--lr", "0.1"], 1, 2).fingerprint  # type: ignore[arg-type]
-    assert base.fingerprint == JobIdentity.create("train.py", ["--lr", "0.1"], module=False, nnodes="1:2").fingerprint
+    assert (
+        base.fingerprint
+        == JobIdentity.create("train.py", ["--lr", "0.1"], module=False, nnodes="1:2").fingerprint
+    )
     for other in (
         JobIdentity("eval.py", False, ("--lr", "0.1"), 1, 2),
         JobIdentity("train.py", False, ("--lr", "0.2"), 1, 2),
@@ -159,14 +185,25 @@ def test_the_fingerprint_covers_target_args_and_nnodes_only() -> None:
     ):
         assert other.fingerprint != base.fingerprint, other
     assert base.description == "'train.py --lr 0.1' with --nnodes 1:2"
-    assert JobIdentity.create("pkg.train", [], module=True, nnodes="2").description == "'-m pkg.train' with --nnodes 2:2"
+    assert (
+        JobIdentity.create("pkg.train", [], module=True, nnodes="2").description
+        == "'-m pkg.train' with --nnodes 2:2"
+    )
     with pytest.raises(ValueError, match="nnodes"):
         JobIdentity.create("x.py", [], module=False, nnodes="a:b")
 
 
 def test_the_identity_of_a_torchrun_command_line(no_declared_identity: None) -> None:
-    argv = ["/venv/bin/torchrun", "--nnodes=1:3", "--nproc-per-node=4", "--rdzv-backend=etcd-v3",
-            "-m", "pkg.train", "--steps", "5"]
+    argv = [
+        "/venv/bin/torchrun",
+        "--nnodes=1:3",
+        "--nproc-per-node=4",
+        "--rdzv-backend=etcd-v3",
+        "-m",
+        "pkg.train",
+        "--steps",
+        "5",
+    ]
     identity = identity_from_torchrun_argv(argv)
     assert identity == JobIdentity("pkg.train", True, ("--steps", "5"), 1, 3)
     # nproc-per-node differs between nodes of one job: not part of the identity

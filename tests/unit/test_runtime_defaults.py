@@ -30,16 +30,36 @@ print("observer", type(trainer.observer).__name__)
 
 
 def _run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**{k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_TRAINER")
-                                  and k != "PROMETHEUS_MULTIPROC_DIR"}, "OMP_NUM_THREADS": "1", **env})
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **{
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith("ELASTIC_TRAINER") and k != "PROMETHEUS_MULTIPROC_DIR"
+            },
+            "OMP_NUM_THREADS": "1",
+            **env,
+        },
+    )
 
 
 def test_progress_lines_without_any_logging_setup() -> None:
     done = _run({})
     assert done.returncode == 0, done.stderr
-    progress = [line for line in done.stderr.splitlines() if "[rank 0] INFO elastic_trainer.train.loop: step" in line]
-    assert [line.split(": ", 1)[1].split(" epoch")[0] for line in progress] == ["step 5", "step 10"], done.stderr
+    progress = [
+        line
+        for line in done.stderr.splitlines()
+        if "[rank 0] INFO elastic_trainer.train.loop: step" in line
+    ]
+    assert [line.split(": ", 1)[1].split(" epoch")[0] for line in progress] == [
+        "step 5",
+        "step 10",
+    ], done.stderr
     assert "no checkpoint_dir: this job is not fault tolerant" in done.stderr
     assert "observer NullObserver" in done.stdout, "no launcher collecting metrics: none"
 
@@ -48,4 +68,6 @@ def test_metrics_by_default_under_the_launchers_environment(tmp_path: Path) -> N
     done = _run({"ELASTIC_TRAINER_METRICS": "1", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert "observer PrometheusObserver" in done.stdout
-    assert any(p.name.startswith("counter_") for p in tmp_path.iterdir()), "the worker wrote its samples"
+    assert any(p.name.startswith("counter_") for p in tmp_path.iterdir()), (
+        "the worker wrote its samples"
+    )

@@ -10,8 +10,13 @@ from elastic_trainer.runtime import distributed as d
 
 pytestmark = pytest.mark.timeout(60)
 
-TORCHRUN_ENV = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-                "TORCHELASTIC_RESTART_COUNT": "2"}
+TORCHRUN_ENV = {
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "TORCHELASTIC_RESTART_COUNT": "2",
+}
 
 
 def test_torchrun_environment_on_cpu() -> None:
@@ -37,7 +42,9 @@ def test_nccl_without_cuda_is_a_clear_error() -> None:
         d.read_env(environ=dict(TORCHRUN_ENV), cuda_devices=0, backend="nccl")
 
 
-@pytest.mark.parametrize("argv", [["--local_rank=1", "--x"], ["--local-rank", "1", "--x"], ["--x", "--local_rank", "1"]])
+@pytest.mark.parametrize(
+    "argv", [["--local_rank=1", "--x"], ["--local-rank", "1", "--x"], ["--x", "--local_rank", "1"]]
+)
 def test_legacy_local_rank_argument(argv: list[str]) -> None:
     local_rank, rest = d.strip_local_rank_arg(argv)
     assert local_rank == 1 and rest == ["--x"]
@@ -72,11 +79,15 @@ def test_malformed_environment(environ: dict[str, str], match: str) -> None:
 def test_nccl_environment_is_consistent_with_the_timeout_and_keeps_user_values() -> None:
     environ: dict[str, str] = {}
     applied = d.configure_nccl_environment(1800, environ)
-    assert environ == {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        "TORCH_NCCL_ENABLE_MONITORING": "1",
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1800",
-    } == applied
+    assert (
+        environ
+        == {
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "TORCH_NCCL_ENABLE_MONITORING": "1",
+            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "1800",
+        }
+        == applied
+    )
     user = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "600"}
     d.configure_nccl_environment(1800, user)
     assert user["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "600"

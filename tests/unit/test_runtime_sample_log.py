@@ -11,19 +11,31 @@ from elastic_trainer.runtime.sample_log import SampleLog, committed_history, rea
 pytestmark = pytest.mark.timeout(30)
 
 
-def _process(tmp: Path, rank: int, generation: str, started: float, resumed: int, steps: range) -> None:
+def _process(
+    tmp: Path, rank: int, generation: str, started: float, resumed: int, steps: range
+) -> None:
     log = SampleLog(tmp, rank=rank, pid=int(started))  # a process per (rank, generation)
-    log.start(generation=generation, started_unix=started, resumed_step=resumed, world_size=2, rank=rank)
+    log.start(
+        generation=generation, started_unix=started, resumed_step=resumed, world_size=2, rank=rank
+    )
     for step in steps:
-        log.step(step=step, epoch=0, cursor=(step - 1) * 4, world_size=2, rank=rank,
-                 indices=[(step - 1) * 4 + 2 * rank, (step - 1) * 4 + 2 * rank + 1])
+        log.step(
+            step=step,
+            epoch=0,
+            cursor=(step - 1) * 4,
+            world_size=2,
+            rank=rank,
+            indices=[(step - 1) * 4 + 2 * rank, (step - 1) * 4 + 2 * rank + 1],
+        )
     log.close()
 
 
 def test_rolled_back_steps_are_replaced_by_the_restarted_generation(tmp_path: Path) -> None:
     for rank in (0, 1):
         _process(tmp_path, rank, "first", 100.0, 0, range(1, 8))  # crashed after step 7
-        _process(tmp_path, rank, "second", 200.0, 5, range(6, 11))  # resumed from the step-5 checkpoint
+        _process(
+            tmp_path, rank, "second", 200.0, 5, range(6, 11)
+        )  # resumed from the step-5 checkpoint
     history = committed_history(read_records(tmp_path))
     assert sorted(history) == list(range(1, 11))
     assert all(len(records) == 2 for records in history.values())

@@ -41,7 +41,9 @@ def _data(n: int = 48) -> TensorDataset:
     return TensorDataset(x, (x.sum(1) > 0).long())
 
 
-def _job(*, dropout: float = 0.2, width: int = 16, batchnorm: bool = False, model: Any = None) -> TrainingJob:
+def _job(
+    *, dropout: float = 0.2, width: int = 16, batchnorm: bool = False, model: Any = None
+) -> TrainingJob:
     def build() -> nn.Module:
         if model is not None:
             return model()
@@ -81,17 +83,39 @@ def test_checkpoint_holds_full_state_and_plain_load_gives_state_dict(tmp_path: P
     trainer, result = _fit(_job(), max_steps=5, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     assert result.step == 5 and not result.stopped_by_signal and result.exit_code == 0
     state = torch.load(result.checkpoint, weights_only=True)
-    assert {"model", "optimizer", "scheduler", "scaler", "sampler", "rng", "step", "epoch", "world_size",
-            "fingerprint", "config"} <= state.keys()
-    assert state["step"] == 5 and state["world_size"] == 1 and state["sampler"] == {"epoch": 0, "cursor": 40}
-    assert state["rng"] == {"scheme": rng.STEP_SCHEME, "seed": 0}  # streams derive from (seed, rank, step)
+    assert {
+        "model",
+        "optimizer",
+        "scheduler",
+        "scaler",
+        "sampler",
+        "rng",
+        "step",
+        "epoch",
+        "world_size",
+        "fingerprint",
+        "config",
+    } <= state.keys()
+    assert (
+        state["step"] == 5
+        and state["world_size"] == 1
+        and state["sampler"] == {"epoch": 0, "cursor": 40}
+    )
+    assert state["rng"] == {
+        "scheme": rng.STEP_SCHEME,
+        "seed": 0,
+    }  # streams derive from (seed, rank, step)
     _assert_bitwise_equal(state["model"], {k: v for k, v in trainer.model.state_dict().items()})
     assert list(ckpt.iter_checkpoints(tmp_path)) == [2, 4, 5]
 
 
 def test_one_step_is_the_mean_loss_gradient_over_the_global_batch() -> None:
-    job = TrainingJob(model=lambda: nn.Linear(6, 2), dataset=_data, loss=nn.CrossEntropyLoss(),
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    job = TrainingJob(
+        model=lambda: nn.Linear(6, 2),
+        dataset=_data,
+        loss=nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+    )
     trainer, _ = _fit(job, max_steps=1, shuffle=False, micro_batch_size=3)  # 3 + 3 + 2 accumulated
     torch.manual_seed(0)
     reference = nn.Linear(6, 2)
@@ -109,35 +133,67 @@ def test_same_seed_gives_identical_initial_weights_and_run(tmp_path: Path) -> No
     _, second = _fit(_job(), max_steps=4, checkpoint_dir=str(tmp_path / "b"), seed=7)
     _, other = _fit(_job(), max_steps=4, checkpoint_dir=str(tmp_path / "c"), seed=8)
     _assert_bitwise_equal(_weights(first.checkpoint), _weights(second.checkpoint))
-    assert not torch.equal(_weights(first.checkpoint)["0.weight"], _weights(other.checkpoint)["0.weight"])
+    assert not torch.equal(
+        _weights(first.checkpoint)["0.weight"], _weights(other.checkpoint)["0.weight"]
+    )
 
 
 @pytest.mark.parametrize("async_checkpoint", [False, True])
-def test_resume_after_a_crash_is_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path, async_checkpoint: bool) -> None:
+def test_resume_after_a_crash_is_bitwise_equal_to_an_uninterrupted_run(
+    tmp_path: Path, async_checkpoint: bool
+) -> None:
     """Dropout + AdamW + StepLR, two epochs: replay needs sampler cursor, RNG, optimizer, scheduler."""
-    _, straight = _fit(_job(), max_steps=11, epochs=2, checkpoint_dir=str(tmp_path / "straight"), checkpoint_every=4)
+    _, straight = _fit(
+        _job(),
+        max_steps=11,
+        epochs=2,
+        checkpoint_dir=str(tmp_path / "straight"),
+        checkpoint_every=4,
+    )
     crashed = tmp_path / "crashed"
-    _fit(_job(), max_steps=7, epochs=2, checkpoint_dir=str(crashed), checkpoint_every=4,
-         async_checkpoint=async_checkpoint)
+    _fit(
+        _job(),
+        max_steps=7,
+        epochs=2,
+        checkpoint_dir=str(crashed),
+        checkpoint_every=4,
+        async_checkpoint=async_checkpoint,
+    )
     for suffix in ("pt", "json"):  # the crash came after step 7, before its checkpoint existed
         (crashed / f"ckpt-000000000007.{suffix}").unlink()
-    trainer, resumed = _fit(_job(), max_steps=11, epochs=2, checkpoint_dir=str(crashed), checkpoint_every=4,
-                            async_checkpoint=async_checkpoint)
+    trainer, resumed = _fit(
+        _job(),
+        max_steps=11,
+        epochs=2,
+        checkpoint_dir=str(crashed),
+        checkpoint_every=4,
+        async_checkpoint=async_checkpoint,
+    )
     assert resumed.resumed_from == 4 and resumed.step == 11 and resumed.epoch == 1
     _assert_bitwise_equal(_weights(straight.checkpoint), _weights(resumed.checkpoint))
 
 
-def test_resume_without_per_step_reseeding_is_not_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_without_per_step_reseeding_is_not_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The control for the test above: the resumed run matches only because every step reseeds
     from (seed, rank, step); a resume that kept whatever generator state it starts with differs."""
-    _, straight = _fit(_job(), max_steps=8, checkpoint_dir=str(tmp_path / "straight"), checkpoint_every=4)
+    _, straight = _fit(
+        _job(), max_steps=8, checkpoint_dir=str(tmp_path / "straight"), checkpoint_every=4
+    )
     crashed = tmp_path / "crashed"
     _fit(_job(), max_steps=4, checkpoint_dir=str(crashed), checkpoint_every=4)
     monkeypatch.setattr(rng, "seed_step", lambda *args, **kwargs: None)
     _, resumed = _fit(_job(), max_steps=8, checkpoint_dir=str(crashed), checkpoint_every=4)
     assert resumed.resumed_from == 4
-    differing = [k for k, v in _weights(straight.checkpoint).items() if not torch.equal(v, _weights(resumed.checkpoint)[k])]
-    assert differing, "dropout drew the same numbers without reseeding: the bitwise test proves nothing"
+    differing = [
+        k
+        for k, v in _weights(straight.checkpoint).items()
+        if not torch.equal(v, _weights(resumed.checkpoint)[k])
+    ]
+    assert differing, (
+        "dropout drew the same numbers without reseeding: the bitwise test proves nothing"
+    )
 
 
 def test_gradient_accumulation_matches_one_big_forward() -> None:
@@ -153,18 +209,24 @@ def test_static_graph_with_gradient_accumulation_trains_like_a_dynamic_graph() -
     from elastic_trainer.train.config import DDPOptions
 
     dynamic, _ = _fit(_job(dropout=0.0), max_steps=3, micro_batch_size=3)
-    static, result = _fit(_job(dropout=0.0), max_steps=3, micro_batch_size=3, ddp=DDPOptions(static_graph=True))
+    static, result = _fit(
+        _job(dropout=0.0), max_steps=3, micro_batch_size=3, ddp=DDPOptions(static_graph=True)
+    )
     assert result.step == 3
     _assert_bitwise_equal(dynamic.model.state_dict(), static.model.state_dict())
 
 
-def test_corrupt_newest_checkpoint_resumes_from_the_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupt_newest_checkpoint_resumes_from_the_previous(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     _fit(_job(), max_steps=6, epochs=2, checkpoint_dir=str(tmp_path), checkpoint_every=3)
     newest = tmp_path / "ckpt-000000000006.pt"
     with open(newest, "r+b") as f:
         f.truncate(100)
     with caplog.at_level(logging.WARNING):
-        _, result = _fit(_job(), max_steps=8, epochs=2, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+        _, result = _fit(
+            _job(), max_steps=8, epochs=2, checkpoint_dir=str(tmp_path), checkpoint_every=3
+        )
     assert result.resumed_from == 3 and result.step == 8
     assert str(newest) in caplog.text
 
@@ -172,19 +234,28 @@ def test_corrupt_newest_checkpoint_resumes_from_the_previous(tmp_path: Path, cap
 def test_foreign_checkpoint_is_a_clear_error_and_overwrites_nothing(tmp_path: Path) -> None:
     _fit(_job(width=16), max_steps=3, checkpoint_dir=str(tmp_path))
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
-    with pytest.raises(ckpt.CheckpointMismatchError, match=r"belongs to a different job \(model tensor '0.weight'"):
+    with pytest.raises(
+        ckpt.CheckpointMismatchError, match=r"belongs to a different job \(model tensor '0.weight'"
+    ):
         _fit(_job(width=32), max_steps=6, checkpoint_dir=str(tmp_path))
     after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
     assert after == before
 
 
 def test_data_parallel_is_refused() -> None:
-    with pytest.raises(TrainerSetupError, match="nn.DataParallel is single-process and not supported"):
+    with pytest.raises(
+        TrainerSetupError, match="nn.DataParallel is single-process and not supported"
+    ):
         _fit(_job(model=lambda: nn.DataParallel(nn.Linear(6, 2))), max_steps=1)
 
 
-@pytest.mark.parametrize("option,match", [({"sync_batchnorm": True}, "SyncBatchNorm runs on CUDA"),
-                                          ({"mixed_precision": "fp16"}, "fp16 .* needs CUDA")])
+@pytest.mark.parametrize(
+    "option,match",
+    [
+        ({"sync_batchnorm": True}, "SyncBatchNorm runs on CUDA"),
+        ({"mixed_precision": "fp16"}, "fp16 .* needs CUDA"),
+    ],
+)
 def test_cuda_only_options_on_cpu_are_clear_errors(option: dict[str, Any], match: str) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -238,8 +309,13 @@ class RecordingObserver:
 
 def test_observer_sees_wrap_start_steps_and_checkpoints(tmp_path: Path) -> None:
     observer = RecordingObserver()
-    Trainer(trainer_config(global_batch_size=8, max_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2),
-            _job(), observer=observer).fit()
+    Trainer(
+        trainer_config(
+            global_batch_size=8, max_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2
+        ),
+        _job(),
+        observer=observer,
+    ).fit()
     kinds = [kind for kind, _ in observer.events]
     # A step's loss is staged without waiting for the device and rides on the next step's control,
     # which is read one step later still (no wait on the host collective): step 1 is reported at
@@ -250,8 +326,11 @@ def test_observer_sees_wrap_start_steps_and_checkpoints(tmp_path: Path) -> None:
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["samples"] == 8 for s in steps)
     assert all(kw["nbytes"] > 0 for kind, kw in observer.events if kind == "saved")
     observer2 = RecordingObserver()
-    Trainer(trainer_config(global_batch_size=8, max_steps=5, checkpoint_dir=str(tmp_path)), _job(),
-            observer=observer2).fit()
+    Trainer(
+        trainer_config(global_batch_size=8, max_steps=5, checkpoint_dir=str(tmp_path)),
+        _job(),
+        observer=observer2,
+    ).fit()
     loaded = [kw for kind, kw in observer2.events if kind == "loaded"]
     assert len(loaded) == 1 and loaded[0]["step"] == 4
 
@@ -264,8 +343,17 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tmp_path: Pa
             if kw["step"] == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    result = Trainer(trainer_config(global_batch_size=8, max_steps=50, epochs=10, checkpoint_dir=str(tmp_path),
-                                   checkpoint_every=100), _job(), observer=KillAtStep3()).fit()
+    result = Trainer(
+        trainer_config(
+            global_batch_size=8,
+            max_steps=50,
+            epochs=10,
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every=100,
+        ),
+        _job(),
+        observer=KillAtStep3(),
+    ).fit()
     assert result.stopped_by_signal and result.exit_code == EXIT_STOPPED
     # Step 3 is reported at the end of step 5 (its loss rides on step 4's control, read after step
     # 5): the flag rides on step 6's control, read after step 7. Step in progress + one more.
@@ -274,14 +362,20 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_exits_nonzero(tmp_path: Pa
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
-def test_build_observer_defaults_to_null_and_reports_missing_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_observer_defaults_to_null_and_reports_missing_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from elastic_trainer.runtime.observer import NullObserver
 
     monkeypatch.delenv("ELASTIC_TRAINER_METRICS", raising=False)
     assert isinstance(build_observer(), NullObserver)
     monkeypatch.setenv("ELASTIC_TRAINER_METRICS", "1")
-    monkeypatch.setitem(__import__("sys").modules, "elastic_trainer.metrics.worker", None)  # not importable
-    with pytest.raises(TrainerSetupError, match="ELASTIC_TRAINER_METRICS=1 but elastic_trainer.metrics.worker"):
+    monkeypatch.setitem(
+        __import__("sys").modules, "elastic_trainer.metrics.worker", None
+    )  # not importable
+    with pytest.raises(
+        TrainerSetupError, match="ELASTIC_TRAINER_METRICS=1 but elastic_trainer.metrics.worker"
+    ):
         build_observer()
 
 
@@ -299,8 +393,14 @@ def test_full_disk_is_a_clear_error_and_keeps_the_previous_checkpoint(
 
     monkeypatch.setattr(ckpt._HashingWriter, "write", write)
     with pytest.raises(ckpt.CheckpointWriteError) as error:
-        _fit(_job(), max_steps=20, epochs=4, checkpoint_dir=str(tmp_path), checkpoint_every=4,
-             async_checkpoint=async_checkpoint)
+        _fit(
+            _job(),
+            max_steps=20,
+            epochs=4,
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every=4,
+            async_checkpoint=async_checkpoint,
+        )
     message = str(error.value)
     assert "could not write the checkpoint of step 8" in message and "the disk is full" in message
     assert "ckpt-000000000004.pt is untouched" in message
@@ -333,11 +433,17 @@ def test_dataset_without_length_is_a_clear_error() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_gpu_mixed_precision_syncbn_checkpoint_loads_on_cpu_and_resumes(tmp_path: Path, precision: str) -> None:
+def test_gpu_mixed_precision_syncbn_checkpoint_loads_on_cpu_and_resumes(
+    tmp_path: Path, precision: str
+) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (gpu marker)")
-    options: dict[str, Any] = {"checkpoint_dir": str(tmp_path), "mixed_precision": precision, "sync_batchnorm": True,
-                               "epochs": 2}
+    options: dict[str, Any] = {
+        "checkpoint_dir": str(tmp_path),
+        "mixed_precision": precision,
+        "sync_batchnorm": True,
+        "epochs": 2,
+    }
     trainer, result = _fit(_job(batchnorm=True), max_steps=4, **options)
     assert next(trainer.model.parameters()).device == torch.device("cuda", 0)
     assert isinstance(trainer.model[1], nn.SyncBatchNorm)
@@ -363,23 +469,31 @@ def test_gpu_mixed_precision_syncbn_checkpoint_loads_on_cpu_and_resumes(tmp_path
     ],
 )
 def test_ddp_broadcasts_buffers_only_where_the_control_does_not_carry_them(
-        world: int, batchnorm: bool, broadcast: bool, forward_sync: bool, gpus: int) -> None:
+    world: int, batchnorm: bool, broadcast: bool, forward_sync: bool, gpus: int
+) -> None:
     from elastic_trainer.runtime.distributed import read_env
 
-    env = read_env(environ={"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}, cuda_devices=gpus)
+    env = read_env(
+        environ={"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}, cuda_devices=gpus
+    )
     assert env.device.type == ("cuda" if gpus else "cpu")
     from elastic_trainer.train.elastic import Elastic
 
     model = _job(batchnorm=batchnorm).model()
-    elastic = Elastic(model, _data(), global_batch_size=8, env=env, ddp_options={"broadcast_buffers": broadcast})
+    elastic = Elastic(
+        model, _data(), global_batch_size=8, env=env, ddp_options={"broadcast_buffers": broadcast}
+    )
     kwargs, rides = elastic.ddp_kwargs(env)
     assert kwargs["forward_sync_buffers"] is forward_sync
-    assert rides is (broadcast and not forward_sync), "rank 0's buffers ride where DDP does not broadcast them"
+    assert rides is (broadcast and not forward_sync), (
+        "rank 0's buffers ride where DDP does not broadcast them"
+    )
 
 
 @pytest.mark.parametrize(("from_peer", "broadcasts"), [(False, 1), (True, 0)])
 def test_ddp_broadcasts_the_module_at_construction_only_without_a_peer_s_state(
-        gloo_world: None, monkeypatch: pytest.MonkeyPatch, from_peer: bool, broadcasts: int) -> None:
+    gloo_world: None, monkeypatch: pytest.MonkeyPatch, from_peer: bool, broadcasts: int
+) -> None:
     """After a heal every member restores the same peer state when its loop starts: DDP's
     construction-time broadcast is redundant there, and no abort reaches it."""
     from torch.nn.parallel import distributed as ddp_module
@@ -399,7 +513,9 @@ def test_ddp_broadcasts_the_module_at_construction_only_without_a_peer_s_state(
     env = read_env(environ={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, cuda_devices=0)
     from elastic_trainer.train.elastic import Elastic
 
-    elastic = Elastic(_job().model(), _data(), global_batch_size=8, env=env, observer=NullObserver())
+    elastic = Elastic(
+        _job().model(), _data(), global_batch_size=8, env=env, observer=NullObserver()
+    )
     group = SimpleNamespace(healer=None, comms=WorkerComms())
     attempt = Attempt(group, env, {"step": 3} if from_peer else None)  # type: ignore[arg-type]
     assert attempt.ddp_init_sync is not from_peer
@@ -427,12 +543,17 @@ def test_ddp_broadcasts_the_module_at_construction_only_without_a_peer_s_state(
         (5, 3, {"find_unused_parameters": True, "static_graph": True}, 2),
     ],
 )
-def test_priming_passes_follow_ddps_bucket_rebuild(step: int, world: int, ddp: dict[str, bool], passes: int) -> None:
+def test_priming_passes_follow_ddps_bucket_rebuild(
+    step: int, world: int, ddp: dict[str, bool], passes: int
+) -> None:
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.train.config import DDPOptions
 
-    trainer = Trainer(trainer_config(global_batch_size=8, ddp=DDPOptions(**ddp)), _job(),
-                      env=read_env(environ={"RANK": "0", "WORLD_SIZE": str(world)}, cuda_devices=0))
+    trainer = Trainer(
+        trainer_config(global_batch_size=8, ddp=DDPOptions(**ddp)),
+        _job(),
+        env=read_env(environ={"RANK": "0", "WORLD_SIZE": str(world)}, cuda_devices=0),
+    )
     trainer.loop = SimpleNamespace(step=step)  # type: ignore[assignment]  # a loop resumed at `step`
     assert trainer._priming_passes() == passes
 
@@ -444,13 +565,18 @@ def test_priming_runs_real_passes_and_leaves_no_trace(tmp_path: Path) -> None:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        trainer, _ = _fit(_job(batchnorm=True, dropout=0.5), max_steps=2, checkpoint_dir=str(tmp_path))
+        trainer, _ = _fit(
+            _job(batchnorm=True, dropout=0.5), max_steps=2, checkpoint_dir=str(tmp_path)
+        )
         calls: list[int] = []
         trainer.model.register_forward_hook(lambda *_: calls.append(1))
         buffers = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         optimizer = str(trainer.optimizer.state_dict())
         cursor = trainer.sampler.state_dict()
-        batches = [(torch.randn(4, 6), torch.tensor([0, 1, 0, 1])), (torch.randn(4, 6), torch.tensor([1, 1, 0, 0]))]
+        batches = [
+            (torch.randn(4, 6), torch.tensor([0, 1, 0, 1])),
+            (torch.randn(4, 6), torch.tensor([1, 1, 0, 0])),
+        ]
         generator = torch.get_rng_state()  # after the draws that made the batches
         trainer.ddp.train()
         trainer.observer = observer = RecordingObserver()
@@ -461,12 +587,21 @@ def test_priming_runs_real_passes_and_leaves_no_trace(tmp_path: Path) -> None:
         assert handed_back[0] is batches[0] and handed_back[1] is batches[1]
         _assert_bitwise_equal(trainer.model.state_dict(), buffers)
         assert torch.equal(torch.get_rng_state(), generator), "dropout's draws were undone"
-        trainer.model(batches[0][0])  # one more forward, not undone: dropout does draw from this generator
-        assert not torch.equal(torch.get_rng_state(), generator), "the passes drew random numbers to undo"
+        trainer.model(
+            batches[0][0]
+        )  # one more forward, not undone: dropout does draw from this generator
+        assert not torch.equal(torch.get_rng_state(), generator), (
+            "the passes drew random numbers to undo"
+        )
         assert all(p.grad is None for p in trainer.model.parameters())
-        assert str(trainer.optimizer.state_dict()) == optimizer and trainer.sampler.state_dict() == cursor
+        assert (
+            str(trainer.optimizer.state_dict()) == optimizer
+            and trainer.sampler.state_dict() == cursor
+        )
         assert trainer.step == 2
-        trainer.observer = NullObserverWithoutPriming()  # written before on_priming existed: no error
+        trainer.observer = (
+            NullObserverWithoutPriming()
+        )  # written before on_priming existed: no error
         assert len(list(trainer._prime_buckets(iter(batches), passes=1))) == 2
     finally:
         dist.destroy_process_group()

@@ -40,8 +40,12 @@ def test_unshuffled_order_is_dataset_order() -> None:
     assert ElasticSampler(10, 3, shuffle=False).order() == list(range(10))
 
 
-@pytest.mark.parametrize("size,batch,micro", [(100, 16, None), (101, 16, 3), (37, 40, None), (64, 7, 2), (5, 8, 1)])
-def test_every_sample_exactly_once_per_epoch_across_world_size_changes(size: int, batch: int, micro: int | None) -> None:
+@pytest.mark.parametrize(
+    "size,batch,micro", [(100, 16, None), (101, 16, 3), (37, 40, None), (64, 7, 2), (5, 8, 1)]
+)
+def test_every_sample_exactly_once_per_epoch_across_world_size_changes(
+    size: int, batch: int, micro: int | None
+) -> None:
     rng = random.Random(size * 1000 + batch)
     sampler = ElasticSampler(size, batch, seed=3, micro_batch_size=micro)
     for epoch in range(3):
@@ -129,7 +133,9 @@ def test_micro_batch_sampler_feeds_the_plans_in_order() -> None:
     flattened = [list(mb.indices) for p in sampler.plans(1, 3) for mb in p.micro_batches]
     batches = list(MicroBatchSampler(sampler, 1, 3))
     assert batches == flattened and len(batches) == len(MicroBatchSampler(sampler, 1, 3))
-    loader = torch.utils.data.DataLoader(list(range(40)), batch_sampler=MicroBatchSampler(sampler, 1, 3))
+    loader = torch.utils.data.DataLoader(
+        list(range(40)), batch_sampler=MicroBatchSampler(sampler, 1, 3)
+    )
     assert [b.tolist() for b in loader] == flattened
 
 

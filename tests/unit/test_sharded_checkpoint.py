@@ -42,7 +42,9 @@ def _model(world_size: int) -> tuple[Any, Any]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4)).to(DEVICE)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4)
+    ).to(DEVICE)
     mesh = init_device_mesh(DEVICE, (world_size,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -67,11 +69,16 @@ def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
 
     if DEVICE == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{work / f'store-{role}'}",
-                            rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "nccl" if DEVICE == "cuda" else "gloo",
+        init_method=f"file://{work / f'store-{role}'}",
+        rank=rank,
+        world_size=world_size,
+    )
     model, opt = _model(world_size)
-    checkpointer = sharded.ShardedCheckpointer(work / "ckpt", rank=rank, world_size=world_size,
-                                               fingerprint_fields=FINGERPRINT, keep_last=2)
+    checkpointer = sharded.ShardedCheckpointer(
+        work / "ckpt", rank=rank, world_size=world_size, fingerprint_fields=FINGERPRINT, keep_last=2
+    )
     if role == "save":
         for step in range(1, SAVE_STEPS[-1] + 1):
             torch.manual_seed(100 + step)
@@ -80,9 +87,15 @@ def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
             opt.zero_grad()
             if step in SAVE_STEPS:
                 msd, osd = get_state_dict(model, opt)
-                checkpointer.save({"model": msd, "optimizer": osd, "step": step, "extra": {"epoch": step // 4}},
-                                  step=step, epoch=step // 4)  # asynchronous
-                reference = {"model": _full(msd), "optimizer": _full(osd)}  # the training thread goes on
+                checkpointer.save(
+                    {"model": msd, "optimizer": osd, "step": step, "extra": {"epoch": step // 4}},
+                    step=step,
+                    epoch=step // 4,
+                )  # asynchronous
+                reference = {
+                    "model": _full(msd),
+                    "optimizer": _full(osd),
+                }  # the training thread goes on
                 if rank == 0:
                     torch.save(reference, work / f"ref-{step}.pt")
         checkpointer.wait()
@@ -94,26 +107,60 @@ def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
         info = ckpt.find_latest(work / "ckpt")
         assert info is not None
         checkpointer.load(info, state)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
         now = get_state_dict(model, opt)
         full = {"model": _full(now[0]), "optimizer": _full(now[1])}
         reference = torch.load(work / f"ref-{info.step}.pt", weights_only=True)
         same = all(torch.equal(full["model"][k], v) for k, v in reference["model"].items())
-        same_opt = all(torch.equal(full["optimizer"]["state"][k][name], value)
-                       for k, entry in reference["optimizer"]["state"].items() for name, value in entry.items())
-        (work / f"loaded-{world_size}-{rank}.json").write_text(json.dumps({
-            "step": state["step"], "epoch": state["extra"]["epoch"], "model": same, "optimizer": same_opt,
-            "local_rows": int(dict(model.named_parameters())["0.weight"].to_local().shape[0]),
-        }))
+        same_opt = all(
+            torch.equal(full["optimizer"]["state"][k][name], value)
+            for k, entry in reference["optimizer"]["state"].items()
+            for name, value in entry.items()
+        )
+        (work / f"loaded-{world_size}-{rank}.json").write_text(
+            json.dumps(
+                {
+                    "step": state["step"],
+                    "epoch": state["extra"]["epoch"],
+                    "model": same,
+                    "optimizer": same_opt,
+                    "local_rows": int(
+                        dict(model.named_parameters())["0.weight"].to_local().shape[0]
+                    ),
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
 # -- test side -----------------------------------------------------------------------------------------
 def _run(role: str, world_size: int, work: Path, device: str = "cpu") -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SHARDED_TEST_DEVICE": device}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.test_sharded_checkpoint", role, str(rank),
-                               str(world_size), str(work)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-             for rank in range(world_size)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "SHARDED_TEST_DEVICE": device,
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.unit.test_sharded_checkpoint",
+                role,
+                str(rank),
+                str(world_size),
+                str(work),
+            ],
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
     errors = [proc.communicate(timeout=90)[1] for proc in procs]
     for proc, err in zip(procs, errors, strict=True):
         assert proc.returncode == 0, err[-3000:]
@@ -136,11 +183,17 @@ def test_two_ranks_write_their_own_shards_and_commit_a_manifest(saved: Path) -> 
     # keep_last=2: step 2 was pruned, 4 and 6 are complete; no temporary directory is left.
     assert ckpt.iter_checkpoints(directory) == [4, 6]
     assert sorted(p.name for p in directory.iterdir()) == [
-        "ckpt-000000000004.dcp", "ckpt-000000000004.json", "ckpt-000000000006.dcp", "ckpt-000000000006.json"]
+        "ckpt-000000000004.dcp",
+        "ckpt-000000000004.json",
+        "ckpt-000000000006.dcp",
+        "ckpt-000000000006.json",
+    ]
     info = ckpt.verify(directory, 6)
     assert info.manifest.sharded and info.manifest.world_size == 2 and info.manifest.epoch == 1
     listed = info.manifest.files or {}
-    assert METADATA_FILE in listed and sum(name.endswith(".distcp") for name in listed) == 2  # one per rank
+    assert (
+        METADATA_FILE in listed and sum(name.endswith(".distcp") for name in listed) == 2
+    )  # one per rank
     assert info.manifest.nbytes == sum(size for _, size in listed.values())
     # The host buffers were allocated once and reused by the two later saves; not pinned without CUDA.
     assert [(saved / f"allocations-{rank}").read_text() for rank in (0, 1)] == ["1", "1"]
@@ -148,19 +201,28 @@ def test_two_ranks_write_their_own_shards_and_commit_a_manifest(saved: Path) -> 
 
 
 @pytest.mark.parametrize("world_size", [3, 1])
-def test_loads_resharded_at_another_world_size(saved: Path, world_size: int, tmp_path: Path) -> None:
+def test_loads_resharded_at_another_world_size(
+    saved: Path, world_size: int, tmp_path: Path
+) -> None:
     work = tmp_path
     _copy(saved, work)
     shutil.copy(saved / "ref-6.pt", work / "ref-6.pt")
     _run("load", world_size, work)
-    results = [json.loads((work / f"loaded-{world_size}-{rank}.json").read_text()) for rank in range(world_size)]
+    results = [
+        json.loads((work / f"loaded-{world_size}-{rank}.json").read_text())
+        for rank in range(world_size)
+    ]
     assert all(r["model"] and r["optimizer"] for r in results), results
     assert all(r["step"] == 6 and r["epoch"] == 1 for r in results)
     # The 33 rows of the first layer are spread over the new world size.
-    assert sum(r["local_rows"] for r in results) == 33 and len({r["local_rows"] for r in results}) >= 1
+    assert (
+        sum(r["local_rows"] for r in results) == 33 and len({r["local_rows"] for r in results}) >= 1
+    )
 
 
-def test_a_damaged_newest_checkpoint_falls_back_and_is_set_aside(saved: Path, tmp_path: Path) -> None:
+def test_a_damaged_newest_checkpoint_falls_back_and_is_set_aside(
+    saved: Path, tmp_path: Path
+) -> None:
     directory = _copy(saved, tmp_path)
     shard = next((directory / "ckpt-000000000006.dcp").glob("__1_*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -175,7 +237,9 @@ def test_a_damaged_newest_checkpoint_falls_back_and_is_set_aside(saved: Path, tm
     assert ckpt.iter_checkpoints(directory) == [4]
 
 
-def test_missing_or_extra_files_and_an_uncommitted_directory_do_not_count(saved: Path, tmp_path: Path) -> None:
+def test_missing_or_extra_files_and_an_uncommitted_directory_do_not_count(
+    saved: Path, tmp_path: Path
+) -> None:
     directory = _copy(saved, tmp_path)
     (directory / "ckpt-000000000006.dcp" / "stray").write_text("x")
     with pytest.raises(ckpt.CheckpointError, match="holds stray, which its manifest does not list"):
@@ -194,7 +258,9 @@ def test_another_jobs_sharded_checkpoint_is_refused_in_one_line(saved: Path) -> 
     assert info is not None
     with pytest.raises(ckpt.CheckpointMismatchError) as caught:
         ckpt.check_fingerprint(info, {**FINGERPRINT, "seed": 1})
-    assert "seed is 1 here but 0 in the checkpoint" in str(caught.value) and "\n" not in str(caught.value)
+    assert "seed is 1 here but 0 in the checkpoint" in str(caught.value) and "\n" not in str(
+        caught.value
+    )
 
 
 def test_metadata_naming_code_is_refused(tmp_path: Path) -> None:
@@ -216,11 +282,20 @@ def test_plain_data_entries_load_weights_only(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / "dcp"
-    dcp.save({"w": torch.arange(4.0), "meta": {"step": 3, "name": "x"}}, checkpoint_id=folder, no_dist=True)
+    dcp.save(
+        {"w": torch.arange(4.0), "meta": {"step": 3, "name": "x"}},
+        checkpoint_id=folder,
+        no_dist=True,
+    )
     loaded = sharded.read_full(folder)
-    assert torch.equal(loaded["w"], torch.arange(4.0)) and loaded["meta"] == {"step": 3, "name": "x"}
+    assert torch.equal(loaded["w"], torch.arange(4.0)) and loaded["meta"] == {
+        "step": 3,
+        "name": "x",
+    }
     bad = tmp_path / "bad"
-    dcp.save({"w": torch.arange(4.0), "meta": {"when": ckpt.Manifest}}, checkpoint_id=bad, no_dist=True)
+    dcp.save(
+        {"w": torch.arange(4.0), "meta": {"when": ckpt.Manifest}}, checkpoint_id=bad, no_dist=True
+    )
     with pytest.raises(ckpt.CheckpointError, match="does not load"):  # a class is not plain data
         sharded.read_full(bad)
 
@@ -241,27 +316,35 @@ def test_export_writes_one_plain_file(saved: Path, tmp_path: Path) -> None:
     plain.load_state_dict(exported["model"])
 
 
-
-def test_checkpoint_commands_understand_the_sharded_format(saved: Path, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_checkpoint_commands_understand_the_sharded_format(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from elastic_trainer.cli import main
 
     directory = _copy(saved, tmp_path)
     assert main(["checkpoint", "list", str(directory), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["step"], r["format"], r["world_size"]) for r in rows] == [(4, "sharded", 2), (6, "sharded", 2)]
+    assert [(r["step"], r["format"], r["world_size"]) for r in rows] == [
+        (4, "sharded", 2),
+        (6, "sharded", 2),
+    ]
     assert rows[-1]["path"].endswith("ckpt-000000000006.dcp")
     assert main(["checkpoint", "inspect", str(directory), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["format"] == "sharded" and report["step"] == 6
     assert report["model_parameters"] == 16 * 33 + 33 + 33 * 4 + 4
-    assert report["entries"]["model"]["tensors"] == 4 and report["entries"]["optimizer"]["tensors"] == 12  # exp_avg, exp_avg_sq, step
+    assert (
+        report["entries"]["model"]["tensors"] == 4
+        and report["entries"]["optimizer"]["tensors"] == 12
+    )  # exp_avg, exp_avg_sq, step
     assert main(["checkpoint", "verify", str(directory)]) == 0
     out = tmp_path / "model.pt"
     assert main(["checkpoint", "export", str(directory / "ckpt-000000000004.dcp"), str(out)]) == 0
     assert "exported step 4" in capsys.readouterr().out
-    assert torch.equal(torch.load(out, weights_only=True)["model"]["2.bias"],
-                       torch.load(saved / "ref-4.pt", weights_only=True)["model"]["2.bias"])
+    assert torch.equal(
+        torch.load(out, weights_only=True)["model"]["2.bias"],
+        torch.load(saved / "ref-4.pt", weights_only=True)["model"]["2.bias"],
+    )
     # Damage: verify fails, export of the directory falls back to the newest good one.
     (directory / "ckpt-000000000006.dcp" / METADATA_FILE).write_bytes(b"garbage")
     assert main(["checkpoint", "verify", str(directory)]) == 1
@@ -272,17 +355,27 @@ def test_checkpoint_commands_understand_the_sharded_format(saved: Path, tmp_path
     assert "is truncated or corrupt" in capsys.readouterr().err
 
 
-def test_export_of_a_single_file_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_of_a_single_file_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from elastic_trainer.cli import main
 
     payload = {"format": ckpt.FORMAT, "model": {"w": torch.arange(3.0)}, "step": 7, "epoch": 0}
-    ckpt.save_checkpoint(tmp_path / "ckpt", payload, step=7, epoch=0, world_size=2,
-                         fingerprint_fields={"seed": 0}, keep_last=None)
+    ckpt.save_checkpoint(
+        tmp_path / "ckpt",
+        payload,
+        step=7,
+        epoch=0,
+        world_size=2,
+        fingerprint_fields={"seed": 0},
+        keep_last=None,
+    )
     assert main(["checkpoint", "export", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 0
     exported = torch.load(tmp_path / "out.pt", weights_only=True)
     assert torch.equal(exported["model"]["w"], torch.arange(3.0)) and exported["step"] == 7
     assert main(["checkpoint", "export", str(tmp_path / "ckpt"), str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))

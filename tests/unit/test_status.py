@@ -12,21 +12,35 @@ from rendezvous.etcd_backend import DEFAULT_KEY_PREFIX
 from rendezvous.lease_handler import COMPLETE, NodeInfo, RoundState, RunKeys, Snapshot
 
 
-def snapshot(participants: list[str], live: dict[str, bytes], joined: list[str] | None = None) -> Snapshot:
+def snapshot(
+    participants: list[str], live: dict[str, bytes], joined: list[str] | None = None
+) -> Snapshot:
     return Snapshot(
-        revision=20, state=RoundState(2, COMPLETE, participants, None), state_revision=19,
-        live=set(live), joined={2: joined or participants}, leases={n: 7 for n in live}, node_values=live,
+        revision=20,
+        state=RoundState(2, COMPLETE, participants, None),
+        state_revision=19,
+        live=set(live),
+        joined={2: joined or participants},
+        leases={n: 7 for n in live},
+        node_values=live,
     )
 
 
 def test_addresses_come_from_the_stored_node_value() -> None:
     """The stored value wins over the id, even an id that looks like ``ADDR_PID_SUFFIX``."""
     view = describe_lease_state(
-        snapshot(["a_1_x", "b_2_y"], {"a_1_x": NodeInfo("10.0.0.7", 4242).encode(),
-                                      "b_2_y": b'{"addr": "host_with_underscores", "pid": 9}'}),
+        snapshot(
+            ["a_1_x", "b_2_y"],
+            {
+                "a_1_x": NodeInfo("10.0.0.7", 4242).encode(),
+                "b_2_y": b'{"addr": "host_with_underscores", "pid": 9}',
+            },
+        ),
         {"a_1_x": 1.0, "b_2_y": None},
     )
-    assert [(p["node"], p["addr"], p["pid"], p["rank"], p["alive"]) for p in view["participants"]] == [
+    assert [
+        (p["node"], p["addr"], p["pid"], p["rank"], p["alive"]) for p in view["participants"]
+    ] == [
         ("a_1_x", "10.0.0.7", 4242, 0, True),
         ("b_2_y", "host_with_underscores", 9, 1, True),
     ]
@@ -37,8 +51,17 @@ def test_addresses_come_from_the_stored_node_value() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [None, b"", b"not json", b"\xff\xfe", b"[1, 2]", b'{"addr": "h"}', b'{"addr": 5, "pid": 1}',
-     b'{"addr": "h", "pid": "12"}', b'{"addr": "h", "pid": true}'],
+    [
+        None,
+        b"",
+        b"not json",
+        b"\xff\xfe",
+        b"[1, 2]",
+        b'{"addr": "h"}',
+        b'{"addr": 5, "pid": 1}',
+        b'{"addr": "h", "pid": "12"}',
+        b'{"addr": "h", "pid": true}',
+    ],
 )
 def test_a_missing_or_bad_value_falls_back_to_the_node_id(value: bytes | None) -> None:
     live = {} if value is None else {"host-a_123_abcdef": value}
@@ -51,7 +74,12 @@ def test_a_missing_or_bad_value_falls_back_to_the_node_id(value: bytes | None) -
 def test_an_id_of_another_shape_without_a_value_is_shown_as_is() -> None:
     view = describe_lease_state(snapshot(["plain"], {}), {})
     assert view["participants"][0] | {"rank": 0} == {
-        "node": "plain", "name": "plain", "addr": "plain", "pid": None, "rank": 0, "alive": False,
+        "node": "plain",
+        "name": "plain",
+        "addr": "plain",
+        "pid": None,
+        "rank": 0,
+        "alive": False,
         "heartbeat_age_s": None,
     }
 
@@ -60,8 +88,18 @@ def test_waiting_nodes_use_their_stored_values_too() -> None:
     live = {"a_1_x": NodeInfo("10.0.0.1", 1).encode(), "spare": NodeInfo("10.0.0.9", 99).encode()}
     view = describe_lease_state(snapshot(["a_1_x"], live, joined=["a_1_x", "late_5_z"]), {})
     assert view["waiting"] == [
-        {"node": "late_5_z", "name": "late-5", "addr": "late", "pid": 5},  # joined, key gone: from its id
-        {"node": "spare", "name": "10.0.0.9-99", "addr": "10.0.0.9", "pid": 99},  # live, not in the round
+        {
+            "node": "late_5_z",
+            "name": "late-5",
+            "addr": "late",
+            "pid": 5,
+        },  # joined, key gone: from its id
+        {
+            "node": "spare",
+            "name": "10.0.0.9-99",
+            "addr": "10.0.0.9",
+            "pid": 99,
+        },  # live, not in the round
     ]
 
 
@@ -74,7 +112,9 @@ def test_run_keys_from_params_use_the_key_prefix_or_the_default() -> None:
     default = RunKeys.from_params(RendezvousParameters("etcd-v3", "h:1", "job", 1, 1))
     assert (default.key_prefix, default.run_id) == (DEFAULT_KEY_PREFIX, "job")
     assert default.state == f"{DEFAULT_KEY_PREFIX}/job/rdzv/state"
-    custom = RunKeys.from_params(RendezvousParameters("etcd-v3", "h:1", "job", 1, 1, key_prefix="/x/y/"))
+    custom = RunKeys.from_params(
+        RendezvousParameters("etcd-v3", "h:1", "job", 1, 1, key_prefix="/x/y/")
+    )
     assert custom.node("n") == "/x/y/job/rdzv/nodes/n" and custom.store == "/x/y/job/store"
 
 
@@ -104,8 +144,17 @@ def test_progress_with_eta_and_ages() -> None:
     assert progress is not None and error is not None
     assert (progress["step"], progress["total_steps"], progress["percent"]) == (150, 1000, 15.0)
     assert progress["eta_s"] == 170.0  # (1000 - 150) / 5
-    assert (progress["world_size"], progress["samples_per_s"], progress["restarts"], progress["heals"]) == (4, 1280.0, 1, 3)
-    assert (progress["last_step_age_s"], progress["published_age_s"], progress["last_checkpoint_age_s"]) == (5.0, 3.0, 103.0)
+    assert (
+        progress["world_size"],
+        progress["samples_per_s"],
+        progress["restarts"],
+        progress["heals"],
+    ) == (4, 1280.0, 1, 3)
+    assert (
+        progress["last_step_age_s"],
+        progress["published_age_s"],
+        progress["last_checkpoint_age_s"],
+    ) == (5.0, 3.0, 103.0)
     assert progress["published_by"] == "a-1"
     assert error == {"text": "rank 3 exited with signal 9", "node": "b-2", "age_s": 123.0}
 
@@ -131,7 +180,10 @@ def test_render_shows_names_progress_and_the_last_error() -> None:
     text = render_status(report(progress, error))
     assert "rank   0  host-42" in text and "(host.x_42_abcdef)" in text
     assert "progress: step 150 / 1000 (15.0%), ETA 2m50s, 1280.0 samples/s, world size 4" in text
-    assert "last step 5.0s ago, loss 0.5123, lr 0.05, restarts 1, heals 3; published 3.0s ago by a-1" in text
+    assert (
+        "last step 5.0s ago, loss 0.5123, lr 0.05, restarts 1, heals 3; published 3.0s ago by a-1"
+        in text
+    )
     assert "last error: rank 3 exited with signal 9 (b-2, 2m03s ago)" in text
 
 

@@ -42,8 +42,12 @@ B = "http://b:9400/metrics"
 
 @pytest.mark.parametrize(
     ("given", "url"),
-    [("node-1:9400", "http://node-1:9400/metrics"), ("http://10.0.0.2:9400", "http://10.0.0.2:9400/metrics"),
-     ("https://h/custom", "https://h/custom"), ("[::1]:9400", "http://[::1]:9400/metrics")],
+    [
+        ("node-1:9400", "http://node-1:9400/metrics"),
+        ("http://10.0.0.2:9400", "http://10.0.0.2:9400/metrics"),
+        ("https://h/custom", "https://h/custom"),
+        ("[::1]:9400", "http://[::1]:9400/metrics"),
+    ],
 )
 def test_normalize_url(given: str, url: str) -> None:
     assert top.normalize_url(given) == url
@@ -65,8 +69,14 @@ def frame(frames: dict[str, list[str | None]], **kwargs: object) -> tuple[int, s
 
 
 def test_once_shows_progress_rates_and_the_slowest_rank() -> None:
-    code, text = frame({A: [node_text(node="a-1", ranks=two_ranks(100, slow_extra=0.01), restarts=1),
-                            node_text(node="a-1", ranks=two_ranks(150, slow_extra=0.01), restarts=1, heals=2)]})
+    code, text = frame(
+        {
+            A: [
+                node_text(node="a-1", ranks=two_ranks(100, slow_extra=0.01), restarts=1),
+                node_text(node="a-1", ranks=two_ranks(150, slow_extra=0.01), restarts=1, heals=2),
+            ]
+        }
+    )
     assert code == 0
     assert "run job" in text
     assert re.search(r"step\s+150 / 1000\s+15\.0%", text)
@@ -83,8 +93,15 @@ def test_once_shows_progress_rates_and_the_slowest_rank() -> None:
 
 
 def test_an_unreachable_endpoint_is_listed_and_the_rest_shown() -> None:
-    code, text = frame({A: [node_text(node="a-1", ranks=two_ranks(10), world=4),
-                            node_text(node="a-1", ranks=two_ranks(20), world=4)], B: [None]})
+    code, text = frame(
+        {
+            A: [
+                node_text(node="a-1", ranks=two_ranks(10), world=4),
+                node_text(node="a-1", ranks=two_ranks(20), world=4),
+            ],
+            B: [None],
+        }
+    )
     assert code == 0
     assert "endpoints   1 of 2 up" in text
     assert "DOWN  http://b:9400/metrics: Connection refused" in text
@@ -98,7 +115,7 @@ def test_all_endpoints_down_exits_1() -> None:
 
 
 def test_a_job_without_target_or_steps_yet() -> None:
-    code, text = frame({A: ["elastic_trainer_restarts_total{run_id=\"job\",node=\"a-1\"} 0\n"]})
+    code, text = frame({A: ['elastic_trainer_restarts_total{run_id="job",node="a-1"} 0\n']})
     assert code == 0
     assert "step        -" in text and "ETA         -" in text and "slowest     -" in text
     code, text = frame({A: [node_text(node="a-1", ranks=two_ranks(5), target=None)]})
@@ -110,7 +127,12 @@ def test_once_json() -> None:
                         B: [None]}, as_json=True)  # fmt: skip
     data = json.loads(text)
     assert code == 0
-    assert (data["step"], data["total_steps"], data["world_size"], data["run_id"]) == (150, 1000, 2, "job")
+    assert (data["step"], data["total_steps"], data["world_size"], data["run_id"]) == (
+        150,
+        1000,
+        2,
+        "job",
+    )
     assert data["eta_s"] == pytest.approx(170.0) and data["last_step_age_s"] == pytest.approx(3.0)
     assert data["endpoints"] == [{"url": A, "up": True, "error": None},
                                  {"url": B, "up": False, "error": "Connection refused"}]  # fmt: skip
@@ -131,7 +153,9 @@ def test_live_view_redraws_in_place_until_interrupted(monkeypatch: pytest.Monkey
         if len(sleeps) == 3:
             raise KeyboardInterrupt  # Ctrl-C
 
-    endpoints = Endpoints({A: [node_text(node="a-1", ranks=two_ranks(10 * i)) for i in range(1, 6)]})
+    endpoints = Endpoints(
+        {A: [node_text(node="a-1", ranks=two_ranks(10 * i)) for i in range(1, 6)]}
+    )
     code = top.run_top([A], interval_s=2.0, stream=out, stdin=io.StringIO(), read=endpoints.read,
                        wall_clock=lambda: NOW, sleep=sleep)  # fmt: skip
     text = out.getvalue()
@@ -144,7 +168,10 @@ def test_live_view_redraws_in_place_until_interrupted(monkeypatch: pytest.Monkey
 
 def test_main_reports_mistakes_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert top.main(["--interval", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "elastic-trainer top: error: --interval must be > 0 seconds, got 0"
+    assert (
+        capsys.readouterr().err.strip()
+        == "elastic-trainer top: error: --interval must be > 0 seconds, got 0"
+    )
     assert top.main(["--url", "ftp://x", "--once"]) == 2
     assert "expected host:port" in capsys.readouterr().err
     assert top.main(["--json"]) == 2

@@ -53,7 +53,9 @@ def test_no_cuda_driver_mapped_is_safe_to_fork() -> None:
 
 def test_a_fresh_process_here_has_no_initialised_driver() -> None:
     probe = "from elastic_trainer.launch.warm_start import cuda_driver_initialized as f; print(f())"
-    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert done.stdout.strip() == "False", done.stderr
 
 
@@ -70,7 +72,9 @@ def test_a_fresh_process_here_has_no_initialised_driver() -> None:
 def test_the_loaded_driver_decides(answers: dict[str, int], initialised: bool) -> None:
     loader = FakeLoader(answers)
     assert cuda_driver_initialized(_maps(DRIVER), load=loader) is initialised
-    assert loader.asked and all(mode & os.RTLD_NOLOAD for _, mode in loader.asked)  # never loads anything
+    assert loader.asked and all(
+        mode & os.RTLD_NOLOAD for _, mode in loader.asked
+    )  # never loads anything
 
 
 def test_every_mapped_copy_is_asked() -> None:

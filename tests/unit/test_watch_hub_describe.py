@@ -20,8 +20,10 @@ class _Call:
 
 def test_a_fresh_hub_says_it_has_no_stream_and_never_failed() -> None:
     hub = WatchHub(SimpleNamespace(etcd3=None, endpoint="127.0.0.1:2379"))  # type: ignore[arg-type]
-    assert hub.describe() == ("endpoint 127.0.0.1:2379, 0 active, 0 awaiting creation, 0 created, 0 events "
-                              "delivered, stream none, last failure never")
+    assert hub.describe() == (
+        "endpoint 127.0.0.1:2379, 0 active, 0 awaiting creation, 0 created, 0 events "
+        "delivered, stream none, last failure never"
+    )
 
 
 def test_a_hub_names_its_watches_its_stream_and_its_last_failure() -> None:
@@ -33,8 +35,10 @@ def test_a_hub_names_its_watches_its_stream_and_its_last_failure() -> None:
     hub.last_failure = time.monotonic() - 3.0
     hub._call = _Call(active=False)
     line = hub.describe()
-    assert line.startswith("endpoint 10.0.0.2:2379, 2 active, 1 awaiting creation, 1 created, 12 events delivered, "
-                           "stream ended, last failure 3.")
+    assert line.startswith(
+        "endpoint 10.0.0.2:2379, 2 active, 1 awaiting creation, 1 created, 12 events delivered, "
+        "stream ended, last failure 3."
+    )
     assert line.endswith(" s ago")
     hub._call = _Call(active=True)
     assert "stream active" in hub.describe()

@@ -48,10 +48,25 @@ def config(tmp_path: Path, **overrides: float) -> WatchdogConfig:
     return WatchdogConfig(directory=tmp_path, node="n1", **values)  # type: ignore[arg-type]
 
 
-def reading(pid: int = 100, beats: int = 0, *, step: int | None = None, step_s: float = 0.0,
-            start_ticks: int = 7, rank: int = 1) -> SlotReading:
-    return SlotReading(pid=pid, rank=rank, local_rank=0, start_ticks=start_ticks, beats=beats, beat_ns=0,
-                       step=step, step_ns=int(step_s * 1e9) if step is not None else 0)
+def reading(
+    pid: int = 100,
+    beats: int = 0,
+    *,
+    step: int | None = None,
+    step_s: float = 0.0,
+    start_ticks: int = 7,
+    rank: int = 1,
+) -> SlotReading:
+    return SlotReading(
+        pid=pid,
+        rank=rank,
+        local_rank=0,
+        start_ticks=start_ticks,
+        beats=beats,
+        beat_ns=0,
+        step=step,
+        step_ns=int(step_s * 1e9) if step is not None else 0,
+    )
 
 
 # -- the decision, on a fake clock -----------------------------------------------------------------
@@ -123,14 +138,24 @@ def test_step_durations_per_step_rollbacks_and_torn_reads(tmp_path: Path) -> Non
     assert tracker.step_durations == pytest.approx([0.1, 0.5])
 
 
-def test_a_new_process_behind_a_known_pid_starts_afresh_and_gone_ones_are_forgotten(tmp_path: Path) -> None:
+def test_a_new_process_behind_a_known_pid_starts_afresh_and_gone_ones_are_forgotten(
+    tmp_path: Path,
+) -> None:
     tracker = StallTracker(config(tmp_path, floor_s=1.0))
     tracker.observe([reading(pid=1, beats=3), reading(pid=2, beats=3)], 0.0)
     tracker.observe([reading(pid=1, beats=3), reading(pid=2, beats=4)], 0.5)
     # pid 1 now belongs to a new process (another start time): it has not been silent at all.
-    assert tracker.observe([reading(pid=1, beats=3, start_ticks=99), reading(pid=2, beats=5)], 1.0) == []
-    assert tracker.observe([reading(pid=1, beats=3, start_ticks=99), reading(pid=2, beats=6)], 1.5) == []
-    frozen = tracker.observe([reading(pid=1, beats=3, start_ticks=99), reading(pid=2, beats=7)], 2.5)
+    assert (
+        tracker.observe([reading(pid=1, beats=3, start_ticks=99), reading(pid=2, beats=5)], 1.0)
+        == []
+    )
+    assert (
+        tracker.observe([reading(pid=1, beats=3, start_ticks=99), reading(pid=2, beats=6)], 1.5)
+        == []
+    )
+    frozen = tracker.observe(
+        [reading(pid=1, beats=3, start_ticks=99), reading(pid=2, beats=7)], 2.5
+    )
     assert [(w.pid, w.start_ticks) for w in frozen] == [(1, 99)]
 
 
@@ -148,11 +173,18 @@ class Worker:
     def __init__(self, directory: Path, blocker: str, *, new_session: bool = True) -> None:
         self.directory = directory
         self.trigger = directory.parent / f"block-{blocker}-{time.monotonic_ns()}"
-        code = ("from elastic_trainer.runtime import heartbeat; heartbeat.start_from_environ(); import os, time\n"
-                f"while not os.path.exists({str(self.trigger)!r}): time.sleep(0.02)\n" + BLOCKERS[blocker])
-        env = dict(os.environ, **{ENV_HEARTBEAT_DIR: str(directory), "RANK": "1", "LOCAL_RANK": "0"})
+        code = (
+            "from elastic_trainer.runtime import heartbeat; heartbeat.start_from_environ(); import os, time\n"
+            f"while not os.path.exists({str(self.trigger)!r}): time.sleep(0.02)\n"
+            + BLOCKERS[blocker]
+        )
+        env = dict(
+            os.environ, **{ENV_HEARTBEAT_DIR: str(directory), "RANK": "1", "LOCAL_RANK": "0"}
+        )
         # Like torchrun and the warm server: each worker leads its own session.
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, start_new_session=new_session)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], env=env, cwd=REPO, start_new_session=new_session
+        )
         self.blocker = blocker
 
     @property
@@ -201,7 +233,9 @@ def workers() -> Iterator[list[Worker]]:
 @pytest.fixture
 def watchdog(slots: Path) -> Iterator[tuple[FrozenWorkerWatchdog, list[FrozenWorker]]]:
     stopped: list[FrozenWorker] = []
-    dog = FrozenWorkerWatchdog(config(slots, floor_s=1.0, interval_s=0.1, max_gap_s=0.5), on_frozen=stopped.append)
+    dog = FrozenWorkerWatchdog(
+        config(slots, floor_s=1.0, interval_s=0.1, max_gap_s=0.5), on_frozen=stopped.append
+    )
     dog.start()
     try:
         yield dog, stopped
@@ -212,8 +246,11 @@ def watchdog(slots: Path) -> Iterator[tuple[FrozenWorkerWatchdog, list[FrozenWor
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("blocker", ["sigstop", "gil_held"])
 def test_a_frozen_worker_is_named_stopped_and_counted(
-    slots: Path, workers: list[Worker], watchdog: tuple[FrozenWorkerWatchdog, list[FrozenWorker]],
-    caplog: pytest.LogCaptureFixture, blocker: str,
+    slots: Path,
+    workers: list[Worker],
+    watchdog: tuple[FrozenWorkerWatchdog, list[FrozenWorker]],
+    caplog: pytest.LogCaptureFixture,
+    blocker: str,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="elastic_trainer.launch.watchdog")
     _, stopped = watchdog
@@ -224,17 +261,25 @@ def test_a_frozen_worker_is_named_stopped_and_counted(
     assert worker.proc.wait(30) == -signal.SIGKILL
     took = time.monotonic() - frozen_at
     assert [(w.pid, w.rank) for w in stopped] == [(worker.pid, 1)]
-    assert took >= 0.4, f"stopped {took:.2f} s after it froze, before the 1 s floor (less a beat) had passed"
+    assert took >= 0.4, (
+        f"stopped {took:.2f} s after it froze, before the 1 s floor (less a beat) had passed"
+    )
     lines = [r.getMessage() for r in caplog.records if "frozen" in r.getMessage()]
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"worker rank 1 (pid {worker.pid}) on node n1 made no progress for ")
     assert lines[0].endswith(" s (frozen); stopping it so the job heals")
-    wait_for(lambda: not slot_path(slots, worker.pid).exists(), timeout=10, what="the dead worker's slot to go")
+    wait_for(
+        lambda: not slot_path(slots, worker.pid).exists(),
+        timeout=10,
+        what="the dead worker's slot to go",
+    )
 
 
 @pytest.mark.timeout(60)
 def test_workers_blocked_in_c_or_merely_slow_are_never_stopped(
-    slots: Path, workers: list[Worker], watchdog: tuple[FrozenWorkerWatchdog, list[FrozenWorker]],
+    slots: Path,
+    workers: list[Worker],
+    watchdog: tuple[FrozenWorkerWatchdog, list[FrozenWorker]],
 ) -> None:
     dog, stopped = watchdog
     blocked = Worker(slots, "c_call")
@@ -248,7 +293,8 @@ def test_workers_blocked_in_c_or_merely_slow_are_never_stopped(
 
 @pytest.mark.timeout(60)
 def test_slots_of_gone_processes_are_removed_and_never_acted_on(
-    slots: Path, watchdog: tuple[FrozenWorkerWatchdog, list[FrozenWorker]],
+    slots: Path,
+    watchdog: tuple[FrozenWorkerWatchdog, list[FrozenWorker]],
 ) -> None:
     _, stopped = watchdog
     # A worker that died without removing its slot (SIGKILL): spawn one and kill it.
@@ -264,7 +310,18 @@ def test_slots_of_gone_processes_are_removed_and_never_acted_on(
     # A slot naming a live pid -- this test's own -- with another start time: the pid was reused.
     reused = slot_path(slots, os.getpid())
     image = bytearray(SLOT_SIZE)
-    HEADER.pack_into(image, 0, MAGIC, VERSION, 0, os.getpid(), 0, 0, 0, (process_start_ticks(os.getpid()) or 0) + 1)
+    HEADER.pack_into(
+        image,
+        0,
+        MAGIC,
+        VERSION,
+        0,
+        os.getpid(),
+        0,
+        0,
+        0,
+        (process_start_ticks(os.getpid()) or 0) + 1,
+    )
     reused.write_bytes(bytes(image))
     wait_for(lambda: not any(slots.iterdir()), timeout=10, what="both slots to be removed")
     time.sleep(1.5)
@@ -274,16 +331,29 @@ def test_slots_of_gone_processes_are_removed_and_never_acted_on(
 @pytest.mark.timeout(60)
 def test_stop_worker_kills_the_workers_process_group() -> None:
     """A worker's children (DataLoader workers) share its group and go with it."""
-    code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
-            "time.sleep(60)']); print(child.pid, flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    code = (
+        "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(60)']); print(child.pid, flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert proc.stdout is not None
         child = int(proc.stdout.readline())
         os.kill(proc.pid, signal.SIGSTOP)
         started = process_start_ticks(proc.pid) or 0
-        assert stop_worker(FrozenWorker(pid=proc.pid, rank=0, local_rank=0, start_ticks=started, silent_s=1.0,
-                                        threshold_s=1.0, last_step=None))
+        assert stop_worker(
+            FrozenWorker(
+                pid=proc.pid,
+                rank=0,
+                local_rank=0,
+                start_ticks=started,
+                silent_s=1.0,
+                threshold_s=1.0,
+                last_step=None,
+            )
+        )
         assert proc.wait(10) == -signal.SIGKILL
         wait_for(lambda: not is_running(child, 0), timeout=10, what="the worker's child to die")
     finally:
@@ -292,8 +362,15 @@ def test_stop_worker_kills_the_workers_process_group() -> None:
 
 
 def test_stop_worker_leaves_a_reused_pid_alone() -> None:
-    me = FrozenWorker(pid=os.getpid(), rank=0, local_rank=0, start_ticks=(process_start_ticks(os.getpid()) or 0) + 1,
-                      silent_s=1.0, threshold_s=1.0, last_step=None)
+    me = FrozenWorker(
+        pid=os.getpid(),
+        rank=0,
+        local_rank=0,
+        start_ticks=(process_start_ticks(os.getpid()) or 0) + 1,
+        silent_s=1.0,
+        threshold_s=1.0,
+        last_step=None,
+    )
     assert stop_worker(me) is False  # and this test is still running
 
 
@@ -301,12 +378,17 @@ def test_stop_worker_leaves_a_reused_pid_alone() -> None:
 def test_frozen_timeout_option() -> None:
     assert resolve_run_options({}, env={}).frozen_timeout == 10.0
     assert resolve_run_options({"frozen_timeout": "0"}, env={}).frozen_timeout == 0.0
-    assert resolve_run_options({}, env={"ELASTIC_TRAINER_FROZEN_TIMEOUT": "30"}).frozen_timeout == 30.0
+    assert (
+        resolve_run_options({}, env={"ELASTIC_TRAINER_FROZEN_TIMEOUT": "30"}).frozen_timeout == 30.0
+    )
     for bad in ("0.5", "-1", "nan", "inf", "soon"):  # one line each, naming the option
         with pytest.raises(UserError, match="--frozen-timeout") as caught:
             resolve_run_options({"frozen_timeout": bad}, env={})
         assert "\n" not in str(caught.value)
-    with pytest.raises(UserError, match=r"ELASTIC_TRAINER_FROZEN_TIMEOUT: bad value 'soon' \(not a number of seconds\)"):
+    with pytest.raises(
+        UserError,
+        match=r"ELASTIC_TRAINER_FROZEN_TIMEOUT: bad value 'soon' \(not a number of seconds\)",
+    ):
         resolve_run_options({}, env={"ELASTIC_TRAINER_FROZEN_TIMEOUT": "soon"})
 
 

@@ -36,9 +36,16 @@ BOUND_S = 10.0
 
 
 def main() -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks before it kills
-    rank, store_file, iterations, hook, out = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4],
-                                               sys.argv[5])
+    faulthandler.register(
+        signal.SIGUSR1, all_threads=True
+    )  # the test asks for stacks before it kills
+    rank, store_file, iterations, hook, out = (
+        int(sys.argv[1]),
+        sys.argv[2],
+        int(sys.argv[3]),
+        sys.argv[4],
+        sys.argv[5],
+    )
     comms = WorkerComms(waits=AbortableWaits(enabled=True))
     store = dist.FileStore(store_file, 2)
     torch.manual_seed(0)
@@ -49,14 +56,19 @@ def main() -> None:
     chance = random.Random(rank)
     # The forward's buffer broadcast is DDP's own wait, which no hook reaches (the healer's stop
     # watch covers it): off here, so that only the tracked waits are measured.
-    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-                      else {"broadcast_buffers": False})
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+        else {"broadcast_buffers": False}
+    )
     ended_after: list[float] = []
     for iteration in range(iterations):
         group.create(rank=rank, world_size=2, store=dist.PrefixStore(f"it-{iteration}", store))
         ddp = DDP(model, **no_buffer_sync)
         if hook == "timed":
-            ddp.register_comm_hook(AllreduceTimer(ddp.process_group, comms=comms), timed_allreduce_hook)
+            ddp.register_comm_hook(
+                AllreduceTimer(ddp.process_group, comms=comms), timed_allreduce_hook
+            )
         else:
             ddp.register_comm_hook(comms, abortable_allreduce_hook)
         # Two steps before any abort: DDP's second forward rebuilds its buckets with a broadcast of
@@ -70,7 +82,9 @@ def main() -> None:
         store.wait([f"ready-{iteration}-{1 - rank}"])
         aborted_at: list[float] = []
 
-        def abort(delay: float = chance.uniform(0.0, 0.08), stamps: list[float] = aborted_at) -> None:
+        def abort(
+            delay: float = chance.uniform(0.0, 0.08), stamps: list[float] = aborted_at
+        ) -> None:
             time.sleep(delay)
             stamps.append(time.monotonic())
             group.abort()
@@ -89,7 +103,9 @@ def main() -> None:
             failure = exc
         aborter.join()
         if failure is None or not is_group_failure(failure):
-            raise SystemExit(f"iteration {iteration}: the abort did not fail the step as a group failure: {failure!r}")
+            raise SystemExit(
+                f"iteration {iteration}: the abort did not fail the step as a group failure: {failure!r}"
+            )
         ended_after.append(time.monotonic() - aborted_at[0])
         del ddp
         group.destroy()

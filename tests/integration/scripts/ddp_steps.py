@@ -54,9 +54,15 @@ def main() -> None:
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
     if rank == 0:
-        result = {"world_size": world, "rank_sum": total.item(), "attempt": attempt,
-                  "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
-        (out / f"done-{os.environ.get('TORCHELASTIC_RUN_ID')}-{attempt}.json").write_text(json.dumps(result))
+        result = {
+            "world_size": world,
+            "rank_sum": total.item(),
+            "attempt": attempt,
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+        }
+        (out / f"done-{os.environ.get('TORCHELASTIC_RUN_ID')}-{attempt}.json").write_text(
+            json.dumps(result)
+        )
     dist.destroy_process_group()
 
 

@@ -28,7 +28,9 @@ def kill_at(rank: int, step: int, point: str):  # type: ignore[no-untyped-def]
 
     def hook(where: str, current: int) -> None:
         if first_generation and (this_rank, where, current) == (rank, point, step):
-            logging.getLogger("kill_at_job").warning("test hook: SIGKILLing this worker at %s of step %d", point, step)
+            logging.getLogger("kill_at_job").warning(
+                "test hook: SIGKILLing this worker at %s of step %d", point, step
+            )
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL)

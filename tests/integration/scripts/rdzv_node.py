@@ -21,16 +21,26 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     endpoint, run_id, low, high, conf = sys.argv[1:6]
     config = dict(item.split("=", 1) for item in conf.split(",") if item)
-    handler = create_handler(RendezvousParameters("etcd-v3", endpoint, run_id, int(low), int(high), **config))
+    handler = create_handler(
+        RendezvousParameters("etcd-v3", endpoint, run_id, int(low), int(high), **config)
+    )
     print(json.dumps({"ready": True, "node": getattr(handler, "node_id", None)}), flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command == "join":
             started = time.monotonic()
             info = handler.next_rendezvous()
-            print(json.dumps({"rank": info.rank, "world_size": info.world_size,
-                              "round": getattr(handler, "_round", None),
-                              "seconds": time.monotonic() - started}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "rank": info.rank,
+                        "world_size": info.world_size,
+                        "round": getattr(handler, "_round", None),
+                        "seconds": time.monotonic() - started,
+                    }
+                ),
+                flush=True,
+            )
         elif command == "waiting":
             print(json.dumps({"waiting": handler.num_nodes_waiting()}), flush=True)
         elif command == "exit":
