@@ -23,6 +23,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import sys
 import time
 import urllib.error
@@ -440,6 +441,9 @@ def run_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
         if args.rdzv_endpoint is None
         else lambda: finished_step(args.rdzv_endpoint, args.run_id)
     )
+    # A live view quits on Ctrl-C even when it was started with SIGINT ignored (a shell's
+    # background job, a harness started with nohup): the interrupt is how its user stops it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return run_top(args.url or [DEFAULT_URL], interval_s=args.interval, once=args.once,
                        run_id=args.run_id, as_json=args.json, finished=finished)  # fmt: skip

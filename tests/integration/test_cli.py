@@ -303,7 +303,10 @@ def test_status_shows_a_running_job(etcd_server, tmp_path: Path, unique_id: str)
         assert report["participants"][0]["heartbeat_age_s"] < 30
         assert report["checkpoint"]["step"] >= 5
         human = cli("status", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id)
-        assert "participant(s)" in human.stdout and "rank   0" in human.stdout
+        # Healing in place, the live members are the workers' epoch: both ranks, never the
+        # rendezvous round's history.
+        assert "(heals in place), 2 member(s)" in human.stdout, human.stdout
+        assert "rank   0" in human.stdout and "rank   1" in human.stdout, human.stdout
     finally:
         os.killpg(job.pid, 15)
         job.wait(60)
@@ -415,6 +418,7 @@ def test_checkpoint_inspect_counts_tied_weights_once(tmp_path: Path, copy: str) 
 
     from elastic_trainer.checkpoint import files as ckpt
     from elastic_trainer.checkpoint.staging import StagingBuffers
+    from elastic_trainer.state.host_copy import snapshot_to_cpu
 
     embedding, head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64, bias=False)
     head.weight = embedding.weight  # tied
@@ -424,7 +428,7 @@ def test_checkpoint_inspect_counts_tied_weights_once(tmp_path: Path, copy: str) 
     copied = (
         StagingBuffers(torch.device("cpu")).stage(state).payload
         if copy == "staged"
-        else ckpt.snapshot_to_cpu(state)
+        else snapshot_to_cpu(state)
     )
     ckpt.save_checkpoint(
         tmp_path,
