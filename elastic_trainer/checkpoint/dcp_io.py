@@ -6,12 +6,13 @@ unpickles code, and host staging in reused buffers.
   own reader calls ``pickle.load``.
 - :class:`SafeLoadPlanner` and :data:`SafeEmptyLoadPlanner` load the non-tensor entries (step,
   optimizer hyper-parameters, sampler cursor) with ``torch.load(weights_only=True)``; DCP's default
-  planners use ``weights_only=False``. Tensor data DCP reads with ``weights_only=True`` itself.
+  planners unpickle them unrestricted. Tensor data DCP reads with ``weights_only=True`` itself.
 - :class:`HostStager` copies a state dict (DTensors included: each rank copies only its local
   shard) into host buffers it keeps from save to save, pinned only where CUDA exists; a new layout
   (another world size, a new optimizer state) allocates new ones.
 
-Invariant: nothing here loads a checkpoint with ``weights_only=False`` or ``pickle.load``. Design:
+Invariant: nothing here unpickles a checkpoint unrestricted (no ``pickle.load``; every
+``torch.load`` is ``weights_only=True``). Design:
 ``docs/design/sharded.md``.
 """
 
