@@ -33,10 +33,12 @@ re-exported here.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -73,6 +75,9 @@ from rendezvous.jitter import wait_jitter
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+STREAM_STOP_BOUND_S = 2.0
+"""Seconds :meth:`EtcdConnection.close` waits for each stream thread (watch, keep-alive) to end."""
 
 _RETIRE_AFTER_S = 60.0
 """A client replaced by a failover is closed this long after (at a later failover or close)."""
@@ -163,6 +168,7 @@ class EtcdConnection:
         self._side_clients: dict[
             int, Any
         ] = {}  # endpoint index -> client, for the leader's requests
+        _OPEN.add(self)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -300,6 +306,10 @@ class EtcdConnection:
             if old is not None:
                 with contextlib.suppress(Exception):
                     old.close()
+        for old in [client, *retired]:  # etcd3's own watch thread ends once its channel closed
+            watcher = getattr(old, "watcher", None)
+            join_stream_thread(getattr(watcher, "_callback_thread", None))
+        _OPEN.discard(self)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -503,6 +513,33 @@ class EtcdConnection:
             metadata=client.metadata,
         )
         return client
+
+
+def join_stream_thread(thread: threading.Thread | None) -> None:
+    """Wait up to :data:`STREAM_STOP_BOUND_S` for a stream's thread to end (not from itself).
+
+    Why a close waits: a gRPC stream that is still being read when the interpreter exits can hang
+    the exit for good. Its reader re-takes the call's lock every 0.1 s; a daemon thread stopped at
+    exit while it holds that lock leaves it held, and the call's ``__del__`` (run by the main
+    thread's final collection) then waits for it forever. A torchrun agent hung so after its
+    workers had finished (stack: ``_Rendezvous.__del__`` in ``Condition.__enter__``).
+    """
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(STREAM_STOP_BOUND_S)
+
+
+_OPEN: weakref.WeakSet[EtcdConnection] = weakref.WeakSet()
+"""Connections not closed yet: :func:`_close_at_exit` closes them before the interpreter stops
+its daemon threads (see :func:`join_stream_thread`)."""
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for connection in list(_OPEN):
+        try:
+            connection.close()
+        except Exception as exc:  # exiting anyway: one line, never a traceback
+            log.debug("closing an etcd connection at exit failed: %s", exc)
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rendezvous import jitter
-from rendezvous.etcd_client import EtcdConnection
+from rendezvous.etcd_client import EtcdConnection, join_stream_thread
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class LeaseKeeper:
             call = self._call
         if call is not None:
             call.cancel()
+        join_stream_thread(self._thread)  # the stream is over before the connection closes
 
     # -- internals ------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rendezvous import jitter
-from rendezvous.etcd_client import EtcdConnection
+from rendezvous.etcd_client import EtcdConnection, join_stream_thread
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,7 @@ class WatchHub:
             outbox.put(_END)
         if call is not None:
             call.cancel()
+        join_stream_thread(self._thread)  # the stream is over before the connection closes
 
     # -- internals ------------------------------------------------------------------------------
 
