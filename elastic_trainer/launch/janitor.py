@@ -96,13 +96,59 @@ def clean_up(
 STALE_PREFIXES = ("elastic-trainer-metrics-", "elastic-trainer-warm-")
 """Temporary directories a launcher names ``<prefix><its pid>-<random>`` (see :func:`sweep_stale`)."""
 
+OWNER_LOCK = ".owner.lock"
+"""A file in each such directory that its launcher holds an exclusive ``flock`` on while it runs."""
+
+
+class OwnedDir:
+    """A temporary directory ``<prefix><pid>-<random>`` whose owner holds :data:`OWNER_LOCK`.
+
+    The kernel drops the lock when the owner ends, however it ends, so :func:`sweep_stale` can
+    tell a live owner from a dead one even where the pid says nothing: another pid namespace (a
+    container) sharing the same temp dir, or a pid reused since.
+    """
+
+    def __init__(self, prefix: str, directory: str | os.PathLike[str] | None = None) -> None:
+        import fcntl
+        import tempfile
+
+        self.path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=directory))
+        self._fd: int | None = os.open(self.path / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: never contended
+
+    def release(self) -> None:
+        """Drop the lock (idempotent); the directory itself is the caller's to remove."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _owner_alive(path: Path, pid: str) -> bool:
+    """Whether the launcher that made ``path`` still runs: its :data:`OWNER_LOCK` is held, or,
+    for a directory without one (made by an older launcher), its pid runs a process here."""
+    import fcntl
+
+    try:
+        fd = os.open(path / OWNER_LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        return Path(f"/proc/{pid}").exists()
+    except OSError:
+        return True  # not ours to judge (permissions): leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held: its owner runs, in this pid namespace or another
+    finally:
+        os.close(fd)
+    return False
+
 
 def sweep_stale(directory: str | os.PathLike[str] | None = None) -> list[Path]:
     """Remove the directories launchers that are gone left in ``directory`` (the temp dir by
-    default): those named ``<prefix><pid>-...`` (:data:`STALE_PREFIXES`) whose pid runs no
-    process. Normally a launcher's janitor removes them when it ends; this is for a launcher
-    killed together with its janitor. A reused pid keeps its directory until a later sweep.
-    Returns what was removed."""
+    default): those named ``<prefix><pid>-...`` (:data:`STALE_PREFIXES`) whose owner lock
+    (:class:`OwnedDir`) nobody holds. Normally a launcher's janitor removes them when it ends;
+    this is for a launcher killed together with its janitor. Returns what was removed."""
     import tempfile
 
     base = Path(directory if directory is not None else tempfile.gettempdir())
@@ -110,7 +156,7 @@ def sweep_stale(directory: str | os.PathLike[str] | None = None) -> list[Path]:
     for prefix in STALE_PREFIXES:
         for path in base.glob(prefix + "*"):
             pid = path.name[len(prefix) :].split("-", 1)[0]
-            if not pid.isdigit() or not path.is_dir() or Path(f"/proc/{pid}").exists():
+            if not pid.isdigit() or not path.is_dir() or _owner_alive(path, pid):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

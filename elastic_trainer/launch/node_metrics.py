@@ -22,7 +22,6 @@ import glob
 import logging
 import os
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 
 from elastic_trainer.launch.agent_metrics import AgentMetrics, install_agent_hooks
+from elastic_trainer.launch.janitor import OwnedDir
 from elastic_trainer.metrics import prometheus_compat
 from elastic_trainer.metrics.node_name import local_node_name
 from elastic_trainer.metrics.worker import MetricsError
@@ -356,9 +356,11 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
         directory = config.multiproc_dir or os.environ.get(ENV_MULTIPROC_DIR) or None
         owns_directory = directory is None
         if directory is None:
-            # Named after this process: the next launcher's janitor sweep knows whose it was.
-            directory = tempfile.mkdtemp(prefix=f"elastic-trainer-metrics-{os.getpid()}-")
+            # Locked by this process: the next launcher's janitor sweep knows whether it is gone.
+            owned = OwnedDir("elastic-trainer-metrics-")
+            directory = str(owned.path)
             cleanup.append(lambda: shutil.rmtree(directory, ignore_errors=True))
+            cleanup.append(owned.release)  # run in reverse: unlocked, then removed
         else:
             _prepare_dir(directory)
         told = LaunchContract(

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from elastic_trainer.launch.janitor import OwnedDir
 from elastic_trainer.runtime import torch_compat
 from elastic_trainer.runtime.atomic_files import write_atomically
 from elastic_trainer.runtime.settings import (
@@ -476,6 +478,7 @@ class WarmStartServer:
 
     directory: Path
     _pipe_write: int
+    _owner: OwnedDir | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -521,6 +524,8 @@ class WarmStartServer:
         with contextlib.suppress(OSError):
             os.close(self._pipe_write)
         _remove(self.directory)
+        if self._owner is not None:
+            self._owner.release()
 
 
 def start_server(preload: Sequence[str]) -> WarmStartServer:
@@ -528,10 +533,12 @@ def start_server(preload: Sequence[str]) -> WarmStartServer:
 
     The directory is ``$TMPDIR/elastic-trainer-warm-<launcher pid>-<random>``, mode 0700.
     """
-    directory = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
-    if len(os.fsencode(directory / (SOCKET_NAME + ".tmp"))) > MAX_SOCKET_PATH:
-        directory.rmdir()  # a deep $TMPDIR: unix socket paths are limited to ~107 bytes
-        directory = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir="/tmp"))
+    owner = OwnedDir(DIR_PREFIX)  # locked by the launcher: see janitor.sweep_stale
+    if len(os.fsencode(owner.path / (SOCKET_NAME + ".tmp"))) > MAX_SOCKET_PATH:
+        owner.release()  # a deep $TMPDIR: unix socket paths are limited to ~107 bytes
+        shutil.rmtree(owner.path, ignore_errors=True)
+        owner = OwnedDir(DIR_PREFIX, "/tmp")
+    directory = owner.path
     read_end, write_end = os.pipe()
     os.set_inheritable(read_end, True)
     cmd = [
@@ -550,7 +557,7 @@ def start_server(preload: Sequence[str]) -> WarmStartServer:
     starter = subprocess.Popen(cmd, pass_fds=(read_end,), stdin=subprocess.DEVNULL, close_fds=True)
     os.close(read_end)
     starter.wait()  # the starter forks the server and exits at once
-    return WarmStartServer(directory, write_end)
+    return WarmStartServer(directory, write_end, owner)
 
 
 def worker_pids(launcher_pid: int, child_pids: Sequence[int]) -> list[int]:

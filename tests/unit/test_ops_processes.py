@@ -275,3 +275,19 @@ def test_the_janitor_sweep_removes_what_dead_launchers_left_and_nothing_else(
         (path / "counter_1.db").write_bytes(b"x")
     assert sorted(sweep_stale(tmp_path)) == sorted(dead)
     assert [p for p in [*dead, *alive] if p.exists()] == alive
+
+
+def test_the_janitor_sweep_trusts_the_owner_lock_over_the_pid(tmp_path: Path) -> None:
+    """A launcher in another pid namespace sharing the temp dir has a pid that runs nothing
+    here; its lock keeps its directory. Once it ends (the lock dropped) the directory goes."""
+    from elastic_trainer.launch.janitor import OwnedDir, sweep_stale
+
+    owned = OwnedDir("elastic-trainer-metrics-", tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    elsewhere = owned.path.rename(tmp_path / f"elastic-trainer-metrics-{gone.pid}-abc")
+    assert sweep_stale(tmp_path) == []
+    assert elsewhere.is_dir()
+    owned.release()
+    assert sweep_stale(tmp_path) == [elsewhere]
+    assert not elsewhere.exists()
