@@ -23,6 +23,12 @@ fails. It reads its :class:`~elastic_trainer.checkpoint.config.CheckpointConfig`
 are those of
 :mod:`elastic_trainer.checkpoint.files`: ``torch.load(path, weights_only=True)["model"]`` is a plain
 state_dict, and ``elastic-trainer checkpoint list|verify|inspect`` reads them.
+
+A sharded state (``TrainingState.sharded``: an FSDP2 model) is written in the sharded format of
+:mod:`elastic_trainer.checkpoint.sharded` instead: every save is collective, every rank writes its
+own shards (asynchronously by default, through DCP on the checkpoint's own gloo group), rank 0
+commits; a load reads each rank's pieces, resharded onto the current world. That choice is the
+state's, made once; the manager only follows it (``docs/design/sharded.md``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint import sharded
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.jit import SAVE_TIMEOUT_S, ExitTimer, JitCheckpointer, JitOutcome
 from elastic_trainer.checkpoint.staging import StagingBuffers
@@ -110,7 +117,21 @@ class CheckpointManager:
         self.last_path: str | None = None
         self._committed_path: str | None = None  # the last path before a background write in flight
         self._last_saved_step: int | None = None
-        self._writer = ckpt.AsyncCheckpointWriter()
+        self._sharded: sharded.ShardedCheckpointer | None = None
+        if self.state.sharded is not None and config.directory is not None:
+            # Collective (the checkpoint's own process group): every rank builds its manager here.
+            self._sharded = sharded.ShardedCheckpointer(
+                config.directory,
+                rank=env.rank,
+                world_size=env.world_size,
+                fingerprint_fields=self.fingerprint_fields,
+                keep_last=config.keep_last,
+                fence=fence,
+            )
+        # Rank 0's writer of single files, or this rank's writer of its shards.
+        self._writer = (
+            self._sharded.writer if self._sharded is not None else ckpt.AsyncCheckpointWriter()
+        )
         self._writer.on_refused = self._background_write_refused
         self._staging = StagingBuffers(env.device)
         self._failure: ckpt.CheckpointError | None = None
@@ -172,10 +193,19 @@ class CheckpointManager:
         value = ckpt.chosen_path(decision[0])
         if value is not None:
             started = time.monotonic()
-            state = ckpt.load_checkpoint(value, env.device)
-            self.state.load_state_dict(state)
+            if self._sharded is not None:
+                state = self._load_sharded(Path(value))
+            elif os.path.isdir(value):
+                raise ckpt.CheckpointError(
+                    f"checkpoint {value} is sharded (FSDP2), but the model is not sharded; resume "
+                    "it with the sharded model, or turn it into one file with `elastic-trainer "
+                    "checkpoint export`"
+                )
+            else:
+                state = ckpt.load_checkpoint(value, env.device)
+                self.state.load_state_dict(state)
             self.observer.on_checkpoint_loaded(
-                step=self.step, duration_s=time.monotonic() - started, nbytes=os.path.getsize(value)
+                step=self.step, duration_s=time.monotonic() - started, nbytes=_size(value)
             )
             self.resumed_from = self._last_saved_step = self.step
             self.last_path = value
@@ -199,6 +229,22 @@ class CheckpointManager:
             log.info("starting from scratch (no checkpoint in %s)", self.directory)
         self._setup_jit(bool(decision[1]))
         return self.resumed_from
+
+    def _load_sharded(self, path: Path) -> dict[str, Any]:
+        """Collective: read this rank's pieces of the sharded checkpoint ``path`` into the live
+        state (resharded by DCP onto the current world); returns the payload it filled."""
+        if self._sharded is None:
+            raise RuntimeError("no sharded checkpointer")
+        if not path.is_dir():
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} is a single-file (replicated) checkpoint, but the model is "
+                "sharded (FSDP2); resume it with the replicated model, or start a new directory"
+            )
+        payload = self.payload()
+        payload.pop("config", None)  # saved for the operator; not read back
+        sharded.load_into(path, payload, group=self._sharded.group)
+        self.state.load_state_dict(payload)
+        return payload
 
     def restore(self, state: dict[str, Any]) -> int:
         """Continue from ``state``, a peer's payload (``TrainingState.peer_snapshot``, on this rank's device):
@@ -227,6 +273,13 @@ class CheckpointManager:
                 )
             return False
         if self.directory is None:
+            return False
+        if self._sharded is not None:
+            if self.env.is_rank0:
+                log.warning(
+                    "just-in-time checkpoints are off for sharded (FSDP2) state: no surviving rank "
+                    "holds a lost rank's shards; a failure resumes from the last periodic checkpoint"
+                )
             return False
         if any(hasattr(obj, "consolidate_state_dict") for obj in self.state.objects.values()):
             if self.env.is_rank0:
@@ -265,6 +318,8 @@ class CheckpointManager:
         if self.directory is None or self._last_saved_step == self.step:
             return self.last_path
         started = time.monotonic()
+        if self._sharded is not None:
+            return self._save_sharded(self._sharded, final=final, started=started)
         for obj in self.state.objects.values():
             consolidate = getattr(obj, "consolidate_state_dict", None)
             if consolidate is not None:
@@ -293,6 +348,59 @@ class CheckpointManager:
         if kind == "error":
             raise ckpt.CheckpointWriteError(value)
         self._last_saved_step = self.step
+        self.last_path = value
+        return value
+
+    def _save_sharded(
+        self, writer: sharded.ShardedCheckpointer, *, final: bool, started: float
+    ) -> str | None:
+        """:meth:`save` of a sharded state: collective, every rank writes its shards, rank 0
+        commits. A periodic write's failure (on any rank) reaches every rank through the next
+        step's control; a final one's through rank 0's outcome on the checkpoint group."""
+        step, epoch = self.step, self.state.current_epoch
+        path = str(ckpt.sharded_path(writer.directory, step))
+        payload = self.payload()
+        if not final:
+            self._last_saved_step = step
+            if self._failure is not None:
+                return self.last_path
+            try:
+                with self._jit.busy():
+                    self._committed_path = self.last_path
+                    writer.save(payload, step=step, epoch=epoch, sync=not self.config.async_write)
+                    self.last_path = path
+            except ckpt.CheckpointFencedError as exc:
+                log.warning("%s", exc)
+                self._last_saved_step = None
+                return self.last_path
+            except ckpt.CheckpointError as exc:
+                self._failure = exc  # every rank raises it at the next step's control
+                return self.last_path
+            self.observer.on_checkpoint_saved(
+                step=step, duration_s=time.monotonic() - started, nbytes=0
+            )
+            return path
+        outcome: list[Any] = [("ok", path)]
+        try:
+            self._sync_writing = True
+            writer.save(payload, step=step, epoch=epoch, sync=True)
+        except ckpt.CheckpointFencedError as exc:
+            log.warning("%s", exc)
+            outcome = [("fenced", self.last_path)]
+        except ckpt.CheckpointError as exc:
+            outcome = [("error", str(exc))]
+        finally:
+            self._sync_writing = False
+        if self.env.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0, group=writer.group)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise ckpt.CheckpointWriteError(value)
+        if kind == "ok":
+            self._last_saved_step = step
+            self.observer.on_checkpoint_saved(
+                step=step, duration_s=time.monotonic() - started, nbytes=0
+            )
         self.last_path = value
         return value
 
@@ -511,6 +619,13 @@ class CheckpointManager:
             self._jit.stand_down()
             if self._deadline is not None:
                 self._deadline.cancel()
+
+
+def _size(path: str) -> int:
+    """Bytes of a checkpoint: its file, or every file of its (sharded) directory."""
+    if os.path.isdir(path):
+        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+    return os.path.getsize(path)
 
 
 def resume_claim(state: TrainingState) -> str:

@@ -6,6 +6,7 @@
     elastic-trainer run --nproc-per-node 2 -m elastic_trainer.examples.sharded_lm --max-steps 200 \\
         --checkpoint-dir ./ckpt
     elastic-trainer checkpoint export ./ckpt model.pt    # one plain file of the full model
+    ... -m elastic_trainer.examples.sharded_lm --api trainer --max-steps 200 --checkpoint-dir ./ckpt
 
 Every transformer block and the whole model are sharded with ``fully_shard`` over all ranks;
 each rank holds, saves and loads only its own shards (``ShardedState``:
@@ -16,6 +17,12 @@ step. Dropout draws from generators reseeded per ``(seed, rank, step)``, so a ru
 a fault ends bitwise equal to one without the fault that went through the same world sizes, and
 every sample of an epoch is trained exactly once (``--record-samples`` writes the audit log).
 A restart re-forms the group; a worker fault is not healed in place for sharded state.
+
+``--api loop`` (the default) is the hand-written loop below, on ``ShardedState`` and
+``ShardedCheckpointManager``; ``--api trainer`` trains the same model with the runtime's
+``Trainer`` and ``TrainerConfig(fsdp=FSDPOptions(...))`` (``--fsdp-blocks``,
+``--fsdp-mixed-precision``, ``--no-reshard-after-forward``): the Trainer shards it, and adds the
+graceful SIGTERM stop with its final sharded checkpoint, metrics and progress lines.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import Dataset
 
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.files import model_signature
@@ -42,7 +50,9 @@ from elastic_trainer.runtime.process_exit import exit_process
 from elastic_trainer.runtime.sample_log import SampleLog
 from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.state.sharded import ShardedState
+from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.fsdp import FSDPOptions, apply_fsdp
+from elastic_trainer.train.trainer import Trainer, TrainingJob
 
 PROG = "sharded_lm"
 VOCAB, CONTEXT = 32, 16
@@ -88,6 +98,20 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
+class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample ``i``: the ``i``-th window of the text (inputs) and the same shifted by one (targets)."""
+
+    def __init__(self, text: torch.Tensor) -> None:
+        self.text = text
+
+    def __len__(self) -> int:
+        return (len(self.text) - 1) // CONTEXT
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.text[i * CONTEXT : i * CONTEXT + CONTEXT + 1]
+        return window[:-1], window[1:]
+
+
 def shard(model: TinyTransformer, world_size: int, device_type: str) -> None:
     """FSDP2: each block is one unit (its parameters gathered for its forward only), then the rest
     (``fully_shard`` on ``blocks.0``, ``blocks.1``, ..., then on the model)."""
@@ -120,6 +144,29 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument(
+        "--api",
+        choices=("loop", "trainer"),
+        default="loop",
+        help="loop: the hand-written loop; trainer: the runtime's Trainer with TrainerConfig.fsdp",
+    )
+    parser.add_argument(
+        "--fsdp-blocks",
+        default="blocks.*",
+        help="(--api trainer) comma-separated module names sharded as units (default blocks.*)",
+    )
+    parser.add_argument(
+        "--fsdp-mixed-precision",
+        choices=("no", "bf16", "fp16"),
+        default="no",
+        help="(--api trainer) FSDP2 compute dtype of the parameters (reduction stays float32)",
+    )
+    parser.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="(--api trainer) free each unit's gathered parameters after its forward",
+    )
+    parser.add_argument(
         "--throttle-ms", type=float, default=0.0, help="sleep per step (to watch or inject faults)"
     )
     args = parser.parse_args(argv)
@@ -140,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
+    if args.api == "trainer":
+        return train_with_trainer(args)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
@@ -219,6 +268,39 @@ def train(args: argparse.Namespace) -> int:
     if env.is_rank0:
         log.info("final step %d checkpoint %s", step, args.checkpoint_dir)
     return 0
+
+
+def train_with_trainer(args: argparse.Namespace) -> int:
+    """The same model, data and optimizer through ``Trainer`` with ``TrainerConfig.fsdp``."""
+    fsdp = FSDPOptions(
+        blocks=tuple(b.strip() for b in args.fsdp_blocks.split(",") if b.strip()),
+        mixed_precision=args.fsdp_mixed_precision,
+        reshard_after_forward=args.reshard_after_forward,
+    )
+    config = TrainerConfig(
+        global_batch_size=args.global_batch_size,
+        seed=args.seed,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every),
+        fsdp=fsdp,
+        log_every=args.log_every,
+        record_samples_dir=args.record_samples,
+    )
+    job = TrainingJob(
+        model=TinyTransformer,
+        dataset=lambda: Windows(corpus(args.seed, args.dataset_size * CONTEXT + 1)),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
+        loss=lambda logits, target: nn.functional.cross_entropy(logits.transpose(1, 2), target),
+        tokens_per_sample=CONTEXT,
+    )
+    pause = args.throttle_ms / 1000
+    result = Trainer(
+        config, job, callbacks=[lambda trainer, step: time.sleep(pause)] if pause else ()
+    ).fit()
+    if result.finished and int(os.environ.get("RANK", "0")) == 0:
+        log.info("final step %d checkpoint %s", result.step, result.checkpoint)
+    return result.exit_code
 
 
 def _sample_log(

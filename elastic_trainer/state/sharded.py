@@ -46,6 +46,8 @@ class ShardedState:
             keyed by parameter name).
         objects: other state by name (sampler, schedulers, scaler): saved with their own
             ``state_dict``; names ``model`` and ``optimizer`` are taken.
+        names: the names the optimizers go by elsewhere (a ``TrainingState``'s ``optimizer``,
+            ``optimizer_1``, ...): they are all restored by the one ``optimizer`` entry.
     """
 
     def __init__(
@@ -53,6 +55,8 @@ class ShardedState:
         model: nn.Module,
         optimizers: Sequence[torch.optim.Optimizer],
         objects: Mapping[str, Stateful | None] | None = None,
+        *,
+        names: Mapping[str, Any] | None = None,
     ) -> None:
         if not is_sharded(model):
             raise ValueError(
@@ -68,6 +72,8 @@ class ShardedState:
         self.optimizers = list(optimizers)
         self.objects: dict[str, Stateful | None] = dict(objects or {})
         self._options = StateDictOptions()
+        self.owns = frozenset({MODEL, *(names or {OPTIMIZER: None})})
+        """The names this state restores through DCP's state-dict API (the model, the optimizers)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Live DTensors of this rank's shards and the plain objects' states (copy before training on)."""

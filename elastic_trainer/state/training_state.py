@@ -18,6 +18,13 @@ it is not part of the state is refused at its first step (:meth:`TrainingState.w
 can change anything: after a heal or a resume it would silently differ between ranks. After a
 heal, :meth:`verify_replicas` compares a checksum of every saved object over all ranks (one small
 allreduce), so a ``load_state_dict`` that does not restore everything is found at once.
+
+Sharded models (FSDP2, DTensor parameters) are recognised here, once, at construction
+(:attr:`TrainingState.sharded`): the model and its optimizers are then read and written through
+``torch.distributed.checkpoint.state_dict`` (:class:`~elastic_trainer.state.sharded.ShardedState`),
+each rank holding only its own shards, and the checkpoint manager writes them as sharded (DCP)
+checkpoints, every rank its own shards. A replicated (DDP) model keeps plain state dicts and rank
+0's single-file checkpoints. Everything else follows that one decision (``docs/design/sharded.md``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.state.buffers import AuthoritativeBuffers
 from elastic_trainer.state.guard import StateGuard
 from elastic_trainer.state.host_copy import device_snapshot
+from elastic_trainer.state.sharded import ShardedState, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +116,30 @@ def _over(optimizer: torch.optim.Optimizer, params: set[int]) -> bool:
     return any(id(p) in params for group in optimizer.param_groups for p in group["params"])
 
 
+def _sharded_view(
+    model: nn.Module | None, objects: Mapping[str, Stateful | None]
+) -> ShardedState | None:
+    """The sharded view of ``objects`` when ``model`` holds DTensors: the model and every optimizer
+    go through DCP's state-dict API (saved as ``model`` and ``optimizer``), the rest as they are."""
+    if model is None or not is_sharded(model):
+        return None
+    optimizers = {
+        name: obj for name, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)
+    }
+    rest = {
+        name: obj
+        for name, obj in objects.items()
+        if name != "model" and name not in optimizers and obj is not None
+    }
+    taken = {"model", "optimizer"} & set(rest)
+    if taken:
+        raise ConfigError(
+            f"states: {sorted(taken)} name the sharded model and its optimizers; give these "
+            "objects other names"
+        )
+    return ShardedState(model, list(optimizers.values()), objects=rest, names=optimizers)
+
+
 class TrainingState:
     """One worker's training state; see the module docstring.
 
@@ -149,6 +181,17 @@ class TrainingState:
         self._update_event: Any = None
         self._serve_peers = False
         self._apply_buffers = False
+        self.sharded: ShardedState | None = _sharded_view(self.model, self.objects)
+        """The model holds DTensor (FSDP2) state: its model and optimizers go through
+        ``get_state_dict``/``set_state_dict`` and checkpoints are sharded (every rank writes its
+        shards). ``None``: a replicated model, rank 0's single-file checkpoints."""
+
+    @property
+    def heal_in_place(self) -> bool:
+        """Whether a live peer can hand this state to a rank that lost it. A replica (DDP) can;
+        a rank of a sharded state holds only its own shards, so a lost rank's shards come from the
+        newest checkpoint (the group restarts) unless a redundant copy is kept."""
+        return self.sharded is None
 
     def rebind(self, env: DistEnv) -> None:
         """A new attempt (after an in-place heal): this rank's new place, a fresh guard, and no
@@ -172,9 +215,13 @@ class TrainingState:
     def state_dict(self, model_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """The state's payload (live tensors; the caller copies or writes them at once).
         ``model_state`` replaces the model's own state dict (rank 0's buffers)."""
-        data: dict[str, Any] = {
-            name: None if obj is None else obj.state_dict() for name, obj in self.objects.items()
-        }
+        if self.sharded is not None:
+            data = self.sharded.state_dict()  # this rank's shards, keyed by parameter name
+        else:
+            data = {
+                name: None if obj is None else obj.state_dict()
+                for name, obj in self.objects.items()
+            }
         if model_state is not None:
             data["model"] = model_state
         data.update(
@@ -191,10 +238,18 @@ class TrainingState:
         """Restore every object ``state`` holds; returns their names (an object the payload
         lacks keeps its state: a resume is exact only for what was restored)."""
         restored = []
-        for name, obj in self.objects.items():
-            if obj is not None and state.get(name) is not None:
-                obj.load_state_dict(state[name])
-                restored.append(name)
+        if self.sharded is not None:
+            self.sharded.load_state_dict(state)
+            restored = [
+                name
+                for name, obj in self.objects.items()
+                if obj is not None and (name in self.sharded.owns or state.get(name) is not None)
+            ]
+        else:
+            for name, obj in self.objects.items():
+                if obj is not None and state.get(name) is not None:
+                    obj.load_state_dict(state[name])
+                    restored.append(name)
         self.step = int(state["step"])
         self.epoch = int(state.get("epoch", 0))
         self.restored = restored
@@ -240,6 +295,8 @@ class TrainingState:
         saves), a peer may ask for the state, or they replace DDP's broadcast."""
         env = self.env
         self.buffers = None
+        if self.sharded is not None:
+            return  # FSDP does not broadcast buffers: each rank's are its own (no DDP to stand for)
         if (needed or self._serve_peers or self._apply_buffers) and self.model is not None:
             self.buffers = AuthoritativeBuffers(
                 self.model, rank=env.rank, world_size=env.world_size, apply=self._apply_buffers
@@ -259,6 +316,10 @@ class TrainingState:
         env = self.env
 
         def build() -> dict[str, Any]:
+            if self.sharded is not None:  # this rank's shards (no rank stands for another)
+                payload = self.state_dict()
+                payload["jit"] = {"writer_rank": env.rank, "buffers": "own"}
+                return payload
             model_state = self.model.state_dict() if self.model is not None else None
             source = "none"
             if self.buffers is not None and model_state is not None:
@@ -313,11 +374,13 @@ class TrainingState:
             handle.remove()
 
     def checksums(self) -> list[tuple[str, int]]:
-        """One exact checksum per saved object (of its ``state_dict()`` tensors' bytes)."""
+        """One exact checksum per saved object (of its ``state_dict()`` tensors' bytes) that every
+        rank holds alike: a sharded model's and optimizers' shards differ between ranks by design."""
+        own = self.sharded.owns if self.sharded is not None else frozenset()
         return [
             (name, _checksum(obj.state_dict()))
             for name, obj in self.objects.items()
-            if obj is not None and name != "sampler"
+            if obj is not None and name != "sampler" and name not in own
         ] + [("step", self.step)]
 
     def verify_replicas(self, group: Any = None) -> None:

@@ -9,7 +9,7 @@ else the variable (:mod:`elastic_trainer.runtime.settings`), else the default th
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from elastic_trainer.checkpoint.config import DEFAULT_CHECKPOINT_EVERY, CheckpointConfig
 from elastic_trainer.runtime.failures import ConfigError
@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_CHECKPOINT_EVERY",
     "CheckpointConfig",
     "DDPOptions",
+    "FSDPOptions",
     "MixedPrecision",
     "TrainerConfig",
 ]
@@ -58,6 +59,40 @@ class DDPOptions:
             "static_graph",
         ):
             check_bool(f"ddp.{name}", getattr(self, name))
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPOptions:
+    """FSDP2 (``fully_shard``) for a model: each rank holds a shard of the parameters, gradients
+    and optimizer state, and checkpoints are sharded (``docs/design/sharded.md``). Applied by
+    :func:`apply_fsdp`."""
+
+    blocks: tuple[str, ...] = ()
+    """Module names sharded as their own units, in the order of ``named_modules``; ``*`` matches
+    one name segment (``"blocks.*"`` is every child of ``blocks``, not their children). Then the
+    whole model is one more unit. Each unit's parameters are gathered for its forward and backward
+    only: name the repeated blocks (transformer layers)."""
+    mixed_precision: MixedPrecision = "no"
+    """``bf16`` / ``fp16``: parameters are cast to it for forward and backward, gradients are
+    reduced in float32 (FSDP2's ``MixedPrecisionPolicy``); the sharded master copy stays float32."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (gathered again for the backward):
+    less memory, one more all-gather per unit and step. ``False`` keeps them until the backward."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.blocks, str) or not all(
+            isinstance(b, str) and b.strip() for b in self.blocks
+        ):
+            raise ConfigError(
+                f"fsdp.blocks: must be a sequence of module names, got {self.blocks!r}"
+            )
+        self.blocks = tuple(self.blocks)
+        if self.mixed_precision not in get_args(MixedPrecision):
+            raise ConfigError(
+                f"fsdp.mixed_precision: must be one of {', '.join(get_args(MixedPrecision))}, "
+                f"got {self.mixed_precision!r}"
+            )
+        check_bool("fsdp.reshard_after_forward", self.reshard_after_forward)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,7 +137,13 @@ class TrainerConfig:
     """Shard optimizer state with ``ZeroRedundancyOptimizer``; consolidated on rank 0 to save (the
     just-in-time save is then off: no single survivor holds the sharded state)."""
     ddp: DDPOptions = field(default_factory=DDPOptions)
-    """Options for the DDP wrapper."""
+    """Options for the DDP wrapper (unused with ``fsdp``)."""
+    fsdp: FSDPOptions | None = None
+    """Shard the model with FSDP2 (``fully_shard`` on the blocks named, then the whole model)
+    instead of replicating it under DDP: each rank holds a shard of the parameters, gradients and
+    optimizer state, and checkpoints are sharded (every rank writes its own shards, a restart at
+    another world size reshards). ``None``: DDP, unless the model factory returns a model it
+    sharded itself, which is used as it is. See ``docs/design/sharded.md``."""
     log_every: int = 10
     """Rank 0 logs a progress line every this many steps."""
     num_workers: int = 0
@@ -144,6 +185,20 @@ class TrainerConfig:
             )
         if not isinstance(self.ddp, DDPOptions):
             raise ConfigError(f"ddp: must be a DDPOptions, got {type(self.ddp).__name__}")
+        if self.fsdp is not None:
+            if not isinstance(self.fsdp, FSDPOptions):
+                raise ConfigError(f"fsdp: must be an FSDPOptions, got {type(self.fsdp).__name__}")
+            for name in ("sync_batchnorm", "zero_redundancy"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"{name}: not with fsdp (FSDP2 shards the optimizer state itself, and "
+                        "SyncBatchNorm is a DDP feature)"
+                    )
+            if self.mixed_precision != "no":
+                raise ConfigError(
+                    "mixed_precision: with fsdp, set fsdp.mixed_precision (FSDP2's parameter "
+                    "dtype for compute, float32 reduction) and leave mixed_precision 'no'"
+                )
 
     def sigterm_grace(self, settings: WorkerSettings) -> float:
         """The grace period in effect (this config's, else the environment's)."""

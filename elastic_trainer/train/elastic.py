@@ -19,7 +19,10 @@ objects; a replacement takes the state from a live peer); wraps the model in DDP
 group (:attr:`Elastic.ddp`); resumes from the newest checkpoint; hands out each step's samples
 exactly once per epoch at any world size (:class:`~elastic_trainer.runtime.sampler.ElasticSampler`);
 reseeds every rank's random numbers at each step; saves periodic, final, SIGTERM and just-in-time
-checkpoints; reports progress lines and metrics. What it saves is a
+checkpoints; reports progress lines and metrics. A model you sharded with ``fully_shard`` (FSDP2)
+is not wrapped: its state is read and written through DCP's state-dict API and its checkpoints
+are sharded, every rank writing its own shards (``TrainingState.sharded``; ``docs/design/sharded.md``);
+call :attr:`Elastic.module` for the forward in either case. What it saves is a
 :class:`~elastic_trainer.state.training_state.TrainingState`: the model, the sampler, and what it
 finds (every optimizer over the model's parameters, their LR schedulers, the ``scaler`` given).
 
@@ -53,7 +56,6 @@ from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatch, MicroBatchSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.state.buffers import replaces_buffer_broadcast
-from elastic_trainer.state.sharded import is_sharded
 from elastic_trainer.state.training_state import (
     ReplicaMismatchError,
     Stateful,
@@ -61,6 +63,7 @@ from elastic_trainer.state.training_state import (
     find_states,
 )
 from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
+from elastic_trainer.train.fsdp import no_gradient_sync
 from elastic_trainer.train.loop import (
     ElasticLoop,
     FaultHook,
@@ -103,7 +106,8 @@ class Elastic:
 
     Args:
         model: the plain model, on this rank's device (:attr:`device`), identical on every rank
-            (seed before building it). Not DDP-wrapped: :attr:`ddp` is.
+            (seed before building it). Not DDP-wrapped: :attr:`ddp` is. Or a model sharded with
+            ``fully_shard`` (FSDP2) over the current process group: used as it is.
         dataset: a map-style dataset (``for batch in step`` loads each micro-batch with a
             DataLoader), or its size (``for micro in step`` gives the indices to load yourself).
         global_batch_size: samples per optimizer step over all ranks, whatever the world size.
@@ -176,12 +180,6 @@ class Elastic:
                 "Elastic(model): pass the plain model; Elastic wraps it in DDP (elastic.ddp) "
                 "over the process group of the moment"
             )
-        if is_sharded(model):
-            raise failures.ConfigError(
-                "Elastic(model): the model is sharded (fully_shard); Elastic runs DDP models. "
-                "Save a sharded model with ShardedCheckpointManager (see "
-                "elastic_trainer/examples/sharded_lm.py)"
-            )
         if isinstance(dataset, int):
             self.dataset: Dataset[Any] | None = None
             size = dataset
@@ -246,6 +244,16 @@ class Elastic:
         self._loader_epoch = -1
 
     @property
+    def module(self) -> nn.Module:
+        """What the forward runs on: :attr:`ddp`, or the sharded model itself (FSDP2 reduces its
+        gradients in its own hooks)."""
+        if self.state.sharded is not None:
+            return self.model
+        if self.ddp is None:
+            raise RuntimeError("the model has no DDP in this attempt")
+        return self.ddp
+
+    @property
     def device(self) -> torch.device:
         """This rank's device (build the model on it)."""
         return self.env.device
@@ -303,6 +311,9 @@ class Elastic:
         # A failed step may have left partial gradients (a micro-batch's backward under no_sync):
         # the step runs again from its start, so they go (gradients are no state).
         self.model.zero_grad(set_to_none=True)
+        self._batches, self._loader_epoch, self._pending_batch = None, -1, None
+        if self.state.sharded is not None:
+            return  # FSDP2 shards and reduces by itself: no wrapper, no buffers to ride
         kwargs, ride = self.ddp_kwargs(self.env)
         if ride:
             self.state.sync_buffers()
@@ -311,7 +322,15 @@ class Elastic:
             self._observer,
             release=self._release_ddp,
         )
-        self._batches, self._loader_epoch, self._pending_batch = None, -1, None
+
+    def no_sync(self) -> Any:
+        """A context in which backward accumulates gradients without reducing them (DDP's
+        ``no_sync``; FSDP2's ``set_requires_gradient_sync(False)``)."""
+        if self.state.sharded is not None:
+            return no_gradient_sync(self.model)
+        if self.ddp is None:
+            raise RuntimeError("the model has no DDP in this attempt")
+        return self.ddp.no_sync()
 
     def ddp_kwargs(self, env: DistEnv) -> tuple[dict[str, Any], bool]:
         """DDP's keyword arguments in ``env``, and whether rank 0's buffers ride on the step's
@@ -444,11 +463,8 @@ class Step:
 
     def __iter__(self) -> Iterator[Any]:
         """This rank's micro-batches: loaded (a dataset was given) or as :class:`MicroBatch`
-        indices; all but the last under the DDP's ``no_sync``."""
+        indices; all but the last under ``no_sync`` (:meth:`Elastic.no_sync`)."""
         elastic, loop = self._elastic, self._loop
-        ddp = elastic.ddp
-        if ddp is None:
-            raise RuntimeError("the model has no DDP in this attempt")
         micro_batches = self.plan.micro_batches
         last = len(micro_batches) - 1
         for i, micro in enumerate(micro_batches):
@@ -458,7 +474,7 @@ class Step:
                 started = time.monotonic()
                 item = elastic._next_batch(self.plan)
                 loop.add_data_wait(time.monotonic() - started)
-            with ddp.no_sync() if i < last else NOTHING:
+            with elastic.no_sync() if i < last else NOTHING:
                 yield item
         self._index = None
 

@@ -296,6 +296,12 @@ class Attempt:
             or not failures.is_collective_failure(exc)
         ):
             return False
+        if loop is not None and not loop.heals_in_place:
+            log.warning(
+                "heal: this state cannot be handed on by a peer (sharded: each rank holds only its "
+                "own shards); restarting from the newest checkpoint"
+            )
+            return False
         holds = loop is not None and loop.state_ready and loop.state.consistent
         step = loop.step if holds and loop is not None else NO_STATE
         reason = failure_reason(exc)

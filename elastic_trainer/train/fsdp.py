@@ -1,5 +1,5 @@
 """FSDP2 for a model: ``fully_shard`` on the blocks an :class:`FSDPOptions` names, then on the
-whole model (the Trainer does not take FSDP models yet: ``docs/design/sharded.md``).
+whole model (``TrainerConfig(fsdp=FSDPOptions(...))`` has the Trainer do it: ``docs/design/sharded.md``).
 
     model = apply_fsdp(model, FSDPOptions(blocks=("blocks.*",), mixed_precision="bf16"), mesh)
 
@@ -10,52 +10,21 @@ before anything is sharded, not a silently unsharded block. Design: ``docs/desig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, get_args
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from elastic_trainer.runtime.failures import ConfigError
-from elastic_trainer.runtime.settings import check_bool
-from elastic_trainer.train.config import MixedPrecision
+from elastic_trainer.train.config import FSDPOptions
+
+__all__ = ["FSDPOptions", "apply_fsdp", "no_gradient_sync", "shard_model", "units"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(kw_only=True, slots=True)
-class FSDPOptions:
-    """FSDP2 (``fully_shard``) for a model: each rank holds a shard of the parameters, gradients
-    and optimizer state, and checkpoints are sharded (``docs/design/sharded.md``). Applied by
-    :func:`apply_fsdp`."""
-
-    blocks: tuple[str, ...] = ()
-    """Module names sharded as their own units, in the order of ``named_modules``; ``*`` matches
-    one name segment (``"blocks.*"`` is every child of ``blocks``, not their children). Then the
-    whole model is one more unit. Each unit's parameters are gathered for its forward and backward
-    only: name the repeated blocks (transformer layers)."""
-    mixed_precision: MixedPrecision = "no"
-    """``bf16`` / ``fp16``: parameters are cast to it for forward and backward, gradients are
-    reduced in float32 (FSDP2's ``MixedPrecisionPolicy``); the sharded master copy stays float32."""
-    reshard_after_forward: bool = True
-    """Free each unit's gathered parameters after its forward (gathered again for the backward):
-    less memory, one more all-gather per unit and step. ``False`` keeps them until the backward."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.blocks, str) or not all(
-            isinstance(b, str) and b.strip() for b in self.blocks
-        ):
-            raise ConfigError(
-                f"fsdp.blocks: must be a sequence of module names, got {self.blocks!r}"
-            )
-        self.blocks = tuple(self.blocks)
-        if self.mixed_precision not in get_args(MixedPrecision):
-            raise ConfigError(
-                f"fsdp.mixed_precision: must be one of {', '.join(get_args(MixedPrecision))}, "
-                f"got {self.mixed_precision!r}"
-            )
-        check_bool("fsdp.reshard_after_forward", self.reshard_after_forward)
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -99,3 +68,24 @@ def apply_fsdp(model: nn.Module, options: FSDPOptions, mesh: Any) -> nn.Module:
         fully_shard(modules[name], **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def shard_model(
+    model: nn.Module, options: FSDPOptions, device: torch.device, world_size: int
+) -> nn.Module:
+    """:func:`apply_fsdp` over a 1-D mesh of every rank of the current process group."""
+    return apply_fsdp(model, options, init_device_mesh(device.type, (world_size,)))
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Backward accumulates unsharded gradients without reduce-scattering them (FSDP2's
+    ``set_requires_gradient_sync(False)`` on every unit), as DDP's ``no_sync`` does."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)

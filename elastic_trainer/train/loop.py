@@ -210,7 +210,9 @@ class ElasticLoop:
         self._lr = lr or (lambda: None)
         self._after_step = list(after_step)
         self._fault = fault_hook
-        self.heals_in_place = heals_in_place
+        self.heals_in_place = heals_in_place and self.state.heal_in_place
+        """A failed collective is healed by the caller: the group heals in place and the state
+        can be handed on by a peer (``TrainingState.heal_in_place``)."""
         self._initial_state = initial_state
         self._heal_check = heal_check
         self._generation_part = generation_part

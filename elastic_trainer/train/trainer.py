@@ -14,6 +14,11 @@ accumulation beyond ``micro_batch_size``); DDP's buckets primed after a restart 
 more ranks reduce bitwise as an uninterrupted run (``docs/design/exact-resume.md``); evaluation and
 callbacks between steps. ``fit()`` returns whether the job finished or this process must exit for
 a restart.
+
+With ``TrainerConfig(fsdp=FSDPOptions(blocks=("blocks.*",)))`` (or a model factory that returns a
+model it sharded with ``fully_shard``) the model is sharded with FSDP2 instead of replicated:
+no DDP, each rank holds and checkpoints its own shards, a restart at another world size reshards
+(``docs/design/sharded.md``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.state.sharded import is_sharded
 from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.elastic import Elastic, Step
 from elastic_trainer.train.elastic_group import ElasticGroup
@@ -157,10 +163,17 @@ class Trainer:
 
     @property
     def ddp(self) -> DDP:
-        """The model in DDP over the current process group."""
+        """The model in DDP over the current process group (not with a sharded model)."""
         if self.elastic is None or self.elastic.ddp is None:
             raise RuntimeError("the trainer's DDP exists while fit() trains")
         return self.elastic.ddp
+
+    @property
+    def module(self) -> nn.Module:
+        """What the forward runs on: :attr:`ddp`, or the sharded (FSDP2) model itself."""
+        if self.elastic is None:
+            raise RuntimeError("the trainer's model is wrapped while fit() trains")
+        return self.elastic.module
 
     @property
     def sampler(self) -> ElasticSampler:
@@ -246,6 +259,19 @@ class Trainer:
         if cfg.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(device)  # before DDP: DDP wraps the parameters where they are
+        if cfg.fsdp is not None:
+            if is_sharded(model):
+                raise TrainerSetupError(
+                    "fsdp: the model factory returned a model that is sharded already; leave fsdp "
+                    "unset to train it as it is, or return the plain model"
+                )
+            from elastic_trainer.train.fsdp import shard_model
+
+            model = shard_model(model, cfg.fsdp, device, env.world_size)
+        if cfg.zero_redundancy and is_sharded(model):
+            raise TrainerSetupError(
+                "zero_redundancy: the model is sharded (FSDP2), which shards the optimizer already"
+            )
         self.model = model
 
         optimizer = self.job.optimizer(model.parameters())
@@ -340,7 +366,7 @@ class Trainer:
             dtype=self.autocast_dtype or torch.float32,
             enabled=self.autocast_dtype is not None,
         ):
-            return self.job.loss(self.ddp(inputs), target)
+            return self.job.loss(self.module(inputs), target)
 
     def _train_step(self, step: Step) -> None:
         """One step, as the DDP guides write it, on the own-loop API: ``no_sync`` accumulation and
@@ -355,7 +381,7 @@ class Trainer:
         ):  # the first step of an attempt (a start, a resume, a heal)
             self.loop = elastic.loop
             self.checkpoints = elastic.loop.checkpoints if elastic.loop is not None else None
-            self.ddp.train()
+            self.module.train()
             passes = self._priming_passes()
             if passes:
                 list(self._prime_buckets(iter([elastic.peek_batch(step.plan)]), passes=passes))
@@ -382,12 +408,12 @@ class Trainer:
             and self.job.evaluate is not None
             and step % cfg.eval_every == 0
         ):
-            self.ddp.eval()
+            self.module.eval()
             try:
                 with torch.no_grad():
                     metrics = self.job.evaluate(self.model, step)
             finally:
-                self.ddp.train()
+                self.module.train()
             if metrics and self._env().is_rank0:
                 log.info(
                     "eval at step %d: %s",
@@ -410,6 +436,8 @@ class Trainer:
         """
         cfg, env = self.config, self._env()
         step = self.step
+        if self.elastic is not None and self.elastic.state.sharded is not None:
+            return 0  # no DDP buckets: FSDP2's reduce-scatter has one fixed layout per unit
         if cfg.ddp.static_graph:
             return 1 if step == 0 or env.world_size == 1 else 2
         if step == 0 or env.world_size == 1:

@@ -86,6 +86,7 @@ def _group(healer: FakeHealer | None) -> tuple[ElasticGroup, SimpleNamespace]:
     group.healer = healer  # type: ignore[assignment]
     loop = SimpleNamespace(
         state_ready=True,
+        heals_in_place=True,
         step=7,
         stop_requested=False,
         state=FakeState(),
@@ -132,6 +133,19 @@ def test_without_healing_there_is_one_attempt_and_a_group_failure_ends_it() -> N
             with attempt:
                 raise RuntimeError(GROUP_FAILURE)
     assert attempts == 1
+
+
+def test_a_state_no_peer_can_hand_on_restarts_instead_of_healing() -> None:
+    """A sharded state (each rank holds only its own shards): the group failure ends the attempt
+    as without healing (the group restarts from the newest checkpoint)."""
+    healer = FakeHealer()
+    group, loop = _group(healer)
+    loop.heals_in_place = False
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        for attempt in group.attempts():
+            with attempt:
+                raise RuntimeError(GROUP_FAILURE)
+    assert healer.calls == []
 
 
 def test_a_bug_in_the_step_is_not_healed() -> None:

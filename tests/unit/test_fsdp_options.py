@@ -64,6 +64,25 @@ def test_bad_options_name_the_field(kwargs: dict[str, object], message: str) -> 
         FSDPOptions(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fsdp": {"blocks": ("x",)}}, "^fsdp: must be an FSDPOptions, got dict$"),
+        ({"zero_redundancy": True}, "^zero_redundancy: not with fsdp"),
+        ({"sync_batchnorm": True}, "^sync_batchnorm: not with fsdp"),
+        ({"mixed_precision": "bf16"}, "^mixed_precision: with fsdp, set fsdp.mixed_precision"),
+    ],
+)
+def test_trainer_config_refuses_what_does_not_go_with_fsdp(
+    kwargs: dict[str, object], message: str
+) -> None:
+    from elastic_trainer.train.config import TrainerConfig
+
+    kwargs = {"fsdp": FSDPOptions(blocks=("blocks.*",)), **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        TrainerConfig(global_batch_size=8, **kwargs)  # type: ignore[arg-type]
+
+
 def test_blocks_given_as_a_list_become_a_tuple() -> None:
     assert FSDPOptions(blocks=["blocks.*"]).blocks == ("blocks.*",)  # type: ignore[arg-type]
 
@@ -92,13 +111,24 @@ def _worker(out: Path, mixed: str, reshard: bool) -> None:
 
     resharded = isinstance(model.blocks[0][0].weight, DTensor)  # between forward and backward
     output.float().sum().backward()
+    from elastic_trainer.state.training_state import TrainingState
     from elastic_trainer.train.elastic import Elastic
 
-    try:
-        Elastic(model, 64, global_batch_size=8)
-        refused = ""
-    except ConfigError as exc:
-        refused = str(exc)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer.step()
+    elastic = Elastic(model, 64, global_batch_size=8)  # finds the optimizer; no DDP
+    state = elastic.state
+    payload = state.state_dict()
+    saved = {k: v.detach().clone() for k, v in payload["model"].items()}  # live tensors: copy
+    moved = {k: v.full_tensor().clone() for k, v in saved.items()}
+    with torch.no_grad():
+        model.head.weight.add_(1.0)  # changed after the payload was taken, then restored
+    restored = state.load_state_dict({**payload, "model": saved})
+    plain = torch.nn.Linear(2, 2)
+    replicated = TrainingState(
+        {"model": plain, "optimizer": torch.optim.SGD(plain.parameters(), lr=0.1)},
+        env=elastic.env,
+    )
     out.write_text(
         json.dumps(
             {
@@ -107,7 +137,24 @@ def _worker(out: Path, mixed: str, reshard: bool) -> None:
                 "dtype_inside": seen[0],
                 "resharded_after_forward": resharded,
                 "grad_dtype": str(model.head.weight.grad.dtype),
-                "elastic_refused": refused,
+                "routing": {
+                    "sharded": state.sharded is not None,
+                    "owns": sorted(state.sharded.owns) if state.sharded is not None else [],
+                    "keys": sorted(payload),
+                    "model_is_dtensor": all(
+                        isinstance(v, DTensor) for v in payload["model"].values()
+                    ),
+                    "optimizer_state_keys": sorted(payload["optimizer"]["state"]),
+                    "restored": restored,
+                    "weight_back": torch.equal(
+                        model.head.weight.full_tensor(), moved["head.weight"]
+                    ),
+                    "heal_in_place": state.heal_in_place,
+                    "checksummed": [name for name, _ in state.checksums()],
+                    "module_is_model": elastic.module is model,
+                    "replicated_sharded": replicated.sharded is not None,
+                    "replicated_heal_in_place": replicated.heal_in_place,
+                },
                 "param_dtype": str(model.head.weight.dtype),
             }
         )
@@ -136,11 +183,17 @@ def test_apply_fsdp_shards_the_named_blocks_then_the_model(
         result["param_dtype"] == result["grad_dtype"] == "torch.float32"
     )  # the sharded master copy
     assert result["resharded_after_forward"] is reshard
-    # The DDP own-loop API refuses a sharded model in one line instead of wrapping it in DDP.
-    assert result["elastic_refused"].startswith(
-        "Elastic(model): the model is sharded (fully_shard)"
-    )
-    assert "\n" not in result["elastic_refused"]
+    # The state owner recognises the sharded model once: DCP's state-dict API (DTensors keyed by
+    # parameter name, every optimizer under "optimizer"), no DDP around it, no heal from a peer;
+    # a replicated model keeps plain state dicts.
+    routing = result["routing"]
+    assert routing["sharded"] and routing["owns"] == ["model", "optimizer"]
+    assert routing["keys"] == ["epoch", "model", "optimizer", "rng", "sampler", "step", "world_size"]
+    assert routing["model_is_dtensor"] and "head.weight" in routing["optimizer_state_keys"]
+    assert routing["restored"] == ["model", "optimizer", "sampler"] and routing["weight_back"]
+    assert not routing["heal_in_place"] and routing["checksummed"] == ["step"]
+    assert routing["module_is_model"]
+    assert not routing["replicated_sharded"] and routing["replicated_heal_in_place"]
 
 
 if __name__ == "__main__":
