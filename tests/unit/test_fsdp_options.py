@@ -188,7 +188,15 @@ def test_apply_fsdp_shards_the_named_blocks_then_the_model(
     # a replicated model keeps plain state dicts.
     routing = result["routing"]
     assert routing["sharded"] and routing["owns"] == ["model", "optimizer"]
-    assert routing["keys"] == ["epoch", "model", "optimizer", "rng", "sampler", "step", "world_size"]
+    assert routing["keys"] == [
+        "epoch",
+        "model",
+        "optimizer",
+        "rng",
+        "sampler",
+        "step",
+        "world_size",
+    ]
     assert routing["model_is_dtensor"] and "head.weight" in routing["optimizer_state_keys"]
     assert routing["restored"] == ["model", "optimizer", "sampler"] and routing["weight_back"]
     assert not routing["heal_in_place"] and routing["checksummed"] == ["step"]
