@@ -3,7 +3,11 @@ rendezvous: a job that goes through 2 -> 3 -> 1 workers, resuming each time from
 checkpoint resharded onto the new world, with rank 1 SIGKILLed mid-way through the first phase
 (torchrun restarts the group, every rank resumes from the newest checkpoint), ends bitwise equal
 (model and optimizer) to the same schedule without the fault, and every sample of every epoch is
-trained exactly once. Also: the example under ``elastic-trainer run``.
+trained exactly once. The same under the ``Trainer`` (``--api trainer``: ``TrainerConfig.fsdp``,
+the sharded checkpoints through the state owner and the ``CheckpointManager``), on a shorter
+schedule with a SIGTERM in the 3-worker phase: its final sharded checkpoint holds the last step
+(none is redone), and a restart at 3 workers goes on from it. Also: the example under
+``elastic-trainer run``.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ DATASET, BATCH = 120, 12  # 10 steps per epoch
 PHASES = ((2, 14), (3, 22), (1, 26))  # (workers, run until step)
 
 
-def _job(tmp: Path, name: str, max_steps: int) -> list[str]:
+def _job(tmp: Path, name: str, max_steps: int, api: str = "loop", throttle: int = 80) -> list[str]:
     return [
+        "--api",
+        api,
         "--max-steps",
         str(max_steps),
         "--epochs",
@@ -52,7 +58,7 @@ def _job(tmp: Path, name: str, max_steps: int) -> list[str]:
         "--log-every",
         "100",
         "--throttle-ms",
-        "80",
+        str(throttle),
     ]
 
 
@@ -66,67 +72,131 @@ def _final(directory: Path) -> dict[str, torch.Tensor]:
     return {"step": torch.tensor(state["step"]), **flat}
 
 
-def test_sigkill_and_2_3_1_resharding_end_bitwise_equal_and_exactly_once(
-    etcd_server, unique_id: str, tmp_path: Path
-) -> None:
-    for phase, (workers, until) in enumerate(PHASES):
+def _schedule(
+    etcd_server: object,
+    unique_id: str,
+    tmp_path: Path,
+    phases: tuple[tuple[int, int], ...],
+    *,
+    api: str,
+    kill_at: int,
+    throttle: int,
+    sigterm_at: int | None = None,
+) -> str:
+    """Run ``phases`` twice side by side, a reference and a faulty job: the faulty one has rank 1
+    SIGKILLed at step ``kill_at`` of the first phase and, with ``sigterm_at``, its launcher
+    SIGTERMed at that step of the second phase and started again at the same world size. Returns
+    the faulty job's log."""
+    endpoint = etcd_server.endpoint  # type: ignore[attr-defined]
+    samples = tmp_path / "faulty" / "samples"
+    for phase, (workers, until) in enumerate(phases):
+        segments = 2 if phase == 1 and sigterm_at is not None else 1
         with agents() as started:
             reference = start_agent(
-                endpoint=etcd_server.endpoint,
+                endpoint=endpoint,
                 run_id=f"{unique_id}-ref-{phase}",
                 log_path=tmp_path / "reference.log",
                 nproc_per_node=workers,
                 max_restarts=0,
                 target=TARGET,
-                job_args=_job(tmp_path, "reference", until),
+                job_args=_job(tmp_path, "reference", until, api, throttle),
             )
-            faulty = start_agent(
-                endpoint=etcd_server.endpoint,
-                run_id=f"{unique_id}-faulty-{phase}",
-                log_path=tmp_path / "faulty.log",
-                nproc_per_node=workers,
-                max_restarts=2,
-                target=TARGET,
-                job_args=_job(tmp_path, "faulty", until),
-            )
-            started += [reference, faulty]
-            if phase == 0:
-                samples = tmp_path / "faulty" / "samples"
-                wait_for(
-                    lambda samples=samples: steps_recorded(samples) >= 6,
-                    timeout=150,
-                    what="step 6",
-                    describe=lambda started=started: tails(started),
+            started.append(reference)
+            for segment in range(segments):
+                faulty = start_agent(
+                    endpoint=endpoint,
+                    run_id=f"{unique_id}-faulty-{phase}-{segment}",
+                    log_path=tmp_path / "faulty.log",
+                    nproc_per_node=workers,
+                    max_restarts=2,
+                    target=TARGET,
+                    job_args=_job(tmp_path, "faulty", until, api, throttle),
                 )
-                print(f"SIGKILLed rank 1 (pid {kill_rank(faulty, samples, 1)})")
-            assert faulty.wait(240) == 0, faulty.tail()
+                started.append(faulty)
+                at = kill_at if phase == 0 else sigterm_at if segment < segments - 1 else None
+                if at is not None:
+                    wait_for(
+                        lambda at=at: steps_recorded(samples) >= at,
+                        timeout=150,
+                        what=f"step {at}",
+                        describe=lambda started=started: tails(started),
+                    )
+                if phase == 0:
+                    print(f"SIGKILLed rank 1 (pid {kill_rank(faulty, samples, 1)})")
+                elif at is not None:
+                    faulty.terminate()  # torchrun passes SIGTERM on to its workers
+                    assert faulty.wait(120) != 0, faulty.tail()
+                    print(f"SIGTERMed the launcher at step {at}")
+                    continue
+                assert faulty.wait(240) == 0, faulty.tail()
             assert reference.wait(240) == 0, reference.tail()
+    return faulty.output()
 
-    log = faulty.output()
+
+def _check_bitwise_and_exactly_once(tmp_path: Path, last: int, epochs: int) -> None:
+    """The faulty job ends bitwise equal to the reference; the first ``epochs`` epochs trained
+    every sample exactly once, and what there is of the next one has no repeat."""
+    expected, got = _final(tmp_path / "reference" / "ckpt"), _final(tmp_path / "faulty" / "ckpt")
+    assert int(got["step"]) == int(expected["step"]) == last
+    assert got.keys() == expected.keys()
+    differing = [name for name in expected if not torch.equal(expected[name], got[name])]
+    assert not differing, f"differ from the run without the fault: {differing}"
+
+    history = committed_history(read_records(tmp_path / "faulty" / "samples"))
+    assert sorted(history) == list(range(1, last + 1))
+    by_epoch: dict[int, list[int]] = {}
+    for records in history.values():
+        for record in records:
+            by_epoch.setdefault(record["epoch"], []).extend(record["indices"])
+    for epoch in range(epochs):
+        assert sorted(by_epoch[epoch]) == list(range(DATASET)), (
+            f"epoch {epoch}: not every sample exactly once"
+        )
+    rest = by_epoch.get(epochs, [])
+    assert len(rest) == len(set(rest)) == (last - epochs * DATASET // BATCH) * BATCH
+
+
+def test_sigkill_and_2_3_1_resharding_end_bitwise_equal_and_exactly_once(
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
+    log = _schedule(etcd_server, unique_id, tmp_path, PHASES, api="loop", kill_at=6, throttle=80)
     assert "resumed from" in log and "now 3 ranks" in log and "now 1 ranks" in log, log[-3000:]
     gens = generations(tmp_path / "faulty" / "samples")
     assert [g.world_size for g in gens] == [2, 2, 3, 1], (
         "one restart in phase 1, then 3 and 1 workers"
     )
     assert gens[1].resumed_step in (4, 8, 12), "the restart resumed from a periodic checkpoint"
+    _check_bitwise_and_exactly_once(tmp_path, PHASES[-1][1], epochs=2)
 
-    expected, got = _final(tmp_path / "reference" / "ckpt"), _final(tmp_path / "faulty" / "ckpt")
-    assert int(got["step"]) == int(expected["step"]) == PHASES[-1][1]
-    assert got.keys() == expected.keys()
-    differing = [name for name in expected if not torch.equal(expected[name], got[name])]
-    assert not differing, f"differ from the run without the fault: {differing}"
 
-    history = committed_history(read_records(tmp_path / "faulty" / "samples"))
-    assert sorted(history) == list(range(1, PHASES[-1][1] + 1))
-    by_epoch: dict[int, list[int]] = {}
-    for records in history.values():
-        for record in records:
-            by_epoch.setdefault(record["epoch"], []).extend(record["indices"])
-    for epoch in (0, 1):  # steps 1-20, over 2 then 3 workers
-        assert sorted(by_epoch[epoch]) == list(range(DATASET)), (
-            f"epoch {epoch}: not every sample exactly once"
-        )
-    assert len(by_epoch[2]) == len(set(by_epoch[2])) == 6 * BATCH
+TRAINER_PHASES = ((2, 10), (3, 18), (1, 20))
+
+
+def test_under_the_trainer_sigkill_sigterm_and_2_3_1_resharding_end_bitwise_equal(
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
+    log = _schedule(
+        etcd_server,
+        unique_id,
+        tmp_path,
+        TRAINER_PHASES,
+        api="trainer",
+        kill_at=5,
+        throttle=150,
+        sigterm_at=13,
+    )
+    assert "saved by 2 ranks, now 3" in log and "saved by 3 ranks, now 1" in log, log[-3000:]
+    assert "just-in-time checkpoints are off for sharded (FSDP2) state" in log
+    gens = generations(tmp_path / "faulty" / "samples")
+    assert [g.world_size for g in gens] == [2, 2, 3, 3, 1], (
+        "a restart after the SIGKILL, 3 workers stopped by SIGTERM and started again, then 1"
+    )
+    assert gens[1].resumed_step in (4, 8), "the SIGKILL: resumed from a periodic checkpoint"
+    assert gens[3].resumed_step == gens[2].last_step >= 13, (
+        "the SIGTERM checkpoint holds the last completed step: none is redone"
+    )
+    assert "stopping after step" in log, "the SIGTERM: every rank stopped after the same step"
+    _check_bitwise_and_exactly_once(tmp_path, TRAINER_PHASES[-1][1], epochs=2)
 
 
 def test_under_elastic_trainer_run(etcd_server, unique_id: str, tmp_path: Path) -> None:
