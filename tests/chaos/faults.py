@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.ops.processes import start_process
@@ -224,6 +225,13 @@ def start_node(
         cmd = ["ip", "netns", "exec", netns, *cmd]
     # `ip netns exec` execs the command in place: the pid is the launcher's either way.
     return start_process(cmd, run.log(name), node_env, cwd=REPO)
+
+
+def start_nodes(started: list[Agent], names: Sequence[str], **options: Any) -> None:
+    """Start one node per name, all with the same :func:`start_node` options, each added to
+    ``started`` (the list :func:`agents` stops) as soon as it runs."""
+    for name in names:
+        started.append(start_node(name=name, **options))
 
 
 def unique_run_id(prefix: str) -> str:

@@ -21,6 +21,7 @@ from tests.chaos.faults import (
     kill,
     small_disk,
     start_node,
+    start_nodes,
     unique_run_id,
     wait_all,
 )
@@ -41,17 +42,15 @@ def test_disk_full_during_a_checkpoint(etcd_server, no_fault, tmp_path: Path) ->
     with small_disk(tmp_path / "disk", 64 * CHECKPOINT_BYTES) as disk, agents() as nodes:
         run = RunDirs.under(tmp_path / "run", checkpoints=disk.mountpoint / "ckpt")
         first_id = unique_run_id("disk-full")
-        for name in ("a", "b"):
-            nodes.append(
-                start_node(
-                    name=name,
-                    run=run,
-                    job=JOB,
-                    endpoint=etcd_server.endpoint,
-                    run_id=first_id,
-                    nnodes="2",
-                )
-            )
+        start_nodes(
+            nodes,
+            ("a", "b"),
+            run=run,
+            job=JOB,
+            endpoint=etcd_server.endpoint,
+            run_id=first_id,
+            nnodes="2",
+        )
         faults = FaultInjector(run).at_step(
             12, "disk filled to less than a checkpoint", lambda: disk.fill(CHECKPOINT_BYTES // 3)
         )
@@ -98,17 +97,15 @@ def test_newest_checkpoint_corrupted(etcd_server, no_fault, run_dirs: RunDirs) -
     run_id = unique_run_id("corrupt")
     damaged: set[int] = set()
     with agents() as nodes:
-        for name in ("a", "b"):
-            nodes.append(
-                start_node(
-                    name=name,
-                    run=run_dirs,
-                    job=JOB,
-                    endpoint=etcd_server.endpoint,
-                    run_id=run_id,
-                    nnodes="2",
-                )
-            )
+        start_nodes(
+            nodes,
+            ("a", "b"),
+            run=run_dirs,
+            job=JOB,
+            endpoint=etcd_server.endpoint,
+            run_id=run_id,
+            nnodes="2",
+        )
         node_a, node_b = nodes
 
         def corrupt_then_kill_all() -> None:

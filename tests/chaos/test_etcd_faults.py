@@ -21,7 +21,7 @@ from tests.chaos.faults import (
     JobSpec,
     RunDirs,
     in_background,
-    start_node,
+    start_nodes,
     unique_run_id,
     wait_all,
 )
@@ -41,18 +41,16 @@ def test_etcd_restart_5s_outage(own_etcd_server, no_fault, run_dirs: RunDirs) ->
     run_id = unique_run_id("etcd-restart")
     outage: list[threading.Thread] = []
     with agents() as nodes:
-        for name in ("a", "b"):
-            nodes.append(
-                start_node(
-                    name=name,
-                    run=run_dirs,
-                    job=JOB,
-                    endpoint=own_etcd_server.endpoint,
-                    run_id=run_id,
-                    nnodes="2",
-                    rdzv_conf=RDZV_CONF,
-                )
-            )
+        start_nodes(
+            nodes,
+            ("a", "b"),
+            run=run_dirs,
+            job=JOB,
+            endpoint=own_etcd_server.endpoint,
+            run_id=run_id,
+            nnodes="2",
+            rdzv_conf=RDZV_CONF,
+        )
         node_a, node_b = nodes
         restarted = in_background(lambda: own_etcd_server.restart(down_for=5.0), outage)
         faults = (
@@ -85,18 +83,16 @@ def test_etcd_member_lost(tmp_path: Path, no_fault, run_dirs: RunDirs) -> None:
         members = leader_first(servers)
         endpoint = ",".join(s.endpoint for s in members)
         run_id = unique_run_id("etcd-member")
-        for name in ("a", "b"):
-            nodes.append(
-                start_node(
-                    name=name,
-                    run=run_dirs,
-                    job=JOB,
-                    endpoint=endpoint,
-                    run_id=run_id,
-                    nnodes="2",
-                    rdzv_conf=RDZV_CONF,
-                )
-            )
+        start_nodes(
+            nodes,
+            ("a", "b"),
+            run=run_dirs,
+            job=JOB,
+            endpoint=endpoint,
+            run_id=run_id,
+            nnodes="2",
+            rdzv_conf=RDZV_CONF,
+        )
         node_a, node_b = nodes
         faults = (
             FaultInjector(run_dirs)

@@ -18,6 +18,7 @@ from tests.chaos.faults import (
     JobSpec,
     RunDirs,
     start_node,
+    start_nodes,
     unique_run_id,
     wait_all,
 )
@@ -41,17 +42,15 @@ def worker_sigkill_run(etcd_server, tmp_path_factory: pytest.TempPathFactory) ->
     run = RunDirs.under(tmp_path_factory.mktemp("worker-sigkill"))
     run_id = unique_run_id("worker-kill")
     with agents() as nodes:
-        for name in ("a", "b"):
-            nodes.append(
-                start_node(
-                    name=name,
-                    run=run,
-                    job=JOB,
-                    endpoint=etcd_server.endpoint,
-                    run_id=run_id,
-                    nnodes="2",
-                )
-            )
+        start_nodes(
+            nodes,
+            ("a", "b"),
+            run=run,
+            job=JOB,
+            endpoint=etcd_server.endpoint,
+            run_id=run_id,
+            nnodes="2",
+        )
         node_a, node_b = nodes
         faults = FaultInjector(run).at_step(
             20, "worker SIGKILL on node b", lambda: node_b.kill_worker()
@@ -170,17 +169,15 @@ def test_worker_sigkill_three_nodes_bitwise(etcd_server, no_fault, run_dirs: Run
     a + b == b + a. The runtime primes the buckets after a restart: Trainer._prime_buckets.)"""
     run_id = unique_run_id("worker-kill-3")
     with agents() as nodes:
-        for name in ("a", "b", "c"):
-            nodes.append(
-                start_node(
-                    name=name,
-                    run=run_dirs,
-                    job=JOB,
-                    endpoint=etcd_server.endpoint,
-                    run_id=run_id,
-                    nnodes="3",
-                )
-            )
+        start_nodes(
+            nodes,
+            ("a", "b", "c"),
+            run=run_dirs,
+            job=JOB,
+            endpoint=etcd_server.endpoint,
+            run_id=run_id,
+            nnodes="3",
+        )
         faults = FaultInjector(run_dirs).at_step(
             20, "worker SIGKILL on node c", lambda: nodes[2].kill_worker()
         )
