@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo_args",
         nargs=argparse.REMAINDER,
         metavar="OPTIONS",
-        help="--max-steps N, --throttle-ms MS, --dir DIR, --metrics-port PORT",
+        help="--max-steps N, --throttle-ms MS, --dir DIR, --metrics-port PORT, --sharded",
     )
 
     checkpoint = commands.add_parser(
@@ -357,7 +357,12 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastic-trainer`` command; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["demo"]:
+            # The demo's options are its own parser's: argparse's REMAINDER does not take
+            # arguments that start with an option (`demo --sharded` would be refused).
+            return _cmd_demo(argparse.Namespace(demo_args=argv[1:]))
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except UserError as exc:

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import pickle
+import secrets
 import shutil
 import time
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -60,13 +62,18 @@ log = logging.getLogger(__name__)
 
 def temp_path(directory: str | os.PathLike[str], step: int, token: int) -> Path:
     """The hidden directory DCP writes ``step``'s shards into before the commit; ``token`` is the
-    same on every rank of one group and differs between groups (a restart's count)."""
+    same on every rank of one group and differs between groups (:func:`_group_token`)."""
     return Path(directory) / f".ckpt-{step:012d}.dcp.tmp-{token}"
 
 
-def _restart_token() -> int:
-    """torchrun's restart count: equal on the ranks of a group, new for each group."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+def _group_token(group: Any, world_size: int) -> int:
+    """Collective: rank 0's random number, the same on every rank of this group. (Not torchrun's
+    restart count: each node's agent counts its own restarts, so a node that joined later has
+    another count, and its ranks would write their shards into another directory.)"""
+    token = [secrets.randbits(48)]
+    if world_size > 1:
+        dist.broadcast_object_list(token, src=0, group=group)
+    return int(token[0])
 
 
 class ShardedCheckpointer:
@@ -81,7 +88,7 @@ class ShardedCheckpointer:
         fence: asked right before a commit (see :func:`.files.save_checkpoint`).
         group: the process group of the checkpoint's collectives; by default a new gloo group of
             all ranks (collective: every rank constructs its checkpointer at the same point).
-        token: names the temporary directory; by default torchrun's restart count.
+        token: names the temporary directory; by default rank 0's random number (collective).
     """
 
     def __init__(
@@ -103,7 +110,7 @@ class ShardedCheckpointer:
         self.keep_last = keep_last
         self.fence = fence
         self.group = group if group is not None else checkpoint_group()
-        self.token = _restart_token() if token is None else token
+        self.token = _group_token(self.group, world_size) if token is None else token
         self.stager = HostStager()
         self.writer = ckpt.AsyncCheckpointWriter()
 

@@ -2,6 +2,7 @@
 
     elastic-trainer demo                 # about 90 s
     elastic-trainer demo --max-steps 300 # shorter
+    elastic-trainer demo --sharded       # the same faults on an FSDP2 model (sharded_lm)
 
 It starts a standalone etcd and node ``a`` (``elastic-trainer run --nnodes 1:2``, two workers) on
 the example job, then, at fixed fractions of the run: node ``b`` joins (the group grows to four
@@ -10,6 +11,12 @@ and node ``b`` leaves with SIGTERM (a scale-down: it checkpoints and the group s
 staged: the faults are real signals to real processes, and every figure in the closing summary is
 read from the workers' own sample records (``--record-samples``) and checkpoints. The nodes' full
 logs go to ``<dir>/logs``; the console shows the demo's narrative and the nodes' key lines.
+
+``--sharded`` runs the same scenario on ``sharded_lm`` (a transformer under FSDP2, through the
+``Trainer``) with ``--heal off``: every change restarts the group from the newest sharded
+checkpoint, resharded onto the new world (a join and a leave stop the workers with SIGTERM, so
+they checkpoint their last step; a SIGKILL redoes the steps since the last periodic checkpoint,
+which the summary counts).
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ SHOWN = (
     "waiting for nodes",
 )
 """Node output lines echoed to the console (everything goes to the node's log file)."""
+SHARDED_CHECKPOINT_EVERY = 20
+"""``--sharded``: steps between periodic checkpoints (a SIGKILL redoes at most this many)."""
 STOP_GRACE_S = 40.0
 """How long a node may take to stop after SIGTERM at the end before it is killed."""
 
@@ -64,6 +73,9 @@ class DemoSettings:
     """Checkpoints, sample records and logs go here (cleared at start)."""
     metrics_port: int = 9400
     """Node a's metrics port; node b uses the next one. 0: metrics off."""
+    sharded: bool = False
+    """Train ``sharded_lm`` (FSDP2) instead of ``synthetic_cnn`` (DDP), restarting from sharded
+    checkpoints instead of healing in place."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 100:
@@ -190,18 +202,13 @@ class Demo:
             "127.0.0.1",
             "--max-restarts",
             "5",
-            "-m",
-            "elastic_trainer.examples.synthetic_cnn",
+            *self._job(),
             "--max-steps",
             str(s.max_steps),
             "--epochs",
             "1000",
-            "--global-batch-size",
-            "64",
             "--checkpoint-dir",
             str(self.checkpoints),
-            "--checkpoint-every",
-            "100",
             "--seed",
             "0",
             "--throttle-ms",
@@ -216,6 +223,30 @@ class Demo:
         self.nodes[name] = node
         node.start_echo()
         return node
+
+    def _job(self) -> list[str]:
+        """The launcher's healing mode, the example and its own arguments."""
+        if self.settings.sharded:
+            return [
+                "--heal",
+                "off",
+                "-m",
+                "elastic_trainer.examples.sharded_lm",
+                "--api",
+                "trainer",
+                "--global-batch-size",
+                "24",
+                "--checkpoint-every",
+                str(SHARDED_CHECKPOINT_EVERY),
+            ]
+        return [
+            "-m",
+            "elastic_trainer.examples.synthetic_cnn",
+            "--global-batch-size",
+            "64",
+            "--checkpoint-every",
+            "100",
+        ]
 
     def stop_all(self) -> None:
         """SIGTERM every node still running, give them :data:`STOP_GRACE_S` together, then kill
@@ -313,6 +344,12 @@ class Demo:
                     f"[demo] live view: elastic-trainer top --url http://127.0.0.1:{ports[0]}/metrics "
                     f"--url http://127.0.0.1:{ports[1]}/metrics   (in another terminal)"
                 )
+            if s.sharded:
+                self.say(
+                    "[demo] sharded: sharded_lm under FSDP2 (each worker holds and checkpoints "
+                    "its own shards); every change restarts the group from the newest sharded "
+                    "checkpoint, resharded onto the new world (--heal off)"
+                )
             self.say("[demo] node a starts (elastic: 1 to 2 nodes, 2 workers each)")
             self.start_node("a", etcd.endpoint, run_id, ports[0])
             join_at, kill_at, leave_at = (int(s.max_steps * f) for f in (0.15, 0.45, 0.70))
@@ -371,7 +408,7 @@ class Demo:
             for record in records:
                 by_epoch.setdefault(record["epoch"], []).extend(record["indices"])
         repeated = sum(len(indices) - len(set(indices)) for indices in by_epoch.values())
-        newest = sorted(self.checkpoints.glob("ckpt-*.pt"))
+        newest = sorted([*self.checkpoints.glob("ckpt-*.pt"), *self.checkpoints.glob("ckpt-*.dcp")])
         self.say("")
         self.say(f"{PROG}: summary")
         self.say(f"  {'fault':<38} {'recovered in':>12}  {'steps lost':>10}")
@@ -438,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"where checkpoints and logs go (default {defaults.directory}, or $DEMO_DIR)",
     )
     parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="the same faults on an FSDP2 model (sharded_lm), restarting from sharded checkpoints",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=int(os.environ.get("METRICS_PORT", defaults.metrics_port)),
@@ -454,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             throttle_ms=args.throttle_ms,
             directory=args.dir,
             metrics_port=args.metrics_port,
+            sharded=args.sharded,
         )
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

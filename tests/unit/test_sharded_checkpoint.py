@@ -155,7 +155,9 @@ def _run(role: str, world_size: int, work: Path, device: str = "cpu") -> None:
                 str(work),
             ],
             cwd=ROOT,
-            env=env,
+            # Each node's torchrun agent counts its own restarts: ranks of one group may differ
+            # (the temporary directory's name must not depend on it; found by demo --sharded).
+            env={**env, "TORCHELASTIC_RESTART_COUNT": str(rank)},
             stderr=subprocess.PIPE,
             text=True,
         )
