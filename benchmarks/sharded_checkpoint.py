@@ -1,5 +1,6 @@
-"""Sharded (FSDP2) state, two gloo ranks on this machine: what checkpoints cost the training
-thread, and what the library's steady state costs next to a bare FSDP2 loop.
+"""Sharded (FSDP2) state, two gloo ranks on this machine (``--device cuda``: NCCL, one rank per
+GPU, at most two): what checkpoints cost the training thread, and what the library's steady state
+costs next to a bare FSDP2 loop.
 
 * ``stall``: an MLP of ``--layers`` x Linear(dim, dim), each layer and the model under
   ``fully_shard``, AdamW (state = 3x the parameters), a sharded checkpoint every ``--every``
@@ -16,6 +17,7 @@ thread, and what the library's steady state costs next to a bare FSDP2 loop.
 
     python -m benchmarks.sharded_checkpoint stall --dim 2048 --layers 8 --steps 24 --every 8 --repeats 2
     python -m benchmarks.sharded_checkpoint steady --dim 512 --layers 4 --steps 300 --repeats 3
+    python -m benchmarks.sharded_checkpoint stall --device cuda --dim 4096 --layers 8 --steps 24 --every 8
 """
 
 from __future__ import annotations
@@ -34,16 +36,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-WORLD = 2
+
+def _device(args: argparse.Namespace, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
 
 
-def _model(dim: int, layers: int) -> nn.Module:
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU before a clock is read (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _model(dim: int, layers: int, device: torch.device, world: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
-    mesh = init_device_mesh("cpu", (WORLD,))
+    model.to(device)
+    mesh = init_device_mesh(device.type, (world,))
     for block in model:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -70,7 +81,12 @@ def _manager(
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.state.sharded import ShardedState
 
-    env = read_env(environ={"RANK": str(dist.get_rank()), "WORLD_SIZE": str(WORLD)}, cuda_devices=0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cuda = torch.cuda.device_count() if dist.get_backend() == "nccl" else 0  # --device cuda
+    env = read_env(
+        environ={"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)},
+        cuda_devices=cuda,
+    )
     return ShardedCheckpointManager(
         CheckpointConfig(directory=directory, every=every, async_write=async_write, keep_last=2),
         env=env,
@@ -82,10 +98,12 @@ def _manager(
 def _stall(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from elastic_trainer.runtime.sampler import ElasticSampler
 
-    model = _model(args.dim, args.layers)
+    device = _device(args, rank)
+    model = _model(args.dim, args.layers, device, args.world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
-    sampler = ElasticSampler(10_000, args.batch * WORLD)
+    batch = batch.to(device)
+    sampler = ElasticSampler(10_000, args.batch * args.world)
     managers = {
         mode: _manager(
             str(root / mode), args.every, model, optimizer, sampler, async_write=mode == "async"
@@ -104,26 +122,30 @@ def _stall(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             for step in range(1, args.steps + 1):
                 _step(model, optimizer, batch)
                 if mode != "none" and step % args.every == 0:
+                    _sync(device)  # the stall is the save's own time, not the queued steps'
                     inside = time.perf_counter()
                     managers[mode].save(step + 10_000 * len(results[mode]["total"]))
+                    _sync(device)
                     results[mode]["stall"].append(time.perf_counter() - inside)
             if mode != "none":
                 managers[mode].close()  # the last background write is part of this mode's cost
+            _sync(device)
             results[mode]["total"].append(time.perf_counter() - started)
     nbytes = (
         sum(p.numel() * p.element_size() for p in model.parameters()) * 3
     )  # params + AdamW's two moments
-    return {"rank": rank, "results": results, "state_bytes_per_rank": nbytes // WORLD}
+    return {"rank": rank, "results": results, "state_bytes_per_rank": nbytes // args.world}
 
 
 def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from elastic_trainer.runtime import rng
     from elastic_trainer.runtime.sampler import ElasticSampler
 
-    model = _model(args.dim, args.layers)
+    device = _device(args, rank)
+    model = _model(args.dim, args.layers, device, args.world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = torch.randn(4096, args.dim, generator=torch.Generator().manual_seed(0))
-    sampler = ElasticSampler(len(data), args.batch * WORLD, seed=0)
+    data = torch.randn(4096, args.dim, generator=torch.Generator().manual_seed(0)).to(device)
+    sampler = ElasticSampler(len(data), args.batch * args.world, seed=0)
     manager = _manager(str(root / "steady"), args.checkpoint_every, model, optimizer, sampler)
     for i in range(5):  # warm-up: allocator, FSDP's lazy init, AdamW's state
         _step(model, optimizer, data[i * args.batch :][: args.batch])
@@ -141,8 +163,8 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     continue
                 if sampler.epoch_done:
                     sampler.set_epoch(sampler.epoch + 1)
-                plan = sampler.plan(sampler.cursor, rank, WORLD)
-                rng.seed_step(0, rank, step, torch.device("cpu"))
+                plan = sampler.plan(sampler.cursor, rank, args.world)
+                rng.seed_step(0, rank, step, device)
                 _step(model, optimizer, data[list(plan.micro_batches[0].indices)])
                 sampler.advance(plan)
                 step += 1
@@ -150,6 +172,7 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     manager.save(step, epoch=sampler.epoch)
             if mode == "ours":
                 manager.close()
+            _sync(device)
             cpu[mode].append(time.process_time() - started_cpu)
             wall[mode].append(time.perf_counter() - started)
     return {"rank": rank, "cpu": cpu, "wall": wall}
@@ -158,7 +181,13 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def _worker(rank: int, args: argparse.Namespace, root: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=WORLD)
+    backend = "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    dist.init_process_group(
+        backend, init_method=f"file://{root}/store", rank=rank, world_size=args.world
+    )
     result = (_stall if args.what == "stall" else _steady)(rank, args, Path(root))
     Path(root, f"result-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -177,7 +206,8 @@ def _report_stall(results: list[dict[str, Any]], args: argparse.Namespace) -> No
     }
     saves = args.steps // args.every
     print(
-        f"state per rank: {results[0]['state_bytes_per_rank'] / 1e6:.0f} MB (params + AdamW), {WORLD} ranks, "
+        f"state per rank: {results[0]['state_bytes_per_rank'] / 1e6:.0f} MB (params + AdamW), {args.world} ranks "
+        f"on {args.device}, "
         f"{saves} saves per run, {args.repeats} repeats"
     )
     for mode in ("async", "sync"):
@@ -208,7 +238,7 @@ def _report_steady(results: list[dict[str, Any]], args: argparse.Namespace) -> N
     }
     for mode in ("bare", "ours"):
         print(
-            f"{mode:>4}: CPU per step (both ranks) median {statistics.median(cpu[mode]) * 1e3:.2f} ms, wall per step "
+            f"{mode:>4}: CPU per step (all ranks) median {statistics.median(cpu[mode]) * 1e3:.2f} ms, wall per step "
             f"median {statistics.median(wall[mode]) * 1e3:.2f} ms"
         )
     print(
@@ -232,16 +262,26 @@ def main() -> None:
         help="steady: the library's checkpoint interval (default 100, its default)",
     )
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--world", type=int, default=None, help="ranks (default: 2; on cuda at most one per GPU)"
+    )
     parser.add_argument(
         "--dir", default=None, help="where checkpoints go (default: the system temporary directory)"
     )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 2
+    args.world = args.world or min(2, gpus)
+    if args.world < 1 or args.world > gpus:
+        parser.error(f"--world: must be 1..{gpus} on {args.device}, got {args.world}")
     with tempfile.TemporaryDirectory(
         dir=os.path.abspath(args.dir) if args.dir else None, prefix="bench-sharded-"
     ) as root:
-        mp.spawn(_worker, args=(args, root), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(args, root), nprocs=args.world, join=True)
         results = [
-            json.loads(Path(root, f"result-{rank}.json").read_text()) for rank in range(WORLD)
+            json.loads(Path(root, f"result-{rank}.json").read_text()) for rank in range(args.world)
         ]
     (_report_stall if args.what == "stall" else _report_steady)(results, args)
 

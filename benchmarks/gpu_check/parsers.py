@@ -85,6 +85,25 @@ def checkpoint_stall(output: str, out_dir: Path) -> Figures:
     return {"stall_ratio": Figure(ratio, f"{ratio:.3f} ({done} s vs {sync} s)")}
 
 
+def sharded_stall(output: str, out_dir: Path) -> Figures:
+    """``benchmarks.sharded_checkpoint stall``: the async/sync on-thread stall of a sharded (DCP)
+    checkpoint and the state size."""
+    ratio = float(_search(rf"^async stall / sync stall: {_NUMBER} %", output, "stall line")[1])
+    size = _search(rf"^state per rank: {_NUMBER} MB", output, "'state per rank' line")[1]
+    return {"stall_ratio": Figure(ratio / 100.0, f"{ratio / 100.0:.3f} ({size} MB per rank)")}
+
+
+def sharded_steady(output: str, out_dir: Path) -> Figures:
+    """``benchmarks.sharded_checkpoint steady``: the library at its defaults against a bare FSDP2
+    loop, CPU per step and throughput."""
+    row = _search(
+        rf"^ours / bare: CPU {_NUMBER}x \(target <= [\d.]+\), throughput {_NUMBER}",
+        output, "'ours / bare' line",
+    )  # fmt: skip
+    cpu, wall = float(row[1]), float(row[2])
+    return {"wall_ratio": Figure(wall, f"{wall:.3f}"), "cpu_ratio": Figure(cpu, f"{cpu:.3f}")}
+
+
 def restart_cost(output: str, out_dir: Path) -> Figures:
     """``benchmarks.restart_cost``: total seconds of a restart against healing in place."""
     row = _search(rf"^\| \*\*total\*\* \| {_NUMBER} \| {_NUMBER} \|", output, "'| **total** |' row")

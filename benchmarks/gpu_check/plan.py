@@ -3,9 +3,9 @@
 
 The GPU commands are the ones RESULTS.md records for the next GPU session, sized so that the
 limits add up to :data:`BUDGET_S`; each dry-run command is the same program on CPU with tiny
-sizes. To add a measurement (the sharded-model rows, once sharded models exist): a :class:`Step`
-in :data:`STEPS`, its parser in :mod:`.parsers`, and a :class:`Claim` naming the step and a figure
-of the parser in place of the ``not built yet`` rows. A claim's CPU figure is text copied from
+sizes. To add a measurement: a :class:`Step` in :data:`STEPS`, its parser in :mod:`.parsers`,
+and a :class:`Claim` naming the step and a figure of the parser (a claim with no step yet is a
+``not built yet`` row). A claim's CPU figure is text copied from
 RESULTS.md with its source in ``cpu_source``: update both when RESULTS.md records a newer figure.
 """
 
@@ -142,31 +142,44 @@ STEPS: tuple[Step, ...] = (
               "--junitxml", "{out}/" + parsers.GPU_TESTS_XML),
          dry=("-m", "pytest", "-p", "no:cacheprovider", "tests/gpu", "-m", "gpu", "-q", "-rs",
               "--junitxml", "{out}/" + parsers.GPU_TESTS_XML),
-         limit_s=160, dry_limit_s=120, parse=parsers.gpu_tests, ok_returncodes=(0, 1),
+         limit_s=140, dry_limit_s=120, parse=parsers.gpu_tests, ok_returncodes=(0, 1),
          artifacts=(parsers.GPU_TESTS_XML,)),
     Step(name="e2e_gpt",
          gpu=("-m", "benchmarks.overhead_e2e", "--device", "cuda", "--model", "gpt", "--blocks", "4", "--steps", "100"),
          dry=("-m", "benchmarks.overhead_e2e", *_TINY_GPT, "--blocks", "1", "--steps", "5", "--warmup", "3"),
-         limit_s=70, dry_limit_s=120, parse=parsers.overhead_e2e),
+         limit_s=65, dry_limit_s=120, parse=parsers.overhead_e2e),
     Step(name="e2e_cnn",
          gpu=("-m", "benchmarks.overhead_e2e", "--device", "cuda", "--model", "cnn", "--blocks", "4", "--steps", "200"),
          dry=("-m", "benchmarks.overhead_e2e", "--model", "cnn", "--width", "8", "--dataset-size", "512",
               "--blocks", "1", "--steps", "5", "--warmup", "3"),
-         limit_s=35, dry_limit_s=120, parse=parsers.overhead_e2e),
+         limit_s=30, dry_limit_s=120, parse=parsers.overhead_e2e),
     # The default since issue 30 (no hook); the hook mode's GPU figure is in RESULTS (0.93-0.96, session 5).
-    Step(name="metrics_sampled", gpu=(*_METRICS_GPU, "--sampled"), dry=(*_METRICS_DRY, "--sampled"), limit_s=60,
+    Step(name="metrics_sampled", gpu=(*_METRICS_GPU, "--sampled"), dry=(*_METRICS_DRY, "--sampled"), limit_s=50,
          dry_limit_s=120, parse=parsers.metrics_overhead),
-    Step(name="metrics_trace", gpu=(*_METRICS_GPU, "--trace"), dry=(*_METRICS_DRY, "--trace"), limit_s=60,
+    Step(name="metrics_trace", gpu=(*_METRICS_GPU, "--trace"), dry=(*_METRICS_DRY, "--trace"), limit_s=50,
          dry_limit_s=120, parse=parsers.metrics_overhead),
     Step(name="checkpoint_stall",
          gpu=("-m", "benchmarks.checkpoint_stall", "--steps", "40", "--every", "10", "--repeats", "1"),
          dry=("-m", "benchmarks.checkpoint_stall", "--steps", "4", "--every", "2", "--repeats", "1", "--dim", "256",
               "--layers", "2"),
-         limit_s=45, dry_limit_s=120, parse=parsers.checkpoint_stall),
+         limit_s=40, dry_limit_s=120, parse=parsers.checkpoint_stall),
+    # Sharded (FSDP2) state on NCCL, one rank per GPU (at most two; one GPU: a 1-rank mesh).
+    Step(name="sharded_stall",
+         gpu=("-m", "benchmarks.sharded_checkpoint", "stall", "--device", "cuda", "--dim", "4096", "--layers", "8",
+              "--steps", "24", "--every", "8", "--repeats", "1"),
+         dry=("-m", "benchmarks.sharded_checkpoint", "stall", "--dim", "64", "--layers", "1", "--steps", "2",
+              "--every", "1", "--repeats", "1"),
+         limit_s=30, dry_limit_s=120, parse=parsers.sharded_stall),
+    Step(name="sharded_steady",
+         gpu=("-m", "benchmarks.sharded_checkpoint", "steady", "--device", "cuda", "--dim", "2048", "--layers", "8",
+              "--batch", "64", "--steps", "200", "--repeats", "2"),
+         dry=("-m", "benchmarks.sharded_checkpoint", "steady", "--dim", "64", "--layers", "1", "--steps", "4",
+              "--repeats", "1"),
+         limit_s=30, dry_limit_s=120, parse=parsers.sharded_steady),
     Step(name="restart_cost",
          gpu=("-m", "benchmarks.restart_cost", "--device", "cuda", "--repeats", "2"),
          dry=("-m", "benchmarks.restart_cost", "--repeats", "1", "--state-mb", "4", "--tensor-mb", "1"),
-         limit_s=50, dry_limit_s=120, parse=parsers.restart_cost, min_gpus=2,
+         limit_s=45, dry_limit_s=120, parse=parsers.restart_cost, min_gpus=2,
          gpus_why="a heal in place on NCCL needs a survivor and a replacement on two GPUs; "
                   "`python -m benchmarks.restart_cost --device cuda` runs on one by hand"),
 )  # fmt: skip
@@ -199,8 +212,15 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(claim="restart / heal in place, 200 MB + AdamW state", step="restart_cost", figure="restart_ratio",
           cpu="1.4x", cpu_source="session 9, `restart_cost --repeats 3`: 1.517 s vs 1.087 s (RESULTS, issue 19)",
           target=Target(">", 1.0, "> 1 (in place is cheaper)")),
-    Claim(claim="sharded model (FSDP): runtime at its defaults vs bare", step=None),
-    Claim(claim="sharded model: async checkpoint stall / sync", step=None),
+    Claim(claim="sharded model (FSDP2): library at its defaults vs bare FSDP2: CPU per step",
+          step="sharded_steady", figure="cpu_ratio", cpu="1.031-1.062x",
+          cpu_source="issue 32, `sharded_checkpoint steady --dim 512 --layers 4 --steps 300 --repeats 3` at load 13 "
+          "(RESULTS)", target=Target("<=", 1.03)),
+    Claim(claim="sharded model (FSDP2): library at its defaults vs bare FSDP2: throughput", step="sharded_steady",
+          figure="wall_ratio", cpu="see CPU row", cpu_source="same run", target=Target(">=", 0.98)),
+    Claim(claim="sharded model: async DCP checkpoint stall / sync", step="sharded_stall", figure="stall_ratio",
+          cpu="0.035", cpu_source="issue 32, `sharded_checkpoint stall --dim 2048 --layers 8 --steps 24 --every 8 "
+          "--repeats 2` (RESULTS)", target=Target("<=", 0.05)),
 )  # fmt: skip
 
 PLAN = Plan(steps=STEPS, claims=CLAIMS, budget_s=BUDGET_S, dry_budget_s=DRY_BUDGET_S)
