@@ -136,6 +136,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)"
     )
+    parser.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (default 3)")
     parser.add_argument(
         "--seed", type=int, default=0, help="seeds the weights, the data order and every step"
     )
@@ -170,7 +171,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--throttle-ms", type=float, default=0.0, help="sleep per step (to watch or inject faults)"
     )
     args = parser.parse_args(argv)
-    for name in ("epochs", "global_batch_size", "dataset_size", "checkpoint_every", "log_every"):
+    for name in (
+        "epochs",
+        "global_batch_size",
+        "dataset_size",
+        "checkpoint_every",
+        "keep_last",
+        "log_every",
+    ):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')}: must be positive")
     if args.max_steps is not None and args.max_steps <= 0:
@@ -204,7 +212,9 @@ def train(args: argparse.Namespace) -> int:
         text = corpus(args.seed, args.dataset_size * CONTEXT + 1)
         sampler = ElasticSampler(args.dataset_size, args.global_batch_size, seed=args.seed)
         checkpoints = ShardedCheckpointManager(
-            CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every),
+            CheckpointConfig(
+            directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
+        ),
             env=env,
             state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
             fingerprint={"model": signature, "dataset_size": args.dataset_size, "seed": args.seed},
@@ -282,7 +292,9 @@ def train_with_trainer(args: argparse.Namespace) -> int:
         seed=args.seed,
         epochs=args.epochs,
         max_steps=args.max_steps,
-        checkpoint=CheckpointConfig(directory=args.checkpoint_dir, every=args.checkpoint_every),
+        checkpoint=CheckpointConfig(
+            directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
+        ),
         fsdp=fsdp,
         log_every=args.log_every,
         record_samples_dir=args.record_samples,

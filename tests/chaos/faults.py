@@ -178,10 +178,14 @@ def start_node(
     netns: str | None = None,
     local_addr: str | None = None,
     rdzv_conf: str = FAST_RDZV_CONF,
+    worker: Sequence[str] | None = None,
+    launch_options: Sequence[str] = (),
 ) -> Agent:
     """Start one node: ``elastic-trainer run ... tests/chaos/chaos_job.py JOB_ARGS``.
 
     Args:
+        worker: the worker and its arguments instead (``job`` then only names the run).
+        launch_options: more ``elastic-trainer run`` options (``--heal off``).
         netns: run the node inside this network namespace (``ip netns exec``).
         local_addr: the address other nodes reach this one at (torchrun's ``--local-addr``,
             passed as ``PET_LOCAL_ADDR``); needed when the hostname does not resolve to it.
@@ -218,8 +222,8 @@ def start_node(
         "--metrics-port",
         str(metrics_port),
         *FAST_LAUNCH_OPTIONS,
-        str(CHAOS_JOB),
-        *job.args(run),
+        *launch_options,
+        *(worker if worker is not None else (str(CHAOS_JOB), *job.args(run))),
     ]
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]
