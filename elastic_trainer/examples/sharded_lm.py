@@ -213,8 +213,8 @@ def train(args: argparse.Namespace) -> int:
         sampler = ElasticSampler(args.dataset_size, args.global_batch_size, seed=args.seed)
         checkpoints = ShardedCheckpointManager(
             CheckpointConfig(
-            directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
-        ),
+                directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
+            ),
             env=env,
             state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
             fingerprint={"model": signature, "dataset_size": args.dataset_size, "seed": args.seed},
