@@ -107,9 +107,10 @@ class TrainerConfig:
     seed: int = 0
     """Seeds the initial weights (identical on every rank), the data order and every step's random
     numbers."""
-    epochs: int = 1
+    epochs: int | None = None
     """Passes over the dataset. A pass is ``ceil(dataset size / global_batch_size)`` steps, the last
-    one taking what is left (:attr:`Trainer.total_steps` gives the job's total for schedules)."""
+    one taking what is left (:attr:`Trainer.total_steps` gives the job's total for schedules).
+    ``None`` (the default): as many as ``max_steps`` takes, or one without ``max_steps``."""
     max_steps: int | None = None
     """Stop after this many optimizer steps in total, even mid-epoch. ``None``: run all epochs."""
     shuffle: bool = True
@@ -156,7 +157,8 @@ class TrainerConfig:
         check_positive_int("micro_batch_size", self.micro_batch_size, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"seed: must be a non-negative integer, got {self.seed!r}")
-        check_positive_int("epochs", self.epochs)
+        if self.epochs is not None:
+            check_positive_int("epochs", self.epochs)
         check_positive_int("max_steps", self.max_steps, allow_none=True)
         check_positive("grad_clip_norm", self.grad_clip_norm, allow_none=True)
         check_positive_int("eval_every", self.eval_every, allow_none=True)

@@ -52,6 +52,7 @@ from elastic_trainer.train.loop import (
     FaultHook,
     TrainResult,
     ensure_progress_logging,
+    total_steps,
 )
 
 __all__ = [
@@ -195,8 +196,8 @@ class Trainer:
         """Optimizer steps the job trains for in all: ``max_steps``, or ``epochs`` x steps per epoch
         (``ceil(dataset size / global_batch_size)``, the last step of an epoch takes what is left),
         whichever comes first. For LR schedules and progress; known once :meth:`fit` set up the data."""
-        total = self.config.epochs * len(self.sampler)
-        return total if self.config.max_steps is None else min(total, self.config.max_steps)
+        cfg = self.config
+        return total_steps(len(self.sampler), epochs=cfg.epochs, max_steps=cfg.max_steps)
 
     def fit(self) -> TrainResult:
         """Train until ``epochs``/``max_steps`` are done or every rank agreed to stop (a signal).

@@ -109,6 +109,17 @@ def test_checkpoint_holds_full_state_and_plain_load_gives_state_dict(tmp_path: P
     assert list(ckpt.iter_checkpoints(tmp_path)) == [2, 4, 5]
 
 
+def test_max_steps_alone_runs_past_the_first_epoch() -> None:
+    """48 samples, global batch 8: 6 steps an epoch. ``max_steps=9`` alone (no ``epochs``) runs
+    all 9 steps, into the second epoch; without either, one epoch (issue 29's trap, in Trainer)."""
+    trainer, result = _fit(_job(), max_steps=9)
+    assert (result.step, result.epoch, trainer.total_steps) == (9, 1, 9)
+    trainer, result = _fit(_job())
+    assert (result.step, trainer.total_steps) == (6, 6)
+    trainer, result = _fit(_job(), max_steps=9, epochs=1)  # asked for: one epoch caps it
+    assert (result.step, trainer.total_steps) == (6, 6)
+
+
 def test_one_step_is_the_mean_loss_gradient_over_the_global_batch() -> None:
     job = TrainingJob(
         model=lambda: nn.Linear(6, 2),
