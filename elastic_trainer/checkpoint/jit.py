@@ -108,6 +108,8 @@ class JitCheckpointer:
         stop_deadline: the graceful stop's deadline (``time.monotonic()``), if a signal set one.
         exit_fn: ends the process (tests inject a fake).
         enabled: ``False`` makes every method a no-op.
+        exclusive: one writer per step (a claim): any rank writes the whole state. ``False``
+            (sharded state): every rank writes its own part, and the writer commits the set.
     """
 
     def __init__(
@@ -123,8 +125,10 @@ class JitCheckpointer:
         stop_deadline: Callable[[], float | None] = lambda: None,
         exit_fn: Callable[[int], Any] = os._exit,
         enabled: bool = True,
+        exclusive: bool = True,
     ) -> None:
         self.guard = guard
+        self.exclusive = exclusive
         self.directory = directory
         self.enabled = enabled and directory is not None
         self._rank = rank
@@ -273,8 +277,9 @@ class JitCheckpointer:
                 step = self._step()
                 if (newest := ckpt.newest_step(self.directory)) is not None and newest >= step:
                     return self._skip(step, f"a checkpoint of step {newest} exists")
-                claim = ckpt.try_claim(self.directory, step, rank=self._rank, kind="jit")
-                if claim is None:
+                if self.exclusive:
+                    claim = ckpt.try_claim(self.directory, step, rank=self._rank, kind="jit")
+                if self.exclusive and claim is None:
                     holder = ckpt.read_claim(self.directory, step)
                     if ckpt.held_by_this_process(holder):
                         self._drain(max(0.0, deadline - time.monotonic()))

@@ -274,13 +274,6 @@ class CheckpointManager:
             return False
         if self.directory is None:
             return False
-        if self._sharded is not None:
-            if self.env.is_rank0:
-                log.warning(
-                    "just-in-time checkpoints are off for sharded (FSDP2) state: no surviving rank "
-                    "holds a lost rank's shards; a failure resumes from the last periodic checkpoint"
-                )
-            return False
         if any(hasattr(obj, "consolidate_state_dict") for obj in self.state.objects.values()):
             if self.env.is_rank0:
                 log.warning(
@@ -542,6 +535,7 @@ class CheckpointManager:
             drain=self._drain,
             stop_deadline=self._stop_deadline,
             enabled=enabled,
+            exclusive=self._sharded is None,  # sharded: every rank writes its own shards
         )
         self.state.track_buffers(enabled)
 
@@ -586,6 +580,15 @@ class CheckpointManager:
     def _jit_write(self, step: int, payload: dict[str, Any]) -> str:
         if self.directory is None:
             raise RuntimeError("just-in-time checkpointing needs a directory")
+        if self._sharded is not None:
+            # Each rank's own shards, no collective; the rank completing the set commits it.
+            committed = self._sharded.save_own(payload, step=step, epoch=int(payload["epoch"]))
+            if committed is not None:
+                return str(committed.path)
+            return (
+                f"{sharded.jit_path(self.directory, step, self._sharded.token)} (this rank's "
+                "shards; the checkpoint counts once every rank's are in)"
+            )
         info = ckpt.save_checkpoint(
             self.directory,
             payload,

@@ -16,6 +16,13 @@ A save is collective (every rank at the same step):
    checkpoint counts only once its manifest is committed and every file matches it; a crash at
    any point leaves the new checkpoint complete or absent and earlier ones untouched.
 
+The just-in-time save (after a failure, when the group may be broken) has no collective: each
+rank writes its own shards into ``step``'s just-in-time directory as a DCP checkpoint of its own
+(``rank-<r>/``) and marks them done; the rank that completes the set merges the parts' metadata
+into one, renames the shard files into place and commits as above (:func:`commit_parts`). A set
+that never completes (a rank died with its shards) is no checkpoint, and is removed at the next
+start like any temporary directory.
+
 Loading is collective too: DCP reads into the live state dict (DTensors of the current mesh), so a
 checkpoint written at N ranks loads at M: resharding is DCP's planner. Choosing which checkpoint,
 fallback past a damaged one, fingerprints, quarantine and pruning are those of :mod:`.files`, for
@@ -26,6 +33,7 @@ both formats. Design: ``docs/design/sharded.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -64,6 +72,12 @@ def temp_path(directory: str | os.PathLike[str], step: int, token: int) -> Path:
     """The hidden directory DCP writes ``step``'s shards into before the commit; ``token`` is the
     same on every rank of one group and differs between groups (:func:`_group_token`)."""
     return Path(directory) / f".ckpt-{step:012d}.dcp.tmp-{token}"
+
+
+def jit_path(directory: str | os.PathLike[str], step: int, token: int) -> Path:
+    """The hidden directory the ranks' just-in-time parts of ``step`` go to (``token + 1``: never
+    the directory of a periodic write of the same step that may still be in flight)."""
+    return temp_path(directory, step, token + 1)
 
 
 def _group_token(group: Any, world_size: int) -> int:
@@ -171,6 +185,44 @@ class ShardedCheckpointer:
             fence=self.fence,
         )
 
+    def save_own(
+        self, state: dict[str, Any], *, step: int, epoch: int
+    ) -> ckpt.CheckpointInfo | None:
+        """Without a collective (a just-in-time save: the group may be broken): write this rank's
+        shards of ``state`` (a host copy) into ``step``'s just-in-time directory and mark them
+        done; the rank whose part completes the set commits. Returns the checkpoint on that rank,
+        ``None`` on the others (and while parts are missing).
+
+        Raises:
+            CheckpointWriteError: this rank's part or the commit failed.
+            CheckpointFencedError: (the committing rank) the fence refused the commit.
+        """
+        folder = jit_path(self.directory, step, self.token)
+        part = folder / f"rank-{self.rank}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if part.exists():
+                shutil.rmtree(part)
+            dcp.save(
+                state,
+                storage_writer=FileSystemWriter(part, sync_files=True, overwrite=True),
+                no_dist=True,
+            )
+            fsync_directory(part)
+            with atomic_file(folder / f"rank-{self.rank}.done") as marker:
+                marker.write(b"")
+        except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+            raise ckpt.write_error(self.directory, step, exc) from exc
+        return commit_parts(
+            self.directory,
+            folder,
+            step=step,
+            epoch=epoch,
+            world_size=self.world_size,
+            fingerprint_fields=self.fingerprint_fields,
+            fence=self.fence,
+        )
+
     def load(self, info: ckpt.CheckpointInfo, state: dict[str, Any]) -> None:
         """Read ``info``'s checkpoint into ``state`` in place, resharded onto ``state``'s DTensors."""
         load_into(info.path, state, group=self.group)
@@ -263,6 +315,85 @@ def commit(
         manifest.nbytes / 1e6,
     )
     return ckpt.CheckpointInfo(path=final, manifest=manifest)
+
+
+def commit_parts(
+    directory: Path,
+    folder: Path,
+    *,
+    step: int,
+    epoch: int,
+    world_size: int,
+    fingerprint_fields: Mapping[str, Any],
+    fence: ckpt.CommitFence | None = None,
+) -> ckpt.CheckpointInfo | None:
+    """If every rank's just-in-time part of ``step`` is in ``folder`` and no other rank is
+    committing them: merge them into one DCP checkpoint and commit it (:func:`commit`). ``None``
+    when parts are missing or another rank commits."""
+    if not all((folder / f"rank-{r}.done").exists() for r in range(world_size)):
+        return None
+    try:
+        fd = os.open(folder / "commit.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return None  # the other rank that completed the set at the same moment commits
+    os.close(fd)
+    try:
+        metadata = _merge_parts(folder, world_size)
+        with atomic_file(folder / METADATA_FILE) as out:
+            pickle.dump(metadata, out)
+        for r in range(world_size):
+            shutil.rmtree(folder / f"rank-{r}")
+    except Exception as exc:
+        raise ckpt.write_error(directory, step, exc) from exc
+    return commit(
+        directory,
+        folder,
+        metadata,
+        step=step,
+        epoch=epoch,
+        world_size=world_size,
+        fingerprint_fields=fingerprint_fields,
+        keep_last=None,
+        jit=True,
+        fence=fence,
+    )
+
+
+def _merge_parts(folder: Path, world_size: int) -> Metadata:
+    """One metadata for the ranks' parts (each a DCP checkpoint of one rank's shards): every
+    rank's chunks of each tensor, replicated entries once (rank 0's); each part's files renamed to
+    ``__<rank>_<n>.distcp`` in ``folder``."""
+    merged: Metadata | None = None
+    for r in range(world_size):
+        part = folder / f"rank-{r}"
+        metadata = read_metadata(part)
+        names: dict[str, str] = {}
+        storage = {}
+        for index, info in (metadata.storage_data or {}).items():
+            old = str(info.relative_path)
+            new = names.setdefault(old, f"__{r}_{len(names)}.distcp")
+            storage[index] = dataclasses.replace(info, relative_path=new)
+        for old, new in names.items():
+            os.replace(part / old, folder / new)
+        if merged is None:
+            merged = Metadata(
+                state_dict_metadata=dict(metadata.state_dict_metadata),
+                planner_data=metadata.planner_data,
+                storage_data={},
+                storage_meta=metadata.storage_meta,
+            )
+        for fqn, item in metadata.state_dict_metadata.items():
+            have = merged.state_dict_metadata.setdefault(fqn, item)
+            if have is not item and isinstance(item, TensorStorageMetadata):
+                if not isinstance(have, TensorStorageMetadata):
+                    raise ValueError(f"{fqn}: a tensor on rank {r}, plain data on another rank")
+                known = {tuple(chunk.offsets) for chunk in have.chunks}
+                have.chunks.extend(c for c in item.chunks if tuple(c.offsets) not in known)
+        for index, info in storage.items():
+            merged.storage_data.setdefault(index, info)
+    if merged is None:
+        raise ValueError("no parts to merge")
+    return merged
 
 
 def load_into(folder: Path, state: dict[str, Any], *, group: Any = None) -> None:

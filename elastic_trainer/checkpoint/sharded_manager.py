@@ -13,8 +13,9 @@
 The resume choice (newest good checkpoint of this job, fallback, quarantine, another job refused)
 is :func:`.files.choose_resume`, as for DDP jobs; the files are those of :mod:`.sharded`. Every
 rank writes its own shards, so every save is collective (a DDP job's periodic save is rank 0's
-alone). A checkpoint written at N ranks loads at M. There is no just-in-time save: no surviving
-rank holds a dead rank's shards (``docs/design/sharded.md``).
+alone). A checkpoint written at N ranks loads at M. This manager has no just-in-time save; the
+``CheckpointManager`` of ``Elastic`` and the ``Trainer`` has one for sharded state
+(``docs/design/sharded.md``).
 """
 
 from __future__ import annotations

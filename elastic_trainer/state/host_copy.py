@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from elastic_trainer.runtime import torch_compat
+
 
 def snapshot_to_cpu(obj: Any, _seen: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
     """Deep copy of nested dicts/lists/tuples with every tensor copied to CPU memory; a tensor
@@ -41,10 +43,20 @@ def snapshot_to_cpu(obj: Any, _seen: dict[tuple[Any, ...], torch.Tensor] | None 
     return obj
 
 
+def host_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """Host copy of a state dict that holds DTensors (each rank's local shards, with their mesh
+    and placements, as DCP writes them): :func:`snapshot_to_cpu` for sharded state."""
+    buffers = torch_compat.dcp_host_state_dict(state, pin_memory=False)
+    return torch_compat.dcp_copy_state_dict(state, buffers, non_blocking=False)
+
+
 def device_snapshot(
-    build: Callable[[], Any], device: torch.device, after: torch.cuda.Event | None
+    build: Callable[[], Any],
+    device: torch.device,
+    after: torch.cuda.Event | None,
+    copy: Callable[[Any], Any] = snapshot_to_cpu,
 ) -> Any:
-    """CPU copy (:func:`snapshot_to_cpu`) of the payload that ``build`` returns.
+    """CPU copy (``copy``: :func:`snapshot_to_cpu`) of the payload that ``build`` returns.
 
     On CUDA ``build`` and the copy run on a side stream that waits only for ``after`` (the end of
     the last update), not for work queued since (a hung collective); device work that ``build``
@@ -53,11 +65,11 @@ def device_snapshot(
     cannot overwrite what was read).
     """
     if device.type != "cuda":
-        return snapshot_to_cpu(build())
+        return copy(build())
     stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         if after is not None:
             stream.wait_event(after)
-        copy = snapshot_to_cpu(build())
+        result = copy(build())
         stream.synchronize()
-    return copy
+    return result

@@ -47,7 +47,7 @@ from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.state.buffers import AuthoritativeBuffers
 from elastic_trainer.state.guard import StateGuard
-from elastic_trainer.state.host_copy import device_snapshot
+from elastic_trainer.state.host_copy import device_snapshot, host_state_dict, snapshot_to_cpu
 from elastic_trainer.state.sharded import ShardedState, is_sharded
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,10 @@ class TrainingState:
         env = self.env
         self.buffers = None
         if self.sharded is not None:
-            return  # FSDP does not broadcast buffers: each rank's are its own (no DDP to stand for)
+            # FSDP does not broadcast buffers: each rank's are its own (no DDP to stand for).
+            if needed and env.device.type == "cuda":
+                self._update_event = torch.cuda.Event()
+            return
         if (needed or self._serve_peers or self._apply_buffers) and self.model is not None:
             self.buffers = AuthoritativeBuffers(
                 self.model, rank=env.rank, world_size=env.world_size, apply=self._apply_buffers
@@ -329,7 +332,8 @@ class TrainingState:
             payload["jit"] = {"writer_rank": env.rank, "buffers": source}
             return payload
 
-        return device_snapshot(build, env.device, self._update_event)
+        copy = host_state_dict if self.sharded is not None else snapshot_to_cpu
+        return device_snapshot(build, env.device, self._update_event, copy)
 
     def peer_snapshot(self, timeout: float) -> dict[str, Any]:
         """:meth:`snapshot`, taking the guard (within ``timeout`` seconds): what peers take when

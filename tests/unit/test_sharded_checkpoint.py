@@ -63,6 +63,74 @@ def _full(obj: Any) -> Any:
     return obj
 
 
+def _jit_worker(role: str, rank: int, world_size: int, work: Path, model: Any, opt: Any) -> None:
+    """The just-in-time save of a sharded TrainingState through the CheckpointManager: every rank
+    writes its own shards without a collective (the process group is destroyed first), the last
+    one commits; then another world size loads it through the manager."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from elastic_trainer.checkpoint.config import CheckpointConfig
+    from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.runtime.sampler import ElasticSampler
+    from elastic_trainer.runtime.settings import WorkerSettings
+    from elastic_trainer.state.training_state import TrainingState
+
+    env = read_env(
+        environ={"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)},
+        cuda_devices=torch.cuda.device_count() if DEVICE == "cuda" else 0,
+    )
+    sampler = ElasticSampler(64, 8, seed=0)
+    state = TrainingState({"model": model, "optimizer": opt, "sampler": sampler}, env=env, seed=0)
+    manager = CheckpointManager(
+        CheckpointConfig(directory=str(work / "jit"), every=1000, jit_save=True),
+        env=env,
+        state=state,
+        fingerprint=FINGERPRINT,
+        settings=WorkerSettings(),
+    )
+    resumed = manager.load()
+    if role == "jit-load":
+        full = {"model": _full(get_state_dict(model, opt)[0])}
+        reference = torch.load(work / "jit-ref.pt", weights_only=True)
+        (work / f"jit-loaded-{world_size}-{rank}.json").write_text(
+            json.dumps(
+                {
+                    "resumed": resumed,
+                    "model": all(torch.equal(full["model"][k], v) for k, v in reference.items()),
+                    "cursor": sampler.state_dict()["cursor"],
+                }
+            )
+        )
+        dist.destroy_process_group()
+        return
+    manager.arm()
+    for step in (1, 2):
+        torch.manual_seed(200 + step)
+        model(torch.randn(8, 16).to(DEVICE)).square().mean().backward()
+        with state.update(step):
+            opt.step()
+            opt.zero_grad()
+            sampler.advance(next(iter(sampler.plans(rank, world_size))))
+    reference = _full(get_state_dict(model, opt)[0])
+    if rank == 0:
+        torch.save(reference, work / "jit-ref.pt")
+        # A part alone is no checkpoint: rank 0's shards of a step rank 1 never writes.
+        assert manager._sharded is not None
+        alone = manager._sharded.save_own(manager.payload(state.snapshot()), step=99, epoch=0)
+        (work / "alone").write_text(str(alone))
+    dist.barrier()
+    dist.destroy_process_group()  # the group is gone, as after a failure
+    time.sleep(0.5 * rank)  # the ranks save one after the other
+    outcome = manager.save_just_in_time("test", deadline=time.monotonic() + 60)
+    (work / f"jit-{rank}.json").write_text(
+        json.dumps({"saved": outcome.saved, "path": outcome.path})
+    )
+
+
 def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -76,6 +144,9 @@ def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
         world_size=world_size,
     )
     model, opt = _model(world_size)
+    if role.startswith("jit"):
+        _jit_worker(role, rank, world_size, work, model, opt)
+        return
     checkpointer = sharded.ShardedCheckpointer(
         work / "ckpt", rank=rank, world_size=world_size, fingerprint_fields=FINGERPRINT, keep_last=2
     )
@@ -220,6 +291,27 @@ def test_loads_resharded_at_another_world_size(
     assert (
         sum(r["local_rows"] for r in results) == 33 and len({r["local_rows"] for r in results}) >= 1
     )
+
+
+def test_just_in_time_every_rank_writes_its_shards_without_a_collective(tmp_path: Path) -> None:
+    _run("jit", 2, tmp_path)
+    outcomes = [json.loads((tmp_path / f"jit-{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(o["saved"] for o in outcomes), outcomes
+    assert outcomes[1]["path"].endswith("ckpt-000000000002.dcp"), "the last part commits the set"
+    assert "this rank's shards" in outcomes[0]["path"]
+    info = ckpt.verify(tmp_path / "jit", 2)
+    assert info.manifest.sharded and info.manifest.jit and info.manifest.world_size == 2
+    assert sorted(info.manifest.files or {}) == [METADATA_FILE, "__0_0.distcp", "__1_0.distcp"]
+    assert ckpt.iter_checkpoints(tmp_path / "jit") == [2]
+    # Rank 0's part of step 99 alone was not committed; the next start removes it.
+    assert (tmp_path / "alone").read_text() == "None"
+    assert any(
+        p.name.startswith(".ckpt-000000000099.dcp.tmp-") for p in (tmp_path / "jit").iterdir()
+    )
+    _run("jit-load", 3, tmp_path)  # resharded onto 3 ranks, through the manager
+    loaded = [json.loads((tmp_path / f"jit-loaded-3-{rank}.json").read_text()) for rank in range(3)]
+    assert all(r["resumed"] == 2 and r["model"] and r["cursor"] == 16 for r in loaded), loaded
+    assert not any(p.name.startswith(".") for p in (tmp_path / "jit").iterdir())
 
 
 def test_a_damaged_newest_checkpoint_falls_back_and_is_set_aside(
