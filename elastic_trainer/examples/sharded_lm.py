@@ -16,7 +16,11 @@ checkpoint resharded onto the new world: the model, AdamW's state, the sampler's
 step. Dropout draws from generators reseeded per ``(seed, rank, step)``, so a run restarted after
 a fault ends bitwise equal to one without the fault that went through the same world sizes, and
 every sample of an epoch is trained exactly once (``--record-samples`` writes the audit log).
-A restart re-forms the group; a worker fault is not healed in place for sharded state.
+Under ``elastic-trainer run`` a worker fault heals in place: the survivors keep their processes,
+and the lost rank's shard comes from its neighbour's host copy (``--shard-copy-every``, default
+every step; ``--replicas 2`` shards over a replicate x shard mesh, HSDP, where the replica is the
+copy); when no copy survived, every rank resumes from the newest checkpoint, resharded
+(``--api loop``; the ``Trainer`` route restarts from the checkpoint).
 
 ``--api loop`` (the default) is the hand-written loop below, on ``ShardedState`` and
 ``ShardedCheckpointManager``; ``--api trainer`` trains the same model with the runtime's
@@ -34,6 +38,8 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,13 +50,17 @@ from torch.utils.data import Dataset
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.files import model_signature
 from elastic_trainer.checkpoint.sharded_manager import ShardedCheckpointManager
+from elastic_trainer.heal.sharded_restore import RESTORE, RestorePlan
 from elastic_trainer.runtime import failures, rng
-from elastic_trainer.runtime.distributed import distributed_session, read_env
+from elastic_trainer.runtime.distributed import DistEnv, read_env
 from elastic_trainer.runtime.process_exit import exit_process
 from elastic_trainer.runtime.sample_log import SampleLog
 from elastic_trainer.runtime.sampler import ElasticSampler
+from elastic_trainer.state.local_shards import load_local_state, local_state
+from elastic_trainer.state.neighbour_copy import NeighbourCopy, NeighbourCopyConfig
 from elastic_trainer.state.sharded import ShardedState
 from elastic_trainer.train.config import TrainerConfig
+from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
 from elastic_trainer.train.fsdp import FSDPOptions, apply_fsdp
 from elastic_trainer.train.trainer import Trainer, TrainingJob
 
@@ -112,12 +122,18 @@ class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return window[:-1], window[1:]
 
 
-def shard(model: TinyTransformer, world_size: int, device_type: str) -> None:
+def shard(model: TinyTransformer, world_size: int, device_type: str, replicas: int = 1) -> None:
     """FSDP2: each block is one unit (its parameters gathered for its forward only), then the rest
-    (``fully_shard`` on ``blocks.0``, ``blocks.1``, ..., then on the model)."""
-    apply_fsdp(
-        model, FSDPOptions(blocks=("blocks.*",)), init_device_mesh(device_type, (world_size,))
+    (``fully_shard`` on ``blocks.0``, ``blocks.1``, ..., then on the model). ``replicas`` > 1:
+    HSDP over a ``(replicas, world_size // replicas)`` mesh."""
+    mesh = (
+        init_device_mesh(device_type, (world_size,))
+        if replicas == 1
+        else init_device_mesh(
+            device_type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
+        )
     )
+    apply_fsdp(model, FSDPOptions(blocks=("blocks.*",)), mesh)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -142,6 +158,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--record-samples", metavar="DIR", default=None, help="audit: every step's indices"
+    )
+    parser.add_argument(
+        "--shard-copy-every",
+        type=int,
+        default=None,
+        help="steps between refreshes of each shard's copy on its neighbour (default 1; 0: off)",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="HSDP: replicas of each shard (default 1: FSDP)"
     )
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument(
@@ -178,6 +203,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "checkpoint_every",
         "keep_last",
         "log_every",
+        "replicas",
     ):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')}: must be positive")
@@ -202,82 +228,175 @@ def train(args: argparse.Namespace) -> int:
         format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
         "%(levelname)s %(name)s: %(message)s",
     )
-    env = read_env()
-    with distributed_session(env, pg_timeout_s=60):
-        torch.manual_seed(args.seed)  # identical initial weights on every rank, before sharding
-        model = TinyTransformer().to(env.device)
-        signature = model_signature(model.state_dict())
-        shard(model, env.world_size, env.device.type)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-        text = corpus(args.seed, args.dataset_size * CONTEXT + 1)
-        sampler = ElasticSampler(args.dataset_size, args.global_batch_size, seed=args.seed)
-        checkpoints = ShardedCheckpointManager(
-            CheckpointConfig(
-                directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
-            ),
-            env=env,
-            state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
-            fingerprint={"model": signature, "dataset_size": args.dataset_size, "seed": args.seed},
-        )
-        step = checkpoints.load() or 0
-        samples = _sample_log(args, env.rank, env.world_size, step)
-        last_step = args.epochs * len(sampler) if args.max_steps is None else args.max_steps
-        try:
-            while step < last_step:
-                if sampler.epoch_done:
-                    if sampler.epoch + 1 >= args.epochs:
-                        break
-                    sampler.set_epoch(sampler.epoch + 1)
-                plan = sampler.plan(sampler.cursor, env.rank, env.world_size)
-                if samples is not None:
-                    samples.step(
-                        step=step + 1,
-                        epoch=plan.epoch,
-                        cursor=plan.cursor,
-                        world_size=env.world_size,
-                        rank=env.rank,
-                        indices=plan.indices,
+    copy_config = NeighbourCopyConfig.from_environ(every=args.shard_copy_every)
+    text = corpus(args.seed, args.dataset_size * CONTEXT + 1)
+    sampler = ElasticSampler(args.dataset_size, args.global_batch_size, seed=args.seed)
+    last_step = args.epochs * len(sampler) if args.max_steps is None else args.max_steps
+    step, samples = 0, None
+    with ElasticGroup(env=read_env(), pg_timeout_s=60) as group:
+        for part, attempt in enumerate(group.attempts()):  # once; again after each heal
+            with attempt:
+                env = attempt.env
+                if env.world_size % args.replicas:
+                    raise failures.ConfigError(
+                        f"--replicas {args.replicas} does not divide {env.world_size} workers"
                     )
-                rng.seed_step(
-                    args.seed, env.rank, step, env.device
-                )  # dropout: a function of (seed, rank, step)
-                batch = (
-                    torch.tensor(plan.micro_batches[0].indices) * CONTEXT
-                )  # one micro-batch: no size cap
-                windows = text[batch.unsqueeze(1) + torch.arange(CONTEXT + 1)].to(env.device)
-                logits = model(windows[:, :-1])
-                per_sample = nn.functional.cross_entropy(
-                    logits.transpose(1, 2), windows[:, 1:], reduction="none"
+                # The model is built and sharded on this attempt's mesh; the state it held comes
+                # back from the heal (its shards), or from the newest checkpoint.
+                torch.manual_seed(args.seed)  # identical initial weights on every rank
+                model = TinyTransformer().to(env.device)
+                signature = model_signature(model.state_dict())
+                with attempt.groups():  # the mesh's groups are aborted with the job's at a heal
+                    shard(model, env.world_size, env.device.type, args.replicas)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+                checkpoints = ShardedCheckpointManager(
+                    CheckpointConfig(
+                        directory=args.checkpoint_dir,
+                        every=args.checkpoint_every,
+                        keep_last=args.keep_last,
+                    ),
+                    env=env,
+                    state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
+                    fingerprint={
+                        "model": signature,
+                        "dataset_size": args.dataset_size,
+                        "seed": args.seed,
+                    },
+                    fence=attempt.fence,
                 )
-                # FSDP averages gradients over ranks: scale so the update is the mean over the step's samples.
-                weight = env.world_size / plan.global_samples if plan.samples else 0.0
-                loss = per_sample.mean(dim=1).sum() * weight
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                sampler.advance(plan)
-                step += 1
+                step = _restore(attempt, checkpoints, model, optimizer, sampler)
+                ring = args.replicas == 1 and copy_config.every > 0 and env.world_size > 1
+                copies = NeighbourCopy(
+                    partial(_local, model, optimizer, sampler),
+                    env=env,
+                    every=copy_config.every,
+                    group=attempt.host_group() if ring else None,
+                    replicas=args.replicas,
+                )
+                attempt.hold(copies)
+                copies.start(step)
                 if samples is not None:
-                    samples.done(step=step)
-                if env.is_rank0 and step % args.log_every == 0:
-                    log.info(
-                        "step %d epoch %d loss %.4f (rank 0's samples)",
-                        step,
-                        plan.epoch,
-                        per_sample.mean().item(),
-                    )
-                if checkpoints.due(step):
-                    checkpoints.save(step, epoch=sampler.epoch)
-                if args.throttle_ms:
-                    time.sleep(args.throttle_ms / 1000)
-            checkpoints.save(step, epoch=sampler.epoch, final=True)
-            checkpoints.close()
-        finally:
-            if samples is not None:
-                samples.close()
-    if env.is_rank0:
+                    samples.close()
+                samples = _sample_log(args, env.rank, env.world_size, step, part)
+                step = _train(
+                    args,
+                    env,
+                    model,
+                    optimizer,
+                    sampler,
+                    text,
+                    checkpoints,
+                    copies,
+                    samples,
+                    step,
+                    last_step,
+                )
+                checkpoints.save(step, epoch=sampler.epoch, final=True)
+                checkpoints.close()
+                copies.wait()
+    if samples is not None:
+        samples.close()
+    if int(os.environ.get("RANK", "0")) == 0:
         log.info("final step %d checkpoint %s", step, args.checkpoint_dir)
     return 0
+
+
+def _local(
+    model: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler, step: int
+) -> dict[str, Any]:
+    """This rank's shards after ``step`` (what its neighbour keeps a copy of)."""
+    return local_state(model, [optimizer], {"sampler": sampler}, step=step)
+
+
+def _restore(
+    attempt: Attempt,
+    checkpoints: ShardedCheckpointManager,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: ElasticSampler,
+) -> int:
+    """The step to go on from: this rank's shards as the heal restored them, else the newest
+    checkpoint (resharded), saying in one line why and how many steps are redone."""
+    initial = attempt.initial_state
+    if initial is None or RESTORE not in initial:
+        return checkpoints.load() or 0
+    plan = RestorePlan.from_json(initial[RESTORE])
+    if initial["payload"] is not None:
+        return load_local_state(model, [optimizer], {"sampler": sampler}, initial["payload"])
+    step = checkpoints.load() or 0
+    if attempt.env.is_rank0:
+        log.warning(
+            "heal: %s: every rank resumed from the newest checkpoint (step %d): %d step(s) redone",
+            plan.describe(),
+            step,
+            max(0, plan.newest - step),
+        )
+    return step
+
+
+def _train(
+    args: argparse.Namespace,
+    env: DistEnv,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: ElasticSampler,
+    text: torch.Tensor,
+    checkpoints: ShardedCheckpointManager,
+    copies: NeighbourCopy,
+    samples: SampleLog | None,
+    step: int,
+    last_step: int,
+) -> int:
+    """Train from ``step`` to ``last_step``; returns the last step done."""
+    while step < last_step:
+        if sampler.epoch_done:
+            if sampler.epoch + 1 >= args.epochs:
+                break
+            sampler.set_epoch(sampler.epoch + 1)
+        plan = sampler.plan(sampler.cursor, env.rank, env.world_size)
+        if samples is not None:
+            samples.step(
+                step=step + 1,
+                epoch=plan.epoch,
+                cursor=plan.cursor,
+                world_size=env.world_size,
+                rank=env.rank,
+                indices=plan.indices,
+            )
+        rng.seed_step(
+            args.seed, env.rank, step, env.device
+        )  # dropout: a function of (seed, rank, step)
+        batch = (
+            torch.tensor(plan.micro_batches[0].indices) * CONTEXT
+        )  # one micro-batch: no size cap
+        windows = text[batch.unsqueeze(1) + torch.arange(CONTEXT + 1)].to(env.device)
+        logits = model(windows[:, :-1])
+        per_sample = nn.functional.cross_entropy(
+            logits.transpose(1, 2), windows[:, 1:], reduction="none"
+        )
+        # FSDP averages gradients over ranks: scale so the update is the mean over the step's samples.
+        weight = env.world_size / plan.global_samples if plan.samples else 0.0
+        loss = per_sample.mean(dim=1).sum() * weight
+        loss.backward()
+        with copies.update(step + 1):  # the state changes here; its copy is refreshed on leaving
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sampler.advance(plan)
+        step += 1
+        if samples is not None:
+            samples.done(step=step)
+        if env.is_rank0 and step % args.log_every == 0:
+            log.info(
+                "step %d epoch %d loss %.4f (rank 0's samples)",
+                step,
+                plan.epoch,
+                per_sample.mean().item(),
+            )
+        if checkpoints.due(step):
+            checkpoints.save(step, epoch=sampler.epoch)
+        if args.throttle_ms:
+            time.sleep(args.throttle_ms / 1000)
+    return step
 
 
 def train_with_trainer(args: argparse.Namespace) -> int:
@@ -316,15 +435,16 @@ def train_with_trainer(args: argparse.Namespace) -> int:
 
 
 def _sample_log(
-    args: argparse.Namespace, rank: int, world_size: int, step: int
+    args: argparse.Namespace, rank: int, world_size: int, step: int, part: int = 0
 ) -> SampleLog | None:
-    """The audit log of this generation (its id and start time are rank 0's)."""
+    """The audit log of this generation (its id and start time are rank 0's; ``part``: the
+    attempt in this process, a file each)."""
     if args.record_samples is None:
         return None
     generation = [(uuid.uuid4().hex, time.time())]
     if world_size > 1:
         dist.broadcast_object_list(generation, src=0)
-    samples = SampleLog(args.record_samples, rank=rank)
+    samples = SampleLog(args.record_samples, rank=rank, part=part)
     samples.start(
         generation=generation[0][0],
         started_unix=generation[0][1],

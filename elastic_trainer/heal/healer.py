@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +39,7 @@ import torch.distributed as dist
 from elastic_trainer.heal.group import HealableGroup
 from elastic_trainer.heal.membership import HealTimeoutError, Membership, RoundStopped
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRules
+from elastic_trainer.heal.sharded_restore import RESTORE, ShardHolder, restore_shards
 from elastic_trainer.heal.state_transfer import share_state
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.distributed import DistEnv, announce_group, configure_nccl_environment
@@ -195,6 +196,9 @@ class Healer:
             threading.Lock()
         )  # held while handing on: the state does not move meanwhile
         self.heals = 0
+        self.shards: ShardHolder | None = None
+        """A sharded loop's shards and their copies (``heal/sharded_restore.py``): set, every
+        member's shard is restored from where it survived instead of one member's whole state."""
 
     @classmethod
     def create(
@@ -495,8 +499,16 @@ class Healer:
             torch.cuda.set_device(env.device)
         self.group.create(rank=rank, world_size=epoch.world_size, store=store)
         self._create_side_group()
-        state = None
-        if epoch.source is not None:
+        # Sharded state first: a replacement cannot know whether its peers shard, so every member
+        # says what it holds (one small all-gather); nobody sharded: the replicated heal below.
+        state = restore_shards(
+            self.shards,
+            rank=rank,
+            world_size=epoch.world_size,
+            group=self._side_group,
+            waits=self.waits,
+        )
+        if state is None and epoch.source is not None:
             source = epoch.rank_of(epoch.source)
             if source is None:
                 raise HealError(f"epoch {epoch.number} names a source that is not a member")
@@ -515,6 +527,9 @@ class Healer:
         self.heals += 1
         took = time.monotonic() - started
         self._set_phase("training")
+        continuing = epoch.step
+        if state is not None and RESTORE in state:  # sharded: the step every shard survived at
+            continuing = state[RESTORE]["step"] if state[RESTORE]["step"] is not None else NO_STATE
         if rank == 0:
             log.warning(
                 "heal: epoch %d formed in %.2f s (%s): %d member(s), continuing from step %s%s",
@@ -522,10 +537,30 @@ class Healer:
                 took,
                 epoch.reason,
                 epoch.world_size,
-                epoch.step if epoch.step != NO_STATE else "of the newest checkpoint",
+                continuing if continuing != NO_STATE else "of the newest checkpoint",
                 "" if step == NO_STATE and rank != 0 else "",
             )
         return HealOutcome(env=new_env, epoch=epoch, state=state, took_s=took)
+
+    @contextlib.contextmanager
+    def adopting(self) -> Iterator[None]:
+        """Process groups created inside (a device mesh's, the neighbour copy's) belong to this
+        epoch's group: a round's abort shuts their connections down with the training group's
+        (a survivor blocked in a collective of a subgroup without the dead rank would otherwise
+        wait for the stop watch), and the next heal destroys them."""
+        from elastic_trainer.heal.group import socket_inodes
+
+        before = socket_inodes()
+        try:
+            yield
+        finally:
+            self.group.adopt_new_sockets(before)
+
+    def host_group(self) -> Any:
+        """(Collective) a new gloo group of this epoch's members for host-side work beside the
+        training (the neighbour copy's exchange), adopted (:meth:`adopting`)."""
+        with self.adopting():
+            return dist.new_group(backend="gloo")
 
     def _create_side_group(self) -> None:
         """A gloo group of the same ranks for host-side transfers when the default group is NCCL."""

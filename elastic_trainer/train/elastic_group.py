@@ -21,6 +21,7 @@ The Trainer and the own-loop API share this object. Design: ``docs/design/heal-i
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -197,6 +198,27 @@ class Attempt:
         self._wrappers: list[weakref.ref[Any]] = []
         self._releases: list[Callable[[], None]] = []
         self._rides_buckets = False
+        self._shards: Any = None
+
+    # -- a sharded loop of your own (docs/design/sharded.md, "Healing sharded state in place") ----
+    def hold(self, shards: Any) -> None:
+        """A loop without :meth:`loop` over sharded state: ``shards`` (a ``NeighbourCopy``) says
+        the step it holds and hands on its shards and their copies when the group heals."""
+        self._shards = shards
+        if self.group.healer is not None:
+            self.group.healer.shards = shards
+
+    def groups(self) -> contextlib.AbstractContextManager[None]:
+        """Process groups created inside (``init_device_mesh``'s for HSDP) are aborted with the
+        training group at a heal: create a sharded model's mesh in it."""
+        healer = self.group.healer
+        return healer.adopting() if healer is not None else contextlib.nullcontext()
+
+    def host_group(self) -> Any:
+        """(Collective) a gloo group of this attempt's ranks for host-side work beside training,
+        aborted with the training group at a heal."""
+        healer = self.group.healer
+        return healer.host_group() if healer is not None else dist.new_group(backend="gloo")
 
     @property
     def ddp_init_sync(self) -> bool:
@@ -289,6 +311,8 @@ class Attempt:
                 and loop.result.finished
             ):
                 healer.finish(self.env, loop.result.step)
+            elif healer is not None and loop is None and self._shards is not None:
+                healer.finish(self.env, self._shards.step)  # a sharded loop of its own ended
             return False
         if (
             healer is None
@@ -304,6 +328,8 @@ class Attempt:
             return False
         holds = loop is not None and loop.state_ready and loop.state.consistent
         step = loop.step if holds and loop is not None else NO_STATE
+        if loop is None and self._shards is not None:  # a sharded loop of its own (hold)
+            step = self._shards.step
         reason = failure_reason(exc)
         self._detach_wrappers()
         snapshot: Callable[[], dict[str, Any]] = (
@@ -355,6 +381,9 @@ class Attempt:
             stop.uninstall()
             healer.stop_requested = None
         group.env, group._state = outcome.env, outcome.state
+        healer.shards = (
+            None  # the next attempt's loop holds its own (until then: nothing to hand on)
+        )
         self.healed = True
         return True
 

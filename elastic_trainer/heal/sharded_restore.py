@@ -1,0 +1,236 @@
+"""Healing sharded (FSDP2 / HSDP) state in place: every shard of one step, from where it survived.
+
+A replicated (DDP) state heals from any one member; a sharded one needs each rank's own shard.
+After the new epoch's group formed, every member says what it holds (``Holdings``: its live step,
+its own staged shards, the neighbour copies it received; a replacement holds nothing), and
+:func:`plan_restore` picks the newest step at which every shard exists somewhere:
+
+* a survivor's own shard: its live state, or its own staged copy (to go back a step or more);
+* a lost rank's shard: its neighbour copy on its holder (FSDP ring), or a replica's live state
+  or staged copy (HSDP);
+* none: both copies are gone (two neighbours lost together, the copy off, another world size):
+  the job falls back to the newest checkpoint, resharded, and counts the steps it redoes.
+
+:func:`restore_shards` runs the plan: each shard that is not already where it belongs is sent
+from its holder (one broadcast each, on the heal's host group, waited on abortably). Its result
+rides to the next attempt as the outcome's state: ``{RESTORE: plan, "payload": this rank's
+local shards or None}``. Design: ``docs/design/sharded.md`` ("Healing sharded state in place").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from elastic_trainer.heal.state_transfer import share_state
+from elastic_trainer.runtime.abortable import AbortableWaits
+from elastic_trainer.state.neighbour_copy import NO_STATE, Holdings, holder_of
+
+log = logging.getLogger(__name__)
+
+RESTORE = "sharded_restore"
+"""The key of a heal outcome's state that carries a :class:`RestorePlan` (as a dict)."""
+
+
+class ShardHolder(Protocol):
+    """What a sharded training loop registers with the healer (``NeighbourCopy`` is one)."""
+
+    step: int
+
+    def holdings(self) -> Holdings: ...
+
+    def payload(self, what: str, *, shard: int, step: int) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    rank: int
+    """The rank that holds the shard."""
+    what: str
+    """``live``, ``own`` (its staged copy) or ``copy`` (a neighbour copy it received)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """Where each rank's shard comes from, or why the checkpoint has to do."""
+
+    step: int | None
+    """The step every rank restores (``None``: fall back to the newest checkpoint)."""
+    sources: tuple[Source, ...] = ()
+    newest: int = NO_STATE
+    """The newest step any survivor held (the steps after :attr:`step` are redone)."""
+    reason: str = ""
+    """Why the checkpoint (``step`` is ``None``), in plain words."""
+    every: int = 1
+    """Steps between refreshes of the neighbour copy."""
+
+    @property
+    def redone(self) -> int:
+        """Steps done before the fault that are done again (``None`` step: counted after the load)."""
+        return max(0, self.newest - self.step) if self.step is not None else 0
+
+    def describe(self) -> str:
+        """One line for the log."""
+        if self.step is None:
+            return f"no copy of every shard survived ({self.reason})"
+        moved = [
+            f"rank {r}'s from rank {s.rank}'s {'neighbour copy' if s.what == 'copy' else s.what + ' state'}"
+            for r, s in enumerate(self.sources)
+            if s.rank != r
+        ]
+        back = [r for r, s in enumerate(self.sources) if s.rank == r and s.what == "own"]
+        parts = ["; ".join(moved) or "every shard where it was"]
+        if back:
+            parts.append(f"rank(s) {', '.join(map(str, back))} back to their staged copy")
+        redone = f"{self.redone} step(s) redone"
+        if self.redone and self.every > 1:
+            redone += f" (the copy is refreshed every {self.every} steps)"
+        return f"shards of step {self.step} restored in place ({', '.join(parts)}): {redone}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RestorePlan:
+        return cls(
+            step=data["step"],
+            sources=tuple(Source(**s) for s in data["sources"]),
+            newest=int(data["newest"]),
+            reason=str(data["reason"]),
+            every=int(data.get("every", 1)),
+        )
+
+
+def _sources_of(shard: int, step: int, members: Sequence[Holdings | None]) -> list[Source]:
+    """Everything that holds ``shard`` at ``step``, best first (live before staged, a rank's own
+    before a peer's)."""
+    found: list[Source] = []
+    for holding in members:
+        if holding is None:
+            continue
+        if holding.shard == shard and holding.live == step:
+            found.append(Source(holding.rank, "live"))
+    for holding in members:
+        if holding is not None and holding.shard == shard and step in holding.own:
+            found.append(Source(holding.rank, "own"))
+    for holding in members:
+        if holding is not None and (shard, step) in holding.copies:
+            found.append(Source(holding.rank, "copy"))
+    return found
+
+
+def plan_restore(members: Sequence[Holdings | None], world_size: int) -> RestorePlan:
+    """Pure: the newest step at which every rank's shard of the new epoch (``members[r]``: what
+    new rank ``r`` holds, ``None`` for a replacement) exists somewhere, and where from.
+
+    The shards are those of the previous epoch: a survivor must keep its rank, and the world
+    size its value (in-place healing keeps both when a replacement takes a lost slot)."""
+    survivors = [h for h in members if h is not None]
+    newest = max((h.live for h in survivors), default=NO_STATE)
+    if not survivors:
+        return RestorePlan(None, reason="no survivor holds a shard", newest=newest)
+    for rank, holding in enumerate(members):
+        if holding is None:
+            continue
+        if holding.world_size != world_size:
+            return RestorePlan(
+                None,
+                newest=newest,
+                reason=f"the world changed from {holding.world_size} to {world_size} ranks",
+            )
+        if holding.rank != rank:
+            return RestorePlan(
+                None, newest=newest, reason=f"rank {holding.rank} is now rank {rank}"
+            )
+    replicas = survivors[0].replicas
+    shards = world_size // replicas
+    candidates = sorted(
+        {h.live for h in survivors if h.live != NO_STATE}
+        | {s for h in survivors for s in h.own}
+        | {s for h in survivors for _, s in h.copies},
+        reverse=True,
+    )
+    for step in candidates:
+        chosen: list[Source] = []
+        for rank in range(world_size):
+            found = _sources_of(rank % shards, step, members)
+            own = [s for s in found if s.rank == rank]
+            if own:
+                chosen.append(own[0])
+            elif found:
+                chosen.append(found[0])
+            else:
+                break
+        else:
+            every = max(h.every for h in survivors)
+            return RestorePlan(step, sources=tuple(chosen), newest=newest, every=every)
+    return RestorePlan(None, newest=newest, reason=_why_lost(members, world_size, shards, newest))
+
+
+def _why_lost(members: Sequence[Holdings | None], world_size: int, shards: int, newest: int) -> str:
+    """Which shards have no copy left, in plain words."""
+    survivors = [h for h in members if h is not None]
+    if shards == world_size and all(h.every == 0 for h in survivors):
+        return "the shard copy is off"
+    missing = [r for r in range(world_size) if not _sources_of(r % shards, newest, members)]
+    if shards < world_size:
+        lost = sorted({r % shards for r in missing})
+        return "; ".join(
+            f"every replica of shard {s} (ranks "
+            f"{', '.join(str(r) for r in range(s, world_size, shards))}) is gone"
+            for s in lost
+        )
+    return (
+        "; ".join(
+            f"rank {r}'s shard and its copy on rank {holder_of(r, world_size)} are gone"
+            for r in missing
+            if members[r] is None
+        )
+        or f"no copy of step {newest} is whole"
+    )
+
+
+def restore_shards(
+    holder: ShardHolder | None,
+    *,
+    rank: int,
+    world_size: int,
+    group: Any = None,
+    waits: AbortableWaits | None = None,
+) -> dict[str, Any] | None:
+    """Collective, in a new epoch's group: gather what every member holds; ``None`` when nobody
+    holds sharded state (the replicated heal applies), else ``{RESTORE: plan, "payload": ...}``
+    with this rank's shard (host memory; ``None`` payload: load the newest checkpoint)."""
+    started = time.monotonic()
+    mine = holder.holdings() if holder is not None else None
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    if all(h is None for h in everyone):
+        return None
+    plan = plan_restore(everyone, world_size)
+    payload = None
+    if plan.step is not None:
+        shards = world_size // next(h for h in everyone if h is not None).replicas
+        for target, source in enumerate(plan.sources):
+            if source.rank == target:
+                continue
+            sent = None
+            if rank == source.rank and holder is not None:
+                sent = holder.payload(source.what, shard=target % shards, step=plan.step)
+            got = share_state(
+                sent, src=source.rank, device=torch.device("cpu"), group=group, waits=waits
+            )
+            if rank == target:
+                payload = got
+        mine_source = plan.sources[rank]
+        if mine_source.rank == rank and holder is not None:
+            payload = holder.payload(mine_source.what, shard=rank % shards, step=plan.step)
+    if rank == 0:
+        log.warning("heal: %s (%.2f s)", plan.describe(), time.monotonic() - started)
+    return {RESTORE: plan.to_json(), "payload": payload}

@@ -1,0 +1,127 @@
+"""One rank's own part of a sharded (FSDP2 / HSDP) state, as plain local tensors: what the
+neighbour copy keeps and what a heal hands to a replacement.
+
+    payload = local_state(model, [optimizer], {"sampler": sampler}, step=12)   # live references
+    load_local_state(model, [optimizer], {"sampler": sampler}, payload)       # a model sharded anew
+
+Every DTensor (a parameter's shard, AdamW's ``exp_avg`` of it) becomes ``{SHARD: local tensor}``;
+everything else (replicated buffers, the optimizer's ``step`` scalars, its hyper-parameters, the
+sampler's cursor) stays as it is. Loading puts each local tensor back into the DTensor of the
+same name (model) or of the same parameter index (optimizers) on the *current* mesh, with no
+collective: it needs the same world size and the same placement of this rank as when the payload
+was taken (a heal in place keeps both; anything else loads the resharded checkpoint instead).
+Design: ``docs/design/sharded.md`` ("Healing sharded state in place").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+SHARD = "__local_shard__"
+"""The key of the one-entry dict that stands for a DTensor's local shard."""
+FORMAT = "local-shards/1"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+def _mark(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return {SHARD: value.to_local()}
+    if isinstance(value, dict):
+        return {key: _mark(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_mark(item) for item in value]
+    return value
+
+
+def _is_shard(value: Any) -> bool:
+    return isinstance(value, dict) and len(value) == 1 and SHARD in value
+
+
+def local_state(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    objects: Mapping[str, Stateful | None],
+    *,
+    step: int,
+) -> dict[str, Any]:
+    """This rank's part of the state after ``step``: live references (copy before training on)."""
+    return {
+        "format": FORMAT,
+        "step": step,
+        "model": {name: _mark(value) for name, value in model.state_dict().items()},
+        "optimizers": [_mark(optimizer.state_dict()) for optimizer in optimizers],
+        "objects": {
+            name: None if obj is None else obj.state_dict() for name, obj in objects.items()
+        },
+    }
+
+
+def _from_local(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if not isinstance(like, DTensor):
+        raise ValueError("a shard where the live state holds a plain tensor")
+    return DTensor.from_local(
+        local.to(like.device).clone(),
+        device_mesh=like.device_mesh,
+        placements=like.placements,
+        shape=like.shape,
+        stride=like.stride(),
+        run_check=False,
+    )
+
+
+def load_local_state(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    objects: Mapping[str, Stateful | None],
+    payload: Mapping[str, Any],
+) -> int:
+    """Restore ``payload`` (:func:`local_state` of this rank's place) into the live objects;
+    returns its step.
+
+    Raises:
+        ValueError: it is not a local-shards payload, or it does not fit the live model.
+    """
+    if payload.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} payload")
+    saved = payload["model"]
+    live = model.state_dict()
+    if saved.keys() != live.keys():
+        raise ValueError("the shard payload names other model entries than the live model")
+    with torch.no_grad():
+        for name, target in live.items():
+            value = saved[name]
+            destination = target.to_local() if isinstance(target, DTensor) else target
+            source = value[SHARD] if _is_shard(value) else value
+            if destination.shape != source.shape:
+                raise ValueError(
+                    f"model entry {name!r}: shard of shape {tuple(source.shape)}, "
+                    f"live {tuple(destination.shape)} (another world size or placement)"
+                )
+            destination.copy_(source)
+    if len(payload["optimizers"]) != len(optimizers):
+        raise ValueError("the shard payload holds another number of optimizers")
+    for optimizer, state in zip(optimizers, payload["optimizers"], strict=True):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        rebuilt = {
+            index: {
+                key: _from_local(value[SHARD], params[int(index)]) if _is_shard(value) else value
+                for key, value in entry.items()
+            }
+            for index, entry in state["state"].items()
+        }
+        optimizer.load_state_dict({"state": rebuilt, "param_groups": state["param_groups"]})
+    for name, obj in objects.items():
+        value = payload["objects"].get(name)
+        if obj is not None and value is not None:
+            obj.load_state_dict(value)
+    return int(payload["step"])

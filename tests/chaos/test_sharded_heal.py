@@ -1,0 +1,179 @@
+"""Sharded (FSDP2 / HSDP) state healed in place under ``elastic-trainer run``, on ``sharded_lm``.
+
+FSDP, 3 workers: rank 1 SIGKILLed mid-run is healed in place (the survivors keep their
+processes; rank 1's shard comes from rank 0's neighbour copy, 0 steps redone); later ranks 1 and
+2 SIGKILLed together (rank 2's shard and its only copy, on rank 1, are gone) fall back to the
+newest checkpoint, resharded, with the redone steps counted in one line. HSDP, a 2 x 2 mesh: rank
+1 SIGKILLed, its shard comes from its replica (rank 3). Each faulty run ends bitwise equal
+(model and AdamW state) to a fault-free run of the same shape started beside it, and every
+sample of every epoch is trained exactly once. Heal times are printed, not asserted (a loaded
+2-core machine). Design: ``docs/design/sharded.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint import sharded
+from elastic_trainer.ops.processes import start_process, wait_for
+from elastic_trainer.runtime.sample_log import committed_history, generations, read_records
+from tests.support.agents import FAST_RDZV_CONF, Agent, agents, kill_rank, tails
+from tests.support.records import steps_recorded
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+DATASET, BATCH, STEPS = 120, 12, 22  # 10 steps per epoch
+
+
+def _start(endpoint: str, run_id: str, run: Path, workers: int, extra: Sequence[str] = ()) -> Agent:
+    run.mkdir(parents=True)
+    cmd = [
+        sys.executable, "-m", "elastic_trainer.cli", "run", "--rdzv-endpoint", endpoint,
+        "--run-id", run_id, "--nnodes", "1", "--nproc-per-node", str(workers),
+        "--metrics-port", "0", "--rdzv-conf", FAST_RDZV_CONF,
+        "-m", "elastic_trainer.examples.sharded_lm", "--max-steps", str(STEPS), "--epochs", "5",
+        "--dataset-size", str(DATASET), "--global-batch-size", str(BATCH),
+        "--checkpoint-every", "5", "--checkpoint-dir", str(run / "ckpt"), "--seed", "5",
+        "--record-samples", str(run / "samples"), "--log-every", "100", "--throttle-ms", "100",
+        *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return start_process(cmd, run / "run.log", env, cwd=REPO)
+
+
+def _final(directory: Path) -> dict[str, torch.Tensor]:
+    info = ckpt.find_latest(directory)
+    assert info is not None and info.manifest.sharded
+    state = sharded.read_full(info.path)
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    for key, entry in state["optimizer"]["state"].items():
+        flat.update({f"optimizer.{key}.{name}": value for name, value in entry.items()})
+    return {"step": torch.tensor(state["step"]), **flat}
+
+
+def _wait_step(run: Path, step: int, started: list[Agent]) -> None:
+    wait_for(
+        lambda: steps_recorded(run / "samples") >= step,
+        timeout=150,
+        what=f"step {step}",
+        describe=lambda: tails(started),
+    )
+
+
+def _started(run: Path, step: int) -> bool:
+    """Some rank began ``step``: the copy of the step before was sent a throttle's sleep ago."""
+    return any(
+        r["event"] == "step" and r["step"] >= step
+        for records in read_records(run / "samples")
+        for r in records
+    )
+
+
+def _wait_started(run: Path, step: int, started: list[Agent]) -> None:
+    wait_for(
+        lambda: _started(run, step),
+        timeout=150,
+        what=f"step {step} to begin",
+        describe=lambda: tails(started),
+    )
+
+
+def _check_exact(reference: Path, faulty: Path) -> None:
+    """Bitwise equal to the fault-free run; every sample of every epoch exactly once."""
+    expected, got = _final(reference / "ckpt"), _final(faulty / "ckpt")
+    assert int(got["step"]) == int(expected["step"]) == STEPS
+    assert got.keys() == expected.keys()
+    differing = [name for name in expected if not torch.equal(expected[name], got[name])]
+    assert not differing, f"differ from the run without the fault: {differing}"
+    history = committed_history(read_records(faulty / "samples"))
+    assert sorted(history) == list(range(1, STEPS + 1))
+    by_epoch: dict[int, list[int]] = {}
+    for records in history.values():
+        for record in records:
+            by_epoch.setdefault(record["epoch"], []).extend(record["indices"])
+    for epoch in (0, 1):
+        assert sorted(by_epoch[epoch]) == list(range(DATASET)), f"epoch {epoch}: not exactly once"
+    assert len(by_epoch[2]) == len(set(by_epoch[2])) == (STEPS - 20) * BATCH
+
+
+def _heal_times(log: str) -> list[str]:
+    return re.findall(r"epoch \d+ formed in ([\d.]+) s", log)
+
+
+def test_fsdp_worker_sigkill_heals_in_place_and_two_neighbours_fall_back(
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
+    reference, faulty = tmp_path / "reference", tmp_path / "faulty"
+    with agents() as started:
+        started.append(_start(etcd_server.endpoint, f"{unique_id}-ref", reference, 3))
+        started.append(node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 3))
+        _wait_started(faulty, 7, started)  # mid-step: the copy of step 6 is whole
+        first = kill_rank(node, faulty / "samples", 1)
+        wait_for(
+            lambda: len(generations(faulty / "samples")) == 2,
+            timeout=60,
+            what="the heal",
+            describe=lambda: tails(started),
+        )
+        _wait_step(faulty, 13, started)
+        newest = generations(faulty / "samples")[-1]
+        pair = [newest.pids[1], newest.pids[2]]
+        for pid in pair:
+            os.kill(pid, 9)
+        for agent in started:
+            assert agent.wait(200) == 0, tails(started)
+    log = node.output()
+    print(
+        f"SIGKILLed rank 1 (pid {first}), then ranks 1 and 2 (pids {pair}); heals took {_heal_times(log)} s"
+    )
+
+    gens = generations(faulty / "samples")
+    assert len(gens) == 3, [(g.resumed_step, g.pids) for g in gens]
+    assert gens[1].pids[0] == gens[0].pids[0] and gens[1].pids[2] == gens[0].pids[2], (
+        "the survivors of the first fault kept their processes"
+    )
+    assert gens[2].pids[0] == gens[0].pids[0], "rank 0 kept its process through both faults"
+    assert gens[1].resumed_step >= 6, "the first heal went on from the step it held"
+    assert "rank 1's from rank 0's neighbour copy): 0 step(s) redone" in log, log[-4000:]
+    fallback = re.search(
+        r"heal: no copy of every shard survived \(rank 2's shard and its copy on rank 1 are gone\): "
+        r"every rank resumed from the newest checkpoint \(step (\d+)\): (\d+) step\(s\) redone",
+        log,
+    )
+    assert fallback is not None, log[-4000:]
+    resumed, redone = int(fallback[1]), int(fallback[2])
+    assert resumed == gens[2].resumed_step and resumed % 5 == 0
+    assert gens[1].last_step - resumed <= redone <= gens[1].last_step + 1 - resumed and redone > 0
+    _check_exact(reference, faulty)
+
+
+def test_hsdp_2x2_a_lost_shard_comes_from_its_replica(
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
+    reference, faulty = tmp_path / "reference", tmp_path / "faulty"
+    hsdp = ["--replicas", "2"]
+    with agents() as started:
+        started.append(_start(etcd_server.endpoint, f"{unique_id}-ref", reference, 4, hsdp))
+        started.append(node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 4, hsdp))
+        _wait_started(faulty, 8, started)
+        killed = kill_rank(node, faulty / "samples", 1)
+        for agent in started:
+            assert agent.wait(200) == 0, tails(started)
+    log = node.output()
+    print(f"SIGKILLed rank 1 (pid {killed}); the heal took {_heal_times(log)} s")
+    gens = generations(faulty / "samples")
+    assert len(gens) == 2
+    assert all(gens[1].pids[r] == gens[0].pids[r] for r in (0, 2, 3)), (
+        "the survivors kept their processes"
+    )
+    assert "rank 1's from rank 3's live state): 0 step(s) redone" in log, log[-4000:]
+    _check_exact(reference, faulty)

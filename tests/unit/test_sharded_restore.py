@@ -1,0 +1,150 @@
+"""Where each shard comes from at a heal of sharded state (``plan_restore``: pure, branch by
+branch): the FSDP ring's neighbour copy, a rank's own staged copy, an HSDP replica, and the
+fallback to the checkpoint when every copy of a shard is gone."""
+
+from __future__ import annotations
+
+from elastic_trainer.heal.sharded_restore import RestorePlan, Source, plan_restore
+from elastic_trainer.state.neighbour_copy import NO_STATE, Holdings, holder_of, neighbour_of
+
+
+def fsdp(
+    rank: int,
+    live: int,
+    *,
+    world: int = 3,
+    own: tuple[int, ...] = (),
+    copies: tuple[int, ...] = (),
+    every: int = 1,
+) -> Holdings:
+    """What rank ``rank`` of an FSDP ring holds: its neighbour's copies at ``copies`` steps."""
+    neighbour = neighbour_of(rank, world)
+    return Holdings(
+        rank=rank,
+        world_size=world,
+        replicas=1,
+        live=live,
+        own=own,
+        copies=tuple((neighbour, s) for s in copies),
+        every=every,
+    )
+
+
+def test_the_ring() -> None:
+    assert [neighbour_of(r, 3) for r in range(3)] == [1, 2, 0]
+    assert [holder_of(r, 3) for r in range(3)] == [2, 0, 1]
+    assert neighbour_of(0, 2) == holder_of(0, 2) == 1
+
+
+def test_a_lost_rank_comes_from_its_neighbour_copy_with_no_step_redone() -> None:
+    members = [fsdp(0, 7, own=(6, 7), copies=(6, 7)), None, fsdp(2, 7, own=(6, 7), copies=(6, 7))]
+    plan = plan_restore(members, 3)
+    assert plan.step == 7 and plan.redone == 0
+    assert plan.sources == (Source(0, "live"), Source(0, "copy"), Source(2, "live"))
+    assert "rank 1's from rank 0's neighbour copy" in plan.describe()
+    assert "0 step(s) redone" in plan.describe()
+
+
+def test_a_copy_cut_by_the_fault_falls_back_a_generation_and_everyone_goes_back() -> None:
+    """Rank 0's copy of rank 1's step 7 never arrived whole: it holds step 6, and so does every
+    survivor's own staged shard: step 6 for all, one step redone."""
+    members = [fsdp(0, 7, own=(6, 7), copies=(5, 6)), None, fsdp(2, 7, own=(6, 7), copies=(6, 7))]
+    plan = plan_restore(members, 3)
+    assert plan.step == 6 and plan.redone == 1
+    assert plan.sources == (Source(0, "own"), Source(0, "copy"), Source(2, "own"))
+
+
+def test_an_interval_redoes_the_steps_since_the_copy_and_says_so() -> None:
+    members = [
+        fsdp(0, 10, own=(4, 8), copies=(4, 8), every=4),
+        None,
+        fsdp(2, 10, own=(4, 8), copies=(4, 8), every=4),
+    ]
+    plan = plan_restore(members, 3)
+    assert plan.step == 8 and plan.redone == 2
+    assert "2 step(s) redone (the copy is refreshed every 4 steps)" in plan.describe()
+
+
+def test_survivors_a_step_apart_meet_at_the_older_one() -> None:
+    """A rank that finished the step the others did not goes back to its staged copy of the
+    step before."""
+    members = [fsdp(0, 8, own=(7, 8), copies=(7, 8)), None, fsdp(2, 7, own=(6, 7), copies=(6, 7))]
+    plan = plan_restore(members, 3)
+    assert plan.step == 7
+    assert plan.sources[0] == Source(0, "own") and plan.sources[2] == Source(2, "live")
+
+
+def test_two_neighbours_lost_together_fall_back_to_the_checkpoint() -> None:
+    """Ranks 1 and 2 die: rank 1's copy (on rank 0) survives, rank 2's (on rank 1) does not."""
+    members = [fsdp(0, 7, own=(6, 7), copies=(6, 7)), None, None]
+    plan = plan_restore(members, 3)
+    assert plan.step is None and plan.newest == 7
+    assert plan.reason == "rank 2's shard and its copy on rank 1 are gone"
+    assert "no copy of every shard survived" in plan.describe()
+
+
+def test_two_ranks_that_are_not_neighbours_heal_in_place() -> None:
+    members = [
+        None,
+        fsdp(1, 7, own=(7,), copies=(7,), world=4),
+        None,
+        fsdp(3, 7, own=(7,), copies=(7,), world=4),
+    ]
+    plan = plan_restore(members, 4)
+    assert plan.step == 7
+    assert plan.sources == (
+        Source(3, "copy"),
+        Source(1, "live"),
+        Source(1, "copy"),
+        Source(3, "live"),
+    )
+
+
+def test_with_the_copy_off_a_lost_rank_means_the_checkpoint() -> None:
+    members = [fsdp(0, 7, every=0), None, fsdp(2, 7, every=0)]
+    plan = plan_restore(members, 3)
+    assert plan.step is None and plan.reason == "the shard copy is off"
+
+
+def test_nobody_lost_keeps_every_shard_where_it_is() -> None:
+    members = [fsdp(0, 7, every=0), fsdp(1, 7, every=0), fsdp(2, 7, every=0)]
+    plan = plan_restore(members, 3)
+    assert plan.step == 7 and all(s == Source(r, "live") for r, s in enumerate(plan.sources))
+
+
+def hsdp(rank: int, live: int) -> Holdings:
+    """A 2 x 2 mesh (replicate x shard): ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1."""
+    return Holdings(rank=rank, world_size=4, replicas=2, live=live, every=0)
+
+
+def test_hsdp_a_lost_shard_comes_from_its_replica() -> None:
+    assert [hsdp(r, 0).shard for r in range(4)] == [0, 1, 0, 1]
+    plan = plan_restore([hsdp(0, 9), None, hsdp(2, 9), hsdp(3, 9)], 4)
+    assert plan.step == 9 and plan.redone == 0
+    assert plan.sources[1] == Source(3, "live")
+
+
+def test_hsdp_both_replicas_of_a_shard_lost_fall_back() -> None:
+    plan = plan_restore([hsdp(0, 9), None, hsdp(2, 9), None], 4)
+    assert plan.step is None
+    assert plan.reason == "every replica of shard 1 (ranks 1, 3) is gone"
+
+
+def test_another_world_or_rank_order_falls_back() -> None:
+    assert plan_restore([fsdp(0, 7, world=2), None, None], 3).reason == (
+        "the world changed from 2 to 3 ranks"
+    )
+    moved = [fsdp(1, 7, copies=(7,)), None, fsdp(2, 7)]
+    assert plan_restore(moved, 3).reason == "rank 1 is now rank 0"
+
+
+def test_a_survivor_without_a_completed_step_is_no_source() -> None:
+    """An update that did not complete leaves the live state at no step: only staged copies count."""
+    members = [fsdp(0, NO_STATE, own=(6,), copies=(6,)), None, fsdp(2, 6, own=(6,), copies=(6,))]
+    plan = plan_restore(members, 3)
+    assert plan.step == 6 and plan.sources[0] == Source(0, "own")
+
+
+def test_the_plan_travels_as_json() -> None:
+    plan = plan_restore([fsdp(0, 7, own=(7,), copies=(7,)), None, fsdp(2, 7)], 3)
+    assert RestorePlan.from_json(plan.to_json()) == plan
