@@ -13,10 +13,14 @@ costs next to a bare FSDP2 loop.
   ``ShardedCheckpointManager`` with a checkpoint every 100 steps, asynchronous; the sampler's
   plan and the per-step reseeding of ``runtime/rng.py``) against a bare FSDP2 loop (no
   checkpoints, seeded once), alternated ABAB; CPU time per step summed over the ranks, and wall
-  time.
+  time. With ``--elastic`` a third contender: the same step through the own-loop API
+  (``Elastic`` over the sharded model: the state owner's routing, ``CheckpointManager`` with
+  sharded checkpoints every 100 steps, the step's control allreduce, the sampler), what
+  ``Trainer(TrainerConfig(fsdp=...))`` runs; order bare, ours, elastic in each repeat.
 
     python -m benchmarks.sharded_checkpoint stall --dim 2048 --layers 8 --steps 24 --every 8 --repeats 2
     python -m benchmarks.sharded_checkpoint steady --dim 512 --layers 4 --steps 300 --repeats 3
+    python -m benchmarks.sharded_checkpoint steady --elastic --dim 512 --layers 4 --steps 300 --repeats 3
     python -m benchmarks.sharded_checkpoint stall --device cuda --dim 4096 --layers 8 --steps 24 --every 8
 """
 
@@ -149,14 +153,19 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     manager = _manager(str(root / "steady"), args.checkpoint_every, model, optimizer, sampler)
     for i in range(5):  # warm-up: allocator, FSDP's lazy init, AdamW's state
         _step(model, optimizer, data[i * args.batch :][: args.batch])
-    cpu: dict[str, list[float]] = {"bare": [], "ours": []}
-    wall: dict[str, list[float]] = {"bare": [], "ours": []}
+    modes = ("bare", "ours", "elastic") if args.elastic else ("bare", "ours")
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    wall: dict[str, list[float]] = {m: [] for m in modes}
+    elastic = _elastic_steps(args, model, optimizer, data, root) if args.elastic else None
     step = 0
     for _ in range(args.repeats):
-        for mode in ("bare", "ours"):
+        for mode in modes:
             dist.barrier()
             started, started_cpu = time.perf_counter(), time.process_time()
             for i in range(args.steps):
+                if mode == "elastic" and elastic is not None:
+                    next(elastic)
+                    continue
                 if mode == "bare":
                     batch = data[(i * args.batch) % len(data) :][: args.batch]
                     _step(model, optimizer, batch)
@@ -175,7 +184,47 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             _sync(device)
             cpu[mode].append(time.process_time() - started_cpu)
             wall[mode].append(time.perf_counter() - started)
+    if elastic is not None:
+        elastic.close()  # leaves the run after its last measured step (no final save timed)
     return {"rank": rank, "cpu": cpu, "wall": wall}
+
+
+def _elastic_steps(
+    args: argparse.Namespace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: torch.Tensor,
+    root: Path,
+) -> Any:
+    """A generator that runs one step of the own-loop API over the sharded model per ``next``."""
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.runtime.settings import WorkerSettings
+    from elastic_trainer.train.elastic import Elastic
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    env = read_env(
+        environ={"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)},
+        cuda_devices=torch.cuda.device_count() if dist.get_backend() == "nccl" else 0,
+    )
+    run = Elastic(
+        model,
+        len(data),
+        global_batch_size=args.batch * world,
+        max_steps=args.repeats * args.steps + 1,
+        epochs=10**6,
+        checkpoint_dir=str(root / "elastic"),
+        checkpoint_every=args.checkpoint_every,
+        log_every=10**9,
+        settings=WorkerSettings(),
+        env=env,
+    )
+    for step in run:
+        with step:
+            for micro in step:
+                step.backward(model(data[list(micro.indices)]).square().mean() * step.weight)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        yield
 
 
 def _worker(rank: int, args: argparse.Namespace, root: str) -> None:
@@ -228,15 +277,16 @@ def _report_stall(results: list[dict[str, Any]], args: argparse.Namespace) -> No
 
 
 def _report_steady(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    modes = ("bare", "ours", "elastic") if args.elastic else ("bare", "ours")
     cpu = {
         m: [sum(r["cpu"][m][i] for r in results) / args.steps for i in range(args.repeats)]
-        for m in ("bare", "ours")
+        for m in modes
     }
     wall = {
         m: [max(r["wall"][m][i] for r in results) / args.steps for i in range(args.repeats)]
-        for m in ("bare", "ours")
+        for m in modes
     }
-    for mode in ("bare", "ours"):
+    for mode in modes:
         print(
             f"{mode:>4}: CPU per step (all ranks) median {statistics.median(cpu[mode]) * 1e3:.2f} ms, wall per step "
             f"median {statistics.median(wall[mode]) * 1e3:.2f} ms"
@@ -245,6 +295,12 @@ def _report_steady(results: list[dict[str, Any]], args: argparse.Namespace) -> N
         f"ours / bare: CPU {statistics.median(cpu['ours']) / statistics.median(cpu['bare']):.3f}x (target <= 1.03), "
         f"throughput {statistics.median(wall['bare']) / statistics.median(wall['ours']):.3f}"
     )
+    if args.elastic:
+        print(
+            f"elastic / bare: CPU {statistics.median(cpu['elastic']) / statistics.median(cpu['bare']):.3f}x "
+            f"(target <= 1.03), throughput "
+            f"{statistics.median(wall['bare']) / statistics.median(wall['elastic']):.3f}"
+        )
 
 
 def main() -> None:
@@ -262,6 +318,11 @@ def main() -> None:
         help="steady: the library's checkpoint interval (default 100, its default)",
     )
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="steady: also the own-loop API (Elastic) over the sharded model",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--world", type=int, default=None, help="ranks (default: 2; on cuda at most one per GPU)"
