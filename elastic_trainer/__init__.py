@@ -42,7 +42,7 @@ _EXPORTS = {
     "model_signature": "elastic_trainer.checkpoint.files",
     "ShardedCheckpointManager": "elastic_trainer.checkpoint.sharded_manager",
     "ShardedState": "elastic_trainer.state.sharded",
-    "FSDPOptions": "elastic_trainer.train.fsdp",
+    "FSDPOptions": "elastic_trainer.train.config",
     "apply_fsdp": "elastic_trainer.train.fsdp",
 }
 __all__ = ["__version__", *sorted(_EXPORTS)]

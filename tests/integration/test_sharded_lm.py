@@ -201,7 +201,8 @@ def test_under_the_trainer_sigkill_sigterm_and_2_3_1_resharding_end_bitwise_equa
     _check_bitwise_and_exactly_once(tmp_path, TRAINER_PHASES[-1][1], epochs=2)
 
 
-def test_under_elastic_trainer_run(etcd_server, unique_id: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("api", ["loop", "trainer"])
+def test_under_elastic_trainer_run(etcd_server, unique_id: str, tmp_path: Path, api: str) -> None:
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
         done = subprocess.run(
@@ -223,6 +224,8 @@ def test_under_elastic_trainer_run(etcd_server, unique_id: str, tmp_path: Path) 
                 "--rdzv-conf",
                 FAST_RDZV_CONF,
                 *TARGET,
+                "--api",
+                api,
                 "--max-steps",
                 "6",
                 "--checkpoint-every",
