@@ -43,6 +43,7 @@ import torch.distributed as dist
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.bucket_rider import BucketRider
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.grad_carrier import ControlCarrier
 
 _STOP, _LOSS, _PRESENT, _CHECKPOINT_FAILED, _HEADER = 0, 1, 2, 3, 4
 
@@ -69,6 +70,8 @@ class PendingControl:
     """The float32 halves riding on a gradient bucket (``None``: not riding, or resolved)."""
     halves: Any = None
     """numpy view of ``payload``."""
+    carried: bool = False
+    """Aboard the model's gradient (:mod:`elastic_trainer.runtime.grad_carrier`), not read yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +95,17 @@ class ControlChannel:
         rider: the bucket rider of a DDP whose hook takes the control aboard (``None``: the
             control goes on its own collective, the default).
         waits: where the control's waits go (the healer's abortable waits when healing in place).
+        carrier: the DDP model's :class:`~elastic_trainer.runtime.grad_carrier.ControlCarrier`:
+            the control rides on its gradient when started before the synchronised backward.
     """
 
     def __init__(
-        self, env: DistEnv, *, rider: BucketRider | None = None, waits: AbortableWaits | None = None
+        self,
+        env: DistEnv,
+        *,
+        rider: BucketRider | None = None,
+        waits: AbortableWaits | None = None,
+        carrier: ControlCarrier | None = None,
     ) -> None:
         self.env = env
         self._waits = waits if waits is not None else AbortableWaits()
@@ -109,6 +119,9 @@ class ControlChannel:
             env.world_size > 1 and self.group is None and not self._cuda
         )  # alike on every rank
         self._rider = rider if possible and _everyone(rider is not None) else None
+        self._carrier = (
+            carrier if possible and self._rider is None and _everyone(carrier is not None) else None
+        )
         self._size_hosts(_HEADER)
         self._loss_slots = [
             torch.zeros((), dtype=torch.float64, pin_memory=self._cuda) for _ in range(2)
@@ -171,7 +184,21 @@ class ControlChannel:
         if buffers is not None and not self._cuda:
             host[_HEADER:].copy_(buffers)
             pending.buffers = host[_HEADER:]
-        if self._rider is not None:
+        carrier = self._carrier
+        if carrier is not None and carrier.fits(
+            pending.buffers.numel() if pending.buffers is not None else 0
+        ):
+            carrier.board(
+                stop=view[_STOP],
+                loss=view[_LOSS],
+                present=view[_PRESENT],
+                checkpoint_failed=view[_CHECKPOINT_FAILED],
+                buffers=view[_HEADER:]
+                if pending.buffers is not None and self.env.rank == 0
+                else None,
+            )
+            pending.carried = True
+        elif self._rider is not None:
             payload = self._payloads[turn]
             pending.payload, pending.halves = payload, self._payload_views[turn]
             _split(view, pending.halves)
@@ -202,6 +229,14 @@ class ControlChannel:
 
     def _land(self, pending: PendingControl) -> None:
         """A riding control, after the backward: its sum, into ``pending.host`` (float64)."""
+        if pending.carried:
+            pending.carried = False
+            size = pending.buffers.numel() if pending.buffers is not None else 0
+            if self._carrier is None or not self._carrier.collect(pending.view, size):
+                # No synchronised backward took it (every rank alike): its own collective.
+                self._allreduce(pending.host).wait()
+            pending.complete = True
+            return
         payload, pending.payload = pending.payload, None
         if payload is None or self._rider is None:
             return
@@ -223,7 +258,7 @@ class ControlChannel:
         """Rank 0's buffers ride on ``pending``: no rank updates before they arrived (raises if a
         peer died, leaving the state "after the previous step"). A control riding on a bucket
         is complete after the backward: it is read now."""
-        if pending.payload is not None:
+        if pending.payload is not None or pending.carried:
             self._land(pending)
             return
         if pending.buffers is None:
@@ -244,7 +279,7 @@ class ControlChannel:
 
     def finish(self, pending: PendingControl) -> ControlResult:
         """Wait for ``pending``'s host collective if needed (it ran while the host computed) and read it."""
-        if pending.payload is not None:
+        if pending.payload is not None or pending.carried:
             self._land(pending)
         if pending.work is not None:
             pending.work.wait()

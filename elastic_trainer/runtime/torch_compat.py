@@ -452,3 +452,18 @@ def detach_ddp(ddp_model: Any) -> None:
     remove = getattr(ddp_model, "_remove_autograd_hooks", None)
     if remove is not None:
         remove()
+
+
+def map_grad_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``tree`` (a tensor, or tensors in the containers ``torch.utils._pytree`` knows: tuples,
+    lists, dicts, named tuples, registered output classes) with ``fn`` applied to every floating
+    tensor that requires grad (``tree_map_only``, private in torch 2.13)."""
+    import torch
+    from torch.utils import _pytree
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        return fn(t) if t.requires_grad and t.is_floating_point() else t
+
+    if isinstance(tree, torch.Tensor):  # the common case, without pytree's walk
+        return apply(tree)
+    return _pytree.tree_map_only(torch.Tensor, apply, tree)

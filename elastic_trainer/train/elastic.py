@@ -52,6 +52,7 @@ from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.runtime import distributed, failures, rng
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatch, MicroBatchSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
@@ -317,8 +318,12 @@ class Elastic:
         kwargs, ride = self.ddp_kwargs(self.env)
         if ride:
             self.state.sync_buffers()
+        # On the CPU the step's control rides on a gradient DDP reduces anyway (no collective of
+        # its own): DDP wraps the model with that parameter (runtime/grad_carrier.py).
+        carrier = ControlCarrier.maybe(self.model, self.env)
+        module = carrier if carrier is not None else self.model
         self.ddp = attempt.wrap(
-            DDP(self.model, init_sync=attempt.ddp_init_sync, **kwargs),
+            DDP(module, init_sync=attempt.ddp_init_sync, **kwargs),
             self._observer,
             release=self._release_ddp,
         )

@@ -48,6 +48,7 @@ from elastic_trainer.heal.protocol import NO_STATE
 from elastic_trainer.runtime import distributed, failures, torch_compat
 from elastic_trainer.runtime.comms import WorkerComms, rides
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.signals import GracefulStop
@@ -199,6 +200,7 @@ class Attempt:
         self._releases: list[Callable[[], None]] = []
         self._rides_buckets = False
         self._shards: Any = None
+        self._carrier: ControlCarrier | None = None
 
     # -- a sharded loop of your own (docs/design/sharded.md, "Healing sharded state in place") ----
     def hold(self, shards: Any) -> None:
@@ -250,6 +252,10 @@ class Attempt:
         ``ddp`` (its buckets are as large as the gradients). Returns ``ddp``."""
         if observer is not None:
             observer.wrap_ddp(ddp)
+        carrier = ddp.module if isinstance(ddp.module, ControlCarrier) else None
+        if carrier is not None:
+            carrier.bind(ddp)
+        self._carrier = carrier
         self._rides_buckets = rides(
             ddp, self.group.comms
         )  # an opt-in hook takes the control aboard
@@ -269,6 +275,7 @@ class Attempt:
             generation_part=healer.heals if healer is not None else 0,
             heal_check=healer.check if healer is not None else None,
             control_rides_buckets=self._rides_buckets,
+            control_carrier=self._carrier,
             comms=self.group.comms,
             **options,
         )

@@ -42,6 +42,7 @@ from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.runtime import failures, heartbeat, rng
 from elastic_trainer.runtime.comms import WorkerComms
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sample_log import SampleLog
 from elastic_trainer.runtime.sampler import ElasticSampler, StepPlan
@@ -160,6 +161,9 @@ class ElasticLoop:
         control_rides_buckets: the model's DDP reduces its buckets through an opt-in hook that
             takes the step's control aboard (``comms.rider``); it rides when :meth:`start_control`
             is called before the backward, and goes on its own collective otherwise.
+        control_carrier: the DDP model's :class:`~elastic_trainer.runtime.grad_carrier.ControlCarrier`
+            (the default on the CPU): the control rides on its gradient when :meth:`start_control`
+            is called before the synchronised backward, and goes on its own collective otherwise.
         comms: the worker's runtime context (abortable waits, bucket rider); default a plain one.
     """
 
@@ -186,6 +190,7 @@ class ElasticLoop:
         generation_part: int = 0,
         heal_check: Callable[[], None] | None = None,
         control_rides_buckets: bool = False,
+        control_carrier: ControlCarrier | None = None,
         comms: WorkerComms | None = None,
     ) -> None:
         self.env = env
@@ -217,6 +222,7 @@ class ElasticLoop:
         self._heal_check = heal_check
         self._generation_part = generation_part
         self._rides_buckets = control_rides_buckets
+        self._carrier = control_carrier
         self._comms = comms if comms is not None else WorkerComms()
         self._watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         self.state_ready = False
@@ -275,7 +281,10 @@ class ElasticLoop:
             comms = self._comms
             comms.rider.clear()  # a payload a failed step left aboard must not ride on this group's buckets
             self._channel = ControlChannel(
-                self.env, rider=comms.rider if self._rides_buckets else None, waits=comms.waits
+                self.env,
+                rider=comms.rider if self._rides_buckets else None,
+                waits=comms.waits,
+                carrier=self._carrier,
             )
             if self.heals_in_place:
                 self.state.serve_peers()

@@ -45,13 +45,15 @@ class _Counter(torch.nn.Module):
 def _worker(mode: str, rank: int, work: Path) -> None:
     """``mode``: how buffers are synchronised (``ddp``: DDP's broadcast; ``ride``: on the control
     allreduce; ``fold``: on the control riding on the first gradient bucket; ``mixed``: ``fold``
-    offered on rank 0 only; ``none``), with ``+big`` a buffer the float32 halves cannot carry
-    exactly."""
+    offered on rank 0 only; ``carry``: on the control carried by the gradient of a
+    :class:`ControlCarrier` parameter, the default; ``none``), with ``+big`` a buffer the float32
+    halves cannot carry exactly."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from elastic_trainer.runtime.comms import WorkerComms, abortable_allreduce_hook, rides
     from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.runtime.grad_carrier import ControlCarrier
     from elastic_trainer.runtime.step_control import ControlChannel
     from elastic_trainer.state.buffers import AuthoritativeBuffers
 
@@ -65,19 +67,22 @@ def _worker(mode: str, rank: int, work: Path) -> None:
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Counter(rank), SmallCNN(8)) if big else SmallCNN(8)
-    ddp = DDP(model, forward_sync_buffers=(sync == "ddp"))
+    carrier = ControlCarrier.maybe(model, env) if sync == "carry" else None
+    ddp = DDP(carrier or model, forward_sync_buffers=(sync == "ddp"))
+    if carrier is not None:
+        carrier.bind(ddp)
     riding = sync == "fold" or (sync == "mixed" and rank == 0)  # "mixed": only rank 0 could ride
     comms = WorkerComms()
     if riding:
         ddp.register_comm_hook(comms, abortable_allreduce_hook)
         assert rides(ddp, comms)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    channel = ControlChannel(env, rider=comms.rider if riding else None)
+    channel = ControlChannel(env, rider=comms.rider if riding else None, carrier=carrier)
     separate = []  # the control's own collectives
     own_allreduce = channel._allreduce
     channel._allreduce = lambda host: (separate.append(1), own_allreduce(host))[1]  # type: ignore[method-assign]
     buffers = AuthoritativeBuffers(
-        model, rank=rank, world_size=WORLD, apply=sync in ("ride", "fold", "mixed")
+        model, rank=rank, world_size=WORLD, apply=sync in ("ride", "fold", "mixed", "carry")
     )
     buffers.capture(identical=True)
     seen: list[
@@ -223,6 +228,36 @@ def test_the_control_riding_on_a_gradient_bucket_is_exact_and_needs_no_collectiv
         assert big[rank]["separate"] == STEPS
         counter = big[rank]["seen"][firsts, 0].to(torch.int64)
         assert counter.tolist() == [BIG + MICRO * step for step in range(STEPS)]
+
+
+def test_the_control_carried_by_a_gradient_is_exact_and_needs_no_collective(
+    tmp_path: Path,
+) -> None:
+    """The default on the CPU: DDP reduces the control with the gradients, in C++. Three ranks
+    (DDP divides by 3, which no float32 halves survive): the stop flag, the loss and rank 0's
+    buffers arrive as on the control's own collective, int64 counters included, and no step
+    needs a collective of its own."""
+    ride = _run("ride", tmp_path / "ride")
+    carry = _run("carry+big", tmp_path / "carry")
+    firsts = slice(None, None, MICRO)
+    for rank in range(WORLD):
+        assert carry[rank]["separate"] == 0, "the control still had a collective"
+        assert torch.equal(_bits(carry[rank]["seen"][firsts]), _bits(carry[0]["seen"][firsts]))
+        counter = carry[rank]["seen"][firsts, 0].to(torch.int64)
+        assert counter.tolist() == [BIG + MICRO * step for step in range(STEPS)]
+        assert [r[:2] for r in carry[rank]["results"]] == [r[:2] for r in ride[rank]["results"]]
+        assert [r[0] for r in carry[rank]["results"]] == [step == 4 for step in range(1, STEPS + 1)]
+        losses = [
+            (a, b)
+            for (_, _, a), (_, _, b) in zip(
+                carry[rank]["results"], ride[rank]["results"], strict=True
+            )
+        ]
+        assert losses[0] == (None, None)
+        assert all(a is not None and abs(a - b) <= 1e-6 * abs(b) for a, b in losses[1:]), losses
+        for key, value in ride[rank]["state"].items():  # "1.": the CNN behind the counter
+            mine = carry[rank]["state"]["1." + key]
+            assert torch.allclose(mine.double(), value.double(), rtol=1e-5, atol=1e-6), key
 
 
 def test_ranks_ride_only_when_all_can(tmp_path: Path) -> None:

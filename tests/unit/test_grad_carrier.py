@@ -1,0 +1,121 @@
+"""The control carried by a gradient (``runtime/grad_carrier.py``) without a process group: the
+encoding survives DDP's averaging exactly (simulated: each rank's gradient divided by the world
+size, then summed in float32), the wrapper leaves the model's forward and gradients alone, and a
+synchronised backward always gives the control parameter a gradient. The real three-rank run is
+in ``test_buffers_ride_control.py``."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.grad_carrier import ControlCarrier, buffer_values
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3), nn.Sigmoid())
+
+
+def _carriers(world: int, values: int) -> list[ControlCarrier]:
+    return [ControlCarrier(_model(), world_size=world, buffer_values=values) for _ in range(world)]
+
+
+def _ddp_average(payloads: list[torch.Tensor], world: int) -> torch.Tensor:
+    """What DDP's reducer makes of the ranks' gradients: each divided by the world size, summed."""
+    total = torch.zeros_like(payloads[0])
+    for payload in payloads:
+        total += payload / world
+    return total
+
+
+@pytest.mark.parametrize("world", [2, 3, 7])
+def test_the_control_survives_ddps_average_bit_for_bit(world: int) -> None:
+    buffers = np.array(
+        [1 / 3, -0.0, math.nan, 1e-310, 2.0**52 + 1, 3.0e38, -2.5, math.inf], dtype=np.float64
+    )
+    carriers = _carriers(world, buffers.size)
+    losses = [0.1 * (rank + 1) + 1e-9 for rank in range(world)]
+    for rank, carrier in enumerate(carriers):
+        carrier.board(
+            stop=1.0 if rank == world - 1 else 0.0,
+            loss=losses[rank],
+            present=1.0,
+            checkpoint_failed=0.0,
+            buffers=buffers if rank == 0 else None,
+        )
+    reduced = _ddp_average([c._deliver() for c in carriers], world)
+    for carrier in carriers:
+        carrier._aboard.control.grad = reduced.clone()
+        control = np.zeros(4 + buffers.size)
+        assert carrier.collect(control, buffers.size)
+        assert control[0] == 1.0 and control[2] == world and control[3] == 0.0
+        assert control[1] == pytest.approx(sum(losses), rel=1e-6)
+        assert control[4:].view(np.uint64).tolist() == buffers.view(np.uint64).tolist()
+        assert carrier._aboard.control.grad is None, "the gradient must not accumulate"
+
+
+def test_a_payload_that_did_not_travel_on_every_rank_is_refused() -> None:
+    carriers = _carriers(2, 0)
+    carriers[0].board(stop=0.0, loss=1.0, present=1.0, checkpoint_failed=0.0, buffers=None)
+    # Rank 1 started its control after the backward: its backward delivered zeros.
+    reduced = _ddp_average([c._deliver() for c in carriers], 2)
+    for carrier in carriers:
+        carrier._aboard.control.grad = reduced.clone()
+    assert not carriers[0].collect(np.zeros(4), 0)
+    assert not carriers[1].collect(np.zeros(4), 0)  # nothing delivered on this rank at all
+
+
+def test_the_wrapper_keeps_the_models_output_and_gradients() -> None:
+    plain, carried = _model(), ControlCarrier(_model(), world_size=2, buffer_values=12)
+    x = torch.randn(5, 4)
+    carried.board(stop=0.0, loss=2.0, present=1.0, checkpoint_failed=0.0, buffers=None)
+    out_plain, out_carried = plain(x), carried(x)
+    assert torch.equal(out_plain, out_carried)
+    # In place on the output, after a Sigmoid that saved it: the copy allows it (the plain
+    # model's own output would not).
+    out_carried.mul_(2.0)
+    (out_plain * 2.0).sum().backward()
+    out_carried.sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), carried.module.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad), name
+    grad = carried.control.grad
+    assert grad is not None and grad[0] == 2.0 and grad[4] == 4.0  # carried x2, loss 2.0 x2
+    assert carried.module.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_only_a_synchronised_forward_carries_and_every_one_gives_a_gradient() -> None:
+    carrier = ControlCarrier(_model(), world_size=2, buffer_values=12)
+
+    class _Ddp:
+        require_backward_grad_sync = False  # inside DDP's no_sync
+
+    ddp = _Ddp()
+    carrier.bind(ddp)
+    carrier(torch.randn(5, 4)).sum().backward()
+    assert carrier.control.grad is None
+    ddp.require_backward_grad_sync = True
+    carrier(torch.randn(5, 4)).sum().backward()  # nothing boarded (a priming pass): zeros
+    grad = carrier.control.grad
+    assert grad is not None and not grad.any()
+    with torch.no_grad():
+        carrier(torch.randn(5, 4))  # evaluation: nothing attached, nothing to fail
+
+
+def test_a_carrier_is_made_only_where_it_applies() -> None:
+    def env(**kw: object) -> DistEnv:
+        base = {"world_size": 2, "device": torch.device("cpu"), "backend": "gloo"}
+        return SimpleNamespace(**(base | kw))  # type: ignore[return-value]
+
+    assert ControlCarrier.maybe(_model(), env()) is not None
+    assert ControlCarrier.maybe(_model(), env(world_size=1)) is None
+    assert ControlCarrier.maybe(_model(), env(backend="nccl")) is None
+    assert ControlCarrier.maybe(_model(), env(device=torch.device("cuda", 0))) is None
+    assert ControlCarrier.maybe(_model().double(), env()) is None  # no float32 bucket to join
+    assert buffer_values(_model()) == 6 + 6 + 1  # running mean, var, and the batch counter
