@@ -21,9 +21,9 @@ the 8 bytes of each float64 value (one slot per byte; the other ranks send zeros
 float32 halves (``hi``, ``lo``) times ``w``, as the float32 sum the bucket rider used to give.
 
 Invariants: a synchronised backward always gives ``control`` a gradient (the payload or zeros),
-so DDP never waits for it; ``control.grad`` is cleared when a payload is boarded and after it is
-read, so nothing accumulates across steps or from a backward the loop did not see (DDP priming
-passes, evaluation with gradients); a payload no backward delivered (the caller ran its own
+so DDP never waits for it; ``control.grad`` is zeroed when a payload is boarded (through a numpy
+view made once: no host read of a tensor per step), so nothing accumulates across steps or from a
+backward the loop did not see (DDP priming passes, evaluation with gradients); a payload no backward delivered (the caller ran its own
 backward before starting the control) is taken back and the control goes on its own collective,
 on every rank alike, which the ``carried`` slot proves (its sum must be ``w``). Only on the CPU
 with gloo as the default group: on CUDA reading the reduced gradient would make the host wait
@@ -83,6 +83,10 @@ class _Aboard:
     payload: torch.Tensor | None = None
     delivered: bool = False
     ddp: weakref.ref[Any] | None = None
+    grad: torch.Tensor | None = None
+    """``control.grad`` as last seen: DDP and autograd reduce into it in place from step to step."""
+    grad_view: np.ndarray | None = None
+    """Its numpy view (made once: no host read of a tensor per step)."""
 
 
 class ControlCarrier(nn.Module):
@@ -162,7 +166,11 @@ class ControlCarrier(nn.Module):
             raw = buffers.view(np.uint8)  # the 8 bytes of each float64, one slot each
             np.multiply(raw, w, out=payload[_SLOTS : _SLOTS + raw.size], casting="unsafe")
         aboard = self._aboard
-        aboard.control.grad = None  # nothing from a backward the loop did not see
+        # Nothing from a backward the loop did not see: the gradient this backward adds to is zero.
+        if aboard.grad_view is not None and aboard.control.grad is aboard.grad:
+            aboard.grad_view.fill(0.0)
+        else:
+            aboard.control.grad = None
         aboard.payload, aboard.delivered = torch.from_numpy(payload), False
 
     def _deliver(self) -> torch.Tensor:
@@ -182,10 +190,12 @@ class ControlCarrier(nn.Module):
         collective of its own)."""
         aboard = self._aboard
         delivered, aboard.payload, aboard.delivered = aboard.delivered, None, False
-        grad, aboard.control.grad = aboard.control.grad, None
+        grad = aboard.control.grad
         if not delivered or grad is None:
             return False
-        summed = grad.numpy()
+        if grad is not aboard.grad or aboard.grad_view is None:
+            aboard.grad, aboard.grad_view = grad, grad.detach().numpy()  # once, then reused
+        summed = aboard.grad_view
         carried, stop, present, failed, hi, lo = summed[:_SLOTS].tolist()
         if round(carried) != self._world:
             return False
