@@ -174,25 +174,30 @@ def plan_restore(members: Sequence[Holdings | None], world_size: int) -> Restore
 
 
 def _why_lost(members: Sequence[Holdings | None], world_size: int, shards: int, newest: int) -> str:
-    """Which shards have no copy left, in plain words."""
+    """Which shards have no copy left at any step, in plain words."""
     survivors = [h for h in members if h is not None]
     if shards == world_size and all(h.every == 0 for h in survivors):
         return "the shard copy is off"
-    missing = [r for r in range(world_size) if not _sources_of(r % shards, newest, members)]
+
+    def held(shard: int) -> bool:  # by anyone, at any step
+        return any(
+            (h.shard == shard and (h.live != NO_STATE or h.own))
+            or any(s == shard for s, _ in h.copies)
+            for h in survivors
+        )
+
+    missing = sorted({r % shards for r in range(world_size) if not held(r % shards)})
+    if not missing:
+        return f"no step at which every shard survived (the newest held: {newest})"
     if shards < world_size:
-        lost = sorted({r % shards for r in missing})
         return "; ".join(
             f"every replica of shard {s} (ranks "
             f"{', '.join(str(r) for r in range(s, world_size, shards))}) is gone"
-            for s in lost
+            for s in missing
         )
-    return (
-        "; ".join(
-            f"rank {r}'s shard and its copy on rank {holder_of(r, world_size)} are gone"
-            for r in missing
-            if members[r] is None
-        )
-        or f"no copy of step {newest} is whole"
+    return "; ".join(
+        f"rank {r}'s shard and its copy on rank {holder_of(r, world_size)} are gone"
+        for r in missing
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -109,6 +110,12 @@ def _heal_times(log: str) -> list[str]:
     return re.findall(r"epoch \d+ formed in ([\d.]+) s", log)
 
 
+def _first_step_after(run: Path, generation: int, killed_unix: float) -> float:
+    """Seconds from the kill to the first step the healed group completed (sample log clocks)."""
+    gen = generations(run / "samples")[generation]
+    return min(gen.done_times.values()) - killed_unix
+
+
 def test_fsdp_worker_sigkill_heals_in_place_and_two_neighbours_fall_back(
     etcd_server, unique_id: str, tmp_path: Path
 ) -> None:
@@ -118,6 +125,7 @@ def test_fsdp_worker_sigkill_heals_in_place_and_two_neighbours_fall_back(
         started.append(node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 3))
         _wait_started(faulty, 7, started)  # mid-step: the copy of step 6 is whole
         first = kill_rank(node, faulty / "samples", 1)
+        first_unix = time.time()
         wait_for(
             lambda: len(generations(faulty / "samples")) == 2,
             timeout=60,
@@ -133,7 +141,9 @@ def test_fsdp_worker_sigkill_heals_in_place_and_two_neighbours_fall_back(
             assert agent.wait(200) == 0, tails(started)
     log = node.output()
     print(
-        f"SIGKILLed rank 1 (pid {first}), then ranks 1 and 2 (pids {pair}); heals took {_heal_times(log)} s"
+        f"SIGKILLed rank 1 (pid {first}), then ranks 1 and 2 (pids {pair}); epochs formed in "
+        f"{_heal_times(log)} s; first step after the first fault "
+        f"{_first_step_after(faulty, 1, first_unix):.2f} s after the kill"
     )
 
     gens = generations(faulty / "samples")
@@ -166,10 +176,14 @@ def test_hsdp_2x2_a_lost_shard_comes_from_its_replica(
         started.append(node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 4, hsdp))
         _wait_started(faulty, 8, started)
         killed = kill_rank(node, faulty / "samples", 1)
+        killed_unix = time.time()
         for agent in started:
             assert agent.wait(200) == 0, tails(started)
     log = node.output()
-    print(f"SIGKILLed rank 1 (pid {killed}); the heal took {_heal_times(log)} s")
+    print(
+        f"SIGKILLed rank 1 (pid {killed}); epoch formed in {_heal_times(log)} s; first step "
+        f"{_first_step_after(faulty, 1, killed_unix):.2f} s after the kill"
+    )
     gens = generations(faulty / "samples")
     assert len(gens) == 2
     assert all(gens[1].pids[r] == gens[0].pids[r] for r in (0, 2, 3)), (

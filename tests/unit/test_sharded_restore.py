@@ -148,3 +148,19 @@ def test_a_survivor_without_a_completed_step_is_no_source() -> None:
 def test_the_plan_travels_as_json() -> None:
     plan = plan_restore([fsdp(0, 7, own=(7,), copies=(7,)), None, fsdp(2, 7)], 3)
     assert RestorePlan.from_json(plan.to_json()) == plan
+
+
+def test_the_reason_names_only_the_shards_with_no_copy_at_any_step() -> None:
+    """Ranks 1 and 2 die just after step 13: rank 0 holds rank 1's copy of step 12 only (13's was
+    on its way), rank 2's only copy was on rank 1. Only rank 2's shard is gone."""
+    members = [fsdp(0, 13, own=(12, 13), copies=(11, 12)), None, None]
+    plan = plan_restore(members, 3)
+    assert plan.step is None
+    assert plan.reason == "rank 2's shard and its copy on rank 1 are gone"
+
+
+def test_copies_of_no_common_step_say_so() -> None:
+    members = [fsdp(0, 13, own=(13,), copies=(11,)), None, fsdp(2, 13, own=(13,), copies=(12,))]
+    plan = plan_restore(members, 3)
+    assert plan.step is None
+    assert plan.reason == "no step at which every shard survived (the newest held: 13)"
