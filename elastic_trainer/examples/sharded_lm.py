@@ -249,21 +249,24 @@ def train(args: argparse.Namespace) -> int:
                 with attempt.groups():  # the mesh's groups are aborted with the job's at a heal
                     shard(model, env.world_size, env.device.type, args.replicas)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-                checkpoints = ShardedCheckpointManager(
-                    CheckpointConfig(
-                        directory=args.checkpoint_dir,
-                        every=args.checkpoint_every,
-                        keep_last=args.keep_last,
-                    ),
-                    env=env,
-                    state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
-                    fingerprint={
-                        "model": signature,
-                        "dataset_size": args.dataset_size,
-                        "seed": args.seed,
-                    },
-                    fence=attempt.fence,
-                )
+                # The checkpoint's own group too: a heal ends an asynchronous write under way on it
+                # at once (the write is abandoned; nothing half-written is ever committed).
+                with attempt.groups():
+                    checkpoints = ShardedCheckpointManager(
+                        CheckpointConfig(
+                            directory=args.checkpoint_dir,
+                            every=args.checkpoint_every,
+                            keep_last=args.keep_last,
+                        ),
+                        env=env,
+                        state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
+                        fingerprint={
+                            "model": signature,
+                            "dataset_size": args.dataset_size,
+                            "seed": args.seed,
+                        },
+                        fence=attempt.fence,
+                    )
                 step = _restore(attempt, checkpoints, model, optimizer, sampler)
                 ring = args.replicas == 1 and copy_config.every > 0 and env.world_size > 1
                 copies = NeighbourCopy(
