@@ -236,8 +236,7 @@ class Elastic:
         self._pending_batch: Any = None
         self._observer = observer
         self._fault_hook = fault_hook
-        self.ddp: DDP | None = None
-        """The model in DDP over the current process group (a new one after each heal)."""
+        self._ddp: DDP | None = None  # over the current process group (a new one after each heal)
         self.loop: ElasticLoop | None = None
         self.result: TrainResult | None = None
         """How the run ended (after the iteration): ``exit_code`` is what the process exits with."""
@@ -245,14 +244,22 @@ class Elastic:
         self._loader_epoch = -1
 
     @property
-    def module(self) -> nn.Module:
-        """What the forward runs on: :attr:`ddp`, or the sharded model itself (FSDP2 reduces its
-        gradients in its own hooks)."""
+    def ddp(self) -> nn.Module | None:
+        """What the forward runs on (``elastic.ddp(x)``): the model in DDP over the current
+        process group (a new one after each heal), or a model sharded with ``fully_shard`` itself
+        (FSDP2 reduces its gradients in its own hooks; there is no DDP). ``None`` between
+        attempts."""
         if self.state.sharded is not None:
             return self.model
-        if self.ddp is None:
+        return self._ddp
+
+    @property
+    def module(self) -> nn.Module:
+        """:attr:`ddp`, where an attempt runs (else a ``RuntimeError``)."""
+        module = self.ddp
+        if module is None:
             raise RuntimeError("the model has no DDP in this attempt")
-        return self.ddp
+        return module
 
     @property
     def device(self) -> torch.device:
@@ -306,7 +313,7 @@ class Elastic:
     def _start_attempt(self, attempt: Attempt) -> None:
         self.env = attempt.env
         self.state.rebind(attempt.env)
-        self.ddp = (
+        self._ddp = (
             None  # the previous group's DDP goes first (its buckets are as large as the gradients)
         )
         # A failed step may have left partial gradients (a micro-batch's backward under no_sync):
@@ -322,7 +329,7 @@ class Elastic:
         # its own): DDP wraps the model with that parameter (runtime/grad_carrier.py).
         carrier = ControlCarrier.maybe(self.model, self.env)
         module = carrier if carrier is not None else self.model
-        self.ddp = attempt.wrap(
+        self._ddp = attempt.wrap(
             DDP(module, init_sync=attempt.ddp_init_sync, **kwargs),
             self._observer,
             release=self._release_ddp,
@@ -333,9 +340,9 @@ class Elastic:
         ``no_sync``; FSDP2's ``set_requires_gradient_sync(False)``)."""
         if self.state.sharded is not None:
             return no_gradient_sync(self.model)
-        if self.ddp is None:
+        if self._ddp is None:
             raise RuntimeError("the model has no DDP in this attempt")
-        return self.ddp.no_sync()
+        return self._ddp.no_sync()
 
     def ddp_kwargs(self, env: DistEnv) -> tuple[dict[str, Any], bool]:
         """DDP's keyword arguments in ``env``, and whether rank 0's buffers ride on the step's
@@ -362,7 +369,7 @@ class Elastic:
         return kwargs, ride
 
     def _release_ddp(self) -> None:
-        self.ddp = None
+        self._ddp = None
 
     def _loop(self, attempt: Attempt) -> ElasticLoop:
         checkpoints = CheckpointManager(

@@ -163,11 +163,13 @@ class Trainer:
         self._observer = observer
 
     @property
-    def ddp(self) -> DDP:
-        """The model in DDP over the current process group (not with a sharded model)."""
-        if self.elastic is None or self.elastic.ddp is None:
+    def ddp(self) -> nn.Module:
+        """What the forward runs on while :meth:`fit` trains: the model in DDP over the current
+        process group, or the sharded (FSDP2) model itself."""
+        module = self.elastic.ddp if self.elastic is not None else None
+        if module is None:
             raise RuntimeError("the trainer's DDP exists while fit() trains")
-        return self.elastic.ddp
+        return module
 
     @property
     def module(self) -> nn.Module:

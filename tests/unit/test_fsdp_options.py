@@ -152,6 +152,7 @@ def _worker(out: Path, mixed: str, reshard: bool) -> None:
                     "heal_in_place": state.heal_in_place,
                     "checksummed": [name for name, _ in state.checksums()],
                     "module_is_model": elastic.module is model,
+                    "ddp_is_model": elastic.ddp is model,  # `elastic.ddp(x)` as in the README
                     "replicated_sharded": replicated.sharded is not None,
                     "replicated_heal_in_place": replicated.heal_in_place,
                 },
@@ -200,7 +201,7 @@ def test_apply_fsdp_shards_the_named_blocks_then_the_model(
     assert routing["model_is_dtensor"] and "head.weight" in routing["optimizer_state_keys"]
     assert routing["restored"] == ["model", "optimizer", "sampler"] and routing["weight_back"]
     assert not routing["heal_in_place"] and routing["checksummed"] == ["step"]
-    assert routing["module_is_model"]
+    assert routing["module_is_model"] and routing["ddp_is_model"]
     assert not routing["replicated_sharded"] and routing["replicated_heal_in_place"]
 
 
