@@ -357,6 +357,36 @@ def test_another_jobs_sharded_checkpoint_is_refused_in_one_line(saved: Path) -> 
     )
 
 
+def test_a_replicated_model_refuses_a_sharded_checkpoint_in_one_line(
+    saved: Path, tmp_path: Path
+) -> None:
+    """The format follows the model (``TrainingState.sharded``): a DDP job meeting a sharded
+    checkpoint of the same job says so in one line instead of failing inside ``torch.load``."""
+    from elastic_trainer.checkpoint.config import CheckpointConfig
+    from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.runtime.settings import WorkerSettings
+
+    directory = _copy(saved, tmp_path)
+    model = torch.nn.Linear(16, 33)
+    manager = CheckpointManager(
+        CheckpointConfig(directory=str(directory)),
+        env=read_env(environ={"RANK": "0", "WORLD_SIZE": "1"}, cuda_devices=0),
+        states={"model": model},
+        model=model,
+        fingerprint=FINGERPRINT,
+        settings=WorkerSettings(),
+    )
+    assert manager.state.sharded is None
+    with pytest.raises(ckpt.CheckpointError) as caught:
+        manager.load()
+    message = str(caught.value)
+    assert message.startswith(
+        f"checkpoint {directory / 'ckpt-000000000006.dcp'} is sharded (FSDP2)"
+    )
+    assert "\n" not in message
+
+
 def test_metadata_naming_code_is_refused(tmp_path: Path) -> None:
     class Evil:
         def __reduce__(self) -> Any:
