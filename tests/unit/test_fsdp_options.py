@@ -205,5 +205,85 @@ def test_apply_fsdp_shards_the_named_blocks_then_the_model(
     assert not routing["replicated_sharded"] and routing["replicated_heal_in_place"]
 
 
+def _trainer_worker(out: Path, how: str) -> None:
+    """The Trainer in one gloo process: ``fsdp`` shards the plain model the factory returns
+    (bf16 compute); ``own`` trains a model the factory sharded itself."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.data import TensorDataset
+
+    from elastic_trainer.checkpoint import files as ckpt
+    from elastic_trainer.checkpoint.config import CheckpointConfig
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.runtime.settings import WorkerSettings
+    from elastic_trainer.state.sharded import is_sharded
+    from elastic_trainer.train.config import TrainerConfig
+    from elastic_trainer.train.fsdp import apply_fsdp
+    from elastic_trainer.train.trainer import Trainer, TrainingJob
+
+    dist.init_process_group("gloo", init_method=f"file://{out}.store", rank=0, world_size=1)
+    seen: list[str] = []
+
+    def model() -> nn.Module:
+        net = Net()
+        net.head.register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
+        if how == "own":
+            apply_fsdp(net, FSDPOptions(blocks=("blocks.*",)), init_device_mesh("cpu", (1,)))
+        return net
+
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    job = TrainingJob(
+        model=model,
+        dataset=lambda: TensorDataset(x, (x.sum(1) > 0).long()),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        loss=nn.functional.cross_entropy,
+    )
+    config = TrainerConfig(
+        global_batch_size=8,
+        micro_batch_size=4,  # two micro-batches: FSDP2's no_sync for the first
+        max_steps=3,
+        checkpoint=CheckpointConfig(directory=str(out) + ".ckpt", every=2),
+        fsdp=FSDPOptions(blocks=("blocks.*",), mixed_precision="bf16") if how == "fsdp" else None,
+    )
+    env = read_env(environ={"RANK": "0", "WORLD_SIZE": "1"}, cuda_devices=0)
+    trainer = Trainer(config, job, env=env, settings=WorkerSettings())
+    result = trainer.fit()
+    out.write_text(
+        json.dumps(
+            {
+                "step": result.step,
+                "sharded": is_sharded(trainer.model),
+                "forward_dtype": seen[0],
+                "checkpoints": ckpt.iter_checkpoints(str(out) + ".ckpt"),
+                "format": [
+                    ckpt.verify(str(out) + ".ckpt", step).manifest.sharded for step in (2, 3)
+                ],
+            }
+        )
+    )
+
+
+@pytest.mark.parametrize("how", ["fsdp", "own"])
+def test_the_trainer_shards_the_model_or_takes_one_sharded(tmp_path: Path, how: str) -> None:
+    out = tmp_path / "trainer.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.unit.test_fsdp_options", "trainer", str(out), how],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["step"] == 3 and result["sharded"]
+    assert result["forward_dtype"] == ("torch.bfloat16" if how == "fsdp" else "torch.float32")
+    assert result["checkpoints"] == [2, 3] and result["format"] == [True, True]
+
+
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1")
+    if sys.argv[1] == "trainer":
+        _trainer_worker(Path(sys.argv[2]), sys.argv[3])
+    else:
+        _worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1")
