@@ -12,11 +12,11 @@ staged: the faults are real signals to real processes, and every figure in the c
 read from the workers' own sample records (``--record-samples``) and checkpoints. The nodes' full
 logs go to ``<dir>/logs``; the console shows the demo's narrative and the nodes' key lines.
 
-``--sharded`` runs the same scenario on ``sharded_lm`` (a transformer under FSDP2, through the
-``Trainer``) with ``--heal off``: every change restarts the group from the newest sharded
-checkpoint, resharded onto the new world (a join and a leave stop the workers with SIGTERM, so
-they checkpoint their last step; a SIGKILL redoes the steps since the last periodic checkpoint,
-which the summary counts).
+``--sharded`` runs the same scenario on ``sharded_lm`` (a transformer under FSDP2, its own loop
+over ``ElasticGroup`` attempts): the worker SIGKILL heals in place, the lost rank's shards coming
+from its neighbour's host copy (0 steps lost); a join or a leave changes the world size, and the
+group goes on from the newest sharded checkpoint, resharded onto the new world (the summary
+counts the steps redone).
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ class DemoSettings:
     metrics_port: int = 9400
     """Node a's metrics port; node b uses the next one. 0: metrics off."""
     sharded: bool = False
-    """Train ``sharded_lm`` (FSDP2) instead of ``synthetic_cnn`` (DDP), restarting from sharded
-    checkpoints instead of healing in place."""
+    """Train ``sharded_lm`` (FSDP2) instead of ``synthetic_cnn`` (DDP): a lost worker heals in
+    place from its neighbour's copy of its shards; a new world size resumes from the newest
+    sharded checkpoint, resharded."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 100:
@@ -228,12 +229,10 @@ class Demo:
         """The launcher's healing mode, the example and its own arguments."""
         if self.settings.sharded:
             return [
-                "--heal",
-                "off",
                 "-m",
                 "elastic_trainer.examples.sharded_lm",
                 "--api",
-                "trainer",
+                "loop",
                 "--global-batch-size",
                 "24",
                 "--checkpoint-every",
@@ -347,8 +346,9 @@ class Demo:
             if s.sharded:
                 self.say(
                     "[demo] sharded: sharded_lm under FSDP2 (each worker holds and checkpoints "
-                    "its own shards); every change restarts the group from the newest sharded "
-                    "checkpoint, resharded onto the new world (--heal off)"
+                    "its own shards, and keeps a copy of its neighbour's); a lost worker heals in "
+                    "place from that copy, a new world size goes on from the newest sharded "
+                    "checkpoint, resharded"
                 )
             self.say("[demo] node a starts (elastic: 1 to 2 nodes, 2 workers each)")
             self.start_node("a", etcd.endpoint, run_id, ports[0])
@@ -477,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sharded",
         action="store_true",
-        help="the same faults on an FSDP2 model (sharded_lm), restarting from sharded checkpoints",
+        help="the same faults on an FSDP2 model (sharded_lm): heal in place from a neighbour's "
+        "copy of the shards; a new world size resumes from the sharded checkpoint",
     )
     parser.add_argument(
         "--metrics-port",

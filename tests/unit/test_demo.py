@@ -1,5 +1,5 @@
 """``elastic-trainer demo`` options: ``--sharded`` reaches the demo's parser through the CLI and
-runs the FSDP2 example on the restart path; bad values are one line. (The demo itself runs in
+runs the FSDP2 example's own loop, healing in place; bad values are one line. (The demo itself runs in
 tests/integration/test_readme.py; ``--sharded`` end to end: benchmarks/RESULTS.md.)"""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from elastic_trainer import cli
 from elastic_trainer.ops import demo
 
 
-def test_sharded_runs_sharded_lm_through_the_trainer_with_healing_off(
+def test_sharded_runs_sharded_lm_on_its_own_loop_with_healing_on(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     real = demo.Demo
@@ -30,15 +30,8 @@ def test_sharded_runs_sharded_lm_through_the_trainer_with_healing_off(
     assert cli.main(["demo", "--max-steps", "300", "--dir", str(tmp_path)]) == 0
     (sharded, command), (plain, plain_command) = jobs
     assert sharded.sharded and sharded.max_steps == 300 and not plain.sharded
-    assert command[:6] == [
-        "--heal",
-        "off",
-        "-m",
-        "elastic_trainer.examples.sharded_lm",
-        "--api",
-        "trainer",
-    ]
-    assert "--heal" not in plain_command
+    assert command[:4] == ["-m", "elastic_trainer.examples.sharded_lm", "--api", "loop"]
+    assert "--heal" not in command and "--heal" not in plain_command  # in place: the default
     assert plain_command[:2] == ["-m", "elastic_trainer.examples.synthetic_cnn"]
 
 
