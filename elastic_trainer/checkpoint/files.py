@@ -525,7 +525,9 @@ def verify(directory: Path, step: int) -> CheckpointInfo:
         manifest = Manifest.from_json(js.read_text())
     except FileNotFoundError:
         raise CheckpointError(
-            f"checkpoint {pt} has no manifest {js.name} (write interrupted)"
+            f"checkpoint {pt} has no manifest {js.name} (its write was interrupted, or it was not "
+            "written by a checkpoint manager: `checkpoint export` output is for loading elsewhere, "
+            "not for resuming)"
         ) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise CheckpointError(f"checkpoint manifest {js} is corrupt ({exc})") from exc

@@ -226,7 +226,7 @@ class CheckpointManager:
                 "(give a checkpoint directory that every node shares, e.g. --checkpoint-dir)"
             )
         elif env.is_rank0:
-            log.info("starting from scratch (no checkpoint in %s)", self.directory)
+            log.info("starting from scratch (no usable checkpoint in %s)", self.directory)
         self._setup_jit(bool(decision[1]))
         return self.resumed_from
 

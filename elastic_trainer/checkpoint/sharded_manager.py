@@ -116,7 +116,7 @@ class ShardedCheckpointManager:
         value = ckpt.chosen_path(decision[0])
         if value is None or self.checkpointer is None:
             if self.env.is_rank0:
-                log.info("starting from scratch (no checkpoint in %s)", self.directory)
+                log.info("starting from scratch (no usable checkpoint in %s)", self.directory)
             return None
         started = time.monotonic()
         payload = self._payload(0, 0)
