@@ -113,10 +113,10 @@ class HealReports:
 def describe_heal(epoch: Epoch, causes: Sequence[str]) -> str:
     """One line for ``status``: what happened (``causes``, if this node knows them) and how the
     job went on."""
-    start = f"step {epoch.step}" if epoch.step >= 0 else "the newest checkpoint"
-    outcome = (
-        f"healed in place: epoch {epoch.number}, {epoch.world_size} worker(s) go on from {start}"
-    )
+    # The survivors' step, not necessarily the one restored: a sharded state whose lost shards have
+    # no current copy goes back to the newest checkpoint (its workers log the step and what is redone).
+    start = f"survivors at step {epoch.step}" if epoch.step >= 0 else "from the newest checkpoint"
+    outcome = f"healed in place: epoch {epoch.number}, {epoch.world_size} worker(s), {start}"
     return (
         f"{'; '.join(causes)}; {outcome}" if causes else f"{epoch.reason or 'a fault'}; {outcome}"
     )

@@ -47,8 +47,8 @@ def test_a_failing_callback_does_not_stop_later_reports() -> None:
 
 def test_one_line_names_the_cause_and_how_the_job_went_on() -> None:
     text = describe_heal(epoch(5), ["local worker 1 (pid 42) died of SIGKILL"])
-    assert text == ("local worker 1 (pid 42) died of SIGKILL; healed in place: epoch 5, 2 worker(s) go on "
-                    "from step 120")  # fmt: skip
+    assert text == ("local worker 1 (pid 42) died of SIGKILL; healed in place: epoch 5, 2 worker(s), "
+                    "survivors at step 120")  # fmt: skip
     assert describe_heal(epoch(6, step=-1), []).startswith(
         "gloo: connection reset; healed in place: epoch 6"
     )
