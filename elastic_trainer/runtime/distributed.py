@@ -201,12 +201,14 @@ def init_process_group(env: DistEnv, *, pg_timeout_s: float) -> None:
 
 
 def announce_group(env: DistEnv, pg_timeout_s: float) -> None:
-    """The log line that says where this worker sits (whoever created its group)."""
+    """The log line that says where this worker sits (whoever created its group), with its pid:
+    an operator who kills a worker by hand learns which rank it is."""
     log.info(
-        "rank %d/%d (local %d) on %s, backend %s, collective timeout %.0f s",
+        "rank %d/%d (local %d, pid %d) on %s, backend %s, collective timeout %.0f s",
         env.rank,
         env.world_size,
         env.local_rank,
+        os.getpid(),
         env.device,
         env.backend,
         pg_timeout_s,
