@@ -37,6 +37,7 @@ import os
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -221,6 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
+    # torch warns, once per rank, that the root FSDP2 module returns a view (the head's output):
+    # only an in-place op on it would skip a hook, and the loss reads it out of place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     if args.api == "trainer":
         return train_with_trainer(args)
     logging.basicConfig(
