@@ -115,6 +115,11 @@ def inspect_checkpoint(target: str) -> dict[str, Any]:
         path = data_path(path, _steps_or_fail(path)[-1])
     elif not path.exists():
         raise UserError(f"checkpoint {target}: no such file or directory")
+    elif path.suffix == ".json":  # a manifest: what it describes
+        described = [p for p in (path.with_suffix(".pt"), path.with_suffix(".dcp")) if p.exists()]
+        if not described:
+            raise UserError(f"checkpoint {path}: a manifest whose checkpoint is missing")
+        path = described[0]
     if _is_sharded(path):
         return _inspect_sharded(path)
     try:
