@@ -44,6 +44,11 @@ _EXPORTS = {
     "ShardedState": "elastic_trainer.state.sharded",
     "FSDPOptions": "elastic_trainer.train.config",
     "apply_fsdp": "elastic_trainer.train.fsdp",
+    "NeighbourCopy": "elastic_trainer.state.neighbour_copy",
+    "NeighbourCopyConfig": "elastic_trainer.state.neighbour_copy",
+    "local_state": "elastic_trainer.state.local_shards",
+    "load_local_state": "elastic_trainer.state.local_shards",
+    "resume_sharded": "elastic_trainer.heal.sharded_restore",
 }
 __all__ = ["__version__", *sorted(_EXPORTS)]
 

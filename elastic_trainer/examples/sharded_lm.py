@@ -48,20 +48,24 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import Dataset
 
+from elastic_trainer import (
+    NeighbourCopy,
+    NeighbourCopyConfig,
+    load_local_state,
+    local_state,
+    resume_sharded,
+)
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.files import model_signature
 from elastic_trainer.checkpoint.sharded_manager import ShardedCheckpointManager
-from elastic_trainer.heal.sharded_restore import RESTORE, RestorePlan
 from elastic_trainer.runtime import failures, rng
 from elastic_trainer.runtime.distributed import DistEnv, read_env
 from elastic_trainer.runtime.process_exit import exit_process
 from elastic_trainer.runtime.sample_log import SampleLog
 from elastic_trainer.runtime.sampler import ElasticSampler
-from elastic_trainer.state.local_shards import load_local_state, local_state
-from elastic_trainer.state.neighbour_copy import NeighbourCopy, NeighbourCopyConfig
 from elastic_trainer.state.sharded import ShardedState
 from elastic_trainer.train.config import TrainerConfig
-from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
+from elastic_trainer.train.elastic_group import ElasticGroup
 from elastic_trainer.train.fsdp import FSDPOptions, apply_fsdp
 from elastic_trainer.train.trainer import Trainer, TrainingJob
 
@@ -271,7 +275,12 @@ def train(args: argparse.Namespace) -> int:
                         },
                         fence=attempt.fence,
                     )
-                step = _restore(attempt, checkpoints, model, optimizer, sampler)
+                step = resume_sharded(  # the shards the heal restored, else the checkpoint
+                    attempt.initial_state,
+                    restore=partial(load_local_state, model, [optimizer], {"sampler": sampler}),
+                    load=checkpoints.load,
+                    rank=env.rank,
+                )
                 ring = args.replicas == 1 and copy_config.every > 0 and env.world_size > 1
                 copies = NeighbourCopy(
                     partial(_local, model, optimizer, sampler),
@@ -313,32 +322,6 @@ def _local(
 ) -> dict[str, Any]:
     """This rank's shards after ``step`` (what its neighbour keeps a copy of)."""
     return local_state(model, [optimizer], {"sampler": sampler}, step=step)
-
-
-def _restore(
-    attempt: Attempt,
-    checkpoints: ShardedCheckpointManager,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sampler: ElasticSampler,
-) -> int:
-    """The step to go on from: this rank's shards as the heal restored them, else the newest
-    checkpoint (resharded), saying in one line why and how many steps are redone."""
-    initial = attempt.initial_state
-    if initial is None or RESTORE not in initial:
-        return checkpoints.load() or 0
-    plan = RestorePlan.from_json(initial[RESTORE])
-    if initial["payload"] is not None:
-        return load_local_state(model, [optimizer], {"sampler": sampler}, initial["payload"])
-    step = checkpoints.load() or 0
-    if attempt.env.is_rank0:
-        log.warning(
-            "heal: %s: every rank resumed from the newest checkpoint (step %d): %d step(s) redone",
-            plan.describe(),
-            step,
-            max(0, plan.newest - step),
-        )
-    return step
 
 
 def _train(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -239,3 +239,30 @@ def restore_shards(
     if rank == 0:
         log.warning("heal: %s (%.2f s)", plan.describe(), time.monotonic() - started)
     return {RESTORE: plan.to_json(), "payload": payload}
+
+
+def resume_sharded(
+    initial: Mapping[str, Any] | None,
+    *,
+    restore: Callable[[Mapping[str, Any]], int],
+    load: Callable[[], int | None],
+    rank: int,
+) -> int:
+    """The step a sharded loop goes on from in a new attempt (``attempt.initial_state`` as
+    ``initial``): its shards as the heal restored them (``restore(payload)``, e.g.
+    ``load_local_state``), else the newest checkpoint (``load()``, collective), and then rank 0
+    says in one line why the checkpoint and how many steps are redone."""
+    if initial is None or RESTORE not in initial:
+        return load() or 0
+    plan = RestorePlan.from_json(initial[RESTORE])
+    if initial["payload"] is not None:
+        return restore(initial["payload"])
+    step = load() or 0
+    if rank == 0:
+        log.warning(
+            "heal: %s: every rank resumed from the newest checkpoint (step %d): %d step(s) redone",
+            plan.describe(),
+            step,
+            max(0, plan.newest - step),
+        )
+    return step

@@ -164,3 +164,39 @@ def test_copies_of_no_common_step_say_so() -> None:
     plan = plan_restore(members, 3)
     assert plan.step is None
     assert plan.reason == "no step at which every shard survived (the newest held: 13)"
+
+
+def test_resume_takes_the_restored_shards_else_the_checkpoint_and_counts_the_redone_steps(
+    caplog,
+) -> None:
+    from elastic_trainer.heal.sharded_restore import RESTORE, resume_sharded
+
+    loads: list[str] = []
+
+    def load() -> int:
+        loads.append("checkpoint")
+        return 10
+
+    restored = plan_restore([fsdp(0, 13, own=(13,), copies=(13,)), None, fsdp(2, 13)], 3)
+    payload = {"step": 13}
+    assert resume_sharded(None, restore=lambda p: -1, load=load, rank=0) == 10
+    assert (
+        resume_sharded(
+            {RESTORE: restored.to_json(), "payload": payload},
+            restore=lambda p: int(p["step"]),
+            load=load,
+            rank=0,
+        )
+        == 13
+    )
+    assert loads == ["checkpoint"]
+    lost = plan_restore([fsdp(0, 13, own=(13,), copies=(12,)), None, None], 3)
+    with caplog.at_level("WARNING"):
+        step = resume_sharded(
+            {RESTORE: lost.to_json(), "payload": None}, restore=lambda p: -1, load=load, rank=0
+        )
+    assert step == 10 and loads == ["checkpoint", "checkpoint"]
+    assert (
+        "heal: no copy of every shard survived (rank 2's shard and its copy on rank 1 are gone): "
+        "every rank resumed from the newest checkpoint (step 10): 3 step(s) redone"
+    ) in caplog.text
