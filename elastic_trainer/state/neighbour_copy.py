@@ -11,7 +11,8 @@ Ring: rank ``r`` holds the shard of rank ``(r + 1) % W`` (:func:`neighbour_of`);
 copy lives on :func:`holder_of` ``(r - 1) % W``. One lost rank's shard is always somewhere; two
 neighbours lost together (``r`` and its holder) lose ``r``'s shard, and the job falls back to the
 newest checkpoint. On an HSDP mesh (``replicas`` > 1) the replicas of a shard are its copies:
-nothing is staged or sent (``mode`` ``"replica"``).
+nothing is sent, and each rank only stages its own shard (``mode`` ``"replica"``), so that ranks a
+step apart (a replica died between the two all-reduces of a step) meet at the older step.
 
 Invariants: what is sent, kept and handed on is a completed step (staged on leaving
 :meth:`update`, never during one). Two generations are kept of this rank's own staged shard
@@ -154,9 +155,9 @@ class NeighbourCopy:
         self.env = env
         self.replicas = replicas
         self.mode = (
-            "replica" if replicas > 1 else ("off" if every == 0 or env.world_size == 1 else "ring")
+            "off" if every == 0 or env.world_size == 1 else ("replica" if replicas > 1 else "ring")
         )
-        self.every = every if self.mode == "ring" else 0
+        self.every = every if self.mode != "off" else 0
         self.step = NO_STATE
         """The step of the live state (``NO_STATE`` while an update is under way or failed)."""
         self._group = group
@@ -189,7 +190,7 @@ class NeighbourCopy:
         self._refresh(step)
 
     def due(self, step: int) -> bool:
-        return self.mode == "ring" and step % self.every == 0
+        return self.mode != "off" and step % self.every == 0
 
     def _refresh(self, step: int) -> None:
         if not self.due(step):
@@ -215,6 +216,12 @@ class NeighbourCopy:
         slot.header, slot.shard = packed.header, self.env.rank
         self.stage_s += time.monotonic() - started
         self.refreshes += 1
+        if self.mode == "replica":  # the replicas are the copies: only this rank's own is kept
+            if event is not None:
+                event.synchronize()
+            with self._lock:
+                slot.step, self._own_newest = step, target
+            return
         self._thread = threading.Thread(
             target=self._exchange, args=(step, target, event), name="neighbour-copy", daemon=True
         )

@@ -44,7 +44,7 @@ def _start(endpoint: str, run_id: str, run: Path, workers: int, extra: Sequence[
         "-m", "elastic_trainer.examples.sharded_lm", "--max-steps", str(STEPS), "--epochs", "5",
         "--dataset-size", str(DATASET), "--global-batch-size", str(BATCH),
         "--checkpoint-every", "5", "--checkpoint-dir", str(run / "ckpt"), "--seed", "5",
-        "--record-samples", str(run / "samples"), "--log-every", "100", "--throttle-ms", "100",
+        "--record-samples", str(run / "samples"), "--log-every", "100", "--throttle-ms", "250",
         *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -70,20 +70,31 @@ def _wait_step(run: Path, step: int, started: list[Agent]) -> None:
     )
 
 
-def _started(run: Path, step: int) -> bool:
-    """Some rank began ``step``: the copy of the step before was sent a throttle's sleep ago."""
-    return any(
-        r["event"] == "step" and r["step"] >= step
-        for records in read_records(run / "samples")
-        for r in records
-    )
+def _all_done(run: Path, step: int, world: int) -> bool:
+    """Every rank of the newest generation completed ``step`` (and so sent its copy of it)."""
+    processes = read_records(run / "samples")
+    if not processes:
+        return False
+    newest = max(records[0]["started_unix"] for records in processes)
+    done = {
+        records[0]["rank"]
+        for records in processes
+        if records[0]["started_unix"] == newest
+        and any(r["event"] == "done" and r["step"] >= step for r in records)
+    }
+    return len(done) == world
 
 
-def _wait_started(run: Path, step: int, started: list[Agent]) -> None:
+def _wait_between_steps(run: Path, step: int, world: int, started: list[Agent]) -> None:
+    """Until every rank completed ``step``: a kill now lands in the pause before the next step
+    (``--throttle-ms``), after the copy of ``step`` was sent and before any rank can complete
+    another (a kill in the middle of a step's collectives can let some survivors finish it and
+    not others: then every rank goes back a step, 1 step redone, which the unit tests cover)."""
     wait_for(
-        lambda: _started(run, step),
+        lambda: _all_done(run, step, world),
         timeout=150,
-        what=f"step {step} to begin",
+        interval=0.01,
+        what=f"every rank at step {step}",
         describe=lambda: tails(started),
     )
 
@@ -123,7 +134,7 @@ def test_fsdp_worker_sigkill_heals_in_place_and_two_neighbours_fall_back(
     with agents() as started:
         started.append(_start(etcd_server.endpoint, f"{unique_id}-ref", reference, 3))
         started.append(node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 3))
-        _wait_started(faulty, 7, started)  # mid-step: the copy of step 6 is whole
+        _wait_between_steps(faulty, 6, 3, started)
         first = kill_rank(node, faulty / "samples", 1)
         first_unix = time.time()
         wait_for(
@@ -174,7 +185,7 @@ def test_hsdp_2x2_a_lost_shard_comes_from_its_replica(
     with agents() as started:
         started.append(_start(etcd_server.endpoint, f"{unique_id}-ref", reference, 4, hsdp))
         started.append(node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 4, hsdp))
-        _wait_started(faulty, 8, started)
+        _wait_between_steps(faulty, 7, 4, started)
         killed = kill_rank(node, faulty / "samples", 1)
         killed_unix = time.time()
         for agent in started:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.chaos.test_sharded_heal import _check_exact, _start, _wait_started
+from tests.chaos.test_sharded_heal import _check_exact, _start, _wait_between_steps
 from tests.support.agents import agents, kill_rank, tails
 from tests.unit.test_neighbour_copy import run_ranks
 
@@ -43,7 +43,7 @@ def test_fsdp_heal_in_place_on_nccl(etcd_server, unique_id: str, tmp_path: Path)
         started.append(_start(etcd_server.endpoint, f"{unique_id}-ref", reference, 2))
         started[-1].wait(200)  # one job at a time: both use GPUs 0 and 1
         started.append(node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 2))
-        _wait_started(faulty, 7, started)
+        _wait_between_steps(faulty, 6, 2, started)
         kill_rank(node, faulty / "samples", 1)
         assert node.wait(200) == 0, tails(started)
     log = node.output()

@@ -200,3 +200,23 @@ def test_resume_takes_the_restored_shards_else_the_checkpoint_and_counts_the_red
         "heal: no copy of every shard survived (rank 2's shard and its copy on rank 1 are gone): "
         "every rank resumed from the newest checkpoint (step 10): 3 step(s) redone"
     ) in caplog.text
+
+
+def test_hsdp_replicas_a_step_apart_meet_at_the_older_one() -> None:
+    """Rank 1 died between its shard group's reduce-scatter and its replicate group's all-reduce:
+    ranks 0 and 2 finished step 8, rank 3 (rank 1's replica) did not. Ranks 0 and 2 go back to
+    their own staged step 7, rank 1's shard is rank 3's live step 7."""
+    members = [
+        Holdings(rank=0, world_size=4, replicas=2, live=8, own=(7, 8)),
+        None,
+        Holdings(rank=2, world_size=4, replicas=2, live=8, own=(7, 8)),
+        Holdings(rank=3, world_size=4, replicas=2, live=7, own=(6, 7)),
+    ]
+    plan = plan_restore(members, 4)
+    assert plan.step == 7 and plan.redone == 1
+    assert plan.sources == (
+        Source(0, "own"),
+        Source(3, "live"),
+        Source(2, "own"),
+        Source(3, "live"),
+    )
