@@ -8,7 +8,8 @@ Variants (``API/LAUNCHER``): ``bare/torchrun`` is a plain DDP loop under ``torch
 run`` at every default (embedded etcd, in-place healing, metrics, warm start, watchdog,
 checkpoints every 100 steps); the cross terms ``bare/elastic`` and ``trainer/torchrun`` split the
 cost between the launcher and the runtime; ``trainer/elastic+hook`` (opt-in) adds the metrics'
-timing hook on every bucket, the design before issue 30. The user script is ``benchmarks/launcher_job.py``, two
+timing hook on every bucket, the design before issue 30; ``trainer/elastic+owncontrol`` (opt-in)
+the step's control on its own collective, as before it rode on a gradient. The user script is ``benchmarks/launcher_job.py``, two
 gloo workers on this machine. Each pair runs every variant once, in an order that alternates
 between pairs, so that the machine's drift hits all alike; ratios are taken against the baseline
 of the same pair and the median over pairs is reported.
@@ -103,9 +104,12 @@ VARIANTS = (
     "bare/elastic",
     "trainer/torchrun",
     "trainer/elastic+hook",
+    "trainer/elastic+owncontrol",
 )
 """``+hook``: the metrics' opt-in timing hook on every bucket (``ELASTIC_TRAINER_METRICS_ALLREDUCE=hook``),
-what a Python comm hook costs beside the default (not run unless named)."""
+what a Python comm hook costs beside the default (not run unless named). ``+owncontrol``: the step's
+control on its own gloo collective instead of the model's gradient (the default before the
+gradient-carried control, ``runtime/grad_carrier.py``; not run unless named)."""
 DEFAULT_VARIANTS = VARIANTS[:4]
 BASELINE = "bare/torchrun"
 
@@ -122,7 +126,8 @@ def command(variant: str, workload: str, out: str, nproc: int) -> list[str]:
         head = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(nproc)]
     else:
         head = [str(bin_dir / "elastic-trainer"), "run", "--nproc-per-node", str(nproc)]
-    return [*head, str(SCRIPT), "--api", api, *WORKLOADS[workload], "--out", out]
+    extra = ["--control", "collective"] if variant.endswith("+owncontrol") else []
+    return [*head, str(SCRIPT), "--api", api, *WORKLOADS[workload], *extra, "--out", out]
 
 
 def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float) -> dict[str, Any]:

@@ -107,6 +107,13 @@ def trainer(args: argparse.Namespace, clock: Clock) -> None:
     from elastic_trainer import Trainer, TrainerConfig, TrainingJob
     from elastic_trainer.checkpoint.config import CheckpointConfig
 
+    if (
+        args.control == "collective"
+    ):  # the comparison only: no carrier, the control's own collective
+        from elastic_trainer.runtime.grad_carrier import ControlCarrier
+
+        ControlCarrier.maybe = classmethod(lambda cls, model, env: None)  # type: ignore[method-assign,assignment]
+
     spec = _job(args)
     job = TrainingJob(
         model=spec.model,
@@ -139,6 +146,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument(
         "--checkpoint-dir", default=None, help="trainer: default a temporary directory"
+    )
+    parser.add_argument(
+        "--control",
+        choices=("gradient", "collective"),
+        default="gradient",
+        help="trainer: the step's control as a gradient (the default on the CPU) or on its own collective",
     )
     parser.add_argument("--out", required=True, help="each rank writes OUT.RANK")
     args = parser.parse_args()

@@ -1,10 +1,12 @@
 """The step's control, carried by the first gradient bucket's allreduce instead of a collective of
 its own (gloo, CPU tensors, an opt-in comm hook of this package: ``runtime/comms.py``).
 
-Not used at the defaults: a Python comm hook on every bucket costs more than the collective it
-saves (issue 30, ``docs/design/steady-state.md``). Kept for the opt-in hooks (the metrics'
-``hook`` timing, ``ELASTIC_TRAINER_ABORTABLE_BUCKETS=1``), which reduce every bucket in Python
-anyway.
+Not used at the defaults, nor under the metrics' opt-in ``hook`` timing (registered without the
+worker's comms): a Python comm hook on every bucket costs more than the collective it saves, and
+on the CPU the control now travels as a gradient DDP reduces anyway
+(:mod:`elastic_trainer.runtime.grad_carrier`, issue 30, ``docs/design/steady-state.md``). Reached
+only by a loop that registers :func:`~elastic_trainer.runtime.comms.abortable_allreduce_hook` with
+its group's ``WorkerComms`` itself, on a DDP without a carrier; a candidate for removal.
 
 A separate gloo collective per step costs its enqueue, gloo's thread and the wake-ups: on the
 example CNN's 6 ms CPU step about a tenth of the runtime's CPU (``benchmarks/RESULTS.md``).

@@ -17,8 +17,11 @@ buffers of step S must reach every rank before any rank applies S's update
 waits for it. On CUDA they ride on a device allreduce and the host waits for it before queueing the
 update: the one wait on the GPU left in a step, only for such models (``docs/design/steady-state.md``).
 
-At the defaults DDP reduces its buckets in C++ and the control is this collective of its own,
-started before the backward (it overlaps it). Under an opt-in comm hook of this package (the
+On the CPU with ``Elastic``/``Trainer`` (gloo, a :class:`ControlCarrier` around the model) the
+control travels as the gradient of the carrier's parameter: DDP reduces it in C++ with the model's
+gradients and it is read after the backward (:mod:`elastic_trainer.runtime.grad_carrier`); a
+control the backward did not carry goes on its own collective. Otherwise (CUDA, a loop with its
+own DDP) the control is this collective of its own, started before the backward (it overlaps it). Under an opt-in comm hook of this package (the
 metrics' ``hook`` timing, :func:`~elastic_trainer.runtime.comms.abortable_allreduce_hook`) on
 gloo, the control rides on the first gradient bucket's allreduce instead
 (:mod:`elastic_trainer.runtime.bucket_rider`): one collective per step fewer. Each rank's float64 share travels as two float32 halves
