@@ -28,6 +28,9 @@ ENV_METRICS_ALLREDUCE = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
 """How gradient allreduces are timed: ``sampled`` (default: DDP's own C++ statistics, one backward
 in ten, no comm hook), ``hook`` (a Python comm hook on every bucket), ``trace`` (CUDA: NCCL's
 timings from the flight recorder) or ``0`` (not at all). See ``docs/design/metrics.md``."""
+ENV_SHARD_COPY_EVERY = "ELASTIC_TRAINER_SHARD_COPY_EVERY"
+"""Steps between refreshes of each sharded (FSDP2) rank's copy on its neighbour, for a loop that
+heals sharded state in place (``state/neighbour_copy.py``); ``0`` turns the copy off."""
 ENV_NODE = "ELASTIC_TRAINER_NODE"
 """This node's name, ``{short host}-{launcher pid}`` (the launcher sets it)."""
 ENV_REPORTS_FAILURES = "ELASTIC_TRAINER_REPORTS_FAILURES"

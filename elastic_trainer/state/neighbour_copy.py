@@ -40,14 +40,15 @@ import torch.distributed as dist
 
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.failures import ConfigError
+from elastic_trainer.runtime.settings import (
+    ENV_SHARD_COPY_EVERY,  # overrides NeighbourCopyConfig.every
+)
 from elastic_trainer.state import flat as flat_payload
 
 log = logging.getLogger(__name__)
 
 NO_STATE = -1
 """The step of a rank that holds no completed step (as ``heal.protocol.NO_STATE``)."""
-ENV_SHARD_COPY_EVERY = "ELASTIC_TRAINER_SHARD_COPY_EVERY"
-"""Overrides :attr:`NeighbourCopyConfig.every` (a flag of the example wins over it)."""
 GENERATIONS = 2
 
 
