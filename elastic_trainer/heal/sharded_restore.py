@@ -195,8 +195,9 @@ def _why_lost(members: Sequence[Holdings | None], world_size: int, shards: int, 
             f"{', '.join(str(r) for r in range(s, world_size, shards))}) is gone"
             for s in missing
         )
+    stride = survivors[0].stride if survivors else 1
     return "; ".join(
-        f"rank {r}'s shard and its copy on rank {holder_of(r, world_size)} are gone"
+        f"rank {r}'s shard and its copy on rank {holder_of(r, world_size, stride)} are gone"
         for r in missing
     )
 

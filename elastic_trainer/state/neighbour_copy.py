@@ -7,10 +7,11 @@
     # on leaving: every `every` steps, this rank's shard is staged into host memory and sent to
     # its holder (rank - 1) on a background thread, while its neighbour's (rank + 1) arrives
 
-Ring: rank ``r`` holds the shard of rank ``(r + 1) % W`` (:func:`neighbour_of`); rank ``r``'s
-copy lives on :func:`holder_of` ``(r - 1) % W``. One lost rank's shard is always somewhere; two
-neighbours lost together (``r`` and its holder) lose ``r``'s shard, and the job falls back to the
-newest checkpoint. On an HSDP mesh (``replicas`` > 1) the replicas of a shard are its copies:
+Ring: rank ``r`` holds the shard of rank ``(r + s) % W`` (:func:`neighbour_of`); rank ``r``'s
+copy lives on :func:`holder_of` ``(r - s) % W``. The stride ``s`` (:func:`ring_stride`) is the
+ranks per node when the job spans whole nodes, so that every copy lives on another node and a lost
+node's shards survive it; else 1. One lost rank's shard is always somewhere; a rank lost together
+with its holder loses its shard, and the job falls back to the newest checkpoint. On an HSDP mesh (``replicas`` > 1) the replicas of a shard are its copies:
 nothing is sent, and each rank only stages its own shard (``mode`` ``"replica"``), so that ranks a
 step apart (a replica died between the two all-reduces of a step) meet at the older step.
 
@@ -52,14 +53,22 @@ NO_STATE = -1
 GENERATIONS = 2
 
 
-def neighbour_of(rank: int, world_size: int) -> int:
+def ring_stride(world_size: int, local_world_size: int) -> int:
+    """Ranks between a shard and its copy: a node's ranks when the job spans two or more whole
+    nodes (torchrun numbers a node's ranks contiguously), so the copy is on the next node; else 1."""
+    if 1 < local_world_size < world_size and world_size % local_world_size == 0:
+        return local_world_size
+    return 1
+
+
+def neighbour_of(rank: int, world_size: int, stride: int = 1) -> int:
     """The rank whose shard ``rank`` holds."""
-    return (rank + 1) % world_size
+    return (rank + stride) % world_size
 
 
-def holder_of(rank: int, world_size: int) -> int:
+def holder_of(rank: int, world_size: int, stride: int = 1) -> int:
     """The rank that holds ``rank``'s shard."""
-    return (rank - 1) % world_size
+    return (rank - stride) % world_size
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,6 +114,8 @@ class Holdings:
     copies: tuple[tuple[int, int], ...] = ()
     """``(shard rank, step)`` of the neighbour copies received whole."""
     every: int = 1
+    stride: int = 1
+    """The ring's stride (:func:`ring_stride`): this rank's copy is on ``rank - stride``."""
 
     @property
     def shard(self) -> int:
@@ -164,6 +175,12 @@ class NeighbourCopy:
         self._group = group
         if self.mode == "ring" and self._group is None:
             self._group = dist.new_group(backend="gloo")
+        self.stride = 1
+        """The ring's stride, agreed by every rank (nodes of different sizes give 1)."""
+        if self.mode == "ring":
+            mine = torch.tensor([ring_stride(env.world_size, env.local_world_size)])
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self._group)
+            self.stride = int(mine.item())
         self._own = [_Slot() for _ in range(GENERATIONS)]
         self._copies = [_Slot() for _ in range(GENERATIONS)]
         self._lock = threading.Lock()  # the slots' steps and the newest index
@@ -247,7 +264,8 @@ class NeighbourCopy:
                 slot.step = step
                 self._own_newest = own
             world, rank = self.env.world_size, self.env.rank
-            holder, neighbour = holder_of(rank, world), neighbour_of(rank, world)
+            stride = self.stride
+            holder, neighbour = holder_of(rank, world, stride), neighbour_of(rank, world, stride)
             sizes = torch.tensor([step, len(slot.header), slot.flat.numel()], dtype=torch.int64)
             header = torch.frombuffer(bytearray(slot.header), dtype=torch.uint8)
             sends = [
@@ -293,6 +311,7 @@ class NeighbourCopy:
             own=own,
             copies=copies,
             every=self.every,
+            stride=self.stride,
         )
 
     def payload(self, what: str, *, shard: int, step: int) -> dict[str, Any]:

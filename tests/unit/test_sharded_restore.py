@@ -5,7 +5,13 @@ fallback to the checkpoint when every copy of a shard is gone."""
 from __future__ import annotations
 
 from elastic_trainer.heal.sharded_restore import RestorePlan, Source, plan_restore
-from elastic_trainer.state.neighbour_copy import NO_STATE, Holdings, holder_of, neighbour_of
+from elastic_trainer.state.neighbour_copy import (
+    NO_STATE,
+    Holdings,
+    holder_of,
+    neighbour_of,
+    ring_stride,
+)
 
 
 def fsdp(
@@ -34,6 +40,38 @@ def test_the_ring() -> None:
     assert [neighbour_of(r, 3) for r in range(3)] == [1, 2, 0]
     assert [holder_of(r, 3) for r in range(3)] == [2, 0, 1]
     assert neighbour_of(0, 2) == holder_of(0, 2) == 1
+
+
+def test_the_ring_crosses_nodes_so_a_lost_node_loses_no_shard() -> None:
+    """2 nodes x 2 ranks: the copies live on the other node (stride 2), so node b's loss (ranks
+    2 and 3) is healed from node a's copies with no step redone. A ring of stride 1 keeps rank
+    3's copy on rank 2, on the same node: that loss falls back to the checkpoint."""
+    assert (ring_stride(4, 2), ring_stride(3, 3), ring_stride(6, 4), ring_stride(8, 1)) == (
+        2,
+        1,
+        1,
+        1,
+    )
+    assert [neighbour_of(r, 4, 2) for r in range(4)] == [2, 3, 0, 1]
+    assert [holder_of(r, 4, 2) for r in range(4)] == [2, 3, 0, 1]
+
+    def node_a(stride: int) -> list[Holdings | None]:
+        return [
+            Holdings(rank=r, world_size=4, replicas=1, live=7, own=(6, 7), stride=stride,
+                     copies=((neighbour_of(r, 4, stride), 6), (neighbour_of(r, 4, stride), 7)))
+            for r in (0, 1)
+        ] + [None, None]  # fmt: skip
+
+    plan = plan_restore(node_a(2), 4)
+    assert plan.step == 7 and plan.redone == 0
+    assert plan.sources == (
+        Source(0, "live"),
+        Source(1, "live"),
+        Source(0, "copy"),
+        Source(1, "copy"),
+    )
+    old = plan_restore(node_a(1), 4)
+    assert old.step is None and old.reason == "rank 3's shard and its copy on rank 2 are gone"
 
 
 def test_a_lost_rank_comes_from_its_neighbour_copy_with_no_step_redone() -> None:
