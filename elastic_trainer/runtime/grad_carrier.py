@@ -121,6 +121,18 @@ class ControlCarrier(nn.Module):
             return None
         return cls(model, world_size=env.world_size, buffer_values=buffer_values(model))
 
+    def __getattr__(self, name: str) -> Any:
+        """The user's model's own attributes and methods through the carrier, so that code
+        written for ``ddp.module`` (``generate``, ``config``, ...) runs alike with and without it
+        (the carrier exists on the CPU only)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if name == "module" or "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
     def bind(self, ddp: Any) -> None:
         """The DDP that wraps this carrier (its ``no_sync`` state decides which forwards carry)."""
         self._aboard.ddp = weakref.ref(ddp)

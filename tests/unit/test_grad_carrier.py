@@ -122,3 +122,24 @@ def test_a_carrier_is_made_only_where_it_applies() -> None:
     assert ControlCarrier.maybe(_model(), env(device=torch.device("cuda", 0))) is None
     assert ControlCarrier.maybe(_model().double(), env()) is None  # no float32 bucket to join
     assert buffer_values(_model()) == 6 + 6 + 1  # running mean, var, and the batch counter
+
+
+def test_the_models_own_attributes_are_reached_through_the_carrier() -> None:
+    """``ddp.module`` is the carrier on the CPU: a user's ``ddp.module.generate(...)`` or
+    ``ddp.module.config`` must reach the model as on a GPU, where there is no carrier."""
+
+    class WithExtras(nn.Sequential):
+        config = {"width": 6}
+
+        def generate(self, x: torch.Tensor) -> torch.Tensor:
+            return self(x).argmax(-1)
+
+    torch.manual_seed(0)
+    model = WithExtras(nn.Linear(4, 3))
+    carrier = ControlCarrier(model, world_size=2, buffer_values=0)
+    x = torch.randn(5, 4)
+    assert carrier.config == {"width": 6}
+    assert torch.equal(carrier.generate(x), model.generate(x))
+    assert carrier.module is model
+    with pytest.raises(AttributeError, match="nothing_here"):
+        _ = carrier.nothing_here
