@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer.checkpoint import files as ckpt
-from elastic_trainer.checkpoint import sharded
 from tests.chaos.faults import FaultInjector, JobSpec, RunDirs, start_node, unique_run_id, wait_all
 from tests.chaos.invariants import check_checkpoints, check_exactly_once, generations
 from tests.support.agents import agents, start_agent, tails
+from tests.support.records import final_sharded_state
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 
@@ -52,16 +51,6 @@ def _worker_args(job: JobSpec, run: RunDirs) -> list[str]:
         "--log-every",
         "4",
     ]
-
-
-def _final(directory: Path) -> dict[str, torch.Tensor]:
-    info = ckpt.find_latest(directory)
-    assert info is not None and info.manifest.sharded
-    state = sharded.read_full(info.path)
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
-    for key, entry in state["optimizer"]["state"].items():
-        flat.update({f"optimizer.{key}.{name}": value for name, value in entry.items()})
-    return {"step": torch.tensor(state["step"]), **flat}
 
 
 def test_fsdp_worker_sigkill_restarts_from_the_sharded_checkpoint(
@@ -109,7 +98,7 @@ def test_fsdp_worker_sigkill_restarts_from_the_sharded_checkpoint(
     check_checkpoints(run, JOB, gens)  # the restart resumed from the newest valid checkpoint
     print("generations", [(g.world_size, g.resumed_step) for g in gens])
     assert 0 < gens[1].resumed_step < 10 + 1
-    expected, got = _final(reference.checkpoints), _final(run.checkpoints)
+    expected, got = final_sharded_state(reference.checkpoints), final_sharded_state(run.checkpoints)
     assert int(got["step"]) == JOB.steps and got.keys() == expected.keys()
     differing = [name for name in expected if not torch.equal(expected[name], got[name])]
     assert not differing, f"differ from the run without the fault: {differing}"

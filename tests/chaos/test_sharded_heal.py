@@ -22,12 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_trainer.checkpoint import files as ckpt
-from elastic_trainer.checkpoint import sharded
 from elastic_trainer.ops.processes import start_process, wait_for
 from elastic_trainer.runtime.sample_log import committed_history, generations, read_records
 from tests.support.agents import FAST_RDZV_CONF, Agent, agents, kill_rank, tails
-from tests.support.records import steps_recorded
+from tests.support.records import final_sharded_state, steps_recorded
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -49,16 +47,6 @@ def _start(endpoint: str, run_id: str, run: Path, workers: int, extra: Sequence[
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return start_process(cmd, run / "run.log", env, cwd=REPO)
-
-
-def _final(directory: Path) -> dict[str, torch.Tensor]:
-    info = ckpt.find_latest(directory)
-    assert info is not None and info.manifest.sharded
-    state = sharded.read_full(info.path)
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
-    for key, entry in state["optimizer"]["state"].items():
-        flat.update({f"optimizer.{key}.{name}": value for name, value in entry.items()})
-    return {"step": torch.tensor(state["step"]), **flat}
 
 
 def _wait_step(run: Path, step: int, started: list[Agent]) -> None:
@@ -101,7 +89,7 @@ def _wait_between_steps(run: Path, step: int, world: int, started: list[Agent]) 
 
 def _check_exact(reference: Path, faulty: Path) -> None:
     """Bitwise equal to the fault-free run; every sample of every epoch exactly once."""
-    expected, got = _final(reference / "ckpt"), _final(faulty / "ckpt")
+    expected, got = final_sharded_state(reference / "ckpt"), final_sharded_state(faulty / "ckpt")
     assert int(got["step"]) == int(expected["step"]) == STEPS
     assert got.keys() == expected.keys()
     differing = [name for name in expected if not torch.equal(expected[name], got[name])]

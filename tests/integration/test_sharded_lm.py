@@ -21,11 +21,10 @@ import pytest
 import torch
 
 from elastic_trainer.checkpoint import files as ckpt
-from elastic_trainer.checkpoint import sharded
 from elastic_trainer.ops.processes import wait_for
 from elastic_trainer.runtime.sample_log import committed_history, generations, read_records
 from tests.support.agents import FAST_RDZV_CONF, agents, kill_rank, start_agent, tails
-from tests.support.records import steps_recorded
+from tests.support.records import final_sharded_state, steps_recorded
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -60,16 +59,6 @@ def _job(tmp: Path, name: str, max_steps: int, api: str = "loop", throttle: int 
         "--throttle-ms",
         str(throttle),
     ]
-
-
-def _final(directory: Path) -> dict[str, torch.Tensor]:
-    info = ckpt.find_latest(directory)
-    assert info is not None and info.manifest.sharded
-    state = sharded.read_full(info.path)
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
-    for key, entry in state["optimizer"]["state"].items():
-        flat.update({f"optimizer.{key}.{name}": value for name, value in entry.items()})
-    return {"step": torch.tensor(state["step"]), **flat}
 
 
 def _schedule(
@@ -136,7 +125,10 @@ def _schedule(
 def _check_bitwise_and_exactly_once(tmp_path: Path, last: int, epochs: int) -> None:
     """The faulty job ends bitwise equal to the reference; the first ``epochs`` epochs trained
     every sample exactly once, and what there is of the next one has no repeat."""
-    expected, got = _final(tmp_path / "reference" / "ckpt"), _final(tmp_path / "faulty" / "ckpt")
+    expected, got = (
+        final_sharded_state(tmp_path / "reference" / "ckpt"),
+        final_sharded_state(tmp_path / "faulty" / "ckpt"),
+    )
     assert int(got["step"]) == int(expected["step"]) == last
     assert got.keys() == expected.keys()
     differing = [name for name in expected if not torch.equal(expected[name], got[name])]

@@ -38,6 +38,21 @@ def final_model(checkpoint_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return state["step"], state["model"]
 
 
+def final_sharded_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """The newest sharded checkpoint, gathered: step, model and optimizer state as one flat dict
+    of tensors (``model.<name>``, ``optimizer.<param>.<entry>``), for bitwise comparisons."""
+    from elastic_trainer.checkpoint import files as ckpt
+    from elastic_trainer.checkpoint import sharded
+
+    info = ckpt.find_latest(checkpoint_dir)
+    assert info is not None and info.manifest.sharded
+    state = sharded.read_full(info.path)
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    for key, entry in state["optimizer"]["state"].items():
+        flat.update({f"optimizer.{key}.{name}": value for name, value in entry.items()})
+    return {"step": torch.tensor(state["step"]), **flat}
+
+
 def final_eval_loss(agent: Agent) -> float:
     """The full-dataset loss on rank 0's ``final step ...`` line."""
     for line in reversed(agent.output().splitlines()):
