@@ -105,11 +105,14 @@ VARIANTS = (
     "trainer/torchrun",
     "trainer/elastic+hook",
     "trainer/elastic+owncontrol",
+    "trainer/elastic+carrier",
 )
 """``+hook``: the metrics' opt-in timing hook on every bucket (``ELASTIC_TRAINER_METRICS_ALLREDUCE=hook``),
 what a Python comm hook costs beside the default (not run unless named). ``+owncontrol``: the step's
 control on its own gloo collective instead of the model's gradient (the default before the
-gradient-carried control, ``runtime/grad_carrier.py``; not run unless named)."""
+gradient-carried control, ``runtime/grad_carrier.py``; not run unless named). ``+carrier``: the
+control carried by a gradient (``ELASTIC_TRAINER_CONTROL_CARRIER=1``), opt-in since a heal from one
+rank to two hangs with it; the default is the control's own collective again."""
 DEFAULT_VARIANTS = VARIANTS[:4]
 BASELINE = "bare/torchrun"
 
@@ -126,7 +129,13 @@ def command(variant: str, workload: str, out: str, nproc: int) -> list[str]:
         head = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(nproc)]
     else:
         head = [str(bin_dir / "elastic-trainer"), "run", "--nproc-per-node", str(nproc)]
-    extra = ["--control", "collective"] if variant.endswith("+owncontrol") else []
+    extra = (
+        ["--control", "collective"]
+        if variant.endswith("+owncontrol")
+        else ["--control", "gradient"]
+        if variant.endswith("+carrier")
+        else []
+    )
     return [*head, str(SCRIPT), "--api", api, *WORKLOADS[workload], *extra, "--out", out]
 
 

@@ -106,13 +106,10 @@ def bare(args: argparse.Namespace, clock: Clock) -> object:
 def trainer(args: argparse.Namespace, clock: Clock) -> None:
     from elastic_trainer import Trainer, TrainerConfig, TrainingJob
     from elastic_trainer.checkpoint.config import CheckpointConfig
+    from elastic_trainer.runtime.settings import ENV_CONTROL_CARRIER
 
-    if (
-        args.control == "collective"
-    ):  # the comparison only: no carrier, the control's own collective
-        from elastic_trainer.runtime.grad_carrier import ControlCarrier
-
-        ControlCarrier.maybe = classmethod(lambda cls, model, env: None)  # type: ignore[method-assign,assignment]
+    # The carrier is opt-in for now (its docstring says why): --control picks the path.
+    os.environ[ENV_CONTROL_CARRIER] = "1" if args.control == "gradient" else "0"
 
     spec = _job(args)
     job = TrainingJob(
@@ -150,8 +147,8 @@ def main() -> int:
     parser.add_argument(
         "--control",
         choices=("gradient", "collective"),
-        default="gradient",
-        help="trainer: the step's control as a gradient (the default on the CPU) or on its own collective",
+        default="collective",
+        help="trainer: the step's control as a gradient (ELASTIC_TRAINER_CONTROL_CARRIER=1) or on its own collective",
     )
     parser.add_argument("--out", required=True, help="each rank writes OUT.RANK")
     args = parser.parse_args()

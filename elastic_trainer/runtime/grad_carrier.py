@@ -33,6 +33,7 @@ for the device, which the control's own host collective avoids (``docs/design/st
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from torch import nn
 
 from elastic_trainer.runtime import torch_compat
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.settings import ENV_CONTROL_CARRIER
 
 _CARRIED, _STOP, _PRESENT, _CHECKPOINT_FAILED, _LOSS_HI, _LOSS_LO, _SLOTS = range(7)
 _BYTES = 8
@@ -115,6 +117,8 @@ class ControlCarrier(nn.Module):
         """A carrier for ``model`` in ``env``, or ``None``: one rank, more than
         :data:`MAX_WORLD`, a device other than the CPU, a default group other than gloo, or no
         float32 parameter (the control would get a bucket of its own). Alike on every rank."""
+        if os.environ.get(ENV_CONTROL_CARRIER, "0") != "1":  # opt-in for now (see its docstring)
+            return None
         if not 1 < env.world_size <= MAX_WORLD or env.device.type != "cpu" or env.backend != "gloo":
             return None
         if not any(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters()):

@@ -28,6 +28,10 @@ ENV_METRICS_ALLREDUCE = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
 """How gradient allreduces are timed: ``sampled`` (default: DDP's own C++ statistics, one backward
 in ten, no comm hook), ``hook`` (a Python comm hook on every bucket), ``trace`` (CUDA: NCCL's
 timings from the flight recorder) or ``0`` (not at all). See ``docs/design/metrics.md``."""
+ENV_CONTROL_CARRIER = "ELASTIC_TRAINER_CONTROL_CARRIER"
+"""``1``: on the CPU (gloo), the step's control travels as a gradient that DDP reduces with the
+model's (``runtime/grad_carrier.py``) instead of on its own collective. Off by default: a heal in
+place that grows the world from one rank to two hangs with it (issue 30, not yet mended)."""
 ENV_SHARD_COPY_EVERY = "ELASTIC_TRAINER_SHARD_COPY_EVERY"
 """Steps between refreshes of each sharded (FSDP2) rank's copy on its neighbour, for a loop that
 heals sharded state in place (``state/neighbour_copy.py``); ``0`` turns the copy off."""

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from elastic_trainer.examples.synthetic_cnn import SmallCNN
+from elastic_trainer.runtime.settings import ENV_CONTROL_CARRIER
 from elastic_trainer.state.buffers import replaces_buffer_broadcast
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,6 +141,7 @@ def _run(mode: str, work: Path) -> list[dict[str, torch.Tensor]]:
                 str(work),
             ],
             cwd=ROOT,
+            env={**os.environ, ENV_CONTROL_CARRIER: "1"},  # the carrier is opt-in for now
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -16,6 +16,7 @@ from torch import nn
 
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.grad_carrier import ControlCarrier, buffer_values
+from elastic_trainer.runtime.settings import ENV_CONTROL_CARRIER
 
 
 def _model() -> nn.Module:
@@ -111,11 +112,14 @@ def test_only_a_synchronised_forward_carries_and_every_one_gives_a_gradient() ->
         carrier(torch.randn(5, 4))  # evaluation: nothing attached, nothing to fail
 
 
-def test_a_carrier_is_made_only_where_it_applies() -> None:
+def test_a_carrier_is_made_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     def env(**kw: object) -> DistEnv:
         base = {"world_size": 2, "device": torch.device("cpu"), "backend": "gloo"}
         return SimpleNamespace(**(base | kw))  # type: ignore[return-value]
 
+    monkeypatch.delenv(ENV_CONTROL_CARRIER, raising=False)
+    assert ControlCarrier.maybe(_model(), env()) is None  # opt-in for now
+    monkeypatch.setenv(ENV_CONTROL_CARRIER, "1")
     assert ControlCarrier.maybe(_model(), env()) is not None
     assert ControlCarrier.maybe(_model(), env(world_size=1)) is None
     assert ControlCarrier.maybe(_model(), env(backend="nccl")) is None
