@@ -9,8 +9,8 @@ flipped or read; now whoever needs them is handed this object (the healer owns t
 in one process cannot see another's state.
 
 At the defaults nothing here touches DDP's buckets: DDP reduces them in C++ (no comm hook), the
-step's control travels as a gradient in them on the CPU (``runtime/grad_carrier.py``; on CUDA on
-its own small host collective), and a bucket wait that gloo leaves blocked after an abort is
+step's control travels on its own small host collective (or, opt-in on the CPU, as a gradient in
+them: ``runtime/grad_carrier.py``), and a bucket wait that gloo leaves blocked after an abort is
 ended by the healer's stop watch (``docs/design/heal-in-place.md``). Nothing in the package
 registers the hooks below by itself; a loop registers them explicitly. The hooks
 below are opt-in: :func:`abortable_allreduce_hook` (every bucket's wait tracked, the control

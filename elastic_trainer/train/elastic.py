@@ -327,8 +327,8 @@ class Elastic:
         kwargs, ride = self.ddp_kwargs(self.env)
         if ride:
             self.state.sync_buffers()
-        # On the CPU the step's control rides on a gradient DDP reduces anyway (no collective of
-        # its own): DDP wraps the model with that parameter (runtime/grad_carrier.py).
+        # Opt-in on the CPU, the step's control rides on a gradient DDP reduces anyway (no
+        # collective of its own): DDP wraps the model with that parameter (runtime/grad_carrier.py).
         carrier = ControlCarrier.maybe(self.model, self.env)
         module = carrier if carrier is not None else self.model
         self._ddp = attempt.wrap(
