@@ -248,7 +248,7 @@ class Elastic:
         """What the forward runs on (``elastic.ddp(x)``): the model in DDP over the current
         process group (a new one after each heal), or a model sharded with ``fully_shard`` itself
         (FSDP2 reduces its gradients in its own hooks; there is no DDP). ``None`` between
-        attempts. On the CPU DDP wraps a
+        attempts. With ``ELASTIC_TRAINER_CONTROL_CARRIER=1`` on the CPU, DDP wraps a
         :class:`~elastic_trainer.runtime.grad_carrier.ControlCarrier` around the model
         (``ddp.module.module`` is the model; save :attr:`model`, never ``ddp.module``)."""
         if self.state.sharded is not None:
