@@ -540,6 +540,25 @@ def _close_at_exit() -> None:
             connection.close()
         except Exception as exc:  # exiting anyway: one line, never a traceback
             log.debug("closing an etcd connection at exit failed: %s", exc)
+    _quiet_grpc_call_finalizers()
+
+
+def _quiet_grpc_call_finalizers() -> None:
+    """From here to the end of the process, a gRPC call object's ``__del__`` does nothing.
+
+    That ``__del__`` takes the call's lock to cancel a call still running. After the exit hooks
+    the interpreter stops daemon threads wherever they stand, one of gRPC's may hold that lock,
+    and the final collection then waits for it for ever: a plain torchrun agent hung so in CI
+    even after every stream of ours had been closed and its thread joined (the call was not
+    found). Cancelling a call is moot in a process that is ending: its sockets close with it.
+    """
+    rendezvous = getattr(getattr(grpc, "_channel", None), "_Rendezvous", None)
+    if rendezvous is not None and "__del__" in vars(rendezvous):
+        rendezvous.__del__ = _no_finalizer
+
+
+def _no_finalizer(self: Any) -> None:
+    return None
 
 
 @contextlib.contextmanager
