@@ -193,7 +193,9 @@ def test_under_the_trainer_sigkill_sigterm_and_2_3_1_resharding_end_bitwise_equa
     _check_bitwise_and_exactly_once(tmp_path, TRAINER_PHASES[-1][1], epochs=2)
 
 
-@pytest.mark.parametrize("api", ["loop", "trainer"])
+# The loop's own route under elastic-trainer run is tests/chaos/test_sharded_heal.py's (it heals
+# there); this runs the Trainer's at the launcher's defaults.
+@pytest.mark.parametrize("api", ["trainer"])
 def test_under_elastic_trainer_run(etcd_server, unique_id: str, tmp_path: Path, api: str) -> None:
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
