@@ -4,6 +4,7 @@
     python -m benchmarks.recovery --scenarios worker-sigkill --modes elastic --repeats 3
     python -m benchmarks.recovery --systems etcd-v3 c10d c10d-unshared --json out.json
     python -m benchmarks.recovery --etcd-load 60 --systems etcd-v3 etcd-v3-restart   # etcd load, no fault
+    python -m benchmarks.recovery --workload sharded --systems etcd-v3 etcd-v3-restart   # FSDP2
 
 For each scenario a job of N nodes x P workers (separate launcher processes on this machine,
 gloo, the example model) trains until step ``--fault-step``; then the fault is injected and the
@@ -25,6 +26,10 @@ torch 2.13's shared-store deadlock, see shared/notes). Each system runs with its
 user would start it. Both checkpoint every ``--checkpoint-every`` steps and log the wall time
 (``time.time()``) of every completed step; a run that has not recovered ``--recovery-timeout``
 seconds after the fault is reported as "did not recover within T s" and stopped.
+
+``--workload sharded`` trains ``sharded_lm`` (FSDP2, its own loop healing in place with the
+neighbour copy, ``docs/design/sharded.md``) on the ``etcd-v3`` systems instead of the CNN; the
+c10d baseline script has no sharded twin, so ``etcd-v3-restart`` is its comparison.
 
 Scenarios: ``worker-sigkill`` (one worker of the last node), ``node-sigkill`` (the last node
 vanishes: agent and workers SIGKILLed; in fixed-size mode a replacement node is started at
@@ -68,6 +73,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 SYSTEMS = ("etcd-v3", "etcd-v3-restart", "c10d", "c10d-unshared")
+WORKLOADS = {  # --workload -> the example the etcd-v3 systems run
+    "cnn": "elastic_trainer.examples.synthetic_cnn",
+    "sharded": "elastic_trainer.examples.sharded_lm",
+}
 SCENARIOS = {  # scenario -> the modes it makes sense in
     "worker-sigkill": ("fixed", "elastic"),
     "node-sigkill": ("fixed", "elastic"),
@@ -105,8 +114,12 @@ class BenchConfig:
     steps_after: int = 10
     """Steps recorded after recovery before the run is stopped (for the chart)."""
     startup_timeout: float = 180.0
+    workload: str = "cnn"
+    """What the etcd-v3 systems train (:data:`WORKLOADS`); the c10d baseline trains the CNN only."""
 
     def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload: one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         for name in (
             "nodes",
             "nproc_per_node",
@@ -217,7 +230,7 @@ class Cluster:
                 "--metrics-port",
                 "0",
                 "-m",
-                "elastic_trainer.examples.synthetic_cnn",
+                WORKLOADS[cfg.workload],
                 *common,
                 "--epochs",
                 "1000",
@@ -675,6 +688,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--workload",
+        choices=tuple(WORKLOADS),
+        default="cnn",
+        help="what the etcd-v3 systems train (sharded: FSDP2 sharded_lm; not with c10d)",
+    )
     defaults = BenchConfig()
     for name in (
         "nodes",
@@ -723,7 +742,13 @@ def main(argv: Sequence[str]) -> int:
             throttle_ms=args.throttle_ms,
             recovery_timeout=args.recovery_timeout,
             steps_after=args.steps_after,
+            workload=args.workload,
         )
+        if cfg.workload != "cnn" and (baselines := [s for s in args.systems if "c10d" in s]):
+            raise ValueError(
+                f"--workload {cfg.workload}: the {baselines[0]} baseline trains the CNN only; "
+                "compare with --systems etcd-v3 etcd-v3-restart"
+            )
         if args.repeats <= 0:
             raise ValueError(f"repeats: must be positive, got {args.repeats}")
     except ValueError as exc:
@@ -800,7 +825,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"\ninterrupted: the table of the {len(outcomes)} run(s) finished", file=sys.stderr)
     print()
     print(
-        f"{cfg.nodes} nodes x {cfg.nproc_per_node} workers, gloo, fault at step {cfg.fault_step}, checkpoint "
+        f"{cfg.workload}: {cfg.nodes} nodes x {cfg.nproc_per_node} workers, gloo, fault at step {cfg.fault_step}, checkpoint "
         f"every {cfg.checkpoint_every} steps, {cfg.throttle_ms:g} ms sleep per step; median of {args.repeats}"
     )
     report(outcomes, args.systems, cfg.recovery_timeout, chart_path=args.chart, json_path=args.json)

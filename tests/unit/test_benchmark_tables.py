@@ -131,3 +131,16 @@ def test_steps_lost_compares_jit_with_periodic_checkpoints(steps_lost: types.Mod
     assert steps_lost.summarise(table).splitlines()[-1] == (
         "jit vs off: mean steps lost 50.0 -> 0.0 (all of them avoided); median recovery time ratio 0.50"
     )
+
+
+def test_recovery_sharded_workload_runs_sharded_lm_and_refuses_the_c10d_baseline(
+    recovery: types.ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = recovery.BenchConfig(workload="sharded")
+    cluster = recovery.Cluster("etcd-v3", "elastic", cfg, tmp_path, "127.0.0.1:2379")
+    cmd, _ = cluster.command(0)
+    assert cmd[cmd.index("-m", cmd.index("run")) + 1] == "elastic_trainer.examples.sharded_lm"
+    with pytest.raises(ValueError, match="workload"):
+        recovery.BenchConfig(workload="mlp")
+    assert recovery.main(["--workload", "sharded", "--systems", "etcd-v3", "c10d"]) == 2
+    assert "the c10d baseline trains the CNN only" in capsys.readouterr().err
