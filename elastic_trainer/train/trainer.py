@@ -384,6 +384,9 @@ class Trainer:
         ):  # the first step of an attempt (a start, a resume, a heal)
             self.loop = elastic.loop
             self.checkpoints = elastic.loop.checkpoints if elastic.loop is not None else None
+            # A heal in place changes this rank's world and rank: what follows (the priming
+            # passes) must be decided alike on every rank, a survivor and a newcomer too.
+            self.env = elastic.env
             self.module.train()
             passes = self._priming_passes()
             if passes:

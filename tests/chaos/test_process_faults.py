@@ -157,6 +157,12 @@ def test_node_join_scale_up(etcd_server, no_fault, run_dirs: RunDirs) -> None:
     summary = check_run(run_dirs, JOB, no_fault, reference_world=2)
     print(describe(summary))
     assert summary.world_phases == [1, 2]
+    # Healed in place: the newcomer took the survivor's state, and no restart followed. (When the
+    # two ranks primed DDP's buckets differently -- the survivor read its world size from before
+    # the heal -- their collectives did not pair up: the heal failed and the group restarted, or
+    # hung with the control carried by a gradient.)
+    sources = [(g.world_size, g.source) for g in summary.generations]
+    assert sources == [(1, "checkpoint"), (2, "peer")], f"one heal in place, no restart: {sources}"
     lost = steps_lost(run_dirs.samples)
     assert lost and not any(lost), f"admitting a node loses no step: {lost}"
 

@@ -569,6 +569,48 @@ def test_priming_passes_follow_ddps_bucket_rebuild(
     assert trainer._priming_passes() == passes
 
 
+class _Primed(Exception):
+    """Ends a step after its priming (the rest of the step is not under test)."""
+
+
+def test_a_heal_that_grows_the_world_primes_on_the_new_world(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A survivor of a one-rank job healed in place to three ranks (issue 30): its first step in
+    the new attempt primes DDP's buckets as the newcomers do, who start in that world. The trainer
+    once kept the world it started in: the survivor primed no pass, the newcomers one, their
+    collectives did not pair up (a hang with the control carried by a gradient, a failed heal and
+    a restart without). Rank and world follow the attempt (``trainer.env``)."""
+    from elastic_trainer.runtime.distributed import read_env
+
+    def env(rank: int, world: int) -> Any:
+        return read_env(environ={"RANK": str(rank), "WORLD_SIZE": str(world)}, cuda_devices=0)
+
+    trainer = Trainer(trainer_config(global_batch_size=8), _job(), env=env(0, 1))
+    primed: list[int] = []
+
+    def prime(batches: Any, *, passes: int) -> Any:
+        primed.append(passes)
+        return batches
+
+    def end_step(**kw: Any) -> None:
+        raise _Primed
+
+    monkeypatch.setattr(trainer, "_prime_buckets", prime)
+    trainer.optimizer = SimpleNamespace(zero_grad=end_step)  # type: ignore[assignment]
+    healed = env(2, 3)
+    trainer.elastic = SimpleNamespace(  # type: ignore[assignment]  # the attempt after the heal
+        env=healed,
+        loop=SimpleNamespace(step=5, checkpoints=None),  # resumed at step 5 from a peer
+        module=nn.Linear(2, 2),
+        state=SimpleNamespace(sharded=None),  # a DDP model
+        peek_batch=lambda plan: (torch.zeros(1, 2), torch.zeros(1)),
+    )
+    with pytest.raises(_Primed):
+        trainer._train_step(SimpleNamespace(plan=None))  # type: ignore[arg-type]
+    assert primed == [1] and trainer.env is healed
+
+
 def test_priming_runs_real_passes_and_leaves_no_trace(tmp_path: Path) -> None:
     """BatchNorm statistics, every RNG, gradients, optimizer, sampler: as before the passes; the
     micro-batch it used is handed back to the step."""
