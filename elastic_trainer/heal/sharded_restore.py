@@ -8,11 +8,15 @@ its own staged shards, the neighbour copies it received; a replacement holds not
 * a survivor's own shard: its live state, or its own staged copy (to go back a step or more);
 * a lost rank's shard: its neighbour copy on its holder (FSDP ring), or a replica's live state
   or staged copy (HSDP);
-* none: both copies are gone (two neighbours lost together, the copy off, another world size):
+* none: both copies are gone (two neighbours lost together, the copy off; an HSDP mesh whose
+  world size changed):
   the job falls back to the newest checkpoint, resharded, and counts the steps it redoes.
 
 :func:`restore_shards` runs the plan: each shard that is not already where it belongs is sent
-from its holder (one broadcast each, on the heal's host group, waited on abortably). Its result
+from its holder (one broadcast each, on the heal's host group, waited on abortably). When the
+world size changed (elastic: a node lost for good, or one joining) or survivors were renumbered,
+:func:`plan_reshard` finds every old shard instead, and ``heal/shard_move.py`` cuts the new
+world's shards out of them (``state/reshard.py``): still no step redone. Its result
 rides to the next attempt as the outcome's state: ``{RESTORE: plan, "payload": this rank's
 local shards or None}``. Design: ``docs/design/sharded.md`` ("Healing sharded state in place").
 """
@@ -28,6 +32,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from elastic_trainer.heal.shard_move import reshard_shards
 from elastic_trainer.heal.state_transfer import share_state
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.state.neighbour_copy import NO_STATE, Holdings, holder_of
@@ -69,6 +74,12 @@ class RestorePlan:
     """Why the checkpoint (``step`` is ``None``), in plain words."""
     every: int = 1
     """Steps between refreshes of the neighbour copy."""
+    old_world: int = 0
+    """Ranks the shards were taken at when the world size changed, or survivors were renumbered
+    (a reshard in place: ``sources[s]`` is where old rank ``s``'s shard comes from); 0: the same
+    world and places (``sources[r]`` is new rank ``r``'s shard)."""
+    new_world: int = 0
+    """Ranks after a reshard (0: no reshard)."""
 
     @property
     def redone(self) -> int:
@@ -79,6 +90,8 @@ class RestorePlan:
         """One line for the log."""
         if self.step is None:
             return f"no copy of every shard survived ({self.reason})"
+        if self.old_world:
+            return self._describe_reshard()
         moved = [
             f"rank {r}'s from rank {s.rank}'s {'neighbour copy' if s.what == 'copy' else s.what + ' state'}"
             for r, s in enumerate(self.sources)
@@ -93,6 +106,17 @@ class RestorePlan:
             redone += f" (the copy is refreshed every {self.every} steps)"
         return f"shards of step {self.step} restored in place ({', '.join(parts)}): {redone}"
 
+    def _describe_reshard(self) -> str:
+        whence = {"live": "live state", "own": "staged copy", "copy": "neighbour copy"}
+        sources = "; ".join(
+            f"old rank {shard}'s from rank {s.rank}'s {whence[s.what]}"
+            for shard, s in enumerate(self.sources)
+        )
+        return (
+            f"shards of step {self.step} resharded in place from {self.old_world} to "
+            f"{self.new_world} ranks ({sources}): {self.redone} step(s) redone"
+        )
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -104,24 +128,24 @@ class RestorePlan:
             newest=int(data["newest"]),
             reason=str(data["reason"]),
             every=int(data.get("every", 1)),
+            old_world=int(data.get("old_world", 0)),
+            new_world=int(data.get("new_world", 0)),
         )
 
 
 def _sources_of(shard: int, step: int, members: Sequence[Holdings | None]) -> list[Source]:
     """Everything that holds ``shard`` at ``step``, best first (live before staged, a rank's own
-    before a peer's)."""
+    before a peer's); ``Source.rank`` is the holder's new rank (its index in ``members``)."""
     found: list[Source] = []
-    for holding in members:
-        if holding is None:
-            continue
-        if holding.shard == shard and holding.live == step:
-            found.append(Source(holding.rank, "live"))
-    for holding in members:
+    for rank, holding in enumerate(members):
+        if holding is not None and holding.shard == shard and holding.live == step:
+            found.append(Source(rank, "live"))
+    for rank, holding in enumerate(members):
         if holding is not None and holding.shard == shard and step in holding.own:
-            found.append(Source(holding.rank, "own"))
-    for holding in members:
+            found.append(Source(rank, "own"))
+    for rank, holding in enumerate(members):
         if holding is not None and (shard, step) in holding.copies:
-            found.append(Source(holding.rank, "copy"))
+            found.append(Source(rank, "copy"))
     return found
 
 
@@ -129,25 +153,17 @@ def plan_restore(members: Sequence[Holdings | None], world_size: int) -> Restore
     """Pure: the newest step at which every rank's shard of the new epoch (``members[r]``: what
     new rank ``r`` holds, ``None`` for a replacement) exists somewhere, and where from.
 
-    The shards are those of the previous epoch: a survivor must keep its rank, and the world
-    size its value (in-place healing keeps both when a replacement takes a lost slot)."""
+    The shards are those of the previous epoch. When a replacement took a lost slot, every
+    survivor keeps its rank and the world size its value, and each rank gets its own shard back.
+    Otherwise (the world size changed, or survivors were renumbered) :func:`plan_reshard`."""
     survivors = [h for h in members if h is not None]
     newest = max((h.live for h in survivors), default=NO_STATE)
     if not survivors:
         return RestorePlan(None, reason="no survivor holds a shard", newest=newest)
-    for rank, holding in enumerate(members):
-        if holding is None:
-            continue
-        if holding.world_size != world_size:
-            return RestorePlan(
-                None,
-                newest=newest,
-                reason=f"the world changed from {holding.world_size} to {world_size} ranks",
-            )
-        if holding.rank != rank:
-            return RestorePlan(
-                None, newest=newest, reason=f"rank {holding.rank} is now rank {rank}"
-            )
+    if any(
+        h is not None and (h.world_size, h.rank) != (world_size, r) for r, h in enumerate(members)
+    ):
+        return plan_reshard(members, world_size)
     replicas = survivors[0].replicas
     shards = world_size // replicas
     candidates = sorted(
@@ -171,6 +187,51 @@ def plan_restore(members: Sequence[Holdings | None], world_size: int) -> Restore
             every = max(h.every for h in survivors)
             return RestorePlan(step, sources=tuple(chosen), newest=newest, every=every)
     return RestorePlan(None, newest=newest, reason=_why_lost(members, world_size, shards, newest))
+
+
+def plan_reshard(members: Sequence[Holdings | None], world_size: int) -> RestorePlan:
+    """Pure: the newest step at which every shard of the previous epoch (``Holdings.rank`` and
+    ``world_size`` are the survivors' old places) exists among ``members``, to be cut into the
+    shards of ``world_size`` ranks (``state/reshard.py``); ``sources[s]``: old rank ``s``'s.
+    FSDP only (one replica): an HSDP mesh, or survivors that disagree, fall back."""
+    survivors = [h for h in members if h is not None]
+    newest = max((h.live for h in survivors), default=NO_STATE)
+    worlds = sorted({h.world_size for h in survivors})
+    old = worlds[0]
+    change = (
+        f"the world changed from {old} to {world_size} ranks"
+        if old != world_size
+        else "survivors were renumbered"
+    )
+
+    def refuse(why: str) -> RestorePlan:
+        return RestorePlan(None, newest=newest, reason=f"{change}, and {why}")
+
+    if len(worlds) > 1:
+        return refuse(f"the survivors held shards of {' and '.join(map(str, worlds))} ranks")
+    if any(h.replicas != 1 for h in survivors):
+        return refuse("an HSDP mesh is not resharded in place")
+    ranks = [h.rank for h in survivors]
+    if len(set(ranks)) != len(ranks) or not all(0 <= r < old for r in ranks):
+        return refuse(f"the survivors' old ranks {sorted(ranks)} do not fit")
+    candidates = sorted(
+        {h.live for h in survivors if h.live != NO_STATE}
+        | {s for h in survivors for s in h.own}
+        | {s for h in survivors for _, s in h.copies},
+        reverse=True,
+    )
+    for step in candidates:
+        chosen = [_sources_of(shard, step, members) for shard in range(old)]
+        if all(chosen):
+            return RestorePlan(
+                step,
+                sources=tuple(found[0] for found in chosen),
+                newest=newest,
+                every=max(h.every for h in survivors),
+                old_world=old,
+                new_world=world_size,
+            )
+    return refuse(_why_lost(members, old, old, newest))
 
 
 def _why_lost(members: Sequence[Holdings | None], world_size: int, shards: int, newest: int) -> str:
@@ -221,7 +282,11 @@ def restore_shards(
         return None
     plan = plan_restore(everyone, world_size)
     payload = None
-    if plan.step is not None:
+    if plan.step is not None and plan.old_world:  # another world size: cut the old shards
+        payload, refused = reshard_shards(holder, plan, rank=rank, group=group, waits=waits)
+        if refused is not None:
+            plan = RestorePlan(None, newest=plan.newest, reason=refused)
+    elif plan.step is not None:
         shards = world_size // next(h for h in everyone if h is not None).replicas
         for target, source in enumerate(plan.sources):
             if source.rank == target:

@@ -20,11 +20,15 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 SHARD = "__local_shard__"
 """The key of the one-entry dict that stands for a DTensor's local shard."""
 FORMAT = "local-shards/1"
+LAYOUT = "layout"
+"""The payload's key of every shard's global shape and placement (:func:`local_state`)."""
+DIM0 = "dim0"
+"""The placement a reshard in place handles: dim 0 of a 1-D mesh, ``torch.chunk`` rows."""
 
 
 class Stateful(Protocol):
@@ -33,13 +37,24 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
-def _mark(value: Any) -> Any:
+def placement_of(value: DTensor) -> str:
+    """``"dim0"`` for a DTensor sharded on dim 0 of a 1-D mesh with ``torch.chunk`` rows (what
+    FSDP2's ``fully_shard`` makes by default), else a description of its placements."""
+    placements = tuple(value.placements)
+    only = placements[0] if value.device_mesh.ndim == 1 and len(placements) == 1 else None
+    if type(only) is Shard and only.dim == 0:  # not _StridedShard (FSDP2 over tensor parallel)
+        return DIM0
+    return f"{tuple(value.device_mesh.shape)} {placements}"
+
+
+def _mark(value: Any, path: tuple[Any, ...], layout: dict[tuple[Any, ...], Any]) -> Any:
     if isinstance(value, DTensor):
+        layout[path] = [list(value.shape), placement_of(value)]
         return {SHARD: value.to_local()}
     if isinstance(value, dict):
-        return {key: _mark(item) for key, item in value.items()}
+        return {key: _mark(item, (*path, key), layout) for key, item in value.items()}
     if isinstance(value, list):
-        return [_mark(item) for item in value]
+        return [_mark(item, (*path, i), layout) for i, item in enumerate(value)]
     return value
 
 
@@ -54,15 +69,27 @@ def local_state(
     *,
     step: int,
 ) -> dict[str, Any]:
-    """This rank's part of the state after ``step``: live references (copy before training on)."""
+    """This rank's part of the state after ``step``: live references (copy before training on).
+
+    ``payload[LAYOUT]`` maps the path of every shard (``("model", name)``, ``("optimizers", i,
+    "state", index, key)``) to its global shape and :func:`placement_of`: what a reshard onto
+    another world size needs (``state/reshard.py``); loading ignores it."""
+    layout: dict[tuple[Any, ...], Any] = {}
     return {
         "format": FORMAT,
         "step": step,
-        "model": {name: _mark(value) for name, value in model.state_dict().items()},
-        "optimizers": [_mark(optimizer.state_dict()) for optimizer in optimizers],
+        "model": {
+            name: _mark(value, ("model", name), layout)
+            for name, value in model.state_dict().items()
+        },
+        "optimizers": [
+            _mark(optimizer.state_dict(), ("optimizers", i), layout)
+            for i, optimizer in enumerate(optimizers)
+        ],
         "objects": {
             name: None if obj is None else obj.state_dict() for name, obj in objects.items()
         },
+        LAYOUT: layout,
     }
 
 

@@ -168,12 +168,90 @@ def test_hsdp_both_replicas_of_a_shard_lost_fall_back() -> None:
     assert plan.reason == "every replica of shard 1 (ranks 1, 3) is gone"
 
 
-def test_another_world_or_rank_order_falls_back() -> None:
-    assert plan_restore([fsdp(0, 7, world=2), None, None], 3).reason == (
-        "the world changed from 2 to 3 ranks"
+def ring(rank: int, live: int, *, world: int, stride: int, steps: tuple[int, ...]) -> Holdings:
+    """Old rank ``rank`` of a ring of ``world`` ranks: its own staged and its neighbour's copies."""
+    neighbour = neighbour_of(rank, world, stride)
+    return Holdings(rank=rank, world_size=world, replicas=1, live=live, own=steps,
+                    copies=tuple((neighbour, s) for s in steps), stride=stride)  # fmt: skip
+
+
+def test_a_lost_node_reshards_in_place_from_its_copies_on_the_survivors() -> None:
+    """2 nodes x 2 ranks, node b lost for good (elastic 4 -> 2): node a's ranks, now 0 and 1, hold
+    their own shards and node b's copies (stride 2); every old shard exists at step 7."""
+    members = [ring(r, 7, world=4, stride=2, steps=(6, 7)) for r in (0, 1)]
+    plan = plan_restore(members, 2)
+    assert (plan.step, plan.redone, plan.old_world, plan.new_world) == (7, 0, 4, 2)
+    assert plan.sources == (
+        Source(0, "live"),
+        Source(1, "live"),
+        Source(0, "copy"),
+        Source(1, "copy"),
     )
-    moved = [fsdp(1, 7, copies=(7,)), None, fsdp(2, 7)]
-    assert plan_restore(moved, 3).reason == "rank 1 is now rank 0"
+    assert RestorePlan.from_json(plan.to_json()) == plan
+    assert plan.describe() == (
+        "shards of step 7 resharded in place from 4 to 2 ranks (old rank 0's from rank 0's live "
+        "state; old rank 1's from rank 1's live state; old rank 2's from rank 0's neighbour copy; "
+        "old rank 3's from rank 1's neighbour copy): 0 step(s) redone"
+    )
+
+
+def test_survivors_renumbered_take_their_old_shards_from_their_new_ranks() -> None:
+    """Node a lost (old ranks 0, 1): node b's ranks 2 and 3 are now ranks 0 and 1; the copies
+    of old 0 and 1 are on them. A step cut short on one survivor goes back to its staged copy."""
+    members = [ring(2, 9, world=4, stride=2, steps=(8, 9)), ring(3, NO_STATE, world=4, stride=2,
+               steps=(8, 9))]  # fmt: skip
+    plan = plan_restore(members, 2)
+    assert (plan.step, plan.redone) == (9, 0)
+    assert plan.sources == (Source(0, "copy"), Source(1, "copy"), Source(0, "live"),
+                            Source(1, "own"))  # fmt: skip
+
+
+def test_a_node_joining_reshards_the_live_shards_onto_more_ranks() -> None:
+    """2 -> 4: the old ranks keep 0 and 1, the newcomers hold nothing; their live shards do."""
+    members = [fsdp(0, 20, world=2), fsdp(1, 20, world=2), None, None]
+    plan = plan_restore(members, 4)
+    assert (plan.step, plan.old_world, plan.new_world) == (20, 2, 4)
+    assert plan.sources == (Source(0, "live"), Source(1, "live"))
+    # renumbered at the same size (a node left while another joined): every shard moves
+    swapped = [None, None, fsdp(1, 5, world=4), fsdp(0, 5, world=4)]
+    lost = plan_restore(swapped, 4)
+    assert lost.step is None and lost.reason == (
+        "survivors were renumbered, and rank 2's shard and its copy on rank 1 are gone; "
+        "rank 3's shard and its copy on rank 2 are gone"
+    )
+    whole = [None, None, ring(1, 5, world=4, stride=1, steps=(5,)), ring(2, 5, world=4, stride=1,
+             steps=(5,))]  # fmt: skip
+    whole.append(ring(0, 5, world=4, stride=1, steps=(5,)))  # 5 ranks, old 0..2 survive
+    assert plan_restore(whole, 5).sources == (
+        Source(4, "live"), Source(2, "live"), Source(3, "live"), Source(3, "copy"))  # fmt: skip
+
+
+def test_a_reshard_falls_back_when_a_shard_is_gone_or_the_mesh_is_hsdp() -> None:
+    # 4 -> 2 with a ring of stride 1: old rank 3's copy was on rank 2, on the lost node
+    plan = plan_restore([ring(r, 7, world=4, stride=1, steps=(7,)) for r in (0, 1)], 2)
+    assert plan.step is None and plan.redone == 0
+    assert plan.reason == (
+        "the world changed from 4 to 2 ranks, and rank 3's shard and its copy on rank 2 are gone"
+    )
+    assert plan_restore([fsdp(0, 7, world=2), None, None], 3).reason == (
+        "the world changed from 2 to 3 ranks, and rank 1's shard and its copy on rank 0 are gone"
+    )
+    hsdp_left = [hsdp(0, 9), hsdp(1, 9)]
+    assert plan_restore(hsdp_left, 2).reason == (
+        "the world changed from 4 to 2 ranks, and an HSDP mesh is not resharded in place"
+    )
+    mixed = [fsdp(0, 7, world=2), fsdp(1, 7, world=3)]
+    assert plan_restore(mixed, 2).reason == (
+        "survivors were renumbered, and the survivors held shards of 2 and 3 ranks"
+    )
+    twice = [fsdp(0, 7, world=2), fsdp(0, 7, world=2), None]
+    assert plan_restore(twice, 3).reason == (
+        "the world changed from 2 to 3 ranks, and the survivors' old ranks [0, 0] do not fit"
+    )
+    off = [fsdp(r, 7, world=4, every=0) for r in (0, 1)]
+    assert plan_restore(off, 2).reason == (
+        "the world changed from 4 to 2 ranks, and the shard copy is off"
+    )
 
 
 def test_a_survivor_without_a_completed_step_is_no_source() -> None:
