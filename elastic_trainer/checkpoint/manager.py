@@ -246,10 +246,15 @@ class CheckpointManager:
         self.state.load_state_dict(payload)
         return payload
 
-    def restore(self, state: dict[str, Any]) -> int:
-        """Continue from ``state``, a peer's payload (``TrainingState.peer_snapshot``, on this rank's device):
-        no file, no collective. Also arms the just-in-time save. Returns the step."""
-        self.state.load_state_dict(state)
+    def restore(self, state: Mapping[str, Any]) -> int:
+        """Continue from ``state``, a peer's payload (``TrainingState.peer_snapshot``, on this rank's device),
+        or for a sharded state this rank's own shards as a heal in place gathered them
+        (``ShardedState.local_state``): no file, no collective. Also arms the just-in-time save.
+        Returns the step."""
+        if self.state.sharded is not None:
+            self.state.load_local_state(state)
+        else:
+            self.state.load_state_dict(state)
         self.resumed_from = self.step
         self._last_saved_step = None
         self.last_path = None

@@ -19,8 +19,9 @@ every sample of an epoch is trained exactly once (``--record-samples`` writes th
 Under ``elastic-trainer run`` a worker fault heals in place: the survivors keep their processes,
 and the lost rank's shard comes from its neighbour's host copy (``--shard-copy-every``, default
 every step; ``--replicas 2`` shards over a replicate x shard mesh, HSDP, where the replica is the
-copy); when no copy survived, every rank resumes from the newest checkpoint, resharded
-(``--api loop``; the ``Trainer`` route restarts from the checkpoint).
+copy, ``--api loop`` only); when no copy survived, every rank resumes from the newest
+checkpoint, resharded. Both routes heal so: the ``Trainer`` builds and shards the model again
+on the healed group.
 
 ``--api loop`` (the default) is the hand-written loop below, on ``ShardedState`` and
 ``ShardedCheckpointManager``; ``--api trainer`` trains the same model with the runtime's
@@ -39,8 +40,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Sequence
-from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,13 +47,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import Dataset
 
-from elastic_trainer import (
-    NeighbourCopy,
-    NeighbourCopyConfig,
-    load_local_state,
-    local_state,
-    resume_sharded,
-)
+from elastic_trainer import NeighbourCopy, NeighbourCopyConfig, resume_sharded
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.files import model_signature
 from elastic_trainer.checkpoint.sharded_manager import ShardedCheckpointManager
@@ -257,6 +250,7 @@ def train(args: argparse.Namespace) -> int:
                 with attempt.groups():  # the mesh's groups are aborted with the job's at a heal
                     shard(model, env.world_size, env.device.type, args.replicas)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+                state = ShardedState(model, [optimizer], objects={"sampler": sampler})
                 # The checkpoint's own group too: a heal ends an asynchronous write under way on it
                 # at once (the write is abandoned; nothing half-written is ever committed).
                 with attempt.groups():
@@ -267,7 +261,7 @@ def train(args: argparse.Namespace) -> int:
                             keep_last=args.keep_last,
                         ),
                         env=env,
-                        state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
+                        state=state,
                         fingerprint={
                             "model": signature,
                             "dataset_size": args.dataset_size,
@@ -277,19 +271,13 @@ def train(args: argparse.Namespace) -> int:
                     )
                 step = resume_sharded(  # the shards the heal restored, else the checkpoint
                     attempt.initial_state,
-                    restore=partial(load_local_state, model, [optimizer], {"sampler": sampler}),
+                    restore=state.load_local_state,
                     load=checkpoints.load,
                     rank=env.rank,
                 )
-                ring = args.replicas == 1 and copy_config.every > 0 and env.world_size > 1
-                copies = NeighbourCopy(
-                    partial(_local, model, optimizer, sampler),
-                    env=env,
-                    every=copy_config.every,
-                    group=attempt.host_group() if ring else None,
-                    replicas=args.replicas,
+                copies = attempt.copy_shards(
+                    state.local_state, every=copy_config.every, replicas=args.replicas
                 )
-                attempt.hold(copies)
                 copies.start(step)
                 if samples is not None:
                     samples.close()
@@ -315,13 +303,6 @@ def train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         log.info("final step %d checkpoint %s", step, args.checkpoint_dir)
     return 0
-
-
-def _local(
-    model: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler, step: int
-) -> dict[str, Any]:
-    """This rank's shards after ``step`` (what its neighbour keeps a copy of)."""
-    return local_state(model, [optimizer], {"sampler": sampler}, step=step)
 
 
 def _train(
@@ -405,6 +386,11 @@ def train_with_trainer(args: argparse.Namespace) -> int:
             directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
         ),
         fsdp=fsdp,
+        shard_copy=(
+            NeighbourCopyConfig(every=args.shard_copy_every)
+            if args.shard_copy_every is not None
+            else None
+        ),
         log_every=args.log_every,
         record_samples_dir=args.record_samples,
     )

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from elastic_trainer.state import local_shards
+
 MODEL, OPTIMIZER = "model", "optimizer"
 """The payload keys of the model and of all its optimizers together."""
 
@@ -84,6 +86,16 @@ class ShardedState:
         for name, obj in self.objects.items():
             payload[name] = None if obj is None else obj.state_dict()
         return payload
+
+    def local_state(self, step: int) -> dict[str, Any]:
+        """This rank's own shards and the plain objects after ``step``, as local tensors (live
+        references): what the neighbour copy keeps (``state/local_shards.py``)."""
+        return local_shards.local_state(self.model, self.optimizers, self.objects, step=step)
+
+    def load_local_state(self, payload: Mapping[str, Any]) -> int:
+        """Put back a :meth:`local_state` of this rank's place (a heal in place), no collective;
+        returns its step."""
+        return local_shards.load_local_state(self.model, self.optimizers, self.objects, payload)
 
     def load_state_dict(self, payload: Mapping[str, Any]) -> None:
         """Restore from ``payload`` (a :meth:`state_dict` that DCP loaded into)."""

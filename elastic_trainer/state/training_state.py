@@ -48,6 +48,7 @@ from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.state.buffers import AuthoritativeBuffers
 from elastic_trainer.state.guard import StateGuard
 from elastic_trainer.state.host_copy import device_snapshot, host_state_dict, snapshot_to_cpu
+from elastic_trainer.state.neighbour_copy import NeighbourCopy
 from elastic_trainer.state.sharded import ShardedState, is_sharded
 
 log = logging.getLogger(__name__)
@@ -185,21 +186,45 @@ class TrainingState:
         """The model holds DTensor (FSDP2) state: its model and optimizers go through
         ``get_state_dict``/``set_state_dict`` and checkpoints are sharded (every rank writes its
         shards). ``None``: a replicated model, rank 0's single-file checkpoints."""
+        self.copies: NeighbourCopy | None = None
+        """(Sharded) the neighbour copy of this attempt's shards: refreshed on leaving each
+        :meth:`update`, started at :meth:`arm`; with it a group failure heals in place."""
 
     @property
     def heal_in_place(self) -> bool:
-        """Whether a live peer can hand this state to a rank that lost it. A replica (DDP) can;
-        a rank of a sharded state holds only its own shards, so a lost rank's shards come from the
-        newest checkpoint (the group restarts) unless a redundant copy is kept."""
-        return self.sharded is None
+        """Whether the group can heal in place around this state. A replica (DDP) can: a live
+        peer hands it on. A rank of a sharded state holds only its own shards: it can when the
+        attempt keeps a neighbour copy (:attr:`copies`; a lost shard comes from it, or the newest
+        checkpoint when no copy survived), else the group restarts from the newest checkpoint."""
+        return self.sharded is None or self.copies is not None
 
     def rebind(self, env: DistEnv) -> None:
         """A new attempt (after an in-place heal): this rank's new place, a fresh guard, and no
-        buffers until the next load or restore; the objects and the step stay."""
+        buffers or neighbour copy until the next load or restore; the objects and the step stay."""
         self.env = env
         self.guard = StateGuard()
         self.buffers = None
         self._update_event = None
+        self.copies = None
+
+    def replace(self, objects: Mapping[str, Stateful | None]) -> None:
+        """(A new attempt of a sharded state) ``objects`` built anew on the new group replace
+        those of the same names (FSDP2 binds a model and its optimizers to their mesh); their
+        state comes with the next restore or load.
+
+        Raises:
+            ConfigError: a name that this state does not save.
+        """
+        unknown = sorted(set(objects) - set(self.objects))
+        if unknown:
+            raise ConfigError(
+                f"rebuild returned {unknown}, which are not saved (saved: {sorted(self.objects)})"
+            )
+        self.objects.update(objects)
+        candidate = self.objects.get("model")
+        if isinstance(candidate, nn.Module):
+            self.model = candidate
+        self.sharded = _sharded_view(self.model, self.objects)
 
     # -- what it holds ------------------------------------------------------------------------------
     @property
@@ -255,6 +280,16 @@ class TrainingState:
         self.restored = restored
         return restored
 
+    def load_local_state(self, payload: Mapping[str, Any]) -> int:
+        """(Sharded) restore this rank's own shards as a heal in place hands them back
+        (``ShardedState.local_state`` of this rank's place); returns the step."""
+        if self.sharded is None:
+            raise ValueError("a local shards payload for a state that is not sharded")
+        self.step = self.sharded.load_local_state(payload)
+        self.epoch = self.current_epoch
+        self.restored = [name for name, obj in self.objects.items() if obj is not None]
+        return self.step
+
     def unrestored(self) -> list[str]:
         """Objects of this state that the last load did not restore."""
         restored = set(self.restored or ())
@@ -271,7 +306,12 @@ class TrainingState:
         ``buffers``: rank 0's buffers of this step as they arrived on the step's control
         allreduce (``AuthoritativeBuffers.capture``); ``None`` keeps this rank's own.
         """
-        with self.guard.update():
+        # The neighbour copy (sharded) marks the live state as between steps until the update is
+        # left, then stages the new step and sends it to its holder.
+        with (
+            self.copies.update(step) if self.copies is not None else contextlib.nullcontext(),
+            self.guard.update(),
+        ):
             yield
             self.step = step
             if self.buffers is not None:
@@ -308,9 +348,12 @@ class TrainingState:
                 self._update_event = torch.cuda.Event()
 
     def arm(self) -> None:
-        """Training starts: the state now is a completed step (every rank holds the same buffers)."""
+        """Training starts: the state now is a completed step (every rank holds the same buffers;
+        the neighbour copy starts from it)."""
         if self.buffers is not None:
             self.buffers.capture(identical=True)
+        if self.copies is not None:
+            self.copies.start(self.step)
 
     # -- copies ---------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from elastic_trainer.runtime.settings import (
     check_positive,
     check_positive_int,
 )
+from elastic_trainer.state.neighbour_copy import NeighbourCopyConfig
 
 __all__ = [
     "DEFAULT_CHECKPOINT_EVERY",
@@ -145,6 +146,12 @@ class TrainerConfig:
     optimizer state, and checkpoints are sharded (every rank writes its own shards, a restart at
     another world size reshards). ``None``: DDP, unless the model factory returns a model it
     sharded itself, which is used as it is. See ``docs/design/sharded.md``."""
+    shard_copy: NeighbourCopyConfig | None = None
+    """(A sharded model, under ``elastic-trainer run``) each rank's shard is also kept on a
+    neighbour rank, refreshed every ``shard_copy.every`` steps, so that a worker's failure heals
+    in place with at most ``every - 1`` steps redone; ``NeighbourCopyConfig(every=0)``: no copy,
+    a heal reloads the newest checkpoint. ``None``: ``ELASTIC_TRAINER_SHARD_COPY_EVERY``, default
+    every step."""
     log_every: int = 10
     """Rank 0 logs a progress line every this many steps."""
     num_workers: int = 0
@@ -187,6 +194,10 @@ class TrainerConfig:
             )
         if not isinstance(self.ddp, DDPOptions):
             raise ConfigError(f"ddp: must be a DDPOptions, got {type(self.ddp).__name__}")
+        if self.shard_copy is not None and not isinstance(self.shard_copy, NeighbourCopyConfig):
+            raise ConfigError(
+                f"shard_copy: must be a NeighbourCopyConfig, got {type(self.shard_copy).__name__}"
+            )
         if self.fsdp is not None:
             if not isinstance(self.fsdp, FSDPOptions):
                 raise ConfigError(f"fsdp: must be an FSDPOptions, got {type(self.fsdp).__name__}")

@@ -57,6 +57,7 @@ from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatch, MicroBatchSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.state.buffers import replaces_buffer_broadcast
+from elastic_trainer.state.neighbour_copy import NeighbourCopyConfig
 from elastic_trainer.state.training_state import (
     ReplicaMismatchError,
     Stateful,
@@ -133,6 +134,18 @@ class Elastic:
         tokens_per_sample: for the tokens/s metric.
         record_samples_dir: audit: every rank records every step's indices there.
         after_step: called with the step number after each step, between steps, on every rank.
+        rebuild: (a sharded model) ``rebuild(env)`` builds the model again, sharded over the
+            current process group, and its optimizers and schedulers, and returns them by the
+            names they are saved under (``{"model": ..., "optimizer": ..., ...}``); called at each
+            attempt after an in-place heal (FSDP2 binds a model to the process groups it was
+            sharded on). With it, under ``elastic-trainer run``, a worker's failure heals in
+            place: each rank's shard is kept on a neighbour (``shard_copy``) and restored from
+            there, or every rank reloads the newest checkpoint when no copy survived. Your loop
+            body must then use the objects of :attr:`state` (``elastic.state.objects``), not
+            the first ones. Without it a sharded run's group failure restarts from the newest
+            checkpoint. The :class:`~elastic_trainer.train.trainer.Trainer` passes its factories.
+        shard_copy: (with ``rebuild``) how often the neighbour copy is refreshed; ``None``:
+            ``ELASTIC_TRAINER_SHARD_COPY_EVERY``, default every step.
         group: an entered :class:`ElasticGroup` the caller owns (``Trainer``); errors then reach
             the caller as exceptions. Without it the run forms its own group and, as the owner of
             the process, ends a mistake no restart can fix with one line and exit status 2.
@@ -167,6 +180,8 @@ class Elastic:
         tokens_per_sample: int = 0,
         record_samples_dir: str | None = None,
         after_step: Sequence[Callable[[int], None]] = (),
+        rebuild: Callable[[DistEnv], Mapping[str, Stateful | None]] | None = None,
+        shard_copy: NeighbourCopyConfig | None = None,
         group: ElasticGroup | None = None,
         run_config: Mapping[str, Any] | None = None,
         sigterm_grace_s: float | None = None,
@@ -230,6 +245,9 @@ class Elastic:
         self.log_every, self.tokens_per_sample = log_every, tokens_per_sample
         self.record_samples_dir = record_samples_dir
         self.after_step = list(after_step)
+        self._rebuild = rebuild if self.state.sharded is not None else None
+        self.shard_copy = shard_copy
+        self._attempts_started = 0
         self._group = group
         self.run_config = dict(run_config or {})
         self.sigterm_grace_s, self.pg_timeout_s = sigterm_grace_s, pg_timeout_s
@@ -322,7 +340,9 @@ class Elastic:
         # the step runs again from its start, so they go (gradients are no state).
         self.model.zero_grad(set_to_none=True)
         self._batches, self._loader_epoch, self._pending_batch = None, -1, None
+        self._attempts_started += 1
         if self.state.sharded is not None:
+            self._start_sharded(attempt)
             return  # FSDP2 shards and reduces by itself: no wrapper, no buffers to ride
         kwargs, ride = self.ddp_kwargs(self.env)
         if ride:
@@ -336,6 +356,26 @@ class Elastic:
             self._observer,
             release=self._release_ddp,
         )
+
+    def _start_sharded(self, attempt: Attempt) -> None:
+        """A sharded model's attempt: after a heal the model and its optimizers are built again
+        on the new group (``rebuild``); when the group heals in place, the attempt keeps a
+        neighbour copy of this rank's shards (``docs/design/sharded.md``)."""
+        if self._rebuild is None:
+            return  # nothing can re-bind the model: a group failure restarts from the checkpoint
+        if self._attempts_started > 1:  # the model's groups died with the last attempt's group
+            with attempt.groups():
+                self.state.replace(self._rebuild(attempt.env))
+            if not isinstance(self.state.model, nn.Module) or self.state.sharded is None:
+                raise failures.ConfigError("rebuild: must return the model, sharded again")
+            self.model = self.state.model
+        sharded = self.state.sharded
+        if attempt.group.healer is None or sharded is None:
+            return  # no heal in place: a copy would only cost
+        config = (
+            self.shard_copy if self.shard_copy is not None else NeighbourCopyConfig.from_environ()
+        )
+        self.state.copies = attempt.copy_shards(sharded.local_state, every=config.every)
 
     def no_sync(self) -> Any:
         """A context in which backward accumulates gradients without reducing them (DDP's
@@ -374,16 +414,19 @@ class Elastic:
         self._ddp = None
 
     def _loop(self, attempt: Attempt) -> ElasticLoop:
-        checkpoints = CheckpointManager(
-            self.checkpoint,
-            env=self.env,
-            state=self.state,
-            fingerprint=self.fingerprint,
-            settings=self.settings,
-            observer=self._observer,
-            fence=attempt.fence,
-            run_config=self.run_config,
-        )
+        # A sharded checkpoint's own group is aborted with the training group at a heal: an
+        # asynchronous write under way on it ends at once (and is never committed).
+        with attempt.groups() if self.state.sharded is not None else NOTHING:
+            checkpoints = CheckpointManager(
+                self.checkpoint,
+                env=self.env,
+                state=self.state,
+                fingerprint=self.fingerprint,
+                settings=self.settings,
+                observer=self._observer,
+                fence=attempt.fence,
+                run_config=self.run_config,
+            )
         self.loop = attempt.loop(
             sampler=self.sampler,
             checkpoints=checkpoints,

@@ -52,6 +52,7 @@ from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.signals import GracefulStop
+from elastic_trainer.state.neighbour_copy import NeighbourCopy
 from elastic_trainer.train.loop import EXIT_STOPPED, ElasticLoop, TrainResult
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,25 @@ class Attempt:
         if self.group.healer is not None:
             self.group.healer.shards = shards
 
+    def copy_shards(
+        self, source: Callable[[int], dict[str, Any]], *, every: int, replicas: int = 1
+    ) -> NeighbourCopy:
+        """(Collective) this attempt's neighbour copy of a sharded state (``source(step)``: this
+        rank's local shards, ``ShardedState.local_state``), on a host group of its own (FSDP
+        ring; an HSDP mesh's replicas are the copies), :meth:`hold` by the attempt. ``every``
+        0: no copy, and a heal reloads the newest checkpoint. Start it once the state is loaded
+        (``copies.start(step)``)."""
+        ring = replicas == 1 and every > 0 and self.env.world_size > 1
+        copies = NeighbourCopy(
+            source,
+            env=self.env,
+            every=every,
+            group=self.host_group() if ring else None,
+            replicas=replicas,
+        )
+        self.hold(copies)
+        return copies
+
     def groups(self) -> contextlib.AbstractContextManager[None]:
         """Process groups created inside (``init_device_mesh``'s for HSDP) are aborted with the
         training group at a heal: create a sharded model's mesh in it."""
@@ -335,13 +355,13 @@ class Attempt:
             return False
         holds = loop is not None and loop.state_ready and loop.state.consistent
         step = loop.step if holds and loop is not None else NO_STATE
-        if loop is None and self._shards is not None:  # a sharded loop of its own (hold)
-            step = self._shards.step
         reason = failure_reason(exc)
         self._detach_wrappers()
         snapshot: Callable[[], dict[str, Any]] = (
             partial(loop.state.peer_snapshot, SAVE_TIMEOUT_S) if loop is not None else dict
         )
+        if self._shards is not None:  # sharded (hold): each shard is restored where it survived
+            step, snapshot = self._shards.step, dict
         # A round that opens before the loop restored the state a peer just sent (a second fault
         # right after a heal, or a member late for the last round): that state is still this
         # process's to hand on, so the job goes on from its step, not from the last checkpoint.

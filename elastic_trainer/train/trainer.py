@@ -252,25 +252,7 @@ class Trainer:
             raise TrainerSetupError(
                 "mixed_precision: fp16 (with a GradScaler) needs CUDA; use bf16 on CPU"
             )
-        rng.seed_all(cfg.seed)  # identical initial weights on every rank
-        model = self.job.model()
-        if not isinstance(model, nn.Module):
-            raise TrainerSetupError(
-                f"the model factory returned {type(model).__name__}, not an nn.Module"
-            )
-        _refuse_data_parallel(model)
-        if cfg.sync_batchnorm:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model = model.to(device)  # before DDP: DDP wraps the parameters where they are
-        if cfg.fsdp is not None:
-            if is_sharded(model):
-                raise TrainerSetupError(
-                    "fsdp: the model factory returned a model that is sharded already; leave fsdp "
-                    "unset to train it as it is, or return the plain model"
-                )
-            from elastic_trainer.train.fsdp import shard_model
-
-            model = shard_model(model, cfg.fsdp, device, env.world_size)
+        model = self._build_model(env)
         if cfg.zero_redundancy and is_sharded(model):
             raise TrainerSetupError(
                 "zero_redundancy: the model is sharded (FSDP2), which shards the optimizer already"
@@ -311,6 +293,43 @@ class Trainer:
         if dataset_size == 0:
             raise TrainerSetupError("the dataset factory returned an empty dataset")
 
+    def _build_model(self, env: distributed.DistEnv) -> nn.Module:
+        """The job's model on this rank's device, seeded alike on every rank, and sharded with
+        ``fsdp`` over the current process group."""
+        cfg = self.config
+        rng.seed_all(cfg.seed)  # identical initial weights on every rank
+        model = self.job.model()
+        if not isinstance(model, nn.Module):
+            raise TrainerSetupError(
+                f"the model factory returned {type(model).__name__}, not an nn.Module"
+            )
+        _refuse_data_parallel(model)
+        if cfg.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = model.to(env.device)  # before DDP: DDP wraps the parameters where they are
+        if cfg.fsdp is not None:
+            if is_sharded(model):
+                raise TrainerSetupError(
+                    "fsdp: the model factory returned a model that is sharded already; leave fsdp "
+                    "unset to train it as it is, or return the plain model"
+                )
+            from elastic_trainer.train.fsdp import shard_model
+
+            model = shard_model(model, cfg.fsdp, env.device, env.world_size)
+        return model
+
+    def _rebuild(self, env: distributed.DistEnv) -> dict[str, Any]:
+        """(A sharded model, after an in-place heal) the model, its optimizer and scheduler built
+        again over the new group (FSDP2 binds them to the group they were sharded on); the heal
+        then puts this rank's shards back into them, or the newest checkpoint."""
+        self.env = env
+        self.model = self._build_model(env)
+        self.optimizer = self.job.optimizer(self.model.parameters())
+        self.scheduler = (
+            self.job.scheduler(self.optimizer) if self.job.scheduler is not None else None
+        )
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+
     def _make_elastic(self, group: ElasticGroup) -> Elastic:
         """The run on the own-loop API, over ``group`` (the trainer's), saving what the job built."""
         cfg, settings = (
@@ -347,6 +366,8 @@ class Trainer:
             tokens_per_sample=self.job.tokens_per_sample,
             record_samples_dir=cfg.record_samples_dir,
             after_step=[self._between_steps],
+            rebuild=self._rebuild if is_sharded(self.model) else None,
+            shard_copy=cfg.shard_copy,
             group=group,
             run_config=cfg.to_dict(),
             sigterm_grace_s=cfg.sigterm_grace(settings),

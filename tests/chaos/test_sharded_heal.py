@@ -4,7 +4,9 @@ FSDP, 3 workers: rank 1 SIGKILLed mid-run is healed in place (the survivors keep
 processes; rank 1's shard comes from rank 0's neighbour copy, 0 steps redone); later ranks 1 and
 2 SIGKILLed together (rank 2's shard and its only copy, on rank 1, are gone) fall back to the
 newest checkpoint, resharded, with the redone steps counted in one line. HSDP, a 2 x 2 mesh: rank
-1 SIGKILLed, its shard comes from its replica (rank 3). Each faulty run ends bitwise equal
+1 SIGKILLed, its shard comes from its replica (rank 3). The FSDP case runs on both routes of
+``sharded_lm``: its own loop, and the ``Trainer`` (``--api trainer``: ``TrainerConfig.fsdp``,
+which builds and shards the model again on the healed group). Each faulty run ends bitwise equal
 (model and AdamW state) to a fault-free run of the same shape started beside it, and every
 sample of every epoch is trained exactly once. Heal times are printed, not asserted (a loaded
 2-core machine). Design: ``docs/design/sharded.md``.
@@ -119,13 +121,17 @@ def _first_step_after(run: Path, generation: int, killed_unix: float) -> float:
     return min(gen.done_times.values()) - killed_unix
 
 
+@pytest.mark.parametrize("api", ["loop", "trainer"])
 def test_fsdp_worker_sigkill_heals_in_place_and_two_neighbours_fall_back(
-    etcd_server, unique_id: str, tmp_path: Path
+    etcd_server, unique_id: str, tmp_path: Path, api: str
 ) -> None:
     reference, faulty = tmp_path / "reference", tmp_path / "faulty"
+    route = ["--api", api]
     with agents() as started:
-        started.append(_start(etcd_server.endpoint, f"{unique_id}-ref", reference, 3))
-        started.append(node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 3))
+        started.append(_start(etcd_server.endpoint, f"{unique_id}-ref", reference, 3, route))
+        started.append(
+            node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 3, route)
+        )
         _wait_between_steps(faulty, 6, 3, started)
         first = kill_rank(node, faulty / "samples", 1)
         first_unix = time.time()
