@@ -22,7 +22,8 @@ reseeds every rank's random numbers at each step; saves periodic, final, SIGTERM
 checkpoints; reports progress lines and metrics. A model you sharded with ``fully_shard`` (FSDP2)
 is not wrapped: its state is read and written through DCP's state-dict API and its checkpoints
 are sharded, every rank writing its own shards (``TrainingState.sharded``; ``docs/design/sharded.md``);
-call :attr:`Elastic.module` for the forward in either case. What it saves is a
+with ``rebuild=`` it also heals in place, from a neighbour's copy of each shard. Call
+:attr:`Elastic.module` for the forward in either case. What it saves is a
 :class:`~elastic_trainer.state.training_state.TrainingState`: the model, the sampler, and what it
 finds (every optimizer over the model's parameters, their LR schedulers, the ``scaler`` given).
 

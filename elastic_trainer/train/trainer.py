@@ -17,8 +17,10 @@ a restart.
 
 With ``TrainerConfig(fsdp=FSDPOptions(blocks=("blocks.*",)))`` (or a model factory that returns a
 model it sharded with ``fully_shard``) the model is sharded with FSDP2 instead of replicated:
-no DDP, each rank holds and checkpoints its own shards, a restart at another world size reshards
-(``docs/design/sharded.md``).
+no DDP, each rank holds and checkpoints its own shards, a restart at another world size reshards,
+and under ``elastic-trainer run`` a worker's failure heals in place: the model is built and sharded
+again on the healed group, and each rank's shard comes from its neighbour's copy
+(``TrainerConfig.shard_copy``; ``docs/design/sharded.md``).
 """
 
 from __future__ import annotations
