@@ -341,6 +341,20 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     fsync_directory(directory)
 
 
+def one_line_reason(exc: BaseException) -> str:
+    """``exc`` in one line: its type and the first line of its message; a DCP
+    ``CheckpointException`` (whose text holds every failed rank's traceback) as each failed
+    rank's error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(
+            f"rank {rank}: {one_line_reason(pair[0] if isinstance(pair, tuple) else pair)}"
+            for rank, pair in sorted(failures.items())
+        )
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def write_error(directory: Path, step: int, exc: BaseException) -> CheckpointWriteError:
     """The one-line error for a failed write of ``step`` (errno kept, earlier checkpoints named)."""
     if isinstance(exc, OSError):
@@ -351,7 +365,7 @@ def write_error(directory: Path, step: int, exc: BaseException) -> CheckpointWri
         )
         reason = f"{reason} (errno {exc.errno})"
     else:
-        reason = f"{exc.__class__.__name__}: {exc}"
+        reason = one_line_reason(exc)
     previous = latest_name(directory, before=step)
     kept = (
         f"the previous checkpoint {previous} is untouched"

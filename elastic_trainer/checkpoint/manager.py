@@ -120,13 +120,8 @@ class CheckpointManager:
         self._sharded: sharded.ShardedCheckpointer | None = None
         if self.state.sharded is not None and config.directory is not None:
             # Collective (the checkpoint's own process group): every rank builds its manager here.
-            self._sharded = sharded.ShardedCheckpointer(
-                config.directory,
-                rank=env.rank,
-                world_size=env.world_size,
-                fingerprint_fields=self.fingerprint_fields,
-                keep_last=config.keep_last,
-                fence=fence,
+            self._sharded = sharded.ShardedCheckpointer.for_job(
+                config, env=env, fingerprint_fields=self.fingerprint_fields, fence=fence
             )
         # Rank 0's writer of single files, or this rank's writer of its shards.
         self._writer = (
@@ -375,7 +370,9 @@ class CheckpointManager:
                 self._failure = exc  # every rank raises it at the next step's control
                 return self.last_path
             self.observer.on_checkpoint_saved(
-                step=step, duration_s=time.monotonic() - started, nbytes=0
+                step=step,
+                duration_s=time.monotonic() - started,
+                nbytes=sharded.local_nbytes(payload),
             )
             return path
         outcome: list[Any] = [("ok", path)]
@@ -397,7 +394,9 @@ class CheckpointManager:
         if kind == "ok":
             self._last_saved_step = step
             self.observer.on_checkpoint_saved(
-                step=step, duration_s=time.monotonic() - started, nbytes=0
+                step=step,
+                duration_s=time.monotonic() - started,
+                nbytes=sharded.local_nbytes(payload),
             )
         self.last_path = value
         return value
@@ -621,8 +620,10 @@ class CheckpointManager:
                 remaining = self._remaining_s()
                 try:
                     self._writer.wait(remaining if remaining is not None else grace_s)
-                except ckpt.CheckpointError:
-                    log.exception("the last background checkpoint write failed")
+                except ckpt.CheckpointError as exc:
+                    # One line: after a peer's death this is expected (the write's collectives
+                    # failed with it), and the error already says which step and what stands.
+                    log.error("the last background checkpoint write failed: %s", exc)
         finally:
             self._jit.stand_down()
             if self._deadline is not None:

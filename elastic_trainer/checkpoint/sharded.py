@@ -51,8 +51,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.dcp_io import (
     METADATA_FILE,
     HostStager,
@@ -64,6 +66,7 @@ from elastic_trainer.checkpoint.dcp_io import (
 )
 from elastic_trainer.runtime import torch_compat
 from elastic_trainer.runtime.atomic_files import atomic_file, fsync_directory
+from elastic_trainer.runtime.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,21 @@ def _group_token(group: Any, world_size: int) -> int:
     if world_size > 1:
         dist.broadcast_object_list(token, src=0, group=group)
     return int(token[0])
+
+
+def local_nbytes(state: Any) -> int:
+    """Bytes of tensor data this rank writes of ``state``: its local shard of each DTensor, each
+    plain tensor (what a save reports as written by this rank)."""
+    if isinstance(state, DTensor):
+        local = state.to_local()
+        return local.numel() * local.element_size()
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        return sum(local_nbytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(local_nbytes(value) for value in state)
+    return 0
 
 
 class ShardedCheckpointer:
@@ -127,6 +145,28 @@ class ShardedCheckpointer:
         self.token = _group_token(self.group, world_size) if token is None else token
         self.stager = HostStager()
         self.writer = ckpt.AsyncCheckpointWriter()
+
+    @classmethod
+    def for_job(
+        cls,
+        config: CheckpointConfig,
+        *,
+        env: DistEnv,
+        fingerprint_fields: Mapping[str, Any],
+        fence: ckpt.CommitFence | None = None,
+    ) -> ShardedCheckpointer:
+        """(Collective) the checkpointer of a job's checkpoint section, for this worker (what
+        both checkpoint managers build)."""
+        if config.directory is None:
+            raise ValueError("a sharded checkpointer needs a checkpoint directory")
+        return cls(
+            config.directory,
+            rank=env.rank,
+            world_size=env.world_size,
+            fingerprint_fields=fingerprint_fields,
+            keep_last=config.keep_last,
+            fence=fence,
+        )
 
     @property
     def busy(self) -> bool:

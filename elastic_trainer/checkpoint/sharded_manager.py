@@ -70,13 +70,8 @@ class ShardedCheckpointManager:
         self.checkpointer = (
             None
             if config.directory is None
-            else sharded.ShardedCheckpointer(
-                config.directory,
-                rank=env.rank,
-                world_size=env.world_size,
-                fingerprint_fields=self.fingerprint_fields,
-                keep_last=config.keep_last,
-                fence=fence,
+            else sharded.ShardedCheckpointer.for_job(
+                config, env=env, fingerprint_fields=self.fingerprint_fields, fence=fence
             )
         )
 

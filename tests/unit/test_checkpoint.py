@@ -381,3 +381,21 @@ def test_a_fenced_background_write_is_skipped_not_failed(
     result = writer.wait(10)  # no error: training goes on, the next checkpoint tries again
     assert result is not None and result.manifest.step == 1
     assert not writer.failed and "step 2 was not committed" in caplog.text
+
+
+def test_a_failed_sharded_write_is_one_line(tmp_path: Path) -> None:
+    """DCP's CheckpointException carries every failed rank's traceback in its text; the write
+    error (and the close-time log of a background write a dead peer cut) names each rank's error
+    in one line instead."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    cut = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer\nmore")
+    failure = CheckpointException("save failed", {1: (cut, None), 0: (ValueError("x"), None)})
+    assert "\n" in str(failure)
+    error = ckpt.write_error(tmp_path, 5, failure)
+    assert "\n" not in str(error)
+    assert (
+        "rank 0: ValueError: x; rank 1: RuntimeError: [../gloo/transport/tcp/pair.cc:534] "
+        in str(error)
+    )
+    assert "\n" not in str(ckpt.write_error(tmp_path, 5, cut))

@@ -158,11 +158,14 @@ def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
             opt.zero_grad()
             if step in SAVE_STEPS:
                 msd, osd = get_state_dict(model, opt)
-                checkpointer.save(
-                    {"model": msd, "optimizer": osd, "step": step, "extra": {"epoch": step // 4}},
-                    step=step,
-                    epoch=step // 4,
-                )  # asynchronous
+                payload = {
+                    "model": msd,
+                    "optimizer": osd,
+                    "step": step,
+                    "extra": {"epoch": step // 4},
+                }
+                (work / f"nbytes-{rank}").write_text(str(sharded.local_nbytes(payload)))
+                checkpointer.save(payload, step=step, epoch=step // 4)  # asynchronous
                 reference = {
                     "model": _full(msd),
                     "optimizer": _full(osd),
@@ -246,6 +249,16 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
 def _copy(saved: Path, tmp_path: Path) -> Path:
     shutil.copytree(saved / "ckpt", tmp_path / "ckpt")
     return tmp_path / "ckpt"
@@ -268,6 +281,13 @@ def test_two_ranks_write_their_own_shards_and_commit_a_manifest(saved: Path) -> 
         METADATA_FILE in listed and sum(name.endswith(".distcp") for name in listed) == 2
     )  # one per rank
     assert info.manifest.nbytes == sum(size for _, size in listed.values())
+    # What a save reports as written: each rank's own shards (the two halves of every tensor,
+    # and the optimizer's step scalars, which every rank holds), not nothing, not everything.
+    reference = torch.load(saved / "ref-6.pt", weights_only=True)
+    full = sum(t.numel() * t.element_size() for t in _tensors(reference))
+    written = [int((saved / f"nbytes-{rank}").read_text()) for rank in (0, 1)]
+    assert all(0.4 * full < n < 0.6 * full for n in written), (written, full)
+    assert 0 <= sum(written) - full <= 64, (written, full)
     # The host buffers were allocated once and reused by the two later saves; not pinned without CUDA.
     assert [(saved / f"allocations-{rank}").read_text() for rank in (0, 1)] == ["1", "1"]
     assert (saved / "pinned-0").read_text() == "False"
