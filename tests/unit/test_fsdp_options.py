@@ -124,6 +124,40 @@ def _worker(out: Path, mixed: str, reshard: bool) -> None:
     with torch.no_grad():
         model.head.weight.add_(1.0)  # changed after the payload was taken, then restored
     restored = state.load_state_dict({**payload, "model": saved})
+    # A heal in place of the Trainer / Elastic(rebuild=...): the model and optimizer are built and
+    # sharded again, replace the old ones in the state, and take this rank's shards back.
+    local = state.sharded.local_state(state.step) if state.sharded is not None else {}
+    twin = Net()
+    apply_fsdp(
+        twin,
+        FSDPOptions(blocks=("blocks.*",), mixed_precision=mixed, reshard_after_forward=reshard),  # type: ignore[arg-type]
+        init_device_mesh("cpu", (1,)),
+    )
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    state.replace({"model": twin, "optimizer": twin_optimizer})
+    state.load_local_state(local)
+    from elastic_trainer.runtime.failures import ConfigError
+
+    try:
+        state.replace({"bogus": twin})
+        refused = ""
+    except ConfigError as exc:
+        refused = str(exc)
+    rebuild = {
+        "state_owns_twin": state.sharded is not None and state.sharded.model is twin,
+        "weights_back": all(
+            torch.equal(a.full_tensor(), b.full_tensor())
+            for a, b in zip(twin.parameters(), model.parameters(), strict=True)
+        ),
+        "adam_back": all(
+            torch.equal(
+                twin_optimizer.state[a]["exp_avg"].full_tensor(),
+                optimizer.state[b]["exp_avg"].full_tensor(),
+            )
+            for a, b in zip(twin.parameters(), model.parameters(), strict=True)
+        ),
+        "refused": refused,
+    }
     plain = torch.nn.Linear(2, 2)
     replicated = TrainingState(
         {"model": plain, "optimizer": torch.optim.SGD(plain.parameters(), lr=0.1)},
@@ -157,6 +191,7 @@ def _worker(out: Path, mixed: str, reshard: bool) -> None:
                     "replicated_heal_in_place": replicated.heal_in_place,
                 },
                 "param_dtype": str(model.head.weight.dtype),
+                "rebuild": rebuild,
             }
         )
     )
@@ -203,6 +238,9 @@ def test_apply_fsdp_shards_the_named_blocks_then_the_model(
     assert not routing["heal_in_place"] and routing["checksummed"] == ["step"]
     assert routing["module_is_model"] and routing["ddp_is_model"]
     assert not routing["replicated_sharded"] and routing["replicated_heal_in_place"]
+    rebuild = result["rebuild"]
+    assert rebuild["state_owns_twin"] and rebuild["weights_back"] and rebuild["adam_back"]
+    assert "rebuild returned ['bogus'], which are not saved" in rebuild["refused"]
 
 
 def _trainer_worker(out: Path, how: str) -> None:
