@@ -362,6 +362,10 @@ class Attempt:
         )
         if self._shards is not None:  # sharded (hold): each shard is restored where it survived
             step, snapshot = self._shards.step, dict
+        elif loop is not None and loop.state.sharded is not None:
+            # A sharded attempt that failed before it held its copy (a fault while it rebuilt):
+            # no peer can use this rank's shards; the job goes on from the newest checkpoint.
+            step, snapshot = NO_STATE, dict
         # A round that opens before the loop restored the state a peer just sent (a second fault
         # right after a heal, or a member late for the last round): that state is still this
         # process's to hand on, so the job goes on from its step, not from the last checkpoint.

@@ -64,6 +64,7 @@ class FakeHealer:
 class FakeState:
     consistent = True
     step = 7
+    sharded = None  # a replicated state
 
     def peer_snapshot(self, timeout: float) -> dict[str, Any]:
         return {"step": 7}
@@ -146,6 +147,24 @@ def test_a_state_no_peer_can_hand_on_restarts_instead_of_healing() -> None:
             with attempt:
                 raise RuntimeError(GROUP_FAILURE)
     assert healer.calls == []
+
+
+def test_a_sharded_state_hands_on_its_shards_not_a_snapshot() -> None:
+    """A sharded attempt that holds its neighbour copy heals at the copy's step, and offers no
+    replicated snapshot (its shards are restored where they survived); one that failed before it
+    held a copy (a fault while the model was built again) offers nothing: the job goes on from the
+    newest checkpoint, never from this rank's shards sent as if they were a replica."""
+    for held, step in ((SimpleNamespace(step=5), 5), (None, -1)):
+        healer = FakeHealer()
+        group, loop = _group(healer)
+        loop.state.sharded = object()
+        for attempt in group.attempts():
+            with attempt:
+                if not healer.calls:
+                    if held is not None:
+                        attempt.hold(held)
+                    raise RuntimeError(GROUP_FAILURE)
+        assert healer.calls[0]["step"] == step and healer.calls[0]["snapshot"] == {}
 
 
 def test_a_bug_in_the_step_is_not_healed() -> None:
