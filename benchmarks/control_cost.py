@@ -7,8 +7,9 @@ Two gloo processes run :class:`~elastic_trainer.runtime.step_control.ControlChan
 loop does (``start`` before the backward, ``wait_before_update``, ``finish`` a step later) with no
 model at all, in blocks that alternate with empty blocks; the CPU time of both processes (every
 thread: gloo's included) per step is the control's cost, to set against a step's CPU time
-(``benchmarks/launcher_e2e.py``). Riding on a gradient bucket saved this collective; a Python
-hook on every bucket cost more than it saved on large buckets (``docs/design/steady-state.md``).
+(``benchmarks/launcher_e2e.py``). Riding on a gradient bucket saved this collective, but the
+Python hook on every bucket it took cost more than it saved on large buckets (removed in issue 30;
+``docs/design/steady-state.md``).
 """
 
 from __future__ import annotations

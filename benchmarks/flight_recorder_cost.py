@@ -1,18 +1,20 @@
-"""Allreduce timing through the flight recorder vs through the timing hook, side by side.
+"""Allreduce timing through the flight recorder vs DDP's own sampled statistics, side by side.
 
-Issue 5's overhead goal (metrics on/off >= 0.99) fails on a GPU because of the Python hook's cost
-per DDP bucket (``benchmarks/RESULTS.md``, session 5). The way out is to time buckets without a
-hook: torch's flight recorder writes every collective in C++, NCCL adds its GPU duration, and
-:class:`elastic_trainer.metrics.collective_trace.CollectiveTrace` reads them once in a while. This
-benchmark measures both designs on the same workload before the observer switches:
+Issue 5's overhead goal (metrics on/off >= 0.99) failed on a GPU because of a Python hook's cost
+per DDP bucket (``benchmarks/RESULTS.md``, session 5); issue 30 removed that hook. Both remaining
+modes time buckets without one: torch's flight recorder writes every collective in C++, NCCL adds
+its GPU duration, and :class:`elastic_trainer.metrics.collective_trace.CollectiveTrace` reads them
+once in a while (``trace``); DDP's reducer times a sample of backwards in C++ and
+:class:`~elastic_trainer.metrics.ddp_stats.SampledDdpTimer` reads them (``sampled``, the default).
+This benchmark measures both on the same workload:
 
-- phase "hook" (torch's defaults: the recorder on with 2000 entries, NCCL timing off): arms
-  ``off`` (plain DDP) and ``hook`` (the timing hook);
+- phase "sampled" (torch's defaults: the recorder on with 2000 entries, NCCL timing off): arms
+  ``off`` (plain DDP) and ``sampled`` (DDP's statistics, read at each flush);
 - phase "trace" (``TORCH_FR_BUFFER_SIZE=--ring``, ``TORCH_NCCL_ENABLE_TIMING=1``): arms ``off``
   and ``trace`` (no hook; a :class:`~elastic_trainer.metrics.bucket_trace.TracedBucketTimer`,
   which reads the recorder once about half its ring is new).
 
-Every ``--read-interval`` s (the observer's flush) the hook or trace arm's timer is drained into a
+Every ``--read-interval`` s (the observer's flush) the sampled or trace arm's timer is read into a
 Prometheus histogram, inside that arm's step time. Within a phase the arms alternate step by step
 and each arm's DDP has a process group of its own, so the reader sees its arm's buckets only. Each
 arm's cost ``d`` is taken per cycle against the off step next to it; ratio = off / (off + d) with
@@ -39,7 +41,7 @@ from typing import Any
 from benchmarks.workloads import add_workload_arguments, resolve_workload_arguments
 from rendezvous.etcd_server import free_port
 
-PHASES = {"hook": ("off", "hook"), "trace": ("off", "trace")}
+PHASES = {"sampled": ("off", "sampled"), "trace": ("off", "trace")}
 SETTLE = 10  # cycles left out at the start (DDP rebuilds its buckets after the first)
 
 
@@ -56,8 +58,8 @@ def worker(
     import torch.distributed as dist
 
     from benchmarks.workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
-    from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
     from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
+    from elastic_trainer.metrics.ddp_stats import DEFAULT_SAMPLE_EVERY, SampledDdpTimer
 
     init_worker(rank, world, port, args)
     cuda = args.device == "cuda"
@@ -70,15 +72,14 @@ def worker(
         "allreduce_seconds", "", registry=prometheus_client.CollectorRegistry()
     )
     setups: dict[str, tuple[Any, Any]] = {}
-    timers: dict[str, AllreduceTimer | TracedBucketTimer] = {}
+    timers: dict[str, SampledDdpTimer | TracedBucketTimer] = {}
     for arm in arms:
         group = dist.new_group(list(range(world)))
         torch.manual_seed(0)
         ddp = torch.nn.parallel.DistributedDataParallel(job.model().to(device), device_ids=[rank] if cuda else None,
                                                         process_group=group)  # fmt: skip
-        if arm == "hook":
-            timers[arm] = AllreduceTimer(group, use_cuda=cuda)
-            ddp.register_comm_hook(timers[arm], timed_allreduce_hook)
+        if arm == "sampled":  # as the observer sets it up
+            timers[arm] = SampledDdpTimer(ddp, sample_every=None if cuda else DEFAULT_SAMPLE_EVERY)
         elif arm == "trace":
             timers[arm] = TracedBucketTimer(ddp)
         setups[arm] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
@@ -86,11 +87,18 @@ def worker(
     stats = {"drains": 0, "drain_s": 0.0, "timed": 0}
 
     def periodic(arm: str) -> None:
-        """The observer's work once per flush: drain the arm's timer into a histogram."""
+        """The observer's work once per flush: read the arm's timer into a histogram."""
         started = time.perf_counter()
-        for timing in timers[arm].drain():
-            histogram.observe(timing.duration_s)
-            stats["timed"] += 1
+        timer = timers[arm]
+        if isinstance(timer, SampledDdpTimer):
+            sample = timer.poll()
+            if sample is not None:
+                histogram.observe(sample.comm_s)
+                stats["timed"] += len(sample.bucket_bytes)
+        else:
+            for timing in timer.drain():
+                histogram.observe(timing.duration_s)
+                stats["timed"] += 1
         stats["drains"] += 1
         stats["drain_s"] += time.perf_counter() - started
 
@@ -175,7 +183,7 @@ def main() -> None:
             print(f"| {run} | {phase} | {statistics.median(off) * 1e3:.2f} | {statistics.median(mine) * 1e3:.2f} "
                   f"| {d * 1e6:.0f} | {statistics.fmean(off) / (statistics.fmean(off) + d):.4f} | {notes} |",
                   flush=True)  # fmt: skip
-        print(f"| {run} | timing | mean off step, trace phase / hook phase: {offs['trace'] / offs['hook']:.4f} "
+        print(f"| {run} | timing | mean off step, trace phase / sampled phase: {offs['trace'] / offs['sampled']:.4f} "
               "| | | | different processes |")  # fmt: skip
 
 

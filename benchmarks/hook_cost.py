@@ -1,15 +1,14 @@
-"""CPU cost of DDP communication hooks in a 2-rank gloo job: no hook, torch's stock Python
-``allreduce_hook``, and elastic-trainer's allreduce timing hook, side by side.
+"""CPU cost of a Python DDP communication hook in a 2-rank gloo job: no hook against torch's
+stock Python ``allreduce_hook``, side by side. Why elastic-trainer registers none (issue 30: its
+own timing hook, measured here before, was removed; ``benchmarks/RESULTS.md`` keeps those rows).
 
 Each rank holds the model once per arm (same weights; DDP on the default gloo group) and runs
 blocks of ``--steps`` forward/backward passes per arm, the arm order reversed every block; the
 CPU seconds of the process (all threads: gloo's, where the hooks' callbacks run, included) per
 pass are compared with the no-hook arm of the same block. "aa" is a second no-hook model: the
-noise floor. Rank 0 prints the medians over blocks. All arms share the default group's gloo
-threads, so once the timing hook kept their Python thread states (see metrics_comm_hook) the
-stock hook's callbacks use them too: its row shows torch's cost only with an older tree.
+noise floor. Rank 0 prints the medians over blocks.
 
-``--device cuda`` runs one NCCL rank per GPU (the hooks then time with CUDA events) and reports
+``--device cuda`` runs one NCCL rank per GPU and reports
 wall time per pass, the GPU synchronised at the end of each block: with ``--model buckets``
 (20 linear layers of 2048x2048, one 16 MB bucket each, batch 8) the GPU kernels are tiny, so
 the pass is bound by the host and the wall time is the host's cost, bucket hooks included.
@@ -37,7 +36,7 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ARMS = ("off", "aa", "torch-hook", "timing-hook")
+ARMS = ("off", "aa", "torch-hook")
 
 
 def _model_and_batch(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -61,8 +60,6 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
 
     init_worker(rank, args.nproc, port, args)
     cuda = args.device == "cuda"
-    from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
-
     base, x = _model_and_batch(args.model)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     base, x = base.to(device), x.to(device)
@@ -71,10 +68,6 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
         ddp = DDP(copy.deepcopy(base), device_ids=[rank] if cuda else None, bucket_cap_mb=16)
         if arm == "torch-hook":
             ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-        elif arm == "timing-hook":
-            timer = AllreduceTimer(use_cuda=cuda)
-            ddp.register_comm_hook(timer, timed_allreduce_hook)
-            models["timer"] = timer
         models[arm] = ddp
     # CPU: this process's CPU seconds (gloo's threads included). CUDA: wall seconds up to the end
     # of the block's GPU work (a host-bound pass: the host's cost; CPU time would count the spin).
@@ -93,7 +86,6 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
             if cuda:
                 torch.cuda.synchronize()
             cost[arm].append((clock() - started) / args.steps)
-        models["timer"].drain()  # nobody reads the timings here: keep the queue short
     if rank == 0:
         ranks = (
             f"{args.nproc} NCCL rank(s) on {torch.cuda.get_device_name()}"

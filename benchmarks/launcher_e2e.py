@@ -7,8 +7,7 @@ Variants (``API/LAUNCHER``): ``bare/torchrun`` is a plain DDP loop under ``torch
 (the baseline); ``trainer/elastic`` is the same job through ``Trainer`` under ``elastic-trainer
 run`` at every default (embedded etcd, in-place healing, metrics, warm start, watchdog,
 checkpoints every 100 steps); the cross terms ``bare/elastic`` and ``trainer/torchrun`` split the
-cost between the launcher and the runtime; ``trainer/elastic+hook`` (opt-in) adds the metrics'
-timing hook on every bucket, the design before issue 30; ``trainer/elastic+owncontrol`` (opt-in)
+cost between the launcher and the runtime; ``trainer/elastic+owncontrol`` (opt-in)
 the step's control on its own collective, as before it rode on a gradient. The user script is ``benchmarks/launcher_job.py``, two
 gloo workers on this machine. Each pair runs every variant once, in an order that alternates
 between pairs, so that the machine's drift hits all alike; ratios are taken against the baseline
@@ -103,12 +102,10 @@ VARIANTS = (
     "trainer/elastic",
     "bare/elastic",
     "trainer/torchrun",
-    "trainer/elastic+hook",
     "trainer/elastic+owncontrol",
     "trainer/elastic+carrier",
 )
-"""``+hook``: the metrics' opt-in timing hook on every bucket (``ELASTIC_TRAINER_METRICS_ALLREDUCE=hook``),
-what a Python comm hook costs beside the default (not run unless named). ``+owncontrol``: the step's
+"""``+owncontrol``: the step's
 control on its own gloo collective instead of the model's gradient (the default before the
 gradient-carried control, ``runtime/grad_carrier.py``; not run unless named). ``+carrier``: the
 control carried by a gradient (``ELASTIC_TRAINER_CONTROL_CARRIER=1``), opt-in since a heal from one
@@ -143,8 +140,6 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float)
     """Launch one job, wait for it; its ranks' records and what the process tree cost."""
     out = tmp / f"{workload}-{variant.replace('/', '-')}-{time.monotonic_ns()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    if variant.endswith("+hook"):
-        env["ELASTIC_TRAINER_METRICS_ALLREDUCE"] = "hook"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     launched = time.time()
     done = subprocess.run(

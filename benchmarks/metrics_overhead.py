@@ -8,7 +8,8 @@ runtime synchronises every step too), so a step's wall time is its GPU time plus
 host adds, and the wall ratio is the throughput ratio. "On" is everything a job started by
 ``elastic-trainer run`` pays for: ``start_launcher_metrics`` in the parent (multiprocess
 directory, node endpoint scraped every ``--scrape-interval`` s, torch elastic handlers),
-``worker_observer()`` in each worker and the allreduce timing hook on DDP. "Off" is a plain DDP
+``worker_observer()`` in each worker and its allreduce timing on DDP (``sampled``, the default:
+DDP's own C++ statistics, no comm hook; ``--trace``: the flight recorder). "Off" is a plain DDP
 step with no observer.
 
 Main measurement, interleaved per step: each worker holds the model three times (same weights)
@@ -17,7 +18,7 @@ on -- per cycle, on the same batch, in an order rotated every cycle; every ``--r
 cycles all three models are built anew in a rotated order (where a model's tensors land in
 memory biases its steps by up to ~1 % for its whole life, which a fixed A/A pair showed run to
 run), and the first few cycles after a rebuild are left out. Each step's CPU seconds
-(all threads of the process: gloo's and the hook's callbacks included) and wall seconds are
+(all threads of the process: gloo's included) and wall seconds are
 recorded; the extra cost ``d`` of an arm is taken per cycle against the off step next to it, so
 drift of a shared machine cancels at the scale of one step. Ratio = off / (off + d), reported
 with the median d (robust to other tenants) and the mean d (which also counts the rare costs:
@@ -26,13 +27,12 @@ CPU per scrape is measured in the parent and spread over the steps between two s
 
 Optional: ``--end-to-end`` times whole torchrun jobs of the example (median of rank 0's
 ``samples/s`` windows, off/on interleaved across runs: much noisier on a shared machine); and
-the single-process CPU cost of the hook per bucket and of ``on_step`` (best of 9).
+the single-process CPU cost of DDP's sampled timing per step and of ``on_step`` (best of 9).
 
 Usage::
 
     python -m benchmarks.metrics_overhead                     # 3 x 1500 cycles, + micro
-    python -m benchmarks.metrics_overhead --no-hook           # attribute: everything but the hook
-    python -m benchmarks.metrics_overhead --in-place          # as `elastic-trainer run` heals on CPU
+    python -m benchmarks.metrics_overhead --no-allreduce      # attribute: all but the allreduce timing
     python -m benchmarks.metrics_overhead --end-to-end --rounds 3 --max-steps 800
     python -m benchmarks.metrics_overhead --device cuda --model gpt --cycles 300 --rebuild-every 100
     python -m benchmarks.metrics_overhead --device cuda --model gpt --cycles 300 --rebuild-every 100 --trace
@@ -85,16 +85,17 @@ else:
 MICRO = """
 import sys, time, torch, torch.distributed as dist
 from elastic_trainer.metrics.worker import worker_observer
-from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, timed_allreduce_hook
 steps, reps = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-# A tiny model (one bucket, ~20 us of math) so that the hook's fixed cost is a visible share.
+# A tiny model (one bucket, ~20 us of math) so that the timing's fixed cost is a visible share.
+obs = worker_observer()
 models = {}
-for kind in ("off", "hook"):
+for kind in ("off", "sampled"):
     torch.manual_seed(0)
     models[kind] = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
-models["hook"].register_comm_hook(AllreduceTimer(), timed_allreduce_hook)
+obs.wrap_ddp(models["sampled"])  # DDP times one backward in ten (torch's default: one in 100)
+obs.on_start(world_size=2, restart_count=0)
 x = torch.randn(4, 16)
 best = {k: float("inf") for k in models}
 for _ in range(reps):  # best of N: other tenants only ever add time
@@ -103,20 +104,13 @@ for _ in range(reps):  # best of N: other tenants only ever add time
         for _ in range(steps):
             model(x).sum().backward()
         best[kind] = min(best[kind], (time.process_time() - t) / steps)
-obs = worker_observer()
-obs.on_start(world_size=2, restart_count=0)
-timer = AllreduceTimer()
-obs._timer = timer  # what wrap_ddp installs, without a DDP model
 obs_best = float("inf")
 for _ in range(reps):
     t = time.process_time()
     for step in range(steps):
-        now = time.monotonic()
-        timer.record_cpu(timer.step_seq, 1 << 20, now, now + 0.001)
-        timer.next_step()  # what the hook does on DDP's last bucket
         obs.on_step(step=step, duration_s=0.03, data_wait_s=0.001, samples=64, tokens=0, loss=1.0)
     obs_best = min(obs_best, (time.process_time() - t) / steps)
-print(best["off"], best["hook"], obs_best, flush=True)
+print(best["off"], best["sampled"], obs_best, flush=True)
 dist.destroy_process_group()  # gloo can abort at interpreter exit with its threads still up
 """
 
@@ -130,11 +124,10 @@ def interleaved_worker(
     """One worker of the interleaved measurement (torch.multiprocessing spawn target).
 
     Holds the example's model three times (same weights): "off" and "aa" plain DDP with no
-    observer, "on" with ``worker_observer()`` and (unless ``--no-hook``) the timing hook; with
-    ``--in-place`` every wait is tracked and "off"/"aa" carry the abortable hook instead. Every
-    cycle trains one step of each on the same batch, in an order rotated every cycle (so no arm
-    always follows another), and records each step's CPU seconds (this process, all threads:
-    gloo's and the hook callbacks') and wall seconds. "aa" is the A/A arm: it differs from
+    observer, "on" with ``worker_observer()`` and (unless ``--no-allreduce``) its allreduce
+    timing. Every cycle trains one step of each on the same batch, in an order rotated every
+    cycle (so no arm always follows another), and records each step's CPU seconds (this process,
+    all threads: gloo's included) and wall seconds. "aa" is the A/A arm: it differs from
     "off" in nothing, so its spread is the measurement's noise floor.
     """
     os.environ["TORCHELASTIC_RUN_ID"] = "bench"  # the observer's run id label
@@ -144,19 +137,11 @@ def interleaved_worker(
 
     from benchmarks.workloads import autocast_of, init_worker, rank_batches, train_step, workload_of
     from elastic_trainer.metrics.worker import worker_observer
-    from elastic_trainer.runtime import torch_compat
-    from elastic_trainer.runtime.abortable import AbortableWaits
-    from elastic_trainer.runtime.comms import WorkerComms, abortable_allreduce_hook
     from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
-
-    comms = WorkerComms(
-        waits=AbortableWaits(enabled=args.in_place)
-    )  # what the healer sets on gloo/CPU
-
     from elastic_trainer.runtime.settings import ENV_METRICS_ALLREDUCE
 
     os.environ[ENV_METRICS_ALLREDUCE] = (
-        "trace" if args.trace else "sampled" if args.sampled else "hook"
+        "trace" if args.trace else "sampled" if args.time_allreduce else "0"
     )
     if args.trace:  # before the first process group: the recorder reads its size once
         from elastic_trainer.metrics.collective_trace import trace_environment
@@ -186,12 +171,7 @@ def interleaved_worker(
             observer: TrainingObserver = NullObserver()
             if arm == "on":
                 observer = worker_observer()
-                if args.hook:
-                    observer.wrap_ddp(ddp)
-            if args.in_place and not torch_compat.has_comm_hook(ddp):
-                # What Attempt.wrap registered before issue 30 when no timing hook was there (now
-                # opt-in): metrics off still paid a Python hook per bucket while healing on gloo.
-                ddp.register_comm_hook(comms, abortable_allreduce_hook)
+                observer.wrap_ddp(ddp)  # nothing with --no-allreduce (time_allreduce is off)
             observer.on_start(world_size=world, restart_count=0)
             fresh[arm] = (ddp, observer, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
         return fresh
@@ -349,9 +329,9 @@ def run_job(mode: str, args: argparse.Namespace, workdir: Path) -> tuple[float, 
 
 
 def micro_costs() -> tuple[float, float, float]:
-    """CPU seconds (best of N) per tiny-model DDP step without and with the timing hook (one
-    bucket, world size 1: the hook's own machinery is all that differs), and per observer
-    ``on_step`` with one bucket's timing, in multiprocess mode."""
+    """CPU seconds (best of N) per tiny-model DDP step at torch's sampling rate and at the
+    observer's (one bucket, world size 1: DDP's timing of sampled backwards is all that differs),
+    and per observer ``on_step``, in multiprocess mode."""
     with tempfile.TemporaryDirectory() as directory:
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=directory, RANK="0", LOCAL_RANK="0",
                    OMP_NUM_THREADS="1")  # fmt: skip
@@ -359,8 +339,8 @@ def micro_costs() -> tuple[float, float, float]:
             [sys.executable, "-c", MICRO, "2000", "9"],
             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=True,
         )  # fmt: skip
-    off, hook, observer = (float(v) for v in out.stdout.strip().splitlines()[-1].split())
-    return off, hook, observer
+    off, sampled, observer = (float(v) for v in out.stdout.strip().splitlines()[-1].split())
+    return off, sampled, observer
 
 
 def main() -> None:
@@ -393,28 +373,16 @@ def main() -> None:
         "--repeat", type=int, default=3, help="interleaved runs (fresh processes each)"
     )
     parser.add_argument(
-        "--no-hook",
-        dest="hook",
+        "--no-allreduce",
+        dest="time_allreduce",
         action="store_false",
-        help="'on' without the allreduce timing hook (ELASTIC_TRAINER_METRICS_ALLREDUCE=0)",
-    )
-    parser.add_argument(
-        "--in-place",
-        action="store_true",
-        help="as `elastic-trainer run` trains on CPU (healing in place): every wait is tracked, and "
-        "'off' and 'aa' carry the abortable allreduce hook the runtime registers without metrics",
+        help="'on' without the allreduce timing (ELASTIC_TRAINER_METRICS_ALLREDUCE=0)",
     )
     parser.add_argument(
         "--trace",
         action="store_true",
         help="'on' times allreduces through the flight recorder (ELASTIC_TRAINER_METRICS_ALLREDUCE="
         "trace; CUDA): the recorder is on for every arm, each arm on its own process group",
-    )
-    parser.add_argument(
-        "--sampled",
-        action="store_true",
-        help="'on' times allreduces from DDP's own sampled statistics (ELASTIC_TRAINER_METRICS_"
-        "ALLREDUCE=sampled, the default since issue 30: no hook); without it or --trace: the hook",
     )
     parser.add_argument(
         "--end-to-end", action="store_true", help="also time whole torchrun jobs, off vs on"
@@ -434,12 +402,8 @@ def main() -> None:
             f"--rebuild-every must be more than the {REBUILD_SETTLE} settling cycles after a rebuild"
         )
     resolve_workload_arguments(parser, args)
-    if (args.trace or args.sampled) and not args.hook:
-        parser.error("--trace/--sampled and --no-hook exclude each other")
-    if args.trace and args.sampled:
-        parser.error("--trace and --sampled exclude each other")
-    if args.in_place and args.device == "cuda":
-        parser.error("--in-place is the gloo (CPU) case: on NCCL healing in place adds no hook")
+    if args.trace and not args.time_allreduce:
+        parser.error("--trace and --no-allreduce exclude each other")
     cuda = args.device == "cuda"
     workers = "gloo workers"
     if cuda:
@@ -458,8 +422,7 @@ def main() -> None:
         f"{what}, global batch {args.global_batch_size}{', bf16 autocast' if args.bf16 else ''}, "
         f"{args.nproc} {workers}, "
         f"OMP_NUM_THREADS=1, scrape every {args.scrape_interval:g}s, allreduce timing "
-        f"{'flight recorder' if args.trace else 'off' if not args.hook else 'sampled' if args.sampled else 'hook'}"
-        f"{'; healing in place (tracked waits, the abortable hook on off/aa)' if args.in_place else ''}; "
+        f"{'flight recorder' if args.trace else 'sampled' if args.time_allreduce else 'off'}; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
     if cuda:
@@ -545,12 +508,11 @@ def main() -> None:
         print(f"median of per-round ratios: {spread(ratios)}")
 
     if not args.skip_micro:
-        off_s, hook_s, observer_s = micro_costs()
-        per_bucket = max(0.0, hook_s - off_s)
+        off_s, sampled_s, observer_s = micro_costs()
         print("\n== CPU cost, best of 9 (single process, world size 1, tiny model) ==")
         print(
-            f"timing hook {per_bucket * 1e6:.1f} us per bucket ({off_s * 1e6:.0f} -> {hook_s * 1e6:.0f} us "
-            f"per step); observer on_step {observer_s * 1e6:.1f} us per step (one bucket's record)"
+            f"DDP's sampled timing {(sampled_s - off_s) * 1e6:.1f} us per step ({off_s * 1e6:.0f} -> "
+            f"{sampled_s * 1e6:.0f} us per step); observer on_step {observer_s * 1e6:.1f} us per step"
         )
 
 

@@ -153,9 +153,10 @@ STEPS: tuple[Step, ...] = (
          dry=("-m", "benchmarks.overhead_e2e", "--model", "cnn", "--width", "8", "--dataset-size", "512",
               "--blocks", "1", "--steps", "5", "--warmup", "3"),
          limit_s=30, dry_limit_s=120, parse=parsers.overhead_e2e),
-    # The default since issue 30 (no hook); the hook mode's GPU figure is in RESULTS (0.93-0.96, session 5).
-    Step(name="metrics_sampled", gpu=(*_METRICS_GPU, "--sampled"), dry=(*_METRICS_DRY, "--sampled"), limit_s=50,
-         dry_limit_s=120, parse=parsers.metrics_overhead),
+    # Metrics off vs on, DDP's buckets in C++ either way: sampled (the default) and trace. The removed
+    # hook mode's GPU figure is in RESULTS (0.93-0.96, session 5).
+    Step(name="metrics_sampled", gpu=_METRICS_GPU, dry=_METRICS_DRY, limit_s=50, dry_limit_s=120,
+         parse=parsers.metrics_overhead),
     Step(name="metrics_trace", gpu=(*_METRICS_GPU, "--trace"), dry=(*_METRICS_DRY, "--trace"), limit_s=50,
          dry_limit_s=120, parse=parsers.metrics_overhead),
     Step(name="checkpoint_stall",
@@ -189,7 +190,7 @@ CLAIMS: tuple[Claim, ...] = (
           step="gpu_tests", figure="test_no_device_wait_cuda", cpu="0 waits",
           cpu_source="tests/unit/test_no_device_wait.py counts them on CPU; RESULTS 'Against the targets' (issue 18)",
           target=_TESTS_TARGET),
-    Claim(claim="NCCL: timing hook, flight recorder, restart, heal in place (tests/gpu/test_cuda_nccl.py)",
+    Claim(claim="NCCL: metrics with no comm hook, flight recorder, restart, heal in place (tests/gpu/test_cuda_nccl.py)",
           step="gpu_tests", figure="test_cuda_nccl", target=_TESTS_TARGET),
     Claim(claim="runtime at its defaults vs bare DDP, GPT-2 small bf16: throughput", step="e2e_gpt",
           figure="wall_ratio", cpu="n/a (GPU model)", cpu_source="on an H100 on 2026-11-22 (before steady-state "

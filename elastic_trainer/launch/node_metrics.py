@@ -57,7 +57,7 @@ ARCHIVE_PID = "archive"
 
 
 def allreduce_timing_mode(environ: Mapping[str, str] | None = None) -> str:
-    """``hook``, ``trace`` or ``off``: how this launcher's workers will time their allreduces
+    """``sampled``, ``trace`` or ``off``: how this launcher's workers will time their allreduces
     (``ELASTIC_TRAINER_METRICS_ALLREDUCE``), checked before any worker starts.
 
     Raises:

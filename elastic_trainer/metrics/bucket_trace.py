@@ -1,8 +1,7 @@
-"""DDP bucket timings from the flight recorder, numbered by step: the hook-free counterpart of
-:class:`~elastic_trainer.metrics.allreduce_hook.AllreduceTimer` (``ELASTIC_TRAINER_METRICS_ALLREDUCE=trace``).
+"""DDP bucket timings from the flight recorder, numbered by step, without a communication hook
+(``ELASTIC_TRAINER_METRICS_ALLREDUCE=trace``).
 
-:class:`TracedBucketTimer` offers what the observer uses of ``AllreduceTimer`` without a
-communication hook. A bucket is an allreduce of the model's group whose size DDP logged as a
+:class:`TracedBucketTimer` gives the observer one :class:`BucketTiming` per bucket. A bucket is an allreduce of the model's group whose size DDP logged as a
 bucket size; it belongs to the last synchronising forward that started before its launch (one
 forward pre-hook). The ring is read once about half of it is new, at least every
 :data:`MAX_READ_INTERVAL_S`. Only NCCL times its collectives: on gloo every bucket counts as
@@ -16,11 +15,11 @@ import math
 import time
 from bisect import bisect_right
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from elastic_trainer.metrics.allreduce_hook import BucketTiming
 from elastic_trainer.metrics.collective_trace import (
     DEFAULT_BUFFER_ENTRIES,
     CollectiveTrace,
@@ -38,6 +37,28 @@ HOLD_STEPS = 8
 """Steps a collective of unknown size waits for DDP to log its rebuilt bucket sizes."""
 MAX_READ_INTERVAL_S = 10.0
 """Longest time between two reads of the recorder (while steps run)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class BucketTiming:
+    """One bucket's allreduce, as the recorder timed it on this rank."""
+
+    step_seq: int
+    """The step the bucket belongs to (:attr:`TracedBucketTimer.step_seq` when it was launched)."""
+    nbytes: int
+    """Size of the bucket's flat gradient buffer."""
+    duration_s: float
+    """Start to completion of the bucket's allreduce on the device."""
+
+
+def exposed_wait_s(timings: list[BucketTiming]) -> float:
+    """Time one step's buckets left exposed, estimated as its last bucket's duration.
+
+    After the last bucket is launched the backward pass has nothing left to overlap with, so
+    this is the communication time the step could not hide. In synchronous data parallelism it
+    also holds the time this rank waited for slower peers: the straggler waits least.
+    """
+    return timings[-1].duration_s if timings else 0.0
 
 
 def ddp_bucket_sizes(ddp_model: Any) -> tuple[set[int], bool]:
@@ -162,8 +183,9 @@ class TracedBucketTimer:
         timings: list[BucketTiming] = []
         for step, c in candidates:
             if c.nbytes in sizes:
-                timings.append(BucketTiming(step_seq=step, nbytes=c.nbytes, duration_s=c.duration_s,
-                                            launched_s=None, done_s=None))  # fmt: skip
+                timings.append(
+                    BucketTiming(step_seq=step, nbytes=c.nbytes, duration_s=c.duration_s)
+                )
             elif not rebuilt and step > self.step_seq - HOLD_STEPS:
                 self._held.append(
                     (step, c)

@@ -28,14 +28,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from elastic_trainer.metrics.allreduce_hook import (
-    AllreduceTimer,
-    BucketTiming,
-    CpuRecord,
-    exposed_wait_s,
-    timed_allreduce_hook,
-)
-from elastic_trainer.metrics.bucket_trace import TracedBucketTimer
+from elastic_trainer.metrics.bucket_trace import BucketTiming, TracedBucketTimer, exposed_wait_s
 from elastic_trainer.metrics.collective_trace import trace_environment
 from elastic_trainer.metrics.ddp_stats import DEFAULT_SAMPLE_EVERY, DdpSample, SampledDdpTimer
 from elastic_trainer.metrics.node_name import worker_node_name
@@ -96,7 +89,7 @@ _RECENT_STEPS = 16
 
 MAX_DEFERRED_STEPS = 64
 """Steps :meth:`PrometheusObserver.on_step` gathers at most before it flushes, whatever the
-interval: bounds the allreduce timing records waiting in the hook's queue."""
+interval: bounds the steps waiting in memory."""
 
 _NODE_LABELS = ("run_id", "node")
 _RANK_LABELS = ("run_id", "node", "rank", "local_rank")
@@ -230,7 +223,8 @@ class _WorkerMetrics:
         )
         self.allreduce_duration = histogram(
             "allreduce_duration_seconds",
-            "Launch to completion of one gradient bucket's allreduce (DDP comm hook).",
+            "Allreduce time of DDP's gradient buckets: one sampled backward's span, all buckets "
+            "(sampled), or one bucket on the device (trace).",
             rank,
             ALLREDUCE_SECONDS_BUCKETS,
         )
@@ -339,11 +333,11 @@ class PrometheusObserver:
         registry: where the metrics are registered (tests inject their own).
         wall_clock: unix time source for checkpoint timestamps (injectable for tests).
         time_allreduce: time the DDP model's bucket allreduces from :meth:`wrap_ddp` on.
-        trace_allreduce: time them through the flight recorder instead (CUDA models; see
-            ``ELASTIC_TRAINER_METRICS_ALLREDUCE``).
-        sample_allreduce: time them from DDP's own sampled runtime statistics (no comm hook: the
-            default, :mod:`elastic_trainer.metrics.ddp_stats`); ``False``: the timing hook on
-            every bucket (``hook``).
+            By default from DDP's own sampled runtime statistics (no comm hook,
+            :mod:`elastic_trainer.metrics.ddp_stats`).
+        trace_allreduce: time them through the flight recorder instead (CUDA models; a CPU model
+            falls back to the sampled statistics; see ``ELASTIC_TRAINER_METRICS_ALLREDUCE``).
+        ring_entries: the flight recorder's ring size (``trace``).
         flush_interval_s: seconds between writes of the per-step values; 0 writes every step.
         clock: monotonic clock for the flush interval (injectable for tests).
 
@@ -359,7 +353,6 @@ class PrometheusObserver:
         wall_clock: Callable[[], float] = time.time,
         time_allreduce: bool = True,
         trace_allreduce: bool = False,
-        sample_allreduce: bool = True,
         ring_entries: int | None = None,
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -369,7 +362,6 @@ class PrometheusObserver:
         self.labels = labels
         self.time_allreduce = time_allreduce
         self.trace_allreduce = trace_allreduce
-        self.sample_allreduce = sample_allreduce
         self.ring_entries = ring_entries
         self.flush_interval_s = flush_interval_s
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -378,19 +370,16 @@ class PrometheusObserver:
         self._clock = clock
         self._next_flush = -math.inf
         self._world_size = 1
-        self._timer: AllreduceTimer | TracedBucketTimer | None = None  # set by wrap_ddp
-        self._sampler: SampledDdpTimer | None = (
-            None  # set by wrap_ddp instead of a timer (the default)
-        )
-        # Steps not absorbed yet: (step, duration, data wait, samples, tokens, loss, the hook's
+        self._timer: TracedBucketTimer | None = None  # set by wrap_ddp (trace)
+        self._sampler: SampledDdpTimer | None = None  # set by wrap_ddp instead (the default)
+        # Steps not absorbed yet: (step, duration, data wait, samples, tokens, loss, the timer's
         # step number when the step was reported).
         self._steps: list[tuple[int, float, float, int, int, float | None, int]] = []
-        # The hook's number of the next step to report that ran a synchronised backward: the
-        # k-th such step (from 0) is the one whose buckets the hook numbered k.
+        # The timer's number of the next step to report that ran a synchronised backward: the
+        # k-th such step (from 0) is the one whose buckets the timer numbered k.
         self._expect = 0
-        self._open: dict[int, list[float]] = {}  # CPU: step -> [last launch, last completion]
-        self._step_durations: dict[int, float] = {}  # CUDA: step -> step duration
-        self._pending: dict[int, list[BucketTiming]] = {}  # CUDA: step -> its bucket timings
+        self._step_durations: dict[int, float] = {}  # trace: step -> step duration
+        self._pending: dict[int, list[BucketTiming]] = {}  # trace: step -> its bucket timings
         # Per-step values not yet written: histograms, counter increments, last gauge values.
         self._step_duration = _LocalHistogram(m.step_duration)
         self._data_wait = _LocalHistogram(m.data_wait)
@@ -409,6 +398,7 @@ class PrometheusObserver:
         self._lr: float | None = None
         self._last_step_at: float | None = None  # monotonic time of the last reported step
         self._busbw: float | None = None
+        self._told_trace_fallback = False
 
     def on_start(
         self, *, world_size: int, restart_count: int, total_steps: int | None = None
@@ -451,7 +441,7 @@ class PrometheusObserver:
 
     def on_priming(self, *, backward_passes: int) -> None:
         """See :class:`~elastic_trainer.runtime.observer.TrainingObserver`. The passes' bucket timings
-        still count as allreduces; the next step reported is paired with the hook's step after
+        still count as allreduces; the next step reported is paired with the timer's step after
         them, not with a priming pass."""
         if backward_passes < 0:
             raise ValueError(f"backward_passes must be >= 0, got {backward_passes}")
@@ -459,8 +449,6 @@ class PrometheusObserver:
             return
         self._absorb_steps()  # steps reported before the passes keep their own numbers
         self._expect += backward_passes
-        for seq in [s for s in self._open if s < self._expect]:
-            del self._open[seq]
 
     def _absorb_steps(self) -> None:
         """Turn the steps gathered by :meth:`on_step` into local histogram and counter values."""
@@ -468,7 +456,6 @@ class PrometheusObserver:
         if steps:
             self._steps = []
         timer = self._timer
-        cuda = timer is not None and timer.use_cuda
         sampler = self._sampler
         exposed: float | None = None
         step_bytes = 0
@@ -479,14 +466,10 @@ class PrometheusObserver:
             if sampler.latest is not None:
                 exposed, step_bytes = sampler.latest.exposed_s, sum(sampler.latest.bucket_bytes)
         if timer is not None:
-            # Every bucket record first: the runtime may report a step after the next step's
-            # backward, so its records may come out of the queue together with later steps'.
-            if cuda:
-                self._absorb_cuda(timer.drain())
-            elif isinstance(timer, AllreduceTimer):
-                self._absorb_cpu(timer.drain_cpu())
+            # Every bucket timing first: the runtime may report a step after the next step's
+            # backward, so its timings may come out together with later steps'.
+            self._absorb_timings(timer.drain())
         expect = self._expect
-        opened = self._open
         compute = self._step_compute
         for step, duration_s, data_wait_s, samples, tokens, loss, step_seq in steps:
             self._samples += samples
@@ -501,24 +484,15 @@ class PrometheusObserver:
                 compute.observe(duration_s - exposed if duration_s > exposed else 0.0)
                 self._allreduce_bytes += step_bytes
             elif step_seq <= expect:
-                # No hook, or no synchronised backward since the last reported step (all
+                # No timer, or no synchronised backward since the last reported step (all
                 # no_sync; exact for a step reported before the next one's backward): no wait.
                 compute.observe(duration_s)
-            elif cuda:
-                self._step_durations[expect] = duration_s  # paired once its events finished
-                expect += 1
             else:
-                # CPU callbacks finish before backward returns, so all of this step's buckets
-                # are in. The wait after its last launch: see exposed_wait_s.
-                span = opened.pop(expect, None)
-                wait = span[1] - span[0] if span is not None and span[1] > span[0] else 0.0
-                compute.observe(duration_s - wait if duration_s > wait else 0.0)
+                self._step_durations[expect] = duration_s  # paired once its timings are in
                 expect += 1
         self._expect = expect
-        if cuda:
-            self._pair_cuda_steps()
-        while len(opened) > _RECENT_STEPS:  # only a loop that reports far fewer steps than it runs
-            del opened[min(opened)]
+        if timer is not None:
+            self._pair_traced_steps()
 
     def _add_allreduce(self, total_bytes: int, total_s: float) -> None:
         self._allreduce_bytes += total_bytes
@@ -535,29 +509,7 @@ class PrometheusObserver:
         if sample.comm_s > 0 and n > 1:
             self._busbw = 2.0 * (n - 1) / n * sum(sample.bucket_bytes) / sample.comm_s
 
-    def _absorb_cpu(self, records: list[CpuRecord]) -> None:
-        expect = self._expect
-        opened = self._open
-        duration_hist = self._allreduce_duration
-        bytes_hist = self._allreduce_bucket_bytes
-        total_bytes = 0
-        total_s = 0.0
-        for seq, nbytes, launched, done in records:
-            elapsed = done - launched if done > launched else 0.0
-            duration_hist.observe(elapsed)
-            bytes_hist.observe(nbytes)
-            total_bytes += nbytes
-            total_s += elapsed
-            if seq >= expect:
-                span = opened.get(seq)
-                if span is None:
-                    opened[seq] = [launched, done]
-                else:
-                    span[0] = max(span[0], launched)
-                    span[1] = max(span[1], done)
-        self._add_allreduce(total_bytes, total_s)
-
-    def _absorb_cuda(self, timings: list[BucketTiming]) -> None:
+    def _absorb_timings(self, timings: list[BucketTiming]) -> None:
         total_bytes = 0
         total_s = 0.0
         for t in timings:
@@ -568,9 +520,9 @@ class PrometheusObserver:
             self._pending.setdefault(t.step_seq, []).append(t)
         self._add_allreduce(total_bytes, total_s)
 
-    def _pair_cuda_steps(self) -> None:
-        # Events finish in launch order: a step's buckets are all in once a later step's first
-        # bucket finished.
+    def _pair_traced_steps(self) -> None:
+        # Collectives finish in launch order: a step's buckets are all in once a later step's
+        # first bucket finished.
         complete_upto = max(self._pending, default=-1) - 1
         for seq in sorted(self._pending):
             if seq > complete_upto:
@@ -637,45 +589,36 @@ class PrometheusObserver:
 
     def wrap_ddp(self, ddp_model: Any) -> None:
         """Time the model's bucket allreduces: by default from DDP's sampled runtime statistics
-        (:class:`SampledDdpTimer`, no hook); with ``trace_allreduce`` and a CUDA model a
-        :class:`TracedBucketTimer` (no hook); with ``sample_allreduce=False`` by registering
-        :func:`~elastic_trainer.metrics.allreduce_hook.timed_allreduce_hook` on every bucket.
+        (:class:`SampledDdpTimer`); with ``trace_allreduce`` and a CUDA model from the flight
+        recorder (:class:`TracedBucketTimer`; a CPU model falls back to the sampled statistics,
+        logged once). Neither registers a communication hook: DDP's buckets stay in C++.
 
         Does nothing when the observer was built with ``time_allreduce=False``.
-
-        Raises:
-            RuntimeError: the model already has a communication hook (DDP allows one).
         """
         if not self.time_allreduce:
             return
         device_ids = getattr(ddp_model, "device_ids", None)
         use_cuda = bool(device_ids) or _params_on_cuda(ddp_model)
-        timer: AllreduceTimer | TracedBucketTimer
         if self.trace_allreduce and use_cuda:
-            timer = TracedBucketTimer(ddp_model, ring_entries=self.ring_entries)
-        elif self.sample_allreduce:
-            self.attach_sampler(
-                SampledDdpTimer(ddp_model, sample_every=None if use_cuda else DEFAULT_SAMPLE_EVERY)
-            )
+            self.attach_timer(TracedBucketTimer(ddp_model, ring_entries=self.ring_entries))
             return
-        else:
-            if self.trace_allreduce:
-                log.warning("%s=trace times NCCL collectives only; this model is on the CPU, so its "
-                            "buckets are timed by the allreduce timing hook", ENV_METRICS_ALLREDUCE)  # fmt: skip
-            timer = AllreduceTimer(getattr(ddp_model, "process_group", None), use_cuda=use_cuda)
-            ddp_model.register_comm_hook(timer, timed_allreduce_hook)
-        self.attach_timer(timer)
+        if self.trace_allreduce and not self._told_trace_fallback:
+            self._told_trace_fallback = True
+            log.warning("%s=trace times NCCL collectives only; this model is on the CPU, so its "
+                        "allreduces are timed as in the sampled mode", ENV_METRICS_ALLREDUCE)  # fmt: skip
+        self.attach_sampler(
+            SampledDdpTimer(ddp_model, sample_every=None if use_cuda else DEFAULT_SAMPLE_EVERY)
+        )
 
-    def attach_timer(self, timer: AllreduceTimer | TracedBucketTimer | None) -> None:
+    def attach_timer(self, timer: TracedBucketTimer | None) -> None:
         """Read bucket timings from ``timer`` from now on (:meth:`wrap_ddp` makes it; tests too)."""
         # A new model's timer numbers its backward passes from 0: what was reported for the
         # previous one is absorbed under the old numbers, its unpaired timings are dropped.
         self._absorb_steps()
-        if isinstance(self._timer, TracedBucketTimer):
+        if self._timer is not None:
             self._timer.remove()
         self._sampler = None
         self._expect = 0
-        self._open.clear()
         self._step_durations.clear()
         self._pending.clear()
         self._timer = timer
@@ -741,7 +684,6 @@ def worker_observer(
         labels=labels,
         time_allreduce=mode != "off",
         trace_allreduce=mode == "trace",
-        sample_allreduce=mode != "hook",
         ring_entries=settings.fr_buffer_entries,
     )
     _process_observer = (os.getpid(), observer)

@@ -26,8 +26,9 @@ ENV_METRICS = "ELASTIC_TRAINER_METRICS"
 """``1``: report metrics to the node's endpoint (the launcher sets it)."""
 ENV_METRICS_ALLREDUCE = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
 """How gradient allreduces are timed: ``sampled`` (default: DDP's own C++ statistics, one backward
-in ten, no comm hook), ``hook`` (a Python comm hook on every bucket), ``trace`` (CUDA: NCCL's
-timings from the flight recorder) or ``0`` (not at all). See ``docs/design/metrics.md``."""
+in ten, no comm hook), ``trace`` (CUDA: NCCL's timings from the flight recorder; a CPU model falls
+back to ``sampled``) or ``0`` (not at all). ``hook`` (a Python comm hook on every bucket) was
+removed in issue 30 and is refused. See ``docs/design/metrics.md``."""
 ENV_CONTROL_CARRIER = "ELASTIC_TRAINER_CONTROL_CARRIER"
 """``1``: on the CPU (gloo), the step's control travels as a gradient that DDP reduces with the
 model's (``runtime/grad_carrier.py``) instead of on its own collective. Off by default: a heal in
@@ -82,7 +83,7 @@ DEFAULT_FR_BUFFER_ENTRIES = 2000
 """torch's default flight-recorder ring size."""
 
 ALLREDUCE_TIMING_MODES = {"1": "sampled", "true": "sampled", "yes": "sampled", "sampled": "sampled",
-                          "hook": "hook", "trace": "trace", "0": "off", "false": "off", "no": "off"}  # fmt: skip
+                          "trace": "trace", "0": "off", "false": "off", "no": "off"}  # fmt: skip
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -122,15 +123,21 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
 
 
 def allreduce_timing_mode(raw: str | None) -> str:
-    """``sampled``, ``hook``, ``trace`` or ``off`` from a :data:`ENV_METRICS_ALLREDUCE` value
+    """``sampled``, ``trace`` or ``off`` from a :data:`ENV_METRICS_ALLREDUCE` value
     (unset: ``sampled``).
 
     Raises:
-        ConfigError: anything else.
+        ConfigError: anything else, and the removed ``hook`` mode (said so, with what replaces it).
     """
-    mode = ALLREDUCE_TIMING_MODES.get((raw if raw is not None else "sampled").strip().lower())
+    value = (raw if raw is not None else "sampled").strip().lower()
+    mode = ALLREDUCE_TIMING_MODES.get(value)
+    if value == "hook":
+        raise ConfigError(
+            f"{ENV_METRICS_ALLREDUCE}=hook was removed (a Python comm hook on every gradient "
+            "bucket slowed the step): use sampled (the default) or trace"
+        )
     if mode is None:
-        raise ConfigError(f"{ENV_METRICS_ALLREDUCE}={raw!r}: expected sampled, hook, trace or 0")
+        raise ConfigError(f"{ENV_METRICS_ALLREDUCE}={raw!r}: expected sampled, trace or 0")
     return mode
 
 
@@ -278,7 +285,7 @@ class WorkerSettings:
     metrics: bool = False
     """Report to the node's metrics endpoint (:data:`ENV_METRICS`)."""
     metrics_allreduce: str = "sampled"
-    """``sampled``, ``hook``, ``trace`` or ``off`` (:data:`ENV_METRICS_ALLREDUCE`)."""
+    """``sampled``, ``trace`` or ``off`` (:data:`ENV_METRICS_ALLREDUCE`)."""
     metrics_dir: str | None = None
     """prometheus-client's multiprocess directory (:data:`ENV_MULTIPROC_DIR`)."""
     node: str | None = None

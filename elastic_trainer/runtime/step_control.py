@@ -21,16 +21,9 @@ On the CPU with ``Elastic``/``Trainer`` (gloo, a :class:`ControlCarrier` around 
 control travels as the gradient of the carrier's parameter: DDP reduces it in C++ with the model's
 gradients and it is read after the backward (:mod:`elastic_trainer.runtime.grad_carrier`); a
 control the backward did not carry goes on its own collective. Otherwise (CUDA, a loop with its
-own DDP) the control is this collective of its own, started before the backward (it overlaps it). Under an opt-in comm hook of this package (the
-metrics' ``hook`` timing, :func:`~elastic_trainer.runtime.comms.abortable_allreduce_hook`) on
-gloo, the control rides on the first gradient bucket's allreduce instead
-(:mod:`elastic_trainer.runtime.bucket_rider`): one collective per step fewer. Each rank's float64 share travels as two float32 halves
-(``hi = float32(x)``, ``lo = float32(x - hi)``), exact for every float32/16 value and integer below
-2**48; a rank whose share does not split exactly says so in a flag slot, and then every rank sends
-the float64 control on its own collective for that step. Rank 0's buffers arrive bit for bit (the
-other ranks add ``-0.0``); the global loss is summed in float32 (a sum of float32 losses, which the
-float64 path adds exactly, may differ in its last bits). Riding, the control completes within its
-step. Every rank rides or none does (agreed when the channel is built).
+own DDP) the control is this collective of its own, started before the backward (it overlaps it).
+No Python comm hook is involved either way: DDP's buckets stay in C++ (issue 30). Every rank
+carries or none does (agreed when the channel is built).
 """
 
 from __future__ import annotations
@@ -39,12 +32,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from elastic_trainer.runtime.abortable import AbortableWaits
-from elastic_trainer.runtime.bucket_rider import BucketRider
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.grad_carrier import ControlCarrier
 
@@ -69,10 +60,6 @@ class PendingControl:
     buffer_work: Any = None
     complete: bool = False
     """The update waited for it: its stop flag can be read without waiting."""
-    payload: torch.Tensor | None = None
-    """The float32 halves riding on a gradient bucket (``None``: not riding, or resolved)."""
-    halves: Any = None
-    """numpy view of ``payload``."""
     carried: bool = False
     """Aboard the model's gradient (:mod:`elastic_trainer.runtime.grad_carrier`), not read yet."""
 
@@ -95,8 +82,6 @@ class ControlChannel:
     Args:
         env: this worker's place in the job (its process group must exist; every rank constructs
             its channel at the same point: under NCCL that creates a gloo group).
-        rider: the bucket rider of a DDP whose hook takes the control aboard (``None``: the
-            control goes on its own collective, the default).
         waits: where the control's waits go (the healer's abortable waits when healing in place).
         carrier: the DDP model's :class:`~elastic_trainer.runtime.grad_carrier.ControlCarrier`:
             the control rides on its gradient when started before the synchronised backward.
@@ -106,7 +91,6 @@ class ControlChannel:
         self,
         env: DistEnv,
         *,
-        rider: BucketRider | None = None,
         waits: AbortableWaits | None = None,
         carrier: ControlCarrier | None = None,
     ) -> None:
@@ -116,15 +100,12 @@ class ControlChannel:
         self.group: Any = None
         if env.world_size > 1 and env.backend != "gloo":
             self.group = dist.new_group(backend="gloo")  # host-side: a CPU tensor, no device stream
-        # Riding needs the buckets on the CPU and on the group the control would use (the default),
-        # and every rank riding: their buckets' collectives must match.
+        # Carrying needs the gradients on the CPU and on the group the control would use (the
+        # default), and every rank carrying: their buckets' collectives must match.
         possible = (
             env.world_size > 1 and self.group is None and not self._cuda
         )  # alike on every rank
-        self._rider = rider if possible and _everyone(rider is not None) else None
-        self._carrier = (
-            carrier if possible and self._rider is None and _everyone(carrier is not None) else None
-        )
+        self._carrier = carrier if possible and _everyone(carrier is not None) else None
         self._size_hosts(_HEADER)
         self._loss_slots = [
             torch.zeros((), dtype=torch.float64, pin_memory=self._cuda) for _ in range(2)
@@ -140,9 +121,6 @@ class ControlChannel:
     def _size_hosts(self, size: int) -> None:
         self._hosts = [torch.zeros(size, dtype=torch.float64) for _ in range(2)]
         self._views = [h.numpy() for h in self._hosts]
-        # Riding: [hi (size), lo (size), inexact] in float32, and their numpy views.
-        self._payloads = [torch.zeros(2 * size + 1, dtype=torch.float32) for _ in range(2)]
-        self._payload_views = [p.numpy() for p in self._payloads]
 
     def start(
         self,
@@ -201,11 +179,6 @@ class ControlChannel:
                 else None,
             )
             pending.carried = True
-        elif self._rider is not None:
-            payload = self._payloads[turn]
-            pending.payload, pending.halves = payload, self._payload_views[turn]
-            _split(view, pending.halves)
-            self._rider.board(payload)
         elif self.env.world_size > 1:
             pending.work = self._allreduce(host)
         if buffers is not None and self._cuda:
@@ -231,37 +204,19 @@ class ControlChannel:
         return waits.track(work.get_future()) if waits.enabled else work  # type: ignore[union-attr]
 
     def _land(self, pending: PendingControl) -> None:
-        """A riding control, after the backward: its sum, into ``pending.host`` (float64)."""
-        if pending.carried:
-            pending.carried = False
-            size = pending.buffers.numel() if pending.buffers is not None else 0
-            if self._carrier is None or not self._carrier.collect(pending.view, size):
-                # No synchronised backward took it (every rank alike): its own collective.
-                self._allreduce(pending.host).wait()
-            pending.complete = True
-            return
-        payload, pending.payload = pending.payload, None
-        if payload is None or self._rider is None:
-            return
-        future = self._rider.collect(payload)
-        if future is not None:
-            (
-                self._waits.track(future) if self._waits.enabled else future
-            ).wait()  # done with the backward's buckets
-            if pending.halves[-1] == 0:
-                _join(pending.halves, pending.view)
-                pending.complete = True
-                return
-        # No bucket took it (every rank alike), or a rank's share did not split exactly: the
-        # float64 control on its own collective (pending.host still holds this rank's share).
-        self._allreduce(pending.host).wait()
+        """A carried control, after the backward: its sum, into ``pending.host`` (float64)."""
+        pending.carried = False
+        size = pending.buffers.numel() if pending.buffers is not None else 0
+        if self._carrier is None or not self._carrier.collect(pending.view, size):
+            # No synchronised backward took it (every rank alike): its own collective.
+            self._allreduce(pending.host).wait()
         pending.complete = True
 
     def wait_before_update(self, pending: PendingControl) -> None:
         """Rank 0's buffers ride on ``pending``: no rank updates before they arrived (raises if a
-        peer died, leaving the state "after the previous step"). A control riding on a bucket
-        is complete after the backward: it is read now."""
-        if pending.payload is not None or pending.carried:
+        peer died, leaving the state "after the previous step"). A control carried by the
+        gradient is complete after the backward: it is read now."""
+        if pending.carried:
             self._land(pending)
             return
         if pending.buffers is None:
@@ -282,7 +237,7 @@ class ControlChannel:
 
     def finish(self, pending: PendingControl) -> ControlResult:
         """Wait for ``pending``'s host collective if needed (it ran while the host computed) and read it."""
-        if pending.payload is not None or pending.carried:
+        if pending.carried:
             self._land(pending)
         if pending.work is not None:
             pending.work.wait()
@@ -309,27 +264,3 @@ def _everyone(flag: bool) -> bool:
     votes = torch.tensor([1.0 if flag else 0.0])
     dist.all_reduce(votes, op=dist.ReduceOp.MIN)
     return bool(votes.numpy()[0] > 0)
-
-
-def _split(control: Any, halves: Any) -> None:
-    """``halves`` (float32, ``2n + 1``) = ``[hi, lo, inexact]`` of ``control`` (float64, ``n``):
-    ``hi + lo == control`` exactly unless ``inexact`` is 1 (numpy on views: no torch call)."""
-    n = control.shape[0]
-    hi, lo = halves[:n], halves[n : 2 * n]
-    with np.errstate(all="ignore"):  # inf, nan and overflow end up inexact: the float64 path
-        np.copyto(hi, control, casting="same_kind")  # rounds to the nearest float32
-        np.copyto(lo, control - hi, casting="same_kind")  # control - hi is exact in float64
-        joined = _joined(hi, lo)
-    halves[-1] = 0.0 if np.array_equal(joined, control, equal_nan=True) else 1.0
-
-
-def _join(halves: Any, control: Any) -> None:
-    """The inverse of :func:`_split` after the sum, into ``control``."""
-    n = control.shape[0]
-    np.copyto(control, _joined(halves[:n], halves[n : 2 * n]))
-
-
-def _joined(hi: Any, lo: Any) -> Any:
-    """``hi + lo`` in float64, ``hi`` alone where ``lo`` is zero (keeps the sign of ``-0.0``,
-    which ``hi + 0.0`` would not)."""
-    return np.where(lo == 0, hi, hi.astype(np.float64) + lo)

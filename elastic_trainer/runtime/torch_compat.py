@@ -430,19 +430,9 @@ DYNAMO_MODULE = "torch._dynamo"
 
 def comm_hooks(ddp_model: Any) -> list[Any]:
     """The communication hook functions registered on ``ddp_model`` (DDP keeps ``(hook, state)``
-    pairs in the private ``_comm_hooks`` list, torch 2.13)."""
+    pairs in the private ``_comm_hooks`` list, torch 2.13). Read-only: the package registers none
+    (issue 30); tests and ``benchmarks/launcher_job.py`` use it to prove that."""
     return [hook for hook, _ in getattr(ddp_model, "_comm_hooks", None) or []]
-
-
-def comm_hook_states(ddp_model: Any) -> list[Any]:
-    """The states of the communication hooks registered on ``ddp_model`` (``_comm_hooks``, as
-    :func:`comm_hooks`)."""
-    return [state for _, state in getattr(ddp_model, "_comm_hooks", None) or []]
-
-
-def has_comm_hook(ddp_model: Any) -> bool:
-    """Whether a communication hook is registered on ``ddp_model`` (:func:`comm_hooks`)."""
-    return bool(comm_hooks(ddp_model))
 
 
 def detach_ddp(ddp_model: Any) -> None:

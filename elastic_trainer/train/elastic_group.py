@@ -46,7 +46,7 @@ from elastic_trainer.heal.healer import (
 )
 from elastic_trainer.heal.protocol import NO_STATE
 from elastic_trainer.runtime import distributed, failures, torch_compat
-from elastic_trainer.runtime.comms import WorkerComms, rides
+from elastic_trainer.runtime.comms import WorkerComms
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import TrainingObserver
@@ -199,7 +199,6 @@ class Attempt:
         self.healed = False
         self._wrappers: list[weakref.ref[Any]] = []
         self._releases: list[Callable[[], None]] = []
-        self._rides_buckets = False
         self._shards: Any = None
         self._carrier: ControlCarrier | None = None
 
@@ -276,9 +275,6 @@ class Attempt:
         if carrier is not None:
             carrier.bind(ddp)
         self._carrier = carrier
-        self._rides_buckets = rides(
-            ddp, self.group.comms
-        )  # an opt-in hook takes the control aboard
         self._wrappers.append(weakref.ref(ddp))
         if release is not None:
             self._releases.append(release)
@@ -294,7 +290,6 @@ class Attempt:
             initial_state=self.initial_state,
             generation_part=healer.heals if healer is not None else 0,
             heal_check=healer.check if healer is not None else None,
-            control_rides_buckets=self._rides_buckets,
             control_carrier=self._carrier,
             comms=self.group.comms,
             **options,

@@ -159,13 +159,10 @@ class ElasticLoop:
         heal_check: called at the start of every step; raises to stop the step when the group
             is being healed (``Healer.check``).
         generation_part: how many times this process healed before (names its sample log).
-        control_rides_buckets: the model's DDP reduces its buckets through an opt-in hook that
-            takes the step's control aboard (``comms.rider``); it rides when :meth:`start_control`
-            is called before the backward, and goes on its own collective otherwise.
         control_carrier: the DDP model's :class:`~elastic_trainer.runtime.grad_carrier.ControlCarrier`
             (the default on the CPU): the control rides on its gradient when :meth:`start_control`
             is called before the synchronised backward, and goes on its own collective otherwise.
-        comms: the worker's runtime context (abortable waits, bucket rider); default a plain one.
+        comms: the worker's runtime context (abortable waits); default a plain one.
     """
 
     def __init__(
@@ -190,7 +187,6 @@ class ElasticLoop:
         initial_state: dict[str, Any] | None = None,
         generation_part: int = 0,
         heal_check: Callable[[], None] | None = None,
-        control_rides_buckets: bool = False,
         control_carrier: ControlCarrier | None = None,
         comms: WorkerComms | None = None,
     ) -> None:
@@ -222,7 +218,6 @@ class ElasticLoop:
         self._initial_state = initial_state
         self._heal_check = heal_check
         self._generation_part = generation_part
-        self._rides_buckets = control_rides_buckets
         self._carrier = control_carrier
         self._comms = comms if comms is not None else WorkerComms()
         self._watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -279,14 +274,7 @@ class ElasticLoop:
         self._watch = self.state.watch()
         self._watch.__enter__()
         try:
-            comms = self._comms
-            comms.rider.clear()  # a payload a failed step left aboard must not ride on this group's buckets
-            self._channel = ControlChannel(
-                self.env,
-                rider=comms.rider if self._rides_buckets else None,
-                waits=comms.waits,
-                carrier=self._carrier,
-            )
+            self._channel = ControlChannel(self.env, waits=self._comms.waits, carrier=self._carrier)
             if self.heals_in_place:
                 self.state.serve_peers()
             if self._initial_state is not None:

@@ -145,7 +145,12 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], dict[str, str], str]]:
         (
             ["run", *EXAMPLE],
             {"ELASTIC_TRAINER_METRICS_ALLREDUCE": "traec"},
-            "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected sampled, hook, trace or 0",
+            "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected sampled, trace or 0",
+        ),
+        (
+            ["run", *EXAMPLE],
+            {"ELASTIC_TRAINER_METRICS_ALLREDUCE": "hook"},
+            "ELASTIC_TRAINER_METRICS_ALLREDUCE=hook was removed",
         ),
         (["run"], {}, "nothing to run"),
         (["checkpoint", "list", str(tmp_path / "nope")], {}, "no such directory"),

@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, port: int, results: Any) -> None:
         plain = torch.nn.parallel.DistributedDataParallel(models[0])
         ddp = torch.nn.parallel.DistributedDataParallel(models[1])
         observer.wrap_ddp(ddp)
-        # The timing hook averages exactly like DDP's built-in allreduce (inputs differ by rank).
+        # The observer leaves DDP's built-in allreduce alone: the same gradients (inputs differ by rank).
         sample = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
         for model in (plain, ddp):
             model(sample).square().mean().backward()

@@ -45,14 +45,11 @@ class _Counter(torch.nn.Module):
 
 def _worker(mode: str, rank: int, work: Path) -> None:
     """``mode``: how buffers are synchronised (``ddp``: DDP's broadcast; ``ride``: on the control
-    allreduce; ``fold``: on the control riding on the first gradient bucket; ``mixed``: ``fold``
-    offered on rank 0 only; ``carry``: on the control carried by the gradient of a
-    :class:`ControlCarrier` parameter, the default; ``none``), with ``+big`` a buffer the float32
-    halves cannot carry exactly."""
+    allreduce; ``carry``: on the control carried by the gradient of a :class:`ControlCarrier`
+    parameter; ``none``), with ``+big`` an int64 buffer that float32 halves cannot carry exactly."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from elastic_trainer.runtime.comms import WorkerComms, abortable_allreduce_hook, rides
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.runtime.grad_carrier import ControlCarrier
     from elastic_trainer.runtime.step_control import ControlChannel
@@ -72,18 +69,13 @@ def _worker(mode: str, rank: int, work: Path) -> None:
     ddp = DDP(carrier or model, forward_sync_buffers=(sync == "ddp"))
     if carrier is not None:
         carrier.bind(ddp)
-    riding = sync == "fold" or (sync == "mixed" and rank == 0)  # "mixed": only rank 0 could ride
-    comms = WorkerComms()
-    if riding:
-        ddp.register_comm_hook(comms, abortable_allreduce_hook)
-        assert rides(ddp, comms)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    channel = ControlChannel(env, rider=comms.rider if riding else None, carrier=carrier)
+    channel = ControlChannel(env, carrier=carrier)
     separate = []  # the control's own collectives
     own_allreduce = channel._allreduce
     channel._allreduce = lambda host: (separate.append(1), own_allreduce(host))[1]  # type: ignore[method-assign]
     buffers = AuthoritativeBuffers(
-        model, rank=rank, world_size=WORLD, apply=sync in ("ride", "fold", "mixed", "carry")
+        model, rank=rank, world_size=WORLD, apply=sync in ("ride", "carry")
     )
     buffers.capture(identical=True)
     seen: list[
@@ -195,43 +187,6 @@ def test_buffers_on_the_control_equal_ddps_broadcast_bit_for_bit(tmp_path: Path)
     assert not torch.equal(drift[1]["seen"][firsts], drift[0]["seen"][firsts])
 
 
-def test_the_control_riding_on_a_gradient_bucket_is_exact_and_needs_no_collective(
-    tmp_path: Path,
-) -> None:
-    ride = _run("ride", tmp_path / "ride")
-    fold = _run("fold", tmp_path / "fold")
-    big = _run("fold+big", tmp_path / "big")
-    firsts = slice(None, None, MICRO)
-    for rank in range(WORLD):
-        assert ride[rank]["separate"] == STEPS and fold[rank]["separate"] == 0, (
-            "the control still had a collective"
-        )
-        # The buffers arrive exactly: each step's first forward starts from rank 0's, bit for bit.
-        assert torch.equal(_bits(fold[rank]["seen"][firsts]), _bits(fold[0]["seen"][firsts])), rank
-        # Stop flag and loss as on the control's own collective (the loss is summed in float32).
-        assert [r[:2] for r in fold[rank]["results"]] == [r[:2] for r in ride[rank]["results"]]
-        assert [r[0] for r in fold[rank]["results"]] == [step == 4 for step in range(1, STEPS + 1)]
-        losses = [
-            (a, b)
-            for (_, _, a), (_, _, b) in zip(
-                fold[rank]["results"], ride[rank]["results"], strict=True
-            )
-        ]
-        assert losses[0] == (None, None) and all(
-            a is not None and b is not None for a, b in losses[1:]
-        )
-        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in losses[1:]), losses
-        for key, value in ride[rank]["state"].items():  # the same training (up to the sums' order)
-            assert torch.allclose(
-                fold[rank]["state"][key].double(), value.double(), rtol=1e-5, atol=1e-6
-            ), key
-        # A value that does not split into float32 halves sends that step's control on its own
-        # collective, and rank 0's counter still arrives exactly (it moves by 1 a forward there).
-        assert big[rank]["separate"] == STEPS
-        counter = big[rank]["seen"][firsts, 0].to(torch.int64)
-        assert counter.tolist() == [BIG + MICRO * step for step in range(STEPS)]
-
-
 def test_the_control_carried_by_a_gradient_is_exact_and_needs_no_collective(
     tmp_path: Path,
 ) -> None:
@@ -260,56 +215,6 @@ def test_the_control_carried_by_a_gradient_is_exact_and_needs_no_collective(
         for key, value in ride[rank]["state"].items():  # "1.": the CNN behind the counter
             mine = carry[rank]["state"]["1." + key]
             assert torch.allclose(mine.double(), value.double(), rtol=1e-5, atol=1e-6), key
-
-
-def test_ranks_ride_only_when_all_can(tmp_path: Path) -> None:
-    """Rank 0 alone has the riding hook (say, metrics on one node only): no rank rides, the job
-    does not hang, and it trains as with the control on its own collective (not bit for bit: a
-    Python comm hook averages a bucket in another order than DDP's C++ one)."""
-    ride = _run("ride", tmp_path / "ride")
-    mixed = _run("mixed", tmp_path / "mixed")
-    firsts = slice(None, None, MICRO)
-    for rank in range(WORLD):
-        assert mixed[rank]["separate"] == STEPS
-        assert torch.equal(_bits(mixed[rank]["seen"][firsts]), _bits(mixed[0]["seen"][firsts])), (
-            rank
-        )
-        assert [r[:2] for r in mixed[rank]["results"]] == [r[:2] for r in ride[rank]["results"]]
-        for key, value in ride[rank]["state"].items():
-            assert torch.allclose(
-                mixed[rank]["state"][key].double(), value.double(), rtol=1e-5, atol=1e-6
-            ), key
-
-
-def test_float64_control_splits_into_exact_float32_halves() -> None:
-    import numpy as np
-
-    from elastic_trainer.runtime.step_control import _join, _split
-
-    exact = np.array(
-        [
-            0.0,
-            -0.0,
-            1.5,
-            -(2.0**47) - 3,
-            2.0**48 - 1,
-            float(np.float32(0.1)),
-            float(np.float32(3e-45)),
-            float("nan"),
-        ]
-    )
-    halves = np.zeros(2 * len(exact) + 1, dtype=np.float32)
-    _split(exact, halves)
-    assert halves[-1] == 0
-    joined = np.zeros_like(exact)
-    _join(halves, joined)
-    assert joined.tobytes() == np.where(np.isnan(exact), joined, exact).tobytes() and np.isnan(
-        joined[-1]
-    )
-    assert np.signbit(joined[1]) and not np.signbit(joined[0])
-    for inexact in (0.1, float(BIG), float("inf"), 1e300):
-        _split(np.array([1.0, inexact]), halves[:5])
-        assert halves[4] == 1, inexact
 
 
 def test_only_models_whose_every_buffer_rides_exactly_replace_the_broadcast() -> None:

@@ -55,6 +55,7 @@ def test_environment_overrides_default_and_code_overrides_environment() -> None:
         (ENV_PG_TIMEOUT_S, "nan"),
         (ENV_JIT_SAVE, "sometimes"),
         (ENV_METRICS_ALLREDUCE, "traec"),
+        (ENV_METRICS_ALLREDUCE, "hook"),  # removed in issue 30: refused, not silently changed
     ],
 )
 def test_bad_environment_value_names_the_variable(name: str, value: str) -> None:

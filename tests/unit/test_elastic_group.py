@@ -244,9 +244,9 @@ def test_the_loop_s_offer_to_hand_its_state_on_stands_through_the_heal() -> None
 
 
 def test_at_the_defaults_ddp_reduces_its_buckets_with_no_python_comm_hook(gloo_world: None) -> None:
-    """Issue 30: healing in place (the healer's abortable waits on, as on gloo/CPU) and the
-    default allreduce metrics leave DDP's buckets to its C++ allreduce. The hook mode of the
-    metrics is the counter-check: the same assertion sees its hook."""
+    """Issue 30: healing in place (the healer's abortable waits on, as on gloo/CPU) and every
+    allreduce metrics mode leave DDP's buckets to its C++ allreduce. The counter-check: a hook
+    registered on the same path (here by the caller, before ``wrap``) is seen by the same reader."""
     from prometheus_client import CollectorRegistry
 
     from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
@@ -258,24 +258,22 @@ def test_at_the_defaults_ddp_reduces_its_buckets_with_no_python_comm_hook(gloo_w
     hooks: dict[str, list[Any]] = {}
     for mode, observer in (
         ("defaults", PrometheusObserver(labels=labels, registry=CollectorRegistry())),
-        (
-            "hook",
-            PrometheusObserver(labels=labels, registry=CollectorRegistry(), sample_allreduce=False),
-        ),
-    ):
+        ("trace", PrometheusObserver(labels=labels, registry=CollectorRegistry(), trace_allreduce=True)),
+        ("off", PrometheusObserver(labels=labels, registry=CollectorRegistry(), time_allreduce=False)),
+        ("a hook", PrometheusObserver(labels=labels, registry=CollectorRegistry())),
+    ):  # fmt: skip
         group, _ = _group(FakeHealer())
         group.comms = WorkerComms(
             waits=AbortableWaits(enabled=True)
         )  # what ElasticGroup takes from a gloo/CPU healer
         for attempt in group.attempts():
             with attempt:
-                ddp = attempt.wrap(DDP(nn.Linear(4, 2)), observer)
+                ddp = DDP(nn.Linear(4, 2))
+                if mode == "a hook":
+                    ddp.register_comm_hook(None, allreduce_hook)
+                ddp = attempt.wrap(ddp, observer)
                 ddp(torch.randn(3, 4)).sum().backward()
                 hooks[mode] = torch_compat.comm_hooks(ddp)
-                assert not attempt._rides_buckets, (
-                    "nothing takes the step's control aboard a bucket"
-                )
-    assert hooks["defaults"] == [], (
-        f"a Python comm hook on DDP's buckets at the defaults: {hooks['defaults']}"
-    )
-    assert len(hooks["hook"]) == 1
+    for mode in ("defaults", "trace", "off"):
+        assert hooks[mode] == [], f"a Python comm hook on DDP's buckets ({mode}): {hooks[mode]}"
+    assert hooks["a hook"] == [allreduce_hook]

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic_trainer.metrics import worker as metrics_mod
-from elastic_trainer.metrics.allreduce_hook import AllreduceTimer, _PendingCuda
+from elastic_trainer.metrics.bucket_trace import BucketTiming
 from elastic_trainer.metrics.worker import (
     MetricsError,
     PrometheusObserver,
@@ -18,7 +18,6 @@ from elastic_trainer.metrics.worker import (
 )
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
-from tests.unit.test_metrics_comm_hook import FakeEvent
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +35,6 @@ def observer(registry: CollectorRegistry) -> PrometheusObserver:
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     # Writes every step, so that each test reads what it just reported (deferral: see below).
     return PrometheusObserver(
-        sample_allreduce=False,
         labels=labels,
         registry=registry,
         wall_clock=lambda: 1_700_000_000.0,
@@ -120,7 +118,7 @@ def test_no_step_series_before_the_first_step(
 def test_learning_rate_and_time_of_the_last_step(registry: CollectorRegistry) -> None:
     wall, mono = [1_700_000_000.0], [50.0]
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=10.0,
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=10.0,
                                   wall_clock=lambda: wall[0], clock=lambda: mono[0])  # fmt: skip
     step(observer, 1, lr=0.1)  # the first step writes at once
     assert value(registry, "elastic_trainer_learning_rate", NODE) == 0.1
@@ -150,49 +148,6 @@ def test_checkpoint_metrics(observer: PrometheusObserver, registry: CollectorReg
     assert value(registry, "elastic_trainer_last_checkpoint_timestamp_seconds", NODE) == 1.7e9
     assert value(registry, "elastic_trainer_checkpoint_saved_bytes_total", NODE) == 4000
     assert value(registry, "elastic_trainer_checkpoint_save_duration_seconds_sum", NODE) == 2.0
-
-
-class FakeDDP:
-    """Records the comm hook the observer registers, like DDP's register_comm_hook."""
-
-    process_group = None
-    device_ids = None
-
-    def __init__(self) -> None:
-        self.state: AllreduceTimer | None = None
-
-    def parameters(self) -> list[object]:
-        return []
-
-    def register_comm_hook(self, state: AllreduceTimer, hook: object) -> None:
-        self.state = state
-
-
-def test_allreduce_timings_give_bandwidth_and_compute_time(
-    observer: PrometheusObserver, registry: CollectorRegistry
-) -> None:
-    ddp = FakeDDP()
-    observer.wrap_ddp(ddp)
-    timer = ddp.state
-    assert timer is not None and not timer.use_cuda
-    observer.on_start(world_size=4, restart_count=0)
-    # Two buckets of step 0: the last one launched at 10.30 and finished at 10.35.
-    timer.record_cpu(0, 1_000_000, launched_s=10.10, done_s=10.20)
-    timer.record_cpu(0, 3_000_000, launched_s=10.30, done_s=10.35)
-    timer.next_step()  # what the hook does after launching DDP's last bucket
-    step(observer, 1, duration_s=0.5)
-    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 2
-    assert value(registry, "elastic_trainer_allreduce_bytes_total") == 4_000_000
-    assert value(registry, "elastic_trainer_allreduce_bucket_bytes_sum") == 4_000_000
-    # nccl-tests busbw: 2*(n-1)/n * bytes / time, over the step's buckets.
-    busbw = value(registry, "elastic_trainer_allreduce_bus_bandwidth_bytes_per_second")
-    assert busbw == pytest.approx(2 * 3 / 4 * 4_000_000 / 0.15)
-    # Compute time = step time - wait after the last launch (10.35 - 10.30).
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.45)
-    # A step that launched no bucket (e.g. no_sync) still gets its compute time.
-    step(observer, 2, duration_s=0.3)
-    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 2
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.75)
 
 
 def test_worker_labels_validate_and_read_env() -> None:
@@ -232,38 +187,6 @@ def test_worker_observer_refuses_without_multiproc_dir(
         worker_observer()
 
 
-def cuda_timer(observer: PrometheusObserver) -> AllreduceTimer:
-    """The timer the observer installs on a DDP model whose gradients live on a GPU."""
-    ddp = FakeDDP()
-    ddp.device_ids = [0]  # type: ignore[assignment]
-    observer.wrap_ddp(ddp)
-    timer = ddp.state
-    assert timer is not None and timer.use_cuda
-    observer.on_start(world_size=2, restart_count=0)
-    return timer
-
-
-def test_cuda_timings_are_taken_when_their_events_finish(
-    observer: PrometheusObserver, registry: CollectorRegistry
-) -> None:
-    timer = cuda_timer(observer)
-    running = _PendingCuda(0, 1000, FakeEvent(True, 0.0), FakeEvent(False, 10.0))
-    timer.add_cuda(running)
-    timer.next_step()  # what the hook does after launching DDP's last bucket
-    step(observer, 1, duration_s=0.5)  # the GPU is behind: nothing is read, nothing waits
-    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 0
-    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 0
-    running.end.done = True
-    timer.add_cuda(_PendingCuda(1, 1000, FakeEvent(True, 20.0), FakeEvent(True, 25.0)))
-    timer.next_step()
-    step(observer, 2, duration_s=0.4)
-    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 2
-    assert value(registry, "elastic_trainer_allreduce_duration_seconds_sum") == pytest.approx(0.015)
-    # Step 1's buckets are complete once step 2's arrived: 0.5 s - its last bucket's 10 ms.
-    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 1
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49)
-
-
 def test_no_checkpoint_series_before_the_first_checkpoint(
     observer: PrometheusObserver, registry: CollectorRegistry
 ) -> None:
@@ -275,27 +198,10 @@ def test_no_checkpoint_series_before_the_first_checkpoint(
     assert value(registry, "elastic_trainer_last_checkpoint_step", NODE) == 5
 
 
-def test_allreduce_timing_can_be_turned_off(registry: CollectorRegistry) -> None:
-    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(
-        sample_allreduce=False,
-        labels=labels,
-        registry=registry,
-        time_allreduce=False,
-        flush_interval_s=0.0,
-    )
-    ddp = FakeDDP()
-    observer.wrap_ddp(ddp)
-    assert ddp.state is None  # no hook registered
-    step(observer, 1, duration_s=0.25)
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.25)
-
-
 def test_per_step_values_are_written_once_per_flush_interval(registry: CollectorRegistry) -> None:
     now = [100.0]
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     observer = PrometheusObserver(
-        sample_allreduce=False,
         labels=labels,
         registry=registry,
         flush_interval_s=1.0,
@@ -328,7 +234,6 @@ def test_per_step_values_are_written_once_per_flush_interval(registry: Collector
     assert value(registry, "elastic_trainer_samples_total") == 6 * 32
     with pytest.raises(ValueError, match="flush_interval_s"):
         PrometheusObserver(
-            sample_allreduce=False,
             labels=labels,
             registry=CollectorRegistry(),
             flush_interval_s=-1.0,
@@ -338,9 +243,7 @@ def test_per_step_values_are_written_once_per_flush_interval(registry: Collector
 def test_deferred_histograms_export_exactly_what_observe_would(registry: CollectorRegistry) -> None:
     """The local histograms write prometheus-client's own storage: the same samples as observe()."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(
-        sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=3600.0
-    )
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0)
     reference = CollectorRegistry()
     direct = metrics_mod._WorkerMetrics(reference, labels)
     durations = [0.0, 0.001, 0.0015, 0.2, 0.2000001, 7.0, 59.9, 60.0, 1e6, -0.5]
@@ -372,36 +275,6 @@ def test_deferred_histograms_export_exactly_what_observe_would(registry: Collect
         assert got[key] == pytest.approx(expected, rel=1e-12, abs=1e-12), key
 
 
-def test_compute_time_pairs_each_step_with_its_own_buckets_when_reported_late(
-    observer: PrometheusObserver, registry: CollectorRegistry
-) -> None:
-    """The runtime reports step k after step k+1's backward (its loss allreduce overlaps that
-    step): step k's compute time must still subtract step k's wait, not step k+1's."""
-    ddp = FakeDDP()
-    observer.wrap_ddp(ddp)
-    timer = ddp.state
-    assert timer is not None
-    observer.on_start(world_size=2, restart_count=0)
-
-    def backward(seq: int, wait: float) -> None:
-        timer.record_cpu(seq, 1000, launched_s=10.0 * seq, done_s=10.0 * seq + wait)
-        timer.next_step()
-
-    backward(0, 0.010)
-    backward(1, 0.200)  # step 1 waited long (a peer was slow)
-    step(observer, 1, duration_s=0.5)  # reported after step 2's backward
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49)
-    backward(2, 0.030)
-    step(observer, 2, duration_s=0.5)
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3)
-    step(observer, 3, duration_s=0.5)  # the last step: reported after its own backward
-    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(
-        0.49 + 0.3 + 0.47
-    )
-    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 3
-    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 3
-
-
 class RecordingHistogram:
     """Stands in for an observer's local histogram: keeps every observed value, in order."""
 
@@ -415,19 +288,213 @@ class RecordingHistogram:
         pass
 
 
-def _late_reporting_run(observer: PrometheusObserver, steps: int) -> RecordingHistogram:
-    """The runtime's order: step k is reported after step k+1's backward (the last step after
-    its own). Step k waits 1 ms * k after its last launch. Returns the compute times observed."""
-    compute = RecordingHistogram()
-    observer._step_compute = compute  # type: ignore[assignment]
+def test_a_long_interval_still_flushes_every_max_deferred_steps(
+    registry: CollectorRegistry,
+) -> None:
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0,
+                                  clock=lambda: 0.0)  # fmt: skip
+    limit = metrics_mod.MAX_DEFERRED_STEPS
+    for n in range(1, limit + 1):  # the first step flushes at once, then `limit` - 1 queue
+        step(observer, n)
+    assert value(registry, "elastic_trainer_samples_total") == 32
+    step(observer, limit + 1)  # the limit-th queued step: flushed without waiting an hour
+    assert value(registry, "elastic_trainer_samples_total") == 32 * (limit + 1)
+    assert value(registry, "elastic_trainer_step") == limit + 1
+
+
+class FakeDDP:
+    """What the observer reads of a DDP model: its parameters' device and DDP's logging data.
+    A comm hook registration fails the test: no allreduce mode may put one on the buckets."""
+
+    process_group = None
+    device_ids = None
+
+    def __init__(self, logging_data: dict[str, object] | None = None) -> None:
+        self.logging_data: dict[str, object] = dict(logging_data or {})
+        self.sample_rate: int | None = None
+
+    def parameters(self) -> list[object]:
+        return []
+
+    def register_comm_hook(self, state: object, hook: object) -> None:
+        raise AssertionError("the observer registered a Python comm hook")
+
+    def _get_ddp_logging_data(self) -> dict[str, object]:
+        return self.logging_data
+
+    def _set_ddp_runtime_logging_sample_rate(self, every: int) -> None:
+        self.sample_rate = every
+
+
+def sampled_backward(
+    ddp: FakeDDP, *, start_s: float, compute_end_s: float, end_s: float, sizes: str
+) -> None:
+    """What DDP's reducer logs of a backward it timed (ns), as the next forward computes it."""
+    ddp.logging_data.update(
+        backward_comm_time_start=int(start_s * 1e9),
+        backward_compute_time_end=int(compute_end_s * 1e9),
+        backward_comm_time_end=int(end_s * 1e9),
+        rebuilt_bucket_sizes=sizes,
+        iteration=int(ddp.logging_data.get("iteration", 0) or 0) + 1,  # type: ignore[call-overload]
+    )
+
+
+def test_sampled_statistics_give_bandwidth_and_compute_time_without_a_hook(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    ddp = FakeDDP()
+    observer.wrap_ddp(ddp)  # the default mode: DDP's own sampled timing, no hook (see FakeDDP)
+    assert ddp.sample_rate == metrics_mod.DEFAULT_SAMPLE_EVERY
+    observer.on_start(world_size=4, restart_count=0)
+    # Two buckets; the first launched at 10.00, the computation ended at 10.30, the last
+    # allreduce at 10.35.
+    sampled_backward(ddp, start_s=10.0, compute_end_s=10.30, end_s=10.35, sizes="1000000, 3000000")
+    step(observer, 1, duration_s=0.5)
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 1
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_sum") == pytest.approx(0.35)
+    assert value(registry, "elastic_trainer_allreduce_bucket_bytes_count") == 2
+    assert value(registry, "elastic_trainer_allreduce_bytes_total") == 4_000_000
+    # nccl-tests busbw: 2*(n-1)/n * bytes / time, over the sampled backward's span.
+    busbw = value(registry, "elastic_trainer_allreduce_bus_bandwidth_bytes_per_second")
+    assert busbw == pytest.approx(2 * 3 / 4 * 4_000_000 / 0.35)
+    # Compute time = step time - the exposed wait (10.35 - 10.30).
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.45)
+    # A step DDP did not time: the newest sample's wait and sizes stand for it (an estimate).
+    step(observer, 2, duration_s=0.3)
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 1
+    assert value(registry, "elastic_trainer_allreduce_bytes_total") == 8_000_000
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.7)
+
+
+def test_trace_on_a_cpu_model_falls_back_to_the_sampled_mode_and_says_so_once(
+    registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(labels=labels, registry=registry, trace_allreduce=True,
+                                  flush_interval_s=0.0)  # fmt: skip
+    for _ in range(2):
+        ddp = FakeDDP()  # on the CPU: the flight recorder times NCCL only
+        with caplog.at_level("WARNING", logger=metrics_mod.__name__):
+            observer.wrap_ddp(ddp)
+        assert observer._timer is None and observer._sampler is not None
+        assert ddp.sample_rate == metrics_mod.DEFAULT_SAMPLE_EVERY
+    said = [r.getMessage() for r in caplog.records if r.name == metrics_mod.__name__]
+    assert said == [
+        "ELASTIC_TRAINER_METRICS_ALLREDUCE=trace times NCCL collectives only; this model is on "
+        "the CPU, so its allreduces are timed as in the sampled mode"
+    ]
+    sampled_backward(ddp, start_s=1.0, compute_end_s=1.1, end_s=1.2, sizes="1000")
+    step(observer, 1, duration_s=0.5)
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 1
+
+
+def test_allreduce_timing_can_be_turned_off(registry: CollectorRegistry) -> None:
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(
+        labels=labels, registry=registry, time_allreduce=False, flush_interval_s=0.0
+    )
     ddp = FakeDDP()
     observer.wrap_ddp(ddp)
-    timer = ddp.state
-    assert timer is not None
-    observer.on_start(world_size=2, restart_count=0)
+    assert ddp.sample_rate is None and observer._sampler is None and observer._timer is None
+    sampled_backward(ddp, start_s=1.0, compute_end_s=1.1, end_s=1.2, sizes="1000")
+    step(observer, 1, duration_s=0.25)
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.25)
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 0
+
+
+class FakeTracedTimer:
+    """What the observer reads of a :class:`~elastic_trainer.metrics.bucket_trace.TracedBucketTimer`
+    (``trace``): per-bucket timings numbered by step, found only after the device ran them."""
+
+    def __init__(self) -> None:
+        self.step_seq = 0
+        self.removed = False
+        self._running: list[BucketTiming] = []
+        self._done: list[BucketTiming] = []
+
+    def launch(self, nbytes: int, duration_s: float, *, done: bool = True) -> None:
+        """A bucket of the current backward (found in the recorder at the next drain if done)."""
+        timing = BucketTiming(step_seq=self.step_seq, nbytes=nbytes, duration_s=duration_s)
+        (self._done if done else self._running).append(timing)
+
+    def next_step(self) -> None:
+        self.step_seq += 1
+
+    def finish(self) -> None:
+        self._done.extend(self._running)
+        self._running.clear()
+
+    def drain(self) -> list[BucketTiming]:
+        done, self._done = self._done, []
+        return done
+
+    def remove(self) -> None:
+        self.removed = True
+
+
+def traced(observer: PrometheusObserver, world_size: int = 2) -> FakeTracedTimer:
+    timer = FakeTracedTimer()
+    observer.attach_timer(timer)  # type: ignore[arg-type]
+    observer.on_start(world_size=world_size, restart_count=0)
+    return timer
+
+
+def test_traced_timings_give_bandwidth_and_are_taken_when_the_device_ran_them(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    timer = traced(observer, world_size=4)
+    timer.launch(1_000_000, 0.10, done=False)
+    timer.launch(3_000_000, 0.05, done=False)
+    timer.next_step()
+    step(observer, 1, duration_s=0.5)  # the device is behind: nothing is read, nothing waits
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 0
+    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 0
+    timer.finish()
+    timer.launch(1000, 0.005)
+    timer.next_step()
+    step(observer, 2, duration_s=0.4)
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 3
+    assert value(registry, "elastic_trainer_allreduce_bytes_total") == 4_001_000
+    busbw = value(registry, "elastic_trainer_allreduce_bus_bandwidth_bytes_per_second")
+    assert busbw == pytest.approx(2 * 3 / 4 * 4_001_000 / 0.155)
+    # Step 1's buckets are complete once step 2's arrived: 0.5 s - its last bucket's 50 ms.
+    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 1
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.45)
+
+
+def test_compute_time_pairs_each_step_with_its_own_buckets_when_reported_late(
+    observer: PrometheusObserver, registry: CollectorRegistry
+) -> None:
+    """The runtime reports step k after step k+1's backward (its loss allreduce overlaps that
+    step): step k's compute time must still subtract step k's wait, not step k+1's."""
+    timer = traced(observer)
+
+    def backward(wait: float) -> None:
+        timer.launch(1000, wait)
+        timer.next_step()
+
+    backward(0.010)
+    backward(0.200)  # step 2 waited long (a peer was slow)
+    step(observer, 1, duration_s=0.5)  # reported after step 2's backward
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49)
+    backward(0.030)
+    step(observer, 2, duration_s=0.5)
+    assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.3)
+    step(observer, 3, duration_s=0.5)  # the last step: no later bucket proves it complete yet
+    assert value(registry, "elastic_trainer_step_compute_seconds_count") == 2
+    assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 3
+
+
+def _late_reporting_run(observer: PrometheusObserver, steps: int) -> RecordingHistogram:
+    """The runtime's order: step k is reported after step k+1's backward (the last step after
+    its own). Step k's last bucket takes 1 ms * k. Returns the compute times observed."""
+    compute = RecordingHistogram()
+    observer._step_compute = compute  # type: ignore[assignment]
+    timer = traced(observer)
     for k in range(1, steps + 1):
-        timer.record_cpu(k - 1, 1000, launched_s=10.0 * k, done_s=10.0 * k + 0.001 * k)
-        timer.record_cpu(k - 1, 500, launched_s=10.0 * k - 1.0, done_s=10.0 * k - 0.5)
+        timer.launch(500, 0.5)
+        timer.launch(1000, 0.001 * k)
         timer.next_step()
         if k > 1:
             step(observer, k - 1, duration_s=1.0, loss=float(k))
@@ -440,10 +507,8 @@ def test_deferred_steps_export_what_writing_every_step_exports() -> None:
     writing each step at once does: step k subtracts its own wait, no later step's."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     eager_registry, lazy_registry = CollectorRegistry(), CollectorRegistry()
-    eager = PrometheusObserver(
-        sample_allreduce=False, labels=labels, registry=eager_registry, flush_interval_s=0.0
-    )
-    lazy = PrometheusObserver(sample_allreduce=False, labels=labels, registry=lazy_registry, flush_interval_s=3600.0,
+    eager = PrometheusObserver(labels=labels, registry=eager_registry, flush_interval_s=0.0)
+    lazy = PrometheusObserver(labels=labels, registry=lazy_registry, flush_interval_s=3600.0,
                               clock=lambda: 0.0)  # fmt: skip
     steps = metrics_mod.MAX_DEFERRED_STEPS - 10
     eager_compute = _late_reporting_run(eager, steps)
@@ -454,7 +519,8 @@ def test_deferred_steps_export_what_writing_every_step_exports() -> None:
     assert value(lazy_registry, "elastic_trainer_step_duration_seconds_count") == 1
     assert value(lazy_registry, "elastic_trainer_allreduce_duration_seconds_count") == 4
     lazy.flush()
-    want = [pytest.approx(1.0 - 0.001 * k) for k in range(1, steps + 1)]
+    # Every step but the last, which no later bucket proves complete.
+    want = [pytest.approx(1.0 - 0.001 * k) for k in range(1, steps)]
     assert eager_compute.values == want
     assert lazy_compute.values == want
     for registry in (eager_registry, lazy_registry):
@@ -463,52 +529,36 @@ def test_deferred_steps_export_what_writing_every_step_exports() -> None:
         assert value(registry, "elastic_trainer_step") == steps
         assert value(registry, "elastic_trainer_loss") == steps + 1
         assert value(registry, "elastic_trainer_samples_total") == 32 * steps
-    assert lazy._open == {}  # nothing left behind for later steps
+    assert list(lazy._pending) == [steps - 1]  # nothing older left behind
 
 
-def test_wrapping_a_new_model_keeps_the_old_hooks_timings(registry: CollectorRegistry) -> None:
-    observer = PrometheusObserver(sample_allreduce=False, labels=WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1),
+def test_wrapping_a_new_model_keeps_the_old_timers_timings(registry: CollectorRegistry) -> None:
+    observer = PrometheusObserver(labels=WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1),
                                   registry=registry, flush_interval_s=3600.0, clock=lambda: 0.0)  # fmt: skip
-    old = FakeDDP()
-    observer.wrap_ddp(old)
-    assert old.state is not None
-    old.state.record_cpu(0, 1000, launched_s=1.0, done_s=1.5)  # launched, never reported
+    old = traced(observer)
+    old.launch(1000, 0.5)  # launched, never reported
     observer.wrap_ddp(FakeDDP())
+    assert old.removed  # it no longer numbers the old model's forwards
     observer.flush()
     assert value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 1
     assert value(registry, "elastic_trainer_allreduce_bytes_total") == 1000
 
 
-def test_a_long_interval_still_flushes_every_max_deferred_steps(
-    registry: CollectorRegistry,
-) -> None:
-    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=3600.0,
-                                  clock=lambda: 0.0)  # fmt: skip
-    limit = metrics_mod.MAX_DEFERRED_STEPS
-    for n in range(1, limit + 1):  # the first step flushes at once, then `limit` - 1 queue
-        step(observer, n)
-    assert value(registry, "elastic_trainer_samples_total") == 32
-    step(observer, limit + 1)  # the limit-th queued step: flushed without waiting an hour
-    assert value(registry, "elastic_trainer_samples_total") == 32 * (limit + 1)
-    assert value(registry, "elastic_trainer_step") == limit + 1
-
-
-def test_cuda_step_without_synchronised_backward_keeps_the_pairing(
+def test_step_without_synchronised_backward_keeps_the_pairing(
     observer: PrometheusObserver, registry: CollectorRegistry
 ) -> None:
     """A no_sync step between two synchronised ones gets its whole time as compute time, and the
-    next step is still paired with its own events (not the skipped step's number)."""
-    timer = cuda_timer(observer)
-    timer.add_cuda(_PendingCuda(0, 1000, FakeEvent(True, 0.0), FakeEvent(True, 10.0)))
+    next step is still paired with its own buckets (not the skipped step's number)."""
+    timer = traced(observer)
+    timer.launch(1000, 0.010)
     timer.next_step()
     step(observer, 1, duration_s=0.5)
     step(observer, 2, duration_s=0.3)  # no backward synchronised: nothing launched
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.3)
-    timer.add_cuda(_PendingCuda(1, 1000, FakeEvent(True, 20.0), FakeEvent(True, 50.0)))
+    timer.launch(1000, 0.030)
     timer.next_step()
     step(observer, 3, duration_s=0.4)
-    timer.add_cuda(_PendingCuda(2, 1000, FakeEvent(True, 60.0), FakeEvent(True, 61.0)))
+    timer.launch(1000, 0.001)
     timer.next_step()
     step(observer, 4, duration_s=0.4)
     # Step 1: 0.5 - 10 ms; step 2: 0.3; step 3: 0.4 - its own 30 ms (not step 1's 10 ms).
@@ -525,51 +575,42 @@ def test_priming_passes_are_timed_but_not_paired_with_a_step(
     """After a restart the runtime runs synchronised backward passes that belong to no step
     (bucket priming): the first real step must subtract its own wait, not a priming pass's."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=interval,
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=interval,
                                   clock=lambda: 0.0)  # fmt: skip
-    ddp = FakeDDP()
-    observer.wrap_ddp(ddp)
-    timer = ddp.state
-    assert timer is not None
-    observer.on_start(world_size=2, restart_count=1)
-    for seq in range(2):  # two priming passes (static_graph), each waited 0.3 s
-        timer.record_cpu(seq, 1000, launched_s=float(seq), done_s=seq + 0.3)
+    timer = traced(observer)
+    for _ in range(2):  # two priming passes (static_graph), each waited 0.3 s
+        timer.launch(1000, 0.3)
         timer.next_step()
     observer.on_priming(backward_passes=2)
-    timer.record_cpu(2, 1000, launched_s=5.0, done_s=5.01)  # step 1 waited 10 ms
+    timer.launch(1000, 0.01)  # step 1 waited 10 ms
     timer.next_step()
-    timer.record_cpu(
-        3, 1000, launched_s=6.0, done_s=6.02
-    )  # step 2's backward ran before step 1's report
+    timer.launch(1000, 0.02)  # step 2's backward ran before step 1's report
     timer.next_step()
     step(observer, 1, duration_s=0.5)
     step(observer, 2, duration_s=0.5)
+    timer.launch(1000, 0.5)  # a later backward: step 2's buckets are all in
     observer.flush()
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(0.49 + 0.48)
-    assert (
-        value(registry, "elastic_trainer_allreduce_duration_seconds_count") == 4
-    )  # priming counts
+    priming_counts = value(registry, "elastic_trainer_allreduce_duration_seconds_count")
+    assert priming_counts == 5
     with pytest.raises(ValueError, match="backward_passes"):
         observer.on_priming(backward_passes=-1)
 
 
 def test_a_new_ddp_model_restarts_the_step_numbering(registry: CollectorRegistry) -> None:
-    """Each DDP model gets its own hook, numbering backward passes from 0: after wrapping a
+    """Each DDP model gets its own timer, numbering backward passes from 0: after wrapping a
     second model, its first step is paired with its own first backward."""
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
-    observer = PrometheusObserver(sample_allreduce=False, labels=labels, registry=registry, flush_interval_s=3600.0,
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0,
                                   clock=lambda: 0.0)  # fmt: skip
-    observer.on_start(world_size=2, restart_count=0)
-    for wait, model_steps in ((0.1, 3), (0.02, 1)):
-        ddp = FakeDDP()
-        observer.wrap_ddp(ddp)
-        timer = ddp.state
-        assert timer is not None
+    for wait, model_steps in ((0.1, 3), (0.02, 2)):
+        timer = traced(observer)
         for seq in range(model_steps):
-            timer.record_cpu(seq, 1000, launched_s=float(seq), done_s=seq + wait)
+            timer.launch(1000, wait)
             timer.next_step()
             step(observer, seq + 1, duration_s=0.5)
     observer.flush()
+    # Each model's last step has no later bucket: model 1's steps 1-2, model 2's step 1.
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(
-        3 * 0.4 + 0.48
+        2 * 0.4 + 0.48
     )

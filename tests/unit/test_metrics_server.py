@@ -275,10 +275,9 @@ def test_worker_observer_honours_allreduce_switch(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
-        ("sampled", "True False True 0 unset"),
-        ("hook", "True False False 0 unset"),
-        ("TRACE", "True True True 2000 1"),
-        ("no", "False False True 0 unset"),
+        ("sampled", "True False 0 unset"),
+        ("TRACE", "True True 2000 1"),
+        ("no", "False False 0 unset"),
     ],
 )
 def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: str) -> None:
@@ -288,7 +287,7 @@ def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: st
         "import os\n"
         "from elastic_trainer.metrics.worker import worker_observer\n"
         "o = worker_observer()\n"
-        "print(o.time_allreduce, o.trace_allreduce, o.sample_allreduce, os.environ.get('TORCH_FR_BUFFER_SIZE', '0'),\n"
+        "print(o.time_allreduce, o.trace_allreduce, os.environ.get('TORCH_FR_BUFFER_SIZE', '0'),\n"
         "      os.environ.get('TORCH_NCCL_ENABLE_TIMING', 'unset'))\n"
     )
     env = dict(
@@ -303,7 +302,21 @@ def test_worker_observer_allreduce_modes(tmp_path: Path, mode: str, expected: st
     assert done.stdout.split() == expected.split()
 
 
-def test_a_worker_refuses_an_unknown_allreduce_mode(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("traec", "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected sampled, trace or 0"),
+        (
+            "hook",
+            "ELASTIC_TRAINER_METRICS_ALLREDUCE=hook was removed (a Python comm hook on every "
+            "gradient bucket slowed the step): use sampled (the default) or trace",
+        ),
+    ],
+)
+def test_a_worker_refuses_an_unknown_or_removed_allreduce_mode(
+    tmp_path: Path, mode: str, message: str
+) -> None:
+    """A one-line ConfigError, no traceback; the removed ``hook`` mode says what replaces it."""
     code = (
         "from elastic_trainer.runtime.failures import ConfigError\n"
         "from elastic_trainer.metrics.worker import worker_observer\n"
@@ -315,15 +328,12 @@ def test_a_worker_refuses_an_unknown_allreduce_mode(tmp_path: Path) -> None:
     env = dict(
         os.environ,
         PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
-        ELASTIC_TRAINER_METRICS_ALLREDUCE="traec",
+        ELASTIC_TRAINER_METRICS_ALLREDUCE=mode,
     )
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True
     )
-    assert (
-        done.stdout.strip()
-        == "ELASTIC_TRAINER_METRICS_ALLREDUCE='traec': expected sampled, hook, trace or 0"
-    ), done
+    assert done.returncode == 0 and done.stdout.strip() == message, done
 
 
 def test_launcher_rejects_an_unknown_allreduce_mode_before_anything_starts(
@@ -333,7 +343,7 @@ def test_launcher_rejects_an_unknown_allreduce_mode_before_anything_starts(
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     with pytest.raises(
         MetricsError,
-        match="ELASTIC_TRAINER_METRICS_ALLREDUCE='hooks': expected sampled, hook, trace or 0",
+        match="ELASTIC_TRAINER_METRICS_ALLREDUCE='hooks': expected sampled, trace or 0",
     ):
         start_launcher_metrics(LauncherMetricsConfig(addr="127.0.0.1", port=0))
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ

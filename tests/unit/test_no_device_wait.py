@@ -1,7 +1,7 @@
 """A steady-state step never waits for the device: counted on CPU.
 
 Two real gloo ranks train with every default on (metrics through the real worker observer and its
-allreduce timing hook, the just-in-time save with BatchNorm buffers, asynchronous checkpoints every
+sampled allreduce timing, the just-in-time save with BatchNorm buffers, asynchronous checkpoints every
 10 steps, a progress line every step). Between steps 6 and 26 every call that would make the host
 wait for a GPU is counted: ``Tensor.item``/``tolist``/``numpy``/``cpu``, a ``to``/``copy_`` that
 moves data to the host without ``non_blocking``, ``float``/``int``/``bool`` of a tensor, and CUDA
