@@ -9,7 +9,8 @@ everything else (replicated buffers, the optimizer's ``step`` scalars, its hyper
 sampler's cursor) stays as it is. Loading puts each local tensor back into the DTensor of the
 same name (model) or of the same parameter index (optimizers) on the *current* mesh, with no
 collective: it needs the same world size and the same placement of this rank as when the payload
-was taken (a heal in place keeps both; anything else loads the resharded checkpoint instead).
+was taken (a heal in place keeps both; at another world size ``state/reshard.py`` first cuts the
+payloads of the old world into this rank's, from the global shapes ``payload["layout"]`` records).
 Design: ``docs/design/sharded.md`` ("Healing sharded state in place").
 """
 

@@ -207,11 +207,13 @@ def test_survivors_renumbered_take_their_old_shards_from_their_new_ranks() -> No
 
 
 def test_a_node_joining_reshards_the_live_shards_onto_more_ranks() -> None:
-    """2 -> 4: the old ranks keep 0 and 1, the newcomers hold nothing; their live shards do."""
-    members = [fsdp(0, 20, world=2), fsdp(1, 20, world=2), None, None]
-    plan = plan_restore(members, 4)
-    assert (plan.step, plan.old_world, plan.new_world) == (20, 2, 4)
-    assert plan.sources == (Source(0, "live"), Source(1, "live"))
+    """2 -> 4: the old ranks keep 0 and 1, the newcomers hold nothing; their live shards do,
+    with the copy off as well."""
+    for every in (1, 0):
+        members = [fsdp(0, 20, world=2, every=every), fsdp(1, 20, world=2, every=every), None, None]
+        plan = plan_restore(members, 4)
+        assert (plan.step, plan.old_world, plan.new_world, plan.redone) == (20, 2, 4, 0)
+        assert plan.sources == (Source(0, "live"), Source(1, "live"))
     # renumbered at the same size (a node left while another joined): every shard moves
     swapped = [None, None, fsdp(1, 5, world=4), fsdp(0, 5, world=4)]
     lost = plan_restore(swapped, 4)
