@@ -214,18 +214,19 @@ def test_a_node_joining_reshards_the_live_shards_onto_more_ranks() -> None:
         plan = plan_restore(members, 4)
         assert (plan.step, plan.old_world, plan.new_world, plan.redone) == (20, 2, 4, 0)
         assert plan.sources == (Source(0, "live"), Source(1, "live"))
-    # renumbered at the same size (a node left while another joined): every shard moves
-    swapped = [None, None, fsdp(1, 5, world=4), fsdp(0, 5, world=4)]
-    lost = plan_restore(swapped, 4)
-    assert lost.step is None and lost.reason == (
-        "survivors were renumbered, and rank 2's shard and its copy on rank 1 are gone; "
-        "rank 3's shard and its copy on rank 2 are gone"
-    )
+    # 4 -> 5, old ranks 0..2 survive in another order: old 3's shard is old 2's neighbour copy
     whole = [None, None, ring(1, 5, world=4, stride=1, steps=(5,)), ring(2, 5, world=4, stride=1,
-             steps=(5,))]  # fmt: skip
-    whole.append(ring(0, 5, world=4, stride=1, steps=(5,)))  # 5 ranks, old 0..2 survive
+             steps=(5,)), ring(0, 5, world=4, stride=1, steps=(5,))]  # fmt: skip
     assert plan_restore(whole, 5).sources == (
         Source(4, "live"), Source(2, "live"), Source(3, "live"), Source(3, "copy"))  # fmt: skip
+
+
+def test_survivors_renumbered_at_the_same_size_fall_back() -> None:
+    """A node left while another joined: same size, other places. The shards could be moved,
+    but the one run that did so failed its next DCP save (docs/design/sharded.md)."""
+    swapped = [None, None, fsdp(1, 5, world=4, copies=(5,)), fsdp(0, 5, world=4, copies=(5,))]
+    plan = plan_restore(swapped, 4)
+    assert plan.step is None and plan.reason == "rank 1 is now rank 2"
 
 
 def test_a_reshard_falls_back_when_a_shard_is_gone_or_the_mesh_is_hsdp() -> None:
@@ -243,9 +244,7 @@ def test_a_reshard_falls_back_when_a_shard_is_gone_or_the_mesh_is_hsdp() -> None
         "the world changed from 4 to 2 ranks, and an HSDP mesh is not resharded in place"
     )
     mixed = [fsdp(0, 7, world=2), fsdp(1, 7, world=3)]
-    assert plan_restore(mixed, 2).reason == (
-        "survivors were renumbered, and the survivors held shards of 2 and 3 ranks"
-    )
+    assert plan_restore(mixed, 2).reason == "the survivors held shards of 2 and 3 ranks"
     twice = [fsdp(0, 7, world=2), fsdp(0, 7, world=2), None]
     assert plan_restore(twice, 3).reason == (
         "the world changed from 2 to 3 ranks, and the survivors' old ranks [0, 0] do not fit"
