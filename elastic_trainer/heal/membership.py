@@ -11,14 +11,17 @@ One prefix watch per process keeps a cache of all three (no polling; etcd sends 
 and a condition variable wakes the training thread. In steady state a process costs etcd that
 watch and nothing else; a round costs each process two writes and, for the one that closes it,
 one transaction. Callbacks from the watch never block: what a round-open event triggers (abort
-the process group, answer the round) runs on this object's responder thread.
+the process group, answer the round) runs on this object's responder thread, in the order the
+rounds opened. The responder exists only while there is a round to handle: a round-open event
+starts it and it ends once nothing is left, so a healthy step carries no thread for it
+(``docs/design/startup-and-threads.md``).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -131,8 +134,11 @@ class Membership:
         self._rounds: dict[int, _Round] = {}
         self._watch: HubWatch | None = None
         self._lost: str | None = None
-        self._events: queue.SimpleQueue[tuple[int, str] | None] = queue.SimpleQueue()
-        self._responder: threading.Thread | None = None
+        self._respond_lock = threading.Lock()
+        self._pending: collections.deque[tuple[int, str]] = collections.deque()
+        """Rounds opened and not handled yet (guarded by ``_respond_lock``)."""
+        self._responding = False
+        """A responder thread runs and will see ``_pending`` (guarded by ``_respond_lock``)."""
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -146,14 +152,13 @@ class Membership:
             on_lost=self._on_lost,
             prefix=True,
         )
-        self._responder = threading.Thread(target=self._respond, name="heal-responder", daemon=True)
-        self._responder.start()
 
     def close(self) -> None:
-        self._closed = True
+        with self._respond_lock:
+            self._closed = True
+            self._pending.clear()
         if self._watch is not None:
             self._watch.cancel()
-        self._events.put(None)
         with self._lock:
             self._lock.notify_all()
 
@@ -430,8 +435,8 @@ class Membership:
                 if found is not None:
                     opened.append(found)
             self._lock.notify_all()
-        for item in opened:
-            self._events.put(item)
+        if opened:
+            self._hand_over(opened)
 
     def _apply(
         self, key: str, value: bytes, revision: int, *, deleted: bool, created: int
@@ -474,12 +479,29 @@ class Membership:
             )  # etcd's order: the same for every process
         return None
 
+    def _hand_over(self, opened: list[tuple[int, str]]) -> None:
+        """(Watch thread) queue rounds for the responder, starting it if none runs."""
+        with self._respond_lock:
+            if self._closed:
+                return
+            self._pending.extend(opened)
+            if self._responding:
+                return  # the running responder takes them before it ends
+            self._responding = True
+        try:
+            threading.Thread(target=self._respond, name="heal-responder", daemon=True).start()
+        except RuntimeError:  # no thread can be started: the next round-open event tries again
+            with self._respond_lock:
+                self._responding = False
+            log.exception("heal: cannot start the responder for round(s) %s", opened)
+
     def _respond(self) -> None:
         while True:
-            item = self._events.get()
-            if item is None or self._closed:
-                return
-            number, reason = item
+            with self._respond_lock:
+                if self._closed or not self._pending:
+                    self._responding = False
+                    return
+                number, reason = self._pending.popleft()
             if self._on_round_open is not None:
                 try:
                     self._on_round_open(number, reason)
