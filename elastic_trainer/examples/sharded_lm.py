@@ -20,8 +20,9 @@ Under ``elastic-trainer run`` a worker fault heals in place: the survivors keep 
 and the lost rank's shard comes from its neighbour's host copy (``--shard-copy-every``, default
 every step; ``--replicas 2`` shards over a replicate x shard mesh, HSDP, where the replica is the
 copy, ``--api loop`` only); when no copy survived, every rank resumes from the newest
-checkpoint, resharded. Both routes heal so: the ``Trainer`` builds and shards the model again
-on the healed group.
+checkpoint, resharded. A node lost for good or joining (``--nnodes 1:N``) changes the world size:
+the shards in memory are resharded onto it in place. Both routes heal so: the ``Trainer``
+builds and shards the model again on the healed group.
 
 ``--api loop`` (the default) is the hand-written loop below, on ``ShardedState`` and
 ``ShardedCheckpointManager``; ``--api trainer`` trains the same model with the runtime's

@@ -15,8 +15,9 @@ logs go to ``<dir>/logs``; the console shows the demo's narrative and the nodes'
 ``--sharded`` runs the same scenario on ``sharded_lm`` (a transformer under FSDP2, its own loop
 over ``ElasticGroup`` attempts): the worker SIGKILL heals in place, the lost rank's shards coming
 from its neighbour's host copy (0 steps lost); a join or a leave changes the world size, and the
-group goes on from the newest sharded checkpoint, resharded onto the new world (the summary
-counts the steps redone).
+shards held in memory are cut into those of the new world (resharded in place, no checkpoint
+read); where some shard has no copy left, the group goes on from the newest sharded checkpoint,
+resharded (the summary counts the steps redone either way).
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class DemoSettings:
     """Node a's metrics port; node b uses the next one. 0: metrics off."""
     sharded: bool = False
     """Train ``sharded_lm`` (FSDP2) instead of ``synthetic_cnn`` (DDP): a lost worker heals in
-    place from its neighbour's copy of its shards; a new world size resumes from the newest
-    sharded checkpoint, resharded."""
+    place from its neighbour's copy of its shards; a new world size is resharded in place from
+    the shards and copies in memory (the newest sharded checkpoint where a shard is gone)."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 100:
@@ -347,8 +348,8 @@ class Demo:
                 self.say(
                     "[demo] sharded: sharded_lm under FSDP2 (each worker holds and checkpoints "
                     "its own shards, and keeps a copy of its neighbour's); a lost worker heals in "
-                    "place from that copy, a new world size goes on from the newest sharded "
-                    "checkpoint, resharded"
+                    "place from that copy, and a new world size is resharded in place from the "
+                    "shards and copies in memory"
                 )
             self.say("[demo] node a starts (elastic: 1 to 2 nodes, 2 workers each)")
             self.start_node("a", etcd.endpoint, run_id, ports[0])
@@ -478,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sharded",
         action="store_true",
         help="the same faults on an FSDP2 model (sharded_lm): heal in place from a neighbour's "
-        "copy of the shards; a new world size resumes from the sharded checkpoint",
+        "copy of the shards; a new world size is resharded in place from them",
     )
     parser.add_argument(
         "--metrics-port",
