@@ -8,7 +8,8 @@ Variants (``API/LAUNCHER``): ``bare/torchrun`` is a plain DDP loop under ``torch
 run`` at every default (embedded etcd, in-place healing, metrics, warm start, watchdog,
 checkpoints every 100 steps); the cross terms ``bare/elastic`` and ``trainer/torchrun`` split the
 cost between the launcher and the runtime; ``trainer/elastic+owncontrol`` (opt-in)
-the step's control on its own collective, as before it rode on a gradient. The user script is ``benchmarks/launcher_job.py``, two
+the step's control on its own collective (``ELASTIC_TRAINER_CONTROL_CARRIER=0``), as before it rode
+on a gradient. The user script is ``benchmarks/launcher_job.py``, two
 gloo workers on this machine. Each pair runs every variant once, in an order that alternates
 between pairs, so that the machine's drift hits all alike; ratios are taken against the baseline
 of the same pair and the median over pairs is reported.
@@ -16,8 +17,9 @@ of the same pair and the median over pairs is reported.
 Reported per variant: steady-state steps/s of rank 0 (steps ``warmup..steps``), CPU per step
 (both workers' processes, every thread, over the same window: the robust figure on a shared
 machine), time from the launch to the end of the first step (rank 0) and to the start of the user's script
-(its first line), worker threads in steady state and the Python comm hooks on the DDP model (0
-expected everywhere). The JSON records also hold ``tree_cpu_s``, the CPU of the reaped process tree
+(its first line), worker threads in steady state, the Python comm hooks on the DDP model (0
+expected everywhere) and how the ``Trainer``'s step control travelled (``gradient`` at the defaults
+on the CPU). The JSON records also hold ``tree_cpu_s``, the CPU of the reaped process tree
 per run: the whole job under torchrun, but not the warm-forked workers of ``elastic-trainer run``
 (they are not the launcher's children), so it is not compared.
 """
@@ -108,8 +110,8 @@ VARIANTS = (
 """``+owncontrol``: the step's
 control on its own gloo collective instead of the model's gradient (the default before the
 gradient-carried control, ``runtime/grad_carrier.py``; not run unless named). ``+carrier``: the
-control carried by a gradient (``ELASTIC_TRAINER_CONTROL_CARRIER=1``), opt-in since a heal from one
-rank to two hangs with it; the default is the control's own collective again."""
+control carried by a gradient, named (``ELASTIC_TRAINER_CONTROL_CARRIER=1``): the default since the
+heal from one rank to two works with it (issue 30), kept for runs that compare both explicitly."""
 DEFAULT_VARIANTS = VARIANTS[:4]
 BASELINE = "bare/torchrun"
 
@@ -167,6 +169,7 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float)
         "run_s": ended - launched,
         "threads": ranks[0]["threads"],
         "comm_hooks": max(r["comm_hooks"] for r in ranks),
+        "control": ranks[0].get("control", "-") if variant.startswith("trainer") else "-",
     }
 
 
@@ -174,8 +177,8 @@ def summarize(results: list[dict[str, Any]], variants: tuple[str, ...]) -> str:
     """The headline table: medians, and each variant's median ratio to the baseline of its pair."""
     lines = [
         "| workload | variant | steps/s (median; min-max) | ratio | CPU ms/step | CPU ratio | first step s | "
-        "first step - baseline s | script start s | threads | hooks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "first step - baseline s | script start s | threads | hooks | control |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for workload in dict.fromkeys(r["workload"] for r in results):
         rows = [r for r in results if r["workload"] == workload]
@@ -204,9 +207,10 @@ def summarize(results: list[dict[str, Any]], variants: tuple[str, ...]) -> str:
                 f"{statistics.median(ratio):.3f} | {statistics.median(r['cpu_ms_per_step'] for r in mine):.2f} | "
                 f"{statistics.median(cpu_ratio):.3f} | {statistics.median(r['first_step_s'] for r in mine):.2f} | "
                 f"{statistics.median(first_delta):+.2f} | {statistics.median(r['script_start_s'] for r in mine):.1f} | "
-                f"{max(r['threads'] for r in mine)} | {max(r['comm_hooks'] for r in mine)} |"
+                f"{max(r['threads'] for r in mine)} | {max(r['comm_hooks'] for r in mine)} | "
+                f"{'/'.join(sorted({r.get('control', '-') for r in mine}))} |"
             )
-        lines.append(f"| {workload} | pairs | {len(pairs)} | | | | | | | | |")
+        lines.append(f"| {workload} | pairs | {len(pairs)} | | | | | | | | | |")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@
 everything at its default (under ``elastic-trainer run``: in-place healing, metrics, checkpoints
 every 100 steps, the just-in-time save). Every rank writes ``OUT.RANK`` (JSON): the unix time of
 its first finished step, the wall and CPU time (this process, every thread) of steps
-``warmup..steps``, how many Python comm hooks its DDP has and how many threads it runs.
+``warmup..steps``, how many Python comm hooks its DDP has, how many threads it runs, and how the
+Trainer's step control travelled (``gradient``: carried by DDP's buckets; ``collective``: its own).
 """
 
 from __future__ import annotations
@@ -52,13 +53,17 @@ class Clock:
         self.stamps: list[tuple[float, float]] = []
         self.first_unix: float | None = None
         self.hooks = -1
+        self.control = "-"
 
     def step(self, ddp: Any) -> None:
         if self.first_unix is None:
             from elastic_trainer.runtime import torch_compat
+            from elastic_trainer.runtime.grad_carrier import ControlCarrier
 
             self.first_unix = time.time()
             self.hooks = len(torch_compat.comm_hooks(ddp))
+            carried = isinstance(getattr(ddp, "module", None), ControlCarrier)
+            self.control = "gradient" if carried else "collective"
         self.stamps.append((time.perf_counter(), time.process_time()))
         if len(self.stamps) == self.warmup:
             self.threads = len(os.listdir("/proc/self/task"))  # in steady state
@@ -108,8 +113,8 @@ def trainer(args: argparse.Namespace, clock: Clock) -> None:
     from elastic_trainer.checkpoint.config import CheckpointConfig
     from elastic_trainer.runtime.settings import ENV_CONTROL_CARRIER
 
-    # The carrier is opt-in for now (its docstring says why): --control picks the path.
-    os.environ[ENV_CONTROL_CARRIER] = "1" if args.control == "gradient" else "0"
+    if args.control is not None:  # else the default: a gradient on the CPU
+        os.environ[ENV_CONTROL_CARRIER] = "1" if args.control == "gradient" else "0"
 
     spec = _job(args)
     job = TrainingJob(
@@ -147,8 +152,9 @@ def main() -> int:
     parser.add_argument(
         "--control",
         choices=("gradient", "collective"),
-        default="collective",
-        help="trainer: the step's control as a gradient (ELASTIC_TRAINER_CONTROL_CARRIER=1) or on its own collective",
+        default=None,
+        help="trainer: the step's control as a gradient (the default) or on its own collective "
+        "(ELASTIC_TRAINER_CONTROL_CARRIER=0)",
     )
     parser.add_argument("--out", required=True, help="each rank writes OUT.RANK")
     args = parser.parse_args()
@@ -171,6 +177,7 @@ def main() -> int:
                 "wall_s": window[-1][0] - window[0][0],
                 "cpu_s": window[-1][1] - window[0][1],
                 "comm_hooks": clock.hooks,
+                "control": clock.control,
                 "threads": clock.threads,
             }
         )

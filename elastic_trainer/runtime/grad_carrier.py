@@ -33,7 +33,6 @@ for the device, which the control's own host collective avoids (``docs/design/st
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +43,6 @@ from torch import nn
 
 from elastic_trainer.runtime import torch_compat
 from elastic_trainer.runtime.distributed import DistEnv
-from elastic_trainer.runtime.settings import ENV_CONTROL_CARRIER
 
 _CARRIED, _STOP, _PRESENT, _CHECKPOINT_FAILED, _LOSS_HI, _LOSS_LO, _SLOTS = range(7)
 _BYTES = 8
@@ -113,11 +111,15 @@ class ControlCarrier(nn.Module):
         self._aboard = _Aboard(self.control)
 
     @classmethod
-    def maybe(cls, model: nn.Module, env: DistEnv) -> ControlCarrier | None:
-        """A carrier for ``model`` in ``env``, or ``None``: one rank, more than
+    def maybe(
+        cls, model: nn.Module, env: DistEnv, *, enabled: bool = True
+    ) -> ControlCarrier | None:
+        """A carrier for ``model`` in ``env`` (the attempt's: a heal changes the world size), or
+        ``None``: not ``enabled`` (``ELASTIC_TRAINER_CONTROL_CARRIER=0``), one rank, more than
         :data:`MAX_WORLD`, a device other than the CPU, a default group other than gloo, or no
-        float32 parameter (the control would get a bucket of its own). Alike on every rank."""
-        if os.environ.get(ENV_CONTROL_CARRIER, "0") != "1":  # opt-in for now (see its docstring)
+        float32 parameter (the control would get a bucket of its own). Alike on every rank of
+        the attempt: it reads nothing but the job's settings, the attempt's world and the model."""
+        if not enabled:
             return None
         if not 1 < env.world_size <= MAX_WORLD or env.device.type != "cpu" or env.backend != "gloo":
             return None

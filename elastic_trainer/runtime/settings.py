@@ -30,9 +30,11 @@ in ten, no comm hook), ``trace`` (CUDA: NCCL's timings from the flight recorder;
 back to ``sampled``) or ``0`` (not at all). ``hook`` (a Python comm hook on every bucket) was
 removed in issue 30 and is refused. See ``docs/design/metrics.md``."""
 ENV_CONTROL_CARRIER = "ELASTIC_TRAINER_CONTROL_CARRIER"
-"""``1``: on the CPU (gloo), the step's control travels as a gradient that DDP reduces with the
-model's (``runtime/grad_carrier.py``) instead of on its own collective. Off by default: a heal in
-place that grows the world from one rank to two hangs with it (issue 30, not yet mended)."""
+"""``0`` sends the step's control on its own small gloo collective every step. By default (``1``),
+on the CPU with gloo and 2 or more ranks, ``Elastic``/``Trainer`` carry it as the gradient of an
+extra parameter that DDP reduces with the model's in C++ (``runtime/grad_carrier.py``; about 7 % of
+a short step's CPU less). Every rank of an attempt decides alike, from the attempt's world
+(``docs/design/steady-state.md``, "The control as a gradient")."""
 ENV_SHARD_COPY_EVERY = "ELASTIC_TRAINER_SHARD_COPY_EVERY"
 """Steps between refreshes of each sharded (FSDP2) rank's copy on its neighbour, for a loop that
 heals sharded state in place (``state/neighbour_copy.py``); ``0`` turns the copy off."""
@@ -304,6 +306,8 @@ class WorkerSettings:
     """torchrun's ``LOCAL_RANK``."""
     heal: HealSettings = HealSettings()
     """In-place healing."""
+    control_carrier: bool = True
+    """The step's control rides on a gradient where it can (:data:`ENV_CONTROL_CARRIER`)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -330,6 +334,7 @@ class WorkerSettings:
             rank=_int(env, "RANK", 0),
             local_rank=_int(env, "LOCAL_RANK", 0),
             heal=launch.heal if launch.heal is not None else HealSettings.from_environ(env),
+            control_carrier=_bool(env, ENV_CONTROL_CARRIER, True),
         )
 
 

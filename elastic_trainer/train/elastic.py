@@ -267,7 +267,7 @@ class Elastic:
         """What the forward runs on (``elastic.ddp(x)``): the model in DDP over the current
         process group (a new one after each heal), or a model sharded with ``fully_shard`` itself
         (FSDP2 reduces its gradients in its own hooks; there is no DDP). ``None`` between
-        attempts. With ``ELASTIC_TRAINER_CONTROL_CARRIER=1`` on the CPU, DDP wraps a
+        attempts. On the CPU (gloo, 2 or more ranks) DDP wraps a
         :class:`~elastic_trainer.runtime.grad_carrier.ControlCarrier` around the model
         (``ddp.module.module`` is the model; save :attr:`model`, never ``ddp.module``)."""
         if self.state.sharded is not None:
@@ -348,9 +348,10 @@ class Elastic:
         kwargs, ride = self.ddp_kwargs(self.env)
         if ride:
             self.state.sync_buffers()
-        # Opt-in on the CPU, the step's control rides on a gradient DDP reduces anyway (no
-        # collective of its own): DDP wraps the model with that parameter (runtime/grad_carrier.py).
-        carrier = ControlCarrier.maybe(self.model, self.env)
+        # On the CPU the step's control rides on a gradient DDP reduces anyway (no collective of
+        # its own): DDP wraps the model with that parameter (runtime/grad_carrier.py). Decided
+        # from this attempt's world, alike on every rank (a survivor and a newcomer too).
+        carrier = ControlCarrier.maybe(self.model, self.env, enabled=self.settings.control_carrier)
         module = carrier if carrier is not None else self.model
         self._ddp = attempt.wrap(
             DDP(module, init_sync=attempt.ddp_init_sync, **kwargs),

@@ -133,7 +133,8 @@ def _run(mode: str, work: Path) -> list[dict[str, torch.Tensor]]:
                 str(work),
             ],
             cwd=ROOT,
-            env={**os.environ, ENV_CONTROL_CARRIER: "1"},  # the carrier is opt-in for now
+            # At the defaults (the carrier on): whatever the caller's environment chose.
+            env={k: v for k, v in os.environ.items() if k != ENV_CONTROL_CARRIER},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.errors import ConfigError
 from elastic_trainer.runtime.grad_carrier import ControlCarrier, buffer_values
-from elastic_trainer.runtime.settings import ENV_CONTROL_CARRIER
+from elastic_trainer.runtime.settings import ENV_CONTROL_CARRIER, WorkerSettings
 
 
 def _model() -> nn.Module:
@@ -112,20 +113,26 @@ def test_only_a_synchronised_forward_carries_and_every_one_gives_a_gradient() ->
         carrier(torch.randn(5, 4))  # evaluation: nothing attached, nothing to fail
 
 
-def test_a_carrier_is_made_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_carrier_is_made_only_where_it_applies() -> None:
     def env(**kw: object) -> DistEnv:
         base = {"world_size": 2, "device": torch.device("cpu"), "backend": "gloo"}
         return SimpleNamespace(**(base | kw))  # type: ignore[return-value]
 
-    monkeypatch.delenv(ENV_CONTROL_CARRIER, raising=False)
-    assert ControlCarrier.maybe(_model(), env()) is None  # opt-in for now
-    monkeypatch.setenv(ENV_CONTROL_CARRIER, "1")
     assert ControlCarrier.maybe(_model(), env()) is not None
+    assert ControlCarrier.maybe(_model(), env(), enabled=False) is None  # the opt-out
     assert ControlCarrier.maybe(_model(), env(world_size=1)) is None
     assert ControlCarrier.maybe(_model(), env(backend="nccl")) is None
     assert ControlCarrier.maybe(_model(), env(device=torch.device("cuda", 0))) is None
     assert ControlCarrier.maybe(_model().double(), env()) is None  # no float32 bucket to join
     assert buffer_values(_model()) == 6 + 6 + 1  # running mean, var, and the batch counter
+
+
+def test_the_carrier_is_the_default_and_the_variable_opts_out() -> None:
+    assert WorkerSettings.from_environ({}).control_carrier
+    assert not WorkerSettings.from_environ({ENV_CONTROL_CARRIER: "0"}).control_carrier
+    assert WorkerSettings.from_environ({ENV_CONTROL_CARRIER: "1"}).control_carrier
+    with pytest.raises(ConfigError, match=ENV_CONTROL_CARRIER):
+        WorkerSettings.from_environ({ENV_CONTROL_CARRIER: "maybe"})
 
 
 def test_the_models_own_attributes_are_reached_through_the_carrier() -> None:
