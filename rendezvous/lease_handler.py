@@ -368,6 +368,13 @@ class LeaseRendezvousHandler(RendezvousHandler):
             connection if owns_connection else None,
         )
 
+    @property
+    def connection(self) -> EtcdConnection:
+        """The etcd connection of this handler. Others in the process may use it too (the
+        in-place launcher's liveness lease and watches ride on its keep-alive and watch streams);
+        a handler made with ``owns_connection`` closes it when it leaves."""
+        return self._connection
+
     # -- RendezvousHandler ------------------------------------------------------------------------
 
     def get_backend(self) -> str:

@@ -21,7 +21,12 @@ stops re-forming the whole job:
   addresses in those keys): a member node silent for 0.8 s is reported the same way, well before
   its lease expires;
 * every new epoch that is not a first rendezvous is a heal: the launcher's ``on_heal`` callback
-  hears of it (it counts heals and reports their root cause, :func:`describe_heal`).
+  hears of it (it counts heals and reports their root cause, :func:`describe_heal`);
+* the liveness lease and the watches go over the ``etcd-v3`` handler's own etcd connection
+  (:func:`etcd_connection_for`): one keep-alive stream and one watch stream per launcher, not two
+  of each. The inner handler owns and closes it; this one leaves first (``shutdown``, ``leave``),
+  and what its lease's expiry does (registering again, etcd calls that may wait) runs on a
+  thread of its own, never on the shared keeper's reader.
 
 Everything else (close, shutdown, run id, store) is the ``etcd-v3`` handler's.
 Design: ``docs/design/heal-in-place.md``.
@@ -253,7 +258,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
                 self._heartbeats.close()
             raise
         LeaseKeeper.of(connection).keep(
-            self._lease_id, lease_ttl, lambda _lease: self._register_again(lease_ttl)
+            self._lease_id, lease_ttl, lambda _lease: self._on_lease_expired(lease_ttl)
         )
         self._watch = WatchHub.of(connection).watch(
             node_key(self._keys, ""),
@@ -386,6 +391,14 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             time.sleep(0.2)
         return True
 
+    def _on_lease_expired(self, lease_ttl: int) -> None:
+        """(The keeper's reader thread, shared with the rendezvous' lease: must not block)."""
+        if self._left:
+            return
+        threading.Thread(
+            target=self._register_again, args=(lease_ttl,), name="in-place-register", daemon=True
+        ).start()
+
     def _register_again(self, lease_ttl: int) -> None:
         log.warning(
             "in-place: this node's lease expired (etcd unreachable for %d s); registering again",
@@ -403,7 +416,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
                 what="registering this node",
             )
             LeaseKeeper.of(self._connection).keep(
-                self._lease_id, lease_ttl, lambda _lease: self._register_again(lease_ttl)
+                self._lease_id, lease_ttl, lambda _lease: self._on_lease_expired(lease_ttl)
             )
         except Exception as exc:  # noqa: BLE001 - retried at the next expiry; joins still work
             log.warning("in-place: registering again failed: %s", exc)
@@ -514,6 +527,18 @@ def leave_all() -> None:
             log.info("in-place: leaving the run failed: %s", exc)
 
 
+def etcd_connection_for(inner: RendezvousHandler, params: RendezvousParameters) -> EtcdConnection:
+    """The etcd connection the in-place handler around ``inner`` uses: ``inner``'s own (the lease
+    handler exposes it as ``connection``), so that the launcher runs one keep-alive and one watch
+    stream; a new one of the same settings for a handler that does not (``handler=dynamic``)."""
+    connection = getattr(inner, "connection", None)
+    if isinstance(connection, EtcdConnection):
+        return connection
+    from rendezvous.settings import parse_settings
+
+    return EtcdConnection(parse_settings(params).client_config())
+
+
 def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
     """Register :data:`BACKEND_NAME` with torch: the ``etcd-v3`` handler, wrapped."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
@@ -523,9 +548,8 @@ def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
 
     def create(params: RendezvousParameters) -> RendezvousHandler:
         inner = create_rdzv_handler(params)
-        settings = parse_settings(params)
-        config = settings.client_config()
-        connection = EtcdConnection(config)
+        config = parse_settings(params).client_config()
+        connection = etcd_connection_for(inner, params)
         # Peers send heartbeats where they reach this node: torchrun's --local-addr, else the
         # address of this host's route to etcd (the cluster's network).
         first = config.endpoints[0]

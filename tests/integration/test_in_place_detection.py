@@ -1,9 +1,12 @@
 """How a launcher that heals in place notices a lost node, on a real etcd: peer heartbeats before
-the liveness lease, the lease without them, and no heal once the job finished."""
+the liveness lease, the lease without them, and no heal once the job finished. Each handler uses
+its rendezvous handler's etcd connection, as the launcher does (one keep-alive and one watch
+stream per launcher)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,10 +16,14 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_trainer.heal.membership import HealKeys
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Member
-from elastic_trainer.launch.in_place import InPlaceRendezvousHandler, node_key
+from elastic_trainer.launch.in_place import (
+    InPlaceRendezvousHandler,
+    etcd_connection_for,
+    node_key,
+)
 from elastic_trainer.ops.processes import wait_for
 from rendezvous import etcd_ops
-from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
+from rendezvous.etcd_client import EtcdConnection
 from rendezvous.plugin import create_rdzv_handler
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,10 +35,9 @@ def launchers(etcd_server) -> Iterator[Callable[..., InPlaceRendezvousHandler]]:
     made: list[tuple[InPlaceRendezvousHandler, EtcdConnection]] = []
 
     def start(run_id: str, node: str, *, heartbeats: bool = True) -> InPlaceRendezvousHandler:
-        inner = create_rdzv_handler(
-            RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3)
-        )
-        conn = EtcdConnection(EtcdClientConfig(endpoints=parse_endpoints(etcd_server.endpoint)))
+        params = RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3)
+        inner = create_rdzv_handler(params)
+        conn = etcd_connection_for(inner, params)  # what register_backend's factory does
         handler = InPlaceRendezvousHandler(
             inner,
             conn,
@@ -46,8 +52,28 @@ def launchers(etcd_server) -> Iterator[Callable[..., InPlaceRendezvousHandler]]:
         yield start
     finally:
         for handler, conn in made:
-            handler.shutdown()
-            conn.close()
+            handler.shutdown()  # the inner handler owns the connection and closes it
+            conn.close()  # idempotent
+
+
+def _stream_threads() -> dict[str, int]:
+    names = [t.name for t in threading.enumerate()]
+    return {kind: names.count(kind) for kind in ("etcd-v3-keepalive", "etcd-v3-watch")}
+
+
+def test_the_in_place_handler_shares_the_rendezvous_connection(launchers) -> None:
+    """One keep-alive stream and one watch stream per launcher: the liveness lease and the node
+    and epoch watches ride on the rendezvous handler's streams, and leave with it."""
+    before = _stream_threads()
+    handler = launchers(f"shared-{uuid.uuid4().hex[:8]}", "a")
+    assert handler._connection is handler._inner.connection  # type: ignore[attr-defined]
+    after = _stream_threads()
+    assert {kind: after[kind] - before[kind] for kind in after} == {
+        "etcd-v3-keepalive": 1,
+        "etcd-v3-watch": 1,
+    }
+    handler.shutdown()
+    wait_for(lambda: _stream_threads() == before, timeout=10.0, what="the streams ended")
 
 
 def _write_epoch(
