@@ -61,6 +61,12 @@ def _job(tmp: Path, name: str, max_steps: int, api: str = "loop", throttle: int 
     ]
 
 
+def _committed(checkpoint_dir: Path) -> bool:
+    from elastic_trainer.checkpoint import files as ckpt
+
+    return checkpoint_dir.is_dir() and ckpt.find_latest(checkpoint_dir) is not None
+
+
 def _schedule(
     etcd_server: object,
     unique_id: str,
@@ -104,10 +110,16 @@ def _schedule(
                 started.append(faulty)
                 at = kill_at if phase == 0 else sigterm_at if segment < segments - 1 else None
                 if at is not None:
+                    # Phase 0's kill waits for a committed periodic checkpoint as well: on a loaded
+                    # machine the asynchronous write of step 4 can commit after step 5, and a kill
+                    # before it restarts from scratch (correct, but not the resume under test).
                     wait_for(
-                        lambda at=at: steps_recorded(samples) >= at,
+                        lambda at=at, phase=phase: (
+                            steps_recorded(samples) >= at
+                            and (phase > 0 or _committed(tmp_path / "faulty" / "ckpt"))
+                        ),
                         timeout=150,
-                        what=f"step {at}",
+                        what=f"step {at}" + (" and a committed checkpoint" if phase == 0 else ""),
                         describe=lambda started=started: tails(started),
                     )
                 if phase == 0:
