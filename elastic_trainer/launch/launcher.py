@@ -216,6 +216,18 @@ def launch(options: RunOptions, target: Target, *, dry_run: bool = False) -> int
     Raises:
         UserError: anything the user can fix, detected before workers start.
     """
+    try:
+        return _launch_and_clean_up(options, target, dry_run=dry_run)
+    except LauncherSignal as exc:
+        # Everything started so far was stopped on the way out (the ExitStacks; the janitor
+        # covers what a second signal interrupted): one line, the signal's exit status.
+        log.warning(
+            "stopped by %s while starting; what it had started is cleaned up", exc.sigval.name
+        )
+        return 128 + int(exc.sigval)
+
+
+def _launch_and_clean_up(options: RunOptions, target: Target, *, dry_run: bool) -> int:
     target.check()
     options = for_embedded_etcd(options)
     with contextlib.ExitStack() as cleanup:
@@ -407,6 +419,7 @@ def _run_agent(
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
     from torch.distributed.run import run
 
+    install_sigterm_as_exception(agent=True)
     try:
         run(args)
     except ChildFailedError as exc:
@@ -655,14 +668,34 @@ def _claim_job_identity(cleanup: contextlib.ExitStack, options: RunOptions, targ
     cleanup.callback(set_job_identity, None)
 
 
-def install_sigterm_as_exception() -> None:
-    """Make SIGTERM/SIGINT unwind the launcher (so ``finally`` blocks stop etcd) before torch
-    installs its own handlers for the agent's lifetime."""
+class LauncherSignal(BaseException):
+    """SIGTERM/SIGINT while the launcher starts, before torch's agent runs: a ``BaseException``,
+    so that no ``except Exception`` on the way (a retry, an error translation) takes it for a
+    failure; :func:`launch` turns it into one line and the exit status ``128 + signal``."""
 
-    def raise_signal(signum: int, _frame: object) -> None:
+    def __init__(self, sigval: signal.Signals) -> None:
+        super().__init__(f"launcher got {sigval.name}")
+        self.sigval = sigval
+
+
+def install_sigterm_as_exception(*, agent: bool = False) -> None:
+    """Make SIGTERM/SIGINT unwind the launcher (so ``finally`` blocks stop etcd) before torch
+    installs its own handlers for its workers' lifetime.
+
+    Up to the agent (``agent`` False) a signal raises :class:`LauncherSignal`, which needs no
+    torch import (a signal may come in the middle of importing it). Once the agent runs
+    (``agent`` True) it raises torch's ``SignalException``, which torch's agent handles: it
+    stops its workers and, unlike for any other error, leaves the rendezvous open for the
+    job's other nodes."""
+    if agent:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        raise SignalException(f"launcher got signal {signum}", sigval=signal.Signals(signum))
+        def raise_signal(signum: int, _frame: object) -> None:
+            raise SignalException(f"launcher got signal {signum}", sigval=signal.Signals(signum))
+    else:
+
+        def raise_signal(signum: int, _frame: object) -> None:
+            raise LauncherSignal(signal.Signals(signum))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, raise_signal)

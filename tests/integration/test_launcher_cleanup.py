@@ -228,3 +228,75 @@ def test_a_normal_exit_leaves_nothing_behind(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")], list(
         tmp_path.iterdir()
     )
+
+
+def _processes_with_item(item: bytes) -> list[int]:
+    """Processes (not zombies) whose environment holds ``item`` (``NAME=value``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if item in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+                if state != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize(("signum", "after_s"), [(signal.SIGTERM, 1.0), (signal.SIGINT, 2.5)])
+def test_a_signal_while_starting_is_one_line_and_leaves_nothing_behind(
+    tmp_path: Path, signum: signal.Signals, after_s: float
+) -> None:
+    """A node preempted while its launcher starts (etcd, the warm server, the janitor, torch's
+    imports; no worker runs yet): one line, the signal's exit status (a scheduler reads 1 as a
+    failure), no traceback, nothing left (it printed a traceback and exited 1)."""
+    script = tmp_path / "tiny.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
+    log = tmp_path / "launcher.log"
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "elastic_trainer.cli",
+                "run",
+                "--nproc-per-node",
+                "2",
+                "--metrics-port",
+                str(free_port()),
+                str(script),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+    try:
+        time.sleep(after_s)
+        launcher.send_signal(signum)
+        launcher.wait(30)
+        output = log.read_text()
+        assert launcher.returncode == 128 + signum, output
+        assert "Traceback" not in output, output
+        assert f"stopped by {signum.name} while starting" in output, output
+        wait_for(
+            lambda: not _processes_with_item(f"TMPDIR={tmp_path}".encode()),
+            timeout=10,
+            what="every process of the launcher to end",
+        )
+        wait_for(
+            lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")],
+            timeout=10,
+            what="every directory of the launcher to go",
+            describe=lambda: str(list(tmp_path.iterdir())),
+        )
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in _processes_with_item(f"TMPDIR={tmp_path}".encode()):
+            os.kill(pid, signal.SIGKILL)
