@@ -11,6 +11,11 @@ Without the variable both are no-ops. The launcher's watchdog
 (:mod:`elastic_trainer.launch.watchdog`) stops a worker whose beat stalls. Design:
 ``docs/design/launcher.md`` ("Frozen workers").
 
+The beat thread waits in ``select`` and may serve other descriptors between beats
+(:meth:`Heartbeat.watch`): the graceful stop's signal wakeup reads its pipe there instead of on
+a thread of its own (``runtime/signals.py``; one worker thread fewer, issue 30). What it runs
+for them must read without blocking and return at once: a late beat looks like a freeze.
+
 Invariants:
 
 * a stopped process (SIGSTOP) stops every thread, and a process deadlocked holding the GIL starves
@@ -32,10 +37,12 @@ import atexit
 import contextlib
 import mmap
 import os
+import select
 import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,6 +154,11 @@ class Heartbeat:
         self._beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watch_lock = threading.Condition()
+        self._watched: dict[int, Callable[[int], None]] = {}
+        """Descriptors the beat thread also waits for, and what it calls when one is readable."""
+        self._rounds = 0
+        """Waits the beat thread finished (guarded by ``_watch_lock``; :meth:`unwatch` waits on it)."""
         image = bytearray(SLOT_SIZE)
         HEADER.pack_into(
             image,
@@ -174,6 +186,9 @@ class Heartbeat:
             raise
         finally:
             os.close(fd)
+        self._wake_read, self._wake_write = os.pipe()  # wakes the beat thread's select
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
 
     def beat(self) -> None:
         """One beat (the thread calls it every ``interval_s``)."""
@@ -195,13 +210,86 @@ class Heartbeat:
             )
             self._thread.start()
 
+    def watch(self, fd: int, on_readable: Callable[[int], None]) -> bool:
+        """Also wait for ``fd`` on the beat thread and call ``on_readable(fd)`` there whenever it
+        is readable (it must read without blocking and return at once). Returns ``False`` when
+        no beat thread runs: the caller then waits for ``fd`` itself."""
+        with self._watch_lock:
+            thread = self._thread
+            if thread is None or not thread.is_alive() or self._stop.is_set():
+                return False
+            self._watched[fd] = on_readable
+        self._wake()
+        return True
+
+    def unwatch(self, fd: int) -> None:
+        """Stop waiting for ``fd``. On return the beat thread no longer uses it: it may be closed."""
+        with self._watch_lock:
+            if self._watched.pop(fd, None) is None:
+                return
+            thread, rounds = self._thread, self._rounds
+        if thread is None or thread is threading.current_thread():
+            return
+        self._wake()
+        deadline = time.monotonic() + 2 * self.interval_s + 1.0
+        with self._watch_lock:
+            # A wait that began before the removal ends, and the next one leaves fd out.
+            while self._rounds <= rounds and thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._watch_lock.wait(left)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: a wake is pending anyway; closed: stopping
+            os.write(self._wake_write, b"\0")
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.beat()
+        next_beat = time.monotonic() + self.interval_s
+        while not self._stop.is_set():
+            with self._watch_lock:
+                watched = list(self._watched)
+            try:
+                ready, _, _ = select.select(
+                    [self._wake_read, *watched], [], [], max(0.0, next_beat - time.monotonic())
+                )
+            except OSError:  # a descriptor closed without unwatch: drop the ones that are gone
+                ready = []
+                with self._watch_lock:
+                    for fd in watched:
+                        try:
+                            os.fstat(fd)
+                        except OSError:
+                            self._watched.pop(fd, None)
+            if self._stop.is_set():
+                break
+            for fd in ready:
+                if fd == self._wake_read:
+                    with contextlib.suppress(OSError):
+                        os.read(fd, 512)
+                    continue
+                with self._watch_lock:
+                    on_readable = self._watched.get(fd)
+                if on_readable is not None:
+                    try:
+                        on_readable(fd)
+                    except Exception as exc:  # noqa: BLE001 - the beats must go on
+                        with self._watch_lock:
+                            self._watched.pop(fd, None)
+                        print(f"elastic-trainer: the heartbeat stops reading descriptor {fd}: {exc!r}",
+                              file=sys.stderr, flush=True)  # fmt: skip
+            now = time.monotonic()
+            if now >= next_beat:
+                self.beat()
+                next_beat = now + self.interval_s
+            with self._watch_lock:
+                self._rounds += 1
+                self._watch_lock.notify_all()
 
     def close(self) -> None:
         """Stop beating and remove the slot. Idempotent."""
         self._stop.set()
+        self._wake()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2 * self.interval_s + 1.0)
@@ -210,6 +298,10 @@ class Heartbeat:
         if thread is None or not thread.is_alive():
             with contextlib.suppress(BufferError, ValueError):
                 self._map.close()
+            for end in (self._wake_read, self._wake_write):
+                with contextlib.suppress(OSError):
+                    os.close(end)
+            self._wake_read = self._wake_write = -1
 
 
 def start_from_environ(environ: dict[str, str] | None = None) -> Heartbeat | None:

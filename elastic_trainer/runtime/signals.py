@@ -2,9 +2,11 @@
 
 :class:`GracefulStop`'s handler only sets a flag (the loop reads it at the end of every step and
 all ranks agree through one collective); a watchdog ends the process at the deadline should the
-stop itself hang. :class:`SignalWakeup` reports the signal at once on a thread of its own, through
+stop itself hang. :class:`SignalWakeup` reports the signal at once on another thread, through
 ``signal.set_wakeup_fd``, even while the main thread is blocked in a C++ collective
-(:mod:`elastic_trainer.checkpoint.jit` uses it). Design: ``docs/design/graceful-stop.md``.
+(:mod:`elastic_trainer.checkpoint.jit` uses it): on the worker's heartbeat thread when one beats
+(under ``elastic-trainer run``; one thread fewer), else on a thread of its own. Design:
+``docs/design/graceful-stop.md``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
+from elastic_trainer.runtime import heartbeat
 from elastic_trainer.runtime.settings import ENV_HEAL_MARKER, ENV_STOPPING_FILE
 
 log = logging.getLogger(__name__)
@@ -112,7 +115,9 @@ class GracefulStop:
 
 
 class SignalWakeup:
-    """Calls ``callback(signum)`` on a thread of its own as soon as one of ``signals`` arrives.
+    """Calls ``callback(signum)`` on another thread as soon as one of ``signals`` arrives: the
+    heartbeat's thread when this process beats (:meth:`~elastic_trainer.runtime.heartbeat.Heartbeat.watch`),
+    else a thread of its own.
 
     Works while the main thread is blocked in C code (see the module docstring). Python handlers
     must already be installed for ``signals`` (:class:`GracefulStop` installs them): CPython
@@ -137,11 +142,12 @@ class SignalWakeup:
         self._write_fd: int | None = None
         self._previous_fd = -1
         self._thread: threading.Thread | None = None
+        self._host: heartbeat.Heartbeat | None = None
         self._closing = False
 
     @property
     def installed(self) -> bool:
-        return self._thread is not None
+        return self._thread is not None or self._host is not None
 
     def install(self) -> SignalWakeup:
         """Route signal bytes to the reader thread (main thread only; elsewhere a warning)."""
@@ -166,13 +172,17 @@ class SignalWakeup:
             # look like ours. The child forgets it.
             os.register_at_fork(after_in_child=SignalWakeup._forget_in_child)
             SignalWakeup._fork_hook_registered = True
+        beating = heartbeat.current()
+        if beating is not None and beating.watch(read_fd, self._drain):
+            self._host = beating
+            return self
         self._thread = threading.Thread(target=self._read, name="signal-wakeup", daemon=True)
         self._thread.start()
         return self
 
     def uninstall(self) -> None:
-        """Restore the previous wakeup descriptor and stop the reader thread."""
-        if self._thread is None or self._write_fd is None or self._read_fd is None:
+        """Restore the previous wakeup descriptor and stop reading it."""
+        if not self.installed or self._write_fd is None or self._read_fd is None:
             return
         current = signal.set_wakeup_fd(self._previous_fd)
         if current != self._write_fd:
@@ -182,9 +192,13 @@ class SignalWakeup:
             )
         SignalWakeup._active = None
         self._closing = True
-        with contextlib.suppress(OSError):
-            os.write(self._write_fd, b"\0")  # wakes the reader, which then exits
-        self._thread.join(5)
+        if self._host is not None:
+            self._host.unwatch(self._read_fd)  # on return the heartbeat's thread no longer reads it
+            self._host = None
+        elif self._thread is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._write_fd, b"\0")  # wakes the reader, which then exits
+            self._thread.join(5)
         os.close(self._write_fd)
         os.close(self._read_fd)
         self._thread = None
@@ -207,14 +221,27 @@ class SignalWakeup:
                 return
             if self._closing or not data:
                 return
-            if self._previous_fd != -1:
-                with contextlib.suppress(OSError):
-                    os.write(self._previous_fd, data)
-            for signum in data:
-                if signum in self._signals:
-                    try:
-                        self._callback(signum)
-                    except Exception:  # noqa: BLE001 - a failing callback must not kill the reader silently
-                        log.exception(
-                            "signal wakeup callback failed for %s", signal.Signals(signum).name
-                        )
+            self._deliver(data)
+
+    def _drain(self, fd: int) -> None:
+        """(The heartbeat's thread) the pipe is readable: one read, which does not block."""
+        try:
+            data = os.read(fd, 512)
+        except OSError:
+            return
+        if data and not self._closing:
+            self._deliver(data)
+
+    def _deliver(self, data: bytes) -> None:
+        """Pass ``data`` on to a wakeup descriptor installed before, and report our signals."""
+        if self._previous_fd != -1:
+            with contextlib.suppress(OSError):
+                os.write(self._previous_fd, data)
+        for signum in data:
+            if signum in self._signals:
+                try:
+                    self._callback(signum)
+                except Exception:  # noqa: BLE001 - a failing callback must not kill the reader silently
+                    log.exception(
+                        "signal wakeup callback failed for %s", signal.Signals(signum).name
+                    )

@@ -125,6 +125,52 @@ def test_start_from_environ_is_idempotent_and_beats(tmp_path: Path) -> None:
     assert heartbeat.current() is None and not started.path.exists()
 
 
+def test_the_signal_wakeup_waits_on_the_beat_thread(tmp_path: Path) -> None:
+    """Under ``elastic-trainer run`` a worker beats: the graceful stop's signal wakeup then reads
+    its pipe on the beat thread (no thread of its own), a signal reaches its callback there at
+    once, the beats go on, and after ``uninstall`` the beat thread no longer reads the pipe."""
+    import threading
+
+    from elastic_trainer.runtime.signals import SignalWakeup
+
+    env = {ENV_HEARTBEAT_DIR: str(tmp_path), "RANK": "0", "LOCAL_RANK": "0"}
+    started = heartbeat.start_from_environ(env)
+    assert started is not None
+    got: list[tuple[int, str]] = []
+    # CPython writes the wakeup byte only for a signal with a Python handler.
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    wakeup = SignalWakeup(
+        lambda signum: got.append((signum, threading.current_thread().name)),
+        signals=(signal.SIGUSR1,),
+    )
+    try:
+        wakeup.install()
+        assert wakeup.installed
+        assert not [t for t in threading.enumerate() if t.name == "signal-wakeup"]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        wait_for(lambda: got, timeout=5.0, what="the wakeup reported the signal")
+        assert got == [(signal.SIGUSR1, "elastic-trainer-heartbeat")]
+        first = read_slot(started.path)
+        assert first is not None
+
+        def two_more_beats() -> bool:
+            now = read_slot(started.path)
+            return now is not None and now.beats >= first.beats + 2
+
+        wait_for(two_more_beats, timeout=5.0, what="the beats go on")
+    finally:
+        wakeup.uninstall()
+        signal.signal(signal.SIGUSR1, previous)
+    assert not wakeup.installed and started._watched == {}
+    beats = read_slot(started.path)
+    assert beats is not None
+    wait_for(
+        lambda: (now := read_slot(started.path)) is not None and now.beats > beats.beats,
+        timeout=5.0,
+        what="a beat after the wakeup left",
+    )
+
+
 def test_an_unusable_directory_is_one_line_and_no_heartbeat(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
