@@ -39,15 +39,26 @@ def units(model: nn.Module, blocks: tuple[str, ...]) -> list[str]:
     """Names of the modules ``blocks`` selects, in ``named_modules`` order.
 
     Raises:
-        ConfigError: a pattern selects nothing (the message lists a few module names).
+        ConfigError: a pattern selects nothing (the message lists a few module names), or a
+            module without a forward of its own (a ``ModuleList``/``ModuleDict``, which
+            ``fully_shard`` refuses; the message names its entries instead).
     """
-    names = [name for name, _ in model.named_modules() if name]
+    modules = {name: module for name, module in model.named_modules() if name}
+    names = list(modules)
     for pattern in blocks:
-        if not any(_matches(name, pattern) for name in names):
+        selected = [name for name in names if _matches(name, pattern)]
+        if not selected:
             raise ConfigError(
                 f"fsdp.blocks: {pattern!r} names no module of {type(model).__name__} "
                 f"(its modules include {', '.join(names[:6])})"
             )
+        for name in selected:
+            if type(modules[name]).forward is nn.Module.forward:
+                what = f"{pattern!r} is" if name == pattern else f"{pattern!r} selects {name!r},"
+                raise ConfigError(
+                    f"fsdp.blocks: {what} a {type(modules[name]).__name__} (no forward of its "
+                    f"own): name its entries, e.g. '{name}.*'"
+                )
     return [name for name in names if any(_matches(name, pattern) for pattern in blocks)]
 
 

@@ -51,6 +51,26 @@ def test_a_pattern_that_names_nothing_is_a_config_error() -> None:
 
 
 @pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        (
+            ("blocks",),
+            r"^fsdp.blocks: 'blocks' is a ModuleList \(no forward of its own\): "
+            r"name its entries, e.g. 'blocks\.\*'$",
+        ),
+        (("*",), r"^fsdp.blocks: '\*' selects 'blocks', a ModuleList .*e.g. 'blocks\.\*'$"),
+    ],
+)
+def test_a_container_without_forward_is_a_config_error(
+    blocks: tuple[str, ...], message: str
+) -> None:
+    """fully_shard refuses a ModuleList: a one-line setting error before anything is sharded,
+    not a ValueError from torch that the runtime restarts as the user's code failing."""
+    with pytest.raises(ConfigError, match=message):
+        units(Net(), blocks)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"blocks": "blocks.*"}, "fsdp.blocks: must be a sequence of module names"),
