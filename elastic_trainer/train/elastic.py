@@ -22,7 +22,8 @@ reseeds every rank's random numbers at each step; saves periodic, final, SIGTERM
 checkpoints; reports progress lines and metrics. A model you sharded with ``fully_shard`` (FSDP2)
 is not wrapped: its state is read and written through DCP's state-dict API and its checkpoints
 are sharded, every rank writing its own shards (``TrainingState.sharded``; ``docs/design/sharded.md``);
-with ``rebuild=`` it also heals in place, from a neighbour's copy of each shard. Call
+built and sharded inside ``with ElasticGroup() as group:`` and given with ``group=group,
+rebuild=...`` it also heals in place, from a neighbour's copy of each shard. Call
 :attr:`Elastic.module` for the forward in either case. What it saves is a
 :class:`~elastic_trainer.state.training_state.TrainingState`: the model, the sampler, and what it
 finds (every optimizer over the model's parameters, their LR schedulers, the ``scaler`` given).
@@ -91,6 +92,47 @@ def move_to(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+SHARDED_RECIPE = (
+    "build and shard the model inside `with ElasticGroup() as group:` and pass "
+    "`Elastic(..., group=group, rebuild=...)` (docs/own-loop.md, 'A model you shard yourself')"
+)
+
+
+def healing_advice(
+    *, heal_on: bool, group_heals: bool, own_group: bool, sharded: bool, rebuild: bool
+) -> str | None:
+    """The one line that says why a run under ``elastic-trainer run`` (``heal_on``) will not heal
+    in place, and what to write instead; ``None`` when it heals (or healing is off anyway).
+
+    ``group_heals``: the group has a healer, which it has only when it formed the process group
+    itself; one that existed before (``init_process_group``, or ``fully_shard`` and
+    ``init_device_mesh``, which create the default group) is used as it is. ``own_group``: the
+    group is the one :class:`Elastic` formed (no ``group=``)."""
+    if not heal_on:
+        return None
+    if not group_heals:
+        where = "Elastic" if own_group else "ElasticGroup was entered"
+        if sharded:
+            return (
+                "healing in place is off for this job: the process group existed before "
+                f"{where} (fully_shard and init_device_mesh create it), so a worker's failure "
+                f"restarts every worker from the newest checkpoint; {SHARDED_RECIPE}"
+            )
+        return (
+            "healing in place is off for this job: the process group existed before "
+            f"{where} (init_process_group was called), so a worker's failure restarts every "
+            "worker from the newest checkpoint; leave forming the process group to Elastic "
+            "(or to `with ElasticGroup() as group:` and `Elastic(..., group=group)`)"
+        )
+    if sharded and not rebuild:
+        return (
+            "healing in place is off for this job: the model is sharded and Elastic has no "
+            "rebuild= to shard it again on a healed group, so a worker's failure restarts every "
+            f"worker from the newest checkpoint; {SHARDED_RECIPE}"
+        )
+    return None
+
+
 class _Nothing:
     """A no-op context (``contextlib.nullcontext`` without the allocation per micro-batch)."""
 
@@ -144,12 +186,19 @@ class Elastic:
             there, or every rank reloads the newest checkpoint when no copy survived. Your loop
             body must then use the objects of :attr:`state` (``elastic.state.objects``), not
             the first ones. Without it a sharded run's group failure restarts from the newest
-            checkpoint. The :class:`~elastic_trainer.train.trainer.Trainer` passes its factories.
+            checkpoint. It heals only over a group that formed the process group (``group=``, see
+            there). The :class:`~elastic_trainer.train.trainer.Trainer` passes its factories.
         shard_copy: (with ``rebuild``) how often the neighbour copy is refreshed; ``None``:
             ``ELASTIC_TRAINER_SHARD_COPY_EVERY``, default every step.
-        group: an entered :class:`ElasticGroup` the caller owns (``Trainer``); errors then reach
-            the caller as exceptions. Without it the run forms its own group and, as the owner of
-            the process, ends a mistake no restart can fix with one line and exit status 2.
+        group: an entered :class:`ElasticGroup` the caller owns: the ``Trainer``'s, or yours when
+            the model must be sharded before ``Elastic`` (build and shard it inside
+            ``with ElasticGroup() as group:``, pass ``group=group, rebuild=...``;
+            ``docs/own-loop.md``, "A model you shard yourself"). Errors then reach the caller as
+            exceptions. Without it the run forms its own group and, as the owner of the process,
+            ends a mistake no restart can fix with one line and exit status 2. A process group
+            that existed before the group was formed (``init_process_group``, or ``fully_shard``
+            and ``init_device_mesh``, which create the default group) cannot heal in place:
+            under ``elastic-trainer run`` rank 0 then says so in one line at start.
         run_config: plain data stored in every checkpoint as ``"config"``.
         sigterm_grace_s, pg_timeout_s: the stop's grace period and the collective timeout;
             default the settings'.
@@ -320,6 +369,15 @@ class Elastic:
             raise RuntimeError("the elastic loop ended without a result")
 
     def _attempts(self, group: ElasticGroup) -> Iterator[Step]:
+        advice = healing_advice(
+            heal_on=self.settings.heal.enabled and self.env.launched,
+            group_heals=group.healer is not None,
+            own_group=self._group is None,
+            sharded=self.state.sharded is not None,
+            rebuild=self._rebuild is not None,
+        )
+        if advice is not None and self.env.is_rank0:
+            log.warning("%s", advice)
         for attempt in group.attempts():
             with attempt:  # a peer's failure is healed here; the next attempt goes on
                 self._start_attempt(attempt)
