@@ -347,7 +347,7 @@ def _launch(
                 )
             except (MetricsError, OSError) as exc:
                 raise UserError(
-                    f"metrics endpoint {options.metrics_addr}:{options.metrics_port}: {exc}"
+                    metrics_endpoint_error(options.metrics_addr, options.metrics_port, exc)
                 ) from exc
             cleanup.callback(metrics.close)
             if janitor is not None and metrics.owns_directory:
@@ -514,6 +514,21 @@ def _heal_in_place(
         world=(options.min_nodes * nproc, options.max_nodes * nproc),
     )
     tell_workers(LaunchContract(node=node, heal=heal))
+
+
+def metrics_endpoint_error(addr: str, port: int, exc: BaseException) -> str:
+    """The one line for a metrics endpoint that cannot start; a port in use (typically a second
+    node on the same host, both on the default port) says what to pass instead."""
+    import errno
+
+    cause = exc if isinstance(exc, OSError) else exc.__cause__
+    if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE:
+        return (
+            f"metrics port {port} on {addr} is in use (another node on this host?): give each "
+            f"node on one host its own --metrics-port (e.g. --metrics-port {port + 1}), or "
+            "--metrics-port 0 for no metrics endpoint on this node"
+        )
+    return f"metrics endpoint {addr}:{port}: {exc}"
 
 
 def host_address() -> str | None:

@@ -203,3 +203,27 @@ def test_on_its_own_embedded_etcd_the_first_round_waits_no_last_call() -> None:
     assert for_embedded_etcd(given).last_call_timeout == 3
     from_env = resolve_run_options({}, env={"ELASTIC_TRAINER_LAST_CALL_TIMEOUT": "2"})
     assert for_embedded_etcd(from_env).last_call_timeout == 2
+
+
+def test_a_metrics_port_in_use_says_what_to_pass_instead(tmp_path: Path) -> None:
+    """Two nodes on one host both take the default port 9400: the second's error says to give
+    each node its own --metrics-port, or 0 for none (it said only "Address already in use")."""
+    import socket
+
+    from elastic_trainer.launch.launcher import metrics_endpoint_error
+    from elastic_trainer.launch.node_metrics import MetricsError, serve_node_metrics
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(MetricsError) as caught:
+            serve_node_metrics("127.0.0.1", port, str(tmp_path))
+    line = metrics_endpoint_error("127.0.0.1", port, caught.value)
+    assert line == (
+        f"metrics port {port} on 127.0.0.1 is in use (another node on this host?): give each node "
+        f"on one host its own --metrics-port (e.g. --metrics-port {port + 1}), or --metrics-port 0 "
+        "for no metrics endpoint on this node"
+    )
+    other = metrics_endpoint_error("127.0.0.1", port, MetricsError("directory x does not exist"))
+    assert other == f"metrics endpoint 127.0.0.1:{port}: directory x does not exist"
