@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elastic_trainer.heal.state_transfer import share_state
+from elastic_trainer.heal.state_transfer import TransferTally, share_state
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.state.local_shards import LAYOUT
 from elastic_trainer.state.reshard import Resharder, unsupported
@@ -40,9 +40,12 @@ def reshard_shards(
     rank: int,
     group: Any = None,
     waits: AbortableWaits | None = None,
+    tally: TransferTally | None = None,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Collective: this rank's payload at ``plan.new_world`` ranks, cut from the old shards
     (``(payload, None)``), or ``(None, reason)`` when the shards cannot be resharded in place.
+    Each old shard sent is counted in ``tally`` (the layout is not a shard); every transfer is
+    logged at DEBUG only (the caller's rank 0 says once what moved).
 
     Raises:
         RuntimeError: a peer failed during a transfer (the caller heals again).
@@ -65,6 +68,7 @@ def reshard_shards(
         device=cpu,
         group=group,
         waits=waits,
+        level=logging.DEBUG,
     )[LAYOUT]
     refused = unsupported(layout)
     if refused is not None:
@@ -85,14 +89,22 @@ def reshard_shards(
         own = None
         if rank == source.rank:
             own = first if shard == 0 and first is not None else payload_of(shard)
-        got = share_state(own, src=source.rank, device=cpu, group=group, waits=waits)
+        got = share_state(
+            own,
+            src=source.rank,
+            device=cpu,
+            group=group,
+            waits=waits,
+            level=logging.DEBUG,
+            tally=tally,
+        )
         sent += 1
         if rank in needers:
             mine.take(shard, own if own is not None else got)
         del got, own  # the rows kept are copies: the old shard is dropped here
         first = None
     payload = mine.result()
-    log.info(
+    log.debug(
         "heal: resharded step %d from %d to %d ranks: %d old shard(s) sent, %.2f s",
         step,
         plan.old_world,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.heal.shard_move import reshard_shards
-from elastic_trainer.heal.state_transfer import share_state
+from elastic_trainer.heal.state_transfer import TransferTally, share_state
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.state.neighbour_copy import NO_STATE, Holdings, holder_of
 
@@ -286,8 +286,11 @@ def restore_shards(
         return None
     plan = plan_restore(everyone, world_size)
     payload = None
+    tally = TransferTally()
     if plan.step is not None and plan.old_world:  # another world size: cut the old shards
-        payload, refused = reshard_shards(holder, plan, rank=rank, group=group, waits=waits)
+        payload, refused = reshard_shards(
+            holder, plan, rank=rank, group=group, waits=waits, tally=tally
+        )
         if refused is not None:
             plan = RestorePlan(None, newest=plan.newest, reason=refused)
     elif plan.step is not None:
@@ -299,15 +302,22 @@ def restore_shards(
             if rank == source.rank and holder is not None:
                 sent = holder.payload(source.what, shard=target % shards, step=plan.step)
             got = share_state(
-                sent, src=source.rank, device=torch.device("cpu"), group=group, waits=waits
+                sent,
+                src=source.rank,
+                device=torch.device("cpu"),
+                group=group,
+                waits=waits,
+                level=logging.DEBUG,
+                tally=tally,
             )
             if rank == target:
                 payload = got
         mine_source = plan.sources[rank]
         if mine_source.rank == rank and holder is not None:
             payload = holder.payload(mine_source.what, shard=rank % shards, step=plan.step)
-    if rank == 0:
-        log.warning("heal: %s (%.2f s)", plan.describe(), time.monotonic() - started)
+    if rank == 0:  # once for the group, not a line per rank and transfer (TransferTally)
+        moved = f"; {tally.describe()}" if tally.shards else ""
+        log.warning("heal: %s%s (%.2f s)", plan.describe(), moved, time.monotonic() - started)
     return {RESTORE: plan.to_json(), "payload": payload}
 
 

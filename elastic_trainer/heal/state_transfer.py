@@ -13,12 +13,17 @@ ends it. Serialising the tensors too (``torch.save`` into memory and back) cost 
 times the broadcast itself: 4.3 s against 0.3 s for 600 MB (``benchmarks/restart_cost.py``).
 Every member takes the state, the source included: a survivor's module buffers may have moved in
 the forward of the step that failed, and the payload carries those of the last completed step.
+
+A replicated (DDP) heal is one transfer, logged at INFO on every rank. A sharded heal is several
+(a layout, then one per moved shard: ``heal/sharded_restore.py``, ``heal/shard_move.py``): each
+at DEBUG, counted in a :class:`TransferTally`, and rank 0 says once what moved.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +33,21 @@ from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.state import flat as flat_payload
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TransferTally:
+    """The shards one sharded heal moved: how many, and their bytes (every member of the group
+    takes part in each broadcast, so every rank counts the same)."""
+
+    shards: int = 0
+    """Shard transfers so far."""
+    nbytes: int = 0
+    """Their payloads' bytes (tensors and the serialised rest)."""
+
+    def describe(self) -> str:
+        """One phrase for the heal's log line."""
+        return f"moved {self.shards} shard(s), {self.nbytes / 1e6:.1f} MB"
 
 
 def _broadcast(tensor: torch.Tensor, *, src: int, group: Any, waits: AbortableWaits) -> None:
@@ -56,9 +76,13 @@ def share_state(
     device: torch.device,
     group: Any = None,
     waits: AbortableWaits | None = None,
+    level: int = logging.INFO,
+    tally: TransferTally | None = None,
 ) -> dict[str, Any]:
     """Collective: rank ``src`` passes ``payload`` (host tensors), every rank returns a copy on
     ``device``; its broadcasts are waited on through ``waits`` (the healer's: an abort ends them).
+    The transfer is logged at ``level`` (a sharded heal's several: DEBUG) and, with ``tally``,
+    counted there as one shard moved.
 
     Raises:
         RuntimeError: a peer failed during the transfer (the caller heals again), or what arrived
@@ -83,11 +107,16 @@ def share_state(
     state = flat_payload.unpack(meta, flat, device)
     if not isinstance(state, dict):
         raise RuntimeError("the shared state is not a checkpoint payload")
-    log.info(
+    nbytes = int(meta["total"])
+    if tally is not None:
+        tally.shards += 1
+        tally.nbytes += nbytes
+    log.log(
+        level,
         "heal: state of step %s from rank %d: %.1f MB in %.3f s",
         state.get("step"),
         src,
-        int(meta["total"]) / 1e6,
+        nbytes / 1e6,
         time.monotonic() - started,
     )
     return state

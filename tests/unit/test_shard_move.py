@@ -7,7 +7,9 @@ together with the same one-line reason."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +47,36 @@ class _Holder:
         return self.payload_of
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def _worker(rank: int, store_path: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=NEW)
+    heal_log, seen = logging.getLogger("elastic_trainer.heal"), _Records()
+    heal_log.setLevel(logging.DEBUG)
+    heal_log.addHandler(seen)
     try:
         holder = [_Holder(0, "live"), _Holder(1, "own"), None][rank]
         state = restore_shards(holder, rank=rank, world_size=NEW)
         assert state is not None
+        # The shard moves are no full-state (DDP) transfers: each at DEBUG only, and rank 0 says
+        # once what moved (every rank logged "state of step 12 from rank 0: 0.0 MB" lines).
+        lines = [(r.levelno, r.getMessage()) for r in seen.records]
+        transfers = [level for level, line in lines if line.startswith("heal: state of step")]
+        assert transfers and set(transfers) == {logging.DEBUG}, lines
+        summary = [line for level, line in lines if level >= logging.INFO]
+        if rank == 0:
+            assert len(summary) == 1 and re.search(
+                r"; moved 2 shard\(s\), \d+\.\d MB \(", summary[0]
+            ), summary
+        else:
+            assert summary == [], summary
         plan = RestorePlan.from_json(state[RESTORE])
         assert (plan.step, plan.old_world, plan.new_world, plan.redone) == (STEP, OLD, NEW, 0)
         payload = state["payload"]
