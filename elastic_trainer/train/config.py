@@ -157,7 +157,7 @@ class TrainerConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank."""
     record_samples_dir: str | None = None
-    """Audit aid: every rank appends the dataset indices of every step to a file here."""
+    """Audit aid: every rank records every step's dataset indices here (``docs/own-loop.md``, audit)."""
 
     def __post_init__(self) -> None:
         check_positive_int("global_batch_size", self.global_batch_size)

@@ -76,3 +76,66 @@ def test_the_fsdp_script_runs_as_written(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "training finished at step 200" in done.stderr, done.stderr[-2000:]
     assert list((tmp_path / "ckpt").glob("ckpt-*200.dcp")), "a sharded checkpoint of the last step"
+
+
+def _run(directory: Path, max_steps: int) -> None:
+    import torch
+    from torch import nn
+
+    from elastic_trainer import Elastic
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    elastic = Elastic(
+        model,
+        len(data),
+        global_batch_size=4,
+        max_steps=max_steps,
+        checkpoint_dir=str(directory / "ckpt"),
+        checkpoint_every=4,
+        record_samples_dir=str(directory / "samples"),
+        log_every=1000,
+    )
+    for step in elastic:
+        with step:
+            for micro in step:
+                step.backward(model(data[list(micro.indices)]).square().mean() * step.weight)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def test_the_audit_script_counts_a_rolled_back_step_once(tmp_path: Path) -> None:
+    import json
+
+    _run(tmp_path, max_steps=6)
+    for final in (tmp_path / "ckpt").glob("ckpt-*6*"):  # lost: the next run resumes from step 4
+        final.unlink()
+    # The restart is another process in a real job (its own file, named by its pid); both runs are
+    # this one here.
+    for path in (tmp_path / "samples").glob("*.jsonl"):
+        path.rename(path.with_name("samples-rank0000-pid0.jsonl"))
+    _run(tmp_path, max_steps=8)  # redoes steps 5 and 6
+    done = [
+        json.loads(line)["step"]
+        for path in (tmp_path / "samples").glob("*.jsonl")
+        for line in path.read_text().splitlines()
+        if '"event":"done"' in line
+    ]
+    assert sorted(done) == [1, 2, 3, 4, 5, 5, 6, 6, 7, 8], "the naive count sees 5 and 6 twice"
+    page = (REPO / "docs" / "own-loop.md").read_text()
+    section = page.split("## Auditing exactly-once data", 1)[1]
+    script = re.search(r"```python\n(.*?)```", section, re.S)
+    assert script
+    (tmp_path / "audit.py").write_text(script.group(1))
+    done_run = subprocess.run(
+        [sys.executable, "audit.py", "samples"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done_run.returncode == 0, done_run.stderr[-2000:]
+    # 8 steps of 4 samples (an epoch is 5 steps of 20 samples): each sample once per epoch.
+    assert done_run.stdout.strip() == "8 steps, 32 samples, 0 seen twice in an epoch"
