@@ -149,6 +149,16 @@ def _sources_of(shard: int, step: int, members: Sequence[Holdings | None]) -> li
     return found
 
 
+def _steps_held(survivors: Sequence[Holdings]) -> list[int]:
+    """Every step some survivor holds anything of (live, staged or a copy), newest first."""
+    return sorted(
+        {h.live for h in survivors if h.live != NO_STATE}
+        | {s for h in survivors for s in h.own}
+        | {s for h in survivors for _, s in h.copies},
+        reverse=True,
+    )
+
+
 def plan_restore(members: Sequence[Holdings | None], world_size: int) -> RestorePlan:
     """Pure: the newest step at which every rank's shard of the new epoch (``members[r]``: what
     new rank ``r`` holds, ``None`` for a replacement) exists somewhere, and where from.
@@ -173,12 +183,7 @@ def plan_restore(members: Sequence[Holdings | None], world_size: int) -> Restore
             )
     replicas = survivors[0].replicas
     shards = world_size // replicas
-    candidates = sorted(
-        {h.live for h in survivors if h.live != NO_STATE}
-        | {s for h in survivors for s in h.own}
-        | {s for h in survivors for _, s in h.copies},
-        reverse=True,
-    )
+    candidates = _steps_held(survivors)
     for step in candidates:
         chosen: list[Source] = []
         for rank in range(world_size):
@@ -218,12 +223,7 @@ def plan_reshard(members: Sequence[Holdings | None], world_size: int) -> Restore
     ranks = [h.rank for h in survivors]
     if len(set(ranks)) != len(ranks) or not all(0 <= r < old for r in ranks):
         return refuse(f"the survivors' old ranks {sorted(ranks)} do not fit")
-    candidates = sorted(
-        {h.live for h in survivors if h.live != NO_STATE}
-        | {s for h in survivors for s in h.own}
-        | {s for h in survivors for _, s in h.copies},
-        reverse=True,
-    )
+    candidates = _steps_held(survivors)
     for step in candidates:
         chosen = [_sources_of(shard, step, members) for shard in range(old)]
         if all(chosen):
