@@ -67,6 +67,16 @@ def _processes_with_item(item: bytes) -> list[int]:
     return found
 
 
+def _wait_launcher_directories_gone(tmp_path: Path) -> None:
+    """Until no ``elastic-trainer-*`` directory (etcd data, metrics) is left in ``tmp_path``."""
+    wait_for(
+        lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")],
+        timeout=10,
+        what="every directory of the launcher to go",
+        describe=lambda: str(list(tmp_path.iterdir())),
+    )
+
+
 def _start_launcher(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
     """``elastic-trainer run --nproc-per-node 2 ARGS`` in its own session, its temporary files in
     ``tmp_path`` (``TMPDIR``: every process it starts carries it), output in ``launcher.log``."""
@@ -132,12 +142,7 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
         )
         assert not _processes_mentioning(data_dir), "etcd is gone"
         # The janitor removes the directories one after another: the etcd one first.
-        wait_for(
-            lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")],
-            timeout=10,
-            what="every directory of the launcher to go",
-            describe=lambda: str(list(tmp_path.iterdir())),
-        )
+        _wait_launcher_directories_gone(tmp_path)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -254,12 +259,7 @@ def test_a_signal_while_starting_is_one_line_and_leaves_nothing_behind(
             timeout=10,
             what="every process of the launcher to end",
         )
-        wait_for(
-            lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-")],
-            timeout=10,
-            what="every directory of the launcher to go",
-            describe=lambda: str(list(tmp_path.iterdir())),
-        )
+        _wait_launcher_directories_gone(tmp_path)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
