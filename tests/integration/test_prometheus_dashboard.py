@@ -189,9 +189,11 @@ def test_dashboard_shows_data_from_a_real_run_across_a_worker_restart(
 
             def restarted() -> str | None:
                 text = scrape(url)
+                losses = {ls["rank"] for n, ls, _ in samples(text) if n == "elastic_trainer_loss"}
                 ok = (
                     values(text, "elastic_trainer_restarts_total") == [1.0]
                     and total(text, "elastic_trainer_samples_total") > samples_before + 25 * 128
+                    and {"0", "1"} <= losses  # the new workers' first loss (a flush later)
                 )
                 return text if ok else None
 
