@@ -61,7 +61,11 @@ def reshard_shards(
             raise LookupError(f"rank {rank} holds no shards, and the plan names it")
         return holder.payload(plan.sources[shard].what, shard=shard, step=step)
 
-    first = payload_of(0) if plan.sources[0].rank == rank else None
+    first = payload_of(0) if plan.sources[0].rank == rank else None  # read once: layout and move
+
+    def held_here(shard: int) -> dict[str, Any]:
+        return first if shard == 0 and first is not None else payload_of(shard)
+
     layout = share_state(
         None if first is None else {"step": step, LAYOUT: first.get(LAYOUT)},
         src=plan.sources[0].rank,
@@ -83,12 +87,10 @@ def reshard_shards(
         needers = {new for new, cut in enumerate(cuts) if shard in cut.needed()}
         if not needers or needers == {source.rank}:
             if rank == source.rank and rank in needers:
-                mine.take(shard, first if shard == 0 and first is not None else payload_of(shard))
+                mine.take(shard, held_here(shard))
             first = None
             continue
-        own = None
-        if rank == source.rank:
-            own = first if shard == 0 and first is not None else payload_of(shard)
+        own = held_here(shard) if rank == source.rank else None
         got = share_state(
             own,
             src=source.rank,

@@ -20,6 +20,8 @@ from rendezvous.etcd_server import free_port
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parents[2]
+CNN_JOB = ("-m", "elastic_trainer.examples.synthetic_cnn", "--epochs", "50", "--throttle-ms", "50")
+"""The long-running job the launcher tests stop (add ``--checkpoint-dir``)."""
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -100,12 +102,7 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
         tmp_path,
         "--warm-start",
         warm,
-        "-m",
-        "elastic_trainer.examples.synthetic_cnn",
-        "--epochs",
-        "50",
-        "--throttle-ms",
-        "50",
+        *CNN_JOB,
         "--checkpoint-dir",
         str(tmp_path / "ckpt"),
     )
@@ -157,12 +154,7 @@ def test_a_sigterm_exit_is_prompt_and_leaves_nothing_behind(tmp_path: Path) -> N
     log = tmp_path / "launcher.log"
     launcher = _start_launcher(
         tmp_path,
-        "-m",
-        "elastic_trainer.examples.synthetic_cnn",
-        "--epochs",
-        "50",
-        "--throttle-ms",
-        "50",
+        *CNN_JOB,
         "--checkpoint-dir",
         str(tmp_path / "c"),
     )
