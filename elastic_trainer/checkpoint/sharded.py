@@ -381,8 +381,9 @@ def commit_parts(
         metadata = _merge_parts(folder, world_size)
         with atomic_file(folder / METADATA_FILE) as out:
             pickle.dump(metadata, out)
-        for r in range(world_size):
-            shutil.rmtree(folder / f"rank-{r}")
+        for entry in os.scandir(folder):  # the parts, and any writer's unfinished one
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
     except Exception as exc:
         raise ckpt.write_error(directory, step, exc) from exc
     return commit(

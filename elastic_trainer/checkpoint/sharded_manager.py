@@ -10,29 +10,55 @@
     manager.save(step, final=True)          # collective; synchronous, every rank learns the outcome
     manager.close()
 
+    with manager.just_in_time(copies, enabled=not attempt.heals_in_place):
+        ...                                 # a failure, or a stop signal: every shard held is saved
+
 The resume choice (newest good checkpoint of this job, fallback, quarantine, another job refused)
 is :func:`.files.choose_resume`, as for DDP jobs; the files are those of :mod:`.sharded`. Every
 rank writes its own shards, so every save is collective (a DDP job's periodic save is rank 0's
-alone). A checkpoint written at N ranks loads at M. This manager has no just-in-time save; the
-``CheckpointManager`` of ``Elastic`` and the ``Trainer`` has one for sharded state
-(``docs/design/sharded.md``).
+alone). A checkpoint written at N ranks loads at M.
+
+:meth:`ShardedCheckpointManager.just_in_time` is the save of a job that a fault restarts (plain
+torchrun, ``--heal off``): when training raises (a peer died), or a stop signal arrives (torchrun
+stops the survivors; the training thread may be stuck in a collective), every rank writes the
+shards it holds in host memory, its own and its neighbour copies, with no collective
+(``checkpoint/sharded_jit.py``), and exits; the set of the last completed step is committed as a
+checkpoint even without the dead rank, whose shards come from its neighbour's copy. Design:
+``docs/design/sharded.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
 
 from elastic_trainer.checkpoint import files as ckpt
-from elastic_trainer.checkpoint import sharded
+from elastic_trainer.checkpoint import sharded, sharded_jit
 from elastic_trainer.checkpoint.config import CheckpointConfig
+from elastic_trainer.checkpoint.jit import (
+    BACKSTOP_S,
+    EXIT_AFTER_SIGNAL,
+    SAVE_TIMEOUT_S,
+    ExitTimer,
+    JitOutcome,
+    flush_logs,
+)
 from elastic_trainer.runtime import rng
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.failures import log_line
+from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.runtime.signals import STOP_SIGNALS, SignalWakeup
+from elastic_trainer.state.neighbour_copy import NeighbourCopy
 from elastic_trainer.state.sharded import ShardedState
 
 log = logging.getLogger(__name__)
@@ -105,7 +131,11 @@ class ShardedCheckpointManager:
         """
         decision: list[Any] = [None]
         if self.directory is not None and self.env.is_rank0:
+            # Before the choice removes them: a just-in-time set that never completed.
+            lost = sharded_jit.describe_incomplete(self.directory, ckpt.newest_step(self.directory))
             decision[0] = ckpt.choose_resume(self.directory, self.fingerprint_fields)
+            if lost is not None:
+                log.warning("%s", lost)
         if self.env.world_size > 1:
             dist.broadcast_object_list(decision, src=0)
         value = ckpt.chosen_path(decision[0])
@@ -120,9 +150,11 @@ class ShardedCheckpointManager:
         self.step = self.resumed_from = self._last_saved = int(payload["step"])
         self.epoch = int(payload["epoch"])
         if self.env.is_rank0:
+            jit = _written_just_in_time(Path(value))
             log.info(
-                "resumed from %s (step %d, epoch %d, now %d ranks) in %.2f s; resharded by DCP",
+                "resumed from %s%s (step %d, epoch %d, now %d ranks) in %.2f s; resharded by DCP",
                 value,
+                " (a just-in-time checkpoint)" if jit else "",
                 self.step,
                 self.epoch,
                 self.env.world_size,
@@ -165,3 +197,136 @@ class ShardedCheckpointManager:
         """Wait for the background write (re-raising its error)."""
         if self.checkpointer is not None:
             self.checkpointer.wait(timeout)
+
+    # -- the just-in-time save (a job that a fault restarts) ---------------------------------------
+    def _jit_extras(self, step: int, part: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries a save adds to the state (:meth:`_payload`), for a part of ``step``: the
+        epoch is the sampler's there (an object whose state holds an integer ``epoch``)."""
+        epoch = next(
+            (
+                int(value["epoch"])
+                for name, value in part.items()
+                if name not in ("model", "optimizer")
+                and isinstance(value, Mapping)
+                and isinstance(value.get("epoch"), int)
+            ),
+            self.epoch,
+        )
+        return {
+            "format": ckpt.FORMAT,
+            "step": step,
+            "epoch": epoch,
+            "rng": {"scheme": rng.STEP_SCHEME, "seed": self.fingerprint_fields.get("seed")},
+        }
+
+    def _jit_wanted(self, enabled: bool) -> bool:
+        if not enabled or self.checkpointer is None:
+            return False
+        wanted = self.config.jit_save
+        if wanted is None:
+            wanted = WorkerSettings.from_environ().jit_save
+        if not wanted and self.env.is_rank0:
+            log.info(
+                "just-in-time checkpoints are off (jit_save=False or ELASTIC_TRAINER_JIT_SAVE=0)"
+            )
+        return bool(wanted)
+
+    @contextlib.contextmanager
+    def just_in_time(self, copies: NeighbourCopy, *, enabled: bool = True) -> Iterator[None]:
+        """Around training in a job that a fault restarts (``enabled``: no heal in place):
+
+        - the block raises (a peer died; not a checkpoint error): every shard this rank holds
+          is written as part of a just-in-time checkpoint of the newest step held everywhere
+          (``checkpoint/sharded_jit.py``), within :data:`SAVE_TIMEOUT_S`, then the error goes on;
+        - SIGTERM/SIGINT (torchrun stopping the survivors, or the job): the same at once, on
+          another thread (the training thread may be blocked in a collective: the parts come from
+          the copies staged in host memory), then the process exits with 128 + the signal.
+
+        A stop signal no longer ends the process before it has saved. ``copies`` is this
+        attempt's neighbour copy (``Attempt.copy_shards``); with the copy off there is nothing in
+        host memory to save on the signal path, and a failure saves this rank's live shards.
+        """
+        if not self._jit_wanted(enabled) or self.checkpointer is None:
+            yield
+            return
+        self.state.checkpoint_names()  # on this thread: a save may run on another one
+        saver = sharded_jit.ShardedJit(
+            self.checkpointer, self.state, copies, extras=self._jit_extras
+        )
+        stop = _SaveOnSignal(saver)
+        stop.install()
+        try:
+            yield
+        except Exception as exc:
+            if isinstance(exc, ckpt.CheckpointError):
+                log.info("no just-in-time save after a checkpoint error (%s)", log_line(exc))
+                raise
+            log.warning("training failed (%s); saving the shards held just in time", log_line(exc))
+            timer = ExitTimer(SAVE_TIMEOUT_S + 1.0, 1, "the just-in-time checkpoint")
+            try:
+                saver.save(
+                    f"after {log_line(exc)}",
+                    deadline=time.monotonic() + SAVE_TIMEOUT_S,
+                    live=True,
+                )
+            finally:
+                timer.cancel()
+            raise
+        finally:
+            stop.uninstall()
+
+
+def _written_just_in_time(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` (its manifest says) was written just in time."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        return ckpt.Manifest.from_json(path.with_suffix(".json").read_text()).jit
+    return False
+
+
+class _SaveOnSignal:
+    """While installed: SIGTERM/SIGINT no longer end the process at once; the just-in-time save
+    runs on a thread of its own (the training thread may be blocked in a collective), then the
+    process exits with 128 + the signal."""
+
+    def __init__(self, saver: sharded_jit.ShardedJit) -> None:
+        self._saver = saver
+        self._previous: dict[int, Any] = {}
+        self._wakeup = SignalWakeup(self._on_signal)
+        self._started = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not on the main thread: a stop signal will not save the shards held")
+            return
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._noted)
+        self._wakeup.install()
+
+    def uninstall(self) -> None:
+        self._wakeup.uninstall()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    @staticmethod
+    def _noted(signum: int, frame: FrameType | None) -> None:
+        """(Main thread) the wakeup thread acts on it; nothing to do here."""
+
+    def _on_signal(self, signum: int) -> None:
+        if self._started:
+            return
+        self._started = True
+        threading.Thread(
+            target=self._save_and_exit, args=(signum,), name="jit-on-signal", daemon=True
+        ).start()
+
+    def _save_and_exit(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        log.warning("received %s: saving the shards held just in time, then exiting", name)
+        self._saver.copies.stop()  # the newest staged step stays the newest the job completed
+        code = EXIT_AFTER_SIGNAL if signum == signal.SIGTERM else 128 + signum
+        ExitTimer(SAVE_TIMEOUT_S + BACKSTOP_S, code, f"the just-in-time save on {name}")
+        outcome: JitOutcome = self._saver.save(name, deadline=time.monotonic() + SAVE_TIMEOUT_S)
+        log.info("just-in-time save on %s: %s", name, outcome.detail or outcome.path)
+        flush_logs()
+        os._exit(code)

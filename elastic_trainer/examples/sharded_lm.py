@@ -16,6 +16,9 @@ checkpoint resharded onto the new world: the model, AdamW's state, the sampler's
 step. Dropout draws from generators reseeded per ``(seed, rank, step)``, so a run restarted after
 a fault ends bitwise equal to one without the fault that went through the same world sizes, and
 every sample of an epoch is trained exactly once (``--record-samples`` writes the audit log).
+Under plain torchrun a worker SIGKILL costs no step: the survivors write every shard they hold,
+the dead rank's from its neighbour's host copy, as a just-in-time checkpoint of the last completed
+step (a SIGTERM does the same), and the restart resumes from it.
 Under ``elastic-trainer run`` a worker fault heals in place: the survivors keep their processes,
 and the lost rank's shard comes from its neighbour's host copy (``--shard-copy-every``, default
 every step; ``--replicas 2`` shards over a replicate x shard mesh, HSDP, where the replica is the
@@ -283,19 +286,22 @@ def train(args: argparse.Namespace) -> int:
                 if samples is not None:
                     samples.close()
                 samples = _sample_log(args, env.rank, env.world_size, step, part)
-                step = _train(
-                    args,
-                    env,
-                    model,
-                    optimizer,
-                    sampler,
-                    text,
-                    checkpoints,
-                    copies,
-                    samples,
-                    step,
-                    last_step,
-                )
+                # Restarted on a fault (plain torchrun): a failure or a stop signal saves every
+                # shard held, the dead rank's from its neighbour copy, as a checkpoint.
+                with checkpoints.just_in_time(copies, enabled=not attempt.heals_in_place):
+                    step = _train(
+                        args,
+                        env,
+                        model,
+                        optimizer,
+                        sampler,
+                        text,
+                        checkpoints,
+                        copies,
+                        samples,
+                        step,
+                        last_step,
+                    )
                 checkpoints.save(step, epoch=sampler.epoch, final=True)
                 checkpoints.close()
                 copies.wait()

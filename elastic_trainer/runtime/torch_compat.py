@@ -92,6 +92,18 @@ def dcp_load_whole(state: dict[str, Any], *, storage_reader: Any, planner: Any) 
     _load_state_dict(state, storage_reader=storage_reader, planner=planner, no_dist=True)
 
 
+def dcp_fqn(model: Any, name: str) -> str:
+    """``torch.distributed.checkpoint.state_dict._get_fqns`` (private): the name
+    ``get_state_dict`` gives the entry ``name`` of ``model.state_dict()`` / ``named_parameters()``
+    (wrapper prefixes such as ``_orig_mod`` removed). One name for an FSDP2 model."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    fqns = _get_fqns(model, name)
+    if len(fqns) != 1:
+        raise ValueError(f"{name}: stands for {len(fqns)} entries (an FSDP1 flat parameter)")
+    return str(next(iter(fqns)))
+
+
 def dcp_set_element(root: Any, path: Any, value: Any) -> None:
     """``torch.distributed.checkpoint._traverse.set_element`` (private): put ``value`` at
     ``path`` inside a nested state dict, as ``DefaultLoadPlanner.load_bytes`` does."""

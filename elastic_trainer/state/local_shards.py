@@ -59,7 +59,8 @@ def _mark(value: Any, path: tuple[Any, ...], layout: dict[tuple[Any, ...], Any])
     return value
 
 
-def _is_shard(value: Any) -> bool:
+def is_shard(value: Any) -> bool:
+    """Whether ``value`` stands for a DTensor's local shard (``{SHARD: tensor}``)."""
     return isinstance(value, dict) and len(value) == 1 and SHARD in value
 
 
@@ -129,7 +130,7 @@ def load_local_state(
         for name, target in live.items():
             value = saved[name]
             destination = target.to_local() if isinstance(target, DTensor) else target
-            source = value[SHARD] if _is_shard(value) else value
+            source = value[SHARD] if is_shard(value) else value
             if destination.shape != source.shape:
                 raise ValueError(
                     f"model entry {name!r}: shard of shape {tuple(source.shape)}, "
@@ -142,7 +143,7 @@ def load_local_state(
         params = [p for group in optimizer.param_groups for p in group["params"]]
         rebuilt = {
             index: {
-                key: _from_local(value[SHARD], params[int(index)]) if _is_shard(value) else value
+                key: _from_local(value[SHARD], params[int(index)]) if is_shard(value) else value
                 for key, value in entry.items()
             }
             for index, entry in state["state"].items()

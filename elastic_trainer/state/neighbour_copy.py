@@ -189,6 +189,8 @@ class NeighbourCopy:
         self._error: BaseException | None = None
         self._pinned = env.device.type == "cuda"
         self._stream = torch.cuda.Stream(env.device) if self._pinned else None
+        self._stopped = threading.Event()
+        self._stopped_forever = threading.Event()  # never set
         self.stage_s = 0.0
         """Seconds the training thread spent staging, in total."""
         self.refreshes = 0
@@ -201,11 +203,20 @@ class NeighbourCopy:
 
     @contextlib.contextmanager
     def update(self, step: int) -> Iterator[None]:
-        """Around everything that turns step ``step - 1`` into ``step``; a copy of it on leaving."""
+        """Around everything that turns step ``step - 1`` into ``step``; a copy of it on leaving
+        (after :meth:`stop`: the training thread waits here instead, until the process ends)."""
         self.step = NO_STATE
         yield
+        if self._stopped.is_set():
+            self._stopped_forever.wait()
         self.step = step
         self._refresh(step)
+
+    def stop(self) -> None:
+        """(Any thread) no step is completed or staged after this: the training thread waits at
+        the end of its next update until the process ends. What a stop signal's save reads from
+        the copies then stays the newest step the job completed."""
+        self._stopped.set()
 
     def due(self, step: int) -> bool:
         return self.mode != "off" and step % self.every == 0
@@ -234,12 +245,16 @@ class NeighbourCopy:
         slot.header, slot.shard = packed.header, self.env.rank
         self.stage_s += time.monotonic() - started
         self.refreshes += 1
-        if self.mode == "replica":  # the replicas are the copies: only this rank's own is kept
+        if self.mode == "replica" or event is None:
+            # Staged (host memory: at once; CUDA's side stream: once it has landed). A stop's
+            # save reads the holdings at any moment: the step is held from here, not only once
+            # the exchange thread starts.
             if event is not None:
                 event.synchronize()
             with self._lock:
                 slot.step, self._own_newest = step, target
-            return
+            if self.mode == "replica":  # the replicas are the copies: only this rank's is kept
+                return
         self._thread = threading.Thread(
             target=self._exchange, args=(step, target, event), name="neighbour-copy", daemon=True
         )

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from elastic_trainer.runtime import torch_compat
 from elastic_trainer.state import local_shards
 
 MODEL, OPTIMIZER = "model", "optimizer"
@@ -74,6 +75,7 @@ class ShardedState:
         self.optimizers = list(optimizers)
         self.objects: dict[str, Stateful | None] = dict(objects or {})
         self._options = StateDictOptions()
+        self._names: tuple[dict[str, str], list[str]] | None = None
         self.owns = frozenset({MODEL, *(names or {OPTIMIZER: None})})
         """The names this state restores through DCP's state-dict API (the model, the optimizers)."""
 
@@ -96,6 +98,84 @@ class ShardedState:
         """Put back a :meth:`local_state` of this rank's place (a heal in place), no collective;
         returns its step."""
         return local_shards.load_local_state(self.model, self.optimizers, self.objects, payload)
+
+    def checkpoint_names(self) -> tuple[dict[str, str], list[str]]:
+        """The names ``get_state_dict`` gives (found without calling it: on an optimizer with no
+        state yet it takes a step to make some): each ``model.state_dict()`` entry's, and every
+        parameter's in the optimizers' order (their groups one after another, as a payload
+        numbers them per optimizer). Taken once; take it on the training thread (reading the
+        model's state dict on another thread while it trains is not safe)."""
+        if self._names is None:
+            entries = {
+                name: torch_compat.dcp_fqn(self.model, name) for name in self.model.state_dict()
+            }
+            by_param = {id(p): name for name, p in self.model.named_parameters()}
+            names = [
+                torch_compat.dcp_fqn(self.model, by_param[id(p)])
+                for optimizer in self.optimizers
+                for group in optimizer.param_groups
+                for p in group["params"]
+            ]
+            self._names = (entries, names)
+        return self._names
+
+    def checkpoint_state(
+        self, payload: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[int, tuple[list[int], str]]]:
+        """A :meth:`local_state` payload (this rank's place or another's: a neighbour copy) in the
+        shape of :meth:`state_dict`, as a checkpoint writes it: the same names, each shard a plain
+        tensor where the live state holds a DTensor. Also returns, for each of those tensors (by
+        ``id``), its global shape and placement (``local_shards.placement_of``), from which the
+        writer places it (``checkpoint/sharded_jit.py``).
+
+        Raises:
+            ValueError: it is not a local-shards payload of this model and these optimizers.
+        """
+        if payload.get("format") != local_shards.FORMAT:
+            raise ValueError(f"not a {local_shards.FORMAT} payload")
+        layout = payload.get(local_shards.LAYOUT) or {}
+        placed: dict[int, tuple[list[int], str]] = {}
+
+        def plain(value: Any, path: tuple[Any, ...]) -> Any:
+            if not local_shards.is_shard(value):
+                return value
+            if path not in layout:
+                raise ValueError(f"{'.'.join(map(str, path))}: a shard without its layout")
+            shape, placement = layout[path]
+            tensor = value[local_shards.SHARD]
+            placed[id(tensor)] = (list(shape), str(placement))
+            return tensor
+
+        entries, names = self.checkpoint_names()
+        saved = payload["model"]
+        if saved.keys() != entries.keys():
+            raise ValueError("the shard payload names other model entries than the live model")
+        model = {entries[name]: plain(value, ("model", name)) for name, value in saved.items()}
+        if len(payload["optimizers"]) != len(self.optimizers):
+            raise ValueError("the shard payload holds another number of optimizers")
+        state: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for i, optimizer_payload in enumerate(payload["optimizers"]):
+            count = sum(len(group["params"]) for group in optimizer_payload["param_groups"])
+            if offset + count > len(names):
+                raise ValueError("the shard payload holds more parameters than the optimizers")
+            for index, entry in optimizer_payload["state"].items():
+                state[names[offset + int(index)]] = {
+                    key: plain(value, ("optimizers", i, "state", index, key))
+                    for key, value in entry.items()
+                }
+            for group in optimizer_payload["param_groups"]:
+                groups.append(
+                    {**group, "params": [names[offset + int(p)] for p in group["params"]]}
+                )
+            offset += count
+        if offset != len(names):
+            raise ValueError("the shard payload holds fewer parameters than the optimizers")
+        result: dict[str, Any] = {MODEL: model, OPTIMIZER: {"state": state, "param_groups": groups}}
+        for name in self.objects:
+            result[name] = payload["objects"].get(name)
+        return result, placed
 
     def load_state_dict(self, payload: Mapping[str, Any]) -> None:
         """Restore from ``payload`` (a :meth:`state_dict` that DCP loaded into)."""

@@ -229,6 +229,13 @@ class Attempt:
         self.hold(copies)
         return copies
 
+    @property
+    def heals_in_place(self) -> bool:
+        """Whether a peer's failure heals in this process (``elastic-trainer run``) rather than
+        ending it for a restart (plain torchrun, ``--heal off``), where a sharded loop saves its
+        shards just in time (``ShardedCheckpointManager.just_in_time``)."""
+        return self.group.healer is not None
+
     def groups(self) -> contextlib.AbstractContextManager[None]:
         """Process groups created inside (``init_device_mesh``'s for HSDP) are aborted with the
         training group at a heal: create a sharded model's mesh in it."""
