@@ -38,7 +38,15 @@ import torch.distributed as dist
 
 from elastic_trainer.heal.group import HealableGroup
 from elastic_trainer.heal.membership import HealTimeoutError, Membership, RoundStopped
-from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRules
+from elastic_trainer.heal.protocol import (
+    NO_STATE,
+    Epoch,
+    Join,
+    Member,
+    Place,
+    RoundRules,
+    place_in,
+)
 from elastic_trainer.heal.sharded_restore import RESTORE, ShardHolder, restore_shards
 from elastic_trainer.heal.state_transfer import share_state
 from elastic_trainer.runtime.abortable import AbortableWaits
@@ -52,6 +60,11 @@ log = logging.getLogger(__name__)
 FENCE_TIMEOUT_S = 5.0
 """How long a checkpoint commit waits for etcd to confirm that its writer still belongs to the job."""
 
+
+MAX_HEAL_ROUNDS = 32
+"""Most rounds one heal takes part in before it gives up (:class:`HealError`: the process exits and
+its launcher restarts it, the restart path). A fault during the heal costs one more round, a node
+joining meanwhile one more; a heal needing more than this is a livelock, not progress."""
 
 STUCK_IDLE_S = 5.0
 """After a round opened, a training thread still in its step that used no CPU for this long is
@@ -363,7 +376,13 @@ class Healer:
         reason: str,
         started: float,
     ) -> HealOutcome:
+        """Rounds until this process trains in an epoch. It opens the next round only as a member,
+        a replacement or a newcomer with room; outside a full epoch it waits as a spare, whatever it
+        holds (a line the job left), and its heal starts when a round opens. A heal takes at most
+        :data:`MAX_HEAL_ROUNDS` rounds and ``settings.timeout_s`` seconds (:class:`HealError`)."""
         deadline = started + self.settings.timeout_s
+        max_world = self.membership.rules.max_world
+        rounds, last = 0, ""
         while True:
             current = self.membership.epoch
             if current is None:
@@ -371,6 +390,30 @@ class Healer:
             if current.finished:
                 raise RunFinished(f"the job finished at epoch {current.number}")
             number = current.number + 1
+            if (
+                not self.membership.round_open(number)
+                and place_in(current, self.member, max_world=max_world) is Place.SPARE
+            ):
+                # A round it opened would close full again, having only broken the members' new
+                # group: one such round per epoch formed was a livelock (heal-in-place.md, "Spares").
+                if step != NO_STATE:
+                    log.warning(
+                        "heal: epoch %d formed without this process and is full; its step %d is "
+                        "left behind",
+                        current.number,
+                        step,
+                    )
+                step, snapshot = NO_STATE, None
+                self._wait_as_spare(current)
+                started = time.monotonic()  # the heal starts with the round it waited for
+                deadline, rounds = started + self.settings.timeout_s, 0
+                continue
+            if rounds >= MAX_HEAL_ROUNDS or time.monotonic() > deadline:
+                raise HealError(
+                    f"healing in place failed: {rounds} round(s) in {time.monotonic() - started:.1f} s "
+                    f"formed no epoch this process could train in (last: {last})"
+                )
+            rounds += 1
             try:
                 if not self.membership.round_open(number):
                     self.membership.open_round(number, reason)
@@ -382,51 +425,43 @@ class Healer:
                 raise HealStopped(str(exc)) from exc
             except HealTimeoutError as exc:
                 raise HealError(f"healing in place failed: {exc}") from exc
-            rank = epoch.rank_of(self.member.id)
             if epoch.finished:
                 raise RunFinished(f"the job finished at epoch {epoch.number}")
+            rank = epoch.rank_of(self.member.id)
             if rank is None:
-                if any(m.slot == self.member.slot for m in epoch.members):
-                    # The epoch closed with this slot's previous process before this one answered:
-                    # that process has ended (its launcher started this one), so the epoch cannot
-                    # form. The next round replaces it; its members, still forming, abandon it.
-                    log.warning(
-                        "heal: epoch %d formed with the process this one replaces; opening the next round",
-                        epoch.number,
-                    )
-                    if time.monotonic() > deadline:
-                        raise HealError(
-                            "healing in place failed: every epoch named this slot's previous process"
-                        )
-                    continue
-                if step == NO_STATE and epoch.world_size >= self.membership.rules.max_world:
-                    self._wait_as_spare(epoch, deadline=None)
-                    continue
-                log.warning(
-                    "heal: epoch %d formed without this process (late); joining the next one",
-                    epoch.number,
-                )
-                if time.monotonic() > deadline:
-                    raise HealError("healing in place failed: left out of every epoch")
+                last = self._left_out(epoch, max_world=max_world)
                 continue
             try:
                 return self._enter(env, epoch, rank, step=step, snapshot=snapshot, started=started)
             except Exception as exc:  # a peer failed while the group formed or the state moved
                 if not is_collective_failure(exc):
                     raise
-                log.warning(
-                    "heal: epoch %d failed while forming (%s); healing again",
-                    epoch.number,
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                last = (
+                    f"epoch {epoch.number} failed while forming "
+                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
                 )
+                log.warning("heal: %s; healing again", last)
                 self.group.destroy()
-                if time.monotonic() > deadline:
-                    raise HealError(
-                        "healing in place failed: every epoch broke while forming"
-                    ) from exc
 
-    def _wait_as_spare(self, epoch: Epoch, *, deadline: float | None) -> None:
-        """Beyond the job's maximum size: wait (answering every round) until a round opens."""
+    def _left_out(self, epoch: Epoch, *, max_world: int) -> str:
+        """Epoch ``epoch`` formed without this process: say why (one line), and return it."""
+        place = place_in(epoch, self.member, max_world=max_world)
+        if place is Place.REPLACED:
+            # The epoch closed with this slot's previous process before this one answered: that
+            # process has ended (its launcher started this one), so the epoch cannot form. The
+            # next round replaces it; its members, still forming, abandon it.
+            why = f"epoch {epoch.number} formed with the process this one replaces"
+            log.warning("heal: %s; opening the next round", why)
+        elif place is Place.SPARE:
+            why = f"epoch {epoch.number} formed without this process and is full"
+        else:
+            why = f"epoch {epoch.number} formed without this process (late)"
+            log.warning("heal: %s; joining the next one", why)
+        return why
+
+    def _wait_as_spare(self, epoch: Epoch) -> None:
+        """Outside ``epoch``, which is full: wait (the responder answers every round that opens)
+        until the next round opens or a later epoch forms, however long that takes."""
         self._set_phase("spare")
         log.warning(
             "heal: the job is at its maximum size (%d); waiting as a spare", epoch.world_size
@@ -439,8 +474,7 @@ class Healer:
             ),
             60.0,
         ):
-            if deadline is not None and time.monotonic() > deadline:
-                raise HealError("no place in the job freed up")
+            pass
         self._set_phase("healing")
 
     def _enter(

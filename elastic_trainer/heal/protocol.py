@@ -24,6 +24,7 @@ Design: ``docs/design/heal-in-place.md``.
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -176,6 +177,35 @@ class Decision:
     epoch: Epoch | None
     waiting_for: str = ""
     spares: tuple[Member, ...] = field(default=())
+
+
+class Place(enum.Enum):
+    """Where a process stands towards an epoch (:func:`place_in`)."""
+
+    MEMBER = "member"
+    """Listed: it trains in the epoch."""
+    REPLACED = "replaced"
+    """Its slot is listed under another process, the one it replaces (which has ended): the epoch
+    cannot form, and the next round must replace that process."""
+    SPARE = "spare"
+    """Not listed, and the epoch is full: it waits, answering rounds others open, and opens none."""
+    OUTSIDE = "outside"
+    """Not listed, and the epoch has room: it opens the next round to join."""
+
+
+def place_in(epoch: Epoch, member: Member, *, max_world: int) -> Place:
+    """Where ``member`` stands towards ``epoch``.
+
+    A process outside a full epoch is a spare whatever state it holds: that state is of a line the
+    epoch left (only a member of the epoch being replaced hands state on, :func:`decide`), and a
+    round it opened would close with it beyond the maximum again, having only broken the members'
+    new group; such rounds, one per epoch formed, were a livelock (``docs/design/heal-in-place.md``,
+    "Spares")."""
+    if epoch.rank_of(member.id) is not None:
+        return Place.MEMBER
+    if any(m.slot == member.slot for m in epoch.members):
+        return Place.REPLACED
+    return Place.SPARE if epoch.world_size >= max_world else Place.OUTSIDE
 
 
 def _order(previous: Epoch, ready: Iterable[Join], arrival: Mapping[str, int]) -> list[Join]:

@@ -129,9 +129,9 @@ def test_hot_spare_takes_a_lost_node_place(etcd_server, no_fault, run_dirs: RunD
         waiting_at: list[int] = []
 
         def spare_waiting_and_job_going(step: int) -> bool:
-            """The spare waits, and the job took steps since: the group that its arrival re-formed
-            (a join round, the same two members) is built. A kill during that build is
-            test_a_fault_during_a_heal's scenario, not this one."""
+            """The spare waits, and the job took steps since (a spare of a full job opens no round,
+            so no group is being built; a kill during a build is test_a_fault_during_a_heal's
+            scenario, not this one)."""
             if not waiting_at:
                 if spare and "waiting as a spare" in spare[0].output():
                     waiting_at.append(step)

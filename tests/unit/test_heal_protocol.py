@@ -9,9 +9,11 @@ from elastic_trainer.heal.protocol import (
     Epoch,
     Join,
     Member,
+    Place,
     ProtocolError,
     RoundRules,
     decide,
+    place_in,
 )
 
 RULES = RoundRules(min_world=1, max_world=4, settle_s=0.5, ready_timeout_s=10.0)
@@ -181,3 +183,12 @@ def test_a_slot_s_newest_process_replaces_an_older_one_that_answered_with_state(
     assert decision.epoch is not None
     assert decision.epoch.members == (A0, replacement, B0, B1)
     assert (decision.epoch.step, decision.epoch.source) == (120, A0.id)
+
+
+def test_a_process_outside_a_full_epoch_is_a_spare_whatever_it_holds() -> None:
+    """Only a member, a replacement (its slot is listed) or a newcomer with room opens a round."""
+    c0, a0_replacement = member("c", 0, 30), member("a", 0, 99)
+    assert place_in(EPOCH, B1, max_world=4) is Place.MEMBER
+    assert place_in(EPOCH, a0_replacement, max_world=4) is Place.REPLACED
+    assert place_in(EPOCH, c0, max_world=4) is Place.SPARE
+    assert place_in(EPOCH, c0, max_world=5) is Place.OUTSIDE
