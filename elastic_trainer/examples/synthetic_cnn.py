@@ -288,6 +288,8 @@ def main(argv: Sequence[str] | None = None, *, fault_hook: FaultHook | None = No
         result = trainer.fit()
     except Exception as exc:  # noqa: BLE001 - classified, recorded for the launcher, reported once
         return failures.exit_after(exc, prog=PROG)
+    if trainer.elastic is None:  # a spare when the job finished: it trained nothing to evaluate
+        return result.exit_code
     if env.is_rank0:
         dataset = trainer.dataset
         if not isinstance(dataset, SyntheticImages):
