@@ -14,7 +14,7 @@ its own staged shards, the neighbour copies it received; a replacement holds not
 
 :func:`restore_shards` runs the plan: each shard that is not already where it belongs is sent
 from its holder (one broadcast each, on the heal's host group, waited on abortably). When the
-world size changed (elastic: a node lost for good, or one joining; survivors may be renumbered),
+world size changed (elastic: a node lost for good, or one joining) or survivors were renumbered,
 :func:`plan_reshard` finds every old shard instead, and ``heal/shard_move.py`` cuts the new
 world's shards out of them (``state/reshard.py``): still no step redone. Its result
 rides to the next attempt as the outcome's state: ``{RESTORE: plan, "payload": this rank's
@@ -75,9 +75,9 @@ class RestorePlan:
     every: int = 1
     """Steps between refreshes of the neighbour copy."""
     old_world: int = 0
-    """Ranks the shards were taken at when the world size changed (a reshard in place:
-    ``sources[s]`` is where old rank ``s``'s shard comes from); 0: the same world and places
-    (``sources[r]`` is new rank ``r``'s shard)."""
+    """Ranks the shards were taken at when the world size changed, or survivors were renumbered
+    (a reshard in place: ``sources[s]`` is where old rank ``s``'s shard comes from); 0: the same
+    world and places (``sources[r]`` is new rank ``r``'s shard)."""
     new_world: int = 0
     """Ranks after a reshard (0: no reshard)."""
 
@@ -165,22 +165,15 @@ def plan_restore(members: Sequence[Holdings | None], world_size: int) -> Restore
 
     The shards are those of the previous epoch. When a replacement took a lost slot, every
     survivor keeps its rank and the world size its value, and each rank gets its own shard back.
-    When the world size changed: :func:`plan_reshard`. Survivors renumbered at the same size
-    fall back to the checkpoint."""
+    Otherwise (the world size changed, or survivors were renumbered): :func:`plan_reshard`."""
     survivors = [h for h in members if h is not None]
     newest = max((h.live for h in survivors), default=NO_STATE)
     if not survivors:
         return RestorePlan(None, reason="no survivor holds a shard", newest=newest)
-    if any(h.world_size != world_size for h in survivors):
-        return plan_reshard(members, world_size)
-    for rank, holding in enumerate(members):
-        if holding is not None and holding.rank != rank:
-            # Renumbered at the same size: plan_reshard could move the shards, but the one run
-            # that took that path (a replacement as the new rank 0 after an abandoned epoch) then
-            # failed its next DCP save (duplicate chunk offsets), unexplained: the checkpoint.
-            return RestorePlan(
-                None, newest=newest, reason=f"rank {holding.rank} is now rank {rank}"
-            )
+    if any(
+        h is not None and (h.world_size, h.rank) != (world_size, r) for r, h in enumerate(members)
+    ):
+        return plan_reshard(members, world_size)  # another size, or survivors renumbered
     replicas = survivors[0].replicas
     shards = world_size // replicas
     candidates = _steps_held(survivors)
@@ -214,8 +207,14 @@ def plan_reshard(members: Sequence[Holdings | None], world_size: int) -> Restore
         return RestorePlan(None, newest=newest, reason=f"the survivors held shards of {held} ranks")
     old = worlds[0]
 
+    change = (
+        f"the world changed from {old} to {world_size} ranks"
+        if old != world_size
+        else "survivors were renumbered"
+    )
+
     def refuse(why: str) -> RestorePlan:
-        reason = f"the world changed from {old} to {world_size} ranks, and {why}"
+        reason = f"{change}, and {why}"
         return RestorePlan(None, newest=newest, reason=reason)
 
     if any(h.replicas != 1 for h in survivors):

@@ -104,6 +104,22 @@ def dcp_fqn(model: Any, name: str) -> str:
     return str(next(iter(fqns)))
 
 
+def clear_dtensor_sharding_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (torch 2.13: the C++ fast path's and this
+    thread's Python LRU, ``torch.distributed.tensor.debug._clear_sharding_prop_cache``, private).
+
+    They key on ``DTensorSpec``s, and ``DeviceMesh.__eq__`` compares the ranks' layout, not this
+    process's place in it: after a heal that renumbered the ranks at the same world size, a mesh
+    made anew equals the old one, and a cached output spec hands the new model's DTensors the
+    OLD mesh object, with this process's old coordinate. Training still works (FSDP2 reduces on
+    its own mesh info), but every offset DCP records follows the old coordinate: a permuted or
+    duplicated chunk layout (``docs/design/sharded.md``). Clear them before sharding a model on
+    a new group (``Attempt.groups``)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 def dcp_set_element(root: Any, path: Any, value: Any) -> None:
     """``torch.distributed.checkpoint._traverse.set_element`` (private): put ``value`` at
     ``path`` inside a nested state dict, as ``DefaultLoadPlanner.load_bytes`` does."""

@@ -238,9 +238,14 @@ class Attempt:
 
     def groups(self) -> contextlib.AbstractContextManager[None]:
         """Process groups created inside (``init_device_mesh``'s for HSDP) are aborted with the
-        training group at a heal: create a sharded model's mesh in it."""
+        training group at a heal: create a sharded model's mesh in it. (After a heal, DTensor's
+        caches are emptied first: a new mesh equal to the last attempt's must not inherit it,
+        ``torch_compat.clear_dtensor_sharding_caches``.)"""
         healer = self.group.healer
-        return healer.adopting() if healer is not None else contextlib.nullcontext()
+        if healer is None:
+            return contextlib.nullcontext()
+        torch_compat.clear_dtensor_sharding_caches()
+        return healer.adopting()
 
     def host_group(self) -> Any:
         """(Collective) a gloo group of this attempt's ranks for host-side work beside training,

@@ -221,12 +221,19 @@ def test_a_node_joining_reshards_the_live_shards_onto_more_ranks() -> None:
         Source(4, "live"), Source(2, "live"), Source(3, "live"), Source(3, "copy"))  # fmt: skip
 
 
-def test_survivors_renumbered_at_the_same_size_fall_back() -> None:
-    """A node left while another joined: same size, other places. The shards could be moved,
-    but the one run that did so failed its next DCP save (docs/design/sharded.md)."""
-    swapped = [None, None, fsdp(1, 5, world=4, copies=(5,)), fsdp(0, 5, world=4, copies=(5,))]
+def test_survivors_renumbered_at_the_same_size_reshard_in_place() -> None:
+    """Same size, other places (a replacement took rank 0 and a survivor moved): the shards move
+    to their new ranks in memory (tests/unit/test_renumbered_reshard.py runs it). With old rank
+    2 lost and its copy on it, the renumbering falls back, saying so."""
+    swapped = [fsdp(2, 5, world=4), fsdp(1, 5, world=4), fsdp(0, 5, world=4), fsdp(3, 5, world=4)]
     plan = plan_restore(swapped, 4)
-    assert plan.step is None and plan.reason == "rank 1 is now rank 2"
+    assert (plan.step, plan.old_world, plan.new_world, plan.redone) == (5, 4, 4, 0)
+    assert plan.sources == (
+        Source(2, "live"), Source(1, "live"), Source(0, "live"), Source(3, "live"))  # fmt: skip
+    replaced = [None, None, fsdp(1, 5, world=4, copies=(5,)), fsdp(0, 5, world=4, copies=(5,))]
+    assert plan_restore(replaced, 4).reason == (
+        "survivors were renumbered, and rank 3's shard and its copy on rank 2 are gone"
+    )
 
 
 def test_a_reshard_falls_back_when_a_shard_is_gone_or_the_mesh_is_hsdp() -> None:
