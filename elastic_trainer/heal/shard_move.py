@@ -77,8 +77,12 @@ def reshard_shards(
     refused = unsupported(layout)
     if refused is not None:
         return None, f"the shards cannot be resharded in place ({refused})"
+    # Cut over shards, not ranks: HSDP's replicas of a shard hold the same rows (new rank j holds
+    # new shard j % new_shards; FSDP: every rank its own).
     cuts = [
-        Resharder(layout, old_world=plan.old_world, new_world=plan.new_world, rank=new)
+        Resharder(
+            layout, old_world=plan.old_shards, new_world=plan.new_shards, rank=new % plan.new_shards
+        )
         for new in range(plan.new_world)
     ]
     mine = cuts[rank]

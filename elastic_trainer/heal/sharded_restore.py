@@ -80,6 +80,17 @@ class RestorePlan:
     world and places (``sources[r]`` is new rank ``r``'s shard)."""
     new_world: int = 0
     """Ranks after a reshard (0: no reshard)."""
+    replicas: int = 1
+    """(A reshard) replicas of each shard, before and after (HSDP; 1: FSDP): ``sources`` names
+    the old world's ``old_world // replicas`` shards, cut into ``new_world // replicas``."""
+
+    @property
+    def old_shards(self) -> int:
+        return self.old_world // self.replicas
+
+    @property
+    def new_shards(self) -> int:
+        return self.new_world // self.replicas
 
     @property
     def redone(self) -> int:
@@ -108,13 +119,20 @@ class RestorePlan:
 
     def _describe_reshard(self) -> str:
         whence = {"live": "live state", "own": "staged copy", "copy": "neighbour copy"}
+        owner = "old rank" if self.replicas == 1 else "old shard"
         sources = "; ".join(
-            f"old rank {shard}'s from rank {s.rank}'s {whence[s.what]}"
+            f"{owner} {shard}'s from rank {s.rank}'s {whence[s.what]}"
             for shard, s in enumerate(self.sources)
+        )
+        mesh = (
+            ""
+            if self.replicas == 1
+            else f" (HSDP: {self.replicas} x {self.old_shards} -> "
+            f"{self.replicas} x {self.new_shards})"
         )
         return (
             f"shards of step {self.step} resharded in place from {self.old_world} to "
-            f"{self.new_world} ranks ({sources}): {self.redone} step(s) redone"
+            f"{self.new_world} ranks{mesh} ({sources}): {self.redone} step(s) redone"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -130,6 +148,7 @@ class RestorePlan:
             every=int(data.get("every", 1)),
             old_world=int(data.get("old_world", 0)),
             new_world=int(data.get("new_world", 0)),
+            replicas=int(data.get("replicas", 1)),
         )
 
 
@@ -198,7 +217,8 @@ def plan_reshard(members: Sequence[Holdings | None], world_size: int) -> Restore
     """Pure: the newest step at which every shard of the previous epoch (``Holdings.rank`` and
     ``world_size`` are the survivors' old places) exists among ``members``, to be cut into the
     shards of ``world_size`` ranks (``state/reshard.py``); ``sources[s]``: old rank ``s``'s.
-    FSDP only (one replica): an HSDP mesh, or survivors that disagree, fall back."""
+    An HSDP mesh keeps its replicas (``world_size`` must make as many): each old shard comes
+    from any of its replicas and is cut over the shard dim. Survivors that disagree fall back."""
     survivors = [h for h in members if h is not None]
     newest = max((h.live for h in survivors), default=NO_STATE)
     worlds = sorted({h.world_size for h in survivors})
@@ -217,14 +237,20 @@ def plan_reshard(members: Sequence[Holdings | None], world_size: int) -> Restore
         reason = f"{change}, and {why}"
         return RestorePlan(None, newest=newest, reason=reason)
 
-    if any(h.replicas != 1 for h in survivors):
-        return refuse("an HSDP mesh is not resharded in place")
+    replicas = sorted({h.replicas for h in survivors})
+    if len(replicas) > 1 or old % replicas[0] or world_size % replicas[0]:
+        return refuse(
+            f"{world_size} ranks do not make {replicas[0]} replicas of the shards"
+            if len(replicas) == 1
+            else "the survivors held meshes of different shapes"
+        )
     ranks = [h.rank for h in survivors]
     if len(set(ranks)) != len(ranks) or not all(0 <= r < old for r in ranks):
         return refuse(f"the survivors' old ranks {sorted(ranks)} do not fit")
+    shards = old // replicas[0]  # HSDP: each old shard survives on any of its replicas
     candidates = _steps_held(survivors)
     for step in candidates:
-        chosen = [_sources_of(shard, step, members) for shard in range(old)]
+        chosen = [_sources_of(shard, step, members) for shard in range(shards)]
         if all(chosen):
             return RestorePlan(
                 step,
@@ -233,8 +259,9 @@ def plan_reshard(members: Sequence[Holdings | None], world_size: int) -> Restore
                 every=max(h.every for h in survivors),
                 old_world=old,
                 new_world=world_size,
+                replicas=replicas[0],
             )
-    return refuse(_why_lost(members, old, old, newest))
+    return refuse(_why_lost(members, old, shards, newest))
 
 
 def _why_lost(members: Sequence[Holdings | None], world_size: int, shards: int, newest: int) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 SHARD = "__local_shard__"
 """The key of the one-entry dict that stands for a DTensor's local shard."""
@@ -30,6 +30,9 @@ LAYOUT = "layout"
 """The payload's key of every shard's global shape and placement (:func:`local_state`)."""
 DIM0 = "dim0"
 """The placement a reshard in place handles: dim 0 of a 1-D mesh, ``torch.chunk`` rows."""
+HSDP_DIM0 = "replicate,dim0"
+"""HSDP's: replicated on the first dim of a 2-D mesh, dim 0 in ``torch.chunk`` rows on the
+second (each replica holds the same shards; a reshard cuts them over the shard dim)."""
 
 
 class Stateful(Protocol):
@@ -40,11 +43,20 @@ class Stateful(Protocol):
 
 def placement_of(value: DTensor) -> str:
     """``"dim0"`` for a DTensor sharded on dim 0 of a 1-D mesh with ``torch.chunk`` rows (what
-    FSDP2's ``fully_shard`` makes by default), else a description of its placements."""
+    FSDP2's ``fully_shard`` makes by default), :data:`HSDP_DIM0` for HSDP's (replicated, then
+    dim 0) on a 2-D mesh, else a description of its placements."""
     placements = tuple(value.placements)
     only = placements[0] if value.device_mesh.ndim == 1 and len(placements) == 1 else None
     if type(only) is Shard and only.dim == 0:  # not _StridedShard (FSDP2 over tensor parallel)
         return DIM0
+    if (
+        value.device_mesh.ndim == 2
+        and len(placements) == 2
+        and type(placements[0]) is Replicate
+        and type(placements[1]) is Shard
+        and placements[1].dim == 0
+    ):
+        return HSDP_DIM0
     return f"{tuple(value.device_mesh.shape)} {placements}"
 
 

@@ -242,7 +242,11 @@ class NeighbourCopy:
                 event.record(self._stream)
         else:
             flat_payload.fill(packed, slot.flat)
-        slot.header, slot.shard = packed.header, self.env.rank
+        # Which shard this is (HSDP: ranks s, s + S, ... hold shard s; FSDP: its rank's own).
+        slot.header, slot.shard = (
+            packed.header,
+            self.env.rank % (self.env.world_size // self.replicas),
+        )
         self.stage_s += time.monotonic() - started
         self.refreshes += 1
         if self.mode == "replica" or event is None:

@@ -17,8 +17,10 @@ Invariants: a :class:`Resharder` keeps only the rows of its own new chunk (an ol
 handed is sliced, not kept), so a rank never holds more than its new shard plus the old shard
 in hand; every non-shard entry (the optimizer's ``step`` scalars and hyper-parameters, the
 sampler's cursor, replicated buffers) comes from the first old payload it takes, as they are
-alike on every rank. :func:`unsupported` says why a layout cannot be resharded (another
-placement, an HSDP mesh): the caller falls back to the checkpoint. Design:
+alike on every rank. An HSDP layout (``local_shards.HSDP_DIM0``) is cut the same way over its
+shard dim: the caller counts shards, not ranks (each replica holds the same ones).
+:func:`unsupported` says why a layout cannot be resharded (another placement): the caller falls
+back to the checkpoint. Design:
 ``docs/design/sharded.md`` ("Healing sharded state in place").
 """
 
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from elastic_trainer.state.local_shards import DIM0, FORMAT, LAYOUT, SHARD
+from elastic_trainer.state.local_shards import DIM0, FORMAT, HSDP_DIM0, LAYOUT, SHARD
 
 
 def chunk_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
@@ -70,11 +72,15 @@ def unsupported(layout: Mapping[Any, Any] | None) -> str | None:
     """Why a payload of this layout cannot be resharded in place (``None``: it can)."""
     if not layout:
         return "the shards carry no layout"
+    kinds = set()
     for path, (shape, placement) in layout.items():
-        if placement != DIM0:
+        if placement not in (DIM0, HSDP_DIM0):
             return f"{'.'.join(map(str, path))} is placed {placement}, not on dim 0 of a 1-D mesh"
         if not shape:
             return f"{'.'.join(map(str, path))} is a sharded scalar"
+        kinds.add(placement)
+    if len(kinds) > 1:
+        return "its entries are placed on meshes of different shapes"
     return None
 
 

@@ -1,4 +1,4 @@
-"""A node lost for good reshards FSDP2 state in place, under ``elastic-trainer run`` (elastic).
+"""A node lost for good reshards FSDP2 (and HSDP) state in place, under ``elastic-trainer run``.
 
 Two launchers of 2 workers each (``--nnodes 1:2``) train ``sharded_lm``; the node holding rank 0
 is SIGKILLed between two steps. The other node's workers keep their processes, are renumbered
@@ -7,7 +7,9 @@ stride 2, the lost node's neighbour copies, cut into the shards of 2 ranks in me
 (``heal/shard_move.py``): 0 steps redone, no checkpoint read. The run ends bitwise equal (model
 and AdamW state) to a reference with the same world-size history that changes size through a
 checkpoint: 4 workers to the heal's step, then 2 workers from that checkpoint (DCP's resharded
-load), and every sample of every epoch is trained exactly once. Design: ``docs/design/sharded.md``.
+load), and every sample of every epoch is trained exactly once. The same with HSDP 2 x 2
+(``--replicas 2``): the lost node is replica 0, the survivors (replica 1) hold every shard, cut
+into a 2 x 1 mesh. Design: ``docs/design/sharded.md``.
 """
 
 from __future__ import annotations
@@ -65,22 +67,25 @@ def _launch(
     return start_process(cmd, run / f"node-{node}.log", env, cwd=REPO)
 
 
+@pytest.mark.parametrize("replicas", [1, 2], ids=["fsdp", "hsdp"])
 def test_a_lost_node_reshards_in_place_bitwise_equal_to_a_resharded_checkpoint(
-    etcd_server, unique_id: str, tmp_path: Path
+    etcd_server, unique_id: str, tmp_path: Path, replicas: int
 ) -> None:
     faulty, reference = tmp_path / "faulty", tmp_path / "reference"
     endpoint = etcd_server.endpoint
+    mesh = ("--replicas", str(replicas))
     with agents() as started:
         for node in ("a", "b"):
             started.append(
                 _launch(endpoint, f"{unique_id}-f", faulty, node, nnodes="1:2", workers=2,
-                        extra=("--checkpoint-every", "5"))
+                        extra=("--checkpoint-every", "5", *mesh))
             )  # fmt: skip
         # The reference's first phase: 4 workers up to the step the heal will go on from (a
         # checkpoint every step: a kill that cuts the step's copy goes on from the one before).
         started.append(
             first := _launch(endpoint, f"{unique_id}-r1", reference, "4", nnodes="1", workers=4,
-                             steps=KILL_AFTER, extra=("--checkpoint-every", "1", "--keep-last", "3"))
+                             steps=KILL_AFTER, extra=("--checkpoint-every", "1", "--keep-last", "3",
+                                                      *mesh))
         )  # fmt: skip
         _wait_between_steps(faulty, KILL_AFTER, 4, started)
         rank0 = generations(faulty / "samples")[-1].pids[0]
@@ -101,7 +106,7 @@ def test_a_lost_node_reshards_in_place_bitwise_equal_to_a_resharded_checkpoint(
                 shutil.rmtree(newer) if newer.is_dir() else newer.unlink()
         started.append(
             second := _launch(endpoint, f"{unique_id}-r2", reference, "2", nnodes="1", workers=2,
-                              extra=("--checkpoint-every", "5"))
+                              extra=("--checkpoint-every", "5", *mesh))
         )  # fmt: skip
         assert survivor.wait(200) == 0, tails(started)
         assert second.wait(200) == 0, tails(started)
@@ -119,6 +124,10 @@ def test_a_lost_node_reshards_in_place_bitwise_equal_to_a_resharded_checkpoint(
     healed = (
         rf"heal: shards of step {resumed} resharded in place from 4 to 2 ranks \(old rank 0's "
         rf"from rank \d's neighbour copy; [^\n]*\): {KILL_AFTER - resumed} step\(s\) redone"
+        if replicas == 1  # HSDP: node b's ranks are replica 1, which holds every shard
+        else rf"heal: shards of step {resumed} resharded in place from 4 to 2 ranks \(HSDP: 2 x 2 "
+        rf"-> 2 x 1\) \(old shard 0's from rank \d's [^\n]*\): {KILL_AFTER - resumed} step\(s\) "
+        "redone"
     )
     assert re.search(healed, log), log[-4000:]
     assert "every rank resumed from the newest checkpoint" not in log

@@ -131,3 +131,66 @@ def test_survivors_renumbered_at_the_same_size_reshard_and_save(tmp_path: Path) 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="forkserver")
     assert sorted(p.name for p in tmp_path.glob("ok-*")) == [f"ok-{r}" for r in range(WORLD)]
+
+
+def _hsdp_model(world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 4))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _hsdp_worker(rank: int, root: str) -> None:
+    """HSDP 2 x 2 trains two steps; the node of ranks 2 and 3 (replica 1) is lost; ranks 0 and 1
+    heal at 2 x 1 from their own shards, cut over the shard dim, in memory."""
+    from elastic_trainer.heal.sharded_restore import RESTORE, RestorePlan, restore_shards
+    from elastic_trainer.state.local_shards import HSDP_DIM0, LAYOUT
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/h1", rank=rank, world_size=WORLD)
+    model = _hsdp_model(WORLD)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = ShardedState(model, [optimizer])
+    copies = NeighbourCopy(state.local_state, env=_env(rank), every=1, replicas=2)
+    copies.start(0)
+    for step in range(1, STEPS + 1):
+        torch.manual_seed(100 * step + rank % 2)  # the replicas of a shard see the same batch
+        model(torch.randn(4, 5)).square().sum().backward()
+        with copies.update(step):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    before = _full(state)
+    assert {p for _, p in state.local_state(STEPS)[LAYOUT].values()} == {HSDP_DIM0}
+    dist.destroy_process_group()
+    if rank >= 2:
+        Path(root, f"hsdp-ok-{rank}").touch()
+        return
+    dist.init_process_group("gloo", init_method=f"file://{root}/h2", rank=rank, world_size=2)
+    try:
+        healed = restore_shards(copies, rank=rank, world_size=2)
+        assert healed is not None and healed["payload"] is not None
+        plan = RestorePlan.from_json(healed[RESTORE])
+        assert (plan.step, plan.old_shards, plan.new_shards, plan.redone) == (STEPS, 2, 1, 0)
+        torch_compat.clear_dtensor_sharding_caches()
+        fresh = _hsdp_model(2)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        fresh_state = ShardedState(fresh, [fresh_optimizer])
+        assert fresh_state.load_local_state(healed["payload"]) == STEPS
+        after = _full(fresh_state)
+        assert after.keys() == before.keys()
+        assert all(torch.equal(after[k], before[k]) for k in before), "values moved wrongly"
+        Path(root, f"hsdp-ok-{rank}").touch()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hsdp_2x2_to_2x1_reshards_in_memory(tmp_path: Path) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_hsdp_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="forkserver")
+    assert sorted(p.name for p in tmp_path.glob("hsdp-ok-*")) == [
+        f"hsdp-ok-{r}" for r in range(WORLD)
+    ]

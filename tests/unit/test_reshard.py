@@ -159,3 +159,15 @@ def test_what_cannot_be_resharded_is_refused() -> None:
     cut = Resharder(layout, old_world=2, new_world=3, rank=0)
     with pytest.raises(ValueError, match="shape"):
         cut.take(0, _payload(full, 3, 0))  # a shard of another world size
+
+
+def test_an_hsdp_layout_is_cut_over_its_shard_dim() -> None:
+    """HSDP's placement (replicated, then dim 0) reshards like FSDP's over the shard dim; a layout
+    that mixes the two does not."""
+    from elastic_trainer.state.local_shards import DIM0, HSDP_DIM0
+    from elastic_trainer.state.reshard import unsupported
+
+    assert unsupported({("model", "w"): [[7, 3], HSDP_DIM0]}) is None
+    assert unsupported({("model", "w"): [[7, 3], HSDP_DIM0], ("model", "b"): [[7], DIM0]}) == (
+        "its entries are placed on meshes of different shapes"
+    )

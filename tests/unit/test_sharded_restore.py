@@ -236,6 +236,21 @@ def test_survivors_renumbered_at_the_same_size_reshard_in_place() -> None:
     )
 
 
+def test_hsdp_reshards_over_its_shard_dim_when_the_world_size_changes() -> None:
+    """2 x 2 (replicate x shard) loses the node of ranks 2 and 3 (replica 1): ranks 0 and 1 hold
+    shards 0 and 1, cut into 2 x 1 (every rank the whole, twice); a node joining 2 x 1 -> 2 x 2
+    takes shard 0 from either replica."""
+    plan = plan_restore([hsdp(0, 9), hsdp(1, 9)], 2)
+    assert (plan.step, plan.old_world, plan.new_world, plan.replicas) == (9, 4, 2, 2)
+    assert (plan.old_shards, plan.new_shards, plan.redone) == (2, 1, 0)
+    assert plan.sources == (Source(0, "live"), Source(1, "live"))
+    assert "(HSDP: 2 x 2 -> 2 x 1)" in plan.describe()
+    grown = [Holdings(rank=r, world_size=2, replicas=2, live=4, every=0) for r in (0, 1)]
+    plan = plan_restore([*grown, None, None], 4)
+    assert (plan.step, plan.old_shards, plan.new_shards) == (4, 1, 2)
+    assert plan.sources == (Source(0, "live"),)
+
+
 def test_a_reshard_falls_back_when_a_shard_is_gone_or_the_mesh_is_hsdp() -> None:
     # 4 -> 2 with a ring of stride 1: old rank 3's copy was on rank 2, on the lost node
     plan = plan_restore([ring(r, 7, world=4, stride=1, steps=(7,)) for r in (0, 1)], 2)
@@ -246,9 +261,12 @@ def test_a_reshard_falls_back_when_a_shard_is_gone_or_the_mesh_is_hsdp() -> None
     assert plan_restore([fsdp(0, 7, world=2), None, None], 3).reason == (
         "the world changed from 2 to 3 ranks, and rank 1's shard and its copy on rank 0 are gone"
     )
-    hsdp_left = [hsdp(0, 9), hsdp(1, 9)]
-    assert plan_restore(hsdp_left, 2).reason == (
-        "the world changed from 4 to 2 ranks, and an HSDP mesh is not resharded in place"
+    hsdp_odd = [hsdp(0, 9), hsdp(1, 9), None]
+    assert plan_restore(hsdp_odd, 3).reason == (
+        "the world changed from 4 to 3 ranks, and 3 ranks do not make 2 replicas of the shards"
+    )
+    assert plan_restore([hsdp(0, 9), hsdp(2, 9)], 2).reason == (
+        "the world changed from 4 to 2 ranks, and every replica of shard 1 (ranks 1, 3) is gone"
     )
     mixed = [fsdp(0, 7, world=2), fsdp(1, 7, world=3)]
     assert plan_restore(mixed, 2).reason == "the survivors held shards of 2 and 3 ranks"
