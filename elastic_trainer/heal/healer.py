@@ -12,7 +12,7 @@ ties them to one process's life: while it trains, a round opened by anyone abort
 once (from the watch's responder thread), so its training thread never waits on a dead or frozen
 peer; the training thread then answers the round with the step it holds, waits for the epoch,
 builds the new group and takes the newest state from a live peer. Only a process that died is
-started again; it joins the same way, as does a new node or a spare.
+started again; it joins the same way, as does a new node; a spare waits for a round to answer.
 """
 
 from __future__ import annotations

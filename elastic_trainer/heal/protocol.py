@@ -5,7 +5,9 @@ are ranks ``0..n-1``) plus the step every member starts it from and the member w
 others take. The first epoch is torchrun's rendezvous; every later one is formed by a *round*:
 
 1. Anyone who sees the group fail (a collective raised, a watchdog killed a frozen peer) or wants
-   in (a replacement, a new node, a spare) opens round ``n + 1`` (one create-if-absent write).
+   in (a replacement, a new node below the maximum) opens round ``n + 1`` (one create-if-absent
+   write). A spare, outside a full epoch, opens none: it answers the rounds others open
+   (:func:`place_in`).
 2. Every live member sees the round open (a watch), aborts its process group so that nothing
    waits on a dead peer, and says it is alive (a *provisional* join); once its training thread
    has stopped, its step is final and it joins for real (``ready``, with its step).
