@@ -36,8 +36,9 @@ from tests.support.agents import Agent, agents, tails
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
-JOB = JobSpec(throttle_ms=40, epochs=6)
-"""192 steps: room for four faults on a loaded machine, where a node starts in 10-20 s."""
+JOB = JobSpec(throttle_ms=40, epochs=4)
+"""128 steps, slowed to 0.5 s each until the last fault is done: room for 60 s of faults (a node
+starts in 10-20 s on a loaded machine), and few steps left after them."""
 HEALED = "healed in place: epoch"
 """A launcher's line for each heal its workers took part in."""
 MAX_EPOCH = 6
@@ -57,7 +58,7 @@ def test_processes_left_out_of_a_full_epoch_wait_as_spares(etcd_server, run_dirs
     # machine may take longer than the whole job at full speed.
     hold = run_dirs.root / "faults-pending"
     hold.touch()
-    held = {"CHAOS_SLOW_WHILE_FILE": str(hold), "CHAOS_SLOW_MS": "300"}
+    held = {"CHAOS_SLOW_WHILE_FILE": str(hold), "CHAOS_SLOW_MS": "500"}
     with agents() as nodes:
 
         def start(name: str) -> None:
