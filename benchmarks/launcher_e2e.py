@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,10 @@ control carried by a gradient, named (``ELASTIC_TRAINER_CONTROL_CARRIER=1``): th
 heal from one rank to two works with it (issue 30), kept for runs that compare both explicitly."""
 DEFAULT_VARIANTS = VARIANTS[:4]
 BASELINE = "bare/torchrun"
+ENV_TREE_TAG = "LAUNCHER_E2E_TAG"
+"""A token unique to one run, in the environment of every process of the job: rank 0 of
+``launcher_job.py`` snapshots the processes that hold it (the launcher, its etcd and warm server,
+the workers) at the steady window's two ends."""
 
 
 class RunFailed(RuntimeError):
@@ -138,10 +143,71 @@ def command(variant: str, workload: str, out: str, nproc: int) -> list[str]:
     return [*head, str(SCRIPT), "--api", api, *WORKLOADS[workload], *extra, "--out", out]
 
 
+def _role(cmd: str, pid: str, workers: set[str]) -> str:
+    """What a process of the job is, for the side CPU breakdown."""
+    if pid in workers:
+        return "workers"
+    for needle, role in (
+        ("etcd", "etcd"),
+        ("warm_start serve", "warm server"),
+        ("warm_start --socket", "warm clients"),
+        ("elastic-trainer run", "launcher"),
+        ("torchrun", "launcher"),
+    ):
+        if needle in cmd:
+            return role
+    return "other"
+
+
+def side_cpu(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """CPU ms per steady step of every process of the job, by role, from rank 0's two snapshots of
+    the process tree at the window's ends (``launcher_job.tree_snapshot``); the busiest threads
+    outside the workers; and the voluntary context switches (wakeups) per step outside them."""
+    tree, steps = ranks[0].get("tree", []), ranks[0]["steps"]
+    if len(tree) != 2 or not steps:
+        return {}
+    start, end = tree[0]["processes"], tree[1]["processes"]
+    workers = {str(r["pid"]) for r in ranks}
+    roles: dict[str, float] = {}
+    threads: dict[str, float] = {}
+    wakeups: dict[str, int] = {}
+    worker_threads: dict[str, float] = {}
+    for pid, proc in end.items():
+        role = _role(proc["cmd"], pid, workers)
+        before = start.get(pid, {}).get("threads", {})
+        for tid, (name, cpu_ns, voluntary, _involuntary) in proc["threads"].items():
+            old = before.get(tid, [name, 0, 0, 0])
+            ms = (cpu_ns - old[1]) / 1e6 / steps
+            roles[role] = roles.get(role, 0.0) + ms
+            if role == "workers":
+                worker_threads[name] = worker_threads.get(name, 0.0) + ms
+            else:
+                key = f"{role}/{name}"
+                threads[key] = threads.get(key, 0.0) + ms
+                wakeups[key] = wakeups.get(key, 0) + voluntary - old[2]
+    busiest = dict(sorted(threads.items(), key=lambda kv: -kv[1])[:6])
+    waking = dict(sorted(wakeups.items(), key=lambda kv: -kv[1])[:6])
+    return {
+        "cpu_ms_per_step_by_role": {k: round(v, 3) for k, v in sorted(roles.items())},
+        "side_cpu_ms_per_step": round(sum(v for k, v in roles.items() if k != "workers"), 3),
+        "side_busiest_threads": {k: round(v, 3) for k, v in busiest.items()},
+        "worker_threads_cpu_ms_per_step": {
+            k: round(v, 3) for k, v in sorted(worker_threads.items(), key=lambda kv: -kv[1])
+        },
+        "side_wakeups_per_step": round(sum(wakeups.values()) / steps, 2),
+        "side_waking_threads": {k: round(v / steps, 2) for k, v in waking.items()},
+    }
+
+
 def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float) -> dict[str, Any]:
     """Launch one job, wait for it; its ranks' records and what the process tree cost."""
     out = tmp / f"{workload}-{variant.replace('/', '-')}-{time.monotonic_ns()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        ENV_TREE_TAG: uuid.uuid4().hex,
+    }
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     launched = time.time()
     done = subprocess.run(
@@ -158,6 +224,7 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float)
         raise RunFailed(f"{variant} {workload} exited {done.returncode}:\n{done.stderr[-3000:]}")
     ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(nproc)]
     steps = ranks[0]["steps"]
+    step_ms = sorted(ranks[0].get("step_ms", []))
     return {
         "variant": variant,
         "workload": workload,
@@ -170,6 +237,14 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float)
         "threads": ranks[0]["threads"],
         "comm_hooks": max(r["comm_hooks"] for r in ranks),
         "control": ranks[0].get("control", "-") if variant.startswith("trainer") else "-",
+        "cpu_ms_per_step_by_rank": [round(1e3 * r["cpu_s"] / r["steps"], 2) for r in ranks],
+        "step_ms": ranks[0].get("step_ms", []),
+        "step_ms_p50_p90_p99_max": [
+            step_ms[min(len(step_ms) - 1, int(q * len(step_ms)))] for q in (0.5, 0.9, 0.99, 1.0)
+        ]
+        if step_ms
+        else [],
+        **side_cpu(ranks),
     }
 
 
@@ -242,7 +317,9 @@ def main() -> None:
                         record = run_once(variant, workload, args.nproc, Path(tmp), args.timeout)
                     record |= {"pair": pair}
                     results.append(record)
-                    print(json.dumps(record), flush=True)
+                    print(
+                        json.dumps({k: v for k, v in record.items() if k != "step_ms"}), flush=True
+                    )
                     if args.json:
                         with open(args.json, "a") as file:
                             file.write(json.dumps(record) + "\n")

@@ -15,6 +15,7 @@ Trainer's step control travelled (``gradient``: carried by DDP's buckets; ``coll
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ STARTED_UNIX = time.time()  # before torch's import: the interpreter's start is 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.launcher_e2e import ENV_TREE_TAG  # noqa: E402
 from benchmarks.workloads import Workload, workload  # noqa: E402
 
 
@@ -54,6 +56,8 @@ class Clock:
         self.first_unix: float | None = None
         self.hooks = -1
         self.control = "-"
+        self.tree: list[dict[str, Any]] = []
+        """Snapshots of the job's processes (:func:`tree_snapshot`) at the window's two ends."""
 
     def step(self, ddp: Any) -> None:
         if self.first_unix is None:
@@ -64,9 +68,51 @@ class Clock:
             self.hooks = len(torch_compat.comm_hooks(ddp))
             carried = isinstance(getattr(ddp, "module", None), ControlCarrier)
             self.control = "gradient" if carried else "collective"
-        self.stamps.append((time.perf_counter(), time.process_time()))
-        if len(self.stamps) == self.warmup:
+        if len(self.stamps) + 1 == self.warmup:
             self.threads = len(os.listdir("/proc/self/task"))  # in steady state
+            self._snapshot()  # before the window's first stamp: its cost stays outside
+        self.stamps.append((time.perf_counter(), time.process_time()))
+        if len(self.stamps) == self.total:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        tag = os.environ.get(ENV_TREE_TAG)
+        if tag and os.environ.get("RANK", "0") == "0":
+            self.tree.append(tree_snapshot(tag))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def tree_snapshot(tag: str) -> dict[str, Any]:
+    """Every thread of every process whose environment holds ``LAUNCHER_E2E_TAG=tag``:
+    ``[name, CPU ns (schedstat), voluntary, involuntary context switches]``."""
+    marker = f"{ENV_TREE_TAG}={tag}".encode()
+    processes: dict[str, Any] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if marker not in _read(f"/proc/{pid}/environ").split(b"\0"):
+                continue
+            cmdline = _read(f"/proc/{pid}/cmdline").split(b"\0")
+            threads: dict[str, Any] = {}
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                task = f"/proc/{pid}/task/{tid}"
+                name = _read(f"{task}/comm").decode(errors="replace").strip()
+                cpu_ns = int(_read(f"{task}/schedstat").split()[0])
+                status = _read(f"{task}/status").decode().splitlines()
+                switches = [int(line.split()[1]) for line in status if "ctxt_switches" in line]
+                threads[tid] = [name, cpu_ns, *switches]
+        except (OSError, ValueError, IndexError):  # ended, or not ours
+            continue
+        processes[pid] = {
+            "cmd": " ".join(part.decode(errors="replace") for part in cmdline[:6]),
+            "threads": threads,
+        }
+    return {"monotonic": time.monotonic(), "processes": processes}
 
 
 _KEPT: list[object] = []
@@ -171,6 +217,7 @@ def main() -> int:
     Path(f"{args.out}.{rank}").write_text(
         json.dumps(
             {
+                "pid": os.getpid(),
                 "started_unix": STARTED_UNIX,
                 "first_step_unix": clock.first_unix,
                 "steps": len(window) - 1,
@@ -179,6 +226,8 @@ def main() -> int:
                 "comm_hooks": clock.hooks,
                 "control": clock.control,
                 "threads": clock.threads,
+                "step_ms": [round(1e3 * (b[0] - a[0]), 3) for a, b in itertools.pairwise(window)],
+                "tree": clock.tree,
             }
         )
     )

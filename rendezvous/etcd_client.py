@@ -54,6 +54,7 @@ from tenacity import (
 )
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+from rendezvous import grpc_compat
 from rendezvous._protobuf_compat import import_etcd3
 from rendezvous.etcd_config import (  # noqa: F401 (re-exported: the settings live there)
     DEFAULT_PORT,
@@ -477,6 +478,7 @@ class EtcdConnection:
 
     def _connect(self, endpoint: Endpoint) -> Any:
         config = self.config
+        grpc_compat.quiet_stream_waits()  # its streams are read off the main thread
 
         def read(path: str | None) -> str | None:
             return path  # etcd3 reads the files itself; existence was validated in config

@@ -94,6 +94,12 @@ class EtcdServer:
         data_dir: where it keeps its data (kept across :meth:`stop` / :meth:`start`).
         cluster: all members, this one included, for a multi-member cluster.
         log_path: where its output goes; defaults to ``data_dir/../NAME.log``.
+        quiet: run lean for a node's own embedded etcd, which beside the training takes CPU
+            from it: one Go processor (``GOMAXPROCS=1``: no idle threads spinning for work on
+            the node's cores) and etcd's default 100 ms raft tick instead of 50 ms (one member
+            has no peer to heartbeat). About 2.5 ms of CPU a second idle instead of 6
+            (``docs/design/startup-and-threads.md``). Leave it off for a cluster that serves
+            many clients or fails over in tests.
     """
 
     def __init__(
@@ -103,8 +109,10 @@ class EtcdServer:
         cluster: Sequence[MemberSpec] | None = None,
         log_path: Path | None = None,
         binary: str | None = None,
+        quiet: bool = False,
     ) -> None:
         self.member = member
+        self.quiet = quiet
         self.data_dir = Path(data_dir)
         self.cluster = tuple(cluster or (member,))
         self.log_path = log_path or self.data_dir.parent / f"{member.name}.log"
@@ -113,10 +121,10 @@ class EtcdServer:
         self._started_once = False
 
     @classmethod
-    def single(cls, data_dir: Path, host: str = "127.0.0.1") -> EtcdServer:
-        """A one-member cluster on free ports."""
+    def single(cls, data_dir: Path, host: str = "127.0.0.1", *, quiet: bool = False) -> EtcdServer:
+        """A one-member cluster on free ports (``quiet``: see the class)."""
         member = MemberSpec("etcd0", free_port(host), free_port(host), host)
-        return cls(member, Path(data_dir))
+        return cls(member, Path(data_dir), quiet=quiet)
 
     @property
     def endpoint(self) -> str:
@@ -149,14 +157,15 @@ class EtcdServer:
             "--initial-cluster", ",".join(f"{m.name}={m.peer_url}" for m in self.cluster),
             "--initial-cluster-state", "new",
             "--initial-cluster-token", f"elastic-trainer-{self.cluster[0].client_port}",
-            "--heartbeat-interval", "50",
-            "--election-timeout", "500",
+            "--heartbeat-interval", "100" if self.quiet else "50",
+            "--election-timeout", "1000" if self.quiet else "500",
             "--log-level", "warn",
         ]  # fmt: skip
+        env = {**os.environ, "GOMAXPROCS": "1"} if self.quiet else None
         log_file = open(self.log_path, "ab")  # noqa: SIM115 -- lives as long as the process
         try:
             self._process = subprocess.Popen(
-                args, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+                args, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env
             )
         finally:
             log_file.close()

@@ -314,7 +314,7 @@ def _launch(
             )
             if janitor is not None:
                 janitor.remove_on_exit(data_dir)  # and stops the etcd whose --data-dir is in it
-            server = EtcdServer.single(Path(data_dir) / "data", host=options.etcd_host)
+            server = EtcdServer.single(Path(data_dir) / "data", host=options.etcd_host, quiet=True)
             cleanup.callback(server.stop)
             try:
                 server.start()

@@ -18,6 +18,8 @@ Invariants:
   to the nodes' liveness leases (one warning says so);
 * a silence this process could not have seen (its own loop ran late, as on an overloaded host)
   is not reported: the loop reads every datagram that arrived before it judges;
+* with no peer (a one-node job) the thread sleeps until :meth:`set_peers` gives it one: no
+  timer wakes a node that has nobody to beat for;
 * a report only suspects. The caller opens a heal round; a node wrongly suspected is alive,
   answers the round, and stays in the job (one heal, nothing lost).
 Design: ``docs/design/heal-in-place.md`` (Detection).
@@ -25,6 +27,7 @@ Design: ``docs/design/heal-in-place.md`` (Detection).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import socket
@@ -148,6 +151,10 @@ class PeerHeartbeats:
         self._known_since: dict[str, float] = {}
         self._warned_blocked = False
         self._closed = threading.Event()
+        # Wakes the loop from its idle wait (no peers: nothing to send or judge) on set_peers/close.
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._wake_write.setblocking(False)
         self._thread = threading.Thread(target=self._run, name="peer-heartbeats", daemon=True)
         self._thread.start()
 
@@ -182,6 +189,7 @@ class PeerHeartbeats:
             self._reported &= set(parsed)
             # When each peer became known: a newcomer has had no time to send yet.
             self._known_since = {name: self._known_since.get(name, now) for name in parsed}
+        self._wake()
 
     def still_silent(self, node: str) -> bool:
         """Whether ``node`` has not been heard for ``silent_after_s`` (a report is still true)."""
@@ -196,18 +204,33 @@ class PeerHeartbeats:
 
     def close(self) -> None:
         self._closed.set()
+        self._wake()
         self._thread.join(timeout=2)
         self._socket.close()
+        self._wake_read.close()
+        self._wake_write.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed
+            self._wake_write.send(b"\0")
+
+    def _idle(self) -> bool:
+        """No peer to send to, none lingering: the loop has nothing to do until set_peers."""
+        with self._lock:
+            return not self._peers and not self._lingering
 
     # -- the thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
         next_beat = self._clock()
         while not self._closed.is_set():
             try:
-                readable, _, _ = select.select(
-                    [self._socket], [], [], max(0.0, next_beat - self._clock())
-                )
-                if readable:
+                # Alone (a one-node job), no timer: a healthy step of such a job wakes nothing here.
+                timeout = None if self._idle() else max(0.0, next_beat - self._clock())
+                readable, _, _ = select.select([self._socket, self._wake_read], [], [], timeout)
+                if self._wake_read in readable:
+                    with contextlib.suppress(BlockingIOError, InterruptedError):
+                        self._wake_read.recv(64)
+                if self._socket in readable:
                     self._receive()
                 now = self._clock()
                 if now < next_beat:

@@ -113,6 +113,10 @@ def test_sigkilled_launcher_leaves_nothing_behind(tmp_path: Path, warm: str) -> 
         ]
         etcd = _processes_mentioning(data_dir)
         assert etcd, "the embedded etcd runs with its data directory"
+        # It runs lean beside the training (one Go processor, a 100 ms raft tick): the CPU it
+        # takes in steady state is the workers' (benchmarks/RESULTS.md, issue 30).
+        assert b"GOMAXPROCS=1" in Path(f"/proc/{etcd[0]}/environ").read_bytes().split(b"\0")
+        assert b"--heartbeat-interval\x00100\x00" in Path(f"/proc/{etcd[0]}/cmdline").read_bytes()
         workers = [
             pid for pid in _processes_mentioning(str(tmp_path / "ckpt")) if pid != launcher.pid
         ]  # this test's own

@@ -242,3 +242,26 @@ def test_a_newcomer_is_not_taken_for_blocked_udp(
             timeout=2.0,
             what="the warning once c had its time",
         )
+
+
+def _voluntary_switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt"))
+
+
+def test_a_node_alone_sleeps_until_it_gets_peers(made: list[PeerHeartbeats]) -> None:
+    """A one-node job has nobody to beat for: its heartbeat thread wakes no timer (it used to wake
+    every interval), and a peer given later is beaten for at once."""
+    reports = Reports()
+    a = _start(made, "a", reports)
+    tid = a._thread.native_id
+    assert tid is not None
+    time.sleep(0.1)  # settled into its wait
+    before = _voluntary_switches(tid)
+    time.sleep(0.5)  # 25 intervals of 0.02 s
+    assert _voluntary_switches(tid) - before <= 1
+    b = _start(made, "b", reports)
+    b.set_peers({"a": a.address})
+    a.set_peers({"b": b.address})
+    wait_for(lambda: "a" in b.heard() and "b" in a.heard(), timeout=2.0, what="both hear each other")
+    assert reports.nodes == []
