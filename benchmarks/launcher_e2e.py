@@ -107,12 +107,16 @@ VARIANTS = (
     "trainer/torchrun",
     "trainer/elastic+owncontrol",
     "trainer/elastic+carrier",
+    "trainer/elastic+nockpt",
 )
 """``+owncontrol``: the step's
 control on its own gloo collective instead of the model's gradient (the default before the
 gradient-carried control, ``runtime/grad_carrier.py``; not run unless named). ``+carrier``: the
 control carried by a gradient, named (``ELASTIC_TRAINER_CONTROL_CARRIER=1``): the default since the
-heal from one rank to two works with it (issue 30), kept for runs that compare both explicitly."""
+heal from one rank to two works with it (issue 30), kept for runs that compare both explicitly.
+``+nockpt``: the defaults but no periodic checkpoint inside the run (every 10**6 steps; the final
+one stays after the window): splits off what the default checkpoint every 100 steps costs, which
+bare DDP does not do (rank 0 copies the state and a thread of it writes the file)."""
 DEFAULT_VARIANTS = VARIANTS[:4]
 BASELINE = "bare/torchrun"
 ENV_TREE_TAG = "LAUNCHER_E2E_TAG"
@@ -133,13 +137,11 @@ def command(variant: str, workload: str, out: str, nproc: int) -> list[str]:
         head = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(nproc)]
     else:
         head = [str(bin_dir / "elastic-trainer"), "run", "--nproc-per-node", str(nproc)]
-    extra = (
-        ["--control", "collective"]
-        if variant.endswith("+owncontrol")
-        else ["--control", "gradient"]
-        if variant.endswith("+carrier")
-        else []
-    )
+    extra = {
+        "owncontrol": ["--control", "collective"],
+        "carrier": ["--control", "gradient"],
+        "nockpt": ["--checkpoint-every", str(10**6)],
+    }.get(variant.partition("+")[2], [])
     return [*head, str(SCRIPT), "--api", api, *WORKLOADS[workload], *extra, "--out", out]
 
 

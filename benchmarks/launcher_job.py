@@ -174,7 +174,10 @@ def trainer(args: argparse.Namespace, clock: Clock) -> None:
         global_batch_size=args.global_batch_size,
         epochs=10_000,
         max_steps=clock.total,
-        checkpoint=CheckpointConfig(directory=args.checkpoint_dir),
+        checkpoint=CheckpointConfig(
+            directory=args.checkpoint_dir,
+            **({"every": args.checkpoint_every} if args.checkpoint_every else {}),
+        ),
     )
     Trainer(config, job, callbacks=[lambda t, step: clock.step(t.ddp)]).fit()
 
@@ -194,6 +197,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument(
         "--checkpoint-dir", default=None, help="trainer: default a temporary directory"
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="trainer: periodic checkpoints every this many steps (default: the Trainer's, 100)",
     )
     parser.add_argument(
         "--control",
