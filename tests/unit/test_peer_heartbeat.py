@@ -263,5 +263,7 @@ def test_a_node_alone_sleeps_until_it_gets_peers(made: list[PeerHeartbeats]) -> 
     b = _start(made, "b", reports)
     b.set_peers({"a": a.address})
     a.set_peers({"b": b.address})
-    wait_for(lambda: "a" in b.heard() and "b" in a.heard(), timeout=2.0, what="both hear each other")
+    wait_for(
+        lambda: "a" in b.heard() and "b" in a.heard(), timeout=2.0, what="both hear each other"
+    )
     assert reports.nodes == []
