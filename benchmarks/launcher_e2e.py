@@ -21,7 +21,13 @@ machine), time from the launch to the end of the first step (rank 0) and to the 
 expected everywhere) and how the ``Trainer``'s step control travelled (``gradient`` at the defaults
 on the CPU). The JSON records also hold ``tree_cpu_s``, the CPU of the reaped process tree
 per run: the whole job under torchrun, but not the warm-forked workers of ``elastic-trainer run``
-(they are not the launcher's children), so it is not compared.
+(they are not the launcher's children), so it is not compared. What is compared instead: rank 0
+snapshots every process of the job (those whose environment holds this run's
+``LAUNCHER_E2E_TAG``) at the window's two ends, so each record holds the CPU per step of the
+workers, the launcher, its etcd and the warm server (``cpu_ms_per_step_by_role``,
+``side_cpu_ms_per_step``), the busiest and the most waking threads outside the workers, each
+worker thread's CPU, and every step's time of rank 0 (``step_ms``: where the periodic
+checkpoints fall).
 """
 
 from __future__ import annotations
