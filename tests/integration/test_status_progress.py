@@ -223,14 +223,21 @@ def test_a_real_run_publishes_progress_and_its_last_error(
         try:
 
             def status_json() -> dict:
+                """What ``elastic-trainer status --json`` prints, from a real CLI process (about
+                2 s of CPU each: the waits below poll in process, ``polled``, and this checks
+                the CLI once the run has shown everything)."""
                 done = subprocess.run([*cli, "status", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", unique_id,
                                        "--json"], capture_output=True, text=True, timeout=60)  # fmt: skip
                 assert done.returncode == 0, done.stderr
                 return json.loads(done.stdout)
 
+            def polled() -> dict:
+                """The CLI's report (``read_status`` with its default retry_timeout) as JSON."""
+                return json.loads(json.dumps(status(etcd_server, unique_id)))
+
             def with_rate() -> dict | None:
                 assert job.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
-                report = status_json()
+                report = polled()
                 p = report.get("progress")
                 return report if p and p["steps_per_s"] and report["found"] else None
 
@@ -254,17 +261,22 @@ def test_a_real_run_publishes_progress_and_its_last_error(
             assert f'node="{participant["name"]}"' in text
 
             os.kill(worker_processes(job.pid)[-1], signal.SIGKILL)
-            error = wait_for(lambda: status_json()["last_error"], timeout=120, what="the root cause in status",
+            error = wait_for(lambda: polled()["last_error"], timeout=120, what="the root cause in status",
                              interval=0.2)  # fmt: skip
             assert "SIGKILL" in error["text"] and error["node"] == participant["name"]
             counted = "heals" if heal == "in_place" else "restarts"
             if heal == "in_place":
                 assert "healed in place" in error["text"], error
-            progress = wait_for(lambda: (p := status_json()["progress"]) is not None and (p[counted] or 0) >= 1 and p,
+            progress = wait_for(lambda: (p := polled()["progress"]) is not None and (p[counted] or 0) >= 1 and p,
                                 timeout=150, what=f"the {counted} in the progress", interval=0.2)  # fmt: skip
             assert progress["restarts" if heal == "in_place" else "heals"] == 0, (
                 progress
             )  # one kind, not both
+            # The CLI prints the same: the run, the root cause and the heal or restart.
+            shown = status_json()
+            assert shown["found"] and shown["progress"]["total_steps"] == 100000, shown
+            assert shown["last_error"]["text"] == error["text"], shown
+            assert (shown["progress"][counted] or 0) >= 1, shown
         finally:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGTERM)
