@@ -9,10 +9,6 @@ model sharded on the new mesh the old, *equal* mesh object, with this process's 
 which DCP's offsets follow. The test pins that torch behaviour (a model sharded without
 clearing the caches carries the old coordinate) and runs the heal's path with the caches
 cleared, as ``Attempt.groups`` does.
-
-Also HSDP 2 x 2 -> 2 x 1 in memory. Both cases run in one spawn of four processes (one after the
-other, each on its own process group), shared by the two tests: starting four processes that
-import torch is most of the cost (two spawns took ~70 s on a loaded machine).
 """
 
 from __future__ import annotations
@@ -131,26 +127,10 @@ def _worker(old: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def _both(rank: int, root: str) -> None:
-    """One process of the shared spawn: the renumbering case, then the HSDP case as if in a
-    fresh process (DTensor's sharding caches emptied, new process groups)."""
-    _worker(rank, root)
-    torch_compat.clear_dtensor_sharding_caches()
-    _hsdp_worker(rank, root)
-
-
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Four gloo processes run both cases once; each test reads its own marker files. A failure
-    in any process fails both tests with its traceback."""
-    root = tmp_path_factory.mktemp("reshard")
+def test_survivors_renumbered_at_the_same_size_reshard_and_save(tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_both, args=(str(root),), nprocs=WORLD, start_method="forkserver")
-    return root
-
-
-def test_survivors_renumbered_at_the_same_size_reshard_and_save(spawned: Path) -> None:
-    assert sorted(p.name for p in spawned.glob("ok-*")) == [f"ok-{r}" for r in range(WORLD)]
+    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="forkserver")
+    assert sorted(p.name for p in tmp_path.glob("ok-*")) == [f"ok-{r}" for r in range(WORLD)]
 
 
 def _hsdp_model(world: int) -> nn.Module:
@@ -208,7 +188,9 @@ def _hsdp_worker(rank: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def test_hsdp_2x2_to_2x1_reshards_in_memory(spawned: Path) -> None:
-    assert sorted(p.name for p in spawned.glob("hsdp-ok-*")) == [
+def test_hsdp_2x2_to_2x1_reshards_in_memory(tmp_path: Path) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_hsdp_worker, args=(str(tmp_path),), nprocs=WORLD, start_method="forkserver")
+    assert sorted(p.name for p in tmp_path.glob("hsdp-ok-*")) == [
         f"hsdp-ok-{r}" for r in range(WORLD)
     ]
