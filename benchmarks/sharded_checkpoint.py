@@ -12,11 +12,14 @@ costs next to a bare FSDP2 loop.
 * ``steady``: the same loop with the library at its defaults (``ShardedState``,
   ``ShardedCheckpointManager`` with a checkpoint every 100 steps, asynchronous; the sampler's
   plan and the per-step reseeding of ``runtime/rng.py``) against a bare FSDP2 loop (no
-  checkpoints, seeded once), alternated ABAB; CPU time per step summed over the ranks, and wall
-  time. With ``--elastic`` a third contender: the same step through the own-loop API
-  (``Elastic`` over the sharded model: the state owner's routing, ``CheckpointManager`` with
-  sharded checkpoints every 100 steps, the step's control allreduce, the sampler), what
-  ``Trainer(TrainerConfig(fsdp=...))`` runs; order bare, ours, elastic in each repeat.
+  checkpoints, seeded once); CPU time per step summed over the ranks, and wall time. With
+  ``--elastic`` a third contender: the same step through the own-loop API (``Elastic`` over the
+  sharded model: the state owner's routing, ``CheckpointManager`` with sharded checkpoints every
+  100 steps, the step's control carried by a reduce-scatter, the sampler), what
+  ``Trainer(TrainerConfig(fsdp=...))`` runs. The modes alternate in blocks of
+  ``--checkpoint-every`` steps (bare, ours, elastic), ``--steps`` per mode and repeat: a change of
+  the machine's load reaches every mode alike, and a block's checkpoint write is finished (its CPU
+  counted, its wait not) before the next mode's block starts.
 
     python -m benchmarks.sharded_checkpoint stall --dim 2048 --layers 8 --steps 24 --every 8 --repeats 2
     python -m benchmarks.sharded_checkpoint steady --dim 512 --layers 4 --steps 300 --repeats 3
@@ -154,36 +157,51 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     for i in range(5):  # warm-up: allocator, FSDP's lazy init, AdamW's state
         _step(model, optimizer, data[i * args.batch :][: args.batch])
     modes = ("bare", "ours", "elastic") if args.elastic else ("bare", "ours")
-    cpu: dict[str, list[float]] = {m: [] for m in modes}
-    wall: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [0.0] * args.repeats for m in modes}
+    wall: dict[str, list[float]] = {m: [0.0] * args.repeats for m in modes}
     elastic = _elastic_steps(args, model, optimizer, data, root) if args.elastic else None
-    step = 0
-    for _ in range(args.repeats):
-        for mode in modes:
-            dist.barrier()
-            started, started_cpu = time.perf_counter(), time.process_time()
-            for i in range(args.steps):
-                if mode == "elastic" and elastic is not None:
-                    next(elastic)
-                    continue
-                if mode == "bare":
-                    batch = data[(i * args.batch) % len(data) :][: args.batch]
-                    _step(model, optimizer, batch)
-                    continue
-                if sampler.epoch_done:
-                    sampler.set_epoch(sampler.epoch + 1)
-                plan = sampler.plan(sampler.cursor, rank, args.world)
-                rng.seed_step(0, rank, step, device)
-                _step(model, optimizer, data[list(plan.micro_batches[0].indices)])
-                sampler.advance(plan)
-                step += 1
-                if manager.due(step):
-                    manager.save(step, epoch=sampler.epoch)
-            if mode == "ours":
-                manager.close()
-            _sync(device)
-            cpu[mode].append(time.process_time() - started_cpu)
-            wall[mode].append(time.perf_counter() - started)
+    run = None
+    for _ in range(5 if elastic is not None else 0):  # its setup and first steps, untimed
+        run = next(elastic)
+    # Short blocks, alternated (each mode's checkpoint interval: one save per block), so that a
+    # change of the machine's load reaches every mode alike. A block ends when its last save is
+    # written: the CPU of that write is its mode's (not the next block's), its wait is no step.
+    block = min(args.checkpoint_every, args.steps)
+    step = bare_step = 0
+    for repeat in range(args.repeats):
+        done = 0
+        while done < args.steps:
+            count = min(block, args.steps - done)
+            for mode in modes:
+                dist.barrier()
+                started, started_cpu = time.perf_counter(), time.process_time()
+                for _ in range(count):
+                    if mode == "elastic" and elastic is not None:
+                        run = next(elastic)
+                        continue
+                    if mode == "bare":
+                        batch = data[(bare_step * args.batch) % len(data) :][: args.batch]
+                        _step(model, optimizer, batch)
+                        bare_step += 1
+                        continue
+                    if sampler.epoch_done:
+                        sampler.set_epoch(sampler.epoch + 1)
+                    plan = sampler.plan(sampler.cursor, rank, args.world)
+                    rng.seed_step(0, rank, step, device)
+                    _step(model, optimizer, data[list(plan.micro_batches[0].indices)])
+                    sampler.advance(plan)
+                    step += 1
+                    if manager.due(step):
+                        manager.save(step, epoch=sampler.epoch)
+                _sync(device)
+                wall[mode][repeat] += time.perf_counter() - started
+                if mode == "ours":
+                    manager.close()
+                if mode == "elastic" and run is not None:
+                    while run.loop.checkpoints.writing:
+                        time.sleep(0.002)
+                cpu[mode][repeat] += time.process_time() - started_cpu
+            done += count
     if elastic is not None:
         elastic.close()  # leaves the run after its last measured step (no final save timed)
     return {"rank": rank, "cpu": cpu, "wall": wall}
@@ -196,7 +214,8 @@ def _elastic_steps(
     data: torch.Tensor,
     root: Path,
 ) -> Any:
-    """A generator that runs one step of the own-loop API over the sharded model per ``next``."""
+    """A generator that runs one step of the own-loop API over the sharded model per ``next``
+    (and returns the run)."""
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.runtime.settings import WorkerSettings
     from elastic_trainer.train.elastic import Elastic
@@ -210,7 +229,7 @@ def _elastic_steps(
         model,
         len(data),
         global_batch_size=args.batch * world,
-        max_steps=args.repeats * args.steps + 1,
+        max_steps=args.repeats * args.steps + 6,
         epochs=10**6,
         checkpoint_dir=str(root / "elastic"),
         checkpoint_every=args.checkpoint_every,
@@ -224,7 +243,7 @@ def _elastic_steps(
                 step.backward(model(data[list(micro.indices)]).square().mean() * step.weight)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        yield
+        yield run
 
 
 def _worker(rank: int, args: argparse.Namespace, root: str) -> None:
@@ -278,6 +297,10 @@ def _report_stall(results: list[dict[str, Any]], args: argparse.Namespace) -> No
 
 def _report_steady(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     modes = ("bare", "ours", "elastic") if args.elastic else ("bare", "ours")
+    print(
+        "load average before / after: "
+        + " / ".join(" ".join(f"{x:.2f}" for x in load) for load in args.load)
+    )
     cpu = {
         m: [sum(r["cpu"][m][i] for r in results) / args.steps for i in range(args.repeats)]
         for m in modes
@@ -289,7 +312,8 @@ def _report_steady(results: list[dict[str, Any]], args: argparse.Namespace) -> N
     for mode in modes:
         print(
             f"{mode:>4}: CPU per step (all ranks) median {statistics.median(cpu[mode]) * 1e3:.2f} ms, wall per step "
-            f"median {statistics.median(wall[mode]) * 1e3:.2f} ms"
+            f"median {statistics.median(wall[mode]) * 1e3:.2f} ms; per repeat CPU "
+            f"{' '.join(f'{c * 1e3:.1f}' for c in cpu[mode])}"
         )
     print(
         f"ours / bare: CPU {statistics.median(cpu['ours']) / statistics.median(cpu['bare']):.3f}x (target <= 1.03), "
@@ -340,7 +364,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(
         dir=os.path.abspath(args.dir) if args.dir else None, prefix="bench-sharded-"
     ) as root:
+        args.load = [os.getloadavg()]
         mp.spawn(_worker, args=(args, root), nprocs=args.world, join=True)
+        args.load.append(os.getloadavg())
         results = [
             json.loads(Path(root, f"result-{rank}.json").read_text()) for rank in range(args.world)
         ]

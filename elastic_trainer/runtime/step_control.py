@@ -23,23 +23,52 @@ gradients and it is read after the backward (:mod:`elastic_trainer.runtime.grad_
 control the backward did not carry goes on its own collective. Otherwise (CUDA, a loop with its
 own DDP) the control is this collective of its own, started before the backward (it overlaps it).
 No Python comm hook is involved either way: DDP's buckets stay in C++ (issue 30). Every rank
-carries or none does (agreed when the channel is built).
+carries or none does (agreed when the channel is built). A sharded (FSDP2) model has no DDP: there
+the control rides on one unit's reduce-scatter (:mod:`elastic_trainer.runtime.shard_carrier`),
+read after the backward as well.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.distributed import DistEnv
-from elastic_trainer.runtime.grad_carrier import ControlCarrier
 
 _STOP, _LOSS, _PRESENT, _CHECKPOINT_FAILED, _HEADER = 0, 1, 2, 3, 4
+
+
+class Carrier(Protocol):
+    """What carries a control inside the backward's own collectives: DDP's gradient
+    (:class:`~elastic_trainer.runtime.grad_carrier.ControlCarrier`) or an FSDP2 unit's
+    reduce-scatter (:class:`~elastic_trainer.runtime.shard_carrier.ShardCarrier`)."""
+
+    def fits(self, buffer_values: int) -> bool:
+        """Whether a control with this many buffer values can ride now."""
+        ...
+
+    def board(
+        self,
+        *,
+        stop: float,
+        loss: float,
+        present: float,
+        checkpoint_failed: float,
+        buffers: np.ndarray | None,
+    ) -> None:
+        """Make the next synchronised backward carry this rank's control."""
+        ...
+
+    def collect(self, control: np.ndarray, buffer_values: int) -> bool:
+        """(after the backward) The reduced control into ``control``; False when it did not
+        travel on every rank (it then goes on a collective of its own)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -83,8 +112,8 @@ class ControlChannel:
         env: this worker's place in the job (its process group must exist; every rank constructs
             its channel at the same point: under NCCL that creates a gloo group).
         waits: where the control's waits go (the healer's abortable waits when healing in place).
-        carrier: the DDP model's :class:`~elastic_trainer.runtime.grad_carrier.ControlCarrier`:
-            the control rides on its gradient when started before the synchronised backward.
+        carrier: the model's :class:`Carrier` (DDP's gradient, or an FSDP unit's
+            reduce-scatter): the control rides on it when started before the synchronised backward.
     """
 
     def __init__(
@@ -92,7 +121,7 @@ class ControlChannel:
         env: DistEnv,
         *,
         waits: AbortableWaits | None = None,
-        carrier: ControlCarrier | None = None,
+        carrier: Carrier | None = None,
     ) -> None:
         self.env = env
         self._waits = waits if waits is not None else AbortableWaits()

@@ -485,3 +485,38 @@ def map_grad_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> A
     if isinstance(tree, torch.Tensor):  # the common case, without pytree's walk
         return apply(tree)
     return _pytree.tree_map_only(torch.Tensor, apply, tree)
+
+
+# -- FSDP2 (worker processes; the step's control on a reduce-scatter) ---------------------------
+
+
+def is_fsdp_unit(module: torch.nn.Module) -> bool:
+    """``module`` went through ``fully_shard`` (public ``FSDPModule``) and has a parameter group
+    of its own (``FSDPState._fsdp_param_groups``, private in torch 2.13: a unit without
+    parameters of its own has none and reduce-scatters nothing)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return False
+    return bool(module._get_fsdp_state()._fsdp_param_groups)
+
+
+def fsdp_reduce_scatter_comm(module: Any) -> Any:
+    """The reduce-scatter comm of the FSDP unit ``module`` (``FSDPParamGroup._reduce_scatter_comm``,
+    private in torch 2.13; ``set_custom_reduce_scatter`` sets it, nothing public reads it), so
+    that a replacement can be undone. The unit must have exactly one parameter group (as
+    ``set_custom_reduce_scatter`` requires)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) != 1:
+        raise TorchCompatError(f"an FSDP unit with {len(groups)} parameter groups")
+    return groups[0]._reduce_scatter_comm
+
+
+def fsdp_default_reduce_scatter(module: Any) -> bool:
+    """The FSDP unit ``module`` has one parameter group, on FSDP's own reduce-scatter
+    (``DefaultReduceScatter`` of ``torch.distributed.fsdp._fully_shard._fsdp_collectives``,
+    torch 2.13): no custom comm of the user's, no symmetric memory."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return len(groups) == 1 and type(groups[0]._reduce_scatter_comm) is DefaultReduceScatter

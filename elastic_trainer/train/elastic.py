@@ -58,6 +58,7 @@ from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatch, MicroBatchSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
+from elastic_trainer.runtime.shard_carrier import ShardCarrier
 from elastic_trainer.state.buffers import replaces_buffer_broadcast
 from elastic_trainer.state.neighbour_copy import NeighbourCopyConfig
 from elastic_trainer.state.training_state import (
@@ -305,6 +306,7 @@ class Elastic:
         self._observer = observer
         self._fault_hook = fault_hook
         self._ddp: DDP | None = None  # over the current process group (a new one after each heal)
+        self._carrier: ShardCarrier | None = None  # a sharded model's control carrier
         self.loop: ElasticLoop | None = None
         self.result: TrainResult | None = None
         """How the run ended (after the iteration): ``exit_code`` is what the process exits with."""
@@ -378,15 +380,18 @@ class Elastic:
         )
         if advice is not None and self.env.is_rank0:
             log.warning("%s", advice)
-        for attempt in group.attempts():
-            with attempt:  # a peer's failure is healed here; the next attempt goes on
-                self._start_attempt(attempt)
-                loop = self._loop(attempt)
-                with loop:
-                    for plan in loop:
-                        step = Step(self, loop, plan)
-                        yield step
-                        step.reraise()
+        try:
+            for attempt in group.attempts():
+                with attempt:  # a peer's failure is healed here; the next attempt goes on
+                    self._start_attempt(attempt)
+                    loop = self._loop(attempt)
+                    with loop:
+                        for plan in loop:
+                            step = Step(self, loop, plan)
+                            yield step
+                            step.reraise()
+        finally:
+            self._drop_carrier()  # the model reduce-scatters as FSDP does after the run
         self.result = group.result
 
     def _start_attempt(self, attempt: Attempt) -> None:
@@ -419,23 +424,35 @@ class Elastic:
 
     def _start_sharded(self, attempt: Attempt) -> None:
         """A sharded model's attempt: after a heal the model and its optimizers are built again
-        on the new group (``rebuild``); when the group heals in place, the attempt keeps a
+        on the new group (``rebuild``); the step's control rides on one unit's reduce-scatter
+        (``runtime/shard_carrier.py``); when the group heals in place, the attempt keeps a
         neighbour copy of this rank's shards (``docs/design/sharded.md``)."""
-        if self._rebuild is None:
-            return  # nothing can re-bind the model: a group failure restarts from the checkpoint
-        if self._attempts_started > 1:  # the model's groups died with the last attempt's group
+        # A rebuild needs its own Elastic-made groups: without one, a group failure restarts
+        # from the checkpoint. The model's groups died with the last attempt's group.
+        if self._rebuild is not None and self._attempts_started > 1:
             with attempt.groups():
                 self.state.replace(self._rebuild(attempt.env))
             if not isinstance(self.state.model, nn.Module) or self.state.sharded is None:
                 raise failures.ConfigError("rebuild: must return the model, sharded again")
             self.model = self.state.model
+        self._drop_carrier()
+        self._carrier = ShardCarrier.maybe(
+            self.model, self.env, enabled=self.settings.control_carrier
+        )
+        attempt.carry(self._carrier)
         sharded = self.state.sharded
-        if attempt.group.healer is None or sharded is None:
+        if self._rebuild is None or attempt.group.healer is None or sharded is None:
             return  # no heal in place: a copy would only cost
         config = (
             self.shard_copy if self.shard_copy is not None else NeighbourCopyConfig.from_environ()
         )
         self.state.copies = attempt.copy_shards(sharded.local_state, every=config.every)
+
+    def _drop_carrier(self) -> None:
+        """The last attempt's sharded model gets its own reduce-scatter back."""
+        carrier, self._carrier = self._carrier, None
+        if carrier is not None:
+            carrier.close()
 
     def no_sync(self) -> Any:
         """A context in which backward accumulates gradients without reducing them (DDP's

@@ -52,6 +52,7 @@ from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.signals import GracefulStop
+from elastic_trainer.runtime.step_control import Carrier
 from elastic_trainer.state.neighbour_copy import NeighbourCopy
 from elastic_trainer.train.loop import EXIT_STOPPED, ElasticLoop, TrainResult
 
@@ -200,7 +201,12 @@ class Attempt:
         self._wrappers: list[weakref.ref[Any]] = []
         self._releases: list[Callable[[], None]] = []
         self._shards: Any = None
-        self._carrier: ControlCarrier | None = None
+        self._carrier: Carrier | None = None
+
+    def carry(self, carrier: Carrier | None) -> None:
+        """The step's control rides on ``carrier`` in this attempt's loop (a sharded model's:
+        ``ShardCarrier``; a DDP model's comes with :meth:`wrap`)."""
+        self._carrier = carrier
 
     # -- a sharded loop of your own (docs/design/sharded.md, "Healing sharded state in place") ----
     def hold(self, shards: Any) -> None:

@@ -43,13 +43,17 @@ from elastic_trainer.heal.sharded_restore import RESTORE, resume_sharded
 from elastic_trainer.runtime import failures, heartbeat, rng
 from elastic_trainer.runtime.comms import WorkerComms
 from elastic_trainer.runtime.distributed import DistEnv
-from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sample_log import SampleLog
 from elastic_trainer.runtime.sampler import ElasticSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.signals import GracefulStop, SignalWakeup
-from elastic_trainer.runtime.step_control import ControlChannel, ControlResult, PendingControl
+from elastic_trainer.runtime.step_control import (
+    Carrier,
+    ControlChannel,
+    ControlResult,
+    PendingControl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +163,10 @@ class ElasticLoop:
         heal_check: called at the start of every step; raises to stop the step when the group
             is being healed (``Healer.check``).
         generation_part: how many times this process healed before (names its sample log).
-        control_carrier: the DDP model's :class:`~elastic_trainer.runtime.grad_carrier.ControlCarrier`
-            (the default on the CPU): the control rides on its gradient when :meth:`start_control`
-            is called before the synchronised backward, and goes on its own collective otherwise.
+        control_carrier: the model's :class:`~elastic_trainer.runtime.step_control.Carrier` (the
+            default on the CPU: DDP's gradient, or an FSDP unit's reduce-scatter): the control
+            rides on it when :meth:`start_control` is called before the synchronised backward,
+            and goes on its own collective otherwise.
         comms: the worker's runtime context (abortable waits); default a plain one.
     """
 
@@ -187,7 +192,7 @@ class ElasticLoop:
         initial_state: dict[str, Any] | None = None,
         generation_part: int = 0,
         heal_check: Callable[[], None] | None = None,
-        control_carrier: ControlCarrier | None = None,
+        control_carrier: Carrier | None = None,
         comms: WorkerComms | None = None,
     ) -> None:
         self.env = env
