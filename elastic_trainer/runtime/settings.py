@@ -33,8 +33,9 @@ ENV_CONTROL_CARRIER = "ELASTIC_TRAINER_CONTROL_CARRIER"
 """``0`` sends the step's control on its own small gloo collective every step. By default (``1``),
 on the CPU with gloo and 2 or more ranks, ``Elastic``/``Trainer`` carry it as the gradient of an
 extra parameter that DDP reduces with the model's in C++ (``runtime/grad_carrier.py``; about 7 % of
-a short step's CPU less). Every rank of an attempt decides alike, from the attempt's world
-(``docs/design/steady-state.md``, "The control as a gradient")."""
+a short step's CPU less), or, for an FSDP2 model, on one unit's reduce-scatter
+(``runtime/shard_carrier.py``). Every rank of an attempt decides alike, from the attempt's world
+(``docs/design/steady-state.md``, "The control as a gradient"; ``docs/design/sharded.md``)."""
 ENV_SHARD_COPY_EVERY = "ELASTIC_TRAINER_SHARD_COPY_EVERY"
 """Steps between refreshes of each sharded (FSDP2) rank's copy on its neighbour, for a loop that
 heals sharded state in place (``state/neighbour_copy.py``); ``0`` turns the copy off."""
