@@ -24,6 +24,7 @@ costs next to a bare FSDP2 loop.
     python -m benchmarks.sharded_checkpoint stall --dim 2048 --layers 8 --steps 24 --every 8 --repeats 2
     python -m benchmarks.sharded_checkpoint steady --dim 512 --layers 4 --steps 300 --repeats 3
     python -m benchmarks.sharded_checkpoint steady --elastic --dim 512 --layers 4 --steps 300 --repeats 3
+    python -m benchmarks.sharded_checkpoint steady --elastic --control collective --dim 512 --layers 4 --steps 300 --repeats 3
     python -m benchmarks.sharded_checkpoint stall --device cuda --dim 4096 --layers 8 --steps 24 --every 8
 """
 
@@ -234,7 +235,7 @@ def _elastic_steps(
         checkpoint_dir=str(root / "elastic"),
         checkpoint_every=args.checkpoint_every,
         log_every=10**9,
-        settings=WorkerSettings(),
+        settings=WorkerSettings(control_carrier=args.control == "carried"),
         env=env,
     )
     for step in run:
@@ -346,6 +347,13 @@ def main() -> None:
         "--elastic",
         action="store_true",
         help="steady: also the own-loop API (Elastic) over the sharded model",
+    )
+    parser.add_argument(
+        "--control",
+        choices=("carried", "collective"),
+        default="carried",
+        help="steady --elastic: the step's control on a reduce-scatter (the default) or on its "
+        "own collective (ELASTIC_TRAINER_CONTROL_CARRIER=0)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
