@@ -642,10 +642,11 @@ def resume_claim(state: TrainingState) -> str:
     missing = state.unrestored()
     scheme = (
         "random streams derive from (seed, rank, step), so every step from here is bitwise the step of a "
-        "fault-free run with the same world-size history"
+        "fault-free run with the same world-size history as far as it depends on this state (not on "
+        "objects outside it, such as your own generators or per-rank counters)"
     )
     if not missing:
-        return f"exact resume: {scheme}"
+        return f"exact resume of the saved state ({', '.join(state.restored or [])}): {scheme}"
     return (
         f"NOT an exact resume: the checkpoint holds no {', '.join(repr(m) for m in missing)} (they start fresh); "
         f"restored: {', '.join(state.restored or []) or 'nothing'}"

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -67,6 +68,7 @@ from elastic_trainer.state.training_state import (
     TrainingState,
     find_states,
 )
+from elastic_trainer.train import state_audit
 from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
 from elastic_trainer.train.fsdp import no_gradient_sync
 from elastic_trainer.train.loop import (
@@ -167,7 +169,12 @@ class Elastic:
         checkpoint: the full checkpoint section instead (overrides the two above).
         scaler: a ``torch.amp.GradScaler``: saved, and :meth:`Step.backward` scales with it.
         states: more objects to save (name -> anything with ``state_dict``/``load_state_dict``);
-            the model's optimizers and their schedulers are found without it.
+            the model's optimizers and their schedulers are found without it. Saved from rank 0
+            and restored on every rank: after the first step of each attempt rank 0 warns in one
+            line about those that differ between the ranks (per-rank state), and at the start
+            about stateful variables of the loop's frame left out (``state_audit``).
+        ignore_states: names those two warnings leave alone (a variable left unsaved on
+            purpose, a ``states`` key whose per-rank copies you accept).
         find: find the optimizers and schedulers (``False``: ``states`` lists everything).
         collate_fn, num_workers: for the DataLoader of a map-style ``dataset``.
         ddp_options: keyword arguments for ``DistributedDataParallel`` (``bucket_cap_mb``, ...). On
@@ -223,6 +230,7 @@ class Elastic:
         checkpoint: CheckpointConfig | None = None,
         scaler: Any = None,
         states: Mapping[str, Stateful | None] | None = None,
+        ignore_states: Collection[str] = (),
         find: bool = True,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
@@ -282,6 +290,10 @@ class Elastic:
         )
         objects: dict[str, Stateful | None] = {"model": model, **found}
         objects.update(states or {})
+        self._own_states = {
+            name: obj for name, obj in (states or {}).items() if name not in ignore_states
+        }
+        self.ignore_states = frozenset(ignore_states)
         objects["sampler"] = self.sampler
         self.state = TrainingState(objects, env=self.env, model=model, seed=seed)
         """What is saved, restored and handed to a peer (found here; see :func:`find_states`)."""
@@ -346,6 +358,8 @@ class Elastic:
     # -- the run ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
         ensure_progress_logging(self.env.rank)
+        if self.env.is_rank0:
+            self._warn_unsaved(sys._getframe(1))  # the frame that iterates the loop
         if self._group is not None:
             yield from self._run()
             return
@@ -386,13 +400,56 @@ class Elastic:
                     self._start_attempt(attempt)
                     loop = self._loop(attempt)
                     with loop:
+                        if loop.state_source == "checkpoint" and loop.resumed_from is not None:
+                            self._warn_finished(loop)
+                        first = True
                         for plan in loop:
                             step = Step(self, loop, plan)
                             yield step
                             step.reraise()
+                            if first:
+                                first = False
+                                self._warn_per_rank()
         finally:
             self._drop_carrier()  # the model reduce-scatters as FSDP does after the run
         self.result = group.result
+
+    # -- the state checks (state_audit.py) ----------------------------------------------------------
+    def _warn_unsaved(self, frame: Any) -> None:
+        """Rank 0, at the start: stateful variables of the loop's frame that are not saved."""
+        try:
+            if frame is None or frame.f_globals.get("__name__", "").startswith(
+                "elastic_trainer.train."
+            ):
+                return  # the Trainer's own loop: it saves what it builds
+            namespace = {**frame.f_globals, **frame.f_locals}
+        finally:
+            del frame  # no reference cycle through the caller's frame
+        names = state_audit.unsaved_objects(
+            namespace,
+            [*self.state.objects.values(), self.state],
+            model=self.model,
+            ignore=self.ignore_states,
+        )
+        if names:
+            log.warning("%s", state_audit.unsaved_message(names))
+
+    def _warn_finished(self, loop: ElasticLoop) -> None:
+        """Rank 0: the checkpoint resumed leaves nothing to train (one line, not an error)."""
+        if loop.done() and self.env.is_rank0:
+            log.warning(
+                "%s",
+                state_audit.finished_message(
+                    loop.checkpoints.last_path, loop.step, max_steps=self.max_steps
+                ),
+            )
+
+    def _warn_per_rank(self) -> None:
+        """Collective, after the first step of each attempt: ``states`` that differ between
+        the ranks come back as rank 0's copy after a fault; rank 0 names them in one line."""
+        differ = state_audit.differing_states(self._own_states, self.env)
+        if differ and self.env.is_rank0:
+            log.warning("%s", state_audit.per_rank_message(differ))
 
     def _start_attempt(self, attempt: Attempt) -> None:
         self.env = attempt.env

@@ -1,0 +1,160 @@
+"""Checks of the state an own loop keeps: the traps that make a resume silently inexact.
+
+``states=`` objects are saved once, from rank 0, and restored on every rank, so a per-rank object
+(a generator seeded from the rank, a tracker of this rank's loss) comes back as rank 0's copy after
+any fault. :func:`differing_states` finds them (one tiny allreduce of per-object checksums after
+the first step of each attempt); :func:`unsaved_objects` finds stateful objects of the loop's
+frame that are not saved at all (a ``torch.Generator``, anything with ``state_dict`` and
+``load_state_dict`` that is not registered). Both end in one warning line from rank 0, never an
+error: a run may accept either on purpose, and names it in ``Elastic(ignore_states=...)``.
+:func:`finished_message` is the line for a resume at or past the end. Docs: ``docs/own-loop.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from types import FunctionType, ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.state.training_state import _checksum
+
+SMALL_STATE_BYTES = 1 << 20
+"""Tensor bytes above which a ``states`` object is not checksummed for per-rank differences (a
+large one, an EMA of the model, is derived from the replicated model anyway)."""
+
+DERIVE_HINT = (
+    "torch's default generator is reseeded per (seed, rank, step) at every step: draw from it, or "
+    "reseed your own at the step's start with `gen.manual_seed(torch.initial_seed() + 1)`, and "
+    "keep per-rank counters out of `states` (or reduce them over the ranks first)"
+)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def small_checksums(objects: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """A checksum of each object's ``state_dict()`` whose tensors hold at most
+    :data:`SMALL_STATE_BYTES` (optimizers, schedulers, scalers and modules are skipped: they are
+    replicated by DDP, and the heal's own check covers them)."""
+    out = []
+    for name, obj in objects.items():
+        if obj is None or isinstance(
+            obj,
+            (nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler),
+        ):
+            continue
+        if type(obj).__name__ == "GradScaler":
+            continue
+        state = obj.state_dict()
+        if _tensor_bytes(state) <= SMALL_STATE_BYTES:
+            out.append((name, _checksum(state)))
+    return out
+
+
+def differing_states(objects: Mapping[str, Any], env: DistEnv, group: Any = None) -> list[str]:
+    """Collective (one allreduce of two integers per small object): the names of ``objects``
+    whose state differs between the ranks. Every rank must call it at the same point."""
+    if env.world_size <= 1:
+        return []
+    named = small_checksums(objects)
+    if not named:
+        return []
+    device = env.device if env.backend == "nccl" else torch.device("cpu")
+    values = torch.tensor(
+        [c for _, c in named] + [-c for _, c in named], dtype=torch.int64, device=device
+    )
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    n = len(named)
+    return [name for i, (name, _) in enumerate(named) if int(values[i]) != -int(values[n + i])]
+
+
+def per_rank_message(names: Iterable[str]) -> str:
+    listed = ", ".join(repr(n) for n in names)
+    return (
+        f"states {listed} differ between the ranks: states are saved from rank 0 and restored on "
+        "every rank, so after a heal or restart every rank gets rank 0's copy and training is no "
+        f"longer the fault-free run's; {DERIVE_HINT} (docs/own-loop.md, 'Per-rank state'; "
+        "silence with Elastic(ignore_states=...))"
+    )
+
+
+def _stateful(obj: object) -> bool:
+    if isinstance(obj, torch.Generator):
+        return True
+    if isinstance(obj, (type, ModuleType, FunctionType)):
+        return False
+    kind = type(obj)
+    if kind.__module__.startswith("elastic_trainer."):
+        return False  # the library's own objects (the state, the sampler) are handled
+    if not (
+        callable(getattr(kind, "state_dict", None))
+        and callable(getattr(kind, "load_state_dict", None))
+    ):
+        return False
+    if isinstance(obj, nn.Module):  # a loss module: nothing to save
+        return any(True for _ in obj.parameters()) or any(True for _ in obj.buffers())
+    return True
+
+
+def unsaved_objects(
+    namespace: Mapping[str, Any],
+    registered: Iterable[Any],
+    *,
+    model: nn.Module | None = None,
+    ignore: Collection[str] = (),
+) -> list[str]:
+    """The names in ``namespace`` (a frame's locals and globals) bound to a stateful object that
+    is not saved: a ``torch.Generator`` or an object with ``state_dict`` and ``load_state_dict``
+    that is neither registered, nor held by a registered object (a wrapper's attribute), nor part
+    of ``model``, nor a module with no parameters and no buffers. Pure; cheap (one pass)."""
+    covered: set[int] = set()
+    for obj in registered:
+        if obj is None:
+            continue
+        covered.add(id(obj))
+        covered.update(id(v) for v in getattr(obj, "__dict__", {}).values())
+    if model is not None:
+        covered.update(id(m) for m in model.modules())
+    names = []
+    for name, obj in namespace.items():
+        if name.startswith("__") or name in ignore or id(obj) in covered:
+            continue
+        if _stateful(obj):
+            names.append(name)
+            covered.add(id(obj))  # the same object under two names: once
+    return names
+
+
+def unsaved_message(names: Iterable[str]) -> str:
+    listed = ", ".join(names)
+    return (
+        f"stateful objects not saved: {listed} (a torch.Generator, or has state_dict and "
+        "load_state_dict, but is not in Elastic(states=...)): after a heal or restart they start "
+        "again from what this script built, not from the step resumed; register them in "
+        f"states=, or, for per-rank random numbers, {DERIVE_HINT} (docs/own-loop.md, 'Per-rank "
+        "state'; silence with Elastic(ignore_states=...))"
+    )
+
+
+def finished_message(path: str | None, step: int, *, max_steps: int | None) -> str:
+    """The line for a resume that leaves nothing to train (a finished job, or ``max_steps``
+    below the checkpoint's step)."""
+    bound = f"max_steps={max_steps}" if max_steps is not None and step >= max_steps else "epochs"
+    where = path if path is not None else "the checkpoint"
+    return (
+        f"nothing to train: resumed {where} is at step {step}, at or past {bound}, so the run ends "
+        "at once; to start afresh, give another checkpoint directory (--checkpoint-dir / "
+        "checkpoint_dir=) or delete this one's checkpoints"
+    )
