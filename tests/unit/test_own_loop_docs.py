@@ -75,6 +75,7 @@ def test_the_fsdp_script_runs_as_written(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "training finished at step 200" in done.stderr, done.stderr[-2000:]
+    assert "not saved" not in done.stderr, "the state checks name nothing in the snippet"
     assert list((tmp_path / "ckpt").glob("ckpt-*200.dcp")), "a sharded checkpoint of the last step"
 
 
