@@ -140,3 +140,19 @@ def test_the_audit_script_counts_a_rolled_back_step_once(tmp_path: Path) -> None
     assert done_run.returncode == 0, done_run.stderr[-2000:]
     # 8 steps of 4 samples (an epoch is 5 steps of 20 samples): each sample once per epoch.
     assert done_run.stdout.strip() == "8 steps, 32 samples, 0 seen twice in an epoch"
+
+
+def test_the_per_rank_snippet_runs_as_written_with_no_state_warning(tmp_path: Path) -> None:
+    """The micro-batch rule's snippet (docs/own-loop.md, "Per-rank state"): it trains, updates its
+    tracker once per step, and the state checks name nothing in it."""
+    page = (REPO / "docs" / "own-loop.md").read_text()
+    section = page.split("## Per-rank state and your own generators", 1)[1]
+    script = re.search(r"```python\n(.*?)```", section, re.S)
+    assert script and "tracker.update(step_loss)" in script.group(1)
+    (tmp_path / "per_rank.py").write_text(script.group(1))
+    done = subprocess.run(
+        [sys.executable, "per_rank.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "training finished at step 50" in done.stderr, done.stderr[-2000:]
+    assert "WARNING" not in done.stderr, done.stderr[-2000:]
