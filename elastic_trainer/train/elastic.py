@@ -409,7 +409,7 @@ class Elastic:
                             step.reraise()
                             if first:
                                 first = False
-                                self._warn_per_rank()
+                                self._warn_per_rank(group)
         finally:
             self._drop_carrier()  # the model reduce-scatters as FSDP does after the run
         self.result = group.result
@@ -444,10 +444,10 @@ class Elastic:
                 ),
             )
 
-    def _warn_per_rank(self) -> None:
+    def _warn_per_rank(self, group: ElasticGroup) -> None:
         """Collective, after the first step of each attempt: ``states`` that differ between
         the ranks come back as rank 0's copy after a fault; rank 0 names them in one line."""
-        differ = state_audit.differing_states(self._own_states, self.env)
+        differ = state_audit.differing_states(self._own_states, self.env, waits=group.comms.waits)
         if differ and self.env.is_rank0:
             log.warning("%s", state_audit.per_rank_message(differ))
 

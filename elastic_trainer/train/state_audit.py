@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.state.training_state import _checksum
 
@@ -63,9 +64,16 @@ def small_checksums(objects: Mapping[str, Any]) -> list[tuple[str, int]]:
     return out
 
 
-def differing_states(objects: Mapping[str, Any], env: DistEnv, group: Any = None) -> list[str]:
+def differing_states(
+    objects: Mapping[str, Any],
+    env: DistEnv,
+    group: Any = None,
+    *,
+    waits: AbortableWaits | None = None,
+) -> list[str]:
     """Collective (one allreduce of two integers per small object): the names of ``objects``
-    whose state differs between the ranks. Every rank must call it at the same point."""
+    whose state differs between the ranks. Every rank must call it at the same point. ``waits``:
+    the healer's, so that a heal's abort ends the wait at once (``runtime/abortable.py``)."""
     if env.world_size <= 1:
         return []
     named = small_checksums(objects)
@@ -75,7 +83,11 @@ def differing_states(objects: Mapping[str, Any], env: DistEnv, group: Any = None
     values = torch.tensor(
         [c for _, c in named] + [-c for _, c in named], dtype=torch.int64, device=device
     )
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    if waits is not None and waits.enabled:
+        waits.track(work.get_future()).wait()  # type: ignore[union-attr]
+    else:
+        work.wait()  # type: ignore[union-attr]
     n = len(named)
     return [name for i, (name, _) in enumerate(named) if int(values[i]) != -int(values[n + i])]
 
