@@ -307,3 +307,18 @@ def test_per_rank_states_are_named_once_by_rank_0_after_the_first_step(tmp_path:
     assert not [m for m in seen[0]["ignored"] if "differ between" in m], "silenced by name"
     print(f"differing_states: {seen[0]['cost_ms']:.3f} ms a call (2 gloo ranks, 2 small states)")
     assert seen[0]["cost_ms"] < 100, "negligible: once per attempt"
+
+
+def test_the_trainer_says_the_same_at_a_resume_past_max_steps_and_nothing_of_its_own_frame(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.unit.test_runtime_trainer import _fit, _job
+
+    caplog.set_level(logging.INFO, logger="elastic_trainer")
+    _fit(_job(), max_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    caplog.clear()
+    _, result = _fit(_job(), max_steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    assert result.step == 4
+    lines = _warnings(caplog, "nothing to train")
+    assert len(lines) == 1 and "step 4" in lines[0] and "max_steps=2" in lines[0], lines
+    assert not _warnings(caplog, "not saved"), "the Trainer's loop saves what it builds"
