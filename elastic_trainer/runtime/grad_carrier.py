@@ -32,7 +32,6 @@ for the device, which the control's own host collective avoids (``docs/design/st
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -41,15 +40,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from elastic_trainer.runtime import torch_compat
+from elastic_trainer.runtime import control_header, torch_compat
 from elastic_trainer.runtime.distributed import DistEnv
 
-_CARRIED, _STOP, _PRESENT, _CHECKPOINT_FAILED, _LOSS_HI, _LOSS_LO, _SLOTS = range(7)
+_SLOTS = control_header.HEADER_SLOTS
 _BYTES = 8
 """Slots per buffer value: the bytes of its float64."""
 MAX_WORLD = 256
 """Up to this many ranks every slot stays an exact float32 integer (255 x w x w < 2**24)."""
-_LOSS_LIMIT = 1e38
 
 
 def buffer_values(model: nn.Module) -> int:
@@ -174,12 +172,10 @@ class ControlCarrier(nn.Module):
         on the others (they send zeros)."""
         w = float(self._world)
         payload = np.zeros(self._size, dtype=np.float32)
-        if not abs(loss) < _LOSS_LIMIT:  # nan, inf or beyond float32: reported as missing
-            loss = math.nan
-        hi = float(np.float32(loss))
-        payload[_CARRIED], payload[_STOP], payload[_PRESENT] = w, stop * w, present * w
-        payload[_CHECKPOINT_FAILED], payload[_LOSS_HI] = checkpoint_failed * w, hi * w
-        payload[_LOSS_LO] = (loss - hi) * w
+        control_header.encode(
+            payload, self._world, stop=stop, loss=loss, present=present,
+            checkpoint_failed=checkpoint_failed,
+        )  # fmt: skip
         if buffers is not None and buffers.size:
             raw = buffers.view(np.uint8)  # the 8 bytes of each float64, one slot each
             np.multiply(raw, w, out=payload[_SLOTS : _SLOTS + raw.size], casting="unsafe")
@@ -214,15 +210,8 @@ class ControlCarrier(nn.Module):
         if grad is not aboard.grad or aboard.grad_view is None:
             aboard.grad, aboard.grad_view = grad, grad.detach().numpy()  # once, then reused
         summed = aboard.grad_view
-        carried, stop, present, failed, hi, lo = summed[:_SLOTS].tolist()
-        if round(carried) != self._world:
+        if not control_header.decode(summed[:_SLOTS].tolist(), self._world, control):
             return False
-        control[0], control[1], control[2], control[3] = (
-            round(stop),
-            hi + lo,
-            round(present),
-            round(failed),
-        )
         if buffer_values:
             raw = summed[_SLOTS : _SLOTS + _BYTES * buffer_values].astype(np.uint8)  # exact
             control[4 : 4 + buffer_values] = raw.view(np.float64)

@@ -43,16 +43,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_trainer.runtime import torch_compat
+from elastic_trainer.runtime import control_header, torch_compat
 from elastic_trainer.runtime.distributed import DistEnv
 
-_CARRIED, _STOP, _PRESENT, _CHECKPOINT_FAILED, _LOSS_HI, _LOSS_LO, _SLOTS = range(7)
+_SLOTS = control_header.HEADER_SLOTS
 MAX_WORLD = 256
 """Up to this many ranks every slot stays an exact float32 integer."""
 MAX_CARRY_NUMEL = 1 << 21
 """The largest unit (parameters) that carries: copying its gradient (8 MB in float32, ~0.3 ms on
 a 2-core VM) must cost less than the collective it saves."""
-_LOSS_LIMIT = 1e38
 _CARRYING_DTYPES = (torch.float32, torch.float64)
 
 
@@ -207,14 +206,11 @@ class ShardCarrier:
         """Make the unit's next reduce-scatter carry this rank's control."""
         if buffers is not None and buffers.size:
             raise ValueError("a sharded model's control carries no buffers")
-        w = float(self.world_size)
-        if not abs(loss) < _LOSS_LIMIT:  # nan, inf or beyond float32: reported as missing
-            loss = math.nan
-        hi = float(np.float32(loss))
         payload = np.zeros(_SLOTS, dtype=np.float32)
-        payload[_CARRIED], payload[_STOP], payload[_PRESENT] = w, stop * w, present * w
-        payload[_CHECKPOINT_FAILED], payload[_LOSS_HI] = checkpoint_failed * w, hi * w
-        payload[_LOSS_LO] = (loss - hi) * w
+        control_header.encode(
+            payload, self.world_size, stop=stop, loss=loss, present=present,
+            checkpoint_failed=checkpoint_failed,
+        )  # fmt: skip
         self._payload, self._delivered = payload, False
 
     def _take(self) -> np.ndarray | None:
@@ -234,16 +230,8 @@ class ShardCarrier:
         ``[stop, loss, present, checkpoint failed]``) and return True; False when the payload
         did not travel on every rank (nothing stays aboard: send it on a collective of its own)."""
         delivered, self._delivered, self._payload = self._delivered, False, None
-        if delivered:
-            carried, stop, present, failed, hi, lo = self._result.tolist()
-            if round(carried) == self.world_size:
-                control[0], control[1], control[2], control[3] = (
-                    round(stop),
-                    hi + lo,
-                    round(present),
-                    round(failed),
-                )
-                return True
+        if delivered and control_header.decode(self._result.tolist(), self.world_size, control):
+            return True
         self._missed = True
         return False
 

@@ -1,0 +1,58 @@
+"""The step control's header as it rides inside a backward's own collective.
+
+Both carriers (DDP's gradient, :mod:`~elastic_trainer.runtime.grad_carrier`; an FSDP2 unit's
+reduce-scatter, :mod:`~elastic_trainer.runtime.shard_carrier`) send the same :data:`HEADER_SLOTS`
+float32 slots and read them back the same way. Invariants: every slot is an integer times the
+world size ``w`` (exact in float32 below 2**24), so the reduction's averaging (the sum divided by
+``w``) leaves the plain sum over the ranks, exactly; the ``carried`` slot sums to ``w`` only when
+every rank's payload travelled; the loss travels as two float32 halves, as a float32 sum would
+give it; a loss that is nan, infinite or beyond float32 is reported as missing (nan).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+CARRIED, STOP, PRESENT, CHECKPOINT_FAILED, LOSS_HI, LOSS_LO, HEADER_SLOTS = range(7)
+_LOSS_LIMIT = 1e38
+
+
+def encode(
+    payload: np.ndarray,
+    world_size: int,
+    *,
+    stop: float,
+    loss: float,
+    present: float,
+    checkpoint_failed: float,
+) -> None:
+    """Write this rank's header, each value times ``world_size``, into ``payload[:HEADER_SLOTS]``."""
+    w = float(world_size)
+    if not abs(loss) < _LOSS_LIMIT:  # nan, inf or beyond float32: reported as missing
+        loss = math.nan
+    hi = float(np.float32(loss))
+    payload[CARRIED], payload[STOP], payload[PRESENT] = w, stop * w, present * w
+    payload[CHECKPOINT_FAILED], payload[LOSS_HI] = checkpoint_failed * w, hi * w
+    payload[LOSS_LO] = (loss - hi) * w
+
+
+def decode(reduced: Sequence[float], world_size: int, control: np.ndarray) -> bool:
+    """Write the reduced header (the plain sum over the ranks: ``reduced[:HEADER_SLOTS]``) into
+    ``control[:4]`` as ``[stop, loss, present, checkpoint failed]`` and return True; False, and
+    nothing written, when not every rank's payload travelled."""
+    carried, stop, present, failed, hi, lo = reduced[:HEADER_SLOTS]
+    if round(carried) != world_size:
+        return False
+    control[0], control[1], control[2], control[3] = (
+        round(stop),
+        hi + lo,
+        round(present),
+        round(failed),
+    )
+    return True
+
+
+__all__ = ["HEADER_SLOTS", "decode", "encode"]
