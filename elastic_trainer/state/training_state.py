@@ -425,7 +425,7 @@ class TrainingState:
         rank holds alike: a sharded model's and optimizers' shards differ between ranks by design."""
         own = self.sharded.owns if self.sharded is not None else frozenset()
         return [
-            (name, _checksum(obj.state_dict()))
+            (name, state_checksum(obj.state_dict()))
             for name, obj in self.objects.items()
             if obj is not None and name != "sampler" and name not in own
         ] + [("step", self.step)]
@@ -460,7 +460,7 @@ class TrainingState:
 _MASK = (1 << 61) - 1
 
 
-def _checksum(value: Any) -> int:
+def state_checksum(value: Any) -> int:
     """Exact, order-sensitive checksum of every tensor (bytes) and scalar in ``value``."""
     total = 0
     if isinstance(value, torch.Tensor):
@@ -476,11 +476,11 @@ def _checksum(value: Any) -> int:
         return (int((words * weights).sum()) + words.numel()) & _MASK
     if isinstance(value, Mapping):
         for i, (key, item) in enumerate(value.items()):
-            total = (total * 31 + (i + 1) * _checksum(item) + _checksum(key)) & _MASK
+            total = (total * 31 + (i + 1) * state_checksum(item) + state_checksum(key)) & _MASK
         return total
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            total = (total * 31 + (i + 1) * _checksum(item)) & _MASK
+            total = (total * 31 + (i + 1) * state_checksum(item)) & _MASK
         return total
     if isinstance(value, (bool, int)):
         return int(value) & _MASK

@@ -22,7 +22,7 @@ from torch import nn
 
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.distributed import DistEnv
-from elastic_trainer.state.training_state import _checksum
+from elastic_trainer.state.training_state import state_checksum
 
 SMALL_STATE_BYTES = 1 << 20
 """Tensor bytes above which a ``states`` object is not checksummed for per-rank differences (a
@@ -60,7 +60,7 @@ def small_checksums(objects: Mapping[str, Any]) -> list[tuple[str, int]]:
             continue
         state = obj.state_dict()
         if _tensor_bytes(state) <= SMALL_STATE_BYTES:
-            out.append((name, _checksum(state)))
+            out.append((name, state_checksum(state)))
     return out
 
 
