@@ -14,24 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_trainer import Elastic
-from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.settings import HealSettings, WorkerSettings
 from elastic_trainer.train.elastic import healing_advice
+from tests.support.dist_env import cpu_env
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _env(*, launched: bool) -> DistEnv:
-    return DistEnv(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        restart_count=0,
-        launched=launched,
-        device=torch.device("cpu"),
-        backend="gloo",
-    )
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -59,7 +46,7 @@ def test_a_model_sharded_before_elastic_warns_once_that_it_does_not_heal(
             max_steps=2,
             rebuild=lambda env: {"model": model, "optimizer": optimizer},
             settings=WorkerSettings(heal=HealSettings(enabled=True, endpoint="127.0.0.1:1")),
-            env=_env(launched=launched),
+            env=cpu_env(launched=launched),
         )
         caplog.set_level(logging.WARNING, logger="elastic_trainer.train.elastic")
         for step in elastic:

@@ -27,9 +27,9 @@ from elastic_trainer.checkpoint import sharded
 from elastic_trainer.heal.shard_move import reshard_shards
 from elastic_trainer.heal.sharded_restore import plan_restore
 from elastic_trainer.runtime import torch_compat
-from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.state.neighbour_copy import NeighbourCopy
 from elastic_trainer.state.sharded import ShardedState
+from tests.support.dist_env import cpu_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,11 +47,6 @@ def _model() -> nn.Module:
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def _env(rank: int) -> DistEnv:
-    return DistEnv(rank=rank, local_rank=rank, world_size=WORLD, local_world_size=WORLD,
-                   restart_count=0, launched=True, device=torch.device("cpu"), backend="gloo")  # fmt: skip
 
 
 def _full(state: ShardedState) -> dict[str, torch.Tensor]:
@@ -73,7 +68,7 @@ def _worker(old: int, root: str) -> None:
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     state = ShardedState(model, [optimizer])
-    copies = NeighbourCopy(state.local_state, env=_env(old), every=1)
+    copies = NeighbourCopy(state.local_state, env=cpu_env(old, WORLD, launched=True), every=1)
     copies.start(0)
     for step in range(1, STEPS + 1):
         torch.manual_seed(100 * step + old)
@@ -155,7 +150,9 @@ def _hsdp_worker(rank: int, root: str) -> None:
     model = _hsdp_model(WORLD)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     state = ShardedState(model, [optimizer])
-    copies = NeighbourCopy(state.local_state, env=_env(rank), every=1, replicas=2)
+    copies = NeighbourCopy(
+        state.local_state, env=cpu_env(rank, WORLD, launched=True), every=1, replicas=2
+    )
     copies.start(0)
     for step in range(1, STEPS + 1):
         torch.manual_seed(100 * step + rank % 2)  # the replicas of a shard see the same batch

@@ -19,6 +19,7 @@ from torch import nn
 from elastic_trainer import Elastic
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.train import state_audit
+from tests.support.dist_env import cpu_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,19 +50,6 @@ class RunningAvg:
 
     def load_state_dict(self, s: dict[str, float]) -> None:
         self.total, self.n = s["total"], int(s["n"])
-
-
-def _env(rank: int, world_size: int) -> DistEnv:
-    return DistEnv(
-        rank=rank,
-        local_rank=rank,
-        world_size=world_size,
-        local_world_size=world_size,
-        restart_count=0,
-        launched=False,
-        device=torch.device("cpu"),
-        backend="gloo",
-    )
 
 
 def _warnings(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
@@ -257,7 +245,7 @@ def _per_rank_worker(rank: int, store_path: str, results: Any) -> None:
     logging.getLogger("elastic_trainer").addHandler(Keep())
     logging.getLogger("elastic_trainer").setLevel(logging.INFO)
     try:
-        env = _env(rank, 2)
+        env = cpu_env(rank, 2)
         out: dict[str, Any] = {}
         states = {
             "noise": GenState(torch.Generator().manual_seed(100 + rank)),  # per rank

@@ -16,7 +16,6 @@ from torch import nn
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.manager import CheckpointManager
-from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.state.training_state import (
     ReplicaMismatchError,
@@ -24,21 +23,9 @@ from elastic_trainer.state.training_state import (
     UnsavedStateError,
     find_states,
 )
+from tests.support.dist_env import cpu_env
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _env(rank: int = 0, world_size: int = 1) -> DistEnv:
-    return DistEnv(
-        rank=rank,
-        local_rank=rank,
-        world_size=world_size,
-        local_world_size=world_size,
-        restart_count=0,
-        launched=False,
-        device=torch.device("cpu"),
-        backend="gloo",
-    )
 
 
 class Net(nn.Module):
@@ -71,7 +58,7 @@ def test_an_optimizer_over_the_model_that_is_not_saved_is_refused_before_its_fir
     model = Net()
     saved = torch.optim.SGD(model.head.parameters(), lr=0.1)
     forgotten = torch.optim.AdamW(model.embedding.parameters(), lr=0.1)
-    state = TrainingState({"model": model, "optimizer": saved}, env=_env())
+    state = TrainingState({"model": model, "optimizer": saved}, env=cpu_env())
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     before = model.embedding.weight.detach().clone()
@@ -95,7 +82,7 @@ def _replica_worker(rank: int, store_path: str, lossy: bool, results: Any) -> No
         counter = _Counter(
             rank if lossy else 0
         )  # a load_state_dict that does not restore what it saved
-        state = TrainingState({"model": model, "counter": counter}, env=_env(rank, 2), seed=0)
+        state = TrainingState({"model": model, "counter": counter}, env=cpu_env(rank, 2), seed=0)
         try:
             state.verify_replicas()
             results.put((rank, "equal", state.consistent))
@@ -151,7 +138,7 @@ def _manager(directory: Path, states: dict[str, Any]) -> CheckpointManager:
     model = states["model"]
     return CheckpointManager(
         CheckpointConfig(directory=str(directory), every=1, async_write=False),
-        env=_env(),
+        env=cpu_env(),
         states=states,
         fingerprint={"model": ckpt.model_signature(model.state_dict())},
         settings=WorkerSettings(),
