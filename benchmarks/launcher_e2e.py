@@ -2,6 +2,7 @@
 
     python -m benchmarks.launcher_e2e --pairs 3                          # every workload, 4 variants
     python -m benchmarks.launcher_e2e --workloads mlp1024 --pairs 3 --variants bare/torchrun trainer/elastic
+    python -m benchmarks.launcher_e2e --device cuda --workloads gpt --pairs 3 --variants bare/torchrun trainer/elastic
 
 Variants (``API/LAUNCHER``): ``bare/torchrun`` is a plain DDP loop under ``torchrun --standalone``
 (the baseline); ``trainer/elastic`` is the same job through ``Trainer`` under ``elastic-trainer
@@ -9,10 +10,17 @@ run`` at every default (embedded etcd, in-place healing, metrics, warm start, wa
 checkpoints every 100 steps); the cross terms ``bare/elastic`` and ``trainer/torchrun`` split the
 cost between the launcher and the runtime; ``trainer/elastic+owncontrol`` (opt-in)
 the step's control on its own collective (``ELASTIC_TRAINER_CONTROL_CARRIER=0``), as before it rode
-on a gradient. The user script is ``benchmarks/launcher_job.py``, two
-gloo workers on this machine. Each pair runs every variant once, in an order that alternates
-between pairs, so that the machine's drift hits all alike; ratios are taken against the baseline
-of the same pair and the median over pairs is reported.
+on a gradient. The user script is ``benchmarks/launcher_job.py``, two gloo workers on this machine
+(any GPU hidden, so that both sides run on the CPU). Each pair runs every variant once, in an
+order that alternates between pairs, so that the machine's drift hits all alike; ratios are taken
+against the baseline of the same pair and the median over pairs is reported (a claim needs at
+least :data:`MIN_PAIRS` pairs).
+
+``--device cuda``: NCCL, one worker per GPU (``--nproc`` defaults to every visible GPU), and the
+decoder is GPT-2 small (:data:`CUDA_SIZES`) under bf16 autocast, as the in-process GPU benchmarks
+run it. The GPU claim is throughput (the ratio column; samples and tokens per second follow the
+table); CPU per step stays recorded. ``--tiny``: every workload at a toy size for a few steps, a
+wiring check (the GPU check's dry run, ``benchmarks/gpu_check``) whose figures are no measurement.
 
 Reported per variant: steady-state steps/s of rank 0 (steps ``warmup..steps``), CPU per step
 (both workers' processes, every thread, over the same window: the robust figure on a shared
@@ -33,6 +41,7 @@ checkpoints fall).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -106,6 +115,18 @@ WORKLOADS: dict[str, list[str]] = {
 }
 """The example CNN; the 4-layer MLP with one gradient bucket (width 1024, 12.6 MB) and with two (width
 2048, 42 MB); a 4-block decoder (d_model 384, 10.3 M parameters) with several buckets."""
+CUDA_SIZES: dict[str, list[str]] = {
+    "gpt": ["--seq-len", "1024", "--layers", "12", "--d-model", "768", "--vocab", "50304",
+            "--steps", "50", "--warmup", "10"],
+}  # fmt: skip
+"""On CUDA: the decoder is GPT-2 small (124 M parameters, 13 buckets; ``benchmarks/workloads.py``), 8
+sequences per GPU, as ``overhead_e2e --device cuda --model gpt`` runs it; a short run, so that 3
+pairs fit the GPU check's limit. The CNN and the MLPs keep their shapes."""
+CUDA_SAMPLES_PER_GPU = {"gpt": 8}
+TINY_SIZES = ["--width", "8", "--seq-len", "16", "--layers", "1", "--d-model", "32", "--vocab", "256",
+              "--dataset-size", "64", "--steps", "8", "--warmup", "3"]  # fmt: skip
+"""``--tiny``: every workload at a toy size, 5 steady steps, 2 samples per worker: a wiring check."""
+TINY_NOTE = "tiny sizes: a wiring check, no measurement"
 VARIANTS = (
     "bare/torchrun",
     "trainer/elastic",
@@ -124,6 +145,8 @@ heal from one rank to two works with it (issue 30), kept for runs that compare b
 one stays after the window): splits off what the default checkpoint every 100 steps costs, which
 bare DDP does not do (rank 0 copies the state and a thread of it writes the file)."""
 DEFAULT_VARIANTS = VARIANTS[:4]
+MIN_PAIRS = 3
+"""A claim is the median over at least this many alternating pairs (issue 30)."""
 BASELINE = "bare/torchrun"
 ENV_TREE_TAG = "LAUNCHER_E2E_TAG"
 """A token unique to one run, in the environment of every process of the job: rank 0 of
@@ -135,20 +158,54 @@ class RunFailed(RuntimeError):
     """A launch that did not exit 0."""
 
 
-def command(variant: str, workload: str, out: str, nproc: int) -> list[str]:
+_GPT_ONLY = ("--seq-len", "--layers", "--d-model", "--vocab")
+
+
+def workload_args(workload: str, *, device: str, nproc: int, tiny: bool) -> list[str]:
+    """The user script's options for ``workload``: :data:`WORKLOADS`, with :data:`CUDA_SIZES` on
+    CUDA or :data:`TINY_SIZES` for ``--tiny`` in place of the sizes they name."""
+    options = _pairs(WORKLOADS[workload])
+    if device == "cuda" and workload in CUDA_SIZES:
+        options |= _pairs(CUDA_SIZES[workload])
+        options["--global-batch-size"] = str(CUDA_SAMPLES_PER_GPU[workload] * nproc)
+    if tiny:
+        options |= _pairs(TINY_SIZES)
+        options["--global-batch-size"] = str(2 * nproc)
+    # Each model takes only its own sizes (--tiny names all of them).
+    unused = ("--width",) if options["--model"] == "gpt" else _GPT_ONLY
+    options = {k: v for k, v in options.items() if k not in unused}
+    cuda = ["--device", "cuda"] if device == "cuda" else []  # the CPU line as it always was
+    return [*itertools.chain.from_iterable(options.items()), *cuda]
+
+
+def _pairs(options: list[str]) -> dict[str, str]:
+    return dict(zip(options[::2], options[1::2], strict=True))
+
+
+def _launcher(script: str, module: str) -> list[str]:
+    """A launcher's console script beside this Python (what a user types), else ``python -m``
+    (a GPU node that runs the tree from ``PYTHONPATH`` has no ``elastic-trainer`` script)."""
+    path = Path(sys.executable).parent / script
+    return [str(path)] if path.exists() else [sys.executable, "-m", module]
+
+
+def command(
+    variant: str, workload: str, out: str, nproc: int, *, device: str = "cpu", tiny: bool = False
+) -> list[str]:
     """The launch line of one run (what a user types, with this venv's tools)."""
     api, launcher = variant.split("+")[0].split("/")
-    bin_dir = Path(sys.executable).parent
     if launcher == "torchrun":
-        head = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(nproc)]
+        head = [*_launcher("torchrun", "torch.distributed.run"), "--standalone"]
     else:
-        head = [str(bin_dir / "elastic-trainer"), "run", "--nproc-per-node", str(nproc)]
+        head = [*_launcher("elastic-trainer", "elastic_trainer.cli"), "run"]
     extra = {
         "owncontrol": ["--control", "collective"],
         "carrier": ["--control", "gradient"],
         "nockpt": ["--checkpoint-every", str(10**6)],
     }.get(variant.partition("+")[2], [])
-    return [*head, str(SCRIPT), "--api", api, *WORKLOADS[workload], *extra, "--out", out]
+    job = workload_args(workload, device=device, nproc=nproc, tiny=tiny)
+    return [*head, "--nproc-per-node", str(nproc), str(SCRIPT), "--api", api, *job, *extra,
+            "--out", out]  # fmt: skip
 
 
 def _role(cmd: str, pid: str, workers: set[str]) -> str:
@@ -160,7 +217,9 @@ def _role(cmd: str, pid: str, workers: set[str]) -> str:
         ("warm_start serve", "warm server"),
         ("warm_start --socket", "warm clients"),
         ("elastic-trainer run", "launcher"),
+        ("elastic_trainer.cli run", "launcher"),
         ("torchrun", "launcher"),
+        ("torch.distributed.run", "launcher"),
     ):
         if needle in cmd:
             return role
@@ -207,19 +266,23 @@ def side_cpu(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float) -> dict[str, Any]:
+def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float, *,
+             device: str = "cpu", tiny: bool = False) -> dict[str, Any]:  # fmt: skip
     """Launch one job, wait for it; its ranks' records and what the process tree cost."""
     out = tmp / f"{workload}-{variant.replace('/', '-')}-{time.monotonic_ns()}"
+    path = os.environ.get("PYTHONPATH")  # a GPU node's carried packages stay on it
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *([path] if path else [])]),
         "OMP_NUM_THREADS": "1",
         ENV_TREE_TAG: uuid.uuid4().hex,
     }
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the Trainer would take a GPU it sees; bare DDP runs gloo
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     launched = time.time()
     done = subprocess.run(
-        command(variant, workload, str(out), nproc),
+        command(variant, workload, str(out), nproc, device=device, tiny=tiny),
         env=env,
         cwd=tmp,
         timeout=timeout,
@@ -233,10 +296,15 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float)
     ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(nproc)]
     steps = ranks[0]["steps"]
     step_ms = sorted(ranks[0].get("step_ms", []))
+    steps_per_s = steps / ranks[0]["wall_s"]
+    samples_per_s = steps_per_s * ranks[0]["samples_per_step"]
     return {
         "variant": variant,
         "workload": workload,
-        "steps_per_s": steps / ranks[0]["wall_s"],
+        "device": device,
+        "steps_per_s": steps_per_s,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * ranks[0]["tokens_per_sample"],
         "cpu_ms_per_step": 1e3 * sum(r["cpu_s"] for r in ranks) / steps,
         "first_step_s": ranks[0]["first_step_unix"] - launched,
         "script_start_s": ranks[0]["started_unix"] - launched,
@@ -263,7 +331,7 @@ def summarize(results: list[dict[str, Any]], variants: tuple[str, ...]) -> str:
         "first step - baseline s | script start s | threads | hooks | control |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for workload in dict.fromkeys(r["workload"] for r in results):
+    for workload in workloads_of(results):
         rows = [r for r in results if r["workload"] == workload]
         pairs = sorted({r["pair"] for r in rows})
         base = {r["pair"]: r for r in rows if r["variant"] == BASELINE}
@@ -294,35 +362,92 @@ def summarize(results: list[dict[str, Any]], variants: tuple[str, ...]) -> str:
                 f"{'/'.join(sorted({r.get('control', '-') for r in mine}))} |"
             )
         lines.append(f"| {workload} | pairs | {len(pairs)} | | | | | | | | | |")
+    lines += ["", throughput(results, variants)]
+    if any(len({r["pair"] for r in results if r["workload"] == w}) < MIN_PAIRS
+           for w in workloads_of(results)):  # fmt: skip
+        lines += [
+            "",
+            f"fewer than {MIN_PAIRS} pairs: no claim (a claim is the median of >= {MIN_PAIRS})",
+        ]
     return "\n".join(lines)
 
 
-def main() -> None:
+def workloads_of(results: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(r["workload"] for r in results))
+
+
+def throughput(results: list[dict[str, Any]], variants: tuple[str, ...]) -> str:
+    """Samples and tokens (the decoder's) per second, medians over the pairs: the GPU claim is
+    throughput, whose ratio is the headline table's (both sides take the same batch)."""
+    lines = ["| workload | variant | samples/s (median) | tokens/s (median) |", "|---|---|---|---|"]
+    for workload in workloads_of(results):
+        for variant in variants:
+            mine = [r for r in results if r["workload"] == workload and r["variant"] == variant]
+            if mine:
+                samples = statistics.median(r["samples_per_s"] for r in mine)
+                tokens = statistics.median(r["tokens_per_s"] for r in mine)
+                lines.append(f"| {workload} | {variant} | {samples:.1f} | {tokens:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     parser.add_argument(
-        "--pairs", type=int, default=3, help="rounds of every variant, order alternating (>= 3)"
+        "--pairs",
+        type=int,
+        default=MIN_PAIRS,
+        help=f"rounds of every variant, order alternating (>= {MIN_PAIRS} for a claim)",
     )
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo workers, the GPUs hidden; cuda: NCCL, one worker per GPU, GPT-2 small",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="workers per run (default: 2 on cpu, every GPU on cuda)",
+    )
+    parser.add_argument("--tiny", action="store_true", help=f"toy sizes, a few steps: {TINY_NOTE}")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     parser.add_argument(
         "--json", default=None, help="append every run's record to this file (JSON lines)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.pairs < 1 or (args.nproc is not None and args.nproc < 1):
+        parser.exit(2, "launcher_e2e: --pairs and --nproc must be at least 1\n")
+    if args.device == "cuda":
+        from benchmarks.workloads import cuda_processes  # imports torch: only for a GPU run
+
+        try:
+            args.nproc = cuda_processes(args.nproc)
+        except ValueError as exc:
+            parser.exit(2, f"launcher_e2e: {exc}\n")
+    nproc = args.nproc or 2
+    print(f"launcher_e2e: {nproc} {args.device} worker(s) per run{'; ' + TINY_NOTE if args.tiny else ''}",
+          flush=True)  # fmt: skip
     variants = tuple(args.variants) if BASELINE in args.variants else (BASELINE, *args.variants)
     results: list[dict[str, Any]] = []
+
+    def run(variant: str, workload: str, tmp: str) -> dict[str, Any]:
+        return run_once(variant, workload, nproc, Path(tmp), args.timeout, device=args.device,
+                        tiny=args.tiny)  # fmt: skip
+
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workloads:
             for pair in range(args.pairs):
                 for variant in variants if pair % 2 == 0 else variants[::-1]:
                     try:
-                        record = run_once(variant, workload, args.nproc, Path(tmp), args.timeout)
+                        record = run(variant, workload, tmp)
                     except (
                         RunFailed
                     ) as exc:  # a shared machine: another job may hold the metrics port
                         print(f"retrying once: {exc}", file=sys.stderr, flush=True)
-                        record = run_once(variant, workload, args.nproc, Path(tmp), args.timeout)
+                        record = run(variant, workload, tmp)
                     record |= {"pair": pair}
                     results.append(record)
                     print(

@@ -2,14 +2,19 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/launcher_job.py --api bare --model mlp --width 1024 --out o
     elastic-trainer run --nproc-per-node 2 benchmarks/launcher_job.py --api trainer --model mlp --width 1024 --out o
+    torchrun --standalone --nproc-per-node 1 benchmarks/launcher_job.py --api bare --device cuda --model gpt --out o
 
 ``bare``: the DDP guides' loop (``init_process_group``, ``DistributedSampler``, ``DataLoader``,
 ``DDP``, SGD). ``trainer``: the same model, data, loss and optimizer through ``Trainer`` with
 everything at its default (under ``elastic-trainer run``: in-place healing, metrics, checkpoints
-every 100 steps, the just-in-time save). Every rank writes ``OUT.RANK`` (JSON): the unix time of
-its first finished step, the wall and CPU time (this process, every thread) of steps
-``warmup..steps``, how many Python comm hooks its DDP has, how many threads it runs, and how the
-Trainer's step control travelled (``gradient``: carried by DDP's buckets; ``collective``: its own).
+every 100 steps, the just-in-time save). ``--device cuda``: NCCL and the GPU of ``LOCAL_RANK``
+(the ``Trainer`` picks both itself when it sees a GPU), the decoder under bf16 autocast in both
+(``workloads.uses_bf16``; the ``Trainer``'s ``mixed_precision="bf16"``), the GPU synchronised at
+the steady window's two ends. Every rank writes ``OUT.RANK`` (JSON): the unix time of its first
+finished step, the wall and CPU time (this process, every thread) of steps ``warmup..steps``, the
+samples (and tokens) of a step, how many Python comm hooks its DDP has, how many threads it runs,
+and how the Trainer's step control travelled (``gradient``: carried by DDP's buckets;
+``collective``: its own).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.launcher_e2e import ENV_TREE_TAG  # noqa: E402
-from benchmarks.workloads import Workload, workload  # noqa: E402
+from benchmarks.workloads import Workload, autocast_of, uses_bf16, workload  # noqa: E402
 
 
 def _job(args: argparse.Namespace) -> Workload:
@@ -48,9 +53,11 @@ def _job(args: argparse.Namespace) -> Workload:
 class Clock:
     """Stamps each finished step: (wall, process CPU); the first one's unix time too."""
 
-    def __init__(self, total: int, warmup: int) -> None:
+    def __init__(self, total: int, warmup: int, *, cuda: bool = False) -> None:
         self.total = total
         self.warmup = warmup
+        self.cuda = cuda
+        """Synchronise the GPU before the window's first and last stamps: the window is GPU work done."""
         self.threads = 0
         self.stamps: list[tuple[float, float]] = []
         self.first_unix: float | None = None
@@ -68,6 +75,8 @@ class Clock:
             self.hooks = len(torch_compat.comm_hooks(ddp))
             carried = isinstance(getattr(ddp, "module", None), ControlCarrier)
             self.control = "gradient" if carried else "collective"
+        if self.cuda and len(self.stamps) + 1 in (self.warmup, self.total):
+            torch.cuda.synchronize()
         if len(self.stamps) + 1 == self.warmup:
             self.threads = len(os.listdir("/proc/self/task"))  # in steady state
             self._snapshot()  # before the window's first stamp: its cost stays outside
@@ -125,25 +134,37 @@ def bare(args: argparse.Namespace, clock: Clock) -> object:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     job = _job(args)
-    model = DDP(job.model())
+    model = DDP(job.model().to(device), device_ids=[device.index] if cuda else None)
     dataset = job.dataset()
     sampler: DistributedSampler[int] = DistributedSampler(
         dataset, num_replicas=world, rank=rank, drop_last=True
     )
     loader = DataLoader(
-        dataset, batch_size=args.global_batch_size // world, sampler=sampler, drop_last=True
+        dataset,
+        batch_size=args.global_batch_size // world,
+        sampler=sampler,
+        drop_last=True,
+        pin_memory=cuda,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    autocast = autocast_of(args)
     epoch = 0
     while len(clock.stamps) < clock.total:
         sampler.set_epoch(epoch)
         for x, y in loader:
+            if cuda:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            loss = job.loss(model(x), y)
+            with autocast():
+                loss = job.loss(model(x), y)
             loss.backward()
             optimizer.step()
             loss.item()  # what a loop that logs its loss does; Trainer reads it from the control
@@ -178,13 +199,20 @@ def trainer(args: argparse.Namespace, clock: Clock) -> None:
             directory=args.checkpoint_dir,
             **({"every": args.checkpoint_every} if args.checkpoint_every else {}),
         ),
+        mixed_precision="bf16" if args.bf16 else "no",
     )
     Trainer(config, job, callbacks=[lambda t, step: clock.step(t.ddp)]).fit()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--api", choices=("bare", "trainer"), required=True)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo; cuda: NCCL, the GPU of LOCAL_RANK (the Trainer: CUDA whenever it sees one)",
+    )
     parser.add_argument("--model", choices=("cnn", "mlp", "gpt"), default="cnn")
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -212,9 +240,12 @@ def main() -> int:
         "(ELASTIC_TRAINER_CONTROL_CARRIER=0)",
     )
     parser.add_argument("--out", required=True, help="each rank writes OUT.RANK")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, "launcher_job: --device cuda: no CUDA device is visible\n")
+    args.bf16 = uses_bf16(args.device, args.model)
     torch.set_num_threads(1)
-    clock = Clock(args.steps, args.warmup)
+    clock = Clock(args.steps, args.warmup, cuda=args.device == "cuda")
     if args.api == "bare":
         _KEPT.append(bare(args, clock))  # see bare(): never freed; os._exit ends the process
     else:
@@ -230,6 +261,9 @@ def main() -> int:
                 "started_unix": STARTED_UNIX,
                 "first_step_unix": clock.first_unix,
                 "steps": len(window) - 1,
+                "device": args.device,
+                "samples_per_step": args.global_batch_size,
+                "tokens_per_sample": _job(args).tokens_per_sample,
                 "wall_s": window[-1][0] - window[0][0],
                 "cpu_s": window[-1][1] - window[0][1],
                 "comm_hooks": clock.hooks,

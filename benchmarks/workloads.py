@@ -276,18 +276,35 @@ def add_workload_arguments(
     parser.add_argument("--seed", type=int, default=0)
 
 
+def cuda_processes(requested: int | None) -> int:
+    """Processes of a CUDA run: ``requested``, else one per visible GPU.
+
+    Raises:
+        ValueError: no CUDA device is visible, or fewer than ``requested`` (one line).
+    """
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        raise ValueError("--device cuda: no CUDA device is visible")
+    nproc = requested or visible
+    if nproc > visible:
+        raise ValueError(f"--nproc {nproc}: NCCL needs one GPU per process, {visible} visible")
+    return nproc
+
+
+def uses_bf16(device: str, model: str) -> bool:
+    """Whether the forward runs under bf16 autocast: the decoder on CUDA, as every GPU figure."""
+    return device == "cuda" and model == "gpt"
+
+
 def resolve_workload_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Processes (``--nproc`` where a benchmark has it, else 2 on CPU and one per GPU on CUDA), the
     default batch, and bf16 for the GPU model."""
     requested = getattr(args, "nproc", None)
     if args.device == "cuda":
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device is visible")
-        args.nproc = requested or torch.cuda.device_count()
-        if args.nproc > torch.cuda.device_count():
-            parser.error(
-                f"--nproc {args.nproc}: NCCL needs one GPU per process, {torch.cuda.device_count()} visible"
-            )
+        try:
+            args.nproc = cuda_processes(requested)
+        except ValueError as exc:
+            parser.error(str(exc))
     else:
         args.nproc = requested or 2
     if args.global_batch_size is None:
@@ -296,4 +313,4 @@ def resolve_workload_arguments(parser: argparse.ArgumentParser, args: argparse.N
         parser.error(
             f"--global-batch-size {args.global_batch_size}: fewer samples than the {args.nproc} processes"
         )
-    args.bf16 = args.device == "cuda" and args.model == "gpt"
+    args.bf16 = uses_bf16(args.device, args.model)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Check a GPU node: the gpu-marked tests and every GPU benchmark claim, each step under its own
-# time limit, the whole run within 8 minutes on one H100 (set-up excluded); ends with one table
+# time limit, the whole run within 9.5 minutes on one H100 (set-up excluded); ends with one table
 # (claim, CPU figure, GPU figure, target, pass/fail) and writes it, results.json and each step's
 # raw log to OUT. Exit 1 when a target is missed or a step fails, 2 when the node cannot run it.
 #
 #   bash scripts/gpu-check.sh OUT                 # on a node with one or more NVIDIA GPUs
 #   bash scripts/gpu-check.sh --dry-run OUT       # anywhere: every step on CPU, tiny sizes
-#   bash scripts/gpu-check.sh OUT --only e2e_gpt  # rerun some steps (names: --help)
+#   bash scripts/gpu-check.sh OUT --only launcher_gpt  # rerun some steps (names: --help)
 #
 # On a GPU node it uses the CUDA torch of `python3` (or $PYTHON) as it is and never installs
 # torch: the few packages that such an image lacks (etcd3, tenacity, the etcd binary) come from

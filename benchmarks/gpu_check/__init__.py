@@ -13,8 +13,8 @@ GPU figure, target, pass/fail (:mod:`.report`). ``OUT`` receives ``table.md``, `
 and one raw log per step. The exit status is non-zero when a target is missed or a step fails;
 in a dry run only when a step fails (tiny CPU runs say nothing about GPU targets).
 
-Invariants: the whole GPU run fits in :data:`~benchmarks.gpu_check.plan.BUDGET_S` (8 minutes on one
-H100, set-up excluded), because every step is killed at its limit and no step starts past the
+Invariants: the whole GPU run fits in :data:`~benchmarks.gpu_check.plan.BUDGET_S` (9.5 minutes on
+one H100, set-up excluded), because every step is killed at its limit and no step starts past the
 budget; every claim of :data:`~benchmarks.gpu_check.plan.CLAIMS` is a row of the table whatever
 happened (not run, skipped, failed, not built yet). Adding a measurement is one
 :class:`~benchmarks.gpu_check.plan.Step`, one parser and one or more

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.launcher_e2e import BASELINE, MIN_PAIRS, TINY_NOTE
+
 # A skipped GPU test whose reason matches this is expected on a one-GPU node (the heal-in-place
 # test needs two NCCL ranks on two GPUs); any other skip on a GPU node counts as not passed.
 EXPECTED_SKIP = re.compile(r"needs 2 GPUs")
@@ -60,6 +62,36 @@ def overhead_e2e(output: str, out_dir: Path) -> Figures:
         "wall_ratio": Figure(wall, f"{wall:.3f} ({row[1]} samples/s{p99})"),
         "cpu_ratio": Figure(cpu, f"{cpu:.3f}"),
     }
+
+
+def launcher_e2e(output: str, out_dir: Path) -> Figures:
+    """``benchmarks.launcher_e2e``: the ``trainer/elastic`` row of its headline table (``Trainer``
+    under ``elastic-trainer run`` against bare DDP under torchrun: the medians of the per-pair
+    throughput and CPU-per-step ratios), its pairs, and tokens (or samples) per second of both.
+    Fewer than :data:`~benchmarks.launcher_e2e.MIN_PAIRS` pairs is an error, unless the run
+    says it was ``--tiny`` (the dry run's wiring check)."""
+    row = _search(
+        rf"^\| (\w+) \| trainer/elastic \| {_NUMBER} \({_NUMBER}-{_NUMBER}\) \| {_NUMBER} \| {_NUMBER} \| {_NUMBER} \|",
+        output, "'| trainer/elastic |' row",
+    )  # fmt: skip
+    workload, ratio, cpu = row[1], float(row[5]), float(row[7])
+    pairs = int(_search(rf"^\| {workload} \| pairs \| (\d+) \|", output, "'| pairs |' row")[1])
+    if pairs < MIN_PAIRS and TINY_NOTE not in output:
+        raise OutputError(f"{pairs} pair(s): a claim is the median of at least {MIN_PAIRS}")
+    rates = {  # the throughput table: samples/s and tokens/s by variant
+        m[1]: (float(m[2]), float(m[3]))
+        for m in re.finditer(rf"^\| {workload} \| (\S+) \| {_NUMBER} \| {_NUMBER} \|$", output, re.MULTILINE)
+    }  # fmt: skip
+    if "trainer/elastic" not in rates or BASELINE not in rates:
+        raise OutputError(f"no samples/s of trainer/elastic and bare/torchrun for {workload}")
+    (samples, tokens), (base_samples, base_tokens) = rates["trainer/elastic"], rates[BASELINE]
+    rate = (
+        f"{tokens:.0f} vs {base_tokens:.0f} tokens/s"
+        if tokens and base_tokens
+        else f"{samples:.1f} vs {base_samples:.1f} samples/s"
+    )
+    shown = f"{ratio:.3f} ({rate}, CPU per step {cpu:.3f}x, {pairs} pairs)"
+    return {"wall_ratio": Figure(ratio, shown), "cpu_ratio": Figure(cpu, f"{cpu:.3f}")}
 
 
 def metrics_overhead(output: str, out_dir: Path) -> Figures:

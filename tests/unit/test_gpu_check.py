@@ -65,6 +65,38 @@ RESTART_COST = """\
 | **total** | 1.517 | 1.087 | 1.4x | 1.597 | 1.082 |
 """
 
+# `launcher_e2e --workloads gpt --variants bare/torchrun trainer/elastic --tiny --nproc 1` on this
+# CPU machine (the dry run's step; a GPU run prints the same tables), --pairs 1 and --pairs 3.
+LAUNCHER_E2E_1 = """\
+launcher_e2e: 1 cpu worker(s) per run; tiny sizes: a wiring check, no measurement
+| workload | variant | steps/s (median; min-max) | ratio | CPU ms/step | CPU ratio | first step s | first step - baseline s | script start s | threads | hooks | control |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+| gpt | bare/torchrun | 729.85 (729.85-729.85) | 1.000 | 1.36 | 1.000 | 8.06 | +0.00 | 1.5 | 4 | 0 | - |
+| gpt | trainer/elastic | 534.37 (534.37-534.37) | 0.732 | 1.86 | 1.368 | 6.00 | -2.06 | 5.8 | 14 | 0 | collective |
+| gpt | pairs | 1 | | | | | | | | | |
+
+| workload | variant | samples/s (median) | tokens/s (median) |
+|---|---|---|---|
+| gpt | bare/torchrun | 1459.7 | 23355 |
+| gpt | trainer/elastic | 1068.7 | 17100 |
+
+fewer than 3 pairs: no claim (a claim is the median of >= 3)
+"""
+LAUNCHER_E2E_3 = """\
+launcher_e2e: 1 cpu worker(s) per run; tiny sizes: a wiring check, no measurement
+| workload | variant | steps/s (median; min-max) | ratio | CPU ms/step | CPU ratio | first step s | first step - baseline s | script start s | threads | hooks | control |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+| gpt | bare/torchrun | 528.39 (150.75-682.74) | 1.000 | 1.41 | 1.000 | 9.82 | +0.00 | 4.3 | 4 | 0 | - |
+| gpt | trainer/elastic | 104.84 (100.99-116.37) | 0.198 | 2.72 | 1.935 | 8.03 | -0.65 | 7.8 | 14 | 0 | collective |
+| gpt | pairs | 3 | | | | | | | | | |
+
+| workload | variant | samples/s (median) | tokens/s (median) |
+|---|---|---|---|
+| gpt | bare/torchrun | 1056.8 | 16909 |
+| gpt | trainer/elastic | 209.7 | 3355 |
+"""
+_TINY_LINE = "launcher_e2e: 1 cpu worker(s) per run; tiny sizes: a wiring check, no measurement\n"
+
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.gpu.test_cuda_nccl" name="test_a" time="1"/>
 <testcase classname="tests.gpu.test_cuda_nccl" name="test_heal" time="0">
@@ -83,6 +115,27 @@ def test_overhead_e2e_reads_the_defaults_row_not_the_bare_one() -> None:
     assert (
         "988.7 samples/s" in figures["wall_ratio"].text
         and "p99 7.69 ms" in figures["wall_ratio"].text
+    )
+
+
+def test_launcher_e2e_reads_the_trainer_row_its_cpu_ratio_and_both_throughputs() -> None:
+    figures = parsers.launcher_e2e(LAUNCHER_E2E_1, Path("."))
+    assert (figures["wall_ratio"].value, figures["cpu_ratio"].value) == (0.732, 1.368)
+    assert (
+        figures["wall_ratio"].text
+        == "0.732 (17100 vs 23355 tokens/s, CPU per step 1.368x, 1 pairs)"
+    )
+    # A real run (no --tiny) needs 3 pairs at least: the claim is their median.
+    with pytest.raises(
+        parsers.OutputError, match="1 pair\\(s\\): a claim is the median of at least 3"
+    ):
+        parsers.launcher_e2e(LAUNCHER_E2E_1.replace(_TINY_LINE, ""), Path("."))
+    three = parsers.launcher_e2e(LAUNCHER_E2E_3.replace(_TINY_LINE, ""), Path("."))
+    assert three["wall_ratio"].value == 0.198 and "3 pairs" in three["wall_ratio"].text
+    # Without tokens (the CNN, the MLPs) samples per second are shown.
+    samples = LAUNCHER_E2E_3.replace("| 16909 |", "| 0 |").replace("| 3355 |", "| 0 |")
+    assert (
+        "209.7 vs 1056.8 samples/s" in parsers.launcher_e2e(samples, Path("."))["wall_ratio"].text
     )
 
 
@@ -117,6 +170,9 @@ def test_restart_cost_divides_the_restart_total_by_the_in_place_total() -> None:
     (parsers.sharded_stall, SHARDED_STALL.replace("async stall / sync stall", "stall ratio")),
     (parsers.sharded_steady, SHARDED_STEADY.replace("ours / bare", "ratio")),
     (parsers.restart_cost, RESTART_COST.replace("| 1.087 |", "| 0 |")),
+    (parsers.launcher_e2e, LAUNCHER_E2E_1.replace("trainer/elastic", "trainer/torchrun")),
+    (parsers.launcher_e2e, LAUNCHER_E2E_1.replace("| gpt | pairs |", "| gpt | rounds |")),
+    (parsers.launcher_e2e, LAUNCHER_E2E_1.split("\n\n")[0]),  # no throughput table
 ])  # fmt: skip
 def test_a_changed_output_format_is_an_error_not_a_figure(
     parse: parsers.Parser, output: str
@@ -153,12 +209,20 @@ def test_targets_compare_and_never_pass_nan() -> None:
 
 def test_the_plan_names_every_claims_step_and_figure_and_fits_the_budget() -> None:
     assert all(c.step is None or c.step in PLAN.by_name for c in PLAN.claims)
-    assert sum(s.limit_s for s in PLAN.steps) <= PLAN.budget_s == 480
+    assert sum(s.limit_s for s in PLAN.steps) <= PLAN.budget_s == 570
     assert all(s.dry_limit_s <= PLAN.dry_budget_s for s in PLAN.steps)  # the budget caps their sum
     assert [c.claim for c in PLAN.claims if c.step is None] == []  # every row is measured
     with pytest.raises(ValueError, match="no step named"):
         Plan(steps=(), claims=(Claim(claim="x", step="nope", figure="f", target=Target(">", 0)),), budget_s=1,
              dry_budget_s=1)  # fmt: skip
+
+
+def test_the_launcher_step_claims_3_pairs_on_the_gpu_and_only_its_dry_run_is_tiny() -> None:
+    step = PLAN.by_name["launcher_gpt"]
+    gpu, dry = step.argv(dry_run=False, out=Path("o")), step.argv(dry_run=True, out=Path("o"))
+    assert gpu[gpu.index("--pairs") + 1] == "3" and "--tiny" not in gpu and "--device" in gpu
+    assert "--tiny" in dry and "--device" not in dry and step.limit_s <= 90
+    assert [c.target for c in PLAN.claims if c.step == "launcher_gpt"] == [Target(">=", 0.99)]
 
 
 def _claim(step: str | None = "s", target: Target | None = None) -> Claim:
