@@ -147,8 +147,8 @@ STEPS: tuple[Step, ...] = (
               "--junitxml", "{out}/" + parsers.GPU_TESTS_XML),
          limit_s=140, dry_limit_s=120, parse=parsers.gpu_tests, ok_returncodes=(0, 1),
          artifacts=(parsers.GPU_TESTS_XML,)),
-    # 3 pairs of GPT-2 small, 50 steps a run (~12-15 s each with the start); the dry run: 1 pair, 1 worker,
-    # a toy decoder (--tiny lets the parser take fewer than 3 pairs).
+    # 3 pairs of GPT-2 small, 90 steps a run (~3 s of steps on an H100 after a start of ~7 s, estimated:
+    # not run on a GPU yet); the dry run: 1 pair, 1 worker, a toy decoder (--tiny: fewer than 3 pairs).
     Step(name="launcher_gpt", gpu=(*_LAUNCHER, "--device", "cuda", "--pairs", "3"),
          dry=(*_LAUNCHER, "--tiny", "--pairs", "1", "--nproc", "1"), limit_s=90, dry_limit_s=60,
          parse=parsers.launcher_e2e, artifacts=("launcher_gpt.jsonl",)),
