@@ -28,8 +28,10 @@ user would start it. Both checkpoint every ``--checkpoint-every`` steps and log 
 seconds after the fault is reported as "did not recover within T s" and stopped.
 
 ``--workload sharded`` trains ``sharded_lm`` (FSDP2, its own loop healing in place with the
-neighbour copy, ``docs/design/sharded.md``) on the ``etcd-v3`` systems instead of the CNN; the
-c10d baseline script has no sharded twin, so ``etcd-v3-restart`` is its comparison.
+neighbour copy, ``docs/design/sharded.md``) on the ``etcd-v3`` systems instead of the CNN, and
+``--workload sharded-trainer`` the same model through the ``Trainer`` (``--api trainer``:
+``TrainerConfig.fsdp``); the c10d baseline script has no sharded twin, so ``etcd-v3-restart`` is
+its comparison.
 
 Scenarios: ``worker-sigkill`` (one worker of the last node), ``node-sigkill`` (the last node
 vanishes: agent and workers SIGKILLed; in fixed-size mode a replacement node is started at
@@ -73,9 +75,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
 SYSTEMS = ("etcd-v3", "etcd-v3-restart", "c10d", "c10d-unshared")
-WORKLOADS = {  # --workload -> the example the etcd-v3 systems run
-    "cnn": "elastic_trainer.examples.synthetic_cnn",
-    "sharded": "elastic_trainer.examples.sharded_lm",
+WORKLOADS = {  # --workload -> the example the etcd-v3 systems run (module, then its own flags)
+    "cnn": ("elastic_trainer.examples.synthetic_cnn",),
+    "sharded": ("elastic_trainer.examples.sharded_lm",),
+    "sharded-trainer": ("elastic_trainer.examples.sharded_lm", "--api", "trainer"),
 }
 SCENARIOS = {  # scenario -> the modes it makes sense in
     "worker-sigkill": ("fixed", "elastic"),
@@ -230,7 +233,7 @@ class Cluster:
                 "--metrics-port",
                 "0",
                 "-m",
-                WORKLOADS[cfg.workload],
+                *WORKLOADS[cfg.workload],
                 *common,
                 "--epochs",
                 "1000",
@@ -692,7 +695,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--workload",
         choices=tuple(WORKLOADS),
         default="cnn",
-        help="what the etcd-v3 systems train (sharded: FSDP2 sharded_lm; not with c10d)",
+        help="what the etcd-v3 systems train (sharded: FSDP2 sharded_lm, its own loop; "
+        "sharded-trainer: the same through the Trainer; not with c10d)",
     )
     defaults = BenchConfig()
     for name in (

@@ -219,6 +219,7 @@ def _elastic_steps(
     (and returns the run)."""
     from elastic_trainer.runtime.distributed import read_env
     from elastic_trainer.runtime.settings import WorkerSettings
+    from elastic_trainer.state.neighbour_copy import NeighbourCopyConfig
     from elastic_trainer.train.elastic import Elastic
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -235,6 +236,9 @@ def _elastic_steps(
         checkpoint_dir=str(root / "elastic"),
         checkpoint_every=args.checkpoint_every,
         log_every=10**9,
+        # The neighbour copy (on by default for the just-in-time save) has its own benchmark,
+        # benchmarks/shard_copy.py: this one measures the rest of the own-loop API.
+        shard_copy=NeighbourCopyConfig(every=0),
         settings=WorkerSettings(control_carrier=args.control == "carried"),
         env=env,
     )

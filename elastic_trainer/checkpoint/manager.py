@@ -28,7 +28,9 @@ A sharded state (``TrainingState.sharded``: an FSDP2 model) is written in the sh
 :mod:`elastic_trainer.checkpoint.sharded` instead: every save is collective, every rank writes its
 own shards (asynchronously by default, through DCP on the checkpoint's own gloo group), rank 0
 commits; a load reads each rank's pieces, resharded onto the current world. That choice is the
-state's, made once; the manager only follows it (``docs/design/sharded.md``).
+state's, made once; the manager only follows it (``docs/design/sharded.md``). Its just-in-time
+save writes, with no collective, every shard this rank holds: with the state's neighbour copy
+(``TrainingState.copies``) a lost rank's too (``checkpoint/sharded_jit.py``), else its own only.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -45,10 +48,11 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_trainer.checkpoint import files as ckpt
-from elastic_trainer.checkpoint import sharded
+from elastic_trainer.checkpoint import sharded, sharded_jit
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.jit import SAVE_TIMEOUT_S, ExitTimer, JitCheckpointer, JitOutcome
 from elastic_trainer.checkpoint.staging import StagingBuffers
+from elastic_trainer.runtime import rng
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
@@ -140,6 +144,8 @@ class CheckpointManager:
             enabled=False,
         )
         self._deadline: ExitTimer | None = None
+        self._shard_saver: sharded_jit.ShardedJit | None = None
+        self._training_thread: int | None = None
 
     # -- properties ----------------------------------------------------------------------------------
     @property
@@ -182,7 +188,15 @@ class CheckpointManager:
         env = self.env
         decision: list[Any] = [None, self._jit_wanted()]
         if self.directory is not None and env.is_rank0:
+            # Before the choice removes them: a just-in-time set of shards that never completed.
+            lost = (
+                sharded_jit.describe_incomplete(self.directory, ckpt.newest_step(self.directory))
+                if self._sharded is not None
+                else None
+            )
             decision[0] = self._choose()
+            if lost is not None:
+                log.warning("%s", lost)
         if env.world_size > 1:
             dist.broadcast_object_list(decision, src=0)
         value = ckpt.chosen_path(decision[0])
@@ -239,6 +253,7 @@ class CheckpointManager:
         payload.pop("config", None)  # saved for the operator; not read back
         sharded.load_into(path, payload, group=self._sharded.group)
         self.state.load_state_dict(payload)
+        payload["jit"] = sharded_jit.written_just_in_time(path)  # for the resume line
         return payload
 
     def restore(self, state: Mapping[str, Any]) -> int:
@@ -529,6 +544,23 @@ class CheckpointManager:
 
     # -- the just-in-time save -------------------------------------------------------------------------
     def _setup_jit(self, enabled: bool) -> None:
+        """(The training thread, after a load or restore) the just-in-time save of this attempt."""
+        self._training_thread = threading.get_ident()
+        self._shard_saver = None
+        copies = self.state.copies
+        if enabled and self._sharded is not None and self.state.sharded is not None:
+            if copies is not None and copies.mode == "ring":
+                self.state.sharded.checkpoint_names()  # on this thread: a save may run on another
+                self._shard_saver = sharded_jit.ShardedJit(
+                    self._sharded, self.state.sharded, copies, extras=self._part_entries
+                )
+            elif self.env.world_size > 1 and self.env.is_rank0:
+                log.info(
+                    "just-in-time checkpoints of sharded state hold a rank's shards only while it "
+                    "lives: the neighbour copy is off (shard_copy every=0, "
+                    "ELASTIC_TRAINER_SHARD_COPY_EVERY=0), so after a worker's death the job "
+                    "resumes from the newest periodic checkpoint"
+                )
         self._jit = JitCheckpointer(
             guard=self.state.guard,
             directory=self.directory,
@@ -578,12 +610,17 @@ class CheckpointManager:
         return self._jit.save(reason, deadline=deadline)
 
     def _jit_payload(self) -> dict[str, Any]:
-        """(Holding the guard) a host copy of the state after the last completed step."""
+        """(Holding the guard) a host copy of the state after the last completed step (none with
+        the neighbour copy: the shards are written from the copies it staged)."""
+        if self._shard_saver is not None:
+            return {}
         return self.payload(self.state.snapshot())
 
     def _jit_write(self, step: int, payload: dict[str, Any]) -> str:
         if self.directory is None:
             raise RuntimeError("just-in-time checkpointing needs a directory")
+        if self._shard_saver is not None:
+            return self._write_held_shards(step)
         if self._sharded is not None:
             # Each rank's own shards, no collective; the rank completing the set commits it.
             committed = self._sharded.save_own(payload, step=step, epoch=int(payload["epoch"]))
@@ -605,6 +642,44 @@ class CheckpointManager:
             fence=self._fence,
         )
         return str(info.path)
+
+    def _write_held_shards(self, step: int) -> str:
+        """Every shard this rank holds (its own, the neighbour copy it received) as parts of a
+        just-in-time checkpoint: of ``step``, or of the step before it where the dead rank's last
+        copy was cut (``sharded_jit.ShardedJit``). The live state stands in for this rank's own
+        shard on the training thread only; on another thread (a stalled stop, the healer's stop
+        watch) the copy is stopped first, so that the training thread stages nothing new while
+        the staged copies are written."""
+        saver = self._shard_saver
+        if saver is None:
+            raise RuntimeError("no neighbour copy to write from")
+        live = threading.get_ident() == self._training_thread
+        if not live:
+            saver.copies.stop()
+        reason = f"the group failed after step {step}"
+        outcome = saver.save(reason, deadline=time.monotonic() + SAVE_TIMEOUT_S, live=live)
+        if outcome.path is not None and outcome.step == step:
+            return outcome.path
+        if outcome.path is not None:
+            return f"{outcome.path} (step {outcome.step}: the lost rank's copy of {step} was cut)"
+        return (
+            f"{sharded.jit_path(self.directory or '.', step, saver.checkpointer.token)} (the shards "
+            f"this rank holds: {outcome.detail}; the checkpoint counts once every rank's are in)"
+        )
+
+    def _part_entries(self, step: int, part: Mapping[str, Any]) -> dict[str, Any]:
+        """What a checkpoint of ``step`` holds besides a part's shards and objects (as
+        :meth:`payload` of a snapshot adds them)."""
+        return {
+            "format": ckpt.FORMAT,
+            "rng": {"scheme": rng.STEP_SCHEME, "seed": self.state.seed},
+            "step": step,
+            "epoch": sharded_jit.part_epoch(part, self.state.epoch),
+            "world_size": self.env.world_size,
+            "fingerprint": ckpt.job_fingerprint(self.fingerprint_fields),
+            "config": self.run_config,
+            "jit": {"writer_rank": self.env.rank, "buffers": "own"},
+        }
 
     def _drain(self, timeout: float) -> None:
         """Let this process's own background checkpoint write finish before it exits."""

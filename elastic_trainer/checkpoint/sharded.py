@@ -250,7 +250,8 @@ class ShardedCheckpointer:
             )
             fsync_directory(part)
             with atomic_file(folder / f"rank-{self.rank}.done") as marker:
-                marker.write(b"")
+                record = {"writer": self.rank, "source": "live", "world_size": self.world_size}
+                marker.write(json.dumps(record).encode())  # read by sharded_jit.describe_incomplete
         except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
             raise ckpt.write_error(self.directory, step, exc) from exc
         return commit_parts(

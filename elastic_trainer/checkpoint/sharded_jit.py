@@ -201,6 +201,28 @@ def write_part(
     return wrote
 
 
+def part_epoch(part: Mapping[str, Any], default: int) -> int:
+    """The epoch of a part's step: its sampler's (an object whose state holds an integer
+    ``epoch``), else ``default``."""
+    return next(
+        (
+            int(value["epoch"])
+            for name, value in part.items()
+            if name not in ("model", "optimizer")
+            and isinstance(value, Mapping)
+            and isinstance(value.get("epoch"), int)
+        ),
+        default,
+    )
+
+
+def written_just_in_time(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` (its manifest says) was written just in time."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        return ckpt.Manifest.from_json(path.with_suffix(".json").read_text()).jit
+    return False
+
+
 def describe_incomplete(directory: str | os.PathLike[str], newest: int | None) -> str | None:
     """(At a start, before the temporary directories are removed) one line about the newest
     just-in-time set newer than the checkpoint of step ``newest`` that never completed: which

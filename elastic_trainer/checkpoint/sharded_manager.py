@@ -150,7 +150,7 @@ class ShardedCheckpointManager:
         self.step = self.resumed_from = self._last_saved = int(payload["step"])
         self.epoch = int(payload["epoch"])
         if self.env.is_rank0:
-            jit = _written_just_in_time(Path(value))
+            jit = sharded_jit.written_just_in_time(Path(value))
             log.info(
                 "resumed from %s%s (step %d, epoch %d, now %d ranks) in %.2f s; resharded by DCP",
                 value,
@@ -201,21 +201,11 @@ class ShardedCheckpointManager:
     # -- the just-in-time save (a job that a fault restarts) ---------------------------------------
     def _jit_extras(self, step: int, part: Mapping[str, Any]) -> dict[str, Any]:
         """The entries a save adds to the state (:meth:`_payload`), for a part of ``step``: the
-        epoch is the sampler's there (an object whose state holds an integer ``epoch``)."""
-        epoch = next(
-            (
-                int(value["epoch"])
-                for name, value in part.items()
-                if name not in ("model", "optimizer")
-                and isinstance(value, Mapping)
-                and isinstance(value.get("epoch"), int)
-            ),
-            self.epoch,
-        )
+        epoch is the sampler's there (``sharded_jit.part_epoch``)."""
         return {
             "format": ckpt.FORMAT,
             "step": step,
-            "epoch": epoch,
+            "epoch": sharded_jit.part_epoch(part, self.epoch),
             "rng": {"scheme": rng.STEP_SCHEME, "seed": self.fingerprint_fields.get("seed")},
         }
 
@@ -274,13 +264,6 @@ class ShardedCheckpointManager:
             raise
         finally:
             stop.uninstall()
-
-
-def _written_just_in_time(path: Path) -> bool:
-    """Whether the checkpoint at ``path`` (its manifest says) was written just in time."""
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        return ckpt.Manifest.from_json(path.with_suffix(".json").read_text()).jit
-    return False
 
 
 class _SaveOnSignal:

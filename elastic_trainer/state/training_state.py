@@ -187,16 +187,25 @@ class TrainingState:
         ``get_state_dict``/``set_state_dict`` and checkpoints are sharded (every rank writes its
         shards). ``None``: a replicated model, rank 0's single-file checkpoints."""
         self.copies: NeighbourCopy | None = None
-        """(Sharded) the neighbour copy of this attempt's shards: refreshed on leaving each
-        :meth:`update`, started at :meth:`arm`; with it a group failure heals in place."""
+        """(Sharded) the neighbour copy of this attempt's shards (:meth:`keep_copies`): refreshed
+        on leaving each :meth:`update`, started at :meth:`arm`; a just-in-time save writes a lost
+        rank's shards from it, and with ``heals`` a group failure heals in place from it."""
+        self._copies_heal = False
 
     @property
     def heal_in_place(self) -> bool:
         """Whether the group can heal in place around this state. A replica (DDP) can: a live
         peer hands it on. A rank of a sharded state holds only its own shards: it can when the
-        attempt keeps a neighbour copy (:attr:`copies`; a lost shard comes from it, or the newest
-        checkpoint when no copy survived), else the group restarts from the newest checkpoint."""
-        return self.sharded is None or self.copies is not None
+        attempt keeps a neighbour copy to heal from (:meth:`keep_copies` with ``heals``: a lost
+        shard comes from it, or the newest checkpoint when no copy survived), else the group
+        restarts from the newest checkpoint."""
+        return self.sharded is None or (self.copies is not None and self._copies_heal)
+
+    def keep_copies(self, copies: NeighbourCopy, *, heals: bool) -> None:
+        """(Sharded) this attempt's neighbour copy. ``heals``: the model can be built again on a
+        healed group (``Elastic(rebuild=...)``), so a group failure heals in place from the
+        copy; else the copy serves the just-in-time save only (a failure restarts the group)."""
+        self.copies, self._copies_heal = copies, heals
 
     def rebind(self, env: DistEnv) -> None:
         """A new attempt (after an in-place heal): this rank's new place, a fresh guard, and no
@@ -205,7 +214,7 @@ class TrainingState:
         self.guard = StateGuard()
         self.buffers = None
         self._update_event = None
-        self.copies = None
+        self.copies, self._copies_heal = None, False
 
     def replace(self, objects: Mapping[str, Stateful | None]) -> None:
         """(A new attempt of a sharded state) ``objects`` built anew on the new group replace

@@ -147,11 +147,13 @@ class TrainerConfig:
     another world size reshards). ``None``: DDP, unless the model factory returns a model it
     sharded itself, which is used as it is. See ``docs/design/sharded.md``."""
     shard_copy: NeighbourCopyConfig | None = None
-    """(A sharded model, under ``elastic-trainer run``) each rank's shard is also kept on a
-    neighbour rank, refreshed every ``shard_copy.every`` steps, so that a worker's failure heals
-    in place with at most ``every - 1`` steps redone; ``NeighbourCopyConfig(every=0)``: no copy,
-    a heal reloads the newest checkpoint. ``None``: ``ELASTIC_TRAINER_SHARD_COPY_EVERY``, default
-    every step."""
+    """(A sharded model) each rank's shard is also kept on a neighbour rank, refreshed every
+    ``shard_copy.every`` steps, so that a worker's failure costs at most ``every - 1`` steps
+    (one more when the fault cuts the copy's transfer): under ``elastic-trainer run`` it heals in
+    place from the copy; under plain torchrun the survivors write the dead rank's shards from it
+    into the just-in-time checkpoint the restart resumes from. ``NeighbourCopyConfig(every=0)``:
+    no copy, a heal reloads the newest checkpoint and a restart the newest periodic one.
+    ``None``: ``ELASTIC_TRAINER_SHARD_COPY_EVERY``, default every step."""
     log_every: int = 10
     """Rank 0 logs a progress line every this many steps."""
     num_workers: int = 0

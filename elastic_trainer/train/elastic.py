@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -61,7 +62,7 @@ from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatch, MicroBat
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.shard_carrier import ShardCarrier
 from elastic_trainer.state.buffers import replaces_buffer_broadcast
-from elastic_trainer.state.neighbour_copy import NeighbourCopyConfig
+from elastic_trainer.state.neighbour_copy import NeighbourCopy, NeighbourCopyConfig
 from elastic_trainer.state.training_state import (
     ReplicaMismatchError,
     Stateful,
@@ -136,6 +137,27 @@ def healing_advice(
     return None
 
 
+def shard_copy_use(
+    *, heals: bool, every: int, world_size: int, saves_just_in_time: bool, one_dim: bool = True
+) -> str | None:
+    """What an attempt of a sharded model keeps the neighbour copy of its shards for.
+
+    ``"heal"``: the group heals in place (``heals``: a healer, and ``rebuild`` to shard the model
+    again); a lost shard comes from the copy (with ``every`` 0 the copy holds nothing, and a heal
+    reloads the newest checkpoint in place). ``"save"``: a failure restarts the group (plain
+    torchrun, ``--heal off``, no ``rebuild``) and the just-in-time save writes a lost rank's
+    shards from the copy: kept when the copy is on (``every`` > 0), there is a neighbour, and the
+    save is (a checkpoint directory, ``jit_save``) and can place a copy's shards (``one_dim``:
+    FSDP's 1-D mesh; ``sharded_jit.place`` refuses HSDP's 2-D one), at the same default interval
+    as for a heal (every step: a worker's death then costs at most one step,
+    ``docs/design/sharded.md``). ``None``: nothing would use it (it would only cost)."""
+    if heals:
+        return "heal"
+    if every > 0 and world_size > 1 and saves_just_in_time and one_dim:
+        return "save"
+    return None
+
+
 class _Nothing:
     """A no-op context (``contextlib.nullcontext`` without the allocation per micro-batch)."""
 
@@ -194,10 +216,14 @@ class Elastic:
             there, or every rank reloads the newest checkpoint when no copy survived. Your loop
             body must then use the objects of :attr:`state` (``elastic.state.objects``), not
             the first ones. Without it a sharded run's group failure restarts from the newest
-            checkpoint. It heals only over a group that formed the process group (``group=``, see
-            there). The :class:`~elastic_trainer.train.trainer.Trainer` passes its factories.
-        shard_copy: (with ``rebuild``) how often the neighbour copy is refreshed; ``None``:
-            ``ELASTIC_TRAINER_SHARD_COPY_EVERY``, default every step.
+            checkpoint (the just-in-time one, written from the neighbour copy, when it is on).
+            It heals only over a group that formed the process group (``group=``, see there).
+            The :class:`~elastic_trainer.train.trainer.Trainer` passes its factories.
+        shard_copy: (a sharded model) how often the neighbour copy of each rank's shard is
+            refreshed: a heal in place restores a lost shard from it, and where a failure
+            restarts the group instead (plain torchrun, no ``rebuild``) the just-in-time save
+            writes the lost rank's shards from it; ``None``: ``ELASTIC_TRAINER_SHARD_COPY_EVERY``,
+            default every step; ``every=0``: off.
         group: an entered :class:`ElasticGroup` the caller owns: the ``Trainer``'s, or yours when
             the model must be sharded before ``Elastic`` (build and shard it inside
             ``with ElasticGroup() as group:``, pass ``group=group, rebuild=...``;
@@ -410,6 +436,7 @@ class Elastic:
                             if first:
                                 first = False
                                 self._warn_per_rank(group)
+                    self._settle_copies()
         finally:
             self._drop_carrier()  # the model reduce-scatters as FSDP does after the run
         self.result = group.result
@@ -482,8 +509,9 @@ class Elastic:
     def _start_sharded(self, attempt: Attempt) -> None:
         """A sharded model's attempt: after a heal the model and its optimizers are built again
         on the new group (``rebuild``); the step's control rides on one unit's reduce-scatter
-        (``runtime/shard_carrier.py``); when the group heals in place, the attempt keeps a
-        neighbour copy of this rank's shards (``docs/design/sharded.md``)."""
+        (``runtime/shard_carrier.py``); the attempt keeps a neighbour copy of this rank's shards
+        for a heal in place or for the just-in-time save (:func:`shard_copy_use`,
+        ``docs/design/sharded.md``)."""
         # A rebuild needs its own Elastic-made groups: without one, a group failure restarts
         # from the checkpoint. The model's groups died with the last attempt's group.
         if self._rebuild is not None and self._attempts_started > 1:
@@ -498,12 +526,45 @@ class Elastic:
         )
         attempt.carry(self._carrier)
         sharded = self.state.sharded
-        if self._rebuild is None or attempt.group.healer is None or sharded is None:
-            return  # no heal in place: a copy would only cost
+        if sharded is None:
+            return
         config = (
             self.shard_copy if self.shard_copy is not None else NeighbourCopyConfig.from_environ()
         )
-        self.state.copies = attempt.copy_shards(sharded.local_state, every=config.every)
+        jit = self.checkpoint.jit_save
+        use = shard_copy_use(
+            heals=self._rebuild is not None and attempt.group.healer is not None,
+            every=config.every,
+            world_size=self.env.world_size,
+            saves_just_in_time=self.checkpoint.directory is not None
+            and (jit if jit is not None else self.settings.jit_save),
+            one_dim=all(
+                p.device_mesh.ndim == 1 for p in self.model.parameters() if isinstance(p, DTensor)
+            ),
+        )
+        if use == "heal":  # held by the attempt: the healer restores each shard from it
+            copies = attempt.copy_shards(sharded.local_state, every=config.every)
+        elif use == "save":  # for the just-in-time save only: no healer holds it
+            copies = NeighbourCopy(
+                sharded.local_state, env=self.env, every=config.every, group=attempt.host_group()
+            )
+        else:
+            return
+        self.state.keep_copies(copies, heals=use == "heal")
+
+    def _settle_copies(self) -> None:
+        """(The loop ended) a copy kept for the just-in-time save only ends its last exchange
+        before the process group goes (a healer's host group is aborted instead)."""
+        copies = self.state.copies
+        if copies is None or self.state.heal_in_place:
+            return
+        try:
+            copies.wait()
+        except Exception as exc:  # noqa: BLE001 - the run is over; its checkpoints stand
+            log.warning(
+                "the neighbour copy's last exchange failed after the run ended: %s",
+                failures.log_line(exc),
+            )
 
     def _drop_carrier(self) -> None:
         """The last attempt's sharded model gets its own reduce-scatter back."""

@@ -20,7 +20,9 @@ model it sharded with ``fully_shard``) the model is sharded with FSDP2 instead o
 no DDP, each rank holds and checkpoints its own shards, a restart at another world size reshards,
 and under ``elastic-trainer run`` a worker's failure heals in place: the model is built and sharded
 again on the healed group, and each rank's shard comes from its neighbour's copy
-(``TrainerConfig.shard_copy``; ``docs/design/sharded.md``).
+(``TrainerConfig.shard_copy``; ``docs/design/sharded.md``). Under plain torchrun the survivors
+write the dead rank's shards from that copy into a just-in-time checkpoint, and the restart
+resumes from the last completed step.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The FSDP row of the chaos suite: a sharded (FSDP2) job of two nodes, one worker each, each its
 own ``elastic-trainer run --heal off`` launcher (the restart path) training ``sharded_lm`` through
 the ``Trainer``; node b's worker is SIGKILLed mid-run. The group restarts from the newest sharded
-checkpoint, every rank reading its own shards, and the job ends bitwise equal (model and AdamW
+checkpoint, every rank reading its own shards: the just-in-time one of the last completed step,
+node b's shards written from their neighbour copy on node a (at most one step redone), and the
+job ends bitwise equal (model and AdamW
 state) to a run without the fault beside it, every sample of every epoch trained exactly once,
 every checkpoint left verifying, the restart resumed from the newest one.
 """
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from tests.chaos.faults import FaultInjector, JobSpec, RunDirs, start_node, unique_run_id, wait_all
-from tests.chaos.invariants import check_checkpoints, check_exactly_once, generations
+from tests.chaos.invariants import check_checkpoints, check_exactly_once, generations, steps_lost
 from tests.support.agents import agents, start_agent, tails
 from tests.support.records import final_sharded_state
 
@@ -97,7 +99,7 @@ def test_fsdp_worker_sigkill_restarts_from_the_sharded_checkpoint(
     assert len(gens) == 2, "the group restarted exactly once"
     check_checkpoints(run, JOB, gens)  # the restart resumed from the newest valid checkpoint
     print("generations", [(g.world_size, g.resumed_step) for g in gens])
-    assert 0 < gens[1].resumed_step < 10 + 1
+    assert gens[1].resumed_step > 0 and steps_lost(run.samples) in ([0], [1])
     expected, got = final_sharded_state(reference.checkpoints), final_sharded_state(run.checkpoints)
     assert int(got["step"]) == JOB.steps and got.keys() == expected.keys()
     differing = [name for name in expected if not torch.equal(expected[name], got[name])]
