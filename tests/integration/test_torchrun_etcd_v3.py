@@ -111,15 +111,33 @@ def test_worker_sigkill_restarts_the_group(etcd_server, tmp_path: Path, unique_i
     assert result["world_size"] == 4
 
 
+def worlds_training(out: Path) -> set[int]:
+    """The world sizes the nodes' workers last wrote in ``progress-*`` (scripts/ddp_steps.py)."""
+    worlds = set()
+    for path in out.glob("progress-*"):
+        fields = path.read_text().split()
+        if len(fields) == 2:  # not caught halfway through a write
+            worlds.add(int(fields[1]))
+    return worlds
+
+
 def test_lost_agent_the_survivor_re_rendezvouses(
     etcd_server, tmp_path: Path, unique_id: str
 ) -> None:
-    env = {"OUT_DIR": str(tmp_path), "STEPS": "150", "STEP_SLEEP_S": "0.1"}
+    # The survivor's new group stops (STOP_FILE) once it trains, instead of running out its 150
+    # steps: the new round is what this test is about.
+    stop = tmp_path / "stop"
+    env = {"OUT_DIR": str(tmp_path), "STEPS": "150", "STEP_SLEEP_S": "0.1", "STOP_FILE": str(stop)}
     with agents_cleanup() as agents:
         survivor = start(agents, tmp_path, etcd_server.endpoint, unique_id, "a", env)
         doomed = start(agents, tmp_path, etcd_server.endpoint, unique_id, "b", env)
         wait_for(lambda: any(tmp_path.glob("progress-*")), timeout=90, what="training to start")
         doomed.kill_node()
+        for path in tmp_path.glob("progress-*"):
+            path.unlink()  # from here on, only steps taken after the loss
+        wait_for(lambda: 2 in worlds_training(tmp_path), timeout=120, what="the survivor alone training",
+                 describe=lambda: survivor.tail())  # fmt: skip
+        stop.touch()
         code = survivor.wait(180)
     assert code == 0, survivor.output()[-3000:]
     final = results(tmp_path, unique_id)[-1]
@@ -131,7 +149,9 @@ def test_late_joiner_gets_a_fresh_store_address(
 ) -> None:
     """Regression for torch 2.13's cached shared TCPStore (shared/notes quirk 1): the first agent
     trains alone, the second arrives seconds later; both must re-rendezvous and finish."""
-    env = {"OUT_DIR": str(tmp_path), "STEPS": "80", "STEP_SLEEP_S": "0.1"}
+    # Both stop (STOP_FILE) once the group of four trains, instead of running out the 80 steps.
+    stop = tmp_path / "stop"
+    env = {"OUT_DIR": str(tmp_path), "STEPS": "80", "STEP_SLEEP_S": "0.1", "STOP_FILE": str(stop)}
     with agents_cleanup() as agents:
         first = start(agents, tmp_path, etcd_server.endpoint, unique_id, "a", env)
         wait_for(
@@ -141,6 +161,9 @@ def test_late_joiner_gets_a_fresh_store_address(
         )
         time.sleep(2)
         second = start(agents, tmp_path, etcd_server.endpoint, unique_id, "b", env)
+        wait_for(lambda: 4 in worlds_training(tmp_path), timeout=120, what="both agents training",
+                 describe=lambda: first.tail() + second.tail())  # fmt: skip
+        stop.touch()
         codes = [first.wait(150), second.wait(150)]
     assert codes == [0, 0], first.output()[-3000:]
     assert results(tmp_path, unique_id)[-1]["world_size"] == 4

@@ -3,7 +3,8 @@
 Environment knobs (tests set them):
   STEPS            number of steps (default 20)
   STEP_SLEEP_S     sleep per step, to leave room for faults (default 0.05)
-  OUT_DIR          where rank 0 writes ``done-<attempt>.json`` with world size and the weights sum
+  OUT_DIR          where rank 0 writes ``done-<attempt>.json`` with world size and the weights sum,
+                   and each node's workers ``progress-<group rank>`` ("STEP WORLD_SIZE" after each step)
   DIE_AT_STEP      on the first attempt, the rank given by DIE_RANK SIGKILLs itself at this step
   STOP_FILE        once this file exists, every rank stops after the same step (agreed by an allreduce)
 """
@@ -44,7 +45,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        (out / f"progress-{os.environ.get('GROUP_RANK', '0')}").write_text(str(step))
+        (out / f"progress-{os.environ.get('GROUP_RANK', '0')}").write_text(f"{step} {world}")
         time.sleep(sleep_s)
         if stop_file is not None:
             stop = torch.tensor([float(Path(stop_file).exists())])
