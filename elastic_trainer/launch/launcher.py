@@ -577,7 +577,9 @@ def _start_progress_publisher(
 
     try:
         settings = settings_from_conf(rendezvous_conf(options), endpoint=endpoint, run_id=run_id)
-        publisher = ProgressPublisher.from_settings(settings, metrics)
+        publisher = ProgressPublisher.from_settings(
+            settings, metrics, interval_s=options.progress_interval
+        )
     except (RendezvousConfigError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     publisher.start()

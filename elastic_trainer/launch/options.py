@@ -220,6 +220,12 @@ class RunOptions:
         "seconds a live worker may make no progress before it is stopped as frozen "
         "(5x the median step time if longer; 0: off)",
     )
+    progress_interval: float = _option(
+        10.0,  # progress_publisher.DEFAULT_INTERVAL_S (not imported: options stay etcd-free)
+        _positive_float,
+        "seconds between the progress records `elastic-trainer status` shows (rank 0's node "
+        "writes one to etcd each time)",
+    )
     heal: str = _option(
         "in_place",
         _choice("in_place", "off"),

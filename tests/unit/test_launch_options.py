@@ -192,6 +192,18 @@ def test_every_run_options_field_is_an_option() -> None:
     ]
 
 
+def test_the_progress_interval_defaults_to_the_publishers_own() -> None:
+    from elastic_trainer.launch.progress_publisher import DEFAULT_INTERVAL_S
+
+    assert resolve_run_options({}, env={}).progress_interval == DEFAULT_INTERVAL_S
+    assert (
+        resolve_run_options({}, env={"ELASTIC_TRAINER_PROGRESS_INTERVAL": "1.5"}).progress_interval
+        == 1.5
+    )
+    with pytest.raises(UserError, match="--progress-interval"):
+        resolve_run_options({"progress_interval": "0"}, env={})
+
+
 def test_on_its_own_embedded_etcd_the_first_round_waits_no_last_call() -> None:
     """Issue 30: a launch on its own embedded etcd is the only node that can be there (others need
     the endpoint it prints), so its first round closes at once instead of after 5 s; an external
