@@ -18,7 +18,8 @@ a fault ends bitwise equal to one without the fault that went through the same w
 every sample of an epoch is trained exactly once (``--record-samples`` writes the audit log).
 Under plain torchrun a worker SIGKILL costs no step: the survivors write every shard they hold,
 the dead rank's from its neighbour's host copy, as a just-in-time checkpoint of the last completed
-step (a SIGTERM does the same), and the restart resumes from it.
+step (a SIGTERM does the same; the ``Trainer`` stops gracefully instead), and the restart resumes
+from it, on either ``--api``.
 Under ``elastic-trainer run`` a worker fault heals in place: the survivors keep their processes,
 and the lost rank's shard comes from its neighbour's host copy (``--shard-copy-every``, default
 every step; ``--replicas 2`` shards over a replicate x shard mesh, HSDP, where the replica is the
