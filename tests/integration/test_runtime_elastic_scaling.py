@@ -14,6 +14,8 @@ import pytest
 
 from elastic_trainer.ops.processes import wait_for
 from elastic_trainer.runtime.sample_log import committed_history, read_records
+from tests.chaos.chaos_job import SLOW_MS_ENV, SLOW_WHILE_FILE_ENV
+from tests.chaos.faults import CHAOS_JOB
 from tests.support.agents import agents, start_agent, tails
 from tests.support.records import final_eval_loss, final_model, steps_recorded
 
@@ -57,7 +59,12 @@ def test_two_nodes_to_one_to_two_consume_every_sample_once_per_epoch(
     etcd_server, unique_id: str, tmp_path: Path
 ) -> None:
     samples = tmp_path / "elastic" / "samples"
-    elastic_args = _job(tmp_path, "elastic", "--throttle-ms", "200")
+    elastic_args = _job(tmp_path, "elastic")
+    # Slow steps (200 ms) while the file exists, so that the run cannot end before node C has
+    # joined; then the rest of the run at full speed (the hook changes timing only, not the math).
+    hold = tmp_path / "slow-until-c-joined"
+    hold.touch()
+    slow = {SLOW_WHILE_FILE_ENV: str(hold), SLOW_MS_ENV: "200"}
     with agents() as started:
         reference = start_agent(
             endpoint=etcd_server.endpoint,
@@ -75,6 +82,8 @@ def test_two_nodes_to_one_to_two_consume_every_sample_once_per_epoch(
                 max_restarts=5,
                 log_path=tmp_path / f"node-{name}.log",
                 job_args=elastic_args,
+                extra_env=slow,
+                target=[str(CHAOS_JOB)],
             )
             for name in ("a", "b")
         )
@@ -96,6 +105,7 @@ def test_two_nodes_to_one_to_two_consume_every_sample_once_per_epoch(
             what="training on 1 node",
             describe=lambda: tails(started),
         )
+        before_c = steps_recorded(samples, world_size=4)
         node_c = start_agent(
             endpoint=etcd_server.endpoint,
             run_id=unique_id,
@@ -103,8 +113,17 @@ def test_two_nodes_to_one_to_two_consume_every_sample_once_per_epoch(
             max_restarts=5,
             log_path=tmp_path / "node-c.log",
             job_args=elastic_args,
+            extra_env=slow,
+            target=[str(CHAOS_JOB)],
         )
         started.append(node_c)
+        wait_for(
+            lambda: steps_recorded(samples, world_size=4) > before_c,
+            timeout=120,
+            what="training on 2 nodes again",
+            describe=lambda: tails(started),
+        )
+        hold.unlink()
         assert node_a.wait(240) == 0, node_a.tail()
         assert node_c.wait(60) == 0, node_c.tail()
         assert reference.wait(60) == 0, reference.tail()
