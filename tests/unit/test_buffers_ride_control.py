@@ -4,7 +4,9 @@ rank, with gradient accumulation, once with DDP broadcasting buffers at each syn
 once with ``forward_sync_buffers=False`` and ``AuthoritativeBuffers(apply=True)``. Every rank
 ends with the same weights and buffers in both runs; without either, the ranks' buffers drift.
 
-This file is also the worker script: ``python -m tests.unit.test_buffers_ride_control MODE RANK DIR``.
+This file is also the worker script: ``python -m tests.unit.test_buffers_ride_control MODE[,MODE] RANK DIR``
+(one process per rank runs the modes one after the other, each in a process group of its own:
+three process starts per test instead of three per mode).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _worker(mode: str, rank: int, work: Path) -> None:
     sync, big = mode.split("+")[0], mode.endswith("+big")
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=WORLD
+        "gloo", init_method=f"file://{work / f'store-{mode}'}", rank=rank, world_size=WORLD
     )
     env = read_env(
         environ={"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0"}, cuda_devices=0
@@ -116,11 +118,13 @@ def _worker(mode: str, rank: int, work: Path) -> None:
         work / f"{mode}-{rank}.pt",
     )
     dist.barrier()
+    dist.destroy_process_group()  # the next mode forms a group of its own
 
 
 # -- test side -------------------------------------------------------------------------------------------
-def _run(mode: str, work: Path) -> list[dict[str, torch.Tensor]]:
-    """Per rank: ``state`` (the final state_dict) and ``seen`` (one row of buffers per forward)."""
+def _run(modes: str, work: Path) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Per mode of the comma-separated ``modes``, per rank: ``state`` (the final state_dict) and
+    ``seen`` (one row of buffers per forward)."""
     work.mkdir()
     procs = [
         subprocess.Popen(
@@ -128,7 +132,7 @@ def _run(mode: str, work: Path) -> list[dict[str, torch.Tensor]]:
                 sys.executable,
                 "-m",
                 "tests.unit.test_buffers_ride_control",
-                mode,
+                modes,
                 str(rank),
                 str(work),
             ],
@@ -147,8 +151,11 @@ def _run(mode: str, work: Path) -> list[dict[str, torch.Tensor]]:
         for p in procs:
             p.kill()
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"{mode} rank {rank}: {out[-2000:]}"
-    return [torch.load(work / f"{mode}-{rank}.pt", weights_only=True) for rank in range(WORLD)]
+        assert p.returncode == 0, f"{modes} rank {rank}: {out[-2000:]}"
+    return {
+        mode: [torch.load(work / f"{mode}-{rank}.pt", weights_only=True) for rank in range(WORLD)]
+        for mode in modes.split(",")
+    }
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -156,9 +163,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_buffers_on_the_control_equal_ddps_broadcast_bit_for_bit(tmp_path: Path) -> None:
-    ddp = _run("ddp", tmp_path / "ddp")
-    ride = _run("ride", tmp_path / "ride")
-    drift = _run("none", tmp_path / "none")
+    runs = _run("ddp,ride,none", tmp_path / "runs")
+    ddp, ride, drift = runs["ddp"], runs["ride"], runs["none"]
     assert ddp[0]["seen"].shape[0] == STEPS * MICRO
     assert not torch.equal(ddp[0]["seen"][0], ddp[0]["seen"][-1]), "BN statistics never changed"
     for rank in range(WORLD):
@@ -195,8 +201,8 @@ def test_the_control_carried_by_a_gradient_is_exact_and_needs_no_collective(
     (DDP divides by 3, which no float32 halves survive): the stop flag, the loss and rank 0's
     buffers arrive as on the control's own collective, int64 counters included, and no step
     needs a collective of its own."""
-    ride = _run("ride", tmp_path / "ride")
-    carry = _run("carry+big", tmp_path / "carry")
+    runs = _run("ride,carry+big", tmp_path / "runs")
+    ride, carry = runs["ride"], runs["carry+big"]
     firsts = slice(None, None, MICRO)
     for rank in range(WORLD):
         assert carry[rank]["separate"] == 0, "the control still had a collective"
@@ -240,7 +246,8 @@ def test_only_models_whose_every_buffer_rides_exactly_replace_the_broadcast() ->
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))
+    for each_mode in sys.argv[1].split(","):
+        _worker(each_mode, int(sys.argv[2]), Path(sys.argv[3]))
     # Skip interpreter teardown: tearing gloo down can abort ("terminate called without an
     # active exception"), as tests/integration/scripts/ddp_steps.py notes.
     sys.stdout.flush()
