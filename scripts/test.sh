@@ -75,15 +75,16 @@ if [ $# -eq 0 ]; then
     "$venv/bin/python" -m ruff format --check .   # the layout is the formatter's (100 columns)
     "$venv/bin/python" -m mypy
     "$venv/bin/lint-imports"
-    # The unit tier on both cores (pytest-xdist): its tests are CPU-bound and share nothing but
-    # fakes, temp paths and free ports; 229 s -> 136 s (docs/testing.md). The real-process tiers
-    # follow one test at a time (their timing assertions assume the machine to themselves).
-    # Both always run; the exit status is the first failure's.
+    # The unit and deploy tiers on both cores (pytest-xdist): their tests are CPU-bound, have no
+    # timing assertion and share nothing but fakes, temp paths and free ports (docs/testing.md).
+    # The real-process tiers follow one test at a time (their timing assertions assume the
+    # machine to themselves). Both always run; the exit status is the first failure's.
     unit=0
-    "$venv/bin/python" -m pytest -p no:cacheprovider -n 2 tests/unit -m "not gpu" || unit=$?
+    "$venv/bin/python" -m pytest -p no:cacheprovider -n 2 tests/unit tests/deploy -m "not gpu" || unit=$?
     rest=0
     # The 30 slowest tests close the log: the suite's time budget (about 30 min) is kept there.
-    "$venv/bin/python" -m pytest -p no:cacheprovider tests --ignore=tests/unit -m "not gpu" --durations=30 || rest=$?
+    "$venv/bin/python" -m pytest -p no:cacheprovider tests --ignore=tests/unit --ignore=tests/deploy \
+        -m "not gpu" --durations=30 || rest=$?
     [ "$unit" -ne 0 ] && exit "$unit"
     exit "$rest"
 fi
