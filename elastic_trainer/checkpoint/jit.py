@@ -4,7 +4,11 @@ checkpoint.
 
 Invariants: a snapshot is taken holding the state's guard (``state.guard.StateGuard``) (never in the middle of an update);
 any survivor writes exactly what rank 0 would have written (``state.buffers``); one
-writer per step (claims); every save is bounded (:data:`SAVE_TIMEOUT_S`, then the process exits).
+writer per step (claims; and no just-in-time save of a step this process's periodic write has
+committed or still has in flight); every save is bounded (:data:`SAVE_TIMEOUT_S`, then the process
+exits); a thread that may not read the live state while the training thread runs (sharded state
+with no staged copy: ``may_save``) saves nothing, and the stall monitor then leaves the exit to
+the graceful stop.
 Triggers: a failing training loop (:meth:`JitCheckpointer.after_failure`) and a stop signal while
 the training thread is stuck in a collective (:meth:`JitCheckpointer.on_signal`). Off with
 ``CheckpointConfig(jit_save=False)`` or ``ELASTIC_TRAINER_JIT_SAVE=0``. Design:
@@ -107,6 +111,12 @@ class JitCheckpointer:
         drain: waits up to the given seconds for this process's own checkpoint writes.
         stop_deadline: the graceful stop's deadline (``time.monotonic()``), if a signal set one.
         exit_fn: ends the process (tests inject a fake).
+        writing: the step of this process's periodic checkpoint write still in flight, if any: a
+            just-in-time save waits for it (bounded) and never writes that step a second time, and
+            while it is in flight a missing step boundary is a stall only after
+            :data:`STALL_MAX_S` (the background write slows the steps).
+        may_save: why the calling thread must not save now (``None``: it may); e.g. sharded
+            state with no staged copy, asked from a thread other than the training thread.
         enabled: ``False`` makes every method a no-op.
         exclusive: one writer per step (a claim): any rank writes the whole state. ``False``
             (sharded state): every rank writes its own part, and the writer commits the set.
@@ -124,6 +134,8 @@ class JitCheckpointer:
         drain: Callable[[float], None] = lambda timeout: None,
         stop_deadline: Callable[[], float | None] = lambda: None,
         exit_fn: Callable[[int], Any] = os._exit,
+        writing: Callable[[], int | None] = lambda: None,
+        may_save: Callable[[], str | None] = lambda: None,
         enabled: bool = True,
         exclusive: bool = True,
     ) -> None:
@@ -135,6 +147,7 @@ class JitCheckpointer:
         self._step, self._payload, self._write, self._drain = step, payload, write, drain
         self._stop_deadline = stop_deadline
         self._exit = exit_fn
+        self._writing, self._may_save = writing, may_save
         self._save_lock = threading.Lock()
         self._outcome: JitOutcome | None = None
         self._armed = False
@@ -199,6 +212,8 @@ class JitCheckpointer:
         name = signal.Signals(signum).name
         while not self._stood_down:
             timeout = self.stall_timeout()
+            if self._writing() is not None:
+                timeout = max(timeout, STALL_MAX_S)  # this process's own write slows the steps
             if self.guard.progress.wait(timeout):
                 self.guard.progress.clear()
                 continue
@@ -206,6 +221,15 @@ class JitCheckpointer:
                 return
             if self._busy or not self._armed:
                 continue
+            if (why := self._may_save()) is not None:
+                log.warning(
+                    "%s received and no step boundary for %.1f s, but no just-in-time save from "
+                    "here: %s; the graceful stop (or the launcher) ends the run",
+                    name,
+                    timeout,
+                    why,
+                )
+                return
             log.warning(
                 "%s received and no step boundary for %.1f s (blocked in a collective?): saving the last "
                 "completed step just in time, then exiting",
@@ -241,6 +265,10 @@ class JitCheckpointer:
             return JitOutcome(
                 saved=False, step=None, path=None, detail="just-in-time saving is off"
             )
+        if (why := self._may_save()) is not None:
+            # Not remembered as the outcome: the training thread may still save.
+            log.warning("no just-in-time save from this thread: %s", why)
+            return JitOutcome(saved=False, step=None, path=None, detail=why)
         timer = ExitTimer(
             deadline + BACKSTOP_S - time.monotonic(), 1, "the just-in-time checkpoint", self._exit
         )
@@ -265,6 +293,9 @@ class JitCheckpointer:
             raise RuntimeError("just-in-time save requested without a checkpoint directory")
         claim: ckpt.StepClaim | None = None
         step: int | None = None
+        if self._writing() is not None:
+            # This process's periodic write may commit the very step: let it end first (bounded).
+            self._drain(max(0.0, (deadline - time.monotonic()) / 2))
         try:
             with self.guard.hold(timeout=deadline - started):
                 if not self._armed:
@@ -277,6 +308,10 @@ class JitCheckpointer:
                 step = self._step()
                 if (newest := ckpt.newest_step(self.directory)) is not None and newest >= step:
                     return self._skip(step, f"a checkpoint of step {newest} exists")
+                if (writing := self._writing()) is not None and writing >= step:
+                    return self._skip(
+                        step, f"this process's periodic checkpoint of step {writing} is in flight"
+                    )
                 if self.exclusive:
                     claim = ckpt.try_claim(self.directory, step, rank=self._rank, kind="jit")
                 if self.exclusive and claim is None:

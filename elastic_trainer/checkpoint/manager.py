@@ -367,13 +367,17 @@ class CheckpointManager:
         step's control; a final one's through rank 0's outcome on the checkpoint group."""
         step, epoch = self.step, self.state.current_epoch
         path = str(ckpt.sharded_path(writer.directory, step))
-        payload = self.payload()
         if not final:
             self._last_saved_step = step
             if self._failure is not None:
                 return self.last_path
+            payload: dict[str, Any] = {}
             try:
+                # All of the save's part on this thread is no stall: the state dict (DCP's
+                # state-dict API), the wait for the previous write, the staging copy, and a
+                # synchronous write's planning collectives.
                 with self._jit.busy():
+                    payload = self.payload()
                     self._committed_path = self.last_path
                     writer.save(payload, step=step, epoch=epoch, sync=not self.config.async_write)
                     self.last_path = path
@@ -390,6 +394,7 @@ class CheckpointManager:
                 nbytes=sharded.local_nbytes(payload),
             )
             return path
+        payload = self.payload()
         outcome: list[Any] = [("ok", path)]
         try:
             self._sync_writing = True
@@ -570,6 +575,8 @@ class CheckpointManager:
             write=self._jit_write,
             drain=self._drain,
             stop_deadline=self._stop_deadline,
+            writing=self._writing_step,
+            may_save=self._jit_may_save,
             enabled=enabled,
             exclusive=self._sharded is None,  # sharded: every rank writes its own shards
         )
@@ -608,6 +615,29 @@ class CheckpointManager:
         """Save the last completed step now, from any thread (what a failure or a stalled stop
         does; idempotent)."""
         return self._jit.save(reason, deadline=deadline)
+
+    def _writing_step(self) -> int | None:
+        """The step of this process's periodic checkpoint write in flight (``None``: none)."""
+        if self._sync_writing or self._writer.busy:
+            return self._last_saved_step if self._last_saved_step is not None else self.step
+        return None
+
+    def _jit_may_save(self) -> str | None:
+        """Why the calling thread must not save just in time (``None``: it may). Sharded state is
+        read live only on the training thread: FSDP2 swaps a module's parameters between sharded
+        and unsharded ones (and frees the unsharded storage) around forward and backward, so a
+        state dict read on another thread while that thread runs breaks both. Another thread
+        saves the neighbour copy's staged shards instead, or nothing."""
+        if (
+            self._sharded is None
+            or self._shard_saver is not None
+            or threading.get_ident() == self._training_thread
+        ):
+            return None
+        return (
+            "this rank's sharded (FSDP2) state is live on the training thread, which may still "
+            "be running, and there is no staged copy of it (the neighbour copy is off)"
+        )
 
     def _jit_payload(self) -> dict[str, Any]:
         """(Holding the guard) a host copy of the state after the last completed step (none with

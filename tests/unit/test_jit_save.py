@@ -363,6 +363,61 @@ def test_a_long_checkpoint_write_is_not_a_stall(tmp_path: Path, fast_stall: floa
     assert training.exited.wait(10) and training.exits == [EXIT_AFTER_SIGNAL]
 
 
+def test_a_step_this_process_is_still_writing_periodically_is_not_written_again(
+    tmp_path: Path,
+) -> None:
+    """The periodic write of the step in flight (sharded state: no claim): the just-in-time save
+    waits for it (bounded), and if it is still in flight leaves the step to it."""
+    training = FakeTraining(tmp_path)
+    training.update()
+    in_flight: list[int | None] = [1]
+    jit = JitCheckpointer(
+        guard=training.guard,
+        directory=str(tmp_path),
+        rank=0,
+        step=lambda: training.step,
+        payload=training.payload,
+        write=training.write,
+        drain=training.drained.append,
+        exit_fn=training.exit,
+        writing=lambda: in_flight[0],
+        exclusive=False,
+    )
+    jit.arm()
+    outcome = jit.save("test", deadline=_deadline())
+    assert not outcome.saved and "in flight" in outcome.detail, outcome
+    assert training.drained and ckpt.iter_checkpoints(tmp_path) == []
+
+
+def test_a_thread_that_may_not_read_the_state_saves_nothing_and_does_not_exit(
+    tmp_path: Path, fast_stall: float
+) -> None:
+    """Sharded state with no staged copy: the stall monitor's thread saves nothing (not even
+    remembered as the outcome: the training thread may still save) and leaves the exit."""
+    training = FakeTraining(tmp_path)
+    training.update()
+    refused = "the live state is the training thread's"
+    allowed: list[bool] = [False]
+    jit = JitCheckpointer(
+        guard=training.guard,
+        directory=str(tmp_path),
+        rank=0,
+        step=lambda: training.step,
+        payload=training.payload,
+        write=training.write,
+        exit_fn=training.exit,
+        may_save=lambda: None if allowed[0] else refused,
+    )
+    jit.arm()
+    jit.on_signal(signal.SIGTERM)
+    assert jit._monitor is not None
+    jit._monitor.join(10 * fast_stall)
+    assert not jit._monitor.is_alive() and training.exits == []
+    assert ckpt.iter_checkpoints(tmp_path) == []
+    allowed[0] = True  # the training thread, after a failure
+    assert jit.save("after a failure", deadline=_deadline()).saved
+
+
 def test_stall_timeout_follows_the_step_time_within_bounds(tmp_path: Path) -> None:
     training = FakeTraining(tmp_path)
     assert training.jit.stall_timeout() == jit_save.STALL_MIN_S

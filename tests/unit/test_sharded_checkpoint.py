@@ -131,6 +131,115 @@ def _jit_worker(role: str, rank: int, world_size: int, work: Path, model: Any, o
     )
 
 
+def _stop_worker(rank: int, world_size: int, work: Path, model: Any, opt: Any) -> None:
+    """A stop signal while a periodic sharded save is slow (no neighbour copy): (1) the step after
+    the save is slow while the save's background write is in flight; (2) later, a step is slow
+    with no write in flight, so the stall monitor fires while FSDP2's unsharded parameters are
+    live. Neither may read the live state from the monitor's thread or write the step again."""
+    import signal
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from elastic_trainer.checkpoint.config import CheckpointConfig
+    from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.runtime.distributed import read_env
+    from elastic_trainer.runtime.sampler import ElasticSampler
+    from elastic_trainer.runtime.settings import WorkerSettings
+    from elastic_trainer.state.training_state import TrainingState
+
+    env = read_env(
+        environ={"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)},
+        cuda_devices=0,
+    )
+    sampler = ElasticSampler(64, 8, seed=0)
+    state = TrainingState({"model": model, "optimizer": opt, "sampler": sampler}, env=env, seed=0)
+    manager = CheckpointManager(
+        CheckpointConfig(directory=str(work / "stop"), every=2, jit_save=True),
+        env=env,
+        state=state,
+        fingerprint=FINGERPRINT,
+        settings=WorkerSettings(),
+    )
+    manager.load()
+    writer = manager._sharded
+    assert writer is not None
+    real_write, real_save_own = writer._write, writer.save_own
+    exits: list[int] = []
+    jit_writes: list[int] = []
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(3.0)  # the periodic save's background write (DCP's collectives and files)
+        return real_write(*args, **kwargs)
+
+    def counted_save_own(state_: Any, *, step: int, epoch: int) -> Any:
+        jit_writes.append(step)
+        return real_save_own(state_, step=step, epoch=epoch)
+
+    writer._write = slow_write  # type: ignore[method-assign]
+    writer.save_own = counted_save_own  # type: ignore[method-assign]
+    manager.arm()
+    manager._jit._exit = exits.append  # the monitor's exit, recorded instead
+    stall: list[Any] = [None]  # what the slow step waits for inside the model's forward
+
+    def slow_forward(module: Any, args: Any) -> None:  # after FSDP2's unshard of this layer
+        wait = stall[0]
+        if wait is not None:
+            wait()
+
+    model[2].register_forward_pre_hook(slow_forward)
+    errors: list[str] = []
+
+    def step(number: int) -> None:
+        torch.manual_seed(300 + number)
+        model(torch.randn(8, 16)).square().mean().backward()
+        with state.update(number):
+            opt.step()
+            opt.zero_grad()
+            sampler.advance(next(iter(sampler.plans(rank, world_size))))
+        manager.boundary()
+        if manager.due(number):
+            manager.save()
+
+    try:
+        step(1)
+        step(2)  # the periodic save of step 2: its background write takes 3 s
+        manager.on_signal(signal.SIGTERM)
+        stall[0] = lambda: time.sleep(2.0)  # slower than STALL_MIN_S, slowed by the write
+        step(3)
+        writer.wait(30)
+        monitor = manager._jit._monitor
+        assert monitor is not None
+
+        def until_the_monitor_decides() -> None:  # no write in flight: a stall now
+            deadline = time.monotonic() + 20
+            while monitor.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        stall[0] = until_the_monitor_decides
+        step(4)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        errors.append(f"{type(exc).__name__}: {exc}")
+    manager.stand_down()
+    monitor_alive = manager._jit._monitor is not None and manager._jit._monitor.is_alive()
+    with_threads = [t.name for t in threading.enumerate()]
+    (work / f"stop-{rank}.json").write_text(
+        json.dumps(
+            {
+                "errors": errors,
+                "exits": exits,
+                "jit_writes": jit_writes,
+                "monitor_alive": monitor_alive,
+                "threads": with_threads,
+            }
+        )
+    )
+    if not errors:
+        manager.close(30)
+        dist.destroy_process_group()
+
+
 def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -146,6 +255,9 @@ def _worker(role: str, rank: int, world_size: int, work: Path) -> None:
     model, opt = _model(world_size)
     if role.startswith("jit"):
         _jit_worker(role, rank, world_size, work, model, opt)
+        return
+    if role == "stop":
+        _stop_worker(rank, world_size, work, model, opt)
         return
     checkpointer = sharded.ShardedCheckpointer(
         work / "ckpt", rank=rank, world_size=world_size, fingerprint_fields=FINGERPRINT, keep_last=2
@@ -332,6 +444,23 @@ def test_just_in_time_every_rank_writes_its_shards_without_a_collective(tmp_path
     loaded = [json.loads((tmp_path / f"jit-loaded-3-{rank}.json").read_text()) for rank in range(3)]
     assert all(r["resumed"] == 2 and r["model"] and r["cursor"] == 16 for r in loaded), loaded
     assert not any(p.name.startswith(".") for p in (tmp_path / "jit").iterdir())
+
+
+def test_a_stop_signal_during_a_slow_periodic_save_leaves_the_live_state_alone(
+    tmp_path: Path,
+) -> None:
+    """The step after a periodic save, slowed while its write is in flight, is no stall; a stall
+    with no staged copy saves nothing from the monitor's thread (it would read FSDP2's live
+    state while the training thread runs); no step is written twice."""
+    _run("stop", 2, tmp_path)
+    results = [json.loads((tmp_path / f"stop-{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert result["errors"] == [], result
+        assert result["jit_writes"] == [] and result["exits"] == [], result
+        assert not result["monitor_alive"], "the monitor gave up, leaving the graceful stop"
+    assert ckpt.iter_checkpoints(tmp_path / "stop") == [2, 4]
+    assert not ckpt.verify(tmp_path / "stop", 2).manifest.jit
+    assert not any(p.name.startswith(".") for p in (tmp_path / "stop").iterdir())
 
 
 def test_a_damaged_newest_checkpoint_falls_back_and_is_set_aside(
