@@ -7,7 +7,8 @@ The public API, importable from here (lazily: ``import elastic_trainer`` loads n
 
 Below ``Elastic``, its parts are public too: ``ElasticGroup`` (the process group, healed in
 place), ``ElasticLoop`` (the steps), ``CheckpointManager`` (disk), ``TrainingState`` (what is
-saved, restored and handed to a peer), ``ElasticSampler`` (the data order).
+saved, restored and handed to a peer), ``ElasticSampler`` (the data order). ``exit_process(code)``
+ends a worker script without torch's C++ teardown, which can abort a finished gloo worker.
 
 Packages, by the process that runs them: ``runtime``, ``state``, ``train``, ``heal``,
 ``checkpoint`` and ``metrics`` (worker processes), ``launch`` (the launcher of ``elastic-trainer run``), ``ops`` (operator tools:
@@ -49,6 +50,7 @@ _EXPORTS = {
     "local_state": "elastic_trainer.state.local_shards",
     "load_local_state": "elastic_trainer.state.local_shards",
     "resume_sharded": "elastic_trainer.heal.sharded_restore",
+    "exit_process": "elastic_trainer.runtime.process_exit",
 }
 __all__ = ["__version__", *sorted(_EXPORTS)]
 

@@ -156,3 +156,21 @@ def test_the_per_rank_snippet_runs_as_written_with_no_state_warning(tmp_path: Pa
     assert done.returncode == 0, done.stderr[-2000:]
     assert "training finished at step 50" in done.stderr, done.stderr[-2000:]
     assert "WARNING" not in done.stderr, done.stderr[-2000:]
+
+
+def test_every_name_the_page_imports_from_elastic_trainer_is_exported() -> None:
+    """Each ``from elastic_trainer import a, b`` the page shows (code or prose) resolves, so a name
+    the page advises (such as ``exit_process``) is one a user can import."""
+    import elastic_trainer
+
+    page = (REPO / "docs" / "own-loop.md").read_text()
+    names = {
+        name.strip()
+        for group in re.findall(r"from elastic_trainer import\s+([\w, ]+)", page)
+        for name in group.split(",")
+        if name.strip()
+    }
+    assert "exit_process" in names
+    missing = sorted(name for name in names if name not in elastic_trainer.__all__)
+    assert not missing, f"docs/own-loop.md imports names elastic_trainer does not export: {missing}"
+    assert callable(elastic_trainer.exit_process)
