@@ -49,6 +49,7 @@ from elastic_trainer.state.buffers import AuthoritativeBuffers
 from elastic_trainer.state.guard import StateGuard
 from elastic_trainer.state.host_copy import device_snapshot, host_state_dict, snapshot_to_cpu
 from elastic_trainer.state.neighbour_copy import NeighbourCopy
+from elastic_trainer.state.rebuilt_links import follow_rebuild
 from elastic_trainer.state.sharded import ShardedState, is_sharded
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,9 @@ class TrainingState:
         those of the same names (FSDP2 binds a model and its optimizers to their mesh); their
         state comes with the next restore or load.
 
+        Kept objects that point at a replaced one follow it or are named
+        (:func:`~elastic_trainer.state.rebuilt_links.follow_rebuild`).
+
         Raises:
             ConfigError: a name that this state does not save.
         """
@@ -229,7 +233,10 @@ class TrainingState:
             raise ConfigError(
                 f"rebuild returned {unknown}, which are not saved (saved: {sorted(self.objects)})"
             )
+        replaced = {name: self.objects[name] for name in objects}
         self.objects.update(objects)
+        # A kept scheduler built on a replaced optimizer follows the new one (rebuilt_links.py).
+        follow_rebuild(self.objects, replaced, objects)
         candidate = self.objects.get("model")
         if isinstance(candidate, nn.Module):
             self.model = candidate
