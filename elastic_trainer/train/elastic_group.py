@@ -54,7 +54,12 @@ from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.signals import GracefulStop
 from elastic_trainer.runtime.step_control import Carrier
 from elastic_trainer.state.neighbour_copy import NeighbourCopy
-from elastic_trainer.train.loop import EXIT_STOPPED, ElasticLoop, TrainResult
+from elastic_trainer.train.loop import (
+    EXIT_STOPPED,
+    ElasticLoop,
+    TrainResult,
+    ensure_progress_logging,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +133,9 @@ class ElasticGroup:
         self._owns = not dist.is_initialized()
         if not self._owns:
             return self
+        # Before the group forms: its line names this worker's rank and pid (docs/launcher.md),
+        # and a program that set up no logging would otherwise drop it (Elastic comes later).
+        ensure_progress_logging(self.env.rank)
         self.healer = Healer.create(
             self.settings.heal,
             self.env,

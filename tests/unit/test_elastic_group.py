@@ -7,6 +7,9 @@ the chaos suite); the DDP whose hooks a heal removes is real, on a one-rank gloo
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -277,3 +280,26 @@ def test_at_the_defaults_ddp_reduces_its_buckets_with_no_python_comm_hook(gloo_w
     for mode in ("defaults", "trace", "off"):
         assert hooks[mode] == [], f"a Python comm hook on DDP's buckets ({mode}): {hooks[mode]}"
     assert hooks["a hook"] == [allreduce_hook]
+
+
+def test_a_program_with_no_logging_of_its_own_is_told_its_rank_and_pid() -> None:
+    """The FSDP2 pattern forms the group with ``ElasticGroup`` before ``Elastic`` exists; the line
+    that names the worker's rank and pid (how docs/launcher.md finds a worker to kill) must not be
+    dropped for want of a logging setup (a new user found no such line until after a heal)."""
+    code = (
+        "from elastic_trainer import ElasticGroup\n"
+        "with ElasticGroup() as group:\n"
+        "    print('formed', group.env.world_size, flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "formed 1" in out
+    assert f"rank 0/1 (local 0, pid {proc.pid})" in err, err
