@@ -228,9 +228,11 @@ class ShardedCheckpointManager:
         - the block raises (a peer died; not a checkpoint error): every shard this rank holds
           is written as part of a just-in-time checkpoint of the newest step held everywhere
           (``checkpoint/sharded_jit.py``), within :data:`SAVE_TIMEOUT_S`, then the error goes on;
-        - SIGTERM/SIGINT (torchrun stopping the survivors, or the job): the same at once, on
-          another thread (the training thread may be blocked in a collective: the parts come from
-          the copies staged in host memory), then the process exits with 128 + the signal.
+        - SIGTERM/SIGINT (torchrun stopping the survivors, or the job): the same on another
+          thread (the training thread may be blocked in a collective: the parts come from the
+          copies staged in host memory), once the training thread has staged the step under way
+          (``NeighbourCopy.stop_after_update``: at most three recent steps, 0.5-5 s), then the
+          process exits with 128 + the signal.
 
         A stop signal no longer ends the process before it has saved. ``copies`` is this
         attempt's neighbour copy (``Attempt.copy_shards``); with the copy off there is nothing in
@@ -252,6 +254,7 @@ class ShardedCheckpointManager:
                 log.info("no just-in-time save after a checkpoint error (%s)", log_line(exc))
                 raise
             log.warning("training failed (%s); saving the shards held just in time", log_line(exc))
+            copies.stop()  # this thread stages nothing more: a stop signal need not wait for it
             timer = ExitTimer(SAVE_TIMEOUT_S + 1.0, 1, "the just-in-time checkpoint")
             try:
                 saver.save(
@@ -306,9 +309,14 @@ class _SaveOnSignal:
     def _save_and_exit(self, signum: int) -> None:
         name = signal.Signals(signum).name
         log.warning("received %s: saving the shards held just in time, then exiting", name)
-        self._saver.copies.stop()  # the newest staged step stays the newest the job completed
         code = EXIT_AFTER_SIGNAL if signum == signal.SIGTERM else 128 + signum
-        ExitTimer(SAVE_TIMEOUT_S + BACKSTOP_S, code, f"the just-in-time save on {name}")
+        copies = self._saver.copies
+        finish = copies.finish_timeout()
+        ExitTimer(finish + SAVE_TIMEOUT_S + BACKSTOP_S, code, f"the just-in-time save on {name}")
+        # The step under way is staged first (every rank got the signal within milliseconds, some
+        # inside that step's update), then the newest staged step stays the newest completed.
+        if not copies.stop_after_update(finish):
+            log.info("the step under way did not end within %.1f s; saving what is staged", finish)
         outcome: JitOutcome = self._saver.save(name, deadline=time.monotonic() + SAVE_TIMEOUT_S)
         log.info("just-in-time save on %s: %s", name, outcome.detail or outcome.path)
         flush_logs()

@@ -361,9 +361,9 @@ def _train(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             sampler.advance(plan)
+            if samples is not None:  # the audit: this step is in the state from here
+                samples.done(step=step + 1)
         step += 1
-        if samples is not None:
-            samples.done(step=step)
         if env.is_rank0 and step % args.log_every == 0:
             log.info(
                 "step %d epoch %d loss %.4f (rank 0's samples)",

@@ -190,7 +190,12 @@ class NeighbourCopy:
         self._pinned = env.device.type == "cuda"
         self._stream = torch.cuda.Stream(env.device) if self._pinned else None
         self._stopped = threading.Event()
+        self._finishing = threading.Event()
+        self._parked = threading.Event()
         self._stopped_forever = threading.Event()  # never set
+        self._last_update_end: float | None = None
+        self.step_s: float | None = None
+        """The time between the last two update ends (what a finishing stop waits, thrice)."""
         self.stage_s = 0.0
         """Seconds the training thread spent staging, in total."""
         self.refreshes = 0
@@ -208,15 +213,54 @@ class NeighbourCopy:
         self.step = NO_STATE
         yield
         if self._stopped.is_set():
-            self._stopped_forever.wait()
+            self._park()
         self.step = step
+        now = time.monotonic()
+        if self._last_update_end is not None:
+            self.step_s = now - self._last_update_end
+        self._last_update_end = now
         self._refresh(step)
+        if self._finishing.is_set():
+            self._stopped.set()
+            self._park()
+
+    def _park(self) -> None:
+        """(Training thread) wait here until the process ends."""
+        self._parked.set()
+        self._stopped_forever.wait()
 
     def stop(self) -> None:
         """(Any thread) no step is completed or staged after this: the training thread waits at
         the end of its next update until the process ends. What a stop signal's save reads from
         the copies then stays the newest step the job completed."""
         self._stopped.set()
+
+    def stop_after_update(self, timeout: float) -> bool:
+        """(Another thread) a stop that lets the training thread stage the step of the update it
+        is in, or of the next one it ends, before it parks; waits up to ``timeout`` seconds for
+        that, then stops as :meth:`stop` does. Returns whether the training thread parked.
+
+        On a stop signal the ranks are a few milliseconds apart: a rank inside the update of step
+        ``S`` would otherwise stage nothing newer than ``S - 1`` while a peer that ended ``S``
+        first holds ``S``, and the set of ``S`` is incomplete (a step redone). A rank whose next
+        update cannot end (a collective with a peer that already parked) waits out ``timeout``
+        and keeps what it holds, which its peers hold too."""
+        if self.mode == "off" or self._stopped.is_set():
+            self.stop()
+            return self._parked.is_set()
+        self._finishing.set()
+        parked = self._parked.wait(max(0.0, timeout))
+        self.stop()
+        if parked and self._thread is not None and self._stream is not None:
+            # CUDA, ring: the exchange thread marks the staged shard once its copy has landed.
+            deadline = time.monotonic() + min(1.0, max(0.0, timeout))
+            while self._own[self._own_newest].step != self.step and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return parked
+
+    def finish_timeout(self, *, floor: float = 0.5, ceiling: float = 5.0) -> float:
+        """How long :meth:`stop_after_update` should wait: three recent steps, within bounds."""
+        return min(ceiling, max(floor, 3.0 * (self.step_s or ceiling / 3.0)))
 
     def due(self, step: int) -> bool:
         return self.mode != "off" and step % self.every == 0

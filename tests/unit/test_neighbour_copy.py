@@ -7,6 +7,8 @@ live one does. Plus the setting's precedence and validation (no processes)."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -166,3 +168,72 @@ def test_off_and_single_rank_send_nothing() -> None:
     with copies.update(1):
         pass
     assert copies.mode == "off" and calls == [] and copies.holdings().live == 1
+
+
+def _replica_copy(staged: list[int]) -> NeighbourCopy:
+    """Rank 0 of two HSDP replicas: it only stages its own shard (no group, no process)."""
+    env = DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, restart_count=0,
+                  launched=False, device=torch.device("cpu"), backend="gloo")  # fmt: skip
+    copies = NeighbourCopy(
+        lambda s: staged.append(s) or {"step": torch.tensor([s])}, env=env, every=1, replicas=2
+    )
+    assert copies.mode == "replica"
+    return copies
+
+
+def test_a_finishing_stop_stages_the_update_under_way_then_parks_the_training_thread() -> None:
+    """A stop signal inside the update of step 3: step 3 is staged before the training thread
+    parks (a plain stop parks it unstaged: its peers that ended step 3 first hold 3, it 2)."""
+    staged: list[int] = []
+    copies = _replica_copy(staged)
+    copies.start(0)
+    inside, release, ended = threading.Event(), threading.Event(), []
+
+    def train() -> None:
+        for step in (1, 2, 3, 4):
+            with copies.update(step):
+                if step == 3:
+                    inside.set()
+                    release.wait(10)
+            ended.append(step)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    assert inside.wait(10)
+    stopper = threading.Thread(target=lambda: ended.append(copies.stop_after_update(10.0)))
+    stopper.start()
+    time.sleep(0.2)
+    assert stopper.is_alive(), "it waits for the update under way to end"
+    release.set()
+    stopper.join(10)
+    assert ended == [1, 2, True], "step 3's update ended, staged, and the thread parked in it"
+    assert sorted(copies.holdings().own) == [2, 3] and staged[-1] == 3
+    time.sleep(0.1)
+    assert trainer.is_alive() and 4 not in staged, "nothing after step 3"
+
+
+def test_a_finishing_stop_keeps_what_is_staged_when_no_update_ends() -> None:
+    """A training thread blocked outside its update (a collective with a peer that parked): the
+    stop waits out its bound and keeps the staged steps; a plain stop after it changes nothing."""
+    staged: list[int] = []
+    copies = _replica_copy(staged)
+    copies.start(0)
+    for step in (1, 2):
+        with copies.update(step):
+            pass
+    started = time.monotonic()
+    assert copies.stop_after_update(0.3) is False
+    assert 0.3 <= time.monotonic() - started < 5
+    assert sorted(copies.holdings().own) == [1, 2]
+    assert 0.5 <= copies.finish_timeout() <= 5.0
+
+
+def test_a_finishing_stop_waits_three_recent_steps_within_bounds() -> None:
+    copies = _replica_copy([])
+    assert copies.finish_timeout() == 5.0, "no step measured yet: the ceiling"
+    copies.step_s = 0.05
+    assert copies.finish_timeout() == 0.5
+    copies.step_s = 1.0
+    assert copies.finish_timeout() == 3.0
+    copies.step_s = 60.0
+    assert copies.finish_timeout() == 5.0
