@@ -459,7 +459,7 @@ class Elastic:
             ignore=self.ignore_states,
         )
         if names:
-            log.warning("%s", state_audit.unsaved_message(names))
+            log.warning("%s", state_audit.unsaved_message(names, rebuilt=self._rebuild is not None))
 
     def _warn_finished(self, loop: ElasticLoop) -> None:
         """Rank 0: the checkpoint resumed leaves nothing to train (one line, not an error)."""

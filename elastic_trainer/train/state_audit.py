@@ -149,14 +149,22 @@ def unsaved_objects(
     return names
 
 
-def unsaved_message(names: Iterable[str]) -> str:
+def unsaved_message(names: Iterable[str], *, rebuilt: bool = False) -> str:
+    """The warning for unsaved stateful objects; ``rebuilt``: the run has ``rebuild=`` (a model
+    sharded by the user), whose objects are built there and returned by name."""
     listed = ", ".join(names)
+    register = (
+        "build them in your rebuild= function and return them by name (they are saved under it "
+        "and built again after a heal), or register them in states="
+        if rebuilt
+        else "register them in states="
+    )
     return (
         f"stateful objects not saved: {listed} (a torch.Generator, or has state_dict and "
         "load_state_dict, but is not in Elastic(states=...)): after a heal or restart they start "
-        "again from what this script built, not from the step resumed; register them in "
-        f"states=, or, for per-rank random numbers, {DERIVE_HINT} (docs/own-loop.md, 'Per-rank "
-        "state'; silence with Elastic(ignore_states=...))"
+        f"again from what this script built, not from the step resumed; {register}, or, for "
+        f"per-rank random numbers, {DERIVE_HINT} (docs/own-loop.md, 'Per-rank state'; silence "
+        "with Elastic(ignore_states=...))"
     )
 
 

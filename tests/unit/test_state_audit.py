@@ -310,3 +310,55 @@ def test_the_trainer_says_the_same_at_a_resume_past_max_steps_and_nothing_of_its
     lines = _warnings(caplog, "nothing to train")
     assert len(lines) == 1 and "step 4" in lines[0] and "max_steps=2" in lines[0], lines
     assert not _warnings(caplog, "not saved"), "the Trainer's loop saves what it builds"
+
+
+_SHARDED_LOOP = """
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from elastic_trainer import Elastic, ElasticGroup, exit_process
+
+
+def build(env):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4)).to(env.device)
+    fully_shard(model)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+with ElasticGroup() as group:
+    first = build(group.env)
+    teacher = nn.Linear(4, 4)  # bound to nothing the run saves or rebuilds
+    elastic = Elastic(first["model"], 16, global_batch_size=4, max_steps=2, group=group,
+                      rebuild=build)
+    for step in elastic:
+        optimizer = elastic.state.objects["optimizer"]
+        with step:
+            for micro in step:
+                x = torch.ones(len(micro.indices), 4)
+                step.backward(elastic.module(x).sum() * step.weight)
+            optimizer.step()
+exit_process(elastic.result.exit_code if elastic.result is not None else 0)
+"""
+
+
+def test_with_rebuild_the_unsaved_warning_says_to_build_and_return_them_there(
+    tmp_path: Path,
+) -> None:
+    """A loop of one's own with a model sharded by hand (``rebuild=``): the objects it builds are
+    built again after a heal, so the advice is to build them in ``rebuild`` and return them by
+    name, not only to register them (a new user's FSDP2 port kept a scheduler outside it)."""
+    import subprocess
+    import sys
+
+    plain = state_audit.unsaved_message(["teacher"])
+    assert "rebuild=" not in plain and "register them in states=" in plain
+    (tmp_path / "loop.py").write_text(_SHARDED_LOOP)
+    done = subprocess.run(
+        [sys.executable, "loop.py"], cwd=tmp_path, capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if "stateful objects not saved" in line]
+    assert len(lines) == 1 and "teacher" in lines[0], done.stderr[-2000:]
+    assert "build them in your rebuild= function and return them by name" in lines[0], lines[0]
