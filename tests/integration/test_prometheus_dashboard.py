@@ -53,9 +53,12 @@ with start_launcher_metrics(config):
 
 # The runtime's example job: ELASTIC_TRAINER_METRICS=1 (set by the launcher) makes it report
 # through elastic_trainer.metrics.worker.worker_observer(). ~30 ms per step on 2 CPU cores.
+# 500 steps: the worker is killed once a checkpoint of step 50 or later is out, and the test
+# waits for 25 steps more after the restart; the rest is the end of the run that the test waits
+# for (it was 1000 steps: ~15 s more of the same), Prometheus scraping every second throughout.
 JOB_ARGS = [
     "-m", "elastic_trainer.examples.synthetic_cnn",
-    "--max-steps", "1000", "--epochs", "1000", "--global-batch-size", "128", "--width", "32",
+    "--max-steps", "500", "--epochs", "1000", "--global-batch-size", "128", "--width", "32",
     "--dataset-size", "4096", "--checkpoint-every", "25", "--log-every", "100", "--seed", "0",
 ]  # fmt: skip
 
