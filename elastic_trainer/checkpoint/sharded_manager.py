@@ -315,7 +315,7 @@ class _SaveOnSignal:
         ExitTimer(finish + SAVE_TIMEOUT_S + BACKSTOP_S, code, f"the just-in-time save on {name}")
         # The step under way is staged first (every rank got the signal within milliseconds, some
         # inside that step's update), then the newest staged step stays the newest completed.
-        if not copies.stop_after_update(finish):
+        if not copies.stop_after_update(finish) and copies.mode != "off":
             log.info("the step under way did not end within %.1f s; saving what is staged", finish)
         outcome: JitOutcome = self._saver.save(name, deadline=time.monotonic() + SAVE_TIMEOUT_S)
         log.info("just-in-time save on %s: %s", name, outcome.detail or outcome.path)

@@ -221,6 +221,7 @@ class NeighbourCopy:
         self._last_update_end = now
         self._refresh(step)
         if self._finishing.is_set():
+            self._parked.set()  # before the stop: a waiting stop_after_update sees it parked
             self._stopped.set()
             self._park()
 
@@ -249,9 +250,13 @@ class NeighbourCopy:
             self.stop()
             return self._parked.is_set()
         self._finishing.set()
-        parked = self._parked.wait(max(0.0, timeout))
+        deadline = time.monotonic() + max(0.0, timeout)
+        while not self._parked.wait(0.01):  # a failing training thread stops instead: no wait
+            if self._stopped.is_set() or time.monotonic() >= deadline:
+                break
+        parked = self._parked.is_set()
         self.stop()
-        if parked and self._thread is not None and self._stream is not None:
+        if parked and self.due(self.step) and self._thread is not None and self._stream is not None:
             # CUDA, ring: the exchange thread marks the staged shard once its copy has landed.
             deadline = time.monotonic() + min(1.0, max(0.0, timeout))
             while self._own[self._own_newest].step != self.step and time.monotonic() < deadline:
