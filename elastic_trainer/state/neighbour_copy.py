@@ -221,8 +221,6 @@ class NeighbourCopy:
         self._last_update_end = now
         self._refresh(step)
         if self._finishing.is_set():
-            self._parked.set()  # before the stop: a waiting stop_after_update sees it parked
-            self._stopped.set()
             self._park()
 
     def _park(self) -> None:

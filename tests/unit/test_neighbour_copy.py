@@ -213,8 +213,8 @@ def test_a_finishing_stop_stages_the_update_under_way_then_parks_the_training_th
 
 
 def test_a_finishing_stop_keeps_what_is_staged_when_no_update_ends() -> None:
-    """A training thread blocked outside its update (a collective with a peer that parked): the
-    stop waits out its bound and keeps the staged steps; a plain stop after it changes nothing."""
+    """No update ends (as for a training thread blocked in a collective with a peer that
+    parked): the stop waits out its bound and keeps the staged steps."""
     staged: list[int] = []
     copies = _replica_copy(staged)
     copies.start(0)
