@@ -7,7 +7,8 @@ exists the NCCL environment is made consistent with that timeout (values the use
 asynchronous error handling on, so a failed or timed-out collective ends the process and torchrun
 restarts the group instead of hanging; blocking wait off (the two modes exclude each other); the
 watchdog monitor on, its heartbeat timeout equal to the collective timeout (it never ends a
-process sooner than a stuck collective would).
+process sooner than a stuck collective would). Under one torchrun agent that serves the same
+store to every restart (``--standalone``), the group's keys are kept apart per attempt.
 """
 
 from __future__ import annotations
@@ -190,7 +191,11 @@ def init_process_group(env: DistEnv, *, pg_timeout_s: float) -> None:
     timeout = timedelta(seconds=pg_timeout_s)
     if env.launched:
         dist.init_process_group(
-            backend=env.backend, timeout=timeout, rank=env.rank, world_size=env.world_size
+            backend=env.backend,
+            timeout=timeout,
+            rank=env.rank,
+            world_size=env.world_size,
+            store=attempt_store(env, timeout),
         )
     else:
         # One process started by hand: no launcher, no MASTER_ADDR; an in-process store suffices.
@@ -198,6 +203,34 @@ def init_process_group(env: DistEnv, *, pg_timeout_s: float) -> None:
             backend=env.backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1
         )
     announce_group(env, pg_timeout_s)
+
+
+def attempt_store(
+    env: DistEnv, timeout: timedelta, environ: MutableMapping[str, str] | None = None
+) -> dist.Store | None:
+    """The store for this attempt's group when one torchrun agent shares its rendezvous store with
+    its workers (``--standalone``, c10d on one node), keyed by the attempt; ``None`` elsewhere
+    (torch's own ``env://`` store).
+
+    torch 2.13's c10d rendezvous serves one TCP store to every round, and a restarted group's ranks
+    can read the addresses the last attempt's ranks left there: gloo's full mesh is refused, or
+    waits out the collective timeout (``shared/notes``: rendezvous quirk 1). One agent gives every
+    worker the same restart count, which names the attempt; with several agents the counts differ.
+    """
+    environ = os.environ if environ is None else environ
+    if (
+        environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or environ.get("GROUP_WORLD_SIZE") != "1"
+    ):
+        return None
+    server = dist.TCPStore(
+        environ["MASTER_ADDR"],
+        int(environ["MASTER_PORT"]),
+        env.world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"elastic-trainer/attempt-{env.restart_count}/default_pg", server)
 
 
 def announce_group(env: DistEnv, pg_timeout_s: float) -> None:

@@ -3,11 +3,13 @@ is: a worker SIGKILLed under `elastic-trainer run` and the final weights bitwise
 undisturbed run, no sample lost or repeated, both healed in place (the default: the survivor keeps
 its process and its state, the replacement takes the state from it) and with `--heal off` (the
 group restarts from the just-in-time checkpoint); the same job under plain torchrun + etcd-v3 with
-the data read as a stream and rank 1 SIGKILLed mid-run trains exactly the same steps; its checkpoints verify with `elastic-trainer checkpoint`."""
+the data read as a stream and rank 1 SIGKILLed mid-run trains exactly the same steps; its checkpoints verify with `elastic-trainer checkpoint`;
+the FSDP2 script of docs/own-loop.md restarts under `torchrun --standalone`."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +190,59 @@ def test_plain_torchrun_and_a_stream_train_the_same_steps(
     _, streamed = final_model(tmp_path / "stream" / "ckpt")
     _, expected = final_model(tmp_path / "ref" / "ckpt")
     _assert_bitwise(streamed, expected)
+
+
+def _torchrun_standalone(tmp: Path, name: str, script: str) -> subprocess.CompletedProcess[str]:
+    (tmp / name).mkdir()
+    (tmp / name / "fsdp_own.py").write_text(script)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=2",
+            "--monitor-interval=0.5",
+            "fsdp_own.py",
+        ],
+        cwd=tmp / name,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def test_the_fsdp_script_restarts_under_torchrun_standalone(tmp_path: Path) -> None:
+    """docs/own-loop.md's FSDP2 script under ``torchrun --standalone``, rank 1 SIGKILLed at step 25:
+    torchrun restarts the group on the store its one agent keeps for every attempt (before the
+    attempt-keyed store every restart was refused or hung in gloo's full mesh), and the job ends
+    with the undisturbed run's loss."""
+    page = (REPO / "docs" / "own-loop.md").read_text()
+    section = page.split("## A model you shard yourself (FSDP2)", 1)[1]
+    found = re.search(r"```python\n(.*?)```", section, re.S)
+    assert found and "        with step:\n" in found.group(1)
+    script = found.group(1).replace("max_steps=200", "max_steps=60")
+    kill = (
+        "        if (os.environ['RANK'], os.environ['TORCHELASTIC_RESTART_COUNT'], step.number)"
+        " == ('1', '0', 25):\n            os.kill(os.getpid(), 9)\n"
+    )
+    faulted = _torchrun_standalone(
+        tmp_path,
+        "faulted",
+        "import os\n" + script.replace("        with step:\n", kill + "        with step:\n"),
+    )
+    assert faulted.returncode == 0, faulted.stderr[-3000:]
+    assert "exitcode: -9" in faulted.stderr, "rank 1 was killed"
+    assert "Connection refused" not in faulted.stderr, faulted.stderr[-3000:]
+    reference = _torchrun_standalone(tmp_path, "reference", script)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    def finished(stderr: str) -> str:
+        return next(line for line in stderr.splitlines() if "training finished" in line).split(
+            "INFO "
+        )[1]
+
+    assert finished(faulted.stderr) == finished(reference.stderr)
+    assert "training finished at step 60" in finished(reference.stderr)

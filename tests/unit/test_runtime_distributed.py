@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,3 +107,44 @@ def test_session_destroys_the_group_on_error() -> None:
         raise RuntimeError("boom")
     assert not dist.is_initialized()
     d.destroy_process_group()  # idempotent
+
+
+def _agent_env(port: int, **overrides: str) -> dict[str, str]:
+    environ = {
+        **TORCHRUN_ENV,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "GROUP_WORLD_SIZE": "1",
+    }
+    environ.update(overrides)
+    return environ
+
+
+def test_one_agents_shared_store_is_keyed_by_the_attempt() -> None:
+    """torchrun --standalone serves one store to every restart: a restarted group's keys must not
+    meet the addresses the last attempt left there (each attempt's group reads its own keys)."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
+    server.set("default_pg/0/rank_0", "stale address of the last attempt")
+    for attempt in ("1", "2"):
+        environ = _agent_env(server.port, TORCHELASTIC_RESTART_COUNT=attempt)
+        env = d.read_env(environ=environ, cuda_devices=0)
+        store = d.attempt_store(env, timedelta(seconds=10), environ)
+        assert store is not None
+        assert not store.check(["0/rank_0"]), "no key of another attempt is seen"
+        store.set("0/rank_0", f"attempt {attempt}")
+    assert server.get("elastic-trainer/attempt-1/default_pg/0/rank_0") == b"attempt 1"
+    assert server.get("elastic-trainer/attempt-2/default_pg/0/rank_0") == b"attempt 2"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"GROUP_WORLD_SIZE": "2"},  # two agents: their restart counts differ
+        {"TORCHELASTIC_USE_AGENT_STORE": "False"},  # a fresh store per round
+    ],
+)
+def test_torchs_own_store_everywhere_else(overrides: dict[str, str]) -> None:
+    environ = _agent_env(1, **overrides)
+    env = d.read_env(environ=environ, cuda_devices=0)
+    assert d.attempt_store(env, timedelta(seconds=1), environ) is None
