@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -108,6 +110,17 @@ SafeEmptyLoadPlanner: type = type(
     (_WeightsOnlyBytes, torch_compat.dcp_empty_state_dict_planner()),
     {"__doc__": "Rebuilds the whole state dict from the metadata (export)."},
 )
+
+
+def save_in_this_process(
+    state: dict[str, Any], *, storage_writer: Any, planner: Any = None
+) -> None:
+    """``dcp.save(..., no_dist=True)``: this process writes the shards it holds with no collective
+    (a just-in-time save after the group failed), without DCP's warning that it assumes a single
+    process (on purpose here; a survivor's log would show it once per save)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        dcp.save(state, storage_writer=storage_writer, planner=planner, no_dist=True)
 
 
 def checkpoint_group() -> Any:

@@ -63,6 +63,7 @@ from elastic_trainer.checkpoint.dcp_io import (
     SafeReader,
     checkpoint_group,
     read_metadata,
+    save_in_this_process,
 )
 from elastic_trainer.runtime import torch_compat
 from elastic_trainer.runtime.atomic_files import atomic_file, fsync_directory
@@ -243,10 +244,8 @@ class ShardedCheckpointer:
             folder.mkdir(parents=True, exist_ok=True)
             if part.exists():
                 shutil.rmtree(part)
-            dcp.save(
-                state,
-                storage_writer=FileSystemWriter(part, sync_files=True, overwrite=True),
-                no_dist=True,
+            save_in_this_process(
+                state, storage_writer=FileSystemWriter(part, sync_files=True, overwrite=True)
             )
             fsync_directory(part)
             with atomic_file(folder / f"rank-{self.rank}.done") as marker:

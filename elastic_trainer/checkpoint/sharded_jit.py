@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -54,6 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.checkpoint.dcp_io import save_in_this_process
 from elastic_trainer.checkpoint.jit import JitOutcome
 from elastic_trainer.checkpoint.sharded import ShardedCheckpointer, commit_parts, jit_path
 from elastic_trainer.runtime.atomic_files import atomic_file, fsync_directory
@@ -178,11 +178,10 @@ def write_part(
         tmp = folder / f".rank-{shard}.tmp-{writer}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            dcp.save(
+            save_in_this_process(
                 state,
                 storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=True),
                 planner=PlacedSavePlanner(placed),
-                no_dist=True,
             )
             fsync_directory(tmp)
             os.rename(tmp, part)  # whole or not at all; fails if another writer's is there

@@ -386,16 +386,29 @@ class Elastic:
         ensure_progress_logging(self.env.rank)
         if self.env.is_rank0:
             self._warn_unsaved(sys._getframe(1))  # the frame that iterates the loop
-        if self._group is not None:
-            yield from self._run()
-            return
         try:
             yield from self._run()
         except (failures.DeterministicError, ReplicaMismatchError) as exc:
             # A mistake a restart cannot fix (a sampler without the elastic protocol, an unsaved
             # optimizer), or replicas that differ after a heal: one line, and the exit status the
-            # launcher reads (2: no restart; 1: restart from the newest checkpoint).
+            # launcher reads (2: no restart; 1: restart from the newest checkpoint). With the
+            # program's own group (group=) it reaches the program as it is.
+            if self._group is not None:
+                raise
             raise SystemExit(failures.exit_after(exc, prog=PROG)) from exc
+        except Exception as exc:
+            if not self._ends_for_a_restart(exc):
+                raise
+            raise SystemExit(failures.exit_after(exc, prog=PROG)) from exc
+
+    def _ends_for_a_restart(self, exc: Exception) -> bool:
+        """A peer's death or a failed collective this process could not heal, under plain torchrun:
+        the survivor says so in one line and exits 1 for torchrun to restart the group (its
+        traceback would show torch's internals, not the program's error). Under ``elastic-trainer
+        run`` the worker's entry point reports it; a single process has no torchrun to restart it."""
+        if not self.env.launched or failures.ReportTarget.from_environ().launcher_reports:
+            return False
+        return failures.classify(exc)[0] is failures.FailureClass.TRANSIENT
 
     def _run(self) -> Iterator[Step]:
         if self._observer is None:

@@ -218,7 +218,7 @@ def test_the_fsdp_script_restarts_under_torchrun_standalone(tmp_path: Path) -> N
     """docs/own-loop.md's FSDP2 script under ``torchrun --standalone``, rank 1 SIGKILLed at step 25:
     torchrun restarts the group on the store its one agent keeps for every attempt (before the
     attempt-keyed store every restart was refused or hung in gloo's full mesh), and the job ends
-    with the undisturbed run's loss."""
+    with the undisturbed run's loss; the survivor says why it stopped in one line."""
     page = (REPO / "docs" / "own-loop.md").read_text()
     section = page.split("## A model you shard yourself (FSDP2)", 1)[1]
     found = re.search(r"```python\n(.*?)```", section, re.S)
@@ -236,6 +236,10 @@ def test_the_fsdp_script_restarts_under_torchrun_standalone(tmp_path: Path) -> N
     assert faulted.returncode == 0, faulted.stderr[-3000:]
     assert "exitcode: -9" in faulted.stderr, "rank 1 was killed"
     assert "Connection refused" not in faulted.stderr, faulted.stderr[-3000:]
+    # The survivor says in one line why it stops (no traceback of torch's internals, no warning).
+    assert "a collective failed (a peer died or timed out)" in faulted.stderr
+    assert "stopping for a restart" in faulted.stderr
+    assert "Traceback" not in faulted.stderr and "UserWarning" not in faulted.stderr
     reference = _torchrun_standalone(tmp_path, "reference", script)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
