@@ -12,6 +12,7 @@ and nothing of a running job touched.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,10 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 BACKEND_NAME = "etcd-v3"
+
+WORKER_ENV_BACKEND = "ELASTIC_TRAINER_RDZV_BACKEND"
+"""Set to ``etcd-v3`` in the agent's environment, which its workers inherit: their store is a new
+one every round (``elastic_trainer/runtime/distributed.py`` warns when torch's c10d shares one)."""
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -35,10 +40,12 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     from rendezvous.settings import RendezvousConfigError
 
     try:
-        return create_handler(params)
+        handler = create_handler(params)
     except (RendezvousConfigError, RendezvousConnectionError, RunIdInUseError) as exc:
         print(f"{BACKEND_NAME}: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    os.environ[WORKER_ENV_BACKEND] = BACKEND_NAME
+    return handler
 
 
 def torchrun_plugin() -> Any:

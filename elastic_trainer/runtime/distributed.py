@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.runtime.failures import ConfigError
+from rendezvous.plugin import WORKER_ENV_BACKEND
 
 log = logging.getLogger(__name__)
 
@@ -218,10 +219,17 @@ def attempt_store(
     worker the same restart count, which names the attempt; with several agents the counts differ.
     """
     environ = os.environ if environ is None else environ
-    if (
-        environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        or environ.get("GROUP_WORLD_SIZE") != "1"
-    ):
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if environ.get("GROUP_WORLD_SIZE") != "1":
+        if env.rank == 0 and WORKER_ENV_BACKEND not in environ:
+            log.warning(
+                "torchrun's c10d rendezvous serves one store to every restart of a job across "
+                "nodes (torch 2.13), and a restarted group can wait in init_process_group for up "
+                "to the collective timeout (%.0f s): launch with --rdzv-backend=etcd-v3, or set "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every agent",
+                timeout.total_seconds(),
+            )
         return None
     server = dist.TCPStore(
         environ["MASTER_ADDR"],

@@ -90,6 +90,8 @@ def test_two_agents_train_together(etcd_server, tmp_path: Path, unique_id: str) 
     assert codes == [0, 0], agents[0].output()[-3000:]
     (result,) = results(tmp_path, unique_id)
     assert result["world_size"] == 4 and result["rank_sum"] == 6.0
+    # The agents tell their workers the store is new every round (no c10d shared-store warning).
+    assert result["rdzv_backend_env"] == "etcd-v3"
 
 
 def test_worker_sigkill_restarts_the_group(etcd_server, tmp_path: Path, unique_id: str) -> None:

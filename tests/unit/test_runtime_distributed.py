@@ -145,6 +145,25 @@ def test_one_agents_shared_store_is_keyed_by_the_attempt() -> None:
     ],
 )
 def test_torchs_own_store_everywhere_else(overrides: dict[str, str]) -> None:
-    environ = _agent_env(1, **overrides)
+    environ = _agent_env(1, **overrides, ELASTIC_TRAINER_RDZV_BACKEND="etcd-v3")
     env = d.read_env(environ=environ, cuda_devices=0)
     assert d.attempt_store(env, timedelta(seconds=1), environ) is None
+
+
+@pytest.mark.parametrize(("backend", "warned"), [(None, True), ("etcd-v3", False)])
+def test_c10d_across_nodes_is_warned_about_once_by_rank_0(
+    backend: str | None, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Several agents sharing torch's c10d store: nothing can key the attempt, so rank 0 says what
+    to launch with instead; under etcd-v3 (its agents mark their workers' environment) the store
+    is new every round and nothing is said."""
+    for rank in ("0", "1"):
+        environ = _agent_env(1, GROUP_WORLD_SIZE="2", RANK=rank)
+        if backend is not None:
+            environ["ELASTIC_TRAINER_RDZV_BACKEND"] = backend
+        env = d.read_env(environ=environ, cuda_devices=0)
+        assert d.attempt_store(env, timedelta(seconds=1800), environ) is None
+    lines = [r.getMessage() for r in caplog.records if "c10d rendezvous" in r.getMessage()]
+    assert len(lines) == (1 if warned else 0), lines
+    if warned:
+        assert "(1800 s)" in lines[0] and "--rdzv-backend=etcd-v3" in lines[0]

@@ -60,6 +60,7 @@ def main() -> None:
             "rank_sum": total.item(),
             "attempt": attempt,
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+            "rdzv_backend_env": os.environ.get("ELASTIC_TRAINER_RDZV_BACKEND"),
         }
         (out / f"done-{os.environ.get('TORCHELASTIC_RUN_ID')}-{attempt}.json").write_text(
             json.dumps(result)
