@@ -28,6 +28,12 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 WORLD, STEPS, MICRO = 3, 6, 2
 BIG = 2**52 + 2**26 + 1
+# Each mode's DDP stays referenced until ``os._exit``: freeing it would run the gloo group's
+# destructor from the Reducer, with the GIL held, and that destructor joins the group's worker
+# threads; a worker still destroying the last barrier's work needs the GIL for the Python context
+# torch 2.13 stashes in the thread-local state of each backward's collectives, so both wait for
+# good (seen 2 times in 19 runs at load 4; py-spy stacks in the commit message).
+_KEPT: list[object] = []
 
 
 # -- worker side ---------------------------------------------------------------------------------------
@@ -117,6 +123,7 @@ def _worker(mode: str, rank: int, work: Path) -> None:
         {"state": state, "seen": torch.stack(seen), "results": results, "separate": len(separate)},
         work / f"{mode}-{rank}.pt",
     )
+    _KEPT.append(ddp)
     dist.barrier()
     dist.destroy_process_group()  # the next mode forms a group of its own
 
