@@ -712,9 +712,13 @@ class CheckpointManager:
         }
 
     def _drain(self, timeout: float) -> None:
-        """Let this process's own background checkpoint write finish before it exits."""
-        with contextlib.suppress(ckpt.CheckpointError):
+        """Let this process's own background checkpoint write finish before it exits. A failed
+        write is said in one line and not raised: the just-in-time save that drains it reads what
+        reached the disk afterwards and writes the step itself when the write did not commit it."""
+        try:
             self._writer.wait(timeout)
+        except ckpt.CheckpointError as exc:
+            log.warning("the background checkpoint write failed: %s", exc)
 
     # -- the end ----------------------------------------------------------------------------------------
     def close(self, grace_s: float) -> None:

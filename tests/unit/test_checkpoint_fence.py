@@ -63,3 +63,31 @@ def test_a_refused_write_is_not_the_last_checkpoint(tmp_path: Path, async_write:
         )
     finally:
         manager.close(5.0)
+
+
+def test_draining_a_failed_background_write_says_so_and_does_not_raise(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The just-in-time save drains the periodic write before it looks at the disk; a write that
+    failed is one warning there, not an exception that would stop the save."""
+    model = nn.Linear(3, 2)
+    manager = CheckpointManager(
+        CheckpointConfig(directory=str(tmp_path), every=1, async_write=True),
+        env=ENV,
+        states={"model": model},
+        fingerprint={"model": ckpt.model_signature(model.state_dict())},
+        settings=WorkerSettings(),
+    )
+    try:
+
+        def failing() -> ckpt.CheckpointInfo:
+            raise OSError(28, "No space left on device")
+
+        manager._writer.submit(failing)
+        with caplog.at_level("WARNING", logger="elastic_trainer.checkpoint.manager"):
+            manager._drain(10.0)
+        assert "the background checkpoint write failed" in caplog.text
+        assert "No space left on device" in caplog.text
+        assert ckpt.iter_checkpoints(tmp_path) == []
+    finally:
+        manager.close(5.0)
