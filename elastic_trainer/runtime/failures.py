@@ -96,6 +96,27 @@ _COLLECTIVE_FAILURE_MARKERS = (
     "NCCL communicator was aborted",
     "Socket Timeout",
 )
+_PEER_LOST_MARKERS = (  # evidence of a lost or silent peer, whatever else the message says
+    ABORT_MARKER,
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "gloo/transport",
+    "NCCL communicator was aborted",
+    "imed out",
+    "imeout",
+)
+_ARGUMENT_CHECK = re.compile(
+    # A backend refusing the call's own arguments: a bug of the caller's, the same on a restart.
+    # torch 2.13's gloo says "ProcessGroupGloo::allgather: invalid tensor size ..." or "Check
+    # failed: outputShape[0] * worldSize == inputShape[0]"; NCCL "invalid usage"/"invalid argument".
+    r"ProcessGroup(?:Gloo|NCCL)::\w+: |Check failed: |invalid usage|invalid argument",
+    re.IGNORECASE,
+)
+
+
+def _argument_check(text: str) -> bool:
+    return bool(_ARGUMENT_CHECK.search(text)) and not any(m in text for m in _PEER_LOST_MARKERS)
 
 
 class GroupAborted(RuntimeError):
@@ -109,16 +130,21 @@ def is_collective_failure(exc: BaseException) -> bool:
     training loop and the healer all ask here.
 
     torch 2.13's gloo raises a plain ``RuntimeError`` ("... Connection closed by peer ...") from
-    collectives and from DDP's backward, not a ``DistError``; both are recognised.
+    collectives and from DDP's backward, not a ``DistError``; both are recognised. A backend's
+    refusal of the call's arguments (a wrong tensor size, an invalid root rank) is not: it names
+    the process group too, but a restart meets it again.
     """
     if isinstance(exc, GroupAborted):
         return True
+    text = str(exc)
+    if _argument_check(text):
+        return False
     dist = sys.modules.get("torch.distributed")
     dist_error = getattr(dist, "DistError", None) if dist is not None else None
     if dist_error is not None and isinstance(exc, dist_error):
         return True
     return isinstance(exc, RuntimeError) and any(
-        marker in str(exc) for marker in _COLLECTIVE_FAILURE_MARKERS
+        marker in text for marker in _COLLECTIVE_FAILURE_MARKERS
     )
 
 

@@ -234,6 +234,29 @@ def test_did_a_peer_die_has_one_answer(message: str) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "message",
+    [  # what torch 2.13's gloo says to a wrong call (checked with a one-rank group)
+        "ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (3), got (2))",
+        "ProcessGroupGloo::allgather: invalid output tensor list at index 0 (expected length 1, got 2)",
+        "ProcessGroupGloo::broadcast: invalid root rank: 3",
+        "[rank0]:[F1129 02:13:05.034805313 ProcessGroupGloo.cpp:1537] Check failed: "
+        "outputShape[0] * worldSize == inputShape[0] (2 vs. 5). ",
+        "NCCL error in: ProcessGroupNCCL.cpp:1971, invalid usage (run with NCCL_DEBUG=WARN)",
+    ],
+)
+def test_a_collective_refusing_its_arguments_is_not_a_dead_peer(message: str) -> None:
+    """A user's bug in a collective's arguments names the process group, but no peer died and a
+    restart meets it again: an error of the user's code, shown as such (not "a peer died")."""
+    from elastic_trainer.runtime import failures
+
+    assert not failures.is_collective_failure(RuntimeError(message))
+    assert failures.classify(RuntimeError(message))[0] is failures.FailureClass.ERROR
+    # With evidence of a lost peer in the same message, it is one again.
+    lost = RuntimeError(f"{message}: Connection reset by peer")
+    assert failures.is_collective_failure(lost)
+
+
 def test_a_distributed_sampler_before_the_group_is_a_setup_mistake_naming_elastic_sampler() -> None:
     """torch's own error for a DistributedSampler built before the runtime formed the group:
     deterministic (exit 2, no restart spent), one line that names ElasticSampler."""
