@@ -210,24 +210,29 @@ def attempt_store(
     env: DistEnv, timeout: timedelta, environ: MutableMapping[str, str] | None = None
 ) -> dist.Store | None:
     """The store for this attempt's group when one torchrun agent shares its rendezvous store with
-    its workers (``--standalone``, c10d on one node), keyed by the attempt; ``None`` elsewhere
-    (torch's own ``env://`` store).
+    its workers (``--standalone``, or one node on c10d or static), keyed by the attempt and by the
+    groups this process formed before in it; ``None`` elsewhere (torch's own ``env://`` store).
 
-    torch 2.13's c10d rendezvous serves one TCP store to every round, and a restarted group's ranks
-    can read the addresses the last attempt's ranks left there: gloo's full mesh is refused, or
-    waits out the collective timeout (``shared/notes``: rendezvous quirk 1). One agent gives every
-    worker the same restart count, which names the attempt; with several agents the counts differ.
+    torch 2.13's c10d and static rendezvous serve one TCP store to every round, and a restarted
+    group's ranks can read the addresses the last attempt's ranks left there: gloo's full mesh is
+    refused, or waits out the collective timeout (``docs/design/launcher.md``, "One store for
+    every restart"). One agent gives every worker the same restart count, which names the attempt;
+    with several agents the counts differ. A round that torchrun opens for a membership change
+    keeps the count: on one node that needs a node that began to join and left before the round
+    closed, and is not covered.
     """
     environ = os.environ if environ is None else environ
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     if environ.get("GROUP_WORLD_SIZE") != "1":
-        if env.rank == 0 and WORKER_ENV_BACKEND not in environ:
+        restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "")
+        if env.rank == 0 and WORKER_ENV_BACKEND not in environ and restarts != "0":
             log.warning(
-                "torchrun's c10d rendezvous serves one store to every restart of a job across "
-                "nodes (torch 2.13), and a restarted group can wait in init_process_group for up "
-                "to the collective timeout (%.0f s): launch with --rdzv-backend=etcd-v3, or set "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every agent",
+                "torchrun's agents share one store across the restarts of a job on several "
+                "nodes (the c10d and static rendezvous, torch 2.13), and a restarted group can "
+                "wait in init_process_group for up to the collective timeout (%.0f s): launch "
+                "with --rdzv-backend=etcd-v3 (with c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                "for every agent also helps)",
                 timeout.total_seconds(),
             )
         return None
@@ -238,7 +243,15 @@ def attempt_store(
         is_master=False,
         timeout=timeout,
     )
-    return dist.PrefixStore(f"elastic-trainer/attempt-{env.restart_count}/default_pg", server)
+    formed = _groups_formed.setdefault(env.restart_count, 0)
+    _groups_formed[env.restart_count] = formed + 1
+    prefix = f"elastic-trainer/attempt-{env.restart_count}/group-{formed}/default_pg"
+    return dist.PrefixStore(prefix, server)
+
+
+_groups_formed: dict[int, int] = {}
+"""Default groups this process formed on an attempt's shared store, per restart count: a second
+one (a second ``fit``) must not read the first one's keys; every process forms them in order."""
 
 
 def announce_group(env: DistEnv, pg_timeout_s: float) -> None:

@@ -133,8 +133,22 @@ def test_one_agents_shared_store_is_keyed_by_the_attempt() -> None:
         assert store is not None
         assert not store.check(["0/rank_0"]), "no key of another attempt is seen"
         store.set("0/rank_0", f"attempt {attempt}")
-    assert server.get("elastic-trainer/attempt-1/default_pg/0/rank_0") == b"attempt 1"
-    assert server.get("elastic-trainer/attempt-2/default_pg/0/rank_0") == b"attempt 2"
+    assert server.get("elastic-trainer/attempt-1/group-0/default_pg/0/rank_0") == b"attempt 1"
+    assert server.get("elastic-trainer/attempt-2/group-0/default_pg/0/rank_0") == b"attempt 2"
+
+
+def test_a_second_group_of_one_attempt_reads_none_of_the_firsts_keys() -> None:
+    """Two groups formed by one process in one attempt (two ``fit`` calls): every process forms
+    them in the same order, so the order names the group."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
+    environ = _agent_env(server.port, TORCHELASTIC_RESTART_COUNT="7")
+    env = d.read_env(environ=environ, cuda_devices=0)
+    first = d.attempt_store(env, timedelta(seconds=10), environ)
+    assert first is not None
+    first.set("0/rank_0", "the first group's address")
+    second = d.attempt_store(env, timedelta(seconds=10), environ)
+    assert second is not None
+    assert not second.check(["0/rank_0"]), "the second group sees the first one's key"
 
 
 @pytest.mark.parametrize(
@@ -163,7 +177,14 @@ def test_c10d_across_nodes_is_warned_about_once_by_rank_0(
             environ["ELASTIC_TRAINER_RDZV_BACKEND"] = backend
         env = d.read_env(environ=environ, cuda_devices=0)
         assert d.attempt_store(env, timedelta(seconds=1800), environ) is None
-    lines = [r.getMessage() for r in caplog.records if "c10d rendezvous" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "share one store" in r.getMessage()]
     assert len(lines) == (1 if warned else 0), lines
     if warned:
         assert "(1800 s)" in lines[0] and "--rdzv-backend=etcd-v3" in lines[0]
+
+
+def test_a_job_that_cannot_restart_is_not_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    environ = _agent_env(1, GROUP_WORLD_SIZE="2", RANK="0", TORCHELASTIC_MAX_RESTARTS="0")
+    env = d.read_env(environ=environ, cuda_devices=0)
+    assert d.attempt_store(env, timedelta(seconds=1800), environ) is None
+    assert not [r for r in caplog.records if "share one store" in r.getMessage()]
