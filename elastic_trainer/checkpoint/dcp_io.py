@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import io
 import pickle
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -118,9 +116,7 @@ def save_in_this_process(
     """``dcp.save(..., no_dist=True)``: this process writes the shards it holds with no collective
     (a just-in-time save after the group failed), without DCP's warning that it assumes a single
     process (on purpose here; a survivor's log would show it once per save)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        dcp.save(state, storage_writer=storage_writer, planner=planner, no_dist=True)
+    torch_compat.dcp_save_in_this_process(state, storage_writer=storage_writer, planner=planner)
 
 
 def checkpoint_group() -> Any:

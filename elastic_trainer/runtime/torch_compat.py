@@ -92,6 +92,24 @@ def dcp_load_whole(state: dict[str, Any], *, storage_reader: Any, planner: Any) 
     _load_state_dict(state, storage_reader=storage_reader, planner=planner, no_dist=True)
 
 
+def dcp_save_in_this_process(state: dict[str, Any], *, storage_writer: Any, planner: Any) -> None:
+    """``dcp.save(..., no_dist=True)`` without its warning that it assumes a single process:
+    ``state_dict_saver._save_state_dict`` (private), what the public ``save`` calls after the
+    warning. No warnings filter is needed, which is not thread-safe (``warnings.catch_warnings``
+    swaps the process-wide list, and the just-in-time save runs beside the training thread)."""
+    from torch.distributed.checkpoint.state_dict_saver import (
+        _save_state_dict,
+        _stateful_to_state_dict,
+    )
+
+    _save_state_dict(
+        state_dict=_stateful_to_state_dict(state),
+        storage_writer=storage_writer,
+        no_dist=True,
+        planner=planner,
+    )
+
+
 def dcp_fqn(model: Any, name: str) -> str:
     """``torch.distributed.checkpoint.state_dict._get_fqns`` (private): the name
     ``get_state_dict`` gives the entry ``name`` of ``model.state_dict()`` / ``named_parameters()``

@@ -652,3 +652,30 @@ def test_export_of_a_single_file_checkpoint(
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+
+
+def test_a_save_in_this_process_writes_without_a_collective_or_a_warning(tmp_path: Path) -> None:
+    """The just-in-time write of the shards a rank holds (no group, no collective): a checkpoint
+    DCP reads back, and no 'assuming the intent is to save in a single process' warning, with no
+    warnings filter (the filter list is process-wide; the save runs beside the training thread)."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from elastic_trainer.checkpoint.dcp_io import save_in_this_process
+    from elastic_trainer.runtime import torch_compat
+
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(7)}
+    filters_before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        save_in_this_process(
+            state, storage_writer=FileSystemWriter(tmp_path, sync_files=False, overwrite=True)
+        )
+    assert not [w for w in seen if "single process" in str(w.message)], [
+        str(w.message) for w in seen
+    ]
+    assert warnings.filters == filters_before
+    loaded = {"w": torch.empty(2, 3), "step": torch.tensor(0)}
+    torch_compat.dcp_load_whole(loaded, storage_reader=FileSystemReader(tmp_path), planner=None)
+    assert torch.equal(loaded["w"], state["w"]) and int(loaded["step"]) == 7
