@@ -31,8 +31,9 @@ finds (every optimizer over the model's parameters, their LR schedulers, the ``s
 The step's update section (a just-in-time save or a peer's snapshot never sees half of it) runs
 from the last micro-batch's :meth:`Step.backward` (or the first optimizer step) to the end of
 ``with step:``; everything that changes the saved state goes there, once per step. Code after
-``with step:`` runs between steps (evaluation, logging): after a failure that the ``with`` took
-for healing, :attr:`Step.completed` is False. Design: ``docs/design/own-loop.md``.
+``with step:`` runs between steps (evaluation, logging: :attr:`Elastic.reported_loss` is the
+global mean loss): after a failure that the ``with`` took for healing, :attr:`Step.completed` is
+False. Design: ``docs/design/own-loop.md``.
 """
 
 from __future__ import annotations
@@ -158,6 +159,89 @@ def shard_copy_use(
     return None
 
 
+_HOOKED = "_elastic_trainer_one_line"
+
+
+def one_line_for_peer_failures() -> None:
+    """From now on, an uncaught exception of this process that is a peer's failure (a collective
+    that failed because a peer died or timed out: ``failures.classify`` says ``TRANSIENT``) is
+    told in one line, recorded for torchrun, and the process exits 1, as :class:`Elastic` ends a
+    step that failed so; a ``sys.excepthook``, installed once, that hands every other exception
+    to the hook before it. For a collective of the loop body outside ``with step:`` (a metric's
+    ``all_reduce`` between steps), which never passes through the run: its traceback would show
+    gloo's internals, not the program's error."""
+    previous = sys.excepthook
+    if getattr(previous, _HOOKED, False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(exc, Exception) and (
+            failures.classify(exc)[0] is failures.FailureClass.TRANSIENT
+        ):
+            try:
+                failures.exit_after(exc, prog=PROG)
+                return
+            except Exception:  # noqa: BLE001 - the report failed: the usual traceback instead
+                pass
+        previous(kind, exc, tb)
+
+    setattr(hook, _HOOKED, True)
+    sys.excepthook = hook
+
+
+class _LossTap:
+    """The run's observer, passed on, and the newest global loss it is told (every rank is told
+    the same): :attr:`Elastic.reported_loss`."""
+
+    def __init__(self, observer: TrainingObserver) -> None:
+        self.observer = observer
+        self.reported: tuple[int, float] | None = None
+
+    def on_start(
+        self, *, world_size: int, restart_count: int, total_steps: int | None = None
+    ) -> None:
+        self.observer.on_start(
+            world_size=world_size, restart_count=restart_count, total_steps=total_steps
+        )
+
+    def on_step(
+        self,
+        *,
+        step: int,
+        duration_s: float,
+        data_wait_s: float,
+        samples: int,
+        tokens: int,
+        loss: float | None,
+        lr: float | None = None,
+    ) -> None:
+        if loss is not None:
+            self.reported = (step, loss)
+        self.observer.on_step(
+            step=step,
+            duration_s=duration_s,
+            data_wait_s=data_wait_s,
+            samples=samples,
+            tokens=tokens,
+            loss=loss,
+            lr=lr,
+        )
+
+    def on_priming(self, *, backward_passes: int) -> None:
+        on_priming = getattr(self.observer, "on_priming", None)  # optional (observer.py)
+        if on_priming is not None:
+            on_priming(backward_passes=backward_passes)
+
+    def on_checkpoint_saved(self, *, step: int, duration_s: float, nbytes: int) -> None:
+        self.observer.on_checkpoint_saved(step=step, duration_s=duration_s, nbytes=nbytes)
+
+    def on_checkpoint_loaded(self, *, step: int, duration_s: float, nbytes: int) -> None:
+        self.observer.on_checkpoint_loaded(step=step, duration_s=duration_s, nbytes=nbytes)
+
+    def wrap_ddp(self, ddp_model: Any) -> None:
+        self.observer.wrap_ddp(ddp_model)
+
+
 class _Nothing:
     """A no-op context (``contextlib.nullcontext`` without the allocation per micro-batch)."""
 
@@ -193,8 +277,9 @@ class Elastic:
         states: more objects to save (name -> anything with ``state_dict``/``load_state_dict``);
             the model's optimizers and their schedulers are found without it. Saved from rank 0
             and restored on every rank: after the first step of each attempt rank 0 warns in one
-            line about those that differ between the ranks (per-rank state), and at the start
-            about stateful variables of the loop's frame left out (``state_audit``).
+            line about those that differ between the ranks (per-rank state), and after the first
+            steps about stateful variables of the loop's frame left out whose state changed
+            (``state_audit``).
         ignore_states: names those two warnings leave alone (a variable left unsaved on
             purpose, a ``states`` key whose per-rank copies you accept).
         find: find the optimizers and schedulers (``False``: ``states`` lists everything).
@@ -350,6 +435,9 @@ class Elastic:
         """How the run ended (after the iteration): ``exit_code`` is what the process exits with."""
         self._batches: Iterator[Any] | None = None
         self._loader_epoch = -1
+        self._unsaved: state_audit.UnsavedWatch | None = None  # rank 0, until the first steps ran
+        self._steps_run = 0  # by this process (every attempt)
+        self._losses: _LossTap | None = None  # the observer the steps report to
 
     @property
     def ddp(self) -> nn.Module | None:
@@ -381,11 +469,21 @@ class Elastic:
         """Optimizer steps completed."""
         return self.state.step
 
+    @property
+    def reported_loss(self) -> tuple[int, float] | None:
+        """``(step, loss)``: the mean loss over the global batch of the newest step whose loss
+        arrived, alike on every rank (what the progress line prints); ``None`` before the first.
+        It comes on the control allreduce of a later step (never waited for), so ``step`` is one
+        or two behind :attr:`Step.number` during the run, and the last step after it."""
+        return self._losses.reported if self._losses is not None else None
+
     # -- the run ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
         ensure_progress_logging(self.env.rank)
+        if self._restarted_by_torchrun():
+            one_line_for_peer_failures()  # a collective of the body between steps, too
         if self.env.is_rank0:
-            self._warn_unsaved(sys._getframe(1))  # the frame that iterates the loop
+            self._watch_unsaved(sys._getframe(1))  # the frame that iterates the loop
         try:
             yield from self._run()
         except (failures.DeterministicError, ReplicaMismatchError) as exc:
@@ -406,20 +504,27 @@ class Elastic:
         the survivor says so in one line and exits 1 for torchrun to restart the group (its
         traceback would show torch's internals, not the program's error). Under ``elastic-trainer
         run`` the worker's entry point reports it; a single process has no torchrun to restart it."""
-        if not self.env.launched or failures.ReportTarget.from_environ().launcher_reports:
+        if not self._restarted_by_torchrun():
             return False
         return failures.classify(exc)[0] is failures.FailureClass.TRANSIENT
+
+    def _restarted_by_torchrun(self) -> bool:
+        """Launched by plain torchrun: a failure's report is this process's to make."""
+        return self.env.launched and not failures.ReportTarget.from_environ().launcher_reports
 
     def _run(self) -> Iterator[Step]:
         if self._observer is None:
             from elastic_trainer.train.trainer import build_observer
 
             self._observer = build_observer(self.settings)
+        if self._losses is None:
+            self._losses = _LossTap(self._observer)
         if self._group is not None:
             yield from self._attempts(self._group)
         else:
             with ElasticGroup(self.settings, self.env, pg_timeout_s=self.pg_timeout_s) as group:
                 yield from self._attempts(group)
+        self._warn_unsaved()  # a run shorter than the watch's steps
         if self.result is None:
             raise RuntimeError("the elastic loop ended without a result")
 
@@ -446,6 +551,9 @@ class Elastic:
                             step = Step(self, loop, plan)
                             yield step
                             step.reraise()
+                            self._steps_run += 1
+                            if self._steps_run == state_audit.CHANGE_WINDOW_STEPS:
+                                self._warn_unsaved()
                             if first:
                                 first = False
                                 self._warn_per_rank(group)
@@ -455,8 +563,9 @@ class Elastic:
         self.result = group.result
 
     # -- the state checks (state_audit.py) ----------------------------------------------------------
-    def _warn_unsaved(self, frame: Any) -> None:
-        """Rank 0, at the start: stateful variables of the loop's frame that are not saved."""
+    def _watch_unsaved(self, frame: Any) -> None:
+        """Rank 0, at the start: the stateful variables of the loop's frame that are not saved,
+        and their state now (``state_audit.UnsavedWatch``)."""
         try:
             if frame is None or frame.f_globals.get("__name__", "").startswith(
                 "elastic_trainer.train."
@@ -472,7 +581,15 @@ class Elastic:
             ignore=self.ignore_states,
         )
         if names:
-            log.warning("%s", state_audit.unsaved_message(names, rebuilt=self._rebuild is not None))
+            self._unsaved = state_audit.UnsavedWatch({name: namespace[name] for name in names})
+
+    def _warn_unsaved(self) -> None:
+        """Rank 0, once per job start, after the first few steps: the unsaved objects whose
+        state changed in them (one line)."""
+        watch, self._unsaved = self._unsaved, None
+        moved = watch.moved() if watch is not None else {}
+        if moved:
+            log.warning("%s", state_audit.unsaved_message(moved, rebuilt=self._rebuild is not None))
 
     def _warn_finished(self, loop: ElasticLoop) -> None:
         """Rank 0: the checkpoint resumed leaves nothing to train (one line, not an error)."""
@@ -641,7 +758,7 @@ class Elastic:
             max_steps=self.max_steps,
             epochs=self.epochs,
             seed=self.seed,
-            observer=self._observer,
+            observer=self._losses,
             settings=self.settings,
             sigterm_grace_s=self.sigterm_grace_s,
             log_every=self.log_every,
@@ -717,7 +834,7 @@ class Step:
         """The current micro-batch's loss weight: its samples x the world size / the step's
         samples. DDP averages gradients over the ranks, so ``loss * weight`` gives the gradient of
         the mean loss over the global batch at any world size, however unevenly it is split (a
-        padding micro-batch weighs 0)."""
+        padding micro-batch weighs 0). It is no loss to log: :attr:`Elastic.reported_loss` is."""
         micro = self.plan.micro_batches[self._current()]
         return micro.samples * (self._loop.env.world_size / self.plan.global_samples)
 

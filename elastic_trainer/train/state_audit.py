@@ -5,8 +5,10 @@
 any fault. :func:`differing_states` finds them (one tiny allreduce of per-object checksums after
 the first step of each attempt); :func:`unsaved_objects` finds stateful objects of the loop's
 frame that are not saved at all (a ``torch.Generator``, anything with ``state_dict`` and
-``load_state_dict`` that is not registered). Both end in one warning line from rank 0, never an
-error: a run may accept either on purpose, and names it in ``Elastic(ignore_states=...)``.
+``load_state_dict`` that is not registered), and :class:`UnsavedWatch` keeps those whose state
+then changes in training (one used only to build the data, or a frozen teacher, is no divergence
+risk). Both end in one warning line from rank 0, never an error: a run may accept either on
+purpose, and names it in ``Elastic(ignore_states=...)``.
 :func:`finished_message` is the line for a resume at or past the end. Docs: ``docs/own-loop.md``.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.runtime.distributed import DistEnv
@@ -149,22 +152,95 @@ def unsaved_objects(
     return names
 
 
-def unsaved_message(names: Iterable[str], *, rebuilt: bool = False) -> str:
-    """The warning for unsaved stateful objects; ``rebuilt``: the run has ``rebuild=`` (a model
-    sharded by the user), whose objects are built there and returned by name."""
-    listed = ", ".join(names)
-    register = (
-        "build them in your rebuild= function and return them by name (they are saved under it "
-        "and built again after a heal), or register them in states="
-        if rebuilt
-        else "register them in states="
-    )
+CHANGE_WINDOW_STEPS = 3
+"""Steps of a job start after which :class:`UnsavedWatch` compares the unsaved objects with their
+state at the start (or the run's end, when it trains fewer)."""
+
+_SAMPLE = 64
+"""Elements of each tensor a large state's fingerprint reads (with the tensor's version)."""
+
+
+def _local(value: Any) -> Any:
+    """``value`` with each DTensor replaced by this rank's shard: the watch runs on rank 0 alone,
+    where a DTensor's reshape could start a collective."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, Mapping):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_local(v) for v in value]
+    return value
+
+
+def _sampled(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        head = value.detach().view(-1)[:_SAMPLE] if value.is_contiguous() else None
+        return (value._version, head if head is not None else value.shape)
+    if isinstance(value, Mapping):
+        return {k: _sampled(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_sampled(v) for v in value]
+    return value
+
+
+def state_fingerprint(obj: Any) -> int:
+    """A checksum of what ``obj`` holds (a generator's state, else its ``state_dict()``): every
+    byte of a state up to :data:`SMALL_STATE_BYTES`; for a larger one (a frozen teacher model)
+    each tensor's in-place version counter and first elements, so that watching it copies
+    nothing large."""
+    state = obj.get_state() if isinstance(obj, torch.Generator) else _local(obj.state_dict())
+    if _tensor_bytes(state) <= SMALL_STATE_BYTES:
+        return state_checksum(state)
+    return state_checksum(_sampled(state))
+
+
+class UnsavedWatch:
+    """The unsaved stateful objects (:func:`unsaved_objects`) of a job start, and a fingerprint of
+    each: :meth:`moved` names those whose state changed since. Only they are a divergence risk
+    after a restart; a generator used to build the data before training, or a frozen model, is
+    not. An object whose state cannot be read counts as changed (named, as before the watch)."""
+
+    def __init__(self, objects: Mapping[str, Any]) -> None:
+        self._objects = dict(objects)
+        self._before = {name: self._read(obj) for name, obj in self._objects.items()}
+
+    @staticmethod
+    def _read(obj: Any) -> int | None:
+        try:
+            return state_fingerprint(obj)
+        except Exception:  # noqa: BLE001 - an advisory check; the object is named instead
+            return None
+
+    def moved(self) -> dict[str, Any]:
+        """The objects (by name) whose state changed since the watch began; the watch then lets
+        go of them all (it answers once)."""
+        objects, self._objects = self._objects, {}
+        moved = {}
+        for name, obj in objects.items():
+            before = self._before.get(name)
+            if before is None or self._read(obj) != before:
+                moved[name] = obj
+        self._before = {}
+        return moved
+
+
+def unsaved_message(objects: Mapping[str, Any], *, rebuilt: bool = False) -> str:
+    """The warning (one short line) for unsaved objects whose state changed in training, by name;
+    ``rebuilt``: the run has ``rebuild=`` (a model sharded by the user), whose objects are built
+    there and returned by name."""
+    listed = ", ".join(f"{name} ({type(obj).__name__})" for name, obj in objects.items())
+    generators = [name for name, obj in objects.items() if isinstance(obj, torch.Generator)]
+    others = [name for name in objects if name not in generators]
+    fixes = []
+    if others and rebuilt:
+        fixes.append("build them in your rebuild= function and return them by name")
+    elif others:
+        fixes.append("states={" + ", ".join(f"'{n}': {n}" for n in others) + "}")
+    if generators:
+        fixes.append(f"{generators[0]}.manual_seed(torch.initial_seed() + 1) each step")
     return (
-        f"stateful objects not saved: {listed} (a torch.Generator, or has state_dict and "
-        "load_state_dict, but is not in Elastic(states=...)): after a heal or restart they start "
-        f"again from what this script built, not from the step resumed; {register}, or, for "
-        f"per-rank random numbers, {DERIVE_HINT} (docs/own-loop.md, 'Per-rank state'; silence "
-        "with Elastic(ignore_states=...))"
+        f"not saved, yet changed in training: {listed}; a restart starts them over. Fix: "
+        f"{'; '.join(fixes)} (docs/own-loop.md; or ignore_states=)"
     )
 
 

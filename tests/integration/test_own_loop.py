@@ -4,7 +4,8 @@ undisturbed run, no sample lost or repeated, both healed in place (the default: 
 its process and its state, the replacement takes the state from it) and with `--heal off` (the
 group restarts from the just-in-time checkpoint); the same job under plain torchrun + etcd-v3 with
 the data read as a stream and rank 1 SIGKILLed mid-run trains exactly the same steps; its checkpoints verify with `elastic-trainer checkpoint`;
-the FSDP2 script of docs/own-loop.md restarts under `torchrun --standalone`."""
+the FSDP2 script of docs/own-loop.md restarts under `torchrun --standalone`, and a survivor whose
+own collective between steps fails because a peer died says so in one line."""
 
 from __future__ import annotations
 
@@ -194,7 +195,7 @@ def test_plain_torchrun_and_a_stream_train_the_same_steps(
 
 def _torchrun_standalone(tmp: Path, name: str, script: str) -> subprocess.CompletedProcess[str]:
     (tmp / name).mkdir()
-    (tmp / name / "fsdp_own.py").write_text(script)
+    (tmp / name / "own.py").write_text(script)
     return subprocess.run(
         [
             sys.executable,
@@ -204,7 +205,7 @@ def _torchrun_standalone(tmp: Path, name: str, script: str) -> subprocess.Comple
             "--nproc-per-node=2",
             "--max-restarts=2",
             "--monitor-interval=0.5",
-            "fsdp_own.py",
+            "own.py",
         ],
         cwd=tmp / name,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -250,3 +251,53 @@ def test_the_fsdp_script_restarts_under_torchrun_standalone(tmp_path: Path) -> N
 
     assert finished(faulted.stderr) == finished(reference.stderr)
     assert "training finished at step 60" in finished(reference.stderr)
+
+
+_METRIC_BETWEEN_STEPS = """
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_trainer import Elastic, exit_process
+
+torch.manual_seed(0)
+data = torch.randn(256, 8, generator=torch.Generator().manual_seed(1))
+model = nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+elastic = Elastic(model, len(data), global_batch_size=16, max_steps=12, checkpoint_dir="ckpt",
+                  checkpoint_every=1000)
+for step in elastic:
+    with step:
+        for micro in step:
+            x = data[list(micro.indices)]
+            step.backward(elastic.ddp(x).square().mean() * step.weight)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if (os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"], step.number) == ("1", "0", 5):
+        os.kill(os.getpid(), 9)  # after its step, before the metric's allreduce
+    metric = torch.ones(1)
+    dist.all_reduce(metric)  # the loop body's own collective, between steps
+exit_process(elastic.result.exit_code)
+"""
+
+
+def test_a_collective_of_the_body_between_steps_that_a_dead_peer_fails_is_one_line(
+    tmp_path: Path,
+) -> None:
+    """A new user's port: rank 1 is SIGKILLed after step 5 and rank 0's own ``all_reduce`` after
+    ``with step:`` (a metric to log), which never passes through ``Elastic``, fails: rank 0 says
+    why in the run's one line and exits 1 (before: gloo's traceback), and torchrun's restart
+    finishes the job."""
+    faulted = _torchrun_standalone(tmp_path, "faulted", _METRIC_BETWEEN_STEPS)
+    assert faulted.returncode == 0, faulted.stderr[-3000:]
+    assert "exitcode: -9" in faulted.stderr, "rank 1 was killed"
+    lines = [
+        line
+        for line in faulted.stderr.splitlines()
+        if "a collective failed (a peer died or timed out)" in line
+    ]
+    assert len(lines) == 1 and "(rank 0); stopping for a restart" in lines[0], faulted.stderr
+    assert "Traceback" not in faulted.stderr, faulted.stderr[-3000:]
+    assert "training finished at step 12" in faulted.stderr, faulted.stderr[-3000:]
