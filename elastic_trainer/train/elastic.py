@@ -312,9 +312,11 @@ class Elastic:
         group: an entered :class:`ElasticGroup` the caller owns: the ``Trainer``'s, or yours when
             the model must be sharded before ``Elastic`` (build and shard it inside
             ``with ElasticGroup() as group:``, pass ``group=group, rebuild=...``;
-            ``docs/own-loop.md``, "A model you shard yourself"). Errors then reach the caller as
-            exceptions. Without it the run forms its own group and, as the owner of the process,
-            ends a mistake no restart can fix with one line and exit status 2. A process group
+            ``docs/own-loop.md``, "A model you shard yourself"). A mistake no restart can fix
+            then reaches the caller as an exception; without it the run forms its own group and,
+            as the owner of the process, ends such a mistake with one line and exit status 2.
+            Either way, under plain torchrun a peer's failure the run could not heal ends the
+            process for torchrun's restart: one line and ``SystemExit(1)``. A process group
             that existed before the group was formed (``init_process_group``, or ``fully_shard``
             and ``init_device_mesh``, which create the default group) cannot heal in place:
             under ``elastic-trainer run`` rank 0 then says so in one line at start.
@@ -490,7 +492,8 @@ class Elastic:
             # A mistake a restart cannot fix (a sampler without the elastic protocol, an unsaved
             # optimizer), or replicas that differ after a heal: one line, and the exit status the
             # launcher reads (2: no restart; 1: restart from the newest checkpoint). With the
-            # program's own group (group=) it reaches the program as it is.
+            # program's own group (group=) it reaches the program as it is; a peer's failure
+            # (below) ends the process whoever owns the group.
             if self._group is not None:
                 raise
             raise SystemExit(failures.exit_after(exc, prog=PROG)) from exc
