@@ -30,7 +30,9 @@ seconds after the fault is reported as "did not recover within T s" and stopped.
 ``--workload sharded`` trains ``sharded_lm`` (FSDP2, its own loop healing in place with the
 neighbour copy, ``docs/design/sharded.md``) on the ``etcd-v3`` systems instead of the CNN, and
 ``--workload sharded-trainer`` the same model through the ``Trainer`` (``--api trainer``:
-``TrainerConfig.fsdp``); the c10d baseline script has no sharded twin, so ``etcd-v3-restart`` is
+``TrainerConfig.fsdp``), and ``--workload sharded-hsdp`` the same model over a 2-replica HSDP
+mesh (``--replicas 2``: 2 nodes x 2 workers are 2 replicas x 2 shards, a lost shard comes from
+its replica); the c10d baseline script has no sharded twin, so ``etcd-v3-restart`` is
 its comparison.
 
 Scenarios: ``worker-sigkill`` (one worker of the last node), ``node-sigkill`` (the last node
@@ -79,6 +81,7 @@ WORKLOADS = {  # --workload -> the example the etcd-v3 systems run (module, then
     "cnn": ("elastic_trainer.examples.synthetic_cnn",),
     "sharded": ("elastic_trainer.examples.sharded_lm",),
     "sharded-trainer": ("elastic_trainer.examples.sharded_lm", "--api", "trainer"),
+    "sharded-hsdp": ("elastic_trainer.examples.sharded_lm", "--replicas", "2"),
 }
 SCENARIOS = {  # scenario -> the modes it makes sense in
     "worker-sigkill": ("fixed", "elastic"),
@@ -696,7 +699,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         choices=tuple(WORKLOADS),
         default="cnn",
         help="what the etcd-v3 systems train (sharded: FSDP2 sharded_lm, its own loop; "
-        "sharded-trainer: the same through the Trainer; not with c10d)",
+        "sharded-trainer: the same through the Trainer; sharded-hsdp: over a 2-replica HSDP "
+        "mesh; not with c10d)",
     )
     defaults = BenchConfig()
     for name in (
