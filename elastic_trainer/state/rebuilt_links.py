@@ -10,6 +10,8 @@ fault-free one without a word. So:
   ``SequentialLR``/``ChainedScheduler``) is pointed at the optimizer that replaced its own, under
   the same name: its state (epoch, base rates) is what it was, so it sets the rates it would have
   set on a scheduler built on the new optimizer and loaded from the same state;
+- a kept optimizer that steps parameters of a replaced model is refused in one line: it would
+  step a model nothing trains any more, and its state could not be restored into the new one;
 - any other kept object with an attribute that is a replaced object is named in one warning;
 - each such object is named once per process, with the fix: return it from ``rebuild``.
 """
@@ -20,6 +22,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
@@ -40,12 +43,34 @@ def follow_rebuild(
     Returns the names of the kept objects that held a replaced object.
 
     Raises:
-        ConfigError: a kept scheduler's optimizer was replaced by something that is no optimizer.
+        ConfigError: a kept scheduler's optimizer was replaced by something that is no optimizer,
+            or a kept optimizer steps the parameters of a replaced model.
     """
     by_id = {id(old): name for name, old in replaced.items() if old is not None}
+    old_parameters = {
+        id(p): name
+        for name, old in replaced.items()
+        if isinstance(old, nn.Module)
+        for p in old.parameters()
+    }
     found: list[str] = []
     for name, obj in objects.items():
         if name in returned or obj is None:
+            continue
+        if isinstance(obj, Optimizer):
+            stepped = {
+                old_parameters[id(p)]
+                for group in obj.param_groups
+                for p in group["params"]
+                if id(p) in old_parameters
+            }
+            if stepped:
+                raise ConfigError(
+                    f"rebuild did not return {name!r}, which steps the parameters of "
+                    f"{', '.join(repr(m) for m in sorted(stepped))} that it replaced after the "
+                    f"heal: build {name!r} in rebuild (your build()) and return it under that "
+                    "name (docs/own-loop.md, 'A model you shard yourself')"
+                )
             continue
         if isinstance(obj, (LRScheduler, ReduceLROnPlateau)):
             rebound = _rebind_scheduler(name, obj, by_id, returned)

@@ -139,3 +139,28 @@ def test_a_scheduler_whose_optimizer_became_no_optimizer_is_refused_in_one_line(
     )
     with pytest.raises(ConfigError, match="'scheduler' schedules 'optimizer'.*not an optimizer"):
         state.replace({"optimizer": nn.Linear(1, 1)})
+
+
+def test_a_kept_optimizer_of_the_replaced_model_is_refused_in_one_line() -> None:
+    """An optimizer built once, outside build(), and found by the run: after a heal rebuild
+    returns the model alone, and the optimizer would step the old model's parameters (before: a
+    bare KeyError of a parameter id at the restore, a new user's trial)."""
+    model, optimizer = _build()
+    state = TrainingState({"model": model, "optimizer": optimizer}, env=cpu_env())
+    new_model, _ = _build(1)
+    with pytest.raises(ConfigError, match="rebuild did not return 'optimizer', which steps the "
+                       "parameters of 'model'.*return it under that name") as refused:  # fmt: skip
+        state.replace({"model": new_model})
+    assert "\n" not in str(refused.value)
+
+
+def test_a_kept_optimizer_of_a_model_that_stays_is_left_alone() -> None:
+    model, optimizer = _build()
+    head = nn.Linear(2, 2)
+    head_optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+    state = TrainingState(
+        {"model": model, "optimizer": optimizer, "head_optimizer": head_optimizer}, env=cpu_env()
+    )
+    new_model, new_optimizer = _build(1)
+    state.replace({"model": new_model, "optimizer": new_optimizer})
+    assert state.objects["head_optimizer"] is head_optimizer
