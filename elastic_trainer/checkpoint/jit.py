@@ -187,6 +187,9 @@ class JitCheckpointer:
         if isinstance(exc, ckpt.CheckpointError):
             log.info("no just-in-time save after a checkpoint error (%s)", log_line(exc))
             return None
+        if not self._armed:  # a mistake before the first step: nothing to save, nothing to say
+            log.debug("no just-in-time save: training had not started (%s)", log_line(exc))
+            return None
         log.warning(
             "training failed (%s); saving the last completed step just in time", log_line(exc)
         )

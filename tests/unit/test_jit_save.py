@@ -194,6 +194,25 @@ def test_nothing_is_saved_before_training_started(tmp_path: Path) -> None:
     assert not outcome.saved and "had not started" in outcome.detail
 
 
+def test_a_failure_before_training_started_says_nothing_of_a_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mistake caught before the first step (an optimizer built after the run started): no
+    'saving the last completed step just in time' line ahead of the mistake's own line."""
+    jit = JitCheckpointer(
+        guard=StateGuard(),
+        directory=str(tmp_path),
+        rank=0,
+        step=lambda: 0,
+        payload=dict,
+        write=lambda s, p: "",
+    )
+    with caplog.at_level("DEBUG", logger="elastic_trainer.checkpoint.jit"):
+        assert jit.after_failure(ValueError("an optimizer the run does not save")) is None
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- one writer per step -------------------------------------------------------------------------------
 _RACER = """
 import os, sys, time
