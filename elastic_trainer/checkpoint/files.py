@@ -172,8 +172,8 @@ def check_fingerprint(info: CheckpointInfo, expected: Mapping[str, Any]) -> None
     else:
         detail = "fingerprint differs"
     raise CheckpointMismatchError(
-        f"checkpoint {info.path} belongs to a different job ({detail}); use another --checkpoint-dir "
-        "or remove it. Nothing was overwritten."
+        f"checkpoint {info.path} belongs to a different job ({detail}); use another checkpoint "
+        "directory (--checkpoint-dir / checkpoint_dir=) or remove it. Nothing was overwritten."
     )
 
 

@@ -59,6 +59,7 @@ from elastic_trainer.runtime import distributed, failures, rng
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import TrainingObserver
+from elastic_trainer.runtime.process_exit import exit_process
 from elastic_trainer.runtime.sampler import ElasticSampler, MicroBatch, MicroBatchSampler, StepPlan
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.shard_carrier import ShardCarrier
@@ -162,30 +163,39 @@ def shard_copy_use(
 _HOOKED = "_elastic_trainer_one_line"
 
 
-def one_line_for_peer_failures() -> None:
-    """From now on, an uncaught exception of this process that is a peer's failure (a collective
+def one_line_for_uncaught_failures(*, peer_failures: bool) -> None:
+    """From now on an uncaught exception of this process that a restart cannot fix (a
+    ``DeterministicError``: a checkpoint of another job, an optimizer the run does not save) is
+    told in one line and the process exits 2, as :class:`Elastic` ends such a mistake when it owns
+    the group; with ``peer_failures`` (plain torchrun) one that is a peer's failure (a collective
     that failed because a peer died or timed out: ``failures.classify`` says ``TRANSIENT``) is
-    told in one line, recorded for torchrun, and the process exits 1, as :class:`Elastic` ends a
-    step that failed so; a ``sys.excepthook``, installed once, that hands every other exception
-    to the hook before it. For a collective of the loop body outside ``with step:`` (a metric's
-    ``all_reduce`` between steps), which never passes through the run: its traceback would show
-    gloo's internals, not the program's error."""
-    previous = sys.excepthook
-    if getattr(previous, _HOOKED, False):
+    told in one line too, recorded for torchrun, and the process exits 1. A ``sys.excepthook``,
+    installed once (a later call can add ``peer_failures``), that hands every other exception to
+    the hook before it. For a mistake that reaches a program passing ``group=`` and that it does
+    not catch, and for a collective of the loop body outside ``with step:`` (a metric's
+    ``all_reduce`` between steps), which never passes through the run: their tracebacks would
+    show the library's or gloo's internals, not the program's error."""
+    installed = getattr(sys.excepthook, _HOOKED, None)
+    if installed is not None:
+        installed["peer_failures"] = installed["peer_failures"] or peer_failures
         return
+    previous = sys.excepthook
+    settings = {"peer_failures": peer_failures}
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if isinstance(exc, Exception) and (
-            failures.classify(exc)[0] is failures.FailureClass.TRANSIENT
-        ):
+        if isinstance(exc, Exception):
+            kind_of = failures.classify(exc)[0]
             try:
-                failures.exit_after(exc, prog=PROG)
-                return
+                if kind_of is failures.FailureClass.DETERMINISTIC:
+                    exit_process(failures.exit_after(exc, prog=PROG))
+                if kind_of is failures.FailureClass.TRANSIENT and settings["peer_failures"]:
+                    failures.exit_after(exc, prog=PROG)
+                    return
             except Exception:  # noqa: BLE001 - the report failed: the usual traceback instead
                 pass
         previous(kind, exc, tb)
 
-    setattr(hook, _HOOKED, True)
+    setattr(hook, _HOOKED, settings)
     sys.excepthook = hook
 
 
@@ -482,8 +492,9 @@ class Elastic:
     # -- the run ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
         ensure_progress_logging(self.env.rank)
-        if self._restarted_by_torchrun():
-            one_line_for_peer_failures()  # a collective of the body between steps, too
+        # A mistake that reaches a program passing group=, and under plain torchrun a collective
+        # of the body between steps, too.
+        one_line_for_uncaught_failures(peer_failures=self._restarted_by_torchrun())
         if self.env.is_rank0:
             self._watch_unsaved(sys._getframe(1))  # the frame that iterates the loop
         try:

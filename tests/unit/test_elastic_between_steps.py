@@ -1,7 +1,7 @@
 """What an own loop's body sees between steps (after ``with step:``): the global mean loss the
 progress line prints (``Elastic.reported_loss``, two real gloo processes), and, under plain
 torchrun, an uncaught peer failure of its own collective told in one line (the
-``sys.excepthook`` of ``one_line_for_peer_failures``, in a real interpreter). The same failure in a
+``sys.excepthook`` of ``one_line_for_uncaught_failures``, in a real interpreter). The same failure in a
 real torchrun job: ``tests/integration/test_own_loop.py``."""
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def test_reported_loss_is_none_before_the_first_and_read_only() -> None:
 _RAISES = """
 import sys
 
-from elastic_trainer.train.elastic import one_line_for_peer_failures
+from elastic_trainer.runtime.failures import DeterministicError
+from elastic_trainer.train.elastic import one_line_for_uncaught_failures
 
 
 def mine(kind, exc, tb):
@@ -117,9 +118,11 @@ def mine(kind, exc, tb):
 
 if sys.argv[1] == "chained":
     sys.excepthook = mine
-one_line_for_peer_failures()
-one_line_for_peer_failures()  # once per process
-if sys.argv[1] == "peer":
+one_line_for_uncaught_failures(peer_failures=sys.argv[1] != "alone")
+one_line_for_uncaught_failures(peer_failures=False)  # once per process; what it covers stays
+if sys.argv[1] == "mistake":
+    raise DeterministicError("checkpoint ckpt/ckpt-000000000300.pt belongs to a different job")
+if sys.argv[1] in ("peer", "alone"):
     raise RuntimeError(
         "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
         "[127.0.0.1]:60060. This is typically caused by a remote worker crashing. GLHF!"
@@ -166,3 +169,18 @@ def test_an_uncaught_peer_failure_is_one_line_recorded_for_torchrun_and_exit_1(
 
     chained = _raise(tmp_path, "chained")
     assert chained.stderr.strip() == "previous hook: ValueError", chained.stderr
+
+    alone = _raise(tmp_path, "alone")  # not under plain torchrun: gloo's traceback stays
+    assert alone.returncode == 1 and "Traceback" in alone.stderr, alone.stderr
+
+
+def test_an_uncaught_mistake_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A mistake no restart can fix that reaches a program passing group= and is not caught
+    there (the FSDP2 recipe): one line, exit status 2, as without group= (a new user's trial:
+    a CheckpointMismatchError traceback per rank before)."""
+    mistake = _raise(tmp_path, "mistake")
+    assert mistake.returncode == 2, mistake.stderr
+    assert mistake.stderr == (
+        "elastic_trainer: error: checkpoint ckpt/ckpt-000000000300.pt belongs to a different job "
+        "(rank 1)\n"
+    ), mistake.stderr
