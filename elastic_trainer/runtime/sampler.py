@@ -15,11 +15,14 @@ index, loss weight 0. Design: ``docs/design/exact-resume.md``.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,14 @@ class ElasticSampler:
             raise ValueError(f"global_batch_size: must be positive, got {global_batch_size}")
         if micro_batch_size is not None and micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size: must be positive, got {micro_batch_size}")
+        if dataset_size < global_batch_size:
+            log.warning(
+                "the dataset holds %d samples, fewer than global_batch_size %d: every step trains "
+                "the whole dataset, %d samples (an epoch per step)",
+                dataset_size,
+                global_batch_size,
+                dataset_size,
+            )
         self.dataset_size = dataset_size
         self.global_batch_size = global_batch_size
         self.seed = seed

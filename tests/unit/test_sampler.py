@@ -142,3 +142,16 @@ def test_micro_batch_sampler_feeds_the_plans_in_order() -> None:
 def test_split_evenly() -> None:
     assert split_evenly(10, 4) == [3, 3, 2, 2]
     assert split_evenly(2, 4) == [1, 1, 0, 0]
+
+
+def test_a_dataset_smaller_than_the_global_batch_is_said_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """40 samples, a global batch of 64: every step is the whole dataset (a new user's trial: it
+    trained on silently, one epoch per step). Said once, at the sampler's creation."""
+    with caplog.at_level("WARNING", logger="elastic_trainer.runtime.sampler"):
+        small = ElasticSampler(40, global_batch_size=64, seed=0)
+        ElasticSampler(64, global_batch_size=64, seed=0)  # a dataset of one full step: nothing
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "40 samples, fewer than global_batch_size 64" in line, line
+    assert len(small) == 1 and small.plan(0, rank=0, world_size=1).global_samples == 40
