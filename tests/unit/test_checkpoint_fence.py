@@ -4,6 +4,7 @@ and is not reported as the last checkpoint; the same step can be saved again."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,16 +28,25 @@ ENV = DistEnv(
 )
 
 
-@pytest.mark.parametrize("async_write", [True, False])
-def test_a_refused_write_is_not_the_last_checkpoint(tmp_path: Path, async_write: bool) -> None:
-    refuse = [False]
+def _manager(tmp_path: Path, *, async_write: bool, **options: Any) -> CheckpointManager:
+    """A manager of a small model's checkpoints in ``tmp_path``, every step."""
     model = nn.Linear(3, 2)
-    manager = CheckpointManager(
+    return CheckpointManager(
         CheckpointConfig(directory=str(tmp_path), every=1, async_write=async_write),
         env=ENV,
         states={"model": model},
         fingerprint={"model": ckpt.model_signature(model.state_dict())},
         settings=WorkerSettings(),
+        **options,
+    )
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_a_refused_write_is_not_the_last_checkpoint(tmp_path: Path, async_write: bool) -> None:
+    refuse = [False]
+    manager = _manager(
+        tmp_path,
+        async_write=async_write,
         fence=lambda: "the job went on without this process" if refuse[0] else None,
     )
     try:
@@ -70,14 +80,7 @@ def test_draining_a_failed_background_write_says_so_and_does_not_raise(
 ) -> None:
     """The just-in-time save drains the periodic write before it looks at the disk; a write that
     failed is one warning there, not an exception that would stop the save."""
-    model = nn.Linear(3, 2)
-    manager = CheckpointManager(
-        CheckpointConfig(directory=str(tmp_path), every=1, async_write=True),
-        env=ENV,
-        states={"model": model},
-        fingerprint={"model": ckpt.model_signature(model.state_dict())},
-        settings=WorkerSettings(),
-    )
+    manager = _manager(tmp_path, async_write=True)
     try:
 
         def failing() -> ckpt.CheckpointInfo:
