@@ -277,7 +277,10 @@ def _listing(folder: Path, metadata: Metadata) -> dict[str, list[Any]]:
     listing: dict[str, list[Any]] = {}
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if entry.name not in wanted:
-            os.unlink(entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
             continue
         digest, size = hashlib.sha256(), 0
         with open(entry.path, "rb") as file:
@@ -383,7 +386,9 @@ def commit_parts(
             pickle.dump(metadata, out)
         for entry in os.scandir(folder):  # the parts, and any writer's unfinished one
             if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
+                # A slower writer of a part that is in already may still be adding files to its
+                # own temporary directory: what it leaves is in no metadata (_listing drops it).
+                shutil.rmtree(entry.path, ignore_errors=True)
     except Exception as exc:
         raise ckpt.write_error(directory, step, exc) from exc
     return commit(

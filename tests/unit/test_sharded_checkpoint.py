@@ -9,6 +9,7 @@ This file is also the worker script: ``python -m tests.unit.test_sharded_checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -679,3 +680,47 @@ def test_a_save_in_this_process_writes_without_a_collective_or_a_warning(tmp_pat
     loaded = {"w": torch.empty(2, 3), "step": torch.tensor(0)}
     torch_compat.dcp_load_whole(loaded, storage_reader=FileSystemReader(tmp_path), planner=None)
     assert torch.equal(loaded["w"], state["w"]) and int(loaded["step"]) == 7
+
+
+def test_parts_commit_while_a_slower_writer_of_a_part_still_writes(tmp_path: Path) -> None:
+    """Just-in-time parts: rank 1's part is in (written by its neighbour from the copy) while rank
+    1 itself still writes the same part into its temporary directory. The rank that completed the
+    set commits anyway (before: removing that directory under the writer failed with 'Directory
+    not empty', the step's checkpoint was never committed and the restart redid it; CI, 03:46)."""
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from elastic_trainer.checkpoint.dcp_io import save_in_this_process
+
+    folder = sharded.jit_path(tmp_path, 5, 7)
+    folder.mkdir(parents=True)
+    for rank in range(2):
+        save_in_this_process(
+            {"w": torch.arange(4.0)},
+            storage_writer=FileSystemWriter(folder / f"rank-{rank}", sync_files=False),
+        )
+        (folder / f"rank-{rank}.done").write_text("{}")
+    straggler = folder / ".rank-1.tmp-1-4242"
+    stop = threading.Event()
+
+    def write_on() -> None:
+        n = 0
+        while not stop.is_set():
+            with contextlib.suppress(OSError):  # its directory may be gone: the writer fails then
+                straggler.mkdir(exist_ok=True)
+                (straggler / f"__0_{n}.distcp").write_bytes(b"x" * 4096)
+            n += 1
+
+    writer = threading.Thread(target=write_on)
+    writer.start()
+    try:
+        info = sharded.commit_parts(
+            tmp_path, folder, step=5, epoch=0, world_size=2, fingerprint_fields={}
+        )
+    finally:
+        stop.set()
+        writer.join(10)
+    assert info is not None and info.step == 5
+    assert ckpt.verify(tmp_path, 5).step == 5
+    assert torch.equal(sharded.read_full(info.path)["w"], torch.arange(4.0))
