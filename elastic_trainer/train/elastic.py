@@ -199,59 +199,6 @@ def one_line_for_uncaught_failures(*, peer_failures: bool) -> None:
     sys.excepthook = hook
 
 
-class _LossTap:
-    """The run's observer, passed on, and the newest global loss it is told (every rank is told
-    the same): :attr:`Elastic.reported_loss`."""
-
-    def __init__(self, observer: TrainingObserver) -> None:
-        self.observer = observer
-        self.reported: tuple[int, float] | None = None
-
-    def on_start(
-        self, *, world_size: int, restart_count: int, total_steps: int | None = None
-    ) -> None:
-        self.observer.on_start(
-            world_size=world_size, restart_count=restart_count, total_steps=total_steps
-        )
-
-    def on_step(
-        self,
-        *,
-        step: int,
-        duration_s: float,
-        data_wait_s: float,
-        samples: int,
-        tokens: int,
-        loss: float | None,
-        lr: float | None = None,
-    ) -> None:
-        if loss is not None:
-            self.reported = (step, loss)
-        self.observer.on_step(
-            step=step,
-            duration_s=duration_s,
-            data_wait_s=data_wait_s,
-            samples=samples,
-            tokens=tokens,
-            loss=loss,
-            lr=lr,
-        )
-
-    def on_priming(self, *, backward_passes: int) -> None:
-        on_priming = getattr(self.observer, "on_priming", None)  # optional (observer.py)
-        if on_priming is not None:
-            on_priming(backward_passes=backward_passes)
-
-    def on_checkpoint_saved(self, *, step: int, duration_s: float, nbytes: int) -> None:
-        self.observer.on_checkpoint_saved(step=step, duration_s=duration_s, nbytes=nbytes)
-
-    def on_checkpoint_loaded(self, *, step: int, duration_s: float, nbytes: int) -> None:
-        self.observer.on_checkpoint_loaded(step=step, duration_s=duration_s, nbytes=nbytes)
-
-    def wrap_ddp(self, ddp_model: Any) -> None:
-        self.observer.wrap_ddp(ddp_model)
-
-
 class _Nothing:
     """A no-op context (``contextlib.nullcontext`` without the allocation per micro-batch)."""
 
@@ -449,7 +396,7 @@ class Elastic:
         self._loader_epoch = -1
         self._unsaved: state_audit.UnsavedWatch | None = None  # rank 0, until the first steps ran
         self._steps_run = 0  # by this process (every attempt)
-        self._losses: _LossTap | None = None  # the observer the steps report to
+        self._earlier_loss: tuple[int, float] | None = None  # an earlier attempt's newest loss
 
     @property
     def ddp(self) -> nn.Module | None:
@@ -487,7 +434,10 @@ class Elastic:
         arrived, alike on every rank (what the progress line prints); ``None`` before the first.
         It comes on the control allreduce of a later step (never waited for), so ``step`` is one
         or two behind :attr:`Step.number` during the run, and the last step after it."""
-        return self._losses.reported if self._losses is not None else None
+        loop = self.loop
+        if loop is not None and loop.loss_step is not None and loop.loss is not None:
+            return (loop.loss_step, loop.loss)
+        return self._earlier_loss
 
     # -- the run ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Step]:
@@ -531,8 +481,6 @@ class Elastic:
             from elastic_trainer.train.trainer import build_observer
 
             self._observer = build_observer(self.settings)
-        if self._losses is None:
-            self._losses = _LossTap(self._observer)
         if self._group is not None:
             yield from self._attempts(self._group)
         else:
@@ -766,13 +714,14 @@ class Elastic:
                 fence=attempt.fence,
                 run_config=self.run_config,
             )
+        self._earlier_loss = self.reported_loss  # a new attempt's loop has none yet
         self.loop = attempt.loop(
             sampler=self.sampler,
             checkpoints=checkpoints,
             max_steps=self.max_steps,
             epochs=self.epochs,
             seed=self.seed,
-            observer=self._losses,
+            observer=self._observer,
             settings=self.settings,
             sigterm_grace_s=self.sigterm_grace_s,
             log_every=self.log_every,

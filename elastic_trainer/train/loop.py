@@ -242,6 +242,8 @@ class ElasticLoop:
         self._step_lr: float | None = None
         self._window = (time.monotonic(), 0)
         self.loss: float | None = None
+        self.loss_step: int | None = None
+        """The step :attr:`loss` belongs to (it arrives on a later step's control)."""
         self.result: TrainResult | None = None
         checkpoints.use_stop_deadline(lambda: self._stop.deadline)
 
@@ -533,7 +535,7 @@ class ElasticLoop:
 
     def _report_step(self, step: int, loss: float | None) -> None:
         if loss is not None:
-            self.loss = loss
+            self.loss, self.loss_step = loss, step
         duration, data_wait, plan, lr = self._durations.pop(step, (0.0, 0.0, None, None))
         samples = plan.samples if plan is not None else 0
         self.observer.on_step(

@@ -14,7 +14,7 @@ purpose, and names it in ``Elastic(ignore_states=...)``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from types import FunctionType, ModuleType
 from typing import Any
 
@@ -160,27 +160,26 @@ _SAMPLE = 64
 """Elements of each tensor a large state's fingerprint reads (with the tensor's version)."""
 
 
-def _local(value: Any) -> Any:
-    """``value`` with each DTensor replaced by this rank's shard: the watch runs on rank 0 alone,
-    where a DTensor's reshape could start a collective."""
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, Mapping):
-        return {k: _local(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_local(v) for v in value]
-    return value
-
-
-def _sampled(value: Any) -> Any:
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to each tensor in its dicts, lists and tuples."""
     if isinstance(value, torch.Tensor):
-        head = value.detach().view(-1)[:_SAMPLE] if value.is_contiguous() else None
-        return (value._version, head if head is not None else value.shape)
+        return fn(value)
     if isinstance(value, Mapping):
-        return {k: _sampled(v) for k, v in value.items()}
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_sampled(v) for v in value]
+        return [_map_tensors(v, fn) for v in value]
     return value
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor: the watch runs on rank 0 alone, where a DTensor's reshape
+    could start a collective."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _sampled(tensor: torch.Tensor) -> Any:
+    head = tensor.detach().view(-1)[:_SAMPLE] if tensor.is_contiguous() else None
+    return (tensor._version, head if head is not None else tensor.shape)
 
 
 def state_fingerprint(obj: Any) -> int:
@@ -188,10 +187,14 @@ def state_fingerprint(obj: Any) -> int:
     byte of a state up to :data:`SMALL_STATE_BYTES`; for a larger one (a frozen teacher model)
     each tensor's in-place version counter and first elements, so that watching it copies
     nothing large."""
-    state = obj.get_state() if isinstance(obj, torch.Generator) else _local(obj.state_dict())
+    state = (
+        obj.get_state()
+        if isinstance(obj, torch.Generator)
+        else _map_tensors(obj.state_dict(), _local)
+    )
     if _tensor_bytes(state) <= SMALL_STATE_BYTES:
         return state_checksum(state)
-    return state_checksum(_sampled(state))
+    return state_checksum(_map_tensors(state, _sampled))
 
 
 class UnsavedWatch:
