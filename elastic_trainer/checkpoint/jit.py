@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.runtime.failures import log_line
 from elastic_trainer.state.guard import StateGuard
 
@@ -52,8 +53,6 @@ EXIT_MARGIN_S = 1.0
 BACKSTOP_S = 0.5
 """The exit timer of a save fires this long after its deadline (every wait inside the save is
 bounded by the deadline itself; the timer is for the calls that cannot be: a hung write)."""
-EXIT_AFTER_SIGNAL = 128 + signal.SIGTERM
-"""Exit code after a JIT save on the signal path (as after a graceful stop)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +242,7 @@ class JitCheckpointer:
             self.save(f"{name}, main thread stalled {timeout:.1f} s", deadline=deadline)
             self._drain(max(0.0, deadline - time.monotonic()))
             flush_logs()
-            self._exit(EXIT_AFTER_SIGNAL)
+            self._exit(EXIT_STOPPED)
             return
 
     def _signal_deadline(self) -> float:

@@ -47,7 +47,6 @@ from elastic_trainer.checkpoint import sharded, sharded_jit
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.jit import (
     BACKSTOP_S,
-    EXIT_AFTER_SIGNAL,
     SAVE_TIMEOUT_S,
     ExitTimer,
     JitOutcome,
@@ -55,6 +54,7 @@ from elastic_trainer.checkpoint.jit import (
 )
 from elastic_trainer.runtime import rng
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.runtime.failures import log_line
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.signals import STOP_SIGNALS, SignalWakeup
@@ -309,7 +309,7 @@ class _SaveOnSignal:
     def _save_and_exit(self, signum: int) -> None:
         name = signal.Signals(signum).name
         log.warning("received %s: saving the shards held just in time, then exiting", name)
-        code = EXIT_AFTER_SIGNAL if signum == signal.SIGTERM else 128 + signum
+        code = EXIT_STOPPED if signum == signal.SIGTERM else 128 + signum
         copies = self._saver.copies
         finish = copies.finish_timeout()
         ExitTimer(finish + SAVE_TIMEOUT_S + BACKSTOP_S, code, f"the just-in-time save on {name}")

@@ -16,10 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.runtime.failures import FailureClass, FailureReport, read_report
-
-EXIT_GRACEFUL_STOP = 128 + signal.SIGTERM
-"""A worker's status after the runtime's graceful stop (every rank stops after the same step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +68,7 @@ class RankFailure:
             return f"killed by {name}"
         if self.exitcode == 2:
             return "exited with status 2 (a usage error)"
-        if self.exitcode == EXIT_GRACEFUL_STOP:
+        if self.exitcode == EXIT_STOPPED:
             return "stopped gracefully (this node or a peer was asked to stop: a scale-down or a new member)"
         return f"exited with status {self.exitcode}"
 

@@ -27,11 +27,10 @@ from typing import Any, NoReturn
 from elastic_trainer.runtime.errors import ConfigError as ConfigError
 from elastic_trainer.runtime.errors import DeterministicError as DeterministicError
 from elastic_trainer.runtime.errors import UserError as UserError
+from elastic_trainer.runtime.exit_codes import EXIT_DETERMINISTIC as EXIT_DETERMINISTIC
+from elastic_trainer.runtime.exit_codes import EXIT_FAILED as EXIT_FAILED
 from elastic_trainer.runtime.settings import ENV_ERROR_FILE, ENV_REPORTS_FAILURES
 
-EXIT_DETERMINISTIC = 2
-"""Exit status of a worker that failed deterministically (the usage-error convention)."""
-EXIT_FAILED = 1
 _STEP_ATTR = "_elastic_trainer_step"
 
 

@@ -48,6 +48,7 @@ from elastic_trainer.heal.protocol import NO_STATE
 from elastic_trainer.runtime import distributed, failures, torch_compat
 from elastic_trainer.runtime.comms import WorkerComms
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.runtime.grad_carrier import ControlCarrier
 from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.settings import WorkerSettings
@@ -55,7 +56,6 @@ from elastic_trainer.runtime.signals import GracefulStop
 from elastic_trainer.runtime.step_control import Carrier
 from elastic_trainer.state.neighbour_copy import NeighbourCopy
 from elastic_trainer.train.loop import (
-    EXIT_STOPPED,
     ElasticLoop,
     TrainResult,
     ensure_progress_logging,

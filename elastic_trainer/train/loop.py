@@ -43,6 +43,7 @@ from elastic_trainer.heal.sharded_restore import RESTORE, resume_sharded
 from elastic_trainer.runtime import failures, heartbeat, rng
 from elastic_trainer.runtime.comms import WorkerComms
 from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sample_log import SampleLog
 from elastic_trainer.runtime.sampler import ElasticSampler, StepPlan
@@ -57,8 +58,6 @@ from elastic_trainer.runtime.step_control import (
 
 log = logging.getLogger(__name__)
 
-EXIT_STOPPED = 128 + 15
-"""Exit code after a graceful stop: non-zero so that torchrun restarts (or ends) the group."""
 
 FaultHook = Callable[[str, int], None]
 """Test seam: ``hook(point, step)`` at ``"before_control"`` and ``"after_update"`` of every step."""

@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.runtime import distributed, rng, torch_compat
+from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.runtime.failures import ConfigError
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler
@@ -51,7 +52,6 @@ from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.elastic import Elastic, Step
 from elastic_trainer.train.elastic_group import ElasticGroup
 from elastic_trainer.train.loop import (
-    EXIT_STOPPED,
     ElasticLoop,
     FaultHook,
     TrainResult,

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from elastic_trainer.runtime import heartbeat
+from elastic_trainer.runtime.exit_codes import EXIT_OK, EXIT_STOPPED
 
 PROG = "elastic-trainer worker"
 
@@ -65,7 +66,7 @@ def run(argv: Sequence[str]) -> int:
         return run_target(argv)
     except SystemExit as exc:
         code = exit_status(exc.code)
-        if code not in (0, 128 + 15):  # 143: a graceful stop after SIGTERM, not a failure
+        if code not in (EXIT_OK, EXIT_STOPPED):  # a graceful stop after SIGTERM is not a failure
             from elastic_trainer.runtime import failures
 
             failures.record(

@@ -20,7 +20,8 @@ import torch
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint import jit as jit_save
 from elastic_trainer.checkpoint.config import CheckpointConfig
-from elastic_trainer.checkpoint.jit import EXIT_AFTER_SIGNAL, ExitTimer, JitCheckpointer
+from elastic_trainer.checkpoint.jit import ExitTimer, JitCheckpointer
+from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.runtime.settings import ENV_JIT_SAVE, WorkerSettings
 from elastic_trainer.state.buffers import AuthoritativeBuffers
 from elastic_trainer.state.guard import StateGuard
@@ -352,7 +353,7 @@ def test_signal_and_no_step_boundary_saves_and_exits(tmp_path: Path, fast_stall:
     training.jit.on_signal(signal.SIGTERM)
     assert training.exited.wait(10)
     took = time.monotonic() - started
-    assert training.exits == [EXIT_AFTER_SIGNAL]
+    assert training.exits == [EXIT_STOPPED]
     assert ckpt.iter_checkpoints(tmp_path) == [1] and ckpt.verify(tmp_path, 1).manifest.jit
     assert fast_stall <= took < fast_stall + 3, took
     assert training.drained, "own background writes are waited for before exiting"
@@ -379,7 +380,7 @@ def test_a_long_checkpoint_write_is_not_a_stall(tmp_path: Path, fast_stall: floa
     with training.jit.busy():
         assert not training.exited.wait(4 * fast_stall)
     # After the write, steps stop coming: that is a stall again.
-    assert training.exited.wait(10) and training.exits == [EXIT_AFTER_SIGNAL]
+    assert training.exited.wait(10) and training.exits == [EXIT_STOPPED]
 
 
 def test_a_step_this_process_is_still_writing_periodically_is_not_written_again(

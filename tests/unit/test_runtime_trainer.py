@@ -23,8 +23,8 @@ from torch.utils.data import TensorDataset
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.runtime import rng
 from elastic_trainer.runtime.comms import WorkerComms
+from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.train.trainer import (
-    EXIT_STOPPED,
     Trainer,
     TrainerSetupError,
     TrainingJob,
