@@ -27,6 +27,7 @@ __all__ = [
     "DDPOptions",
     "FSDPOptions",
     "MixedPrecision",
+    "RunConfig",
     "TrainerConfig",
 ]
 
@@ -97,8 +98,10 @@ class FSDPOptions:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainerConfig:
-    """Everything the :class:`~elastic_trainer.train.trainer.Trainer` needs besides the model and data."""
+class RunConfig:
+    """What a run is, whichever loop drives it: its data order and length, checkpoints, the stop
+    and the collective timeout. :class:`~elastic_trainer.train.elastic.Elastic` takes these fields
+    as keyword arguments (each default is written here once); :class:`TrainerConfig` extends it."""
 
     global_batch_size: int
     """Samples per optimizer step summed over all ranks; independent of the world size."""
@@ -118,34 +121,12 @@ class TrainerConfig:
     """Shuffle the global order every epoch (seed + epoch), as ``DistributedSampler`` does."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Where and how often checkpoints are written (the checkpoint manager's section)."""
-    grad_clip_norm: float | None = None
-    """Clip the gradients' global 2-norm to this before every optimizer step (after unscaling with
-    fp16). ``None``: no clipping."""
-    eval_every: int | None = None
-    """Call the job's ``evaluate`` every this many steps (and never when ``None``)."""
     sigterm_grace_s: float | None = None
     """After SIGTERM, seconds to finish the step and write the checkpoint before exiting.
     ``None``: ``ELASTIC_TRAINER_SIGTERM_GRACE_S``, default 30."""
     pg_timeout_s: float | None = None
     """Collective timeout of the process group. ``None``: ``ELASTIC_TRAINER_PG_TIMEOUT_S``, default
     30 minutes."""
-    backend: Literal["nccl", "gloo"] | None = None
-    """Process-group backend; ``None``: NCCL on CUDA, gloo on CPU."""
-    mixed_precision: MixedPrecision = "no"
-    """``bf16`` autocast, or ``fp16`` autocast with a GradScaler (CUDA only)."""
-    sync_batchnorm: bool = False
-    """Convert BatchNorm layers to SyncBatchNorm (CUDA only: torch's SyncBatchNorm needs a GPU)."""
-    zero_redundancy: bool = False
-    """Shard optimizer state with ``ZeroRedundancyOptimizer``; consolidated on rank 0 to save (the
-    just-in-time save is then off: no single survivor holds the sharded state)."""
-    ddp: DDPOptions = field(default_factory=DDPOptions)
-    """Options for the DDP wrapper (unused with ``fsdp``)."""
-    fsdp: FSDPOptions | None = None
-    """Shard the model with FSDP2 (``fully_shard`` on the blocks named, then the whole model)
-    instead of replicating it under DDP: each rank holds a shard of the parameters, gradients and
-    optimizer state, and checkpoints are sharded (every rank writes its own shards, a restart at
-    another world size reshards). ``None``: DDP, unless the model factory returns a model it
-    sharded itself, which is used as it is. See ``docs/design/sharded.md``."""
     shard_copy: NeighbourCopyConfig | None = None
     """(A sharded model) each rank's shard is also kept on a neighbour rank, refreshed every
     ``shard_copy.every`` steps, so that a worker's failure costs at most ``every - 1`` steps
@@ -169,8 +150,6 @@ class TrainerConfig:
         if self.epochs is not None:
             check_positive_int("epochs", self.epochs)
         check_positive_int("max_steps", self.max_steps, allow_none=True)
-        check_positive("grad_clip_norm", self.grad_clip_norm, allow_none=True)
-        check_positive_int("eval_every", self.eval_every, allow_none=True)
         check_positive("sigterm_grace_s", self.sigterm_grace_s, allow_none=True)
         check_positive("pg_timeout_s", self.pg_timeout_s, allow_none=True)
         check_positive_int("log_every", self.log_every)
@@ -182,38 +161,15 @@ class TrainerConfig:
             raise ConfigError(
                 f"num_workers: must be a non-negative integer, got {self.num_workers!r}"
             )
-        if self.backend not in (None, "nccl", "gloo"):
-            raise ConfigError(f"backend: must be 'nccl', 'gloo' or unset, got {self.backend!r}")
-        if self.mixed_precision not in _MIXED_PRECISION:
-            raise ConfigError(
-                f"mixed_precision: must be one of {', '.join(_MIXED_PRECISION)}, got {self.mixed_precision!r}"
-            )
-        for name in ("shuffle", "sync_batchnorm", "zero_redundancy"):
-            check_bool(name, getattr(self, name))
+        check_bool("shuffle", self.shuffle)
         if not isinstance(self.checkpoint, CheckpointConfig):
             raise ConfigError(
                 f"checkpoint: must be a CheckpointConfig, got {type(self.checkpoint).__name__}"
             )
-        if not isinstance(self.ddp, DDPOptions):
-            raise ConfigError(f"ddp: must be a DDPOptions, got {type(self.ddp).__name__}")
         if self.shard_copy is not None and not isinstance(self.shard_copy, NeighbourCopyConfig):
             raise ConfigError(
                 f"shard_copy: must be a NeighbourCopyConfig, got {type(self.shard_copy).__name__}"
             )
-        if self.fsdp is not None:
-            if not isinstance(self.fsdp, FSDPOptions):
-                raise ConfigError(f"fsdp: must be an FSDPOptions, got {type(self.fsdp).__name__}")
-            for name in ("sync_batchnorm", "zero_redundancy"):
-                if getattr(self, name):
-                    raise ConfigError(
-                        f"{name}: not with fsdp (FSDP2 shards the optimizer state itself, and "
-                        "SyncBatchNorm is a DDP feature)"
-                    )
-            if self.mixed_precision != "no":
-                raise ConfigError(
-                    "mixed_precision: with fsdp, set fsdp.mixed_precision (FSDP2's parameter "
-                    "dtype for compute, float32 reduction) and leave mixed_precision 'no'"
-                )
 
     def sigterm_grace(self, settings: WorkerSettings) -> float:
         """The grace period in effect (this config's, else the environment's)."""
@@ -228,3 +184,61 @@ class TrainerConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain-data copy (stored in checkpoints; loadable with ``weights_only=True``)."""
         return asdict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig(RunConfig):
+    """Everything the :class:`~elastic_trainer.train.trainer.Trainer` needs besides the model and
+    data: the run (:class:`RunConfig`'s fields) and how the Trainer trains it."""
+
+    grad_clip_norm: float | None = None
+    """Clip the gradients' global 2-norm to this before every optimizer step (after unscaling with
+    fp16). ``None``: no clipping."""
+    eval_every: int | None = None
+    """Call the job's ``evaluate`` every this many steps (and never when ``None``)."""
+    backend: Literal["nccl", "gloo"] | None = None
+    """Process-group backend; ``None``: NCCL on CUDA, gloo on CPU."""
+    mixed_precision: MixedPrecision = "no"
+    """``bf16`` autocast, or ``fp16`` autocast with a GradScaler (CUDA only)."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm (CUDA only: torch's SyncBatchNorm needs a GPU)."""
+    zero_redundancy: bool = False
+    """Shard optimizer state with ``ZeroRedundancyOptimizer``; consolidated on rank 0 to save (the
+    just-in-time save is then off: no single survivor holds the sharded state)."""
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+    """Options for the DDP wrapper (unused with ``fsdp``)."""
+    fsdp: FSDPOptions | None = None
+    """Shard the model with FSDP2 (``fully_shard`` on the blocks named, then the whole model)
+    instead of replicating it under DDP: each rank holds a shard of the parameters, gradients and
+    optimizer state, and checkpoints are sharded (every rank writes its own shards, a restart at
+    another world size reshards). ``None``: DDP, unless the model factory returns a model it
+    sharded itself, which is used as it is. See ``docs/design/sharded.md``."""
+
+    def __post_init__(self) -> None:
+        RunConfig.__post_init__(self)
+        check_positive("grad_clip_norm", self.grad_clip_norm, allow_none=True)
+        check_positive_int("eval_every", self.eval_every, allow_none=True)
+        if self.backend not in (None, "nccl", "gloo"):
+            raise ConfigError(f"backend: must be 'nccl', 'gloo' or unset, got {self.backend!r}")
+        if self.mixed_precision not in _MIXED_PRECISION:
+            raise ConfigError(
+                f"mixed_precision: must be one of {', '.join(_MIXED_PRECISION)}, got {self.mixed_precision!r}"
+            )
+        for name in ("sync_batchnorm", "zero_redundancy"):
+            check_bool(name, getattr(self, name))
+        if not isinstance(self.ddp, DDPOptions):
+            raise ConfigError(f"ddp: must be a DDPOptions, got {type(self.ddp).__name__}")
+        if self.fsdp is not None:
+            if not isinstance(self.fsdp, FSDPOptions):
+                raise ConfigError(f"fsdp: must be an FSDPOptions, got {type(self.fsdp).__name__}")
+            for name in ("sync_batchnorm", "zero_redundancy"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"{name}: not with fsdp (FSDP2 shards the optimizer state itself, and "
+                        "SyncBatchNorm is a DDP feature)"
+                    )
+            if self.mixed_precision != "no":
+                raise ConfigError(
+                    "mixed_precision: with fsdp, set fsdp.mixed_precision (FSDP2's parameter "
+                    "dtype for compute, float32 reduction) and leave mixed_precision 'no'"
+                )
