@@ -2,6 +2,7 @@
 # Set up, then run ruff, mypy, the import contracts and the whole test suite (unit on both cores, then integration, chaos, deploy) against
 # real etcd, torchrun, Prometheus and Helm. CUDA tests (marker gpu) need a GPU: run them with
 # `bash scripts/test.sh -m gpu`. Arguments replace the default and go to pytest (e.g. tests/unit -x).
+# `bash scripts/test.sh --busy 2 [args]` runs the same with 2 CPU-bound processes spinning beside it.
 #
 # What pip cannot install -- Prometheus with promtool (Debian package prometheus) and openssl
 # (the TLS tests' throwaway certificates) -- is installed here with apt-get when it is missing:
@@ -60,6 +61,31 @@ ensure_system_tools() {
     fi
 }
 
+# `--busy N` first: N CPU-bound processes spin beside the run (a busy machine, as users have;
+# docs/testing.md), started here and always stopped when the script ends. BUSY_PIDS_FILE, when
+# set, receives their process ids (the script's own test reads it).
+busy_pids=()
+stop_busy() {
+    if [ "${#busy_pids[@]}" -gt 0 ]; then
+        kill "${busy_pids[@]}" 2>/dev/null || true
+        wait "${busy_pids[@]}" 2>/dev/null || true
+    fi
+}
+trap stop_busy EXIT
+if [ "${1:-}" = "--busy" ]; then
+    if ! [[ "${2:-}" =~ ^[0-9]+$ ]]; then
+        echo "scripts/test.sh: --busy takes a number of busy processes, got '${2:-}'" >&2
+        exit 2
+    fi
+    for _ in $(seq 1 "$2"); do
+        bash -c 'while :; do :; done' &
+        busy_pids+=("$!")
+    done
+    [ -n "${BUSY_PIDS_FILE:-}" ] && echo "${busy_pids[*]-}" >"$BUSY_PIDS_FILE"
+    echo "scripts/test.sh: $2 busy process(es) spin beside the run: ${busy_pids[*]-}" >&2
+    shift 2
+fi
+
 # `bash scripts/test.sh --check-system-tools` only checks (and installs) the tools.
 if [ "${1:-}" = "--check-system-tools" ]; then
     ensure_system_tools
@@ -88,4 +114,4 @@ if [ $# -eq 0 ]; then
     [ "$unit" -ne 0 ] && exit "$unit"
     exit "$rest"
 fi
-exec "$venv/bin/python" -m pytest -p no:cacheprovider "$@"
+"$venv/bin/python" -m pytest -p no:cacheprovider "$@"

@@ -100,3 +100,37 @@ def test_ci_runs_the_readme_command_with_ci_true() -> None:
     assert 'export CI="${CI:-true}"' in lines
     assert lines[-1] == "exec bash scripts/test.sh"
     assert not any("apt-get" in line for line in lines), "scripts/test.sh installs the tools"
+
+
+def test_busy_processes_spin_for_the_run_and_stop_with_it(tmp_path: Path) -> None:
+    """`--busy 2` starts two CPU-bound processes and stops them when the script ends (here the
+    system-tool step alone, with every tool present, so nothing is installed)."""
+    pids_file = tmp_path / "busy.pids"
+    env = {
+        **os.environ,
+        "PROMETHEUS_BIN": real_binary("prometheus", "PROMETHEUS_BIN"),
+        "PROMTOOL_BIN": real_binary("promtool", "PROMTOOL_BIN"),
+        "BUSY_PIDS_FILE": str(pids_file),
+    }
+    done = subprocess.run(
+        [BASH, str(TEST_SH), "--busy", "2", "--check-system-tools"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2 and "2 busy process(es)" in done.stderr
+    for pid in pids:  # gone with the script (a zombie would still have a /proc entry)
+        assert not Path(f"/proc/{pid}").exists()
+
+
+def test_busy_takes_a_number(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [BASH, str(TEST_SH), "--busy", "two"], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "scripts/test.sh: --busy takes a number of busy processes, got 'two'"
+    ]
