@@ -134,11 +134,13 @@ VARIANTS = (
     "trainer/elastic",
     "bare/elastic",
     "trainer/torchrun",
+    "elastic/elastic",
     "trainer/elastic+owncontrol",
     "trainer/elastic+carrier",
     "trainer/elastic+nockpt",
 )
-"""``+owncontrol``: the step's
+"""``elastic/elastic``: your own loop on ``Elastic`` (the README's snippet) under ``elastic-trainer
+run`` (named to run it; issue 40 measures it against the baseline). ``+owncontrol``: the step's
 control on its own gloo collective instead of the model's gradient (the default before the
 gradient-carried control, ``runtime/grad_carrier.py``; not run unless named). ``+carrier``: the
 control carried by a gradient, named (``ELASTIC_TRAINER_CONTROL_CARRIER=1``): the default since the
@@ -314,7 +316,7 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float,
         "run_s": ended - launched,
         "threads": ranks[0]["threads"],
         "comm_hooks": max(r["comm_hooks"] for r in ranks),
-        "control": ranks[0].get("control", "-") if variant.startswith("trainer") else "-",
+        "control": ranks[0].get("control", "-") if not variant.startswith("bare") else "-",
         "cpu_ms_per_step_by_rank": [round(1e3 * r["cpu_s"] / r["steps"], 2) for r in ranks],
         "step_ms": ranks[0].get("step_ms", []),
         "step_ms_p50_p90_p99_max": [

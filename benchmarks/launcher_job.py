@@ -1,4 +1,5 @@
-"""The user script of ``benchmarks/launcher_e2e.py``: one job, as a bare DDP loop or through ``Trainer``.
+"""The user script of ``benchmarks/launcher_e2e.py``: one job, as a bare DDP loop, through
+``Trainer``, or as your own loop on ``Elastic``.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/launcher_job.py --api bare --model mlp --width 1024 --out o
     elastic-trainer run --nproc-per-node 2 benchmarks/launcher_job.py --api trainer --model mlp --width 1024 --out o
@@ -7,7 +8,8 @@
 ``bare``: the DDP guides' loop (``init_process_group``, ``DistributedSampler``, ``DataLoader``,
 ``DDP``, SGD). ``trainer``: the same model, data, loss and optimizer through ``Trainer`` with
 everything at its default (under ``elastic-trainer run``: in-place healing, metrics, checkpoints
-every 100 steps, the just-in-time save). ``--device cuda``: NCCL and the GPU of ``LOCAL_RANK``
+every 100 steps, the just-in-time save). ``elastic``: the README's ``Elastic`` snippet on the same
+job, at every default. ``--device cuda``: NCCL and the GPU of ``LOCAL_RANK``
 (the ``Trainer`` picks both itself when it sees a GPU), the decoder under bf16 autocast in both
 (``workloads.uses_bf16``; the ``Trainer``'s ``mixed_precision="bf16"``), the GPU synchronised at
 the steady window's two ends. Every rank writes ``OUT.RANK`` (JSON): the unix time of its first
@@ -204,9 +206,42 @@ def trainer(args: argparse.Namespace, clock: Clock) -> None:
     Trainer(config, job, callbacks=[lambda t, step: clock.step(t.ddp)]).fit()
 
 
+def own_loop(args: argparse.Namespace, clock: Clock) -> None:
+    """The README's ``Elastic`` snippet on the same model, data, loss and optimizer: your own
+    loop, everything at its default (the checkpoint directory as the ``trainer`` one)."""
+    from elastic_trainer import Elastic
+
+    spec = _job(args)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    model = spec.model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    elastic = Elastic(
+        model,
+        spec.dataset(),
+        global_batch_size=args.global_batch_size,
+        max_steps=clock.total,
+        epochs=10_000,
+        checkpoint_dir=args.checkpoint_dir,
+        **({"checkpoint_every": args.checkpoint_every} if args.checkpoint_every else {}),
+        tokens_per_sample=spec.tokens_per_sample,
+    )
+    autocast = autocast_of(args)
+    for step in elastic:
+        with step:
+            for x, y in step:
+                with autocast():
+                    loss = spec.loss(elastic.ddp(x), y)
+                step.backward(loss * step.weight)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        clock.step(elastic.ddp)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--api", choices=("bare", "trainer"), required=True)
+    parser.add_argument("--api", choices=("bare", "trainer", "elastic"), required=True)
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -251,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             args.checkpoint_dir = args.checkpoint_dir or tmp
-            trainer(args, clock)
+            (trainer if args.api == "trainer" else own_loop)(args, clock)
     window = clock.stamps[args.warmup - 1 :]
     rank = int(os.environ.get("RANK", "0"))
     Path(f"{args.out}.{rank}").write_text(

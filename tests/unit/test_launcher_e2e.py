@@ -133,3 +133,10 @@ def test_device_cuda_without_a_gpu_is_refused_in_one_line(
         launcher_job.main(["--api", "bare", "--device", "cuda", "--out", "o"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and err == ["launcher_job: --device cuda: no CUDA device is visible"]
+
+
+def test_the_own_loop_variant_runs_the_elastic_snippet_under_elastic_trainer_run() -> None:
+    line = launcher_e2e.command("elastic/elastic", "mlp1024", "o", 2)
+    assert "run" in line and any("elastic" in part for part in line[: line.index("run")])
+    assert _options(line)["--api"] == "elastic"
+    assert line[line.index("--api") + 2 : -2] == launcher_e2e.WORKLOADS["mlp1024"]
