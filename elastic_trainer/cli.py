@@ -20,7 +20,10 @@ from typing import Any, NoReturn
 
 from elastic_trainer import __version__
 from elastic_trainer.launch.options import OPTIONS, UserError, resolve_run_options
+from elastic_trainer.ops import top as top_view
 from elastic_trainer.runtime.failures import OneLineArgumentParser
+from elastic_trainer.runtime.process_exit import exit_process
+from rendezvous.conf_keys import RendezvousConfigError, parse_conf_string
 
 PROG = "elastic-trainer"
 
@@ -129,8 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print JSON")
 
-    from elastic_trainer.ops import top as top_view
-
     top = commands.add_parser(
         "top",
         help="live view of a job from its nodes' metrics endpoints",
@@ -231,23 +232,18 @@ def _warn_launcher_flags_after_target(words: Sequence[str]) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from elastic_trainer.launch.launcher import (
-        default_env_for_workers,
-        install_sigterm_as_exception,
-        launch,
-        split_target,
-    )
+    from elastic_trainer.launch import launcher, plan  # cost: startup-and-threads.md
 
     _check_torchrun_habits(args)
     words = list(args.target)
     if words and words[0] == "--":
         words = words[1:]
     _warn_launcher_flags_after_target(words)
-    target = split_target(words, as_module=args.module)
+    target = plan.split_target(words, as_module=args.module)
     options = resolve_run_options(_launch_values(args), config_path=args.config)
-    install_sigterm_as_exception()
-    default_env_for_workers()
-    code = launch(options, target, dry_run=args.dry_run)
+    launcher.install_sigterm_as_exception()
+    launcher.default_env_for_workers()
+    code = launcher.launch(options, target, dry_run=args.dry_run)
     if not args.dry_run:
         _exit_without_teardown(code)
     return code
@@ -257,13 +253,11 @@ def _exit_without_teardown(code: int) -> NoReturn:
     """End the launcher once everything it started is cleaned up, skipping the interpreter's
     teardown: with torch imported, its garbage collection alone takes about a second, which the
     launcher's exit after SIGTERM would add to its last child's (docs/design/launcher.md)."""
-    from elastic_trainer.runtime.process_exit import exit_process
-
     exit_process(code)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from elastic_trainer.launch.launcher import Target, install_sigterm_as_exception, launch
+    from elastic_trainer.launch import launcher, plan  # cost: startup-and-threads.md
 
     extra = list(args.doctor_args)
     if extra and extra[0] == "--":
@@ -272,26 +266,26 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     options = resolve_run_options(
         _launch_values(args), config_path=args.config, defaults={"nnodes": "1", "max_restarts": 0}
     )
-    install_sigterm_as_exception()
-    _exit_without_teardown(launch(options, Target(None, "elastic_trainer.doctor", tuple(extra))))
+    launcher.install_sigterm_as_exception()
+    doctor = plan.Target(None, "elastic_trainer.doctor", tuple(extra))
+    _exit_without_teardown(launcher.launch(options, doctor))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from elastic_trainer.ops.status import read_status, render_status
-    from rendezvous.settings import RendezvousConfigError, parse_conf_string
+    from elastic_trainer.ops import status  # cost: startup-and-threads.md
 
     try:
         conf = parse_conf_string(args.rdzv_conf)
     except RendezvousConfigError as exc:
         raise UserError(str(exc)) from exc
     conf.setdefault("retry_timeout", "5")
-    report = read_status(args.rdzv_endpoint, args.run_id, conf, args.checkpoint_dir)
-    print(json.dumps(report, indent=2) if args.json else render_status(report))
+    report = status.read_status(args.rdzv_endpoint, args.run_id, conf, args.checkpoint_dir)
+    print(json.dumps(report, indent=2) if args.json else status.render_status(report))
     return 0
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
-    from elastic_trainer.checkpoint import catalog as checkpoint_cli
+    from elastic_trainer.checkpoint import catalog as checkpoint_cli  # torch: only this command
 
     if args.action == "list":
         rows = checkpoint_cli.list_checkpoints(args.path)
@@ -333,15 +327,13 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from elastic_trainer.ops import demo
+    from elastic_trainer.ops import demo  # cost: startup-and-threads.md
 
     return demo.main(list(args.demo_args))
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from elastic_trainer.ops.top import run_args
-
-    return run_args(args, prog=f"{PROG} top")
+    return top_view.run_args(args, prog=f"{PROG} top")
 
 
 COMMANDS = {

@@ -17,6 +17,7 @@ everything else (the backend, both handlers, ``elastic-trainer run`` and ``statu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,9 @@ class RendezvousSettings:
     """``dynamic``: seconds between heartbeats."""
     keep_alive_max_attempt: int = _default("keep_alive_max_attempt")
     """``dynamic``: missed heartbeats before a node is dead."""
+    conf: str = field(default="", repr=False)
+    """The ``--rdzv-conf`` text these settings were read from, handed on unchanged (to torchrun,
+    to the workers): a ``password_file`` stays a file name, its secret is not written out."""
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -149,6 +153,19 @@ class RendezvousSettings:
             )
         except ValueError as exc:
             raise RendezvousConfigError(f"rdzv-conf {exc}") from exc
+
+    def for_endpoint(self, endpoint: str, run_id: str) -> RendezvousSettings:
+        """These settings for the etcd at ``endpoint`` and the run ``run_id`` (a launcher knows
+        both only once its embedded etcd is up and its run id derived).
+
+        Raises:
+            RendezvousConfigError: a malformed endpoint or an empty run id.
+        """
+        try:
+            endpoints = parse_endpoints(endpoint)
+        except ValueError as exc:
+            raise RendezvousConfigError(str(exc)) from exc
+        return dataclasses.replace(self, endpoints=endpoints, run_id=run_id)
 
     @property
     def run_prefix(self) -> str:
@@ -240,6 +257,7 @@ def settings_from_conf(
     Raises:
         RendezvousConfigError: anything malformed; the one-line message names it.
     """
+    text = conf if isinstance(conf, str) else ",".join(f"{k}={v}" for k, v in conf.items())
     values = parse_conf(parse_conf_string(conf) if isinstance(conf, str) else conf)
     try:
         endpoints = parse_endpoints(endpoint) if endpoint.strip() else ()
@@ -251,5 +269,6 @@ def settings_from_conf(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         local_addr=local_addr,
+        conf=text,
         **values,
     )

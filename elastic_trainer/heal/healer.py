@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.heal.group import HealableGroup
+from elastic_trainer.heal.group import HealableGroup, socket_inodes
 from elastic_trainer.heal.membership import HealTimeoutError, Membership, RoundStopped
 from elastic_trainer.heal.protocol import (
     NO_STATE,
@@ -54,6 +54,9 @@ from elastic_trainer.runtime.distributed import DistEnv, announce_group, configu
 from elastic_trainer.runtime.failures import ABORT_MARKER, GroupAborted, is_collective_failure
 from elastic_trainer.runtime.settings import HealSettings
 from rendezvous import etcd_ops
+from rendezvous.etcd_client import EtcdConnection
+from rendezvous.etcd_store import EtcdV3Store
+from rendezvous.settings import RendezvousSettings, settings_from_conf
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +143,46 @@ def failure_reason(exc: BaseException) -> str:
     return text
 
 
+def _log_formed(epoch: Epoch, state: dict[str, Any] | None, took: float) -> None:
+    """Rank 0's one line for an epoch formed: how long, why, how many, from which step."""
+    continuing = epoch.step
+    if state is not None and RESTORE in state:  # sharded: the step every shard survived at
+        continuing = state[RESTORE]["step"] if state[RESTORE]["step"] is not None else NO_STATE
+    log.warning(
+        "heal: epoch %d formed in %.2f s (%s): %d member(s), continuing from step %s",
+        epoch.number,
+        took,
+        epoch.reason,
+        epoch.world_size,
+        continuing if continuing != NO_STATE else "of the newest checkpoint",
+    )
+
+
+def heal_rendezvous(settings: HealSettings, run_id: str) -> RendezvousSettings:
+    """The job's rendezvous settings as a worker inherits them from its launcher (the
+    ``--rdzv-conf`` text and endpoint in its heal settings): the one place a worker parses them.
+
+    Raises:
+        HealError: they are malformed or name no endpoint.
+    """
+    try:
+        rendezvous = settings_from_conf(
+            settings.rdzv_conf, endpoint=settings.endpoint or "", run_id=run_id
+        )
+        rendezvous.client_config()  # an endpoint is given and the connection settings hold
+    except ValueError as exc:  # RendezvousConfigError included
+        raise HealError(f"in-place healing: {exc}") from exc
+    return rendezvous
+
+
 class Healer:
     """See the module docstring. Use :meth:`create`."""
 
     def __init__(
         self,
         settings: HealSettings,
+        rendezvous: RendezvousSettings,
         *,
-        run_id: str,
         node: str,
         local_rank: int,
         backend: str,
@@ -155,19 +190,10 @@ class Healer:
         pg_timeout_s: float,
         world: tuple[int, int],
     ) -> None:
-        from rendezvous.etcd_client import EtcdConnection
-        from rendezvous.settings import RendezvousConfigError, settings_from_conf
-
         self.settings = settings
-        self.run_id = run_id
+        self.run_id = rendezvous.run_id
         self.device = device
-        try:
-            rdzv = settings_from_conf(
-                settings.rdzv_conf, endpoint=settings.endpoint or "", run_id=run_id
-            )
-            config = rdzv.client_config()
-        except (RendezvousConfigError, ValueError) as exc:
-            raise HealError(f"in-place healing: {exc}") from exc
+        config = rendezvous.client_config()
         self.connection = EtcdConnection(config)
         self.member = Member(
             id=f"{node}/{local_rank}/{os.getpid()}-{uuid.uuid4().hex[:6]}",
@@ -175,7 +201,7 @@ class Healer:
         )
         rules = RoundRules(min_world=world[0], max_world=world[1], settle_s=settings.settle_s)
         self.membership = Membership(
-            self.connection, run_id, self.member, rules, on_round_open=self._round_opened
+            self.connection, self.run_id, self.member, rules, on_round_open=self._round_opened
         )
         keep = frozenset(endpoint.port for endpoint in config.endpoints)
         # gloo can leave a collective blocked after an abort (runtime/abortable.py); NCCL's abort
@@ -184,34 +210,34 @@ class Healer:
         self.waits = AbortableWaits(enabled=backend == "gloo" and device.type == "cpu")
         """This worker's abortable waits (handed to its loop through ``runtime.comms.WorkerComms``)."""
         self.group = HealableGroup(backend, pg_timeout_s, keep_ports=keep, waits=self.waits)
+        self._init_round_state()
+        self.stop_requested: Callable[[], bool] | None = None
+        """True once this process got a stop signal: a heal round in progress is left
+        (:class:`HealStopped`) so that it saves and exits within its grace (the trainer sets it)."""
+        self.busy_probe: Callable[[], bool] | None = None
+        """True while the training thread waits on work that is no hang (a checkpoint write):
+        the stop watch does not count that as idle (the trainer sets it)."""
+        self.heals = 0
+        self.shards: ShardHolder | None = None
+        """A sharded loop's shards and their copies (``heal/sharded_restore.py``): set, every
+        member's shard is restored from where it survived instead of one member's whole state."""
+
+    def _init_round_state(self) -> None:
+        """What the training thread and the responder thread share about the epoch and its rounds."""
         self._phase = "starting"  # starting | training | healing | spare | closed
         self._phase_lock = threading.Lock()
         self._epoch: Epoch | None = None
-        self._stores: list[
-            Any
-        ] = []  # EtcdV3Stores of live groups (the C++ wrapper needs the Python half)
+        # EtcdV3Stores of live groups (the C++ wrapper needs the Python half).
+        self._stores: list[Any] = []
         self._forming: int | None = None  # the epoch whose group this process is building
         self._abandoned = False  # a later round opened while it was being built
         self._side_group: Any = None
         self._group_aborted = False
         self._training_thread: int | None = None  # native id, for the stop watch's CPU clock
-        self.stop_requested: Callable[[], bool] | None = None
-        """True once this process got a stop signal: a heal round in progress is left
-        (:class:`HealStopped`) so that it saves and exits within its grace (the trainer sets it)."""
-        self._training_ident: int | None = (
-            None  # Python ident, for the stop watch's look at its frames
-        )
-        self.busy_probe: Callable[[], bool] | None = None
-        """True while the training thread waits on work that is no hang (a checkpoint write):
-        the stop watch does not count that as idle (the trainer sets it)."""
+        self._training_ident: int | None = None  # Python ident, for the stop watch's frames
         self._hand_on: Callable[[int, str], object] | None = None
-        self._hand_on_lock = (
-            threading.Lock()
-        )  # held while handing on: the state does not move meanwhile
-        self.heals = 0
-        self.shards: ShardHolder | None = None
-        """A sharded loop's shards and their copies (``heal/sharded_restore.py``): set, every
-        member's shard is restored from where it survived instead of one member's whole state."""
+        # Held while handing on: the state does not move meanwhile.
+        self._hand_on_lock = threading.Lock()
 
     @classmethod
     def create(
@@ -238,7 +264,7 @@ class Healer:
         world = settings.world or (env.world_size, env.world_size)
         return cls(
             settings,
-            run_id=run_id,
+            heal_rendezvous(settings, run_id),
             node=node,
             local_rank=env.local_rank,
             backend=env.backend,
@@ -396,15 +422,8 @@ class Healer:
             ):
                 # A round it opened would close full again, having only broken the members' new
                 # group: one such round per epoch formed was a livelock (heal-in-place.md, "Spares").
-                if step != NO_STATE:
-                    log.warning(
-                        "heal: epoch %d formed without this process and is full; its step %d is "
-                        "left behind",
-                        current.number,
-                        step,
-                    )
+                self._wait_as_spare(current, left_behind=step)
                 step, snapshot = NO_STATE, None
-                self._wait_as_spare(current)
                 started = time.monotonic()  # the heal starts with the round it waited for
                 deadline, rounds = started + self.settings.timeout_s, 0
                 continue
@@ -414,25 +433,13 @@ class Healer:
                     f"formed no epoch this process could train in (last: {last})"
                 )
             rounds += 1
-            try:
-                if not self.membership.round_open(number):
-                    self.membership.open_round(number, reason)
-                self.membership.answer(number, Join(self.member, ready=True, step=step))
-                epoch = self.membership.settle(
-                    number, deadline=deadline, reason=reason, stop=self.stop_requested
-                )
-            except RoundStopped as exc:
-                raise HealStopped(str(exc)) from exc
-            except HealTimeoutError as exc:
-                raise HealError(f"healing in place failed: {exc}") from exc
-            if epoch.finished:
-                raise RunFinished(f"the job finished at epoch {epoch.number}")
+            epoch = self._take_part(number, step=step, reason=reason, deadline=deadline)
             rank = epoch.rank_of(self.member.id)
             if rank is None:
                 last = self._left_out(epoch, max_world=max_world)
                 continue
             try:
-                return self._enter(env, epoch, rank, step=step, snapshot=snapshot, started=started)
+                return self._enter(env, epoch, rank, snapshot=snapshot, started=started)
             except Exception as exc:  # a peer failed while the group formed or the state moved
                 if not is_collective_failure(exc):
                     raise
@@ -442,6 +449,24 @@ class Healer:
                 )
                 log.warning("heal: %s; healing again", last)
                 self.group.destroy()
+
+    def _take_part(self, number: int, *, step: int, reason: str, deadline: float) -> Epoch:
+        """Open round ``number`` unless it is open, answer it with ``step`` and wait for the epoch
+        it forms (:class:`HealStopped` on a stop signal, :class:`RunFinished` if the job ended)."""
+        try:
+            if not self.membership.round_open(number):
+                self.membership.open_round(number, reason)
+            self.membership.answer(number, Join(self.member, ready=True, step=step))
+            epoch = self.membership.settle(
+                number, deadline=deadline, reason=reason, stop=self.stop_requested
+            )
+        except RoundStopped as exc:
+            raise HealStopped(str(exc)) from exc
+        except HealTimeoutError as exc:
+            raise HealError(f"healing in place failed: {exc}") from exc
+        if epoch.finished:
+            raise RunFinished(f"the job finished at epoch {epoch.number}")
+        return epoch
 
     def _left_out(self, epoch: Epoch, *, max_world: int) -> str:
         """Epoch ``epoch`` formed without this process: say why (one line), and return it."""
@@ -459,9 +484,16 @@ class Healer:
             log.warning("heal: %s; joining the next one", why)
         return why
 
-    def _wait_as_spare(self, epoch: Epoch) -> None:
+    def _wait_as_spare(self, epoch: Epoch, *, left_behind: int = NO_STATE) -> None:
         """Outside ``epoch``, which is full: wait (the responder answers every round that opens)
-        until the next round opens or a later epoch forms, however long that takes."""
+        until the next round opens or a later epoch forms, however long that takes. The state of
+        step ``left_behind`` this process held is dropped (said in one line)."""
+        if left_behind != NO_STATE:
+            log.warning(
+                "heal: epoch %d formed without this process and is full; its step %d is left behind",
+                epoch.number,
+                left_behind,
+            )
         self._set_phase("spare")
         log.warning(
             "heal: the job is at its maximum size (%d); waiting as a spare", epoch.world_size
@@ -483,7 +515,6 @@ class Healer:
         epoch: Epoch,
         rank: int,
         *,
-        step: int,
         snapshot: Callable[[], dict[str, Any]] | None,
         started: float,
     ) -> HealOutcome:
@@ -497,7 +528,7 @@ class Healer:
                 raise dist.DistStoreError(
                     f"round {epoch.number + 1} opened before epoch {epoch.number} formed"
                 )
-            return self._form(env, epoch, rank, step=step, snapshot=snapshot, started=started)
+            return self._form(env, epoch, rank, snapshot=snapshot, started=started)
         except Exception as exc:
             if self._abandoned and not isinstance(exc, dist.DistStoreError):
                 raise dist.DistStoreError(
@@ -514,12 +545,9 @@ class Healer:
         epoch: Epoch,
         rank: int,
         *,
-        step: int,
         snapshot: Callable[[], dict[str, Any]] | None,
         started: float,
     ) -> HealOutcome:
-        from rendezvous.etcd_store import EtcdV3Store
-
         store = EtcdV3Store(
             self.connection,
             f"{self.membership.keys.prefix}store/{epoch.number}",
@@ -533,6 +561,22 @@ class Healer:
             torch.cuda.set_device(env.device)
         self.group.create(rank=rank, world_size=epoch.world_size, store=store)
         self._create_side_group()
+        state = self._take_state(epoch, rank, snapshot)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(epoch.world_size)
+        new_env = dataclasses.replace(env, rank=rank, world_size=epoch.world_size)
+        announce_group(new_env, self.group.timeout_s)
+        self._epoch = epoch
+        self.heals += 1
+        took = time.monotonic() - started
+        self._set_phase("training")
+        if rank == 0:
+            _log_formed(epoch, state, took)
+        return HealOutcome(env=new_env, epoch=epoch, state=state, took_s=took)
+
+    def _take_state(
+        self, epoch: Epoch, rank: int, snapshot: Callable[[], dict[str, Any]] | None
+    ) -> dict[str, Any] | None:
+        """(Collective, on the side group) the state this member continues from in ``epoch``."""
         # Sharded state first: a replacement cannot know whether its peers shard, so every member
         # says what it holds (one small all-gather); nobody sharded: the replicated heal below.
         state = restore_shards(
@@ -542,39 +586,19 @@ class Healer:
             group=self._side_group,
             waits=self.waits,
         )
-        if state is None and epoch.source is not None:
-            source = epoch.rank_of(epoch.source)
-            if source is None:
-                raise HealError(f"epoch {epoch.number} names a source that is not a member")
-            payload = None
-            if rank == source:
-                if snapshot is None:
-                    raise HealError("chosen as the state source without state")
-                payload = snapshot()
-            state = share_state(
-                payload, src=source, device=self.device, group=self._side_group, waits=self.waits
-            )
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(epoch.world_size)
-        new_env = dataclasses.replace(env, rank=rank, world_size=epoch.world_size)
-        announce_group(new_env, self.group.timeout_s)
-        self._epoch = epoch
-        self.heals += 1
-        took = time.monotonic() - started
-        self._set_phase("training")
-        continuing = epoch.step
-        if state is not None and RESTORE in state:  # sharded: the step every shard survived at
-            continuing = state[RESTORE]["step"] if state[RESTORE]["step"] is not None else NO_STATE
-        if rank == 0:
-            log.warning(
-                "heal: epoch %d formed in %.2f s (%s): %d member(s), continuing from step %s%s",
-                epoch.number,
-                took,
-                epoch.reason,
-                epoch.world_size,
-                continuing if continuing != NO_STATE else "of the newest checkpoint",
-                "" if step == NO_STATE and rank != 0 else "",
-            )
-        return HealOutcome(env=new_env, epoch=epoch, state=state, took_s=took)
+        if state is not None or epoch.source is None:
+            return state
+        source = epoch.rank_of(epoch.source)
+        if source is None:
+            raise HealError(f"epoch {epoch.number} names a source that is not a member")
+        payload = None
+        if rank == source:
+            if snapshot is None:
+                raise HealError("chosen as the state source without state")
+            payload = snapshot()
+        return share_state(
+            payload, src=source, device=self.device, group=self._side_group, waits=self.waits
+        )
 
     @contextlib.contextmanager
     def adopting(self) -> Iterator[None]:
@@ -582,8 +606,6 @@ class Healer:
         epoch's group: a round's abort shuts their connections down with the training group's
         (a survivor blocked in a collective of a subgroup without the dead rank would otherwise
         wait for the stop watch), and the next heal destroys them."""
-        from elastic_trainer.heal.group import socket_inodes
-
         before = socket_inodes()
         try:
             yield
@@ -601,8 +623,6 @@ class Healer:
         if self.group.backend == "gloo":
             self._side_group = None
             return
-        from elastic_trainer.heal.group import socket_inodes
-
         before = socket_inodes()
         self._side_group = dist.new_group(backend="gloo")
         self.group.adopt_new_sockets(before)

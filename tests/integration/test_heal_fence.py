@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from elastic_trainer.heal.healer import FENCE_TIMEOUT_S, Healer
+from elastic_trainer.heal.healer import FENCE_TIMEOUT_S, Healer, heal_rendezvous
 from elastic_trainer.heal.membership import HealKeys
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Member
 from elastic_trainer.runtime.settings import HealSettings
@@ -24,7 +24,7 @@ def _healer(endpoint: str, run_id: str) -> Healer:
     settings = HealSettings(enabled=True, endpoint=endpoint, rdzv_conf="retry_timeout=2")
     return Healer(
         settings,
-        run_id=run_id,
+        heal_rendezvous(settings, run_id),
         node="a",
         local_rank=0,
         backend="gloo",

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from elastic_trainer.heal.healer import Healer, RunFinished
+from elastic_trainer.heal.healer import Healer, RunFinished, heal_rendezvous
 from elastic_trainer.heal.membership import HealKeys, Membership
 from elastic_trainer.heal.protocol import NO_STATE, Epoch, Join, Member, RoundRules
 from elastic_trainer.runtime.distributed import DistEnv
@@ -38,7 +38,7 @@ def replacement(etcd_server) -> Iterator[Healer]:
     )
     made = Healer(
         settings,
-        run_id=f"replace-{uuid.uuid4().hex[:8]}",
+        heal_rendezvous(settings, f"replace-{uuid.uuid4().hex[:8]}"),
         node="a",
         local_rank=1,
         backend="gloo",

@@ -59,7 +59,7 @@ def test_a_launcher_flag_after_the_script_is_pointed_out(
 
 
 def test_the_join_banner_never_sends_other_hosts_to_loopback() -> None:
-    from elastic_trainer.launch.launcher import join_banner
+    from elastic_trainer.launch.plan import join_banner
 
     loopback = join_banner("127.0.0.1:2379", "local-1", "127.0.0.1", address="10.1.2.3")
     assert (

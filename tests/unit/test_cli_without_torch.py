@@ -79,7 +79,7 @@ def test_dry_run_imports_neither_torch_nor_grpc(script: str) -> None:
 )
 def test_a_mistake_is_answered_without_torch(script: str, args: list[str], message: str) -> None:
     if "--device" in args:
-        from elastic_trainer.launch.launcher import visible_cuda_devices
+        from elastic_trainer.launch.plan import visible_cuda_devices
 
         if visible_cuda_devices():
             pytest.skip("a CUDA device is visible here")

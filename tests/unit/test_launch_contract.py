@@ -112,7 +112,7 @@ def test_the_variable_names_are_written_in_one_place() -> None:
 
 
 def test_launcher_tells_workers_through_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic_trainer.launch.launcher import tell_workers
+    from elastic_trainer.launch.plan import tell_workers
 
     monkeypatch.delenv("ELASTIC_TRAINER_HEARTBEAT_DIR", raising=False)
     take_back = tell_workers(LaunchContract(heartbeat_dir="/hb"))

@@ -6,19 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.launch.launcher import (
-    Target,
-    for_embedded_etcd,
-    resolve_nproc,
-    split_target,
-    torchrun_argv,
-)
+from elastic_trainer.launch.launcher import for_embedded_etcd
 from elastic_trainer.launch.options import (
     OPTIONS,
     RunOptions,
     UserError,
     rendezvous_conf,
     resolve_run_options,
+)
+from elastic_trainer.launch.plan import (
+    LaunchPlan,
+    Target,
+    rendezvous_settings,
+    resolve_nproc,
+    split_target,
+    torchrun_argv,
 )
 from rendezvous.conf_keys import KEYS_BY_NAME
 
@@ -124,10 +126,12 @@ def test_resolve_nproc_rejects(nproc: str, device: str, gpus: int, message: str)
 def test_torchrun_argv_user_rdzv_conf_wins_and_target_last() -> None:
     options = resolve_run_options({"rdzv_conf": "last_call_timeout=1,protocol=https"}, env={})
     target = split_target(["pkg.mod", "--lr", "0.1"], as_module=True)
-    argv = torchrun_argv(options, "e:1", "job", 2, target)
+    plan = LaunchPlan(options, target, 2, rendezvous_settings(options, "job"))
+    argv = torchrun_argv(plan, "e:1", "job")
     assert argv[-4:] == ["-m", "pkg.mod", "--lr", "0.1"]
     assert "--rdzv-backend=etcd-v3" in argv and "--rdzv-id=job" in argv
     conf = rendezvous_conf(options)
+    assert f"--rdzv-conf={conf}" in argv  # the parsed settings hand on the text as given
     assert conf.index("last_call_timeout=5") < conf.index("last_call_timeout=1")  # later key wins
     assert conf.endswith("protocol=https")
 
@@ -144,7 +148,8 @@ def test_warm_start_is_on_by_default_and_workers_go_through_the_client() -> None
         "--",
         *target.torchrun_args(),
     ]
-    argv = torchrun_argv(options, "e:1", "job", 2, target, client)
+    plan = LaunchPlan(options, target, 2, rendezvous_settings(options, "job"))
+    argv = torchrun_argv(plan, "e:1", "job", client)
     assert argv[-len(client) :] == client
 
 
@@ -222,8 +227,8 @@ def test_a_metrics_port_in_use_says_what_to_pass_instead(tmp_path: Path) -> None
     each node its own --metrics-port, or 0 for none (it said only "Address already in use")."""
     import socket
 
-    from elastic_trainer.launch.launcher import metrics_endpoint_error
     from elastic_trainer.launch.node_metrics import MetricsError, serve_node_metrics
+    from elastic_trainer.launch.plan import metrics_endpoint_error
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

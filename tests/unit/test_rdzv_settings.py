@@ -35,7 +35,7 @@ def params(**conf: object) -> RendezvousParameters:
 
 
 def test_every_settings_field_is_a_key_or_comes_from_torchrun_itself() -> None:
-    own = {"run_id", "endpoints", "min_nodes", "max_nodes", "local_addr"}
+    own = {"run_id", "endpoints", "min_nodes", "max_nodes", "local_addr", "conf"}
     names = {f.name for f in fields(RendezvousSettings)}
     assert names - own == {k.name for k in KEYS if k.used_by != "torchrun"} - {"password_file"}
     for key in KEYS:
@@ -150,6 +150,26 @@ def test_conf_strings() -> None:
     assert (settings.join_timeout, settings.lease_ttl, settings.run_id) == (60.0, 3, "job")
     with pytest.raises(RendezvousConfigError, match="unknown key 'bogus'"):
         settings_from_conf("bogus=1")
+
+
+def test_settings_keep_their_conf_text_and_move_to_an_endpoint_known_later(tmp_path) -> None:
+    """A launcher parses its settings once, before its etcd is up, and hands the text on as given
+    (a password file stays a file name); the endpoint and run id come later."""
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    text = f"join_timeout=60,user=u,password_file={secret}"
+    settings = settings_from_conf(text, run_id="check")
+    assert settings.conf == text and "s3cret" not in settings.conf
+    moved = settings.for_endpoint("127.0.0.1:2379", "job")
+    assert (str(moved.endpoints[0]), moved.run_id, moved.join_timeout) == (
+        "127.0.0.1:2379",
+        "job",
+        60.0,
+    )
+    assert (moved.conf, moved.password, settings.run_id) == (text, "s3cret", "check")
+    assert parse_settings(params(join_timeout=7)).conf == "join_timeout=7"
+    with pytest.raises(RendezvousConfigError, match="rdzv endpoint"):
+        settings.for_endpoint("h:x", "job")
 
 
 def test_numbers_come_as_strings_or_numbers() -> None:
