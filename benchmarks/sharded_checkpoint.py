@@ -5,12 +5,12 @@ costs next to a bare FSDP2 loop.
 * ``stall``: an MLP of ``--layers`` x Linear(dim, dim), each layer and the model under
   ``fully_shard``, AdamW (state = 3x the parameters), a sharded checkpoint every ``--every``
   steps into a directory on the real disk (every file fsynced). Per mode: the training thread's
-  time inside ``ShardedCheckpointManager.save`` (max over the ranks, median over the saves), and
+  time inside ``CheckpointManager.save`` (max over the ranks, median over the saves), and
   the effective cost per save ((run time with checkpoints - without) / saves), which also counts
   what the background writer takes from training. Modes run one after the other in one process
   pair, in the order none, async, sync, repeated ``--repeats`` times.
-* ``steady``: the same loop with the library at its defaults (``ShardedState``,
-  ``ShardedCheckpointManager`` with a checkpoint every 100 steps, asynchronous; the sampler's
+* ``steady``: the same loop with the library at its defaults (``TrainingState`` over the sharded
+  model, ``CheckpointManager`` with a checkpoint every 100 steps, asynchronous; the sampler's
   plan and the per-step reseeding of ``runtime/rng.py``) against a bare FSDP2 loop (no
   checkpoints, seeded once); CPU time per step summed over the ranks, and wall time. With
   ``--elastic`` a third contender: the same step through the own-loop API (``Elastic`` over the
@@ -75,6 +75,25 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tenso
     optimizer.zero_grad(set_to_none=True)
 
 
+class _Checkpoints:
+    """The library's checkpoint manager over the sharded state (``TrainingState`` routes the
+    FSDP2 model through DCP), saving the step it is given."""
+
+    def __init__(self, manager: Any, state: Any) -> None:
+        self.manager, self.state = manager, state
+
+    def due(self, step: int) -> bool:
+        return bool(self.manager.due(step))
+
+    def save(self, step: int) -> None:
+        self.state.step = step
+        self.manager.save()
+
+    def close(self) -> None:
+        """Wait for the background write."""
+        self.manager.close(grace_s=600.0)
+
+
 def _manager(
     directory: str,
     every: int,
@@ -83,11 +102,9 @@ def _manager(
     sampler: Any,
     *,
     async_write: bool = True,
-) -> Any:
-    from elastic_trainer.checkpoint.config import CheckpointConfig
-    from elastic_trainer.checkpoint.sharded_manager import ShardedCheckpointManager
+) -> _Checkpoints:
+    from elastic_trainer import CheckpointConfig, CheckpointManager, TrainingState
     from elastic_trainer.runtime.distributed import read_env
-    from elastic_trainer.state.sharded import ShardedState
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cuda = torch.cuda.device_count() if dist.get_backend() == "nccl" else 0  # --device cuda
@@ -95,12 +112,16 @@ def _manager(
         environ={"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)},
         cuda_devices=cuda,
     )
-    return ShardedCheckpointManager(
+    state = TrainingState(
+        {"model": model, "optimizer": optimizer, "sampler": sampler}, env=env, seed=0
+    )
+    manager = CheckpointManager(
         CheckpointConfig(directory=directory, every=every, async_write=async_write, keep_last=2),
         env=env,
-        state=ShardedState(model, [optimizer], objects={"sampler": sampler}),
+        state=state,
         fingerprint={"seed": 0},
     )
+    return _Checkpoints(manager, state)
 
 
 def _stall(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -193,7 +214,7 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     sampler.advance(plan)
                     step += 1
                     if manager.due(step):
-                        manager.save(step, epoch=sampler.epoch)
+                        manager.save(step)
                 _sync(device)
                 wall[mode][repeat] += time.perf_counter() - started
                 if mode == "ours":

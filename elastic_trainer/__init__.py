@@ -41,15 +41,9 @@ _EXPORTS = {
     "WorkerSettings": "elastic_trainer.runtime.settings",
     "build_observer": "elastic_trainer.train.trainer",
     "model_signature": "elastic_trainer.checkpoint.files",
-    "ShardedCheckpointManager": "elastic_trainer.checkpoint.sharded_manager",
-    "ShardedState": "elastic_trainer.state.sharded",
     "FSDPOptions": "elastic_trainer.train.config",
     "apply_fsdp": "elastic_trainer.train.fsdp",
-    "NeighbourCopy": "elastic_trainer.state.neighbour_copy",
     "NeighbourCopyConfig": "elastic_trainer.state.neighbour_copy",
-    "local_state": "elastic_trainer.state.local_shards",
-    "load_local_state": "elastic_trainer.state.local_shards",
-    "resume_sharded": "elastic_trainer.heal.sharded_restore",
     "exit_process": "elastic_trainer.runtime.process_exit",
 }
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -559,11 +559,16 @@ class CheckpointManager:
                 self._shard_saver = sharded_jit.ShardedJit(
                     self._sharded, self.state.sharded, copies, extras=self._part_entries
                 )
-            elif self.env.world_size > 1 and self.env.is_rank0:
+            elif (
+                (copies is None or copies.mode == "off")
+                and self.env.world_size > 1
+                and self.env.is_rank0
+            ):
                 log.info(
                     "just-in-time checkpoints of sharded state hold a rank's shards only while it "
                     "lives: the neighbour copy is off (shard_copy every=0, "
-                    "ELASTIC_TRAINER_SHARD_COPY_EVERY=0), so after a worker's death the job "
+                    "ELASTIC_TRAINER_SHARD_COPY_EVERY=0) or not kept for this mesh (HSDP), so "
+                    "after a worker's death the job "
                     "resumes from the newest periodic checkpoint"
                 )
         self._jit = JitCheckpointer(

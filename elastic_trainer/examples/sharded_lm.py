@@ -42,30 +42,28 @@ import logging
 import os
 import sys
 import time
-import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import Dataset
 
-from elastic_trainer import NeighbourCopy, NeighbourCopyConfig, resume_sharded
-from elastic_trainer.checkpoint.config import CheckpointConfig
-from elastic_trainer.checkpoint.files import model_signature
-from elastic_trainer.checkpoint.sharded_manager import ShardedCheckpointManager
-from elastic_trainer.runtime import failures, rng
-from elastic_trainer.runtime.distributed import DistEnv, read_env
-from elastic_trainer.runtime.process_exit import exit_process
-from elastic_trainer.runtime.sample_log import SampleLog
-from elastic_trainer.runtime.sampler import ElasticSampler
-from elastic_trainer.state.sharded import ShardedState
-from elastic_trainer.train.config import TrainerConfig
-from elastic_trainer.train.elastic_group import ElasticGroup
-from elastic_trainer.train.fsdp import FSDPOptions, apply_fsdp
-from elastic_trainer.train.trainer import Trainer, TrainingJob
+from elastic_trainer import (
+    CheckpointConfig,
+    Elastic,
+    ElasticGroup,
+    FSDPOptions,
+    NeighbourCopyConfig,
+    Trainer,
+    TrainerConfig,
+    TrainingJob,
+    apply_fsdp,
+    exit_process,
+)
 
 PROG = "sharded_lm"
 VOCAB, CONTEXT = 32, 16
@@ -125,7 +123,13 @@ class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return window[:-1], window[1:]
 
 
-def shard(model: TinyTransformer, world_size: int, device_type: str, replicas: int = 1) -> None:
+def shard(
+    model: TinyTransformer,
+    world_size: int,
+    device_type: str,
+    replicas: int = 1,
+    options: FSDPOptions | None = None,
+) -> None:
     """FSDP2: each block is one unit (its parameters gathered for its forward only), then the rest
     (``fully_shard`` on ``blocks.0``, ``blocks.1``, ..., then on the model). ``replicas`` > 1:
     HSDP over a ``(replicas, world_size // replicas)`` mesh."""
@@ -136,7 +140,7 @@ def shard(model: TinyTransformer, world_size: int, device_type: str, replicas: i
             device_type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
         )
     )
-    apply_fsdp(model, FSDPOptions(blocks=("blocks.*",)), mesh)
+    apply_fsdp(model, options or FSDPOptions(blocks=("blocks.*",)), mesh)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -216,11 +220,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train; the exit code (a failure: one line, or the traceback once, for the launcher)."""
-    try:
-        return train(parse_args(sys.argv[1:] if argv is None else argv))
-    except Exception as exc:  # noqa: BLE001 - translated for the launcher
-        return failures.exit_after(exc, prog=PROG)
+    """Train; the exit code. A mistake left uncaught is one line and exit status 2 (``Elastic``
+    installs the hook that says it; the ``Trainer`` returns it)."""
+    return train(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def build(env: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The model sharded over the current group (HSDP with ``--replicas`` > 1) and its optimizer,
+    by the names they are saved under: built again after each heal (``Elastic(rebuild=...)``)."""
+    if env.world_size % args.replicas:
+        raise ValueError(f"--replicas {args.replicas} does not divide {env.world_size} workers")
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = TinyTransformer().to(env.device)
+    shard(model, env.world_size, env.device.type, args.replicas)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return {"model": model, "optimizer": optimizer}
 
 
 def train(args: argparse.Namespace) -> int:
@@ -234,148 +248,53 @@ def train(args: argparse.Namespace) -> int:
         format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
         "%(levelname)s %(name)s: %(message)s",
     )
-    copy_config = NeighbourCopyConfig.from_environ(every=args.shard_copy_every)
-    text = corpus(args.seed, args.dataset_size * CONTEXT + 1)
-    sampler = ElasticSampler(args.dataset_size, args.global_batch_size, seed=args.seed)
-    last_step = args.epochs * len(sampler) if args.max_steps is None else args.max_steps
-    step, samples = 0, None
-    with ElasticGroup(env=read_env(), pg_timeout_s=60) as group:
-        for part, attempt in enumerate(group.attempts()):  # once; again after each heal
-            with attempt:
-                env = attempt.env
-                if env.world_size % args.replicas:
-                    raise failures.ConfigError(
-                        f"--replicas {args.replicas} does not divide {env.world_size} workers"
-                    )
-                # The model is built and sharded on this attempt's mesh; the state it held comes
-                # back from the heal (its shards), or from the newest checkpoint.
-                torch.manual_seed(args.seed)  # identical initial weights on every rank
-                model = TinyTransformer().to(env.device)
-                signature = model_signature(model.state_dict())
-                with attempt.groups():  # the mesh's groups are aborted with the job's at a heal
-                    shard(model, env.world_size, env.device.type, args.replicas)
-                optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-                state = ShardedState(model, [optimizer], objects={"sampler": sampler})
-                # The checkpoint's own group too: a heal ends an asynchronous write under way on it
-                # at once (the write is abandoned; nothing half-written is ever committed).
-                with attempt.groups():
-                    checkpoints = ShardedCheckpointManager(
-                        CheckpointConfig(
-                            directory=args.checkpoint_dir,
-                            every=args.checkpoint_every,
-                            keep_last=args.keep_last,
-                        ),
-                        env=env,
-                        state=state,
-                        fingerprint={
-                            "model": signature,
-                            "dataset_size": args.dataset_size,
-                            "seed": args.seed,
-                        },
-                        fence=attempt.fence,
-                    )
-                step = resume_sharded(  # the shards the heal restored, else the checkpoint
-                    attempt.initial_state,
-                    restore=state.load_local_state,
-                    load=checkpoints.load,
-                    rank=env.rank,
-                )
-                copies = attempt.copy_shards(
-                    state.local_state, every=copy_config.every, replicas=args.replicas
-                )
-                copies.start(step)
-                if samples is not None:
-                    samples.close()
-                samples = _sample_log(args, env.rank, env.world_size, step, part)
-                # Restarted on a fault (plain torchrun): a failure or a stop signal saves every
-                # shard held, the dead rank's from its neighbour copy, as a checkpoint.
-                with checkpoints.just_in_time(copies, enabled=not attempt.heals_in_place):
-                    step = _train(
-                        args,
-                        env,
-                        model,
-                        optimizer,
-                        sampler,
-                        text,
-                        checkpoints,
-                        copies,
-                        samples,
-                        step,
-                        last_step,
-                    )
-                checkpoints.save(step, epoch=sampler.epoch, final=True)
-                checkpoints.close()
-                copies.wait()
-    if samples is not None:
-        samples.close()
-    if int(os.environ.get("RANK", "0")) == 0:
-        log.info("final step %d checkpoint %s", step, args.checkpoint_dir)
-    return 0
-
-
-def _train(
-    args: argparse.Namespace,
-    env: DistEnv,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sampler: ElasticSampler,
-    text: torch.Tensor,
-    checkpoints: ShardedCheckpointManager,
-    copies: NeighbourCopy,
-    samples: SampleLog | None,
-    step: int,
-    last_step: int,
-) -> int:
-    """Train from ``step`` to ``last_step``; returns the last step done."""
-    while step < last_step:
-        if sampler.epoch_done:
-            if sampler.epoch + 1 >= args.epochs:
-                break
-            sampler.set_epoch(sampler.epoch + 1)
-        plan = sampler.plan(sampler.cursor, env.rank, env.world_size)
-        if samples is not None:
-            samples.step(
-                step=step + 1,
-                epoch=plan.epoch,
-                cursor=plan.cursor,
-                world_size=env.world_size,
-                rank=env.rank,
-                indices=plan.indices,
-            )
-        rng.seed_step(
-            args.seed, env.rank, step, env.device
-        )  # dropout: a function of (seed, rank, step)
-        batch = (
-            torch.tensor(plan.micro_batches[0].indices) * CONTEXT
-        )  # one micro-batch: no size cap
-        windows = text[batch.unsqueeze(1) + torch.arange(CONTEXT + 1)].to(env.device)
-        logits = model(windows[:, :-1])
-        per_sample = nn.functional.cross_entropy(
-            logits.transpose(1, 2), windows[:, 1:], reduction="none"
+    dataset = Windows(corpus(args.seed, args.dataset_size * CONTEXT + 1))
+    pause = args.throttle_ms / 1000
+    with ElasticGroup(pg_timeout_s=60) as group:  # forms the process group, and heals it in place
+        with group.groups():  # the mesh's subgroups (HSDP) are aborted with the group at a heal
+            first = build(group.env, args)
+        elastic = Elastic(
+            first["model"],
+            dataset,
+            global_batch_size=args.global_batch_size,
+            max_steps=args.max_steps,
+            epochs=args.epochs,
+            seed=args.seed,  # the data order, the weights' seed and every step's dropout
+            checkpoint=CheckpointConfig(
+                directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
+            ),
+            states={"optimizer": first["optimizer"]},
+            find=False,
+            log_every=args.log_every,
+            tokens_per_sample=CONTEXT,
+            record_samples_dir=args.record_samples,
+            after_step=[lambda step: time.sleep(pause)] if pause else (),
+            rebuild=lambda env: build(env, args),
+            shard_copy=(
+                NeighbourCopyConfig(every=args.shard_copy_every)
+                if args.shard_copy_every is not None
+                else None
+            ),
+            group=group,
         )
-        # FSDP averages gradients over ranks: scale so the update is the mean over the step's samples.
-        weight = env.world_size / plan.global_samples if plan.samples else 0.0
-        loss = per_sample.mean(dim=1).sum() * weight
-        loss.backward()
-        with copies.update(step + 1):  # the state changes here; its copy is refreshed on leaving
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sampler.advance(plan)
-            if samples is not None:  # the audit: this step is in the state from here
-                samples.done(step=step + 1)
-        step += 1
-        if env.is_rank0 and step % args.log_every == 0:
-            log.info(
-                "step %d epoch %d loss %.4f (rank 0's samples)",
-                step,
-                plan.epoch,
-                per_sample.mean().item(),
-            )
-        if checkpoints.due(step):
-            checkpoints.save(step, epoch=sampler.epoch)
-        if args.throttle_ms:
-            time.sleep(args.throttle_ms / 1000)
-    return step
+        for step in elastic:
+            model, optimizer = (
+                elastic.module,
+                elastic.state.objects["optimizer"],
+            )  # rebuilt at a heal
+            with step:
+                for inputs, targets in step:
+                    logits = model(inputs)
+                    loss = nn.functional.cross_entropy(logits.transpose(1, 2), targets)
+                    step.backward(loss * step.weight)
+                optimizer.step()  # type: ignore[union-attr]
+                optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+    result = elastic.result
+    if result is None:
+        return 0
+    if result.finished and int(os.environ.get("RANK", "0")) == 0:
+        log.info("final step %d checkpoint %s", result.step, result.checkpoint)
+    return result.exit_code
 
 
 def train_with_trainer(args: argparse.Namespace) -> int:
@@ -385,6 +304,11 @@ def train_with_trainer(args: argparse.Namespace) -> int:
         mixed_precision=args.fsdp_mixed_precision,
         reshard_after_forward=args.reshard_after_forward,
     )
+    model: Callable[[], nn.Module] = TinyTransformer
+    if args.replicas > 1:
+        # HSDP: FSDPOptions shards over a 1-D mesh, so the factory shards the model itself (the
+        # Trainer trains it as it is, and calls the factory again on the group a heal forms).
+        model = partial(_hsdp_model, args.replicas, fsdp)
     config = TrainerConfig(
         global_batch_size=args.global_batch_size,
         seed=args.seed,
@@ -393,7 +317,7 @@ def train_with_trainer(args: argparse.Namespace) -> int:
         checkpoint=CheckpointConfig(
             directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
         ),
-        fsdp=fsdp,
+        fsdp=fsdp if args.replicas == 1 else None,
         shard_copy=(
             NeighbourCopyConfig(every=args.shard_copy_every)
             if args.shard_copy_every is not None
@@ -403,7 +327,7 @@ def train_with_trainer(args: argparse.Namespace) -> int:
         record_samples_dir=args.record_samples,
     )
     job = TrainingJob(
-        model=TinyTransformer,
+        model=model,
         dataset=lambda: Windows(corpus(args.seed, args.dataset_size * CONTEXT + 1)),
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
         loss=lambda logits, target: nn.functional.cross_entropy(logits.transpose(1, 2), target),
@@ -418,25 +342,20 @@ def train_with_trainer(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _sample_log(
-    args: argparse.Namespace, rank: int, world_size: int, step: int, part: int = 0
-) -> SampleLog | None:
-    """The audit log of this generation (its id and start time are rank 0's; ``part``: the
-    attempt in this process, a file each)."""
-    if args.record_samples is None:
-        return None
-    generation = [(uuid.uuid4().hex, time.time())]
-    if world_size > 1:
-        dist.broadcast_object_list(generation, src=0)
-    samples = SampleLog(args.record_samples, rank=rank, part=part)
-    samples.start(
-        generation=generation[0][0],
-        started_unix=generation[0][1],
-        resumed_step=step,
-        world_size=world_size,
-        rank=rank,
+def _hsdp_model(replicas: int, options: FSDPOptions) -> nn.Module:
+    """``TinyTransformer`` sharded over HSDP's ``(replicas, world // replicas)`` mesh of the
+    current process group, on this rank's device (the Trainer seeded the generators before)."""
+    world_size = torch.distributed.get_world_size()
+    if world_size % replicas:
+        raise ValueError(f"--replicas {replicas} does not divide {world_size} workers")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
     )
-    return samples
+    model = TinyTransformer().to(device)
+    shard(model, world_size, device.type, replicas, options)
+    return model
 
 
 if __name__ == "__main__":

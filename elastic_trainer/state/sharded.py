@@ -40,6 +40,23 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def mesh_replicas(model: nn.Module) -> int:
+    """Replicas of each shard, from the parameters' placements: 1 for FSDP (dim 0 of a 1-D
+    mesh), the replicate dimension's size for HSDP (replicated, then dim 0, on a 2-D mesh), 0 for
+    any other layout (tensor parallel, a mix), which no neighbour copy or placed save handles."""
+    found = {
+        (local_shards.placement_of(p), tuple(p.device_mesh.shape))
+        for p in model.parameters()
+        if isinstance(p, DTensor)
+    }
+    if len(found) != 1:
+        return 0
+    ((placement, shape),) = found
+    if placement == local_shards.DIM0:
+        return 1
+    return int(shape[0]) if placement == local_shards.HSDP_DIM0 else 0
+
+
 class ShardedState:
     """A sharded model, its optimizers and plain objects, as one DCP state dict.
 
@@ -78,6 +95,9 @@ class ShardedState:
         self._names: tuple[dict[str, str], list[str]] | None = None
         self.owns = frozenset({MODEL, *(names or {OPTIMIZER: None})})
         """The names this state restores through DCP's state-dict API (the model, the optimizers)."""
+        self.replicas = mesh_replicas(model)
+        """1: FSDP; R > 1: HSDP with R replicas of each shard; 0: another layout
+        (:func:`mesh_replicas`)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Live DTensors of this rank's shards and the plain objects' states (copy before training on)."""

@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -630,12 +629,12 @@ class Elastic:
             world_size=self.env.world_size,
             saves_just_in_time=self.checkpoint.directory is not None
             and (jit if jit is not None else self.settings.jit_save),
-            one_dim=all(
-                p.device_mesh.ndim == 1 for p in self.model.parameters() if isinstance(p, DTensor)
-            ),
+            one_dim=sharded.replicas == 1,
         )
         if use == "heal":  # held by the attempt: the healer restores each shard from it
-            copies = attempt.copy_shards(sharded.local_state, every=config.every)
+            # HSDP: the replicas of a shard are its copies (nothing is sent).
+            replicas = max(1, sharded.replicas)
+            copies = attempt.copy_shards(sharded.local_state, every=config.every, replicas=replicas)
         elif use == "save":  # for the just-in-time save only: no healer holds it
             copies = NeighbourCopy(
                 sharded.local_state, env=self.env, every=config.every, group=attempt.host_group()

@@ -128,6 +128,19 @@ class ElasticGroup:
         """The job finished before (or while) this process could join it: no attempt comes."""
         return self._ended
 
+    def groups(self) -> contextlib.AbstractContextManager[None]:
+        """Process groups created inside (``init_device_mesh``'s subgroups for HSDP) are aborted
+        with the training group at a heal: build a sharded model in it, before the first attempt
+        (``with group.groups(): first = build(group.env)``) as after a heal (``Elastic`` does it
+        around ``rebuild``). A survivor blocked in a collective of a subgroup without the dead
+        rank would otherwise wait for the stop watch. (DTensor's caches are emptied first: a new
+        mesh equal to the last attempt's must not inherit it,
+        ``torch_compat.clear_dtensor_sharding_caches``.)"""
+        if self.healer is None:
+            return contextlib.nullcontext()
+        torch_compat.clear_dtensor_sharding_caches()
+        return self.healer.adopting()
+
     # -- the group's life -------------------------------------------------------------------------
     def __enter__(self) -> ElasticGroup:
         self._owns = not dist.is_initialized()
@@ -246,20 +259,13 @@ class Attempt:
     @property
     def heals_in_place(self) -> bool:
         """Whether a peer's failure heals in this process (``elastic-trainer run``) rather than
-        ending it for a restart (plain torchrun, ``--heal off``), where a sharded loop saves its
-        shards just in time (``ShardedCheckpointManager.just_in_time``)."""
+        ending it for a restart (plain torchrun, ``--heal off``), where the checkpoint manager
+        saves the shards held just in time."""
         return self.group.healer is not None
 
     def groups(self) -> contextlib.AbstractContextManager[None]:
-        """Process groups created inside (``init_device_mesh``'s for HSDP) are aborted with the
-        training group at a heal: create a sharded model's mesh in it. (After a heal, DTensor's
-        caches are emptied first: a new mesh equal to the last attempt's must not inherit it,
-        ``torch_compat.clear_dtensor_sharding_caches``.)"""
-        healer = self.group.healer
-        if healer is None:
-            return contextlib.nullcontext()
-        torch_compat.clear_dtensor_sharding_caches()
-        return healer.adopting()
+        """:meth:`ElasticGroup.groups` (a rebuilt model's mesh is made in it)."""
+        return self.group.groups()
 
     def host_group(self) -> Any:
         """(Collective) a gloo group of this attempt's ranks for host-side work beside training,

@@ -229,7 +229,8 @@ class Trainer:
             if group.ended:  # the job finished before this process could join it
                 result = group.result
             else:
-                self._setup()
+                with group.groups():  # a sharded model's mesh is aborted at a heal
+                    self._setup()
                 self.elastic = self._make_elastic(group)
                 for step in self.elastic:
                     with step:  # a peer's failure is healed in place here; the next attempt goes on

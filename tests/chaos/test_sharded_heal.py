@@ -4,9 +4,10 @@ FSDP, 3 workers: rank 1 SIGKILLed mid-run is healed in place (the survivors keep
 processes; rank 1's shard comes from rank 0's neighbour copy, 0 steps redone); later ranks 1 and
 2 SIGKILLed together (rank 2's shard and its only copy, on rank 1, are gone) fall back to the
 newest checkpoint, resharded, with the redone steps counted in one line. HSDP, a 2 x 2 mesh: rank
-1 SIGKILLed, its shard comes from its replica (rank 3). The FSDP case runs on both routes of
-``sharded_lm``: its own loop, and the ``Trainer`` (``--api trainer``: ``TrainerConfig.fsdp``,
-which builds and shards the model again on the healed group). Each faulty run ends bitwise equal
+1 SIGKILLed, its shard comes from its replica (rank 3). Both cases run on both routes of
+``sharded_lm``: its own loop on ``Elastic(group=, rebuild=)`` (``--api loop``), and the
+``Trainer`` (``--api trainer``: ``TrainerConfig.fsdp``, or for HSDP a model factory that shards
+over the 2-D mesh itself); both build and shard the model again on the healed group. Each faulty run ends bitwise equal
 (model and AdamW state) to a fault-free run of the same shape started beside it, and every
 sample of every epoch is trained exactly once. Heal times are printed, not asserted (a loaded
 2-core machine). Design: ``docs/design/sharded.md``.
@@ -182,11 +183,12 @@ def test_fsdp_worker_sigkill_heals_in_place_and_two_neighbours_fall_back(
     _check_exact(reference, faulty)
 
 
+@pytest.mark.parametrize("api", ["loop", "trainer"])
 def test_hsdp_2x2_a_lost_shard_comes_from_its_replica(
-    etcd_server, unique_id: str, tmp_path: Path
+    etcd_server, unique_id: str, tmp_path: Path, api: str
 ) -> None:
     reference, faulty = tmp_path / "reference", tmp_path / "faulty"
-    hsdp = ["--replicas", "2"]
+    hsdp = ["--replicas", "2", "--api", api]
     with agents() as started:
         started.append(_start(etcd_server.endpoint, f"{unique_id}-ref", reference, 4, hsdp))
         started.append(node := _start(etcd_server.endpoint, f"{unique_id}-faulty", faulty, 4, hsdp))

@@ -3,14 +3,13 @@ rendezvous: a job that goes through 2 -> 3 -> 1 workers, resuming each time from
 checkpoint resharded onto the new world, with rank 1 SIGKILLed mid-way through the first phase
 (torchrun restarts the group, every rank resumes from the just-in-time checkpoint the survivor
 wrote, rank 1's shards from its neighbour copy: at most one step redone) and the launcher
-SIGTERMed in the 3-worker phase (every rank writes the shards it holds just in time, and a new
-launcher resumes from them), ends bitwise equal (model and optimizer) to the same schedule
-without the faults, and every sample of every epoch is trained exactly once. The same under the
-``Trainer`` (``--api trainer``: ``TrainerConfig.fsdp``, the sharded checkpoints through the
-state owner and the ``CheckpointManager``), on a shorter schedule: after the SIGKILL its
-just-in-time checkpoint holds rank 1's shards from the neighbour copy too (at most one step
-redone), and after the SIGTERM (the graceful stop) its final sharded checkpoint holds the last
-step (none is redone). Also: the example under ``elastic-trainer run``.
+SIGTERMed in the 3-worker phase (the graceful stop: every rank stops after the same step, whose
+final sharded checkpoint the new launcher resumes from, none redone), ends bitwise equal (model
+and optimizer) to the same schedule without the faults, and every sample of every epoch is
+trained exactly once. On both routes: the own loop on ``Elastic`` (``--api loop``) and the
+``Trainer`` (``--api trainer``: ``TrainerConfig.fsdp``), both through the state owner and the
+``CheckpointManager``, the Trainer on a shorter schedule. Also: the example under
+``elastic-trainer run``.
 """
 
 from __future__ import annotations
@@ -173,6 +172,23 @@ def _redone(gens: list[Generation], after: int) -> int:
     return gens[after].last_step - gens[after + 1].resumed_step
 
 
+def _check_restarts(log: str, gens: list[Generation], sigterm_at: int) -> None:
+    """The SIGKILL's survivor wrote its own shards and rank 1's (the neighbour copy it holds under
+    plain torchrun) just in time, and the restart resumed from them; the SIGTERM stopped every
+    rank after the same step, whose final checkpoint the next start resumed from."""
+    assert "saved by 2 ranks, now 3" in log and "saved by 3 ranks, now 1" in log, log[-3000:]
+    assert [g.world_size for g in gens] == [2, 2, 3, 3, 1], (
+        "a restart after the SIGKILL, 3 workers stopped by SIGTERM and started again, then 1"
+    )
+    print("steps redone after the SIGKILL:", _redone(gens, 0))
+    assert 0 <= _redone(gens, 0) <= 1, f"resumed from step {gens[1].resumed_step}"
+    assert "(a just-in-time checkpoint)" in log and "(the neighbour copy)" in log, log[-4000:]
+    assert gens[3].resumed_step == gens[2].last_step >= sigterm_at, (
+        "the SIGTERM checkpoint holds the last completed step: none is redone"
+    )
+    assert "stopping after step" in log, "the SIGTERM: every rank stopped after the same step"
+
+
 def test_sigkill_sigterm_and_2_3_1_resharding_end_bitwise_equal_and_exactly_once(
     etcd_server, unique_id: str, tmp_path: Path
 ) -> None:
@@ -186,19 +202,7 @@ def test_sigkill_sigterm_and_2_3_1_resharding_end_bitwise_equal_and_exactly_once
         throttle=80,
         sigterm_at=17,  # between the periodic checkpoints of steps 16 and 20
     )
-    assert "resumed from" in log and "now 3 ranks" in log and "now 1 ranks" in log, log[-3000:]
-    gens = generations(tmp_path / "faulty" / "samples")
-    assert [g.world_size for g in gens] == [2, 2, 3, 3, 1], (
-        "a restart after the SIGKILL, 3 workers stopped by SIGTERM and started again, then 1"
-    )
-    redone = [_redone(gens, 0), _redone(gens, 2)]
-    print("steps redone after the SIGKILL and after the SIGTERM:", redone)
-    # Both restarts resumed from the just-in-time checkpoint of the last completed step (or the
-    # one before, when the kill cut rank 1's last copy): the SIGKILL's survivor wrote its shards
-    # and rank 1's (its neighbour copy); on the SIGTERM every rank wrote the shards it held.
-    assert all(0 <= n <= 1 for n in redone), f"steps redone {redone}"
-    assert log.count("(a just-in-time checkpoint)") >= 2, log[-4000:]
-    assert "(the neighbour copy)" in log, "rank 1's shards came from the copy on rank 0"
+    _check_restarts(log, generations(tmp_path / "faulty" / "samples"), 17)
     _check_bitwise_and_exactly_once(tmp_path, PHASES[-1][1], epochs=2)
 
 
@@ -220,20 +224,7 @@ def test_under_the_trainer_sigkill_sigterm_and_2_3_1_resharding_end_bitwise_equa
         throttle=150,
         sigterm_at=13,
     )
-    assert "saved by 2 ranks, now 3" in log and "saved by 3 ranks, now 1" in log, log[-3000:]
-    gens = generations(tmp_path / "faulty" / "samples")
-    assert [g.world_size for g in gens] == [2, 2, 3, 3, 1], (
-        "a restart after the SIGKILL, 3 workers stopped by SIGTERM and started again, then 1"
-    )
-    # The SIGKILL's survivor wrote its own shards and rank 1's (the neighbour copy it holds under
-    # plain torchrun too) just in time, and the restart resumed from them.
-    print("steps redone after the SIGKILL:", _redone(gens, 0))
-    assert 0 <= _redone(gens, 0) <= 1, f"resumed from step {gens[1].resumed_step}"
-    assert "(a just-in-time checkpoint)" in log and "(the neighbour copy)" in log, log[-4000:]
-    assert gens[3].resumed_step == gens[2].last_step >= 13, (
-        "the SIGTERM checkpoint holds the last completed step: none is redone"
-    )
-    assert "stopping after step" in log, "the SIGTERM: every rank stopped after the same step"
+    _check_restarts(log, generations(tmp_path / "faulty" / "samples"), 13)
     _check_bitwise_and_exactly_once(tmp_path, TRAINER_PHASES[-1][1], epochs=2)
 
 

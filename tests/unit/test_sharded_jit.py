@@ -1,13 +1,12 @@
-"""The just-in-time save of a sharded loop (``checkpoint/sharded_jit.py``) on a real FSDP2 model over
-three gloo processes with the neighbour copy on: after a step, rank 1 is "lost" (it writes
+"""The just-in-time save of sharded state (``CheckpointManager`` over a ``TrainingState`` that
+keeps the neighbour copy without healing in place: plain torchrun; ``checkpoint/sharded_jit.py``)
+on a real FSDP2 model over three gloo processes: after a step, rank 1 is "lost" (it writes
 nothing); ranks 0 and 2 write every shard they hold without a collective, rank 1's from the
 copy on rank 0, and the set is committed as a checkpoint whose metadata (every tensor's size,
-chunks and offsets) and values are exactly those of a collective DCP save of the same step.
-When ranks 0 and 1 are both lost (rank 1's shard and its copy on rank 0), rank 2's parts (its
-own and rank 0's copy) are not committed, and a start names the missing shard in one line.
-The ``Trainer``'s and ``Elastic``'s route (``CheckpointManager`` over a ``TrainingState`` that
-keeps the copy without healing in place: plain torchrun) commits rank 1's shards from the copy
-too, and its resume reads them back; and when an attempt keeps the copy (``shard_copy_use``).
+chunks and offsets) and values are exactly those of a collective DCP save of the same step; a
+restart's resume reads every shard back. When ranks 0 and 1 are both lost (rank 1's shard and
+its copy on rank 0), rank 2's parts (its own and rank 0's copy) are not committed, and a start
+names the missing shard in one line. Also: when an attempt keeps the copy (``shard_copy_use``).
 """
 
 from __future__ import annotations
@@ -28,11 +27,9 @@ from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.dcp_io import read_metadata
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.checkpoint.sharded_jit import describe_incomplete
-from elastic_trainer.checkpoint.sharded_manager import ShardedCheckpointManager
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.state.neighbour_copy import NeighbourCopy
-from elastic_trainer.state.sharded import ShardedState
 from elastic_trainer.state.training_state import TrainingState
 from elastic_trainer.train.elastic import shard_copy_use
 
@@ -55,16 +52,7 @@ def _model(world: int) -> nn.Module:
     return model
 
 
-def _manager(directory: Path, env: DistEnv, state: ShardedState) -> ShardedCheckpointManager:
-    return ShardedCheckpointManager(
-        CheckpointConfig(directory=str(directory), every=1000, jit_save=True),
-        env=env,
-        state=state,
-        fingerprint=FINGERPRINT,
-    )
-
-
-def _trainer_manager(directory: Path, env: DistEnv, state: TrainingState) -> CheckpointManager:
+def _manager(directory: Path, env: DistEnv, state: TrainingState) -> CheckpointManager:
     return CheckpointManager(
         CheckpointConfig(directory=str(directory), every=1000, jit_save=True),
         env=env,
@@ -81,16 +69,16 @@ def _worker(rank: int, store: str, out: str) -> None:
         model = _model(WORLD)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         sampler = ElasticSampler(24, 6, seed=0)
-        state = ShardedState(model, [optimizer], objects={"sampler": sampler})
-        root = Path(out)
-        reference, survivors, alone = (
-            _manager(root / name, env, state) for name in ("reference", "survivors", "alone")
-        )
         training = TrainingState(
             {"model": model, "optimizer": optimizer, "sampler": sampler}, env=env, seed=0
         )
-        trainer = _trainer_manager(root / "trainer", env, training)
-        copies = NeighbourCopy(state.local_state, env=env, every=1)
+        sharded_state = training.sharded
+        assert sharded_state is not None and sharded_state.replicas == 1  # FSDP: a 1-D mesh
+        root = Path(out)
+        reference, survivors, alone = (
+            _manager(root / name, env, training) for name in ("reference", "survivors", "alone")
+        )
+        copies = NeighbourCopy(sharded_state.local_state, env=env, every=1)
         copies.start(0)
         for step in range(1, STEPS + 1):
             torch.manual_seed(100 * step + rank)
@@ -101,35 +89,27 @@ def _worker(rank: int, store: str, out: str) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 sampler.advance(plan)
         copies.wait()
-        reference.save(STEPS, epoch=sampler.epoch, final=True)  # collective: the reference
-        dist.barrier()
-        # Rank 1 is lost: ranks 0 and 2 write what they hold, one after the other.
-        for writer in (2, 0):
-            if rank == writer:
-                with (
-                    pytest.raises(RuntimeError, match="peer died"),
-                    survivors.just_in_time(copies),
-                ):
-                    raise RuntimeError("peer died")
-            dist.barrier()
-        # Ranks 0 and 1 are lost: rank 2 alone (rank 1's copy was on rank 0).
-        if rank == 2:
-            with pytest.raises(RuntimeError), alone.just_in_time(copies):
-                raise RuntimeError("two peers died")
-        dist.barrier()
-        # The Trainer's route under plain torchrun: the state keeps the copy without healing.
+        # Plain torchrun: the state keeps the copy for the just-in-time save, not to heal.
         training.step = STEPS
         training.keep_copies(copies, heals=False)
         assert not training.heal_in_place, "a copy for the just-in-time save heals nothing"
-        assert trainer.load() is None  # arms the just-in-time save (nothing to resume yet)
-        trainer.arm()  # the copy starts from the live state (staged and exchanged again)
+        for manager in (reference, survivors, alone):
+            assert manager.load() is None  # arms the just-in-time save (nothing to resume yet)
+            manager.arm()  # the copy starts from the live state (staged and exchanged again)
         copies.wait()
+        reference.save(final=True)  # collective: the reference
         dist.barrier()
-        for writer in (2, 0):  # rank 1 is lost again
+        # Rank 1 is lost: ranks 0 and 2 write what they hold, one after the other (a failure
+        # of the training thread, then a save from the healer's or a stop's thread).
+        for writer in (2, 0):
             if rank == writer:
-                outcome = trainer.save_just_in_time("peer died", deadline=time.monotonic() + 30)
-                assert outcome.saved, outcome
+                survivors.after_failure(RuntimeError("peer died"))
+                survivors.close(1.0)  # the teardown ended: no exit timer
             dist.barrier()
+        # Ranks 0 and 1 are lost: rank 2 alone (rank 1's copy was on rank 0).
+        if rank == 2:
+            alone.save_just_in_time("two peers died", deadline=time.monotonic() + 30)
+        dist.barrier()
         # The restart's resume (every rank, a model built afresh) reads every shard back.
         fresh = _model(WORLD)
         fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
@@ -142,7 +122,7 @@ def _worker(rank: int, store: str, out: str) -> None:
             env=env,
             seed=0,
         )
-        assert _trainer_manager(root / "trainer", env, restored).load() == STEPS
+        assert _manager(root / "survivors", env, restored).load() == STEPS
         for (name, got), want in zip(
             fresh.state_dict().items(), model.state_dict().values(), strict=True
         ):
@@ -195,26 +175,31 @@ def test_the_survivors_commit_every_shard_as_a_collective_save_would(written: Pa
     expected = ckpt.verify(written / "reference", STEPS)
     # The same layout: every tensor's global size and chunks (rank 1's rows included, from the
     # neighbour copy), so a resharded load at any world size reads it as it reads the reference.
-    assert _chunks(info.path) == _chunks(expected.path)
+    # The just-in-time marker (its writer) is the one entry a collective save does not hold.
+    jit = ("jit.",)
+    assert {k: v for k, v in _chunks(info.path).items() if not k.startswith(jit)} == _chunks(
+        expected.path
+    )
     saved, reference = sharded.read_full(info.path), sharded.read_full(expected.path)
-    assert saved.keys() == reference.keys()
     mine, theirs = _leaves(saved), _leaves(reference)
-    assert mine.keys() == theirs.keys()
+    assert {k for k in mine if not k.startswith(".jit.")} == theirs.keys()
     for name, value in theirs.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(mine[name], value), name  # type: ignore[arg-type]
         else:
             assert mine[name] == value, name
+    # What the resume reads besides the state (the CheckpointManager's payload).
+    assert {".step", ".world_size", ".format", ".fingerprint", ".rng.scheme"} <= mine.keys()
     assert int(saved["step"]) == STEPS
 
 
 def test_a_shard_lost_with_its_copy_is_no_checkpoint_and_is_named(written: Path) -> None:
     assert ckpt.iter_checkpoints(written / "alone") == []
-    # Rank 2 wrote its own shard and rank 0's (the copy it holds) of each step it holds (two
-    # generations); rank 1's is gone.
+    # Rank 2 wrote its own shard and rank 0's (the copy it holds) of the step it holds (the copy
+    # started again from step 2 when the save was armed); rank 1's is gone.
     folders = sorted((written / "alone").glob(".ckpt-*.dcp.tmp-*"))
-    assert [f.name.split(".")[1] for f in folders] == ["ckpt-000000000001", "ckpt-000000000002"]
-    assert sorted(p.name for p in folders[1].glob("rank-*.done")) == [
+    assert [f.name.split(".")[1] for f in folders] == ["ckpt-000000000002"]
+    assert sorted(p.name for p in folders[0].glob("rank-*.done")) == [
         "rank-0.done",
         "rank-2.done",
     ]
@@ -225,26 +210,6 @@ def test_a_shard_lost_with_its_copy_is_no_checkpoint_and_is_named(written: Path)
         "step(s) redone"
     )
     assert describe_incomplete(written / "survivors", STEPS) is None
-
-
-def test_the_trainers_route_commits_the_lost_ranks_shards_from_the_copy(written: Path) -> None:
-    # Without the copy the survivors wrote their own shards only, and no checkpoint counted.
-    assert ckpt.iter_checkpoints(written / "trainer") == [STEPS]
-    info = ckpt.verify(written / "trainer", STEPS)
-    assert info.manifest.jit and info.manifest.sharded and info.manifest.world_size == WORLD
-    # Rank 1's rows (from the copy) are where a collective save puts them, with its values.
-    expected = ckpt.verify(written / "reference", STEPS).path
-    shards = ("model.", "optimizer.")
-    got_chunks, want_chunks = _chunks(info.path), _chunks(expected)
-    assert {k: v for k, v in got_chunks.items() if k.startswith(shards)} == {
-        k: v for k, v in want_chunks.items() if k.startswith(shards)
-    }
-    got, want = _leaves(sharded.read_full(info.path)), _leaves(sharded.read_full(expected))
-    for name, value in want.items():
-        if name.startswith((".model.", ".optimizer.state.")):
-            assert isinstance(value, torch.Tensor) and torch.equal(got[name], value), name  # type: ignore[arg-type]
-    # What the Trainer's resume reads besides the state (its CheckpointManager's payload).
-    assert {".step", ".world_size", ".format", ".fingerprint", ".rng.scheme"} <= got.keys()
 
 
 @pytest.mark.parametrize(
