@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from elastic_trainer.heal.restore_plan import RestorePlan, ShardHolder
 from elastic_trainer.heal.state_transfer import TransferTally, share_state
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.state.local_shards import LAYOUT
 from elastic_trainer.state.reshard import Resharder, unsupported
-
-if TYPE_CHECKING:
-    from elastic_trainer.heal.sharded_restore import RestorePlan, ShardHolder
 
 log = logging.getLogger(__name__)
 
