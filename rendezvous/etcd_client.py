@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import queue
 import threading
 import time
 import weakref
@@ -587,7 +588,6 @@ def _watcher_class(etcd3: Any) -> type:
     cached = _WATCHER_CLASSES.get(id(etcd3))
     if cached is not None:
         return cached
-    import queue
 
     class BackoffWatcher(etcd3.watch.Watcher):  # type: ignore[name-defined,misc]
         _request_queue: queue.Queue[Any]

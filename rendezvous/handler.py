@@ -36,6 +36,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from rendezvous.etcd_backend import create_backend_from_settings
 from rendezvous.job_identity import claim_run, current_job_identity
+from rendezvous.lease_handler import create_lease_handler
 from rendezvous.settings import HANDLERS, RendezvousSettings, parse_settings
 
 __all__ = ["HANDLERS", "EtcdV3RendezvousHandler", "create_dynamic_handler", "create_handler"]
@@ -69,8 +70,6 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     settings = parse_settings(params)
     if settings.handler == "lease":
-        from rendezvous.lease_handler import create_lease_handler
-
         return create_lease_handler(settings)
     return create_dynamic_handler(settings)
 

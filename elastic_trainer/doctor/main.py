@@ -62,6 +62,7 @@ from elastic_trainer.doctor.report import (
 )
 from elastic_trainer.runtime import distributed
 from elastic_trainer.runtime.failures import UserError
+from elastic_trainer.runtime.process_exit import exit_process
 
 log = logging.getLogger(__name__)
 
@@ -627,6 +628,4 @@ def run_main() -> None:
     occasionally aborts there after a clean ``destroy_process_group``, which would turn a finished
     report into a failed rank). Everything is flushed first."""
     code = main()
-    from elastic_trainer.runtime.process_exit import exit_process
-
     exit_process(code)

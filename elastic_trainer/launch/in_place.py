@@ -50,6 +50,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
+    rendezvous_handler_registry,
 )
 
 from elastic_trainer.heal.membership import HealKeys
@@ -61,6 +62,8 @@ from elastic_trainer.runtime.settings import (
 from rendezvous import etcd_ops
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.lease_keeper import LeaseKeeper
+from rendezvous.plugin import create_rdzv_handler
+from rendezvous.settings import parse_settings
 from rendezvous.watch_hub import WatchHub
 
 log = logging.getLogger(__name__)
@@ -534,17 +537,11 @@ def etcd_connection_for(inner: RendezvousHandler, params: RendezvousParameters) 
     connection = getattr(inner, "connection", None)
     if isinstance(connection, EtcdConnection):
         return connection
-    from rendezvous.settings import parse_settings
-
     return EtcdConnection(parse_settings(params).client_config())
 
 
 def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
     """Register :data:`BACKEND_NAME` with torch: the ``etcd-v3`` handler, wrapped."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    from rendezvous.plugin import create_rdzv_handler
-    from rendezvous.settings import parse_settings
 
     def create(params: RendezvousParameters) -> RendezvousHandler:
         inner = create_rdzv_handler(params)

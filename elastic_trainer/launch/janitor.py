@@ -11,11 +11,14 @@ SIGINT/SIGTERM, and is stdlib-only. Design: ``docs/design/launcher.md``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -109,9 +112,6 @@ class OwnedDir:
     """
 
     def __init__(self, prefix: str, directory: str | os.PathLike[str] | None = None) -> None:
-        import fcntl
-        import tempfile
-
         self.path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=directory))
         self._fd: int | None = os.open(self.path / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: never contended
@@ -127,8 +127,6 @@ class OwnedDir:
 def _owner_alive(path: Path, pid: str) -> bool:
     """Whether the launcher that made ``path`` still runs: its :data:`OWNER_LOCK` is held, or,
     for a directory without one (made by an older launcher), its pid runs a process here."""
-    import fcntl
-
     try:
         fd = os.open(path / OWNER_LOCK, os.O_RDWR)
     except FileNotFoundError:
@@ -149,8 +147,6 @@ def sweep_stale(directory: str | os.PathLike[str] | None = None) -> list[Path]:
     default): those named ``<prefix><pid>-...`` (:data:`STALE_PREFIXES`) whose owner lock
     (:class:`OwnedDir`) nobody holds. Normally a launcher's janitor removes them when it ends;
     this is for a launcher killed together with its janitor. Returns what was removed."""
-    import tempfile
-
     base = Path(directory if directory is not None else tempfile.gettempdir())
     removed = []
     for prefix in STALE_PREFIXES:
@@ -224,8 +220,6 @@ class Janitor:
             with contextlib.suppress(BrokenPipeError):
                 self._proc.stdin.close()
         if self._proc.stdout is not None:
-            import selectors
-
             with selectors.DefaultSelector() as selector:
                 selector.register(self._proc.stdout, selectors.EVENT_READ)
                 selector.select(timeout)  # readable at end-of-file: the janitor finished

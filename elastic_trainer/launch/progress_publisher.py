@@ -24,12 +24,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic_trainer.metrics.progress import RateWindow, Snapshot, progress_view, samples_of
+from rendezvous.etcd_client import EtcdConnection
+from rendezvous.settings import parse_settings
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from elastic_trainer.launch.node_metrics import LauncherMetrics
-    from rendezvous.etcd_client import EtcdConnection
     from rendezvous.settings import RendezvousSettings
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,6 @@ class ProgressKeys:
 
         Raises:
             ValueError: a malformed parameter (``RendezvousConfigError``)."""
-        from rendezvous.settings import parse_settings
-
         return cls.from_settings(parse_settings(params))
 
 
@@ -247,8 +246,6 @@ class ProgressPublisher:
 
         Raises:
             ValueError: no endpoint in ``settings`` (``RendezvousConfigError``)."""
-        from rendezvous.etcd_client import EtcdConnection
-
         connection = EtcdConnection(settings.client_config())
         return cls(connection, ProgressKeys.from_settings(settings), metrics.registry, node=metrics.node,
                    interval_s=interval_s, error_ttl_s=settings.ttl, owns_connection=True)  # fmt: skip
@@ -265,8 +262,6 @@ class ProgressPublisher:
 
         Raises:
             ValueError: a malformed parameter (``RendezvousConfigError``, naming the key)."""
-        from rendezvous.settings import parse_settings
-
         return cls.from_settings(parse_settings(params), metrics, interval_s=interval_s)
 
     # -- launcher side ---------------------------------------------------------------------------

@@ -14,7 +14,11 @@ after one line; no worker outlives its client or the launcher. The client is std
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import ctypes
+import importlib
+import io
 import json
 import os
 import selectors
@@ -152,8 +156,6 @@ def cuda_driver_initialized(
              if "libcuda.so" in line and len(line.split(maxsplit=5)) == 6}  # fmt: skip
     if not paths:
         return False
-    import ctypes
-
     load = load or ctypes.CDLL
     asked = False
     for name in (
@@ -346,8 +348,6 @@ def _become_worker(
 
 def _reopen_stdio() -> None:
     """Fresh ``sys.std*`` over fds 0-2, unbuffered like ``python -u``."""
-    import io
-
     encoding = os.environ.get("PYTHONIOENCODING", "").split(":")[0] or None
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=encoding)
     sys.stdout = io.TextIOWrapper(
@@ -386,8 +386,6 @@ def _apply_thread_settings() -> None:
 
 def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
     """The server's main: preload, then fork workers on request until the launcher goes away."""
-    import importlib
-
     # torch.cuda.is_available() asks NVML instead of initialising the driver, should a preloaded
     # module call it (the workers take their clients' environments, so this stays here).
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -466,8 +464,6 @@ def _wait_for_eof(fd: int) -> None:
 
 
 def _remove(directory: Path) -> None:
-    import shutil
-
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -729,8 +725,6 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["serve"]:
-        import argparse
-
         parser = argparse.ArgumentParser(prog="elastic_trainer.launch.warm_start serve")
         parser.add_argument("--dir", required=True, type=Path)
         parser.add_argument("--parent-fd", required=True, type=int)

@@ -26,7 +26,9 @@ import argparse
 import contextlib
 import os
 import re
+import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,6 +44,7 @@ from elastic_trainer.runtime.sample_log import (
     generations,
     read_records,
 )
+from rendezvous.etcd_server import EtcdServer, free_port
 
 PROG = "elastic-trainer demo"
 SHOWN = (
@@ -318,13 +321,9 @@ class Demo:
 
     # -- the scenario -------------------------------------------------------------------------------
     def run(self) -> int:
-        from rendezvous.etcd_server import EtcdServer
-
         s = self.settings
         for sub in (self.samples, self.checkpoints, self.logs):
             if sub.exists():
-                import shutil
-
                 shutil.rmtree(sub)
             sub.mkdir(parents=True)
         ports = _ports(s.metrics_port)
@@ -397,8 +396,6 @@ class Demo:
         finally:
             self.stop_all()
             etcd.stop()
-            import shutil
-
             shutil.rmtree(self.dir / "etcd", ignore_errors=True)
 
     def summary(self, code: int, ports: Sequence[int]) -> None:
@@ -436,8 +433,6 @@ def _ports(first: int) -> tuple[int, int]:
     """Node a's and b's metrics ports: ``first`` and the next, or free ones if those are taken."""
     if first == 0:
         return 0, 0
-    from rendezvous.etcd_server import free_port
-
     wanted = (first, first + 1)
     if all(_port_free(port) for port in wanted):
         return wanted
@@ -445,8 +440,6 @@ def _ports(first: int) -> tuple[int, int]:
 
 
 def _port_free(port: int) -> bool:
-    import socket
-
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", port))

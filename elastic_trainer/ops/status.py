@@ -18,18 +18,32 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+
+from elastic_trainer.checkpoint.files import find_latest
+from elastic_trainer.heal.membership import HealKeys
+from elastic_trainer.heal.protocol import NO_STATE, Epoch, ProtocolError
 from elastic_trainer.launch.options import UserError
+from elastic_trainer.launch.progress_publisher import (
+    ErrorRecord,
+    ProgressKeys,
+    ProgressRecord,
+    read_progress,
+)
 from elastic_trainer.metrics.node_name import node_name
 from elastic_trainer.metrics.progress import eta_seconds, format_duration
 from elastic_trainer.runtime import torch_compat
 from elastic_trainer.runtime.torch_compat import DynamicNode, DynamicState
-
-if TYPE_CHECKING:  # imported where used: they pull in torch and etcd3
-    from elastic_trainer.launch.progress_publisher import ErrorRecord, ProgressRecord
-    from rendezvous.etcd_client import EtcdConnection
-    from rendezvous.lease_handler import RunKeys, Snapshot
+from rendezvous import etcd_ops
+from rendezvous.etcd_backend import EtcdV3RendezvousBackend, client_config_from_params
+from rendezvous.etcd_client import EtcdConnection, quiet_retries
+from rendezvous.lease_handler import NodeInfo, RunKeys, Snapshot, read_snapshot
 
 
 def _node(node: DynamicNode) -> dict[str, Any]:
@@ -73,8 +87,6 @@ def _lease_node(node: str, value: bytes | None) -> dict[str, Any]:
     A node whose key is gone (its lease expired) or holds no valid value has only its id; the
     lease handler builds ids as ``ADDR_PID_SUFFIX``, so they are read from it as a best effort.
     """
-    from rendezvous.lease_handler import NodeInfo
-
     info = NodeInfo.decode(value)
     if info is not None:
         return {
@@ -124,8 +136,6 @@ LEASE_READERS = 16
 
 def _read_lease_status(connection: EtcdConnection, keys: RunKeys) -> dict[str, Any] | None:
     """The lease handler's view of the run at ``keys``; ``None`` if it has no state there."""
-    from rendezvous.lease_handler import read_snapshot
-
     snapshot = read_snapshot(connection, keys)
     if snapshot.state is None:
         return None
@@ -145,8 +155,6 @@ def _read_lease_status(connection: EtcdConnection, keys: RunKeys) -> dict[str, A
 
 
 def newest_checkpoint(directory: str) -> dict[str, Any] | None:
-    from elastic_trainer.checkpoint.files import find_latest
-
     path = Path(directory)
     if not path.is_dir():
         raise UserError(f"--checkpoint-dir {directory}: not a directory")
@@ -207,8 +215,6 @@ def describe_heal_epoch(raw: bytes | None) -> dict[str, Any] | None:
     """A JSON-ready view of a job's in-place membership (``elastic_trainer.heal``): after its
     first rendezvous the members and their ranks are the workers' epochs, not the rendezvous
     round's (which stays as torch left it). ``None``: no epoch, or an unreadable one."""
-    from elastic_trainer.heal.protocol import NO_STATE, Epoch, ProtocolError
-
     if raw is None:
         return None
     try:
@@ -249,17 +255,6 @@ def read_status(
     Raises:
         UserError: bad endpoint or settings, unreachable etcd, unreadable state.
     """
-    from torch.distributed.elastic.rendezvous import (
-        RendezvousConnectionError,
-        RendezvousParameters,
-        RendezvousStateError,
-    )
-
-    from elastic_trainer.launch.progress_publisher import ProgressKeys, read_progress
-    from rendezvous.etcd_backend import EtcdV3RendezvousBackend, client_config_from_params
-    from rendezvous.etcd_client import EtcdConnection, quiet_retries
-    from rendezvous.lease_handler import RunKeys
-
     params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **rdzv_conf)
     try:
         keys = RunKeys.from_params(params)
@@ -306,9 +301,6 @@ def read_status(
 
 
 def _read_heal_epoch(connection: EtcdConnection, run_id: str) -> bytes | None:
-    from elastic_trainer.heal.membership import HealKeys
-    from rendezvous import etcd_ops
-
     response = etcd_ops.get_range(
         connection, HealKeys.of(run_id).epoch, what="reading the heal epoch"
     )

@@ -25,7 +25,9 @@ import select
 import shutil
 import signal
 import sys
+import termios
 import time
+import tty
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -37,6 +39,7 @@ from typing import IO, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic_trainer.launch.options import UserError
 from elastic_trainer.metrics.progress import (
     ProgressView,
     RateWindow,
@@ -268,9 +271,6 @@ def _keys(stdin: IO[str] | None) -> Iterator[int | None]:
     if stdin is None or not stdin.isatty():
         yield None
         return
-    import termios
-    import tty
-
     fd = stdin.fileno()
     saved = termios.tcgetattr(fd)
     tty.setcbreak(fd)
@@ -417,7 +417,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def finished_step(endpoint: str, run_id: str) -> int | None:
     """The step a job that heals in place finished at, from its etcd (``None``: running, unknown,
     or etcd unreachable: top then shows what its endpoints show)."""
-    from elastic_trainer.launch.options import UserError
     from elastic_trainer.ops.status import read_status
 
     try:
