@@ -52,6 +52,8 @@ from elastic_trainer.checkpoint import sharded, sharded_jit
 from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.jit import SAVE_TIMEOUT_S, ExitTimer, JitCheckpointer, JitOutcome
 from elastic_trainer.checkpoint.staging import StagingBuffers
+from elastic_trainer.heal.restore_plan import RESTORE
+from elastic_trainer.heal.sharded_restore import resume_sharded
 from elastic_trainer.runtime import rng
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
@@ -175,16 +177,34 @@ class CheckpointManager:
         return self.directory is not None and step % self.config.every == 0
 
     # -- resume --------------------------------------------------------------------------------------
-    def load(self) -> int | None:
-        """Collective: restore the newest good checkpoint of this job, if any; returns its step.
+    def load(self, initial: Mapping[str, Any] | None = None) -> int | None:
+        """Collective: restore the state this attempt goes on from; returns its step (``None``:
+        none, start from scratch). Also sets up the just-in-time save.
 
-        Rank 0 chooses (and decides, for every rank, whether to save just in time), every rank
-        loads the same file onto its own device. Also arms the just-in-time save.
+        Without ``initial``: the newest good checkpoint of this job (rank 0 chooses, and decides
+        for every rank whether to save just in time; every rank loads the same checkpoint onto
+        its own device, a sharded one resharded onto this world). With ``initial``, a heal's
+        state (``Attempt.initial_state``): a peer's payload, restored with no file and no
+        collective; or for a sharded state ``{RESTORE: plan, "payload": ...}``, this rank's
+        shards as the heal gathered them, else (no copy of every shard survived) the newest
+        checkpoint, and rank 0 says in one line how many steps are redone
+        (``heal.sharded_restore.resume_sharded``).
 
         Raises:
             CheckpointMismatchError: the directory holds another job's checkpoints.
             CheckpointError: the directory cannot be used.
         """
+        if initial is None:
+            return self._load_newest()
+        if RESTORE in initial:
+            resume_sharded(
+                initial, restore=self._restore, load=self._load_newest, rank=self.env.rank
+            )
+            return self.resumed_from
+        return self._restore(initial)
+
+    def _load_newest(self) -> int | None:
+        """:meth:`load` of the newest good checkpoint."""
         env = self.env
         decision: list[Any] = [None, self._jit_wanted()]
         if self.directory is not None and env.is_rank0:
@@ -256,11 +276,10 @@ class CheckpointManager:
         payload["jit"] = sharded_jit.written_just_in_time(path)  # for the resume line
         return payload
 
-    def restore(self, state: Mapping[str, Any]) -> int:
-        """Continue from ``state``, a peer's payload (``TrainingState.peer_snapshot``, on this rank's device),
-        or for a sharded state this rank's own shards as a heal in place gathered them
-        (``ShardedState.local_state``): no file, no collective. Also arms the just-in-time save.
-        Returns the step."""
+    def _restore(self, state: Mapping[str, Any]) -> int:
+        """Continue from ``state``, a peer's payload (``TrainingState.peer_snapshot``, on this
+        rank's device), or for a sharded state this rank's own shards as a heal in place gathered
+        them (``ShardedState.local_state``): no file, no collective. Returns the step."""
         if self.state.sharded is not None:
             self.state.load_local_state(state)
         else:

@@ -8,31 +8,30 @@
     elastic-trainer checkpoint export ./ckpt model.pt    # one plain file of the full model
     ... -m elastic_trainer.examples.sharded_lm --api trainer --max-steps 200 --checkpoint-dir ./ckpt
 
-Every transformer block and the whole model are sharded with ``fully_shard`` over all ranks;
-each rank holds, saves and loads only its own shards (``ShardedState``:
-``get_state_dict``/``set_state_dict``; ``ShardedCheckpointManager``: sharded DCP checkpoints,
-asynchronous by default). A restart, at the same or another world size, resumes from the newest
-checkpoint resharded onto the new world: the model, AdamW's state, the sampler's cursor and the
-step. Dropout draws from generators reseeded per ``(seed, rank, step)``, so a run restarted after
-a fault ends bitwise equal to one without the fault that went through the same world sizes, and
-every sample of an epoch is trained exactly once (``--record-samples`` writes the audit log).
-Under plain torchrun a worker SIGKILL costs no step: the survivors write every shard they hold,
-the dead rank's from its neighbour's host copy, as a just-in-time checkpoint of the last completed
-step (a SIGTERM does the same; the ``Trainer`` stops gracefully instead), and the restart resumes
-from it, on either ``--api``.
-Under ``elastic-trainer run`` a worker fault heals in place: the survivors keep their processes,
-and the lost rank's shard comes from its neighbour's host copy (``--shard-copy-every``, default
-every step; ``--replicas 2`` shards over a replicate x shard mesh, HSDP, where the replica is the
-copy, ``--api loop`` only); when no copy survived, every rank resumes from the newest
-checkpoint, resharded. A node lost for good or joining (``--nnodes 1:N``) changes the world size:
-the shards in memory are resharded onto it in place. Both routes heal so: the ``Trainer``
-builds and shards the model again on the healed group.
+Every transformer block and the whole model are sharded with ``fully_shard`` over all ranks
+(``--replicas 2``: HSDP over a replicate x shard mesh); each rank holds, saves and loads only its
+own shards (the state owner sees the DTensors; the one ``CheckpointManager`` writes sharded DCP
+checkpoints, asynchronously by default). A restart, at the same or another world size, resumes
+from the newest checkpoint resharded onto the new world: the model, AdamW's state, the sampler's
+cursor and the step. Every step's random numbers (dropout) are a function of ``(seed, rank,
+step)``, so a run restarted after a fault ends bitwise equal to one without the fault that went
+through the same world sizes, and every sample of an epoch is trained exactly once
+(``--record-samples`` writes the audit log). Under plain torchrun a worker SIGKILL costs at most
+one step: the survivors write every shard they hold, the dead rank's from its neighbour's host
+copy, as a just-in-time checkpoint of the last completed step; a SIGTERM stops every rank after
+the same step, with a final checkpoint. Under ``elastic-trainer run`` a worker fault heals in
+place: the survivors keep their processes, the model is built and sharded again on the healed
+group, and the lost rank's shard comes from its neighbour's host copy (``--shard-copy-every``,
+default every step; with HSDP from its replica); when no copy survived, every rank resumes from
+the newest checkpoint, resharded. A node lost for good or joining (``--nnodes 1:N``) changes the
+world size: the shards in memory are resharded onto it in place.
 
-``--api loop`` (the default) is the hand-written loop below, on ``ShardedState`` and
-``ShardedCheckpointManager``; ``--api trainer`` trains the same model with the runtime's
-``Trainer`` and ``TrainerConfig(fsdp=FSDPOptions(...))`` (``--fsdp-blocks``,
-``--fsdp-mixed-precision``, ``--no-reshard-after-forward``): the Trainer shards it, and adds the
-graceful SIGTERM stop with its final sharded checkpoint, metrics and progress lines.
+``--api loop`` (the default) is a loop of your own on ``Elastic`` (``with ElasticGroup() as
+group:``, ``Elastic(..., group=group, rebuild=build)``: ``docs/own-loop.md``, "A model you shard
+yourself"); ``--api trainer`` trains the same model with the runtime's ``Trainer`` and
+``TrainerConfig(fsdp=FSDPOptions(...))`` (``--fsdp-blocks``, ``--fsdp-mixed-precision``,
+``--no-reshard-after-forward``; with ``--replicas`` the model factory shards over the HSDP mesh
+itself). Both import only from the package root.
 """
 
 from __future__ import annotations

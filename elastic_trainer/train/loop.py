@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.checkpoint.manager import CheckpointManager
-from elastic_trainer.heal.sharded_restore import RESTORE, resume_sharded
 from elastic_trainer.runtime import failures, heartbeat, rng
 from elastic_trainer.runtime.comms import WorkerComms
 from elastic_trainer.runtime.distributed import DistEnv
@@ -284,17 +283,8 @@ class ElasticLoop:
             if self.heals_in_place:
                 self.state.serve_peers()
             if self._initial_state is not None:
-                if (
-                    RESTORE in self._initial_state
-                ):  # sharded: this rank's shards, else the checkpoint
-                    resume_sharded(
-                        self._initial_state,
-                        restore=self.checkpoints.restore,
-                        load=self.checkpoints.load,
-                        rank=self.env.rank,
-                    )
-                else:
-                    self.checkpoints.restore(self._initial_state)
+                # A peer's payload; sharded: this rank's shards, else the newest checkpoint.
+                self.checkpoints.load(self._initial_state)
                 self._initial_state, self.state_source = None, "peer"
                 # Every member restored the same payload: one small allreduce proves they hold
                 # the same state (a load_state_dict that restores less than it saves would not).
