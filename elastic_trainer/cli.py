@@ -85,17 +85,23 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    formatter = argparse.RawDescriptionHelpFormatter
     parser = OneLineArgumentParser(
         prog=PROG,
         description="Fault-tolerant, elastic PyTorch DDP training.",
-        formatter_class=formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(
         dest="command", required=True, parser_class=OneLineArgumentParser
     )
+    for add in (_add_run, _add_status, _add_top, _add_doctor, _add_demo, _add_checkpoint):
+        add(commands)
+    return parser
 
+
+def _add_run(commands: Any) -> None:
+    """``run``: the launcher's options, the target and its arguments."""
+    formatter = argparse.RawDescriptionHelpFormatter
     run = commands.add_parser(
         "run",
         help="launch a training job elastically",
@@ -114,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
         "target", nargs=argparse.REMAINDER, metavar="SCRIPT|ARGS", help="script and its arguments"
     )
 
+
+def _add_status(commands: Any) -> None:
+    """``status``: where the run's etcd is and what to show."""
+    formatter = argparse.RawDescriptionHelpFormatter
     status = commands.add_parser(
         "status",
         help="show a run's rendezvous from etcd",
@@ -132,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print JSON")
 
+
+def _add_top(commands: Any) -> None:
+    """``top``: its options are :mod:`elastic_trainer.ops.top`'s."""
+    formatter = argparse.RawDescriptionHelpFormatter
     top = commands.add_parser(
         "top",
         help="live view of a job from its nodes' metrics endpoints",
@@ -140,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     top_view.add_arguments(top)
 
+
+def _add_doctor(commands: Any) -> None:
+    """``doctor``: the launcher's options, then the doctor's own."""
+    formatter = argparse.RawDescriptionHelpFormatter
     doctor = commands.add_parser(
         "doctor",
         help="check the distributed setup on every rank",
@@ -149,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_options(doctor)
     doctor.add_argument("doctor_args", nargs=argparse.REMAINDER, metavar="-- DOCTOR-ARGS")
 
+
+def _add_demo(commands: Any) -> None:
+    """``demo``: its options are its own parser's (:mod:`elastic_trainer.ops.demo`)."""
+    formatter = argparse.RawDescriptionHelpFormatter
     demo = commands.add_parser(
         "demo",
         help="watch a two-node job heal from real faults (about 90 s)",
@@ -164,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="--max-steps N, --throttle-ms MS, --dir DIR, --metrics-port PORT, --sharded",
     )
 
+
+def _add_checkpoint(commands: Any) -> None:
+    """``checkpoint list|verify|inspect|export``."""
+    formatter = argparse.RawDescriptionHelpFormatter
     checkpoint = commands.add_parser(
         "checkpoint",
         help="list, verify, inspect or export checkpoints",
@@ -199,7 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT.pt",
         help="torch.load(OUT.pt, weights_only=True)['model'] is a full state dict",
     )
-    return parser
 
 
 def _launch_values(args: argparse.Namespace) -> dict[str, Any]:

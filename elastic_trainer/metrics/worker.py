@@ -147,34 +147,53 @@ class _LazyChild:
         self._child.set(value)
 
 
+class _Metric:
+    """Makes one worker's metric children in ``registry``: by rank (four label values) or by node."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def counter(self, name: str, doc: str, values: Sequence[str]) -> Any:
+        names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+        return Counter(PREFIX + name, doc, names, registry=self.registry).labels(*values)
+
+    def histogram(
+        self, name: str, doc: str, values: Sequence[str], buckets: Sequence[float]
+    ) -> Any:
+        names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+        made = Histogram(PREFIX + name, doc, names, registry=self.registry, buckets=buckets)
+        return made.labels(*values)
+
+    def gauge(
+        self, name: str, doc: str, values: Sequence[str], mode: str, lazy: bool = False
+    ) -> Any:
+        names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+        parent = Gauge(
+            PREFIX + name,
+            doc,
+            names,
+            registry=self.registry,
+            multiprocess_mode=mode,  # type: ignore[arg-type]
+        )
+        return _LazyChild(parent, values) if lazy else parent.labels(*values)
+
+
 class _WorkerMetrics:
     """The metric objects of one worker, bound to its labels."""
 
     def __init__(self, registry: CollectorRegistry, labels: WorkerLabels) -> None:
         node = (labels.run_id, labels.node)
         rank = (*node, str(labels.rank), str(labels.local_rank))
+        metric = _Metric(registry)
+        self._step_metrics(metric, node, rank)
+        self._allreduce_metrics(metric, node, rank)
+        self.world_size = metric.gauge(
+            "world_size", "Ranks in the current world.", node, "livemostrecent"
+        )
+        self._checkpoint_metrics(metric, node, rank)
 
-        def counter(name: str, doc: str, values: Sequence[str]) -> Any:
-            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
-            return Counter(PREFIX + name, doc, names, registry=registry).labels(*values)
-
-        def histogram(name: str, doc: str, values: Sequence[str], buckets: Sequence[float]) -> Any:
-            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
-            return Histogram(PREFIX + name, doc, names, registry=registry, buckets=buckets).labels(
-                *values
-            )
-
-        def gauge(name: str, doc: str, values: Sequence[str], mode: str, lazy: bool = False) -> Any:
-            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
-            parent = Gauge(
-                PREFIX + name,
-                doc,
-                names,
-                registry=registry,
-                multiprocess_mode=mode,  # type: ignore[arg-type]
-            )
-            return _LazyChild(parent, values) if lazy else parent.labels(*values)
-
+    def _step_metrics(self, metric: _Metric, node: Sequence[str], rank: Sequence[str]) -> None:
+        counter, histogram, gauge = metric.counter, metric.histogram, metric.gauge
         self.samples = counter("samples", "Samples this rank trained on.", rank)
         self.tokens = counter("tokens", "Tokens this rank trained on.", rank)
         self.step_duration = histogram(
@@ -221,6 +240,9 @@ class _WorkerMetrics:
             "livemostrecent",
             lazy=True,
         )
+
+    def _allreduce_metrics(self, metric: _Metric, node: Sequence[str], rank: Sequence[str]) -> None:
+        counter, histogram, gauge = metric.counter, metric.histogram, metric.gauge
         self.allreduce_duration = histogram(
             "allreduce_duration_seconds",
             "Allreduce time of DDP's gradient buckets: one sampled backward's span, all buckets "
@@ -242,7 +264,11 @@ class _WorkerMetrics:
             rank,
             "livemostrecent",
         )
-        self.world_size = gauge("world_size", "Ranks in the current world.", node, "livemostrecent")
+
+    def _checkpoint_metrics(
+        self, metric: _Metric, node: Sequence[str], rank: Sequence[str]
+    ) -> None:
+        counter, histogram, gauge = metric.counter, metric.histogram, metric.gauge
         self.checkpoint_save_duration = histogram(
             "checkpoint_save_duration_seconds",
             "Training stall to write one checkpoint.",
