@@ -137,116 +137,117 @@ def _merge_one(name: str, per_rank: list[tuple[int, CheckResult]]) -> CheckResul
     return CheckResult(name=name, status=status, detail=detail, data=data)
 
 
-def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
-    """Problems visible only when ranks are compared; each names the check it belongs to."""
-    findings: list[CheckResult] = []
-    facts = [(r.rank, r.facts) for r in reports]
-    env = [(rank, f.get("env", {})) for rank, f in facts]
+def _differs(var: str, values: Sequence[tuple[int, Any]]) -> str | None:
+    """``var differs between ranks: ...`` when the ranks' ``values`` are not all the same."""
+    seen = Counter(v for _, v in values)
+    if len(seen) <= 1:
+        return None
+    shown = ", ".join(f"{v!r} on {_ranks_text([r for r, x in values if x == v])}" for v in seen)
+    return f"{var} differs between ranks: {shown}"
 
-    def ints(var: str) -> list[tuple[int, int]]:
-        out = []
-        for rank, values in env:
-            with contextlib.suppress(TypeError, ValueError):
-                out.append((rank, int(values.get(var))))
-        return out
 
-    def differs(var: str, values: list[tuple[int, Any]]) -> str | None:
-        seen = Counter(v for _, v in values)
-        if len(seen) <= 1:
-            return None
-        shown = ", ".join(f"{v!r} on {_ranks_text([r for r, x in values if x == v])}" for v in seen)
-        return f"{var} differs between ranks: {shown}"
+def _env_ints(env: Sequence[tuple[int, Any]], var: str) -> list[tuple[int, int]]:
+    """``(rank, int(value))`` of ``var`` on every rank where it is a number."""
+    out = []
+    for rank, values in env:
+        with contextlib.suppress(TypeError, ValueError):
+            out.append((rank, int(values.get(var))))
+    return out
 
-    env_problems: list[str] = []
-    n = len(reports)
-    ranks = ints("RANK")
+
+def _env_problems(env: Sequence[tuple[int, Any]]) -> list[str]:
+    """What the ranks' torchrun variables say together that none says alone."""
+    problems: list[str] = []
+    n = len(env)
+    ranks = _env_ints(env, "RANK")
     duplicated = sorted(v for v, count in Counter(v for _, v in ranks).items() if count > 1)
     if duplicated:
-        env_problems.append(f"RANK {','.join(map(str, duplicated))} used by more than one process")
+        problems.append(f"RANK {','.join(map(str, duplicated))} used by more than one process")
     if len(ranks) == n and not duplicated and sorted(v for _, v in ranks) != list(range(n)):
-        env_problems.append(f"RANKs {sorted(v for _, v in ranks)} are not 0..{n - 1}")
+        problems.append(f"RANKs {sorted(v for _, v in ranks)} are not 0..{n - 1}")
     for var in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
-        problem = differs(var, [(rank, values.get(var)) for rank, values in env])
+        problem = _differs(var, [(rank, values.get(var)) for rank, values in env])
         if problem:
-            env_problems.append(problem)
-    world = ints("WORLD_SIZE")
+            problems.append(problem)
+    world = _env_ints(env, "WORLD_SIZE")
     if world and all(v == world[0][1] for _, v in world) and world[0][1] != n:
-        env_problems.append(f"WORLD_SIZE={world[0][1]} but {n} ranks joined")
-    groups = ints("GROUP_RANK")
-    locals_ = dict(ints("LOCAL_RANK"))
+        problems.append(f"WORLD_SIZE={world[0][1]} but {n} ranks joined")
+    return problems + _node_problems(env)
+
+
+def _node_problems(env: Sequence[tuple[int, Any]]) -> list[str]:
+    """Each node's ranks: no GROUP_RANK/LOCAL_RANK pair twice, as many as LOCAL_WORLD_SIZE says."""
+    problems: list[str] = []
+    groups = _env_ints(env, "GROUP_RANK")
+    locals_ = dict(_env_ints(env, "LOCAL_RANK"))
     pairs = Counter((g, locals_.get(rank)) for rank, g in groups)
     clashes = sorted(
         f"{g}/{lr}" for (g, lr), count in pairs.items() if count > 1 and lr is not None
     )
     if clashes:
-        env_problems.append(
-            f"GROUP_RANK/LOCAL_RANK {', '.join(clashes)} used by more than one process"
-        )
-    lws = dict(ints("LOCAL_WORLD_SIZE"))
+        problems.append(f"GROUP_RANK/LOCAL_RANK {', '.join(clashes)} used by more than one process")
+    lws = dict(_env_ints(env, "LOCAL_WORLD_SIZE"))
     per_group = Counter(g for _, g in groups)
     for group, count in sorted(per_group.items()):
         declared = {lws[rank] for rank, g in groups if g == group and rank in lws}
         if len(declared) == 1 and (expected := declared.pop()) != count:
-            env_problems.append(
+            problems.append(
                 f"node GROUP_RANK={group} has {count} ranks but LOCAL_WORLD_SIZE={expected}"
             )
-    if env_problems:
-        findings.append(CheckResult(name="env", status=FAIL, detail="; ".join(env_problems)))
+    return problems
 
-    versions = [
-        problem
-        for problem in (
-            differs("torch version", [(rank, f.get("torch_version")) for rank, f in facts]),
-            differs("NCCL version", [(rank, f.get("nccl_version")) for rank, f in facts]),
-        )
-        if problem
-    ]
-    if versions:
-        findings.append(
-            CheckResult(
-                name="backend",
-                status=WARN,
-                detail="; ".join(versions) + ": install the same build on every node",
-            )
-        )
 
+def _shared_devices(reports: Sequence[RankReport]) -> list[str]:
+    """Ranks on one host that use the same CUDA device."""
     cuda = [(r.rank, (r.host, r.device)) for r in reports if r.device.startswith("cuda")]
     shared = [
         (key, [rank for rank, k in cuda if k == key])
         for key, count in Counter(k for _, k in cuda).items()
         if count > 1
     ]
-    if shared:
-        findings.append(
-            CheckResult(
-                name="devices",
-                status=FAIL,
-                detail="; ".join(
-                    f"{_ranks_text(ranks)} share {device} on {host} (device must be cuda:LOCAL_RANK)"
-                    for (host, device), ranks in shared
-                ),
-            )
-        )
+    return [
+        f"{_ranks_text(ranks)} share {device} on {host} (device must be cuda:LOCAL_RANK)"
+        for (host, device), ranks in shared
+    ]
 
-    timeout_vars = (
-        ENV_PG_TIMEOUT_S,
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-        "TORCH_NCCL_BLOCKING_WAIT",
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
-    )
+
+_TIMEOUT_VARS = (
+    ENV_PG_TIMEOUT_S,
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+)
+
+
+def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
+    """Problems visible only when ranks are compared; each names the check it belongs to."""
+    facts = [(r.rank, r.facts) for r in reports]
+    env_problems = _env_problems([(rank, f.get("env", {})) for rank, f in facts])
+    versions = [
+        problem
+        for problem in (
+            _differs("torch version", [(rank, f.get("torch_version")) for rank, f in facts]),
+            _differs("NCCL version", [(rank, f.get("nccl_version")) for rank, f in facts]),
+        )
+        if problem
+    ]
+    shared = _shared_devices(reports)
     timeouts = [
         p
-        for var in timeout_vars
-        if (p := differs(var, [(rank, f.get("timeouts_env", {}).get(var)) for rank, f in facts]))
+        for var in _TIMEOUT_VARS
+        if (p := _differs(var, [(rank, f.get("timeouts_env", {}).get(var)) for rank, f in facts]))
     ]
+    findings: list[CheckResult] = []
+    if env_problems:
+        findings.append(CheckResult(name="env", status=FAIL, detail="; ".join(env_problems)))
+    if versions:
+        detail = "; ".join(versions) + ": install the same build on every node"
+        findings.append(CheckResult(name="backend", status=WARN, detail=detail))
+    if shared:
+        findings.append(CheckResult(name="devices", status=FAIL, detail="; ".join(shared)))
     if timeouts:
-        findings.append(
-            CheckResult(
-                name="timeouts",
-                status=WARN,
-                detail="; ".join(timeouts) + ": set the same values on every node",
-            )
-        )
+        detail = "; ".join(timeouts) + ": set the same values on every node"
+        findings.append(CheckResult(name="timeouts", status=WARN, detail=detail))
     return findings
 
 
