@@ -358,6 +358,68 @@ def _quiet(logger: logging.Logger) -> Iterator[None]:
         logger.setLevel(previous)
 
 
+def _error_handling_warnings(effective: Mapping[str, str]) -> list[str]:
+    """What the NCCL error-handling variables in effect get wrong (a hang instead of an exit)."""
+    warnings: list[str] = []
+    async_mode = effective.get(distributed.NCCL_ASYNC_ERROR_HANDLING, "1").strip()
+    blocking = effective.get(distributed.NCCL_BLOCKING_WAIT, "0").strip()
+    if async_mode not in ("0", "1", "2", "3"):
+        warnings.append(
+            f"{distributed.NCCL_ASYNC_ERROR_HANDLING}={async_mode!r} is not one of 0..3"
+        )
+    elif async_mode == "0" and blocking != "1":
+        warnings.append(
+            f"{distributed.NCCL_ASYNC_ERROR_HANDLING}=0 without {distributed.NCCL_BLOCKING_WAIT}=1: "
+            "a failed or timed-out NCCL collective hangs the rank instead of ending it, so torchrun "
+            "never restarts the group (use 1, the runtime's default)"
+        )
+    if blocking == "1":
+        warnings.append(
+            f"{distributed.NCCL_BLOCKING_WAIT}=1: the CPU waits for every collective (no overlap of "
+            f"communication with compute); the runtime relies on {distributed.NCCL_ASYNC_ERROR_HANDLING}=1"
+        )
+    return warnings
+
+
+def _deprecated_names(environ: Mapping[str, str]) -> list[str]:
+    """Variables under a deprecated name, or one nothing reads."""
+    warnings: list[str] = []
+    for legacy in ("NCCL_ASYNC_ERROR_HANDLING", "NCCL_BLOCKING_WAIT"):
+        if legacy in environ:
+            modern = "TORCH_" + legacy
+            clash = (
+                f" and disagrees with {modern}={environ[modern]!r}, which wins"
+                if (modern in environ and environ[modern] != environ[legacy])
+                else ""
+            )
+            warnings.append(f"{legacy} is the deprecated name of {modern}{clash}")
+    if "NCCL_TIMEOUT" in environ:
+        warnings.append(
+            f"NCCL_TIMEOUT is read by neither NCCL nor PyTorch: the collective timeout is "
+            f"{ENV_PG_TIMEOUT_S}"
+        )
+    return warnings
+
+
+def _unmatched_interfaces(
+    environ: Mapping[str, str], interfaces: Sequence[str] | None
+) -> list[str]:
+    """Socket interface variables that match no interface of this host."""
+    warnings: list[str] = []
+    for variable, exact in (("NCCL_SOCKET_IFNAME", False), ("GLOO_SOCKET_IFNAME", True)):
+        spec = environ.get(variable, "").strip()
+        if spec and interfaces is not None:
+            chosen = interface_matches(
+                ("=" + spec) if exact and not spec.startswith("=") else spec, interfaces
+            )
+            if not chosen:
+                warnings.append(
+                    f"{variable}={spec!r} matches no interface of this host "
+                    f"({', '.join(interfaces) or 'none'}): its backend cannot connect"
+                )
+    return warnings
+
+
 def check_timeouts(environ: Mapping[str, str], *, interfaces: Sequence[str] | None) -> CheckResult:
     """The collective timeout and the NCCL error-handling variables a training run would use
     agree: a failed rank ends in an exit (not a hang), and the heartbeat monitor never fires
@@ -388,24 +450,8 @@ def check_timeouts(environ: Mapping[str, str], *, interfaces: Sequence[str] | No
     data.update(
         {"pg_timeout_s": pg_timeout, "effective": {n: effective.get(n) for n in TIMEOUT_ENV}}
     )
-    warnings: list[str] = []
+    warnings = _error_handling_warnings(effective)
     async_mode = effective.get(distributed.NCCL_ASYNC_ERROR_HANDLING, "1").strip()
-    blocking = effective.get(distributed.NCCL_BLOCKING_WAIT, "0").strip()
-    if async_mode not in ("0", "1", "2", "3"):
-        warnings.append(
-            f"{distributed.NCCL_ASYNC_ERROR_HANDLING}={async_mode!r} is not one of 0..3"
-        )
-    elif async_mode == "0" and blocking != "1":
-        warnings.append(
-            f"{distributed.NCCL_ASYNC_ERROR_HANDLING}=0 without {distributed.NCCL_BLOCKING_WAIT}=1: "
-            "a failed or timed-out NCCL collective hangs the rank instead of ending it, so torchrun "
-            "never restarts the group (use 1, the runtime's default)"
-        )
-    if blocking == "1":
-        warnings.append(
-            f"{distributed.NCCL_BLOCKING_WAIT}=1: the CPU waits for every collective (no overlap of "
-            f"communication with compute); the runtime relies on {distributed.NCCL_ASYNC_ERROR_HANDLING}=1"
-        )
     monitoring = effective.get(distributed.NCCL_ENABLE_MONITORING, "1").strip()
     heartbeat_raw = effective.get(distributed.NCCL_HEARTBEAT_TIMEOUT_SEC, "").strip()
     heartbeat: int | None = None
@@ -421,31 +467,7 @@ def check_timeouts(environ: Mapping[str, str], *, interfaces: Sequence[str] | No
             f"{pg_timeout:g} s ({source}): the heartbeat monitor may abort a rank before a slow "
             "collective would have timed out; keep it >= the timeout"
         )
-    for legacy in ("NCCL_ASYNC_ERROR_HANDLING", "NCCL_BLOCKING_WAIT"):
-        if legacy in environ:
-            modern = "TORCH_" + legacy
-            clash = (
-                f" and disagrees with {modern}={environ[modern]!r}, which wins"
-                if (modern in environ and environ[modern] != environ[legacy])
-                else ""
-            )
-            warnings.append(f"{legacy} is the deprecated name of {modern}{clash}")
-    if "NCCL_TIMEOUT" in environ:
-        warnings.append(
-            f"NCCL_TIMEOUT is read by neither NCCL nor PyTorch: the collective timeout is "
-            f"{ENV_PG_TIMEOUT_S}"
-        )
-    for variable, exact in (("NCCL_SOCKET_IFNAME", False), ("GLOO_SOCKET_IFNAME", True)):
-        spec = environ.get(variable, "").strip()
-        if spec and interfaces is not None:
-            chosen = interface_matches(
-                ("=" + spec) if exact and not spec.startswith("=") else spec, interfaces
-            )
-            if not chosen:
-                warnings.append(
-                    f"{variable}={spec!r} matches no interface of this host "
-                    f"({', '.join(interfaces) or 'none'}): its backend cannot connect"
-                )
+    warnings += _deprecated_names(environ) + _unmatched_interfaces(environ, interfaces)
     if warnings:
         return CheckResult(name="timeouts", status=WARN, detail="; ".join(warnings), data=data)
     detail = (
