@@ -17,8 +17,7 @@ import argparse
 import logging
 import math
 import os
-from collections.abc import Iterator, MutableMapping, Sequence
-from contextlib import contextmanager
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -100,6 +99,24 @@ def read_env(
     """
     environ = os.environ if environ is None else environ
     cuda_devices = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    rank, world_size, local_rank, launched = _place(environ, local_rank_arg)
+    backend, device = _device(backend, local_rank, cuda_devices)
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=_env_int(environ, "LOCAL_WORLD_SIZE") or 1,
+        restart_count=_env_int(environ, "TORCHELASTIC_RESTART_COUNT") or 0,
+        launched=launched,
+        device=device,
+        backend=backend,
+    )
+
+
+def _place(
+    environ: MutableMapping[str, str], local_rank_arg: int | None
+) -> tuple[int, int, int, bool]:
+    """``(rank, world size, local rank, launched)`` from torchrun's variables (see :func:`read_env`)."""
     rank, world_size = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
     local_rank = _env_int(environ, "LOCAL_RANK")
     if local_rank is not None and local_rank_arg is not None and local_rank != local_rank_arg:
@@ -120,9 +137,12 @@ def read_env(
         raise ConfigError(f"RANK={rank} is not within WORLD_SIZE={world_size}")
     if local_rank < 0:
         raise ConfigError(f"LOCAL_RANK: must be >= 0, got {local_rank}")
-    local_world_size = _env_int(environ, "LOCAL_WORLD_SIZE") or 1
-    restart_count = _env_int(environ, "TORCHELASTIC_RESTART_COUNT") or 0
+    return rank, world_size, local_rank, launched
 
+
+def _device(backend: str | None, local_rank: int, cuda_devices: int) -> tuple[str, torch.device]:
+    """The backend and this worker's device: ``cuda:LOCAL_RANK`` and NCCL where CUDA is, the CPU
+    and gloo otherwise (an explicit ``backend`` is checked against them)."""
     if backend not in (None, "nccl", "gloo"):
         raise ConfigError(f"backend: must be 'nccl' or 'gloo', got {backend!r}")
     if backend is None:
@@ -133,23 +153,10 @@ def read_env(
                 f"LOCAL_RANK={local_rank} but only {cuda_devices} CUDA device(s) are visible: start at most "
                 f"{cuda_devices} workers per node (--nproc-per-node) or fix CUDA_VISIBLE_DEVICES"
             )
-        device = torch.device("cuda", local_rank)
-    else:
-        if backend == "nccl":
-            raise ConfigError(
-                "backend: 'nccl' needs CUDA devices; none are visible (use gloo on CPU)"
-            )
-        device = torch.device("cpu")
-    return DistEnv(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=local_world_size,
-        restart_count=restart_count,
-        launched=launched,
-        device=device,
-        backend=backend,
-    )
+        return backend, torch.device("cuda", local_rank)
+    if backend == "nccl":
+        raise ConfigError("backend: 'nccl' needs CUDA devices; none are visible (use gloo on CPU)")
+    return backend, torch.device("cpu")
 
 
 def configure_nccl_environment(
@@ -277,13 +284,3 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - cleanup after a failure must not mask the failure
         log.warning("destroy_process_group failed", exc_info=True)
-
-
-@contextmanager
-def distributed_session(env: DistEnv, *, pg_timeout_s: float) -> Iterator[DistEnv]:
-    """``init_process_group`` on entry, ``destroy_process_group`` on every exit path."""
-    try:
-        init_process_group(env, pg_timeout_s=pg_timeout_s)
-        yield env
-    finally:
-        destroy_process_group()

@@ -64,10 +64,6 @@ class GracefulStop:
     def requested(self) -> bool:
         return self.signum is not None
 
-    def remaining_s(self) -> float | None:
-        """Seconds left before the deadline, ``None`` when no stop was requested."""
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
     def install(self) -> GracefulStop:
         if threading.current_thread() is not threading.main_thread():
             log.warning("not on the main thread: SIGTERM will not trigger a checkpoint")
