@@ -16,21 +16,37 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from elastic_trainer.runtime.distributed import DistEnv
+
 CARRIED, STOP, PRESENT, CHECKPOINT_FAILED, LOSS_HI, LOSS_LO, HEADER_SLOTS = range(7)
 _LOSS_LIMIT = 1e38
+MAX_WORLD = 256
+"""Up to this many ranks every slot stays an exact float32 integer (255 x w x w < 2**24)."""
 
 
-def encode(
-    payload: np.ndarray,
-    world_size: int,
-    *,
-    stop: float,
-    loss: float,
-    present: float,
-    checkpoint_failed: float,
-) -> None:
-    """Write this rank's header, each value times ``world_size``, into ``payload[:HEADER_SLOTS]``."""
+def can_carry(env: DistEnv, enabled: bool) -> bool:
+    """Whether a carrier may apply in ``env`` at all: ``enabled``
+    (``ELASTIC_TRAINER_CONTROL_CARRIER``), 2..:data:`MAX_WORLD` ranks, the CPU, gloo."""
+    return (
+        enabled
+        and 1 < env.world_size <= MAX_WORLD
+        and env.device.type == "cpu"
+        and env.backend == "gloo"
+    )
+
+
+def check_world(world_size: int) -> None:
+    """A carrier's constructor check: ``ValueError`` outside 2..:data:`MAX_WORLD` ranks."""
+    if not 1 < world_size <= MAX_WORLD:
+        raise ValueError(f"world_size {world_size}: a carrier needs 2..{MAX_WORLD} ranks")
+
+
+def encode(payload: np.ndarray, world_size: int, control: np.ndarray) -> None:
+    """Write this rank's header (``control[:4]``: ``[stop, loss, present, checkpoint failed]``,
+    the layout :func:`decode` writes back), each value times ``world_size``, into
+    ``payload[:HEADER_SLOTS]``."""
     w = float(world_size)
+    stop, loss, present, checkpoint_failed = control[0], control[1], control[2], control[3]
     if not abs(loss) < _LOSS_LIMIT:  # nan, inf or beyond float32: reported as missing
         loss = math.nan
     hi = float(np.float32(loss))
@@ -55,4 +71,4 @@ def decode(reduced: Sequence[float], world_size: int, control: np.ndarray) -> bo
     return True
 
 
-__all__ = ["HEADER_SLOTS", "decode", "encode"]
+__all__ = ["HEADER_SLOTS", "MAX_WORLD", "can_carry", "check_world", "decode", "encode"]

@@ -13,7 +13,7 @@ gloo allreduce, in C++, and after the backward the sum is read from ``control.gr
 of its own, no Python comm hook. Measured on the example CNN under the real launcher, a separate
 control collective cost ~7 % of a step's CPU (``benchmarks/RESULTS.md``).
 
-Encoding (exact whatever DDP's averaging does, for up to :data:`MAX_WORLD` ranks): DDP divides
+Encoding (exact whatever DDP's averaging does, for up to :data:`~elastic_trainer.runtime.control_header.MAX_WORLD` ranks): DDP divides
 each gradient by the world size ``w`` and sums. Every slot is an integer times ``w`` (exact in
 float32 below 2**24), so division and sum stay exact: flags are 0/1, rank 0's buffers travel as
 the 8 bytes of each float64 value (one slot per byte; the other ranks send zeros), and a
@@ -46,8 +46,6 @@ from elastic_trainer.runtime.distributed import DistEnv
 _SLOTS = control_header.HEADER_SLOTS
 _BYTES = 8
 """Slots per buffer value: the bytes of its float64."""
-MAX_WORLD = 256
-"""Up to this many ranks every slot stays an exact float32 integer (255 x w x w < 2**24)."""
 
 
 def buffer_values(model: nn.Module) -> int:
@@ -93,14 +91,13 @@ class ControlCarrier(nn.Module):
     Args:
         module: the user's model (``forward`` is its own; ``state_dict`` stays the model's:
             save ``module``, never this wrapper).
-        world_size: ranks in the group (at most :data:`MAX_WORLD`).
+        world_size: ranks in the group (at most :data:`~elastic_trainer.runtime.control_header.MAX_WORLD`).
         buffer_values: the most buffer values a control carries (:func:`buffer_values`).
     """
 
     def __init__(self, module: nn.Module, *, world_size: int, buffer_values: int) -> None:
         super().__init__()
-        if not 1 < world_size <= MAX_WORLD:
-            raise ValueError(f"world_size {world_size}: a carrier needs 2..{MAX_WORLD} ranks")
+        control_header.check_world(world_size)
         self.module = module
         self.control = nn.Parameter(torch.zeros(_SLOTS + _BYTES * buffer_values))
         self._world = world_size
@@ -113,13 +110,10 @@ class ControlCarrier(nn.Module):
         cls, model: nn.Module, env: DistEnv, *, enabled: bool = True
     ) -> ControlCarrier | None:
         """A carrier for ``model`` in ``env`` (the attempt's: a heal changes the world size), or
-        ``None``: not ``enabled`` (``ELASTIC_TRAINER_CONTROL_CARRIER=0``), one rank, more than
-        :data:`MAX_WORLD`, a device other than the CPU, a default group other than gloo, or no
-        float32 parameter (the control would get a bucket of its own). Alike on every rank of
+        ``None``: where no carrier applies (:func:`~elastic_trainer.runtime.control_header.can_carry`)
+        or without a float32 parameter (the control would get a bucket of its own). Alike on every rank of
         the attempt: it reads nothing but the job's settings, the attempt's world and the model."""
-        if not enabled:
-            return None
-        if not 1 < env.world_size <= MAX_WORLD or env.device.type != "cpu" or env.backend != "gloo":
+        if not control_header.can_carry(env, enabled):
             return None
         if not any(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters()):
             return None
@@ -158,27 +152,17 @@ class ControlCarrier(nn.Module):
         """Whether a control with this many buffer values fits the parameter."""
         return buffer_values <= self._capacity
 
-    def board(
-        self,
-        *,
-        stop: float,
-        loss: float,
-        present: float,
-        checkpoint_failed: float,
-        buffers: np.ndarray | None,
-    ) -> None:
+    def board(self, control: np.ndarray, buffer_values: int) -> None:
         """Make the next synchronised backward carry this rank's control (see the module
-        docstring for the encoding). ``buffers``: rank 0's float64 values on rank 0, ``None``
-        on the others (they send zeros)."""
-        w = float(self._world)
+        docstring for the encoding): ``control`` as :meth:`collect` writes it, of which
+        ``buffer_values`` buffer values ride (rank 0's, on rank 0; the others send zeros)."""
         payload = np.zeros(self._size, dtype=np.float32)
-        control_header.encode(
-            payload, self._world, stop=stop, loss=loss, present=present,
-            checkpoint_failed=checkpoint_failed,
-        )  # fmt: skip
-        if buffers is not None and buffers.size:
-            raw = buffers.view(np.uint8)  # the 8 bytes of each float64, one slot each
-            np.multiply(raw, w, out=payload[_SLOTS : _SLOTS + raw.size], casting="unsafe")
+        control_header.encode(payload, self._world, control)
+        if buffer_values:
+            raw = control[4 : 4 + buffer_values].view(np.uint8)  # a float64's 8 bytes, a slot each
+            np.multiply(
+                raw, float(self._world), out=payload[_SLOTS : _SLOTS + raw.size], casting="unsafe"
+            )
         aboard = self._aboard
         # Nothing from a backward the loop did not see: the gradient this backward adds to is zero.
         if aboard.grad_view is not None and aboard.control.grad is aboard.grad:

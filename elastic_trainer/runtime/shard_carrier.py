@@ -47,8 +47,6 @@ from elastic_trainer.runtime import control_header, torch_compat
 from elastic_trainer.runtime.distributed import DistEnv
 
 _SLOTS = control_header.HEADER_SLOTS
-MAX_WORLD = 256
-"""Up to this many ranks every slot stays an exact float32 integer."""
 MAX_CARRY_NUMEL = 1 << 21
 """The largest unit (parameters) that carries: copying its gradient (8 MB in float32, ~0.3 ms on
 a 2-core VM) must cost less than the collective it saves."""
@@ -153,12 +151,11 @@ class ShardCarrier:
     Args:
         unit: the FSDP unit (:func:`carrying_unit`): its reduce-scatter comm is replaced until
             :meth:`close`.
-        world_size: ranks in the group (2..:data:`MAX_WORLD`).
+        world_size: ranks in the group (2..:data:`~elastic_trainer.runtime.control_header.MAX_WORLD`).
     """
 
     def __init__(self, unit: nn.Module, *, world_size: int) -> None:
-        if not 1 < world_size <= MAX_WORLD:
-            raise ValueError(f"world_size {world_size}: a carrier needs 2..{MAX_WORLD} ranks")
+        control_header.check_world(world_size)
         self.world_size = world_size
         self._unit: nn.Module | None = unit
         self._previous = torch_compat.fsdp_reduce_scatter_comm(unit)
@@ -171,12 +168,9 @@ class ShardCarrier:
     @classmethod
     def maybe(cls, model: nn.Module, env: DistEnv, *, enabled: bool = True) -> ShardCarrier | None:
         """A carrier for the sharded ``model`` in ``env`` (the attempt's), or ``None``: not
-        ``enabled`` (``ELASTIC_TRAINER_CONTROL_CARRIER=0``), one rank, more than
-        :data:`MAX_WORLD`, a device other than the CPU, a default group other than gloo, or no
-        unit that can carry (:func:`carrying_unit`). Alike on every rank of the attempt."""
-        if not enabled:
-            return None
-        if not 1 < env.world_size <= MAX_WORLD or env.device.type != "cpu" or env.backend != "gloo":
+        where no carrier applies (:func:`~elastic_trainer.runtime.control_header.can_carry`), or
+        without a unit that can carry (:func:`carrying_unit`). Alike on every rank of the attempt."""
+        if not control_header.can_carry(env, enabled):
             return None
         unit = carrying_unit(model, env.world_size)
         return cls(unit, world_size=env.world_size) if unit is not None else None
@@ -194,23 +188,12 @@ class ShardCarrier:
         missed its ride before (then every control goes on its own collective, on every rank)."""
         return buffer_values == 0 and self._unit is not None and not self._missed
 
-    def board(
-        self,
-        *,
-        stop: float,
-        loss: float,
-        present: float,
-        checkpoint_failed: float,
-        buffers: np.ndarray | None,
-    ) -> None:
-        """Make the unit's next reduce-scatter carry this rank's control."""
-        if buffers is not None and buffers.size:
+    def board(self, control: np.ndarray, buffer_values: int) -> None:
+        """Make the unit's next reduce-scatter carry this rank's control (``control[:4]``)."""
+        if buffer_values:
             raise ValueError("a sharded model's control carries no buffers")
         payload = np.zeros(_SLOTS, dtype=np.float32)
-        control_header.encode(
-            payload, self.world_size, stop=stop, loss=loss, present=present,
-            checkpoint_failed=checkpoint_failed,
-        )  # fmt: skip
+        control_header.encode(payload, self.world_size, control)
         self._payload, self._delivered = payload, False
 
     def _take(self) -> np.ndarray | None:

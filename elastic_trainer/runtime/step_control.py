@@ -53,16 +53,9 @@ class Carrier(Protocol):
         """Whether a control with this many buffer values can ride now."""
         ...
 
-    def board(
-        self,
-        *,
-        stop: float,
-        loss: float,
-        present: float,
-        checkpoint_failed: float,
-        buffers: np.ndarray | None,
-    ) -> None:
-        """Make the next synchronised backward carry this rank's control."""
+    def board(self, control: np.ndarray, buffer_values: int) -> None:
+        """Make the next synchronised backward carry this rank's control (laid out as
+        :meth:`collect` writes it), with its first ``buffer_values`` buffer values (rank 0's)."""
         ...
 
     def collect(self, control: np.ndarray, buffer_values: int) -> bool:
@@ -191,30 +184,7 @@ class ControlChannel:
             loss_of=previous,
             loss_samples=self._loss_samples,
         )
-        if buffers is not None and not self._cuda:
-            host[_HEADER:].copy_(buffers)
-            pending.buffers = host[_HEADER:]
-        carrier = self._carrier
-        if carrier is not None and carrier.fits(
-            pending.buffers.numel() if pending.buffers is not None else 0
-        ):
-            carrier.board(
-                stop=view[_STOP],
-                loss=view[_LOSS],
-                present=view[_PRESENT],
-                checkpoint_failed=view[_CHECKPOINT_FAILED],
-                buffers=view[_HEADER:]
-                if pending.buffers is not None and self.env.rank == 0
-                else None,
-            )
-            pending.carried = True
-        elif self.env.world_size > 1:
-            pending.work = self._allreduce(host)
-        if buffers is not None and self._cuda:
-            pending.buffers = buffers.clone()
-            pending.buffer_work = (
-                dist.all_reduce(pending.buffers, async_op=True) if self.env.world_size > 1 else None
-            )
+        self._send(pending, buffers)
         # Stage this step's loss for the next control (into the slot this one did not read).
         if loss_sum is not None:
             self._loss_slots[turn].copy_(loss_sum.detach().reshape(()), non_blocking=self._cuda)
@@ -225,6 +195,25 @@ class ControlChannel:
         else:
             self._loss_step = None
         return pending
+
+    def _send(self, pending: PendingControl, buffers: torch.Tensor | None) -> None:
+        """Start ``pending`` on its way: aboard the carrier, else on its own host collective;
+        ``buffers`` with it on the CPU, on a device allreduce of their own on CUDA."""
+        if buffers is not None and not self._cuda:
+            pending.host[_HEADER:].copy_(buffers)
+            pending.buffers = pending.host[_HEADER:]
+        size = pending.buffers.numel() if pending.buffers is not None else 0
+        carrier = self._carrier
+        if carrier is not None and carrier.fits(size):
+            carrier.board(pending.view, size if self.env.rank == 0 else 0)
+            pending.carried = True
+        elif self.env.world_size > 1:
+            pending.work = self._allreduce(pending.host)
+        if buffers is not None and self._cuda:
+            pending.buffers = buffers.clone()
+            pending.buffer_work = (
+                dist.all_reduce(pending.buffers, async_op=True) if self.env.world_size > 1 else None
+            )
 
     def _allreduce(self, host: torch.Tensor) -> Any:
         work = dist.all_reduce(host, group=self.group, async_op=True)

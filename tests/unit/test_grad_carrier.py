@@ -29,6 +29,19 @@ def _carriers(world: int, values: int) -> list[ControlCarrier]:
     return [ControlCarrier(_model(), world_size=world, buffer_values=values) for _ in range(world)]
 
 
+def _board(
+    carrier: ControlCarrier,
+    *,
+    stop: float = 0.0,
+    loss: float = 0.0,
+    present: float = 0.0,
+    buffers: np.ndarray | None = None,
+) -> None:
+    """Board ``[stop, loss, present, checkpoint failed = 0, buffers...]`` as the channel does."""
+    extra = buffers if buffers is not None else np.zeros(0)
+    carrier.board(np.concatenate([[stop, loss, present, 0.0], extra]), extra.size)
+
+
 def _ddp_average(payloads: list[torch.Tensor], world: int) -> torch.Tensor:
     """What DDP's reducer makes of the ranks' gradients: each divided by the world size, summed."""
     total = torch.zeros_like(payloads[0])
@@ -45,11 +58,11 @@ def test_the_control_survives_ddps_average_bit_for_bit(world: int) -> None:
     carriers = _carriers(world, buffers.size)
     losses = [0.1 * (rank + 1) + 1e-9 for rank in range(world)]
     for rank, carrier in enumerate(carriers):
-        carrier.board(
+        _board(
+            carrier,
             stop=1.0 if rank == world - 1 else 0.0,
             loss=losses[rank],
             present=1.0,
-            checkpoint_failed=0.0,
             buffers=buffers if rank == 0 else None,
         )
     reduced = _ddp_average([c._deliver() for c in carriers], world)
@@ -62,13 +75,13 @@ def test_the_control_survives_ddps_average_bit_for_bit(world: int) -> None:
         assert control[4:].view(np.uint64).tolist() == buffers.view(np.uint64).tolist()
         # The next payload starts from a zero gradient (autograd adds into it in place).
         grad = carrier._aboard.control.grad
-        carrier.board(stop=0.0, loss=0.0, present=0.0, checkpoint_failed=0.0, buffers=None)
+        _board(carrier)
         assert grad is not None and not grad.any(), "the gradient must not accumulate"
 
 
 def test_a_payload_that_did_not_travel_on_every_rank_is_refused() -> None:
     carriers = _carriers(2, 0)
-    carriers[0].board(stop=0.0, loss=1.0, present=1.0, checkpoint_failed=0.0, buffers=None)
+    _board(carriers[0], loss=1.0, present=1.0)
     # Rank 1 started its control after the backward: its backward delivered zeros.
     reduced = _ddp_average([c._deliver() for c in carriers], 2)
     for carrier in carriers:
@@ -80,7 +93,7 @@ def test_a_payload_that_did_not_travel_on_every_rank_is_refused() -> None:
 def test_the_wrapper_keeps_the_models_output_and_gradients() -> None:
     plain, carried = _model(), ControlCarrier(_model(), world_size=2, buffer_values=12)
     x = torch.randn(5, 4)
-    carried.board(stop=0.0, loss=2.0, present=1.0, checkpoint_failed=0.0, buffers=None)
+    _board(carried, loss=2.0, present=1.0)
     out_plain, out_carried = plain(x), carried(x)
     assert torch.equal(out_plain, out_carried)
     # In place on the output, after a Sigmoid that saved it: the copy allows it (the plain
