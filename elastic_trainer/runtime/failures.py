@@ -83,28 +83,23 @@ class FailureReport:
 
 ABORT_MARKER = "heal: the process group was aborted"
 """Begins the error of a collective wait that a heal round ended (``runtime/abortable.py``)."""
-_COLLECTIVE_FAILURE_MARKERS = (
+_LOST_LINK_MARKERS = (
     ABORT_MARKER,
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
     "gloo/transport",
+    "NCCL communicator was aborted",
+)
+_COLLECTIVE_FAILURE_MARKERS = (
+    *_LOST_LINK_MARKERS,
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
     "NCCL error",
-    "NCCL communicator was aborted",
     "Socket Timeout",
 )
-_PEER_LOST_MARKERS = (  # evidence of a lost or silent peer, whatever else the message says
-    ABORT_MARKER,
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "gloo/transport",
-    "NCCL communicator was aborted",
-    "imed out",
-    "imeout",
-)
+# Evidence of a lost or silent peer, whatever else the message says.
+_PEER_LOST_MARKERS = (*_LOST_LINK_MARKERS, "imed out", "imeout")
 _ARGUMENT_CHECK = re.compile(
     # A backend refusing the call's own arguments: a bug of the caller's, the same on a restart.
     # torch 2.13's gloo says "ProcessGroupGloo::allgather: invalid tensor size ..." or "Check

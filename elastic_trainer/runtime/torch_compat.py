@@ -5,11 +5,13 @@ calls the functions here instead, so a torch upgrade means checking this one fil
 torch. Each entry names the torch code it relies on.
 
 Light to import (torch, and any stdlib module the warm-start client does not load anyway, are
-imported inside the functions): the warm-start client and ``elastic-trainer status`` import it.
+imported inside the functions; ``io`` and ``json`` it loads): the warm-start client and ``elastic-trainer status`` import it.
 """
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -148,6 +150,14 @@ def dcp_set_element(root: Any, path: Any, value: Any) -> None:
 
 # -- the elastic agent (launcher process) -------------------------------------------------------
 
+
+def _replace(owner: type, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
+    """Set ``owner.name`` to ``replacement``; returns the function that puts the original back."""
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    return lambda: setattr(owner, name, original)
+
+
 GroupFailureCallback = Callable[[dict[int, Any], int], bool]
 """``(failures by global rank, restarts left) -> may the agent restart?``"""
 
@@ -185,12 +195,7 @@ def on_group_failure(callback: GroupFailureCallback) -> Callable[[], None]:
                 self._remaining_restarts = 0
         return result
 
-    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
-
-    def uninstall() -> None:
-        LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
-
-    return uninstall
+    return _replace(LocalElasticAgent, "_monitor_workers", _monitor_workers)
 
 
 def around_worker_stops(scope: Callable[[], AbstractContextManager[object]]) -> Callable[[], None]:
@@ -204,12 +209,7 @@ def around_worker_stops(scope: Callable[[], AbstractContextManager[object]]) -> 
         with scope():
             original(self, *args, **kwargs)
 
-    PContext.close = close  # type: ignore[method-assign]
-
-    def uninstall() -> None:
-        PContext.close = original  # type: ignore[method-assign]
-
-    return uninstall
+    return _replace(PContext, "close", close)
 
 
 ReplacementDecision = Callable[[int, int, int], "Mapping[str, str] | None"]
@@ -276,12 +276,7 @@ def replace_failed_workers(decide: ReplacementDecision) -> Callable[[], None]:
             replace(context, worker_group)
         return original(self, worker_group)
 
-    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
-
-    def uninstall() -> None:
-        LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
-
-    return uninstall
+    return _replace(LocalElasticAgent, "_monitor_workers", _monitor_workers)
 
 
 def without_exit_barrier() -> Callable[[], None]:
@@ -302,12 +297,7 @@ def without_exit_barrier() -> Callable[[], None]:
     def _exit_barrier(self: Any) -> None:
         return None
 
-    SimpleElasticAgent._exit_barrier = _exit_barrier  # type: ignore[method-assign]
-
-    def uninstall() -> None:
-        SimpleElasticAgent._exit_barrier = original  # type: ignore[method-assign]
-
-    return uninstall
+    return _replace(SimpleElasticAgent, "_exit_barrier", _exit_barrier)
 
 
 AGENT_RESTART_METRIC_SUFFIX = "._restart_workers.duration.ms"
@@ -324,8 +314,6 @@ def start_event_nodes(event_metadata: Mapping[str, Any]) -> int:
     Raises:
         ValueError, KeyError, TypeError: the event is not in that format.
     """
-    import json
-
     details = json.loads(event_metadata["metadata"])
     return int(details["group_world_size"])
 
@@ -375,7 +363,6 @@ def decode_dynamic_state(raw: bytes) -> DynamicState:
         pickle.UnpicklingError: a class outside that state, or not a pickle.
         AttributeError: a torch whose state lacks these fields.
     """
-    import io
     import pickle
 
     class StateUnpickler(pickle.Unpickler):
