@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.runtime.failures import ConfigError
+from elastic_trainer.runtime.settings import env_int
 from rendezvous.plugin import WORKER_ENV_BACKEND
 
 log = logging.getLogger(__name__)
@@ -69,16 +70,6 @@ def strip_local_rank_arg(argv: Sequence[str]) -> tuple[int | None, list[str]]:
     return known.local_rank, rest
 
 
-def _env_int(environ: MutableMapping[str, str], name: str) -> int | None:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}: {raw!r} is not an integer") from None
-
-
 def read_env(
     *,
     local_rank_arg: int | None = None,
@@ -105,8 +96,8 @@ def read_env(
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
-        local_world_size=_env_int(environ, "LOCAL_WORLD_SIZE") or 1,
-        restart_count=_env_int(environ, "TORCHELASTIC_RESTART_COUNT") or 0,
+        local_world_size=env_int(environ, "LOCAL_WORLD_SIZE") or 1,
+        restart_count=env_int(environ, "TORCHELASTIC_RESTART_COUNT") or 0,
         launched=launched,
         device=device,
         backend=backend,
@@ -117,8 +108,8 @@ def _place(
     environ: MutableMapping[str, str], local_rank_arg: int | None
 ) -> tuple[int, int, int, bool]:
     """``(rank, world size, local rank, launched)`` from torchrun's variables (see :func:`read_env`)."""
-    rank, world_size = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
-    local_rank = _env_int(environ, "LOCAL_RANK")
+    rank, world_size = env_int(environ, "RANK"), env_int(environ, "WORLD_SIZE")
+    local_rank = env_int(environ, "LOCAL_RANK")
     if local_rank is not None and local_rank_arg is not None and local_rank != local_rank_arg:
         log.warning(
             "LOCAL_RANK=%d and --local-rank=%d disagree; using LOCAL_RANK",

@@ -115,10 +115,14 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
-def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+def env_int(environ: Mapping[str, str], name: str) -> int | None:
+    """The integer in ``environ[name]``; ``None`` when it is unset or blank.
+
+    Raises:
+        ConfigError: not an integer (the message names ``name``)."""
     raw = environ.get(name, "").strip()
     if not raw:
-        return default
+        return None
     try:
         return int(raw)
     except ValueError:
@@ -318,7 +322,7 @@ class WorkerSettings:
             ConfigError: a variable holds a value of the wrong kind; the message names it.
         """
         env = os.environ if environ is None else environ
-        ring = _int(env, ENV_FR_BUFFER_SIZE, DEFAULT_FR_BUFFER_ENTRIES)
+        ring = env_int(env, ENV_FR_BUFFER_SIZE)
         launch = LaunchContract.from_environ(env)  # what the launcher said, read in one place
         return cls(
             jit_save=_bool(env, ENV_JIT_SAVE, True),
@@ -331,9 +335,9 @@ class WorkerSettings:
             run_id=env.get(ENV_RUN_ID) or None,
             error_file=env.get(ENV_ERROR_FILE) or None,
             launcher_reports_failures=launch.reports_failures,
-            fr_buffer_entries=ring,
-            rank=_int(env, "RANK", 0),
-            local_rank=_int(env, "LOCAL_RANK", 0),
+            fr_buffer_entries=DEFAULT_FR_BUFFER_ENTRIES if ring is None else ring,
+            rank=env_int(env, "RANK") or 0,
+            local_rank=env_int(env, "LOCAL_RANK") or 0,
             heal=launch.heal if launch.heal is not None else HealSettings.from_environ(env),
             control_carrier=_bool(env, ENV_CONTROL_CARRIER, True),
         )
