@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from elastic_trainer.metrics.choice import build_observer
 from elastic_trainer.runtime import failures
 from elastic_trainer.runtime.distributed import read_env, strip_local_rank_arg
 from elastic_trainer.runtime.failures import ConfigError
@@ -39,7 +40,7 @@ from elastic_trainer.train.config import (
     TrainerConfig,
 )
 from elastic_trainer.train.loop import FaultHook
-from elastic_trainer.train.trainer import Trainer, TrainingJob, build_observer
+from elastic_trainer.train.trainer import Trainer, TrainingJob
 
 log = logging.getLogger("elastic_trainer.examples.synthetic_cnn")
 PROG = "synthetic_cnn"

@@ -8,8 +8,9 @@ else the variable (:mod:`elastic_trainer.runtime.settings`), else the default th
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, get_args
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, TypedDict, get_args
 
 from elastic_trainer.checkpoint.config import DEFAULT_CHECKPOINT_EVERY, CheckpointConfig
 from elastic_trainer.runtime.failures import ConfigError
@@ -28,7 +29,9 @@ __all__ = [
     "FSDPOptions",
     "MixedPrecision",
     "RunConfig",
+    "RunOptions",
     "TrainerConfig",
+    "run_config_from",
 ]
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
@@ -186,6 +189,25 @@ class RunConfig:
         return asdict(self)
 
 
+class RunOptions(TypedDict, total=False):
+    """:class:`RunConfig`'s fields as keyword arguments (``Elastic(model, data, **options)``): the
+    names and types only; every default is :class:`RunConfig`'s (a unit test keeps both alike)."""
+
+    global_batch_size: int
+    micro_batch_size: int | None
+    seed: int
+    epochs: int | None
+    max_steps: int | None
+    shuffle: bool
+    checkpoint: CheckpointConfig
+    sigterm_grace_s: float | None
+    pg_timeout_s: float | None
+    shard_copy: NeighbourCopyConfig | None
+    log_every: int
+    num_workers: int
+    record_samples_dir: str | None
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig(RunConfig):
     """Everything the :class:`~elastic_trainer.train.trainer.Trainer` needs besides the model and
@@ -242,3 +264,45 @@ class TrainerConfig(RunConfig):
                     "mixed_precision: with fsdp, set fsdp.mixed_precision (FSDP2's parameter "
                     "dtype for compute, float32 reduction) and leave mixed_precision 'no'"
                 )
+
+
+def run_config_from(
+    config: RunConfig | None,
+    options: Mapping[str, Any],
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+) -> RunConfig:
+    """``Elastic``'s settings: ``config`` as given, or a :class:`RunConfig` of the keyword
+    ``options`` (``checkpoint_dir`` / ``checkpoint_every``: short for ``checkpoint=``).
+
+    Raises:
+        ConfigError: an unknown or missing setting, both forms at once, or a bad value (one line).
+    """
+    shorthand = checkpoint_dir is not None or checkpoint_every is not None
+    if config is not None:
+        if options or shorthand:
+            given = ", ".join(sorted([*options, *(["checkpoint_dir"] if shorthand else [])]))
+            raise ConfigError(
+                f"Elastic: config= holds the run's settings; pass {given} inside it, not beside it"
+            )
+        if not isinstance(config, RunConfig):
+            raise ConfigError(f"config: must be a RunConfig, got {type(config).__name__}")
+        return config
+    known = {f.name for f in fields(RunConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(
+            f"Elastic({unknown[0]}=...): not a setting of the run; the settings are "
+            f"{', '.join(sorted(known))} (RunConfig)"
+        )
+    if "global_batch_size" not in options:
+        raise ConfigError("Elastic: global_batch_size= is required (samples per step, all ranks)")
+    settings = dict(options)
+    if shorthand:
+        if "checkpoint" in settings:
+            raise ConfigError(
+                "Elastic: give checkpoint= or checkpoint_dir=/checkpoint_every=, not both"
+            )
+        every = checkpoint_every if checkpoint_every is not None else DEFAULT_CHECKPOINT_EVERY
+        settings["checkpoint"] = CheckpointConfig(directory=checkpoint_dir, every=every)
+    return RunConfig(**settings)

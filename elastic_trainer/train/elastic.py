@@ -44,7 +44,7 @@ import sys
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -52,8 +52,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from elastic_trainer.checkpoint import files as ckpt
-from elastic_trainer.checkpoint.config import CheckpointConfig
 from elastic_trainer.checkpoint.manager import CheckpointManager
+from elastic_trainer.metrics.choice import build_observer
 from elastic_trainer.runtime import distributed, failures, rng
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.grad_carrier import ControlCarrier
@@ -71,6 +71,7 @@ from elastic_trainer.state.training_state import (
     find_states,
 )
 from elastic_trainer.train import state_audit
+from elastic_trainer.train.config import RunConfig, RunOptions, run_config_from
 from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
 from elastic_trainer.train.fsdp import no_gradient_sync
 from elastic_trainer.train.loop import (
@@ -80,6 +81,9 @@ from elastic_trainer.train.loop import (
     check_sampler,
     ensure_progress_logging,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -220,15 +224,20 @@ class Elastic:
             ``fully_shard`` (FSDP2) over the current process group: used as it is.
         dataset: a map-style dataset (``for batch in step`` loads each micro-batch with a
             DataLoader), or its size (``for micro in step`` gives the indices to load yourself).
-        global_batch_size: samples per optimizer step over all ranks, whatever the world size.
-        micro_batch_size: at most this many samples per forward (gradient accumulation).
-        max_steps: stop after this many steps in total (``None``: all ``epochs``).
-        epochs: passes over the data (``None``: as many as ``max_steps`` takes; one without it).
-        seed: the data order and every step's random numbers derive from it.
-        shuffle: ``False`` keeps the dataset's order.
+        config: the run's settings as one :class:`~elastic_trainer.train.config.RunConfig`; or
+            give its fields as keyword arguments (``**options``): ``global_batch_size`` (samples
+            per optimizer step over all ranks, whatever the world size; required),
+            ``micro_batch_size`` (at most this many samples per forward: gradient accumulation),
+            ``max_steps`` (``None``: all ``epochs``), ``epochs`` (``None``: as many as
+            ``max_steps`` takes; one without it), ``seed`` (the data order and every step's
+            random numbers derive from it), ``shuffle``, ``checkpoint`` (a ``CheckpointConfig``),
+            ``log_every``, ``num_workers`` (the DataLoader's), ``record_samples_dir`` (audit:
+            every rank records every step's indices there), ``shard_copy`` (see below),
+            ``sigterm_grace_s`` and ``pg_timeout_s`` (the stop's grace period and the collective
+            timeout; default the environment's). Each default is ``RunConfig``'s.
         checkpoint_dir: a directory every node shares (``None``: no checkpoints, no resume).
-        checkpoint_every: steps between periodic checkpoints.
-        checkpoint: the full checkpoint section instead (overrides the two above).
+        checkpoint_every: steps between periodic checkpoints (with ``checkpoint_dir``; short for
+            ``checkpoint=CheckpointConfig(directory=..., every=...)``).
         scaler: a ``torch.amp.GradScaler``: saved, and :meth:`Step.backward` scales with it.
         states: more objects to save (name -> anything with ``state_dict``/``load_state_dict``);
             the model's optimizers and their schedulers are found without it. Saved from rank 0
@@ -239,14 +248,12 @@ class Elastic:
         ignore_states: names those two warnings leave alone (a variable left unsaved on
             purpose, a ``states`` key whose per-rank copies you accept).
         find: find the optimizers and schedulers (``False``: ``states`` lists everything).
-        collate_fn, num_workers: for the DataLoader of a map-style ``dataset``.
+        collate_fn: for the DataLoader of a map-style ``dataset``.
         ddp_options: keyword arguments for ``DistributedDataParallel`` (``bucket_cap_mb``, ...). On
             the CPU with more than one rank, rank 0's module buffers ride on each step's control
             allreduce instead of DDP's broadcast at every forward (one collective a step fewer),
             unless ``broadcast_buffers=False`` turns buffer syncing off altogether.
-        log_every: rank 0 logs a progress line every this many steps.
         tokens_per_sample: for the tokens/s metric.
-        record_samples_dir: audit: every rank records every step's indices there.
         after_step: called with the step number after each step, between steps, on every rank.
         rebuild: (a sharded model) ``rebuild(env)`` builds the model again, sharded over the
             current process group, and its optimizers and schedulers, and returns them by the
@@ -260,7 +267,7 @@ class Elastic:
             checkpoint (the just-in-time one, written from the neighbour copy, when it is on).
             It heals only over a group that formed the process group (``group=``, see there).
             The :class:`~elastic_trainer.train.trainer.Trainer` passes its factories.
-        shard_copy: (a sharded model) how often the neighbour copy of each rank's shard is
+        shard_copy (in ``options``): (a sharded model) how often the neighbour copy of each rank's shard is
             refreshed: a heal in place restores a lost shard from it, and where a failure
             restarts the group instead (plain torchrun, no ``rebuild``) the just-in-time save
             writes the lost rank's shards from it; ``None``: ``ELASTIC_TRAINER_SHARD_COPY_EVERY``,
@@ -277,8 +284,6 @@ class Elastic:
             and ``init_device_mesh``, which create the default group) cannot heal in place:
             under ``elastic-trainer run`` rank 0 then says so in one line at start.
         run_config: plain data stored in every checkpoint as ``"config"``.
-        sigterm_grace_s, pg_timeout_s: the stop's grace period and the collective timeout;
-            default the settings'.
         settings, env, observer, fault_hook: the worker's environment, place, metrics and a test
             seam; read from the environment when omitted.
     """
@@ -288,37 +293,29 @@ class Elastic:
         model: nn.Module,
         dataset: Dataset[Any] | int,
         *,
-        global_batch_size: int,
-        micro_batch_size: int | None = None,
-        max_steps: int | None = None,
-        epochs: int | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
+        config: RunConfig | None = None,
         checkpoint_dir: str | None = None,
-        checkpoint_every: int = 100,
-        checkpoint: CheckpointConfig | None = None,
+        checkpoint_every: int | None = None,
         scaler: Any = None,
         states: Mapping[str, Stateful | None] | None = None,
         ignore_states: Collection[str] = (),
         find: bool = True,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        num_workers: int = 0,
         ddp_options: Mapping[str, Any] | None = None,
-        log_every: int = 10,
         tokens_per_sample: int = 0,
-        record_samples_dir: str | None = None,
         after_step: Sequence[Callable[[int], None]] = (),
         rebuild: Callable[[DistEnv], Mapping[str, Stateful | None]] | None = None,
-        shard_copy: NeighbourCopyConfig | None = None,
         group: ElasticGroup | None = None,
         run_config: Mapping[str, Any] | None = None,
-        sigterm_grace_s: float | None = None,
-        pg_timeout_s: float | None = None,
         settings: WorkerSettings | None = None,
         env: DistEnv | None = None,
         observer: TrainingObserver | None = None,
         fault_hook: FaultHook | None = None,
+        **options: Unpack[RunOptions],
     ) -> None:
+        self.config = run_config_from(config, options, checkpoint_dir, checkpoint_every)
+        """The run's settings (:class:`~elastic_trainer.train.config.RunConfig`)."""
+        cfg = self.config
         if isinstance(model, (DDP, nn.DataParallel)):
             raise failures.ConfigError(
                 "Elastic(model): pass the plain model; Elastic wraps it in DDP (elastic.ddp) "
@@ -342,15 +339,13 @@ class Elastic:
             env if env is not None else (group.env if group is not None else distributed.read_env())
         )
         self.sampler = ElasticSampler(
-            size, global_batch_size, seed=seed, shuffle=shuffle, micro_batch_size=micro_batch_size
+            size,
+            cfg.global_batch_size,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+            micro_batch_size=cfg.micro_batch_size,
         )
         check_sampler(self.sampler)
-        self.max_steps, self.epochs, self.seed = max_steps, epochs, seed
-        self.checkpoint = (
-            checkpoint
-            if checkpoint is not None
-            else CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every)
-        )
         self.scaler = scaler
         found = (
             find_states(model, scaler=scaler)
@@ -364,25 +359,22 @@ class Elastic:
         }
         self.ignore_states = frozenset(ignore_states)
         objects["sampler"] = self.sampler
-        self.state = TrainingState(objects, env=self.env, model=model, seed=seed)
+        self.state = TrainingState(objects, env=self.env, model=model, seed=cfg.seed)
         """What is saved, restored and handed to a peer (found here; see :func:`find_states`)."""
         self.fingerprint = {
             "model": ckpt.model_signature(model.state_dict()),
             "dataset_size": size,
-            "seed": seed,
-            "shuffle": shuffle,
+            "seed": cfg.seed,
+            "shuffle": cfg.shuffle,
         }
-        self.collate_fn, self.num_workers = collate_fn, num_workers
+        self.collate_fn = collate_fn
         self.ddp_options = dict(ddp_options or {})
-        self.log_every, self.tokens_per_sample = log_every, tokens_per_sample
-        self.record_samples_dir = record_samples_dir
+        self.tokens_per_sample = tokens_per_sample
         self.after_step = list(after_step)
         self._rebuild = rebuild if self.state.sharded is not None else None
-        self.shard_copy = shard_copy
         self._attempts_started = 0
         self._group = group
         self.run_config = dict(run_config or {})
-        self.sigterm_grace_s, self.pg_timeout_s = sigterm_grace_s, pg_timeout_s
         self._pending_batch: Any = None
         self._observer = observer
         self._fault_hook = fault_hook
@@ -477,13 +469,13 @@ class Elastic:
 
     def _run(self) -> Iterator[Step]:
         if self._observer is None:
-            from elastic_trainer.train.trainer import build_observer
-
             self._observer = build_observer(self.settings)
         if self._group is not None:
             yield from self._attempts(self._group)
         else:
-            with ElasticGroup(self.settings, self.env, pg_timeout_s=self.pg_timeout_s) as group:
+            with ElasticGroup(
+                self.settings, self.env, pg_timeout_s=self.config.pg_timeout(self.settings)
+            ) as group:
                 yield from self._attempts(group)
         self._warn_unsaved()  # a run shorter than the watch's steps
         if self.result is None:
@@ -558,7 +550,7 @@ class Elastic:
             log.warning(
                 "%s",
                 state_audit.finished_message(
-                    loop.checkpoints.last_path, loop.step, max_steps=self.max_steps
+                    loop.checkpoints.last_path, loop.step, max_steps=self.config.max_steps
                 ),
             )
 
@@ -620,14 +612,16 @@ class Elastic:
         if sharded is None:
             return
         config = (
-            self.shard_copy if self.shard_copy is not None else NeighbourCopyConfig.from_environ()
+            self.config.shard_copy
+            if self.config.shard_copy is not None
+            else NeighbourCopyConfig.from_environ()
         )
-        jit = self.checkpoint.jit_save
+        jit = self.config.checkpoint.jit_save
         use = shard_copy_use(
             heals=self._rebuild is not None and attempt.group.healer is not None,
             every=config.every,
             world_size=self.env.world_size,
-            saves_just_in_time=self.checkpoint.directory is not None
+            saves_just_in_time=self.config.checkpoint.directory is not None
             and (jit if jit is not None else self.settings.jit_save),
             one_dim=sharded.replicas == 1,
         )
@@ -704,7 +698,7 @@ class Elastic:
         # asynchronous write under way on it ends at once (and is never committed).
         with attempt.groups() if self.state.sharded is not None else NOTHING:
             checkpoints = CheckpointManager(
-                self.checkpoint,
+                self.config.checkpoint,
                 env=self.env,
                 state=self.state,
                 fingerprint=self.fingerprint,
@@ -717,14 +711,14 @@ class Elastic:
         self.loop = attempt.loop(
             sampler=self.sampler,
             checkpoints=checkpoints,
-            max_steps=self.max_steps,
-            epochs=self.epochs,
-            seed=self.seed,
+            max_steps=self.config.max_steps,
+            epochs=self.config.epochs,
+            seed=self.config.seed,
             observer=self._observer,
             settings=self.settings,
-            sigterm_grace_s=self.sigterm_grace_s,
-            log_every=self.log_every,
-            record_samples_dir=self.record_samples_dir,
+            sigterm_grace_s=self.config.sigterm_grace(self.settings),
+            log_every=self.config.log_every,
+            record_samples_dir=self.config.record_samples_dir,
             tokens_per_sample=self.tokens_per_sample,
             lr=self._lr,
             after_step=self.after_step,
@@ -749,12 +743,12 @@ class Elastic:
         if self._batches is None or self._loader_epoch != plan.epoch:
             env = self.env
             generator = torch.Generator().manual_seed(
-                rng.derive_seed(self.seed, plan.epoch, plan.cursor, env.rank, env.world_size)
+                rng.derive_seed(self.config.seed, plan.epoch, plan.cursor, env.rank, env.world_size)
             )
             loader = DataLoader(
                 self.dataset,
                 batch_sampler=MicroBatchSampler(self.sampler, env.rank, env.world_size),
-                num_workers=self.num_workers,
+                num_workers=self.config.num_workers,
                 collate_fn=self.collate_fn,
                 pin_memory=env.device.type == "cuda",
                 generator=generator,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +40,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
 from elastic_trainer.checkpoint.manager import CheckpointManager
+from elastic_trainer.metrics.choice import build_observer
 from elastic_trainer.runtime import distributed, rng, torch_compat
 from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.runtime.failures import ConfigError
-from elastic_trainer.runtime.observer import NullObserver, TrainingObserver
+from elastic_trainer.runtime.observer import TrainingObserver
 from elastic_trainer.runtime.sampler import ElasticSampler
 from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.state.sharded import is_sharded
@@ -66,7 +66,6 @@ __all__ = [
     "Trainer",
     "TrainerSetupError",
     "TrainingJob",
-    "build_observer",
     "ensure_progress_logging",
 ]
 
@@ -345,13 +344,7 @@ class Trainer:
         return Elastic(
             self.model,
             self.dataset,
-            global_batch_size=cfg.global_batch_size,
-            micro_batch_size=cfg.micro_batch_size,
-            max_steps=cfg.max_steps,
-            epochs=cfg.epochs,
-            seed=cfg.seed,
-            shuffle=cfg.shuffle,
-            checkpoint=cfg.checkpoint,
+            config=cfg,
             scaler=self.scaler,
             find=False,
             states={
@@ -359,7 +352,6 @@ class Trainer:
                 "scheduler": self.scheduler,
                 "scaler": self.scaler,
             },
-            num_workers=cfg.num_workers,
             ddp_options={
                 "bucket_cap_mb": ddp.bucket_cap_mb,
                 "find_unused_parameters": ddp.find_unused_parameters,
@@ -367,15 +359,11 @@ class Trainer:
                 "static_graph": ddp.static_graph,
                 "broadcast_buffers": ddp.broadcast_buffers,
             },
-            log_every=cfg.log_every,
             tokens_per_sample=self.job.tokens_per_sample,
-            record_samples_dir=cfg.record_samples_dir,
             after_step=[self._between_steps],
             rebuild=self._rebuild if is_sharded(self.model) else None,
-            shard_copy=cfg.shard_copy,
             group=group,
             run_config=cfg.to_dict(),
-            sigterm_grace_s=cfg.sigterm_grace(settings),
             settings=settings,
             env=self._env(),
             observer=self.observer,
@@ -509,33 +497,3 @@ class Trainer:
         rng.restore(generators, device)
         log.debug("primed DDP's buckets with %d pass(es) before step %d", passes, self.step + 1)
         return itertools.chain([first], batches)
-
-
-def build_observer(settings: WorkerSettings | None = None) -> TrainingObserver:
-    """The observer a worker should use: metrics when the launcher collects them
-    (``ELASTIC_TRAINER_METRICS=1``), else none.
-
-    Raises:
-        TrainerSetupError: metrics were asked for but cannot be provided here.
-    """
-    settings = settings if settings is not None else WorkerSettings.from_environ()
-    if not settings.metrics:
-        return NullObserver()
-    try:
-        from elastic_trainer.metrics.worker import MetricsError, worker_observer
-    except ImportError as exc:
-        raise TrainerSetupError(
-            f"ELASTIC_TRAINER_METRICS=1 but elastic_trainer.metrics.worker cannot be imported ({exc}); "
-            "unset ELASTIC_TRAINER_METRICS or install the metrics extra"
-        ) from exc
-    try:
-        return worker_observer(settings)
-    except MetricsError as exc:
-        raise TrainerSetupError(str(exc)) from exc
-
-
-def samples_per_step(config: TrainerConfig, world_size: int) -> str:
-    """Human-readable split of a step over ``world_size`` ranks (for logs and docs)."""
-    share = math.ceil(config.global_batch_size / world_size)
-    micro = config.micro_batch_size or share
-    return f"{config.global_batch_size} samples/step = {world_size} ranks x <= {share} (micro-batches of <= {micro})"

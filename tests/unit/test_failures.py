@@ -269,13 +269,22 @@ def test_a_distributed_sampler_before_the_group_is_a_setup_mistake_naming_elasti
 
 
 def test_a_wrong_argument_to_a_public_class_is_a_setup_mistake() -> None:
-    from elastic_trainer import Elastic
+    from elastic_trainer import Elastic, TrainerConfig
 
     with pytest.raises(TypeError) as caught:
-        Elastic(object(), [])  # type: ignore[call-arg]  # global_batch_size is required
+        TrainerConfig()  # type: ignore[call-arg]  # global_batch_size is required
     failure_class, summary = classify(caught.value)
     assert failure_class is FailureClass.DETERMINISTIC
-    assert summary.startswith("Elastic(...) missing 1 required keyword-only argument"), summary
+    assert summary.startswith("TrainerConfig(...) missing 1 required keyword-only argument"), (
+        summary
+    )
+    # Elastic's settings are checked at its edge: one line that names the missing one
+    with pytest.raises(ConfigError) as refused:
+        Elastic(object(), [])  # type: ignore[arg-type]
+    assert classify(refused.value)[0] is FailureClass.DETERMINISTIC
+    assert str(refused.value) == (
+        "Elastic: global_batch_size= is required (samples per step, all ranks)"
+    )
     # the same kind of TypeError from anybody else's class is the user's code: an ERROR, retried once
     assert (
         classify(TypeError("Foo.__init__() missing 1 required positional argument: 'x'"))[0]

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic_trainer.checkpoint import files as ckpt
+from elastic_trainer.metrics.choice import MetricsSetupError, build_observer
 from elastic_trainer.runtime import rng
 from elastic_trainer.runtime.comms import WorkerComms
 from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
@@ -28,7 +29,6 @@ from elastic_trainer.train.trainer import (
     Trainer,
     TrainerSetupError,
     TrainingJob,
-    build_observer,
 )
 from tests.support.configs import trainer_config
 
@@ -385,7 +385,7 @@ def test_build_observer_defaults_to_null_and_reports_missing_metrics(
         __import__("sys").modules, "elastic_trainer.metrics.worker", None
     )  # not importable
     with pytest.raises(
-        TrainerSetupError, match="ELASTIC_TRAINER_METRICS=1 but elastic_trainer.metrics.worker"
+        MetricsSetupError, match="ELASTIC_TRAINER_METRICS=1 but elastic_trainer.metrics.worker"
     ):
         build_observer()
 
