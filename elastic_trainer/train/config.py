@@ -83,6 +83,10 @@ class FSDPOptions:
     reshard_after_forward: bool = True
     """Free each unit's gathered parameters after its forward (gathered again for the backward):
     less memory, one more all-gather per unit and step. ``False`` keeps them until the backward."""
+    replicas: int = 1
+    """HSDP: shard over a ``(replicas, world_size // replicas)`` mesh (``replicate`` x ``shard``):
+    each shard lives on ``replicas`` ranks, which are its copies at a heal. 1: FSDP over every
+    rank. Must divide the world size at every attempt."""
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks, str) or not all(
@@ -98,6 +102,7 @@ class FSDPOptions:
                 f"got {self.mixed_precision!r}"
             )
         check_bool("fsdp.reshard_after_forward", self.reshard_after_forward)
+        check_positive_int("fsdp.replicas", self.replicas)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -84,8 +84,26 @@ def apply_fsdp(model: nn.Module, options: FSDPOptions, mesh: Any) -> nn.Module:
 def shard_model(
     model: nn.Module, options: FSDPOptions, device: torch.device, world_size: int
 ) -> nn.Module:
-    """:func:`apply_fsdp` over a 1-D mesh of every rank of the current process group."""
-    return apply_fsdp(model, options, init_device_mesh(device.type, (world_size,)))
+    """:func:`apply_fsdp` over every rank of the current process group: a 1-D mesh (FSDP), or
+    ``(replicas, world_size // replicas)`` with ``options.replicas`` > 1 (HSDP).
+
+    Raises:
+        ConfigError: ``options.replicas`` does not divide ``world_size``.
+    """
+    replicas = options.replicas
+    if world_size % replicas:
+        raise ConfigError(
+            f"fsdp.replicas: {replicas} replicas do not divide the {world_size} workers of this "
+            "attempt (HSDP needs world_size = replicas x shards)"
+        )
+    mesh = (
+        init_device_mesh(device.type, (world_size,))
+        if replicas == 1
+        else init_device_mesh(
+            device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
+        )
+    )
+    return apply_fsdp(model, options, mesh)
 
 
 @contextlib.contextmanager

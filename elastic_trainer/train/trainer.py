@@ -51,6 +51,7 @@ from elastic_trainer.state.sharded import is_sharded
 from elastic_trainer.train.config import TrainerConfig
 from elastic_trainer.train.elastic import Elastic, Step
 from elastic_trainer.train.elastic_group import ElasticGroup
+from elastic_trainer.train.fsdp import shard_model
 from elastic_trainer.train.loop import (
     ElasticLoop,
     FaultHook,
@@ -317,8 +318,6 @@ class Trainer:
                     "fsdp: the model factory returned a model that is sharded already; leave fsdp "
                     "unset to train it as it is, or return the plain model"
                 )
-            from elastic_trainer.train.fsdp import shard_model
-
             model = shard_model(model, cfg.fsdp, env.device, env.world_size)
         return model
 
