@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -87,12 +87,15 @@ class SampleLog:
 
 def read_records(directory: str | os.PathLike[str]) -> list[list[dict[str, Any]]]:
     """Every process's records, one list per file (a torn last line from a SIGKILL is dropped)."""
-    processes = []
+    return [records for _, records in _logs(directory)]
+
+
+def _logs(directory: str | os.PathLike[str]) -> Iterator[tuple[Path, list[dict[str, Any]]]]:
+    """Each process's file and its records, files without a record left out."""
     for path in sorted(Path(directory).glob("samples-rank*-pid*.jsonl")):
         records = read_records_of(path)
         if records:
-            processes.append(records)
-    return processes
+            yield path, records
 
 
 def committed_history(processes: Iterable[list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
@@ -144,12 +147,7 @@ class Generation:
 def generations(directory: str | os.PathLike[str]) -> list[Generation]:
     """Every generation recorded in ``directory``, oldest first."""
     found: dict[str, Generation] = {}
-    if not Path(directory).exists():
-        return []
-    for path in sorted(Path(directory).glob("samples-rank*-pid*.jsonl")):
-        records = read_records_of(path)
-        if not records:
-            continue
+    for path, records in _logs(directory):
         start = records[0]
         gen = found.setdefault(
             start["generation"],
