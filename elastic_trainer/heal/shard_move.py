@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from elastic_trainer.heal.restore_plan import RestorePlan, ShardHolder
 from elastic_trainer.heal.state_transfer import TransferTally, share_state
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.state.local_shards import LAYOUT
 from elastic_trainer.state.reshard import Resharder, unsupported
+from elastic_trainer.state.restore_plan import RestorePlan, ShardHolder
 
 log = logging.getLogger(__name__)
 

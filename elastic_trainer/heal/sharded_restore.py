@@ -25,17 +25,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.heal.restore_plan import RESTORE, RestorePlan, ShardHolder, Source
 from elastic_trainer.heal.shard_move import reshard_shards
 from elastic_trainer.heal.state_transfer import TransferTally, share_state
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.state.neighbour_copy import NO_STATE, Holdings, holder_of
+from elastic_trainer.state.restore_plan import (
+    RESTORE,
+    RestorePlan,
+    ShardHolder,
+    Source,
+    resume_sharded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -244,30 +250,3 @@ def restore_shards(
         moved = f"; {tally.describe()}" if tally.shards else ""
         log.warning("heal: %s%s (%.2f s)", plan.describe(), moved, time.monotonic() - started)
     return {RESTORE: plan.to_json(), "payload": payload}
-
-
-def resume_sharded(
-    initial: Mapping[str, Any] | None,
-    *,
-    restore: Callable[[Mapping[str, Any]], int],
-    load: Callable[[], int | None],
-    rank: int,
-) -> int:
-    """The step a sharded loop goes on from in a new attempt (``attempt.initial_state`` as
-    ``initial``): its shards as the heal restored them (``restore(payload)``, e.g.
-    ``load_local_state``), else the newest checkpoint (``load()``, collective), and then rank 0
-    says in one line why the checkpoint and how many steps are redone."""
-    if initial is None or RESTORE not in initial:
-        return load() or 0
-    plan = RestorePlan.from_json(initial[RESTORE])
-    if initial["payload"] is not None:
-        return restore(initial["payload"])
-    step = load() or 0
-    if rank == 0:
-        log.warning(
-            "heal: %s: every rank resumed from the newest checkpoint (step %d): %d step(s) redone",
-            plan.describe(),
-            step,
-            max(0, plan.newest - step),
-        )
-    return step

@@ -1,14 +1,20 @@
 """What a heal of sharded state decides: where each rank's shard comes from (:class:`RestorePlan`),
-and what a sharded loop hands the healer (:class:`ShardHolder`). The plan is made in
-``heal/sharded_restore.py`` and carried out there and in ``heal/shard_move.py`` (a reshard).
+what a sharded loop hands the healer (:class:`ShardHolder`), and the step the next attempt goes
+on from (:func:`resume_sharded`, the checkpoint manager's load of a heal's state). The plan is
+made in ``heal/sharded_restore.py`` and carried out there and in ``heal/shard_move.py`` (a
+reshard); it lives beside the state so that the checkpoint manager reads it without the heal.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from elastic_trainer.state.neighbour_copy import NO_STATE, Holdings
+
+log = logging.getLogger(__name__)
 
 RESTORE = "sharded_restore"
 """The key of a heal outcome's state that carries a :class:`RestorePlan` (as a dict)."""
@@ -121,3 +127,30 @@ class RestorePlan:
             new_world=int(data.get("new_world", 0)),
             replicas=int(data.get("replicas", 1)),
         )
+
+
+def resume_sharded(
+    initial: Mapping[str, Any] | None,
+    *,
+    restore: Callable[[Mapping[str, Any]], int],
+    load: Callable[[], int | None],
+    rank: int,
+) -> int:
+    """The step a sharded loop goes on from in a new attempt (``attempt.initial_state`` as
+    ``initial``): its shards as the heal restored them (``restore(payload)``, e.g.
+    ``load_local_state``), else the newest checkpoint (``load()``, collective), and then rank 0
+    says in one line why the checkpoint and how many steps are redone."""
+    if initial is None or RESTORE not in initial:
+        return load() or 0
+    plan = RestorePlan.from_json(initial[RESTORE])
+    if initial["payload"] is not None:
+        return restore(initial["payload"])
+    step = load() or 0
+    if rank == 0:
+        log.warning(
+            "heal: %s: every rank resumed from the newest checkpoint (step %d): %d step(s) redone",
+            plan.describe(),
+            step,
+            max(0, plan.newest - step),
+        )
+    return step

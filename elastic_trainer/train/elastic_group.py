@@ -80,7 +80,7 @@ def _hand_on(loop: ElasticLoop, held: int, reason: str) -> None:
             step,
         )
         return
-    outcome = checkpoints.save_just_in_time(reason, deadline=time.monotonic() + SAVE_TIMEOUT_S)
+    outcome = checkpoints.just_in_time.save(reason, deadline=time.monotonic() + SAVE_TIMEOUT_S)
     log.warning("heal: handing step %d on through the disk before ending: %s", step, outcome.detail)
 
 
@@ -433,7 +433,7 @@ class Attempt:
         except HealError as heal_exc:
             log.error("%s; falling back to a restart", heal_exc)
             if holds and loop is not None:
-                loop.checkpoints.after_failure(exc)
+                loop.checkpoints.just_in_time.after_failure(exc)
             raise exc from heal_exc
         finally:
             stop.uninstall()

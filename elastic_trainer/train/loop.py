@@ -208,7 +208,8 @@ class ElasticLoop:
         self._stop = GracefulStop(
             sigterm_grace_s if sigterm_grace_s is not None else settings.sigterm_grace_s
         )
-        self._wakeup = SignalWakeup(checkpoints.on_signal)
+        self._jit = checkpoints.just_in_time
+        self._wakeup = SignalWakeup(self._jit.on_signal)
         self.log_every = log_every
         self.record_samples_dir = record_samples_dir
         self.tokens_per_sample = tokens_per_sample
@@ -224,10 +225,16 @@ class ElasticLoop:
         self._carrier = control_carrier
         self._comms = comms if comms is not None else WorkerComms()
         self._watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        self._start_run()
+
+    def _start_run(self) -> None:
+        """What the run records as it goes: where its state came from, the steps in flight and
+        their reports, the result."""
         self.state_ready = False
         """The state is this run's (loaded or taken from a peer): this rank may serve it."""
         self.state_source = "checkpoint"
         """Where the state came from: ``checkpoint`` (or a fresh start) or ``peer``."""
+        self._resumed_from: int | None = None
         self._channel: ControlChannel | None = None  # created in __enter__, collectively
         self._sample_log: SampleLog | None = None
         self._plan: StepPlan | None = None
@@ -243,7 +250,6 @@ class ElasticLoop:
         self.loss_step: int | None = None
         """The step :attr:`loss` belongs to (it arrives on a later step's control)."""
         self.result: TrainResult | None = None
-        checkpoints.use_stop_deadline(lambda: self._stop.deadline)
 
     # -- properties ---------------------------------------------------------------------------------
     @property
@@ -253,7 +259,8 @@ class ElasticLoop:
 
     @property
     def resumed_from(self) -> int | None:
-        return self.checkpoints.resumed_from
+        """The step this attempt started from (``None``: from scratch)."""
+        return self._resumed_from
 
     @property
     def total_steps(self) -> int:
@@ -284,13 +291,13 @@ class ElasticLoop:
                 self.state.serve_peers()
             if self._initial_state is not None:
                 # A peer's payload; sharded: this rank's shards, else the newest checkpoint.
-                self.checkpoints.load(self._initial_state)
+                self._resumed_from = self.checkpoints.load(self._initial_state)
                 self._initial_state, self.state_source = None, "peer"
                 # Every member restored the same payload: one small allreduce proves they hold
                 # the same state (a load_state_dict that restores less than it saves would not).
                 self.state.verify_replicas()
             else:
-                self.checkpoints.load()
+                self._resumed_from = self.checkpoints.load()
             self.state_ready = True
             self.sampler_check()
             self._open_sample_log()
@@ -323,7 +330,7 @@ class ElasticLoop:
                 self.heals_in_place and failures.is_collective_failure(exc)
             ):
                 failures.note_step(exc, self.step + 1)  # the launcher's repeat check compares steps
-                self.checkpoints.after_failure(exc)
+                self._jit.after_failure(exc)
         finally:
             self._teardown()
 
@@ -359,7 +366,7 @@ class ElasticLoop:
     def __iter__(self) -> Iterator[StepPlan]:
         """This rank's share of each step, until the job is done or every rank agreed to stop."""
         env = self.env
-        self.checkpoints.arm()
+        self._jit.arm(lambda: self._stop.deadline)
         while not self.done():
             if self.sampler.epoch_done:
                 with self.state.guard.update():
@@ -473,7 +480,7 @@ class ElasticLoop:
             plan,
             self._step_lr,
         )
-        self.checkpoints.boundary()
+        self.state.guard.boundary()  # a step ended (the just-in-time save's stall detection)
         heartbeat.note_step(step)  # the launcher's frozen-worker watchdog learns the step times
         if self._sample_log is not None:
             self._sample_log.done(step=step)
@@ -489,14 +496,14 @@ class ElasticLoop:
         else:
             self._pending = control
         if stop:
-            self.checkpoints.stand_down()  # every rank agreed to stop: the graceful path owns the exit
+            self._jit.stand_down()  # every rank agreed to stop: the graceful path owns the exit
             self._flush()
             log.warning(
                 "stopping after step %d (signal on %s)",
                 step,
                 "this rank" if self._stop.requested else "another rank",
             )
-            path = self.checkpoints.save(final=True)
+            path = self.checkpoints.save(step, final=True)
             self.result = TrainResult(
                 step=step,
                 epoch=self.sampler.epoch,
@@ -506,8 +513,7 @@ class ElasticLoop:
                 checkpoint=path,
             )
             return True
-        if self.checkpoints.due(step):
-            self.checkpoints.save(final=False)
+        self.checkpoints.save(step)  # when due
         for callback in self._after_step:
             callback(step)
         return False
@@ -562,9 +568,9 @@ class ElasticLoop:
             self._report(self._channel_().start(self.step, None, global_samples=0, stop=False))
 
     def _end(self) -> None:
-        self.checkpoints.stand_down()
+        self._jit.stand_down()
         self._flush()
-        path = self.checkpoints.save(final=True)
+        path = self.checkpoints.save(self.step, final=True)
         if self.env.is_rank0:
             log.info(
                 "training finished at step %d (epoch %d), loss %s",

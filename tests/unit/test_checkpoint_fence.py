@@ -51,21 +51,21 @@ def test_a_refused_write_is_not_the_last_checkpoint(tmp_path: Path, async_write:
     )
     try:
         manager.state.step = 1
-        first = manager.save()
-        manager._drain(10.0)  # the background write, if any
+        first = manager.save(1)
+        manager.just_in_time._drain(10.0)  # the background write, if any
         assert first is not None and ckpt.iter_checkpoints(tmp_path) == [1]
 
         refuse[0] = True
         manager.state.step = 2
-        manager.save()
-        manager._drain(10.0)  # the background write, if any
+        manager.save(2)
+        manager.just_in_time._drain(10.0)  # the background write, if any
         assert ckpt.iter_checkpoints(tmp_path) == [1], "nothing committed"
         assert manager.last_path == first, "the last checkpoint is still step 1's"
         assert not manager.write_failed, "a refusal is no write failure"
 
         refuse[0] = False  # etcd confirms again: the same step is saved, not skipped
-        again = manager.save()
-        manager._drain(10.0)  # the background write, if any
+        again = manager.save(2)
+        manager.just_in_time._drain(10.0)  # the background write, if any
         assert (
             ckpt.iter_checkpoints(tmp_path) == [1, 2]
             and again is not None
@@ -87,8 +87,8 @@ def test_draining_a_failed_background_write_says_so_and_does_not_raise(
             raise OSError(28, "No space left on device")
 
         manager._writer.submit(failing)
-        with caplog.at_level("WARNING", logger="elastic_trainer.checkpoint.manager"):
-            manager._drain(10.0)
+        with caplog.at_level("WARNING", logger="elastic_trainer.checkpoint.just_in_time"):
+            manager.just_in_time._drain(10.0)
         assert "the background checkpoint write failed" in caplog.text
         assert "No space left on device" in caplog.text
         assert ckpt.iter_checkpoints(tmp_path) == []

@@ -73,12 +73,17 @@ class FakeState:
         return {"step": 7}
 
 
-class FakeCheckpoints:
+class FakeJustInTime:
     def __init__(self) -> None:
         self.failures: list[BaseException] = []
 
     def after_failure(self, exc: BaseException) -> None:
         self.failures.append(exc)
+
+
+class FakeCheckpoints:
+    def __init__(self) -> None:
+        self.just_in_time = FakeJustInTime()
 
 
 def _env() -> DistEnv:
@@ -188,7 +193,9 @@ def test_a_heal_that_fails_saves_just_in_time_and_raises_the_collective_failure(
             with attempt:
                 raise RuntimeError(GROUP_FAILURE)
     assert isinstance(raised.value.__cause__, HealError)
-    assert loop.checkpoints.failures == [raised.value], "the last step is saved just in time"
+    assert loop.checkpoints.just_in_time.failures == [raised.value], (
+        "the last step is saved just in time"
+    )
 
 
 def test_a_job_that_finished_during_the_heal_ends_the_attempts_quietly() -> None:

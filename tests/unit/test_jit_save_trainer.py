@@ -104,7 +104,7 @@ def _jit_mid_step(directory: Path) -> tuple[Trainer, Any]:
         thread = threading.Thread(
             target=lambda: holder.setdefault(
                 "outcome",
-                trainer.checkpoints.save_just_in_time(
+                trainer.checkpoints.just_in_time.save(
                     "test", deadline=time.monotonic() + SAVE_TIMEOUT_S
                 ),
             )
@@ -219,7 +219,7 @@ def test_zero_redundancy_turns_jit_off_with_a_reason(
         )
         with pytest.raises(RuntimeError, match="Connection closed by peer"):
             trainer.fit()
-    assert not trainer.checkpoints.jit_enabled
+    assert not trainer.checkpoints.just_in_time.enabled
     assert (
         "just-in-time checkpoints are off with a sharded optimizer (ZeroRedundancyOptimizer)"
         in caplog.text

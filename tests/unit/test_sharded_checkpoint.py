@@ -108,7 +108,7 @@ def _jit_worker(role: str, rank: int, world_size: int, work: Path, model: Any, o
         )
         dist.destroy_process_group()
         return
-    manager.arm()
+    manager.just_in_time.arm()
     for step in (1, 2):
         torch.manual_seed(200 + step)
         model(torch.randn(8, 16).to(DEVICE)).square().mean().backward()
@@ -121,12 +121,12 @@ def _jit_worker(role: str, rank: int, world_size: int, work: Path, model: Any, o
         torch.save(reference, work / "jit-ref.pt")
         # A part alone is no checkpoint: rank 0's shards of a step rank 1 never writes.
         assert manager._sharded is not None
-        alone = manager._sharded.save_own(manager.payload(state.snapshot()), step=99, epoch=0)
+        alone = manager._sharded.save_own(manager._payload(state.snapshot()), step=99, epoch=0)
         (work / "alone").write_text(str(alone))
     dist.barrier()
     dist.destroy_process_group()  # the group is gone, as after a failure
     time.sleep(0.5 * rank)  # the ranks save one after the other
-    outcome = manager.save_just_in_time("test", deadline=time.monotonic() + 60)
+    outcome = manager.just_in_time.save("test", deadline=time.monotonic() + 60)
     (work / f"jit-{rank}.json").write_text(
         json.dumps({"saved": outcome.saved, "path": outcome.path})
     )
@@ -180,8 +180,8 @@ def _stop_worker(rank: int, world_size: int, work: Path, model: Any, opt: Any) -
 
     writer._write = slow_write  # type: ignore[method-assign]
     writer.save_own = counted_save_own  # type: ignore[method-assign]
-    manager.arm()
-    manager._jit._exit = exits.append  # the monitor's exit, recorded instead
+    manager.just_in_time.arm()
+    manager.just_in_time._saver._exit = exits.append  # the monitor's exit, recorded instead
     stall: list[Any] = [None]  # what the slow step waits for inside the model's forward
 
     def slow_forward(module: Any, args: Any) -> None:  # after FSDP2's unshard of this layer
@@ -199,18 +199,17 @@ def _stop_worker(rank: int, world_size: int, work: Path, model: Any, opt: Any) -
             opt.step()
             opt.zero_grad()
             sampler.advance(next(iter(sampler.plans(rank, world_size))))
-        manager.boundary()
-        if manager.due(number):
-            manager.save()
+        state.guard.boundary()
+        manager.save(number)  # when due
 
     try:
         step(1)
         step(2)  # the periodic save of step 2: its background write takes 3 s
-        manager.on_signal(signal.SIGTERM)
+        manager.just_in_time.on_signal(signal.SIGTERM)
         stall[0] = lambda: time.sleep(2.0)  # slower than STALL_MIN_S, slowed by the write
         step(3)
         writer.wait(30)
-        monitor = manager._jit._monitor
+        monitor = manager.just_in_time._saver._monitor
         assert monitor is not None
 
         def until_the_monitor_decides() -> None:  # no write in flight: a stall now
@@ -222,8 +221,11 @@ def _stop_worker(rank: int, world_size: int, work: Path, model: Any, opt: Any) -
         step(4)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         errors.append(f"{type(exc).__name__}: {exc}")
-    manager.stand_down()
-    monitor_alive = manager._jit._monitor is not None and manager._jit._monitor.is_alive()
+    manager.just_in_time.stand_down()
+    monitor_alive = (
+        manager.just_in_time._saver._monitor is not None
+        and manager.just_in_time._saver._monitor.is_alive()
+    )
     with_threads = [t.name for t in threading.enumerate()]
     (work / f"stop-{rank}.json").write_text(
         json.dumps(

@@ -95,20 +95,20 @@ def _worker(rank: int, store: str, out: str) -> None:
         assert not training.heal_in_place, "a copy for the just-in-time save heals nothing"
         for manager in (reference, survivors, alone):
             assert manager.load() is None  # arms the just-in-time save (nothing to resume yet)
-            manager.arm()  # the copy starts from the live state (staged and exchanged again)
+            manager.just_in_time.arm()  # the copy starts from the live state (staged and exchanged again)
         copies.wait()
-        reference.save(final=True)  # collective: the reference
+        reference.save(STEPS, final=True)  # collective: the reference
         dist.barrier()
         # Rank 1 is lost: ranks 0 and 2 write what they hold, one after the other (a failure
         # of the training thread, then a save from the healer's or a stop's thread).
         for writer in (2, 0):
             if rank == writer:
-                survivors.after_failure(RuntimeError("peer died"))
+                survivors.just_in_time.after_failure(RuntimeError("peer died"))
                 survivors.close(1.0)  # the teardown ended: no exit timer
             dist.barrier()
         # Ranks 0 and 1 are lost: rank 2 alone (rank 1's copy was on rank 0).
         if rank == 2:
-            alone.save_just_in_time("two peers died", deadline=time.monotonic() + 30)
+            alone.just_in_time.save("two peers died", deadline=time.monotonic() + 30)
         dist.barrier()
         # The restart's resume (every rank, a model built afresh) reads every shard back.
         fresh = _model(WORLD)

@@ -151,7 +151,7 @@ def test_the_resume_line_claims_bitwise_only_for_what_was_restored(
     model = nn.Linear(3, 2)
     writer = _manager(tmp_path, {"model": model})  # saved without its optimizer
     writer.state.step = 3
-    writer.save(final=True)
+    writer.save(3, final=True)
     writer.close(1.0)
 
     caplog.set_level(logging.INFO, logger="elastic_trainer")
