@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,16 +103,15 @@ def parse_faults(text: str) -> frozenset[str]:
 def check_env(environ: Mapping[str, str]) -> CheckResult:
     """torchrun's variables are all set, integers where they must be, and consistent."""
     values = {name: environ.get(name) or None for name in TORCHRUN_ENV}
-    data = {"env": values}
+    status, detail = _env_verdict(values)
+    return CheckResult(name="env", status=status, detail=detail, data={"env": values})
+
+
+def _env_verdict(values: Mapping[str, str | None]) -> tuple[str, str]:
     if values["RANK"] is None and values["WORLD_SIZE"] is None:
-        return CheckResult(
-            name="env",
-            status=FAIL,
-            data=data,
-            detail=(
-                "not started by torchrun (RANK and WORLD_SIZE unset): run `elastic-trainer doctor` or "
-                "`torchrun --nproc-per-node=N -m elastic_trainer.doctor`; checking this process alone"
-            ),
+        return FAIL, (
+            "not started by torchrun (RANK and WORLD_SIZE unset): run `elastic-trainer doctor` or "
+            "`torchrun --nproc-per-node=N -m elastic_trainer.doctor`; checking this process alone"
         )
     problems = []
     missing = [name for name, value in values.items() if value is None]
@@ -126,6 +126,19 @@ def check_env(environ: Mapping[str, str]) -> CheckResult:
             nums[name] = int(raw)
         except ValueError:
             problems.append(f"{name}={raw!r} is not an integer")
+    problems += _env_range_problems(nums)
+    if problems:
+        return FAIL, "; ".join(problems)
+    return PASS, (
+        f"WORLD_SIZE {nums.get('WORLD_SIZE')}, LOCAL_WORLD_SIZE {nums.get('LOCAL_WORLD_SIZE')}, "
+        f"every RANK/LOCAL_RANK in range, MASTER {values['MASTER_ADDR']}:{nums.get('MASTER_PORT')}, "
+        f"run id {values['TORCHELASTIC_RUN_ID']}"
+    )
+
+
+def _env_range_problems(nums: Mapping[str, int]) -> list[str]:
+    """What the integer variables that were set get wrong, alone or together."""
+    problems = []
     rank, world = nums.get("RANK"), nums.get("WORLD_SIZE")
     local_rank, local_world = nums.get("LOCAL_RANK"), nums.get("LOCAL_WORLD_SIZE")
     if world is not None and world < 1:
@@ -147,17 +160,7 @@ def check_env(environ: Mapping[str, str]) -> CheckResult:
     port = nums.get("MASTER_PORT")
     if port is not None and not 1 <= port <= 65535:
         problems.append(f"MASTER_PORT={port} is not a TCP port")
-    if problems:
-        return CheckResult(name="env", status=FAIL, detail="; ".join(problems), data=data)
-    return CheckResult(
-        name="env",
-        status=PASS,
-        data=data,
-        detail=(
-            f"WORLD_SIZE {world}, LOCAL_WORLD_SIZE {local_world}, every RANK/LOCAL_RANK in range, "
-            f"MASTER {values['MASTER_ADDR']}:{port}, run id {values['TORCHELASTIC_RUN_ID']}"
-        ),
-    )
+    return problems
 
 
 @dataclass(kw_only=True, slots=True)
@@ -202,58 +205,29 @@ def check_backend(probe: BackendProbe) -> CheckResult:
         "cuda": probe.cuda,
         "nccl_version": probe.nccl_version,
     }
+    status, detail = _backend_verdict(probe)
+    return CheckResult(name="backend", status=status, detail=detail, data=data)
+
+
+def _backend_verdict(probe: BackendProbe) -> tuple[str, str]:
     if not probe.distributed:
-        return CheckResult(
-            name="backend",
-            status=FAIL,
-            data=data,
-            detail="torch.distributed is not available in this torch build",
-        )
-    if probe.cuda:
-        if not probe.nccl:
-            return CheckResult(
-                name="backend",
-                status=FAIL,
-                data=data,
-                detail=(
-                    "CUDA is present but this torch build has no NCCL: install a CUDA build of torch"
-                ),
-            )
-        if probe.nccl_version is None:
-            return CheckResult(
-                name="backend",
-                status=FAIL,
-                data=data,
-                detail=f"torch.cuda.nccl.version() failed: {probe.nccl_error}",
-            )
+        return FAIL, "torch.distributed is not available in this torch build"
+    if not probe.cuda:
         if not probe.gloo:
-            return CheckResult(
-                name="backend",
-                status=WARN,
-                data=data,
-                detail=(
-                    f"NCCL {probe.nccl_version} (used); gloo missing: CPU tensors cannot be communicated"
-                ),
-            )
-        return CheckResult(
-            name="backend",
-            status=PASS,
-            data=data,
-            detail=f"NCCL {probe.nccl_version} (used with CUDA), gloo available",
+            return FAIL, "no CUDA and no gloo in this torch build: no backend can run here"
+        return PASS, "gloo (used: no CUDA on this node, so NCCL is not needed)"
+    if not probe.nccl:
+        return (
+            FAIL,
+            "CUDA is present but this torch build has no NCCL: install a CUDA build of torch",
         )
+    if probe.nccl_version is None:
+        return FAIL, f"torch.cuda.nccl.version() failed: {probe.nccl_error}"
     if not probe.gloo:
-        return CheckResult(
-            name="backend",
-            status=FAIL,
-            data=data,
-            detail="no CUDA and no gloo in this torch build: no backend can run here",
+        return WARN, (
+            f"NCCL {probe.nccl_version} (used); gloo missing: CPU tensors cannot be communicated"
         )
-    return CheckResult(
-        name="backend",
-        status=PASS,
-        data=data,
-        detail="gloo (used: no CUDA on this node, so NCCL is not needed)",
-    )
+    return PASS, f"NCCL {probe.nccl_version} (used with CUDA), gloo available"
 
 
 def usable_cpus() -> int:
@@ -279,57 +253,39 @@ def check_devices(
         "CUDA_VISIBLE_DEVICES": cuda_visible,
     }
     if local_world_size is None or local_rank is None:
-        return CheckResult(
-            name="devices",
-            status=SKIP,
-            data=data,
-            detail="LOCAL_WORLD_SIZE/LOCAL_RANK unusable (see env)",
-        )
-    if cuda_devices > 0:
-        visible = f" (CUDA_VISIBLE_DEVICES={cuda_visible})" if cuda_visible is not None else ""
-        if cuda_devices < local_world_size or local_rank >= cuda_devices:
-            return CheckResult(
-                name="devices",
-                status=FAIL,
-                data=data,
-                detail=(
-                    f"LOCAL_WORLD_SIZE={local_world_size} but {cuda_devices} GPU(s) visible{visible}: start at most "
-                    f"{cuda_devices} workers per node (--nproc-per-node) or fix CUDA_VISIBLE_DEVICES"
-                ),
-            )
-        if cuda_devices > local_world_size:
-            return CheckResult(
-                name="devices",
-                status=WARN,
-                data=data,
-                detail=(
-                    f"{cuda_devices} GPUs visible{visible} but LOCAL_WORLD_SIZE={local_world_size}: "
-                    f"{cuda_devices - local_world_size} idle (--nproc-per-node={cuda_devices} uses them all)"
-                ),
-            )
-        return CheckResult(
-            name="devices",
-            status=PASS,
-            data=data,
-            detail=(
-                f"{cuda_devices} GPU(s) for {local_world_size} local rank(s), this rank on cuda:{local_rank}"
-            ),
-        )
-    if local_world_size > cpu_count:
-        return CheckResult(
-            name="devices",
-            status=WARN,
-            data=data,
-            detail=(
+        status, detail = SKIP, "LOCAL_WORLD_SIZE/LOCAL_RANK unusable (see env)"
+    elif cuda_devices > 0:
+        status, detail = _gpus_verdict(cuda_devices, local_world_size, local_rank, cuda_visible)
+    elif local_world_size > cpu_count:
+        status, detail = (
+            WARN,
+            (
                 f"no CUDA: {local_world_size} local ranks share {cpu_count} CPU core(s): oversubscribed, "
                 "timings will be poor"
             ),
         )
-    return CheckResult(
-        name="devices",
-        status=PASS,
-        data=data,
-        detail=(f"no CUDA: {local_world_size} local rank(s) on {cpu_count} CPU core(s), gloo"),
+    else:
+        status = PASS
+        detail = f"no CUDA: {local_world_size} local rank(s) on {cpu_count} CPU core(s), gloo"
+    return CheckResult(name="devices", status=status, detail=detail, data=data)
+
+
+def _gpus_verdict(
+    cuda_devices: int, local_world_size: int, local_rank: int, cuda_visible: str | None
+) -> tuple[str, str]:
+    visible = f" (CUDA_VISIBLE_DEVICES={cuda_visible})" if cuda_visible is not None else ""
+    if cuda_devices < local_world_size or local_rank >= cuda_devices:
+        return FAIL, (
+            f"LOCAL_WORLD_SIZE={local_world_size} but {cuda_devices} GPU(s) visible{visible}: start at most "
+            f"{cuda_devices} workers per node (--nproc-per-node) or fix CUDA_VISIBLE_DEVICES"
+        )
+    if cuda_devices > local_world_size:
+        return WARN, (
+            f"{cuda_devices} GPUs visible{visible} but LOCAL_WORLD_SIZE={local_world_size}: "
+            f"{cuda_devices - local_world_size} idle (--nproc-per-node={cuda_devices} uses them all)"
+        )
+    return PASS, (
+        f"{cuda_devices} GPU(s) for {local_world_size} local rank(s), this rank on cuda:{local_rank}"
     )
 
 
@@ -427,59 +383,74 @@ def check_timeouts(environ: Mapping[str, str], *, interfaces: Sequence[str] | No
     user = {name: environ[name] for name in TIMEOUT_ENV if name in environ}
     data: dict[str, object] = {"set": user}
     raw = environ.get(ENV_PG_TIMEOUT_S, "").strip()
-    if raw:
-        try:
-            pg_timeout = float(raw)
-        except ValueError:
-            pg_timeout = math.nan
-        if not math.isfinite(pg_timeout) or pg_timeout <= 0:
-            return CheckResult(
-                name="timeouts",
-                status=FAIL,
-                data=data,
-                detail=(
-                    f"{ENV_PG_TIMEOUT_S}={raw!r} is not a positive number of seconds: training refuses to start"
-                ),
-            )
-        source = ENV_PG_TIMEOUT_S
-    else:
-        pg_timeout, source = DEFAULT_PG_TIMEOUT_S, "default"
+    timeout = _collective_timeout(raw)
+    if timeout is None:
+        return CheckResult(
+            name="timeouts",
+            status=FAIL,
+            data=data,
+            detail=(
+                f"{ENV_PG_TIMEOUT_S}={raw!r} is not a positive number of seconds: training refuses to start"
+            ),
+        )
+    pg_timeout, source = timeout
     effective = dict(environ)
     with _quiet(distributed.log):  # the problems it logs are reported below, once, by rank 0
         distributed.configure_nccl_environment(pg_timeout, environ=effective)
     data.update(
         {"pg_timeout_s": pg_timeout, "effective": {n: effective.get(n) for n in TIMEOUT_ENV}}
     )
-    warnings = _error_handling_warnings(effective)
-    async_mode = effective.get(distributed.NCCL_ASYNC_ERROR_HANDLING, "1").strip()
-    monitoring = effective.get(distributed.NCCL_ENABLE_MONITORING, "1").strip()
-    heartbeat_raw = effective.get(distributed.NCCL_HEARTBEAT_TIMEOUT_SEC, "").strip()
-    heartbeat: int | None = None
-    try:
-        heartbeat = int(heartbeat_raw)
-    except ValueError:
-        warnings.append(
-            f"{distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={heartbeat_raw!r} is not a whole number of seconds"
-        )
-    if heartbeat is not None and monitoring != "0" and heartbeat < pg_timeout:
-        warnings.append(
-            f"{distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={heartbeat} is below the collective timeout "
-            f"{pg_timeout:g} s ({source}): the heartbeat monitor may abort a rank before a slow "
-            "collective would have timed out; keep it >= the timeout"
-        )
+    heartbeat, heartbeat_warnings = _heartbeat(effective, pg_timeout, source)
+    warnings = _error_handling_warnings(effective) + heartbeat_warnings
     warnings += _deprecated_names(environ) + _unmatched_interfaces(environ, interfaces)
     if warnings:
         return CheckResult(name="timeouts", status=WARN, detail="; ".join(warnings), data=data)
+    async_mode = effective.get(distributed.NCCL_ASYNC_ERROR_HANDLING, "1").strip()
     detail = (
         f"collective timeout {pg_timeout:g} s ({source}); "
         f"{distributed.NCCL_ASYNC_ERROR_HANDLING}={async_mode}"
     )
-    if heartbeat is not None and monitoring != "0":
+    if heartbeat is not None:
         detail += f", {distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={heartbeat} >= timeout"
     for variable in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         if environ.get(variable):
             detail += f", {variable}={environ[variable]}"
     return CheckResult(name="timeouts", status=PASS, detail=detail, data=data)
+
+
+def _collective_timeout(raw: str) -> tuple[float, str] | None:
+    """The collective timeout a run would use and where it comes from (the variable's stripped
+    value ``raw``, or the default when it is empty); ``None``: not a positive number."""
+    if not raw:
+        return DEFAULT_PG_TIMEOUT_S, "default"
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return (value, ENV_PG_TIMEOUT_S) if math.isfinite(value) and value > 0 else None
+
+
+def _heartbeat(
+    effective: Mapping[str, str], pg_timeout: float, source: str
+) -> tuple[int | None, list[str]]:
+    """The heartbeat timeout in effect (``None``: unreadable, or the monitor is off) and what is
+    wrong with it: not a number, or below the collective timeout."""
+    raw = effective.get(distributed.NCCL_HEARTBEAT_TIMEOUT_SEC, "").strip()
+    try:
+        heartbeat = int(raw)
+    except ValueError:
+        return None, [
+            f"{distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={raw!r} is not a whole number of seconds"
+        ]
+    if effective.get(distributed.NCCL_ENABLE_MONITORING, "1").strip() == "0":
+        return None, []
+    if heartbeat < pg_timeout:
+        return heartbeat, [
+            f"{distributed.NCCL_HEARTBEAT_TIMEOUT_SEC}={heartbeat} is below the collective timeout "
+            f"{pg_timeout:g} s ({source}): the heartbeat monitor may abort a rank before a slow "
+            "collective would have timed out; keep it >= the timeout"
+        ]
+    return heartbeat, []
 
 
 def host_interfaces() -> list[str] | None:
@@ -544,24 +515,7 @@ def check_placement(
 ) -> CheckResult:
     """Every parameter, buffer, the batch, the output and the loss are on this rank's device
     (``cuda:LOCAL_RANK`` or ``cpu``), and so is the current CUDA device."""
-    wrong = [
-        f"parameter {name} on {p.device}"
-        for name, p in model.named_parameters()
-        if p.device != device
-    ]
-    wrong += [
-        f"buffer {name} on {b.device}" for name, b in model.named_buffers() if b.device != device
-    ]
-    wrong += [
-        f"{label} on {t.device}"
-        for label, t in (("batch", inputs), ("target", target))
-        if t.device != device
-    ]
-    if device.type == "cuda" and torch.cuda.current_device() != device.index:
-        wrong.append(
-            f"current CUDA device is cuda:{torch.cuda.current_device()} "
-            "(call torch.cuda.set_device(LOCAL_RANK) before creating tensors)"
-        )
+    wrong = _misplaced(model, inputs, target, device)
     data = {"device": str(device), "misplaced": wrong}
     if wrong:
         shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
@@ -596,6 +550,31 @@ def check_placement(
             f"batch {tuple(inputs.shape)}, output and loss all on {device}"
         ),
     )
+
+
+def _misplaced(
+    model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, device: torch.device
+) -> list[str]:
+    """What is not on ``device`` before the forward pass, the current CUDA device included."""
+    wrong = [
+        f"parameter {name} on {p.device}"
+        for name, p in model.named_parameters()
+        if p.device != device
+    ]
+    wrong += [
+        f"buffer {name} on {b.device}" for name, b in model.named_buffers() if b.device != device
+    ]
+    wrong += [
+        f"{label} on {t.device}"
+        for label, t in (("batch", inputs), ("target", target))
+        if t.device != device
+    ]
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        wrong.append(
+            f"current CUDA device is cuda:{torch.cuda.current_device()} "
+            "(call torch.cuda.set_device(LOCAL_RANK) before creating tensors)"
+        )
+    return wrong
 
 
 # --- collective checks (every rank, same order) ----------------------------------------------
@@ -674,6 +653,28 @@ def check_grad_sync(
     """One DDP forward/backward with rank-dependent weights and inputs: after construction the
     weights must be rank 0's on every rank; after backward the gradients must be identical on
     every rank and equal to the mean of the ranks' local (non-DDP) gradients."""
+    data, scale = _one_ddp_step(
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        model=model,
+        batch_size=batch_size,
+        corrupt=corrupt,
+    )
+    status, detail = _grad_sync_verdict(data, scale=scale, world_size=world_size)
+    return CheckResult(name="grad_sync", status=status, detail=detail, data=data)
+
+
+def _one_ddp_step(
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    model: TestModel,
+    batch_size: int,
+    corrupt: bool,
+) -> tuple[dict[str, Any], float]:
+    """The spreads and the error of one DDP step (the check's data), and the gradients' scale."""
     torch.manual_seed(
         10_000 + rank
     )  # different initial weights per rank: DDP must broadcast rank 0's
@@ -695,15 +696,21 @@ def check_grad_sync(
     expected /= world_size
     scale = max(float(expected.abs().max().item()), 1e-12)
     local_spread = _spread(local)
-    grads_spread = _spread(synced)
-    error = float((synced - expected).abs().max().item()) / scale
     data = {
         "params_spread": params_spread,
-        "grads_spread": grads_spread,
+        "grads_spread": _spread(synced),
         "local_grads_spread": local_spread,
-        "max_rel_error_vs_mean": error,
+        "max_rel_error_vs_mean": float((synced - expected).abs().max().item()) / scale,
         "parameters": int(synced.numel()),
     }
+    return data, scale
+
+
+def _grad_sync_verdict(
+    data: Mapping[str, Any], *, scale: float, world_size: int
+) -> tuple[str, str]:
+    params_spread, grads_spread = data["params_spread"], data["grads_spread"]
+    local_spread, error = data["local_grads_spread"], data["max_rel_error_vs_mean"]
     problems = []
     if params_spread > 0:
         problems.append(
@@ -720,25 +727,15 @@ def check_grad_sync(
             f"(max relative error {error:.3g} > {GRAD_RTOL:g})"
         )
     if problems:
-        return CheckResult(name="grad_sync", status=FAIL, detail="; ".join(problems), data=data)
+        return FAIL, "; ".join(problems)
     if world_size > 1 and local_spread == 0:
-        return CheckResult(
-            name="grad_sync",
-            status=WARN,
-            data=data,
-            detail=(
-                "gradients agree, but the ranks' local gradients were identical too, so synchronisation went unproven"
-            ),
+        return WARN, (
+            "gradients agree, but the ranks' local gradients were identical too, so synchronisation went unproven"
         )
-    return CheckResult(
-        name="grad_sync",
-        status=PASS,
-        data=data,
-        detail=(
-            f"weights broadcast from rank 0; {synced.numel()} gradients identical on every rank and equal to "
-            f"the mean of the local ones (max relative error {error:.1g}; local gradients differed by up to "
-            f"{local_spread:.3g})"
-        ),
+    return PASS, (
+        f"weights broadcast from rank 0; {data['parameters']} gradients identical on every rank and equal to "
+        f"the mean of the local ones (max relative error {error:.1g}; local gradients differed by up to "
+        f"{local_spread:.3g})"
     )
 
 
@@ -809,26 +806,21 @@ def check_compute_comm(
         f"{model.source}, batch {batch_size}/rank, {format_size(grad_bytes)} of gradients: forward+backward "
         f"{compute * 1e3:.2f} ms, their allreduce {comm * 1e3:.3f} ms -> compute/comm {ratio:.1f}"
     )
+    status, verdict = _ratio_verdict(ratio, world_size)
+    return CheckResult(name="compute_comm", status=status, data=data, detail=detail + verdict)
+
+
+def _ratio_verdict(ratio: float, world_size: int) -> tuple[str, str]:
+    """The status of a compute/comm ratio and what to add to the check's line about it."""
     if world_size == 1:
-        return CheckResult(
-            name="compute_comm",
-            status=PASS,
-            data=data,
-            detail=detail + " (one rank: no communication across ranks)",
-        )
+        return PASS, " (one rank: no communication across ranks)"
     if ratio < RATIO_WARN_BELOW:
-        return CheckResult(
-            name="compute_comm",
-            status=WARN,
-            data=data,
-            detail=detail
-            + (
-                ": communication-bound, DDP cannot hide the allreduce (larger per-rank batches, gradient "
-                "accumulation with no_sync, or fewer ranks)"
-            ),
+        return WARN, (
+            ": communication-bound, DDP cannot hide the allreduce (larger per-rank batches, gradient "
+            "accumulation with no_sync, or fewer ranks)"
         )
     if ratio < RATIO_ADVISED:
-        detail += (
+        return PASS, (
             f" (below the {RATIO_ADVISED:g}:1 the DDP guide aims for: scaling will be sublinear)"
         )
-    return CheckResult(name="compute_comm", status=PASS, data=data, detail=detail)
+    return PASS, ""
