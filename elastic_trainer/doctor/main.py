@@ -31,6 +31,7 @@ from elastic_trainer.doctor.checks import (
     FAULT_ENV,
     TIMEOUT_ENV,
     TORCHRUN_ENV,
+    BackendProbe,
     TestModel,
     check_allreduce,
     check_backend,
@@ -73,6 +74,9 @@ DEFAULT_ITERS = 20
 DEFAULT_WARMUP = 5
 DEFAULT_BATCH_SIZE = 32
 MAX_ITERS = 10_000
+MAX_BATCH_SIZE = 65_536
+_INT_RANGES = (("iters", 1, MAX_ITERS), ("warmup", 0, MAX_ITERS), ("batch_size", 1, MAX_BATCH_SIZE))
+"""The integer options' names and their inclusive ranges."""
 
 DESCRIPTION = """\
 Run the DDP debugging checklist on every rank, under torchrun, and print one report from rank 0
@@ -127,12 +131,10 @@ class DoctorOptions:
     def __post_init__(self) -> None:
         if not self.sizes:
             raise ValueError("sizes: at least one message size is needed")
-        if not 1 <= self.iters <= MAX_ITERS:
-            raise ValueError(f"iters: must be in 1..{MAX_ITERS}, got {self.iters}")
-        if not 0 <= self.warmup <= MAX_ITERS:
-            raise ValueError(f"warmup: must be in 0..{MAX_ITERS}, got {self.warmup}")
-        if not 1 <= self.batch_size <= 65_536:
-            raise ValueError(f"batch_size: must be in 1..65536, got {self.batch_size}")
+        for name, low, high in _INT_RANGES:
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValueError(f"{name}: must be in {low}..{high}, got {value}")
         if not self.timeout_s > 0:
             raise ValueError(
                 f"timeout_s: must be a positive number of seconds, got {self.timeout_s}"
@@ -160,6 +162,30 @@ def _positive_float(text: str) -> float:
     return value
 
 
+_NUMBERS: tuple[tuple[str, str, Callable[[str], float], float, str], ...] = (
+    ("iters", "--iters", int, DEFAULT_ITERS, "timed iterations per measurement"),
+    ("warmup", "--warmup", int, DEFAULT_WARMUP, "untimed iterations before each measurement"),
+    ("batch_size", "--batch-size", int, DEFAULT_BATCH_SIZE, "per-rank batch of the example model"),
+    (
+        "timeout_s",
+        "--timeout",
+        _positive_float,
+        DEFAULT_TIMEOUT_S,
+        "collective timeout of the doctor's process group",
+    ),
+    (
+        "deadline_s",
+        "--deadline",
+        _positive_float,
+        DEFAULT_DEADLINE_S,
+        "hard limit on the whole run",
+    ),
+)
+"""The numeric options: :class:`DoctorOptions` field, flag, type, default and help."""
+_FLAGS = {"sizes": "--sizes"} | {name: flag for name, flag, *_ in _NUMBERS}
+"""The flag behind each :class:`DoctorOptions` field, for error messages."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _RaisingParser(
         prog=PROG,
@@ -176,58 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"allreduce message sizes: a range that multiplies by F (default 2) or a list; "
         f"units K, M, G (binary) (default {DEFAULT_SIZES})",
     )
-    parser.add_argument(
-        "--iters",
-        type=int,
-        default=DEFAULT_ITERS,
-        metavar="N",
-        help=f"timed iterations per measurement (default {DEFAULT_ITERS})",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=DEFAULT_WARMUP,
-        metavar="N",
-        help=f"untimed iterations before each measurement (default {DEFAULT_WARMUP})",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=DEFAULT_BATCH_SIZE,
-        metavar="N",
-        help=f"per-rank batch of the example model (default {DEFAULT_BATCH_SIZE})",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=DEFAULT_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"collective timeout of the doctor's process group (default {DEFAULT_TIMEOUT_S:g})",
-    )
-    parser.add_argument(
-        "--deadline",
-        type=_positive_float,
-        default=DEFAULT_DEADLINE_S,
-        metavar="SECONDS",
-        help=f"hard limit on the whole run (default {DEFAULT_DEADLINE_S:g})",
-    )
+    for name, flag, kind, default, what in _NUMBERS:
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=default,
+            metavar="N" if kind is int else "SECONDS",
+            help=f"{what} (default {default:g})",
+        )
     parser.add_argument(
         "--verbose",
         action="store_true",
         help="log debug messages, with the traceback behind a check that crashed",
     )
     return parser
-
-
-_FLAGS = {
-    "sizes": "--sizes",
-    "iters": "--iters",
-    "warmup": "--warmup",
-    "batch_size": "--batch-size",
-    "timeout_s": "--timeout",
-    "deadline_s": "--deadline",
-}
-"""The flag behind each :class:`DoctorOptions` field, for error messages."""
 
 
 def parse_args(argv: Sequence[str]) -> DoctorOptions:
@@ -242,12 +231,8 @@ def parse_args(argv: Sequence[str]) -> DoctorOptions:
         return DoctorOptions(
             json=args.json,
             sizes=args.sizes or parse_sizes(DEFAULT_SIZES),
-            iters=args.iters,
-            warmup=args.warmup,
-            batch_size=args.batch_size,
-            timeout_s=args.timeout,
-            deadline_s=args.deadline,
             verbose=args.verbose,
+            **{name: getattr(args, name) for name, *_ in _NUMBERS},
         )
     except ValueError as exc:
         name, _, message = str(exc).partition(": ")
@@ -350,9 +335,17 @@ class Doctor:
             self.group_ready = False
             self.group_problem = f"the process group failed in the {name} check"
 
+    def claim_print(self) -> bool:
+        """True once: whichever of the run and the deadline asks first prints the report."""
+        with self.lock:
+            first = not self.printed
+            self.printed = True
+        return first
+
     # -- the run --
 
     def run(self) -> None:
+        """Every check in order: the local ones, the process group, then the collective ones."""
         probe = probe_backend()
         cuda_devices = torch.cuda.device_count() if probe.cuda else 0
         self.facts = {
@@ -363,6 +356,23 @@ class Doctor:
             "backend": "nccl" if cuda_devices else "gloo",
             "faults": sorted(self.faults),
         }
+        self.run_local(probe, cuda_devices)
+        self.current = "process_group"
+        self.init_group()
+        model = doctor_model()
+        if self.device is None:
+            self.record(
+                CheckResult(
+                    name="placement", status=SKIP, detail="not run: no device (see env/devices)"
+                )
+            )
+        else:
+            self.local("placement", lambda: self.placement(model))
+        self.run_collectives(model)
+        self.current = "gather"
+
+    def run_local(self, probe: BackendProbe, cuda_devices: int) -> None:
+        """The checks that need no other rank: environment, backend, devices, timeouts."""
         self.local("env", lambda: check_env(self.environ))
         self.local("backend", lambda: check_backend(probe))
         self.local(
@@ -376,17 +386,9 @@ class Doctor:
             ),
         )
         self.local("timeouts", lambda: check_timeouts(self.environ, interfaces=host_interfaces()))
-        self.current = "process_group"
-        self.init_group()
-        model = doctor_model()
-        if self.device is None:
-            self.record(
-                CheckResult(
-                    name="placement", status=SKIP, detail="not run: no device (see env/devices)"
-                )
-            )
-        else:
-            self.local("placement", lambda: self.placement(model))
+
+    def run_collectives(self, model: TestModel) -> None:
+        """The checks every rank runs together, in the same order."""
         rank = self.env.rank if self.env else 0
         device = self.device or torch.device("cpu")
         self.collective(
@@ -432,7 +434,6 @@ class Doctor:
                 rank=rank,
             ),
         )
-        self.current = "gather"
 
     def init_group(self) -> None:
         try:
@@ -561,13 +562,13 @@ def _emit(doctor: Doctor, report: MergedReport, *, as_json: bool) -> None:
                 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (every rank). Returns the exit status: 0 pass, 1 a check failed, 2 bad usage."""
-    environ = dict(os.environ)
+def _options(
+    argv: Sequence[str], environ: Mapping[str, str]
+) -> tuple[DoctorOptions, frozenset[str]] | int:
+    """The options and faults asked for, or the exit status for bad usage (2) or ``--help``."""
     quiet = _int_or_none(environ, "RANK") not in (None, 0)  # bad usage: say it once, on rank 0
     try:
-        options = parse_args(sys.argv[1:] if argv is None else argv)
-        faults = parse_faults(environ.get(FAULT_ENV, ""))
+        return parse_args(argv), parse_faults(environ.get(FAULT_ENV, ""))
     except ValueError as exc:  # UserError included
         if not quiet:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
@@ -578,42 +579,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
+
+
+def _report_deadline(doctor: Doctor) -> None:
+    """The watchdog's last word: the check that ran out of time, and what was found before it."""
+    if not doctor.claim_print():
+        return
+    deadline_s = doctor.options.deadline_s
+    print(
+        f"{PROG}: rank {doctor.rank}: deadline of {deadline_s:g} s exceeded in the "
+        f"{doctor.current} check; exiting",
+        file=sys.stderr,
+        flush=True,
+    )
+    report = merge(
+        [doctor.rank_report(pending=doctor.current)],
+        world_size=doctor.world_size,
+        partial=f"stopped after --deadline={deadline_s:g}s in the {doctor.current} check",
+    )
+    _emit(doctor, report, as_json=doctor.options.json)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (every rank). Returns the exit status: 0 pass, 1 a check failed, 2 bad usage."""
+    environ = dict(os.environ)
+    parsed = _options(sys.argv[1:] if argv is None else argv, environ)
+    if isinstance(parsed, int):
+        return parsed
+    options, faults = parsed
     logging.basicConfig(
         level=logging.DEBUG if options.verbose else logging.WARNING,
         stream=sys.stderr,
         format=f"%(asctime)s [rank {environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s",
     )
-
     doctor = Doctor(options, environ, faults)
-
-    def on_expiry() -> None:
-        with doctor.lock:
-            if doctor.printed:
-                return
-            doctor.printed = True
-        print(
-            f"{PROG}: rank {doctor.rank}: deadline of {options.deadline_s:g} s exceeded in the "
-            f"{doctor.current} check; exiting",
-            file=sys.stderr,
-            flush=True,
-        )
-        report = merge(
-            [doctor.rank_report(pending=doctor.current)],
-            world_size=doctor.world_size,
-            partial=f"stopped after --deadline={options.deadline_s:g}s in the {doctor.current} check",
-        )
-        _emit(doctor, report, as_json=options.json)
-
-    watchdog = Watchdog(options.deadline_s, on_expiry)
+    watchdog = Watchdog(options.deadline_s, lambda: _report_deadline(doctor))
     watchdog.start()
     try:
         doctor.run()
         reports, partial = _gather(doctor)
         report = merge(reports, partial=partial, world_size=doctor.world_size)
-        with doctor.lock:
-            first = not doctor.printed
-            doctor.printed = True
-        if first:
+        if doctor.claim_print():
             _emit(doctor, report, as_json=options.json)
         if not partial:
             _leave_together(doctor)
