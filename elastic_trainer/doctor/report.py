@@ -222,33 +222,27 @@ _TIMEOUT_VARS = (
 def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
     """Problems visible only when ranks are compared; each names the check it belongs to."""
     facts = [(r.rank, r.facts) for r in reports]
-    env_problems = _env_problems([(rank, f.get("env", {})) for rank, f in facts])
     versions = [
-        problem
-        for problem in (
-            _differs("torch version", [(rank, f.get("torch_version")) for rank, f in facts]),
-            _differs("NCCL version", [(rank, f.get("nccl_version")) for rank, f in facts]),
-        )
-        if problem
+        p
+        for var, key in (("torch version", "torch_version"), ("NCCL version", "nccl_version"))
+        if (p := _differs(var, [(rank, f.get(key)) for rank, f in facts]))
     ]
-    shared = _shared_devices(reports)
     timeouts = [
         p
         for var in _TIMEOUT_VARS
         if (p := _differs(var, [(rank, f.get("timeouts_env", {}).get(var)) for rank, f in facts]))
     ]
-    findings: list[CheckResult] = []
-    if env_problems:
-        findings.append(CheckResult(name="env", status=FAIL, detail="; ".join(env_problems)))
-    if versions:
-        detail = "; ".join(versions) + ": install the same build on every node"
-        findings.append(CheckResult(name="backend", status=WARN, detail=detail))
-    if shared:
-        findings.append(CheckResult(name="devices", status=FAIL, detail="; ".join(shared)))
-    if timeouts:
-        detail = "; ".join(timeouts) + ": set the same values on every node"
-        findings.append(CheckResult(name="timeouts", status=WARN, detail=detail))
-    return findings
+    found = (
+        ("env", FAIL, _env_problems([(rank, f.get("env", {})) for rank, f in facts]), ""),
+        ("backend", WARN, versions, ": install the same build on every node"),
+        ("devices", FAIL, _shared_devices(reports), ""),
+        ("timeouts", WARN, timeouts, ": set the same values on every node"),
+    )
+    return [
+        CheckResult(name=name, status=status, detail="; ".join(problems) + advice)
+        for name, status, problems, advice in found
+        if problems
+    ]
 
 
 def merge(
