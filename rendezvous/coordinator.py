@@ -110,8 +110,6 @@ class RoundCoordinator:
         self._min_reached_at: float | None = None
         self._published: tuple[int, float] = (-1, float("-inf"))
         self._wake_at = float("inf")
-        self.closes = 0
-        """Rounds this coordinator closed (tests and benchmarks)."""
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -147,25 +145,13 @@ class RoundCoordinator:
         backoff = 0.1
         released = False
         try:
-            while True:
-                with self._cond:
-                    while not self._stopping and not self._dirty and not self._needs_resync:
-                        if self._wake_at == float("inf"):
-                            self._cond.wait()
-                            continue
-                        timeout = self._wake_at - time.monotonic()
-                        if timeout <= 0:
-                            break
-                        self._cond.wait(timeout)
-                    if self._stopping:
-                        return
-                    self._dirty = False
-                    self._wake_at = float("inf")
+            while self._wait_for_work():
                 try:
                     if self._needs_resync:
                         self._resync()
                     self._step()
                     backoff = 0.1
+                    continue
                 except _Deposed:
                     log.info(
                         "etcd-v3: node %s no longer coordinates run %s",
@@ -181,16 +167,14 @@ class RoundCoordinator:
                         exc,
                         backoff,
                     )
-                    self._backoff(backoff)
-                    backoff = min(backoff * 2, 5.0)
                 except Exception:  # a bug: say so, and decide again from a fresh read
                     log.exception(
                         "etcd-v3: the coordinator of run %s failed; retrying in %.1f s",
                         self._settings.run_id,
                         backoff,
                     )
-                    self._backoff(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                self._backoff(backoff)
+                backoff = min(backoff * 2, 5.0)
         finally:
             for watch in self._watches:
                 watch.cancel()
@@ -199,6 +183,24 @@ class RoundCoordinator:
             ):  # the thread ended unexpectedly: let another node decide
                 self._release()
             self._on_stop()
+
+    def _wait_for_work(self) -> bool:
+        """Wait until the view changed, a resync is due or a wake-up time came; False once
+        stopping."""
+        with self._cond:
+            while not self._stopping and not self._dirty and not self._needs_resync:
+                if self._wake_at == float("inf"):
+                    self._cond.wait()
+                    continue
+                timeout = self._wake_at - time.monotonic()
+                if timeout <= 0:
+                    break
+                self._cond.wait(timeout)
+            if self._stopping:
+                return False
+            self._dirty = False
+            self._wake_at = float("inf")
+            return True
 
     def _backoff(self, seconds: float) -> None:
         with self._cond:
@@ -250,30 +252,20 @@ class RoundCoordinator:
                 self._apply_state(state, snapshot.state_revision)
             self._needs_resync = False
             self._dirty = True
-        start = snapshot.revision + 1
-        hub, keys = self._hub, self._keys
+        keys = self._keys
         self._watches = [
-            hub.watch(
-                keys.state,
+            self._hub.watch(
+                prefix,
                 prefix=True,
-                start_revision=start,
-                on_events=self._on_state_events,
+                start_revision=snapshot.revision + 1,
+                on_events=on_events,
                 on_lost=self._on_lost,
-            ),
-            hub.watch(
-                keys.nodes,
-                prefix=True,
-                start_revision=start,
-                on_events=self._on_node_events,
-                on_lost=self._on_lost,
-            ),
-            hub.watch(
-                keys.rounds,
-                prefix=True,
-                start_revision=start,
-                on_events=self._on_join_events,
-                on_lost=self._on_lost,
-            ),
+            )
+            for prefix, on_events in (
+                (keys.state, self._on_state_events),
+                (keys.nodes, self._on_node_events),
+                (keys.rounds, self._on_join_events),
+            )
         ]
 
     def _set_members(self, round_: int, members: list[str]) -> None:
@@ -498,12 +490,25 @@ class RoundCoordinator:
                 self._apply_state(RoundState.decode(current, keys.state), current_rev)
         return None
 
-    def _close(self, state: RoundState, revision: int, participants: list[str]) -> None:
-        conn, keys, settings = self._connection, self._keys, self._settings
-        shards = shard_count(settings.max_nodes)
+    def _close_writes(self, round_: int, participants: list[str]) -> tuple[int, list[Any]]:
+        """The shard count of a close of ``round_`` and the writes that go with it: the rank
+        shards, and the deletion of (at most :data:`_MAX_STALE_DELETES`) older rounds' keys."""
+        conn, keys = self._connection, self._keys
+        shards = shard_count(self._settings.max_nodes)
         ranks: list[dict[str, int]] = [{} for _ in range(shards)]
         for rank, node in enumerate(participants):
             ranks[shard_of(node, shards)][node] = rank
+        with self._cond:
+            stale = sorted(r for r in self._joined if r < round_)[:_MAX_STALE_DELETES]
+        ops = [
+            etcd_ops.put(conn, keys.shard(k), encode_shard(round_, shard))
+            for k, shard in enumerate(ranks)
+        ]
+        ops += [etcd_ops.delete_prefix(conn, keys.round_prefix(r)) for r in stale]
+        return shards, ops
+
+    def _close(self, state: RoundState, revision: int, participants: list[str]) -> None:
+        shards, ops = self._close_writes(state.round, participants)
         master = self._make_master(state.round) if participants[0] == self.node_id else None
         closed = RoundState(
             state.round,
@@ -512,13 +517,6 @@ class RoundCoordinator:
             shards=shards,
             master=f"{master.addr}:{master.port}" if master else None,
         )
-        with self._cond:
-            stale = sorted(r for r in self._joined if r < state.round)[:_MAX_STALE_DELETES]
-        ops = [
-            etcd_ops.put(conn, keys.shard(k), encode_shard(state.round, shard))
-            for k, shard in enumerate(ranks)
-        ]
-        ops += [etcd_ops.delete_prefix(conn, keys.round_prefix(r)) for r in stale]
         with self._cond:
             self._closing = state.round
         new_revision: int | None = None
@@ -544,11 +542,10 @@ class RoundCoordinator:
             self._lost = [m for m in participants if m not in self._live]
             closed.participants = list(participants)
             self._apply_state(closed, new_revision)
-        self.closes += 1
         log.info(
             "etcd-v3: round %d of run %s closed with %d node(s)",
             state.round,
-            settings.run_id,
+            self._settings.run_id,
             len(participants),
         )
 

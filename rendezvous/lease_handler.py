@@ -37,6 +37,7 @@ is left, at WARNING so that torchrun and ``elastic-trainer run`` show it by defa
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -44,6 +45,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -277,6 +279,22 @@ class _RoundWatch:
         with self._cond:  # a thread waiting in next_rendezvous looks again (and sees it left)
             self.version += 1
             self._cond.notify_all()
+
+
+@dataclass(slots=True)
+class _JoinWait:
+    """What one :meth:`LeaseRendezvousHandler._join_round` has seen and plans (monotonic times)."""
+
+    next_progress_at: float
+    """When to log again how many nodes have joined."""
+    recheck_at: float
+    """When to read the state if no event comes by then."""
+    joined: tuple[int, int] | None = None
+    """The round and lease of this node's join key."""
+    min_seen_at: float | None = None
+    """When the joined round first had ``min_nodes``."""
+    creation_due: float | None = None
+    """When to create the state key, should no other node have done it."""
 
 
 class _CoordinatorSlot:
@@ -677,20 +695,18 @@ class LeaseRendezvousHandler(RendezvousHandler):
             This node's rank, the world size, the round and rank 0's store address.
         """
         settings = self._settings
-        joined: tuple[int, int] | None = None  # (round, lease) of this node's join key
-        min_seen_at: float | None = None
-        next_progress_at = time.monotonic() + self._PROGRESS_LOG_S
-        recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * jitter.uniform(0.8, 1.2)
-        creation_due: float | None = None
+        wait = _JoinWait(time.monotonic() + self._PROGRESS_LOG_S, self._next_recheck())
         while True:
             if self._lease.revoked:  # left (from another thread) while joining: never join again
                 raise RendezvousClosedError(f"etcd-v3: this node left run {settings.run_id!r}")
             seen = self._watch.version
             if self._watch._broken:
                 self._sync()
-            elif time.monotonic() >= recheck_at:  # nothing heard for long: is the watch behind?
+            elif (
+                time.monotonic() >= wait.recheck_at
+            ):  # nothing heard for long: is the watch behind?
                 self._recheck()
-                recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * jitter.uniform(0.8, 1.2)
+                wait.recheck_at = self._next_recheck()
             state, revision = self._state
             now = time.monotonic()
             if now > deadline:
@@ -699,63 +715,83 @@ class LeaseRendezvousHandler(RendezvousHandler):
                     f"{self._waiting_summary()}"
                 )
             if state is None:
-                if creation_due is None:  # wait a moment: another node may be creating it
-                    creation_due = now + jitter.uniform(0.0, self._spread())
-                if now >= creation_due:
+                if wait.creation_due is None:  # wait a moment: another node may be creating it
+                    wait.creation_due = now + jitter.uniform(0.0, self._spread())
+                if now >= wait.creation_due:
                     self._create_state()
-                    continue
-                self._watch.wait(seen, creation_due - now)
+                else:
+                    self._watch.wait(seen, wait.creation_due - now)
                 continue
             if self._coordinator_id is None:
                 self._schedule_claim()
             if state.status == CLOSED:
                 raise RendezvousClosedError(f"the rendezvous of run {settings.run_id!r} is closed")
-            timeout = recheck_at - now
             if state.status == COMPLETE:
-                in_round = self._rank_in(state, joined)
-                if in_round is not None:
-                    rank = in_round
-                    master = self._master_of(state, rank)
-                    if master is not None:
-                        return rank, state.world_size, state.round, master
-                    timeout = 1.0  # rank 0 publishes its address at once; read it if it is late
-                    if self._waited_for(state, "master", now, 5.0):
-                        self._sync_master()
-                        continue
-                elif self._is_pending(state, joined, now):
-                    timeout = 0.5  # the shard of this round has not arrived yet
-                elif self._round == state.round or state.world_size < settings.max_nodes:
-                    # A restart (this node ran the round) or room for a newcomer: open the next
-                    # round; the running members see it and rejoin.
-                    self._write_state(
-                        RoundState(state.round + 1, OPEN, previous_round=state.round), revision
-                    )
+                outcome = self._in_complete_round(state, revision, wait.joined, now)
+                if outcome is None:
                     continue
-                # else: the job is full: wait as a spare until a round opens.
-            elif joined is None or joined[0] != state.round or joined[1] != self._lease.current():
+                if isinstance(outcome, tuple):
+                    return outcome
+                timeout = outcome
+            elif wait.joined != (state.round, self._lease.current()):
                 if self._join(state.round):
-                    joined = (state.round, self._lease.current() or 0)
-                    min_seen_at = None
+                    wait.joined = (state.round, self._lease.current() or 0)
+                    wait.min_seen_at = None
                 continue
             else:  # open, joined: wait for the coordinator to close it
-                count = max(state.joined, 1)
-                if count >= settings.min_nodes and min_seen_at is None:
-                    min_seen_at = now
-                first_round = state.previous_round is None
-                in_last_call = (
-                    min_seen_at is not None and first_round and count < settings.max_nodes
-                )
-                waited = 0.0 if min_seen_at is None else now - min_seen_at
-                if min_seen_at is None or in_last_call:  # waiting for nodes: say so now and then
-                    if now >= next_progress_at:
-                        self._log_progress(
-                            count, deadline - now, settings.last_call_timeout - waited
-                        )
-                        next_progress_at = now + self._PROGRESS_LOG_S
-                    timeout = min(timeout, next_progress_at - now)
-            self._watch.wait(seen, min(timeout, deadline - now))
+                timeout = self._open_round_wait(state, wait, now, deadline)
+            self._watch.wait(seen, min(timeout, wait.recheck_at - now, deadline - now))
             if self._watch.version != seen:
-                recheck_at = time.monotonic() + self._SAFETY_RECHECK_S * jitter.uniform(0.8, 1.2)
+                wait.recheck_at = self._next_recheck()
+
+    def _next_recheck(self) -> float:
+        """When to read the state if no event came by then (a stalled stream?)."""
+        return time.monotonic() + self._SAFETY_RECHECK_S * jitter.uniform(0.8, 1.2)
+
+    def _in_complete_round(
+        self, state: RoundState, revision: int, joined: tuple[int, int] | None, now: float
+    ) -> tuple[int, int, int, MasterInfo] | float | None:
+        """What a complete ``state`` means for this node: its rank, world size, round and rank
+        0's address (it is in the round), how long to wait at most (it waits for its shard or
+        the address, or as a spare of a full job), or ``None`` (it acted: look again at once)."""
+        rank = self._rank_in(state, joined)
+        if rank is not None:
+            master = self._master_of(state, rank)
+            if master is not None:
+                return rank, state.world_size, state.round, master
+            if self._waited_for(state, "master", now, 5.0):
+                self._sync_master()
+                return None
+            return 1.0  # rank 0 publishes its address at once; read it if it is late
+        if self._is_pending(state, joined, now):
+            return 0.5  # the shard of this round has not arrived yet
+        if self._round == state.round or state.world_size < self._settings.max_nodes:
+            # A restart (this node ran the round) or room for a newcomer: open the next round;
+            # the running members see it and rejoin.
+            self._write_state(
+                RoundState(state.round + 1, OPEN, previous_round=state.round), revision
+            )
+            return None
+        return math.inf  # the job is full: wait as a spare until a round opens
+
+    def _open_round_wait(
+        self, state: RoundState, wait: _JoinWait, now: float, deadline: float
+    ) -> float:
+        """How long to wait in the open round this node joined; while nodes are missing (below
+        the minimum, or in a first round's last call) it says so now and then."""
+        settings = self._settings
+        count = max(state.joined, 1)
+        if count >= settings.min_nodes and wait.min_seen_at is None:
+            wait.min_seen_at = now
+        first_round = state.previous_round is None
+        in_last_call = wait.min_seen_at is not None and first_round and count < settings.max_nodes
+        if wait.min_seen_at is not None and not in_last_call:
+            return math.inf
+        if now >= wait.next_progress_at:
+            waited = 0.0 if wait.min_seen_at is None else now - wait.min_seen_at
+            self._log_progress(count, deadline - now, settings.last_call_timeout - waited)
+            wait.next_progress_at = now + self._PROGRESS_LOG_S
+        return wait.next_progress_at - now
 
     def _rank_in(self, state: RoundState, joined: tuple[int, int] | None) -> int | None:
         """This node's rank in the complete ``state`` if it is a participant (per its shard)."""
