@@ -118,7 +118,6 @@ class EtcdServer:
         self.log_path = log_path or self.data_dir.parent / f"{member.name}.log"
         self._binary = binary
         self._process: subprocess.Popen[bytes] | None = None
-        self._started_once = False
 
     @classmethod
     def single(cls, data_dir: Path, host: str = "127.0.0.1", *, quiet: bool = False) -> EtcdServer:
@@ -169,7 +168,6 @@ class EtcdServer:
             )
         finally:
             log_file.close()
-        self._started_once = True
         if len(self.cluster) == 1:
             self.wait_ready(ready_timeout)
         return self

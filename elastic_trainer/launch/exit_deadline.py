@@ -3,8 +3,6 @@
     deadline = ExitDeadline(EXIT_BOUND_S)
     ...                      # torchrun's agent returned: the workers are gone
     deadline.arm(code)       # clean-up and interpreter exit from here on
-    ...
-    deadline.disarm()        # (tests) nothing hung
 
 Once armed, a daemon thread waits ``bound_s``; if the process still runs then, it writes one line
 and every thread's stack to stderr and ends the process with ``os._exit(code)``. What it bounds:
@@ -21,6 +19,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 EXIT_BOUND_S = 10.0
 """Seconds from the agent's return (the workers are gone) until the launcher is ended anyway.
@@ -37,12 +36,7 @@ class ExitDeadline:
         if bound_s <= 0:
             raise ValueError(f"bound_s: must be positive, got {bound_s}")
         self.bound_s = bound_s
-        self._disarmed = threading.Event()
         self._thread: threading.Thread | None = None
-
-    @property
-    def armed(self) -> bool:
-        return self._thread is not None and not self._disarmed.is_set()
 
     def arm(self, code: int) -> None:
         """Start counting (once; a second call does nothing): ``code`` is the exit status the
@@ -54,12 +48,8 @@ class ExitDeadline:
         )
         self._thread.start()
 
-    def disarm(self) -> None:
-        self._disarmed.set()
-
     def _watch(self, code: int) -> None:
-        if self._disarmed.wait(self.bound_s):
-            return
+        time.sleep(self.bound_s)
         log.error(
             "the launcher is still running %.0f s after its workers ended; exiting now with status %d "
             "(thread stacks follow)",

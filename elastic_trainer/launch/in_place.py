@@ -245,13 +245,33 @@ class InPlaceRendezvousHandler(RendezvousHandler):
         self._peer_addresses: dict[str, str] = {}
         self._peers_lock = threading.Lock()
         self._left = False
+        # Training ended (rank 0 marked the epoch finished): the workers are leaving with success;
+        # a node lost now (its rendezvous lease expiring) is no reason to restart them.
+        self._finished = False
+        revision = self._register_and_watch(lease_ttl)
+        self._read_peers()
+        threading.Thread(target=self._report_lost_nodes, name="in-place-nodes", daemon=True).start()
+        # Whether the job's workers heal in place at all: they say so by writing an epoch (the
+        # Trainer does; a script with its own loop does not, and keeps torchrun's restarts).
+        self._heals = running_epoch(connection, self._keys, own_node=node) is not None
+        self._epoch_watch = WatchHub.of(connection).watch(
+            self._keys.epoch,
+            start_revision=revision + 1,
+            on_events=self._on_epoch_events,
+            on_lost=self._on_watch_lost,
+        )
+
+    def _register_and_watch(self, lease_ttl: int) -> int:
+        """Register this node under a lease kept alive, and watch the job's nodes from then on;
+        the registration's revision. Should registering fail, the heartbeats stop too."""
+        connection = self._connection
         try:
             self._lease_id = int(
                 connection.call(lambda client: client.lease(lease_ttl), what="a lease grant").id
             )
             revision = etcd_ops.put_key(
                 connection,
-                node_key(self._keys, node),
+                node_key(self._keys, self._node),
                 self._record(),
                 lease=self._lease_id,
                 what="registering this node",
@@ -270,20 +290,7 @@ class InPlaceRendezvousHandler(RendezvousHandler):
             on_lost=self._on_watch_lost,
             prefix=True,
         )
-        self._read_peers()
-        threading.Thread(target=self._report_lost_nodes, name="in-place-nodes", daemon=True).start()
-        # Whether the job's workers heal in place at all: they say so by writing an epoch (the
-        # Trainer does; a script with its own loop does not, and keeps torchrun's restarts).
-        self._heals = running_epoch(connection, self._keys, own_node=node) is not None
-        # Training ended (rank 0 marked the epoch finished): the workers are leaving with success;
-        # a node lost now (its rendezvous lease expiring) is no reason to restart them.
-        self._finished = False
-        self._epoch_watch = WatchHub.of(connection).watch(
-            self._keys.epoch,
-            start_revision=revision + 1,
-            on_events=self._on_epoch_events,
-            on_lost=self._on_watch_lost,
-        )
+        return revision
 
     def _on_epoch_events(self, events: list[Any]) -> None:
         deleted = self._connection.etcd3.events.DeleteEvent

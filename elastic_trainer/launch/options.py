@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import tomllib
@@ -344,10 +343,3 @@ def resolve_run_options(
             values[spec.name] = (defaults or {}).get(spec.name, spec.default)
             sources[spec.name] = "default"
     return RunOptions(**values, sources=sources)
-
-
-def existing_path(text: str) -> Path:
-    path = Path(text)
-    if not path.exists():
-        raise UserError(f"{text}: no such file or directory")
-    return path

@@ -390,44 +390,17 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
     # module call it (the workers take their clients' environments, so this stays here).
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     try:
-        for name in preload:
-            importlib.import_module(name)
-        if cuda_driver_initialized():
-            raise WarmStartError(
-                "the CUDA driver got initialised while preloading; forking would be unsafe"
-            )
-        if "prometheus_client" in sys.modules:
-            raise WarmStartError(
-                "the preload imported prometheus_client, whose metrics mode is fixed at import "
-                "(before the workers' PROMETHEUS_MULTIPROC_DIR exists)"
-            )
+        _preload(preload)
     except BaseException as exc:  # noqa: BLE001 - any failure: tell clients to start cold, say why once
         if not directory.exists():
             return 0  # the launcher already stopped (e.g. a user error): nobody to tell
-        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        with contextlib.suppress(OSError):
-            write_atomically(directory / FAILED_NAME, reason.encode(), durable=False)
-        print(
-            f"elastic-trainer: warm start unavailable ({reason}); workers start cold",
-            file=sys.stderr,
-            flush=True,
-        )
-        _wait_for_eof(parent_pipe)  # keep the reason readable for clients while the launcher runs
-        _remove(directory)
-        return 1
+        return _unavailable(directory, parent_pipe, f"{type(exc).__name__}: {exc}".splitlines()[0])
     try:
-        (directory / WORKERS_DIR).mkdir(exist_ok=True)
-        (directory / HEALS_DIR).mkdir(exist_ok=True)
-        (directory / DEATHS_DIR).mkdir(exist_ok=True)
+        for name in (WORKERS_DIR, HEALS_DIR, DEATHS_DIR):
+            (directory / name).mkdir(exist_ok=True)
     except FileNotFoundError:
         return 0  # the launcher stopped while we were importing
-    wakeup_read, wakeup_write = os.pipe()
-    os.set_blocking(wakeup_read, False)
-    os.set_blocking(wakeup_write, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's pipe decides when we stop
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C goes to the launcher and its workers
+    wakeup_read = _wake_on_signals()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     scratch = directory / (SOCKET_NAME + ".tmp")
     try:
@@ -437,17 +410,9 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
     except FileNotFoundError:
         return 0  # the launcher stopped while we were starting
     except OSError as exc:  # e.g. a socket path too long: tell clients to start cold, once
-        reason = f"cannot listen on {scratch}: {exc.strerror or exc}"
-        with contextlib.suppress(OSError):
-            write_atomically(directory / FAILED_NAME, reason.encode(), durable=False)
-        print(
-            f"elastic-trainer: warm start unavailable ({reason}); workers start cold",
-            file=sys.stderr,
-            flush=True,
+        return _unavailable(
+            directory, parent_pipe, f"cannot listen on {scratch}: {exc.strerror or exc}"
         )
-        _wait_for_eof(parent_pipe)
-        _remove(directory)
-        return 1
     server = _Server(directory, listener, parent_pipe, wakeup_read)
     try:
         server.serve_forever()
@@ -455,6 +420,48 @@ def serve(directory: Path, preload: Sequence[str], parent_pipe: int) -> int:
         server.shutdown()
         _remove(directory)  # also when the launcher was SIGKILLed and could not clean up
     return 0
+
+
+def _preload(modules: Sequence[str]) -> None:
+    """Import ``modules``; raises if that left the server unsafe to fork workers from."""
+    for name in modules:
+        importlib.import_module(name)
+    if cuda_driver_initialized():
+        raise WarmStartError(
+            "the CUDA driver got initialised while preloading; forking would be unsafe"
+        )
+    if "prometheus_client" in sys.modules:
+        raise WarmStartError(
+            "the preload imported prometheus_client, whose metrics mode is fixed at import "
+            "(before the workers' PROMETHEUS_MULTIPROC_DIR exists)"
+        )
+
+
+def _unavailable(directory: Path, parent_pipe: int, reason: str) -> int:
+    """Tell clients (once, in :data:`FAILED_NAME`) and the user why workers start cold; keep the
+    reason readable while the launcher runs, then clean up. The server's exit status."""
+    with contextlib.suppress(OSError):
+        write_atomically(directory / FAILED_NAME, reason.encode(), durable=False)
+    print(
+        f"elastic-trainer: warm start unavailable ({reason}); workers start cold",
+        file=sys.stderr,
+        flush=True,
+    )
+    _wait_for_eof(parent_pipe)
+    _remove(directory)
+    return 1
+
+
+def _wake_on_signals() -> int:
+    """Set the server's signal handling; the read end of the pipe a SIGCHLD wakes."""
+    wakeup_read, wakeup_write = os.pipe()
+    os.set_blocking(wakeup_read, False)
+    os.set_blocking(wakeup_write, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's pipe decides when we stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C goes to the launcher and its workers
+    return wakeup_read
 
 
 def _wait_for_eof(fd: int) -> None:
@@ -693,27 +700,40 @@ def run_client(socket_path: Path, target_args: Sequence[str]) -> int:
             return 1
         sock.close()
         heals = env.get(ENV_HEAL, "").strip().lower() in ("in_place", "1") and marker.exists()
-        if heals and returncode < 0 and not stopping[0] and replacements < MAX_REPLACEMENTS:
-            replacements += 1
-            death = f"local worker {env.get('LOCAL_RANK', '?')} (pid {current[0]}) died of {signal.Signals(-returncode).name}"
+        if not _replaces(returncode, heals=heals, stopping=stopping[0], replacements=replacements):
+            break
+        replacements += 1
+        death = f"local worker {env.get('LOCAL_RANK', '?')} (pid {current[0]}) died of {signal.Signals(-returncode).name}"
+        print(
+            f"elastic-trainer: {death}; starting a replacement that joins its peers in place",
+            file=sys.stderr,
+            flush=True,
+        )
+        record_death(socket_path.parent, death)
+        env[ENV_HEAL_JOIN] = "1"
+        try:
+            sock, current[0] = _fork_worker(socket_path, target_args, env)
+        except (OSError, EOFError, ValueError, WarmStartError) as exc:
             print(
-                f"elastic-trainer: {death}; starting a replacement that joins its peers in place",
+                f"elastic-trainer: no replacement ({exc}); leaving it to the agent",
                 file=sys.stderr,
                 flush=True,
             )
-            record_death(socket_path.parent, death)
-            env[ENV_HEAL_JOIN] = "1"
-            try:
-                sock, current[0] = _fork_worker(socket_path, target_args, env)
-                continue
-            except (OSError, EOFError, ValueError, WarmStartError) as exc:
-                print(
-                    f"elastic-trainer: no replacement ({exc}); leaving it to the agent",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        break
-    if returncode < 0:  # killed by a signal: die the same way so torchrun sees the same status
+            break
+    return _exit_like(returncode)
+
+
+def _replaces(returncode: int, *, heals: bool, stopping: bool, replacements: int) -> bool:
+    """Whether a worker that ended with ``returncode`` is replaced by one that joins its peers:
+    it heals in place, a signal killed it, the launcher is not stopping it, and fewer than
+    :data:`MAX_REPLACEMENTS` replaced it before."""
+    return heals and returncode < 0 and not stopping and replacements < MAX_REPLACEMENTS
+
+
+def _exit_like(returncode: int) -> int:
+    """The client's exit status for its worker's; killed by a signal, it dies the same way so
+    torchrun sees the same status."""
+    if returncode < 0:
         if -returncode not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-returncode, signal.SIG_DFL)
         os.kill(os.getpid(), -returncode)
