@@ -321,6 +321,7 @@ class Demo:
 
     # -- the scenario -------------------------------------------------------------------------------
     def run(self) -> int:
+        """Set up, play the scenario, and always stop the nodes and etcd."""
         s = self.settings
         for sub in (self.samples, self.checkpoints, self.logs):
             if sub.exists():
@@ -333,70 +334,81 @@ class Demo:
         )
         etcd = EtcdServer.single(self.dir / "etcd")
         etcd.start()
-        run_id = f"demo-{os.getpid()}"
         try:
-            self.say(
-                f"[demo] etcd on {etcd.endpoint}; run id {run_id}; checkpoints in {self.checkpoints}"
-            )
-            if ports[0]:
-                self.say(
-                    f"[demo] live view: elastic-trainer top --url http://127.0.0.1:{ports[0]}/metrics "
-                    f"--url http://127.0.0.1:{ports[1]}/metrics   (in another terminal)"
-                )
-            if s.sharded:
-                self.say(
-                    "[demo] sharded: sharded_lm under FSDP2 (each worker holds and checkpoints "
-                    "its own shards, and keeps a copy of its neighbour's); a lost worker heals in "
-                    "place from that copy, and a new world size is resharded in place from the "
-                    "shards and copies in memory"
-                )
-            self.say("[demo] node a starts (elastic: 1 to 2 nodes, 2 workers each)")
-            self.start_node("a", etcd.endpoint, run_id, ports[0])
-            join_at, kill_at, leave_at = (int(s.max_steps * f) for f in (0.15, 0.45, 0.70))
-
-            self.wait_until(lambda: self.step() >= join_at, f"step {join_at}")
-            before = len(self.generations())
-            join = FaultRecord("node b joins (scale-up)", time.time(), self.step())
-            self.faults.append(join)
-            self.say(f"[demo] node b joins at step {join.at_step}")
-            self.start_node("b", etcd.endpoint, run_id, ports[1])
-            self.measure(join, before)
-
-            self.wait_until(lambda: self.step() >= kill_at, f"step {kill_at}")
-            before = len(self.generations())
-            newest = self.generations()[-1]
-            rank = 1 if 1 in newest.pids else min(newest.pids)
-            kill = FaultRecord(f"worker SIGKILL (rank {rank}, node a)", time.time(), self.step())
-            self.faults.append(kill)
-            self.say(
-                f"[demo] SIGKILL worker rank {rank} (pid {newest.pids[rank]}) at step {kill.at_step}"
-            )
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(newest.pids[rank], signal.SIGKILL)
-            self.measure(kill, before)
-
-            self.wait_until(lambda: self.step() >= leave_at, f"step {leave_at}")
-            before = len(self.generations())
-            leave = FaultRecord("node b leaves (SIGTERM, scale-down)", time.time(), self.step())
-            self.faults.append(leave)
-            self.say(f"[demo] SIGTERM node b at step {leave.at_step} (preemption / scale-down)")
-            self.nodes["b"].stopping = True
-            self.nodes["b"].process.terminate()
-            self.measure(leave, before)
-
-            self.wait_until(
-                lambda: self.nodes["a"].process.poll() is not None,
-                "the end of training",
-                timeout=600,
-            )
-            code = self.nodes["a"].process.wait(10)
-            self.nodes["a"].finish_echo()
-            self.summary(code, ports)
-            return 0 if code == 0 else 1
+            return self.scenario(etcd.endpoint, f"demo-{os.getpid()}", ports)
         finally:
             self.stop_all()
             etcd.stop()
             shutil.rmtree(self.dir / "etcd", ignore_errors=True)
+
+    def scenario(self, endpoint: str, run_id: str, ports: tuple[int, int]) -> int:
+        """Node a, then the join, the worker SIGKILL and the leave, each measured; the summary."""
+        s = self.settings
+        self.say(f"[demo] etcd on {endpoint}; run id {run_id}; checkpoints in {self.checkpoints}")
+        if ports[0]:
+            self.say(
+                f"[demo] live view: elastic-trainer top --url http://127.0.0.1:{ports[0]}/metrics "
+                f"--url http://127.0.0.1:{ports[1]}/metrics   (in another terminal)"
+            )
+        if s.sharded:
+            self.say(
+                "[demo] sharded: sharded_lm under FSDP2 (each worker holds and checkpoints "
+                "its own shards, and keeps a copy of its neighbour's); a lost worker heals in "
+                "place from that copy, and a new world size is resharded in place from the "
+                "shards and copies in memory"
+            )
+        self.say("[demo] node a starts (elastic: 1 to 2 nodes, 2 workers each)")
+        self.start_node("a", endpoint, run_id, ports[0])
+        join_at, kill_at, leave_at = (int(s.max_steps * f) for f in (0.15, 0.45, 0.70))
+
+        before = self.reach(join_at)
+        join = self.fault("node b joins (scale-up)")
+        self.say(f"[demo] node b joins at step {join.at_step}")
+        self.start_node("b", endpoint, run_id, ports[1])
+        self.measure(join, before)
+
+        before = self.reach(kill_at)
+        self.measure(self.kill_worker(), before)
+
+        before = self.reach(leave_at)
+        leave = self.fault("node b leaves (SIGTERM, scale-down)")
+        self.say(f"[demo] SIGTERM node b at step {leave.at_step} (preemption / scale-down)")
+        self.nodes["b"].stopping = True
+        self.nodes["b"].process.terminate()
+        self.measure(leave, before)
+
+        self.wait_until(
+            lambda: self.nodes["a"].process.poll() is not None,
+            "the end of training",
+            timeout=600,
+        )
+        code = self.nodes["a"].process.wait(10)
+        self.nodes["a"].finish_echo()
+        self.summary(code, ports)
+        return 0 if code == 0 else 1
+
+    def reach(self, step: int) -> int:
+        """Wait for ``step``; returns the generations so far (the recovery is a later one)."""
+        self.wait_until(lambda: self.step() >= step, f"step {step}")
+        return len(self.generations())
+
+    def fault(self, name: str) -> FaultRecord:
+        """A fault that starts now, at the current step, kept for the summary."""
+        record = FaultRecord(name, time.time(), self.step())
+        self.faults.append(record)
+        return record
+
+    def kill_worker(self) -> FaultRecord:
+        """SIGKILL a worker of node a (rank 1 when it is there) in the newest generation."""
+        newest = self.generations()[-1]
+        rank = 1 if 1 in newest.pids else min(newest.pids)
+        kill = self.fault(f"worker SIGKILL (rank {rank}, node a)")
+        self.say(
+            f"[demo] SIGKILL worker rank {rank} (pid {newest.pids[rank]}) at step {kill.at_step}"
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(newest.pids[rank], signal.SIGKILL)
+        return kill
 
     def summary(self, code: int, ports: Sequence[int]) -> None:
         history = committed_history(read_records(self.samples))
