@@ -193,18 +193,23 @@ def render(
     head = f"elastic-trainer top   run {run}   {clock}"
     if live and interval_s is not None:
         head += f"   every {interval_s:g}s   q quits"
-    lines = [head, ""]
+    return [head, "", *_job_lines(view, now_unix, finished_at), "", *_endpoint_lines(scrapes)]
+
+
+def _step_line(view: ProgressView, finished_at: int | None) -> str:
     step, total = view.step, view.total_steps
     if step is None and finished_at is not None:
-        lines.append(f"step        finished at step {finished_at}   (every node has exited)")
-    elif step is None:
-        lines.append("step        -   (no live worker reports a step)")
-    elif total:
-        lines.append(
-            f"step        {step} / {total}   {100.0 * step / total:5.1f}%  {_bar(step, total)}"
-        )
-    else:
-        lines.append(f"step        {step} / ?   (the job reports no target)")
+        return f"step        finished at step {finished_at}   (every node has exited)"
+    if step is None:
+        return "step        -   (no live worker reports a step)"
+    if total:
+        return f"step        {step} / {total}   {100.0 * step / total:5.1f}%  {_bar(step, total)}"
+    return f"step        {step} / ?   (the job reports no target)"
+
+
+def _job_lines(view: ProgressView, now_unix: float, finished_at: int | None) -> list[str]:
+    """The job's lines: step, ETA, throughput, world, ages, loss, the slowest rank."""
+    lines = [_step_line(view, finished_at)]
     lines.append(
         f"ETA         {format_duration(view.eta_s):<14}  {_num(view.steps_per_s, '.2f')} steps/s"
     )
@@ -232,8 +237,13 @@ def render(
     else:
         lines.append(f"slowest     rank {slow.rank} on {slow.node}: compute {slow.compute_s * 1000.0:.1f} ms/step, "
                      f"{slow.vs_median:.2f}x the median")  # fmt: skip
+    return lines
+
+
+def _endpoint_lines(scrapes: list[Scrape]) -> list[str]:
+    """How many endpoints answer, then each one: down (why), or its nodes."""
     up = sum(1 for s in scrapes if s.error is None)
-    lines += ["", f"endpoints   {up} of {len(scrapes)} up"]
+    lines = [f"endpoints   {up} of {len(scrapes)} up"]
     for scrape in scrapes:
         if scrape.error is not None:
             lines.append(f"  DOWN  {scrape.url}: {scrape.error}")
@@ -323,64 +333,101 @@ def run_top(
         raise ValueError(f"--interval must be > 0 seconds, got {interval_s:g}")
     if not urls:
         raise ValueError("give at least one --url")
-    urls = [normalize_url(u) for u in urls]
+    frames = _Frames(
+        urls=[normalize_url(u) for u in urls],
+        interval_s=interval_s,
+        model=TopModel(run_id=run_id),
+        read=read,
+        clock=clock,
+        wall_clock=wall_clock,
+        sleep=sleep,
+        finished=finished,
+    )
     out = stream if stream is not None else sys.stdout
-    model = TopModel(run_id=run_id)
-    timeout_s = min(MAX_FETCH_TIMEOUT_S, max(1.0, interval_s))
-
-    def frame() -> tuple[ProgressView, list[Scrape]]:
-        scrapes = scrape_all(urls, timeout_s, read=read)
-        return model.update(scrapes, clock()), scrapes
-
     if once:
-        frame()
-        sleep(interval_s)
-        view, scrapes = frame()
+        return frames.once(out, as_json=as_json)
+    return frames.live(out, stdin if stdin is not None else sys.stdin)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Frames:
+    """What :func:`run_top` shows frame after frame: the endpoints, how to read them, the clocks."""
+
+    urls: list[str]
+    interval_s: float
+    model: TopModel
+    read: Callable[[str, float], Scrape]
+    clock: Callable[[], float]
+    wall_clock: Callable[[], float]
+    sleep: Callable[[float], None]
+    finished: Callable[[], int | None] | None
+
+    def take(self) -> tuple[ProgressView, list[Scrape]]:
+        timeout_s = min(MAX_FETCH_TIMEOUT_S, max(1.0, self.interval_s))
+        scrapes = scrape_all(self.urls, timeout_s, read=self.read)
+        return self.model.update(scrapes, self.clock()), scrapes
+
+    def once(self, out: IO[str], *, as_json: bool) -> int:
+        """Two reads ``interval_s`` apart (to have rates), one frame printed."""
+        self.take()
+        self.sleep(self.interval_s)
+        view, scrapes = self.take()
         if as_json:
-            out.write(json.dumps(frame_json(view, scrapes, wall_clock()), indent=2) + "\n")
+            out.write(json.dumps(frame_json(view, scrapes, self.wall_clock()), indent=2) + "\n")
         else:
-            out.write(
-                "\n".join(render(view, scrapes, now_unix=wall_clock(), interval_s=None, live=False))
-                + "\n"
-            )
+            lines = render(view, scrapes, now_unix=self.wall_clock(), interval_s=None, live=False)
+            out.write("\n".join(lines) + "\n")
         out.flush()
         return 0 if any(s.error is None for s in scrapes) else 1
 
-    terminal = out.isatty()
-    with _keys(stdin if stdin is not None else sys.stdin) as fd:
-        if terminal:
-            out.write(_ENTER)
-        try:
-            while True:
-                started = clock()
-                view, scrapes = frame()
-                done = None
-                if not any(s.error is None for s in scrapes):
-                    done = model.finished_at
-                    if done is None and finished is not None:
-                        done = finished()
-                lines = render(
-                    view,
-                    scrapes,
-                    now_unix=wall_clock(),
-                    interval_s=interval_s,
-                    live=True,
-                    finished_at=done,
-                )
-                if terminal:
-                    width = _terminal_width(out)
-                    out.write(_HOME + "".join(line[:width] + _EOL + "\n" for line in lines) + _EOS)
-                else:
-                    out.write("\n".join(lines) + "\n\n")
-                out.flush()
-                if _wait_for_quit(fd, max(0.0, interval_s - (clock() - started)), sleep):
-                    return 0
-        except KeyboardInterrupt:
-            return 0
-        finally:
+    def finished_at(self, scrapes: list[Scrape]) -> int | None:
+        """With no endpoint answering, the step the job finished at, if that is known."""
+        if any(s.error is None for s in scrapes):
+            return None
+        done = self.model.finished_at
+        if done is None and self.finished is not None:
+            done = self.finished()
+        return done
+
+    def render(self, view: ProgressView, scrapes: list[Scrape]) -> list[str]:
+        """A live frame's lines."""
+        return render(
+            view,
+            scrapes,
+            now_unix=self.wall_clock(),
+            interval_s=self.interval_s,
+            live=True,
+            finished_at=self.finished_at(scrapes),
+        )
+
+    def live(self, out: IO[str], stdin: IO[str]) -> int:
+        """Redraw every ``interval_s`` (in place on a terminal) until ``q`` or Ctrl-C."""
+        terminal = out.isatty()
+        with _keys(stdin) as fd:
             if terminal:
-                out.write(_LEAVE)
-                out.flush()
+                out.write(_ENTER)
+            try:
+                while True:
+                    started = self.clock()
+                    view, scrapes = self.take()
+                    lines = self.render(view, scrapes)
+                    if terminal:
+                        width = _terminal_width(out)
+                        out.write(
+                            _HOME + "".join(line[:width] + _EOL + "\n" for line in lines) + _EOS
+                        )
+                    else:
+                        out.write("\n".join(lines) + "\n\n")
+                    out.flush()
+                    left = max(0.0, self.interval_s - (self.clock() - started))
+                    if _wait_for_quit(fd, left, self.sleep):
+                        return 0
+            except KeyboardInterrupt:
+                return 0
+            finally:
+                if terminal:
+                    out.write(_LEAVE)
+                    out.flush()
 
 
 def _terminal_width(out: IO[str]) -> int:
