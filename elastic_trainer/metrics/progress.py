@@ -118,60 +118,62 @@ class Snapshot:
         runs: set[str] = set()
         steps: dict[RankId, float] = {}
         losses: list[float] = []
-        compute_sum: dict[RankId, float] = {}
-        compute_count: dict[RankId, float] = {}
-        restarts: dict[str, float] = {}
-        heals: dict[str, float] = {}
+        per_rank: dict[str, dict[RankId, float]] = {COMPUTE_SUM: {}, COMPUTE_COUNT: {}}
+        per_node: dict[str, dict[str, float]] = {RESTARTS: {}, HEALS: {}}
         for sample in samples:
             name, labels, value = sample.name, sample.labels, float(sample.value)
-            if not name.startswith(PREFIX):
-                continue
             run = labels.get("run_id")
+            if not name.startswith(PREFIX) or (run is not None and run_id not in (None, run)):
+                continue
             if run is not None:
-                if run_id is not None and run != run_id:
-                    continue
                 runs.add(run)
-            node = labels.get("node", "?")
-            rank = _rank(labels)
+            node, rank = labels.get("node", "?"), _rank(labels)
             if name == STEP and rank is not None:
                 steps[(node, rank)] = value
-            elif name == SAMPLES:
-                snap.samples += value
-            elif name == STEP_BUCKET:
-                bound = _bound(labels.get("le"))
-                if bound is not None:
-                    snap.step_buckets[bound] = snap.step_buckets.get(bound, 0.0) + value
-            elif name == COMPUTE_SUM and rank is not None:
-                compute_sum[(node, rank)] = compute_sum.get((node, rank), 0.0) + value
-            elif name == COMPUTE_COUNT and rank is not None:
-                compute_count[(node, rank)] = compute_count.get((node, rank), 0.0) + value
-            elif name == RESTARTS:
-                restarts[node] = restarts.get(node, 0.0) + value
-            elif name == HEALS:
-                heals[node] = heals.get(node, 0.0) + value
-            elif name == TARGET_STEPS:
-                snap.total_steps = _max_int(snap.total_steps, value)
-            elif name == WORLD_SIZE:
-                snap.world_size = _max_int(snap.world_size, value)
-            elif name == LAST_STEP_TIME:
-                snap.last_step_unix = _max(snap.last_step_unix, value)
-            elif name == LAST_CHECKPOINT_STEP:
-                snap.last_checkpoint_step = _max_int(snap.last_checkpoint_step, value)
-            elif name == LAST_CHECKPOINT_TIME:
-                snap.last_checkpoint_unix = _max(snap.last_checkpoint_unix, value)
+            elif name in per_rank and rank is not None:
+                per_rank[name][(node, rank)] = per_rank[name].get((node, rank), 0.0) + value
+            elif name in per_node:
+                per_node[name][node] = per_node[name].get(node, 0.0) + value
             elif name == LOSS and math.isfinite(value):
                 losses.append(value)
-            elif name == LEARNING_RATE and math.isfinite(value):
-                snap.lr = value
+            else:
+                snap._take(name, labels, value)
         snap.run_ids = tuple(sorted(runs))
         if steps:
             snap.step = int(max(steps.values()))
         snap.loss = statistics.fmean(losses) if losses else None
+        compute_sum, compute_count = per_rank[COMPUTE_SUM], per_rank[COMPUTE_COUNT]
         snap.compute = {r: (compute_sum[r], compute_count.get(r, 0.0)) for r in compute_sum}
+        restarts, heals = per_node[RESTARTS], per_node[HEALS]
         for node in sorted({n for n, _ in steps} | set(restarts) | set(heals)):
             snap.nodes[node] = NodeStats(ranks=tuple(sorted(r for n, r in steps if n == node)),
                                          restarts=restarts.get(node), heals=heals.get(node))  # fmt: skip
         return snap
+
+    def _take(self, name: str, labels: dict[str, str], value: float) -> None:
+        """Fold in one sample of a value of the whole job (samples, buckets, the highest of)."""
+        if name == SAMPLES:
+            self.samples += value
+        elif name == STEP_BUCKET:
+            bound = _bound(labels.get("le"))
+            if bound is not None:
+                self.step_buckets[bound] = self.step_buckets.get(bound, 0.0) + value
+        elif name in _HIGHEST_INT:
+            setattr(self, _HIGHEST_INT[name], _max_int(getattr(self, _HIGHEST_INT[name]), value))
+        elif name in _HIGHEST_TIME:
+            setattr(self, _HIGHEST_TIME[name], _max(getattr(self, _HIGHEST_TIME[name]), value))
+        elif name == LEARNING_RATE and math.isfinite(value):
+            self.lr = value
+
+
+_HIGHEST_INT = {
+    TARGET_STEPS: "total_steps",
+    WORLD_SIZE: "world_size",
+    LAST_CHECKPOINT_STEP: "last_checkpoint_step",
+}
+"""Snapshot fields that hold the highest value of their metric over the series seen."""
+_HIGHEST_TIME = {LAST_STEP_TIME: "last_step_unix", LAST_CHECKPOINT_TIME: "last_checkpoint_unix"}
+"""The same for timestamps."""
 
 
 def _rank(labels: dict[str, str]) -> int | None:
