@@ -653,31 +653,7 @@ def check_grad_sync(
     """One DDP forward/backward with rank-dependent weights and inputs: after construction the
     weights must be rank 0's on every rank; after backward the gradients must be identical on
     every rank and equal to the mean of the ranks' local (non-DDP) gradients."""
-    data, scale = _one_ddp_step(
-        rank=rank,
-        world_size=world_size,
-        device=device,
-        model=model,
-        batch_size=batch_size,
-        corrupt=corrupt,
-    )
-    status, detail = _grad_sync_verdict(data, scale=scale, world_size=world_size)
-    return CheckResult(name="grad_sync", status=status, detail=detail, data=data)
-
-
-def _one_ddp_step(
-    *,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    model: TestModel,
-    batch_size: int,
-    corrupt: bool,
-) -> tuple[dict[str, Any], float]:
-    """The spreads and the error of one DDP step (the check's data), and the gradients' scale."""
-    torch.manual_seed(
-        10_000 + rank
-    )  # different initial weights per rank: DDP must broadcast rank 0's
+    torch.manual_seed(10_000 + rank)  # weights differ per rank: DDP must broadcast rank 0's
     module = model.build().to(device).train()
     ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
     params_spread = _spread(torch.cat([p.detach().reshape(-1) for p in module.parameters()]))
@@ -703,7 +679,8 @@ def _one_ddp_step(
         "max_rel_error_vs_mean": float((synced - expected).abs().max().item()) / scale,
         "parameters": int(synced.numel()),
     }
-    return data, scale
+    status, detail = _grad_sync_verdict(data, scale=scale, world_size=world_size)
+    return CheckResult(name="grad_sync", status=status, detail=detail, data=data)
 
 
 def _grad_sync_verdict(
