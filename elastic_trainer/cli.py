@@ -84,16 +84,18 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(OneLineArgumentParser):
+    """The parser of the command and of each subcommand: its examples keep their lines."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineArgumentParser(
-        prog=PROG,
-        description="Fault-tolerant, elastic PyTorch DDP training.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = _Parser(prog=PROG, description="Fault-tolerant, elastic PyTorch DDP training.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(
-        dest="command", required=True, parser_class=OneLineArgumentParser
-    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_run, _add_status, _add_top, _add_doctor, _add_demo, _add_checkpoint):
         add(commands)
     return parser
@@ -101,13 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_run(commands: Any) -> None:
     """``run``: the launcher's options, the target and its arguments."""
-    formatter = argparse.RawDescriptionHelpFormatter
-    run = commands.add_parser(
-        "run",
-        help="launch a training job elastically",
-        epilog=RUN_EXAMPLE,
-        formatter_class=formatter,
-    )
+    run = commands.add_parser("run", help="launch a training job elastically", epilog=RUN_EXAMPLE)
     _add_launch_options(run)
     run.add_argument(
         "-m",
@@ -123,12 +119,8 @@ def _add_run(commands: Any) -> None:
 
 def _add_status(commands: Any) -> None:
     """``status``: where the run's etcd is and what to show."""
-    formatter = argparse.RawDescriptionHelpFormatter
     status = commands.add_parser(
-        "status",
-        help="show a run's rendezvous from etcd",
-        epilog=STATUS_EXAMPLE,
-        formatter_class=formatter,
+        "status", help="show a run's rendezvous from etcd", epilog=STATUS_EXAMPLE
     )
     status.add_argument(
         "--rdzv-endpoint", required=True, help="etcd endpoint(s) host:port[,host:port]"
@@ -145,24 +137,16 @@ def _add_status(commands: Any) -> None:
 
 def _add_top(commands: Any) -> None:
     """``top``: its options are :mod:`elastic_trainer.ops.top`'s."""
-    formatter = argparse.RawDescriptionHelpFormatter
     top = commands.add_parser(
-        "top",
-        help="live view of a job from its nodes' metrics endpoints",
-        epilog=top_view.EXAMPLES,
-        formatter_class=formatter,
+        "top", help="live view of a job from its nodes' metrics endpoints", epilog=top_view.EXAMPLES
     )
     top_view.add_arguments(top)
 
 
 def _add_doctor(commands: Any) -> None:
     """``doctor``: the launcher's options, then the doctor's own."""
-    formatter = argparse.RawDescriptionHelpFormatter
     doctor = commands.add_parser(
-        "doctor",
-        help="check the distributed setup on every rank",
-        epilog=DOCTOR_EXAMPLE,
-        formatter_class=formatter,
+        "doctor", help="check the distributed setup on every rank", epilog=DOCTOR_EXAMPLE
     )
     _add_launch_options(doctor)
     doctor.add_argument("doctor_args", nargs=argparse.REMAINDER, metavar="-- DOCTOR-ARGS")
@@ -170,14 +154,12 @@ def _add_doctor(commands: Any) -> None:
 
 def _add_demo(commands: Any) -> None:
     """``demo``: its options are its own parser's (:mod:`elastic_trainer.ops.demo`)."""
-    formatter = argparse.RawDescriptionHelpFormatter
     demo = commands.add_parser(
         "demo",
         help="watch a two-node job heal from real faults (about 90 s)",
         description="Starts an etcd and two nodes on this machine, then: a node joins, a "
         "worker is SIGKILLed, a node leaves with SIGTERM; ends with each fault's recovery "
         "time and the steps lost.",
-        formatter_class=formatter,
     )
     demo.add_argument(
         "demo_args",
@@ -189,31 +171,22 @@ def _add_demo(commands: Any) -> None:
 
 def _add_checkpoint(commands: Any) -> None:
     """``checkpoint list|verify|inspect|export``."""
-    formatter = argparse.RawDescriptionHelpFormatter
     checkpoint = commands.add_parser(
-        "checkpoint",
-        help="list, verify, inspect or export checkpoints",
-        epilog=CHECKPOINT_EXAMPLE,
-        formatter_class=formatter,
+        "checkpoint", help="list, verify, inspect or export checkpoints", epilog=CHECKPOINT_EXAMPLE
     )
-    actions = checkpoint.add_subparsers(
-        dest="action", required=True, parser_class=OneLineArgumentParser
-    )
+    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=_Parser)
     for name, text in (
         ("list", "checkpoints with path and step, newest last"),
         ("verify", "check every checkpoint against its manifest's sha256"),
         ("inspect", "what a checkpoint holds (no GPU needed)"),
     ):
-        action = actions.add_parser(
-            name, help=text, epilog=CHECKPOINT_EXAMPLE, formatter_class=formatter
-        )
+        action = actions.add_parser(name, help=text, epilog=CHECKPOINT_EXAMPLE)
         action.add_argument("path", metavar="DIR" if name != "inspect" else "DIR|FILE")
         action.add_argument("--json", action="store_true", help="print JSON")
     export = actions.add_parser(
         "export",
         help="write a checkpoint (sharded or not) as one plain .pt file",
         epilog=CHECKPOINT_EXAMPLE,
-        formatter_class=formatter,
     )
     export.add_argument(
         "path",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 DEFAULT_PORT = 2379
 
@@ -91,44 +92,41 @@ class EtcdClientConfig:
             raise ValueError(f"read_timeout: must be > 0 seconds, got {self.read_timeout}")
         if not self.retry_timeout > 0:
             raise ValueError(f"retry_timeout: must be > 0 seconds, got {self.retry_timeout}")
-        check_security(
-            protocol=self.protocol,
-            ca_cert=self.ca_cert,
-            ssl_cert=self.ssl_cert,
-            ssl_cert_key=self.ssl_cert_key,
-            user=self.user,
-            has_password=self.password is not None,
-        )
+        check_security(self)
 
 
-def check_security(
-    *,
-    protocol: str,
-    ca_cert: str | None,
-    ssl_cert: str | None,
-    ssl_cert_key: str | None,
-    user: str | None,
-    has_password: bool,
-) -> None:
-    """Check the TLS and auth settings together; read the PEM files' headers.
+class Security(Protocol):
+    """The TLS and auth settings (of an :class:`EtcdClientConfig`, or the rendezvous's)."""
+
+    protocol: str
+    ca_cert: str | None
+    ssl_cert: str | None
+    ssl_cert_key: str | None
+    user: str | None
+    password: str | None
+
+
+def check_security(settings: Security) -> None:
+    """Check ``settings``' TLS and auth settings together; read the PEM files' headers.
 
     Raises:
         ValueError: ``"<setting>: <problem>"`` for the first inconsistent or unreadable setting.
     """
+    protocol, ssl_cert, ssl_cert_key = settings.protocol, settings.ssl_cert, settings.ssl_cert_key
     if protocol not in ("http", "https"):
         raise ValueError(f"protocol: must be 'http' or 'https', got {protocol!r}")
-    if protocol == "http" and (ca_cert or ssl_cert or ssl_cert_key):
+    if protocol == "http" and (settings.ca_cert or ssl_cert or ssl_cert_key):
         raise ValueError("protocol: TLS files were given, so the protocol must be 'https'")
     if bool(ssl_cert) != bool(ssl_cert_key):
         raise ValueError("ssl_cert: ssl_cert and ssl_cert_key must be given together")
     for name, path, marker in (
-        ("ca_cert", ca_cert, b"-----BEGIN CERTIFICATE-----"),
+        ("ca_cert", settings.ca_cert, b"-----BEGIN CERTIFICATE-----"),
         ("ssl_cert", ssl_cert, b"-----BEGIN CERTIFICATE-----"),
         ("ssl_cert_key", ssl_cert_key, b"PRIVATE KEY-----"),
     ):
         if path:
             _check_pem_file(name, path, marker)
-    if bool(user) != has_password:
+    if bool(settings.user) != (settings.password is not None):
         raise ValueError("user: user and password (or password_file) must be given together")
 
 

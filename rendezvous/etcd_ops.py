@@ -101,21 +101,10 @@ def transaction(
     Raises:
         RendezvousConnectionError: see :meth:`EtcdConnection.call`.
     """
-    rpc = connection.etcd3.etcdrpc
-    request = rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
-    patience = _Patience(deadline)
-
-    def send(client: Any) -> Any:
-        return patience.send(
-            client,
-            lambda timeout: client.kvstub.Txn(
-                request,
-                timeout,
-                credentials=client.call_credentials,
-                metadata=request_metadata(client),
-            ),
-        )
-
+    request = connection.etcd3.etcdrpc.TxnRequest(
+        compare=compare, success=success, failure=failure or []
+    )
+    send = _kv_send("Txn", request, deadline)
     response = connection.call(send, what=what, kind=kind, retry_timeout=retry_timeout)
     return TxnResult(
         bool(response.succeeded), int(response.header.revision), list(response.responses)
@@ -137,24 +126,7 @@ def get_range(
     Never a read-only transaction: etcd before 3.5.5 panics when the client's deadline expires
     while it serves one (etcd-io/etcd#14110), and a short deadline under load is exactly when.
     """
-    rpc = connection.etcd3.etcdrpc
-    raw = key.encode()
-    request = rpc.RangeRequest(key=raw)
-    if prefix:
-        request.range_end = prefix_end(raw)
-    patience = _Patience(deadline)
-
-    def send(client: Any) -> Any:
-        return patience.send(
-            client,
-            lambda timeout: client.kvstub.Range(
-                request,
-                timeout,
-                credentials=client.call_credentials,
-                metadata=request_metadata(client),
-            ),
-        )
-
+    send = _kv_send("Range", _range_request(connection, key, prefix), deadline)
     return connection.call(send, what=what, retry_timeout=retry_timeout, read=True)
 
 
@@ -169,12 +141,19 @@ def put_key(
 ) -> int:
     """Put one key; the revision of the write."""
     request = connection.etcd3.etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
+    return int(connection.call(_kv_send("Put", request, deadline), what=what).header.revision)
+
+
+def _kv_send(method: str, request: Any, deadline: float | None) -> Callable[[Any], Any]:
+    """An attempt (for :meth:`EtcdConnection.call`) that sends ``request`` to the KV service's
+    ``method`` (``Txn``, ``Range``, ``Put``) with :class:`_Patience`'s deadlines."""
     patience = _Patience(deadline)
 
     def send(client: Any) -> Any:
+        rpc = getattr(client.kvstub, method)
         return patience.send(
             client,
-            lambda timeout: client.kvstub.Put(
+            lambda timeout: rpc(
                 request,
                 timeout,
                 credentials=client.call_credentials,
@@ -182,7 +161,16 @@ def put_key(
             ),
         )
 
-    return int(connection.call(send, what=what).header.revision)
+    return send
+
+
+def _range_request(connection: EtcdConnection, key: str, prefix: bool) -> Any:
+    """A ``RangeRequest`` for ``key``, or every key under it (``prefix``)."""
+    raw = key.encode()
+    request = connection.etcd3.etcdrpc.RangeRequest(key=raw)
+    if prefix:
+        request.range_end = prefix_end(raw)
+    return request
 
 
 def put(connection: EtcdConnection, key: str, value: bytes, lease: int = 0) -> Any:
@@ -191,12 +179,8 @@ def put(connection: EtcdConnection, key: str, value: bytes, lease: int = 0) -> A
 
 
 def get(connection: EtcdConnection, key: str, *, prefix: bool = False) -> Any:
-    rpc = connection.etcd3.etcdrpc
-    raw = key.encode()
-    request = rpc.RangeRequest(key=raw)
-    if prefix:
-        request.range_end = prefix_end(raw)
-    return rpc.RequestOp(request_range=request)
+    request = _range_request(connection, key, prefix)
+    return connection.etcd3.etcdrpc.RequestOp(request_range=request)
 
 
 def delete_prefix(connection: EtcdConnection, prefix: str) -> Any:

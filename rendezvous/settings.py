@@ -143,14 +143,7 @@ class RendezvousSettings:
                 f"rdzv-conf key_prefix: must be an absolute path like /a/b, got {self.key_prefix!r}"
             )
         try:
-            check_security(
-                protocol=self.protocol,
-                ca_cert=self.ca_cert,
-                ssl_cert=self.ssl_cert,
-                ssl_cert_key=self.ssl_cert_key,
-                user=self.user,
-                has_password=self.password is not None,
-            )
+            check_security(self)
         except ValueError as exc:
             raise RendezvousConfigError(f"rdzv-conf {exc}") from exc
 
