@@ -46,13 +46,13 @@ from rendezvous.etcd_client import EtcdConnection, quiet_retries
 from rendezvous.lease_handler import NodeInfo, RunKeys, Snapshot, read_snapshot
 
 
+def _named(node: str, addr: str, pid: int | None) -> dict[str, Any]:
+    """A node's id, metric name, address and pid."""
+    return {"node": node, "name": node_name(addr, pid), "addr": addr, "pid": pid}
+
+
 def _node(node: DynamicNode) -> dict[str, Any]:
-    return {
-        "node": f"{node.addr}_{node.pid}_{node.local_id}",
-        "name": node_name(node.addr, node.pid),
-        "addr": node.addr,
-        "pid": node.pid,
-    }
+    return _named(f"{node.addr}_{node.pid}_{node.local_id}", node.addr, node.pid)
 
 
 def describe_state(state: DynamicState, now: datetime) -> dict[str, Any]:
@@ -89,16 +89,11 @@ def _lease_node(node: str, value: bytes | None) -> dict[str, Any]:
     """
     info = NodeInfo.decode(value)
     if info is not None:
-        return {
-            "node": node,
-            "name": node_name(info.addr, info.pid),
-            "addr": info.addr,
-            "pid": info.pid,
-        }
+        return _named(node, info.addr, info.pid)
     parts = node.rsplit("_", 2)
     addr = parts[0] if len(parts) == 3 else node
     pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
-    return {"node": node, "name": node_name(addr, pid), "addr": addr, "pid": pid}
+    return _named(node, addr, pid)
 
 
 def describe_lease_state(snapshot: Snapshot, lease_ages: dict[str, float | None]) -> dict[str, Any]:
