@@ -308,25 +308,20 @@ class JitCheckpointer:
                         "the failure happened inside an optimizer update; the state is inconsistent",
                     )
                 step = self._step()
-                if (newest := ckpt.newest_step(self.directory)) is not None and newest >= step:
-                    return self._skip(step, f"a checkpoint of step {newest} exists")
+                if (why := _exists(self.directory, step)) is not None:
+                    return self._skip(step, why)
                 if (writing := self._writing()) is not None and writing >= step:
                     return self._skip(
                         step, f"this process's periodic checkpoint of step {writing} is in flight"
                     )
                 if self.exclusive:
                     claim = ckpt.try_claim(self.directory, step, rank=self._rank, kind="jit")
-                if self.exclusive and claim is None:
-                    holder = ckpt.read_claim(self.directory, step)
-                    if ckpt.held_by_this_process(holder):
-                        self._drain(max(0.0, deadline - time.monotonic()))
-                    return self._skip(
-                        step, f"step {step} is being written by {holder or 'another writer'}"
-                    )
+                    if claim is None:
+                        return self._skip(step, self._claimed(self.directory, step, deadline))
                 # Re-check with the claim held: a writer may have finished this step and
                 # released its claim between the check above and ours.
-                if (newest := ckpt.newest_step(self.directory)) is not None and newest >= step:
-                    return self._skip(step, f"a checkpoint of step {newest} exists")
+                if (why := _exists(self.directory, step)) is not None:
+                    return self._skip(step, why)
                 payload = self._payload()
             path = self._write(step, payload)
         except Exception as exc:  # noqa: BLE001 - reported; the process is going down anyway
@@ -347,7 +342,23 @@ class JitCheckpointer:
             saved=True, step=step, path=path, detail=f"written in {took:.2f} s ({reason})"
         )
 
+    def _claimed(self, directory: str, step: int, deadline: float) -> str:
+        """Another writer claimed ``step``: what it is (a write of this process's own is let
+        finish first, bounded)."""
+        holder = ckpt.read_claim(directory, step)
+        if ckpt.held_by_this_process(holder):
+            self._drain(max(0.0, deadline - time.monotonic()))
+        return f"step {step} is being written by {holder or 'another writer'}"
+
     @staticmethod
     def _skip(step: int | None, why: str) -> JitOutcome:
         log.info("just-in-time save skipped: %s", why)
         return JitOutcome(saved=False, step=step, path=None, detail=why)
+
+
+def _exists(directory: str, step: int) -> str | None:
+    """Why ``step`` needs no saving: a checkpoint of it or a later step exists (``None``: none)."""
+    newest = ckpt.newest_step(directory)
+    return (
+        f"a checkpoint of step {newest} exists" if newest is not None and newest >= step else None
+    )

@@ -17,7 +17,6 @@ manager's. Design: ``docs/design/checkpointing.md``, ``docs/design/sharded.md``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -43,8 +42,9 @@ WriteFile = Callable[[dict[str, Any], int, int], str]
 """The manager's: write ``(payload, step, epoch)`` as a just-in-time single-file checkpoint."""
 
 
-class JustInTime:
+class JustInTime(JitCheckpointer):
     """The just-in-time save of one :class:`~.manager.CheckpointManager`; see the module docstring.
+    Off until :meth:`setup` (the load) turns it on.
 
     Args:
         state: what is saved.
@@ -71,19 +71,27 @@ class JustInTime:
         write_file: WriteFile,
         writing: Callable[[], int | None],
     ) -> None:
-        self._state, self._env, self._directory, self._switch = state, env, directory, switch
+        super().__init__(
+            guard=state.guard,
+            directory=directory,
+            rank=env.rank,
+            step=lambda: state.step,
+            payload=self._snapshot,
+            write=self._write_step,
+            drain=self._drain_writer,
+            stop_deadline=self.stop_deadline,
+            writing=writing,
+            may_save=self._may_save_here,
+            enabled=False,
+            exclusive=sharded is None,  # sharded: every rank writes its own shards
+        )
+        self._state, self._env, self._switch = state, env, switch
         self._sharded, self._writer = sharded, writer
-        self._payload, self._write_file, self._writing = payload, write_file, writing
-        self._stop_deadline: Callable[[], float | None] = lambda: None
-        self._saver = self._build(enabled=False)
+        self._payload_of, self._write_file = payload, write_file
+        self._stop: Callable[[], float | None] = lambda: None
         self._deadline: ExitTimer | None = None
         self._shard_saver: sharded_jit.ShardedJit | None = None
         self._training_thread: int | None = None
-
-    @property
-    def enabled(self) -> bool:
-        """This attempt saves just in time (decided by rank 0 at the load)."""
-        return self._saver.enabled
 
     def wanted(self) -> bool:
         """This rank's view of whether to save just in time (rank 0's is the one used)."""
@@ -93,7 +101,7 @@ class JustInTime:
                     "just-in-time checkpoints are off (jit_save=False or ELASTIC_TRAINER_JIT_SAVE=0)"
                 )
             return False
-        if self._directory is None:
+        if self.directory is None:
             return False
         if any(hasattr(obj, "consolidate_state_dict") for obj in self._state.objects.values()):
             if self._env.is_rank0:
@@ -106,12 +114,13 @@ class JustInTime:
         return True
 
     def setup(self, enabled: bool) -> None:
-        """(The training thread, after a load or restore) the just-in-time save of this attempt."""
+        """(The training thread, after a load or restore) whether this attempt saves just in time
+        (rank 0's decision), and from what."""
         self._training_thread = threading.get_ident()
         self._shard_saver = None
         if enabled and self._sharded is not None:
             self._shard_saver = self._held_shards_saver(self._sharded)
-        self._saver = self._build(enabled=enabled)
+        self.enabled = enabled and self.directory is not None
         self._state.track_buffers(enabled)
 
     def _held_shards_saver(
@@ -133,72 +142,39 @@ class JustInTime:
             )
         return None
 
-    def _build(self, *, enabled: bool) -> JitCheckpointer:
-        return JitCheckpointer(
-            guard=self._state.guard,
-            directory=self._directory,
-            rank=self._env.rank,
-            step=lambda: self._state.step,
-            payload=self._snapshot,
-            write=self._write,
-            drain=self._drain,
-            stop_deadline=lambda: self._stop_deadline(),
-            writing=self._writing,
-            may_save=self._may_save,
-            enabled=enabled,
-            exclusive=self._sharded is None,  # sharded: every rank writes its own shards
-        )
-
     # -- the triggers (the training loop's) ---------------------------------------------------------
     def arm(self, stop_deadline: Callable[[], float | None] = lambda: None) -> None:
         """Training starts: the state now is a completed step (every rank holds the same
         buffers). ``stop_deadline``: the graceful stop's deadline (``time.monotonic()``), if one
         is running (the loop owns the stop signal)."""
-        self._stop_deadline = stop_deadline
+        self._stop = stop_deadline
         self._state.arm()
-        self._saver.arm()
+        super().arm()
 
     def stop_deadline(self) -> float | None:
         """The graceful stop's deadline, if one is running (what :meth:`arm` was given)."""
-        return self._stop_deadline()
+        return self._stop()
 
-    def busy(self) -> contextlib.AbstractContextManager[None]:
-        """Around work that is no stall although no step boundary passes (a checkpoint write)."""
-        return self._saver.busy()
-
-    def stand_down(self) -> None:
-        """The ranks agreed to stop (or training ended): the graceful path owns the exit."""
-        self._saver.stand_down()
-
-    def on_signal(self, signum: int) -> None:
-        """A stop signal arrived, maybe while the training thread is blocked in a collective."""
-        self._saver.on_signal(signum)
-
-    def after_failure(self, exc: BaseException) -> None:
+    def after_failure(self, exc: BaseException) -> JitOutcome | None:
         """The training loop raised: save the last completed step just in time (bounded), and
         make sure the process ends soon after (:data:`TEARDOWN_S`)."""
-        if not self._saver.enabled:
-            return
+        if not self.enabled:
+            return None
         # Save, then let the exception end the process quickly: torchrun restarts the group
         # once all its local workers are gone. Never hang on the way.
         self._deadline = ExitTimer(
             SAVE_TIMEOUT_S + TEARDOWN_S, 1, "saving and stopping after a failure"
         )
-        self._saver.after_failure(exc)
-
-    def save(self, reason: str, *, deadline: float) -> JitOutcome:
-        """Save the last completed step now, from any thread (what a failure or a stalled stop
-        does; idempotent)."""
-        return self._saver.save(reason, deadline=deadline)
+        return super().after_failure(exc)
 
     def close(self) -> None:
         """Stand down, and cancel the after-failure deadline (the caller's teardown is done)."""
-        self._saver.stand_down()
+        self.stand_down()
         if self._deadline is not None:
             self._deadline.cancel()
 
     # -- what is written ------------------------------------------------------------------------------
-    def _may_save(self) -> str | None:
+    def _may_save_here(self) -> str | None:
         """Why the calling thread must not save just in time (``None``: it may). Sharded state is
         read live only on the training thread: FSDP2 swaps a module's parameters between sharded
         and unsharded ones (and frees the unsharded storage) around forward and backward, so a
@@ -220,10 +196,10 @@ class JustInTime:
         the neighbour copy: the shards are written from the copies it staged)."""
         if self._shard_saver is not None:
             return {}
-        return self._payload(self._state.snapshot())
+        return self._payload_of(self._state.snapshot())
 
-    def _write(self, step: int, payload: dict[str, Any]) -> str:
-        if self._directory is None:
+    def _write_step(self, step: int, payload: dict[str, Any]) -> str:
+        if self.directory is None:
             raise RuntimeError("just-in-time checkpointing needs a directory")
         if self._shard_saver is not None:
             return self._write_held_shards(self._shard_saver, step)
@@ -234,7 +210,7 @@ class JustInTime:
         if committed is not None:
             return str(committed.path)
         return (
-            f"{sharded.jit_path(self._directory, step, self._sharded.token)} (this rank's "
+            f"{sharded.jit_path(self.directory, step, self._sharded.token)} (this rank's "
             "shards; the checkpoint counts once every rank's are in)"
         )
 
@@ -255,7 +231,7 @@ class JustInTime:
         if outcome.path is not None:
             return f"{outcome.path} (step {outcome.step}: the lost rank's copy of {step} was cut)"
         return (
-            f"{sharded.jit_path(self._directory or '.', step, saver.checkpointer.token)} (the "
+            f"{sharded.jit_path(self.directory or '.', step, saver.checkpointer.token)} (the "
             f"shards this rank holds: {outcome.detail}; the checkpoint counts once every rank's "
             "are in)"
         )
@@ -263,7 +239,7 @@ class JustInTime:
     def _part_entries(self, step: int, part: Mapping[str, Any]) -> dict[str, Any]:
         """What a checkpoint of ``step`` holds besides a part's shards and objects (as the
         manager's payload of a snapshot adds them)."""
-        return self._payload(
+        return self._payload_of(
             {
                 "rng": {"scheme": rng.STEP_SCHEME, "seed": self._state.seed},
                 "step": step,
@@ -273,7 +249,7 @@ class JustInTime:
             }
         )
 
-    def _drain(self, timeout: float) -> None:
+    def _drain_writer(self, timeout: float) -> None:
         """Let this process's own background checkpoint write finish before it exits. A failed
         write is said in one line and not raised: the just-in-time save that drains it reads what
         reached the disk afterwards and writes the step itself when the write did not commit it."""

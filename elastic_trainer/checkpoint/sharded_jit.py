@@ -326,7 +326,6 @@ class ShardedJit:
     def _save(self, reason: str, *, live: bool) -> JitOutcome:
         started = time.monotonic()
         directory = self.checkpointer.directory
-        rank, world = self.copies.env.rank, self.copies.env.world_size
         sources = self._sources(live)
         newest = ckpt.newest_step(directory)
         steps = sorted((s for s in sources if newest is None or s > newest), reverse=True)
@@ -339,41 +338,10 @@ class ShardedJit:
             log.info("just-in-time save skipped: %s", why)
             return JitOutcome(saved=False, step=None, path=None, detail=why)
         written: list[str] = []
-        epochs: dict[int, int] = {}
         for step in steps:
             folder = jit_path(directory, step, self.checkpointer.token)
-            for shard, what in sorted(sources[step].items()):
-                if (ckpt.newest_step(directory) or -1) >= step:
-                    break
-                try:
-                    payload = self.copies.payload(
-                        "live" if what == "live" else what, shard=shard, step=step
-                    )
-                    part, shapes = self.state.checkpoint_state(payload)
-                    placed = place(shapes, _tensors(part, {}), shard=shard, world_size=world)
-                    part.update(self.extras(step, part))
-                    epochs.setdefault(step, int(part.get("epoch", 0)))
-                    if write_part(
-                        folder,
-                        part,
-                        placed,
-                        shard=shard,
-                        world_size=world,
-                        writer=rank,
-                        source=what,
-                    ):
-                        written.append(f"rank {shard}'s of step {step} ({_SOURCE[what]})")
-                except LookupError:
-                    continue  # overwritten since the holdings were read: a newer one is written
-                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line, go on
-                    log.error(
-                        "just-in-time save: rank %d's shards of step %d not written: %s",
-                        shard,
-                        step,
-                        log_line(exc),
-                    )
-                    continue
-            committed = self._commit(folder, step, epochs.get(step, 0))
+            epoch = self._write_parts(folder, step, sources[step], written)
+            committed = self._commit(folder, step, epoch)
             if committed is not None:
                 took = time.monotonic() - started
                 log.warning(
@@ -404,6 +372,43 @@ class ShardedJit:
             "; ".join(written) or "no rank",
         )
         return JitOutcome(saved=bool(written), step=steps[0], path=None, detail="parts written")
+
+    def _write_parts(
+        self, folder: Path, step: int, shards: Mapping[int, str], written: list[str]
+    ) -> int:
+        """Write a part for each shard this rank holds of ``step`` (what: ``own``, ``copy`` or
+        ``live``) until a checkpoint of it is committed; each written is added to ``written``.
+        Returns the step's epoch (0 when no part was read)."""
+        directory = self.checkpointer.directory
+        rank, world = self.copies.env.rank, self.copies.env.world_size
+        epoch: int | None = None
+        for shard, what in sorted(shards.items()):
+            if (ckpt.newest_step(directory) or -1) >= step:
+                break
+            try:
+                payload = self.copies.payload(
+                    "live" if what == "live" else what, shard=shard, step=step
+                )
+                part, shapes = self.state.checkpoint_state(payload)
+                placed = place(shapes, _tensors(part, {}), shard=shard, world_size=world)
+                part.update(self.extras(step, part))
+                if epoch is None:
+                    epoch = int(part.get("epoch", 0))
+                if write_part(
+                    folder, part, placed, shard=shard, world_size=world, writer=rank, source=what
+                ):
+                    written.append(f"rank {shard}'s of step {step} ({_SOURCE[what]})")
+            except LookupError:
+                continue  # overwritten since the holdings were read: a newer one is written
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line, go on
+                log.error(
+                    "just-in-time save: rank %d's shards of step %d not written: %s",
+                    shard,
+                    step,
+                    log_line(exc),
+                )
+                continue
+        return epoch if epoch is not None else 0
 
     def _commit(self, folder: Path, step: int, epoch: int) -> str | None:
         try:

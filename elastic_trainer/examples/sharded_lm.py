@@ -37,6 +37,7 @@ itself). Both import only from the package root.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -57,6 +58,7 @@ from elastic_trainer import (
     ElasticGroup,
     FSDPOptions,
     NeighbourCopyConfig,
+    RunConfig,
     Trainer,
     TrainerConfig,
     TrainingJob,
@@ -144,6 +146,27 @@ def shard(
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    _run_options(parser)
+    _trainer_options(parser)
+    args = parser.parse_args(argv)
+    for name in (
+        "epochs",
+        "global_batch_size",
+        "dataset_size",
+        "checkpoint_every",
+        "keep_last",
+        "log_every",
+        "replicas",
+    ):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')}: must be positive")
+    if args.max_steps is not None and args.max_steps <= 0:
+        parser.error("--max-steps: must be positive")
+    return args
+
+
+def _run_options(parser: argparse.ArgumentParser) -> None:
+    """What the run is, whichever API trains it (:func:`run_config`)."""
     parser.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many optimizer steps"
     )
@@ -176,6 +199,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument(
+        "--throttle-ms", type=float, default=0.0, help="sleep per step (to watch or inject faults)"
+    )
+
+
+def _trainer_options(parser: argparse.ArgumentParser) -> None:
+    """Which API trains the model, and the ``Trainer``'s FSDP2 options."""
+    parser.add_argument(
         "--api",
         choices=("loop", "trainer"),
         default="loop",
@@ -198,24 +228,26 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=True,
         help="(--api trainer) free each unit's gathered parameters after its forward",
     )
-    parser.add_argument(
-        "--throttle-ms", type=float, default=0.0, help="sleep per step (to watch or inject faults)"
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The run's settings, for ``Elastic`` and (extended) ``TrainerConfig`` alike."""
+    return RunConfig(
+        global_batch_size=args.global_batch_size,
+        seed=args.seed,  # the data order, the weights' seed and every step's dropout
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        checkpoint=CheckpointConfig(
+            directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
+        ),
+        shard_copy=(
+            NeighbourCopyConfig(every=args.shard_copy_every)
+            if args.shard_copy_every is not None
+            else None
+        ),
+        log_every=args.log_every,
+        record_samples_dir=args.record_samples,
     )
-    args = parser.parse_args(argv)
-    for name in (
-        "epochs",
-        "global_batch_size",
-        "dataset_size",
-        "checkpoint_every",
-        "keep_last",
-        "log_every",
-        "replicas",
-    ):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')}: must be positive")
-    if args.max_steps is not None and args.max_steps <= 0:
-        parser.error("--max-steps: must be positive")
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -224,16 +256,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     return train(parse_args(sys.argv[1:] if argv is None else argv))
 
 
+def dataset(args: argparse.Namespace) -> Windows:
+    return Windows(corpus(args.seed, args.dataset_size * CONTEXT + 1))
+
+
+def optimizer_for(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.transpose(1, 2), targets)
+
+
+def sharded_model(
+    world_size: int, device: torch.device, replicas: int, options: FSDPOptions | None = None
+) -> TinyTransformer:
+    """``TinyTransformer`` on ``device``, sharded over the current group (HSDP over a
+    ``(replicas, world_size // replicas)`` mesh when ``replicas`` > 1)."""
+    if world_size % replicas:
+        raise ValueError(f"--replicas {replicas} does not divide {world_size} workers")
+    model = TinyTransformer().to(device)
+    shard(model, world_size, device.type, replicas, options)
+    return model
+
+
 def build(env: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The model sharded over the current group (HSDP with ``--replicas`` > 1) and its optimizer,
     by the names they are saved under: built again after each heal (``Elastic(rebuild=...)``)."""
-    if env.world_size % args.replicas:
-        raise ValueError(f"--replicas {args.replicas} does not divide {env.world_size} workers")
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = TinyTransformer().to(env.device)
-    shard(model, env.world_size, env.device.type, args.replicas)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    return {"model": model, "optimizer": optimizer}
+    model = sharded_model(env.world_size, env.device, args.replicas)
+    return {"model": model, "optimizer": optimizer_for(model.parameters())}
 
 
 def train(args: argparse.Namespace) -> int:
@@ -241,39 +293,25 @@ def train(args: argparse.Namespace) -> int:
     # only an in-place op on it would skip a hook, and the loss reads it out of place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     if args.api == "trainer":
-        return train_with_trainer(args)
+        return finished(train_with_trainer(args))
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
         "%(levelname)s %(name)s: %(message)s",
     )
-    dataset = Windows(corpus(args.seed, args.dataset_size * CONTEXT + 1))
     pause = args.throttle_ms / 1000
     with ElasticGroup(pg_timeout_s=60) as group:  # forms the process group, and heals it in place
         with group.groups():  # the mesh's subgroups (HSDP) are aborted with the group at a heal
             first = build(group.env, args)
         elastic = Elastic(
             first["model"],
-            dataset,
-            global_batch_size=args.global_batch_size,
-            max_steps=args.max_steps,
-            epochs=args.epochs,
-            seed=args.seed,  # the data order, the weights' seed and every step's dropout
-            checkpoint=CheckpointConfig(
-                directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
-            ),
+            dataset(args),
+            config=run_config(args),
             states={"optimizer": first["optimizer"]},
             find=False,
-            log_every=args.log_every,
             tokens_per_sample=CONTEXT,
-            record_samples_dir=args.record_samples,
             after_step=[lambda step: time.sleep(pause)] if pause else (),
             rebuild=lambda env: build(env, args),
-            shard_copy=(
-                NeighbourCopyConfig(every=args.shard_copy_every)
-                if args.shard_copy_every is not None
-                else None
-            ),
             group=group,
         )
         for step in elastic:
@@ -283,21 +321,22 @@ def train(args: argparse.Namespace) -> int:
             )  # rebuilt at a heal
             with step:
                 for inputs, targets in step:
-                    logits = model(inputs)
-                    loss = nn.functional.cross_entropy(logits.transpose(1, 2), targets)
-                    step.backward(loss * step.weight)
+                    step.backward(lm_loss(model(inputs), targets) * step.weight)
                 optimizer.step()  # type: ignore[union-attr]
                 optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
-    result = elastic.result
-    if result is None:
-        return 0
+    return 0 if elastic.result is None else finished(elastic.result)
+
+
+def finished(result: Any) -> int:
+    """Rank 0 names the final checkpoint; the exit code of the run's end."""
     if result.finished and int(os.environ.get("RANK", "0")) == 0:
         log.info("final step %d checkpoint %s", result.step, result.checkpoint)
-    return result.exit_code
+    return int(result.exit_code)
 
 
-def train_with_trainer(args: argparse.Namespace) -> int:
-    """The same model, data and optimizer through ``Trainer`` with ``TrainerConfig.fsdp``."""
+def train_with_trainer(args: argparse.Namespace) -> Any:
+    """The same model, data and optimizer through ``Trainer`` with ``TrainerConfig.fsdp``; its
+    result."""
     fsdp = FSDPOptions(
         blocks=tuple(b.strip() for b in args.fsdp_blocks.split(",") if b.strip()),
         mixed_precision=args.fsdp_mixed_precision,
@@ -308,53 +347,33 @@ def train_with_trainer(args: argparse.Namespace) -> int:
         # HSDP: FSDPOptions shards over a 1-D mesh, so the factory shards the model itself (the
         # Trainer trains it as it is, and calls the factory again on the group a heal forms).
         model = partial(_hsdp_model, args.replicas, fsdp)
+    run = run_config(args)
     config = TrainerConfig(
-        global_batch_size=args.global_batch_size,
-        seed=args.seed,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        checkpoint=CheckpointConfig(
-            directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last
-        ),
+        **{f.name: getattr(run, f.name) for f in dataclasses.fields(run)},
         fsdp=fsdp if args.replicas == 1 else None,
-        shard_copy=(
-            NeighbourCopyConfig(every=args.shard_copy_every)
-            if args.shard_copy_every is not None
-            else None
-        ),
-        log_every=args.log_every,
-        record_samples_dir=args.record_samples,
     )
     job = TrainingJob(
         model=model,
-        dataset=lambda: Windows(corpus(args.seed, args.dataset_size * CONTEXT + 1)),
-        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
-        loss=lambda logits, target: nn.functional.cross_entropy(logits.transpose(1, 2), target),
+        dataset=lambda: dataset(args),
+        optimizer=optimizer_for,
+        loss=lm_loss,
         tokens_per_sample=CONTEXT,
     )
     pause = args.throttle_ms / 1000
-    result = Trainer(
+    return Trainer(
         config, job, callbacks=[lambda trainer, step: time.sleep(pause)] if pause else ()
     ).fit()
-    if result.finished and int(os.environ.get("RANK", "0")) == 0:
-        log.info("final step %d checkpoint %s", result.step, result.checkpoint)
-    return result.exit_code
 
 
 def _hsdp_model(replicas: int, options: FSDPOptions) -> nn.Module:
-    """``TinyTransformer`` sharded over HSDP's ``(replicas, world // replicas)`` mesh of the
-    current process group, on this rank's device (the Trainer seeded the generators before)."""
-    world_size = torch.distributed.get_world_size()
-    if world_size % replicas:
-        raise ValueError(f"--replicas {replicas} does not divide {world_size} workers")
+    """``TinyTransformer`` sharded over HSDP's mesh of the current process group, on this rank's
+    device (the Trainer seeded the generators before)."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-    model = TinyTransformer().to(device)
-    shard(model, world_size, device.type, replicas, options)
-    return model
+    return sharded_model(torch.distributed.get_world_size(), device, replicas, options)
 
 
 if __name__ == "__main__":

@@ -35,13 +35,7 @@ from elastic_trainer.heal.shard_move import reshard_shards
 from elastic_trainer.heal.state_transfer import TransferTally, share_state
 from elastic_trainer.runtime.abortable import AbortableWaits
 from elastic_trainer.state.neighbour_copy import NO_STATE, Holdings, holder_of
-from elastic_trainer.state.restore_plan import (
-    RESTORE,
-    RestorePlan,
-    ShardHolder,
-    Source,
-    resume_sharded,
-)
+from elastic_trainer.state.restore_plan import RESTORE, RestorePlan, ShardHolder, Source
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +47,6 @@ __all__ = [
     "plan_reshard",
     "plan_restore",
     "restore_shards",
-    "resume_sharded",
 ]
 
 

@@ -58,21 +58,8 @@ def follow_rebuild(
         if name in returned or obj is None:
             continue
         if isinstance(obj, Optimizer):
-            stepped = {
-                old_parameters[id(p)]
-                for group in obj.param_groups
-                for p in group["params"]
-                if id(p) in old_parameters
-            }
-            if stepped:
-                raise ConfigError(
-                    f"rebuild did not return {name!r}, which steps the parameters of "
-                    f"{', '.join(repr(m) for m in sorted(stepped))} that it replaced after the "
-                    f"heal: build {name!r} in rebuild (your build()) and return it under that "
-                    "name (docs/own-loop.md, 'A model you shard yourself')"
-                )
-            continue
-        if isinstance(obj, (LRScheduler, ReduceLROnPlateau)):
+            _refuse_stale_optimizer(name, obj, old_parameters)
+        elif isinstance(obj, (LRScheduler, ReduceLROnPlateau)):
             rebound = _rebind_scheduler(name, obj, by_id, returned)
             if rebound:
                 found.append(name)
@@ -82,13 +69,11 @@ def follow_rebuild(
                     f"the heal; it now drives the rebuilt one. Return {name!r} from rebuild "
                     "(your build()) too, built on the new optimizer",
                 )
-            continue
-        held = [
+        elif held := [
             f"{attr} ({by_id[id(value)]!r})"
             for attr, value in _attributes(obj)
             if id(value) in by_id
-        ]
-        if held:
+        ]:
             found.append(name)
             _warn_once(
                 name,
@@ -97,6 +82,26 @@ def follow_rebuild(
                 "rebuild (your build()) too",
             )
     return found
+
+
+def _refuse_stale_optimizer(
+    name: str, optimizer: Optimizer, old_parameters: Mapping[int, str]
+) -> None:
+    """A kept optimizer that steps a replaced model's parameters is an error (it would train the
+    old model)."""
+    stepped = {
+        old_parameters[id(p)]
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if id(p) in old_parameters
+    }
+    if stepped:
+        raise ConfigError(
+            f"rebuild did not return {name!r}, which steps the parameters of "
+            f"{', '.join(repr(m) for m in sorted(stepped))} that it replaced after the "
+            f"heal: build {name!r} in rebuild (your build()) and return it under that "
+            "name (docs/own-loop.md, 'A model you shard yourself')"
+        )
 
 
 def _rebind_scheduler(

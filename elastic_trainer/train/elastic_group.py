@@ -358,15 +358,7 @@ class Attempt:
         group, healer = self.group, self.group.healer
         loop = group._loop
         if exc is None:
-            if (
-                healer is not None
-                and loop is not None
-                and loop.result is not None
-                and loop.result.finished
-            ):
-                healer.finish(self.env, loop.result.step)
-            elif healer is not None and loop is None and self._shards is not None:
-                healer.finish(self.env, self._shards.step)  # a sharded loop of its own ended
+            self._finished(loop)
             return False
         if (
             healer is None
@@ -381,9 +373,25 @@ class Attempt:
             )
             return False
         holds = loop is not None and loop.state_ready and loop.state.consistent
-        step = loop.step if holds and loop is not None else NO_STATE
-        reason = failure_reason(exc)
         self._detach_wrappers()
+        step, snapshot = self._held(loop, holds)
+        return self._heal(healer, exc, loop, holds=holds, step=step, snapshot=snapshot)
+
+    def _finished(self, loop: ElasticLoop | None) -> None:
+        """The attempt ended without an error: tell the healer when training finished."""
+        healer = self.group.healer
+        if healer is None:
+            return
+        if loop is not None and loop.result is not None and loop.result.finished:
+            healer.finish(self.env, loop.result.step)
+        elif loop is None and self._shards is not None:
+            healer.finish(self.env, self._shards.step)  # a sharded loop of its own ended
+
+    def _held(
+        self, loop: ElasticLoop | None, holds: bool
+    ) -> tuple[int, Callable[[], dict[str, Any]]]:
+        """The step this process holds for the heal, and how to snapshot it for a peer."""
+        step = loop.step if holds and loop is not None else NO_STATE
         snapshot: Callable[[], dict[str, Any]] = (
             partial(loop.state.peer_snapshot, SAVE_TIMEOUT_S) if loop is not None else dict
         )
@@ -406,18 +414,35 @@ class Attempt:
             )
         )
         if not holds and isinstance(unrestored, dict) and isinstance(unrestored.get("step"), int):
-            step, snapshot = unrestored["step"], (lambda: unrestored)
+            return unrestored["step"], (lambda: unrestored)
+        return step, snapshot
+
+    def _heal(
+        self,
+        healer: Healer,
+        exc: Exception,
+        loop: ElasticLoop | None,
+        *,
+        holds: bool,
+        step: int,
+        snapshot: Callable[[], dict[str, Any]],
+    ) -> bool:
+        """Heal the group in place (True), or end this process: a stop signal (exit status
+        :data:`EXIT_STOPPED`), the job's end (True, no next attempt), a failed heal (``exc``)."""
+        group = self.group
         # The loop's stop handler is gone: a stop signal during the heal is this one's, and one
         # that came before it (the node is being stopped) means no heal at all.
         signalled = loop is not None and loop.stop_requested
-        stop = GracefulStop(self.group.settings.sigterm_grace_s)
+        stop = GracefulStop(group.settings.sigterm_grace_s)
         if not signalled:
             stop.install()
         healer.stop_requested = lambda: signalled or stop.requested
         try:
             if signalled:
                 raise HealStopped("stopped by a signal as its group failed")
-            outcome = healer.heal(self.env, step=step, snapshot=snapshot, reason=reason)
+            outcome = healer.heal(
+                self.env, step=step, snapshot=snapshot, reason=failure_reason(exc)
+            )
         except HealStopped as stopped:
             log.warning("%s: saving this process's step and exiting instead of healing", stopped)
             if holds and loop is not None:

@@ -496,22 +496,7 @@ class ElasticLoop:
         else:
             self._pending = control
         if stop:
-            self._jit.stand_down()  # every rank agreed to stop: the graceful path owns the exit
-            self._flush()
-            log.warning(
-                "stopping after step %d (signal on %s)",
-                step,
-                "this rank" if self._stop.requested else "another rank",
-            )
-            path = self.checkpoints.save(step, final=True)
-            self.result = TrainResult(
-                step=step,
-                epoch=self.sampler.epoch,
-                loss=self.loss,
-                resumed_from=self.resumed_from,
-                stopped_by_signal=True,
-                checkpoint=path,
-            )
+            self._end(stopped=True)
             return True
         self.checkpoints.save(step)  # when due
         for callback in self._after_step:
@@ -567,11 +552,20 @@ class ElasticLoop:
         if self._durations:
             self._report(self._channel_().start(self.step, None, global_samples=0, stop=False))
 
-    def _end(self) -> None:
+    def _end(self, *, stopped: bool = False) -> None:
+        """Every rank, after the same step: the end of training, or a stop every rank agreed on
+        (the graceful path then owns the exit): the last reports, the final checkpoint, the
+        result."""
         self._jit.stand_down()
         self._flush()
+        if stopped:
+            log.warning(
+                "stopping after step %d (signal on %s)",
+                self.step,
+                "this rank" if self._stop.requested else "another rank",
+            )
         path = self.checkpoints.save(self.step, final=True)
-        if self.env.is_rank0:
+        if self.env.is_rank0 and not stopped:
             log.info(
                 "training finished at step %d (epoch %d), loss %s",
                 self.step,
@@ -583,6 +577,6 @@ class ElasticLoop:
             epoch=self.sampler.epoch,
             loss=self.loss,
             resumed_from=self.resumed_from,
-            stopped_by_signal=False,
+            stopped_by_signal=stopped,
             checkpoint=path,
         )

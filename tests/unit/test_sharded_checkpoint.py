@@ -181,7 +181,7 @@ def _stop_worker(rank: int, world_size: int, work: Path, model: Any, opt: Any) -
     writer._write = slow_write  # type: ignore[method-assign]
     writer.save_own = counted_save_own  # type: ignore[method-assign]
     manager.just_in_time.arm()
-    manager.just_in_time._saver._exit = exits.append  # the monitor's exit, recorded instead
+    manager.just_in_time._exit = exits.append  # the monitor's exit, recorded instead
     stall: list[Any] = [None]  # what the slow step waits for inside the model's forward
 
     def slow_forward(module: Any, args: Any) -> None:  # after FSDP2's unshard of this layer
@@ -209,7 +209,7 @@ def _stop_worker(rank: int, world_size: int, work: Path, model: Any, opt: Any) -
         stall[0] = lambda: time.sleep(2.0)  # slower than STALL_MIN_S, slowed by the write
         step(3)
         writer.wait(30)
-        monitor = manager.just_in_time._saver._monitor
+        monitor = manager.just_in_time._monitor
         assert monitor is not None
 
         def until_the_monitor_decides() -> None:  # no write in flight: a stall now
@@ -223,8 +223,7 @@ def _stop_worker(rank: int, world_size: int, work: Path, model: Any, opt: Any) -
         errors.append(f"{type(exc).__name__}: {exc}")
     manager.just_in_time.stand_down()
     monitor_alive = (
-        manager.just_in_time._saver._monitor is not None
-        and manager.just_in_time._saver._monitor.is_alive()
+        manager.just_in_time._monitor is not None and manager.just_in_time._monitor.is_alive()
     )
     with_threads = [t.name for t in threading.enumerate()]
     (work / f"stop-{rank}.json").write_text(

@@ -311,7 +311,7 @@ def test_copies_of_no_common_step_say_so() -> None:
 def test_resume_takes_the_restored_shards_else_the_checkpoint_and_counts_the_redone_steps(
     caplog,
 ) -> None:
-    from elastic_trainer.heal.sharded_restore import RESTORE, resume_sharded
+    from elastic_trainer.state.restore_plan import RESTORE, resume_sharded
 
     loads: list[str] = []
 
