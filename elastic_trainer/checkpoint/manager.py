@@ -127,11 +127,19 @@ class CheckpointManager:
         )
         self._writer.on_refused = self._background_write_refused
         self._staging = StagingBuffers(env.device)
-        self.just_in_time = JustInTime(
+        self.just_in_time = self._just_in_time(
+            config.jit_save if config.jit_save is not None else settings.jit_save
+        )
+        """The just-in-time save's triggers (set up by :meth:`load`)."""
+
+    def _just_in_time(self, switch: bool) -> JustInTime:
+        """This manager's just-in-time save (``switch``: whether the job wants it), writing
+        through the manager's files and payload."""
+        return JustInTime(
             state=self.state,
-            env=env,
-            directory=config.directory,
-            switch=config.jit_save if config.jit_save is not None else settings.jit_save,
+            env=self._env,
+            directory=self._config.directory,
+            switch=switch,
             sharded=self._sharded,
             writer=self._writer,
             payload=self._payload,
@@ -140,7 +148,6 @@ class CheckpointManager:
             ),
             writing=self._writing_step,
         )
-        """The just-in-time save's triggers (set up by :meth:`load`)."""
 
     @property
     def jit_enabled(self) -> bool:

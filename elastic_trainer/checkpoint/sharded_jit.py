@@ -342,28 +342,20 @@ class ShardedJit:
             folder = jit_path(directory, step, self.checkpointer.token)
             epoch = self._write_parts(folder, step, sources[step], written)
             committed = self._commit(folder, step, epoch)
-            if committed is not None:
+            done = step if committed is not None else ckpt.newest_step(directory)
+            if done is not None and done >= step:
                 took = time.monotonic() - started
                 log.warning(
-                    "just-in-time checkpoint of step %d committed to %s in %.2f s (%s); this rank "
-                    "wrote the shards of %s",
-                    step,
-                    committed,
-                    took,
-                    reason,
-                    "; ".join(written) or "no rank (all were in)",
-                )
-                return JitOutcome(saved=True, step=step, path=committed, detail=reason)
-            if (done := ckpt.newest_step(directory)) is not None and done >= step:
-                log.warning(
-                    "just-in-time checkpoint of step %d committed by another rank (%s); this rank "
-                    "wrote the shards of %s",
+                    "just-in-time checkpoint of step %d committed %s (%s); this rank wrote the "
+                    "shards of %s",
                     done,
+                    f"to {committed} in {took:.2f} s" if committed else "by another rank",
                     reason,
-                    "; ".join(written) or "no rank",
+                    "; ".join(written) or ("no rank (all were in)" if committed else "no rank"),
                 )
+                path = committed or str(ckpt.sharded_path(directory, done))
                 return JitOutcome(
-                    saved=True, step=done, path=str(ckpt.sharded_path(directory, done)), detail=""
+                    saved=True, step=done, path=path, detail=reason if committed else ""
                 )
         log.warning(
             "just-in-time save (%s): this rank wrote the shards of %s; the checkpoint counts once "

@@ -294,11 +294,6 @@ def train(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     if args.api == "trainer":
         return finished(train_with_trainer(args))
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [rank {os.environ.get('RANK', '0')}] "
-        "%(levelname)s %(name)s: %(message)s",
-    )
     pause = args.throttle_ms / 1000
     with ElasticGroup(pg_timeout_s=60) as group:  # forms the process group, and heals it in place
         with group.groups():  # the mesh's subgroups (HSDP) are aborted with the group at a heal

@@ -64,25 +64,11 @@ def reshard_shards(
     def held_here(shard: int) -> dict[str, Any]:
         return first if shard == 0 and first is not None else payload_of(shard)
 
-    layout = share_state(
-        None if first is None else {"step": step, LAYOUT: first.get(LAYOUT)},
-        src=plan.sources[0].rank,
-        device=cpu,
-        group=group,
-        waits=waits,
-        level=logging.DEBUG,
-    )[LAYOUT]
+    layout = _shared_layout(first, plan, group=group, waits=waits)
     refused = unsupported(layout)
     if refused is not None:
         return None, f"the shards cannot be resharded in place ({refused})"
-    # Cut over shards, not ranks: HSDP's replicas of a shard hold the same rows (new rank j holds
-    # new shard j % new_shards; FSDP: every rank its own).
-    cuts = [
-        Resharder(
-            layout, old_world=plan.old_shards, new_world=plan.new_shards, rank=new % plan.new_shards
-        )
-        for new in range(plan.new_world)
-    ]
+    cuts = _cuts(layout, plan)
     mine = cuts[rank]
     sent = 0
     for shard, source in enumerate(plan.sources):
@@ -117,3 +103,28 @@ def reshard_shards(
         time.monotonic() - started,
     )
     return payload, None
+
+
+def _shared_layout(
+    first: dict[str, Any] | None, plan: RestorePlan, *, group: Any, waits: AbortableWaits | None
+) -> Any:
+    """Collective: the shards' layout, from the holder of shard 0 (``first``: what it holds)."""
+    return share_state(
+        None if first is None else {"step": plan.step, LAYOUT: first.get(LAYOUT)},
+        src=plan.sources[0].rank,
+        device=torch.device("cpu"),
+        group=group,
+        waits=waits,
+        level=logging.DEBUG,
+    )[LAYOUT]
+
+
+def _cuts(layout: Any, plan: RestorePlan) -> list[Resharder]:
+    """Every new rank's cut of the old shards. Over shards, not ranks: HSDP's replicas of a shard
+    hold the same rows (new rank j holds new shard j % new_shards; FSDP: every rank its own)."""
+    return [
+        Resharder(
+            layout, old_world=plan.old_shards, new_world=plan.new_shards, rank=new % plan.new_shards
+        )
+        for new in range(plan.new_world)
+    ]

@@ -204,12 +204,7 @@ class ElasticLoop:
         """Passes over the dataset; ``None``: until ``max_steps``."""
         self.seed = seed
         self.observer: TrainingObserver = observer if observer is not None else NullObserver()
-        settings = settings if settings is not None else WorkerSettings.from_environ()
-        self._stop = GracefulStop(
-            sigterm_grace_s if sigterm_grace_s is not None else settings.sigterm_grace_s
-        )
-        self._jit = checkpoints.just_in_time
-        self._wakeup = SignalWakeup(self._jit.on_signal)
+        self._receive_stop(settings, sigterm_grace_s)
         self.log_every = log_every
         self.record_samples_dir = record_samples_dir
         self.tokens_per_sample = tokens_per_sample
@@ -219,17 +214,27 @@ class ElasticLoop:
         self.heals_in_place = heals_in_place and self.state.heal_in_place
         """A failed collective is healed by the caller: the group heals in place and the state
         can be handed on by a peer (``TrainingState.heal_in_place``)."""
-        self._initial_state = initial_state
         self._heal_check = heal_check
-        self._generation_part = generation_part
         self._carrier = control_carrier
         self._comms = comms if comms is not None else WorkerComms()
-        self._watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        self._start_run()
+        self._start_run(initial_state, generation_part)
 
-    def _start_run(self) -> None:
-        """What the run records as it goes: where its state came from, the steps in flight and
-        their reports, the result."""
+    def _receive_stop(self, settings: WorkerSettings | None, grace_s: float | None) -> None:
+        """A stop signal's two receivers: the graceful stop (every rank stops after the same
+        step, within ``grace_s``, default the settings'), and the wakeup that tells the
+        just-in-time save at once, even while this thread is blocked in a collective."""
+        settings = settings if settings is not None else WorkerSettings.from_environ()
+        self._stop = GracefulStop(grace_s if grace_s is not None else settings.sigterm_grace_s)
+        self._jit = self.checkpoints.just_in_time
+        self._wakeup = SignalWakeup(self._jit.on_signal)
+
+    def _start_run(self, initial_state: dict[str, Any] | None, generation_part: int) -> None:
+        """What the run records as it goes: where its state comes from (``initial_state``: a
+        peer's), the steps in flight and their reports (a sample log's part: ``generation_part``),
+        the result."""
+        self._initial_state = initial_state
+        self._generation_part = generation_part
+        self._watch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         self.state_ready = False
         """The state is this run's (loaded or taken from a peer): this rank may serve it."""
         self.state_source = "checkpoint"
