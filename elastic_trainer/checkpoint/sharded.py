@@ -157,7 +157,7 @@ class ShardedCheckpointer:
         fence: ckpt.CommitFence | None = None,
     ) -> ShardedCheckpointer:
         """(Collective) the checkpointer of a job's checkpoint section, for this worker (what
-        both checkpoint managers build)."""
+        the checkpoint manager builds)."""
         if config.directory is None:
             raise ValueError("a sharded checkpointer needs a checkpoint directory")
         return cls(
