@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import runpy
 import sys
 from collections.abc import Sequence
 
-from elastic_trainer.runtime import heartbeat
+from elastic_trainer.runtime import failures, heartbeat
 from elastic_trainer.runtime.exit_codes import EXIT_OK, EXIT_STOPPED
+from elastic_trainer.runtime.process_exit import exit_process
 
 PROG = "elastic-trainer worker"
 
 
 def run_target(argv: Sequence[str]) -> int:
     """Run ``-m MODULE ARGS`` or ``SCRIPT ARGS`` as ``__main__``; return 0 (exceptions propagate)."""
-    import runpy
-
     argv = list(argv)
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(f"{PROG}: nothing to run (expected -m MODULE or SCRIPT)")
@@ -67,23 +67,17 @@ def run(argv: Sequence[str]) -> int:
     except SystemExit as exc:
         code = exit_status(exc.code)
         if code not in (EXIT_OK, EXIT_STOPPED):  # a graceful stop after SIGTERM is not a failure
-            from elastic_trainer.runtime import failures
-
             failures.record(
                 failures.report_of(exc), error_file=failures.ReportTarget.from_environ().error_file
             )
         return code
     except BaseException as exc:  # noqa: BLE001 - the worker's own uncaught error
-        from elastic_trainer.runtime import failures
-
         return failures.exit_after(exc, prog=PROG)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     code = run(sys.argv[1:] if argv is None else argv)
     # Python's exit work, then os._exit: torch's C++ teardown (gloo) occasionally aborts.
-    from elastic_trainer.runtime.process_exit import exit_process
-
     exit_process(code)
 
 
