@@ -82,12 +82,10 @@ class _Checkpoints:
     def __init__(self, manager: Any, state: Any) -> None:
         self.manager, self.state = manager, state
 
-    def due(self, step: int) -> bool:
-        return bool(self.manager.due(step))
-
     def save(self, step: int) -> None:
+        """Checkpoint ``step`` when the manager finds it due (every ``every`` steps)."""
         self.state.step = step
-        self.manager.save()
+        self.manager.save(step)
 
     def close(self) -> None:
         """Wait for the background write."""
@@ -134,8 +132,8 @@ def _stall(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     batch = batch.to(device)
     sampler = ElasticSampler(10_000, args.batch * args.world)
     managers = {
-        mode: _manager(
-            str(root / mode), args.every, model, optimizer, sampler, async_write=mode == "async"
+        mode: _manager(  # due at every step: the loop below chooses which steps it saves
+            str(root / mode), 1, model, optimizer, sampler, async_write=mode == "async"
         )
         for mode in ("async", "sync")
     }
@@ -213,8 +211,7 @@ def _steady(rank: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     _step(model, optimizer, data[list(plan.micro_batches[0].indices)])
                     sampler.advance(plan)
                     step += 1
-                    if manager.due(step):
-                        manager.save(step)
+                    manager.save(step)
                 _sync(device)
                 wall[mode][repeat] += time.perf_counter() - started
                 if mode == "ours":

@@ -149,11 +149,6 @@ class CheckpointManager:
             writing=self._writing_step,
         )
 
-    @property
-    def jit_enabled(self) -> bool:
-        """Short for ``just_in_time.enabled`` (kept for callers of the old name)."""
-        return self.just_in_time.enabled
-
     # -- resume --------------------------------------------------------------------------------------
     def load(self, initial: Mapping[str, Any] | None = None) -> int | None:
         """Collective: restore the state this attempt goes on from; returns its step (``None``:

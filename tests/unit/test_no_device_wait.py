@@ -106,7 +106,7 @@ trainer.fit()
 state["counting"] = False
 dist.destroy_process_group()
 assert type(trainer.observer).__name__ == "PrometheusObserver", trainer.observer
-assert trainer.checkpoints.jit_enabled and trainer.checkpoints.state.buffers is not None
+assert trainer.checkpoints.just_in_time.enabled and trainer.checkpoints.state.buffers is not None
 with open(f"{out}/counts-{rank}.json", "w") as f:
     json.dump({"counts": dict(counts), "where": dict(where)}, f)
 from elastic_trainer.runtime.process_exit import exit_process
