@@ -123,10 +123,12 @@ def test_a_failing_offer_still_ends_the_process(kills: list[tuple[int, int]]) ->
 def test_the_loop_saves_its_step_unless_a_peer_holds_it() -> None:
     saved: list[str] = []
     checkpoints = SimpleNamespace(
-        save_just_in_time=lambda reason, deadline: (
-            saved.append(reason),
-            SimpleNamespace(detail="written"),
-        )[1]
+        just_in_time=SimpleNamespace(
+            save=lambda reason, deadline: (
+                saved.append(reason),
+                SimpleNamespace(detail="written"),
+            )[1]
+        )
     )
     loop = SimpleNamespace(
         state_ready=True, checkpoints=checkpoints, state=SimpleNamespace(step=22)
@@ -144,10 +146,12 @@ def test_a_loop_that_has_not_restored_its_state_saves_nothing() -> None:
     none): a save then would write a step the model does not hold."""
     saved: list[str] = []
     checkpoints = SimpleNamespace(
-        save_just_in_time=lambda reason, deadline: (
-            saved.append(reason),
-            SimpleNamespace(detail="written"),
-        )[1]
+        just_in_time=SimpleNamespace(
+            save=lambda reason, deadline: (
+                saved.append(reason),
+                SimpleNamespace(detail="written"),
+            )[1]
+        )
     )
     elastic_group._hand_on(
         SimpleNamespace(
