@@ -30,8 +30,8 @@ world size: the shards in memory are resharded onto it in place.
 group:``, ``Elastic(..., group=group, rebuild=build)``: ``docs/own-loop.md``, "A model you shard
 yourself"); ``--api trainer`` trains the same model with the runtime's ``Trainer`` and
 ``TrainerConfig(fsdp=FSDPOptions(...))`` (``--fsdp-blocks``, ``--fsdp-mixed-precision``,
-``--no-reshard-after-forward``; with ``--replicas`` the model factory shards over the HSDP mesh
-itself). Both import only from the package root.
+``--no-reshard-after-forward``; ``--replicas`` is ``FSDPOptions(replicas=...)``, HSDP). Both
+import only from the package root.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -336,19 +335,14 @@ def train_with_trainer(args: argparse.Namespace) -> Any:
         blocks=tuple(b.strip() for b in args.fsdp_blocks.split(",") if b.strip()),
         mixed_precision=args.fsdp_mixed_precision,
         reshard_after_forward=args.reshard_after_forward,
+        replicas=args.replicas,  # > 1: HSDP over a (replicas, world // replicas) mesh
     )
-    model: Callable[[], nn.Module] = TinyTransformer
-    if args.replicas > 1:
-        # HSDP: FSDPOptions shards over a 1-D mesh, so the factory shards the model itself (the
-        # Trainer trains it as it is, and calls the factory again on the group a heal forms).
-        model = partial(_hsdp_model, args.replicas, fsdp)
     run = run_config(args)
     config = TrainerConfig(
-        **{f.name: getattr(run, f.name) for f in dataclasses.fields(run)},
-        fsdp=fsdp if args.replicas == 1 else None,
+        **{f.name: getattr(run, f.name) for f in dataclasses.fields(run)}, fsdp=fsdp
     )
     job = TrainingJob(
-        model=model,
+        model=TinyTransformer,
         dataset=lambda: dataset(args),
         optimizer=optimizer_for,
         loss=lm_loss,
@@ -358,17 +352,6 @@ def train_with_trainer(args: argparse.Namespace) -> Any:
     return Trainer(
         config, job, callbacks=[lambda trainer, step: time.sleep(pause)] if pause else ()
     ).fit()
-
-
-def _hsdp_model(replicas: int, options: FSDPOptions) -> nn.Module:
-    """``TinyTransformer`` sharded over HSDP's mesh of the current process group, on this rank's
-    device (the Trainer seeded the generators before)."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    return sharded_model(torch.distributed.get_world_size(), device, replicas, options)
 
 
 if __name__ == "__main__":
