@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -62,12 +62,16 @@ TORCHRUN_ENV = (
 )
 """What torchrun sets for every worker and the doctor checks."""
 _INT_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")
-TIMEOUT_ENV = (
+RUNTIME_TIMEOUT_ENV = (
     ENV_PG_TIMEOUT_S,
     distributed.NCCL_ASYNC_ERROR_HANDLING,
     distributed.NCCL_BLOCKING_WAIT,
     distributed.NCCL_ENABLE_MONITORING,
     distributed.NCCL_HEARTBEAT_TIMEOUT_SEC,
+)
+"""The timeout variables the runtime reads: the ranks' values are compared (they must agree)."""
+TIMEOUT_ENV = (
+    *RUNTIME_TIMEOUT_ENV,
     "NCCL_ASYNC_ERROR_HANDLING",
     "NCCL_BLOCKING_WAIT",
     "NCCL_TIMEOUT",
@@ -510,71 +514,61 @@ def doctor_model() -> TestModel:
     return TestModel(build=DoctorCNN, source="the doctor's CNN (conv-BN-ReLU x2, pool, linear)")
 
 
+@dataclass(kw_only=True, slots=True)
+class Setup:
+    """What the placement and collective checks take: this rank's place in the job, the model,
+    the command line's measurement settings and the self-test faults injected on this rank."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    batch_size: int
+    iters: int
+    warmup: int
+    sizes: list[int]
+    model: TestModel = field(default_factory=doctor_model)
+    faults: frozenset[str] = frozenset()
+
+
 def check_placement(
     model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, device: torch.device
 ) -> CheckResult:
     """Every parameter, buffer, the batch, the output and the loss are on this rank's device
     (``cuda:LOCAL_RANK`` or ``cpu``), and so is the current CUDA device."""
-    wrong = _misplaced(model, inputs, target, device)
+    wrong = _off_device(device, dict(model.named_parameters()), "parameter ")
+    wrong += _off_device(device, dict(model.named_buffers()), "buffer ")
+    wrong += _off_device(device, {"batch": inputs, "target": target})
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        wrong.append(
+            f"current CUDA device is cuda:{torch.cuda.current_device()} "
+            "(call torch.cuda.set_device(LOCAL_RANK) before creating tensors)"
+        )
+    if not wrong:
+        try:
+            output = model(inputs)
+            loss = nn.functional.cross_entropy(output, target)
+        except RuntimeError as exc:
+            wrong = [f"forward failed: {first_line(exc)}"]
+        else:
+            wrong = _off_device(device, {"output": output, "loss": loss})
     data = {"device": str(device), "misplaced": wrong}
     if wrong:
         shown = "; ".join(wrong[:4]) + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
         return CheckResult(
             name="placement", status=FAIL, data=data, detail=f"expected {device}: {shown}"
         )
-    try:
-        output = model(inputs)
-        loss = nn.functional.cross_entropy(output, target)
-    except RuntimeError as exc:
-        return CheckResult(
-            name="placement", status=FAIL, data=data, detail=f"forward failed: {first_line(exc)}"
-        )
-    wrong = [
-        f"{label} on {t.device}"
-        for label, t in (("output", output), ("loss", loss))
-        if t.device != device
-    ]
-    if wrong:
-        return CheckResult(
-            name="placement",
-            status=FAIL,
-            data=data,
-            detail=f"expected {device}: {'; '.join(wrong)}",
-        )
-    return CheckResult(
-        name="placement",
-        status=PASS,
-        data=data,
-        detail=(
-            f"{sum(1 for _ in model.parameters())} parameters, {sum(1 for _ in model.buffers())} buffers, "
-            f"batch {tuple(inputs.shape)}, output and loss all on {device}"
-        ),
+    detail = (
+        f"{sum(1 for _ in model.parameters())} parameters, {sum(1 for _ in model.buffers())} buffers, "
+        f"batch {tuple(inputs.shape)}, output and loss all on {device}"
     )
+    return CheckResult(name="placement", status=PASS, data=data, detail=detail)
 
 
-def _misplaced(
-    model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, device: torch.device
+def _off_device(
+    device: torch.device, tensors: Mapping[str, torch.Tensor], kind: str = ""
 ) -> list[str]:
-    """What is not on ``device`` before the forward pass, the current CUDA device included."""
-    wrong = [
-        f"parameter {name} on {p.device}"
-        for name, p in model.named_parameters()
-        if p.device != device
-    ]
-    wrong += [
-        f"buffer {name} on {b.device}" for name, b in model.named_buffers() if b.device != device
-    ]
-    wrong += [
-        f"{label} on {t.device}"
-        for label, t in (("batch", inputs), ("target", target))
-        if t.device != device
-    ]
-    if device.type == "cuda" and torch.cuda.current_device() != device.index:
-        wrong.append(
-            f"current CUDA device is cuda:{torch.cuda.current_device()} "
-            "(call torch.cuda.set_device(LOCAL_RANK) before creating tensors)"
-        )
-    return wrong
+    """``"<kind><name> on <device>"`` for each of ``tensors`` that is not on ``device``."""
+    return [f"{kind}{name} on {t.device}" for name, t in tensors.items() if t.device != device]
 
 
 # --- collective checks (every rank, same order) ----------------------------------------------
@@ -594,42 +588,31 @@ def hang_forever() -> None:
         time.sleep(3600)
 
 
-def check_allreduce(
-    *, rank: int, world_size: int, device: torch.device, corrupt: bool = False, hang: bool = False
-) -> CheckResult:
+def check_allreduce(setup: Setup) -> CheckResult:
     """Each rank contributes its rank: the sum must be n(n-1)/2 everywhere, for an int64 scalar
     and for every element of a 1 MiB float32 tensor."""
-    contribution = rank + (1 if corrupt else 0)
-    expected = world_size * (world_size - 1) // 2
-    scalar = torch.tensor([contribution], dtype=torch.int64, device=device)
+    contribution = setup.rank + (1 if "allreduce" in setup.faults else 0)
+    n = setup.world_size
+    expected = n * (n - 1) // 2
+    scalar = torch.tensor([contribution], dtype=torch.int64, device=setup.device)
     vector = torch.full(
-        (ALLREDUCE_ELEMENTS,), float(contribution), dtype=torch.float32, device=device
+        (ALLREDUCE_ELEMENTS,), float(contribution), dtype=torch.float32, device=setup.device
     )
-    if hang:
+    if "hang" in setup.faults:
         hang_forever()
     dist.all_reduce(scalar)
     dist.all_reduce(vector)
     got = int(scalar.item())
     low, high = float(vector.min().item()), float(vector.max().item())
     data = {"expected": expected, "int64": got, "float32_min": low, "float32_max": high}
-    if got != expected or low != expected or high != expected:
+    if got == low == high == expected:
+        status = PASS
+        detail = f"sum of ranks = {expected} = n(n-1)/2 for n={n} (int64 and {ALLREDUCE_ELEMENTS} float32 elements)"
+    else:
+        status = FAIL
         shown = f"{low:g}" if low == high else f"{low:g}..{high:g}"
-        return CheckResult(
-            name="allreduce",
-            status=FAIL,
-            data=data,
-            detail=(
-                f"sum of ranks is {got} (int64) and {shown} (float32), expected n(n-1)/2 = {expected} for n={world_size}"
-            ),
-        )
-    return CheckResult(
-        name="allreduce",
-        status=PASS,
-        data=data,
-        detail=(
-            f"sum of ranks = {expected} = n(n-1)/2 for n={world_size} (int64 and {ALLREDUCE_ELEMENTS} float32 elements)"
-        ),
-    )
+        detail = f"sum of ranks is {got} (int64) and {shown} (float32), expected n(n-1)/2 = {expected} for n={n}"
+    return CheckResult(name="allreduce", status=status, data=data, detail=detail)
 
 
 def _flat_grads(module: nn.Module) -> torch.Tensor:
@@ -641,27 +624,20 @@ def _flat_grads(module: nn.Module) -> torch.Tensor:
     )
 
 
-def check_grad_sync(
-    *,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    model: TestModel,
-    batch_size: int,
-    corrupt: bool = False,
-) -> CheckResult:
+def check_grad_sync(setup: Setup) -> CheckResult:
     """One DDP forward/backward with rank-dependent weights and inputs: after construction the
     weights must be rank 0's on every rank; after backward the gradients must be identical on
     every rank and equal to the mean of the ranks' local (non-DDP) gradients."""
-    torch.manual_seed(10_000 + rank)  # weights differ per rank: DDP must broadcast rank 0's
-    module = model.build().to(device).train()
+    device, world_size = setup.device, setup.world_size
+    torch.manual_seed(10_000 + setup.rank)  # weights differ per rank: DDP must broadcast rank 0's
+    module = setup.model.build().to(device).train()
     ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
     params_spread = _spread(torch.cat([p.detach().reshape(-1) for p in module.parameters()]))
     reference = copy.deepcopy(module)  # same weights, no DDP: the local gradient of this rank
-    inputs, target = model.batch(batch_size, seed=20_000 + rank, device=device)
+    inputs, target = setup.model.batch(setup.batch_size, seed=20_000 + setup.rank, device=device)
 
     nn.functional.cross_entropy(ddp(inputs), target).backward()
-    if corrupt:
+    if "grad_sync" in setup.faults:
         grad = next(p.grad for p in module.parameters() if p.grad is not None)
         grad.add_(1.0)
     synced = _flat_grads(module)
@@ -716,50 +692,41 @@ def _grad_sync_verdict(
     )
 
 
-def check_bandwidth(
-    *, sizes: list[int], iters: int, warmup: int, device: torch.device, world_size: int
-) -> CheckResult:
+def check_bandwidth(setup: Setup) -> CheckResult:
     """Allreduce time, algbw and busbw for every size (see :mod:`elastic_trainer.doctor.perf`)."""
     rows = measure_bandwidth(
-        sizes, iters=iters, warmup=warmup, device=device, world_size=world_size
+        setup.sizes,
+        iters=setup.iters,
+        warmup=setup.warmup,
+        device=setup.device,
+        world_size=setup.world_size,
     )
     small, large = rows[0], rows[-1]
     detail = (
         f"{len(rows)} size{'s' if len(rows) > 1 else ''}: latency {small.time_us:.1f} us at {format_size(small.size_bytes)}, "
         f"{large.time_us:.1f} us at {format_size(large.size_bytes)}"
     )
-    if world_size > 1:
+    if setup.world_size > 1:
         detail += f" (busbw {large.busbw_gbps:.3f} GB/s)"
     else:
         detail += " (one rank: nothing crosses a link, busbw is 0)"
-    return CheckResult(
-        name="bandwidth",
-        status=PASS,
-        detail=detail,
-        data={
-            "rows": [row.to_dict() for row in rows],
-            "iters": iters,
-            "warmup": warmup,
-            "world_size": world_size,
-        },
-    )
+    data = {
+        "rows": [asdict(row) for row in rows],
+        "iters": setup.iters,
+        "warmup": setup.warmup,
+        "world_size": setup.world_size,
+    }
+    return CheckResult(name="bandwidth", status=PASS, detail=detail, data=data)
 
 
-def check_compute_comm(
-    *,
-    model: TestModel,
-    batch_size: int,
-    iters: int,
-    warmup: int,
-    device: torch.device,
-    world_size: int,
-    rank: int,
-) -> CheckResult:
+def check_compute_comm(setup: Setup) -> CheckResult:
     """Forward+backward time of the example model without DDP (slowest rank) against the time of
     one allreduce of its gradients: how much of a step DDP must hide behind the backward pass."""
+    model, batch_size, device = setup.model, setup.batch_size, setup.device
+    iters, warmup = setup.iters, setup.warmup
     torch.manual_seed(0)
     module = model.build().to(device).train()
-    inputs, target = model.batch(batch_size, seed=30_000 + rank, device=device)
+    inputs, target = model.batch(batch_size, seed=30_000 + setup.rank, device=device)
 
     def step() -> None:
         module.zero_grad(set_to_none=True)
@@ -783,7 +750,7 @@ def check_compute_comm(
         f"{model.source}, batch {batch_size}/rank, {format_size(grad_bytes)} of gradients: forward+backward "
         f"{compute * 1e3:.2f} ms, their allreduce {comm * 1e3:.3f} ms -> compute/comm {ratio:.1f}"
     )
-    status, verdict = _ratio_verdict(ratio, world_size)
+    status, verdict = _ratio_verdict(ratio, setup.world_size)
     return CheckResult(name="compute_comm", status=status, data=data, detail=detail + verdict)
 
 
@@ -801,3 +768,12 @@ def _ratio_verdict(ratio: float, world_size: int) -> tuple[str, str]:
             f" (below the {RATIO_ADVISED:g}:1 the DDP guide aims for: scaling will be sublinear)"
         )
     return PASS, ""
+
+
+COLLECTIVE_CHECKS: dict[str, Callable[[Setup], CheckResult]] = {
+    "allreduce": check_allreduce,
+    "grad_sync": check_grad_sync,
+    "bandwidth": check_bandwidth,
+    "compute_comm": check_compute_comm,
+}
+"""The checks every rank runs together, in this order, after the process group exists."""

@@ -15,7 +15,9 @@ after ``--deadline``. Self-test: ``ELASTIC_TRAINER_DOCTOR_FAULT``. Design: ``doc
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import math
 import os
 import socket
 import sys
@@ -28,22 +30,17 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.doctor.checks import (
+    COLLECTIVE_CHECKS,
     FAULT_ENV,
-    TIMEOUT_ENV,
+    RUNTIME_TIMEOUT_ENV,
     TORCHRUN_ENV,
     BackendProbe,
-    TestModel,
-    check_allreduce,
+    Setup,
     check_backend,
-    check_bandwidth,
-    check_compute_comm,
     check_devices,
     check_env,
-    check_grad_sync,
     check_placement,
     check_timeouts,
-    doctor_model,
-    first_line,
     host_interfaces,
     parse_faults,
     probe_backend,
@@ -62,20 +59,13 @@ from elastic_trainer.doctor.report import (
     render_text,
 )
 from elastic_trainer.runtime import distributed
-from elastic_trainer.runtime.failures import UserError
+from elastic_trainer.runtime.failures import UserError, first_line
 from elastic_trainer.runtime.process_exit import exit_process
 
 log = logging.getLogger(__name__)
 
 PROG = "elastic-trainer doctor"
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_DEADLINE_S = 300.0
-DEFAULT_ITERS = 20
-DEFAULT_WARMUP = 5
-DEFAULT_BATCH_SIZE = 32
-MAX_ITERS = 10_000
-MAX_BATCH_SIZE = 65_536
-_INT_RANGES = (("iters", 1, MAX_ITERS), ("warmup", 0, MAX_ITERS), ("batch_size", 1, MAX_BATCH_SIZE))
+_INT_RANGES = (("iters", 1, 10_000), ("warmup", 0, 10_000), ("batch_size", 1, 65_536))
 """The integer options' names and their inclusive ranges."""
 
 DESCRIPTION = """\
@@ -115,15 +105,15 @@ class DoctorOptions:
     """Print the machine-readable report instead of the text one."""
     sizes: list[int] = field(default_factory=lambda: parse_sizes(DEFAULT_SIZES))
     """Allreduce message sizes in bytes for the bandwidth table."""
-    iters: int = DEFAULT_ITERS
+    iters: int = 20
     """Timed iterations per measurement."""
-    warmup: int = DEFAULT_WARMUP
+    warmup: int = 5
     """Untimed iterations before each measurement."""
-    batch_size: int = DEFAULT_BATCH_SIZE
+    batch_size: int = 32
     """Per-rank batch of the example model for the placement, grad-sync and ratio checks."""
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float = 60.0
     """Collective timeout of the doctor's process group."""
-    deadline_s: float = DEFAULT_DEADLINE_S
+    deadline_s: float = 300.0
     """Hard limit on the whole run; the process exits with a FAIL after it."""
     verbose: bool = False
     """Log debug messages, including the traceback behind a check that crashed."""
@@ -135,10 +125,11 @@ class DoctorOptions:
             value = getattr(self, name)
             if not low <= value <= high:
                 raise ValueError(f"{name}: must be in {low}..{high}, got {value}")
-        if not self.timeout_s > 0:
-            raise ValueError(
-                f"timeout_s: must be a positive number of seconds, got {self.timeout_s}"
-            )
+        for name in ("timeout_s", "deadline_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(
+                    f"{name}: must be a positive number of seconds, got {getattr(self, name)}"
+                )
         if not self.deadline_s > self.timeout_s:
             raise ValueError(
                 f"deadline_s: must exceed the timeout ({self.timeout_s:g} s), got {self.deadline_s:g}"
@@ -152,36 +143,14 @@ def _sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
-_NUMBERS: tuple[tuple[str, str, Callable[[str], float], float, str], ...] = (
-    ("iters", "--iters", int, DEFAULT_ITERS, "timed iterations per measurement"),
-    ("warmup", "--warmup", int, DEFAULT_WARMUP, "untimed iterations before each measurement"),
-    ("batch_size", "--batch-size", int, DEFAULT_BATCH_SIZE, "per-rank batch of the example model"),
-    (
-        "timeout_s",
-        "--timeout",
-        _positive_float,
-        DEFAULT_TIMEOUT_S,
-        "collective timeout of the doctor's process group",
-    ),
-    (
-        "deadline_s",
-        "--deadline",
-        _positive_float,
-        DEFAULT_DEADLINE_S,
-        "hard limit on the whole run",
-    ),
+_NUMBERS = (
+    ("iters", "--iters", int, "timed iterations per measurement"),
+    ("warmup", "--warmup", int, "untimed iterations before each measurement"),
+    ("batch_size", "--batch-size", int, "per-rank batch of the example model"),
+    ("timeout_s", "--timeout", float, "collective timeout of the doctor's process group"),
+    ("deadline_s", "--deadline", float, "hard limit on the whole run"),
 )
-"""The numeric options: :class:`DoctorOptions` field, flag, type, default and help."""
+"""The numeric options: :class:`DoctorOptions` field, flag, type and help (defaults: the field's)."""
 _FLAGS = {"sizes": "--sizes"} | {name: flag for name, flag, *_ in _NUMBERS}
 """The flag behind each :class:`DoctorOptions` field, for error messages."""
 
@@ -197,19 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sizes",
         type=_sizes,
-        default=None,
+        default=DEFAULT_SIZES,
         metavar="MIN..MAX[:F] | S1,S2,...",
         help=f"allreduce message sizes: a range that multiplies by F (default 2) or a list; "
         f"units K, M, G (binary) (default {DEFAULT_SIZES})",
     )
-    for name, flag, kind, default, what in _NUMBERS:
+    defaults = DoctorOptions()
+    for name, flag, kind, what in _NUMBERS:
         parser.add_argument(
             flag,
             dest=name,
             type=kind,
-            default=default,
+            default=getattr(defaults, name),
             metavar="N" if kind is int else "SECONDS",
-            help=f"{what} (default {default:g})",
+            help=f"{what} (default {getattr(defaults, name):g})",
         )
     parser.add_argument(
         "--verbose",
@@ -228,12 +198,7 @@ def parse_args(argv: Sequence[str]) -> DoctorOptions:
     """
     args = build_parser().parse_args(list(argv))
     try:
-        return DoctorOptions(
-            json=args.json,
-            sizes=args.sizes or parse_sizes(DEFAULT_SIZES),
-            verbose=args.verbose,
-            **{name: getattr(args, name) for name, *_ in _NUMBERS},
-        )
+        return DoctorOptions(**vars(args))
     except ValueError as exc:
         name, _, message = str(exc).partition(": ")
         raise UserError(f"{_FLAGS.get(name, name)}: {message}") from None
@@ -297,11 +262,6 @@ class Doctor:
     def device(self) -> torch.device | None:
         return self.env.device if self.env else None
 
-    def faulty(self, name: str) -> bool:
-        """Whether fault ``name`` is injected on this rank (always the last rank)."""
-        rank = self.env.rank if self.env else self.rank
-        return name in self.faults and rank == self.world_size - 1
-
     def record(self, result: CheckResult) -> None:
         with self.lock:
             self.results.append(result)
@@ -350,7 +310,7 @@ class Doctor:
         cuda_devices = torch.cuda.device_count() if probe.cuda else 0
         self.facts = {
             "env": {name: self.environ.get(name) for name in (*TORCHRUN_ENV, "GROUP_WORLD_SIZE")},
-            "timeouts_env": {name: self.environ.get(name) for name in TIMEOUT_ENV},
+            "timeouts_env": {name: self.environ.get(name) for name in RUNTIME_TIMEOUT_ENV},
             "torch_version": torch.__version__,
             "nccl_version": probe.nccl_version,
             "backend": "nccl" if cuda_devices else "gloo",
@@ -359,7 +319,17 @@ class Doctor:
         self.run_local(probe, cuda_devices)
         self.current = "process_group"
         self.init_group()
-        model = doctor_model()
+        rank = self.rank or 0
+        setup = Setup(
+            rank=rank,
+            world_size=self.world_size,
+            device=self.device or torch.device("cpu"),
+            batch_size=self.options.batch_size,
+            iters=self.options.iters,
+            warmup=self.options.warmup,
+            sizes=self.options.sizes,
+            faults=self.faults if rank == self.world_size - 1 else frozenset(),
+        )
         if self.device is None:
             self.record(
                 CheckResult(
@@ -367,8 +337,9 @@ class Doctor:
                 )
             )
         else:
-            self.local("placement", lambda: self.placement(model))
-        self.run_collectives(model)
+            self.local("placement", lambda: _placement(setup))
+        for name, check in COLLECTIVE_CHECKS.items():
+            self.collective(name, functools.partial(check, setup))
         self.current = "gather"
 
     def run_local(self, probe: BackendProbe, cuda_devices: int) -> None:
@@ -387,54 +358,6 @@ class Doctor:
         )
         self.local("timeouts", lambda: check_timeouts(self.environ, interfaces=host_interfaces()))
 
-    def run_collectives(self, model: TestModel) -> None:
-        """The checks every rank runs together, in the same order."""
-        rank = self.env.rank if self.env else 0
-        device = self.device or torch.device("cpu")
-        self.collective(
-            "allreduce",
-            lambda: check_allreduce(
-                rank=rank,
-                world_size=self.world_size,
-                device=device,
-                corrupt=self.faulty("allreduce"),
-                hang=self.faulty("hang"),
-            ),
-        )
-        self.collective(
-            "grad_sync",
-            lambda: check_grad_sync(
-                rank=rank,
-                world_size=self.world_size,
-                device=device,
-                model=model,
-                batch_size=self.options.batch_size,
-                corrupt=self.faulty("grad_sync"),
-            ),
-        )
-        self.collective(
-            "bandwidth",
-            lambda: check_bandwidth(
-                sizes=self.options.sizes,
-                iters=self.options.iters,
-                warmup=self.options.warmup,
-                device=device,
-                world_size=self.world_size,
-            ),
-        )
-        self.collective(
-            "compute_comm",
-            lambda: check_compute_comm(
-                model=model,
-                batch_size=self.options.batch_size,
-                iters=self.options.iters,
-                warmup=self.options.warmup,
-                device=device,
-                world_size=self.world_size,
-                rank=rank,
-            ),
-        )
-
     def init_group(self) -> None:
         try:
             env = distributed.read_env(environ=self.environ)
@@ -442,8 +365,7 @@ class Doctor:
             self.group_problem = f"cannot join the process group: {exc}"
             self.record(CheckResult(name="process_group", status=SKIP, detail=f"not run: {exc}"))
             return
-        self.env = env
-        self.world_size = env.world_size
+        self.env, self.rank, self.world_size = env, env.rank, env.world_size
         if env.device.type == "cuda":
             # The doctor wants collective errors raised where it can report them, not a process
             # torn down (1) or a hang (0): CleanUpOnly aborts the communicator and lets the
@@ -485,16 +407,6 @@ class Doctor:
             )
         )
 
-    def placement(self, model: TestModel) -> CheckResult:
-        if self.env is None:
-            raise RuntimeError("placement check run before the environment check")
-        device = self.env.device
-        torch.manual_seed(0)
-        module = model.build().to(device).train()
-        batch_device = torch.device("meta") if self.faulty("placement") else device
-        inputs, target = model.batch(self.options.batch_size, seed=self.env.rank, device=device)
-        return check_placement(module, inputs.to(batch_device), target.to(batch_device), device)
-
     def rank_report(self, *, pending: str | None = None) -> RankReport:
         with self.lock:
             results = list(self.results)
@@ -509,12 +421,21 @@ class Doctor:
                 )
             )
         return RankReport(
-            rank=self.env.rank if self.env else (self.rank if self.rank is not None else -1),
+            rank=-1 if self.rank is None else self.rank,
             host=socket.gethostname(),
             device=str(self.device) if self.device else "?",
             facts=dict(self.facts),
             results=results,
         )
+
+
+def _placement(setup: Setup) -> CheckResult:
+    """The placement check on the example model and a batch (left on ``meta`` by its fault)."""
+    torch.manual_seed(0)
+    module = setup.model.build().to(setup.device).train()
+    batch_device = torch.device("meta") if "placement" in setup.faults else setup.device
+    inputs, target = setup.model.batch(setup.batch_size, seed=setup.rank, device=setup.device)
+    return check_placement(module, inputs.to(batch_device), target.to(batch_device), setup.device)
 
 
 def _gather(doctor: Doctor) -> tuple[list[RankReport], str | None]:
@@ -555,8 +476,7 @@ def _emit(doctor: Doctor, report: MergedReport, *, as_json: bool) -> None:
         for result in report.results:
             if result.status == FAIL:
                 print(
-                    f"doctor: rank {doctor.env.rank if doctor.env else doctor.rank}: FAIL {result.name}: "
-                    f"{result.detail}",
+                    f"doctor: rank {doctor.rank}: FAIL {result.name}: {result.detail}",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -127,9 +127,6 @@ class BandwidthRow:
             algbw_gbps=algbw_gbps(size_bytes, seconds),
             busbw_gbps=busbw_gbps(size_bytes, seconds, world_size),
         )
-
-    def to_dict(self) -> dict[str, float | int]:
-        return asdict(self)
 
 
 def compute_comm_ratio(compute_s: float, comm_s: float) -> float:

@@ -12,10 +12,8 @@ import contextlib
 import json
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
-
-from elastic_trainer.runtime.settings import ENV_PG_TIMEOUT_S
 
 PASS, SKIP, WARN, FAIL = "PASS", "SKIP", "WARN", "FAIL"
 STATUSES = (PASS, SKIP, WARN, FAIL)
@@ -211,14 +209,6 @@ def _shared_devices(reports: Sequence[RankReport]) -> list[str]:
     ]
 
 
-_TIMEOUT_VARS = (
-    ENV_PG_TIMEOUT_S,
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "TORCH_NCCL_BLOCKING_WAIT",
-    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
-)
-
-
 def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
     """Problems visible only when ranks are compared; each names the check it belongs to."""
     facts = [(r.rank, r.facts) for r in reports]
@@ -229,7 +219,7 @@ def cross_rank_findings(reports: Sequence[RankReport]) -> list[CheckResult]:
     ]
     timeouts = [
         p
-        for var in _TIMEOUT_VARS
+        for var in dict.fromkeys(var for _, f in facts for var in f.get("timeouts_env", {}))
         if (p := _differs(var, [(rank, f.get("timeouts_env", {}).get(var)) for rank, f in facts]))
     ]
     found = (
@@ -346,26 +336,7 @@ def render_text(report: MergedReport) -> str:
 
 
 def render_json(report: MergedReport) -> str:
-    """The machine-readable report: the verdict, every check, the bandwidth rows."""
-    document = {
-        "ok": report.ok,
-        "status": report.status,
-        "ranks": report.ranks,
-        "world_size": report.world_size,
-        "nodes": report.nodes,
-        "backend": report.backend,
-        "torch_version": report.torch_version,
-        "partial": report.partial,
-        "faults": report.faults,
-        "checks": [
-            {
-                "name": r.name,
-                "title": CHECKS[r.name],
-                "status": r.status,
-                "detail": r.detail,
-                "data": r.data,
-            }
-            for r in report.results
-        ],
-    }
+    """The machine-readable report: the verdict, every check (with its title), the bandwidth rows."""
+    document = {"ok": report.ok, "status": report.status, **asdict(report)}
+    document["checks"] = [{"title": CHECKS[r["name"]], **r} for r in document.pop("results")]
     return json.dumps(document, indent=2, sort_keys=False, default=str)

@@ -17,6 +17,7 @@ from torch import nn
 
 from elastic_trainer.doctor.checks import (
     BackendProbe,
+    Setup,
     TestModel,
     check_allreduce,
     check_backend,
@@ -28,15 +29,22 @@ from elastic_trainer.doctor.checks import (
     check_placement,
     check_timeouts,
     doctor_model,
-    first_line,
     interface_matches,
     parse_faults,
 )
 from elastic_trainer.doctor.report import FAIL, PASS, SKIP, WARN
+from elastic_trainer.runtime.failures import first_line
 
 pytestmark = pytest.mark.timeout(60)
 
 CPU = torch.device("cpu")
+
+
+def one_rank(**overrides: object) -> Setup:
+    """A world of one on the CPU, small measurements."""
+    values: dict = {"rank": 0, "world_size": 1, "device": CPU, "batch_size": 8}
+    values |= {"iters": 2, "warmup": 1, "sizes": [1024, 65536]} | overrides
+    return Setup(**values)
 
 
 def torchrun_env(**overrides: str) -> dict[str, str]:
@@ -348,25 +356,22 @@ def one_rank_group() -> Iterator[None]:
 
 
 def test_allreduce_check(one_rank_group: None) -> None:
-    assert check_allreduce(rank=0, world_size=1, device=CPU).status == PASS
-    corrupted = check_allreduce(rank=0, world_size=1, device=CPU, corrupt=True)
+    assert check_allreduce(one_rank()).status == PASS
+    corrupted = check_allreduce(one_rank(faults=frozenset({"allreduce"})))
     assert corrupted.status == FAIL
     assert "sum of ranks is 1 (int64) and 1 (float32), expected n(n-1)/2 = 0" in corrupted.detail
 
 
 def test_grad_sync_check(one_rank_group: None) -> None:
-    model = doctor_model()
-    result = check_grad_sync(rank=0, world_size=1, device=CPU, model=model, batch_size=8)
+    result = check_grad_sync(one_rank())
     assert result.status == PASS, result.detail
     assert result.data["max_rel_error_vs_mean"] <= 1e-3
-    corrupted = check_grad_sync(
-        rank=0, world_size=1, device=CPU, model=model, batch_size=8, corrupt=True
-    )
+    corrupted = check_grad_sync(one_rank(faults=frozenset({"grad_sync"})))
     assert corrupted.status == FAIL and "differ from the mean" in corrupted.detail
 
 
 def test_bandwidth_check_measures_every_size(one_rank_group: None) -> None:
-    result = check_bandwidth(sizes=[1024, 65536], iters=2, warmup=1, device=CPU, world_size=1)
+    result = check_bandwidth(one_rank())
     assert result.status == PASS
     rows = result.data["rows"]
     assert [r["size_bytes"] for r in rows] == [1024, 65536]
@@ -377,9 +382,7 @@ def test_compute_comm_check(one_rank_group: None) -> None:
     model = TestModel(
         build=lambda: nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 10)), source="linear"
     )
-    result = check_compute_comm(
-        model=model, batch_size=4, iters=2, warmup=1, device=CPU, world_size=1, rank=0
-    )
+    result = check_compute_comm(one_rank(model=model, batch_size=4))
     assert result.status == PASS
     assert result.data["gradient_bytes"] == (3 * 16 * 16 * 10 + 10) * 4
     assert result.data["ratio"] > 0 and "compute/comm" in result.detail

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -109,7 +111,7 @@ def test_bandwidth_row_from_time() -> None:
     assert row.time_us == pytest.approx(2000.0)
     assert row.algbw_gbps == pytest.approx(4 * MIB / 0.002 / 1e9)
     assert row.busbw_gbps == pytest.approx(row.algbw_gbps * 1.5)
-    assert set(row.to_dict()) == {"size_bytes", "count", "time_us", "algbw_gbps", "busbw_gbps"}
+    assert set(asdict(row)) == {"size_bytes", "count", "time_us", "algbw_gbps", "busbw_gbps"}
 
 
 def test_compute_comm_ratio() -> None:
