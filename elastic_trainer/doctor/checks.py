@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import socket
-import time
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -25,15 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic_trainer.doctor.perf import (
-    ELEMENT_BYTES,
-    barrier,
-    compute_comm_ratio,
-    measure_bandwidth,
-    slowest,
-    time_allreduce,
-    time_loop,
-)
+from elastic_trainer.doctor import perf
 from elastic_trainer.doctor.report import FAIL, PASS, SKIP, WARN, CheckResult, format_size
 from elastic_trainer.runtime import distributed
 from elastic_trainer.runtime.failures import first_line
@@ -203,14 +195,8 @@ def probe_backend() -> BackendProbe:
 
 def check_backend(probe: BackendProbe) -> CheckResult:
     """The backend this node needs exists: NCCL (and its version) with CUDA, gloo without."""
-    data = {
-        "gloo": probe.gloo,
-        "nccl": probe.nccl,
-        "cuda": probe.cuda,
-        "nccl_version": probe.nccl_version,
-    }
     status, detail = _backend_verdict(probe)
-    return CheckResult(name="backend", status=status, detail=detail, data=data)
+    return CheckResult(name="backend", status=status, detail=detail, data=asdict(probe))
 
 
 def _backend_verdict(probe: BackendProbe) -> tuple[str, str]:
@@ -495,8 +481,8 @@ class TestModel:
 
     __test__ = False  # not a pytest class
 
-    build: Callable[[], nn.Module]
-    source: str
+    build: Callable[[], nn.Module] = DoctorCNN
+    source: str = "the doctor's CNN (conv-BN-ReLU x2, pool, linear)"
     classes: int = 10
     image_side: int = 16
 
@@ -507,11 +493,6 @@ class TestModel:
         images = torch.randn(size, 3, self.image_side, self.image_side, generator=generator)
         labels = torch.randint(0, self.classes, (size,), generator=generator)
         return images.to(device), labels.to(device)
-
-
-def doctor_model() -> TestModel:
-    """The model the doctor trains one step of (:class:`DoctorCNN`)."""
-    return TestModel(build=DoctorCNN, source="the doctor's CNN (conv-BN-ReLU x2, pool, linear)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -526,7 +507,7 @@ class Setup:
     iters: int
     warmup: int
     sizes: list[int]
-    model: TestModel = field(default_factory=doctor_model)
+    model: TestModel = field(default_factory=TestModel)
     faults: frozenset[str] = frozenset()
 
 
@@ -582,12 +563,6 @@ def _spread(values: torch.Tensor) -> float:
     return float((high - low).abs().max().item()) if values.numel() else 0.0
 
 
-def hang_forever() -> None:
-    """The ``hang`` fault: block until the doctor's deadline (or torchrun) ends the process."""
-    while True:
-        time.sleep(3600)
-
-
 def check_allreduce(setup: Setup) -> CheckResult:
     """Each rank contributes its rank: the sum must be n(n-1)/2 everywhere, for an int64 scalar
     and for every element of a 1 MiB float32 tensor."""
@@ -599,7 +574,7 @@ def check_allreduce(setup: Setup) -> CheckResult:
         (ALLREDUCE_ELEMENTS,), float(contribution), dtype=torch.float32, device=setup.device
     )
     if "hang" in setup.faults:
-        hang_forever()
+        threading.Event().wait()  # never set: the doctor's deadline (or torchrun) ends the process
     dist.all_reduce(scalar)
     dist.all_reduce(vector)
     got = int(scalar.item())
@@ -694,7 +669,7 @@ def _grad_sync_verdict(
 
 def check_bandwidth(setup: Setup) -> CheckResult:
     """Allreduce time, algbw and busbw for every size (see :mod:`elastic_trainer.doctor.perf`)."""
-    rows = measure_bandwidth(
+    rows = perf.measure_bandwidth(
         setup.sizes,
         iters=setup.iters,
         warmup=setup.warmup,
@@ -720,7 +695,7 @@ def check_bandwidth(setup: Setup) -> CheckResult:
 
 
 def check_compute_comm(setup: Setup) -> CheckResult:
-    """Forward+backward time of the example model without DDP (slowest rank) against the time of
+    """Forward+backward time of the example model without DDP (perf.slowest rank) against the time of
     one allreduce of its gradients: how much of a step DDP must hide behind the backward pass."""
     model, batch_size, device = setup.model, setup.batch_size, setup.device
     iters, warmup = setup.iters, setup.warmup
@@ -732,12 +707,11 @@ def check_compute_comm(setup: Setup) -> CheckResult:
         module.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(module(inputs), target).backward()
 
-    barrier(device)
-    compute = slowest(time_loop(step, iters=iters, warmup=warmup, device=device), device)
+    compute = perf.slowest(perf.time_loop(step, iters=iters, warmup=warmup, device=device), device)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    message = max(ELEMENT_BYTES, -(-grad_bytes // ELEMENT_BYTES) * ELEMENT_BYTES)
-    comm = time_allreduce(message, iters=iters, warmup=warmup, device=device)
-    ratio = compute_comm_ratio(compute, comm)
+    message = max(perf.ELEMENT_BYTES, -(-grad_bytes // perf.ELEMENT_BYTES) * perf.ELEMENT_BYTES)
+    comm = perf.time_allreduce(message, iters=iters, warmup=warmup, device=device)
+    ratio = perf.compute_comm_ratio(compute, comm)
     data = {
         "model": model.source,
         "batch_per_rank": batch_size,

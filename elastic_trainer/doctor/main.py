@@ -21,6 +21,7 @@ import math
 import os
 import socket
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,25 +30,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from elastic_trainer.doctor.checks import (
-    COLLECTIVE_CHECKS,
-    FAULT_ENV,
-    RUNTIME_TIMEOUT_ENV,
-    TORCHRUN_ENV,
-    BackendProbe,
-    Setup,
-    check_backend,
-    check_devices,
-    check_env,
-    check_placement,
-    check_timeouts,
-    host_interfaces,
-    parse_faults,
-    probe_backend,
-    usable_cpus,
-)
+from elastic_trainer.doctor import checks
 from elastic_trainer.doctor.perf import DEFAULT_SIZES, barrier, parse_sizes
 from elastic_trainer.doctor.report import (
+    CHECKS,
     FAIL,
     PASS,
     SKIP,
@@ -68,12 +54,10 @@ PROG = "elastic-trainer doctor"
 _INT_RANGES = (("iters", 1, 10_000), ("warmup", 0, 10_000), ("batch_size", 1, 65_536))
 """The integer options' names and their inclusive ranges."""
 
-DESCRIPTION = """\
-Run the DDP debugging checklist on every rank, under torchrun, and print one report from rank 0
-with PASS / WARN / FAIL per check: torchrun environment, backends (NCCL version with CUDA), GPU
-count vs LOCAL_WORLD_SIZE, timeout and NCCL environment, device placement, allreduce correctness,
-gradient synchronisation after a DDP backward, allreduce latency and bus bandwidth per message
-size, and the compute/communication ratio of one step of the example model."""
+DESCRIPTION = (
+    "Run the DDP debugging checklist on every rank, under torchrun, and print one report from "
+    f"rank 0 with PASS / WARN / FAIL per check: {'; '.join(CHECKS.values())}."
+)
 
 EPILOG = """\
 examples:
@@ -158,7 +142,7 @@ _FLAGS = {"sizes": "--sizes"} | {name: flag for name, flag, *_ in _NUMBERS}
 def build_parser() -> argparse.ArgumentParser:
     parser = _RaisingParser(
         prog=PROG,
-        description=DESCRIPTION,
+        description=textwrap.fill(DESCRIPTION, 100),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -211,31 +195,6 @@ def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:
         return None
 
 
-class Watchdog:
-    """Ends the process after ``deadline_s``, whatever it is stuck in: a hung peer, a driver
-    call, a collective whose timeout did not fire. Calls ``on_expiry`` first (to print)."""
-
-    def __init__(self, deadline_s: float, on_expiry: Callable[[], None]) -> None:
-        self._deadline_s = deadline_s
-        self._on_expiry = on_expiry
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="doctor-watchdog", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._done.set()
-
-    def _watch(self) -> None:
-        if self._done.wait(self._deadline_s):
-            return
-        try:
-            self._on_expiry()
-        finally:
-            os._exit(1)
-
-
 class Doctor:
     """Runs every check on this rank, in order, keeping the ranks in step for collectives."""
 
@@ -266,32 +225,28 @@ class Doctor:
         with self.lock:
             self.results.append(result)
 
-    def local(self, name: str, fn: Callable[[], CheckResult]) -> None:
-        self.current = name
-        try:
-            self.record(fn())
-        except Exception as exc:  # noqa: BLE001 - a check's crash is that check's FAIL
-            log.debug("check %s crashed", name, exc_info=True)
-            self.record(
-                CheckResult(name=name, status=FAIL, detail=f"the check crashed: {first_line(exc)}")
-            )
+    def say(self, name: str, status: str, detail: str) -> None:
+        """Record a result that carries no measurements."""
+        self.record(CheckResult(name=name, status=status, detail=detail))
 
-    def collective(self, name: str, fn: Callable[[], CheckResult]) -> None:
-        """Run a check that communicates; after a failure, skip the rest (they could only hang)."""
+    def check(self, name: str, fn: Callable[[], CheckResult], *, collective: bool) -> None:
+        """Run one check; its crash is its FAIL. A collective check is skipped once the group is
+        unusable, and its own failure makes it so (the rest could only hang)."""
         self.current = name
-        if not self.group_ready:
-            self.record(
-                CheckResult(name=name, status=SKIP, detail=f"not run: {self.group_problem}")
-            )
+        if collective and not self.group_ready:
+            self.say(name, SKIP, f"not run: {self.group_problem}")
             return
         try:
             self.record(fn())
-        except Exception as exc:  # noqa: BLE001 - a failed collective is this check's FAIL
+        except Exception as exc:  # noqa: BLE001 - a check's crash is that check's FAIL
             log.debug("check %s failed", name, exc_info=True)
+            if not collective:
+                self.say(name, FAIL, f"the check crashed: {first_line(exc)}")
+                return
             hint = ""
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 hint = f" (a peer did not take part within --timeout={self.options.timeout_s:g}s: hung, dead or slow)"
-            self.record(CheckResult(name=name, status=FAIL, detail=f"{first_line(exc)}{hint}"))
+            self.say(name, FAIL, f"{first_line(exc)}{hint}")
             self.group_ready = False
             self.group_problem = f"the process group failed in the {name} check"
 
@@ -306,11 +261,13 @@ class Doctor:
 
     def run(self) -> None:
         """Every check in order: the local ones, the process group, then the collective ones."""
-        probe = probe_backend()
+        probe = checks.probe_backend()
         cuda_devices = torch.cuda.device_count() if probe.cuda else 0
         self.facts = {
-            "env": {name: self.environ.get(name) for name in (*TORCHRUN_ENV, "GROUP_WORLD_SIZE")},
-            "timeouts_env": {name: self.environ.get(name) for name in RUNTIME_TIMEOUT_ENV},
+            "env": {
+                name: self.environ.get(name) for name in (*checks.TORCHRUN_ENV, "GROUP_WORLD_SIZE")
+            },
+            "timeouts_env": {name: self.environ.get(name) for name in checks.RUNTIME_TIMEOUT_ENV},
             "torch_version": torch.__version__,
             "nccl_version": probe.nccl_version,
             "backend": "nccl" if cuda_devices else "gloo",
@@ -320,7 +277,7 @@ class Doctor:
         self.current = "process_group"
         self.init_group()
         rank = self.rank or 0
-        setup = Setup(
+        setup = checks.Setup(
             rank=rank,
             world_size=self.world_size,
             device=self.device or torch.device("cpu"),
@@ -331,39 +288,38 @@ class Doctor:
             faults=self.faults if rank == self.world_size - 1 else frozenset(),
         )
         if self.device is None:
-            self.record(
-                CheckResult(
-                    name="placement", status=SKIP, detail="not run: no device (see env/devices)"
-                )
-            )
+            self.say("placement", SKIP, "not run: no device (see env/devices)")
         else:
-            self.local("placement", lambda: _placement(setup))
-        for name, check in COLLECTIVE_CHECKS.items():
-            self.collective(name, functools.partial(check, setup))
+            self.check("placement", lambda: _placement(setup), collective=False)
+        for name, check in checks.COLLECTIVE_CHECKS.items():
+            self.check(name, functools.partial(check, setup), collective=True)
         self.current = "gather"
 
-    def run_local(self, probe: BackendProbe, cuda_devices: int) -> None:
+    def run_local(self, probe: checks.BackendProbe, cuda_devices: int) -> None:
         """The checks that need no other rank: environment, backend, devices, timeouts."""
-        self.local("env", lambda: check_env(self.environ))
-        self.local("backend", lambda: check_backend(probe))
-        self.local(
-            "devices",
-            lambda: check_devices(
+        local_checks: dict[str, Callable[[], CheckResult]] = {
+            "env": lambda: checks.check_env(self.environ),
+            "backend": lambda: checks.check_backend(probe),
+            "devices": lambda: checks.check_devices(
                 cuda_devices=cuda_devices,
                 local_world_size=_int_or_none(self.environ, "LOCAL_WORLD_SIZE"),
                 local_rank=_int_or_none(self.environ, "LOCAL_RANK"),
-                cpu_count=usable_cpus(),
+                cpu_count=checks.usable_cpus(),
                 cuda_visible=self.environ.get("CUDA_VISIBLE_DEVICES"),
             ),
-        )
-        self.local("timeouts", lambda: check_timeouts(self.environ, interfaces=host_interfaces()))
+            "timeouts": lambda: checks.check_timeouts(
+                self.environ, interfaces=checks.host_interfaces()
+            ),
+        }
+        for name, check in local_checks.items():
+            self.check(name, check, collective=False)
 
     def init_group(self) -> None:
         try:
             env = distributed.read_env(environ=self.environ)
         except ValueError as exc:
             self.group_problem = f"cannot join the process group: {exc}"
-            self.record(CheckResult(name="process_group", status=SKIP, detail=f"not run: {exc}"))
+            self.say("process_group", SKIP, f"not run: {exc}")
             return
         self.env, self.rank, self.world_size = env, env.rank, env.world_size
         if env.device.type == "cuda":
@@ -379,47 +335,28 @@ class Doctor:
                 barrier(env.device)  # every rank is in: the group works, not only this end of it
         except Exception as exc:  # noqa: BLE001 - reported as this check's FAIL
             self.group_problem = "the process group could not be created"
-            self.record(
-                CheckResult(
-                    name="process_group",
-                    status=FAIL,
-                    detail=(
-                        f"{env.backend} with timeout {self.options.timeout_s:g} s: {first_line(exc)}"
-                    ),
-                )
-            )
+            timeout = f"timeout {self.options.timeout_s:g} s"
+            self.say("process_group", FAIL, f"{env.backend} with {timeout}: {first_line(exc)}")
             return
         self.group_ready = True
         how = (
             "torchrun's store"
             if env.launched
-            else "a single in-process store (not launched by torchrun)"
+            else "one in-process store (not launched by torchrun)"
         )
-        self.record(
-            CheckResult(
-                name="process_group",
-                status=PASS,
-                data={"backend": env.backend},
-                detail=(
-                    f"{env.backend}, {env.world_size} rank(s) via {how}, collective timeout {self.options.timeout_s:g} s, "
-                    f"ready in {time.monotonic() - began:.2f} s"
-                ),
-            )
+        detail = (
+            f"{env.backend}, {env.world_size} rank(s) via {how}, collective timeout {self.options.timeout_s:g} s, "
+            f"ready in {time.monotonic() - began:.2f} s"
         )
+        data = {"backend": env.backend}
+        self.record(CheckResult(name="process_group", status=PASS, data=data, detail=detail))
 
     def rank_report(self, *, pending: str | None = None) -> RankReport:
         with self.lock:
             results = list(self.results)
         if pending:
-            results.append(
-                CheckResult(
-                    name=pending,
-                    status=FAIL,
-                    detail=(
-                        f"did not finish within --deadline={self.options.deadline_s:g}s (the doctor was stopped)"
-                    ),
-                )
-            )
+            detail = f"did not finish within --deadline={self.options.deadline_s:g}s (the doctor was stopped)"
+            results.append(CheckResult(name=pending, status=FAIL, detail=detail))
         return RankReport(
             rank=-1 if self.rank is None else self.rank,
             host=socket.gethostname(),
@@ -429,13 +366,15 @@ class Doctor:
         )
 
 
-def _placement(setup: Setup) -> CheckResult:
+def _placement(setup: checks.Setup) -> CheckResult:
     """The placement check on the example model and a batch (left on ``meta`` by its fault)."""
     torch.manual_seed(0)
     module = setup.model.build().to(setup.device).train()
     batch_device = torch.device("meta") if "placement" in setup.faults else setup.device
     inputs, target = setup.model.batch(setup.batch_size, seed=setup.rank, device=setup.device)
-    return check_placement(module, inputs.to(batch_device), target.to(batch_device), setup.device)
+    return checks.check_placement(
+        module, inputs.to(batch_device), target.to(batch_device), setup.device
+    )
 
 
 def _gather(doctor: Doctor) -> tuple[list[RankReport], str | None]:
@@ -488,7 +427,7 @@ def _options(
     """The options and faults asked for, or the exit status for bad usage (2) or ``--help``."""
     quiet = _int_or_none(environ, "RANK") not in (None, 0)  # bad usage: say it once, on rank 0
     try:
-        return parse_args(argv), parse_faults(environ.get(FAULT_ENV, ""))
+        return parse_args(argv), checks.parse_faults(environ.get(checks.FAULT_ENV, ""))
     except ValueError as exc:  # UserError included
         if not quiet:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
@@ -501,10 +440,18 @@ def _options(
         return exc.code if isinstance(exc.code, int) else 0
 
 
+def _expire(doctor: Doctor) -> None:
+    """The deadline timer's last word: the check that ran out of time, and what was found before
+    it; then the process ends, whatever it is stuck in (a hung peer, a driver call, a collective
+    whose timeout did not fire)."""
+    try:
+        if doctor.claim_print():
+            _report_deadline(doctor)
+    finally:
+        os._exit(1)
+
+
 def _report_deadline(doctor: Doctor) -> None:
-    """The watchdog's last word: the check that ran out of time, and what was found before it."""
-    if not doctor.claim_print():
-        return
     deadline_s = doctor.options.deadline_s
     print(
         f"{PROG}: rank {doctor.rank}: deadline of {deadline_s:g} s exceeded in the "
@@ -533,7 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=f"%(asctime)s [rank {environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s",
     )
     doctor = Doctor(options, environ, faults)
-    watchdog = Watchdog(options.deadline_s, lambda: _report_deadline(doctor))
+    watchdog = threading.Timer(options.deadline_s, _expire, args=(doctor,))
+    watchdog.daemon = True
     watchdog.start()
     try:
         doctor.run()
@@ -546,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if partial else report.exit_code
     finally:
         distributed.destroy_process_group()
-        watchdog.stop()
+        watchdog.cancel()
 
 
 def run_main() -> None:

@@ -8,6 +8,7 @@ time is reported. Design: ``docs/design/doctor.md``.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections.abc import Callable
@@ -64,13 +65,9 @@ def parse_sizes(text: str) -> list[int]:
             raise ValueError(f"{text!r}: the first size is larger than the last")
         if low < 1:
             raise ValueError(f"{text!r}: sizes must be positive")
-        sizes = []
-        size = low
-        while size <= high:
-            sizes.append(size)
-            if len(sizes) > MAX_SIZES:
-                break
-            size *= factor
+        # One more than allowed at most, so that a range too long is reported below.
+        steps = (low * factor**i for i in range(MAX_SIZES + 1))
+        sizes = list(itertools.takewhile(lambda size: size <= high, steps))
     else:
         sizes = [parse_size(part) for part in text.split(",")] if text else []
     if not sizes:
@@ -146,10 +143,13 @@ def _synchronize(device: torch.device) -> None:
 
 
 def time_loop(fn: Callable[[], object], *, iters: int, warmup: int, device: torch.device) -> float:
-    """Mean seconds per call of ``fn`` on this rank (CUDA events on a GPU, perf_counter else)."""
+    """Mean seconds per call of ``fn`` on this rank (CUDA events on a GPU, perf_counter else),
+    after a barrier when a process group exists."""
     for _ in range(warmup):
         fn()
     _synchronize(device)
+    if dist.is_initialized():
+        barrier(device)  # start together: the time measures this rank's work, not a late peer
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -183,11 +183,7 @@ def time_allreduce(size_bytes: int, *, iters: int, warmup: int, device: torch.de
     """Seconds per allreduce of ``size_bytes`` of float32 on the slowest rank."""
     # Zeros: repeated in-place sums of zeros never overflow, whatever the world size.
     buffer = torch.zeros(size_bytes // ELEMENT_BYTES, dtype=torch.float32, device=device)
-    for _ in range(warmup):
-        dist.all_reduce(buffer)
-    _synchronize(device)
-    barrier(device)  # start together: the time measures the collective, not a late rank
-    seconds = time_loop(lambda: dist.all_reduce(buffer), iters=iters, warmup=0, device=device)
+    seconds = time_loop(lambda: dist.all_reduce(buffer), iters=iters, warmup=warmup, device=device)
     return slowest(seconds, device)
 
 

@@ -28,7 +28,6 @@ from elastic_trainer.doctor.checks import (
     check_grad_sync,
     check_placement,
     check_timeouts,
-    doctor_model,
     interface_matches,
     parse_faults,
 )
@@ -305,21 +304,21 @@ def test_first_line_drops_the_cpp_location() -> None:
 
 
 def test_the_doctor_model_is_its_own_cnn() -> None:
-    model = doctor_model()
+    model = TestModel()
     assert "doctor's CNN" in model.source
     inputs, target = model.batch(4, seed=0, device=CPU)
     assert model.build()(inputs).shape == (4, model.classes) and target.shape == (4,)
 
 
 def test_placement_on_the_right_device_passes() -> None:
-    model = doctor_model()
+    model = TestModel()
     inputs, target = model.batch(4, seed=0, device=CPU)
     result = check_placement(model.build(), inputs, target, CPU)
     assert result.status == PASS and "all on cpu" in result.detail
 
 
 def test_placement_names_misplaced_batch_and_parameters() -> None:
-    model = doctor_model()
+    model = TestModel()
     module = model.build()
     module.classifier.to("meta")  # a model moved only partly
     inputs, target = model.batch(4, seed=0, device=CPU)
@@ -335,7 +334,7 @@ def test_placement_reports_a_failing_forward() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("Expected all tensors to be on the same device")
 
-    inputs, target = doctor_model().batch(2, seed=0, device=CPU)
+    inputs, target = TestModel().batch(2, seed=0, device=CPU)
     result = check_placement(Broken(), inputs, target, CPU)
     assert result.status == FAIL and "forward failed" in result.detail
 
