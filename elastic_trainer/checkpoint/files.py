@@ -263,18 +263,12 @@ def save_checkpoint(
     """
     directory = Path(directory)
     pt = checkpoint_path(directory, step)
-
-    def ask_fence() -> None:
-        refused = fence() if fence is not None else None
-        if refused is not None:
-            raise CheckpointFencedError(
-                f"the checkpoint of step {step} was not committed: {refused}"
-            )
-
     try:
         directory.mkdir(parents=True, exist_ok=True)
         writer = _write_atomically(
-            pt, lambda file: torch.save(dict(payload), file), before_replace=ask_fence
+            pt,
+            lambda file: torch.save(dict(payload), file),
+            before_replace=lambda: ask_fence(fence, step),
         )
         manifest = new_manifest(
             pt.name,
@@ -302,6 +296,17 @@ def save_checkpoint(
         manifest.nbytes / 1e6,
     )
     return CheckpointInfo(path=pt, manifest=manifest)
+
+
+def ask_fence(fence: CommitFence | None, step: int) -> None:
+    """Ask ``fence`` (if any) right before the checkpoint of ``step`` is committed.
+
+    Raises:
+        CheckpointFencedError: it refused.
+    """
+    refused = fence() if fence is not None else None
+    if refused is not None:
+        raise CheckpointFencedError(f"the checkpoint of step {step} was not committed: {refused}")
 
 
 def new_manifest(
@@ -519,7 +524,8 @@ def newest_step(directory: str | os.PathLike[str]) -> int | None:
 
 
 # -- finding and loading ---------------------------------------------------------------------------
-def _sha256_of(path: Path) -> tuple[str, int]:
+def sha256_of(path: Path) -> tuple[str, int]:
+    """The sha256 (hex) and size of the file at ``path``, read in chunks."""
     digest, size = hashlib.sha256(), 0
     with open(path, "rb") as file:
         while chunk := file.read(_CHUNK):
@@ -551,7 +557,7 @@ def verify(directory: Path, step: int) -> CheckpointInfo:
         verify_files(pt, manifest.files or {})
         return CheckpointInfo(path=pt, manifest=manifest)
     try:
-        digest, size = _sha256_of(pt)
+        digest, size = sha256_of(pt)
     except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {pt} is missing (its manifest {js.name} exists)"
@@ -585,7 +591,7 @@ def verify_files(folder: Path, files: Mapping[str, list[Any]]) -> None:
     for name, (sha256, nbytes) in sorted(files.items()):
         path = folder / name
         try:
-            digest, size = _sha256_of(path)
+            digest, size = sha256_of(path)
         except FileNotFoundError:
             raise CheckpointError(
                 f"checkpoint {folder} lacks {name} (its manifest lists it)"

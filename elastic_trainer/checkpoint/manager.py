@@ -17,7 +17,7 @@ decides when (every ``every`` steps, and the final save), where (the directory, 
 the claims and the commit fence) and which file a start resumes from (load, fallback). A loop
 talks to it through ``load``, ``save``, ``close``, ``last_path``, the write-failure flag its
 control carries (``write_failed``, ``raise_write_failure``) and ``just_in_time``, the
-just-in-time save's triggers (:class:`~elastic_trainer.checkpoint.just_in_time.JustInTime`: a
+just-in-time save's triggers (:class:`~elastic_trainer.checkpoint.jit.JustInTime`: a
 surviving rank saving the last completed step when the group fails).
 
 It owns the resume choice (rank 0 picks the newest good checkpoint of this job, broadcasts it,
@@ -50,7 +50,7 @@ from torch import nn
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint import sharded, sharded_jit
 from elastic_trainer.checkpoint.config import CheckpointConfig
-from elastic_trainer.checkpoint.just_in_time import JustInTime
+from elastic_trainer.checkpoint.jit import JustInTime
 from elastic_trainer.checkpoint.staging import StagingBuffers
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.observer import NullObserver, TrainingObserver

@@ -239,18 +239,15 @@ class ShardedCheckpointer:
             CheckpointFencedError: (the committing rank) the fence refused the commit.
         """
         folder = jit_path(self.directory, step, self.token)
-        part = folder / f"rank-{self.rank}"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            if part.exists():
-                shutil.rmtree(part)
-            save_in_this_process(
-                state, storage_writer=FileSystemWriter(part, sync_files=True, overwrite=True)
+            write_part(
+                folder,
+                state,
+                shard=self.rank,
+                world_size=self.world_size,
+                writer=self.rank,
+                source="live",
             )
-            fsync_directory(part)
-            with atomic_file(folder / f"rank-{self.rank}.done") as marker:
-                record = {"writer": self.rank, "source": "live", "world_size": self.world_size}
-                marker.write(json.dumps(record).encode())  # read by sharded_jit.describe_incomplete
         except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
             raise ckpt.write_error(self.directory, step, exc) from exc
         return commit_parts(
@@ -282,12 +279,7 @@ def _listing(folder: Path, metadata: Metadata) -> dict[str, list[Any]]:
             else:
                 os.unlink(entry.path)
             continue
-        digest, size = hashlib.sha256(), 0
-        with open(entry.path, "rb") as file:
-            while chunk := file.read(8 << 20):
-                digest.update(chunk)
-                size += len(chunk)
-        listing[entry.name] = [digest.hexdigest(), size]
+        listing[entry.name] = list(ckpt.sha256_of(Path(entry.path)))
     missing = wanted - set(listing)
     if missing:
         raise FileNotFoundError(f"DCP reported files that are not in {folder}: {sorted(missing)}")
@@ -316,12 +308,11 @@ def commit(
     final = ckpt.sharded_path(directory, step)
     try:
         listing = _listing(tmp, metadata)
-        refused = fence() if fence is not None else None
-        if refused is not None:
+        try:
+            ckpt.ask_fence(fence, step)
+        except ckpt.CheckpointFencedError:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ckpt.CheckpointFencedError(
-                f"the checkpoint of step {step} was not committed: {refused}"
-            )
+            raise
         if ckpt.manifest_path(directory, step).exists():
             # Committed already (a just-in-time writer got there first): keep that one.
             shutil.rmtree(tmp, ignore_errors=True)
@@ -358,6 +349,55 @@ def commit(
         manifest.nbytes / 1e6,
     )
     return ckpt.CheckpointInfo(path=final, manifest=manifest)
+
+
+def write_part(
+    folder: Path,
+    state: dict[str, Any],
+    *,
+    shard: int,
+    world_size: int,
+    writer: int,
+    source: str,
+    planner: Any = None,
+) -> bool:
+    """Write ``state`` (one shard's; ``planner``: DCP's save planner, e.g. ``sharded_jit``'s that
+    places a neighbour copy's tensors) as the just-in-time part ``folder/rank-<shard>``, with no
+    collective, and mark it done (``rank-<shard>.done``: the writer, the source and the world
+    size, read by ``sharded_jit.describe_incomplete``). A part is renamed into place whole, so
+    the first writer of a shard wins. Returns ``False`` when another writer's part of that shard
+    was there first.
+
+    Raises:
+        OSError, CheckpointException: the write failed (nothing of it is left as the part).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    part = folder / f"rank-{shard}"
+    wrote = False
+    if not part.exists():
+        tmp = folder / f".rank-{shard}.tmp-{writer}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            save_in_this_process(
+                state,
+                storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=True),
+                planner=planner,
+            )
+            fsync_directory(tmp)
+            os.rename(tmp, part)  # whole or not at all; fails if another writer's is there
+            wrote = True
+        except OSError:
+            if not part.exists():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        fsync_directory(folder)
+    marker = folder / f"rank-{shard}.done"
+    if wrote or not marker.exists():
+        record = {"writer": writer, "source": source, "world_size": world_size}
+        with atomic_file(marker) as out:
+            out.write(json.dumps(record).encode())
+    return wrote
 
 
 def commit_parts(

@@ -2,7 +2,7 @@
 a lost rank's from its neighbour copy, as one sharded checkpoint of the last completed step.
 
     saver = ShardedJit(checkpointer, state, copies, extras=lambda step, part: {...})
-    saver.save("after a peer's death", deadline=time.monotonic() + SAVE_TIMEOUT_S)
+    saver.write(step, live=True)       # on the training thread, after a peer's death
 
 A sharded checkpoint needs every rank's shards, and a SIGKILLed rank's are gone from its memory;
 but its neighbour holds a copy of them in host memory (``state/neighbour_copy.py``). So each
@@ -12,10 +12,11 @@ received. A part is a DCP checkpoint of one shard written as if its rank had wri
 names (``ShardedState.checkpoint_state``) and each tensor placed at that rank's rows of the global
 tensor (:class:`PlacedSavePlanner`; FSDP2's ``torch.chunk`` rows on dim 0), so the merged
 checkpoint is the one a collective save writes and loads resharded at any world size. Parts go to
-``step``'s just-in-time directory (``sharded.jit_path``) as ``rank-<shard>/`` (renamed into place
-whole: the first writer of a shard wins, another's copy is dropped) with a ``rank-<shard>.done``
-marker; the writer whose part completes the set merges and commits it (``sharded.commit_parts``:
-hashes, fence, rename, manifest with ``jit: true``).
+``step``'s just-in-time directory (``sharded.jit_path``) as ``rank-<shard>/``
+(``sharded.write_part``: renamed into place whole, the first writer of a shard wins, another's
+copy is dropped) with a ``rank-<shard>.done`` marker; the writer whose part completes the set
+merges and commits it (``sharded.commit_parts``: hashes, fence, rename, manifest with
+``jit: true``).
 
 Which step: the ranks cannot agree (the group is broken), and a rank that finished step ``S+1``
 while its peer died inside it holds ``S`` only as its staged copy's previous generation. So each
@@ -34,15 +35,13 @@ import json
 import logging
 import os
 import re
-import shutil
-import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
@@ -53,10 +52,12 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from elastic_trainer.checkpoint import files as ckpt
-from elastic_trainer.checkpoint.dcp_io import save_in_this_process
-from elastic_trainer.checkpoint.jit import JitOutcome
-from elastic_trainer.checkpoint.sharded import ShardedCheckpointer, commit_parts, jit_path
-from elastic_trainer.runtime.atomic_files import atomic_file, fsync_directory
+from elastic_trainer.checkpoint.sharded import (
+    ShardedCheckpointer,
+    commit_parts,
+    jit_path,
+    write_part,
+)
 from elastic_trainer.runtime.failures import log_line
 from elastic_trainer.state.local_shards import DIM0
 from elastic_trainer.state.neighbour_copy import NO_STATE, NeighbourCopy
@@ -155,51 +156,6 @@ def _tensors(value: Any, found: dict[int, torch.Tensor]) -> dict[int, torch.Tens
     return found
 
 
-def write_part(
-    folder: Path,
-    state: dict[str, Any],
-    placed: Placed,
-    *,
-    shard: int,
-    world_size: int,
-    writer: int,
-    source: str,
-) -> bool:
-    """Write ``state`` (one shard's, :class:`PlacedSavePlanner`) as ``folder/rank-<shard>`` and mark
-    it done. Returns ``False`` when another writer's part of that shard was there first.
-
-    Raises:
-        OSError, CheckpointException: the write failed (nothing of it is left as the part).
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    part = folder / f"rank-{shard}"
-    wrote = False
-    if not part.exists():
-        tmp = folder / f".rank-{shard}.tmp-{writer}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            save_in_this_process(
-                state,
-                storage_writer=FileSystemWriter(tmp, sync_files=True, overwrite=True),
-                planner=PlacedSavePlanner(placed),
-            )
-            fsync_directory(tmp)
-            os.rename(tmp, part)  # whole or not at all; fails if another writer's is there
-            wrote = True
-        except OSError:
-            if not part.exists():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        fsync_directory(folder)
-    marker = folder / f"rank-{shard}.done"
-    if wrote or not marker.exists():
-        record = {"writer": writer, "source": source, "world_size": world_size}
-        with atomic_file(marker) as out:
-            out.write(json.dumps(record).encode())
-    return wrote
-
-
 def part_epoch(part: Mapping[str, Any], default: int) -> int:
     """The epoch of a part's step: its sampler's (an object whose state holds an integer
     ``epoch``), else ``default``."""
@@ -271,8 +227,8 @@ def describe_incomplete(directory: str | os.PathLike[str], newest: int | None) -
 
 
 class ShardedJit:
-    """Writes every shard this rank holds as parts of a just-in-time checkpoint, once, from
-    whichever thread asks first (see the module docstring).
+    """Writes every shard this rank holds as parts of a just-in-time checkpoint (see the module
+    docstring); called once, by :class:`~.jit.JustInTime`, which serializes and bounds the save.
 
     Args:
         checkpointer: the job's sharded checkpointer (directory, token, fingerprint, fence).
@@ -295,21 +251,27 @@ class ShardedJit:
         self.state = state
         self.copies = copies
         self.extras = extras
-        self._lock = threading.Lock()
-        self._outcome: JitOutcome | None = None
 
-    def save(self, reason: str, *, deadline: float, live: bool = False) -> JitOutcome:
-        """Write the parts (once; later calls return the first outcome). ``live``: on the training
-        thread, the live state may stand in for this rank's shard when no staged copy holds its
-        step (the copy off, or refreshed every N > 1 steps)."""
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            return JitOutcome(saved=False, step=None, path=None, detail="another save is running")
-        try:
-            if self._outcome is None:
-                self._outcome = self._save(reason, live=live)
-            return self._outcome
-        finally:
-            self._lock.release()
+    def write(self, step: int, *, live: bool) -> str:
+        """Write the parts after the group failed at ``step``: of ``step``, or of the step before
+        it where the dead rank's last copy was cut. Returns where the checkpoint went, or what
+        this rank wrote while the set is incomplete. ``live``: on the training thread, the live
+        state may stand in for this rank's shard when no staged copy holds its step (the copy
+        off, or refreshed every N > 1 steps); on another thread (a stalled stop, the healer's stop
+        watch) the copy is stopped first, so that the training thread stages nothing new while
+        the staged copies are written."""
+        if not live:
+            self.copies.stop()
+        done, path, detail = self._save(f"the group failed after step {step}", live=live)
+        if path is not None and done == step:
+            return path
+        if path is not None:
+            return f"{path} (step {done}: the lost rank's copy of {step} was cut)"
+        return (
+            f"{jit_path(self.checkpointer.directory, step, self.checkpointer.token)} (the "
+            f"shards this rank holds: {detail}; the checkpoint counts once every rank's "
+            "are in)"
+        )
 
     def _sources(self, live: bool) -> dict[int, dict[int, str]]:
         """step -> shard -> what this rank holds of it (``own``, ``copy`` or ``live``)."""
@@ -323,7 +285,8 @@ class ShardedJit:
             sources.setdefault(step, {}).setdefault(shard, "copy")
         return sources
 
-    def _save(self, reason: str, *, live: bool) -> JitOutcome:
+    def _save(self, reason: str, *, live: bool) -> tuple[int | None, str | None, str]:
+        """(the step committed or tried, its checkpoint's path if committed, what happened)"""
         started = time.monotonic()
         directory = self.checkpointer.directory
         sources = self._sources(live)
@@ -336,7 +299,7 @@ class ShardedJit:
                 else "this rank holds no completed step in host memory (the copy is off)"
             )
             log.info("just-in-time save skipped: %s", why)
-            return JitOutcome(saved=False, step=None, path=None, detail=why)
+            return None, None, why
         written: list[str] = []
         for step in steps:
             folder = jit_path(directory, step, self.checkpointer.token)
@@ -353,17 +316,14 @@ class ShardedJit:
                     reason,
                     "; ".join(written) or ("no rank (all were in)" if committed else "no rank"),
                 )
-                path = committed or str(ckpt.sharded_path(directory, done))
-                return JitOutcome(
-                    saved=True, step=done, path=path, detail=reason if committed else ""
-                )
+                return done, committed or str(ckpt.sharded_path(directory, done)), reason
         log.warning(
             "just-in-time save (%s): this rank wrote the shards of %s; the checkpoint counts once "
             "every rank's shards of one step are in",
             reason,
             "; ".join(written) or "no rank",
         )
-        return JitOutcome(saved=bool(written), step=steps[0], path=None, detail="parts written")
+        return steps[0], None, "parts written"
 
     def _write_parts(
         self, folder: Path, step: int, shards: Mapping[int, str], written: list[str]
@@ -386,8 +346,15 @@ class ShardedJit:
                 part.update(self.extras(step, part))
                 if epoch is None:
                     epoch = int(part.get("epoch", 0))
+                planner = PlacedSavePlanner(placed)
                 if write_part(
-                    folder, part, placed, shard=shard, world_size=world, writer=rank, source=what
+                    folder,
+                    part,
+                    shard=shard,
+                    world_size=world,
+                    writer=rank,
+                    source=what,
+                    planner=planner,
                 ):
                     written.append(f"rank {shard}'s of step {step} ({_SOURCE[what]})")
             except LookupError:

@@ -87,7 +87,7 @@ def test_draining_a_failed_background_write_says_so_and_does_not_raise(
             raise OSError(28, "No space left on device")
 
         manager._writer.submit(failing)
-        with caplog.at_level("WARNING", logger="elastic_trainer.checkpoint.just_in_time"):
+        with caplog.at_level("WARNING", logger="elastic_trainer.checkpoint.jit"):
             manager.just_in_time._drain(10.0)
         assert "the background checkpoint write failed" in caplog.text
         assert "No space left on device" in caplog.text

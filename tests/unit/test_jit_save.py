@@ -20,11 +20,12 @@ import torch
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint import jit as jit_save
 from elastic_trainer.checkpoint.config import CheckpointConfig
-from elastic_trainer.checkpoint.jit import ExitTimer, JitCheckpointer
+from elastic_trainer.checkpoint.jit import ExitTimer
 from elastic_trainer.runtime.exit_codes import EXIT_STOPPED
 from elastic_trainer.runtime.settings import ENV_JIT_SAVE, WorkerSettings
 from elastic_trainer.state.buffers import AuthoritativeBuffers
 from elastic_trainer.state.guard import StateGuard
+from tests.support.just_in_time import just_in_time
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,16 +42,17 @@ class FakeTraining:
         self.exits: list[int] = []
         self.exited = threading.Event()
         self.drained: list[float] = []
-        self.jit = JitCheckpointer(
+        self.jit = just_in_time(
             guard=self.guard,
             directory=str(directory),
             rank=rank,
             step=lambda: self.step,
             payload=self.payload,
-            write=self.write,
+            write=lambda step, payload: self.writes(step, payload),
             drain=self.drained.append,
             exit_fn=self.exit,
         )
+        self.writes = self.write
         self.jit.arm()
 
     def update(
@@ -183,13 +185,8 @@ def test_a_save_is_done_once_whoever_asks(tmp_path: Path) -> None:
 
 def test_nothing_is_saved_before_training_started(tmp_path: Path) -> None:
     guard = StateGuard()
-    jit = JitCheckpointer(
-        guard=guard,
-        directory=str(tmp_path),
-        rank=0,
-        step=lambda: 0,
-        payload=dict,
-        write=lambda s, p: "",
+    jit = just_in_time(
+        guard=guard, directory=str(tmp_path), step=lambda: 0, payload=dict, write=lambda s, p: ""
     )
     outcome = jit.save("test", deadline=_deadline())
     assert not outcome.saved and "had not started" in outcome.detail
@@ -200,16 +197,16 @@ def test_a_failure_before_training_started_says_nothing_of_a_save(
 ) -> None:
     """A mistake caught before the first step (an optimizer built after the run started): no
     'saving the last completed step just in time' line ahead of the mistake's own line."""
-    jit = JitCheckpointer(
+    jit = just_in_time(
         guard=StateGuard(),
         directory=str(tmp_path),
-        rank=0,
         step=lambda: 0,
         payload=dict,
         write=lambda s, p: "",
     )
     with caplog.at_level("DEBUG", logger="elastic_trainer.checkpoint.jit"):
         assert jit.after_failure(ValueError("an optimizer the run does not save")) is None
+    jit.close()  # the teardown's deadline
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
     assert list(tmp_path.iterdir()) == []
 
@@ -391,17 +388,16 @@ def test_a_step_this_process_is_still_writing_periodically_is_not_written_again(
     training = FakeTraining(tmp_path)
     training.update()
     in_flight: list[int | None] = [1]
-    jit = JitCheckpointer(
+    jit = just_in_time(
         guard=training.guard,
         directory=str(tmp_path),
-        rank=0,
         step=lambda: training.step,
         payload=training.payload,
         write=training.write,
         drain=training.drained.append,
         exit_fn=training.exit,
         writing=lambda: in_flight[0],
-        exclusive=False,
+        own_shards=True,
     )
     jit.arm()
     outcome = jit.save("test", deadline=_deadline())
@@ -416,17 +412,14 @@ def test_a_thread_that_may_not_read_the_state_saves_nothing_and_does_not_exit(
     remembered as the outcome: the training thread may still save) and leaves the exit."""
     training = FakeTraining(tmp_path)
     training.update()
-    refused = "the live state is the training thread's"
-    allowed: list[bool] = [False]
-    jit = JitCheckpointer(
+    jit = just_in_time(
         guard=training.guard,
         directory=str(tmp_path),
-        rank=0,
         step=lambda: training.step,
         payload=training.payload,
         write=training.write,
         exit_fn=training.exit,
-        may_save=lambda: None if allowed[0] else refused,
+        own_shards=True,  # set up on this thread: the training thread
     )
     jit.arm()
     jit.on_signal(signal.SIGTERM)
@@ -434,7 +427,7 @@ def test_a_thread_that_may_not_read_the_state_saves_nothing_and_does_not_exit(
     jit._monitor.join(10 * fast_stall)
     assert not jit._monitor.is_alive() and training.exits == []
     assert ckpt.iter_checkpoints(tmp_path) == []
-    allowed[0] = True  # the training thread, after a failure
+    # The training thread, after a failure.
     assert jit.save("after a failure", deadline=_deadline()).saved
 
 
@@ -467,7 +460,7 @@ def test_a_save_that_hangs_ends_the_process_at_its_deadline(tmp_path: Path) -> N
         release.wait(30)  # a hung file system
         return ""
 
-    training.jit._write = stuck_write
+    training.writes = stuck_write
     saver = threading.Thread(
         target=training.jit.save, args=("test",), kwargs={"deadline": _deadline(0.5)}, daemon=True
     )

@@ -41,8 +41,9 @@ def _blocked_worker(rank: int, work: Path, mode: str) -> None:
     """Rank 0 blocks in an allreduce that rank 1 never joins (rank 1 stays alive, reading stdin)."""
     import torch.distributed as dist
 
-    from elastic_trainer.checkpoint.jit import JitCheckpointer, StateGuard
     from elastic_trainer.runtime.signals import GracefulStop, SignalWakeup
+    from elastic_trainer.state.guard import StateGuard
+    from tests.support.just_in_time import just_in_time
 
     _init(rank, work)
     if rank == 1:
@@ -74,13 +75,13 @@ def _blocked_worker(rank: int, work: Path, mode: str) -> None:
         )
         return str(info.path)
 
-    jit = JitCheckpointer(
+    jit = just_in_time(
         guard=guard,
         directory=str(work / "ckpt"),
-        rank=0,
         step=lambda: state["step"],
         payload=payload,
         write=write,
+        exit_fn=os._exit,
     )
     if mode == "wakeup":
         SignalWakeup(jit.on_signal).install()
