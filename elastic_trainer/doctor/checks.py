@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import socket
 import threading
@@ -29,7 +28,7 @@ from elastic_trainer.doctor import perf
 from elastic_trainer.doctor.report import FAIL, PASS, SKIP, WARN, CheckResult, format_size
 from elastic_trainer.runtime import distributed
 from elastic_trainer.runtime.failures import first_line
-from elastic_trainer.runtime.settings import DEFAULT_PG_TIMEOUT_S, ENV_PG_TIMEOUT_S
+from elastic_trainer.runtime.settings import ENV_PG_TIMEOUT_S, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -135,20 +134,13 @@ def _env_verdict(values: Mapping[str, str | None]) -> tuple[str, str]:
 def _env_range_problems(nums: Mapping[str, int]) -> list[str]:
     """What the integer variables that were set get wrong, alone or together."""
     problems = []
-    rank, world = nums.get("RANK"), nums.get("WORLD_SIZE")
-    local_rank, local_world = nums.get("LOCAL_RANK"), nums.get("LOCAL_WORLD_SIZE")
-    if world is not None and world < 1:
-        problems.append(f"WORLD_SIZE={world} must be >= 1")
-    if rank is not None and (rank < 0 or (world is not None and rank >= world)):
-        problems.append(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
-    if local_world is not None and local_world < 1:
-        problems.append(f"LOCAL_WORLD_SIZE={local_world} must be >= 1")
-    if local_rank is not None and (
-        local_rank < 0 or (local_world is not None and local_rank >= local_world)
-    ):
-        problems.append(
-            f"LOCAL_RANK={local_rank} is not in 0..LOCAL_WORLD_SIZE-1 (LOCAL_WORLD_SIZE={local_world})"
-        )
+    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        rank, size = nums.get(rank_var), nums.get(size_var)
+        if size is not None and size < 1:
+            problems.append(f"{size_var}={size} must be >= 1")
+        if rank is not None and (rank < 0 or (size is not None and rank >= size)):
+            problems.append(f"{rank_var}={rank} is not in 0..{size_var}-1 ({size_var}={size})")
+    world, local_world = nums.get("WORLD_SIZE"), nums.get("LOCAL_WORLD_SIZE")
     if local_world is not None and world is not None and local_world > world:
         problems.append(f"LOCAL_WORLD_SIZE={local_world} exceeds WORLD_SIZE={world}")
     if nums.get("GROUP_RANK", 0) < 0:
@@ -247,13 +239,8 @@ def check_devices(
     elif cuda_devices > 0:
         status, detail = _gpus_verdict(cuda_devices, local_world_size, local_rank, cuda_visible)
     elif local_world_size > cpu_count:
-        status, detail = (
-            WARN,
-            (
-                f"no CUDA: {local_world_size} local ranks share {cpu_count} CPU core(s): oversubscribed, "
-                "timings will be poor"
-            ),
-        )
+        status = WARN
+        detail = f"no CUDA: {local_world_size} local ranks share {cpu_count} CPU core(s): oversubscribed, timings will be poor"
     else:
         status = PASS
         detail = f"no CUDA: {local_world_size} local rank(s) on {cpu_count} CPU core(s), gloo"
@@ -372,18 +359,12 @@ def check_timeouts(environ: Mapping[str, str], *, interfaces: Sequence[str] | No
     before the collective timeout. Unset values count as the runtime's defaults."""
     user = {name: environ[name] for name in TIMEOUT_ENV if name in environ}
     data: dict[str, object] = {"set": user}
-    raw = environ.get(ENV_PG_TIMEOUT_S, "").strip()
-    timeout = _collective_timeout(raw)
-    if timeout is None:
-        return CheckResult(
-            name="timeouts",
-            status=FAIL,
-            data=data,
-            detail=(
-                f"{ENV_PG_TIMEOUT_S}={raw!r} is not a positive number of seconds: training refuses to start"
-            ),
-        )
-    pg_timeout, source = timeout
+    try:  # read as a worker reads it
+        pg_timeout = WorkerSettings.from_environ(environ).pg_timeout_s
+    except ValueError as exc:
+        detail = f"{exc}: training refuses to start"
+        return CheckResult(name="timeouts", status=FAIL, data=data, detail=detail)
+    source = ENV_PG_TIMEOUT_S if environ.get(ENV_PG_TIMEOUT_S, "").strip() else "default"
     effective = dict(environ)
     with _quiet(distributed.log):  # the problems it logs are reported below, once, by rank 0
         distributed.configure_nccl_environment(pg_timeout, environ=effective)
@@ -406,18 +387,6 @@ def check_timeouts(environ: Mapping[str, str], *, interfaces: Sequence[str] | No
         if environ.get(variable):
             detail += f", {variable}={environ[variable]}"
     return CheckResult(name="timeouts", status=PASS, detail=detail, data=data)
-
-
-def _collective_timeout(raw: str) -> tuple[float, str] | None:
-    """The collective timeout a run would use and where it comes from (the variable's stripped
-    value ``raw``, or the default when it is empty); ``None``: not a positive number."""
-    if not raw:
-        return DEFAULT_PG_TIMEOUT_S, "default"
-    try:
-        value = float(raw)
-    except ValueError:
-        return None
-    return (value, ENV_PG_TIMEOUT_S) if math.isfinite(value) and value > 0 else None
 
 
 def _heartbeat(
@@ -695,7 +664,7 @@ def check_bandwidth(setup: Setup) -> CheckResult:
 
 
 def check_compute_comm(setup: Setup) -> CheckResult:
-    """Forward+backward time of the example model without DDP (perf.slowest rank) against the time of
+    """Forward+backward time of the example model without DDP (slowest rank) against the time of
     one allreduce of its gradients: how much of a step DDP must hide behind the backward pass."""
     model, batch_size, device = setup.model, setup.batch_size, setup.device
     iters, warmup = setup.iters, setup.warmup

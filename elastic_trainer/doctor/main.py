@@ -146,7 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--json", action="store_true", help="print a machine-readable JSON report")
+    for flag, what in (
+        ("--json", "print a machine-readable JSON report"),
+        ("--verbose", "log debug messages, with the traceback behind a check that crashed"),
+    ):
+        parser.add_argument(flag, action="store_true", help=what)
     parser.add_argument(
         "--sizes",
         type=_sizes,
@@ -165,11 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="N" if kind is int else "SECONDS",
             help=f"{what} (default {getattr(defaults, name):g})",
         )
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        help="log debug messages, with the traceback behind a check that crashed",
-    )
     return parser
 
 
@@ -211,7 +210,8 @@ class Doctor:
         self.env: distributed.DistEnv | None = None
         self.group_ready = False
         self.group_problem = "the process group was not created"
-        self.printed = False
+        self.print_claim = threading.Lock()
+        """Held by whichever of the run and the deadline prints the report (the first to ask)."""
         self.lock = threading.Lock()
         self.facts: dict[str, object] = {}
 
@@ -249,13 +249,6 @@ class Doctor:
             self.say(name, FAIL, f"{first_line(exc)}{hint}")
             self.group_ready = False
             self.group_problem = f"the process group failed in the {name} check"
-
-    def claim_print(self) -> bool:
-        """True once: whichever of the run and the deadline asks first prints the report."""
-        with self.lock:
-            first = not self.printed
-            self.printed = True
-        return first
 
     # -- the run --
 
@@ -400,16 +393,11 @@ def _leave_together(doctor: Doctor) -> None:
         log.warning("final barrier failed: %s", first_line(exc))
 
 
-def _reporter(doctor: Doctor) -> bool:
-    """Rank 0 reports; so does a rank that could not even tell where it belongs (no rank 0
-    report can include it)."""
-    return doctor.env is None or doctor.env.rank == 0
-
-
 def _emit(doctor: Doctor, report: MergedReport, *, as_json: bool) -> None:
     """Rank 0 prints the report; another rank that could not hand its results over names its
-    failures on stderr (nobody else can)."""
-    if _reporter(doctor):
+    failures on stderr (nobody else can). A rank that could not even tell where it belongs
+    reports too (no rank 0 report can include it)."""
+    if doctor.env is None or doctor.env.rank == 0:
         print(render_json(report) if as_json else render_text(report), flush=True)
     elif report.partial:
         for result in report.results:
@@ -445,7 +433,7 @@ def _expire(doctor: Doctor) -> None:
     it; then the process ends, whatever it is stuck in (a hung peer, a driver call, a collective
     whose timeout did not fire)."""
     try:
-        if doctor.claim_print():
+        if doctor.print_claim.acquire(blocking=False):
             _report_deadline(doctor)
     finally:
         os._exit(1)
@@ -487,11 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         doctor.run()
         reports, partial = _gather(doctor)
         report = merge(reports, partial=partial, world_size=doctor.world_size)
-        if doctor.claim_print():
+        if doctor.print_claim.acquire(blocking=False):
             _emit(doctor, report, as_json=options.json)
         if not partial:
             _leave_together(doctor)
-        return 1 if partial else report.exit_code
+        return 0 if report.ok and not partial else 1
     finally:
         distributed.destroy_process_group()
         watchdog.cancel()

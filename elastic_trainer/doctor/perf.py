@@ -98,11 +98,6 @@ def busbw_factor(world_size: int) -> float:
     return 2 * (world_size - 1) / world_size
 
 
-def busbw_gbps(size_bytes: int, seconds: float, world_size: int) -> float:
-    """Bus bandwidth in GB/s: ``algbw * 2(n-1)/n``."""
-    return algbw_gbps(size_bytes, seconds) * busbw_factor(world_size)
-
-
 @dataclass(kw_only=True, slots=True)
 class BandwidthRow:
     """One line of the bandwidth table."""
@@ -117,12 +112,14 @@ class BandwidthRow:
 
     @classmethod
     def from_time(cls, size_bytes: int, seconds: float, world_size: int) -> BandwidthRow:
+        """The row of one allreduce of ``size_bytes`` that took ``seconds`` (busbw = algbw * 2(n-1)/n)."""
+        algbw = algbw_gbps(size_bytes, seconds)
         return cls(
             size_bytes=size_bytes,
             count=size_bytes // ELEMENT_BYTES,
             time_us=seconds * 1e6,
-            algbw_gbps=algbw_gbps(size_bytes, seconds),
-            busbw_gbps=busbw_gbps(size_bytes, seconds, world_size),
+            algbw_gbps=algbw,
+            busbw_gbps=algbw * busbw_factor(world_size),
         )
 
 

@@ -100,10 +100,6 @@ class MergedReport:
     def ok(self) -> bool:
         return self.status != FAIL
 
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
-
 
 def _ranks_text(ranks: Sequence[int]) -> str:
     ranks = sorted(ranks)
@@ -111,8 +107,7 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def _merge_one(name: str, per_rank: list[tuple[int, CheckResult]]) -> CheckResult:
-    if not per_rank:
-        return CheckResult(name=name, status=SKIP, detail="no rank reported this check")
+    """One check's results from every rank that reported it (at least one) as one result."""
     status = worst([r.status for _, r in per_rank])
     first = per_rank[0][1]
     if status in (PASS, SKIP):
@@ -247,13 +242,13 @@ def merge(
     """
     reports = sorted(reports, key=lambda r: r.rank)
     merged: list[CheckResult] = []
-    findings = cross_rank_findings(reports) if len(reports) > 1 else []
+    findings = {f.name: f for f in cross_rank_findings(reports)} if len(reports) > 1 else {}
     for name in CHECKS:
         per_rank = [(rep.rank, res) for rep in reports for res in rep.results if res.name == name]
         if not per_rank:
             continue
         result = _merge_one(name, per_rank)
-        for finding in (f for f in findings if f.name == name):
+        if finding := findings.get(name):  # at most one per check
             status = worst([result.status, finding.status])
             detail = (
                 finding.detail

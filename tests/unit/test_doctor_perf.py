@@ -11,7 +11,6 @@ from elastic_trainer.doctor.perf import (
     BandwidthRow,
     algbw_gbps,
     busbw_factor,
-    busbw_gbps,
     compute_comm_ratio,
     parse_size,
     parse_sizes,
@@ -100,7 +99,7 @@ def test_busbw_factor_is_two_n_minus_one_over_n(n: int, factor: float) -> None:
 
 
 def test_busbw_is_algbw_times_the_factor() -> None:
-    assert busbw_gbps(2_000_000_000, 1.0, 8) == pytest.approx(2.0 * 1.75)
+    assert BandwidthRow.from_time(2_000_000_000, 1.0, 8).busbw_gbps == pytest.approx(2.0 * 1.75)
     with pytest.raises(ValueError):
         busbw_factor(0)
 
