@@ -18,7 +18,14 @@ import numpy as np
 
 from elastic_trainer.runtime.distributed import DistEnv
 
-CARRIED, STOP, PRESENT, CHECKPOINT_FAILED, LOSS_HI, LOSS_LO, HEADER_SLOTS = range(7)
+CARRIED, STOP, PRESENT, CHECKPOINT_FAILED, LOSS_HI, LOSS_LO, CHECKED = range(7)
+CHECK_BITS = 16
+"""Bits of the replicas' parameter checksum a control carries, one slot each: summed over the
+ranks a bit is 0 or ``w`` on every slot exactly when every rank sent the same checksum."""
+HEADER_SLOTS = CHECKED + 1 + CHECK_BITS
+CONTROL_SLOTS = 5 + CHECK_BITS
+"""The float64 control's header: ``[stop, loss, present, checkpoint failed, checked, bits...]``
+(buffers follow it)."""
 _LOSS_LIMIT = 1e38
 MAX_WORLD = 256
 """Up to this many ranks every slot stays an exact float32 integer (255 x w x w < 2**24)."""
@@ -42,7 +49,8 @@ def check_world(world_size: int) -> None:
 
 
 def encode(payload: np.ndarray, world_size: int, control: np.ndarray) -> None:
-    """Write this rank's header (``control[:4]``: ``[stop, loss, present, checkpoint failed]``,
+    """Write this rank's header (``control[:CONTROL_SLOTS]``: ``[stop, loss, present, checkpoint
+    failed, checked, checksum bits...]``,
     the layout :func:`decode` writes back), each value times ``world_size``, into
     ``payload[:HEADER_SLOTS]``."""
     w = float(world_size)
@@ -53,13 +61,14 @@ def encode(payload: np.ndarray, world_size: int, control: np.ndarray) -> None:
     payload[CARRIED], payload[STOP], payload[PRESENT] = w, stop * w, present * w
     payload[CHECKPOINT_FAILED], payload[LOSS_HI] = checkpoint_failed * w, hi * w
     payload[LOSS_LO] = (loss - hi) * w
+    payload[CHECKED : CHECKED + 1 + CHECK_BITS] = control[4:CONTROL_SLOTS] * w
 
 
 def decode(reduced: Sequence[float], world_size: int, control: np.ndarray) -> bool:
     """Write the reduced header (the plain sum over the ranks: ``reduced[:HEADER_SLOTS]``) into
-    ``control[:4]`` as ``[stop, loss, present, checkpoint failed]`` and return True; False, and
+    ``control[:CONTROL_SLOTS]`` as :func:`encode` reads it and return True; False, and
     nothing written, when not every rank's payload travelled."""
-    carried, stop, present, failed, hi, lo = reduced[:HEADER_SLOTS]
+    carried, stop, present, failed, hi, lo = reduced[:CHECKED]
     if round(carried) != world_size:
         return False
     control[0], control[1], control[2], control[3] = (
@@ -68,7 +77,17 @@ def decode(reduced: Sequence[float], world_size: int, control: np.ndarray) -> bo
         round(present),
         round(failed),
     )
+    control[4:CONTROL_SLOTS] = [round(v) for v in reduced[CHECKED : CHECKED + 1 + CHECK_BITS]]
     return True
 
 
-__all__ = ["HEADER_SLOTS", "MAX_WORLD", "can_carry", "check_world", "decode", "encode"]
+__all__ = [
+    "CHECK_BITS",
+    "CONTROL_SLOTS",
+    "HEADER_SLOTS",
+    "MAX_WORLD",
+    "can_carry",
+    "check_world",
+    "decode",
+    "encode",
+]

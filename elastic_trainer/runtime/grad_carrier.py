@@ -159,7 +159,9 @@ class ControlCarrier(nn.Module):
         payload = np.zeros(self._size, dtype=np.float32)
         control_header.encode(payload, self._world, control)
         if buffer_values:
-            raw = control[4 : 4 + buffer_values].view(np.uint8)  # a float64's 8 bytes, a slot each
+            raw = control[
+                control_header.CONTROL_SLOTS : control_header.CONTROL_SLOTS + buffer_values
+            ].view(np.uint8)  # a float64's 8 bytes, a slot each
             np.multiply(
                 raw, float(self._world), out=payload[_SLOTS : _SLOTS + raw.size], casting="unsafe"
             )
@@ -198,5 +200,7 @@ class ControlCarrier(nn.Module):
             return False
         if buffer_values:
             raw = summed[_SLOTS : _SLOTS + _BYTES * buffer_values].astype(np.uint8)  # exact
-            control[4 : 4 + buffer_values] = raw.view(np.float64)
+            control[control_header.CONTROL_SLOTS : control_header.CONTROL_SLOTS + buffer_values] = (
+                raw.view(np.float64)
+            )
         return True

@@ -29,6 +29,11 @@ ENV_METRICS_ALLREDUCE = "ELASTIC_TRAINER_METRICS_ALLREDUCE"
 in ten, no comm hook), ``trace`` (CUDA: NCCL's timings from the flight recorder; a CPU model falls
 back to ``sampled``) or ``0`` (not at all). ``hook`` (a Python comm hook on every bucket) was
 removed in issue 30 and is refused. See ``docs/design/metrics.md``."""
+ENV_REPLICA_CHECK_EVERY = "ELASTIC_TRAINER_REPLICA_CHECK_EVERY"
+"""Steps between two comparisons of the data-parallel replicas' parameters (default
+:data:`DEFAULT_REPLICA_CHECK_EVERY`; ``0``: off). They are also compared after the first two steps
+of every start, resume and heal. The checksum rides on the step's control (``docs/design/own-loop.md``)."""
+DEFAULT_REPLICA_CHECK_EVERY = 100
 ENV_CONTROL_CARRIER = "ELASTIC_TRAINER_CONTROL_CARRIER"
 """``0`` sends the step's control on its own small gloo collective every step. By default (``1``),
 on the CPU with gloo and 2 or more ranks, ``Elastic``/``Trainer`` carry it as the gradient of an
@@ -279,6 +284,15 @@ class LaunchContract:
                    launcher_id=env.get(ENV_LAUNCHER_ID) or None)  # fmt: skip
 
 
+def _replica_check_every(environ: Mapping[str, str]) -> int:
+    every = env_int(environ, ENV_REPLICA_CHECK_EVERY)
+    if every is None:
+        return DEFAULT_REPLICA_CHECK_EVERY
+    if every < 0:
+        raise ConfigError(f"{ENV_REPLICA_CHECK_EVERY}={every}: must be 0 (off) or a step count")
+    return every
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerSettings:
     """What a worker process takes from its environment (see the module docstring)."""
@@ -313,6 +327,9 @@ class WorkerSettings:
     """In-place healing."""
     control_carrier: bool = True
     """The step's control rides on a gradient where it can (:data:`ENV_CONTROL_CARRIER`)."""
+    replica_check_every: int = DEFAULT_REPLICA_CHECK_EVERY
+    """Compare the replicas' parameters every this many steps, 0: never
+    (:data:`ENV_REPLICA_CHECK_EVERY`; ``docs/design/own-loop.md``)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -340,6 +357,7 @@ class WorkerSettings:
             local_rank=env_int(env, "LOCAL_RANK") or 0,
             heal=launch.heal if launch.heal is not None else HealSettings.from_environ(env),
             control_carrier=_bool(env, ENV_CONTROL_CARRIER, True),
+            replica_check_every=_replica_check_every(env),
         )
 
 

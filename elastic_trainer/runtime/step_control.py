@@ -31,6 +31,7 @@ read after the backward as well.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,9 +40,11 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.runtime.abortable import AbortableWaits
+from elastic_trainer.runtime.control_header import CHECK_BITS, CONTROL_SLOTS
 from elastic_trainer.runtime.distributed import DistEnv
 
-_STOP, _LOSS, _PRESENT, _CHECKPOINT_FAILED, _HEADER = 0, 1, 2, 3, 4
+_STOP, _LOSS, _PRESENT, _CHECKPOINT_FAILED, _CHECKED = 0, 1, 2, 3, 4
+_HEADER = CONTROL_SLOTS
 
 
 class Carrier(Protocol):
@@ -84,6 +87,8 @@ class PendingControl:
     """The update waited for it: its stop flag can be read without waiting."""
     carried: bool = False
     """Aboard the model's gradient (:mod:`elastic_trainer.runtime.grad_carrier`), not read yet."""
+    checksum_of: int | None = None
+    """The step after which this rank's parameter checksum rides on this control, if any."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,21 @@ class ControlResult:
     loss: float | None
     """Mean loss over that step's global batch; ``None`` if a rank's value was not ready."""
     checkpoint_failed: bool
+    replicas_differ: bool | None = None
+    """Whether the replicas' parameter checksums after step :attr:`checksum_of` differed;
+    ``None``: not compared on this control."""
+    checksum_of: int | None = None
+
+
+def checksum_bits(checksum: int) -> list[float]:
+    """The :data:`CHECK_BITS` bits a control carries of a parameter checksum (any int)."""
+    folded = zlib.crc32(checksum.to_bytes(16, "little", signed=True))
+    return [float((folded >> i) & 1) for i in range(CHECK_BITS)]
+
+
+def bits_differ(counts: Any, world_size: int) -> bool:
+    """Summed over ``world_size`` ranks, whether some bit was set on some ranks but not all."""
+    return any(0 < round(c) < world_size for c in counts)
 
 
 class ControlChannel:
@@ -153,10 +173,13 @@ class ControlChannel:
         stop: bool,
         buffers: torch.Tensor | None = None,
         checkpoint_failed: bool = False,
+        checksum: tuple[int, int] | None = None,
     ) -> PendingControl:
         """Start step ``step``'s control: this rank's stop flag, the previous step's loss sum, and
         ``buffers`` (this rank's contribution of rank 0's buffers, or ``None``). ``loss_sum`` (this
-        rank's loss summed over its samples of ``step``) is staged for the next control."""
+        rank's loss summed over its samples of ``step``) is staged for the next control.
+        ``checksum``: ``(step, checksum)`` of this rank's parameters after that step, compared
+        across the ranks (every rank passes one on the same control)."""
         if (
             buffers is not None
             and not self._cuda
@@ -170,6 +193,8 @@ class ControlChannel:
         host, view = self._hosts[turn], self._views[turn]
         view[_STOP] = 1.0 if stop else 0.0
         view[_CHECKPOINT_FAILED] = 1.0 if checkpoint_failed else 0.0
+        view[_CHECKED] = 0.0 if checksum is None else 1.0
+        view[_CHECKED + 1 : _HEADER] = 0.0 if checksum is None else checksum_bits(checksum[1])
         previous, view[_LOSS], view[_PRESENT] = self._loss_step, 0.0, 0.0
         if previous is not None:
             slot = turn ^ 1  # staged by the previous start
@@ -183,6 +208,7 @@ class ControlChannel:
             work=None,
             loss_of=previous,
             loss_samples=self._loss_samples,
+            checksum_of=None if checksum is None else checksum[0],
         )
         self._send(pending, buffers)
         # Stage this step's loss for the next control (into the slot this one did not read).
@@ -268,12 +294,16 @@ class ControlChannel:
             and pending.loss_samples
         ):
             loss = float(view[_LOSS]) / pending.loss_samples
+        w = self.env.world_size
+        compared = pending.checksum_of is not None and round(view[_CHECKED]) == w
         return ControlResult(
             step=pending.step,
             stop=bool(view[_STOP] > 0),
             loss_step=pending.loss_of,
             loss=None if loss is not None and math.isnan(loss) else loss,
             checkpoint_failed=bool(view[_CHECKPOINT_FAILED] > 0),
+            replicas_differ=bits_differ(view[_CHECKED + 1 : _HEADER], w) if compared else None,
+            checksum_of=pending.checksum_of,
         )
 
 

@@ -54,6 +54,7 @@ from elastic_trainer.runtime.step_control import (
     ControlResult,
     PendingControl,
 )
+from elastic_trainer.state.training_state import state_checksum
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,61 @@ def ensure_progress_logging(rank: int) -> None:
         package.setLevel(logging.INFO)
 
 
+class ReplicasDivergedError(failures.DeterministicError):
+    """The data-parallel replicas' parameters differ: state kept outside the run."""
+
+
+class ReplicaCheck:
+    """Compares the replicas' parameters on the step's control: a checksum of this rank's
+    parameters after step ``S`` rides on step ``S+1``'s control, and the reduced bits say whether
+    every replica sent the same one. Due after the first two steps of every start (a fresh start,
+    a resume, a heal) and every ``every`` steps; never for one rank, a sharded model (its ranks'
+    shards differ by design) or ``every=0``. Design: ``docs/design/own-loop.md``."""
+
+    def __init__(self, state: Any, env: DistEnv, *, every: int) -> None:
+        self._state, self._every = state, every
+        self._enabled = every > 0 and env.world_size > 1 and state.sharded is None
+        self._first = 0
+        self._equal_at: int | None = None
+        self._ready: tuple[int, int] | None = None
+
+    def started(self, step: int) -> None:
+        """This attempt's state is in place at ``step`` (loaded, taken from a peer, or fresh)."""
+        self._first = step
+
+    def after_update(self, step: int) -> None:
+        """(every rank, after step ``step``'s update) take the checksum when it is due."""
+        if not self._enabled or self._state.model is None:
+            return
+        if step - self._first <= 2 or step % self._every == 0:
+            params = [p for p in self._state.model.parameters()]
+            self._ready = (step, state_checksum(params))
+
+    def take(self) -> tuple[int, int] | None:
+        """The checksum for the control being started, once."""
+        ready, self._ready = self._ready, None
+        return ready
+
+    def compared(self, result: ControlResult) -> None:
+        """Read a finished control's comparison; raises when the replicas differ."""
+        if result.replicas_differ is None or result.checksum_of is None:
+            return
+        step = result.checksum_of
+        if not result.replicas_differ:
+            self._equal_at = step
+            return
+        since = (
+            f"equal after step {self._equal_at}"
+            if self._equal_at is not None
+            else "not compared before in this attempt"
+        )
+        raise ReplicasDivergedError(
+            f"the replicas' parameters differ after step {step} ({since}): state kept outside the run makes the "
+            "ranks update differently; likely an own step counter driving the learning rate (use step.number), "
+            "a per-rank random generator, or an optimizer/scheduler built after Elastic(...) or not in states="
+        )
+
+
 class ElasticLoop:
     """Drives one worker's training loop; see the module docstring.
 
@@ -204,7 +260,9 @@ class ElasticLoop:
         """Passes over the dataset; ``None``: until ``max_steps``."""
         self.seed = seed
         self.observer: TrainingObserver = observer if observer is not None else NullObserver()
+        settings = settings if settings is not None else WorkerSettings.from_environ()
         self._receive_stop(settings, sigterm_grace_s)
+        self._replicas = ReplicaCheck(self.state, env, every=settings.replica_check_every)
         self.log_every = log_every
         self.record_samples_dir = record_samples_dir
         self.tokens_per_sample = tokens_per_sample
@@ -219,11 +277,10 @@ class ElasticLoop:
         self._comms = comms if comms is not None else WorkerComms()
         self._start_run(initial_state, generation_part)
 
-    def _receive_stop(self, settings: WorkerSettings | None, grace_s: float | None) -> None:
+    def _receive_stop(self, settings: WorkerSettings, grace_s: float | None) -> None:
         """A stop signal's two receivers: the graceful stop (every rank stops after the same
         step, within ``grace_s``, default the settings'), and the wakeup that tells the
         just-in-time save at once, even while this thread is blocked in a collective."""
-        settings = settings if settings is not None else WorkerSettings.from_environ()
         self._stop = GracefulStop(grace_s if grace_s is not None else settings.sigterm_grace_s)
         self._jit = self.checkpoints.just_in_time
         self._wakeup = SignalWakeup(self._jit.on_signal)
@@ -304,6 +361,7 @@ class ElasticLoop:
             else:
                 self._resumed_from = self.checkpoints.load()
             self.state_ready = True
+            self._replicas.started(self.step)
             self.sampler_check()
             self._open_sample_log()
             self.observer.on_start(
@@ -439,6 +497,7 @@ class ElasticLoop:
             stop=self._stop.requested,
             buffers=buffers,
             checkpoint_failed=self.checkpoints.write_failed,
+            checksum=self._replicas.take(),
         )
 
     @contextlib.contextmanager
@@ -485,6 +544,7 @@ class ElasticLoop:
             plan,
             self._step_lr,
         )
+        self._replicas.after_update(step)
         self.state.guard.boundary()  # a step ended (the just-in-time save's stall detection)
         heartbeat.note_step(step)  # the launcher's frozen-worker watchdog learns the step times
         if self._sample_log is not None:
@@ -514,6 +574,7 @@ class ElasticLoop:
         result: ControlResult = self._channel_().finish(pending)
         if result.checkpoint_failed:
             self.checkpoints.raise_write_failure()
+        self._replicas.compared(result)
         if result.loss_step is not None:
             self._report_step(result.loss_step, result.loss)
         return result.stop

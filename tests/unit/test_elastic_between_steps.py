@@ -52,7 +52,7 @@ def _loss_worker(rank: int, store_path: str, results: Any) -> None:
             with step:
                 total = 0.0
                 for micro in step:
-                    per_sample = model(data[list(micro.indices)]).square().squeeze(1)
+                    per_sample = elastic.ddp(data[list(micro.indices)]).square().squeeze(1)
                     step.backward(per_sample.mean() * step.weight)
                     total += float(per_sample.sum())
                 optimizer.step()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from elastic_trainer.runtime import control_header
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.errors import ConfigError
 from elastic_trainer.runtime.grad_carrier import ControlCarrier, buffer_values
@@ -37,9 +38,12 @@ def _board(
     present: float = 0.0,
     buffers: np.ndarray | None = None,
 ) -> None:
-    """Board ``[stop, loss, present, checkpoint failed = 0, buffers...]`` as the channel does."""
+    """Board ``[stop, loss, present, checkpoint failed = 0, no checksum, buffers...]`` as the
+    channel does."""
     extra = buffers if buffers is not None else np.zeros(0)
-    carrier.board(np.concatenate([[stop, loss, present, 0.0], extra]), extra.size)
+    header = np.zeros(control_header.CONTROL_SLOTS)
+    header[:3] = stop, loss, present
+    carrier.board(np.concatenate([header, extra]), extra.size)
 
 
 def _ddp_average(payloads: list[torch.Tensor], world: int) -> torch.Tensor:
@@ -68,11 +72,14 @@ def test_the_control_survives_ddps_average_bit_for_bit(world: int) -> None:
     reduced = _ddp_average([c._deliver() for c in carriers], world)
     for carrier in carriers:
         carrier._aboard.control.grad = reduced.clone()
-        control = np.zeros(4 + buffers.size)
+        control = np.zeros(control_header.CONTROL_SLOTS + buffers.size)
         assert carrier.collect(control, buffers.size)
         assert control[0] == 1.0 and control[2] == world and control[3] == 0.0
         assert control[1] == pytest.approx(sum(losses), rel=1e-6)
-        assert control[4:].view(np.uint64).tolist() == buffers.view(np.uint64).tolist()
+        assert (
+            control[control_header.CONTROL_SLOTS :].view(np.uint64).tolist()
+            == buffers.view(np.uint64).tolist()
+        )
         # The next payload starts from a zero gradient (autograd adds into it in place).
         grad = carrier._aboard.control.grad
         _board(carrier)
@@ -86,8 +93,10 @@ def test_a_payload_that_did_not_travel_on_every_rank_is_refused() -> None:
     reduced = _ddp_average([c._deliver() for c in carriers], 2)
     for carrier in carriers:
         carrier._aboard.control.grad = reduced.clone()
-    assert not carriers[0].collect(np.zeros(4), 0)
-    assert not carriers[1].collect(np.zeros(4), 0)  # nothing delivered on this rank at all
+    assert not carriers[0].collect(np.zeros(control_header.CONTROL_SLOTS), 0)
+    assert not carriers[1].collect(
+        np.zeros(control_header.CONTROL_SLOTS), 0
+    )  # nothing delivered on this rank at all
 
 
 def test_the_wrapper_keeps_the_models_output_and_gradients() -> None:

@@ -1,0 +1,116 @@
+"""The replicas' parameter check on the step's control: two real gloo ranks on ``Elastic``, one of
+which updates differently (its own learning rate, as an own step counter would set it), stop with
+one error naming the step; alike replicas run on. Both control paths: aboard DDP's gradient (the
+default on the CPU) and on the control's own collective (``ELASTIC_TRAINER_CONTROL_CARRIER=0``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastic_trainer.runtime import control_header
+from elastic_trainer.runtime.step_control import bits_differ, checksum_bits
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, port: int, out: str, diverge: bool, carrier: str) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        ELASTIC_TRAINER_CONTROL_CARRIER=carrier, ELASTIC_TRAINER_REPLICA_CHECK_EVERY="4",
+    )  # fmt: skip
+    from elastic_trainer import Elastic
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 6, generator=g)
+    data = TensorDataset(x, (x.sum(1) > 0).long())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    elastic = Elastic(model, data, global_batch_size=8, max_steps=6, log_every=1000)
+    reached = 0
+    try:
+        for step in elastic:
+            with step:
+                for xb, yb in step:
+                    step.backward(nn.functional.cross_entropy(elastic.ddp(xb), yb) * step.weight)
+                if diverge and step.number == 2:  # an own counter's learning rate, on one rank
+                    optimizer.param_groups[0]["lr"] = 0.1 + 0.05 * rank
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            reached = step.number
+        Path(out, f"rank{rank}").write_text(f"finished {reached}")
+    except SystemExit as exc:  # Elastic's end for a mistake: one line on stderr, exit status 2
+        Path(out, f"rank{rank}").write_text(f"exit {exc.code} after step {reached}")
+
+
+@pytest.mark.parametrize("carrier", ["1", "0"])
+def test_a_rank_that_updates_differently_stops_the_job_naming_the_step(
+    tmp_path: Path, carrier: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    mp.spawn(_worker, args=(_port(), str(tmp_path), True, carrier), nprocs=2)
+    for rank in range(2):
+        text = (tmp_path / f"rank{rank}").read_text()
+        assert text.startswith("exit 2 after step "), text
+        assert int(text.split()[-1]) < 6, text  # stopped before the end
+    lines = [line for line in capfd.readouterr().err.splitlines() if "replicas' parameters" in line]
+    assert len(lines) == 2, lines  # one line a rank
+    for line in lines:
+        assert "differ after step 2 (equal after step 1)" in line, line
+        assert "own step counter" in line
+
+
+@pytest.mark.parametrize("carrier", ["1", "0"])
+def test_alike_replicas_run_to_the_end(tmp_path: Path, carrier: str) -> None:
+    mp.spawn(_worker, args=(_port(), str(tmp_path), False, carrier), nprocs=2)
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["finished 6"] * 2
+
+
+def test_the_carried_header_keeps_the_checksum_bits_exact() -> None:
+    """Two ranks' payloads averaged as DDP does (sum / w): the decoded bits are the sums."""
+    w = 2
+    controls = []
+    for checksum in (12345, 54321):
+        control = np.zeros(control_header.CONTROL_SLOTS)
+        control[4] = 1.0
+        control[5:] = checksum_bits(checksum)
+        controls.append(control)
+    payloads = []
+    for control in controls:
+        payload = np.zeros(control_header.HEADER_SLOTS, dtype=np.float32)
+        control_header.encode(payload, w, control)
+        payloads.append(payload)
+    averaged = (payloads[0] + payloads[1]) / np.float32(w)
+    out = np.zeros(control_header.CONTROL_SLOTS)
+    assert control_header.decode(averaged.tolist(), w, out)
+    assert out[4] == 2
+    assert list(out[5:]) == [a + b for a, b in zip(controls[0][5:], controls[1][5:], strict=True)]
+    assert bits_differ(out[5:], w)
+    same = np.array(checksum_bits(777)) * 2
+    assert not bits_differ(same, w)
+
+
+def test_one_word_changed_in_a_parameter_changes_the_bits() -> None:
+    """A change in the high half of an int64 word (the second float32 of a pair) changes the
+    carried bits: the checksum is folded (crc32), not cut to its low bits."""
+    from elastic_trainer.state.training_state import state_checksum
+
+    a = torch.zeros(4)
+    b = a.clone()
+    b[1] = 1.0
+    assert checksum_bits(state_checksum([a])) != checksum_bits(state_checksum([b]))
