@@ -92,7 +92,7 @@ def _loop(
                 x = data[list(micro.indices)]
                 if noise is not None:
                     x = x + 0.01 * torch.randn(x.shape, generator=noise.g)
-                loss = model(x).square().mean()
+                loss = elastic.ddp(x).square().mean()
                 step.backward(loss * step.weight)
                 if tracker is not None:
                     tracker.update(loss.item())
