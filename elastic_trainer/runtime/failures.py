@@ -43,7 +43,12 @@ class FailureClass(str, enum.Enum):
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line and exit status 2 (every command of the project)."""
+    """argparse whose errors are one line and exit status 2 (every command of the project), and
+    which refuses abbreviated options (``--nproc-per-nod`` is a typo, not ``--nproc-per-node``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

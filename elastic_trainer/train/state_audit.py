@@ -233,8 +233,11 @@ def unsaved_message(objects: Mapping[str, Any], *, rebuilt: bool = False) -> str
     there and returned by name."""
     listed = ", ".join(f"{name} ({type(obj).__name__})" for name, obj in objects.items())
     generators = [name for name, obj in objects.items() if isinstance(obj, torch.Generator)]
-    others = [name for name in objects if name not in generators]
+    scalers = [name for name, obj in objects.items() if type(obj).__name__ == "GradScaler"]
+    others = [name for name in objects if name not in generators and name not in scalers]
     fixes = []
+    if scalers:
+        fixes.append(f"Elastic(..., scaler={scalers[0]})")
     if others and rebuilt:
         fixes.append("build them in your rebuild= function and return them by name")
     elif others:

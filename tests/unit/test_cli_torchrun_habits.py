@@ -76,3 +76,17 @@ def test_the_join_banner_never_sends_other_hosts_to_loopback() -> None:
         in reachable
     )
     assert "127.0.0.1" not in reachable
+
+
+@pytest.mark.parametrize("typo", ["--nproc-per-nod", "--max-restart"])
+def test_an_abbreviated_flag_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], typo: str
+) -> None:
+    """argparse would take a prefix for the whole flag; a typo must not launch a job (issue 40)."""
+    with pytest.raises(SystemExit) as exited:
+        _dry_run(capsys, typo, "2", *EXAMPLE)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.splitlines() == [
+        f"elastic-trainer: error: unrecognized arguments: {typo} (see elastic-trainer --help)"
+    ], err

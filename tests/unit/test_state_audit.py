@@ -425,3 +425,12 @@ def test_with_rebuild_the_unsaved_warning_says_to_build_and_return_them_there(
     lines = [line for line in done.stderr.splitlines() if "not saved, yet changed" in line]
     assert len(lines) == 1 and "teacher (Linear)" in lines[0], done.stderr[-2000:]
     assert "build them in your rebuild= function and return them by name" in lines[0], lines[0]
+
+
+def test_the_unsaved_warning_names_scaler_for_a_grad_scaler() -> None:
+    """An unsaved GradScaler is fixed by ``Elastic(scaler=)`` (which also scales the backward),
+    not by ``states=`` (issue 40 item 9)."""
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    message = state_audit.unsaved_message({"scaler": scaler, "teacher": nn.Linear(4, 4)})
+    assert "Elastic(..., scaler=scaler)" in message, message
+    assert "states={'teacher': teacher}" in message and "'scaler'" not in message, message
