@@ -71,6 +71,7 @@ from elastic_trainer.state.training_state import (
     find_states,
 )
 from elastic_trainer.train import state_audit
+from elastic_trainer.train.after_failure import AfterFailureTrace, after_failure_message
 from elastic_trainer.train.config import RunConfig, RunOptions, run_config_from
 from elastic_trainer.train.elastic_group import Attempt, ElasticGroup
 from elastic_trainer.train.fsdp import no_gradient_sync
@@ -387,6 +388,8 @@ class Elastic:
         self._loader_epoch = -1
         self._unsaved: state_audit.UnsavedWatch | None = None  # rank 0, until the first steps ran
         self._steps_run = 0  # by this process (every attempt)
+        self._warned_after_failure = False  # after_failure.py: once per process
+        self._loop_frame: Any = None  # the frame iterating the run, while it does
         self._earlier_loss: tuple[int, float] | None = None  # an earlier attempt's newest loss
 
     @property
@@ -436,8 +439,9 @@ class Elastic:
         # A mistake that reaches a program passing group=, and under plain torchrun a collective
         # of the body between steps, too.
         one_line_for_uncaught_failures(peer_failures=self._restarted_by_torchrun())
+        self._loop_frame = sys._getframe(1)  # the frame that iterates the loop
         if self.env.is_rank0:
-            self._watch_unsaved(sys._getframe(1))  # the frame that iterates the loop
+            self._watch_unsaved(self._loop_frame)
         try:
             yield from self._run()
         except (failures.DeterministicError, ReplicaMismatchError) as exc:
@@ -453,6 +457,8 @@ class Elastic:
             if not self._ends_for_a_restart(exc):
                 raise
             raise SystemExit(failures.exit_after(exc, prog=PROG)) from exc
+        finally:
+            self._loop_frame = None  # no reference cycle through the caller's frame
 
     def _ends_for_a_restart(self, exc: Exception) -> bool:
         """A peer's death or a failed collective this process could not heal, under plain torchrun:
@@ -502,8 +508,14 @@ class Elastic:
                         first = True
                         for plan in loop:
                             step = Step(self, loop, plan)
-                            yield step
+                            schedule = self._watch_schedule(loop) if first else None
+                            try:
+                                yield step
+                            finally:
+                                step.stop_trace()  # the body left the loop after a failure
                             step.reraise()
+                            if schedule is not None:
+                                self._warn_schedule(schedule, loop)
                             self._steps_run += 1
                             if self._steps_run == state_audit.CHANGE_WINDOW_STEPS:
                                 self._warn_unsaved()
@@ -535,6 +547,29 @@ class Elastic:
         )
         if names:
             self._unsaved = state_audit.UnsavedWatch({name: namespace[name] for name in names})
+
+    def _loop_namespace(self) -> dict[str, Any]:
+        frame = self._loop_frame
+        return {**frame.f_globals, **frame.f_locals} if frame is not None else {}
+
+    def _watch_schedule(self, loop: ElasticLoop) -> state_audit.ScheduleWatch | None:
+        """At an attempt's first step from a restored state (a resume, a heal): the rates the loop
+        finds in its optimizers and its integers (``state_audit.ScheduleWatch``)."""
+        if loop.step == 0:
+            return None
+        rates = state_audit.hand_set_rates(self.state.objects.values())
+        if not rates:
+            return None
+        ints = state_audit.loop_ints(self._loop_namespace())
+        return state_audit.ScheduleWatch(rates, ints, loop.step)
+
+    def _warn_schedule(self, watch: state_audit.ScheduleWatch, loop: ElasticLoop) -> None:
+        """After that step: a rate that jumped names the loop's own counter (one line; after a
+        resume from rank 0, after a heal from each rank it happened on)."""
+        rates = state_audit.hand_set_rates(self.state.objects.values())
+        message = watch.message(rates, state_audit.loop_ints(self._loop_namespace()))
+        if message is not None and (self.env.is_rank0 or loop.state_source != "checkpoint"):
+            log.warning("%s", message)
 
     def _warn_unsaved(self) -> None:
         """Rank 0, once per job start, after the first few steps: the unsaved objects whose
@@ -774,12 +809,20 @@ class Step:
         """This rank's share of the step (epoch, cursor, micro-batches with their indices)."""
         self.number = loop.step + 1
         """The step this is (1 for the first optimizer step of the job)."""
-        self.completed = False
-        """The step's update was applied (False after a failure that ``with step:`` took)."""
+        self._completed = False
+        self._after: AfterFailureTrace | None = None
         self._index: int | None = None
         self._loss_sum: torch.Tensor | None = None
         self._update: Any = None
         self._failure: BaseException | None = None
+
+    @property
+    def completed(self) -> bool:
+        """The step's update was applied: False after a failure that ``with step:`` took, when the
+        code after it runs for the failed attempt (put that code under ``if step.completed:``)."""
+        if self._after is not None:
+            self._after.guarded = True
+        return self._completed
 
     @property
     def epoch(self) -> int:
@@ -857,21 +900,32 @@ class Step:
         except BaseException as raised:  # noqa: BLE001 - a failure of the update itself, healed alike
             exc = raised
         if exc is None:
-            self.completed = True
+            self._completed = True
             return False
         if not isinstance(exc, Exception):
             return False  # KeyboardInterrupt, SystemExit: as they are
         # Handed to the run (its next iteration raises it where the loop and the heal see it):
         # a peer's failure heals in place, anything else ends the run as it would have.
         self._failure = exc
+        if not self._elastic._warned_after_failure:
+            self._after = AfterFailureTrace(sys._getframe(1))  # until the run takes the failure
         return True
+
+    def stop_trace(self) -> None:
+        """End the trace of the code after a failed ``with step:``; name that code once per
+        process (:mod:`elastic_trainer.train.after_failure`)."""
+        after, self._after = self._after, None
+        ran = after.stop() if after is not None else None
+        if ran is not None and not self._elastic._warned_after_failure:
+            self._elastic._warned_after_failure = True
+            log.warning("%s", after_failure_message(self.number, ran))
 
     def reraise(self) -> None:
         """(The run, after the body) raise the failure ``with step:`` took, if any."""
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
-        if not self.completed:
+        if not self._completed:
             raise RuntimeError(f"step {self.number}: the loop body must run inside `with step:`")
 
 

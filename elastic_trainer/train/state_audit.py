@@ -227,6 +227,69 @@ class UnsavedWatch:
         return moved
 
 
+RATE_JUMP = 2.0
+"""Factor between the learning rate restored at an attempt's start and the one its first update
+used beyond which :class:`ScheduleWatch` speaks (a smooth schedule moves far less in one step)."""
+
+
+def hand_set_rates(objects: Iterable[Any]) -> list[float]:
+    """The learning rate of each param group of the optimizers among ``objects`` that no LR
+    scheduler among them drives (a rate the loop writes itself)."""
+    objects = list(objects)
+    driven = {
+        id(getattr(obj, "optimizer", None))
+        for obj in objects
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
+    }
+    rates = []
+    for obj in objects:
+        if isinstance(obj, torch.optim.Optimizer) and id(obj) not in driven:
+            rates.extend(float(group["lr"]) for group in obj.param_groups if "lr" in group)
+    return rates
+
+
+def loop_ints(namespace: Mapping[str, Any]) -> dict[str, int]:
+    """The loop frame's integer variables (its counters among them)."""
+    return {k: v for k, v in namespace.items() if type(v) is int and not k.startswith("_")}
+
+
+class ScheduleWatch:
+    """A schedule the loop computes from a counter of its own: after a resume or a heal the counter
+    starts over while the run goes on from its step, so the rate the loop writes into the
+    optimizer jumps away from the restored one (back to the warm-up's start, typically), and after
+    a heal the replicas' rates differ. Taken at the start of an attempt from a restored state;
+    :meth:`message` compares the rates of its first update and names the loop's integers that
+    counted that step yet stand below the run's step."""
+
+    def __init__(self, rates: list[float], ints: Mapping[str, int], step: int) -> None:
+        self._rates, self._ints, self._step = rates, dict(ints), step
+
+    def message(self, rates: list[float], ints: Mapping[str, int]) -> str | None:
+        """The warning (one line), or ``None`` when every rate moved by less than
+        :data:`RATE_JUMP`."""
+        if len(rates) != len(self._rates):
+            return None
+        jumps = [
+            (before, after)
+            for before, after in zip(self._rates, rates, strict=True)
+            if min(before, after) <= 0 < max(before, after)
+            or (min(before, after) > 0 and max(before, after) / min(before, after) >= RATE_JUMP)
+        ]
+        if not jumps:
+            return None
+        before, after = jumps[0]
+        counters = sorted(
+            name for name, value in ints.items() if self._ints.get(name) == value - 1 < self._step
+        )
+        likely = f" (likely {' or '.join(counters)})" if counters else ""
+        return (
+            f"the learning rate went from {before:.3g}, restored at step {self._step}, to "
+            f"{after:.3g} at step {self._step + 1}: a schedule computed from a counter of the "
+            f"loop's own{likely} starts over at every resume and heal while the run goes on, and "
+            "replicas disagree after a heal; compute it from step.number (docs/own-loop.md)"
+        )
+
+
 def unsaved_message(objects: Mapping[str, Any], *, rebuilt: bool = False) -> str:
     """The warning (one short line) for unsaved objects whose state changed in training, by name;
     ``rebuilt``: the run has ``rebuild=`` (a model sharded by the user), whose objects are built

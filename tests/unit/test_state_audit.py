@@ -434,3 +434,24 @@ def test_the_unsaved_warning_names_scaler_for_a_grad_scaler() -> None:
     message = state_audit.unsaved_message({"scaler": scaler, "teacher": nn.Linear(4, 4)})
     assert "Elastic(..., scaler=scaler)" in message, message
     assert "states={'teacher': teacher}" in message and "'scaler'" not in message, message
+
+
+def test_a_rate_written_from_an_own_counter_that_started_over_is_named() -> None:
+    """nanoGPT's shape: ``lr = get_lr(iter_num)`` written into the optimizer, ``iter_num += 1``
+    after the step. Resumed at step 500 its counter is back at 0, the warm-up's start (issue 40
+    item 2); a rate that moves as a schedule does, or one a scheduler drives, is left alone."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4)  # restored: step 500's rate
+    rates = state_audit.hand_set_rates([model, optimizer])
+    assert rates == [6e-4]
+    watch = state_audit.ScheduleWatch(rates, {"iter_num": 0, "max_iters": 5000}, 500)
+    optimizer.param_groups[0]["lr"] = 6e-4 * 1 / 100  # get_lr(0) with 100 warm-up iterations
+    message = watch.message(
+        state_audit.hand_set_rates([optimizer]), {"iter_num": 1, "max_iters": 5000}
+    )
+    assert message is not None
+    assert message.startswith("the learning rate went from 0.0006, restored at step 500, to 6e-06")
+    assert "(likely iter_num)" in message and "step.number" in message
+    assert watch.message([5.99e-4], {"iter_num": 501}) is None, "a schedule's next rate"
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    assert state_audit.hand_set_rates([optimizer, scheduler]) == []
