@@ -7,9 +7,17 @@
 
 ``status`` reads them back with :func:`read_progress` from ``{prefix}/{run}/progress/state`` (a
 :class:`ProgressRecord` on a lease of three intervals) and ``.../progress/error`` (an
-:class:`ErrorRecord` on a lease of the run's ``ttl``). Invariants: only the node hosting global
-rank 0 writes, one lease renewal and one put per interval, whatever the job's size; no etcd call
-ever blocks or stops the launcher. Design: ``docs/design/launcher.md``.
+:class:`ErrorRecord` on a lease of the run's ``ttl``). Design: ``docs/design/launcher.md``.
+
+Every node reads its own registry every :data:`POLL_S` (a local read of the workers' files). The
+node hosting global rank 0 writes a record at a read where the job moved (its step, world size,
+restarts, heals, target or newest checkpoint differ from the last record), else once an
+``interval_s`` (default :data:`DEFAULT_INTERVAL_S`). So while training a record is at most
+``POLL_S`` old and its step at most the workers' flush interval (1 s) older: under 2 s. etcd load,
+whatever the job's size: from rank 0's node at most 1/``POLL_S`` puts a second while training (about
+one: the step it reads moves when a worker flushes, once a second) and one lease renewal an
+``interval_s``; while nothing moves one put and one renewal an ``interval_s``; from the other nodes
+none. No etcd call ever blocks or stops the launcher.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ log = logging.getLogger(__name__)
 
 THREAD_NAME = "progress-publisher"
 DEFAULT_INTERVAL_S = 10.0
+"""Seconds between records while the job does not move, and between lease renewals."""
+POLL_S = 0.5
+"""Seconds between reads of the registry (a record is written at one where the job moved)."""
 DEFAULT_ERROR_TTL_S = 7200
 MAX_ERROR_CHARS = 300
 
@@ -96,9 +107,10 @@ class ProgressRecord:
     last_checkpoint_step: int | None = None
     last_checkpoint_unix: float | None = None
     restarts: int | None = None
-    """The publishing node's restart count (``elastic_trainer_restarts_total``)."""
+    """The job's restarts (:func:`~elastic_trainer.metrics.progress.job_counts`: this node's
+    ``elastic_trainer_restarts_total``, rank 0's node)."""
     heals: int | None = None
-    """The publishing node's in-place heal count (``elastic_trainer_heals_total``)."""
+    """The job's in-place heals, counted the same way (``elastic_trainer_heals_total``)."""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -186,7 +198,8 @@ class ProgressPublisher:
         keys: where to write.
         registry: the launcher's metrics registry (``LauncherMetrics.registry``).
         node: this node's name.
-        interval_s: seconds between reads of the registry (and writes, on rank 0's node).
+        interval_s: seconds between records while the job does not move (and between lease
+            renewals); the registry is read every :data:`POLL_S` (or ``interval_s`` if shorter).
         error_ttl_s: seconds an error record lives.
         owns_connection: close ``connection`` in :meth:`close`.
         clock: monotonic time (injectable for tests); wall_clock: unix time for the records.
@@ -217,6 +230,7 @@ class ProgressPublisher:
         self._registry = registry
         self.node = node
         self.interval_s = interval_s
+        self.poll_s = min(POLL_S, interval_s)
         self._ttl = max(2, math.ceil(3 * interval_s))
         self._error_ttl = error_ttl_s
         self._owns_connection = owns_connection
@@ -224,6 +238,8 @@ class ProgressPublisher:
         self._wall_clock = wall_clock
         self._window = RateWindow(span_s=max(60.0, 3 * interval_s))
         self._lease_id: int | None = None
+        self._renewed_at = -math.inf  # monotonic time the lease was last granted or renewed
+        self._written: tuple[float, ProgressRecord] | None = None  # (monotonic time, record)
         self._lock = threading.Lock()
         self._pending_error: ErrorRecord | None = None
         self._wake = threading.Event()
@@ -305,24 +321,22 @@ class ProgressPublisher:
     # -- one round (the thread calls these; tests may too) --------------------------------------
 
     def publish_once(self) -> ProgressRecord | None:
-        """Read the registry; if this node hosts global rank 0, write the progress record.
+        """Read the registry; if this node hosts global rank 0 and a record is due (the job
+        moved since the last one, or ``interval_s`` passed: :func:`record_due`), write it.
 
         Returns:
-            The record written, or ``None`` (not rank 0's node).
+            The record written, or ``None`` (not rank 0's node, or nothing due).
 
         Raises:
             RendezvousConnectionError: etcd did not take the write.
         """
-        snapshot = Snapshot.from_samples(
-            samples_of(self._registry.collect()), taken_at=self._clock()
-        )
+        now = self._clock()
+        snapshot = Snapshot.from_samples(samples_of(self._registry.collect()), taken_at=now)
         baseline = self._window.add(snapshot)
         if not any(rank == 0 for _, rank in snapshot.live_ranks):
             return None
         view = progress_view(snapshot, baseline)
-        own = snapshot.nodes.get(self.node)
-        restarts = own.restarts if own is not None else view.restarts
-        heals = own.heals if own is not None else view.heals
+        restarts, heals = view.restarts, view.heals  # the job's, as `top` counts them
         record = ProgressRecord(
             node=self.node, published_unix=self._wall_clock(), step=view.step, total_steps=view.total_steps,
             world_size=view.world_size, steps_per_s=view.steps_per_s, samples_per_s=view.samples_per_s,
@@ -330,13 +344,16 @@ class ProgressPublisher:
             last_checkpoint_step=view.last_checkpoint_step, last_checkpoint_unix=view.last_checkpoint_unix,
             restarts=None if restarts is None else int(restarts), heals=None if heals is None else int(heals),
         )  # fmt: skip
-        self._put_progress(record.encode())
+        if not record_due(record, self._written, now=now, interval_s=self.interval_s):
+            return None
+        self._put_progress(record.encode(), now=now)
+        self._written = (now, record)
         return record
 
-    def _put_progress(self, value: bytes) -> None:
+    def _put_progress(self, value: bytes, *, now: float) -> None:
         budget = min(self.interval_s, self._connection.config.retry_timeout)
         lease_id = self._lease_id
-        if lease_id is not None:
+        if lease_id is not None and now - self._renewed_at >= self.interval_s:
             try:
                 alive = self._connection.call(lambda c: int(list(c.refresh_lease(lease_id))[0].TTL) > 0,
                                               what="a progress lease renewal", retry_timeout=budget)  # fmt: skip
@@ -344,12 +361,19 @@ class ProgressPublisher:
                 alive = False  # lease gone (etcd restored, expired while cut off): grant a new one
             if not alive:
                 lease_id = None
+            else:
+                self._renewed_at = now
         if lease_id is None:
             lease = self._connection.call(lambda c: c.lease(self._ttl), what="a progress lease grant",
                                           retry_timeout=budget)  # fmt: skip
             lease_id = self._lease_id = int(lease.id)
-        self._connection.call(lambda c: c.put(self.keys.state, value, lease=lease_id), what="a progress write",
-                              retry_timeout=budget)  # fmt: skip
+            self._renewed_at = now
+        try:
+            self._connection.call(lambda c: c.put(self.keys.state, value, lease=lease_id),
+                                  what="a progress write", retry_timeout=budget)  # fmt: skip
+        except Exception:
+            self._renewed_at = -math.inf  # the lease may be gone: check it before the next write
+            raise
 
     def _write_error(self, *, retry_timeout: float) -> None:
         with self._lock:
@@ -373,14 +397,12 @@ class ProgressPublisher:
                 )
             now = self._clock()
             if now >= next_at:
-                next_at = now + self.interval_s
+                next_at = now + self.poll_s
                 try:
                     self.publish_once()
-                except Exception as exc:  # etcd away, a registry read failed: try next interval
+                except Exception as exc:  # etcd away, a registry read failed: try next poll
                     if not self._failing:
-                        log.warning(
-                            "progress publisher: %s (retrying every %.0fs)", exc, self.interval_s
-                        )
+                        log.warning("progress publisher: %s (retrying every %gs)", exc, self.poll_s)
                     self._failing = True
                 else:
                     if self._failing:
@@ -390,6 +412,25 @@ class ProgressPublisher:
             self._wake.clear()
         if self._pending_error is not None:  # reported just before close()
             self._write_error(retry_timeout=self._final_budget)
+
+
+_MOVES = ("step", "world_size", "restarts", "heals", "total_steps", "last_checkpoint_step")
+"""The record's fields whose change is worth a write at once (rates and loss follow the step)."""
+
+
+def record_due(
+    record: ProgressRecord,
+    written: tuple[float, ProgressRecord] | None,
+    *,
+    now: float,
+    interval_s: float,
+) -> bool:
+    """Whether ``record`` should be written at monotonic time ``now``, ``written`` being the
+    (time, record) of the last write: none yet, ``interval_s`` passed, or the job moved."""
+    if written is None or now - written[0] >= interval_s:
+        return True
+    last = written[1]
+    return any(getattr(record, name) != getattr(last, name) for name in _MOVES)
 
 
 def read_progress(

@@ -73,7 +73,8 @@ class NodeStats:
     """What one node's metrics say about that node."""
 
     ranks: tuple[int, ...] = ()
-    """Global ranks with a live worker on the node (a live ``step`` gauge)."""
+    """Global ranks with a live worker on the node (a live, finite ``step`` gauge: a worker whose
+    rank changed at a heal writes NaN into its old rank's)."""
     restarts: float | None = None
     """``elastic_trainer_restarts_total`` of the node's agent."""
     heals: float | None = None
@@ -102,7 +103,8 @@ class Snapshot:
     last_checkpoint_step: int | None = None
     last_checkpoint_unix: float | None = None
     loss: float | None = None
-    """Mean over the live ranks (the runtime reports the global mean loss on every rank)."""
+    """Mean over the live ranks (the runtime reports the global mean loss on every rank); a rank
+    with no live ``step`` (a worker that holds another rank since a heal) is left out."""
     lr: float | None = None
 
     @property
@@ -117,7 +119,7 @@ class Snapshot:
         snap = cls(taken_at=taken_at)
         runs: set[str] = set()
         steps: dict[RankId, float] = {}
-        losses: list[float] = []
+        losses: dict[RankId, float] = {}
         per_rank: dict[str, dict[RankId, float]] = {COMPUTE_SUM: {}, COMPUTE_COUNT: {}}
         per_node: dict[str, dict[str, float]] = {RESTARTS: {}, HEALS: {}}
         for sample in samples:
@@ -129,19 +131,21 @@ class Snapshot:
                 runs.add(run)
             node, rank = labels.get("node", "?"), _rank(labels)
             if name == STEP and rank is not None:
-                steps[(node, rank)] = value
+                if math.isfinite(value):  # NaN: a rank this worker no longer holds (a heal)
+                    steps[(node, rank)] = value
             elif name in per_rank and rank is not None:
                 per_rank[name][(node, rank)] = per_rank[name].get((node, rank), 0.0) + value
             elif name in per_node:
                 per_node[name][node] = per_node[name].get(node, 0.0) + value
-            elif name == LOSS and math.isfinite(value):
-                losses.append(value)
+            elif name == LOSS and rank is not None and math.isfinite(value):
+                losses[(node, rank)] = value
             else:
                 snap._take(name, labels, value)
         snap.run_ids = tuple(sorted(runs))
         if steps:
             snap.step = int(max(steps.values()))
-        snap.loss = statistics.fmean(losses) if losses else None
+        live_losses = [loss for rank_id, loss in losses.items() if rank_id in steps]
+        snap.loss = statistics.fmean(live_losses) if live_losses else None
         compute_sum, compute_count = per_rank[COMPUTE_SUM], per_rank[COMPUTE_COUNT]
         snap.compute = {r: (compute_sum[r], compute_count.get(r, 0.0)) for r in compute_sum}
         restarts, heals = per_node[RESTARTS], per_node[HEALS]
@@ -279,16 +283,13 @@ class ProgressView:
 
     @property
     def restarts(self) -> float | None:
-        """The highest restart count of the nodes seen (each node's agent counts the job's
-        restarts it took part in)."""
-        counts = [s.restarts for s in self.nodes.values() if s.restarts is not None]
-        return max(counts) if counts else None
+        """The job's restarts (:func:`job_counts`)."""
+        return job_counts(self.nodes)[0]
 
     @property
     def heals(self) -> float | None:
-        """The highest in-place heal count of the nodes seen (each launcher counts the job's heals)."""
-        counts = [s.heals for s in self.nodes.values() if s.heals is not None]
-        return max(counts) if counts else None
+        """The job's in-place heals (:func:`job_counts`)."""
+        return job_counts(self.nodes)[1]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -297,6 +298,20 @@ class ProgressView:
         out["heals"] = self.heals
         out["run_ids"] = list(self.run_ids)
         return out
+
+
+def job_counts(nodes: dict[str, NodeStats]) -> tuple[float | None, float | None]:
+    """The job's (restarts, in-place heals): those counted by the node that hosts global rank 0,
+    else (no such node seen) the highest of the nodes seen; ``None`` where no node counts.
+
+    Each node's launcher counts the restarts and heals it took part in, so nodes that joined
+    at different times differ. Rank 0's node is the one every reader sees: it publishes the
+    record ``elastic-trainer status`` shows, and ``top`` over every node finds it too, so the
+    tools agree. Two nodes claiming rank 0 (a heal under way): the higher of theirs."""
+    hosts = [stats for stats in nodes.values() if 0 in stats.ranks] or list(nodes.values())
+    restarts = [s.restarts for s in hosts if s.restarts is not None]
+    heals = [s.heals for s in hosts if s.heals is not None]
+    return (max(restarts) if restarts else None, max(heals) if heals else None)
 
 
 def progress_view(current: Snapshot, baseline: Snapshot | None) -> ProgressView:

@@ -17,6 +17,7 @@ In a training script started by ``elastic-trainer run``::
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import math
 import os
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from torch import distributed as dist
 
 from elastic_trainer.metrics.bucket_trace import BucketTiming, TracedBucketTimer, exposed_wait_s
 from elastic_trainer.metrics.collective_trace import trace_environment
@@ -105,7 +107,8 @@ class WorkerLabels:
     """The node's name, ``{short host}-{agent pid}`` (:mod:`elastic_trainer.metrics.node_name`): stable
     across worker restarts, unlike GROUP_RANK, and the name ``elastic-trainer status`` shows."""
     rank: int
-    """Global rank (``RANK``)."""
+    """Global rank: ``RANK`` at the start, then the process group's own at every (re)start of
+    the loop (:meth:`PrometheusObserver.on_start`: a heal in place may give it another)."""
     local_rank: int
     """Rank on this node (``LOCAL_RANK``)."""
 
@@ -146,45 +149,51 @@ class _LazyChild:
             self._child = self._parent.labels(*self._values)
         self._child.set(value)
 
+    def retire(self) -> None:
+        """NaN in the series, if it exists (:meth:`_WorkerMetrics.retire_rank`)."""
+        if self._child is not None:
+            self._child.set(math.nan)
+
 
 class _Metric:
-    """Makes one worker's metric children in ``registry``: by rank (four label values) or by node."""
+    """Makes one worker's metric children in ``registry``: by rank (four label values) or by node.
+
+    Each metric is registered once; asked again (new label values after a rank change), it
+    gives the same metric's child for those values."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._made: dict[str, Any] = {}
+
+    def _parent(self, kind: Any, name: str, doc: str, values: Sequence[str], **kwargs: Any) -> Any:
+        parent = self._made.get(name)
+        if parent is None:
+            names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
+            parent = kind(PREFIX + name, doc, names, registry=self.registry, **kwargs)
+            self._made[name] = parent
+        return parent
 
     def counter(self, name: str, doc: str, values: Sequence[str]) -> Any:
-        names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
-        return Counter(PREFIX + name, doc, names, registry=self.registry).labels(*values)
+        return self._parent(Counter, name, doc, values).labels(*values)
 
     def histogram(
         self, name: str, doc: str, values: Sequence[str], buckets: Sequence[float]
     ) -> Any:
-        names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
-        made = Histogram(PREFIX + name, doc, names, registry=self.registry, buckets=buckets)
-        return made.labels(*values)
+        return self._parent(Histogram, name, doc, values, buckets=buckets).labels(*values)
 
     def gauge(
         self, name: str, doc: str, values: Sequence[str], mode: str, lazy: bool = False
     ) -> Any:
-        names = _RANK_LABELS if len(values) == 4 else _NODE_LABELS
-        parent = Gauge(
-            PREFIX + name,
-            doc,
-            names,
-            registry=self.registry,
-            multiprocess_mode=mode,  # type: ignore[arg-type]
-        )
+        parent = self._parent(Gauge, name, doc, values, multiprocess_mode=mode)
         return _LazyChild(parent, values) if lazy else parent.labels(*values)
 
 
 class _WorkerMetrics:
     """The metric objects of one worker, bound to its labels."""
 
-    def __init__(self, registry: CollectorRegistry, labels: WorkerLabels) -> None:
+    def __init__(self, metric: _Metric, labels: WorkerLabels) -> None:
         node = (labels.run_id, labels.node)
         rank = (*node, str(labels.rank), str(labels.local_rank))
-        metric = _Metric(registry)
         self._step_metrics(metric, node, rank)
         self._allreduce_metrics(metric, node, rank)
         self.world_size = metric.gauge(
@@ -303,6 +312,15 @@ class _WorkerMetrics:
             lazy=True,
         )
 
+    def retire_rank(self) -> None:
+        """This process holds another rank now: the old rank's ``step`` reads NaN, so that no
+        reader takes the old rank as live (:class:`~elastic_trainer.metrics.progress.Snapshot`
+        skips it, as PromQL's ``max`` does). prometheus-client cannot remove a series in
+        multiprocess mode; the series goes with the process. The old rank's loss and bandwidth
+        keep their last values (a NaN would turn a dashboard's ``avg`` into NaN; the snapshot
+        reads the loss of live ranks only); counters and histograms keep their totals."""
+        self.step.retire()
+
 
 class _LocalHistogram:
     """A histogram child's observations, kept in plain Python until :meth:`flush` writes them.
@@ -366,6 +384,8 @@ class PrometheusObserver:
         ring_entries: the flight recorder's ring size (``trace``).
         flush_interval_s: seconds between writes of the per-step values; 0 writes every step.
         clock: monotonic clock for the flush interval (injectable for tests).
+        group_rank: this process's rank in its process group, ``None`` without one (read at
+            every :meth:`on_start`; injectable for tests).
 
     Raises:
         ValueError: ``flush_interval_s`` is negative.
@@ -382,6 +402,7 @@ class PrometheusObserver:
         ring_entries: int | None = None,
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        group_rank: Callable[[], int | None] | None = None,
     ) -> None:
         if not flush_interval_s >= 0:
             raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
@@ -391,9 +412,11 @@ class PrometheusObserver:
         self.ring_entries = ring_entries
         self.flush_interval_s = flush_interval_s
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self._m = m = _WorkerMetrics(self.registry, labels)
+        self._metric = _Metric(self.registry)
+        self._m = _WorkerMetrics(self._metric, labels)
         self._wall_clock = wall_clock
         self._clock = clock
+        self._group_rank = group_rank if group_rank is not None else process_group_rank
         self._next_flush = -math.inf
         self._world_size = 1
         self._timer: TracedBucketTimer | None = None  # set by wrap_ddp (trace)
@@ -407,15 +430,7 @@ class PrometheusObserver:
         self._step_durations: dict[int, float] = {}  # trace: step -> step duration
         self._pending: dict[int, list[BucketTiming]] = {}  # trace: step -> its bucket timings
         # Per-step values not yet written: histograms, counter increments, last gauge values.
-        self._step_duration = _LocalHistogram(m.step_duration)
-        self._data_wait = _LocalHistogram(m.data_wait)
-        self._step_compute = _LocalHistogram(m.step_compute)
-        self._allreduce_duration = _LocalHistogram(m.allreduce_duration)
-        self._allreduce_bucket_bytes = _LocalHistogram(m.allreduce_bucket_bytes)
-        self._histograms = (
-            self._step_duration, self._data_wait, self._step_compute,
-            self._allreduce_duration, self._allreduce_bucket_bytes,
-        )  # fmt: skip
+        self._bind_histograms()
         self._samples = 0
         self._tokens = 0
         self._allreduce_bytes = 0
@@ -432,11 +447,42 @@ class PrometheusObserver:
         """See :class:`~elastic_trainer.runtime.observer.TrainingObserver`.
 
         ``restart_count`` is not exported: the agent counts restarts
-        (``elastic_trainer_restarts_total``), failures and membership changes alike."""
+        (``elastic_trainer_restarts_total``), failures and membership changes alike. The rank
+        label follows the process group's rank (:meth:`relabel`): a heal in place, or a joiner
+        whose ``RANK`` is its own launcher's, may give this process another rank."""
+        rank = self._group_rank()
+        if rank is not None and rank != self.labels.rank:
+            self.relabel(rank)
         self._world_size = world_size
         self._m.world_size.set(world_size)
         if total_steps is not None:
             self._m.target_steps.set(total_steps)
+
+    def relabel(self, rank: int) -> None:
+        """Write this worker's per-rank series under ``rank`` from now on. What was gathered is
+        written under the old rank first; the old rank's step then reads NaN
+        (:meth:`_WorkerMetrics.retire_rank`), so no reader counts the old rank as live.
+
+        Raises:
+            ValueError: ``rank`` is negative."""
+        self.flush()
+        old = self._m
+        self.labels = dataclasses.replace(self.labels, rank=rank)
+        self._m = _WorkerMetrics(self._metric, self.labels)
+        old.retire_rank()
+        self._bind_histograms()
+
+    def _bind_histograms(self) -> None:
+        m = self._m
+        self._step_duration = _LocalHistogram(m.step_duration)
+        self._data_wait = _LocalHistogram(m.data_wait)
+        self._step_compute = _LocalHistogram(m.step_compute)
+        self._allreduce_duration = _LocalHistogram(m.allreduce_duration)
+        self._allreduce_bucket_bytes = _LocalHistogram(m.allreduce_bucket_bytes)
+        self._histograms = (
+            self._step_duration, self._data_wait, self._step_compute,
+            self._allreduce_duration, self._allreduce_bucket_bytes,
+        )  # fmt: skip
 
     def on_step(
         self,
@@ -653,6 +699,13 @@ class PrometheusObserver:
         """Read DDP's sampled statistics through ``sampler`` from now on (instead of a timer)."""
         self.attach_timer(None)
         self._sampler = sampler
+
+
+def process_group_rank() -> int | None:
+    """This process's rank in the default process group; ``None`` before there is one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return None
 
 
 def _params_on_cuda(model: Any) -> bool:

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from elastic_trainer.metrics import worker as metrics_mod
 from elastic_trainer.metrics.bucket_trace import BucketTiming
+from elastic_trainer.metrics.progress import Snapshot, samples_of
 from elastic_trainer.metrics.worker import (
     MetricsError,
     PrometheusObserver,
@@ -245,7 +246,7 @@ def test_deferred_histograms_export_exactly_what_observe_would(registry: Collect
     labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
     observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0)
     reference = CollectorRegistry()
-    direct = metrics_mod._WorkerMetrics(reference, labels)
+    direct = metrics_mod._WorkerMetrics(metrics_mod._Metric(reference), labels)
     durations = [0.0, 0.001, 0.0015, 0.2, 0.2000001, 7.0, 59.9, 60.0, 1e6, -0.5]
     for n, duration in enumerate(durations, start=1):
         step(observer, n, duration_s=duration, data_wait_s=duration / 10)
@@ -614,3 +615,56 @@ def test_a_new_ddp_model_restarts_the_step_numbering(registry: CollectorRegistry
     assert value(registry, "elastic_trainer_step_compute_seconds_sum") == pytest.approx(
         2 * 0.4 + 0.48
     )
+
+
+def test_a_rank_changed_at_a_heal_relabels_the_series_and_retires_the_old_step(
+    registry: CollectorRegistry,
+) -> None:
+    """A joiner starts with its own launcher's RANK 0, then holds rank 1 in the job's group: from
+    that start on its series say rank 1, and its old rank's step no longer reads as a live rank
+    (issue 40: `top` said `ranks 0` where `status` said rank 1)."""
+    group = [0]
+    labels = WorkerLabels(run_id="job", node="host-a", rank=0, local_rank=0)
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=3600.0,
+                                  group_rank=lambda: group[0])  # fmt: skip
+    old = {"run_id": "job", "node": "host-a", "rank": "0", "local_rank": "0"}
+    new = dict(old, rank="1")
+    observer.on_start(world_size=1, restart_count=0)
+    for n in (1, 2, 3):
+        step(observer, n, loss=9.0)  # deferred: written at the relabel, under rank 0
+    group[0] = 1  # healed in place into a bigger group
+    observer.on_start(world_size=2, restart_count=0)
+    assert observer.labels.rank == 1
+    assert value(registry, "elastic_trainer_samples_total", old) == 3 * 32
+    step(observer, 4, loss=0.5)
+    observer.flush()
+    old_step = value(registry, "elastic_trainer_step", old)
+    assert old_step is not None and math.isnan(old_step)
+    assert value(registry, "elastic_trainer_step", new) == 4
+    assert value(registry, "elastic_trainer_samples_total", new) == 32
+    assert value(registry, "elastic_trainer_step_duration_seconds_count", new) == 1
+    snapshot = Snapshot.from_samples(samples_of(registry.collect()), taken_at=0.0)
+    assert snapshot.nodes["host-a"].ranks == (1,) and snapshot.live_ranks == {("host-a", 1)}
+    assert snapshot.step == 4 and snapshot.loss == 0.5  # the old rank's stale loss left out
+    observer.on_start(world_size=2, restart_count=0)  # the same rank again: nothing changes
+    assert value(registry, "elastic_trainer_step", new) == 4
+
+
+def test_the_rank_label_follows_the_process_group(gloo_world: None) -> None:
+    """By default the rank is the default process group's (here rank 0 of one)."""
+    registry = CollectorRegistry()
+    labels = WorkerLabels(run_id="job", node="host-a", rank=3, local_rank=1)
+    observer = PrometheusObserver(labels=labels, registry=registry, flush_interval_s=0.0)
+    assert metrics_mod.process_group_rank() == 0
+    observer.on_start(world_size=1, restart_count=0)
+    step(observer, 1)
+    assert observer.labels.rank == 0
+    assert value(registry, "elastic_trainer_step", dict(RANK, rank="0")) == 1
+
+
+def test_no_process_group_keeps_the_rank_from_the_environment(
+    observer: PrometheusObserver,
+) -> None:
+    assert metrics_mod.process_group_rank() is None
+    observer.on_start(world_size=1, restart_count=0)
+    assert observer.labels.rank == 3

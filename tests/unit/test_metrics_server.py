@@ -347,3 +347,39 @@ def test_launcher_rejects_an_unknown_allreduce_mode_before_anything_starts(
     ):
         start_launcher_metrics(LauncherMetricsConfig(addr="127.0.0.1", port=0))
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+
+
+# A worker whose rank changes: RANK=3 from its launcher, then rank 0 in the job's process group.
+RELABELLED_WORKER = """
+import torch.distributed as dist
+from elastic_trainer.metrics.worker import worker_observer
+obs = worker_observer()
+obs.on_start(world_size=4, restart_count=0)
+obs.on_step(step=1, duration_s=0.1, data_wait_s=0.0, samples=8, tokens=0, loss=0.5)
+obs.flush()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+obs.on_start(world_size=1, restart_count=0)
+obs.on_step(step=2, duration_s=0.1, data_wait_s=0.0, samples=8, tokens=0, loss=0.25)
+obs.flush()
+dist.destroy_process_group()
+"""
+
+
+def test_a_worker_whose_rank_changed_serves_only_its_new_rank_as_live(tmp_path: Path) -> None:
+    """In multiprocess mode a series cannot be removed: the old rank's step reads NaN, which the
+    snapshot (`top`, the progress publisher) skips; counters keep what each rank did."""
+    from elastic_trainer.metrics.progress import Snapshot, samples_of
+
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), RANK="3", LOCAL_RANK="1",
+               TORCHELASTIC_RUN_ID="job", ELASTIC_TRAINER_NODE=NODE_NAME)  # fmt: skip
+    subprocess.run([sys.executable, "-c", RELABELLED_WORKER], env=env, timeout=60, check=True)
+    collector = LiveMultiProcessCollector(str(tmp_path), is_alive=lambda p: True)  # as if alive
+    values = snapshot(collector)
+    old = (("local_rank", "1"), ("node", NODE_NAME), ("rank", "3"), ("run_id", "job"))
+    new = (("local_rank", "1"), ("node", NODE_NAME), ("rank", "0"), ("run_id", "job"))
+    assert values[("elastic_trainer_step", old)] != values[("elastic_trainer_step", old)]  # NaN
+    assert values[("elastic_trainer_step", new)] == 2
+    assert values[("elastic_trainer_samples_total", old)] == 8
+    assert values[("elastic_trainer_samples_total", new)] == 8
+    snap = Snapshot.from_samples(samples_of(collector.collect()), taken_at=0.0)
+    assert snap.nodes[NODE_NAME].ranks == (0,) and (snap.step, snap.loss) == (2, 0.25)
