@@ -383,7 +383,9 @@ class Elastic:
         self._carrier: ShardCarrier | None = None  # a sharded model's control carrier
         self.loop: ElasticLoop | None = None
         self.result: TrainResult | None = None
-        """How the run ended (after the iteration): ``exit_code`` is what the process exits with."""
+        """How the run ended (after the iteration): ``exit_code`` is what the process exits with.
+        A stopped run (SIGTERM, a scale-down) without ``group=`` ends the iteration with
+        ``SystemExit(exit_code)`` itself: the code after the loop is end-of-training code."""
         self._batches: Iterator[Any] | None = None
         self._loader_epoch = -1
         self._unsaved: state_audit.UnsavedWatch | None = None  # rank 0, until the first steps ran
@@ -444,6 +446,10 @@ class Elastic:
             self._watch_unsaved(self._loop_frame)
         try:
             yield from self._run()
+            if self._group is None and self.result is not None and not self.result.finished:
+                # Stopped (SIGTERM, a scale-down, a new member), not finished: the code after the
+                # loop is end-of-training code, and exit 0 would tell torchrun the job is done.
+                raise SystemExit(self.result.exit_code)
         except (failures.DeterministicError, ReplicaMismatchError) as exc:
             # A mistake a restart cannot fix (a sampler without the elastic protocol, an unsaved
             # optimizer), or replicas that differ after a heal: one line, and the exit status the

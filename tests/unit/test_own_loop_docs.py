@@ -14,38 +14,49 @@ REPO = Path(__file__).resolve().parents[2]
 NANOGPT = REPO / "docs" / "nanogpt"
 
 
-def _diff() -> str:
+def _diff(plain: str = "plain.py", ported: str = "elastic.py") -> str:
     done = subprocess.run(
-        [
-            "diff",
-            "-u",
-            "-w",
-            "-B",
-            "--label",
-            "plain.py",
-            "--label",
-            "elastic.py",
-            str(NANOGPT / "plain.py"),
-            str(NANOGPT / "elastic.py"),
-        ],
+        ["diff", "-u", "-w", "-B", "--label", plain, "--label", ported,
+         str(NANOGPT / plain), str(NANOGPT / ported)],
         capture_output=True,
         text=True,
-    )
+    )  # fmt: skip
     assert done.returncode == 1, done.stderr
     return done.stdout
+
+
+def _added(diff: str) -> list[str]:
+    return [
+        line[1:]
+        for line in diff.splitlines()
+        if line.startswith("+") and not line.startswith("+++") and line[1:].strip()
+    ]
 
 
 def test_the_page_shows_the_files_diff_and_it_adds_at_most_ten_lines() -> None:
     diff = _diff()
     shown = re.search(r"```diff\n(.*?)```", (REPO / "docs" / "own-loop.md").read_text(), re.S)
     assert shown and shown.group(1) == diff, "docs/own-loop.md shows the diff of docs/nanogpt/"
-    added = [
-        line[1:]
-        for line in diff.splitlines()
-        if line.startswith("+") and not line.startswith("+++") and line[1:].strip()
-    ]
+    added = _added(diff)
     imports = [line for line in added if line.startswith(("import ", "from "))]
     assert len(added) <= 10 and imports == ["from elastic_trainer import Elastic"], added
+
+
+def test_the_nanogpt_shaped_port_is_shown_and_adds_at_most_ten_lines() -> None:
+    """The porting guide's diff is that of docs/nanogpt/train.py and its port (issue 40 item 4);
+    the port takes its counter from the step and keeps no code after ``with step:``."""
+    diff = _diff("train.py", "train_elastic.py")
+    page = (REPO / "docs" / "own-loop.md").read_text()
+    section = page.split("## Porting a nanoGPT-shaped script", 1)[1].split("\n## ", 1)[0]
+    shown = re.search(r"```diff\n(.*?)```", section, re.S)
+    assert shown and shown.group(1) == diff, "the guide shows the diff of the two scripts"
+    added = _added(diff)
+    imports = [line for line in added if line.startswith(("import ", "from "))]
+    assert len(added) <= 10 and imports == ["from elastic_trainer import Elastic"], added
+    assert "    iter_num, master_process = step.number - 1, elastic.env.is_rank0" in added
+    port = (NANOGPT / "train_elastic.py").read_text()
+    body = port.split("for step in elastic:\n", 1)[1]
+    assert all(line.startswith("        ") for line in body.splitlines()[2:] if line.strip())
 
 
 def test_the_step_body_is_not_nested_deeper() -> None:

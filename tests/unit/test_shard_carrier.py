@@ -132,19 +132,24 @@ def _elastic_worker(rank: int, work: Path) -> dict[str, object]:
             lambda s: riding.append(elastic._carrier is not None and elastic._carrier.fits(0))
         ],
     )
-    for step in elastic:
-        with step:
-            for micro in step:
-                if rank == 2 and step.number == 3:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                step.backward(model(data[list(micro.indices)]).square().mean() * step.weight)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    exit_code = None
+    try:
+        for step in elastic:
+            with step:
+                for micro in step:
+                    if rank == 2 and step.number == 3:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    step.backward(model(data[list(micro.indices)]).square().mean() * step.weight)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    except SystemExit as stopped:  # a stopped run ends the loop so (no end-of-training code)
+        exit_code = stopped.code
     result = elastic.result
     assert result is not None
     return {
         "step": result.step,
         "stopped": result.stopped_by_signal,
+        "exit_code": exit_code,
         "riding": riding,
         "loss": result.loss,
     }
@@ -219,6 +224,7 @@ def test_elastic_over_a_sharded_model_carries_and_stops_every_rank_after_the_sam
     # Stopped after the step of the signal: its control was read right after the backward (on
     # its own collective it would be read one step later, after step 4).
     assert {r["step"] for r in ranks} == {3} and all(r["stopped"] for r in ranks)
+    assert {r["exit_code"] for r in ranks} == {143}, "a stopped run's loop ends in SystemExit(143)"
     for r in ranks:
         assert r["riding"] == [True, True], r  # the steps before rode on the reduce-scatter
     assert len({r["loss"] for r in ranks}) == 1 and ranks[0]["loss"] is not None
