@@ -274,8 +274,8 @@ class JustInTime:
         if not self._armed:  # a mistake before the first step: nothing to save, nothing to say
             log.debug("no just-in-time save: training had not started (%s)", log_line(exc))
             return None
-        log.warning(
-            "training failed (%s); saving the last completed step just in time", log_line(exc)
+        log.warning(  # the failure itself is said once, where it is reported (failures.py)
+            "training failed (%s); saving the last completed step just in time", type(exc).__name__
         )
         return self.save(f"after {log_line(exc)}", deadline=time.monotonic() + SAVE_TIMEOUT_S)
 

@@ -409,7 +409,16 @@ def _watch_failures(
         return verdict.restart
 
     cleanup.callback(on_group_failure(decide))
+    # The policy's verdict says each failure once; torch's agent would say it again first.
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(_without_failed_exitcode)
+    cleanup.callback(agent_log.removeFilter, _without_failed_exitcode)
     return verdicts
+
+
+def _without_failed_exitcode(record: logging.LogRecord) -> bool:
+    """Drops torch's ``failed (exitcode: N) local_rank: ...`` line (the verdict says it)."""
+    return not str(record.msg).startswith("failed (exitcode:")
 
 
 def _claim_job_identity(cleanup: contextlib.ExitStack, options: RunOptions, target: Target) -> None:

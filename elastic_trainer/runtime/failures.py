@@ -19,6 +19,7 @@ import re
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
@@ -253,8 +254,43 @@ def report_of(exc: BaseException, *, rank: int | None = None) -> FailureReport:
         step=step,
         rank=rank,
         time=time.time(),
-        traceback="".join(traceback.format_exception(exc)),
+        traceback=summary + "\n"
+        if failure_class is FailureClass.DETERMINISTIC
+        else users_traceback(exc),
     )
+
+
+_LIBRARY = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def users_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback without the library's frames (the run's iteration that re-raises a
+    step's failure is no part of the user's error), unless the error is raised in them."""
+    shown = traceback.TracebackException.from_exception(exc)
+    stack = shown.stack
+    if stack and not stack[-1].filename.startswith(_LIBRARY):
+        shown.stack = traceback.StackSummary.from_list(
+            [frame for frame in stack if not frame.filename.startswith(_LIBRARY)]
+        )
+    return "".join(shown.format())
+
+
+def _first_on_this_node(report: FailureReport, error_file: str | None) -> bool:
+    """Whether this rank is the first of its node's attempt to say ``report``'s error: torchrun
+    gives each attempt one folder of per-rank error files, where the first to claim the error's
+    signature says it (the others of the same error stay quiet). True where there is no such
+    folder."""
+    if not error_file:
+        return True
+    attempt = os.path.dirname(os.path.dirname(error_file))
+    digest = zlib.crc32(report.signature.encode())
+    try:
+        os.close(os.open(os.path.join(attempt, f"said-{digest:08x}"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 _recorded = False
@@ -328,19 +364,21 @@ class ReportTarget:
 def exit_after(exc: BaseException, *, prog: str, target: ReportTarget | None = None) -> int:
     """Record ``exc``, tell the user what happened, return the worker's exit status.
 
-    Under ``elastic-trainer run`` one line (the launcher prints the root cause and, for an error
-    in the user's code, its traceback once). Elsewhere a traceback for an error in the code, one
-    line for the rest. ``target`` defaults to :meth:`ReportTarget.from_environ` (entry points).
+    Under ``elastic-trainer run`` nothing for a mistake or an error in the code (the launcher
+    prints the root cause and, for an error in the code, its traceback once). Elsewhere the first
+    rank of the node's attempt with the error says it: the user's traceback for an error in the
+    code, one line for a mistake. A transient failure: one line a rank. ``target`` defaults to :meth:`ReportTarget.from_environ` (entry points).
     """
     target = ReportTarget.from_environ() if target is None else target
     report = report_of(exc, rank=target.rank)
     record(report, error_file=target.error_file)
-    launcher_reports = target.launcher_reports
     where = f" (rank {report.rank})" if report.rank is not None else ""
-    if report.failure_class is FailureClass.ERROR and not launcher_reports:
-        sys.stderr.write(report.traceback)
-    elif report.failure_class is FailureClass.TRANSIENT:
+    if report.failure_class is FailureClass.TRANSIENT:
         sys.stderr.write(f"{prog}: {report.summary}{where}; stopping for a restart\n")
+    elif target.launcher_reports or not _first_on_this_node(report, target.error_file):
+        pass  # said once: by the launcher (the root cause), or by another rank of this attempt
+    elif report.failure_class is FailureClass.ERROR:
+        sys.stderr.write(report.traceback)
     else:
         sys.stderr.write(f"{prog}: error: {report.summary}{where}\n")
     sys.stderr.flush()

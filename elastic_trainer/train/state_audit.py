@@ -241,7 +241,7 @@ def hand_set_rates(objects: Iterable[Any]) -> list[float]:
         for obj in objects
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
     }
-    rates = []
+    rates: list[float] = []
     for obj in objects:
         if isinstance(obj, torch.optim.Optimizer) and id(obj) not in driven:
             rates.extend(float(group["lr"]) for group in obj.param_groups if "lr" in group)

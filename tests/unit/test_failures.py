@@ -83,9 +83,14 @@ def test_the_record_is_torchs_error_file_and_torch_reads_it(
     assert failures.read_report(json.loads(error_file.read_text())) == report
 
 
-def test_exit_after_prints_one_line_under_the_launcher(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_exit_after_leaves_a_mistake_to_the_launcher_and_says_it_once_a_node_without(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """Issue 40 item 5: under ``elastic-trainer run`` the launcher says the root cause once, so a
+    rank says nothing of a mistake or an error; under plain torchrun the first rank of the node's
+    attempt says it (torchrun's per-rank error files share one folder an attempt), once, and an
+    error's traceback holds none of the library's frames. A transient failure: a line a rank."""
+    monkeypatch.setattr(failures, "_recorded", False)
     monkeypatch.setenv("ELASTIC_TRAINER_REPORTS_FAILURES", "1")
     monkeypatch.setenv("RANK", "2")
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
@@ -93,14 +98,35 @@ def test_exit_after_prints_one_line_under_the_launcher(
         failures.exit_after(_raised(ZeroDivisionError("division by zero")), prog="job")
         == failures.EXIT_FAILED
     )
-    assert capsys.readouterr().err == "job: error: ZeroDivisionError: division by zero (rank 2)\n"
     assert failures.exit_after(_raised(ConfigError("--width: must be positive")), prog="job") == 2
-    assert capsys.readouterr().err == "job: error: --width: must be positive (rank 2)\n"
+    assert capsys.readouterr().err == ""
     monkeypatch.delenv("ELASTIC_TRAINER_REPORTS_FAILURES")
+    attempt = tmp_path / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True)
+        target = failures.ReportTarget(rank=rank, error_file=str(attempt / str(rank) / "e.json"))
+        failures._recorded = False
+        mistake = _raised(ConfigError("--width: must be positive"))
+        assert failures.exit_after(mistake, prog="job", target=target) == 2
+    assert capsys.readouterr().err == "job: error: --width: must be positive (rank 0)\n"
     failures.exit_after(_raised(ZeroDivisionError("division by zero")), prog="job")
-    assert capsys.readouterr().err.startswith("Traceback (most recent call last)"), (
-        "no launcher: the traceback"
-    )
+    said = capsys.readouterr().err
+    assert said.startswith("Traceback (most recent call last)") and "ZeroDivisionError" in said
+    assert "elastic_trainer" not in said.replace(str(Path(__file__)), ""), said
+
+
+def test_a_traceback_keeps_the_library_frames_when_the_error_is_raised_in_them() -> None:
+    """A bug of the library's own is not hidden: its frames stay when the innermost is one."""
+    try:
+        failures.ReportTarget.from_environ(environ=None).__class__(rank="x").rank.bit_length()
+    except AttributeError as exc:
+        user = failures.users_traceback(exc)
+    assert "test_failures.py" in user
+    try:
+        failures.message_line(None)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - whatever the library raises for it
+        inside = failures.users_traceback(exc)
+        assert "elastic_trainer/runtime/failures.py" in inside, inside
 
 
 # -- the policy, on torch's own ProcessFailure read from real error files ---------------------------------
