@@ -474,6 +474,25 @@ class TrainingState:
 
 
 _MASK = (1 << 61) - 1
+_PERIOD = 1021
+"""Word ``i`` of a tensor weighs ``(i + 1) % _PERIOD + 1`` in :func:`state_checksum`."""
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _weighted_sum(words: torch.Tensor) -> int:
+    """``sum(words[i] * ((i + 1) % 1021 + 1))`` in int64 (wrapping), from one period of the
+    weights per device: building ``arange(n) % 1021`` for every tensor was 80 % of a replica
+    check (benchmarks/replica_check_cost.py)."""
+    weights = _WEIGHTS.get(words.device)
+    if weights is None:
+        weights = torch.arange(1, _PERIOD + 1, dtype=torch.int64, device=words.device)
+        weights = _WEIGHTS.setdefault(words.device, weights % _PERIOD + 1)
+    n = words.numel()
+    whole = n - n % _PERIOD
+    total = (words[whole:] * weights[: n - whole]).sum()
+    if whole:  # each column's words share a weight: sum them first (exact in int64 too)
+        total = total + (words[:whole].view(-1, _PERIOD).sum(0) * weights).sum()
+    return int(total)
 
 
 def state_checksum(value: Any) -> int:
@@ -486,10 +505,7 @@ def state_checksum(value: Any) -> int:
             words = data.view(torch.int64)
         else:
             words = data.to(torch.int64)
-        weights = (
-            torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device) % 1021 + 1
-        )
-        return (int((words * weights).sum()) + words.numel()) & _MASK
+        return (_weighted_sum(words) + words.numel()) & _MASK
     if isinstance(value, Mapping):
         for i, (key, item) in enumerate(value.items()):
             total = (total * 31 + (i + 1) * state_checksum(item) + state_checksum(key)) & _MASK

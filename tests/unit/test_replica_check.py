@@ -114,3 +114,18 @@ def test_one_word_changed_in_a_parameter_changes_the_bits() -> None:
     b = a.clone()
     b[1] = 1.0
     assert checksum_bits(state_checksum([a])) != checksum_bits(state_checksum([b]))
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (3,), (1021,), (1022,), (2042,), (33, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+def test_the_checksum_is_its_definition_on_every_length(shape: tuple[int, ...], dtype) -> None:
+    """The fast weighted sum (one weight period, summed by column) is the definition: word ``i``
+    weighs ``(i + 1) % 1021 + 1``, in wrapping int64, on lengths around the period."""
+    from elastic_trainer.state.training_state import state_checksum
+
+    tensor = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
+    data = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.to(torch.uint8)
+    words = data.view(torch.int64) if data.numel() % 8 == 0 and data.numel() else data.long()
+    weights = torch.arange(1, words.numel() + 1, dtype=torch.int64) % 1021 + 1
+    expected = (int((words * weights).sum()) + words.numel()) & ((1 << 61) - 1)
+    assert state_checksum(tensor) == expected
