@@ -118,13 +118,16 @@ class HealReports:
                 log.warning("in-place: reporting heal %d failed: %s", epoch.number, exc)
 
 
-def describe_heal(epoch: Epoch, causes: Sequence[str]) -> str:
+def describe_heal(epoch: Epoch, causes: Sequence[str], *, restarted: bool = False) -> str:
     """One line for ``status``: what happened (``causes``, if this node knows them) and how the
-    job went on."""
+    job went on. ``restarted``: this node's workers had stopped (a node asked to stop makes every
+    rank checkpoint at the same step and exit, docs/rendezvous.md) and the new ones joined the
+    epoch: not a heal in place for this node, whatever the epoch is for the others."""
     # The survivors' step, not necessarily the one restored: a sharded state whose lost shards have
     # no current copy goes back to the newest checkpoint (its workers log the step and what is redone).
     start = f"survivors at step {epoch.step}" if epoch.step >= 0 else "from the newest checkpoint"
-    outcome = f"healed in place: epoch {epoch.number}, {epoch.world_size} worker(s), {start}"
+    how = "workers restarted (they had stopped with the job)" if restarted else "healed in place"
+    outcome = f"{how}: epoch {epoch.number}, {epoch.world_size} worker(s), {start}"
     return (
         f"{'; '.join(causes)}; {outcome}" if causes else f"{epoch.reason or 'a fault'}; {outcome}"
     )
@@ -537,14 +540,18 @@ def leave_all() -> None:
             log.info("in-place: leaving the run failed: %s", exc)
 
 
-def etcd_connection_for(inner: RendezvousHandler, params: RendezvousParameters) -> EtcdConnection:
+def etcd_connection_for(inner: RendezvousHandler) -> EtcdConnection:
     """The etcd connection the in-place handler around ``inner`` uses: ``inner``'s own (the lease
     handler exposes it as ``connection``), so that the launcher runs one keep-alive and one watch
-    stream; a new one of the same settings for a handler that does not (``handler=dynamic``)."""
+    stream.
+
+    Raises:
+        TypeError: ``inner`` has no etcd connection (it is not the ``etcd-v3`` handler).
+    """
     connection = getattr(inner, "connection", None)
-    if isinstance(connection, EtcdConnection):
-        return connection
-    return EtcdConnection(parse_settings(params).client_config())
+    if not isinstance(connection, EtcdConnection):
+        raise TypeError(f"in-place healing needs the etcd-v3 handler, got {type(inner).__name__}")
+    return connection
 
 
 def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
@@ -553,7 +560,7 @@ def register_backend(*, node: str, on_heal: HealCallback | None = None) -> None:
     def create(params: RendezvousParameters) -> RendezvousHandler:
         inner = create_rdzv_handler(params)
         config = parse_settings(params).client_config()
-        connection = etcd_connection_for(inner, params)
+        connection = etcd_connection_for(inner)
         # Peers send heartbeats where they reach this node: torchrun's --local-addr, else the
         # address of this host's route to etcd (the cluster's network).
         first = config.endpoints[0]

@@ -102,7 +102,8 @@ def run_job(plan: LaunchPlan, warm: WarmStartServer | None, janitor: Janitor | N
         backend = "etcd-v3"
         if options.heal == "in_place":
             node = metrics.node if metrics is not None else local_node_name()
-            _heal_in_place(cleanup, plan, endpoint, node, _report_heals(warm, metrics, publisher))
+            reports = _report_heals(warm, metrics, publisher, verdicts)
+            _heal_in_place(cleanup, plan, endpoint, node, reports)
             _replace_killed_workers(cleanup, warm)
             backend = BACKEND_NAME
         argv = torchrun_argv(plan, endpoint, rendezvous.run_id, worker_args, backend=backend)
@@ -367,18 +368,23 @@ def _report_heals(
     warm: WarmStartServer | None,
     metrics: LauncherMetrics | None,
     publisher: ProgressPublisher | None,
+    verdicts: Sequence[Verdict] = (),
 ) -> HealCallback:
     """What the launcher does when its job healed in place: count it (``elastic_trainer_heals_total``)
     and, if this node knows the root cause (a worker of its own that died, a member node it saw
-    lost), log it and report it as the run's last error (``status``)."""
+    lost), log it and report it as the run's last error (``status``). A restart verdict of the
+    failure policy since the previous epoch means this node's workers restarted into it."""
+    judged = [len(verdicts)]
 
     def on_heal(epoch: Epoch, lost_nodes: Sequence[str]) -> None:
-        if metrics is not None:
+        new, judged[0] = list(verdicts[judged[0] :]), len(verdicts)
+        restarted = any(verdict.restart for verdict in new)  # counted as the agent's restart
+        if metrics is not None and not restarted:
             metrics.agent_metrics.healed(
                 nodes=len({member.slot.rsplit("/", 1)[0] for member in epoch.members})
             )
         causes = [*(take_deaths(warm.directory) if warm is not None else []), *lost_nodes]
-        line = describe_heal(epoch, causes)
+        line = describe_heal(epoch, causes, restarted=restarted)
         log.warning("%s", line)
         if causes and publisher is not None:
             publisher.publish_error(line)

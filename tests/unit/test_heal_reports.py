@@ -53,6 +53,11 @@ def test_one_line_names_the_cause_and_how_the_job_went_on() -> None:
         "gloo: connection reset; healed in place: epoch 6"
     )
     assert describe_heal(epoch(6, step=-1), []).endswith("from the newest checkpoint")
+    # A scale-down: this node's workers stopped with the job and restarted into the epoch.
+    assert describe_heal(epoch(7, step=-1), ["node b lost"], restarted=True) == (
+        "node b lost; workers restarted (they had stopped with the job): epoch 7, 2 worker(s), "
+        "from the newest checkpoint"
+    )
 
 
 def test_deaths_are_taken_once_oldest_first(tmp_path: Path) -> None:
