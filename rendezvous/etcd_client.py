@@ -243,7 +243,7 @@ class EtcdConnection:
             reraise=True,
         )
         try:
-            return retrying(attempt)
+            result = retrying(attempt)
         except RendezvousConnectionError:
             raise
         except Exception as exc:
@@ -255,6 +255,10 @@ class EtcdConnection:
             raise RendezvousConnectionError(
                 f"etcd at {self.endpoint} refused {what}: {_describe(exc)}"
             ) from exc
+        lasted = _OUTAGES.ended(self._endpoints_text())
+        if lasted is not None:
+            log.warning("etcd at %s answers again (after %.1fs)", self._endpoints_text(), lasted)
+        return result
 
     def count(self, kind: str, n: int = 1) -> None:
         """Count ``n`` requests of ``kind`` (stream messages are counted by their owners)."""
@@ -346,14 +350,17 @@ class EtcdConnection:
                 self._uncount(used.counted)
             failed = self._endpoint_of(used.client)
             self._after_failure(used, exc)
-            log.warning(
+            detail = _describe(exc) if exc else "?"
+            if _OUTAGES.began(self._endpoints_text()):
+                log.warning(
+                    "etcd at %s does not answer (%s: %s); retrying, each request for up to "
+                    "%gs (one line when it answers again)",
+                    self._endpoints_text(), what, detail, self.config.retry_timeout,
+                )  # fmt: skip
+            log.debug(
                 "%s to etcd failed on %s (%s); retry %d in %.2fs",
-                what,
-                failed,
-                _describe(exc) if exc else "?",
-                state.attempt_number,
-                state.upcoming_sleep,
-            )
+                what, failed, detail, state.attempt_number, state.upcoming_sleep,
+            )  # fmt: skip
 
         return before_sleep
 
@@ -562,6 +569,33 @@ def _quiet_grpc_call_finalizers() -> None:
 
 def _no_finalizer(self: Any) -> None:
     return None
+
+
+class _Outages:
+    """The etcd outages this process sees, by endpoint list: one line when one begins (the first
+    failed request of any connection to those endpoints) and one when it ends (the first request
+    answered after it), instead of a line per retry."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def began(self, endpoints: str) -> bool:
+        """A request failed: True when this begins an outage."""
+        with self._lock:
+            if endpoints in self._since:
+                return False
+            self._since[endpoints] = time.monotonic()
+            return True
+
+    def ended(self, endpoints: str) -> float | None:
+        """A request was answered: the outage's seconds, if one was going on."""
+        with self._lock:
+            since = self._since.pop(endpoints, None)
+        return None if since is None else time.monotonic() - since
+
+
+_OUTAGES = _Outages()
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,6 +156,10 @@ def _settings_at(settings: RendezvousSettings, endpoint: str, run_id: str) -> Re
         raise UserError(str(exc)) from exc
 
 
+WAITING_LINE_S = 3.0
+"""Seconds of silence from etcd at start after which the launcher says it is waiting."""
+
+
 def _check_etcd(config: EtcdClientConfig, endpoint: str, *, embedded: bool) -> None:
     """Reach etcd with one ``Status`` request and warn in one line when its version is older than
     the one without known faults (the embedded etcd: plain, with the connection's defaults)."""
@@ -162,6 +167,14 @@ def _check_etcd(config: EtcdClientConfig, endpoint: str, *, embedded: bool) -> N
         connection = EtcdConnection(config)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+    waiting = threading.Timer(
+        WAITING_LINE_S,
+        lambda: log.warning("waiting for etcd at %s: no answer yet (giving up after %gs)",
+                            endpoint, config.retry_timeout),
+    )  # fmt: skip
+    waiting.daemon = True
+    if config.retry_timeout > 2 * WAITING_LINE_S:  # a short budget ends in its one line first
+        waiting.start()
     try:
         with quiet_retries():  # a user mistake is one line, not a line per retry
             version = connection.call(lambda client: status_version(client, config.read_timeout),
@@ -169,6 +182,7 @@ def _check_etcd(config: EtcdClientConfig, endpoint: str, *, embedded: bool) -> N
     except RendezvousConnectionError as exc:
         raise UserError(f"cannot use etcd: {exc}") from exc
     finally:
+        waiting.cancel()
         connection.close()
     warning = version_warning(version, endpoint, embedded=embedded)
     if warning:

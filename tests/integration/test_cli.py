@@ -202,6 +202,24 @@ def test_bad_inputs_get_one_line_and_exit_2(tmp_path: Path) -> None:
     assert not failures, "\n".join(failures)
 
 
+def test_an_etcd_that_does_not_answer_is_said_early_then_failed_in_one_line() -> None:
+    """Issue 40 item 7: a line a few seconds in (not silence until the bound), then the bounded
+    failure as before."""
+    dead = f"127.0.0.1:{free_port()}"
+    done = cli(
+        "run", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "retry_timeout=8",
+        *EXAMPLE, env={}, timeout=60,
+    )  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 2, lines
+    assert (
+        lines[0]
+        == f"elastic-trainer: waiting for etcd at {dead}: no answer yet (giving up after 8s)"
+    )
+    assert lines[1].startswith(f"elastic-trainer: error: cannot use etcd: etcd at {dead} did not")
+
+
 @pytest.mark.parametrize(
     "command", [[], ["run"], ["status"], ["doctor"], ["checkpoint"], ["checkpoint", "list"]]
 )

@@ -7,13 +7,14 @@ import contextlib
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from rendezvous import EtcdV3Store, create_backend, create_handler
+from rendezvous import EtcdV3Store, create_handler
 from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
 from rendezvous.etcd_server import find_etcd_binary, free_port, local_cluster
 from tests.support.etcd_members import leader_first
@@ -27,21 +28,33 @@ def params(
     return RendezvousParameters("etcd-v3", endpoint, run_id, min_nodes, max_nodes, **conf)
 
 
+@contextlib.contextmanager
+def handler_connection(endpoint: str, run_id: str, **conf: Any) -> Iterator[EtcdConnection]:
+    """The connection of the handler of ``params`` (connected, not joined); the handler leaves
+    (and closes it) at exit."""
+    handler = create_handler(params(endpoint, run_id, **conf))
+    try:
+        yield handler.connection
+    finally:
+        handler.leave()
+
+
 def test_unreachable_endpoint_fails_within_retry_timeout(unique_id: str) -> None:
     dead = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match=f"etcd at {dead} did not answer"):
-        create_backend(params(dead, unique_id, retry_timeout=2, read_timeout=1))
+        create_handler(params(dead, unique_id, retry_timeout=2, read_timeout=1))
     assert time.monotonic() - started < 8
 
 
 def test_failover_to_the_next_endpoint(etcd_server, unique_id: str) -> None:
     dead = f"127.0.0.1:{free_port()}"
-    backend, _ = create_backend(
-        params(f"{dead},{etcd_server.endpoint}", unique_id, retry_timeout=10, read_timeout=2)
-    )
-    assert backend.set_state(b"via-second-member")[2] is True
-    assert backend._connection.endpoint == parse_endpoints(etcd_server.endpoint)[0]
+    endpoints = f"{dead},{etcd_server.endpoint}"
+    with handler_connection(endpoints, unique_id, retry_timeout=10, read_timeout=2) as connection:
+        store = EtcdV3Store(connection, f"/test/{unique_id}/store")
+        store.set("k", b"via-second-member")
+        assert store.get("k") == b"via-second-member"
+        assert connection.endpoint == parse_endpoints(etcd_server.endpoint)[0]
 
 
 @pytest.mark.parametrize(
@@ -70,7 +83,7 @@ def test_bad_tls_settings_are_rejected_before_connecting(
     conf = {k: {"GARBAGE": str(garbage), "PEM": str(pem)}.get(v, v) for k, v in conf.items()}
     started = time.monotonic()
     with pytest.raises(ValueError, match=message):
-        create_backend(params(f"127.0.0.1:{free_port()}", unique_id, **conf))
+        create_handler(params(f"127.0.0.1:{free_port()}", unique_id, **conf))
     assert time.monotonic() - started < 1
 
 
@@ -86,7 +99,7 @@ def etcd_with_auth(own_etcd_server, tmp_path: Path):  # type: ignore[no-untyped-
 def test_wrong_password_fails_fast(etcd_with_auth, unique_id: str) -> None:
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match="refused .*authentication failed"):
-        create_backend(
+        create_handler(
             params(
                 etcd_with_auth.endpoint, unique_id, user="root", password="wrong", retry_timeout=10
             )
@@ -99,31 +112,32 @@ def test_password_file_authenticates(etcd_with_auth, tmp_path: Path, unique_id: 
     secret.write_text(
         "s3cret\n"
     )  # a trailing newline, as `kubectl create secret --from-file` keeps
-    backend, store = create_backend(
-        params(etcd_with_auth.endpoint, unique_id, user="root", password_file=str(secret))
-    )
-    assert backend.set_state(b"authenticated")[2] is True
-    store.set("k", b"v")
-    assert store.get("k") == b"v"
+    with handler_connection(
+        etcd_with_auth.endpoint, unique_id, user="root", password_file=str(secret)
+    ) as connection:
+        store = EtcdV3Store(connection, f"/test/{unique_id}/store")
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
 
 
 def test_missing_password_file_names_the_key(tmp_path: Path, unique_id: str) -> None:
     with pytest.raises(ValueError, match="rdzv-conf password_file: cannot read"):
-        create_backend(
+        create_handler(
             params("127.0.0.1:2379", unique_id, user="root", password_file=str(tmp_path / "none"))
         )
 
 
-def test_backend_rides_out_an_etcd_restart(own_etcd_server, unique_id: str) -> None:
-    backend, _ = create_backend(params(own_etcd_server.endpoint, unique_id, retry_timeout=20))
-    _, token, _ = backend.set_state(b"before")
-    restarter = threading.Thread(target=own_etcd_server.restart, kwargs={"down_for": 2.0})
-    restarter.start()
-    time.sleep(0.3)  # etcd is down now
-    result = backend.set_state(b"after", token)  # retried until etcd is back
-    restarter.join(30)
-    assert result is not None and result[2] is True
-    assert backend.get_state()[0] == b"after"
+def test_a_compare_set_rides_out_an_etcd_restart(own_etcd_server, unique_id: str) -> None:
+    with handler_connection(own_etcd_server.endpoint, unique_id, retry_timeout=20) as connection:
+        store = EtcdV3Store(connection, f"/test/{unique_id}/store")
+        store.set("k", b"before")
+        restarter = threading.Thread(target=own_etcd_server.restart, kwargs={"down_for": 2.0})
+        restarter.start()
+        time.sleep(0.3)  # etcd is down now
+        result = store.compare_set("k", b"before", b"after")  # retried until etcd is back
+        restarter.join(30)
+        assert result == b"after"
+        assert store.get("k") == b"after"
 
 
 def test_rendezvous_completes_across_an_etcd_restart(own_etcd_server, unique_id: str) -> None:
@@ -291,3 +305,35 @@ def test_writes_go_to_the_leader_and_outlive_its_death_without_a_deadline(
     )
     assert after > 0 and str(connection.endpoint) == home.endpoint
     assert str(connection.leader_endpoint) == new_leader.endpoint
+
+
+def test_an_outage_is_one_line_when_it_begins_and_one_when_it_ends(
+    own_etcd_server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40 item 7: two connections of one process retrying through a 2 s etcd restart say
+    it twice in all (begins, answers again), not a line per retry."""
+    config = EtcdClientConfig(endpoints=parse_endpoints(own_etcd_server.endpoint), retry_timeout=20)
+    connections = [EtcdConnection(config) for _ in range(2)]
+    try:
+        for connection in connections:
+            connection.check()
+        restarter = threading.Thread(target=own_etcd_server.restart, kwargs={"down_for": 2.0})
+        restarter.start()
+        time.sleep(0.3)  # etcd is down now
+        with caplog.at_level("DEBUG", logger="rendezvous.etcd_client"):
+            callers = [threading.Thread(target=c.check) for c in connections]
+            for caller in callers:
+                caller.start()
+            for caller in callers:
+                caller.join(30)
+        restarter.join(30)
+    finally:
+        for connection in connections:
+            connection.close()
+    said = [r for r in caplog.records if r.levelno >= 30 and r.name == "rendezvous.etcd_client"]
+    lines = [r.getMessage() for r in said]
+    assert len(lines) == 2, lines
+    assert "does not answer" in lines[0] and "one line when it answers again" in lines[0]
+    assert lines[1].startswith(f"etcd at {own_etcd_server.endpoint} answers again (after ")
+    retries = [r for r in caplog.records if "; retry " in r.getMessage()]
+    assert retries and all(r.levelno == 10 for r in retries), "each retry at DEBUG only"
