@@ -17,6 +17,8 @@ class TrainingObserver(Protocol):
         self, *, world_size: int, restart_count: int, total_steps: int | None = None
     ) -> None:
         """Workers (re)started in a world of ``world_size`` ranks, after ``restart_count`` restarts.
+        Called again after each heal in place, on the new process group: this process's rank is
+        that group's (``torch.distributed.get_rank()``), which may differ from ``RANK``.
 
         ``total_steps``: the optimizer steps the job trains for in all (``max_steps``, or
         epochs x steps per epoch), when known: the target of the progress and ETA."""

@@ -14,7 +14,6 @@ and the agreement is asserted on that reading. While training, the published pro
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -172,7 +171,6 @@ def test_status_top_and_the_metrics_agree_after_a_kill_a_leave_and_a_rejoin(
         nodes += [a, b]
         live = ["a", "b"]
         model = TopModel(run_id=run_id)
-        seen: list[tuple[str, Reading]] = []
 
         def agreed(event: str, world_size: int) -> Reading:
             last: list[str] = []
@@ -194,7 +192,6 @@ def test_status_top_and_the_metrics_agree_after_a_kill_a_leave_and_a_rejoin(
                   f"last step {progress['last_step_age_s']} s ago")  # fmt: skip
             assert progress["published_age_s"] < FRESH_S, (event, progress)
             assert progress["last_step_age_s"] < FRESH_S, (event, progress)
-            seen.append((event, reading))
             return reading
 
         def fresh(event: str) -> None:
@@ -238,5 +235,3 @@ def test_status_top_and_the_metrics_agree_after_a_kill_a_leave_and_a_rejoin(
                      describe=lambda: tails(nodes))  # fmt: skip
         codes = wait_all([a, c], timeout=30)
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{tails(nodes)}"
-    for event, reading in seen:
-        print(event, reading.status, os.linesep, reading.top, os.linesep, reading.metrics)
