@@ -85,7 +85,7 @@ def get_lr(it):
 
 
 elastic = Elastic(model, max_iters, global_batch_size=batch_size * gradient_accumulation_steps, micro_batch_size=batch_size,
-                  max_steps=max_iters + 1, checkpoint_dir=os.path.join(out_dir, "elastic"))
+                  max_steps=max_iters + 1, checkpoint_dir=os.path.join(out_dir, "elastic"), tokens_per_sample=block_size)
 t0 = time.time()
 local_iter_num = 0
 for step in elastic:

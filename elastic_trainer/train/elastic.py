@@ -102,6 +102,17 @@ def move_to(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def tokens_per_sample_of(batch: Any) -> int:
+    """The tokens a sample of ``batch`` holds when its first tensor is token ids (integers, one
+    row a sample: ``(batch, sequence, ...)``); 0 otherwise."""
+    first = batch
+    while isinstance(first, (list, tuple, dict)) and first:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    if isinstance(first, torch.Tensor) and first.dim() >= 2 and not first.is_floating_point():
+        return int(first[0].numel()) if first.dtype != torch.bool else 0
+    return 0
+
+
 SHARDED_RECIPE = (
     "build and shard the model inside `with ElasticGroup() as group:` and pass "
     "`Elastic(..., group=group, rebuild=...)` (docs/own-loop.md, 'A model you shard yourself')"
@@ -254,7 +265,8 @@ class Elastic:
             the CPU with more than one rank, rank 0's module buffers ride on each step's control
             allreduce instead of DDP's broadcast at every forward (one collective a step fewer),
             unless ``broadcast_buffers=False`` turns buffer syncing off altogether.
-        tokens_per_sample: for the tokens/s metric.
+        tokens_per_sample: for the tokens/s metric (found from a map-style dataset's batches when
+            their first tensor is integer token ids, one row a sample).
         after_step: called with the step number after each step, between steps, on every rank.
         rebuild: (a sharded model) ``rebuild(env)`` builds the model again, sharded over the
             current process group, and its optimizers and schedulers, and returns them by the
@@ -861,6 +873,8 @@ class Step:
                 started = time.monotonic()
                 item = elastic._next_batch(self.plan)
                 loop.add_data_wait(time.monotonic() - started)
+                if loop.tokens_per_sample == 0:  # token ids: tokens/s without tokens_per_sample
+                    loop.tokens_per_sample = tokens_per_sample_of(item)
             with elastic.no_sync() if i < last else NOTHING:
                 yield item
         self._index = None

@@ -170,3 +170,27 @@ def test_progress_checkpoint_and_finished_lines_appear_with_no_logging_configure
         "training finished at step 6",
     ):
         assert line in done.stderr, f"{line!r} missing:\n{done.stderr}"
+
+
+def test_tokens_are_counted_from_token_id_batches_without_tokens_per_sample() -> None:
+    """Issue 40 item 6: a batch of token ids (integers, a row a sample) counts its tokens for
+    ``tokens_total`` without ``tokens_per_sample``; features count none."""
+    from elastic_trainer.train.elastic import tokens_per_sample_of
+
+    ids = torch.randint(0, 64, (4, 32))
+    assert tokens_per_sample_of((ids, ids)) == 32
+    assert tokens_per_sample_of({"input_ids": ids.view(4, 8, 4)}) == 32
+    assert tokens_per_sample_of((torch.randn(4, 32), ids[:, 0])) == 0
+    assert tokens_per_sample_of(ids[:, 0]) == 0  # labels alone: one value a sample
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 8), nn.Flatten(), nn.Linear(8 * 32, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randint(0, 64, (16, 32)), torch.randint(0, 2, (16,)))
+    elastic = Elastic(model, data, global_batch_size=4, max_steps=2, log_every=1000)
+    for step in elastic:
+        with step:
+            for x, y in step:
+                step.backward(nn.functional.cross_entropy(elastic.ddp(x), y) * step.weight)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert elastic.loop is not None and elastic.loop.tokens_per_sample == 32
