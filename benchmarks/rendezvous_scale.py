@@ -342,18 +342,14 @@ class Probe:
     def __init__(self, backend: str, run_id: str, env: Cluster | StoreServer) -> None:
         self.backend, self.run_id = backend, run_id
         self._connection: Any = None
-        self._dynamic: Any = None
+        self._c10d: Any = None
         if isinstance(env, Cluster):
             from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
 
             self._connection = EtcdConnection(
                 EtcdClientConfig(endpoints=parse_endpoints(env.endpoints))
             )
-        if backend == "dynamic":
-            from rendezvous.etcd_backend import EtcdV3RendezvousBackend
-
-            self._dynamic = EtcdV3RendezvousBackend(self._connection, run_id)
-        elif backend == "c10d":
+        if backend == "c10d":
             from datetime import timedelta
 
             import torch.distributed as dist
@@ -364,11 +360,11 @@ class Probe:
             assert isinstance(env, StoreServer)
             host, _, port = env.address.rpartition(":")
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
-            self._dynamic = C10dRendezvousBackend(store, run_id)
+            self._c10d = C10dRendezvousBackend(store, run_id)
 
     def joined(self) -> int:
-        if self._dynamic is not None:
-            found = self._dynamic.get_state()
+        if self._c10d is not None:
+            found = self._c10d.get_state()
             return 0 if found is None else len(pickle.loads(found[0]).participants)
         from rendezvous.round_state import OPEN, RoundState, RunKeys
         from rendezvous.settings import DEFAULT_KEY_PREFIX
@@ -422,13 +418,12 @@ def environment(backend: str, workdir: Path) -> Iterator[Cluster | StoreServer]:
         env.close()
 
 
-def conf_for(backend: str, args: argparse.Namespace, last_call: float = 1.0) -> str:
+def conf_for(args: argparse.Namespace, last_call: float = 1.0) -> str:
     conf = {
         "join_timeout": args.limit * 3,
         "last_call_timeout": last_call,
         "retry_timeout": 20,
         "lease_ttl": args.lease_ttl,
-        "handler": "lease" if backend == "lease" else "dynamic",
     }
     return ",".join(f"{k}={v}" for k, v in conf.items())
 
@@ -450,7 +445,7 @@ def fleet_for(
         max_nodes=max_nodes or n,
         endpoints=env.endpoints if isinstance(env, Cluster) else "",
         store=env.address if isinstance(env, StoreServer) else "",
-        conf=conf_for(backend, args, last_call),
+        conf=conf_for(args, last_call),
         per_process=args.per_process,
         log_dir=workdir / "logs",
         quiet=not args.agent_warnings,
@@ -759,7 +754,7 @@ def tables(results: Sequence[Result]) -> str:
     keys = sorted(
         {(r.backend, r.nodes) for r in results if r.phase in ("first", "restart", "steady")},
         key=lambda k: (
-            ("lease", "dynamic", "c10d").index(k[0]) if k[0] in ("lease", "dynamic", "c10d") else 9,
+            ("lease", "c10d").index(k[0]) if k[0] in ("lease", "c10d") else 9,
             k[1],
         ),
     )
@@ -830,12 +825,11 @@ def tables(results: Sequence[Result]) -> str:
         lease = by_key.get(("lease", n, "first"))
         if lease is None or not lease.ok:
             continue
-        for other in ("dynamic", "c10d"):
-            result = by_key.get((other, n, "first"))
-            if result is not None and result.ok:
-                ratios.append(
-                    f"N={n:,}: {other}/lease p99 {result.release['p99'] / lease.release['p99']:.1f}x"
-                )
+        result = by_key.get(("c10d", n, "first"))
+        if result is not None and result.ok:
+            ratios.append(
+                f"N={n:,}: c10d/lease p99 {result.release['p99'] / lease.release['p99']:.1f}x"
+            )
     if ratios:
         lines += ["", "Ratios (first round, p99 after the last join): " + "; ".join(ratios) + "."]
     scenario_rows = [r for r in results if r.phase not in ("first", "restart", "steady", "idle")]
@@ -879,7 +873,6 @@ def chart(results: Sequence[Result], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = {
         "lease": ("etcd-v3 (lease)", "tab:blue"),
-        "dynamic": ("etcd-v3 handler=dynamic", "tab:orange"),
         "c10d": ("c10d (TCPStore)", "tab:green"),
     }
     for backend, (label, color) in styles.items():
@@ -931,8 +924,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--backends",
         nargs="+",
-        default=["lease", "dynamic", "c10d"],
-        choices=["lease", "dynamic", "c10d"],
+        default=["lease", "c10d"],
+        choices=["lease", "c10d"],
     )
     parser.add_argument(
         "--scenarios", nargs="*", default=[], help=f"'all' or some of {', '.join(SCENARIOS)}"
@@ -1012,7 +1005,7 @@ def main(argv: Sequence[str]) -> int:
             stack.enter_context(tempfile.TemporaryDirectory(prefix="rdzv-scale-"))
         )
         try:
-            if args.idle_s > 0 and set(args.backends) & {"lease", "dynamic"}:
+            if args.idle_s > 0 and "lease" in args.backends:
                 results.append(measure_idle(args, workdir))
             for backend in args.backends:
                 for n in sorted(args.nodes):

@@ -3,20 +3,20 @@
     python benchmarks/scale_agents.py --backend lease --endpoints 127.0.0.1:2379 --run-id r1 \\
         --agents 256 --min-nodes 256 --max-nodes 256        # then JSON commands on stdin
 
-Each simulated agent is a real rendezvous handler -- ``LeaseRendezvousHandler`` (``lease``),
-torch's ``DynamicRendezvousHandler`` over our etcd backend (``dynamic``) or over a TCPStore
-(``c10d``) -- with its own lease or heartbeats, driven like torchrun's agent drives it: a thread
+Each simulated agent is a real rendezvous handler -- ``LeaseRendezvousHandler`` (``lease``) or
+torch's ``DynamicRendezvousHandler`` over a TCPStore (``c10d``) -- with its own lease or heartbeats, driven like torchrun's agent drives it: a thread
 per agent calls ``next_rendezvous()``, and after each round a monitor calls
 ``num_nodes_waiting()`` every ``--monitor-interval`` seconds (torchrun's default, 0.1 s) and makes
 the agent join again when it is non-zero (as torchrun restarts its workers). No workers run.
 
 What a process shares among its agents, and why the figures still hold for N machines:
 
-* ``lease``/``dynamic``: one ``EtcdConnection`` (one gRPC channel, so one TCP connection, to one
+* ``lease``: one ``EtcdConnection`` (one gRPC channel, so one TCP connection, to one
   home member for reads and streams, and one to the leader for writes; processes are spread over
   the members). gRPC multiplexes calls on them, so no agent waits for another's request; the
-  lookup of the leader (one ``Status``) is shared by the process's agents. Each agent still sends its own requests, holds its own lease and
-  its own etcd watchers (``lease``); etcd does the same work per agent as for one agent per
+  lookup of the leader (one ``Status``) is shared by the process's agents. Each agent still sends
+  its own requests, holds its own lease and its own etcd watchers; etcd does the same work per
+  agent as for one agent per
   machine. The lease keep-alives of a process travel on one stream (``LeaseKeeper``), as they
   would on each machine's own stream: one message per lease and renewal either way.
 * ``c10d``: each agent has its own TCPStore client connection, like a torchrun agent.
@@ -56,7 +56,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-BACKENDS = ("lease", "dynamic", "c10d")
+BACKENDS = ("lease", "c10d")
+# torch's dynamic-handler timings for the c10d agents (the values every recorded run used).
+C10D_CLOSE_TIMEOUT_S = 30
+C10D_HEARTBEAT_TIMEOUT_S = 30
+C10D_KEEP_ALIVE_INTERVAL_S = 5
+C10D_KEEP_ALIVE_MAX_ATTEMPT = 3
 SCRIPT = Path(__file__).resolve()
 
 
@@ -90,7 +95,7 @@ class Simulation:
         self.agents: list[Agent] = []
         self.connection: Any = None
         self._lock = threading.Lock()
-        if args.backend in ("lease", "dynamic"):
+        if args.backend == "lease":
             from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
 
             endpoints = parse_endpoints(args.endpoints)
@@ -128,31 +133,9 @@ class Simulation:
         timeout = RendezvousTimeout(
             timedelta(seconds=settings.join_timeout),
             timedelta(seconds=settings.last_call_timeout),
-            timedelta(seconds=settings.close_timeout),
-            timedelta(seconds=settings.heartbeat_timeout),
+            timedelta(seconds=C10D_CLOSE_TIMEOUT_S),
+            timedelta(seconds=C10D_HEARTBEAT_TIMEOUT_S),
         )
-        if self.args.backend == "dynamic":
-            from rendezvous.etcd_backend import EtcdV3RendezvousBackend
-            from rendezvous.etcd_store import EtcdV3Store
-            from rendezvous.handler import EtcdV3RendezvousHandler
-
-            backend = EtcdV3RendezvousBackend(
-                self.connection, settings.run_id, key_prefix=settings.key_prefix, ttl=settings.ttl
-            )
-            store: Any = EtcdV3Store(
-                self.connection, f"{settings.run_prefix}/store", ttl=settings.ttl
-            )
-            return EtcdV3RendezvousHandler.from_backend(
-                settings.run_id,
-                store,
-                backend,
-                settings.min_nodes,
-                settings.max_nodes,
-                "127.0.0.1",
-                timeout,
-                keep_alive_interval=settings.keep_alive_interval,
-                keep_alive_max_attempt=settings.keep_alive_max_attempt,
-            )
         import torch.distributed as dist
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
             C10dRendezvousBackend,
@@ -172,8 +155,8 @@ class Simulation:
             settings.max_nodes,
             "127.0.0.1",
             timeout,
-            keep_alive_interval=settings.keep_alive_interval,
-            keep_alive_max_attempt=settings.keep_alive_max_attempt,
+            keep_alive_interval=C10D_KEEP_ALIVE_INTERVAL_S,
+            keep_alive_max_attempt=C10D_KEEP_ALIVE_MAX_ATTEMPT,
         )
 
     def spawn(self, count: int) -> list[int]:
@@ -374,7 +357,7 @@ def serve(argv: Sequence[str]) -> None:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="simulated rendezvous agents (one process)")
     parser.add_argument("--backend", choices=BACKENDS, required=True)
-    parser.add_argument("--endpoints", default="", help="etcd endpoints (lease, dynamic)")
+    parser.add_argument("--endpoints", default="", help="etcd endpoints (lease)")
     parser.add_argument("--store", default="", help="host:port of the TCPStore (c10d)")
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--agents", type=int, required=True)
@@ -465,7 +448,7 @@ class Fleet:
 
     Args:
         conf: the ``--rdzv-conf`` of every agent.
-        endpoints: etcd endpoints (``lease``, ``dynamic``); ``store``: the TCPStore (``c10d``).
+        endpoints: etcd endpoints (``lease``); ``store``: the TCPStore (``c10d``).
     """
 
     def __init__(

@@ -42,8 +42,8 @@ MODES = {
 }
 
 
-# Fast elastic rounds: torch's 30 s last call and heartbeat defaults would dominate every restart.
-RDZV_CONF = "last_call_timeout=1,join_timeout=120,heartbeat_timeout=6,keep_alive_interval=1,retry_timeout=10"
+# Fast elastic rounds: the 30 s last-call default would dominate every restart.
+RDZV_CONF = "last_call_timeout=1,join_timeout=120,retry_timeout=10"
 
 
 def start_agent(

@@ -3,7 +3,6 @@
     torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=job1 \\
              --nnodes=1:2 --nproc-per-node=2 train.py
 
-``create_backend(params)`` returns ``(backend, store)`` like torch's own backends;
 ``create_handler(params)`` returns the handler torchrun uses; ``parse_settings(params)`` reads
 the ``--rdzv-conf`` keys (:mod:`rendezvous.settings`); ``set_job_identity`` declares what this
 process's job runs, so that another job is refused its run id (:mod:`rendezvous.job_identity`).
@@ -22,11 +21,8 @@ _EXPORTS = {
     "EtcdClientConfig": "rendezvous.etcd_client",
     "EtcdConnection": "rendezvous.etcd_client",
     "parse_endpoints": "rendezvous.etcd_client",
-    "EtcdV3RendezvousBackend": "rendezvous.etcd_backend",
-    "create_backend": "rendezvous.etcd_backend",
     "EtcdV3Store": "rendezvous.etcd_store",
     "StoreTimeoutError": "rendezvous.etcd_store",
-    "EtcdV3RendezvousHandler": "rendezvous.handler",
     "create_handler": "rendezvous.handler",
     "RendezvousConfigError": "rendezvous.settings",
     "RendezvousSettings": "rendezvous.settings",

@@ -17,7 +17,6 @@ from typing import Any
 
 DEFAULT_KEY_PREFIX = "/elastic-trainer/rdzv"
 DEFAULT_TTL = 7200
-HANDLERS = ("lease", "dynamic")
 
 
 class RendezvousConfigError(ValueError):
@@ -73,8 +72,7 @@ class ConfKey:
     doc: str
     """What it means, for people."""
     used_by: str
-    """``all`` (every node, whichever handler), ``lease`` or ``dynamic`` (that handler only; the
-    other accepts and ignores it), or ``torchrun`` (added by torchrun itself; ignored)."""
+    """``all`` (read by the rendezvous) or ``torchrun`` (added by torchrun itself; ignored)."""
 
 
 KEYS: tuple[ConfKey, ...] = (
@@ -131,8 +129,7 @@ KEYS: tuple[ConfKey, ...] = (
         "handler",
         _lower,
         "lease",
-        "``lease`` (native lease/watch handler) or ``dynamic`` "
-        "(torch's dynamic rendezvous over this backend)",
+        "``lease``, the one handler (``dynamic`` was retired and is refused)",
         "all",
     ),
     ConfKey("join_timeout", _number, 600.0, "seconds a rendezvous may take", "all"),
@@ -140,7 +137,7 @@ KEYS: tuple[ConfKey, ...] = (
         "last_call_timeout",
         _number,
         30.0,
-        "seconds to admit more nodes once the minimum is in (lease: first round only)",
+        "seconds to admit more nodes once the minimum is in (first round only)",
         "all",
     ),
     ConfKey(
@@ -148,19 +145,7 @@ KEYS: tuple[ConfKey, ...] = (
         _integer,
         10,
         "seconds after which a node that died without a goodbye loses its membership",
-        "lease",
-    ),
-    ConfKey("close_timeout", _number, 30.0, "torch's close timeout, seconds", "dynamic"),
-    ConfKey(
-        "heartbeat_timeout",
-        _number,
-        30.0,
-        "seconds without a heartbeat before a node is dead",
-        "dynamic",
-    ),
-    ConfKey("keep_alive_interval", _integer, 5, "seconds between a node's heartbeats", "dynamic"),
-    ConfKey(
-        "keep_alive_max_attempt", _integer, 3, "missed heartbeats before a node is dead", "dynamic"
+        "all",
     ),
     ConfKey(
         "timeout",

@@ -1,8 +1,8 @@
 """The framing of a rendezvous state value in etcd: ``MAGIC | sha256(state) | state``.
 
-Both handlers frame what they store under their state key (torch's pickled state for
-``handler=dynamic``, the lease handler's JSON round state), so that a corrupt or foreign value
-raises ``RendezvousStateError`` instead of being handed to the rendezvous as garbage.
+The lease handler frames its JSON round state and rank shards (:mod:`rendezvous.round_state`), so
+that a corrupt or foreign value raises ``RendezvousStateError`` instead of being handed to the
+rendezvous as garbage.
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ and has written nothing; the same job -- any node, any later restart of the same
 passes. The script is compared as written on the command line (``./train.py`` is ``train.py``),
 not as an absolute path, so nodes whose checkouts live in different folders agree.
 
-The record lives as long as the run's state: for good under the lease handler (whose closed
-state stays too, so a run id serves one job), with the state's ``ttl`` lease under
-``handler=dynamic``.
+The record lives as long as the run's state, for good (the closed state stays too, so a run id
+serves one job).
 
 Where the identity comes from: :func:`set_job_identity` (``elastic-trainer run`` calls it: it
 knows the real target even when workers start through a warm-start client); otherwise, in a
@@ -173,12 +172,11 @@ def claim_run(
     identity: JobIdentity,
     *,
     run_id: str,
-    lease: int | None = None,
 ) -> None:
     """Record ``identity`` as the job of ``run_id`` at ``key``, or check that it is the one there.
 
     One transaction (create if absent, else read), so concurrent first nodes agree and a retried
-    create finds its own record. ``lease`` ties the record to the run state's lifetime.
+    create finds its own record.
 
     Raises:
         RunIdInUseError: another job holds the run id; nothing was written.
@@ -191,11 +189,11 @@ def claim_run(
     def attempt(client: Any) -> tuple[bool, Any]:
         return client.transaction(  # type: ignore[no-any-return]
             compare=[txn.Create(key) == 0],
-            success=[txn.Put(key, value, lease=lease)],
+            success=[txn.Put(key, value)],
             failure=[txn.Get(key)],
         )
 
-    for _ in range(5):  # the record can vanish between the compare and the read only if it expires
+    for _ in range(5):  # the record can vanish between the compare and the read if it is deleted
         created, responses = connection.call(attempt, what="a job identity check")
         if created:
             log.info("etcd-v3: run %s runs %s", run_id, identity.description)

@@ -3,7 +3,7 @@
     torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=etcd-0:2379,etcd-1:2379,etcd-2:2379 \\
              --rdzv-id=job-42 --nnodes=1:1024 --nproc-per-node=8 train.py
 
-torch's dynamic rendezvous (``handler.py``) keeps the whole rendezvous in one key that every node
+torch's own dynamic rendezvous keeps the whole rendezvous in one key that every node
 rewrites with heartbeats, polls it once a second, notices a dead node only when its heartbeat is
 older than ``heartbeat_timeout``, and waits the ``last_call_timeout`` window (30 s) in *every*
 elastic round. This handler keeps torchrun's contract (same ``RendezvousHandler`` interface, same
@@ -415,8 +415,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
         rank, world_size, round_, master = self._join_round(deadline)
         self._round = round_
         store = dist.PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{round_}", self._store)
-        # A fresh TCPStore for the workers every round (see handler.py for why it must be fresh),
-        # hosted by rank 0, whose address came with the round.
+        # A fresh TCPStore for the workers every round, hosted by rank 0, whose address came with
+        # the round: workers assume a new store per attempt and add no per-attempt prefix
+        # (torch.distributed.rendezvous._create_c10d_store), so in a reused one the new workers
+        # would meet the keys the dead ones left (gloo rank addresses) and block in connectFullMesh.
         bootstrap = RendezvousStoreInfo(master.addr, master.port)
         log.info(
             "etcd-v3: node %s is rank %d of %d in round %d of run %s",

@@ -9,7 +9,7 @@ from rendezvous.etcd_client import EtcdConnection
 
 
 class RenewedLease:
-    """One etcd lease per backend, granted lazily and renewed at most every ``ttl / 4``."""
+    """An etcd lease, granted lazily and renewed at most every ``ttl / 4``."""
 
     def __init__(self, connection: EtcdConnection, ttl: int) -> None:
         self._connection = connection

@@ -1,16 +1,17 @@
 """The settings of the ``etcd-v3`` rendezvous: one parser of the ``--rdzv-conf`` key table.
 
     torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=etcd:2379 --rdzv-id=job-42 \\
-             --rdzv-conf=handler=lease,join_timeout=300,lease_ttl=10 --nnodes=1:4 train.py
+             --rdzv-conf=join_timeout=300,lease_ttl=10 --nnodes=1:4 train.py
 
 :data:`~rendezvous.conf_keys.KEYS` (in :mod:`rendezvous.conf_keys`) is the only list of
 ``--rdzv-conf`` keys (name, parser, default, meaning, which part uses it); :func:`parse_settings` is the only reader of torchrun's ``RendezvousParameters``, and
-everything else (the backend, both handlers, ``elastic-trainer run`` and ``status``) takes the
+everything else (the handler, ``elastic-trainer run`` and ``status``) takes the
 :class:`RendezvousSettings` it returns. Invariants:
 
 * every mistake is a :class:`RendezvousConfigError` with one line, ``rdzv-conf KEY: <problem>``;
   an unknown key names its closest known key and lists them all;
-* the keys of both handlers are accepted whichever handler runs (a launcher passes them all);
+* ``handler=lease`` is accepted (command lines may pass it); ``handler=dynamic`` was retired and
+  says so;
 * the keys torchrun adds itself (``timeout``, and ``rank`` for the static backend) are accepted
   and ignored: ``join_timeout`` bounds a rendezvous here.
 """
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from rendezvous.conf_keys import (  # noqa: F401 (re-exported)
     DEFAULT_KEY_PREFIX,
     DEFAULT_TTL,
-    HANDLERS,
     KEYS,
     KEYS_BY_NAME,
     ConfKey,
@@ -90,21 +90,13 @@ class RendezvousSettings:
     ttl: int = _default("ttl")
     """Seconds an untouched rendezvous state lives."""
     handler: str = _default("handler")
-    """``lease`` or ``dynamic``."""
+    """Always ``lease`` (the one handler); the key stays for command lines that pass it."""
     join_timeout: float = _default("join_timeout")
     """Seconds ``next_rendezvous`` may take."""
     last_call_timeout: float = _default("last_call_timeout")
     """Seconds to admit more nodes once the minimum is in."""
     lease_ttl: int = _default("lease_ttl")
-    """``lease``: seconds after which a silent (dead) node's membership expires."""
-    close_timeout: float = _default("close_timeout")
-    """``dynamic``: torch's close timeout, seconds."""
-    heartbeat_timeout: float = _default("heartbeat_timeout")
-    """``dynamic``: seconds without a heartbeat before a node is dead."""
-    keep_alive_interval: int = _default("keep_alive_interval")
-    """``dynamic``: seconds between heartbeats."""
-    keep_alive_max_attempt: int = _default("keep_alive_max_attempt")
-    """``dynamic``: missed heartbeats before a node is dead."""
+    """Seconds after which a silent (dead) node's membership expires."""
     conf: str = field(default="", repr=False)
     """The ``--rdzv-conf`` text these settings were read from, handed on unchanged (to torchrun,
     to the workers): a ``password_file`` stays a file name, its secret is not written out."""
@@ -121,11 +113,7 @@ class RendezvousSettings:
             "retry_timeout",
             "join_timeout",
             "last_call_timeout",
-            "close_timeout",
-            "heartbeat_timeout",
             "ttl",
-            "keep_alive_interval",
-            "keep_alive_max_attempt",
         ):
             value = getattr(self, name)
             if not value > 0:
@@ -134,10 +122,13 @@ class RendezvousSettings:
             raise RendezvousConfigError(
                 f"rdzv-conf lease_ttl: must be >= 2 seconds, got {self.lease_ttl}"
             )
-        if self.handler not in HANDLERS:
+        if self.handler == "dynamic":
             raise RendezvousConfigError(
-                f"rdzv-conf handler: must be one of {', '.join(HANDLERS)}, got {self.handler!r}"
+                "rdzv-conf handler: 'dynamic' (torch's dynamic rendezvous) was retired; "
+                "omit handler to use the lease handler"
             )
+        if self.handler != "lease":
+            raise RendezvousConfigError(f"rdzv-conf handler: must be lease, got {self.handler!r}")
         if not self.key_prefix.startswith("/") or " " in self.key_prefix:
             raise RendezvousConfigError(
                 f"rdzv-conf key_prefix: must be an absolute path like /a/b, got {self.key_prefix!r}"

@@ -193,9 +193,6 @@ class RunOptions:
     # one-node start wait torch's 30 s (plain torchrun keeps the key's own default).
     last_call_timeout: float = _rendezvous_option("last_call_timeout", launcher_default=5.0)
     lease_ttl: int = _rendezvous_option("lease_ttl")
-    close_timeout: float = _rendezvous_option("close_timeout")
-    heartbeat_timeout: float = _rendezvous_option("heartbeat_timeout")
-    keep_alive_interval: int = _rendezvous_option("keep_alive_interval")
     metrics_port: int = _option(
         9400, _port, "Prometheus endpoint port of this node (0: metrics off)"
     )
@@ -233,13 +230,6 @@ class RunOptions:
     )
     sources: dict[str, str] = field(default_factory=dict)
     """Where each value came from (cli, env, file, default): shown by ``--dry-run``."""
-
-    def __post_init__(self) -> None:
-        if self.keep_alive_interval >= self.heartbeat_timeout:
-            raise UserError(
-                f"keep_alive_interval ({self.keep_alive_interval:g}s) must be shorter than "
-                f"heartbeat_timeout ({self.heartbeat_timeout:g}s)"
-            )
 
     @property
     def min_nodes(self) -> int:

@@ -2,18 +2,15 @@
 
     elastic-trainer status --rdzv-endpoint etcd:2379 --run-id job1 --checkpoint-dir /ckpt --json
 
-Reads, over one etcd connection, the state of whichever handler owns the run: the lease handler's
-(``rendezvous.lease_handler``: JSON state, each node's address and pid from its node key, lease
-ages as heartbeat ages) or torch's dynamic handler's (its pickled state, decoded by
-:func:`elastic_trainer.runtime.torch_compat.decode_dynamic_state`, which admits only that state's
-classes, so a tampered key cannot run code in the operator's shell). Nodes are shown by their
-metric name (:mod:`elastic_trainer.metrics.node_name`); progress, ETA and the last error come from
-the keys the launchers publish (:mod:`elastic_trainer.launch.progress_publisher`).
+Reads, over one etcd connection, the lease handler's state of the run
+(:mod:`rendezvous.lease_handler`: JSON state, each node's address and pid from its node key, lease
+ages as heartbeat ages). Nodes are shown by their metric name
+(:mod:`elastic_trainer.metrics.node_name`); progress, ETA and the last error come from the keys
+the launchers publish (:mod:`elastic_trainer.launch.progress_publisher`).
 """
 
 from __future__ import annotations
 
-import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -38,47 +35,15 @@ from elastic_trainer.launch.progress_publisher import (
 )
 from elastic_trainer.metrics.node_name import node_name
 from elastic_trainer.metrics.progress import eta_seconds, format_duration
-from elastic_trainer.runtime import torch_compat
-from elastic_trainer.runtime.torch_compat import DynamicNode, DynamicState
 from rendezvous import etcd_ops
-from rendezvous.etcd_backend import EtcdV3RendezvousBackend, client_config_from_params
 from rendezvous.etcd_client import EtcdConnection, quiet_retries
 from rendezvous.lease_handler import NodeInfo, RunKeys, Snapshot, read_snapshot
+from rendezvous.settings import parse_settings
 
 
 def _named(node: str, addr: str, pid: int | None) -> dict[str, Any]:
     """A node's id, metric name, address and pid."""
     return {"node": node, "name": node_name(addr, pid), "addr": addr, "pid": pid}
-
-
-def _node(node: DynamicNode) -> dict[str, Any]:
-    return _named(f"{node.addr}_{node.pid}_{node.local_id}", node.addr, node.pid)
-
-
-def describe_state(state: DynamicState, now: datetime) -> dict[str, Any]:
-    """A JSON-ready view of torch's dynamic rendezvous state (``now``: an aware UTC datetime)."""
-    heartbeats = state.last_heartbeats
-    participants = []
-    for node, rank in sorted(state.participants.items(), key=lambda item: item[1]):
-        beat = heartbeats.get(node)
-        if beat is not None and beat.tzinfo is None:  # older torch wrote naive UTC times
-            beat = beat.replace(tzinfo=timezone.utc)
-        participants.append(
-            {
-                **_node(node),
-                "rank": rank,
-                "heartbeat_age_s": None if beat is None else round((now - beat).total_seconds(), 1),
-            }
-        )
-    return {
-        "handler": "dynamic",
-        "round": state.round,
-        "complete": state.complete,
-        "closed": state.closed,
-        "participants": participants,
-        "waiting": [_node(n) for n in sorted(state.wait_list, key=str)],
-        "redundant": [_node(n) for n in sorted(state.redundancy_list, key=str)],
-    }
 
 
 def _lease_node(node: str, value: bytes | None) -> dict[str, Any]:
@@ -252,20 +217,15 @@ def read_status(
     """
     params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **rdzv_conf)
     try:
-        keys = RunKeys.from_params(params)
-        progress_keys = ProgressKeys(keys.key_prefix, run_id)
-        connection = EtcdConnection(client_config_from_params(params))
+        settings = parse_settings(params)
+        keys = RunKeys.from_settings(settings)
+        progress_keys = ProgressKeys.from_settings(settings)
+        connection = EtcdConnection(settings.client_config())
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    # One connection for both handlers' keys: the lease handler's first, then the dynamic one's.
     try:
         with quiet_retries():
             lease_view = _read_lease_status(connection, keys)
-            found = None
-            if lease_view is None:
-                found = EtcdV3RendezvousBackend(
-                    connection, run_id, key_prefix=keys.key_prefix
-                ).get_state()
             record, error = read_progress(connection, progress_keys)
             heal = describe_heal_epoch(_read_heal_epoch(connection, run_id))
     except ValueError as exc:
@@ -277,16 +237,10 @@ def read_status(
     report: dict[str, Any] = {
         "run_id": run_id,
         "endpoint": endpoint,
-        "found": found is not None or lease_view is not None,
+        "found": lease_view is not None,
     }
     if lease_view is not None:
         report.update(lease_view)
-    elif found is not None:
-        try:
-            state = torch_compat.decode_dynamic_state(found[0])
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
-            raise UserError(f"the rendezvous state of {run_id!r} is unreadable: {exc}") from exc
-        report.update(describe_state(state, datetime.now(timezone.utc)))
     report["heal"] = heal
     report["finished_at_step"] = heal["step"] if heal is not None and heal["finished"] else None
     report["progress"], report["last_error"] = describe_progress(record, error, time.time())
@@ -333,8 +287,6 @@ def render_status(report: dict[str, Any]) -> str:
                 f"    rank {p['rank']:>3}  {p['name']:<24} heartbeat {age:>6} ago  ({p['node']})"
             )
         lines.append(f"  waiting: {', '.join(n['name'] for n in report['waiting']) or 'none'}")
-        if report["redundant"]:
-            lines.append(f"  redundant: {', '.join(n['name'] for n in report['redundant'])}")
     lines.extend(
         render_progress(
             report.get("progress"),

@@ -5,20 +5,17 @@ calls the functions here instead, so a torch upgrade means checking this one fil
 torch. Each entry names the torch code it relies on.
 
 Light to import (torch, and any stdlib module the warm-start client does not load anyway, are
-imported inside the functions; ``io`` and ``json`` it loads): the warm-start client and ``elastic-trainer status`` import it.
+imported inside the functions; ``json`` it loads): the warm-start client imports it.
 """
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from datetime import datetime
-
     import torch
 
 CHECKED_TORCH = "2.13.0"
@@ -316,75 +313,6 @@ def start_event_nodes(event_metadata: Mapping[str, Any]) -> int:
     """
     details = json.loads(event_metadata["metadata"])
     return int(details["group_world_size"])
-
-
-# -- torch's dynamic rendezvous state (elastic-trainer status) ----------------------------------
-
-_DYNAMIC = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
-_STATE_CLASSES = {
-    (_DYNAMIC, "_RendezvousState"),
-    (_DYNAMIC, "_NodeDesc"),
-    ("datetime", "datetime"),
-    ("datetime", "timedelta"),
-    ("datetime", "timezone"),
-    ("builtins", "set"),
-    ("builtins", "dict"),
-}
-
-
-class DynamicNode(NamedTuple):
-    """A node of torch's dynamic rendezvous (``_NodeDesc``)."""
-
-    addr: str
-    pid: int
-    local_id: int
-
-    def __str__(self) -> str:
-        return f"{self.addr}_{self.pid}_{self.local_id}"  # as _NodeDesc.__repr__
-
-
-class DynamicState(NamedTuple):
-    """The fields of torch's ``_RendezvousState`` that ``status`` shows."""
-
-    round: int
-    complete: bool
-    closed: bool
-    participants: dict[DynamicNode, int]
-    wait_list: set[DynamicNode]
-    redundancy_list: set[DynamicNode]
-    last_heartbeats: dict[DynamicNode, datetime]
-
-
-def decode_dynamic_state(raw: bytes) -> DynamicState:
-    """Unpickle the state torch's dynamic handler stores (``_RendezvousState``), admitting only the
-    classes it is made of, so a tampered key cannot run code in the reader.
-
-    Raises:
-        pickle.UnpicklingError: a class outside that state, or not a pickle.
-        AttributeError: a torch whose state lacks these fields.
-    """
-    import pickle
-
-    class StateUnpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if (module, name) not in _STATE_CLASSES:
-                raise pickle.UnpicklingError(
-                    f"unexpected class {module}.{name} in rendezvous state"
-                )
-            return super().find_class(module, name)
-
-    state = StateUnpickler(io.BytesIO(raw)).load()
-
-    def node(desc: Any) -> DynamicNode:
-        return DynamicNode(addr=desc.addr, pid=desc.pid, local_id=desc.local_id)
-
-    return DynamicState(
-        round=state.round, complete=state.complete, closed=state.closed,
-        participants={node(n): rank for n, rank in state.participants.items()},
-        wait_list={node(n) for n in state.wait_list},
-        redundancy_list={node(n) for n in state.redundancy_list},
-        last_heartbeats={node(n): beat for n, beat in state.last_heartbeats.items()},
-    )  # fmt: skip
 
 
 # -- collectives and DDP (worker processes) -----------------------------------------------------

@@ -38,19 +38,12 @@ from tests.support.records import steps_recorded
 REPO = Path(__file__).resolve().parents[2]
 CHAOS_JOB = Path(__file__).with_name("chaos_job.py")
 
-# Fast rounds and a short liveness bound: torch's 30 s defaults would dominate every scenario.
-# Keys a handler does not know are ignored, so this works with the lease and dynamic handlers.
-FAST_RDZV_CONF = "lease_ttl=4,heartbeat_timeout=6,keep_alive_interval=1,retry_timeout=20"
+# Fast rounds and a short liveness bound: the 30 s defaults would dominate every scenario.
+FAST_RDZV_CONF = "lease_ttl=4,retry_timeout=20"
 FAST_LAUNCH_OPTIONS = (
     "--join-timeout",
     "120",
     "--last-call-timeout",
-    "1",
-    "--close-timeout",
-    "10",
-    "--heartbeat-timeout",
-    "6",
-    "--keep-alive-interval",
     "1",
     "--monitor-interval",
     "0.2",

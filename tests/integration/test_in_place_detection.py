@@ -37,7 +37,7 @@ def launchers(etcd_server) -> Iterator[Callable[..., InPlaceRendezvousHandler]]:
     def start(run_id: str, node: str, *, heartbeats: bool = True) -> InPlaceRendezvousHandler:
         params = RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3)
         inner = create_rdzv_handler(params)
-        conn = etcd_connection_for(inner, params)  # what register_backend's factory does
+        conn = etcd_connection_for(inner)  # what register_backend's factory does
         handler = InPlaceRendezvousHandler(
             inner,
             conn,

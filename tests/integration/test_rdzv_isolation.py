@@ -61,9 +61,8 @@ def read_key(endpoint: str, key: str) -> tuple[bytes | None, int]:
     return value, (meta.mod_revision if meta is not None else 0)
 
 
-@pytest.mark.parametrize("kind", ["lease", "dynamic"])
 def test_another_job_is_refused_without_a_write_and_the_same_job_passes(
-    etcd_server, unique_id: str, identity: Any, kind: str
+    etcd_server, unique_id: str, identity: Any
 ) -> None:
     def params() -> RendezvousParameters:
         return RendezvousParameters(
@@ -72,7 +71,6 @@ def test_another_job_is_refused_without_a_write_and_the_same_job_passes(
             unique_id,
             1,
             1,
-            handler=kind,
             retry_timeout="10",
             last_call_timeout="1",
         )

@@ -32,9 +32,9 @@ from elastic_trainer.launch.progress_publisher import ProgressKeys, ProgressPubl
 from elastic_trainer.metrics.worker import PrometheusObserver, WorkerLabels
 from elastic_trainer.ops.processes import wait_for, worker_processes
 from elastic_trainer.ops.status import read_status, render_status
-from rendezvous.etcd_backend import client_config_from_params
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.etcd_server import EtcdServer, free_port
+from rendezvous.settings import parse_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -138,7 +138,7 @@ def test_status_shows_the_progress_rank_0_publishes_and_the_last_error(
             observer.on_step(
                 step=10**6, duration_s=0.1, data_wait_s=0.0, samples=32, tokens=0, loss=None
             )
-            quiet = ProgressPublisher(EtcdConnection(client_config_from_params(params)), ProgressKeys.from_params(params),
+            quiet = ProgressPublisher(EtcdConnection(parse_settings(params).client_config()), ProgressKeys.from_params(params),
                                       other, node="host-b-202", interval_s=1.0, owns_connection=True)  # fmt: skip
             try:
                 assert quiet.publish_once() is None

@@ -16,9 +16,7 @@ from tests.support.agents import agents as agents_cleanup
 pytestmark = pytest.mark.integration
 
 SCRIPT = str(Path(__file__).with_name("scripts") / "ddp_steps.py")
-FAST_RDZV = (
-    "last_call_timeout=1,join_timeout=60,heartbeat_timeout=5,keep_alive_interval=1,retry_timeout=10"
-)
+FAST_RDZV = "last_call_timeout=1,join_timeout=60,retry_timeout=10"
 
 
 def torchrun_args(endpoint: str, run_id: str, nnodes: str = "1:2", nproc: int = 2) -> list[str]:
@@ -211,9 +209,11 @@ def test_two_run_ids_on_one_etcd_do_not_interfere(
         ("bogus=1", "etcd-v3: error: rdzv-conf: unknown key 'bogus'; known keys: "),
         ("read_timeout=abc", "etcd-v3: error: rdzv-conf read_timeout: 'abc' is not a number"),
         (
-            "handler=dynamic,keep_alive_interval=0",
-            "etcd-v3: error: rdzv-conf keep_alive_interval: must be > 0, got 0",
+            "handler=dynamic",
+            "etcd-v3: error: rdzv-conf handler: 'dynamic' (torch's dynamic rendezvous) was "
+            "retired; omit handler to use the lease handler",
         ),
+        ("join_timeout=0", "etcd-v3: error: rdzv-conf join_timeout: must be > 0, got 0"),
     ],
 )
 def test_a_bad_rdzv_conf_under_plain_torchrun_is_one_line_and_exit_2(

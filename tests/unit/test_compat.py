@@ -3,10 +3,8 @@ would break is tested here first."""
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
@@ -24,23 +22,6 @@ def test_the_agent_hook_installs_and_uninstalls() -> None:
     finally:
         uninstall()
     assert LocalElasticAgent._monitor_workers is before
-
-
-def test_the_dynamic_rendezvous_state_decodes_and_a_foreign_pickle_is_refused() -> None:
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
-
-    state = _RendezvousState()
-    state.round = 3
-    state.participants[_NodeDesc("host-a", 11, 0)] = 0
-    decoded = torch_compat.decode_dynamic_state(pickle.dumps(state))
-    assert decoded.round == 3 and [n.addr for n in decoded.participants] == ["host-a"]
-
-    class Evil:
-        def __reduce__(self) -> tuple:
-            return (print, ("never",))
-
-    with pytest.raises(Exception, match="unexpected class|Evil|print"):
-        torch_compat.decode_dynamic_state(pickle.dumps(Evil()))
 
 
 def test_own_buffers_foreach_copy_and_set_own_buffer() -> None:

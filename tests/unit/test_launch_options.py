@@ -72,7 +72,6 @@ def test_config_file_from_env_variable(tmp_path: Path) -> None:
         ({}, {}, "[run\n", "invalid TOML"),
         ({"device": "tpu"}, {}, None, "must be one of auto, cpu, cuda"),
         ({"rdzv_conf": "novalue"}, {}, None, "'novalue' is not KEY=VALUE"),
-        ({"keep_alive_interval": "40"}, {}, None, "keep_alive_interval \\(40s\\) must be shorter"),
         (
             {"warm_start": "yes"},
             {},
@@ -171,9 +170,6 @@ def test_each_rendezvous_option_is_the_rdzv_conf_key_itself() -> None:
         "join_timeout",
         "last_call_timeout",
         "lease_ttl",
-        "close_timeout",
-        "heartbeat_timeout",
-        "keep_alive_interval",
     }
     for spec in rendezvous:
         key = KEYS_BY_NAME[spec.name]

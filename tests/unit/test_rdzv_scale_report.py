@@ -54,7 +54,7 @@ def results(scale: types.ModuleType) -> list:
         r("lease", 1024, "first", release=release, load=load, extra={"after_last_join": load}),
         r("lease", 1024, "restart", release={"p50": 1.0, "p99": 1.2, "last": 1.3}, load=load),
         r("lease", 1024, "steady", load=load, db_bytes=2**20, keys=2050, extra={"watchers": 2051}),
-        r("dynamic", 1024, "first", release={"p50": 8.0, "p99": 12.0, "last": 12.5}, load=load),
+        r("c10d", 1024, "first", release={"p50": 8.0, "p99": 12.0, "last": 12.5}, load=load),
         r("c10d", 4096, "first", ok=False, note="1000 of 4095 joined within 240s"),
         r(
             "lease",
@@ -76,7 +76,7 @@ def test_the_tables_come_first_and_survive_a_missing_matplotlib(
     out, err = capsys.readouterr()
     assert "| lease | 1,024 | 0.200 | 0.400 | 0.450 |" in out
     assert "| c10d | 4,096 | 1000 of 4095 joined within 240s |" in out
-    assert "N=1,024: dynamic/lease p99 30.0x" in out
+    assert "N=1,024: c10d/lease p99 30.0x" in out
     assert "| 1,024 | etcd-leader-killed | 1024 |" in out
     assert "An idle 3-member cluster (no client) uses 2.50 CPU s/min" in out
     assert json_path.exists() and not chart_path.exists()

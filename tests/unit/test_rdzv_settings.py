@@ -50,8 +50,7 @@ def test_every_key_of_the_readme_table_is_known() -> None:
     documented = {
         name for row in table.splitlines()[3:] for name in re.findall(r"`(\w+)`", row.split("|")[1])
     }
-    assert len(documented) >= 19, documented
-    assert documented <= set(known_keys())
+    assert documented == set(known_keys())
 
 
 def test_the_keys_torchrun_adds_itself_are_accepted() -> None:
@@ -74,14 +73,22 @@ def test_the_keys_torchrun_adds_itself_are_accepted() -> None:
     assert settings.join_timeout == 5.0
 
 
-def test_the_other_handlers_keys_are_accepted() -> None:
-    settings = parse_settings(params(handler="lease", close_timeout="3", keep_alive_interval="1"))
-    assert (settings.handler, settings.close_timeout, settings.keep_alive_interval) == (
-        "lease",
-        3.0,
-        1,
+def test_handler_lease_is_accepted_and_the_retired_dynamic_handler_is_one_line() -> None:
+    assert parse_settings(params(handler="Lease", lease_ttl="4")).handler == "lease"
+    with pytest.raises(RendezvousConfigError) as raised:
+        parse_settings(params(handler="dynamic"))
+    assert str(raised.value) == (
+        "rdzv-conf handler: 'dynamic' (torch's dynamic rendezvous) was retired; "
+        "omit handler to use the lease handler"
     )
-    assert parse_settings(params(handler="Dynamic", lease_ttl="4")).handler == "dynamic"
+
+
+@pytest.mark.parametrize(
+    "key", ["close_timeout", "heartbeat_timeout", "keep_alive_interval", "keep_alive_max_attempt"]
+)
+def test_the_retired_dynamic_handlers_keys_are_unknown_keys(key: str) -> None:
+    with pytest.raises(RendezvousConfigError, match=f"^rdzv-conf: unknown key {key!r}"):
+        parse_settings(params(**{key: "5"}))
 
 
 @pytest.mark.parametrize(
@@ -114,8 +121,8 @@ def test_an_unknown_key_is_named_with_its_closest_match_and_the_known_keys(
         ({"last_call_timeout": "-1"}, "rdzv-conf last_call_timeout: must be > 0, got -1"),
         ({"ttl": "1.5"}, "rdzv-conf ttl: '1.5' is not an integer"),
         ({"lease_ttl": "1"}, "rdzv-conf lease_ttl: must be >= 2 seconds"),
-        ({"keep_alive_max_attempt": "0"}, "rdzv-conf keep_alive_max_attempt: must be > 0"),
-        ({"handler": "etcd"}, "rdzv-conf handler: must be one of lease, dynamic, got 'etcd'"),
+        ({"ttl": "0"}, "rdzv-conf ttl: must be > 0, got 0"),
+        ({"handler": "etcd"}, "rdzv-conf handler: must be lease, got 'etcd'"),
         (
             {"key_prefix": "runs"},
             "rdzv-conf key_prefix: must be an absolute path like /a/b, got 'runs'",

@@ -8,8 +8,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from elastic_trainer.launch.progress_publisher import ErrorRecord, ProgressRecord
 from elastic_trainer.metrics.node_name import node_name, short_host
 from elastic_trainer.ops.status import describe_lease_state, describe_progress, render_status
-from rendezvous.etcd_backend import DEFAULT_KEY_PREFIX
 from rendezvous.lease_handler import COMPLETE, NodeInfo, RoundState, RunKeys, Snapshot
+from rendezvous.settings import DEFAULT_KEY_PREFIX
 
 
 def snapshot(
@@ -119,8 +119,8 @@ def test_run_keys_from_params_use_the_key_prefix_or_the_default() -> None:
 
 
 @pytest.mark.parametrize("prefix", ["relative/path", "/with space", ""])
-def test_run_keys_refuse_a_key_prefix_the_dynamic_handler_refuses(prefix: str) -> None:
-    """One check for both handlers (and for status): an absolute path without spaces."""
+def test_run_keys_refuse_a_key_prefix_that_is_not_an_absolute_path(prefix: str) -> None:
+    """One check for the handler and for status: an absolute path without spaces."""
     params = RendezvousParameters("etcd-v3", "h:1", "job", 1, 1, key_prefix=prefix)
     with pytest.raises(ValueError, match="rdzv-conf key_prefix: must be an absolute path"):
         RunKeys.from_params(params)
