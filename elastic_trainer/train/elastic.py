@@ -927,7 +927,8 @@ class Step:
         # Handed to the run (its next iteration raises it where the loop and the heal see it):
         # a peer's failure heals in place, anything else ends the run as it would have.
         self._failure = exc
-        if not self._elastic._warned_after_failure:
+        redone = failures.classify(exc)[0] is failures.FailureClass.TRANSIENT  # else the run ends
+        if redone and not self._elastic._warned_after_failure:
             self._after = AfterFailureTrace(sys._getframe(1))  # until the run takes the failure
         return True
 

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+from rendezvous import etcd_client
 from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, parse_endpoints
 
 
@@ -37,6 +38,7 @@ def failing_then_ok(failures: list[BaseException]) -> Any:
 @pytest.fixture
 def connection(monkeypatch: pytest.MonkeyPatch) -> tuple[EtcdConnection, list[float], list[str]]:
     sleeps: list[float] = []
+    monkeypatch.setattr(etcd_client, "_OUTAGES", etcd_client._Outages())  # this test's alone
     config = EtcdClientConfig(endpoints=parse_endpoints("a:1,b:2,c:3"), retry_timeout=1000)
     conn = EtcdConnection(
         config, sleep=sleeps.append, route_to_leader=False
@@ -58,13 +60,18 @@ def test_transient_errors_are_retried_on_the_next_endpoint(connection, caplog) -
         FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED),
     ]
 
-    with caplog.at_level(logging.WARNING, logger="rendezvous.etcd_client"):
+    with caplog.at_level(logging.DEBUG, logger="rendezvous.etcd_client"):
         assert conn.call(failing_then_ok(failures), what="a test op") == "ok"
     assert connected == ["a:1", "b:2", "c:3"]
     assert len(sleeps) == 2 and all(0 < s <= 1.2 for s in sleeps)
-    retries = [r for r in caplog.records if "retry" in r.getMessage()]
-    assert len(retries) == 2  # each retry logged once, with its cause
+    retries = [r for r in caplog.records if "; retry " in r.getMessage()]
+    assert len(retries) == 2  # each retry logged once, with its cause, at DEBUG
     assert "ConnectionFailedError" in retries[0].getMessage()
+    assert {r.levelno for r in retries} == {logging.DEBUG}
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 2, said  # the outage: one line when it begins, one when it ends
+    assert said[0].startswith("etcd at a:1,b:2,c:3 does not answer (a test op: ")
+    assert said[1].startswith("etcd at a:1,b:2,c:3 answers again (after ")
 
 
 @pytest.mark.parametrize(
