@@ -219,8 +219,9 @@ class RunOptions:
     progress_interval: float = _option(
         10.0,  # progress_publisher.DEFAULT_INTERVAL_S (not imported: options stay etcd-free)
         _positive_float,
-        "seconds between the progress records `elastic-trainer status` shows (rank 0's node "
-        "writes one to etcd each time)",
+        "seconds between the progress records `elastic-trainer status` shows while the job "
+        "does not move, and between their lease renewals (while training, rank 0's node writes "
+        "one each time the step moves, read every 0.5 s)",
     )
     heal: str = _option(
         "in_place",

@@ -341,7 +341,8 @@ def render_progress(
             f"loss {'-' if loss is None else f'{loss:.4g}'}, lr {'-' if lr is None else f'{lr:.3g}'}, "
             f"restarts {'-' if progress['restarts'] is None else progress['restarts']}, "
             f"heals {'-' if progress.get('heals') is None else progress['heals']}; "
-            f"published {format_duration(progress['published_age_s'])} ago by {progress['published_by']}"
+            f"record published {format_duration(progress['published_age_s'])} ago by {progress['published_by']} "
+            "(the ages are the record's: rank 0's node writes one as the step moves)"
         )
     if last_error is None:
         lines.append("  last error: none")

@@ -181,8 +181,8 @@ def test_render_shows_names_progress_and_the_last_error() -> None:
     assert "rank   0  host-42" in text and "(host.x_42_abcdef)" in text
     assert "progress: step 150 / 1000 (15.0%), ETA 2m50s, 1280.0 samples/s, world size 4" in text
     assert (
-        "last step 5.0s ago, loss 0.5123, lr 0.05, restarts 1, heals 3; published 3.0s ago by a-1"
-        in text
+        "last step 5.0s ago, loss 0.5123, lr 0.05, restarts 1, heals 3; record published 3.0s ago "
+        "by a-1 (the ages are the record's: rank 0's node writes one as the step moves)" in text
     )
     assert "last error: rank 3 exited with signal 9 (b-2, 2m03s ago)" in text
 
