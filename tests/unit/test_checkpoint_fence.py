@@ -94,3 +94,42 @@ def test_draining_a_failed_background_write_says_so_and_does_not_raise(
         assert ckpt.iter_checkpoints(tmp_path) == []
     finally:
         manager.close(5.0)
+
+
+def test_a_save_due_while_the_last_one_waits_on_etcd_is_skipped_not_waited_for(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40 item 7: the commit fence asks etcd (up to seconds in an outage) on the writer
+    thread; the next periodic save, due meanwhile, returns at once with one line instead of
+    holding the training thread, and the save after the outage is written."""
+    import threading
+    import time
+
+    etcd_back = threading.Event()
+    asked = threading.Event()
+
+    def fence() -> str | None:
+        asked.set()
+        etcd_back.wait(30)
+        return None
+
+    manager = _manager(tmp_path, async_write=True, fence=fence)
+    try:
+        manager.state.step = 1
+        manager.save(1)
+        assert asked.wait(10), "the writer asks the fence"
+        manager.state.step = 2
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="elastic_trainer.checkpoint.manager"):
+            manager.save(2)
+        assert time.monotonic() - started < 1.0, "the training thread did not wait"
+        assert "checkpoint of step 2 skipped" in caplog.text
+        etcd_back.set()
+        manager.just_in_time._drain(10.0)
+        manager.state.step = 3
+        manager.save(3)
+        manager.just_in_time._drain(10.0)
+        assert ckpt.iter_checkpoints(tmp_path) == [1, 3]
+    finally:
+        etcd_back.set()
+        manager.close(5.0)
