@@ -239,8 +239,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _warn_launcher_flags_after_target(words)
     target = plan.split_target(words, as_module=args.module)
     options = resolve_run_options(_launch_values(args), config_path=args.config)
-    launcher.install_sigterm_as_exception()
-    launcher.default_env_for_workers()
+    if not args.dry_run:  # a dry run changes nothing in this process (a test's, say)
+        launcher.install_sigterm_as_exception()
+        launcher.default_env_for_workers()
     code = launcher.launch(options, target, dry_run=args.dry_run)
     if not args.dry_run:
         _exit_without_teardown(code)

@@ -33,6 +33,7 @@ def _worker(rank: int, port: int, out: str, diverge: bool, carrier: str) -> None
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
         ELASTIC_TRAINER_CONTROL_CARRIER=carrier, ELASTIC_TRAINER_REPLICA_CHECK_EVERY="4",
+        ELASTIC_TRAINER_REPORTS_FAILURES="",  # no launcher: each rank says its line
     )  # fmt: skip
     from elastic_trainer import Elastic
 
