@@ -255,9 +255,7 @@ class EtcdConnection:
             raise RendezvousConnectionError(
                 f"etcd at {self.endpoint} refused {what}: {_describe(exc)}"
             ) from exc
-        lasted = _OUTAGES.ended(self._endpoints_text())
-        if lasted is not None:
-            log.warning("etcd at %s answers again (after %.1fs)", self._endpoints_text(), lasted)
+        _OUTAGES.answered(self._endpoints_text())
         return result
 
     def count(self, kind: str, n: int = 1) -> None:
@@ -351,12 +349,7 @@ class EtcdConnection:
             failed = self._endpoint_of(used.client)
             self._after_failure(used, exc)
             detail = _describe(exc) if exc else "?"
-            if _OUTAGES.began(self._endpoints_text()):
-                log.warning(
-                    "etcd at %s does not answer (%s: %s); retrying, each request for up to "
-                    "%gs (one line when it answers again)",
-                    self._endpoints_text(), what, detail, self.config.retry_timeout,
-                )  # fmt: skip
+            _OUTAGES.failed(self._endpoints_text(), f"{what}: {detail}", self.config.retry_timeout)
             log.debug(
                 "%s to etcd failed on %s (%s); retry %d in %.2fs",
                 what, failed, detail, state.attempt_number, state.upcoming_sleep,
@@ -580,19 +573,25 @@ class _Outages:
         self._since: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def began(self, endpoints: str) -> bool:
-        """A request failed: True when this begins an outage."""
+    def failed(self, endpoints: str, why: str, budget: float) -> None:
+        """A request to ``endpoints`` failed (``why``): the line if this begins an outage."""
         with self._lock:
             if endpoints in self._since:
-                return False
+                return
             self._since[endpoints] = time.monotonic()
-            return True
+        log.warning(
+            "etcd at %s does not answer (%s); retrying, each request for up to %gs (one line "
+            "when it answers again)", endpoints, why, budget,
+        )  # fmt: skip
 
-    def ended(self, endpoints: str) -> float | None:
-        """A request was answered: the outage's seconds, if one was going on."""
+    def answered(self, endpoints: str) -> None:
+        """A request to ``endpoints`` was answered: the line if that ends an outage."""
         with self._lock:
             since = self._since.pop(endpoints, None)
-        return None if since is None else time.monotonic() - since
+        if since is not None:
+            log.warning(
+                "etcd at %s answers again (after %.1fs)", endpoints, time.monotonic() - since
+            )
 
 
 _OUTAGES = _Outages()

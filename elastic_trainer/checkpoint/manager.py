@@ -95,9 +95,7 @@ class CheckpointManager:
     ) -> None:
         if (state is None) == (states is None):
             raise ValueError("CheckpointManager takes either state= or states=")
-        self._config, self._env = config, env
-        self._fence = self._confirming_fence(fence) if fence is not None else None
-        self._confirming = False  # the writer waits on the fence (etcd) now
+        self._config, self._env, self._fence = config, env, self._confirming_fence(fence)
         self._fingerprint = dict(fingerprint)
         self.state = (
             state
@@ -477,8 +475,11 @@ class CheckpointManager:
         )
         return data
 
-    def _confirming_fence(self, fence: ckpt.CommitFence) -> ckpt.CommitFence:
-        """``fence``, flagging while it runs (it may wait seconds for etcd)."""
+    def _confirming_fence(self, fence: ckpt.CommitFence | None) -> ckpt.CommitFence | None:
+        """``fence``, flagging ``_confirming`` while it runs (it may wait seconds for etcd)."""
+        self._confirming = False
+        if fence is None:
+            return None
 
         def confirm() -> str | None:
             self._confirming = True
