@@ -264,14 +264,13 @@ _LIBRARY = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def users_traceback(exc: BaseException) -> str:
-    """``exc``'s traceback without the library's frames (the run's iteration that re-raises a
-    step's failure is no part of the user's error), unless the error is raised in them."""
+    """``exc``'s traceback without the library's frames outside the user's first one (the run's
+    iteration that re-raises a step's failure is no part of the user's error); those the user's
+    code called stay, and all of them when no frame is the user's (an error of the library)."""
     shown = traceback.TracebackException.from_exception(exc)
-    stack = shown.stack
-    if stack and not stack[-1].filename.startswith(_LIBRARY):
-        shown.stack = traceback.StackSummary.from_list(
-            [frame for frame in stack if not frame.filename.startswith(_LIBRARY)]
-        )
+    stack = list(shown.stack)
+    outer = next((i for i, f in enumerate(stack) if not f.filename.startswith(_LIBRARY)), 0)
+    shown.stack = traceback.StackSummary.from_list(stack[outer:])
     return "".join(shown.format())
 
 
