@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer.runtime.sample_log import generations
+from tests.chaos.chaos_job import SLOW_MS_ENV, SLOW_WHILE_FILE_ENV
 from tests.chaos.faults import (
     FaultInjector,
     JobSpec,
@@ -42,6 +43,10 @@ def test_node_partitioned_then_healed(
     commit none that the others do not know about (the commit fence), and the other node's
     worker becomes rank 0."""
     names = ["a", "b"]
+    # From the partition until the cut-off node trains again the steps are slow: on a loaded
+    # machine its rejoin (a new lease, new workers) may take longer than the rest of the job.
+    hold = run_dirs.root / "until-rejoined"
+    held = {SLOW_WHILE_FILE_ENV: str(hold), SLOW_MS_ENV: "250"}
     with private_network(names) as net, agents() as nodes:
         endpoint = net.start_etcd(tmp_path / "etcd" / "data")
         run_id = unique_run_id("partition")
@@ -59,6 +64,7 @@ def test_node_partitioned_then_healed(
                     env={
                         "GLOO_SOCKET_IFNAME": "eth0",
                         "ELASTIC_TRAINER_PG_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S),
+                        **held,
                     },
                 )
             )
@@ -68,6 +74,7 @@ def test_node_partitioned_then_healed(
             rank0 = generations(run_dirs.samples)[-1].pids[0]
             writer = next(i for i, node in enumerate(nodes) if rank0 in node.worker_pids())
             cut_off.append(writer if cut == "the writer's node" else 1 - writer)
+            hold.touch()
             net.partition(names[cut_off[0]])
 
         faults = (
@@ -79,6 +86,11 @@ def test_node_partitioned_then_healed(
                 lambda step: run_dirs.steps(world_size=1) >= 30,
                 "partition healed",
                 lambda: net.heal(names[cut_off[0]]),
+            )
+            .when(
+                lambda step: _trains_again(run_dirs),
+                "the cut-off node trains again",
+                lambda: hold.unlink(missing_ok=True),
             )
         )
         faults.run_until(
@@ -95,4 +107,13 @@ def test_node_partitioned_then_healed(
     )
     assert "is gone (no heartbeat for" in survivor_log, (
         "the partition was noticed by heartbeats, not a lease"
+    )
+
+
+def _trains_again(run_dirs: RunDirs) -> bool:
+    """A generation of two after one of one has completed a step: the cut-off node is back."""
+    gens = generations(run_dirs.samples)
+    alone = next((i for i, g in enumerate(gens) if g.world_size == 1), None)
+    return alone is not None and any(
+        g.world_size == 2 and g.last_step > g.resumed_step for g in gens[alone + 1 :]
     )

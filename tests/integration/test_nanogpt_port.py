@@ -11,7 +11,9 @@ the group, the resumed counter's learning rate is named once (issue 40)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,16 +46,30 @@ LOG_AFTER_WITH = """    if iter_num % log_interval == 0 and master_process:
 """
 
 
-def _script(tmp: Path, *, own_counter: bool) -> Path:
+RANDINT = "    ix = torch.randint(len(data) - block_size, (batch_size,))\n"
+PER_RANK_GENERATOR = (
+    "    ix = torch.randint(len(data) - block_size, (batch_size,), generator=offsets)\n"
+)
+
+
+def _script(tmp: Path, *, own_counter: bool = False, per_rank_generator: bool = False) -> Path:
     """The port as the guide writes it, or with nanoGPT's own counter kept and its log block
-    after ``with step:`` (the two mistakes of the issue), beside a copy of its model module."""
-    folder = tmp / ("own" if own_counter else "port")
+    after ``with step:`` (the two mistakes of the issue), or drawing its offsets from a generator
+    of its own seeded by rank, beside a copy of its model module."""
+    folder = tmp / ("own" if own_counter else "rank-gen" if per_rank_generator else "port")
     folder.mkdir()
     shutil.copy(NANOGPT / "gpt.py", folder)
     text = (NANOGPT / "train_elastic.py").read_text()
     if own_counter:
         assert text.count(OWN_COUNTER[0]) == 1 and text.count(LOG_BLOCK) == 1
         text = text.replace(OWN_COUNTER[0], OWN_COUNTER[1]).replace(LOG_BLOCK, LOG_AFTER_WITH)
+    if per_rank_generator:
+        assert text.count(RANDINT) == 1
+        text = text.replace(RANDINT, PER_RANK_GENERATOR).replace(
+            "\n\ndef get_batch(split):",
+            '\noffsets = torch.Generator().manual_seed(1337 + int(os.environ["RANK"]))\n\n\n'
+            "def get_batch(split):",
+        )
     (folder / "train.py").write_text(text)
     return folder
 
@@ -151,3 +167,26 @@ def test_under_plain_torchrun_a_resumed_own_counter_is_named_once(
     log = node.log_path.read_text()
     rates = [line for line in log.splitlines() if "the learning rate went from" in line]
     assert len(rates) == 1 and "likely iter_num" in rates[0], log[-4000:]
+
+
+def test_a_per_rank_generator_is_named_at_the_start_and_the_replicas_stay_alike(
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
+    """Offsets from a generator of the script's own, seeded by rank and never saved: a heal
+    restarts it in the replacement (the run is then not the undisturbed one), which one line at
+    the start names with its fix; the replicas stay alike (DDP averages), so the job ends."""
+    _prepared(tmp_path)
+    folder = _script(tmp_path, per_rank_generator=True)
+    with _run(tmp_path, "gen", folder, etcd_server.endpoint, unique_id) as node:
+        wait_for(lambda: _iteration_logged(node, 40), timeout=180, what="iteration 40")
+        # Rank 1's process (rank 0 warned at the start; its replacement would start again).
+        pid = re.search(r"rank 1/2 \(local \d+, pid (\d+)\)", node.log_path.read_text())
+        assert pid is not None, node.log_path.read_text()[-3000:]
+        os.kill(int(pid.group(1)), signal.SIGKILL)
+        code = node.proc.wait(240)
+    log = node.log_path.read_text()
+    assert code == 0, log[-3000:]
+    named = [line for line in log.splitlines() if "not saved, yet changed in training" in line]
+    assert len(named) == 1 and "offsets (Generator)" in named[0], log[-4000:]
+    assert "offsets.manual_seed(torch.initial_seed() + 1) each step" in named[0]
+    assert "replicas' parameters" not in log and "healed in place" in log
