@@ -310,14 +310,6 @@ class CheckpointManager:
                     consolidate(to=0)  # a sharded optimizer gathers its state on rank 0
         if final:
             return self._save_final(step, started)
-        if self._sharded is None and self._confirming and self._writer.busy:
-            # The previous write waits on etcd to confirm its commit (an outage): this one is
-            # skipped rather than waited for on the training thread; the next due step saves.
-            log.warning(
-                "checkpoint of step %d skipped: the previous one still waits for etcd to confirm "
-                "its commit", step,
-            )  # fmt: skip
-            return self.last_path
         self._last_saved_step = step
         if self._failure is None and (self._sharded is not None or self._env.is_rank0):
             try:
