@@ -42,7 +42,8 @@ if ddp:
     ddp_world_size = int(os.environ["WORLD_SIZE"])
     master_process = ddp_rank == 0
     seed_offset = ddp_rank
-    assert gradient_accumulation_steps % ddp_world_size == 0
+    if gradient_accumulation_steps % ddp_world_size:
+        raise SystemExit("gradient_accumulation_steps must be a multiple of the world size")
     gradient_accumulation_steps //= ddp_world_size
 else:
     master_process = True

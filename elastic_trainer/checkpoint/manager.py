@@ -95,7 +95,7 @@ class CheckpointManager:
     ) -> None:
         if (state is None) == (states is None):
             raise ValueError("CheckpointManager takes either state= or states=")
-        self._config, self._env, self._fence = config, env, self._confirming_fence(fence)
+        self._config, self._env, self._fence = config, env, fence
         self._fingerprint = dict(fingerprint)
         self.state = (
             state
@@ -466,21 +466,6 @@ class CheckpointManager:
             {"fingerprint": ckpt.job_fingerprint(self._fingerprint), "config": self._run_config}
         )
         return data
-
-    def _confirming_fence(self, fence: ckpt.CommitFence | None) -> ckpt.CommitFence | None:
-        """``fence``, flagging ``_confirming`` while it runs (it may wait seconds for etcd)."""
-        self._confirming = False
-        if fence is None:
-            return None
-
-        def confirm() -> str | None:
-            self._confirming = True
-            try:
-                return fence()
-            finally:
-                self._confirming = False
-
-        return confirm
 
     def _background_write_refused(self, exc: ckpt.CheckpointFencedError) -> None:
         """(Writer thread) the commit fence refused the write just submitted: nothing new is on
