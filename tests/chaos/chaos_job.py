@@ -29,6 +29,13 @@ Hooks (environment variables of one node, so one node can misbehave while the ot
     At that step, if this file exists, the rank deletes it and blocks for good using no CPU, as a
     survivor blocked in a collective that no abort reaches does (DDP's bucket rebuild in a new
     model's second forward): only the heal's stop watch ends it. Its replacement finds no file.
+``CHAOS_DTYPE=float64``
+    Not a fault: every rank computes in float64 (the default dtype, set before the example builds
+    its data and model). Two runs that took different world sizes sum in different orders; in
+    float32 that 1e-7 grows, over a hundred steps at a high learning rate, to 0.5 % of what
+    training moved a weight (issue 41), so a comparison with an uninterrupted run can only be
+    loose; in float64 it stays near 1e-12, and any real difference (a step lost, repeated or
+    resumed from the wrong state) stands out by orders of magnitude.
 ``CHAOS_BLOCK_WHERE=backward``
     Blocks inside the next step's backward instead (a global module backward hook, armed at that
     step's control: the step's own graph was built without it), where DDP waits on a gradient
@@ -51,6 +58,7 @@ SLOW_WHILE_FILE_ENV = "CHAOS_SLOW_WHILE_FILE"
 BLOCK_AT_STEP_ENV = "CHAOS_BLOCK_AT_STEP"
 BLOCK_FILE_ENV = "CHAOS_BLOCK_FILE"
 BLOCK_WHERE_ENV = "CHAOS_BLOCK_WHERE"
+DTYPE_ENV = "CHAOS_DTYPE"
 
 _block_in_backward = threading.Event()  # armed before a backward: its first module hook blocks
 
@@ -95,6 +103,10 @@ def chaos_hook(
 
 
 def main() -> int:
+    if os.environ.get(DTYPE_ENV) == "float64":
+        import torch
+
+        torch.set_default_dtype(torch.float64)
     slow_ms = float(os.environ.get(SLOW_MS_ENV, "0") or 0)
     exit_before = os.environ.get(EXIT_BEFORE_STEP_ENV)
     block_at, block_file = os.environ.get(BLOCK_AT_STEP_ENV), os.environ.get(BLOCK_FILE_ENV)
