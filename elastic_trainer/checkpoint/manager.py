@@ -58,6 +58,10 @@ from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.state.restore_plan import RESTORE, resume_sharded
 from elastic_trainer.state.training_state import Stateful, TrainingState
 
+# How long the commit fence may wait on etcd (milliseconds when it is up) before a periodic save
+# that comes due meanwhile is skipped instead of waited for on the training thread.
+CONFIRM_PATIENCE_S = 1.0
+
 log = logging.getLogger(__name__)
 
 
@@ -95,7 +99,9 @@ class CheckpointManager:
     ) -> None:
         if (state is None) == (states is None):
             raise ValueError("CheckpointManager takes either state= or states=")
-        self._config, self._env, self._fence = config, env, fence
+        self._config, self._env = config, env
+        self._fence = self._confirming_fence(fence) if fence is not None else None
+        self._confirming_since: float | None = None  # the writer waits on the fence (etcd) since
         self._fingerprint = dict(fingerprint)
         self.state = (
             state
@@ -310,6 +316,21 @@ class CheckpointManager:
                     consolidate(to=0)  # a sharded optimizer gathers its state on rank 0
         if final:
             return self._save_final(step, started)
+        since = self._confirming_since
+        if (
+            self._sharded is None
+            and since is not None
+            and time.monotonic() - since >= CONFIRM_PATIENCE_S
+            and self._writer.busy
+        ):
+            # The previous write has waited on etcd to confirm its commit for longer than etcd
+            # takes when it is up (an outage): this one is skipped rather than waited for on
+            # the training thread; the next due step saves.
+            log.warning(
+                "checkpoint of step %d skipped: the previous one still waits for etcd to confirm "
+                "its commit", step,
+            )  # fmt: skip
+            return self.last_path
         self._last_saved_step = step
         if self._failure is None and (self._sharded is not None or self._env.is_rank0):
             try:
@@ -466,6 +487,18 @@ class CheckpointManager:
             {"fingerprint": ckpt.job_fingerprint(self._fingerprint), "config": self._run_config}
         )
         return data
+
+    def _confirming_fence(self, fence: ckpt.CommitFence) -> ckpt.CommitFence:
+        """``fence``, flagging while it runs (it may wait seconds for etcd)."""
+
+        def confirm() -> str | None:
+            self._confirming_since = time.monotonic()
+            try:
+                return fence()
+            finally:
+                self._confirming_since = None
+
+        return confirm
 
     def _background_write_refused(self, exc: ckpt.CheckpointFencedError) -> None:
         """(Writer thread) the commit fence refused the write just submitted: nothing new is on

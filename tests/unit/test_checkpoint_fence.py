@@ -3,6 +3,8 @@ and is not reported as the last checkpoint; the same step can be saved again."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ from torch import nn
 
 from elastic_trainer.checkpoint import files as ckpt
 from elastic_trainer.checkpoint.config import CheckpointConfig
-from elastic_trainer.checkpoint.manager import CheckpointManager
+from elastic_trainer.checkpoint.manager import CONFIRM_PATIENCE_S, CheckpointManager
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.settings import WorkerSettings
 
@@ -92,5 +94,70 @@ def test_draining_a_failed_background_write_says_so_and_does_not_raise(
         assert "the background checkpoint write failed" in caplog.text
         assert "No space left on device" in caplog.text
         assert ckpt.iter_checkpoints(tmp_path) == []
+    finally:
+        manager.close(5.0)
+
+
+def test_a_save_due_while_the_last_one_waits_on_etcd_is_skipped_not_waited_for(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40 item 7: the commit fence asks etcd (up to seconds in an outage) on the writer
+    thread; once it has waited longer than etcd takes when it is up, the next periodic save, due
+    meanwhile, returns at once with one line instead of holding the training thread, and the save
+    after the outage is written."""
+    etcd_back = threading.Event()
+    asked = threading.Event()
+
+    def fence() -> str | None:
+        asked.set()
+        etcd_back.wait(30)
+        return None
+
+    manager = _manager(tmp_path, async_write=True, fence=fence)
+    try:
+        manager.state.step = 1
+        manager.save(1)
+        assert asked.wait(10), "the writer asks the fence"
+        time.sleep(CONFIRM_PATIENCE_S)  # longer than etcd takes when it is up
+        manager.state.step = 2
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="elastic_trainer.checkpoint.manager"):
+            manager.save(2)
+        assert time.monotonic() - started < 1.0, "the training thread did not wait"
+        assert "checkpoint of step 2 skipped" in caplog.text
+        etcd_back.set()
+        manager.just_in_time._drain(10.0)
+        manager.state.step = 3
+        manager.save(3)
+        manager.just_in_time._drain(10.0)
+        assert ckpt.iter_checkpoints(tmp_path) == [1, 3]
+    finally:
+        etcd_back.set()
+        manager.close(5.0)
+
+
+def test_a_save_due_while_etcd_answers_the_last_commit_in_time_waits_for_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The skip is for an outage only: a fence that answers within its patience (etcd up, a
+    busy moment) holds the next save until it is done, and every due step is written."""
+    answered = threading.Event()
+
+    def fence() -> str | None:
+        time.sleep(CONFIRM_PATIENCE_S / 4)
+        answered.set()
+        return None
+
+    manager = _manager(tmp_path, async_write=True, fence=fence)
+    try:
+        manager.state.step = 1
+        manager.save(1)
+        manager.state.step = 2
+        with caplog.at_level("WARNING", logger="elastic_trainer.checkpoint.manager"):
+            manager.save(2)
+        assert answered.is_set(), "the second save went ahead before the first was confirmed"
+        manager.just_in_time._drain(10.0)
+        assert "skipped" not in caplog.text
+        assert ckpt.iter_checkpoints(tmp_path) == [1, 2]
     finally:
         manager.close(5.0)
