@@ -621,11 +621,18 @@ class ScenarioRun:
             name,
             release=release_stats(fleet.releases(reports, waiting, started)),
             load=per_agent(before, after, len(waiting)),
-            extra={"first_rejoin_s": min(entered) if entered else None, "agents": len(waiting)},
+            extra={
+                "first_rejoin_s": min(entered) if entered else None,
+                "rejoin_p50_s": percentile(entered, 0.5) if entered else None,
+                "rejoin_p99_s": percentile(entered, 0.99) if entered else None,
+                "agents": len(waiting),
+            },
         )
         self.results.append(result)
         print(
-            f"[lease N={self.n}] {name}: {result.release} first rejoin {result.extra['first_rejoin_s']}",
+            f"[lease N={self.n}] {name}: {result.release} rejoins (first, p50, p99): "
+            f"{fmt(result.extra['first_rejoin_s'], 3)} {fmt(result.extra['rejoin_p50_s'], 3)} "
+            f"{fmt(result.extra['rejoin_p99_s'], 3)}",
             file=sys.stderr,
             flush=True,
         )
@@ -726,6 +733,15 @@ def measure_scenarios(
 
 
 # -- output --------------------------------------------------------------------------------------------
+
+
+def cores_busy(load: dict[str, Any]) -> float | None:
+    """The share of this machine's cores that etcd and the simulated agents kept busy over a
+    measurement (near 1: the figure is bounded by this machine's CPU, not by the protocol)."""
+    seconds, cores = load.get("seconds"), os.cpu_count() or 1
+    if not seconds:
+        return None
+    return float(load["server_cpu_s"] + load["sim_cpu_s"]) / (cores * seconds)
 
 
 def fmt(value: float | None, digits: int = 2) -> str:
@@ -838,19 +854,20 @@ def tables(results: Sequence[Result]) -> str:
             "",
             "### Membership changes and etcd faults (lease), from the event to each agent's release",
             "",
-            "| N | scenario | agents | first rejoin s | p50 s | p99 s | last s | req/agent | writes/agent | "
-            "etcd CPU s | sim CPU s |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| N | scenario | agents | first rejoin s | rejoin p99 s | p50 s | p99 s | last s | "
+            "req/agent | writes/agent | etcd CPU s | sim CPU s | cores busy |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in scenario_rows:
             if not r.ok:
-                lines.append(f"| {r.nodes:,} | {r.phase} | {r.note} | | | | | | | | |")
+                lines.append(f"| {r.nodes:,} | {r.phase} | {r.note} | | | | | | | | | | |")
                 continue
             lines.append(
                 f"| {r.nodes:,} | {r.phase} | {r.extra.get('agents', '')} | {fmt(r.extra.get('first_rejoin_s'), 2)} | "
+                f"{fmt(r.extra.get('rejoin_p99_s'), 2)} | "
                 f"{fmt(r.release['p50'], 2)} | {fmt(r.release['p99'], 2)} | {fmt(r.release['last'], 2)} | "
                 f"{fmt(r.load['requests'], 2)} | {fmt(r.load['writes'], 2)} | {fmt(r.load['server_cpu_s'], 2)} | "
-                f"{fmt(r.load['sim_cpu_s'], 1)} |"
+                f"{fmt(r.load['sim_cpu_s'], 1)} | {fmt(cores_busy(r.load), 2)} |"
             )
     return "\n".join(lines)
 
