@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -118,6 +119,10 @@ class CheckpointManager:
         """The newest checkpoint this process wrote or resumed from (rank 0's path)."""
         self._resumed_from: int | None = None
         self._committed_path: str | None = None  # the last path before a background write in flight
+        # Refusals of background writes by the commit fence: one can come (on the writer's thread)
+        # before the save that submitted the write has set ``last_path``.
+        self._refusals = 0
+        self._refusal_lock = threading.Lock()
         self._last_saved_step: int | None = None
         self._sync_writing = False
         self._failure: ckpt.CheckpointError | None = None
@@ -337,10 +342,11 @@ class CheckpointManager:
                 # All of the save's part on this thread is no stall: the state dict, the wait for
                 # the previous write, the staging copy, a synchronous write.
                 with self.just_in_time.busy():
-                    self._committed_path = self.last_path
-                    self.last_path = self._write(
-                        step, sync=not self._config.async_write, started=started
-                    )
+                    self._committed_path, refusals = self.last_path, self._refusals
+                    path = self._write(step, sync=not self._config.async_write, started=started)
+                    with self._refusal_lock:  # the writer may have refused it already
+                        if self._refusals == refusals:
+                            self.last_path = path
             except ckpt.CheckpointError as exc:
                 self._failure = exc  # every rank raises it at the next step's control
         return self.last_path
@@ -503,8 +509,10 @@ class CheckpointManager:
     def _background_write_refused(self, exc: ckpt.CheckpointFencedError) -> None:
         """(Writer thread) the commit fence refused the write just submitted: nothing new is on
         disk, so the last checkpoint is still the previous one, and the step may be saved again."""
-        self.last_path = self._committed_path
-        self._last_saved_step = None
+        with self._refusal_lock:
+            self._refusals += 1
+            self.last_path = self._committed_path
+            self._last_saved_step = None
 
     def _remaining_s(self) -> float | None:
         deadline = self.just_in_time.stop_deadline()

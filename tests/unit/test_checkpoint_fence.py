@@ -161,3 +161,36 @@ def test_a_save_due_while_etcd_answers_the_last_commit_in_time_waits_for_it(
         assert ckpt.iter_checkpoints(tmp_path) == [1, 2]
     finally:
         manager.close(5.0)
+
+
+def test_a_refusal_that_comes_before_the_save_returns_still_leaves_the_last_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The writer thread can run the fence, be refused and report it before the training thread
+    that submitted the write has set ``last_path`` (a loaded machine did, in a whole-suite run
+    with two busy processes beside it): the refusal must win whatever the order."""
+    refuse = [False]
+    manager = _manager(
+        tmp_path,
+        async_write=True,
+        fence=lambda: "the job went on without this process" if refuse[0] else None,
+    )
+    submit = manager._write
+
+    def write_then_let_the_writer_finish(*args: Any, **kwargs: Any) -> Any:
+        path = submit(*args, **kwargs)
+        manager._writer.wait(10.0)  # the refusal is reported before this save goes on
+        return path
+
+    manager._write = write_then_let_the_writer_finish  # type: ignore[method-assign]
+    try:
+        manager.state.step = 1
+        first = manager.save(1)
+        manager.just_in_time._drain(10.0)
+        refuse[0] = True
+        manager.state.step = 2
+        manager.save(2)
+        assert ckpt.iter_checkpoints(tmp_path) == [1], "nothing committed"
+        assert manager.last_path == first, "the last checkpoint is still step 1's"
+    finally:
+        manager.close(5.0)
