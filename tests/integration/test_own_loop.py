@@ -258,16 +258,23 @@ def test_the_fsdp_script_restarts_under_torchrun_standalone(tmp_path: Path) -> N
     assert faulted.returncode == 0, faulted.stderr[-3000:]
     assert _restarted(faulted.stderr), faulted.stderr[-3000:]
     assert "Connection refused" not in faulted.stderr, faulted.stderr[-3000:]
-    # The survivor says in one line why it stops (no traceback of torch's internals, no warning):
-    # the failed collective's, or, when torchrun's SIGTERM lands during its just-in-time save,
-    # the signal's (that path ends the process when the save is done).
-    assert (
-        "a collective failed (a peer died or timed out)" in faulted.stderr
-        and "stopping for a restart" in faulted.stderr
-    ) or "received SIGTERM: saving the shards held just in time" in faulted.stderr, faulted.stderr[
-        -3000:
-    ]
+    # The survivor says in a line why it stops (no traceback of torch's internals, no warning).
+    # Which line is a race with torchrun's SIGTERM, so any of them will do: the failed
+    # collective's (it stops for the restart), the signal's (it landed during the just-in-time
+    # save), or the save's own (the signal landed once the save was done, before the stop line;
+    # a loaded machine took that path: issue 41).
+    reasons = (
+        "a collective failed (a peer died or timed out)",
+        "received SIGTERM: saving the shards held just in time",
+        "training failed (RuntimeError); saving the last completed step just in time",
+    )
+    assert any(reason in faulted.stderr for reason in reasons), faulted.stderr[-3000:]
     assert "Traceback" not in faulted.stderr and "UserWarning" not in faulted.stderr
+    # At most one step redone, whichever path: step 24 is the last every rank completed (rank 1
+    # dies before step 25's update); the just-in-time checkpoint holds 24, or 23 when the kill
+    # cut the lost rank's copy of 24 on its way to its neighbour.
+    resumed = re.search(r"resumed from \S+ (?:\([^)]*\) )?\(step (\d+),", faulted.stderr)
+    assert resumed and int(resumed.group(1)) >= 23, faulted.stderr[-3000:]
     reference = _torchrun_standalone(tmp_path, "reference", script)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
