@@ -102,7 +102,7 @@ class CheckpointManager:
             raise ValueError("CheckpointManager takes either state= or states=")
         self._config, self._env = config, env
         self._fence = self._confirming_fence(fence) if fence is not None else None
-        self._confirming_since: float | None = None  # the writer waits on the fence (etcd) since
+        self._confirming_since: float | None = None  # the fence asks etcd since (or None)
         self._fingerprint = dict(fingerprint)
         self.state = (
             state

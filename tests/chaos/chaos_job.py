@@ -49,6 +49,8 @@ import sys
 import threading
 import time
 
+import torch
+
 from elastic_trainer.examples import synthetic_cnn as example
 
 SLOW_MS_ENV = "CHAOS_SLOW_MS"
@@ -85,8 +87,6 @@ def chaos_hook(
             os.unlink(block[1])
             print(f"chaos: blocking at step {step}", flush=True)
             if os.environ.get(BLOCK_WHERE_ENV) == "backward":
-                import torch
-
                 torch.nn.modules.module.register_module_full_backward_hook(_blocking_backward_hook)
                 _block_in_backward.set()
                 return
@@ -104,8 +104,6 @@ def chaos_hook(
 
 def main() -> int:
     if os.environ.get(DTYPE_ENV) == "float64":
-        import torch
-
         torch.set_default_dtype(torch.float64)
     slow_ms = float(os.environ.get(SLOW_MS_ENV, "0") or 0)
     exit_before = os.environ.get(EXIT_BEFORE_STEP_ENV)
