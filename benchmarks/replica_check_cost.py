@@ -78,7 +78,6 @@ def checks_in(first: int, last: int, every: int) -> int:
 def measure(workload: str, repeats: int, warmup: int, every: int) -> dict[str, float | int | str]:
     """One workload: medians of a check and of a step, and the counts of its params and checks."""
     from elastic_trainer.runtime.distributed import read_env
-    from elastic_trainer.runtime.step_control import checksum_bits
     from elastic_trainer.state.training_state import TrainingState
     from elastic_trainer.train.replica_check import ReplicaCheck
 
@@ -105,7 +104,6 @@ def measure(workload: str, repeats: int, warmup: int, every: int) -> dict[str, f
         taken = check.take()
         if taken is None:
             raise RuntimeError("ReplicaCheck took no checksum at a due step")
-        checksum_bits(taken[1])
 
     def one_step() -> None:
         train_step(job, model, optimizer, inputs, target, contextlib.nullcontext)

@@ -31,7 +31,7 @@ read after the backward as well.
 from __future__ import annotations
 
 import math
-import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_trainer.runtime.abortable import AbortableWaits
-from elastic_trainer.runtime.control_header import CHECK_BITS, CONTROL_SLOTS
+from elastic_trainer.runtime.control_header import CONTROL_SLOTS
 from elastic_trainer.runtime.distributed import DistEnv
 
 _STOP, _LOSS, _PRESENT, _CHECKPOINT_FAILED, _CHECKED = 0, 1, 2, 3, 4
@@ -101,21 +101,11 @@ class ControlResult:
     loss: float | None
     """Mean loss over that step's global batch; ``None`` if a rank's value was not ready."""
     checkpoint_failed: bool
-    replicas_differ: bool | None = None
-    """Whether the replicas' parameter checksums after step :attr:`checksum_of` differed;
-    ``None``: not compared on this control."""
+    check_sums: tuple[int, ...] | None = None
+    """The :data:`~elastic_trainer.runtime.control_header.CHECK_BITS` check slots summed over the ranks, when every rank sent its
+    parameters' check after step :attr:`checksum_of` on this control (read by
+    :class:`~elastic_trainer.train.replica_check.ReplicaCheck`); ``None``: not compared."""
     checksum_of: int | None = None
-
-
-def checksum_bits(checksum: int) -> list[float]:
-    """The :data:`CHECK_BITS` bits a control carries of a parameter checksum (any int)."""
-    folded = zlib.crc32(checksum.to_bytes(16, "little", signed=True))
-    return [float((folded >> i) & 1) for i in range(CHECK_BITS)]
-
-
-def bits_differ(counts: Any, world_size: int) -> bool:
-    """Summed over ``world_size`` ranks, whether some bit was set on some ranks but not all."""
-    return any(0 < round(c) < world_size for c in counts)
 
 
 class ControlChannel:
@@ -173,13 +163,14 @@ class ControlChannel:
         stop: bool,
         buffers: torch.Tensor | None = None,
         checkpoint_failed: bool = False,
-        checksum: tuple[int, int] | None = None,
+        checksum: tuple[int, Sequence[float]] | None = None,
     ) -> PendingControl:
         """Start step ``step``'s control: this rank's stop flag, the previous step's loss sum, and
         ``buffers`` (this rank's contribution of rank 0's buffers, or ``None``). ``loss_sum`` (this
         rank's loss summed over its samples of ``step``) is staged for the next control.
-        ``checksum``: ``(step, checksum)`` of this rank's parameters after that step, compared
-        across the ranks (every rank passes one on the same control)."""
+        ``checksum``: ``(step, slots)``, this rank's :data:`~elastic_trainer.runtime.control_header.CHECK_BITS` check slots of its
+        parameters after that step, summed across the ranks (every rank passes one on the same
+        control)."""
         if (
             buffers is not None
             and not self._cuda
@@ -194,7 +185,7 @@ class ControlChannel:
         view[_STOP] = 1.0 if stop else 0.0
         view[_CHECKPOINT_FAILED] = 1.0 if checkpoint_failed else 0.0
         view[_CHECKED] = 0.0 if checksum is None else 1.0
-        view[_CHECKED + 1 : _HEADER] = 0.0 if checksum is None else checksum_bits(checksum[1])
+        view[_CHECKED + 1 : _HEADER] = 0.0 if checksum is None else checksum[1]
         previous, view[_LOSS], view[_PRESENT] = self._loss_step, 0.0, 0.0
         if previous is not None:
             slot = turn ^ 1  # staged by the previous start
@@ -302,7 +293,7 @@ class ControlChannel:
             loss_step=pending.loss_of,
             loss=None if loss is not None and math.isnan(loss) else loss,
             checkpoint_failed=bool(view[_CHECKPOINT_FAILED] > 0),
-            replicas_differ=bits_differ(view[_CHECKED + 1 : _HEADER], w) if compared else None,
+            check_sums=tuple(round(v) for v in view[_CHECKED + 1 : _HEADER]) if compared else None,
             checksum_of=pending.checksum_of,
         )
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic_trainer.runtime import control_header
-from elastic_trainer.runtime.step_control import bits_differ, checksum_bits
+from elastic_trainer.train.replica_check import ReplicaLayout, checksum_bits
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -82,6 +82,63 @@ def test_alike_replicas_run_to_the_end(tmp_path: Path, carrier: str) -> None:
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["finished 6"] * 2
 
 
+def _hsdp_worker(rank: int, port: int, out: str, diverge: bool) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        ELASTIC_TRAINER_REPLICA_CHECK_EVERY="4", ELASTIC_TRAINER_REPORTS_FAILURES="",
+    )  # fmt: skip
+    import torch.distributed as dist
+
+    from elastic_trainer import Elastic, FSDPOptions
+    from elastic_trainer.train.fsdp import shard_model
+    from tests.unit.test_fsdp_options import Net
+
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 8, generator=g)
+    data = TensorDataset(x, (x.sum(1) > 0).long())
+    torch.manual_seed(0)
+    model = shard_model(
+        Net(), FSDPOptions(blocks=("blocks.*",), replicas=2), torch.device("cpu"), 4
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    elastic = Elastic(model, data, global_batch_size=8, max_steps=6, log_every=1000)
+    reached = 0
+    try:
+        for step in elastic:
+            with step:
+                for xb, yb in step:
+                    step.backward(nn.functional.cross_entropy(elastic.module(xb), yb) * step.weight)
+                if diverge and step.number == 2 and rank == 3:  # replica 1 of shard 1 only
+                    optimizer.param_groups[0]["lr"] = 0.2
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            reached = step.number
+        Path(out, f"rank{rank}").write_text(f"finished {reached}")
+    except SystemExit as exc:
+        Path(out, f"rank{rank}").write_text(f"exit {exc.code} after step {reached}")
+
+
+@pytest.mark.parametrize("diverge", [True, False])
+def test_hsdp_replicas_are_compared_across_the_replicate_dim(
+    tmp_path: Path, diverge: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A 2x2 HSDP model on 4 gloo ranks: shard 1's replicas updating differently stop every rank
+    with one line naming shard 1 and the step; replicas alike (their shards differing from each
+    other by design) run to the end."""
+    mp.spawn(_hsdp_worker, args=(_port(), str(tmp_path), diverge), nprocs=4)
+    texts = [(tmp_path / f"rank{rank}").read_text() for rank in range(4)]
+    if not diverge:
+        assert texts == ["finished 6"] * 4
+        return
+    assert all(text.startswith("exit 2 after step ") for text in texts), texts
+    lines = [line for line in capfd.readouterr().err.splitlines() if "replicas' parameters" in line]
+    assert len(lines) == 4, lines
+    for line in lines:
+        assert "parameters of shard 1 differ after step 2 (equal after step 1)" in line, line
+
+
 def test_the_carried_header_keeps_the_checksum_bits_exact() -> None:
     """Two ranks' payloads averaged as DDP does (sum / w): the decoded bits are the sums."""
     w = 2
@@ -101,9 +158,36 @@ def test_the_carried_header_keeps_the_checksum_bits_exact() -> None:
     assert control_header.decode(averaged.tolist(), w, out)
     assert out[4] == 2
     assert list(out[5:]) == [a + b for a, b in zip(controls[0][5:], controls[1][5:], strict=True)]
-    assert bits_differ(out[5:], w)
+    ddp = ReplicaLayout(replicas=w, shards=1, index=0)
+    assert ddp.differing_parts(tuple(round(v) for v in out[5:])) == [0]
     same = np.array(checksum_bits(777)) * 2
-    assert not bits_differ(same, w)
+    assert ddp.differing_parts(tuple(round(v) for v in same)) == []
+
+
+def _summed(layouts: list[ReplicaLayout], checksums: list[int]) -> tuple[int, ...]:
+    slots = [layout.slots(c) for layout, c in zip(layouts, checksums, strict=True)]
+    return tuple(round(sum(column)) for column in zip(*slots, strict=True))
+
+
+@pytest.mark.parametrize("replicas,shards", [(2, 2), (2, 4), (3, 2), (4, 8)])
+def test_hsdp_slots_compare_each_shard_with_its_own_replicas_only(
+    replicas: int, shards: int
+) -> None:
+    """HSDP's ranks send their bits weighed by their shard's digit: equal replicas of every shard
+    read as equal though the shards differ from each other; one replica off names its shard."""
+    layouts = [
+        ReplicaLayout(replicas=replicas, shards=shards, index=i)
+        for _ in range(replicas)
+        for i in range(shards)
+    ]  # rank r = replica r // shards of shard r % shards, as a (replicate, shard) mesh lays them
+    shard_sums = [1000 + 7919 * layout.index for layout in layouts]  # each shard its own checksum
+    assert layouts[0].differing_parts(_summed(layouts, shard_sums)) == []
+    for off in (0, shards - 1):
+        checksums = list(shard_sums)
+        checksums[shards + off] += 1  # replica 1 of shard ``off`` updated differently
+        assert all(
+            layout.differing_parts(_summed(layouts, checksums)) == [off] for layout in layouts
+        )
 
 
 def test_one_word_changed_in_a_parameter_changes_the_bits() -> None:
