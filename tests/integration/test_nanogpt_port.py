@@ -190,3 +190,28 @@ def test_a_per_rank_generator_is_named_at_the_start_and_the_replicas_stay_alike(
     assert len(named) == 1 and "offsets (Generator)" in named[0], log[-4000:]
     assert "offsets.manual_seed(torch.initial_seed() + 1) each step" in named[0]
     assert "replicas' parameters" not in log and "healed in place" in log
+
+
+def test_under_plain_torchrun_a_per_rank_generator_is_named_once_an_attempt(
+    etcd_server, unique_id: str, tmp_path: Path
+) -> None:
+    """The same generator under plain torchrun: a worker SIGKILL restarts the group from the
+    just-in-time checkpoint (two attempts), each names the generator at most once, and the
+    replicas stay alike."""
+    _prepared(tmp_path)
+    folder = _script(tmp_path, per_rank_generator=True)
+    node = start_agent(
+        endpoint=etcd_server.endpoint, run_id=unique_id, log_path=tmp_path / "torchrun.log",
+        job_args=[], target=[str(folder / "train.py")], extra_env=_env(tmp_path, "torchrun"),
+    )  # fmt: skip
+    with node:
+        wait_for(lambda: _iteration_logged(node, 40), timeout=180, what="iteration 40")
+        node.kill_worker(1)
+        assert node.proc.wait(240) == 0, node.log_path.read_text()[-3000:]
+    log = node.log_path.read_text()
+    named = [line for line in log.splitlines() if "not saved, yet changed in training" in line]
+    attempts = 1 + log.count("INFO elastic_trainer.checkpoint.manager: resumed from")
+    assert attempts >= 2, log[-4000:]  # torchrun restarted the group
+    assert len(named) == attempts, log[-4000:]  # once an attempt, by rank 0
+    assert all("offsets (Generator)" in line for line in named), named
+    assert "replicas' parameters" not in log, log[-4000:]
