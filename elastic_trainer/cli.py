@@ -43,6 +43,13 @@ STATUS_EXAMPLE = """example:
   elastic-trainer status --rdzv-endpoint 127.0.0.1:2379 --run-id job-42 --checkpoint-dir ./ckpt
   elastic-trainer status --rdzv-endpoint etcd:2379 --run-id job-42 --json"""
 
+DEBUG_EXAMPLE = """example:
+  elastic-trainer debug stacks --rdzv-endpoint 127.0.0.1:2379 --run-id job-42
+  elastic-trainer debug profile --steps 5 --out prof/ --rdzv-endpoint etcd:2379 --run-id job-42
+  elastic-trainer debug dump --out dump/ --rdzv-endpoint etcd:2379 --run-id job-42
+
+A rank that does not answer within --timeout is named; exit status 1 then (docs/diagnostics.md)."""
+
 DOCTOR_EXAMPLE = """example:
   elastic-trainer doctor --nproc-per-node 2            # one node, embedded etcd
   elastic-trainer doctor --rdzv-endpoint etcd:2379 --run-id doctor-1 --nnodes 2 -- --json
@@ -96,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Fault-tolerant, elastic PyTorch DDP training.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_run, _add_status, _add_top, _add_doctor, _add_demo, _add_checkpoint):
+    for add in (
+        _add_run, _add_status, _add_top, _add_debug, _add_doctor, _add_demo, _add_checkpoint
+    ):  # fmt: skip
         add(commands)
     return parser
 
@@ -141,6 +150,30 @@ def _add_top(commands: Any) -> None:
         "top", help="live view of a job from its nodes' metrics endpoints", epilog=top_view.EXAMPLES
     )
     top_view.add_arguments(top)
+
+
+def _add_debug(commands: Any) -> None:
+    """``debug``: its options are :mod:`elastic_trainer.ops.debug`'s (imported when it runs)."""
+    debug = commands.add_parser(
+        "debug", help="every rank's stacks, flight recorder or a profile, now", epilog=DEBUG_EXAMPLE
+    )
+    debug.add_argument(
+        "what", choices=("stacks", "trace", "profile", "dump"),
+        help="stacks: every thread's stack; trace: the flight recorder; profile: a torch.profiler "
+        "trace of the next --steps steps; dump: stacks, trace and wait counters to --out",
+    )  # fmt: skip
+    debug.add_argument("--rdzv-endpoint", required=True, help="the job's etcd host:port[,...]")
+    debug.add_argument("--run-id", required=True, help="the job's rendezvous id")
+    debug.add_argument(
+        "--rdzv-conf", default="", help="KEY=VALUE[,...] etcd settings (TLS, auth, timeouts)"
+    )
+    debug.add_argument(
+        "--timeout", type=float, default=None,
+        help="seconds a rank has to answer (default 1.5; profile: 60, for its steps)",
+    )  # fmt: skip
+    debug.add_argument("--steps", type=int, default=5, help="profile: steps traced (1..1000)")
+    debug.add_argument("--native", action="store_true", help="stacks: native frames too (py-spy)")
+    debug.add_argument("--out", default=None, help="write one file per rank here")
 
 
 def _add_doctor(commands: Any) -> None:
@@ -283,6 +316,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_debug(args: argparse.Namespace) -> int:
+    from elastic_trainer.ops import debug  # cost: startup-and-threads.md (torch, gRPC)
+
+    try:
+        args.conf = parse_conf_string(args.rdzv_conf)
+    except RendezvousConfigError as exc:
+        raise UserError(str(exc)) from exc
+    debug.check_arguments(args)
+    return debug.run(args)
+
+
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from elastic_trainer.checkpoint import catalog as checkpoint_cli  # torch: only this command
 
@@ -339,6 +383,7 @@ COMMANDS = {
     "run": _cmd_run,
     "status": _cmd_status,
     "top": _cmd_top,
+    "debug": _cmd_debug,
     "doctor": _cmd_doctor,
     "checkpoint": _cmd_checkpoint,
     "demo": _cmd_demo,

@@ -9,16 +9,16 @@ another job.
 
 from __future__ import annotations
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from rendezvous.conf_keys import conf_keys_table
-from rendezvous.lease_handler import create_lease_handler
+from rendezvous.lease_handler import LeaseRendezvousHandler, create_lease_handler
 from rendezvous.settings import parse_settings
 
 __all__ = ["create_handler"]
 
 
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+def create_handler(params: RendezvousParameters) -> LeaseRendezvousHandler:
     """Create the ``etcd-v3`` handler from torchrun's rendezvous parameters.
 
     The endpoint is ``host:port`` or a comma-separated list of the members of one etcd cluster

@@ -393,6 +393,11 @@ class LeaseRendezvousHandler(RendezvousHandler):
         a handler made with ``owns_connection`` closes it when it leaves."""
         return self._connection
 
+    @property
+    def settings(self) -> RendezvousSettings:
+        """The settings this handler was made with."""
+        return self._settings
+
     # -- RendezvousHandler ------------------------------------------------------------------------
 
     def get_backend(self) -> str:

@@ -24,6 +24,11 @@ BACKEND_NAME = "etcd-v3"
 WORKER_ENV_BACKEND = "ELASTIC_TRAINER_RDZV_BACKEND"
 """Set to ``etcd-v3`` in the agent's environment, which its workers inherit: their store is a new
 one every round (``elastic_trainer/runtime/distributed.py`` warns when torch's c10d shares one)."""
+WORKER_ENV_ENDPOINT = "ELASTIC_TRAINER_HEAL_ENDPOINT"
+"""The job's etcd endpoint(s), for the workers' own etcd use (in-place healing, the diagnostics
+endpoints' registry); set in the agent's environment unless the launcher set it."""
+WORKER_ENV_CONF = "ELASTIC_TRAINER_HEAL_RDZV_CONF"
+"""The job's ``--rdzv-conf`` text (etcd TLS and auth: a password stays a file name), likewise."""
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -45,6 +50,10 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         print(f"{BACKEND_NAME}: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     os.environ[WORKER_ENV_BACKEND] = BACKEND_NAME
+    settings = handler.settings
+    os.environ.setdefault(WORKER_ENV_ENDPOINT, ",".join(map(str, settings.endpoints)))
+    if settings.conf:
+        os.environ.setdefault(WORKER_ENV_CONF, settings.conf)
     return handler
 
 

@@ -11,6 +11,8 @@ Keys under ``{key_prefix}/{run_id}/`` (``RunKeys``)::
     rdzv/ranks/<k>           framed JSON: round r's ranks of the nodes whose id hashes to shard k
     store/...                the rendezvous store (EtcdV3Store), per round under a prefix
     job                      what the job runs (rendezvous.job_identity)
+    debug/<node>/<local>     JSON: a worker's diagnostics endpoint, its rank and world (written by
+                             the worker: elastic_trainer/train/diagnostics.py)
 
 Invariants:
 
@@ -231,6 +233,9 @@ class RunKeys:
         self.ranks = f"{base}/rdzv/ranks/"
         self.store = f"{base}/store"
         self.job = f"{base}/job"
+        self.debug = f"{base}/debug/"
+        """Each worker's diagnostics endpoint, ``debug/<node>/<local rank>`` (its process writes
+        it at every start and heal: ``elastic_trainer/train/diagnostics.py``)."""
 
     @classmethod
     def from_settings(cls, settings: RendezvousSettings) -> RunKeys:

@@ -143,6 +143,11 @@ class CheckpointManager:
         )
         """The just-in-time save's triggers (set up by :meth:`load`)."""
 
+    @property
+    def directory(self) -> str | None:
+        """Where the checkpoints go (``None``: nowhere)."""
+        return self._config.directory
+
     def _just_in_time(self, switch: bool) -> JustInTime:
         """This manager's just-in-time save (``switch``: whether the job wants it), writing
         through the manager's files and payload."""

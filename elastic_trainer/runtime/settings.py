@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastic_trainer.runtime.errors import ConfigError
+from rendezvous.plugin import WORKER_ENV_CONF, WORKER_ENV_ENDPOINT
 
 ENV_JIT_SAVE = "ELASTIC_TRAINER_JIT_SAVE"
 """``0`` turns off the just-in-time checkpoint of the last completed step on failures."""
@@ -61,10 +62,11 @@ ENV_HEAL = "ELASTIC_TRAINER_HEAL"
 (``docs/design/heal-in-place.md``); ``off`` (the default outside ``elastic-trainer run``)."""
 ENV_HEAL_JOIN = "ELASTIC_TRAINER_HEAL_JOIN"
 """``1``: this process joins a running job in place (a replacement, a new node, a spare)."""
-ENV_HEAL_ENDPOINT = "ELASTIC_TRAINER_HEAL_ENDPOINT"
-"""The etcd endpoint(s) the job's membership lives in (the launcher sets it)."""
-ENV_HEAL_RDZV_CONF = "ELASTIC_TRAINER_HEAL_RDZV_CONF"
-"""The job's ``--rdzv-conf`` (etcd TLS and auth settings), for the membership's etcd connection."""
+ENV_HEAL_ENDPOINT = WORKER_ENV_ENDPOINT
+"""The job's etcd endpoint(s): the membership's, the diagnostics registry's (the launcher sets
+it; under plain torchrun the ``etcd-v3`` rendezvous does, :mod:`rendezvous.plugin`)."""
+ENV_HEAL_RDZV_CONF = WORKER_ENV_CONF
+"""The job's ``--rdzv-conf`` (etcd TLS and auth settings), for the workers' etcd connection."""
 ENV_HEAL_WORLD = "ELASTIC_TRAINER_HEAL_WORLD"
 """``MIN:MAX`` processes a healed group may have (``--nnodes`` times workers per node)."""
 ENV_HEAL_SETTLE_S = "ELASTIC_TRAINER_HEAL_SETTLE_S"
@@ -81,6 +83,14 @@ arrives while it does not exist was not the launcher's (``runtime.signals.lone_s
 ENV_LAUNCHER_ID = "ELASTIC_TRAINER_LAUNCHER_ID"
 """``{launcher pid}-{random}``: marks every process of one launcher, so that its janitor finds them
 after the launcher is SIGKILLed."""
+ENV_DEBUG_HOST = "ELASTIC_TRAINER_DEBUG_HOST"
+"""Where each worker's diagnostics endpoint listens (``train/diagnostics.py``): default
+:data:`DEFAULT_DEBUG_HOST`, this node only; ``0.0.0.0`` (or an address) for ``elastic-trainer
+debug`` from other hosts; ``off``: no endpoint."""
+DEFAULT_DEBUG_HOST = "127.0.0.1"
+DEBUG_PROFILE_HANDLER = "elastic_trainer_profile"
+"""The endpoint's handler of ours: ``POST /handler/elastic_trainer_profile?steps=N&timeout=S``
+answers a ``torch.profiler`` trace of the loop's next N steps."""
 
 DEFAULT_SIGTERM_GRACE_S = 30.0
 """torchrun's agent SIGKILLs workers 30 s after its SIGTERM: a larger grace buys nothing there."""
@@ -284,6 +294,13 @@ class LaunchContract:
                    launcher_id=env.get(ENV_LAUNCHER_ID) or None)  # fmt: skip
 
 
+def _debug_host(environ: Mapping[str, str]) -> str | None:
+    raw = environ.get(ENV_DEBUG_HOST, "").strip()
+    if raw.lower() in _FALSE:
+        return None
+    return raw or DEFAULT_DEBUG_HOST
+
+
 def _replica_check_every(environ: Mapping[str, str]) -> int:
     every = env_int(environ, ENV_REPLICA_CHECK_EVERY)
     if every is None:
@@ -330,6 +347,8 @@ class WorkerSettings:
     replica_check_every: int = DEFAULT_REPLICA_CHECK_EVERY
     """Compare the replicas' parameters every this many steps, 0: never
     (:data:`ENV_REPLICA_CHECK_EVERY`; ``docs/design/own-loop.md``)."""
+    debug_host: str | None = DEFAULT_DEBUG_HOST
+    """Where the diagnostics endpoint listens; ``None``: none (:data:`ENV_DEBUG_HOST`)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -358,6 +377,7 @@ class WorkerSettings:
             heal=launch.heal if launch.heal is not None else HealSettings.from_environ(env),
             control_carrier=_bool(env, ENV_CONTROL_CARRIER, True),
             replica_check_every=_replica_check_every(env),
+            debug_host=_debug_host(env),
         )
 
 

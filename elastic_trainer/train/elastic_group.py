@@ -55,6 +55,7 @@ from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.signals import GracefulStop
 from elastic_trainer.runtime.step_control import Carrier
 from elastic_trainer.state.neighbour_copy import NeighbourCopy
+from elastic_trainer.train.diagnostics import Diagnostics, capture_evidence
 from elastic_trainer.train.loop import (
     ElasticLoop,
     TrainResult,
@@ -109,6 +110,8 @@ class ElasticGroup:
         self.healer: Healer | None = None
         self.comms = WorkerComms()
         """This worker's runtime context (the healer's abortable waits once it exists)."""
+        self.diagnostics: Diagnostics | None = None
+        """This worker's diagnostics endpoint (``train/diagnostics.py``), once the group exists."""
         self._owns = False
         self._state: dict[str, Any] | None = None
         self._loop: ElasticLoop | None = None
@@ -158,6 +161,9 @@ class ElasticGroup:
         )
         if self.healer is not None:
             self.comms = WorkerComms(waits=self.healer.waits)
+        self.diagnostics = Diagnostics.start(
+            self.settings, self.env, self.healer.connection if self.healer is not None else None
+        )
         try:
             if self.healer is None:
                 distributed.init_process_group(self.env, pg_timeout_s=self.pg_timeout_s)
@@ -181,6 +187,8 @@ class ElasticGroup:
         self._close()
 
     def _close(self) -> None:
+        if self.diagnostics is not None:
+            self.diagnostics.close()
         if self.healer is not None:
             self.healer.close()
         elif self._owns:
@@ -192,6 +200,8 @@ class ElasticGroup:
         while not self._ended:
             attempt = Attempt(self, self.env, self._state)
             self._state = None
+            if self.diagnostics is not None:
+                self.diagnostics.register(self.env)
             yield attempt
             if not attempt.healed:
                 return
@@ -324,6 +334,7 @@ class Attempt:
             heal_check=healer.check if healer is not None else None,
             control_carrier=self._carrier,
             comms=self.group.comms,
+            profiler=self.group.diagnostics.profiler if self.group.diagnostics else None,
             **options,
         )
         self.initial_state = None
@@ -373,9 +384,18 @@ class Attempt:
             )
             return False
         holds = loop is not None and loop.state_ready and loop.state.consistent
+        diagnostics = group.diagnostics
+        evidence = capture_evidence(
+            diagnostics.url if diagnostics is not None else None,
+            f"rank {self.env.rank} of {self.env.world_size}: {failure_reason(exc)}",
+        )
         self._detach_wrappers()
         step, snapshot = self._held(loop, holds)
-        return self._heal(healer, exc, loop, holds=holds, step=step, snapshot=snapshot)
+        healed = self._heal(healer, exc, loop, holds=holds, step=step, snapshot=snapshot)
+        if healed and diagnostics is not None and loop is not None and healer.epoch is not None:
+            folder = f"{healer.epoch.number:06d}-heal"
+            diagnostics.keep_evidence(loop.checkpoints.directory, folder, group.env.rank, evidence)
+        return healed
 
     def _finished(self, loop: ElasticLoop | None) -> None:
         """The attempt ended without an error: tell the healer when training finished."""

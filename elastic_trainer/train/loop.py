@@ -54,6 +54,7 @@ from elastic_trainer.runtime.step_control import (
     ControlResult,
     PendingControl,
 )
+from elastic_trainer.train.diagnostics import StepProfiler
 from elastic_trainer.train.replica_check import ReplicaCheck
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class ElasticLoop:
         heal_check: Callable[[], None] | None = None,
         control_carrier: Carrier | None = None,
         comms: WorkerComms | None = None,
+        profiler: StepProfiler | None = None,
     ) -> None:
         self.env = env
         check_sampler(sampler)
@@ -220,6 +222,7 @@ class ElasticLoop:
         self._heal_check = heal_check
         self._carrier = control_carrier
         self._comms = comms if comms is not None else WorkerComms()
+        self._profiler = profiler
         self._start_run(initial_state, generation_part)
 
     def _receive_stop(self, settings: WorkerSettings, grace_s: float | None) -> None:
@@ -398,6 +401,8 @@ class ElasticLoop:
         env = self.env
         if self._heal_check is not None:
             self._heal_check()
+        if self._profiler is not None:
+            self._profiler.tick()
         self._plan, self._control, self._updated = plan, None, False
         self._started_at = time.monotonic()
         self._data_wait = 0.0

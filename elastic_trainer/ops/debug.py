@@ -1,0 +1,215 @@
+"""``elastic-trainer debug``: ask every rank of a live job where it is, all at once, within a bound.
+
+    elastic-trainer debug stacks  --rdzv-endpoint 127.0.0.1:2379 --run-id job-1   # every thread
+    elastic-trainer debug trace   --rdzv-endpoint ... --run-id ... --out fr/      # flight recorder
+    elastic-trainer debug profile --rdzv-endpoint ... --run-id ... --steps 5 --out prof/
+    elastic-trainer debug dump    --rdzv-endpoint ... --run-id ... --out dump/    # all of it, to files
+
+It reads the workers' entries (``debug/<node>/<local rank>``, ``train/diagnostics.py``) from the
+run's etcd, keeps the newest entry of each rank of the newest world, and asks every rank's
+endpoint in parallel. A rank that does not answer within ``--timeout`` (a stopped process, a lost
+host) is named as such with the job's last published progress; the command never waits longer.
+Exit status 0: every rank answered; 1: some did not; 2: bad arguments, etcd unreachable, no
+entries. Design: ``docs/design/diagnostics.md``; a user's page: ``docs/diagnostics.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+
+from elastic_trainer.launch.options import UserError
+from elastic_trainer.launch.progress_publisher import ProgressKeys, read_progress
+from elastic_trainer.metrics.progress import format_duration
+from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER
+from rendezvous import etcd_ops
+from rendezvous.etcd_client import EtcdConnection, quiet_retries
+from rendezvous.round_state import RunKeys
+from rendezvous.settings import parse_settings
+
+HANDLERS = {"stacks": "dump_traceback", "native": "pyspy_dump", "trace": "fr_trace_json",
+            "waits": "wait_counter_values"}  # fmt: skip
+"""What each request asks a worker's endpoint (torch's handlers; ``profile``: ours)."""
+DEFAULT_TIMEOUT_S = 1.5
+DEFAULT_PROFILE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Rank:
+    """One rank's newest entry."""
+
+    rank: int
+    world_size: int
+    node: str
+    local_rank: int
+    pid: int
+    url: str
+    revision: int
+
+    def title(self) -> str:
+        return f"rank {self.rank} (node {self.node}, local {self.local_rank}, pid {self.pid})"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    rank: Rank
+    body: bytes | None
+    """``None``: no answer within the bound (see :attr:`error`)."""
+    error: str | None
+    seconds: float
+
+
+def live_ranks(kvs: list[Any]) -> tuple[list[Rank], list[int]]:
+    """The newest world's ranks from the registry's ``kvs``: the newest entry (by revision) of
+    each rank, and the ranks of that world with none."""
+    entries: list[Rank] = []
+    for kv in kvs:
+        try:
+            data = json.loads(kv.value)
+            entries.append(
+                Rank(int(data["rank"]), int(data["world_size"]), str(data["node"]),
+                     int(data["local_rank"]), int(data["pid"]), str(data["url"]),
+                     int(kv.mod_revision))
+            )  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            continue  # not an entry of ours: skipped
+    if not entries:
+        return [], []
+    world = max(entries, key=lambda e: e.revision).world_size
+    newest: dict[int, Rank] = {}
+    for entry in sorted(entries, key=lambda e: e.revision):
+        if entry.rank < world:
+            newest[entry.rank] = entry
+    return [newest[r] for r in sorted(newest)], [r for r in range(world) if r not in newest]
+
+
+def ask(ranks: list[Rank], handler: str, timeout: float) -> list[Answer]:
+    """POST ``/handler/<handler>`` to every rank at once; each answer within ``timeout``."""
+
+    def one(rank: Rank) -> Answer:
+        started = time.monotonic()
+        request = urllib.request.Request(f"{rank.url}/handler/{handler}", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return Answer(rank, response.read(), None, time.monotonic() - started)
+        except urllib.error.HTTPError as exc:
+            reason = exc.read().decode(errors="replace").strip() or exc.reason
+            return Answer(rank, None, f"answered {exc.code}: {reason}", time.monotonic() - started)
+        except (OSError, ValueError) as exc:
+            return Answer(rank, None, _no_answer(exc, timeout), time.monotonic() - started)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(ranks))))
+    futures = [pool.submit(one, rank) for rank in ranks]
+    wait_all(futures, timeout=timeout + 0.5)
+    pool.shutdown(wait=False, cancel_futures=True)
+    return [
+        f.result() if f.done() else Answer(r, None, _no_answer(TimeoutError(), timeout), timeout)
+        for f, r in zip(futures, ranks, strict=True)
+    ]
+
+
+def _no_answer(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, TimeoutError) or "timed out" in str(exc):
+        return f"no answer within {timeout:g} s (a stopped or hung process, or its host is unreachable)"
+    return f"no answer: {exc}"
+
+
+def _read(args: argparse.Namespace) -> tuple[list[Rank], list[int], str]:
+    """The live ranks, the ranks without an entry, and a line of the job's last progress."""
+    conf = dict(args.conf)
+    conf.setdefault("retry_timeout", "5")
+    params = RendezvousParameters("etcd-v3", args.rdzv_endpoint, args.run_id, 1, 1, **conf)
+    try:
+        settings = parse_settings(params)
+        connection = EtcdConnection(settings.client_config())
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    try:
+        with quiet_retries():
+            registry = etcd_ops.get_range(
+                connection, RunKeys.from_settings(settings).debug, prefix=True,
+                what="the diagnostics registry",
+            )  # fmt: skip
+            record, _ = read_progress(connection, ProgressKeys.from_settings(settings))
+    except (RendezvousConnectionError, ValueError) as exc:
+        raise UserError(f"cannot read the run {args.run_id!r}: {exc}") from exc
+    finally:
+        connection.close()
+    ranks, missing = live_ranks(list(registry.kvs))
+    if not ranks:
+        raise UserError(
+            f"no worker of run {args.run_id!r} registered a diagnostics endpoint (is it running, "
+            "on the library's loop, with ELASTIC_TRAINER_DEBUG_HOST not off?)"
+        )
+    progress = "the job published no progress"
+    if record is not None and record.step is not None:
+        age = format_duration(max(0.0, time.time() - record.published_unix))
+        progress = f"the job's last published step {record.step}, {age} ago"
+    return ranks, missing, progress
+
+
+def run(args: argparse.Namespace) -> int:
+    """``elastic-trainer debug``: see the module docstring."""
+    ranks, missing, progress = _read(args)
+    handler = HANDLERS.get(args.what, "")
+    if args.what == "stacks" and args.native:
+        handler = HANDLERS["native"]
+    timeout = args.timeout
+    if args.what == "profile":
+        handler = f"{DEBUG_PROFILE_HANDLER}?steps={args.steps}&timeout={timeout}"
+        timeout += 5.0  # the ranks bound the steps themselves; then the trace's transfer
+    started = time.monotonic()
+    if args.what == "dump":
+        answers = {
+            what: ask(ranks, HANDLERS[what], timeout) for what in ("stacks", "trace", "waits")
+        }
+    else:
+        answers = {args.what: ask(ranks, handler, timeout)}
+    took = time.monotonic() - started
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    silent: set[int] = set()
+    for what, replies in answers.items():
+        for answer in replies:
+            if answer.body is None:
+                silent.add(answer.rank.rank)
+            elif out is not None:
+                suffix = "txt" if what == "stacks" else "json"
+                (out / f"rank{answer.rank.rank}.{what}.{suffix}").write_bytes(answer.body)
+    lines = [f"{len(ranks)} rank(s) of run {args.run_id!r} asked in {took:.2f} s"]
+    for answer in next(iter(answers.values())):
+        rank = answer.rank
+        if answer.body is None:
+            lines.append(f"{rank.title()}: {answer.error}; {progress}")
+        elif out is not None or args.what != "stacks":
+            target = out if out is not None else "(use --out DIR to keep it)"
+            lines.append(f"{rank.title()}: {len(answer.body)} bytes -> {target}")
+        else:
+            body = answer.body.decode(errors="replace").rstrip()
+            lines += [f"{rank.title()}:", *("    " + line for line in body.splitlines())]
+    lines += [f"rank {r}: no endpoint registered for this world; {progress}" for r in missing]
+    print("\n".join(lines), flush=True)
+    return 1 if silent or missing else 0
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The argument checks argparse cannot make (one line each, as :class:`UserError`)."""
+    if args.timeout is None:
+        args.timeout = DEFAULT_PROFILE_TIMEOUT_S if args.what == "profile" else DEFAULT_TIMEOUT_S
+    if not 0 < args.timeout <= 3600:
+        raise UserError(f"--timeout: {args.timeout:g} is not a number of seconds in (0, 3600]")
+    if not 1 <= args.steps <= 1000:
+        raise UserError(f"--steps: {args.steps} is not in 1..1000")
+    if args.what == "dump" and not args.out:
+        raise UserError("dump: --out DIR is needed (one file per rank and kind)")

@@ -1,0 +1,263 @@
+"""Every worker's diagnostics endpoint, found through etcd and kept current across heals.
+
+    diagnostics = Diagnostics.start(settings, env, connection)   # ElasticGroup, once a process
+    diagnostics.register(env)        # every attempt (a start, a heal, a join): its rank and world
+    diagnostics.profiler.tick()      # the loop, at every step's start
+    diagnostics.keep_evidence(...)   # a heal: this rank's stacks and flight recorder, on disk
+    diagnostics.close()
+
+The endpoint is torch's C++ worker server (``torch._C._distributed_c10d._WorkerServer``, the one
+``torch.distributed.debug`` builds on) with its handlers: ``dump_traceback`` (every thread's Python
+stack, taken in C++ without the GIL, so a rank blocked in a collective or spinning in Python
+answers), ``fr_trace_json`` (the flight recorder), ``wait_counter_values``, ``pyspy_dump`` (with
+py-spy installed), and one of ours, :data:`~elastic_trainer.runtime.settings.DEBUG_PROFILE_HANDLER` (``?steps=N``: a ``torch.profiler``
+trace of the loop's next N steps, Chrome trace JSON). None runs code it is sent. It listens on
+``ELASTIC_TRAINER_DEBUG_HOST`` (default 127.0.0.1: this node only) on a free port.
+
+Instead of torch's TCPStore at MASTER_ADDR (there is none under the etcd rendezvous, and rank 0
+may be the rank that died), each worker writes ``{rank, world_size, node, local_rank, pid, url}``
+to ``debug/<node>/<local rank>`` under the run's keys at every attempt: a replacement overwrites
+the dead process's entry, survivors write their new ranks after a heal. ``elastic-trainer debug``
+takes, for each rank of the newest world, its newest entry (etcd's revisions order them). The
+write runs on a short-lived thread: an etcd outage never holds training. Design:
+``docs/design/diagnostics.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
+    _dump_fr_trace_json,
+    _register_handler,
+    _WorkerServer,
+)
+
+from elastic_trainer.heal.healer import heal_rendezvous
+from elastic_trainer.metrics.node_name import local_node_name
+from elastic_trainer.runtime.distributed import DistEnv
+from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER, WorkerSettings
+from rendezvous.etcd_client import EtcdConnection
+from rendezvous.etcd_ops import put_key
+from rendezvous.round_state import RunKeys
+
+log = logging.getLogger(__name__)
+
+EVIDENCE_DIR = "diagnostics"
+"""Beside the checkpoints: ``diagnostics/<epoch>-<cause>/`` of each heal."""
+KEEP_EVIDENCE = 8
+"""Folders of evidence kept (the newest)."""
+MAX_EVIDENCE_BYTES = 4 << 20
+"""What one rank writes into one folder at most (its flight recorder is cut beyond it)."""
+REGISTER_DEADLINE_S = 5.0
+
+
+class StepProfiler:
+    """A ``torch.profiler`` trace of the next N steps, asked for by the endpoint's thread and run
+    by the loop's: :meth:`tick` at every step's start (one attribute read while nobody asks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wanted = 0
+        self._left = 0
+        self._profile: Any = None
+        self._done = threading.Event()
+        self._trace: bytes | None = None
+
+    def request(self, steps: int, timeout: float) -> bytes | None:
+        """(the endpoint's thread) The trace of the next ``steps`` steps; ``None`` when another
+        request runs or the steps did not end within ``timeout`` seconds."""
+        with self._lock:
+            if self._wanted or self._profile is not None:
+                return None
+            self._done.clear()
+            self._trace = None
+            self._wanted = steps
+        if not self._done.wait(timeout):
+            with self._lock:
+                self._wanted = 0  # not started: nobody waits for it any more
+            return None
+        return self._trace
+
+    def tick(self) -> None:
+        """(the loop's thread, at a step's start) Start, count and end a requested trace."""
+        if not self._wanted and self._profile is None:
+            return
+        if self._profile is None:
+            from torch.profiler import profile  # cost: only once asked (startup-and-threads.md)
+
+            with self._lock:
+                self._left, self._wanted = self._wanted, 0
+            self._profile = profile(record_shapes=True)
+            self._profile.__enter__()
+            return
+        self._left -= 1
+        if self._left > 0:
+            return
+        prof, self._profile = self._profile, None
+        prof.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "trace.json")
+            prof.export_chrome_trace(str(path))
+            self._trace = path.read_bytes()
+        self._done.set()
+
+
+def _serve_profile(profiler: StepProfiler) -> None:
+    def handle(request: Any, response: Any) -> None:
+        try:
+            steps = int(request.get_param("steps") or 5)
+            timeout = float(request.get_param("timeout") or 60)
+        except ValueError:
+            response.set_content(b"steps and timeout are numbers", "text/plain")
+            response.set_status(400)
+            return
+        trace = profiler.request(max(1, steps), timeout) if steps <= 1000 else None
+        if trace is None:
+            response.set_content(b"no trace: busy, or the steps did not end in time", "text/plain")
+            response.set_status(503)
+            return
+        response.set_content(trace, "application/json")
+        response.set_status(200)
+
+    _register_handler(DEBUG_PROFILE_HANDLER, handle)
+
+
+class Diagnostics:
+    """This worker's endpoint and its registration; see the module docstring."""
+
+    def __init__(
+        self, server: Any, url: str, slot: str, connection: EtcdConnection | None, key: str | None
+    ) -> None:
+        self.url, self.slot = url, slot
+        self.profiler = StepProfiler()
+        self._server, self._connection, self._key = server, connection, key
+        self._owns_connection = False
+
+    @classmethod
+    def start(
+        cls, settings: WorkerSettings, env: DistEnv, connection: EtcdConnection | None
+    ) -> Diagnostics | None:
+        """Start the endpoint (``None`` where it is off or torch has none); ``connection``: the
+        healer's, else one of its own to the job's etcd when the environment names it."""
+        if settings.debug_host is None or not env.launched:
+            return None
+        try:
+            with _quiet_stderr():  # c10d logs "Server listening to TCP host:0" as a warning
+                server = _WorkerServer(settings.debug_host, 0)
+        except RuntimeError as exc:
+            log.warning("no diagnostics endpoint: %s", exc)
+            return None
+        host = settings.debug_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        url = f"http://{host}:{server.port}"
+        node = settings.node or local_node_name(os.getppid())  # plain torchrun: the agent's pid
+        slot = f"{node}/{env.local_rank}"
+        owns, key = False, None
+        if settings.run_id and (connection is not None or settings.heal.endpoint):
+            try:
+                rendezvous = heal_rendezvous(settings.heal, settings.run_id)
+                if connection is None:
+                    connection, owns = EtcdConnection(rendezvous.client_config()), True
+                key = RunKeys.from_settings(rendezvous).debug + slot
+            except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
+                log.warning("the diagnostics endpoint is not registered: %s", exc)
+        diagnostics = cls(server, url, slot, connection, key)
+        diagnostics._owns_connection = owns
+        _serve_profile(diagnostics.profiler)
+        return diagnostics
+
+    def register(self, env: DistEnv) -> None:
+        """Write this process's entry for ``env`` (its rank and world now), on a thread."""
+        if self._connection is None or self._key is None:
+            return
+        node, _, local = self.slot.rpartition("/")
+        entry = {
+            "rank": env.rank,
+            "world_size": env.world_size,
+            "node": node,
+            "local_rank": int(local),
+            "pid": os.getpid(),
+            "url": self.url,
+            "unix": time.time(),
+        }
+        connection, key = self._connection, self._key
+
+        def put() -> None:
+            try:
+                put_key(
+                    connection,
+                    key,
+                    json.dumps(entry).encode(),
+                    what="a diagnostics registration",
+                    deadline=time.monotonic() + REGISTER_DEADLINE_S,
+                )
+            except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
+                log.warning("the diagnostics endpoint is not registered: %s", exc)
+
+        threading.Thread(target=put, name="diagnostics-register", daemon=True).start()
+
+    def keep_evidence(self, directory: str | None, folder: str, rank: int, evidence: str) -> None:
+        """Write ``evidence`` (:func:`capture_evidence`'s) as ``rank<r>.txt`` in
+        ``<directory>/diagnostics/<folder>/``; rank 0 keeps the newest :data:`KEEP_EVIDENCE`."""
+        if directory is None:
+            return
+        root = Path(directory, EVIDENCE_DIR)
+        try:
+            (root / folder).mkdir(parents=True, exist_ok=True)
+            (root / folder / f"rank{rank}.txt").write_text(evidence)
+            if rank == 0:
+                for old in sorted(p for p in root.iterdir() if p.is_dir())[:-KEEP_EVIDENCE]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            log.warning("diagnostics not kept in %s: %s", root / folder, exc)
+
+    def close(self) -> None:
+        """Stop answering (the entry stays: a replacement overwrites it, ``debug`` skips it)."""
+        server, self._server = self._server, None
+        if server is not None:
+            with _quiet_stderr():  # "Server shutting down", "Server exited"
+                server.shutdown()
+        if self._owns_connection and self._connection is not None:
+            self._connection.close()
+        self._connection = None
+
+
+def capture_evidence(url: str | None, cause: str) -> str:
+    """This process's stacks (every thread) and flight recorder now, as text."""
+    with tempfile.TemporaryFile("w+") as out:
+        faulthandler.dump_traceback(out, all_threads=True)
+        out.seek(0)
+        stacks = out.read()
+    try:
+        trace = _dump_fr_trace_json(True, True)
+    except RuntimeError as exc:
+        trace = f"(no flight recorder: {exc})"
+    head = f"pid {os.getpid()} {cause} at {time.strftime('%Y-%m-%d %H:%M:%S')} endpoint {url}\n"
+    text = f"{head}\n== stacks\n{stacks}\n== flight recorder (fr_trace_json)\n{trace}\n"
+    return text[:MAX_EVIDENCE_BYTES]
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Any:
+    """fd 2 to /dev/null for the C++ call inside (a warning that says nothing to a user)."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
