@@ -55,6 +55,9 @@ class Rank:
     pid: int
     url: str
     revision: int
+    profile_url: str | None = None
+    """The profile's own server (Python: torch's C++ server cannot hold a Python handler that
+    survives its shutdown, ``docs/design/diagnostics.md``)."""
 
     def title(self) -> str:
         return f"rank {self.rank} (node {self.node}, local {self.local_rank}, pid {self.pid})"
@@ -79,7 +82,7 @@ def live_ranks(kvs: list[Any]) -> tuple[list[Rank], list[int]]:
             entries.append(
                 Rank(int(data["rank"]), int(data["world_size"]), str(data["node"]),
                      int(data["local_rank"]), int(data["pid"]), str(data["url"]),
-                     int(kv.mod_revision))
+                     int(kv.mod_revision), data.get("profile_url"))
             )  # fmt: skip
         except (ValueError, KeyError, TypeError):
             continue  # not an entry of ours: skipped
@@ -98,7 +101,8 @@ def ask(ranks: list[Rank], handler: str, timeout: float) -> list[Answer]:
 
     def one(rank: Rank) -> Answer:
         started = time.monotonic()
-        request = urllib.request.Request(f"{rank.url}/handler/{handler}", data=b"", method="POST")
+        base = rank.profile_url if handler.startswith(DEBUG_PROFILE_HANDLER) else rank.url
+        request = urllib.request.Request(f"{base}/handler/{handler}", data=b"", method="POST")
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return Answer(rank, response.read(), None, time.monotonic() - started)

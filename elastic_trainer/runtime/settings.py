@@ -88,6 +88,10 @@ ENV_DEBUG_HOST = "ELASTIC_TRAINER_DEBUG_HOST"
 :data:`DEFAULT_DEBUG_HOST`, this node only; ``0.0.0.0`` (or an address) for ``elastic-trainer
 debug`` from other hosts; ``off``: no endpoint."""
 DEFAULT_DEBUG_HOST = "127.0.0.1"
+ENV_DEBUG_PORT = "ELASTIC_TRAINER_DEBUG_PORT"
+"""The diagnostics endpoints' ports: this base plus the worker's local rank (torch's server),
+and plus the local world size too (the profile's), a fixed range a NetworkPolicy can open (the Helm
+chart's ``workers.diagnostics``); 0 (the default): free ports."""
 DEBUG_PROFILE_HANDLER = "elastic_trainer_profile"
 """The endpoint's handler of ours: ``POST /handler/elastic_trainer_profile?steps=N&timeout=S``
 answers a ``torch.profiler`` trace of the loop's next N steps."""
@@ -301,6 +305,13 @@ def _debug_host(environ: Mapping[str, str]) -> str | None:
     return raw or DEFAULT_DEBUG_HOST
 
 
+def _debug_port(environ: Mapping[str, str]) -> int:
+    port = env_int(environ, ENV_DEBUG_PORT) or 0
+    if not 0 <= port <= 65000:
+        raise ConfigError(f"{ENV_DEBUG_PORT}: {port} is not a port base in 0..65000")
+    return port
+
+
 def _replica_check_every(environ: Mapping[str, str]) -> int:
     every = env_int(environ, ENV_REPLICA_CHECK_EVERY)
     if every is None:
@@ -349,6 +360,8 @@ class WorkerSettings:
     (:data:`ENV_REPLICA_CHECK_EVERY`; ``docs/design/own-loop.md``)."""
     debug_host: str | None = DEFAULT_DEBUG_HOST
     """Where the diagnostics endpoint listens; ``None``: none (:data:`ENV_DEBUG_HOST`)."""
+    debug_port: int = 0
+    """Its port base (:data:`ENV_DEBUG_PORT`): the port is this plus the local rank; 0: free."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -378,6 +391,7 @@ class WorkerSettings:
             control_carrier=_bool(env, ENV_CONTROL_CARRIER, True),
             replica_check_every=_replica_check_every(env),
             debug_host=_debug_host(env),
+            debug_port=_debug_port(env),
         )
 
 

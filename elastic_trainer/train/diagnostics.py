@@ -12,7 +12,8 @@ stack, taken in C++ without the GIL, so a rank blocked in a collective or spinni
 answers), ``fr_trace_json`` (the flight recorder), ``wait_counter_values``, ``pyspy_dump`` (with
 py-spy installed), and one of ours, :data:`~elastic_trainer.runtime.settings.DEBUG_PROFILE_HANDLER` (``?steps=N``: a ``torch.profiler``
 trace of the loop's next N steps, Chrome trace JSON). None runs code it is sent. It listens on
-``ELASTIC_TRAINER_DEBUG_HOST`` (default 127.0.0.1: this node only) on a free port.
+``ELASTIC_TRAINER_DEBUG_HOST`` (default 127.0.0.1: this node only) on a free port, or on
+``ELASTIC_TRAINER_DEBUG_PORT`` plus the local rank.
 
 Instead of torch's TCPStore at MASTER_ADDR (there is none under the etcd rendezvous, and rank 0
 may be the rank that died), each worker writes ``{rank, world_size, node, local_rank, pid, url}``
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import http.server
 import json
 import logging
 import os
@@ -35,14 +37,15 @@ import socket
 import tempfile
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
     _dump_fr_trace_json,
-    _register_handler,
     _WorkerServer,
 )
+from torch.profiler import profile
 
 from elastic_trainer.heal.healer import heal_rendezvous
 from elastic_trainer.metrics.node_name import local_node_name
@@ -55,7 +58,8 @@ from rendezvous.round_state import RunKeys
 log = logging.getLogger(__name__)
 
 EVIDENCE_DIR = "diagnostics"
-"""Beside the checkpoints: ``diagnostics/<epoch>-<cause>/`` of each heal."""
+"""Beside the checkpoints: ``diagnostics/<epoch>-heal/`` of each heal in place and
+``diagnostics/<attempt>-restart/`` of each group failure that restarts the group."""
 KEEP_EVIDENCE = 8
 """Folders of evidence kept (the newest)."""
 MAX_EVIDENCE_BYTES = 4 << 20
@@ -95,8 +99,6 @@ class StepProfiler:
         if not self._wanted and self._profile is None:
             return
         if self._profile is None:
-            from torch.profiler import profile  # cost: only once asked (startup-and-threads.md)
-
             with self._lock:
                 self._left, self._wanted = self._wanted, 0
             self._profile = profile(record_shapes=True)
@@ -114,24 +116,48 @@ class StepProfiler:
         self._done.set()
 
 
-def _serve_profile(profiler: StepProfiler) -> None:
-    def handle(request: Any, response: Any) -> None:
-        try:
-            steps = int(request.get_param("steps") or 5)
-            timeout = float(request.get_param("timeout") or 60)
-        except ValueError:
-            response.set_content(b"steps and timeout are numbers", "text/plain")
-            response.set_status(400)
-            return
-        trace = profiler.request(max(1, steps), timeout) if steps <= 1000 else None
-        if trace is None:
-            response.set_content(b"no trace: busy, or the steps did not end in time", "text/plain")
-            response.set_status(503)
-            return
-        response.set_content(trace, "application/json")
-        response.set_status(200)
+class _ProfileHandler(http.server.BaseHTTPRequestHandler):
+    """``POST /handler/elastic_trainer_profile?steps=N&timeout=S`` on the profile server."""
 
-    _register_handler(DEBUG_PROFILE_HANDLER, handle)
+    profiler: StepProfiler
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        url = urllib.parse.urlsplit(self.path)
+        query = urllib.parse.parse_qs(url.query)
+        if url.path != f"/handler/{DEBUG_PROFILE_HANDLER}":
+            return self._answer(404, b"not found", "text/plain")
+        try:
+            steps = int(query.get("steps", ["5"])[0])
+            timeout = float(query.get("timeout", ["60"])[0])
+        except ValueError:
+            return self._answer(400, b"steps and timeout are numbers", "text/plain")
+        if not (1 <= steps <= 1000 and 0 < timeout <= 3600):
+            return self._answer(400, b"steps: 1..1000, timeout: (0, 3600] s", "text/plain")
+        trace = self.profiler.request(steps, timeout)
+        if trace is None:
+            return self._answer(
+                503, b"no trace: busy, or the steps did not end in time", "text/plain"
+            )
+        return self._answer(200, trace, "application/json")
+
+    def _answer(self, status: int, body: bytes, kind: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
+        pass  # no line per request in the worker's log
+
+
+def _serve_profile(profiler: StepProfiler, host: str, port: int) -> http.server.HTTPServer:
+    """The profile's own small server, on a daemon thread (idle: blocked in ``select``)."""
+    handler = type("Handler", (_ProfileHandler,), {"profiler": profiler})
+    server = http.server.ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="diagnostics-profile", daemon=True).start()
+    return server
 
 
 class Diagnostics:
@@ -141,8 +167,10 @@ class Diagnostics:
         self, server: Any, url: str, slot: str, connection: EtcdConnection | None, key: str | None
     ) -> None:
         self.url, self.slot = url, slot
+        self.profile_url: str | None = None
         self.profiler = StepProfiler()
         self._server, self._connection, self._key = server, connection, key
+        self._profile_server: http.server.HTTPServer | None = None
         self._owns_connection = False
 
     @classmethod
@@ -153,10 +181,14 @@ class Diagnostics:
         healer's, else one of its own to the job's etcd when the environment names it."""
         if settings.debug_host is None or not env.launched:
             return None
+        base = settings.debug_port
         try:
             with _quiet_stderr():  # c10d logs "Server listening to TCP host:0" as a warning
-                server = _WorkerServer(settings.debug_host, 0)
-        except RuntimeError as exc:
+                server = _WorkerServer(settings.debug_host, base + env.local_rank if base else 0)
+            profile = base + env.local_world_size + env.local_rank if base else 0
+            profiler = StepProfiler()
+            profile_server = _serve_profile(profiler, settings.debug_host, profile)
+        except (RuntimeError, OSError) as exc:
             log.warning("no diagnostics endpoint: %s", exc)
             return None
         host = settings.debug_host
@@ -176,7 +208,9 @@ class Diagnostics:
                 log.warning("the diagnostics endpoint is not registered: %s", exc)
         diagnostics = cls(server, url, slot, connection, key)
         diagnostics._owns_connection = owns
-        _serve_profile(diagnostics.profiler)
+        diagnostics._profile_server = profile_server
+        diagnostics.profiler = profiler
+        diagnostics.profile_url = f"http://{host}:{profile_server.server_address[1]}"
         return diagnostics
 
     def register(self, env: DistEnv) -> None:
@@ -191,6 +225,7 @@ class Diagnostics:
             "local_rank": int(local),
             "pid": os.getpid(),
             "url": self.url,
+            "profile_url": self.profile_url,
             "unix": time.time(),
         }
         connection, key = self._connection, self._key
@@ -221,6 +256,14 @@ class Diagnostics:
             if rank == 0:
                 for old in sorted(p for p in root.iterdir() if p.is_dir())[:-KEEP_EVIDENCE]:
                     shutil.rmtree(old, ignore_errors=True)
+                cause = folder.rpartition("-")[2]
+                log.warning(
+                    "%s: diagnostics of the %s in %s (each survivor's stacks and flight recorder "
+                    "as the group failed)",
+                    cause,
+                    cause,
+                    root / folder,
+                )
         except OSError as exc:
             log.warning("diagnostics not kept in %s: %s", root / folder, exc)
 
@@ -230,6 +273,10 @@ class Diagnostics:
         if server is not None:
             with _quiet_stderr():  # "Server shutting down", "Server exited"
                 server.shutdown()
+        if self._profile_server is not None:
+            self._profile_server.shutdown()
+            self._profile_server.server_close()
+            self._profile_server = None
         if self._owns_connection and self._connection is not None:
             self._connection.close()
         self._connection = None

@@ -371,11 +371,19 @@ class Attempt:
         if exc is None:
             self._finished(loop)
             return False
-        if (
-            healer is None
-            or not isinstance(exc, Exception)
-            or not failures.is_collective_failure(exc)
-        ):
+        if not isinstance(exc, Exception) or not failures.is_collective_failure(exc):
+            return False
+        diagnostics = group.diagnostics
+        evidence = capture_evidence(
+            diagnostics.url if diagnostics is not None else None,
+            f"rank {self.env.rank} of {self.env.world_size}: {failure_reason(exc)}",
+        )
+        if healer is None:  # the group restarts: its survivors' evidence, named by the attempt
+            if diagnostics is not None and loop is not None:
+                folder = f"{self.env.restart_count:06d}-restart"
+                diagnostics.keep_evidence(
+                    loop.checkpoints.directory, folder, self.env.rank, evidence
+                )
             return False
         if loop is not None and not loop.heals_in_place:
             log.warning(
@@ -384,11 +392,6 @@ class Attempt:
             )
             return False
         holds = loop is not None and loop.state_ready and loop.state.consistent
-        diagnostics = group.diagnostics
-        evidence = capture_evidence(
-            diagnostics.url if diagnostics is not None else None,
-            f"rank {self.env.rank} of {self.env.world_size}: {failure_reason(exc)}",
-        )
         self._detach_wrappers()
         step, snapshot = self._held(loop, holds)
         healed = self._heal(healer, exc, loop, holds=holds, step=step, snapshot=snapshot)

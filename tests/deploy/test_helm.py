@@ -977,6 +977,27 @@ def test_network_policies(chart: Any, render: Any) -> None:
     assert "NetworkPolicy" not in kinds(render({"networkPolicy": {"enabled": False}}))
 
 
+def test_the_diagnostics_endpoints_listen_beyond_the_pod_only_when_asked(render: Any) -> None:
+    """Default: no debug variables (the workers listen on 127.0.0.1) and no port opened. With
+    workers.diagnostics.listen: the pod IP, a port per worker, and the NetworkPolicy opens that
+    range to the monitoring namespace only (the metrics port's rule)."""
+    docs = render()
+    assert not {"ELASTIC_TRAINER_DEBUG_HOST", "ELASTIC_TRAINER_DEBUG_PORT"} & set(
+        env_of(trainer(docs))
+    )
+    values = {"workers": {"nprocPerNode": 4, "diagnostics": {"listen": True, "port": 9600}}}
+    docs = render(values)
+    env = env_of(trainer(docs))
+    assert env["ELASTIC_TRAINER_DEBUG_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["ELASTIC_TRAINER_DEBUG_PORT"] == "9600"
+    [policy] = [
+        d for _, d in docs if d["kind"] == "NetworkPolicy" and "worker" in d["metadata"]["name"]
+    ]
+    [rule] = [r for r in policy["spec"]["ingress"] if "ports" in r]
+    assert {"port": 9600, "endPort": 9607, "protocol": "TCP"} in rule["ports"]
+    assert all("namespaceSelector" in peer for peer in rule["from"])
+
+
 # ------------------------------------------------------------------------------------ monitoring
 def test_pod_monitor_selects_the_worker_metrics_port(render: Any) -> None:
     docs = render({"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}}})
