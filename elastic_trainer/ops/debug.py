@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -128,11 +129,15 @@ def _no_answer(exc: BaseException, timeout: float) -> str:
     return f"no answer: {exc}"
 
 
-def _read(args: argparse.Namespace) -> tuple[list[Rank], list[int], str]:
-    """The live ranks, the ranks without an entry, and a line of the job's last progress."""
-    conf = dict(args.conf)
-    conf.setdefault("retry_timeout", "5")
-    params = RendezvousParameters("etcd-v3", args.rdzv_endpoint, args.run_id, 1, 1, **conf)
+def read_ranks(
+    endpoint: str, run_id: str, conf: dict[str, str]
+) -> tuple[list[Rank], list[int], str]:
+    """The live ranks, the ranks without an entry, and a line of the job's last progress.
+
+    Raises:
+        UserError: bad settings, etcd unreachable, or no entry at all."""
+    conf = {"retry_timeout": "5", **conf}
+    params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **conf)
     try:
         settings = parse_settings(params)
         connection = EtcdConnection(settings.client_config())
@@ -146,13 +151,13 @@ def _read(args: argparse.Namespace) -> tuple[list[Rank], list[int], str]:
             )  # fmt: skip
             record, _ = read_progress(connection, ProgressKeys.from_settings(settings))
     except (RendezvousConnectionError, ValueError) as exc:
-        raise UserError(f"cannot read the run {args.run_id!r}: {exc}") from exc
+        raise UserError(f"cannot read the run {run_id!r}: {exc}") from exc
     finally:
         connection.close()
     ranks, missing = live_ranks(list(registry.kvs))
     if not ranks:
         raise UserError(
-            f"no worker of run {args.run_id!r} registered a diagnostics endpoint (is it running, "
+            f"no worker of run {run_id!r} registered a diagnostics endpoint (is it running, "
             "on the library's loop, with ELASTIC_TRAINER_DEBUG_HOST not off?)"
         )
     progress = "the job published no progress"
@@ -162,9 +167,42 @@ def _read(args: argparse.Namespace) -> tuple[list[Rank], list[int], str]:
     return ranks, missing, progress
 
 
+def main_thread_frame(stacks: str) -> str | None:
+    """The innermost frame of the main thread in ``dump_traceback``'s text, as ``file.py:LINE in
+    FUNCTION``: CPython lists threads newest first, so the main thread's block is the last one."""
+    blocks: list[list[str]] = []
+    for line in stacks.splitlines():
+        if "(most recent call first)" in line:
+            blocks.append([])
+        elif blocks and line.strip().startswith("File "):
+            blocks[-1].append(line.strip())
+    if not blocks or not blocks[-1]:
+        return None
+    match = re.match(r'File "(.+)", line (\d+) in (.+)', blocks[-1][0])
+    return f"{Path(match[1]).name}:{match[2]} in {match[3]}" if match else None
+
+
+def where_ranks_are(endpoint: str, run_id: str, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """One line a rank: where its main thread is now, or that it does not answer (``top``'s
+    view of a stalled step); one line saying why when the ranks cannot be found."""
+    try:
+        ranks, missing, _ = read_ranks(endpoint, run_id, {"retry_timeout": "2"})
+    except UserError as exc:
+        return [f"  (where the ranks are: {exc})"]
+    lines = []
+    for answer in ask(ranks, HANDLERS["stacks"], timeout):
+        frame = (
+            None if answer.body is None else main_thread_frame(answer.body.decode(errors="replace"))
+        )
+        lines.append(
+            f"  rank {answer.rank.rank} ({answer.rank.node}): {frame or answer.error or '?'}"
+        )
+    return lines + [f"  rank {r}: no endpoint registered" for r in missing]
+
+
 def run(args: argparse.Namespace) -> int:
     """``elastic-trainer debug``: see the module docstring."""
-    ranks, missing, progress = _read(args)
+    ranks, missing, progress = read_ranks(args.rdzv_endpoint, args.run_id, dict(args.conf))
     handler = HANDLERS.get(args.what, "")
     if args.what == "stacks" and args.native:
         handler = HANDLERS["native"]

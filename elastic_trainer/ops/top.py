@@ -8,7 +8,9 @@ Every ``--interval`` seconds it reads every endpoint (in parallel, each within a
 merges their samples and redraws in place with plain ANSI sequences (the terminal's alternate
 screen; ``q`` or Ctrl-C quits). It shows the step and target, ETA, throughput, step time,
 world size, restarts, the ages of the last step and checkpoint, loss, learning rate and the
-slowest rank and node (:mod:`elastic_trainer.metrics.progress` computes all of them). Rates are taken
+slowest rank and node (:mod:`elastic_trainer.metrics.progress` computes all of them); when no
+step ended for 5x the median step time, where each rank's main thread is (with
+``--rdzv-endpoint``: :func:`elastic_trainer.ops.debug.where_ranks_are`). Rates are taken
 over the frames of the last :data:`RATE_WINDOW_S` seconds; the first frame shows lifetime step
 times and no rates, and ``--once`` reads twice, ``--interval`` apart, to have them. An endpoint
 that cannot be read is listed as down and the others are still shown.
@@ -57,6 +59,11 @@ DEFAULT_INTERVAL_S = 2.0
 RATE_WINDOW_S = 20.0
 """Rates (steps/s, samples/s, step time, slowest rank) cover about this many seconds of frames."""
 MAX_FETCH_TIMEOUT_S = 5.0
+STALL_FACTOR = 5.0
+"""A step is stalled once no step ended for this many median step times (issue 42)."""
+STALL_MIN_S = 3.0
+"""... and no less: the workers write their metrics once a second, so a healthy step can look
+up to about 2 s old."""
 EXAMPLES = """examples:
   elastic-trainer top                                  # this node's endpoint, 127.0.0.1:9400
   elastic-trainer top --url node-0:9400 --url node-1:9400 --interval 5
@@ -164,6 +171,17 @@ class TopModel:
         if view.step is not None:
             self._last_step = (view.step, view.total_steps)
         return view
+
+
+def stalled_for(view: ProgressView, now_unix: float) -> float | None:
+    """Seconds since the last step ended, when that is :data:`STALL_FACTOR` x the median step
+    time and at least :data:`STALL_MIN_S`; else ``None`` (a job at its end is not stalled)."""
+    if view.last_step_unix is None or view.step_time_p50_s is None:
+        return None
+    if view.step is not None and view.total_steps and view.step >= view.total_steps:
+        return None
+    since = now_unix - view.last_step_unix
+    return since if since > max(STALL_MIN_S, STALL_FACTOR * view.step_time_p50_s) else None
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -319,9 +337,11 @@ def run_top(
     wall_clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
     finished: Callable[[], int | None] | None = None,
+    where: Callable[[], list[str]] | None = None,
 ) -> int:
     """Show the job behind ``urls`` until ``q`` or Ctrl-C (or one frame with ``once``).
-    ``finished``: asked, once no endpoint answers, for the step the job finished at (its etcd).
+    ``finished``: asked, once no endpoint answers, for the step the job finished at (its etcd);
+    ``where``: asked, when the step stalls, for a line per rank saying where it is.
 
     Returns:
         The exit code: 0; with ``once``, 1 when no endpoint could be read.
@@ -342,6 +362,7 @@ def run_top(
         wall_clock=wall_clock,
         sleep=sleep,
         finished=finished,
+        where=where,
     )
     out = stream if stream is not None else sys.stdout
     if once:
@@ -361,6 +382,8 @@ class _Frames:
     wall_clock: Callable[[], float]
     sleep: Callable[[float], None]
     finished: Callable[[], int | None] | None
+    where: Callable[[], list[str]] | None = None
+    """Where each rank is now (``ops.debug.where_ranks_are``), asked when the step stalls."""
 
     def take(self) -> tuple[ProgressView, list[Scrape]]:
         timeout_s = min(MAX_FETCH_TIMEOUT_S, max(1.0, self.interval_s))
@@ -376,7 +399,7 @@ class _Frames:
             out.write(json.dumps(frame_json(view, scrapes, self.wall_clock()), indent=2) + "\n")
         else:
             lines = render(view, scrapes, now_unix=self.wall_clock(), interval_s=None, live=False)
-            out.write("\n".join(lines) + "\n")
+            out.write("\n".join(lines + self.stall_lines(view)) + "\n")
         out.flush()
         return 0 if any(s.error is None for s in scrapes) else 1
 
@@ -391,7 +414,7 @@ class _Frames:
 
     def render(self, view: ProgressView, scrapes: list[Scrape]) -> list[str]:
         """A live frame's lines."""
-        return render(
+        lines = render(
             view,
             scrapes,
             now_unix=self.wall_clock(),
@@ -399,6 +422,21 @@ class _Frames:
             live=True,
             finished_at=self.finished_at(scrapes),
         )
+        return lines + self.stall_lines(view)
+
+    def stall_lines(self, view: ProgressView) -> list[str]:
+        """When no step ended for :data:`STALL_FACTOR` x the median step time (and a second):
+        where each rank is, asked of the ranks' diagnostics endpoints (``--rdzv-endpoint``)."""
+        stalled = stalled_for(view, self.wall_clock())
+        if stalled is None:
+            return []
+        head = (
+            f"stalled     no step for {format_duration(stalled)} ({STALL_FACTOR:g}x the median "
+            "step time is less)"
+        )
+        if self.where is None:
+            return ["", head + ": --rdzv-endpoint and --run-id show where each rank is"]
+        return ["", head + "; where each rank's main thread is:", *self.where()]
 
     def live(self, out: IO[str], stdin: IO[str]) -> int:
         """Redraw every ``interval_s`` (in place on a terminal) until ``q`` or Ctrl-C."""
@@ -452,7 +490,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="with --run-id: the job's etcd, asked whether the job finished once no endpoint "
-                             "answers (its nodes exit within a second of the end)")  # fmt: skip
+                             "answers (its nodes exit within a second of the end), and where each rank is "
+                             "when a step stalls (5x the median step time)")  # fmt: skip
     parser.add_argument(
         "--once",
         action="store_true",
@@ -473,6 +512,13 @@ def finished_step(endpoint: str, run_id: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
+def where_ranks_are(endpoint: str, run_id: str) -> list[str]:
+    """:func:`elastic_trainer.ops.debug.where_ranks_are` (torch and etcd: only once a step stalls)."""
+    from elastic_trainer.ops import debug
+
+    return debug.where_ranks_are(endpoint, run_id)
+
+
 def run_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
     """Run with parsed :func:`add_arguments` options; returns the exit code (user mistakes: one
     line on stderr, 2)."""
@@ -482,17 +528,17 @@ def run_args(args: argparse.Namespace, *, prog: str = PROG) -> int:
     if args.rdzv_endpoint is not None and args.run_id is None:
         print(f"{prog}: error: --rdzv-endpoint needs --run-id", file=sys.stderr)
         return 2
-    finished = (
-        None
-        if args.rdzv_endpoint is None
-        else lambda: finished_step(args.rdzv_endpoint, args.run_id)
-    )
+    finished = where = None
+    if args.rdzv_endpoint is not None:
+        finished = lambda: finished_step(args.rdzv_endpoint, args.run_id)  # noqa: E731
+        where = lambda: where_ranks_are(args.rdzv_endpoint, args.run_id)  # noqa: E731
     # A live view quits on Ctrl-C even when it was started with SIGINT ignored (a shell's
     # background job, a harness started with nohup): the interrupt is how its user stops it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return run_top(args.url or [DEFAULT_URL], interval_s=args.interval, once=args.once,
-                       run_id=args.run_id, as_json=args.json, finished=finished)  # fmt: skip
+                       run_id=args.run_id, as_json=args.json, finished=finished,
+                       where=where)  # fmt: skip
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer.ops.debug import where_ranks_are
 from elastic_trainer.ops.processes import wait_for
 from tests.chaos.faults import JobSpec, RunDirs, start_node, unique_run_id
 from tests.support.agents import agents, start_agent, tails
@@ -126,6 +127,7 @@ def test_debug_reaches_every_rank_across_a_heal(etcd_server, run_dirs: RunDirs) 
             started = time.monotonic()
             code, out = debug(endpoint, run_id, "stacks")
             wall = time.monotonic() - started
+            where = where_ranks_are(endpoint, run_id)  # what `top` shows of a stalled step
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped, signal.SIGKILL)  # a worker SIGKILL: the job heals in place
@@ -137,6 +139,8 @@ def test_debug_reaches_every_rank_across_a_heal(etcd_server, run_dirs: RunDirs) 
         assert "no answer within 1.5 s" in str(stacks[silent[0]]["line"]), out
         others = [str(v["stack"]) for v in stacks.values() if v["stack"] is not None]
         assert len(others) == 3 and all("elastic_trainer/" in s for s in others), out
+        assert len(where) == 4 and sum("no answer" in line for line in where) == 1, where
+        assert sum(re.search(r"\.py:\d+ in \w+", line) is not None for line in where) == 3, where
 
         # After the heal: the replacement answers, not the dead process's address.
         def healed_and_answering() -> bool:

@@ -181,3 +181,62 @@ def test_main_reports_mistakes_in_one_line(capsys: pytest.CaptureFixture[str]) -
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "invalid float value" in err
+
+
+def _one_node() -> dict[str, list[str | None]]:
+    return {
+        A: [
+            node_text(node="a-1", ranks=two_ranks(100)),
+            node_text(node="a-1", ranks=two_ranks(150)),
+        ]
+    }
+
+
+def test_a_stalled_step_shows_where_each_rank_is() -> None:
+    """No step for 33 s at a 75 ms median: the frame asks where each rank is (issue 42)."""
+    where = [
+        "  rank 0 (a-1): step_control.py:300 in finish",
+        "  rank 1 (a-1): no answer within 1.5 s",
+    ]
+    out = io.StringIO()
+    clock = iter(range(0, 1000, 10))
+    code = top.run_top([A], once=True, stream=out, read=Endpoints(_one_node()).read,
+                       clock=lambda: float(next(clock)), wall_clock=lambda: NOW + 30,
+                       sleep=lambda s: None, where=lambda: where)  # fmt: skip
+    text = out.getvalue()
+    assert code == 0
+    assert "stalled     no step for 33s (5x the median step time is less)" in text, text
+    assert text.rstrip().endswith("\n".join(where)), text
+    code, text = frame(_one_node())  # 3 s: the metrics' own lag, no stall
+    assert "stalled" not in text, text
+
+
+def test_a_stall_without_the_jobs_etcd_says_how_to_see_more() -> None:
+    out = io.StringIO()
+    clock = iter(range(0, 1000, 10))
+    top.run_top([A], once=True, stream=out, read=Endpoints(_one_node()).read,
+                clock=lambda: float(next(clock)), wall_clock=lambda: NOW + 30, sleep=lambda s: None)  # fmt: skip
+    assert "--rdzv-endpoint and --run-id show where each rank is" in out.getvalue()
+
+
+def test_the_main_threads_innermost_frame_is_read_from_a_real_dump(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import faulthandler
+    import threading
+
+    from elastic_trainer.ops.debug import main_thread_frame
+
+    release = threading.Event()
+    helper = threading.Thread(target=release.wait)
+    helper.start()
+    try:
+        with open(tmp_path / "stacks", "w") as out:
+            faulthandler.dump_traceback(out, all_threads=True)
+    finally:
+        release.set()
+        helper.join()
+    text = (tmp_path / "stacks").read_text()
+    assert text.count("most recent call first") >= 2  # the helper thread's block is skipped
+    frame = main_thread_frame(text)
+    assert frame is not None and frame.startswith("test_top.py:")
+    assert frame.endswith(" in test_the_main_threads_innermost_frame_is_read_from_a_real_dump")
+    assert main_thread_frame("Thread 0x1 (most recent call first):\n  <no Python frame>\n") is None
