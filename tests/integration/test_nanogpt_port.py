@@ -107,6 +107,20 @@ def _prepared(tmp: Path) -> None:
     )  # fmt: skip
 
 
+def _killed_once_under_torchrun(endpoint: str, run_id: str, tmp: Path, folder: Path) -> str:
+    """The script under plain torchrun, a worker SIGKILLed at iteration 40 (torchrun restarts the
+    group from the just-in-time checkpoint); the job must end well. Its log."""
+    node = start_agent(
+        endpoint=endpoint, run_id=run_id, log_path=tmp / "torchrun.log", job_args=[],
+        target=[str(folder / "train.py")], extra_env=_env(tmp, "torchrun"),
+    )  # fmt: skip
+    with node:
+        wait_for(lambda: _iteration_logged(node, 40), timeout=180, what="iteration 40")
+        node.kill_worker(1)
+        assert node.proc.wait(240) == 0, node.log_path.read_text()[-3000:]
+    return node.log_path.read_text()
+
+
 def test_the_ported_script_heals_a_sigkill_bitwise(
     etcd_server, unique_id: str, tmp_path: Path
 ) -> None:
@@ -156,15 +170,7 @@ def test_under_plain_torchrun_a_resumed_own_counter_is_named_once(
 ) -> None:
     _prepared(tmp_path)
     folder = _script(tmp_path, own_counter=True)
-    node = start_agent(
-        endpoint=etcd_server.endpoint, run_id=unique_id, log_path=tmp_path / "torchrun.log",
-        job_args=[], target=[str(folder / "train.py")], extra_env=_env(tmp_path, "torchrun"),
-    )  # fmt: skip
-    with node:
-        wait_for(lambda: _iteration_logged(node, 40), timeout=180, what="iteration 40")
-        node.kill_worker(1)  # torchrun restarts the group from the just-in-time checkpoint
-        assert node.proc.wait(240) == 0, node.log_path.read_text()[-3000:]
-    log = node.log_path.read_text()
+    log = _killed_once_under_torchrun(etcd_server.endpoint, unique_id, tmp_path, folder)
     rates = [line for line in log.splitlines() if "the learning rate went from" in line]
     assert len(rates) == 1 and "likely iter_num" in rates[0], log[-4000:]
 
@@ -200,15 +206,7 @@ def test_under_plain_torchrun_a_per_rank_generator_is_named_once_an_attempt(
     replicas stay alike."""
     _prepared(tmp_path)
     folder = _script(tmp_path, per_rank_generator=True)
-    node = start_agent(
-        endpoint=etcd_server.endpoint, run_id=unique_id, log_path=tmp_path / "torchrun.log",
-        job_args=[], target=[str(folder / "train.py")], extra_env=_env(tmp_path, "torchrun"),
-    )  # fmt: skip
-    with node:
-        wait_for(lambda: _iteration_logged(node, 40), timeout=180, what="iteration 40")
-        node.kill_worker(1)
-        assert node.proc.wait(240) == 0, node.log_path.read_text()[-3000:]
-    log = node.log_path.read_text()
+    log = _killed_once_under_torchrun(etcd_server.endpoint, unique_id, tmp_path, folder)
     named = [line for line in log.splitlines() if "not saved, yet changed in training" in line]
     attempts = 1 + log.count("INFO elastic_trainer.checkpoint.manager: resumed from")
     assert attempts >= 2, log[-4000:]  # torchrun restarted the group

@@ -28,20 +28,14 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, port: int, out: str, diverge: bool, carrier: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-        ELASTIC_TRAINER_CONTROL_CARRIER=carrier, ELASTIC_TRAINER_REPLICA_CHECK_EVERY="4",
-        ELASTIC_TRAINER_REPORTS_FAILURES="",  # no launcher: each rank says its line
-    )  # fmt: skip
+def _train(rank: int, out: str, model: nn.Module, features: int, lr_at_2: float | None) -> None:
+    """Six steps of ``Elastic`` on ``model``; ``lr_at_2``: this rank's own learning rate from step 2
+    (as an own step counter would set it). Writes how the run ended to ``out/rank<r>``."""
     from elastic_trainer import Elastic
 
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(64, 6, generator=g)
+    x = torch.randn(64, features, generator=g)
     data = TensorDataset(x, (x.sum(1) > 0).long())
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     elastic = Elastic(model, data, global_batch_size=8, max_steps=6, log_every=1000)
     reached = 0
@@ -49,15 +43,27 @@ def _worker(rank: int, port: int, out: str, diverge: bool, carrier: str) -> None
         for step in elastic:
             with step:
                 for xb, yb in step:
-                    step.backward(nn.functional.cross_entropy(elastic.ddp(xb), yb) * step.weight)
-                if diverge and step.number == 2:  # an own counter's learning rate, on one rank
-                    optimizer.param_groups[0]["lr"] = 0.1 + 0.05 * rank
+                    step.backward(nn.functional.cross_entropy(elastic.module(xb), yb) * step.weight)
+                if lr_at_2 is not None and step.number == 2:
+                    optimizer.param_groups[0]["lr"] = lr_at_2
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             reached = step.number
         Path(out, f"rank{rank}").write_text(f"finished {reached}")
     except SystemExit as exc:  # Elastic's end for a mistake: one line on stderr, exit status 2
         Path(out, f"rank{rank}").write_text(f"exit {exc.code} after step {reached}")
+
+
+def _worker(rank: int, port: int, out: str, diverge: bool, carrier: str) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        ELASTIC_TRAINER_CONTROL_CARRIER=carrier, ELASTIC_TRAINER_REPLICA_CHECK_EVERY="4",
+        ELASTIC_TRAINER_REPORTS_FAILURES="",  # no launcher: each rank says its line
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    _train(rank, out, model, 6, 0.1 + 0.05 * rank if diverge else None)
 
 
 @pytest.mark.parametrize("carrier", ["1", "0"])
@@ -90,34 +96,15 @@ def _hsdp_worker(rank: int, port: int, out: str, diverge: bool) -> None:
     )  # fmt: skip
     import torch.distributed as dist
 
-    from elastic_trainer import Elastic, FSDPOptions
+    from elastic_trainer import FSDPOptions
     from elastic_trainer.train.fsdp import shard_model
     from tests.unit.test_fsdp_options import Net
 
     dist.init_process_group("gloo", rank=rank, world_size=4)
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(64, 8, generator=g)
-    data = TensorDataset(x, (x.sum(1) > 0).long())
     torch.manual_seed(0)
-    model = shard_model(
-        Net(), FSDPOptions(blocks=("blocks.*",), replicas=2), torch.device("cpu"), 4
-    )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    elastic = Elastic(model, data, global_batch_size=8, max_steps=6, log_every=1000)
-    reached = 0
-    try:
-        for step in elastic:
-            with step:
-                for xb, yb in step:
-                    step.backward(nn.functional.cross_entropy(elastic.module(xb), yb) * step.weight)
-                if diverge and step.number == 2 and rank == 3:  # replica 1 of shard 1 only
-                    optimizer.param_groups[0]["lr"] = 0.2
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            reached = step.number
-        Path(out, f"rank{rank}").write_text(f"finished {reached}")
-    except SystemExit as exc:
-        Path(out, f"rank{rank}").write_text(f"exit {exc.code} after step {reached}")
+    hsdp = FSDPOptions(blocks=("blocks.*",), replicas=2)
+    model = shard_model(Net(), hsdp, torch.device("cpu"), 4)
+    _train(rank, out, model, 8, 0.2 if diverge and rank == 3 else None)  # replica 1 of shard 1
 
 
 @pytest.mark.parametrize("diverge", [True, False])
