@@ -75,6 +75,7 @@ from elastic_trainer.runtime.torch_compat import (
     replace_failed_workers,
     without_exit_barrier,
 )
+from elastic_trainer.train.diagnostics import start_launcher_endpoint, stop_endpoint
 from rendezvous.etcd_client import EtcdClientConfig, EtcdConnection, quiet_retries
 from rendezvous.etcd_server import EtcdServer, EtcdServerError
 from rendezvous.etcd_version import status_version, version_warning
@@ -97,12 +98,13 @@ def run_job(plan: LaunchPlan, warm: WarmStartServer | None, janitor: Janitor | N
             publisher = _start_progress_publisher(options, rendezvous, metrics)
             cleanup.callback(publisher.close)  # runs before metrics.close and before etcd stops
         _watch_frozen_workers(cleanup, options, janitor, metrics)
+        node = metrics.node if metrics is not None else local_node_name()
+        _serve_diagnostics(cleanup, rendezvous, node)
         worker_args = _worker_args(plan.target, warm)
         verdicts = _watch_failures(cleanup, publisher)
         _claim_job_identity(cleanup, options, plan.target)
         backend = "etcd-v3"
         if options.heal == "in_place":
-            node = metrics.node if metrics is not None else local_node_name()
             reports = _report_heals(warm, metrics, publisher, verdicts)
             _heal_in_place(cleanup, plan, endpoint, node, reports)
             _replace_killed_workers(cleanup, warm)
@@ -223,6 +225,16 @@ def _start_progress_publisher(
         raise UserError(str(exc)) from exc
     publisher.start()
     return publisher
+
+
+def _serve_diagnostics(
+    cleanup: contextlib.ExitStack, rendezvous: RendezvousSettings, node: str
+) -> None:
+    """This launcher's own diagnostics endpoint, beside its workers' (``elastic-trainer debug``
+    shows its threads' stacks after the ranks'; docs/diagnostics.md)."""
+    server = start_launcher_endpoint(rendezvous, node)
+    if server is not None:
+        cleanup.callback(stop_endpoint, server)
 
 
 def _worker_args(target: Target, warm: WarmStartServer | None) -> list[str]:

@@ -60,7 +60,14 @@ class Rank:
     """The profile's own server (Python: torch's C++ server cannot hold a Python handler that
     survives its shutdown, ``docs/design/diagnostics.md``)."""
 
+    @property
+    def stem(self) -> str:
+        """Its files' name in ``--out``."""
+        return f"rank{self.rank}" if self.rank >= 0 else f"launcher-{self.node}"
+
     def title(self) -> str:
+        if self.rank < 0:
+            return f"launcher of node {self.node} (pid {self.pid})"
         return f"rank {self.rank} (node {self.node}, local {self.local_rank}, pid {self.pid})"
 
 
@@ -71,6 +78,20 @@ class Answer:
     """``None``: no answer within the bound (see :attr:`error`)."""
     error: str | None
     seconds: float
+
+
+def launchers_of(kvs: list[Any], nodes: set[str]) -> list[Rank]:
+    """The launchers' entries (``role: launcher``) of ``nodes``, as ranks numbered -1."""
+    found = []
+    for kv in kvs:
+        try:
+            data = json.loads(kv.value)
+            if data.get("role") == "launcher" and data["node"] in nodes:
+                found.append(Rank(-1, 0, str(data["node"]), -1, int(data["pid"]),
+                                  str(data["url"]), int(kv.mod_revision)))  # fmt: skip
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return sorted(found, key=lambda launcher: launcher.node)
 
 
 def live_ranks(kvs: list[Any]) -> tuple[list[Rank], list[int]]:
@@ -131,8 +152,9 @@ def _no_answer(exc: BaseException, timeout: float) -> str:
 
 def read_ranks(
     endpoint: str, run_id: str, conf: dict[str, str]
-) -> tuple[list[Rank], list[int], str]:
-    """The live ranks, the ranks without an entry, and a line of the job's last progress.
+) -> tuple[list[Rank], list[int], str, list[Rank]]:
+    """The live ranks, the ranks without an entry, a line of the job's last progress, and the
+    launchers of the live ranks' nodes.
 
     Raises:
         UserError: bad settings, etcd unreachable, or no entry at all."""
@@ -155,6 +177,7 @@ def read_ranks(
     finally:
         connection.close()
     ranks, missing = live_ranks(list(registry.kvs))
+    launchers = launchers_of(list(registry.kvs), {rank.node for rank in ranks})
     if not ranks:
         raise UserError(
             f"no worker of run {run_id!r} registered a diagnostics endpoint (is it running, "
@@ -164,7 +187,7 @@ def read_ranks(
     if record is not None and record.step is not None:
         age = format_duration(max(0.0, time.time() - record.published_unix))
         progress = f"the job's last published step {record.step}, {age} ago"
-    return ranks, missing, progress
+    return ranks, missing, progress, launchers
 
 
 def main_thread_frame(stacks: str) -> str | None:
@@ -186,7 +209,7 @@ def where_ranks_are(endpoint: str, run_id: str, timeout: float = DEFAULT_TIMEOUT
     """One line a rank: where its main thread is now, or that it does not answer (``top``'s
     view of a stalled step); one line saying why when the ranks cannot be found."""
     try:
-        ranks, missing, _ = read_ranks(endpoint, run_id, {"retry_timeout": "2"})
+        ranks, missing, _, _ = read_ranks(endpoint, run_id, {"retry_timeout": "2"})
     except UserError as exc:
         return [f"  (where the ranks are: {exc})"]
     lines = []
@@ -202,7 +225,12 @@ def where_ranks_are(endpoint: str, run_id: str, timeout: float = DEFAULT_TIMEOUT
 
 def run(args: argparse.Namespace) -> int:
     """``elastic-trainer debug``: see the module docstring."""
-    ranks, missing, progress = read_ranks(args.rdzv_endpoint, args.run_id, dict(args.conf))
+    ranks, missing, progress, launchers = read_ranks(
+        args.rdzv_endpoint, args.run_id, dict(args.conf)
+    )
+    if args.what not in ("stacks", "dump") or args.native:
+        launchers = []  # a launcher has no loop to profile, no collectives, and no py-spy asked
+    everyone = ranks + launchers
     handler = HANDLERS.get(args.what, "")
     if args.what == "stacks" and args.native:
         handler = HANDLERS["native"]
@@ -213,23 +241,24 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     if args.what == "dump":
         answers = {
-            what: ask(ranks, HANDLERS[what], timeout) for what in ("stacks", "trace", "waits")
+            what: ask(everyone, HANDLERS[what], timeout) for what in ("stacks", "trace", "waits")
         }
     else:
-        answers = {args.what: ask(ranks, handler, timeout)}
+        answers = {args.what: ask(everyone, handler, timeout)}
     took = time.monotonic() - started
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    silent: set[int] = set()
+    silent: set[str] = set()
     for what, replies in answers.items():
         for answer in replies:
             if answer.body is None:
-                silent.add(answer.rank.rank)
+                silent.add(answer.rank.stem)
             elif out is not None:
                 suffix = "txt" if what == "stacks" else "json"
-                (out / f"rank{answer.rank.rank}.{what}.{suffix}").write_bytes(answer.body)
-    lines = [f"{len(ranks)} rank(s) of run {args.run_id!r} asked in {took:.2f} s"]
+                (out / f"{answer.rank.stem}.{what}.{suffix}").write_bytes(answer.body)
+    also = f" and {len(launchers)} launcher(s)" if launchers else ""
+    lines = [f"{len(ranks)} rank(s){also} of run {args.run_id!r} asked in {took:.2f} s"]
     for answer in next(iter(answers.values())):
         rank = answer.rank
         if answer.body is None:

@@ -298,7 +298,8 @@ class LaunchContract:
                    launcher_id=env.get(ENV_LAUNCHER_ID) or None)  # fmt: skip
 
 
-def _debug_host(environ: Mapping[str, str]) -> str | None:
+def debug_host_of(environ: Mapping[str, str]) -> str | None:
+    """The diagnostics endpoints' host from :data:`ENV_DEBUG_HOST` (``None``: off)."""
     raw = environ.get(ENV_DEBUG_HOST, "").strip()
     if raw.lower() in _FALSE:
         return None
@@ -390,7 +391,7 @@ class WorkerSettings:
             heal=launch.heal if launch.heal is not None else HealSettings.from_environ(env),
             control_carrier=_bool(env, ENV_CONTROL_CARRIER, True),
             replica_check_every=_replica_check_every(env),
-            debug_host=_debug_host(env),
+            debug_host=debug_host_of(env),
             debug_port=_debug_port(env),
         )
 

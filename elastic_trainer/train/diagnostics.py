@@ -50,10 +50,11 @@ from torch.profiler import profile
 from elastic_trainer.heal.healer import heal_rendezvous
 from elastic_trainer.metrics.node_name import local_node_name
 from elastic_trainer.runtime.distributed import DistEnv
-from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER, WorkerSettings
+from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER, WorkerSettings, debug_host_of
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.etcd_ops import put_key
 from rendezvous.round_state import RunKeys
+from rendezvous.settings import RendezvousSettings
 
 log = logging.getLogger(__name__)
 
@@ -228,21 +229,7 @@ class Diagnostics:
             "profile_url": self.profile_url,
             "unix": time.time(),
         }
-        connection, key = self._connection, self._key
-
-        def put() -> None:
-            try:
-                put_key(
-                    connection,
-                    key,
-                    json.dumps(entry).encode(),
-                    what="a diagnostics registration",
-                    deadline=time.monotonic() + REGISTER_DEADLINE_S,
-                )
-            except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
-                log.warning("the diagnostics endpoint is not registered: %s", exc)
-
-        threading.Thread(target=put, name="diagnostics-register", daemon=True).start()
+        _register(self._connection, self._key, entry)
 
     def keep_evidence(self, directory: str | None, folder: str, rank: int, evidence: str) -> None:
         """Write ``evidence`` (:func:`capture_evidence`'s) as ``rank<r>.txt`` in
@@ -271,8 +258,7 @@ class Diagnostics:
         """Stop answering (the entry stays: a replacement overwrites it, ``debug`` skips it)."""
         server, self._server = self._server, None
         if server is not None:
-            with _quiet_stderr():  # "Server shutting down", "Server exited"
-                server.shutdown()
+            stop_endpoint(server)
         if self._profile_server is not None:
             self._profile_server.shutdown()
             self._profile_server.server_close()
@@ -280,6 +266,57 @@ class Diagnostics:
         if self._owns_connection and self._connection is not None:
             self._connection.close()
         self._connection = None
+
+
+def _register(
+    connection: EtcdConnection, key: str, entry: dict[str, Any], *, close: bool = False
+) -> None:
+    """Put ``entry`` at ``key`` on a short-lived thread (``close``: the connection after it)."""
+
+    def put() -> None:
+        try:
+            put_key(
+                connection,
+                key,
+                json.dumps(entry).encode(),
+                what="a diagnostics registration",
+                deadline=time.monotonic() + REGISTER_DEADLINE_S,
+            )
+        except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
+            log.warning("the diagnostics endpoint is not registered: %s", exc)
+        finally:
+            if close:
+                connection.close()
+
+    threading.Thread(target=put, name="diagnostics-register", daemon=True).start()
+
+
+def start_launcher_endpoint(rendezvous: RendezvousSettings, node: str) -> Any:
+    """The launcher's own endpoint (torch's server: its threads' stacks), registered as
+    ``debug/<node>/launcher`` with ``role: launcher``; ``None`` where it is off."""
+    host = debug_host_of(os.environ)
+    if host is None:
+        return None
+    try:
+        with _quiet_stderr():
+            server = _WorkerServer(host, 0)
+        connection = EtcdConnection(rendezvous.client_config())
+    except (RuntimeError, ValueError) as exc:
+        log.warning("no diagnostics endpoint for the launcher: %s", exc)
+        return None
+    advertised = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+    entry = {"role": "launcher", "node": node, "pid": os.getpid(),
+             "url": f"http://{advertised}:{server.port}", "unix": time.time()}  # fmt: skip
+    _register(
+        connection, f"{RunKeys.from_settings(rendezvous).debug}{node}/launcher", entry, close=True
+    )
+    return server
+
+
+def stop_endpoint(server: Any) -> None:
+    """Stop torch's server (its "Server shutting down" and "Server exited" lines kept quiet)."""
+    with _quiet_stderr():
+        server.shutdown()
 
 
 def capture_evidence(url: str | None, cause: str) -> str:

@@ -56,6 +56,8 @@ def ranks_of(output: str) -> dict[int, dict[str, object]]:
             found[rank] = {"pid": pid, "stack": current, "line": line}
         elif current is not None and line.startswith("    "):
             current.append(line)
+        else:
+            current = None  # another block (a launcher's) or the summary
     return {r: {**v, "stack": None if v["stack"] is None else "\n".join(v["stack"])}
             for r, v in found.items()}  # fmt: skip
 
@@ -106,6 +108,12 @@ def test_debug_reaches_every_rank_across_a_heal(etcd_server, run_dirs: RunDirs) 
 
         wait_for(sleeping_seen, timeout=60, what="a rank of node b seen sleeping in its step")
         slow.unlink()
+
+        # The launchers answer too, after the ranks.
+        code, out = debug(endpoint, run_id, "stacks")
+        assert "4 rank(s) and 2 launcher(s)" in out, out
+        for node in nodes:
+            assert "launcher of node " in out and f"(pid {node.pid}):" in out, out
 
         # A profile of the next 3 steps on every rank: Chrome trace JSON with the step's ops.
         code, out = debug(
