@@ -1,0 +1,87 @@
+"""``elastic-trainer debug``'s reading of the registry (which entry is a live rank, after heals,
+replacements and leaves) and its one-line mistakes. The real job: ``tests/chaos/test_diagnostics.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from elastic_trainer.ops.debug import launchers_of, live_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def kv(revision: int, **entry: object) -> SimpleNamespace:
+    return SimpleNamespace(value=json.dumps(entry).encode(), mod_revision=revision)
+
+
+def entry(rank: int, world: int, node: str, local: int, pid: int) -> dict[str, object]:
+    return {"rank": rank, "world_size": world, "node": node, "local_rank": local, "pid": pid,
+            "url": f"http://127.0.0.1:{40000 + pid}"}  # fmt: skip
+
+
+def test_the_newest_world_and_each_ranks_newest_entry() -> None:
+    kvs = [
+        kv(10, **entry(0, 4, "a", 0, 100)), kv(11, **entry(1, 4, "a", 1, 101)),
+        kv(12, **entry(2, 4, "b", 0, 200)), kv(13, **entry(3, 4, "b", 1, 201)),
+        # node b left; the heal renumbered a's ranks into a world of 2, a's local 1 replaced:
+        kv(20, **entry(0, 2, "a", 0, 100)), kv(21, **entry(1, 2, "a", 1, 102)),
+    ]  # fmt: skip
+    ranks, missing = live_ranks(kvs)
+    assert [(r.rank, r.pid) for r in ranks] == [(0, 100), (1, 102)]
+    assert missing == []
+    assert ranks[1].title() == "rank 1 (node a, local 1, pid 102)"
+
+
+def test_a_rank_without_an_entry_in_the_newest_world_is_named() -> None:
+    kvs = [kv(5, **entry(0, 3, "a", 0, 1)), kv(6, **entry(2, 3, "b", 1, 3))]
+    ranks, missing = live_ranks(kvs)
+    assert [r.rank for r in ranks] == [0, 2] and missing == [1]
+
+
+def test_entries_that_are_not_ranks_are_skipped() -> None:
+    kvs = [
+        SimpleNamespace(value=b"not json", mod_revision=1),
+        kv(2, role="launcher", node="a", pid=9, url="http://127.0.0.1:1"),
+        kv(3, **entry(0, 1, "a", 0, 7)),
+    ]
+    ranks, _ = live_ranks(kvs)
+    assert [r.pid for r in ranks] == [7]
+    launchers = launchers_of(kvs, {"a"})
+    assert [(x.node, x.pid, x.stem) for x in launchers] == [("a", 9, "launcher-a")]
+    assert launchers_of(kvs, {"b"}) == []  # a launcher of a node no live rank is on
+    assert live_ranks([]) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("words", "line"),
+    [
+        (["stacks", "--timeout", "0"], "--timeout: 0 is not a number of seconds in (0, 3600]"),
+        (["profile", "--steps", "0"], "--steps: 0 is not in 1..1000"),
+        (["dump"], "dump: --out DIR is needed (one file per rank and kind)"),
+        (["stacks", "--rdzv-conf", "nonsense"], "rdzv-conf: 'nonsense' is not KEY=VALUE"),
+    ],
+)
+def test_mistakes_are_one_line(words: list[str], line: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", "debug", *words,
+         "--rdzv-endpoint", "127.0.0.1:1", "--run-id", "x"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"elastic-trainer: error: {line}"]
+
+
+def test_an_unreachable_etcd_is_one_line_within_its_bound() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", "debug", "stacks",
+         "--rdzv-endpoint", "127.0.0.1:1", "--run-id", "x", "--rdzv-conf", "retry_timeout=1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("elastic-trainer: error: cannot read the run 'x': "), line
