@@ -138,6 +138,8 @@ VARIANTS = (
     "trainer/elastic+owncontrol",
     "trainer/elastic+carrier",
     "trainer/elastic+nockpt",
+    "trainer/elastic+nodebug",
+    "elastic/elastic+nodebug",
 )
 """``elastic/elastic``: your own loop on ``Elastic`` (the README's snippet) under ``elastic-trainer
 run`` (named to run it; issue 40 measures it against the baseline). ``+owncontrol``: the step's
@@ -147,7 +149,11 @@ control carried by a gradient, named (``ELASTIC_TRAINER_CONTROL_CARRIER=1``): th
 heal from one rank to two works with it (issue 30), kept for runs that compare both explicitly.
 ``+nockpt``: the defaults but no periodic checkpoint inside the run (every 10**6 steps; the final
 one stays after the window): splits off what the default checkpoint every 100 steps costs, which
-bare DDP does not do (rank 0 copies the state and a thread of it writes the file)."""
+bare DDP does not do (rank 0 copies the state and a thread of it writes the file). ``+nodebug``:
+no diagnostics endpoints (``ELASTIC_TRAINER_DEBUG_HOST=off``): against the same variant without
+it, what the idle endpoints cost at the defaults (issue 42: at most 0.3 %)."""
+VARIANT_ENV = {"nodebug": {"ELASTIC_TRAINER_DEBUG_HOST": "off"}}
+"""The environment a variant's suffix adds to the launch."""
 DEFAULT_VARIANTS = VARIANTS[:4]
 MIN_PAIRS = 3
 """A claim is the median over at least this many alternating pairs (issue 30)."""
@@ -280,6 +286,7 @@ def run_once(variant: str, workload: str, nproc: int, tmp: Path, timeout: float,
         "PYTHONPATH": os.pathsep.join([str(ROOT), *([path] if path else [])]),
         "OMP_NUM_THREADS": "1",
         ENV_TREE_TAG: uuid.uuid4().hex,
+        **VARIANT_ENV.get(variant.partition("+")[2], {}),
     }
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the Trainer would take a GPU it sees; bare DDP runs gloo

@@ -56,9 +56,6 @@ class Rank:
     pid: int
     url: str
     revision: int
-    profile_url: str | None = None
-    """The profile's own server (Python: torch's C++ server cannot hold a Python handler that
-    survives its shutdown, ``docs/design/diagnostics.md``)."""
 
     @property
     def stem(self) -> str:
@@ -104,7 +101,7 @@ def live_ranks(kvs: list[Any]) -> tuple[list[Rank], list[int]]:
             entries.append(
                 Rank(int(data["rank"]), int(data["world_size"]), str(data["node"]),
                      int(data["local_rank"]), int(data["pid"]), str(data["url"]),
-                     int(kv.mod_revision), data.get("profile_url"))
+                     int(kv.mod_revision))
             )  # fmt: skip
         except (ValueError, KeyError, TypeError):
             continue  # not an entry of ours: skipped
@@ -123,8 +120,7 @@ def ask(ranks: list[Rank], handler: str, timeout: float) -> list[Answer]:
 
     def one(rank: Rank) -> Answer:
         started = time.monotonic()
-        base = rank.profile_url if handler.startswith(DEBUG_PROFILE_HANDLER) else rank.url
-        request = urllib.request.Request(f"{base}/handler/{handler}", data=b"", method="POST")
+        request = urllib.request.Request(f"{rank.url}/handler/{handler}", data=b"", method="POST")
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return Answer(rank, response.read(), None, time.monotonic() - started)

@@ -89,9 +89,8 @@ ENV_DEBUG_HOST = "ELASTIC_TRAINER_DEBUG_HOST"
 debug`` from other hosts; ``off``: no endpoint."""
 DEFAULT_DEBUG_HOST = "127.0.0.1"
 ENV_DEBUG_PORT = "ELASTIC_TRAINER_DEBUG_PORT"
-"""The diagnostics endpoints' ports: this base plus the worker's local rank (torch's server),
-and plus the local world size too (the profile's), a fixed range a NetworkPolicy can open (the Helm
-chart's ``workers.diagnostics``); 0 (the default): free ports."""
+"""The diagnostics endpoint's port: this base plus the worker's local rank, a fixed range a
+NetworkPolicy can open (the Helm chart's ``workers.diagnostics``); 0 (the default): a free port."""
 DEBUG_PROFILE_HANDLER = "elastic_trainer_profile"
 """The endpoint's handler of ours: ``POST /handler/elastic_trainer_profile?steps=N&timeout=S``
 answers a ``torch.profiler`` trace of the loop's next N steps."""

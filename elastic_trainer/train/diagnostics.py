@@ -3,30 +3,29 @@
     diagnostics = Diagnostics.start(settings, env, connection)   # ElasticGroup, once a process
     diagnostics.register(env)        # every attempt (a start, a heal, a join): its rank and world
     diagnostics.profiler.tick()      # the loop, at every step's start
-    diagnostics.keep_evidence(...)   # a heal: this rank's stacks and flight recorder, on disk
+    diagnostics.keep_evidence(...)   # a heal or a restart: this rank's stacks and flight recorder
     diagnostics.close()
 
-The endpoint is torch's C++ worker server (``torch._C._distributed_c10d._WorkerServer``, the one
-``torch.distributed.debug`` builds on) with its handlers: ``dump_traceback`` (every thread's Python
-stack, taken in C++ without the GIL, so a rank blocked in a collective or spinning in Python
-answers), ``fr_trace_json`` (the flight recorder), ``wait_counter_values``, ``pyspy_dump`` (with
-py-spy installed), and one of ours, :data:`~elastic_trainer.runtime.settings.DEBUG_PROFILE_HANDLER` (``?steps=N``: a ``torch.profiler``
-trace of the loop's next N steps, Chrome trace JSON). None runs code it is sent. It listens on
-``ELASTIC_TRAINER_DEBUG_HOST`` (default 127.0.0.1: this node only) on a free port, or on
-``ELASTIC_TRAINER_DEBUG_PORT`` plus the local rank.
+The endpoint is one small stdlib HTTP server on a daemon thread (idle in ``select``; it takes the
+GIL only to answer), listening on ``ELASTIC_TRAINER_DEBUG_HOST`` (default 127.0.0.1: this node
+only) on a free port or on ``ELASTIC_TRAINER_DEBUG_PORT`` plus the local rank. ``POST
+/handler/<name>``, the names of torch's worker server: ``dump_traceback`` (every thread's stack,
+``faulthandler``), ``fr_trace_json`` (the flight recorder), ``pyspy_dump`` (native frames, with
+py-spy installed), ``wait_counter_values`` (from torch's own C++ server, started in this process
+on the first such request), and ``elastic_trainer_profile?steps=N`` (a ``torch.profiler`` trace of
+the loop's next N steps). None runs code it is sent. Why not torch's server throughout (its pool
+of one thread per core, and the GIL at its shutdown): ``docs/design/diagnostics.md``.
 
 Instead of torch's TCPStore at MASTER_ADDR (there is none under the etcd rendezvous, and rank 0
 may be the rank that died), each worker writes ``{rank, world_size, node, local_rank, pid, url}``
 to ``debug/<node>/<local rank>`` under the run's keys at every attempt: a replacement overwrites
 the dead process's entry, survivors write their new ranks after a heal. ``elastic-trainer debug``
 takes, for each rank of the newest world, its newest entry (etcd's revisions order them). The
-write runs on a short-lived thread: an etcd outage never holds training. Design:
-``docs/design/diagnostics.md``.
+write runs on a short-lived thread: an etcd outage never holds training.
 """
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import http.server
 import json
@@ -34,10 +33,12 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
 import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ KEEP_EVIDENCE = 8
 MAX_EVIDENCE_BYTES = 4 << 20
 """What one rank writes into one folder at most (its flight recorder is cut beyond it)."""
 REGISTER_DEADLINE_S = 5.0
+PYSPY_TIMEOUT_S = 20.0
 
 
 class StepProfiler:
@@ -117,16 +119,77 @@ class StepProfiler:
         self._done.set()
 
 
-class _ProfileHandler(http.server.BaseHTTPRequestHandler):
-    """``POST /handler/elastic_trainer_profile?steps=N&timeout=S`` on the profile server."""
+def stacks_text() -> str:
+    """Every thread's Python stack now (``faulthandler``: the main thread's block is the last)."""
+    with tempfile.TemporaryFile("w+") as out:
+        faulthandler.dump_traceback(out, all_threads=True)
+        out.seek(0)
+        return out.read()
+
+
+def flight_recorder_json() -> str:
+    """torch's flight recorder as JSON (empty entries where nothing was recorded)."""
+    dump = _dump_fr_trace_json(True, True)
+    return dump.decode(errors="replace") if isinstance(dump, bytes) else str(dump)
+
+
+class _Torch:
+    """torch's own C++ worker server, started on the first request that needs it (its wait
+    counters): it keeps a pool of one thread per core, idle, from then on."""
+
+    _lock = threading.Lock()
+    _server: Any = None
+    _port: int | None = None
+
+    @classmethod
+    def ask(cls, name: str) -> bytes:
+        with cls._lock:
+            if cls._port is None:
+                cls._server = _WorkerServer("127.0.0.1", 0)
+                cls._port = int(cls._server.port)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{cls._port}/handler/{name}", data=b"", method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return bytes(response.read())
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """``POST /handler/<name>`` (see the module docstring)."""
 
     profiler: StepProfiler
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         url = urllib.parse.urlsplit(self.path)
-        query = urllib.parse.parse_qs(url.query)
-        if url.path != f"/handler/{DEBUG_PROFILE_HANDLER}":
-            return self._answer(404, b"not found", "text/plain")
+        name = url.path.removeprefix("/handler/")
+        try:
+            if name == "dump_traceback":
+                return self._answer(200, stacks_text().encode(), "text/plain")
+            if name == "fr_trace_json":
+                return self._answer(200, flight_recorder_json().encode(), "application/json")
+            if name == "wait_counter_values":
+                return self._answer(200, _Torch.ask(name), "application/json")
+            if name == "pyspy_dump":
+                return self._pyspy()
+            if name == DEBUG_PROFILE_HANDLER:
+                return self._profile(urllib.parse.parse_qs(url.query))
+        except Exception as exc:  # noqa: BLE001 - an answer, never a dead endpoint
+            return self._answer(500, f"{type(exc).__name__}: {exc}".encode(), "text/plain")
+        return self._answer(404, b"not found", "text/plain")
+
+    def _pyspy(self) -> None:
+        spy = shutil.which("py-spy")
+        if spy is None:
+            return self._answer(501, b"py-spy is not installed on this node", "text/plain")
+        done = subprocess.run(
+            [spy, "dump", "--native", "--pid", str(os.getpid())],
+            capture_output=True, timeout=PYSPY_TIMEOUT_S, check=False,
+        )  # fmt: skip
+        return self._answer(
+            200 if done.returncode == 0 else 500, done.stdout + done.stderr, "text/plain"
+        )
+
+    def _profile(self, query: dict[str, list[str]]) -> None:
         try:
             steps = int(query.get("steps", ["5"])[0])
             timeout = float(query.get("timeout", ["60"])[0])
@@ -152,50 +215,49 @@ class _ProfileHandler(http.server.BaseHTTPRequestHandler):
         pass  # no line per request in the worker's log
 
 
-def _serve_profile(profiler: StepProfiler, host: str, port: int) -> http.server.HTTPServer:
-    """The profile's own small server, on a daemon thread (idle: blocked in ``select``)."""
-    handler = type("Handler", (_ProfileHandler,), {"profiler": profiler})
+def serve(host: str, port: int, profiler: StepProfiler) -> tuple[http.server.HTTPServer, str]:
+    """The endpoint on a daemon thread, and the URL others reach it at."""
+    handler = type("Handler", (_Handler,), {"profiler": profiler})
     server = http.server.ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="diagnostics-profile", daemon=True).start()
-    return server
+    threading.Thread(target=server.serve_forever, name="diagnostics", daemon=True).start()
+    advertised = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+    return server, f"http://{advertised}:{server.server_address[1]}"
 
 
 class Diagnostics:
     """This worker's endpoint and its registration; see the module docstring."""
 
     def __init__(
-        self, server: Any, url: str, slot: str, connection: EtcdConnection | None, key: str | None
+        self,
+        server: http.server.HTTPServer,
+        url: str,
+        slot: str,
+        profiler: StepProfiler,
+        connection: EtcdConnection | None,
+        key: str | None,
+        *,
+        owns_connection: bool,
     ) -> None:
-        self.url, self.slot = url, slot
-        self.profile_url: str | None = None
-        self.profiler = StepProfiler()
+        self.url, self.slot, self.profiler = url, slot, profiler
         self._server, self._connection, self._key = server, connection, key
-        self._profile_server: http.server.HTTPServer | None = None
-        self._owns_connection = False
+        self._owns_connection = owns_connection
 
     @classmethod
     def start(
         cls, settings: WorkerSettings, env: DistEnv, connection: EtcdConnection | None
     ) -> Diagnostics | None:
-        """Start the endpoint (``None`` where it is off or torch has none); ``connection``: the
-        healer's, else one of its own to the job's etcd when the environment names it."""
+        """Start the endpoint (``None`` where it is off); ``connection``: the healer's, else one
+        of its own to the job's etcd when the environment names it."""
         if settings.debug_host is None or not env.launched:
             return None
-        base = settings.debug_port
+        profiler = StepProfiler()
+        port = settings.debug_port + env.local_rank if settings.debug_port else 0
         try:
-            with _quiet_stderr():  # c10d logs "Server listening to TCP host:0" as a warning
-                server = _WorkerServer(settings.debug_host, base + env.local_rank if base else 0)
-            profile = base + env.local_world_size + env.local_rank if base else 0
-            profiler = StepProfiler()
-            profile_server = _serve_profile(profiler, settings.debug_host, profile)
-        except (RuntimeError, OSError) as exc:
+            server, url = serve(settings.debug_host, port, profiler)
+        except OSError as exc:
             log.warning("no diagnostics endpoint: %s", exc)
             return None
-        host = settings.debug_host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.getfqdn()
-        url = f"http://{host}:{server.port}"
         node = settings.node or local_node_name(os.getppid())  # plain torchrun: the agent's pid
         slot = f"{node}/{env.local_rank}"
         owns, key = False, None
@@ -207,28 +269,16 @@ class Diagnostics:
                 key = RunKeys.from_settings(rendezvous).debug + slot
             except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
                 log.warning("the diagnostics endpoint is not registered: %s", exc)
-        diagnostics = cls(server, url, slot, connection, key)
-        diagnostics._owns_connection = owns
-        diagnostics._profile_server = profile_server
-        diagnostics.profiler = profiler
-        diagnostics.profile_url = f"http://{host}:{profile_server.server_address[1]}"
-        return diagnostics
+        return cls(server, url, slot, profiler, connection, key, owns_connection=owns)
 
     def register(self, env: DistEnv) -> None:
         """Write this process's entry for ``env`` (its rank and world now), on a thread."""
         if self._connection is None or self._key is None:
             return
         node, _, local = self.slot.rpartition("/")
-        entry = {
-            "rank": env.rank,
-            "world_size": env.world_size,
-            "node": node,
-            "local_rank": int(local),
-            "pid": os.getpid(),
-            "url": self.url,
-            "profile_url": self.profile_url,
-            "unix": time.time(),
-        }
+        entry = {"rank": env.rank, "world_size": env.world_size, "node": node,
+                 "local_rank": int(local), "pid": os.getpid(), "url": self.url,
+                 "unix": time.time()}  # fmt: skip
         _register(self._connection, self._key, entry)
 
     def keep_evidence(self, directory: str | None, folder: str, rank: int, evidence: str) -> None:
@@ -256,13 +306,8 @@ class Diagnostics:
 
     def close(self) -> None:
         """Stop answering (the entry stays: a replacement overwrites it, ``debug`` skips it)."""
-        server, self._server = self._server, None
-        if server is not None:
-            stop_endpoint(server)
-        if self._profile_server is not None:
-            self._profile_server.shutdown()
-            self._profile_server.server_close()
-            self._profile_server = None
+        self._server.shutdown()
+        self._server.server_close()
         if self._owns_connection and self._connection is not None:
             self._connection.close()
         self._connection = None
@@ -292,56 +337,35 @@ def _register(
 
 
 def start_launcher_endpoint(rendezvous: RendezvousSettings, node: str) -> Any:
-    """The launcher's own endpoint (torch's server: its threads' stacks), registered as
-    ``debug/<node>/launcher`` with ``role: launcher``; ``None`` where it is off."""
+    """The launcher's own endpoint (its threads' stacks), registered as ``debug/<node>/launcher``
+    with ``role: launcher``; ``None`` where it is off."""
     host = debug_host_of(os.environ)
     if host is None:
         return None
     try:
-        with _quiet_stderr():
-            server = _WorkerServer(host, 0)
+        server, url = serve(host, 0, StepProfiler())
         connection = EtcdConnection(rendezvous.client_config())
-    except (RuntimeError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         log.warning("no diagnostics endpoint for the launcher: %s", exc)
         return None
-    advertised = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
-    entry = {"role": "launcher", "node": node, "pid": os.getpid(),
-             "url": f"http://{advertised}:{server.port}", "unix": time.time()}  # fmt: skip
+    entry = {"role": "launcher", "node": node, "pid": os.getpid(), "url": url, "unix": time.time()}
     _register(
         connection, f"{RunKeys.from_settings(rendezvous).debug}{node}/launcher", entry, close=True
     )
     return server
 
 
-def stop_endpoint(server: Any) -> None:
-    """Stop torch's server (its "Server shutting down" and "Server exited" lines kept quiet)."""
-    with _quiet_stderr():
-        server.shutdown()
+def stop_endpoint(server: http.server.HTTPServer) -> None:
+    server.shutdown()
+    server.server_close()
 
 
 def capture_evidence(url: str | None, cause: str) -> str:
     """This process's stacks (every thread) and flight recorder now, as text."""
-    with tempfile.TemporaryFile("w+") as out:
-        faulthandler.dump_traceback(out, all_threads=True)
-        out.seek(0)
-        stacks = out.read()
     try:
-        trace = _dump_fr_trace_json(True, True)
+        trace = flight_recorder_json()
     except RuntimeError as exc:
         trace = f"(no flight recorder: {exc})"
     head = f"pid {os.getpid()} {cause} at {time.strftime('%Y-%m-%d %H:%M:%S')} endpoint {url}\n"
-    text = f"{head}\n== stacks\n{stacks}\n== flight recorder (fr_trace_json)\n{trace}\n"
+    text = f"{head}\n== stacks\n{stacks_text()}\n== flight recorder (fr_trace_json)\n{trace}\n"
     return text[:MAX_EVIDENCE_BYTES]
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Any:
-    """fd 2 to /dev/null for the C++ call inside (a warning that says nothing to a user)."""
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)

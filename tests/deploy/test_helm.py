@@ -994,7 +994,7 @@ def test_the_diagnostics_endpoints_listen_beyond_the_pod_only_when_asked(render:
         d for _, d in docs if d["kind"] == "NetworkPolicy" and "worker" in d["metadata"]["name"]
     ]
     [rule] = [r for r in policy["spec"]["ingress"] if "ports" in r]
-    assert {"port": 9600, "endPort": 9607, "protocol": "TCP"} in rule["ports"]
+    assert {"port": 9600, "endPort": 9603, "protocol": "TCP"} in rule["ports"]
     assert all("namespaceSelector" in peer for peer in rule["from"])
 
 
