@@ -196,6 +196,17 @@ def test_debug_under_plain_torchrun(etcd_server, tmp_path: Path) -> None:
         assert code == 0, out
         for rank in (0, 1):
             json.loads((tmp_path / "fr" / f"rank{rank}.trace.json").read_text())
+        code, out = debug(etcd_server.endpoint, run_id, "dump", "--out", str(tmp_path / "dump"))
+        assert code == 0, out
+        for rank in (0, 1):
+            assert (
+                "most recent call first"
+                in (tmp_path / "dump" / f"rank{rank}.stacks.txt").read_text()
+            )
+            json.loads((tmp_path / "dump" / f"rank{rank}.trace.json").read_text())
+            assert isinstance(
+                json.loads((tmp_path / "dump" / f"rank{rank}.waits.json").read_text()), dict
+            )
 
         # A worker SIGKILL: torchrun restarts the group; the survivor kept its evidence, and
         # debug reaches the restarted processes.
