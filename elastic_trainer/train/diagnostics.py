@@ -48,7 +48,7 @@ from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
 )
 from torch.profiler import profile
 
-from elastic_trainer.heal.healer import heal_rendezvous
+from elastic_trainer.heal.healer import failure_reason, heal_rendezvous
 from elastic_trainer.metrics.node_name import local_node_name
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER, WorkerSettings, debug_host_of
@@ -303,6 +303,15 @@ class Diagnostics:
                 )
         except OSError as exc:
             log.warning("diagnostics not kept in %s: %s", root / folder, exc)
+
+    def keep_restart(self, directory: str | None, env: DistEnv, exc: BaseException) -> None:
+        """(the loop, as its group failed and will restart) This rank's evidence in
+        ``diagnostics/<attempt>-restart/``, written before the just-in-time save: the agent's
+        SIGTERM that follows it ends the process."""
+        if directory is not None:
+            cause = f"rank {env.rank} of {env.world_size}: {failure_reason(exc)}"
+            evidence = capture_evidence(self.url, cause)
+            self.keep_evidence(directory, f"{env.restart_count:06d}-restart", env.rank, evidence)
 
     def close(self) -> None:
         """Stop answering (the entry stays: a replacement overwrites it, ``debug`` skips it)."""

@@ -334,7 +334,7 @@ class Attempt:
             heal_check=healer.check if healer is not None else None,
             control_carrier=self._carrier,
             comms=self.group.comms,
-            profiler=self.group.diagnostics.profiler if self.group.diagnostics else None,
+            diagnostics=self.group.diagnostics,
             **options,
         )
         self.initial_state = None
@@ -371,33 +371,31 @@ class Attempt:
         if exc is None:
             self._finished(loop)
             return False
-        if not isinstance(exc, Exception) or not failures.is_collective_failure(exc):
-            return False
-        diagnostics = group.diagnostics
-        evidence = capture_evidence(
-            diagnostics.url if diagnostics is not None else None,
-            f"rank {self.env.rank} of {self.env.world_size}: {failure_reason(exc)}",
-        )
-        if healer is None:  # the group restarts: its survivors' evidence, named by the attempt
-            if diagnostics is not None and loop is not None:
-                folder = f"{self.env.restart_count:06d}-restart"
-                diagnostics.keep_evidence(
-                    loop.checkpoints.directory, folder, self.env.rank, evidence
-                )
-            return False
+        if (
+            healer is None
+            or not isinstance(exc, Exception)
+            or not failures.is_collective_failure(exc)
+        ):
+            return False  # a group that restarts: its loop kept the survivors' evidence
         if loop is not None and not loop.heals_in_place:
             log.warning(
                 "heal: this state cannot be handed on by a peer (sharded: each rank holds only its "
                 "own shards); restarting from the newest checkpoint"
             )
             return False
+        diagnostics = group.diagnostics
+        directory = loop.checkpoints.directory if diagnostics and loop is not None else None
+        evidence = None
+        if diagnostics is not None and directory is not None:
+            cause = f"rank {self.env.rank} of {self.env.world_size}: {failure_reason(exc)}"
+            evidence = capture_evidence(diagnostics.url, cause)
         holds = loop is not None and loop.state_ready and loop.state.consistent
         self._detach_wrappers()
         step, snapshot = self._held(loop, holds)
         healed = self._heal(healer, exc, loop, holds=holds, step=step, snapshot=snapshot)
-        if healed and diagnostics is not None and loop is not None and healer.epoch is not None:
+        if healed and diagnostics is not None and evidence is not None and healer.epoch is not None:
             folder = f"{healer.epoch.number:06d}-heal"
-            diagnostics.keep_evidence(loop.checkpoints.directory, folder, group.env.rank, evidence)
+            diagnostics.keep_evidence(directory, folder, group.env.rank, evidence)
         return healed
 
     def _finished(self, loop: ElasticLoop | None) -> None:

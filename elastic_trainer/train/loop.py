@@ -54,7 +54,7 @@ from elastic_trainer.runtime.step_control import (
     ControlResult,
     PendingControl,
 )
-from elastic_trainer.train.diagnostics import StepProfiler
+from elastic_trainer.train.diagnostics import Diagnostics
 from elastic_trainer.train.replica_check import ReplicaCheck
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class ElasticLoop:
         heal_check: Callable[[], None] | None = None,
         control_carrier: Carrier | None = None,
         comms: WorkerComms | None = None,
-        profiler: StepProfiler | None = None,
+        diagnostics: Diagnostics | None = None,
     ) -> None:
         self.env = env
         check_sampler(sampler)
@@ -222,7 +222,8 @@ class ElasticLoop:
         self._heal_check = heal_check
         self._carrier = control_carrier
         self._comms = comms if comms is not None else WorkerComms()
-        self._profiler = profiler
+        self._diagnostics = diagnostics
+        self._profiler = diagnostics.profiler if diagnostics is not None else None
         self._start_run(initial_state, generation_part)
 
     def _receive_stop(self, settings: WorkerSettings, grace_s: float | None) -> None:
@@ -341,6 +342,8 @@ class ElasticLoop:
                 self.heals_in_place and failures.is_collective_failure(exc)
             ):
                 failures.note_step(exc, self.step + 1)  # the launcher's repeat check compares steps
+                if self._diagnostics is not None and failures.is_collective_failure(exc):
+                    self._diagnostics.keep_restart(self.checkpoints.directory, self.env, exc)
                 self._jit.after_failure(exc)
         finally:
             self._teardown()
