@@ -52,12 +52,13 @@ def _launch(
     workers: int,
     steps: int = STEPS,
     extra: Sequence[str] = (),
+    launch: Sequence[str] = (),
 ) -> Agent:
     run.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "elastic_trainer.cli", "run", "--rdzv-endpoint", endpoint,
         "--run-id", run_id, "--nnodes", nnodes, "--nproc-per-node", str(workers), "--device",
-        "cpu", "--metrics-port", "0", "--rdzv-conf", FAST_RDZV_CONF, *FAST_LAUNCH_OPTIONS,
+        "cpu", "--metrics-port", "0", "--rdzv-conf", FAST_RDZV_CONF, *FAST_LAUNCH_OPTIONS, *launch,
         "-m", "elastic_trainer.examples.sharded_lm", "--max-steps", str(steps), "--epochs", "5",
         "--dataset-size", str(DATASET), "--global-batch-size", str(BATCH),
         "--checkpoint-dir", str(run / "ckpt"), "--seed", "5", "--record-samples",
@@ -76,9 +77,13 @@ def test_a_lost_node_reshards_in_place_bitwise_equal_to_a_resharded_checkpoint(
     mesh = ("--replicas", str(replicas))
     with agents() as started:
         for node in ("a", "b"):
+            # The first round waits for both nodes (it closes once both joined): on a busy
+            # machine node b's launcher can start more than the 1 s last call after node a's
+            # join, and a job that began at 2 ranks is not the 4 -> 2 reshard this test is about.
             started.append(
                 _launch(endpoint, f"{unique_id}-f", faulty, node, nnodes="1:2", workers=2,
-                        extra=("--checkpoint-every", "5", *mesh))
+                        extra=("--checkpoint-every", "5", *mesh),
+                        launch=("--last-call-timeout", "60"))
             )  # fmt: skip
         # The reference's first phase: 4 workers up to the step the heal will go on from (a
         # checkpoint every step: a kill that cuts the step's copy goes on from the one before).
