@@ -244,6 +244,15 @@ def world_phases(worlds: list[int]) -> list[tuple[int, int]]:
     return phases
 
 
+def phases_from_full_world(phases: list[int], full: int) -> list[int]:
+    """The world sizes from the first world of ``full`` ranks on. What came before may only be a
+    start with fewer ranks: on a busy machine a second launcher can join after the first round
+    closed (its 1 s last call), a scale-up before any fault that :func:`check_run` holds too."""
+    first = phases.index(full) if full in phases else len(phases)
+    assert phases[:first] in ([], [1]), f"world sizes before the full world: {phases}"
+    return phases[first:]
+
+
 def assert_bitwise_equal(
     model: dict[str, torch.Tensor], other: dict[str, torch.Tensor], what: str
 ) -> None:
