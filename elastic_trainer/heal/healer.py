@@ -191,6 +191,9 @@ class Healer:
         world: tuple[int, int],
     ) -> None:
         self.settings = settings
+        self.rendezvous = rendezvous
+        """The job's rendezvous settings, parsed once for this process (the diagnostics
+        registry's keys come from them too)."""
         self.run_id = rendezvous.run_id
         self.device = device
         config = rendezvous.client_config()

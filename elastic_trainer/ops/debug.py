@@ -181,6 +181,8 @@ def read_ranks(
         )
     progress = "the job published no progress"
     if record is not None and record.step is not None:
+        # The record's time is the publishing host's wall clock: no monotonic clock spans hosts
+        # (``status`` ages it the same way).
         age = format_duration(max(0.0, time.time() - record.published_unix))
         progress = f"the job's last published step {record.step}, {age} ago"
     return ranks, missing, progress, launchers

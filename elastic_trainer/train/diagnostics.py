@@ -48,7 +48,7 @@ from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
 )
 from torch.profiler import profile
 
-from elastic_trainer.heal.healer import failure_reason, heal_rendezvous
+from elastic_trainer.heal.healer import Healer, failure_reason, heal_rendezvous
 from elastic_trainer.metrics.node_name import local_node_name
 from elastic_trainer.runtime.distributed import DistEnv
 from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER, WorkerSettings, debug_host_of
@@ -232,23 +232,25 @@ class Diagnostics:
         self,
         server: http.server.HTTPServer,
         url: str,
-        slot: str,
+        node: str,
+        local_rank: int,
         profiler: StepProfiler,
         connection: EtcdConnection | None,
         key: str | None,
         *,
         owns_connection: bool,
     ) -> None:
-        self.url, self.slot, self.profiler = url, slot, profiler
+        self.url, self.node, self.local_rank, self.profiler = url, node, local_rank, profiler
         self._server, self._connection, self._key = server, connection, key
         self._owns_connection = owns_connection
 
     @classmethod
     def start(
-        cls, settings: WorkerSettings, env: DistEnv, connection: EtcdConnection | None
+        cls, settings: WorkerSettings, env: DistEnv, healer: Healer | None
     ) -> Diagnostics | None:
-        """Start the endpoint (``None`` where it is off); ``connection``: the healer's, else one
-        of its own to the job's etcd when the environment names it."""
+        """Start the endpoint (``None`` where it is off); registered through the healer's etcd
+        connection and settings, else a connection of its own to the job's etcd when the
+        environment names it."""
         if settings.debug_host is None or not env.launched:
             return None
         profiler = StepProfiler()
@@ -259,27 +261,35 @@ class Diagnostics:
             log.warning("no diagnostics endpoint: %s", exc)
             return None
         node = settings.node or local_node_name(os.getppid())  # plain torchrun: the agent's pid
-        slot = f"{node}/{env.local_rank}"
-        owns, key = False, None
-        if settings.run_id and (connection is not None or settings.heal.endpoint):
+        connection, owns, key = None, False, None
+        if healer is not None:
+            connection, rendezvous = healer.connection, healer.rendezvous
+        elif settings.run_id and settings.heal.endpoint:
             try:
                 rendezvous = heal_rendezvous(settings.heal, settings.run_id)
-                if connection is None:
-                    connection, owns = EtcdConnection(rendezvous.client_config()), True
-                key = RunKeys.from_settings(rendezvous).debug + slot
+                connection, owns = EtcdConnection(rendezvous.client_config()), True
             except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
                 log.warning("the diagnostics endpoint is not registered: %s", exc)
-        return cls(server, url, slot, profiler, connection, key, owns_connection=owns)
+        if connection is not None:
+            key = f"{RunKeys.from_settings(rendezvous).debug}{node}/{env.local_rank}"
+        return cls(
+            server, url, node, env.local_rank, profiler, connection, key, owns_connection=owns
+        )
 
     def register(self, env: DistEnv) -> None:
         """Write this process's entry for ``env`` (its rank and world now), on a thread."""
         if self._connection is None or self._key is None:
             return
-        node, _, local = self.slot.rpartition("/")
-        entry = {"rank": env.rank, "world_size": env.world_size, "node": node,
-                 "local_rank": int(local), "pid": os.getpid(), "url": self.url,
+        entry = {"rank": env.rank, "world_size": env.world_size, "node": self.node,
+                 "local_rank": self.local_rank, "pid": os.getpid(), "url": self.url,
                  "unix": time.time()}  # fmt: skip
         _register(self._connection, self._key, entry)
+
+    def evidence(self, env: DistEnv, exc: BaseException) -> str:
+        """This rank's stacks and flight recorder now, headed by the failure (see
+        :func:`capture_evidence`)."""
+        cause = f"rank {env.rank} of {env.world_size}: {failure_reason(exc)}"
+        return capture_evidence(self.url, cause)
 
     def keep_evidence(self, directory: str | None, folder: str, rank: int, evidence: str) -> None:
         """Write ``evidence`` (:func:`capture_evidence`'s) as ``rank<r>.txt`` in
@@ -309,14 +319,12 @@ class Diagnostics:
         ``diagnostics/<attempt>-restart/``, written before the just-in-time save: the agent's
         SIGTERM that follows it ends the process."""
         if directory is not None:
-            cause = f"rank {env.rank} of {env.world_size}: {failure_reason(exc)}"
-            evidence = capture_evidence(self.url, cause)
-            self.keep_evidence(directory, f"{env.restart_count:06d}-restart", env.rank, evidence)
+            folder = f"{env.restart_count:06d}-restart"
+            self.keep_evidence(directory, folder, env.rank, self.evidence(env, exc))
 
     def close(self) -> None:
         """Stop answering (the entry stays: a replacement overwrites it, ``debug`` skips it)."""
-        self._server.shutdown()
-        self._server.server_close()
+        stop_endpoint(self._server)
         if self._owns_connection and self._connection is not None:
             self._connection.close()
         self._connection = None
@@ -365,6 +373,7 @@ def start_launcher_endpoint(rendezvous: RendezvousSettings, node: str) -> Any:
 
 
 def stop_endpoint(server: http.server.HTTPServer) -> None:
+    """Stop answering and close the listening socket."""
     server.shutdown()
     server.server_close()
 

@@ -55,7 +55,7 @@ from elastic_trainer.runtime.settings import WorkerSettings
 from elastic_trainer.runtime.signals import GracefulStop
 from elastic_trainer.runtime.step_control import Carrier
 from elastic_trainer.state.neighbour_copy import NeighbourCopy
-from elastic_trainer.train.diagnostics import Diagnostics, capture_evidence
+from elastic_trainer.train.diagnostics import Diagnostics
 from elastic_trainer.train.loop import (
     ElasticLoop,
     TrainResult,
@@ -161,9 +161,7 @@ class ElasticGroup:
         )
         if self.healer is not None:
             self.comms = WorkerComms(waits=self.healer.waits)
-        self.diagnostics = Diagnostics.start(
-            self.settings, self.env, self.healer.connection if self.healer is not None else None
-        )
+        self.diagnostics = Diagnostics.start(self.settings, self.env, self.healer)
         try:
             if self.healer is None:
                 distributed.init_process_group(self.env, pg_timeout_s=self.pg_timeout_s)
@@ -385,10 +383,11 @@ class Attempt:
             return False
         diagnostics = group.diagnostics
         directory = loop.checkpoints.directory if diagnostics and loop is not None else None
-        evidence = None
-        if diagnostics is not None and directory is not None:
-            cause = f"rank {self.env.rank} of {self.env.world_size}: {failure_reason(exc)}"
-            evidence = capture_evidence(diagnostics.url, cause)
+        evidence = (
+            diagnostics.evidence(self.env, exc)
+            if diagnostics is not None and directory is not None
+            else None
+        )
         holds = loop is not None and loop.state_ready and loop.state.consistent
         self._detach_wrappers()
         step, snapshot = self._held(loop, holds)

@@ -84,9 +84,9 @@ class ReplicaLayout:
         return sorted(parts)
 
 
-def _local_parameters(state: TrainingState) -> list[torch.Tensor]:
-    assert state.model is not None
-    return [p.to_local() if isinstance(p, DTensor) else p for p in state.model.parameters()]
+def _local_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's parameters: its own shards of a sharded model."""
+    return [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
 
 
 class ReplicaCheck:
@@ -109,10 +109,11 @@ class ReplicaCheck:
 
     def after_update(self, step: int) -> None:
         """(every rank, after step ``step``'s update) take the checksum when it is due."""
-        if self._layout is None:
+        model = self._state.model
+        if self._layout is None or model is None:
             return
         if step - self._first <= 2 or step % self._every == 0:
-            checksum = state_checksum(_local_parameters(self._state))
+            checksum = state_checksum(_local_parameters(model))
             self._ready = (step, self._layout.slots(checksum))
 
     def take(self) -> tuple[int, list[float]] | None:
