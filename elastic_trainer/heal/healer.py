@@ -807,10 +807,21 @@ class Healer:
                 )
 
     # -- the end -------------------------------------------------------------------------------------
+    def leave(self) -> None:
+        """This process trains no more in the job (its loop stopped, for a signal or a peer's stop,
+        or ended): it answers no round from now on, and takes back the answers it gave to rounds
+        that opened while it was stopping, which would otherwise wait for it to become ready
+        (``ready_timeout_s``, a minute) where it is only gone."""
+        self._set_phase("finished")  # a round opened now (a node leaving) is no reason to abort
+        try:
+            self.membership.withdraw()
+        except Exception as exc:  # noqa: BLE001 - the process leaves either way; a round then waits its bound
+            log.warning("heal: could not take back this process's round answers: %s", exc)
+
     def finish(self, env: DistEnv, step: int | None = None) -> None:
         """Training ended at ``step`` (rank 0 marks the run finished: spares and late joiners
         stop, and ``status`` says so)."""
-        self._set_phase("finished")  # a round opened now (a node leaving) is no reason to abort
+        self.leave()
         if env.rank == 0:
             try:
                 self.membership.finish(step)
@@ -818,6 +829,8 @@ class Healer:
                 log.warning("heal: could not mark the run finished: %s", exc)
 
     def close(self) -> None:
+        if self._phase not in ("finished", "closed"):
+            self.leave()
         self._set_phase("closed")
         try:
             self.membership.close()

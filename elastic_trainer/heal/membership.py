@@ -253,6 +253,25 @@ class Membership:
             deadline=2.0,
         )
 
+    def withdraw(self) -> None:
+        """Take back this process's answers to the rounds after its epoch: it leaves the job (its
+        loop stopped or ended) and will never train in them. A round waits ``ready_timeout_s`` for
+        a member that answered provisionally to become ready; without its answer, a member that
+        left is only missing, which the round waits ``settle_s`` for."""
+        with self._lock:
+            epoch = self._epoch.number if self._epoch is not None else 0
+            mine = [n for n, r in self._rounds.items() if n > epoch and self.member.id in r.joins]
+        if mine:
+            conn = self.connection
+            etcd_ops.transaction(
+                conn,
+                [],
+                [etcd_ops.delete(conn, self.keys.join(n, self.member.id)) for n in mine],
+                what="withdrawing heal rounds' answers",
+                deadline=2.0,
+                retry_timeout=5.0,
+            )
+
     def finish(self, step: int | None = None) -> None:
         """Mark the run finished (training ended, at ``step`` if given: the finished epoch's
         ``step`` is then the last one): spares and late joiners stop waiting."""
@@ -458,7 +477,11 @@ class Membership:
             return None
         number, rest = parsed
         if deleted:
-            self._rounds.pop(number, None)
+            if rest.startswith("join/"):  # an answer taken back (:meth:`withdraw`)
+                if (gone := self._rounds.get(number)) is not None:
+                    gone.joins.pop(rest[len("join/") :], None)
+            else:
+                self._rounds.pop(number, None)
             return None
         found = self._rounds.setdefault(number, _Round())
         if rest == "open":

@@ -406,6 +406,8 @@ class Attempt:
             healer.finish(self.env, loop.result.step)
         elif loop is None and self._shards is not None:
             healer.finish(self.env, self._shards.step)  # a sharded loop of its own ended
+        else:
+            healer.leave()  # stopped (a signal, a peer's stop): no round waits for this process
 
     def _held(
         self, loop: ElasticLoop | None, holds: bool

@@ -93,3 +93,36 @@ def test_a_round_without_enough_members_times_out(connection: EtcdConnection) ->
             view.settle(2, deadline=time.monotonic() + 1.5, reason="peer lost")
     finally:
         view.close()
+
+
+def test_a_member_that_leaves_after_a_provisional_answer_is_not_waited_for(
+    connection: EtcdConnection,
+) -> None:
+    """A node leaving (SIGTERM) while a round opens: its workers answered that they live, then
+    stopped for good. Their withdrawn answer makes them missing (waited ``settle_s``), not live
+    members to wait ``ready_timeout_s`` for (a minute: a scale-down once took 60.7 s in CI)."""
+    run_id = f"membership-{uuid.uuid4().hex[:8]}"
+    rules = RoundRules(min_world=1, max_world=2, settle_s=0.2, ready_timeout_s=60.0)
+    members = _members(2)
+    stays, leaves = (Membership(connection, run_id, m, rules) for m in members)
+    try:
+        stays.start()
+        leaves.start()
+        first = stays.form(members, step=NO_STATE, reason="rendezvous")
+        assert leaves.wait(lambda: leaves.epoch == first, 10.0)
+        stays.open_round(2, "node lost")
+        assert leaves.wait(lambda: leaves.round_open(2), 10.0)
+        leaves.announce(2, Join(members[1], ready=False))
+        stays.answer(2, Join(members[0], ready=True, step=7))
+        with pytest.raises(HealTimeoutError, match="1 live member"):
+            stays.settle(2, deadline=time.monotonic() + 1.0, reason="node lost")
+
+        leaves.withdraw()
+        started = time.monotonic()
+        second = stays.settle(2, deadline=started + 30, reason="node lost")
+        assert second.members == (members[0],) and second.step == 7
+        assert time.monotonic() - started < 10  # the round's ready_timeout_s is 60 s
+        leaves.withdraw()  # nothing left to take back: a no-op
+    finally:
+        stays.close()
+        leaves.close()

@@ -75,9 +75,21 @@ def test_first_command_shows_faults_healing_with_metrics(tmp_path: Path) -> None
     assert set(rows) == {"node b joins", "worker SIGKILL", "node b leaves"}, summary
     for name, match in rows.items():
         assert match, f"{name}: no recovery figures in {summary}"
-        assert 0 < float(match.group(1)) < 60 and match.group(2) == "0", f"{name}: {match.group(0)}"
+        assert 0 < float(match.group(1)) < 60 and match.group(2) == "0", (
+            f"{name}: {match.group(0)}\n{_node_logs(tmp_path / 'demo' / 'logs')}"
+        )
     assert "training: finished, 300 steps committed (each once)" in done.stdout
     assert ", 0 seen twice within an epoch" in done.stdout
     assert "[demo] SIGKILL worker rank" in done.stdout and "resumed from" in done.stdout
     assert any((tmp_path / "demo" / "checkpoints").glob("ckpt-*.pt"))
     assert scraped, "node a's metrics endpoint never served training metrics"
+
+
+def _node_logs(folder: Path) -> str:
+    """The demo's node logs, heal and restart lines first, for a failure's message."""
+    out = []
+    for log in sorted(folder.glob("node-*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        out.append(f"--- {log.name}")
+        out.extend(line for line in lines if "heal" in line or "elastic-trainer:" in line)
+    return "\n".join(out)[-6000:]
