@@ -162,8 +162,11 @@ def _add_debug(commands: Any) -> None:
         help="stacks: every thread's stack; trace: the flight recorder; profile: a torch.profiler "
         "trace of the next --steps steps; dump: stacks, trace and wait counters to --out",
     )  # fmt: skip
-    debug.add_argument("--rdzv-endpoint", required=True, help="the job's etcd host:port[,...]")
-    debug.add_argument("--run-id", required=True, help="the job's rendezvous id")
+    debug.add_argument("--rdzv-endpoint", help="the job's etcd host:port[,...] (with --run-id)")
+    debug.add_argument("--run-id", help="the job's rendezvous id")
+    debug.add_argument(
+        "--url", help="or a node's metrics endpoint (top's --url): the job and its etcd from there"
+    )
     debug.add_argument(
         "--rdzv-conf", default="", help="KEY=VALUE[,...] etcd settings (TLS, auth, timeouts)"
     )

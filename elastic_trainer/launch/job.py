@@ -94,7 +94,7 @@ def run_job(plan: LaunchPlan, warm: WarmStartServer | None, janitor: Janitor | N
         endpoint, rendezvous = _start_etcd(cleanup, plan, janitor)
         metrics = publisher = None
         if options.metrics_port:
-            metrics = _start_metrics(cleanup, options, rendezvous.run_id, janitor)
+            metrics = _start_metrics(cleanup, options, rendezvous.run_id, endpoint, janitor)
             publisher = _start_progress_publisher(options, rendezvous, metrics)
             cleanup.callback(publisher.close)  # runs before metrics.close and before etcd stops
         _watch_frozen_workers(cleanup, options, janitor, metrics)
@@ -192,13 +192,20 @@ def _check_etcd(config: EtcdClientConfig, endpoint: str, *, embedded: bool) -> N
 
 
 def _start_metrics(
-    cleanup: contextlib.ExitStack, options: RunOptions, run_id: str, janitor: Janitor | None
+    cleanup: contextlib.ExitStack,
+    options: RunOptions,
+    run_id: str,
+    endpoint: str,
+    janitor: Janitor | None,
 ) -> LauncherMetrics:
     """The node's Prometheus endpoint (``--metrics-port``), stopped on the way out."""
     try:
         metrics = start_launcher_metrics(
             LauncherMetricsConfig(
-                addr=options.metrics_addr, port=options.metrics_port, run_id=run_id
+                addr=options.metrics_addr,
+                port=options.metrics_port,
+                run_id=run_id,
+                rdzv_endpoint=endpoint,
             )
         )
     except (MetricsError, OSError) as exc:

@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
@@ -186,6 +186,24 @@ class FrozenWorkerMetrics(Collector):
         return [family]
 
 
+class JobInfo(Collector):
+    """``elastic_trainer_job_info``: the job this launcher runs and where its rendezvous is, so
+    that a node's metrics URL is enough to reach the job (``elastic-trainer debug --url``)."""
+
+    NAME = "elastic_trainer_job"
+
+    def __init__(self, *, run_id: str, node: str, rdzv_endpoint: str) -> None:
+        self._labels = {"run_id": run_id, "node": node, "rdzv_endpoint": rdzv_endpoint}
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterable[Metric]:
+        family = InfoMetricFamily(self.NAME, "The job of this node and its rendezvous endpoint.")
+        family.add_metric([], self._labels)
+        return [family]
+
+
 class NodeMetricsServer:
     """A running ``/metrics`` endpoint (see :func:`serve_node_metrics`)."""
 
@@ -261,6 +279,8 @@ class LauncherMetricsConfig:
     """This node's name, the ``node`` label of the agent's metrics and (exported to them as
     ``ELASTIC_TRAINER_NODE``) of the workers'; default ``{short host}-{this pid}``, the name
     ``elastic-trainer status`` derives from the rendezvous (the agent runs in this process)."""
+    rdzv_endpoint: str = ""
+    """The job's etcd (``host:port[,...]``), served as ``elastic_trainer_job_info`` (none if empty)."""
     multiproc_dir: str | None = None
     """Directory for the workers' metric files; ``None``: ``$PROMETHEUS_MULTIPROC_DIR`` if set,
     else a fresh temporary directory removed on close. Stale ``*.db`` files are deleted."""
@@ -370,9 +390,11 @@ def start_launcher_metrics(config: LauncherMetricsConfig) -> LauncherMetrics:
         agent_metrics = AgentMetrics(run_id=config.run_id, node=config.node)
         frozen_workers = FrozenWorkerMetrics(run_id=config.run_id, node=config.node)
         cleanup.append(install_agent_hooks(agent_metrics))
+        job = [JobInfo(run_id=config.run_id, node=config.node, rdzv_endpoint=config.rdzv_endpoint)]
         server = serve_node_metrics(
-            config.addr, config.port, directory, agent_metrics=agent_metrics, extra=[frozen_workers]
-        )
+            config.addr, config.port, directory, agent_metrics=agent_metrics,
+            extra=[frozen_workers, *(job if config.rdzv_endpoint else [])],
+        )  # fmt: skip
         cleanup.append(server.close)
     except BaseException:
         while cleanup:

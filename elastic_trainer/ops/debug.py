@@ -4,6 +4,7 @@
     elastic-trainer debug trace   --rdzv-endpoint ... --run-id ... --out fr/      # flight recorder
     elastic-trainer debug profile --rdzv-endpoint ... --run-id ... --steps 5 --out prof/
     elastic-trainer debug dump    --rdzv-endpoint ... --run-id ... --out dump/    # all of it, to files
+    elastic-trainer debug stacks  --url node-0:9400      # the job named by a node's metrics
 
 It reads the workers' entries (``debug/<node>/<local rank>``, ``train/diagnostics.py``) from the
 run's etcd, keeps the newest entry of each rank of the newest world, and asks every rank's
@@ -29,9 +30,11 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
+from elastic_trainer.launch.node_metrics import JobInfo
 from elastic_trainer.launch.options import UserError
 from elastic_trainer.launch.progress_publisher import ProgressKeys, read_progress
 from elastic_trainer.metrics.progress import format_duration
+from elastic_trainer.ops.scrape import fetch, normalize_url
 from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER
 from rendezvous import etcd_ops
 from rendezvous.etcd_client import EtcdConnection, quiet_retries
@@ -272,8 +275,37 @@ def run(args: argparse.Namespace) -> int:
     return 1 if silent or missing else 0
 
 
+def job_of_url(text: str, timeout: float) -> tuple[str, str]:
+    """The etcd endpoint and run id that a node's metrics endpoint names
+    (``elastic_trainer_job_info``, served by ``elastic-trainer run --metrics-port``).
+
+    Raises:
+        UserError: not a URL, no answer, or no such metric there."""
+    try:
+        url = normalize_url(text)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    scrape = fetch(url, timeout)
+    if scrape.samples is None:
+        raise UserError(f"--url {text}: {scrape.error}")
+    for sample in scrape.samples:
+        if sample.name == JobInfo.NAME + "_info":
+            return sample.labels["rdzv_endpoint"], sample.labels["run_id"]
+    raise UserError(
+        f"--url {text}: no {JobInfo.NAME}_info there (not the metrics endpoint of an "
+        "elastic-trainer run node); give --rdzv-endpoint and --run-id"
+    )
+
+
 def check_arguments(args: argparse.Namespace) -> None:
-    """The argument checks argparse cannot make (one line each, as :class:`UserError`)."""
+    """The argument checks argparse cannot make (one line each, as :class:`UserError`); a
+    ``--url`` becomes the ``--rdzv-endpoint`` and ``--run-id`` it names."""
+    if args.url is not None:
+        if args.rdzv_endpoint or args.run_id:
+            raise UserError("give --url, or --rdzv-endpoint with --run-id, not both")
+        args.rdzv_endpoint, args.run_id = job_of_url(args.url, DEFAULT_TIMEOUT_S * 2)
+    elif not (args.rdzv_endpoint and args.run_id):
+        raise UserError("the job: give --rdzv-endpoint and --run-id, or a node's metrics --url")
     if args.timeout is None:
         args.timeout = DEFAULT_PROFILE_TIMEOUT_S if args.what == "profile" else DEFAULT_TIMEOUT_S
     if not 0 < args.timeout <= 3600:

@@ -94,6 +94,8 @@ NetworkPolicy can open (the Helm chart's ``workers.diagnostics``); 0 (the defaul
 DEBUG_PROFILE_HANDLER = "elastic_trainer_profile"
 """The endpoint's handler of ours: ``POST /handler/elastic_trainer_profile?steps=N&timeout=S``
 answers a ``torch.profiler`` trace of the loop's next N steps."""
+RECENT_LINES_HANDLER = "elastic_trainer_recent_lines"
+"""A launcher's endpoint: its newest log lines (its view of the job's faults)."""
 
 DEFAULT_SIGTERM_GRACE_S = 30.0
 """torchrun's agent SIGKILLs workers 30 s after its SIGTERM: a larger grace buys nothing there."""

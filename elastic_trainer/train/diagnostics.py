@@ -13,7 +13,8 @@ only) on a free port or on ``ELASTIC_TRAINER_DEBUG_PORT`` plus the local rank. `
 ``faulthandler``), ``fr_trace_json`` (the flight recorder), ``pyspy_dump`` (native frames, with
 py-spy installed), ``wait_counter_values`` (from torch's own C++ server, started in this process
 on the first such request), and ``elastic_trainer_profile?steps=N`` (a ``torch.profiler`` trace of
-the loop's next N steps). None runs code it is sent. Why not torch's server throughout (its pool
+the loop's next N steps); a launcher's also ``elastic_trainer_recent_lines`` (its newest log
+lines). None runs code it is sent. Why not torch's server throughout (its pool
 of one thread per core, and the GIL at its shutdown): ``docs/design/diagnostics.md``.
 
 Instead of torch's TCPStore at MASTER_ADDR (there is none under the etcd rendezvous, and rank 0
@@ -21,11 +22,14 @@ may be the rank that died), each worker writes ``{rank, world_size, node, local_
 to ``debug/<node>/<local rank>`` under the run's keys at every attempt: a replacement overwrites
 the dead process's entry, survivors write their new ranks after a heal. ``elastic-trainer debug``
 takes, for each rank of the newest world, its newest entry (etcd's revisions order them). The
-write runs on a short-lived thread: an etcd outage never holds training.
+write runs on a short-lived thread: an etcd outage never holds training. After a heal, rank 0
+adds each launcher's recent lines and stacks to the heal's folder (``launcher-<node>.txt``).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import faulthandler
 import http.server
 import json
@@ -51,9 +55,14 @@ from torch.profiler import profile
 from elastic_trainer.heal.healer import Healer, failure_reason, heal_rendezvous
 from elastic_trainer.metrics.node_name import local_node_name
 from elastic_trainer.runtime.distributed import DistEnv
-from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER, WorkerSettings, debug_host_of
+from elastic_trainer.runtime.settings import (
+    DEBUG_PROFILE_HANDLER,
+    RECENT_LINES_HANDLER,
+    WorkerSettings,
+    debug_host_of,
+)
 from rendezvous.etcd_client import EtcdConnection
-from rendezvous.etcd_ops import put_key
+from rendezvous.etcd_ops import get_range, put_key
 from rendezvous.round_state import RunKeys
 from rendezvous.settings import RendezvousSettings
 
@@ -68,6 +77,9 @@ MAX_EVIDENCE_BYTES = 4 << 20
 """What one rank writes into one folder at most (its flight recorder is cut beyond it)."""
 REGISTER_DEADLINE_S = 5.0
 PYSPY_TIMEOUT_S = 20.0
+RECENT_LINES = 200
+LAUNCHER_TIMEOUT_S = 2.0
+"""How long rank 0 waits for each launcher's view after a heal (on a thread of its own)."""
 
 
 class StepProfiler:
@@ -158,6 +170,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     """``POST /handler/<name>`` (see the module docstring)."""
 
     profiler: StepProfiler
+    recent: RecentLines | None = None
+    """A launcher's: its recent log lines, the ``elastic_trainer_recent_lines`` handler."""
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         url = urllib.parse.urlsplit(self.path)
@@ -165,6 +179,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         try:
             if name == "dump_traceback":
                 return self._answer(200, stacks_text().encode(), "text/plain")
+            if name == RECENT_LINES_HANDLER and self.recent is not None:
+                return self._answer(200, self.recent.text().encode(), "text/plain")
             if name == "fr_trace_json":
                 return self._answer(200, flight_recorder_json().encode(), "application/json")
             if name == "wait_counter_values":
@@ -215,9 +231,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass  # no line per request in the worker's log
 
 
-def serve(host: str, port: int, profiler: StepProfiler) -> tuple[http.server.HTTPServer, str]:
+class RecentLines(logging.Handler):
+    """The newest :data:`RECENT_LINES` log lines of this process (a launcher's view of its job)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        self._lines: collections.deque[str] = collections.deque(maxlen=RECENT_LINES)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._lines.append(self.format(record))
+        except Exception:  # noqa: BLE001 - a line that cannot be formatted is dropped
+            return
+
+    def text(self) -> str:
+        return "\n".join(list(self._lines)) + "\n"
+
+
+def serve(
+    host: str, port: int, profiler: StepProfiler, recent: RecentLines | None = None
+) -> tuple[http.server.HTTPServer, str]:
     """The endpoint on a daemon thread, and the URL others reach it at."""
-    handler = type("Handler", (_Handler,), {"profiler": profiler})
+    handler = type("Handler", (_Handler,), {"profiler": profiler, "recent": recent})
     server = http.server.ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="diagnostics", daemon=True).start()
@@ -303,6 +339,10 @@ class Diagnostics:
             if rank == 0:
                 for old in sorted(p for p in root.iterdir() if p.is_dir())[:-KEEP_EVIDENCE]:
                     shutil.rmtree(old, ignore_errors=True)
+                threading.Thread(
+                    target=self._keep_launchers, args=(root / folder,), name="diagnostics-launchers",
+                    daemon=True,
+                ).start()  # fmt: skip
                 cause = folder.rpartition("-")[2]
                 log.warning(
                     "%s: diagnostics of the %s in %s (each survivor's stacks and flight recorder "
@@ -321,6 +361,35 @@ class Diagnostics:
         if directory is not None:
             folder = f"{env.restart_count:06d}-restart"
             self.keep_evidence(directory, folder, env.rank, self.evidence(env, exc))
+
+    def _keep_launchers(self, folder: Path) -> None:
+        """(rank 0, on a thread) Each launcher's view beside the ranks' evidence, as
+        ``launcher-<node>.txt``: its recent lines (what it saw of the fault) and its stacks."""
+        if self._connection is None or self._key is None:
+            return
+        prefix = self._key.removesuffix(f"{self.node}/{self.local_rank}")
+        try:
+            found = get_range(self._connection, prefix, prefix=True, what="the launchers' entries")
+        except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
+            log.warning("the launchers' view is not kept: %s", exc)
+            return
+        for kv in found.kvs:
+            try:
+                entry = json.loads(kv.value)
+                if entry.get("role") != "launcher":
+                    continue
+                node, url = str(entry["node"]), str(entry["url"])
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+            parts = [f"launcher of node {node} (pid {entry.get('pid')}) at {url}"]
+            for title, name in (
+                ("recent lines", RECENT_LINES_HANDLER),
+                ("stacks", "dump_traceback"),
+            ):
+                parts.append(f"== {title}\n{_post(url, name, LAUNCHER_TIMEOUT_S)}")
+            text = "\n".join(parts)[:MAX_EVIDENCE_BYTES]
+            with contextlib.suppress(OSError):
+                (folder / f"launcher-{node}.txt").write_text(text)
 
     def close(self) -> None:
         """Stop answering (the entry stays: a replacement overwrites it, ``debug`` skips it)."""
@@ -359,17 +428,29 @@ def start_launcher_endpoint(rendezvous: RendezvousSettings, node: str) -> Any:
     host = debug_host_of(os.environ)
     if host is None:
         return None
+    recent = RecentLines()
     try:
-        server, url = serve(host, 0, StepProfiler())
+        server, url = serve(host, 0, StepProfiler(), recent)
         connection = EtcdConnection(rendezvous.client_config())
     except (OSError, ValueError) as exc:
         log.warning("no diagnostics endpoint for the launcher: %s", exc)
         return None
+    logging.getLogger().addHandler(recent)
     entry = {"role": "launcher", "node": node, "pid": os.getpid(), "url": url, "unix": time.time()}
     _register(
         connection, f"{RunKeys.from_settings(rendezvous).debug}{node}/launcher", entry, close=True
     )
     return server
+
+
+def _post(url: str, name: str, timeout: float) -> str:
+    """``POST /handler/<name>`` at ``url``: its answer, or why there is none (one line)."""
+    request = urllib.request.Request(f"{url}/handler/{name}", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return str(response.read().decode(errors="replace"))
+    except (OSError, ValueError) as exc:
+        return f"(no answer: {exc})"
 
 
 def stop_endpoint(server: http.server.HTTPServer) -> None:

@@ -26,6 +26,7 @@ import pytest
 
 from elastic_trainer.ops.debug import where_ranks_are
 from elastic_trainer.ops.processes import wait_for
+from rendezvous.etcd_server import free_port
 from tests.chaos.faults import JobSpec, RunDirs, start_node, unique_run_id
 from tests.support.agents import agents, start_agent, tails
 
@@ -74,6 +75,7 @@ def test_debug_reaches_every_rank_across_a_heal(etcd_server, run_dirs: RunDirs) 
     job = JobSpec(epochs=40, throttle_ms=20)
     slow = run_dirs.root / "node-b-sleeps"
     slow.touch()
+    metrics_port = free_port()
     with agents() as nodes:
         for name in ("a", "b"):
             env = (
@@ -83,6 +85,7 @@ def test_debug_reaches_every_rank_across_a_heal(etcd_server, run_dirs: RunDirs) 
                 start_node(
                     name=name, run=run_dirs, job=job, endpoint=endpoint, run_id=run_id,
                     nnodes="2", nproc_per_node=2, env=env,
+                    metrics_port=metrics_port if name == "a" else 0,
                     # The test SIGKILLs the stopped worker itself once `debug` has looked: the
                     # watchdog must not beat it to it while the command starts on a busy machine.
                     launch_options=("--frozen-timeout", "120"),
@@ -114,6 +117,16 @@ def test_debug_reaches_every_rank_across_a_heal(etcd_server, run_dirs: RunDirs) 
         assert "4 rank(s) and 2 launcher(s)" in out, out
         for node in nodes:
             assert "launcher of node " in out and f"(pid {node.pid}):" in out, out
+        # The same job from node a's metrics URL alone (top's --url): the same ranks.
+        by_url = subprocess.run(
+            [sys.executable, "-m", "elastic_trainer.cli", "debug", "stacks",
+             "--url", f"127.0.0.1:{metrics_port}"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert by_url.returncode == 0, by_url.stdout + by_url.stderr
+        assert {v["pid"] for v in ranks_of(by_url.stdout).values()} == {
+            v["pid"] for v in ranks_of(out).values()
+        }, by_url.stdout
 
         # A profile of the next 3 steps on every rank: Chrome trace JSON with the step's ops.
         code, out = debug(
@@ -170,6 +183,13 @@ def test_debug_reaches_every_rank_across_a_heal(etcd_server, run_dirs: RunDirs) 
             assert "== flight recorder" in text, text[:2000]
         logs = "\n".join(n.log_path.read_text(errors="replace") for n in nodes)
         assert f"diagnostics of the heal in {folders[-1]}" in logs, logs[-4000:]
+        # And the launchers' view of it (rank 0 asks them on a thread of its own).
+        wait_for(lambda: len(list(folders[-1].glob("launcher-*.txt"))) == 2, timeout=30,
+                 what="both launchers' view in the heal's folder")  # fmt: skip
+        for path in folders[-1].glob("launcher-*.txt"):
+            text = path.read_text()
+            assert "== recent lines" in text and "== stacks" in text, text[:2000]
+            assert "most recent call first" in text, text[:2000]
 
 
 def test_debug_under_plain_torchrun(etcd_server, tmp_path: Path) -> None:

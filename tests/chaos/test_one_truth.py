@@ -22,8 +22,9 @@ import pytest
 
 from elastic_trainer.metrics.progress import ProgressView
 from elastic_trainer.ops.processes import wait_for
+from elastic_trainer.ops.scrape import Scrape, normalize_url, scrape_all
 from elastic_trainer.ops.status import read_status
-from elastic_trainer.ops.top import Scrape, TopModel, normalize_url, scrape_all
+from elastic_trainer.ops.top import TopModel
 from rendezvous.etcd_server import free_port
 from tests.chaos.chaos_job import SLOW_MS_ENV, SLOW_WHILE_FILE_ENV
 from tests.chaos.faults import JobSpec, RunDirs, start_node, unique_run_id, wait_all

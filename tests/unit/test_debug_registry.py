@@ -10,7 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic_trainer.ops.debug import launchers_of, live_ranks
+from elastic_trainer.launch.node_metrics import JobInfo, serve_node_metrics
+from elastic_trainer.launch.options import UserError
+from elastic_trainer.ops.debug import job_of_url, launchers_of, live_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,3 +87,41 @@ def test_an_unreachable_etcd_is_one_line_within_its_bound() -> None:
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("elastic-trainer: error: cannot read the run 'x': "), line
+
+
+@pytest.mark.parametrize(
+    ("words", "line"),
+    [
+        (["--url", "127.0.0.1:1", "--run-id", "x"],
+         "give --url, or --rdzv-endpoint with --run-id, not both"),
+        (["--run-id", "x"],
+         "the job: give --rdzv-endpoint and --run-id, or a node's metrics --url"),
+        (["--url", "ftp://h:1"], "--url 'ftp://h:1': expected host:port or http(s)://host:port/metrics"),
+    ],
+)  # fmt: skip
+def test_the_job_is_named_one_way(words: list[str], line: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", "debug", "stacks", *words],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"elastic-trainer: error: {line}"]
+
+
+def test_a_nodes_metrics_url_names_its_job(tmp_path) -> None:
+    """A launcher's metrics endpoint serves ``elastic_trainer_job_info``: ``debug --url`` reads the
+    job's etcd and run id there; another endpoint is one line that says what is missing."""
+    with_job = serve_node_metrics(
+        "127.0.0.1", 0, str(tmp_path),
+        extra=[JobInfo(run_id="job-7", node="a", rdzv_endpoint="etcd-0:2379,etcd-1:2379")],
+    )  # fmt: skip
+    without = serve_node_metrics("127.0.0.1", 0, str(tmp_path))
+    try:
+        assert job_of_url(f"127.0.0.1:{with_job.port}", 5.0) == ("etcd-0:2379,etcd-1:2379", "job-7")
+        with pytest.raises(UserError, match="no elastic_trainer_job_info there"):
+            job_of_url(without.url, 5.0)
+    finally:
+        with_job.close()
+        without.close()
+    with pytest.raises(UserError, match=r"^--url 127\.0\.0\.1:1: "):
+        job_of_url("127.0.0.1:1", 2.0)

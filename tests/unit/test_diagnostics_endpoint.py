@@ -5,6 +5,7 @@ job: ``tests/chaos/test_diagnostics.py``."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -14,7 +15,13 @@ import pytest
 import torch
 
 from elastic_trainer.train import diagnostics
-from elastic_trainer.train.diagnostics import StepProfiler, capture_evidence, serve
+from elastic_trainer.train.diagnostics import (
+    RECENT_LINES,
+    RecentLines,
+    StepProfiler,
+    capture_evidence,
+    serve,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,6 +56,26 @@ def test_stacks_and_the_flight_recorder_by_torchs_names(endpoint) -> None:  # ty
     assert post(url, "nothing")[0] == 404
 
 
+def test_a_launchers_endpoint_answers_its_recent_lines_and_a_workers_does_not(endpoint) -> None:  # type: ignore[no-untyped-def]
+    url, _ = endpoint
+    assert post(url, "elastic_trainer_recent_lines")[0] == 404  # a worker's: no such handler
+    recent = RecentLines()
+    server, launcher = serve("127.0.0.1", 0, StepProfiler(), recent)
+    logger = logging.getLogger("test.launcher")
+    logger.addHandler(recent)
+    try:
+        for n in range(RECENT_LINES + 5):
+            logger.warning("line %d", n)
+        status, body = post(launcher, "elastic_trainer_recent_lines")
+        lines = body.decode().splitlines()
+        assert status == 200 and len(lines) == RECENT_LINES  # bounded: the newest kept
+        assert lines[-1].endswith("test.launcher: line 204") and lines[0].endswith(": line 5")
+    finally:
+        logger.removeHandler(recent)
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_profile_covers_the_next_steps_the_loop_ticks(endpoint) -> None:  # type: ignore[no-untyped-def]
     url, profiler = endpoint
     answer: list[tuple[int, bytes]] = []
@@ -79,7 +106,11 @@ def test_a_profile_nobody_ticks_for_ends_at_its_timeout(endpoint) -> None:  # ty
 
 
 def test_evidence_is_kept_and_the_newest_folders_stay(tmp_path: Path) -> None:
-    keeper = diagnostics.Diagnostics.__new__(diagnostics.Diagnostics)  # keep_evidence uses no state
+    profiler = StepProfiler()
+    server, url = serve("127.0.0.1", 0, profiler)
+    keeper = diagnostics.Diagnostics(  # not registered: no etcd, so no launchers' view either
+        server, url, "a", 0, profiler, None, None, owns_connection=False
+    )
     evidence = capture_evidence("http://127.0.0.1:1", "rank 0 of 2: a test")
     assert "== stacks" in evidence and "== flight recorder" in evidence
     for epoch in range(diagnostics.KEEP_EVIDENCE + 3):
@@ -88,3 +119,4 @@ def test_evidence_is_kept_and_the_newest_folders_stay(tmp_path: Path) -> None:
     assert kept == [f"{e:06d}-heal" for e in range(3, diagnostics.KEEP_EVIDENCE + 3)]
     assert (tmp_path / diagnostics.EVIDENCE_DIR / kept[-1] / "rank0.txt").read_text() == evidence
     keeper.keep_evidence(None, "x", 0, evidence)  # no checkpoint directory: nothing written
+    keeper.close()

@@ -20,7 +20,8 @@ from elastic_trainer.launch.progress_publisher import (
     ProgressRecord,
 )
 from elastic_trainer.metrics.progress import Snapshot, progress_view, samples_of
-from elastic_trainer.ops.top import Scrape, TopModel
+from elastic_trainer.ops.scrape import Scrape
+from elastic_trainer.ops.top import TopModel
 from tests.unit.test_metrics_progress import node_text
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_trainer.metrics.progress import samples_of
-from elastic_trainer.ops import top
+from elastic_trainer.ops import scrape, top
 from tests.unit.test_metrics_progress import node_text, two_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,15 +25,15 @@ class Endpoints:
         self.frames = frames
         self.reads: dict[str, int] = {}
 
-    def read(self, url: str, timeout_s: float) -> top.Scrape:
+    def read(self, url: str, timeout_s: float) -> scrape.Scrape:
         assert 0 < timeout_s <= top.MAX_FETCH_TIMEOUT_S
         i = self.reads.get(url, 0)
         self.reads[url] = i + 1
         answers = self.frames[url]
         text = answers[min(i, len(answers) - 1)]
         if text is None:
-            return top.Scrape(url, error="Connection refused")
-        return top.Scrape(url, samples=samples_of(text_string_to_metric_families(text)))
+            return scrape.Scrape(url, error="Connection refused")
+        return scrape.Scrape(url, samples=samples_of(text_string_to_metric_families(text)))
 
 
 A = "http://a:9400/metrics"
@@ -50,13 +50,13 @@ B = "http://b:9400/metrics"
     ],
 )
 def test_normalize_url(given: str, url: str) -> None:
-    assert top.normalize_url(given) == url
+    assert scrape.normalize_url(given) == url
 
 
 @pytest.mark.parametrize("bad", ["ftp://h:1", "http://", "h:notaport", ":9400"])
 def test_bad_urls_are_one_line_errors(bad: str) -> None:
     with pytest.raises(ValueError, match="--url"):
-        top.normalize_url(bad)
+        scrape.normalize_url(bad)
 
 
 def frame(frames: dict[str, list[str | None]], **kwargs: object) -> tuple[int, str]:
