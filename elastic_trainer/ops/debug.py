@@ -28,18 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
-
 from elastic_trainer.launch.node_metrics import JobInfo
 from elastic_trainer.launch.options import UserError
 from elastic_trainer.launch.progress_publisher import ProgressKeys, read_progress
 from elastic_trainer.metrics.progress import format_duration
 from elastic_trainer.ops.scrape import fetch, normalize_url
+from elastic_trainer.ops.status import run_connection
 from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER
 from rendezvous import etcd_ops
-from rendezvous.etcd_client import EtcdConnection, quiet_retries
 from rendezvous.round_state import RunKeys
-from rendezvous.settings import parse_settings
 
 HANDLERS = {"stacks": "dump_traceback", "native": "pyspy_dump", "trace": "fr_trace_json",
             "waits": "wait_counter_values"}  # fmt: skip
@@ -157,24 +154,14 @@ def read_ranks(
 
     Raises:
         UserError: bad settings, etcd unreachable, or no entry at all."""
-    conf = {"retry_timeout": "5", **conf}
-    params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **conf)
-    try:
-        settings = parse_settings(params)
-        connection = EtcdConnection(settings.client_config())
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
-    try:
-        with quiet_retries():
-            registry = etcd_ops.get_range(
-                connection, RunKeys.from_settings(settings).debug, prefix=True,
-                what="the diagnostics registry",
-            )  # fmt: skip
-            record, _ = read_progress(connection, ProgressKeys.from_settings(settings))
-    except (RendezvousConnectionError, ValueError) as exc:
-        raise UserError(f"cannot read the run {run_id!r}: {exc}") from exc
-    finally:
-        connection.close()
+    with run_connection(endpoint, run_id, {"retry_timeout": "5", **conf}) as (settings, etcd):
+        registry = etcd_ops.get_range(
+            etcd,
+            RunKeys.from_settings(settings).debug,
+            prefix=True,
+            what="the diagnostics registry",
+        )
+        record, _ = read_progress(etcd, ProgressKeys.from_settings(settings))
     ranks, missing = live_ranks(list(registry.kvs))
     launchers = launchers_of(list(registry.kvs), {rank.node for rank in ranks})
     if not ranks:

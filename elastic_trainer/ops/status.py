@@ -11,7 +11,9 @@ the launchers publish (:mod:`elastic_trainer.launch.progress_publisher`).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,7 +40,7 @@ from elastic_trainer.metrics.progress import eta_seconds, format_duration
 from rendezvous import etcd_ops
 from rendezvous.etcd_client import EtcdConnection, quiet_retries
 from rendezvous.lease_handler import NodeInfo, RunKeys, Snapshot, read_snapshot
-from rendezvous.settings import parse_settings
+from rendezvous.settings import RendezvousSettings, parse_settings
 
 
 def _named(node: str, addr: str, pid: int | None) -> dict[str, Any]:
@@ -207,6 +209,34 @@ def _rounded(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
 
 
+@contextlib.contextmanager
+def run_connection(
+    endpoint: str, run_id: str, rdzv_conf: dict[str, str]
+) -> Iterator[tuple[RendezvousSettings, EtcdConnection]]:
+    """The run's rendezvous settings and a connection to its etcd, closed on the way out, for
+    ``status`` and ``debug``; retries stay quiet inside.
+
+    Raises:
+        UserError: bad endpoint or settings (one line), or etcd unreachable or its state unreadable
+            inside the block.
+    """
+    params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **rdzv_conf)
+    try:
+        settings = parse_settings(params)
+        connection = EtcdConnection(settings.client_config())
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    try:
+        with quiet_retries():
+            yield settings, connection
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    except (RendezvousConnectionError, RendezvousStateError) as exc:
+        raise UserError(f"cannot read the run {run_id!r}: {exc}") from exc
+    finally:
+        connection.close()
+
+
 def read_status(
     endpoint: str, run_id: str, rdzv_conf: dict[str, str], checkpoint_dir: str | None
 ) -> dict[str, Any]:
@@ -215,25 +245,10 @@ def read_status(
     Raises:
         UserError: bad endpoint or settings, unreachable etcd, unreadable state.
     """
-    params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, **rdzv_conf)
-    try:
-        settings = parse_settings(params)
-        keys = RunKeys.from_settings(settings)
-        progress_keys = ProgressKeys.from_settings(settings)
-        connection = EtcdConnection(settings.client_config())
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
-    try:
-        with quiet_retries():
-            lease_view = _read_lease_status(connection, keys)
-            record, error = read_progress(connection, progress_keys)
-            heal = describe_heal_epoch(_read_heal_epoch(connection, run_id))
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
-    except (RendezvousConnectionError, RendezvousStateError) as exc:
-        raise UserError(f"cannot read the rendezvous of {run_id!r}: {exc}") from exc
-    finally:
-        connection.close()
+    with run_connection(endpoint, run_id, rdzv_conf) as (settings, connection):
+        lease_view = _read_lease_status(connection, RunKeys.from_settings(settings))
+        record, error = read_progress(connection, ProgressKeys.from_settings(settings))
+        heal = describe_heal_epoch(_read_heal_epoch(connection, run_id))
     report: dict[str, Any] = {
         "run_id": run_id,
         "endpoint": endpoint,

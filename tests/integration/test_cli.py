@@ -161,7 +161,7 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], dict[str, str], str]]:
         (
             ["status", "--rdzv-endpoint", dead, "--run-id", "j", "--rdzv-conf", "retry_timeout=1"],
             {},
-            "cannot read the rendezvous",
+            "cannot read the run 'j'",
         ),
         (
             ["status", "--rdzv-endpoint", "127.0.0.1:1"],
