@@ -227,7 +227,8 @@ class Healer:
 
     def _init_round_state(self) -> None:
         """What the training thread and the responder thread share about the epoch and its rounds."""
-        self._phase = "starting"  # starting | training | healing | spare | closed
+        self._phase = "starting"  # starting | training | healing | spare | finished | closed
+        self._left = False  # :meth:`leave` ran
         self._phase_lock = threading.Lock()
         self._epoch: Epoch | None = None
         # EtcdV3Stores of live groups (the C++ wrapper needs the Python half).
@@ -809,12 +810,25 @@ class Healer:
     # -- the end -------------------------------------------------------------------------------------
     def leave(self) -> None:
         """This process trains no more in the job (its loop stopped, for a signal or a peer's stop,
-        or ended): it answers no round from now on, and takes back the answers it gave to rounds
-        that opened while it was stopping, which would otherwise wait for it to become ready
-        (``ready_timeout_s``, a minute) where it is only gone."""
+        or ended; once): it answers no round from now on, and takes back the answers it gave to
+        rounds that opened while it was stopping, which would otherwise wait for it to become
+        ready (``ready_timeout_s``, a minute) where it is only gone. If an epoch formed with its
+        answer meanwhile, its members wait for it to build their group: it opens the next round,
+        which they answer without it."""
+        if self._left:
+            return
+        self._left = True
         self._set_phase("finished")  # a round opened now (a node leaving) is no reason to abort
+        trained = self._epoch.number if self._epoch is not None else 0
         try:
-            self.membership.withdraw()
+            newest = self.membership.withdraw(after=trained)
+            if (
+                newest is not None
+                and newest.number > trained
+                and not newest.finished
+                and newest.rank_of(self.member.id) is not None
+            ):
+                self.membership.open_round(newest.number + 1, f"{self.member.slot} left")
         except Exception as exc:  # noqa: BLE001 - the process leaves either way; a round then waits its bound
             log.warning("heal: could not take back this process's round answers: %s", exc)
 
@@ -829,8 +843,7 @@ class Healer:
                 log.warning("heal: could not mark the run finished: %s", exc)
 
     def close(self) -> None:
-        if self._phase not in ("finished", "closed"):
-            self.leave()
+        self.leave()
         self._set_phase("closed")
         try:
             self.membership.close()

@@ -140,6 +140,9 @@ class Membership:
         self._responding = False
         """A responder thread runs and will see ``_pending`` (guarded by ``_respond_lock``)."""
         self._closed = False
+        self._answering = threading.Lock()
+        self._left = False
+        """This process left the job (:meth:`withdraw`): it writes no answer any more."""
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -232,45 +235,58 @@ class Membership:
         )
 
     def answer(self, number: int, join: Join) -> None:
-        """Write this process's answer to round ``number``."""
-        etcd_ops.put_key(
-            self.connection,
-            self.keys.join(number, join.member.id),
-            join.encode(),
-            what="answering a heal round",
-            deadline=2.0,
-        )
+        """Write this process's answer to round ``number`` (none once it :meth:`withdraw`)."""
+        with self._answering:
+            if not self._left:
+                etcd_ops.put_key(
+                    self.connection,
+                    self.keys.join(number, join.member.id),
+                    join.encode(),
+                    what="answering a heal round",
+                    deadline=2.0,
+                )
 
     def announce(self, number: int, join: Join) -> None:
         """Write a provisional answer unless this process already answered (never overwrites a
         ready one: the training thread may answer between the watch event and this write)."""
         conn, key = self.connection, self.keys.join(number, join.member.id)
-        etcd_ops.transaction(
-            conn,
-            [etcd_ops.absent(conn, key)],
-            [etcd_ops.put(conn, key, join.encode())],
-            what="answering a heal round",
-            deadline=2.0,
-        )
+        with self._answering:
+            if not self._left:
+                etcd_ops.transaction(
+                    conn,
+                    [etcd_ops.absent(conn, key)],
+                    [etcd_ops.put(conn, key, join.encode())],
+                    what="answering a heal round",
+                    deadline=2.0,
+                )
 
-    def withdraw(self) -> None:
-        """Take back this process's answers to the rounds after its epoch: it leaves the job (its
-        loop stopped or ended) and will never train in them. A round waits ``ready_timeout_s`` for
-        a member that answered provisionally to become ready; without its answer, a member that
-        left is only missing, which the round waits ``settle_s`` for."""
-        with self._lock:
-            epoch = self._epoch.number if self._epoch is not None else 0
-            mine = [n for n, r in self._rounds.items() if n > epoch and self.member.id in r.joins]
+    def withdraw(self, *, after: int) -> Epoch | None:
+        """This process leaves the job (its loop stopped or ended): it answers no round from now
+        on and takes back its answers to the rounds after epoch ``after`` (the one it trained in),
+        read from etcd, not from the watch (an answer written a moment ago may not have come
+        back yet). A round waits ``ready_timeout_s`` for a member that answered provisionally to
+        become ready; without its answer, a member that left is only missing, which the round
+        waits ``settle_s`` for. Returns the newest epoch, read in the same request."""
+        with self._answering:  # an answer being written lands first, and is read below
+            self._left = True
+        conn = self.connection
+        found = etcd_ops.get_range(
+            conn, self.keys.prefix, prefix=True, what="reading the heal state", retry_timeout=2.0
+        )
+        mine, newest = [], None
+        for kv in found.kvs:
+            key = kv.key.decode()
+            parsed = self.keys.parse_round(key)
+            if key == self.keys.epoch:
+                newest = Epoch.decode(bytes(kv.value))
+            elif parsed and parsed[0] > after and parsed[1] == f"join/{self.member.id}":
+                mine.append(etcd_ops.delete(conn, key))
         if mine:
-            conn = self.connection
             etcd_ops.transaction(
-                conn,
-                [],
-                [etcd_ops.delete(conn, self.keys.join(n, self.member.id)) for n in mine],
-                what="withdrawing heal rounds' answers",
-                deadline=2.0,
-                retry_timeout=5.0,
-            )
+                conn, [], mine, what="withdrawing heal rounds' answers", deadline=2.0,
+                retry_timeout=2.0,
+            )  # fmt: skip
+        return newest
 
     def finish(self, step: int | None = None) -> None:
         """Mark the run finished (training ended, at ``step`` if given: the finished epoch's
@@ -480,6 +496,8 @@ class Membership:
             if rest.startswith("join/"):  # an answer taken back (:meth:`withdraw`)
                 if (gone := self._rounds.get(number)) is not None:
                     gone.joins.pop(rest[len("join/") :], None)
+                    if gone.opened_by is None and not gone.joins:
+                        del self._rounds[number]
             else:
                 self._rounds.pop(number, None)
             return None

@@ -17,16 +17,10 @@ entries. Design: ``docs/design/diagnostics.md``; a user's page: ``docs/diagnosti
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
-from dataclasses import dataclass
+import urllib.parse
 from pathlib import Path
-from typing import Any
 
 from elastic_trainer.launch.node_metrics import JobInfo
 from elastic_trainer.launch.options import UserError
@@ -35,6 +29,7 @@ from elastic_trainer.metrics.progress import format_duration
 from elastic_trainer.ops.scrape import fetch, normalize_url
 from elastic_trainer.ops.status import run_connection
 from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER
+from elastic_trainer.train.diagnostics import Rank, ask, launchers_of, live_ranks
 from rendezvous import etcd_ops
 from rendezvous.round_state import RunKeys
 
@@ -43,107 +38,6 @@ HANDLERS = {"stacks": "dump_traceback", "native": "pyspy_dump", "trace": "fr_tra
 """What each request asks a worker's endpoint (torch's handlers; ``profile``: ours)."""
 DEFAULT_TIMEOUT_S = 1.5
 DEFAULT_PROFILE_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class Rank:
-    """One rank's newest entry."""
-
-    rank: int
-    world_size: int
-    node: str
-    local_rank: int
-    pid: int
-    url: str
-    revision: int
-
-    @property
-    def stem(self) -> str:
-        """Its files' name in ``--out``."""
-        return f"rank{self.rank}" if self.rank >= 0 else f"launcher-{self.node}"
-
-    def title(self) -> str:
-        if self.rank < 0:
-            return f"launcher of node {self.node} (pid {self.pid})"
-        return f"rank {self.rank} (node {self.node}, local {self.local_rank}, pid {self.pid})"
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    rank: Rank
-    body: bytes | None
-    """``None``: no answer within the bound (see :attr:`error`)."""
-    error: str | None
-    seconds: float
-
-
-def launchers_of(kvs: list[Any], nodes: set[str]) -> list[Rank]:
-    """The launchers' entries (``role: launcher``) of ``nodes``, as ranks numbered -1."""
-    found = []
-    for kv in kvs:
-        try:
-            data = json.loads(kv.value)
-            if data.get("role") == "launcher" and data["node"] in nodes:
-                found.append(Rank(-1, 0, str(data["node"]), -1, int(data["pid"]),
-                                  str(data["url"]), int(kv.mod_revision)))  # fmt: skip
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-    return sorted(found, key=lambda launcher: launcher.node)
-
-
-def live_ranks(kvs: list[Any]) -> tuple[list[Rank], list[int]]:
-    """The newest world's ranks from the registry's ``kvs``: the newest entry (by revision) of
-    each rank, and the ranks of that world with none."""
-    entries: list[Rank] = []
-    for kv in kvs:
-        try:
-            data = json.loads(kv.value)
-            entries.append(
-                Rank(int(data["rank"]), int(data["world_size"]), str(data["node"]),
-                     int(data["local_rank"]), int(data["pid"]), str(data["url"]),
-                     int(kv.mod_revision))
-            )  # fmt: skip
-        except (ValueError, KeyError, TypeError):
-            continue  # not an entry of ours: skipped
-    if not entries:
-        return [], []
-    world = max(entries, key=lambda e: e.revision).world_size
-    newest: dict[int, Rank] = {}
-    for entry in sorted(entries, key=lambda e: e.revision):
-        if entry.rank < world:
-            newest[entry.rank] = entry
-    return [newest[r] for r in sorted(newest)], [r for r in range(world) if r not in newest]
-
-
-def ask(ranks: list[Rank], handler: str, timeout: float) -> list[Answer]:
-    """POST ``/handler/<handler>`` to every rank at once; each answer within ``timeout``."""
-
-    def one(rank: Rank) -> Answer:
-        started = time.monotonic()
-        request = urllib.request.Request(f"{rank.url}/handler/{handler}", data=b"", method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return Answer(rank, response.read(), None, time.monotonic() - started)
-        except urllib.error.HTTPError as exc:
-            reason = exc.read().decode(errors="replace").strip() or exc.reason
-            return Answer(rank, None, f"answered {exc.code}: {reason}", time.monotonic() - started)
-        except (OSError, ValueError) as exc:
-            return Answer(rank, None, _no_answer(exc, timeout), time.monotonic() - started)
-
-    pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(ranks))))
-    futures = [pool.submit(one, rank) for rank in ranks]
-    wait_all(futures, timeout=timeout + 0.5)
-    pool.shutdown(wait=False, cancel_futures=True)
-    return [
-        f.result() if f.done() else Answer(r, None, _no_answer(TimeoutError(), timeout), timeout)
-        for f, r in zip(futures, ranks, strict=True)
-    ]
-
-
-def _no_answer(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, TimeoutError) or "timed out" in str(exc):
-        return f"no answer within {timeout:g} s (a stopped or hung process, or its host is unreachable)"
-    return f"no answer: {exc}"
 
 
 def read_ranks(
@@ -264,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
 
 def job_of_url(text: str, timeout: float) -> tuple[str, str]:
     """The etcd endpoint and run id that a node's metrics endpoint names
-    (``elastic_trainer_job_info``, served by ``elastic-trainer run --metrics-port``).
+    (``elastic_trainer_job_info``, served by ``elastic-trainer run --metrics-port``). An etcd on
+    the node's own loopback or wildcard address (the embedded one) is reached at the URL's host.
 
     Raises:
         UserError: not a URL, no answer, or no such metric there."""
@@ -276,23 +171,37 @@ def job_of_url(text: str, timeout: float) -> tuple[str, str]:
     if scrape.samples is None:
         raise UserError(f"--url {text}: {scrape.error}")
     for sample in scrape.samples:
-        if sample.name == JobInfo.NAME + "_info":
-            return sample.labels["rdzv_endpoint"], sample.labels["run_id"]
+        endpoint, run_id = sample.labels.get("rdzv_endpoint"), sample.labels.get("run_id")
+        if sample.name == JobInfo.NAME + "_info" and endpoint and run_id:
+            host = urllib.parse.urlsplit(url).hostname or ""
+            return _reached_from(endpoint, host), run_id
     raise UserError(
         f"--url {text}: no {JobInfo.NAME}_info there (not the metrics endpoint of an "
         "elastic-trainer run node); give --rdzv-endpoint and --run-id"
     )
 
 
+def _reached_from(endpoint: str, host: str) -> str:
+    """``endpoint`` (``[scheme://]host:port[,...]``) as reached by a client that reached the node
+    as ``host``: a loopback or wildcard etcd host becomes ``host``, unless ``host`` is local too."""
+    if _is_local(host):
+        return endpoint
+    parts = []
+    for one in endpoint.split(","):
+        scheme, _, rest = one.rpartition("://")
+        name, _, port = rest.rpartition(":")
+        local = _is_local(name.strip("[]"))
+        parts.append(f"{scheme + '://' if scheme else ''}{host}:{port}" if local else one)
+    return ",".join(parts)
+
+
+def _is_local(host: str) -> bool:
+    return host in ("localhost", "::1", "0.0.0.0", "::") or host.startswith("127.")
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """The argument checks argparse cannot make (one line each, as :class:`UserError`); a
     ``--url`` becomes the ``--rdzv-endpoint`` and ``--run-id`` it names."""
-    if args.url is not None:
-        if args.rdzv_endpoint or args.run_id:
-            raise UserError("give --url, or --rdzv-endpoint with --run-id, not both")
-        args.rdzv_endpoint, args.run_id = job_of_url(args.url, DEFAULT_TIMEOUT_S * 2)
-    elif not (args.rdzv_endpoint and args.run_id):
-        raise UserError("the job: give --rdzv-endpoint and --run-id, or a node's metrics --url")
     if args.timeout is None:
         args.timeout = DEFAULT_PROFILE_TIMEOUT_S if args.what == "profile" else DEFAULT_TIMEOUT_S
     if not 0 < args.timeout <= 3600:
@@ -301,3 +210,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--steps: {args.steps} is not in 1..1000")
     if args.what == "dump" and not args.out:
         raise UserError("dump: --out DIR is needed (one file per rank and kind)")
+    if args.url is not None:  # the cheap checks first: this one asks the node
+        if args.rdzv_endpoint or args.run_id:
+            raise UserError("give --url, or --rdzv-endpoint with --run-id, not both")
+        args.rdzv_endpoint, args.run_id = job_of_url(args.url, DEFAULT_TIMEOUT_S * 2)
+    elif not (args.rdzv_endpoint and args.run_id):
+        raise UserError("the job: give --rdzv-endpoint and --run-id, or a node's metrics --url")

@@ -229,9 +229,7 @@ def run_connection(
     try:
         with quiet_retries():
             yield settings, connection
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
-    except (RendezvousConnectionError, RendezvousStateError) as exc:
+    except (RendezvousConnectionError, RendezvousStateError, ValueError) as exc:
         raise UserError(f"cannot read the run {run_id!r}: {exc}") from exc
     finally:
         connection.close()

@@ -41,8 +41,12 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +83,8 @@ REGISTER_DEADLINE_S = 5.0
 PYSPY_TIMEOUT_S = 20.0
 RECENT_LINES = 200
 LAUNCHER_TIMEOUT_S = 2.0
-"""How long rank 0 waits for each launcher's view after a heal (on a thread of its own)."""
+"""How long rank 0 waits for the launchers' view after a heal (all asked at once, on a thread
+of its own; the registry's read has the same bound)."""
 
 
 class StepProfiler:
@@ -232,7 +237,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class RecentLines(logging.Handler):
-    """The newest :data:`RECENT_LINES` log lines of this process (a launcher's view of its job)."""
+    """The newest :data:`RECENT_LINES` log lines of this process (a launcher's view of its job:
+    what reaches its root logger, the ``elastic-trainer:`` lines and torch's agent's warnings;
+    the launcher logs at WARNING, so its INFO lines are not among them)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -246,7 +253,9 @@ class RecentLines(logging.Handler):
             return
 
     def text(self) -> str:
-        return "\n".join(list(self._lines)) + "\n"
+        with self.lock or contextlib.nullcontext():  # emit runs under the same lock
+            lines = list(self._lines)
+        return "\n".join(lines) + "\n"
 
 
 def serve(
@@ -327,9 +336,18 @@ class Diagnostics:
         cause = f"rank {env.rank} of {env.world_size}: {failure_reason(exc)}"
         return capture_evidence(self.url, cause)
 
-    def keep_evidence(self, directory: str | None, folder: str, rank: int, evidence: str) -> None:
+    def keep_evidence(
+        self,
+        directory: str | None,
+        folder: str,
+        rank: int,
+        evidence: str,
+        *,
+        launchers: bool = False,
+    ) -> None:
         """Write ``evidence`` (:func:`capture_evidence`'s) as ``rank<r>.txt`` in
-        ``<directory>/diagnostics/<folder>/``; rank 0 keeps the newest :data:`KEEP_EVIDENCE`."""
+        ``<directory>/diagnostics/<folder>/``; rank 0 keeps the newest :data:`KEEP_EVIDENCE`, and
+        with ``launchers`` (a heal: the job goes on) adds the launchers' view on a thread."""
         if directory is None:
             return
         root = Path(directory, EVIDENCE_DIR)
@@ -339,6 +357,7 @@ class Diagnostics:
             if rank == 0:
                 for old in sorted(p for p in root.iterdir() if p.is_dir())[:-KEEP_EVIDENCE]:
                     shutil.rmtree(old, ignore_errors=True)
+            if rank == 0 and launchers:
                 threading.Thread(
                     target=self._keep_launchers, args=(root / folder,), name="diagnostics-launchers",
                     daemon=True,
@@ -363,33 +382,35 @@ class Diagnostics:
             self.keep_evidence(directory, folder, env.rank, self.evidence(env, exc))
 
     def _keep_launchers(self, folder: Path) -> None:
-        """(rank 0, on a thread) Each launcher's view beside the ranks' evidence, as
-        ``launcher-<node>.txt``: its recent lines (what it saw of the fault) and its stacks."""
-        if self._connection is None or self._key is None:
+        """(rank 0, on a thread) The view of the launchers of the live ranks' nodes beside the
+        ranks' evidence, as ``launcher-<node>.txt``: its recent lines (what it saw of the fault)
+        and its stacks, all asked at once, within :data:`LAUNCHER_TIMEOUT_S`."""
+        connection, key = self._connection, self._key
+        if connection is None or key is None:
             return
-        prefix = self._key.removesuffix(f"{self.node}/{self.local_rank}")
+        prefix = key.removesuffix(f"{self.node}/{self.local_rank}")
         try:
-            found = get_range(self._connection, prefix, prefix=True, what="the launchers' entries")
+            found = get_range(connection, prefix, prefix=True, what="the launchers' entries",
+                              retry_timeout=LAUNCHER_TIMEOUT_S)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
             log.warning("the launchers' view is not kept: %s", exc)
             return
-        for kv in found.kvs:
-            try:
-                entry = json.loads(kv.value)
-                if entry.get("role") != "launcher":
-                    continue
-                node, url = str(entry["node"]), str(entry["url"])
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-            parts = [f"launcher of node {node} (pid {entry.get('pid')}) at {url}"]
-            for title, name in (
-                ("recent lines", RECENT_LINES_HANDLER),
-                ("stacks", "dump_traceback"),
-            ):
-                parts.append(f"== {title}\n{_post(url, name, LAUNCHER_TIMEOUT_S)}")
-            text = "\n".join(parts)[:MAX_EVIDENCE_BYTES]
+        kvs = list(found.kvs)
+        launchers = launchers_of(kvs, {rank.node for rank in live_ranks(kvs)[0]})
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            recent, stacks = pool.map(
+                lambda name: ask(launchers, name, LAUNCHER_TIMEOUT_S),
+                (RECENT_LINES_HANDLER, "dump_traceback"),
+            )
+        for launcher, lines, frames in zip(launchers, recent, stacks, strict=True):
+            parts = [f"{launcher.title()} at {launcher.url}"]
+            for title, answer in (("recent lines", lines), ("stacks", frames)):
+                body = answer.body.decode(errors="replace") if answer.body is not None else None
+                parts.append(f"== {title}\n{body if body is not None else f'({answer.error})'}")
             with contextlib.suppress(OSError):
-                (folder / f"launcher-{node}.txt").write_text(text)
+                (folder / f"launcher-{launcher.node}.txt").write_text(
+                    "\n".join(parts)[:MAX_EVIDENCE_BYTES]
+                )
 
     def close(self) -> None:
         """Stop answering (the entry stays: a replacement overwrites it, ``debug`` skips it)."""
@@ -422,6 +443,108 @@ def _register(
     threading.Thread(target=put, name="diagnostics-register", daemon=True).start()
 
 
+# -- reading the registry (``elastic-trainer debug``, and rank 0 for the launchers' view) ----------
+@dataclass(frozen=True, slots=True)
+class Rank:
+    """One rank's newest entry."""
+
+    rank: int
+    world_size: int
+    node: str
+    local_rank: int
+    pid: int
+    url: str
+    revision: int
+
+    @property
+    def stem(self) -> str:
+        """Its files' name in ``--out``."""
+        return f"rank{self.rank}" if self.rank >= 0 else f"launcher-{self.node}"
+
+    def title(self) -> str:
+        if self.rank < 0:
+            return f"launcher of node {self.node} (pid {self.pid})"
+        return f"rank {self.rank} (node {self.node}, local {self.local_rank}, pid {self.pid})"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    rank: Rank
+    body: bytes | None
+    """``None``: no answer within the bound (see :attr:`error`)."""
+    error: str | None
+    seconds: float
+
+
+def launchers_of(kvs: list[Any], nodes: set[str]) -> list[Rank]:
+    """The launchers' entries (``role: launcher``) of ``nodes``, as ranks numbered -1."""
+    found = []
+    for kv in kvs:
+        try:
+            data = json.loads(kv.value)
+            if data.get("role") == "launcher" and data["node"] in nodes:
+                found.append(Rank(-1, 0, str(data["node"]), -1, int(data["pid"]),
+                                  str(data["url"]), int(kv.mod_revision)))  # fmt: skip
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return sorted(found, key=lambda launcher: launcher.node)
+
+
+def live_ranks(kvs: list[Any]) -> tuple[list[Rank], list[int]]:
+    """The newest world's ranks from the registry's ``kvs``: the newest entry (by revision) of
+    each rank, and the ranks of that world with none."""
+    entries: list[Rank] = []
+    for kv in kvs:
+        try:
+            data = json.loads(kv.value)
+            entries.append(
+                Rank(int(data["rank"]), int(data["world_size"]), str(data["node"]),
+                     int(data["local_rank"]), int(data["pid"]), str(data["url"]),
+                     int(kv.mod_revision))
+            )  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            continue  # not an entry of ours: skipped
+    if not entries:
+        return [], []
+    world = max(entries, key=lambda e: e.revision).world_size
+    newest: dict[int, Rank] = {}
+    for entry in sorted(entries, key=lambda e: e.revision):
+        if entry.rank < world:
+            newest[entry.rank] = entry
+    return [newest[r] for r in sorted(newest)], [r for r in range(world) if r not in newest]
+
+
+def ask(ranks: list[Rank], handler: str, timeout: float) -> list[Answer]:
+    """POST ``/handler/<handler>`` to every rank at once; each answer within ``timeout``."""
+
+    def one(rank: Rank) -> Answer:
+        started = time.monotonic()
+        request = urllib.request.Request(f"{rank.url}/handler/{handler}", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return Answer(rank, response.read(), None, time.monotonic() - started)
+        except urllib.error.HTTPError as exc:
+            reason = exc.read().decode(errors="replace").strip() or exc.reason
+            return Answer(rank, None, f"answered {exc.code}: {reason}", time.monotonic() - started)
+        except (OSError, ValueError) as exc:
+            return Answer(rank, None, _no_answer(exc, timeout), time.monotonic() - started)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(ranks))))
+    futures = [pool.submit(one, rank) for rank in ranks]
+    wait_all(futures, timeout=timeout + 0.5)
+    pool.shutdown(wait=False, cancel_futures=True)
+    return [
+        f.result() if f.done() else Answer(r, None, _no_answer(TimeoutError(), timeout), timeout)
+        for f, r in zip(futures, ranks, strict=True)
+    ]
+
+
+def _no_answer(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, TimeoutError) or "timed out" in str(exc):
+        return f"no answer within {timeout:g} s (a stopped or hung process, or its host is unreachable)"
+    return f"no answer: {exc}"
+
+
 def start_launcher_endpoint(rendezvous: RendezvousSettings, node: str) -> Any:
     """The launcher's own endpoint (its threads' stacks), registered as ``debug/<node>/launcher``
     with ``role: launcher``; ``None`` where it is off."""
@@ -443,20 +566,13 @@ def start_launcher_endpoint(rendezvous: RendezvousSettings, node: str) -> Any:
     return server
 
 
-def _post(url: str, name: str, timeout: float) -> str:
-    """``POST /handler/<name>`` at ``url``: its answer, or why there is none (one line)."""
-    request = urllib.request.Request(f"{url}/handler/{name}", data=b"", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return str(response.read().decode(errors="replace"))
-    except (OSError, ValueError) as exc:
-        return f"(no answer: {exc})"
-
-
 def stop_endpoint(server: http.server.HTTPServer) -> None:
-    """Stop answering and close the listening socket."""
+    """Stop answering and close the listening socket (a launcher's: its lines' handler too)."""
     server.shutdown()
     server.server_close()
+    recent = getattr(server.RequestHandlerClass, "recent", None)
+    if recent is not None:
+        logging.getLogger().removeHandler(recent)
 
 
 def capture_evidence(url: str | None, cause: str) -> str:

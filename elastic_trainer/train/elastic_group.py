@@ -394,7 +394,7 @@ class Attempt:
         healed = self._heal(healer, exc, loop, holds=holds, step=step, snapshot=snapshot)
         if healed and diagnostics is not None and evidence is not None and healer.epoch is not None:
             folder = f"{healer.epoch.number:06d}-heal"
-            diagnostics.keep_evidence(directory, folder, group.env.rank, evidence)
+            diagnostics.keep_evidence(directory, folder, group.env.rank, evidence, launchers=True)
         return healed
 
     def _finished(self, loop: ElasticLoop | None) -> None:

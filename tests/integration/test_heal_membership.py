@@ -117,12 +117,37 @@ def test_a_member_that_leaves_after_a_provisional_answer_is_not_waited_for(
         with pytest.raises(HealTimeoutError, match="1 live member"):
             stays.settle(2, deadline=time.monotonic() + 1.0, reason="node lost")
 
-        leaves.withdraw()
+        assert leaves.withdraw(after=1) == first  # read from etcd, not from its watch
+        leaves.announce(2, Join(members[1], ready=False))  # a responder that saw the round late
+        leaves.answer(2, Join(members[1], ready=True, step=7))  # or a training thread
         started = time.monotonic()
         second = stays.settle(2, deadline=started + 30, reason="node lost")
         assert second.members == (members[0],) and second.step == 7
         assert time.monotonic() - started < 10  # the round's ready_timeout_s is 60 s
-        leaves.withdraw()  # nothing left to take back: a no-op
+        assert leaves.withdraw(after=1) == second  # nothing left to take back
+    finally:
+        stays.close()
+        leaves.close()
+
+
+def test_an_answer_written_just_before_the_withdraw_is_taken_back_too(
+    connection: EtcdConnection,
+) -> None:
+    """The withdraw reads the answers from etcd: one whose watch event has not come back yet
+    (written by another client here, as the responder thread's write can be) goes too."""
+    run_id = f"membership-{uuid.uuid4().hex[:8]}"
+    rules = RoundRules(min_world=1, max_world=2, settle_s=0.2, ready_timeout_s=60.0)
+    members = _members(2)
+    stays, leaves = (Membership(connection, run_id, m, rules) for m in members)
+    try:
+        stays.start()
+        first = stays.form(members, step=NO_STATE, reason="rendezvous")
+        stays.open_round(2, "node lost")
+        stays.answer(2, Join(members[0], ready=True, step=3))
+        leaves.announce(2, Join(members[1], ready=False))  # never started: no watch of its own
+        leaves.withdraw(after=first.number)
+        second = stays.settle(2, deadline=time.monotonic() + 10, reason="node lost")
+        assert second.members == (members[0],)
     finally:
         stays.close()
         leaves.close()

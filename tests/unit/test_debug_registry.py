@@ -12,7 +12,8 @@ import pytest
 
 from elastic_trainer.launch.node_metrics import JobInfo, serve_node_metrics
 from elastic_trainer.launch.options import UserError
-from elastic_trainer.ops.debug import job_of_url, launchers_of, live_ranks
+from elastic_trainer.ops.debug import _reached_from, job_of_url
+from elastic_trainer.train.diagnostics import launchers_of, live_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,3 +126,19 @@ def test_a_nodes_metrics_url_names_its_job(tmp_path) -> None:
         without.close()
     with pytest.raises(UserError, match=r"^--url 127\.0\.0\.1:1: "):
         job_of_url("127.0.0.1:1", 2.0)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "host", "reached"),
+    [
+        ("127.0.0.1:2379", "node-0", "node-0:2379"),  # the embedded etcd, asked from elsewhere
+        ("127.0.0.1:2379", "127.0.0.1", "127.0.0.1:2379"),  # asked on the node itself
+        ("http://0.0.0.0:2379", "10.0.0.5", "http://10.0.0.5:2379"),
+        ("[::1]:2379", "node-0", "node-0:2379"),
+        ("etcd-0:2379,etcd-1:2379", "node-0", "etcd-0:2379,etcd-1:2379"),  # a real cluster
+    ],
+)
+def test_a_nodes_own_etcd_is_reached_at_the_nodes_address(
+    endpoint: str, host: str, reached: str
+) -> None:
+    assert _reached_from(endpoint, host) == reached
