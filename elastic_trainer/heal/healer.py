@@ -830,7 +830,8 @@ class Healer:
             ):
                 self.membership.open_round(newest.number + 1, f"{self.member.slot} left")
         except Exception as exc:  # noqa: BLE001 - the process leaves either way; a round then waits its bound
-            log.warning("heal: could not take back this process's round answers: %s", exc)
+            # Not a warning: it happens when etcd is gone, which the job's own lines already say.
+            log.info("heal: could not take back this process's round answers: %s", exc)
 
     def finish(self, env: DistEnv, step: int | None = None) -> None:
         """Training ended at ``step`` (rank 0 marks the run finished: spares and late joiners
