@@ -27,7 +27,7 @@ from elastic_trainer.launch.options import UserError
 from elastic_trainer.launch.progress_publisher import ProgressKeys, read_progress
 from elastic_trainer.metrics.progress import format_duration
 from elastic_trainer.ops.scrape import fetch, normalize_url
-from elastic_trainer.ops.status import run_connection
+from elastic_trainer.ops.status import describe_progress, run_connection
 from elastic_trainer.runtime.settings import DEBUG_PROFILE_HANDLER
 from elastic_trainer.train.diagnostics import Rank, ask, launchers_of, live_ranks
 from rendezvous import etcd_ops
@@ -64,11 +64,12 @@ def read_ranks(
             "on the library's loop, with ELASTIC_TRAINER_DEBUG_HOST not off?)"
         )
     progress = "the job published no progress"
-    if record is not None and record.step is not None:
-        # The record's time is the publishing host's wall clock: no monotonic clock spans hosts
-        # (``status`` ages it the same way).
-        age = format_duration(max(0.0, time.time() - record.published_unix))
-        progress = f"the job's last published step {record.step}, {age} ago"
+    # Aged as ``status`` ages it: the record's time is the publishing host's wall clock, which no
+    # monotonic clock spans.
+    view, _ = describe_progress(record, None, time.time())
+    if view is not None and view["step"] is not None:
+        age = format_duration(view["published_age_s"])
+        progress = f"the job's last published step {view['step']}, {age} ago"
     return ranks, missing, progress, launchers
 
 

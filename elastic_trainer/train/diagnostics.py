@@ -281,12 +281,14 @@ class Diagnostics:
         local_rank: int,
         profiler: StepProfiler,
         connection: EtcdConnection | None,
-        key: str | None,
+        registry: str | None,
         *,
         owns_connection: bool,
     ) -> None:
         self.url, self.node, self.local_rank, self.profiler = url, node, local_rank, profiler
-        self._server, self._connection, self._key = server, connection, key
+        self._server, self._connection, self._registry = server, connection, registry
+        """The run's registry prefix (``debug/``); this process's entry is ``<node>/<local>``."""
+        self._key = None if registry is None else f"{registry}{node}/{local_rank}"
         self._owns_connection = owns_connection
 
     @classmethod
@@ -306,7 +308,7 @@ class Diagnostics:
             log.warning("no diagnostics endpoint: %s", exc)
             return None
         node = settings.node or local_node_name(os.getppid())  # plain torchrun: the agent's pid
-        connection, owns, key = None, False, None
+        connection, owns, registry = None, False, None
         if healer is not None:
             connection, rendezvous = healer.connection, healer.rendezvous
         elif settings.run_id and settings.heal.endpoint:
@@ -316,9 +318,9 @@ class Diagnostics:
             except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
                 log.warning("the diagnostics endpoint is not registered: %s", exc)
         if connection is not None:
-            key = f"{RunKeys.from_settings(rendezvous).debug}{node}/{env.local_rank}"
+            registry = RunKeys.from_settings(rendezvous).debug
         return cls(
-            server, url, node, env.local_rank, profiler, connection, key, owns_connection=owns
+            server, url, node, env.local_rank, profiler, connection, registry, owns_connection=owns
         )
 
     def register(self, env: DistEnv) -> None:
@@ -385,12 +387,11 @@ class Diagnostics:
         """(rank 0, on a thread) The view of the launchers of the live ranks' nodes beside the
         ranks' evidence, as ``launcher-<node>.txt``: its recent lines (what it saw of the fault)
         and its stacks, all asked at once, within :data:`LAUNCHER_TIMEOUT_S`."""
-        connection, key = self._connection, self._key
-        if connection is None or key is None:
+        connection, registry = self._connection, self._registry
+        if connection is None or registry is None:
             return
-        prefix = key.removesuffix(f"{self.node}/{self.local_rank}")
         try:
-            found = get_range(connection, prefix, prefix=True, what="the launchers' entries",
+            found = get_range(connection, registry, prefix=True, what="the launchers' entries",
                               retry_timeout=LAUNCHER_TIMEOUT_S)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - diagnostics never stop training
             log.warning("the launchers' view is not kept: %s", exc)

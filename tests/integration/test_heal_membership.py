@@ -95,16 +95,26 @@ def test_a_round_without_enough_members_times_out(connection: EtcdConnection) ->
         view.close()
 
 
+def _staying_and_leaving(
+    connection: EtcdConnection, members: list[Member]
+) -> tuple[Membership, Membership]:
+    """Two members' views of a new run whose rounds settle in 0.2 s and wait a minute for a
+    live member to become ready."""
+    run_id = f"membership-{uuid.uuid4().hex[:8]}"
+    rules = RoundRules(min_world=1, max_world=2, settle_s=0.2, ready_timeout_s=60.0)
+    return Membership(connection, run_id, members[0], rules), Membership(
+        connection, run_id, members[1], rules
+    )
+
+
 def test_a_member_that_leaves_after_a_provisional_answer_is_not_waited_for(
     connection: EtcdConnection,
 ) -> None:
     """A node leaving (SIGTERM) while a round opens: its workers answered that they live, then
     stopped for good. Their withdrawn answer makes them missing (waited ``settle_s``), not live
     members to wait ``ready_timeout_s`` for (a minute: a scale-down once took 60.7 s in CI)."""
-    run_id = f"membership-{uuid.uuid4().hex[:8]}"
-    rules = RoundRules(min_world=1, max_world=2, settle_s=0.2, ready_timeout_s=60.0)
     members = _members(2)
-    stays, leaves = (Membership(connection, run_id, m, rules) for m in members)
+    stays, leaves = _staying_and_leaving(connection, members)
     try:
         stays.start()
         leaves.start()
@@ -135,10 +145,8 @@ def test_an_answer_written_just_before_the_withdraw_is_taken_back_too(
 ) -> None:
     """The withdraw reads the answers from etcd: one whose watch event has not come back yet
     (written by another client here, as the responder thread's write can be) goes too."""
-    run_id = f"membership-{uuid.uuid4().hex[:8]}"
-    rules = RoundRules(min_world=1, max_world=2, settle_s=0.2, ready_timeout_s=60.0)
     members = _members(2)
-    stays, leaves = (Membership(connection, run_id, m, rules) for m in members)
+    stays, leaves = _staying_and_leaving(connection, members)
     try:
         stays.start()
         first = stays.form(members, step=NO_STATE, reason="rendezvous")
