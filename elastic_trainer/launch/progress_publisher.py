@@ -31,7 +31,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
-from elastic_trainer.metrics.progress import RateWindow, Snapshot, progress_view, samples_of
+from elastic_trainer.metrics.progress import (
+    FAMILIES,
+    RateWindow,
+    Snapshot,
+    progress_view,
+    samples_of,
+)
 from rendezvous.etcd_client import EtcdConnection
 from rendezvous.settings import parse_settings
 
@@ -258,12 +264,14 @@ class ProgressPublisher:
         interval_s: float = DEFAULT_INTERVAL_S,
     ) -> ProgressPublisher:
         """A publisher for the settings' run (endpoints, TLS, auth, key prefix; ``ttl`` for
-        errors) over its own etcd connection, reading ``metrics``' registry.
+        errors) over its own etcd connection, reading ``metrics``' registry (the families
+        progress is made of).
 
         Raises:
             ValueError: no endpoint in ``settings`` (``RendezvousConfigError``)."""
         connection = EtcdConnection(settings.client_config())
-        return cls(connection, ProgressKeys.from_settings(settings), metrics.registry, node=metrics.node,
+        reader = metrics.reader(FAMILIES)  # what progress_view reads, not every histogram
+        return cls(connection, ProgressKeys.from_settings(settings), reader, node=metrics.node,
                    interval_s=interval_s, error_ttl_s=settings.ttl, owns_connection=True)  # fmt: skip
 
     @classmethod

@@ -40,6 +40,15 @@ LAST_CHECKPOINT_STEP = PREFIX + "last_checkpoint_step"
 LAST_CHECKPOINT_TIME = PREFIX + "last_checkpoint_timestamp_seconds"
 LOSS = PREFIX + "loss"
 LEARNING_RATE = PREFIX + "learning_rate"
+_SUFFIXES = ("_total", "_bucket", "_sum", "_count")
+FAMILIES = frozenset(
+    next((name.removesuffix(end) for end in _SUFFIXES if name.endswith(end)), name)
+    for name in (STEP, TARGET_STEPS, WORLD_SIZE, SAMPLES, STEP_BUCKET, COMPUTE_SUM, COMPUTE_COUNT,
+                 RESTARTS, HEALS, LAST_STEP_TIME, LAST_CHECKPOINT_STEP, LAST_CHECKPOINT_TIME, LOSS,
+                 LEARNING_RATE)
+)  # fmt: skip
+"""The metric families :meth:`Snapshot.from_samples` reads (a counter's name without ``_total``, a
+histogram's without its suffixes): a reader that polls may read only these."""
 
 RankId = tuple[str, int]
 """(node name, global rank)."""

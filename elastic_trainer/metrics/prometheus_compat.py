@@ -1,18 +1,23 @@
 """Every use of a private prometheus-client API, in one place. Checked against prometheus-client 0.26.0.
 
 The public API has no way to ask which value class was chosen at import, to add many observations
-to a histogram child at once, or to fold a dead process's multiprocess files into one. The rest
+to a histogram child at once, to fold a dead process's multiprocess files into one, or to merge
+only some families of them. The rest
 of the package calls the functions here for that, so an upgrade means checking this one file.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import values
+from prometheus_client.metrics_core import Metric
 from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.multiprocess import MultiProcessCollector
 
 CHECKED_PROMETHEUS_CLIENT = "0.26.0"
 """The prometheus-client version every entry below was checked against."""
@@ -90,3 +95,58 @@ def write_values(path: str, items: Iterable[tuple[str, Value]]) -> None:
             out.write_value(key, value, timestamp)
     finally:
         out.close()
+
+
+class FamilyMerge:
+    """``MultiProcessCollector.merge`` of only some families, for a reader that polls: a series
+    key's JSON is parsed once and kept (the parse is most of a full merge), the other families'
+    series are skipped before they are built, and only the families asked for are accumulated.
+    What it returns for those families is what the full merge returns for them.
+
+    Args:
+        families: the family names to keep (``elastic_trainer_step``; a counter's without
+            ``_total``, a histogram's without ``_bucket``/``_sum``/``_count``).
+    """
+
+    MAX_KEYS = 100_000
+    """Parsed keys kept at the most (the cache starts again past it)."""
+
+    def __init__(self, families: Iterable[str]) -> None:
+        self._families = frozenset(families)
+        self._keys: dict[str, tuple[str, str, tuple[tuple[str, str], ...], str] | None] = {}
+
+    def merge(self, paths: Iterable[str]) -> Iterable[Metric]:
+        """The kept families of the value files at ``paths`` (a file gone meanwhile is skipped)."""
+        if len(self._keys) > self.MAX_KEYS:
+            self._keys.clear()
+        metrics: dict[str, Metric] = {}
+        for path in paths:
+            parts = os.path.basename(path).split("_")
+            kind = parts[0]
+            try:
+                entries = MmapedDict.read_all_values_from_file(path)
+            except FileNotFoundError:  # retired between the listing and now
+                continue
+            for key, value, timestamp, _ in entries:
+                parsed = self._parse(key)
+                if parsed is None:
+                    continue
+                family, name, labels, help_text = parsed
+                metric = metrics.get(family)
+                if metric is None:
+                    metric = metrics[family] = Metric(family, help_text, kind)
+                if kind == "gauge":
+                    metric._multiprocess_mode = parts[1]  # type: ignore[attr-defined]
+                    metric.add_sample(name, labels + (("pid", parts[2][:-3]),), value, timestamp)  # type: ignore[arg-type]
+                else:
+                    metric.add_sample(name, labels, value)  # type: ignore[arg-type]
+        return MultiProcessCollector._accumulate_metrics(metrics, True)
+
+    def _parse(self, key: str) -> tuple[str, str, tuple[tuple[str, str], ...], str] | None:
+        try:
+            return self._keys[key]
+        except KeyError:
+            family, name, labels, help_text = json.loads(key)
+            parsed = (family, name, tuple(sorted(labels.items())), help_text)
+            self._keys[key] = parsed if family in self._families else None
+            return self._keys[key]

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.elastic import metrics as torch_metrics
 
 from elastic_trainer.launch.node_metrics import (
+    FamilyReader,
     LauncherMetricsConfig,
     LiveMultiProcessCollector,
     MetricsError,
@@ -118,6 +119,24 @@ def test_dead_workers_files_fold_into_archives_without_changing_any_value(tmp_pa
     node = {"run_id": "job", "node": NODE_NAME}
     assert registry.get_sample_value("elastic_trainer_target_steps", node) == 100
     assert sorted(p.name for p in tmp_path.glob("*.db")) == names
+
+
+def test_the_family_reader_reads_what_the_endpoint_serves_of_its_families(tmp_path: Path) -> None:
+    run_worker(tmp_path, rank=0)
+    run_worker(tmp_path, rank=1, restart_count=1)
+    collector = LiveMultiProcessCollector(str(tmp_path), is_alive=lambda p: True)
+    wanted = {"elastic_trainer_step", "elastic_trainer_samples", "elastic_trainer_loss",
+              "elastic_trainer_step_duration_seconds", "elastic_trainer_target_steps"}  # fmt: skip
+    everything = snapshot(collector)
+    expected = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in collector.collect() if family.name in wanted for s in family.samples}  # fmt: skip
+    reader = FamilyReader(collector, [], wanted)
+    for _ in range(2):  # the second read from the kept keys
+        got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in reader.collect() for s in family.samples}  # fmt: skip
+        assert got == expected
+    assert any(name.endswith("_bucket") for name, _ in got)  # histograms accumulated as served
+    assert len(got) < len(everything)  # the other families not read
 
 
 def test_live_gauges_of_running_pids_are_kept(tmp_path: Path) -> None:
