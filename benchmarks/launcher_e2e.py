@@ -140,6 +140,7 @@ VARIANTS = (
     "trainer/elastic+nockpt",
     "trainer/elastic+nodebug",
     "elastic/elastic+nodebug",
+    "elastic/elastic+nockpt",
 )
 """``elastic/elastic``: your own loop on ``Elastic`` (the README's snippet) under ``elastic-trainer
 run`` (named to run it; issue 40 measures it against the baseline). ``+owncontrol``: the step's

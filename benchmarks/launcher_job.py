@@ -109,16 +109,20 @@ def tree_snapshot(tag: str) -> dict[str, Any]:
             if marker not in _read(f"/proc/{pid}/environ").split(b"\0"):
                 continue
             cmdline = _read(f"/proc/{pid}/cmdline").split(b"\0")
-            threads: dict[str, Any] = {}
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                task = f"/proc/{pid}/task/{tid}"
+            tids = os.listdir(f"/proc/{pid}/task")
+        except (OSError, ValueError, IndexError):  # ended, or not ours
+            continue
+        threads: dict[str, Any] = {}
+        for tid in tids:
+            task = f"/proc/{pid}/task/{tid}"
+            try:
                 name = _read(f"{task}/comm").decode(errors="replace").strip()
                 cpu_ns = int(_read(f"{task}/schedstat").split()[0])
                 status = _read(f"{task}/status").decode().splitlines()
-                switches = [int(line.split()[1]) for line in status if "ctxt_switches" in line]
-                threads[tid] = [name, cpu_ns, *switches]
-        except (OSError, ValueError, IndexError):  # ended, or not ours
-            continue
+            except (OSError, ValueError, IndexError):  # a thread that ended: not the process
+                continue
+            switches = [int(line.split()[1]) for line in status if "ctxt_switches" in line]
+            threads[tid] = [name, cpu_ns, *switches]
         processes[pid] = {
             "cmd": " ".join(part.decode(errors="replace") for part in cmdline[:6]),
             "threads": threads,
