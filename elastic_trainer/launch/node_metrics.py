@@ -224,10 +224,10 @@ class FamilyReader:
         self._files = files
         self._collectors = tuple(collectors)
         self._merge = prometheus_compat.FamilyMerge(families)
-        self._families = frozenset(families)
 
     def collect(self) -> list[Any]:
-        own = [f for c in self._collectors for f in c.collect() if f.name in self._families]
+        wanted = self._merge.families
+        own = [f for c in self._collectors for f in c.collect() if f.name in wanted]
         return self._files.collect_families(self._merge) + own
 
 

@@ -112,7 +112,7 @@ class FamilyMerge:
     """Parsed keys kept at the most (the cache starts again past it)."""
 
     def __init__(self, families: Iterable[str]) -> None:
-        self._families = frozenset(families)
+        self.families = frozenset(families)
         self._keys: dict[str, tuple[str, str, tuple[tuple[str, str], ...], str] | None] = {}
 
     def merge(self, paths: Iterable[str]) -> Iterable[Metric]:
@@ -148,5 +148,5 @@ class FamilyMerge:
         except KeyError:
             family, name, labels, help_text = json.loads(key)
             parsed = (family, name, tuple(sorted(labels.items())), help_text)
-            self._keys[key] = parsed if family in self._families else None
+            self._keys[key] = parsed if family in self.families else None
             return self._keys[key]

@@ -24,6 +24,7 @@ from elastic_trainer.launch.node_metrics import (
     serve_node_metrics,
     start_launcher_metrics,
 )
+from elastic_trainer.metrics.progress import FAMILIES, Snapshot, samples_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,6 +138,15 @@ def test_the_family_reader_reads_what_the_endpoint_serves_of_its_families(tmp_pa
         assert got == expected
     assert any(name.endswith("_bucket") for name, _ in got)  # histograms accumulated as served
     assert len(got) < len(everything)  # the other families not read
+
+
+def test_the_progress_families_are_every_one_a_snapshot_reads(tmp_path: Path) -> None:
+    run_worker(tmp_path, rank=0)
+    collector = LiveMultiProcessCollector(str(tmp_path), is_alive=lambda p: True)
+    full = Snapshot.from_samples(samples_of(collector.collect()), taken_at=0.0)
+    narrow = FamilyReader(collector, [], (name for name in FAMILIES))  # any iterable
+    assert Snapshot.from_samples(samples_of(narrow.collect()), taken_at=0.0) == full
+    assert full.lr is not None and full.step_buckets  # what a missing family would lose
 
 
 def test_live_gauges_of_running_pids_are_kept(tmp_path: Path) -> None:
